@@ -1,0 +1,6 @@
+"""meld: dynamic GPU workloads compiled into one persistent kernel per GPU, mapped at run time."""
+__version__ = "0.1.0"
+
+from .ops import DecodeAttention  # noqa: E402
+
+__all__ = ["DecodeAttention", "__version__"]

@@ -1,0 +1,7 @@
+"""Code generation: static config -> CUDA C++ (templates in `templates/`) -> cubin."""
+from .compiler import CompileError, Compiled, compile_nvcc, compile_source
+from .decode_kernel import HEADS_PER_UNIT, TILE_TOKENS, DecodeKernelConfig
+from .params import DECODE_PARAMS, Field, ParamStruct
+
+__all__ = ["CompileError", "Compiled", "DECODE_PARAMS", "DecodeKernelConfig", "Field", "HEADS_PER_UNIT",
+           "ParamStruct", "TILE_TOKENS", "compile_nvcc", "compile_source"]

@@ -1,0 +1,71 @@
+"""Kernel parameter structs defined once in Python: the C declaration and the host packing both come
+from the same field list, so they cannot drift apart."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+_C_SCALARS = {"i64": "long long", "i32": "int", "f32": "float"}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str          # ptr | i64 | i32 | f32
+    c_pointer: str = ""  # C pointer type for kind == "ptr", e.g. "const u16*"
+
+    @property
+    def c_decl(self) -> str:
+        return f"{self.c_pointer if self.kind == 'ptr' else _C_SCALARS[self.kind]} {self.name};"
+
+
+class ParamStruct:
+    """A `__grid_constant__` kernel parameter struct."""
+
+    def __init__(self, name: str, fields: list[Field]):
+        self.name = name
+        self.fields = fields
+        self.ctype = type(name, (ctypes.Structure,), {"_fields_": [(f.name, _CTYPES[f.kind]) for f in fields]})
+
+    def c_source(self) -> str:
+        """The C declaration, with static_asserts that its layout is the one `pack` produces."""
+        body = "\n".join(f"  {f.c_decl}" for f in self.fields)
+        asserts = "\n".join(
+            f'static_assert(__builtin_offsetof({self.name}, {f.name}) == {getattr(self.ctype, f.name).offset}, '
+            f'"{self.name}.{f.name}: host and device layouts differ");' for f in self.fields)
+        size = f'static_assert(sizeof({self.name}) == {ctypes.sizeof(self.ctype)}, "{self.name}: size differs");'
+        # NVRTC lacks __builtin_offsetof; nvcc (the CPU tests) checks the layout for both.
+        return f"struct {self.name} {{\n{body}\n}};\n#ifndef __CUDACC_RTC__\n{asserts}\n{size}\n#endif\n"
+
+    def pack(self, **values: int | float) -> ctypes.Structure:
+        missing = {f.name for f in self.fields} - values.keys()
+        extra = values.keys() - {f.name for f in self.fields}
+        if missing or extra:
+            raise TypeError(f"{self.name}: missing {sorted(missing)}, unknown {sorted(extra)}")
+        return self.ctype(**values)
+
+
+DECODE_PARAMS = ParamStruct("DecodeParams", [
+    Field("q", "ptr", "const u16*"),
+    Field("kv", "ptr", "const u16*"),
+    Field("out", "ptr", "u16*"),
+    Field("lse", "ptr", "float*"),
+    Field("kv_indices", "ptr", "const int*"),
+    Field("kv_len", "ptr", "const int*"),
+    Field("page_base", "ptr", "const int*"),
+    Field("cta_table", "ptr", "const int*"),
+    Field("part_o", "ptr", "float*"),
+    Field("part_lse", "ptr", "float*"),
+    Field("counters", "ptr", "unsigned*"),
+    Field("q_stride_b", "i64"),
+    Field("q_stride_h", "i64"),
+    Field("num_qo_heads", "i32"),
+    Field("num_kv_heads", "i32"),
+    Field("group_size", "i32"),
+    Field("head_blocks", "i32"),
+    Field("units_per_request", "i32"),
+    Field("page_size", "i32"),
+    Field("num_ctas", "i32"),
+    Field("sm_scale_log2", "f32"),
+])

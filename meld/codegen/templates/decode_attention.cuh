@@ -1,0 +1,321 @@
+// meld: persistent split-KV decode attention (paged GQA).
+//
+// One CTA per segment of the schedule (meld/ir/schedule.py). A *unit* is one (request, block of up to
+// 8 q heads of one kv head); the CTA's warps take the unit's 16-token KV tiles round-robin, each warp
+// streaming its tiles through a private cp.async ring (the ring runs ahead across unit boundaries, so
+// the memory pipeline never drains between units). Scores and P.V run on the tensor cores (m16n8k16):
+//   S[8 heads (padded to 16) x 16 tokens] = Q . K^T
+//   O^T[D x 8 heads]                    += V^T . P^T   (P comes straight from S's accumulator layout)
+// At the end of a unit the warps merge their online-softmax states through shared memory. A unit that
+// the schedule split across CTAs writes a partial (o, lse) to slot unit + cta; the CTA whose atomic
+// increment completes the unit's counter merges the partials and resets the counter (last arriver
+// does the work: no CTA ever waits on another, so any grid size is deadlock-free).
+//
+// Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, DecodeParams.
+
+namespace meld {
+
+constexpr int D = HEAD_DIM;
+constexpr int WARPS = NUM_WARPS;
+constexpr int THREADS = WARPS * 32;
+constexpr int STAGES = NUM_STAGES;
+constexpr int TILE = 16;                   // KV tokens per warp step
+constexpr int HEADS = 8;                   // q heads per unit (the mma N dimension)
+constexpr int CPR = D / 8;                 // 16-byte chunks per token row
+constexpr int RPP = 32 / CPR;              // token rows one warp-wide cp.async pass covers
+constexpr int PASSES = TILE / RPP;
+constexpr int KSTEPS = D / 16;
+constexpr int TILE_BYTES = TILE * D * 2;   // one K or V tile
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
+constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
+static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128 or 256");
+static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
+
+// Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
+// rows at one chunk column hit eight different bank groups.
+__device__ __forceinline__ u32 tile_off(int r, int c) { return r * (D * 2) + ((c ^ (r & 7)) << 4); }
+
+struct Segment {
+  int u_begin, s_begin, u_end, s_end, head_first, head_parts, tail_first, tail_parts;
+  int u_last;   // last unit the segment touches
+  bool empty;
+};
+
+__device__ __forceinline__ Segment load_segment(const DecodeParams& p, int cta) {
+  Segment g;
+  const int* t = p.cta_table + cta;
+  const int W = p.num_ctas;
+  g.u_begin = t[0]; g.s_begin = t[W]; g.u_end = t[2 * W]; g.s_end = t[3 * W];
+  g.head_first = t[4 * W]; g.head_parts = t[5 * W]; g.tail_first = t[6 * W]; g.tail_parts = t[7 * W];
+  g.u_last = g.s_end > 0 ? g.u_end : g.u_end - 1;
+  g.empty = g.u_begin == g.u_end && g.s_begin == g.s_end;
+  return g;
+}
+
+struct Unit {
+  int req, kv_head, q_head, rows, begin, end, page_base;
+  int slot;         // partial slot; -1: the unit is whole here and writes the output directly
+  int parts_begin, num_parts;
+  __device__ __forceinline__ int num_tiles() const { return (end - begin + TILE - 1) / TILE; }
+};
+
+__device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& g, int u, int cta) {
+  Unit x;
+  x.req = u / p.units_per_request;
+  const int hb = u - x.req * p.units_per_request;
+  x.kv_head = hb / p.head_blocks;
+  const int qb = hb - x.kv_head * p.head_blocks;
+  x.q_head = x.kv_head * p.group_size + qb * HEADS;
+  x.rows = min(HEADS, p.group_size - qb * HEADS);
+  x.page_base = p.page_base[x.req];
+  const bool first = u == g.u_begin, last = u == g.u_last;
+  x.begin = first ? g.s_begin : 0;
+  x.end = (last && g.s_end > 0) ? g.s_end : p.kv_len[x.req];
+  const bool head = first && g.s_begin > 0;
+  const bool tail = !head && last && g.s_end > 0;
+  x.slot = (head || tail) ? u + cta : -1;
+  x.parts_begin = u + (head ? g.head_first : g.tail_first);
+  x.num_parts = head ? g.head_parts : g.tail_parts;
+  return x;
+}
+
+// Walks one warp's tile stream (units of the segment in order, tiles warp, warp + WARPS, ...) ahead of
+// the compute loop, and keeps the page-table lookup for the next tile in flight.
+struct LoadCursor {
+  int u, j;
+  Unit x;
+  int row;      // this lane's token row (lane & 15) of the next tile: page * 2 * page_size + slot, or -1
+  bool live;
+};
+
+__device__ __forceinline__ void cursor_fetch_row(const DecodeParams& p, LoadCursor& c, int lane) {
+  const int pos = c.x.begin + c.j * TILE + (lane & 15);
+  c.row = -1;
+  if (pos < c.x.end) {
+    const int pg = pos / p.page_size;
+    const int page = p.kv_indices[c.x.page_base + pg];
+    c.row = page * 2 * p.page_size + (pos - pg * p.page_size);
+  }
+}
+
+__device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment& g, LoadCursor& c, int cta,
+                                            int warp, int lane) {
+  while (c.live && c.j >= c.x.num_tiles()) {
+    if (++c.u > g.u_last) { c.live = false; break; }
+    c.x = load_unit(p, g, c.u, cta);
+    c.j = warp;
+  }
+  if (c.live) cursor_fetch_row(p, c, lane);
+}
+
+// Issue the cursor's tile into ring slot `dst` (one commit group per call, empty when the stream is done).
+__device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment& g, LoadCursor& c, u32 dst,
+                                           int cta, int warp, int lane) {
+  if (c.live) {
+    const i64 row_stride = (i64)p.num_kv_heads * D;
+    const u16* base = p.kv + c.x.kv_head * D + (lane % CPR) * 8;
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+      const int r = lane / CPR + k * RPP;
+      const int ro = __shfl_sync(0xffffffffu, c.row, r);
+      const u16* src = base + (i64)max(ro, 0) * row_stride;
+      const int bytes = ro >= 0 ? 16 : 0;
+      cp_async_16(dst + tile_off(r, lane % CPR), src, bytes);
+      cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), src + (i64)p.page_size * row_stride, bytes);
+    }
+  }
+  cp_async_commit();
+  if (c.live) {
+    c.j += WARPS;
+    cursor_seek(p, g, c, cta, warp, lane);
+  }
+}
+
+// Per-warp online-softmax state for the current unit. Lane (g = lane / 4, t = lane % 4) holds:
+//   m, l  for head g (l is this lane's share; the 4 lanes of a head sum at the end);
+//   o[mt] = O^T[16 mt + g (+8)][heads 2t, 2t+1].
+struct WarpState {
+  float m, l;
+  float o[KSTEPS][4];
+  u32 qa[KSTEPS][2];   // A fragments of Q (rows 8..15 of the m16 tile are zero)
+};
+
+__device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, WarpState& st, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const u16* q = p.q + x.req * p.q_stride_b + (i64)(x.q_head + g) * p.q_stride_h + 2 * t;
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    st.qa[ks][0] = g < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
+    st.qa[ks][1] = g < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + 8) : 0u;
+  }
+  st.m = neg_inf();
+  st.l = 0.f;
+#pragma unroll
+  for (int mt = 0; mt < KSTEPS; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.o[mt][i] = 0.f;
+}
+
+__device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lane) {
+  const int t = lane & 3;
+  const int lrow = (lane & 7) + ((lane >> 4) << 3);
+  const int lch = (lane >> 3) & 1;
+  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    u32 b[4];
+    ldmatrix_x4(b, kbase + tile_off(lrow, 2 * ks + lch));
+    mma_16816(s0, st.qa[ks][0], 0u, st.qa[ks][1], 0u, b[0], b[1]);
+    mma_16816(s1, st.qa[ks][0], 0u, st.qa[ks][1], 0u, b[2], b[3]);
+  }
+  // Scores of head g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain).
+  float x[4] = {s0[0] * p.sm_scale_log2, s0[1] * p.sm_scale_log2, s1[0] * p.sm_scale_log2, s1[1] * p.sm_scale_log2};
+  const int tok[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (tok[i] >= nvalid) x[i] = neg_inf();
+  float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(st.m, mx);
+  const float m_use = m_new == neg_inf() ? 0.f : m_new;   // nothing seen yet: keep exp2 finite
+  const float alpha = exp2_approx(st.m - m_use);
+  float pr[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pr[i] = exp2_approx(x[i] - m_use);
+  st.l = st.l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
+  st.m = m_new;
+  const u32 pb0 = pack2(pr[0], pr[1]), pb1 = pack2(pr[2], pr[3]);
+  const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t);      // head 2t lives in lanes 8t..8t+3
+  const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 2t+1
+  const u32 vbase = kbase + TILE_BYTES;
+#pragma unroll
+  for (int mt = 0; mt < KSTEPS; ++mt) {
+    u32 a[4];
+    ldmatrix_x4_trans(a, vbase + tile_off(lrow, 2 * mt + lch));
+    st.o[mt][0] *= a_lo; st.o[mt][1] *= a_hi; st.o[mt][2] *= a_lo; st.o[mt][3] *= a_hi;
+    mma_16816(st.o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+  }
+}
+
+struct MergeArea {
+  float o[WARPS][HEADS][O_STRIDE];
+  float m[WARPS][HEADS];
+  float l[WARPS][HEADS];
+  int last;
+};
+static_assert(RING_BYTES + sizeof(MergeArea) <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+
+__device__ __forceinline__ void store_result(const DecodeParams& p, const Unit& x, int h, int d, float val,
+                                             float lse2) {
+  const i64 row = (i64)x.req * p.num_qo_heads + x.q_head + h;
+  p.out[row * D + d] = to_half(val);
+  if (d == 0 && p.lse != nullptr) p.lse[row] = lse2 * kLn2;
+}
+
+// End of a unit: merge the warps' states, write the output or a partial, and merge the unit's
+// partials if this CTA completed it.
+__device__ __forceinline__ void finish_unit(const DecodeParams& p, const Unit& x, int u, WarpState& st,
+                                            MergeArea& mg, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float l = st.l + __shfl_xor_sync(0xffffffffu, st.l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (t == 0) { mg.m[warp][g] = st.m; mg.l[warp][g] = l; }
+#pragma unroll
+  for (int mt = 0; mt < KSTEPS; ++mt) {
+    mg.o[warp][2 * t][16 * mt + g] = st.o[mt][0];
+    mg.o[warp][2 * t + 1][16 * mt + g] = st.o[mt][1];
+    mg.o[warp][2 * t][16 * mt + 8 + g] = st.o[mt][2];
+    mg.o[warp][2 * t + 1][16 * mt + 8 + g] = st.o[mt][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < x.rows * D; i += THREADS) {
+    const int h = i / D, d = i - h * D;
+    float mmax = neg_inf();
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mmax = fmaxf(mmax, mg.m[w][h]);
+    const float m_use = mmax == neg_inf() ? 0.f : mmax;
+    float lsum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float s = exp2_approx(mg.m[w][h] - m_use);
+      lsum += mg.l[w][h] * s;
+      acc += mg.o[w][h][d] * s;
+    }
+    const float val = lsum > 0.f ? acc / lsum : 0.f;
+    const float lse2 = lsum > 0.f ? m_use + log2_approx(lsum) : neg_inf();
+    if (x.slot < 0) {
+      store_result(p, x, h, d, val, lse2);
+    } else {
+      p.part_o[((i64)x.slot * HEADS + h) * D + d] = val;
+      if (d == 0) p.part_lse[x.slot * HEADS + h] = lse2;
+    }
+  }
+  if (x.slot < 0) {
+    __syncthreads();   // the merge area is rewritten by the next unit
+    return;
+  }
+  __threadfence();     // partials visible device-wide before the counter says so
+  __syncthreads();
+  if (threadIdx.x == 0) mg.last = atomicAdd(p.counters + u, 1u) == (unsigned)(x.num_parts - 1);
+  __syncthreads();
+  if (!mg.last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < x.rows * D; i += THREADS) {
+    const int h = i / D, d = i - h * D;
+    float mmax = neg_inf();
+    for (int k = 0; k < x.num_parts; ++k) mmax = fmaxf(mmax, ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h));
+    const float m_use = mmax == neg_inf() ? 0.f : mmax;
+    float wsum = 0.f, acc = 0.f;
+    for (int k = 0; k < x.num_parts; ++k) {
+      const i64 s = x.parts_begin + k;
+      const float w = exp2_approx(ld_cg(p.part_lse + s * HEADS + h) - m_use);
+      wsum += w;
+      acc += w * ld_cg(p.part_o + (s * HEADS + h) * D + d);
+    }
+    store_result(p, x, h, d, wsum > 0.f ? acc / wsum : 0.f, wsum > 0.f ? m_use + log2_approx(wsum) : neg_inf());
+  }
+  if (threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
+}
+
+}  // namespace meld
+
+extern "C" __global__ void __launch_bounds__(meld::THREADS)
+meld_decode_attention(const __grid_constant__ DecodeParams p) {
+  using namespace meld;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int cta = blockIdx.x;
+  const Segment g = load_segment(p, cta);
+  if (g.empty) return;
+  MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
+  const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
+
+  LoadCursor lc;
+  lc.u = g.u_begin;
+  lc.x = load_unit(p, g, lc.u, cta);
+  lc.j = warp;
+  lc.live = true;
+  cursor_seek(p, g, lc, cta, warp, lane);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring + s * STAGE_BYTES, cta, warp, lane);
+
+  WarpState st;
+  int cs = 0;
+  for (int u = g.u_begin; u <= g.u_last; ++u) {
+    const Unit x = load_unit(p, g, u, cta);
+    load_q(p, x, st, lane);
+    const int nt = x.num_tiles();
+    for (int j = warp; j < nt; j += WARPS) {
+      cp_async_wait<STAGES - 2>();
+      __syncwarp();
+      const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
+      issue_tile(p, g, lc, ring + ns * STAGE_BYTES, cta, warp, lane);
+      compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
+      cs = cs + 1 == STAGES ? 0 : cs + 1;
+    }
+    finish_unit(p, x, u, st, mg, warp, lane);
+  }
+  cp_async_wait<0>();
+}

@@ -1,0 +1,74 @@
+"""Every `MELD_*` setting in one place, read live (so tests can override them with `scope`).
+
+| variable          | default          | meaning                                                        |
+| ----------------- | ---------------- | -------------------------------------------------------------- |
+| MELD_CACHE_DIR    | ~/.cache/meld    | compiled kernels (cubin + source), keyed by content hash       |
+| MELD_DUMP_DIR     | (unset)          | write every stage (task graph, schedule, .cu, cubin) here      |
+| MELD_COMPILER     | auto             | `nvrtc`, `nvcc`, or `auto` (NVRTC, falling back to nvcc)       |
+| MELD_ARCH         | sm_90a           | target architecture of generated kernels                       |
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+_DEFAULTS = {
+    "MELD_CACHE_DIR": str(Path.home() / ".cache" / "meld"),
+    "MELD_DUMP_DIR": "",
+    "MELD_COMPILER": "auto",
+    "MELD_ARCH": "sm_90a",
+}
+
+
+def get(name: str) -> str:
+    if name not in _DEFAULTS:
+        raise KeyError(f"unknown meld setting {name!r}; known: {sorted(_DEFAULTS)}")
+    return os.environ.get(name, _DEFAULTS[name])
+
+
+def cache_dir() -> Path:
+    return Path(get("MELD_CACHE_DIR")).expanduser()
+
+
+def dump_dir() -> Path | None:
+    d = get("MELD_DUMP_DIR")
+    return Path(d).expanduser() if d else None
+
+
+def arch() -> str:
+    return get("MELD_ARCH")
+
+
+def compiler() -> str:
+    c = get("MELD_COMPILER")
+    if c not in ("auto", "nvrtc", "nvcc"):
+        raise ValueError(f"MELD_COMPILER={c!r}: expected auto, nvrtc or nvcc")
+    return c
+
+
+@contextlib.contextmanager
+def scope(**settings: str) -> Iterator[None]:
+    """Temporarily override settings, e.g. `with config.scope(MELD_COMPILER="nvcc"): ...`."""
+    old = {k: os.environ.get(k) for k in settings}
+    for k, v in settings.items():
+        get(k)
+        os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def dump(name: str, content: str | bytes) -> None:
+    """Write one pipeline stage to MELD_DUMP_DIR, if set."""
+    d = dump_dir()
+    if d is None:
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())

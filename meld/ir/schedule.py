@@ -1,0 +1,180 @@
+"""The runtime schedule: struct-of-arrays work tables the persistent kernel walks.
+
+The work of decode attention comes in *units*, one per (request, q-head block), laid end to end in
+request order. `meld.scheduler.plan_decode` cuts that line into one contiguous *segment* per CTA; a
+segment starts at (unit u_begin, token s_begin) and ends before (u_end, s_end). A unit cut by a segment
+boundary is *split*: each of its pieces writes a partial into slot `unit + cta` (unique, and contiguous
+for the pieces of one unit, because along the line unit + cta only grows), and the CTA that completes
+the unit last merges them (a per-unit counter: last-arriver-does-the-work). The head/tail columns tell
+a CTA how many pieces the split unit at its start/end has, and where they begin.
+
+All arrays are int32 and laid out exactly as the kernel reads them, so uploading a schedule is one copy.
+`items()` expands the segments into explicit (unit, range) items for validation, the CPU reference
+executor and printing; the kernel never needs that form.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+CTA_FIELDS = ("u_begin", "s_begin", "u_end", "s_end", "head_first", "head_parts", "tail_first", "tail_parts")
+ITEM_FIELDS = ("cta", "unit", "req", "kv_head", "q_head", "rows", "kv_begin", "kv_end", "slot", "parts_begin",
+               "num_parts")
+
+
+class ScheduleError(ValueError):
+    """A schedule that would make the kernel read or write out of bounds, or compute a wrong answer."""
+
+
+@dataclass
+class Schedule:
+    """Work tables for one batch.
+
+    Attributes:
+        num_kv_heads, group_size: the attention shape (q heads per kv head = group_size).
+        heads_per_item: q heads one unit computes; a kv head has ceil(group_size / heads_per_item) units.
+        kv_len: int32 [B] KV tokens per request.
+        page_base: int32 [B] first page of each request in kv_indices (kv_indptr[:-1]).
+        cta: int32 [len(CTA_FIELDS), num_ctas]; CTAs past the active ones have empty segments.
+        meta: what the planner decided besides the tables (active CTAs, cost model), for printing.
+    """
+
+    num_kv_heads: int
+    group_size: int
+    heads_per_item: int
+    kv_len: np.ndarray
+    page_base: np.ndarray
+    cta: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_ctas(self) -> int:
+        return self.cta.shape[1]
+
+    @property
+    def head_blocks(self) -> int:
+        return -(-self.group_size // self.heads_per_item)
+
+    @property
+    def units_per_request(self) -> int:
+        return self.num_kv_heads * self.head_blocks
+
+    @property
+    def num_units(self) -> int:
+        return len(self.kv_len) * self.units_per_request
+
+    @property
+    def num_slots(self) -> int:
+        """Partial slots the kernel may address: slot = unit + cta < num_units + num_ctas."""
+        return self.num_units + self.num_ctas
+
+    def column(self, name: str) -> np.ndarray:
+        return self.cta[CTA_FIELDS.index(name)]
+
+    def items(self) -> dict[str, np.ndarray]:
+        """The segments as explicit items, in the order the CTAs run them (what the kernel derives)."""
+        ub, sb, ue, se, hf, hp, tf, tp = (r.astype(np.int64) for r in self.cta)
+        L = np.repeat(self.kv_len.astype(np.int64), self.units_per_request)
+        last = np.where(se > 0, ue, ue - 1)                      # last unit touched by each segment
+        n = np.maximum(last - ub + 1, 0)
+        n[(ub == ue) & (sb == se)] = 0                           # empty segment
+        cta = np.repeat(np.arange(self.num_ctas), n)
+        unit = np.repeat(ub, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+        first, final = unit == ub[cta], unit == last[cta]
+        begin = np.where(first, sb[cta], 0)
+        end = np.where(final & (se[cta] > 0), se[cta], L[unit] if len(L) else unit)
+        head = first & (sb[cta] > 0)
+        tail = final & (se[cta] > 0) & ~head
+        split = head | tail
+        pbegin = np.where(head, unit + hf[cta], np.where(tail, unit + tf[cta], -1))
+        nparts = np.where(head, hp[cta], np.where(tail, tp[cta], 0))
+        nh, nqb, H = self.units_per_request, self.head_blocks, self.heads_per_item
+        kvh = (unit % nh) // nqb
+        q_head = kvh * self.group_size + (unit % nqb) * H
+        return {
+            "cta": cta, "unit": unit, "req": unit // nh, "kv_head": kvh, "q_head": q_head,
+            "rows": np.minimum(H, (kvh + 1) * self.group_size - q_head),
+            "kv_begin": begin, "kv_end": end, "slot": np.where(split, unit + cta, -1),
+            "parts_begin": pbegin, "num_parts": nparts,
+        }
+
+    def validate(self) -> "Schedule":
+        """Check every invariant the kernel relies on; raise ScheduleError naming the first broken one."""
+        U, W = self.num_units, self.num_ctas
+        if self.cta.shape != (len(CTA_FIELDS), W) or len(self.page_base) != len(self.kv_len):
+            raise ScheduleError(f"table shapes: cta {self.cta.shape}, kv_len {self.kv_len.shape}, "
+                                f"page_base {self.page_base.shape}")
+        ub, sb, ue, se = self.cta[:4].astype(np.int64)
+        if np.any(ub < 0) or np.any(ue > U) or np.any(ub > ue) or np.any((ub == ue) & (sb > se)):
+            raise ScheduleError("a segment runs backwards or outside [0, num_units]")
+        if ub[0] != 0 or sb[0] != 0 or np.any(ub[1:] != ue[:-1]) or np.any(sb[1:] != se[:-1]):
+            raise ScheduleError("segments are not contiguous from (0, 0)")
+        if (ue[-1], se[-1]) != (U, 0):
+            raise ScheduleError(f"segments end at ({ue[-1]}, {se[-1]}), not ({U}, 0)")
+        if U == 0:
+            return self
+        it = self.items()
+        L = np.repeat(self.kv_len.astype(np.int64), self.units_per_request)
+        if np.any(it["kv_begin"] < 0) or np.any(it["kv_end"] > L[it["unit"]]) or np.any(it["kv_end"] < it["kv_begin"]):
+            raise ScheduleError("an item's KV range lies outside [0, kv_len)")
+        u, b, e = it["unit"], it["kv_begin"], it["kv_end"]      # ordered by (unit, begin) by construction
+        if len(np.unique(u)) != U or (U and (u[0] != 0 or np.any(np.diff(u) < 0))):
+            raise ScheduleError("some unit has no item, or items are out of order")
+        first = np.r_[True, u[1:] != u[:-1]]
+        last = np.r_[u[1:] != u[:-1], True]
+        if np.any(b[first] != 0) or np.any(e[last] != L[u[last]]):
+            raise ScheduleError("a unit's items do not start at token 0 and end at kv_len")
+        if np.any(b[~first] != e[np.flatnonzero(~first) - 1]) or np.any((e == b) & ~(first & last)):
+            raise ScheduleError("a unit's items overlap, leave a gap, or include an empty piece")
+        # Split units: every piece knows the same contiguous slots, one per piece, in order.
+        split = ~(first & last)
+        if np.any((it["slot"] >= 0) != split):
+            raise ScheduleError("pieces of split units need a slot, whole units none")
+        run = np.cumsum(first) - 1
+        count = np.bincount(run)[run]
+        if np.any(it["num_parts"][split] != count[split]):
+            raise ScheduleError("a piece's part count differs from its unit's number of pieces")
+        start = it["slot"][first][run]
+        if np.any(it["parts_begin"][split] != start[split]) or np.any(np.diff(it["slot"][split]) <= 0):
+            raise ScheduleError("a split unit's slots are not contiguous from its parts_begin")
+        if split.any() and (it["slot"][split].max() >= self.num_slots or np.any(it["slot"][split] !=
+                                                                               start[split] + (np.arange(len(u)) - np.flatnonzero(first)[run])[split])):
+            raise ScheduleError("a slot lies outside the partial buffer or out of sequence")
+        return self
+
+    def cta_cost(self, item_overhead_tokens: int = 0) -> np.ndarray:
+        """Predicted cost per CTA in KV tokens (+ a fixed cost per item)."""
+        it = self.items()
+        return np.bincount(it["cta"], weights=it["kv_end"] - it["kv_begin"] + item_overhead_tokens,
+                           minlength=self.num_ctas)
+
+    # --- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (v.tolist() if isinstance(v := getattr(self, f.name), np.ndarray) else v)
+                for f in fields(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Schedule":
+        d = json.loads(text)
+        i32 = lambda k: np.asarray(d[k], dtype=np.int32)  # noqa: E731
+        return Schedule(d["num_kv_heads"], d["group_size"], d["heads_per_item"], i32("kv_len"),
+                        i32("page_base"), i32("cta").reshape(len(CTA_FIELDS), -1), d["meta"])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schedule) and self.to_dict() == other.to_dict()
+
+    def __str__(self) -> str:
+        it = self.items()
+        busy = len(np.unique(it["cta"]))
+        splits = int((it["slot"] >= 0).sum())
+        cost = self.cta_cost(self.meta.get("item_overhead_tokens", 0))[:max(busy, 1)]
+        return (f"Schedule: {len(self.kv_len)} requests x {self.units_per_request} head units, "
+                f"{len(it['unit'])} items on {busy}/{self.num_ctas} CTAs, "
+                f"{len(np.unique(it['unit'][it['slot'] >= 0]))} split units ({splits} partials), "
+                f"predicted balance max/mean {cost.max() / max(cost.mean(), 1e-9):.3f}")

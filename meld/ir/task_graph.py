@@ -1,0 +1,167 @@
+"""The logical task graph: what a dynamic operator computes, before any shape is known.
+
+A `TaskGraph` is a DAG of task templates. Each template names its iteration domain (the axes one task
+instance is indexed by), the dynamic range axis it may cover only part of (for split-KV attention, the KV
+positions of a request), which axes should be co-located (affinity) and how partial results over the range
+axis combine (reduction semantics: a named combiner and its identity). Extents are symbolic: the graph is
+the same for every batch; only the scheduler sees real lengths.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from .combiners import COMBINERS
+
+
+class GraphError(ValueError):
+    """A task graph that breaks one of the invariants the scheduler relies on."""
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One iteration axis. `extent` is a symbol (e.g. "batch_size") or a fixed size.
+
+    `dynamic` marks an axis whose extent differs per point of the task domain (KV length per request).
+    """
+
+    name: str
+    extent: str | int
+    dynamic: bool = False
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """Reduction semantics: the combiner (a key of `meld.ir.combiners.COMBINERS`) and the axis it reduces."""
+
+    combiner: str
+    axis: str
+
+    @property
+    def identity(self) -> tuple[float, ...]:
+        return COMBINERS[self.combiner].identity
+
+
+@dataclass(frozen=True)
+class TaskTemplate:
+    """A kind of task. Instances are the points of `domain` (times sub-ranges of `range_axis`, if any)."""
+
+    name: str
+    kind: str  # "split_reduce": partial over a sub-range; "combine": merges partials of one domain point
+    domain: tuple[Axis, ...]
+    range_axis: Axis | None = None
+    affinity: tuple[str, ...] = ()
+    reduction: Reduction | None = None
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "TaskTemplate":
+        return TaskTemplate(
+            name=d["name"],
+            kind=d["kind"],
+            domain=tuple(Axis(**a) for a in d["domain"]),
+            range_axis=Axis(**d["range_axis"]) if d["range_axis"] else None,
+            affinity=tuple(d["affinity"]),
+            reduction=Reduction(**d["reduction"]) if d["reduction"] else None,
+            reads=tuple(d["reads"]),
+            writes=tuple(d["writes"]),
+        )
+
+
+TASK_KINDS = ("split_reduce", "combine")
+
+
+@dataclass
+class TaskGraph:
+    """A named DAG of task templates plus the static attributes codegen specialises on."""
+
+    name: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+    graph: nx.DiGraph = field(default_factory=nx.DiGraph)
+
+    def add_task(self, task: TaskTemplate) -> TaskTemplate:
+        if task.name in self.graph:
+            raise GraphError(f"task {task.name!r} is already in graph {self.name!r}")
+        self.graph.add_node(task.name, task=task)
+        return task
+
+    def add_edge(self, src: str, dst: str, reduction: Reduction | None = None) -> None:
+        for n in (src, dst):
+            if n not in self.graph:
+                raise GraphError(f"edge {src!r} -> {dst!r}: no task named {n!r}")
+        self.graph.add_edge(src, dst, reduction=reduction)
+
+    @property
+    def tasks(self) -> list[TaskTemplate]:
+        return [self.graph.nodes[n]["task"] for n in nx.topological_sort(self.graph)]
+
+    def task(self, name: str) -> TaskTemplate:
+        return self.graph.nodes[name]["task"]
+
+    def validate(self) -> "TaskGraph":
+        if not nx.is_directed_acyclic_graph(self.graph):
+            raise GraphError(f"graph {self.name!r} has a cycle")
+        for t in self.tasks:
+            if t.kind not in TASK_KINDS:
+                raise GraphError(f"task {t.name!r}: kind {t.kind!r} is not one of {TASK_KINDS}")
+            names = {a.name for a in t.domain}
+            if len(names) != len(t.domain):
+                raise GraphError(f"task {t.name!r}: repeated axis in domain {t.domain}")
+            if not set(t.affinity) <= names:
+                raise GraphError(f"task {t.name!r}: affinity {t.affinity} names axes outside its domain")
+            if t.reduction is not None and t.reduction.combiner not in COMBINERS:
+                raise GraphError(f"task {t.name!r}: unknown combiner {t.reduction.combiner!r}")
+            if t.kind == "split_reduce" and (t.range_axis is None or t.reduction is None):
+                raise GraphError(f"task {t.name!r}: a split_reduce task needs a range axis and a reduction")
+            if t.kind == "split_reduce" and t.reduction.axis != t.range_axis.name:
+                raise GraphError(f"task {t.name!r}: reduces {t.reduction.axis!r}, not its range axis")
+        for src, dst, data in self.graph.edges(data=True):
+            red = data["reduction"]
+            if red is not None and self.task(src).reduction != red:
+                raise GraphError(f"edge {src!r} -> {dst!r}: reduction {red} differs from {src!r}'s")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "attrs": dict(sorted(self.attrs.items())),
+            "tasks": [t.to_dict() for t in self.tasks],
+            "edges": [
+                {"src": s, "dst": d, "reduction": asdict(r["reduction"]) if r["reduction"] else None}
+                for s, d, r in sorted(self.graph.edges(data=True))
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "TaskGraph":
+        d = json.loads(text)
+        g = TaskGraph(d["name"], dict(d["attrs"]))
+        for t in d["tasks"]:
+            g.add_task(TaskTemplate.from_dict(t))
+        for e in d["edges"]:
+            g.add_edge(e["src"], e["dst"], Reduction(**e["reduction"]) if e["reduction"] else None)
+        return g.validate()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TaskGraph) and self.to_dict() == other.to_dict()
+
+    def __str__(self) -> str:
+        lines = [f"TaskGraph {self.name} {self.attrs}"]
+        for t in self.tasks:
+            dom = ", ".join(f"{a.name}<{a.extent}>" for a in t.domain)
+            rng = f" over {t.range_axis.name}<{t.range_axis.extent}>" if t.range_axis else ""
+            red = f" reduce {t.reduction.combiner}" if t.reduction else ""
+            lines.append(f"  {t.name}: {t.kind} [{dom}]{rng}{red} affinity={list(t.affinity)}")
+        for s, d in self.graph.edges():
+            lines.append(f"  {s} -> {d}")
+        return "\n".join(lines)

@@ -1,0 +1,280 @@
+"""`meld.DecodeAttention`: paged GQA decode attention with FlashInfer's plan()/run() split.
+
+plan() runs once per batch on the host: it reads the page table's shape (lengths), cuts the work into
+one balanced segment per CTA (`meld.scheduler.plan_decode`) and uploads the tables in place. run() only
+launches the one persistent kernel, so it can be captured in a CUDA graph and replayed after later
+plans for other batches (within the capacities given at construction).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .. import config
+from ..codegen import HEADS_PER_UNIT, TILE_TOKENS, DECODE_PARAMS, DecodeKernelConfig, compile_source
+from ..ir import Schedule, TaskGraph
+from ..scheduler import DecodeCost, Topology, plan_decode
+from .checks import check_positive, check_shape, check_tensor, same_device
+from .decode_graph import decode_attention_graph
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def _max_page(indices: np.ndarray) -> int:
+    """Largest page index, in one pass (negative indices wrap above 2**31 as uint32); -1 if empty."""
+    if not len(indices):
+        return -1
+    top = int(indices.view(np.uint32).max())
+    if top >= 2 ** 31:
+        j = int(np.flatnonzero(indices < 0)[0])
+        raise ValueError(f"kv_indices[{j}]={int(indices[j])} is a negative page index")
+    return top
+
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LOG2E = 1.4426950408889634
+
+
+class DecodeAttention:
+    """Decode attention over a paged KV cache (FlashInfer NHD layout) for variable-length batches.
+
+    Args:
+        num_qo_heads, num_kv_heads: query and KV heads (num_qo_heads % num_kv_heads == 0).
+        head_dim: 64, 128 or 256.
+        page_size: tokens per KV page (any >= 1).
+        dtype: torch.bfloat16 or torch.float16 (q, KV cache and output).
+        device: "cuda[:i]" runs the generated kernel; "cpu" runs the same schedule on the CPU reference
+            executor (float64), for machines without a GPU.
+        sm_scale: softmax scale, default 1/sqrt(head_dim).
+        max_batch_size, max_num_pages: capacities of the work tables. Give them when run() is captured
+            in a CUDA graph: plans within them rewrite the tables in place and the graph stays valid.
+            Without them the tables grow as needed (which invalidates captured graphs).
+        topology: override the persistent grid (default: the device's SMs x the kernel's occupancy;
+            on the CPU an H200 with 2 CTAs per SM).
+
+    Example:
+        >>> attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda")
+        >>> attn.plan(kv_indptr, kv_indices, kv_last_page_len)   # int32, CPU tensors: no device sync
+        >>> out, lse = attn.run(q, kv_cache, return_lse=True)
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", *,
+                 sm_scale: float | None = None, max_batch_size: int | None = None,
+                 max_num_pages: int | None = None, topology: Topology | None = None,
+                 cost: DecodeCost = DecodeCost(), kernel_config: DecodeKernelConfig | None = None):
+        for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
+            check_positive(name, v)
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        for name, v in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages)):
+            if v is not None:
+                check_positive(name, v)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
+        self.group_size = num_qo_heads // num_kv_heads
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        if cost.tile_tokens != TILE_TOKENS:
+            raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
+        self.cost = cost
+        self.graph: TaskGraph = decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype])
+        self.kernel_config = kernel_config or DecodeKernelConfig.default(_DTYPES[dtype], head_dim)
+        self._fixed_capacity = max_batch_size is not None and max_num_pages is not None
+        self._cap = (max_batch_size or 64, max_num_pages or 4096)
+        self._schedule: Schedule | None = None
+        self._max_page = -1
+        config.dump("decode_attention.taskgraph.json", self.graph.to_json())
+        if self.device.type == "cuda":
+            self._init_cuda(topology)
+        elif self.device.type == "cpu":
+            self.topology = topology or Topology.h200(2)
+            self._kv_indices_cpu = torch.zeros(0, dtype=torch.int32)
+        else:
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+
+    # --- setup ----------------------------------------------------------------------------------
+    def _init_cuda(self, topology: Topology | None) -> None:
+        from ..runtime.driver import Kernel, device_info
+
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        info = device_info(self.device)
+        if info.capability < (9, 0):
+            raise ValueError(f"device {self.device} ({info.name}, sm_{info.capability[0]}{info.capability[1]}) "
+                             "is not supported: meld's kernels need sm_90 (Hopper) or newer")
+        kc = self.kernel_config
+        compiled = compile_source(kc.render(), kc.name)
+        self.kernel = Kernel(compiled, kc.entry, self.device, kc.threads, kc.smem_bytes)
+        self.topology = topology or Topology(info.sm_count, self.kernel.ctas_per_sm)
+        self._alloc(*self._cap)
+
+    def _alloc(self, max_batch: int, max_pages: int) -> None:
+        from ..runtime.tables import Capacity, WorkTables
+
+        self._cap = (max_batch, max_pages)
+        W = self.topology.num_ctas
+        self.tables = WorkTables(self.device, W, Capacity(max_batch, max_pages))
+        nqb = -(-self.group_size // HEADS_PER_UNIT)
+        units = max_batch * self.num_kv_heads * nqb
+        slots = units + W
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.part_o = torch.empty(slots * HEADS_PER_UNIT * self.head_dim, **f32)
+        self.part_lse = torch.empty(slots * HEADS_PER_UNIT, **f32)
+        self.counters = torch.zeros(units, dtype=torch.int32, device=self.device)
+
+    # --- plan -----------------------------------------------------------------------------------
+    @property
+    def schedule(self) -> Schedule:
+        """The `meld.ir.Schedule` of the last plan()."""
+        if self._schedule is None:
+            raise RuntimeError("DecodeAttention.schedule: call plan() first")
+        return self._schedule
+
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> Schedule:
+        """Plan a batch from FlashInfer's paged layout (int32 tensors, CPU or this op's device).
+
+        Args:
+            kv_indptr: [B + 1] page-table offsets of each request in kv_indices.
+            kv_indices: [>= kv_indptr[-1]] page indices into the KV cache.
+            kv_last_page_len: [B] tokens in each request's last page (1..page_size; any for empty requests).
+        Returns:
+            The schedule (also at `self.schedule`). CPU inputs need no device synchronisation; GPU inputs
+            are read on the host first (a synchronisation, as in FlashInfer's plan).
+        """
+        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            check_tensor(name, t, dtype=torch.int32, ndim=1)
+            if t.device.type != "cpu" and not same_device(t.device, self.device):
+                raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
+        indptr, last = _host(kv_indptr).astype(np.int64), _host(kv_last_page_len)
+        B = len(indptr) - 1
+        if B < 0:
+            raise ValueError("kv_indptr must have B + 1 entries, got an empty tensor")
+        check_shape("kv_last_page_len", kv_last_page_len, (B,), "one entry per request, B = len(kv_indptr) - 1")
+        nnz = int(indptr[-1])
+        pages = indptr[1:] - indptr[:-1]
+        if indptr[0] != 0 or (B and pages.min() < 0):
+            raise ValueError(f"kv_indptr must start at 0 and never decrease, got {indptr[:8].tolist()}...")
+        if nnz > kv_indices.numel():
+            raise ValueError(f"kv_indptr[-1]={nnz} exceeds len(kv_indices)={kv_indices.numel()}")
+        nonempty = pages > 0
+        if np.any(((last - 1).view(np.uint32) >= self.page_size) & nonempty):   # last < 1 wraps around
+            b = int(np.flatnonzero(((last < 1) | (last > self.page_size)) & nonempty)[0])
+            raise ValueError(f"kv_last_page_len[{b}]={int(last[b])} is outside [1, page_size={self.page_size}]")
+        kv_len = (pages * self.page_size + (last - self.page_size)) * nonempty
+        on_host = kv_indices.device.type == "cpu"
+        indices = kv_indices[:nnz]
+        if self.device.type == "cpu":
+            self._max_page = _max_page(indices.numpy())
+            self._kv_indices_cpu = indices
+            self._schedule = self._plan(kv_len, indptr[:-1])
+            return self._schedule
+        self._ensure_capacity(B, nnz)
+        t = self.tables
+        staged = t.stage()
+        if on_host:
+            host = indices.numpy()
+            staged[t.off_indices:t.off_indices + nnz] = host
+            self._max_page = _max_page(host)
+        else:
+            self._max_page = _max_page(indices.cpu().numpy())     # GPU page table: one sync, as documented
+        self._schedule = self._plan(kv_len, indptr[:-1], out=t.cta_view(staged))
+        staged[t.off_kv_len:t.off_kv_len + B] = kv_len
+        staged[t.off_page_base:t.off_page_base + B] = indptr[:-1]
+        t.upload(t.off_indices + (nnz if on_host else 0), None if on_host else indices)
+        if config.dump_dir():
+            config.dump("decode_attention.schedule.json", self._schedule.to_json())
+        return self._schedule
+
+    def _plan(self, kv_len: np.ndarray, page_base: np.ndarray, out: np.ndarray | None = None) -> Schedule:
+        return plan_decode(kv_len, page_base, self.num_kv_heads, self.group_size, self.topology, self.cost,
+                           HEADS_PER_UNIT, out=out)
+
+    def _ensure_capacity(self, batch: int, pages: int) -> None:
+        cb, cp = self._cap
+        if batch <= cb and pages <= cp:
+            return
+        if self._fixed_capacity:
+            raise ValueError(f"batch of {batch} requests / {pages} pages exceeds the capacity given at construction "
+                             f"(max_batch_size={cb}, max_num_pages={cp})")
+        self._alloc(max(batch, 2 * cb if batch > cb else cb), max(pages, 2 * cp if pages > cp else cp))
+
+    # --- run ------------------------------------------------------------------------------------
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """Attention of q over the planned batch.
+
+        Args:
+            q: [B, num_qo_heads, head_dim] (last dim contiguous).
+            kv_cache: [num_pages, 2, page_size, num_kv_heads, head_dim], contiguous; [:, 0] is K, [:, 1] is V.
+            return_lse: also return the log-sum-exp [B, num_qo_heads] (float32, natural log).
+            out, lse: optional preallocated outputs.
+        Returns:
+            out [B, num_qo_heads, head_dim] (and lse if return_lse). A request with no KV tokens gives
+            zeros and lse = -inf.
+        """
+        s = self.schedule
+        B = len(s.kv_len)
+        check_tensor("q", q, dtype=self.dtype, ndim=3, device=self.device)
+        check_shape("q", q, (B, self.num_qo_heads, self.head_dim), "batch of the last plan(), num_qo_heads, head_dim")
+        check_tensor("kv_cache", kv_cache, dtype=self.dtype, ndim=5, device=self.device)
+        check_shape("kv_cache", kv_cache, (None, 2, self.page_size, self.num_kv_heads, self.head_dim),
+                    "num_pages, K/V, page_size, num_kv_heads, head_dim")
+        num_pages = kv_cache.shape[0]
+        if self._max_page >= num_pages:
+            raise ValueError(f"kv_indices of the last plan() reference page {self._max_page}, but kv_cache has "
+                             f"only {num_pages} pages")
+        if not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
+        if num_pages * 2 * self.page_size >= 2 ** 31:
+            raise ValueError(f"kv_cache has {num_pages} pages of {self.page_size}: more than 2**31 token rows")
+        if out is None:
+            out = torch.empty(B, self.num_qo_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        else:
+            check_tensor("out", out, dtype=self.dtype, ndim=3, device=self.device)
+            check_shape("out", out, (B, self.num_qo_heads, self.head_dim), "like q")
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+        if return_lse or lse is not None:
+            if lse is None:
+                lse = torch.empty(B, self.num_qo_heads, dtype=torch.float32, device=self.device)
+            check_tensor("lse", lse, dtype=torch.float32, ndim=2, device=self.device)
+            check_shape("lse", lse, (B, self.num_qo_heads), "batch, num_qo_heads")
+            if not lse.is_contiguous():
+                raise ValueError("lse must be contiguous")
+        if self.device.type == "cpu":
+            self._run_cpu(q, kv_cache, out, lse)
+        elif B:
+            self._launch(q, kv_cache, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        sb, sh, sd = q.stride()
+        if sd != 1 or sb % 8 or sh % 8 or q.data_ptr() % 16:
+            q = q.contiguous()
+            sb, sh, _ = q.stride()
+        t = self.tables
+        params = DECODE_PARAMS.pack(
+            q=q.data_ptr(), kv=kv_cache.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr() if lse is not None else 0,
+            kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),
+            cta_table=t.ptr(0), part_o=self.part_o.data_ptr(), part_lse=self.part_lse.data_ptr(),
+            counters=self.counters.data_ptr(), q_stride_b=sb, q_stride_h=sh,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
+            head_blocks=self.schedule.head_blocks, units_per_request=self.schedule.units_per_request,
+            page_size=self.page_size, num_ctas=self.topology.num_ctas, sm_scale_log2=self.sm_scale * _LOG2E)
+        self.kernel.launch(self.topology.num_ctas, params)
+
+    def _run_cpu(self, q, kv_cache, out, lse) -> None:
+        from ..runtime.reference import execute_decode
+
+        o, l = execute_decode(self.schedule, q, kv_cache, self._kv_indices_cpu, self.sm_scale)
+        out.copy_(o.to(self.dtype))
+        if lse is not None:
+            lse.copy_(l.float())

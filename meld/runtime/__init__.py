@@ -1,0 +1,1 @@
+"""Runtime: device buffers, kernel launch, and the CPU reference executor."""

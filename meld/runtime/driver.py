@@ -1,0 +1,85 @@
+"""Load cubins and launch kernels through the CUDA driver API (cuda-python), on torch's stream.
+
+torch owns the CUDA context: we make sure it exists (torch.cuda.init) and use its primary context,
+so meld's launches interleave with torch's work on `torch.cuda.current_stream()` and can be
+captured into CUDA graphs like any torch kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen import Compiled
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+def drv():
+    """cuda.bindings.driver, imported on first use (the CPU path never needs it)."""
+    from cuda.bindings import driver
+    return driver
+
+
+def check(result, what: str):
+    """Unpack a cuda-python result tuple, raising CudaError on failure."""
+    d = drv()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != d.CUresult.CUDA_SUCCESS:
+        _, msg = d.cuGetErrorString(err)
+        raise CudaError(f"{what}: {err.name} ({msg.decode() if msg else '?'})")
+    return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    sm_count: int
+    max_smem_per_block: int
+    capability: tuple[int, int]
+    name: str
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    p = torch.cuda.get_device_properties(device)
+    d = drv()
+    attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    smem = check(d.cuDeviceGetAttribute(attr, device.index), "cuDeviceGetAttribute")
+    return DeviceInfo(p.multi_processor_count, smem, (p.major, p.minor), p.name)
+
+
+class Kernel:
+    """One compiled kernel loaded into torch's context on one device."""
+
+    def __init__(self, compiled: Compiled, entry: str, device: torch.device, threads: int, smem_bytes: int):
+        d = drv()
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.empty(1, device=device)          # make torch's primary context current on this thread
+            check(d.cuInit(0), "cuInit")
+            self.module = check(d.cuModuleLoadData(compiled.cubin), f"load {compiled.name}")
+            self.func = check(d.cuModuleGetFunction(self.module, entry.encode()), f"find {entry} in {compiled.name}")
+            attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(d.cuFuncSetAttribute(self.func, attr, smem_bytes), f"set smem of {compiled.name}")
+            self.ctas_per_sm = check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, threads, smem_bytes),
+                                     f"occupancy of {compiled.name}")
+        if self.ctas_per_sm < 1:
+            raise CudaError(f"{compiled.name} cannot run: {threads} threads with {smem_bytes} B shared memory "
+                            "do not fit one SM")
+        self.name, self.device, self.threads, self.smem_bytes = compiled.name, device, threads, smem_bytes
+        self._config = d.CUlaunchConfig()
+        self._config.blockDimX, self._config.blockDimY, self._config.blockDimZ = threads, 1, 1
+        self._config.gridDimY = self._config.gridDimZ = 1
+        self._config.sharedMemBytes = smem_bytes
+        self._config.numAttrs = 0
+
+    def launch(self, grid: int, params: ctypes.Structure) -> None:
+        """Launch on torch's current stream with one by-value parameter struct."""
+        d = drv()
+        self._config.gridDimX = grid
+        self._config.hStream = d.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        check(d.cuLaunchKernelEx(self._config, self.func, ctypes.addressof(args), 0), f"launch {self.name}")
+

@@ -1,0 +1,100 @@
+"""The CPU reference executor: runs a `Schedule` the way the kernel does, in float64.
+
+It walks the CTAs in order, computes each item's online-softmax state over exactly its KV range, writes
+whole units to the output and split pieces to their partial slots, counts arrivals per unit, and lets
+the piece that completes a unit merge its slots — so a wrong range, slot, part count or merge in a
+schedule gives a wrong (or NaN-poisoned) answer here, without a GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..ir import COMBINERS, Schedule
+
+_merge = COMBINERS["online_softmax"].merge
+
+
+def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, ...]:
+    """(m, l, acc) of softmax attention of q [H, D] over k, v [n, D] (n may be 0)."""
+    H, D = q.shape
+    if k.shape[0] == 0:
+        return np.full(H, -np.inf), np.zeros(H), np.zeros((H, D))
+    s = (q @ k.T) * scale
+    m = s.max(axis=1)
+    p = np.exp(s - m[:, None])
+    return m, p.sum(axis=1), p @ v
+
+
+def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, kv_indices: torch.Tensor,
+                   sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Execute `schedule` on CPU tensors. Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
+    B, Hq, D = q.shape
+    P = kv_cache.shape[2]
+    # NumPy, not torch: per-item matmuls are tiny and torch's CPU thread pool only adds overhead.
+    q64, kv64 = q.double().numpy(), kv_cache.double().numpy()
+    indices = kv_indices.numpy()
+    out = torch.full((B, Hq, D), float("nan"), dtype=torch.float64)
+    lse = torch.full((B, Hq), float("nan"), dtype=torch.float64)
+    part_o = np.full((schedule.num_slots, schedule.heads_per_item, D), np.nan)
+    part_lse = np.full((schedule.num_slots, schedule.heads_per_item), np.nan)
+    arrived = np.zeros(schedule.num_units, dtype=np.int64)
+    it = schedule.items()
+    page_base = schedule.page_base
+    for i in range(len(it["unit"])):
+        b, kvh, h0, rows = (int(it[k][i]) for k in ("req", "kv_head", "q_head", "rows"))
+        beg, end, slot = int(it["kv_begin"][i]), int(it["kv_end"][i]), int(it["slot"][i])
+        pos = np.arange(beg, end)
+        pages = indices[int(page_base[b]) + pos // P]
+        k = kv64[pages, 0, pos % P, kvh]
+        v = kv64[pages, 1, pos % P, kvh]
+        m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale)
+        if slot < 0:
+            _write(out, lse, b, h0, m, l, acc)
+            continue
+        part_o[slot, :rows] = acc / np.where(l > 0, l, 1.0)[:, None]
+        part_lse[slot, :rows] = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+        u = int(it["unit"][i])
+        arrived[u] += 1
+        if arrived[u] == it["num_parts"][i]:      # last arriver merges the unit's slots
+            s0 = int(it["parts_begin"][i])
+            m, l, acc = np.full(rows, -np.inf), np.zeros(rows), np.zeros((rows, D))
+            for s in range(s0, s0 + int(it["num_parts"][i])):
+                ls = part_lse[s, :rows]
+                m, l, acc = _merge(m, l, acc, ls, np.ones(rows), part_o[s, :rows])
+            _write(out, lse, b, h0, m, l, acc)
+    return out, lse
+
+
+def _write(out, lse, b, h0, m, l, acc) -> None:
+    rows = len(m)
+    safe = np.where(l > 0, l, 1.0)
+    out[b, h0:h0 + rows] = torch.from_numpy(np.where(l[:, None] > 0, acc / safe[:, None], 0.0))
+    lse[b, h0:h0 + rows] = torch.from_numpy(np.where(l > 0, m + np.log(safe), -np.inf))
+
+
+def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                        kv_last_page_len: torch.Tensor, sm_scale: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain float64 paged decode attention, one request at a time (no schedule): the ground truth."""
+    B, Hq, D = q.shape
+    _, _, P, Hkv, _ = kv_cache.shape
+    G = Hq // Hkv
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    out = torch.zeros(B, Hq, D, dtype=torch.float64, device=q.device)
+    lse = torch.full((B, Hq), -math.inf, dtype=torch.float64, device=q.device)
+    indptr, last = kv_indptr.tolist(), kv_last_page_len.tolist()
+    for b in range(B):
+        pages = kv_indices[indptr[b]:indptr[b + 1]].long()
+        if len(pages) == 0:
+            continue
+        n = (len(pages) - 1) * P + last[b]
+        k = kv_cache[pages, 0].reshape(-1, Hkv, D)[:n].double()       # [n, Hkv, D]
+        v = kv_cache[pages, 1].reshape(-1, Hkv, D)[:n].double()
+        qb = q[b].double().view(Hkv, G, D)
+        s = torch.einsum("hgd,nhd->hgn", qb, k) * scale
+        lse[b] = torch.logsumexp(s, dim=-1).reshape(Hq)
+        out[b] = torch.einsum("hgn,nhd->hgd", torch.softmax(s, dim=-1), v).reshape(Hq, D)
+    return out, lse

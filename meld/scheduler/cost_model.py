@@ -1,0 +1,28 @@
+"""The decode-attention cost model: time is KV bytes read plus a fixed cost per work item.
+
+Decode attention is bound by reading the KV cache, so a CTA's time is close to the bytes it reads over
+its share of bandwidth. Each item also pays a fixed cost (loading q, the end-of-item merge, writing a
+partial), expressed here in KV tokens so the planner can cut one line of cost into equal segments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Attributes:
+        item_overhead_tokens: fixed cost of one item, in KV-token equivalents.
+        min_split_tokens: never split a (request, head block) into a piece shorter than this.
+        min_cta_tokens: use fewer CTAs than the grid when each would get less than this.
+        tile_tokens: splits land on multiples of the kernel's KV tile.
+    """
+
+    item_overhead_tokens: int = 32
+    min_split_tokens: int = 64
+    min_cta_tokens: int = 128
+    tile_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.tile_tokens < 1 or self.min_split_tokens < 1 or self.min_cta_tokens < 1 or self.item_overhead_tokens < 1:
+            raise ValueError(f"DecodeCost fields must be >= 1: {self}")

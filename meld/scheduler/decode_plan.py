@@ -1,0 +1,85 @@
+"""Split-KV planning for decode attention: cut one line of cost into equal segments, one per CTA.
+
+The units of work — one per (request, q-head block) — are laid end to end in request order, each as
+long as its cost (KV tokens + a fixed item overhead). Cutting that line into as many equal segments as
+there are CTAs balances the CTAs (up to tile rounding) and keeps the pieces of a split unit on
+neighbouring CTAs, in order. See `meld.ir.schedule` for how the kernel walks the segments and merges
+split units.
+
+The work is a few dozen vectorised NumPy operations over requests and cuts — never over units or
+tokens — because plan() runs once per batch on the host, on the serving loop's critical path.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir import CTA_FIELDS, Schedule
+from .cost_model import DecodeCost
+from .topology import Topology
+
+_ARANGE = np.arange(1 << 16, dtype=np.int64)   # sliced, not rebuilt, on the hot path
+
+
+def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, group_size: int,
+                topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8,
+                out: np.ndarray | None = None) -> Schedule:
+    """Plan one batch.
+
+    Args:
+        kv_len: [B] KV tokens per request.
+        page_base: [B] index of each request's first page in kv_indices (kv_indptr[:-1]).
+        num_kv_heads, group_size: kv heads, and q heads per kv head.
+        topology: the persistent grid (`num_ctas` segments).
+        cost: the cost model.
+        heads_per_item: q heads one unit computes; a kv head with more q heads gets several units.
+        out: optional int32 [len(CTA_FIELDS), num_ctas] array to write the CTA table into (a pinned
+            staging buffer, so the upload needs no extra copy).
+    Returns:
+        A `Schedule`; `Schedule.validate()` checks that it covers every KV token exactly once.
+    """
+    L = np.asarray(kv_len, dtype=np.int64)
+    nh = num_kv_heads * -(-group_size // heads_per_item)
+    U, W = len(L) * nh, topology.num_ctas
+    tile, o, ms = cost.tile_tokens, cost.item_overhead_tokens, cost.min_split_tokens
+
+    width = L + o                                    # one unit of request b on the line
+    R = np.zeros(len(L) + 1, dtype=np.int64)
+    np.cumsum(width * nh, out=R[1:])                 # request b occupies [R[b], R[b+1])
+    total = int(R[-1])
+    active = int(min(W, max(1, -(-total // cost.min_cta_tokens))))
+
+    # Cut j (1..active-1) sits at j * total / active: find its request b, unit u and token s.
+    x = _ARANGE[1:active] * total // active
+    b = R.searchsorted(x, "right") - 1
+    wb = width[b]
+    r = x - R[b]
+    hb = r // wb
+    s = (r - hb * wb + (tile // 2 - o)) // tile * tile
+    u = b * nh + hb
+    to_end = (s > wb - (o + ms)) & (s >= ms)         # too close to the unit's end: cut after it
+    u += to_end
+    s[(s < ms) | to_end] = 0                         # too close to either end: cut on the boundary
+
+    # Pieces of a split unit: consecutive interior cuts in one unit (never on the same token:
+    # cuts are >= min_cta_tokens > tile apart). The first piece belongs to the CTA before the run.
+    j = s.nonzero()[0]
+    ui = u[j]
+    run_start = np.empty(len(j), dtype=bool)
+    run_start[:1] = True
+    np.not_equal(ui[1:], ui[:-1], out=run_start[1:])
+    run_id = run_start.cumsum() - 1
+    first_cta = j[run_start][run_id]                 # cut j starts CTA j + 1; the first piece is CTA j
+    parts = np.bincount(run_id)[run_id] + 1
+
+    t = np.empty((len(CTA_FIELDS), W), dtype=np.int32) if out is None else out
+    t[:, active - 1:] = 0
+    t[0, active:] = U                                # idle CTAs: an empty segment at the end
+    t[2, active - 1:] = U
+    t[4:, :active] = 0
+    t[0, 0] = t[1, 0] = 0
+    t[0, 1:active] = t[2, :active - 1] = u
+    t[1, 1:active] = t[3, :active - 1] = s
+    t[6, j] = t[4, j + 1] = first_cta                # head (4, 5): the split unit a segment starts inside
+    t[7, j] = t[5, j + 1] = parts                    # tail (6, 7): the split unit a segment ends inside
+    return Schedule(num_kv_heads, group_size, heads_per_item, L, page_base, t,
+                    {"active_ctas": active, "item_overhead_tokens": o})

@@ -1,0 +1,33 @@
+"""Test setup: fixed seeds, the `gpu` marker (skipped with a reason where no Hopper GPU is present),
+and the `perf` marker (off unless asked for with `-m perf`)."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+
+def _gpu_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"GPU is sm_{major}{minor}; meld's kernels need sm_90 or newer"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_reason()
+    perf_asked = "perf" in (config.getoption("-m") or "")
+    for item in items:
+        if reason and "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        if "perf" in item.keywords and not perf_asked:
+            item.add_marker(pytest.mark.skip(reason="performance test: run with -m perf"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)

@@ -1,0 +1,112 @@
+"""DecodeAttention on the CPU reference executor: the planned schedule, executed piece by piece with
+last-arriver merges, matches plain float64 attention; bad inputs raise ValueError naming the argument."""
+import pytest
+import torch
+
+import meld
+from meld.runtime.reference import attention_reference, execute_decode
+
+from .workloads import lengths, paged
+
+
+def _inputs(lens, Hq=8, Hkv=2, D=64, P=16, dtype=torch.bfloat16):
+    pb = paged(lens, P)
+    kv = torch.randn(pb.num_pages, 2, P, Hkv, D).to(dtype)
+    q = torch.randn(len(lens), Hq, D).to(dtype)
+    return pb, kv, q
+
+
+@pytest.mark.parametrize("lens,Hq,Hkv,P", [
+    (lengths("ragged", 9), 8, 2, 16),
+    ([0, 1, 2, 3, 4000, 0], 12, 1, 1),       # page size 1, group 12 (two head blocks)
+    ([5000, 70, 0, 131], 4, 4, 64),          # group 1
+    ([0, 0], 8, 2, 16),                      # only empty requests
+])
+def test_cpu_executor_matches_reference(lens, Hq, Hkv, P):
+    pb, kv, q = _inputs(lens, Hq, Hkv, 64, P)
+    attn = meld.DecodeAttention(Hq, Hkv, 64, P, torch.bfloat16, "cpu", topology=meld.scheduler.Topology(24, 2))
+    s = attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len).validate()
+    out = torch.full((len(lens), Hq, 64), float("nan"), dtype=torch.bfloat16)
+    out, lse = attn.run(q, kv, return_lse=True, out=out)
+    ref, ref_lse = attention_reference(q, kv, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    assert not out.isnan().any()
+    assert ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item() < 1e-2
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse.double()[finite], ref_lse[finite], atol=1e-5)
+    if sum(lens) > 1000:
+        assert (s.items()["slot"] >= 0).any(), "the test must exercise split units and merges"
+
+
+def test_cpu_executor_detects_a_wrong_schedule():
+    lens = [3000, 2000, 10]
+    pb, kv, q = _inputs(lens)
+    attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu", topology=meld.scheduler.Topology(16, 1))
+    s = attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    ref, _ = attention_reference(q, kv, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    good, _ = execute_decode(s, q, kv, pb.kv_indices, attn.sm_scale)
+    assert ((good - ref).norm() / ref.norm()).item() < 1e-6
+    col = int((s.cta[3] > 0).nonzero()[0][0])
+    s.cta[3, col] += 16                       # end one segment a tile later: tokens counted twice
+    bad, _ = execute_decode(s, q, kv, pb.kv_indices, attn.sm_scale)
+    assert bad.isnan().any() or ((bad - ref).norm() / ref.norm()).item() > 1e-3
+
+
+def _planned(**kw):
+    attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu", **kw)
+    pb, kv, q = _inputs([100, 0, 33])
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    return attn, pb, kv, q
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_qo_heads=6, num_kv_heads=4), "num_qo_heads=6 must be a multiple of num_kv_heads=4"),
+    (dict(head_dim=96), "head_dim must be 64, 128 or 256, got 96"),
+    (dict(page_size=0), "page_size must be a positive int, got 0"),
+    (dict(dtype=torch.float32), "dtype must be torch.bfloat16 or torch.float16"),
+    (dict(device="meta"), "device must be 'cuda' or 'cpu'"),
+])
+def test_constructor_errors(kwargs, match):
+    args = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        meld.DecodeAttention(**args)
+
+
+def test_plan_errors():
+    attn, pb, _, _ = _planned()
+    i, x, last = pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len
+    with pytest.raises(ValueError, match="kv_indptr must have dtype torch.int32, got torch.int64"):
+        attn.plan(i.long(), x, last)
+    with pytest.raises(ValueError, match=r"kv_last_page_len must have shape \(3,\)"):
+        attn.plan(i, x, last[:2])
+    bad = last.clone(); bad[0] = 17
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[0\]=17 is outside \[1, page_size=16\]"):
+        attn.plan(i, x, bad)
+    bad = last.clone(); bad[0] = 0
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[0\]=0"):
+        attn.plan(i, x, bad)
+    bad = x.clone(); bad[1] = -3
+    with pytest.raises(ValueError, match=r"kv_indices\[1\]=-3 is a negative page index"):
+        attn.plan(i, bad, last)
+    with pytest.raises(ValueError, match="exceeds len\\(kv_indices\\)"):
+        attn.plan(i, x[:2], last)
+    with pytest.raises(ValueError, match="never decrease"):
+        attn.plan(torch.tensor([0, 5, 3, 9], dtype=torch.int32), x, last)
+
+
+def test_run_errors():
+    attn, pb, kv, q = _planned()
+    with pytest.raises(ValueError, match=r"q must have shape \(3, 8, 64\)"):
+        attn.run(q[:2], kv)
+    with pytest.raises(ValueError, match="q must have dtype torch.bfloat16, got torch.float32"):
+        attn.run(q.float(), kv)
+    with pytest.raises(ValueError, match="kv_cache must have shape"):
+        attn.run(q, kv[:, :1])
+    with pytest.raises(ValueError, match=r"reference page \d+, but kv_cache has only 2 pages"):
+        attn.run(q, kv[:2])
+    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        attn.run(q, kv.transpose(3, 4).contiguous().transpose(3, 4))
+    fresh = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu")
+    with pytest.raises(RuntimeError, match="call plan\\(\\) first"):
+        fresh.run(q, kv)

@@ -1,0 +1,78 @@
+"""meld.ir: task graphs and schedules validate, print and survive a JSON round trip."""
+import numpy as np
+import pytest
+
+from meld.ir import COMBINERS, Axis, GraphError, Reduction, Schedule, ScheduleError, TaskGraph, TaskTemplate
+from meld.ops import decode_attention_graph
+from meld.scheduler import Topology, plan_decode
+
+
+def test_task_graph_round_trip_and_text():
+    g = decode_attention_graph(32, 8, 128, 16)
+    assert TaskGraph.from_json(g.to_json()) == g
+    assert g != decode_attention_graph(32, 4, 128, 16)
+    text = str(g)
+    assert "attention_partial: split_reduce [request<batch_size>, kv_head<8>] over kv<kv_len>" in text
+    assert g.task("attention_partial").reduction.identity == (-np.inf, 0.0, 0.0)
+
+
+def test_task_graph_rejects_broken_graphs():
+    g = TaskGraph("bad")
+    g.add_task(TaskTemplate("p", "split_reduce", (Axis("request", "B"),)))
+    with pytest.raises(GraphError, match="needs a range axis"):
+        g.validate()
+    g = TaskGraph("bad")
+    g.add_task(TaskTemplate("p", "combine", (Axis("request", "B"),), affinity=("kv_head",)))
+    with pytest.raises(GraphError, match="affinity"):
+        g.validate()
+    g = TaskGraph("bad")
+    g.add_task(TaskTemplate("p", "combine", (Axis("request", "B"),), reduction=Reduction("nope", "kv")))
+    with pytest.raises(GraphError, match="unknown combiner"):
+        g.validate()
+    with pytest.raises(GraphError, match="already"):
+        g.add_task(TaskTemplate("p", "combine", ()))
+    with pytest.raises(GraphError, match="no task named"):
+        g.add_edge("p", "q")
+
+
+def test_online_softmax_combiner_merges_like_one_softmax():
+    rng = np.random.default_rng(0)
+    s, v = rng.normal(size=10), rng.normal(size=(10, 3))
+    merge = COMBINERS["online_softmax"].merge
+
+    def state(idx):
+        m = s[idx].max()
+        p = np.exp(s[idx] - m)
+        return m, p.sum(), p @ v[idx]
+
+    m, l, acc = merge(*state(slice(0, 4)), *state(slice(4, 10)))
+    full = state(slice(0, 10))
+    assert np.isclose(m, full[0]) and np.isclose(l, full[1]) and np.allclose(acc, full[2])
+    ident = COMBINERS["online_softmax"].identity
+    m2, l2, acc2 = merge(*ident[:2], np.zeros(3), *ident[:2], np.zeros(3))   # two empty sides stay empty
+    assert m2 == -np.inf and l2 == 0 and not np.isnan(acc2).any()
+
+
+def _schedule():
+    lens = np.array([0, 5000, 17, 300, 2048])
+    return plan_decode(lens, np.r_[0, np.cumsum(-(-lens // 16))][:-1], 8, 4, Topology(16, 2))
+
+
+def test_schedule_round_trip():
+    s = _schedule().validate()
+    assert Schedule.from_json(s.to_json()) == s
+    assert "items on" in str(s)
+
+
+@pytest.mark.parametrize("field,row,delta,message", [
+    ("s_end", 3, 16, "contiguous"),
+    ("head_parts", 5, 1, "part count"),
+    ("head_first", 4, 1, "contiguous from its parts_begin"),
+    ("u_end", 2, -1, "contiguous|backwards"),
+])
+def test_schedule_validation_catches_corruption(field, row, delta, message):
+    s = _schedule()
+    col = int(np.flatnonzero(s.cta[row])[0]) if field.startswith("head") else 3
+    s.cta[row, col] += delta
+    with pytest.raises(ScheduleError, match=message):
+        s.validate()

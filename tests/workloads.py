@@ -1,0 +1,45 @@
+"""Batches for tests: the length distributions of ../shared/BENCH.md and a paged cache built for them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def lengths(dist: str, batch: int) -> list[int]:
+    if dist == "uniform2k":
+        return [2048] * batch
+    if dist == "skewed":   # exactly as BENCH.md
+        g = torch.Generator().manual_seed(1)
+        return [int(min(65536, max(64, math.exp(torch.empty(1).normal_(7.5, 1.2, generator=g).item()))))
+                for _ in range(batch)]
+    if dist == "one-long":
+        return [512] * (batch - 1) + [65536]
+    if dist == "ragged":   # small, odd lengths with empty requests mixed in
+        g = torch.Generator().manual_seed(batch)
+        out = torch.randint(0, 700, (batch,), generator=g).tolist()
+        for i in range(0, batch, 3):
+            out[i] = 0
+        return out
+    raise ValueError(f"unknown distribution {dist!r}")
+
+
+@dataclass
+class PagedBatch:
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    num_pages: int
+
+
+def paged(lens: list[int], page_size: int, spare_pages: int = 3, generator: torch.Generator | None = None) -> PagedBatch:
+    """FlashInfer's paged layout for `lens`, page indices shuffled over a cache with a few spare pages."""
+    pages = [-(-n // page_size) for n in lens]
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.tensor(pages, dtype=torch.int32).cumsum(0) if lens else indptr[1:]
+    nnz = int(indptr[-1])
+    num_pages = nnz + spare_pages
+    indices = torch.randperm(num_pages, generator=generator)[:nnz].to(torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)], dtype=torch.int32)
+    return PagedBatch(indptr, indices, last, num_pages)
