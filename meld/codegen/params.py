@@ -69,3 +69,20 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("num_ctas", "i32"),
     Field("sm_scale_log2", "f32"),
 ])
+
+PLAN_PARAMS = ParamStruct("PlanParams", [
+    Field("kv_indptr", "ptr", "const int*"),
+    Field("last_page_len", "ptr", "const int*"),
+    Field("kv_len", "ptr", "int*"),
+    Field("page_base", "ptr", "int*"),
+    Field("cta_table", "ptr", "int*"),
+    Field("line", "ptr", "long long*"),
+    Field("batch", "i32"),
+    Field("page_size", "i32"),
+    Field("units_per_request", "i32"),
+    Field("num_ctas", "i32"),
+    Field("item_overhead", "i32"),
+    Field("min_split", "i32"),
+    Field("tile", "i32"),
+    Field("min_cta_tokens", "i32"),
+])

@@ -13,13 +13,16 @@ import numpy as np
 import torch
 
 from .. import config
-from ..codegen import HEADS_PER_UNIT, TILE_TOKENS, DECODE_PARAMS, DecodeKernelConfig, compile_source
+from ..codegen import (DECODE_PARAMS, HEADS_PER_UNIT, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
+                       DecodePlanKernelConfig, compile_source)
 from ..ir import Schedule, TaskGraph
 from ..scheduler import DecodeCost, Topology, plan_decode
 from .checks import check_positive, check_shape, check_tensor, same_device
 from .decode_graph import decode_attention_graph
 
-def _host(t: torch.Tensor) -> np.ndarray:
+def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
@@ -79,6 +82,8 @@ class DecodeAttention:
                 check_positive(name, v)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.group_size = num_qo_heads // num_kv_heads
+        self.head_blocks = -(-self.group_size // HEADS_PER_UNIT)        # units per kv head
+        self.units_per_request = num_kv_heads * self.head_blocks
         self.dtype = dtype
         self.device = torch.device(device)
         self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -90,6 +95,7 @@ class DecodeAttention:
         self._fixed_capacity = max_batch_size is not None and max_num_pages is not None
         self._cap = (max_batch_size or 64, max_num_pages or 4096)
         self._schedule: Schedule | None = None
+        self._planned: tuple[torch.Tensor, torch.Tensor] | None = None
         self._max_page = -1
         config.dump("decode_attention.taskgraph.json", self.graph.to_json())
         if self.device.type == "cuda":
@@ -111,9 +117,11 @@ class DecodeAttention:
             raise ValueError(f"device {self.device} ({info.name}, sm_{info.capability[0]}{info.capability[1]}) "
                              "is not supported: meld's kernels need sm_90 (Hopper) or newer")
         kc = self.kernel_config
-        compiled = compile_source(kc.render(), kc.name)
-        self.kernel = Kernel(compiled, kc.entry, self.device, kc.threads, kc.smem_bytes)
+        self.kernel = Kernel(compile_source(kc.render(), kc.name), kc.entry, self.device, kc.threads, kc.smem_bytes)
         self.topology = topology or Topology(info.sm_count, self.kernel.ctas_per_sm)
+        pc = DecodePlanKernelConfig()
+        self.planner = Kernel(compile_source(pc.render(), pc.name), pc.entry, self.device, pc.threads,
+                              pc.smem_bytes(self.topology.num_ctas))
         self._alloc(*self._cap)
 
     def _alloc(self, max_batch: int, max_pages: int) -> None:
@@ -122,76 +130,115 @@ class DecodeAttention:
         self._cap = (max_batch, max_pages)
         W = self.topology.num_ctas
         self.tables = WorkTables(self.device, W, Capacity(max_batch, max_pages))
-        nqb = -(-self.group_size // HEADS_PER_UNIT)
-        units = max_batch * self.num_kv_heads * nqb
+        units = max_batch * self.units_per_request
         slots = units + W
         f32 = dict(dtype=torch.float32, device=self.device)
         self.part_o = torch.empty(slots * HEADS_PER_UNIT * self.head_dim, **f32)
         self.part_lse = torch.empty(slots * HEADS_PER_UNIT, **f32)
         self.counters = torch.zeros(units, dtype=torch.int32, device=self.device)
+        t, c = self.tables, self.cost
+        self._plan_params = PLAN_PARAMS.pack(     # one struct for every plan(): only `batch` changes
+            kv_indptr=t.ptr(t.off_indptr), last_page_len=t.ptr(t.off_last), kv_len=t.ptr(t.off_kv_len),
+            page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), line=t.line.data_ptr(), batch=0,
+            page_size=self.page_size, units_per_request=self.units_per_request, num_ctas=W,
+            item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens,
+            min_cta_tokens=c.min_cta_tokens)
+        self._run_params = DECODE_PARAMS.pack(   # one struct for every run(): tensors and strides change
+            q=0, kv=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
+            page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), part_o=self.part_o.data_ptr(),
+            part_lse=self.part_lse.data_ptr(), counters=self.counters.data_ptr(), q_stride_b=0, q_stride_h=0,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
+            head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
+            num_ctas=W, sm_scale_log2=self.sm_scale * _LOG2E)
 
     # --- plan -----------------------------------------------------------------------------------
     @property
     def schedule(self) -> Schedule:
-        """The `meld.ir.Schedule` of the last plan()."""
+        """The `meld.ir.Schedule` of the last plan() (on a GPU: the host planner's copy of the tables the
+        GPU planner wrote, computed when first asked for)."""
         if self._schedule is None:
-            raise RuntimeError("DecodeAttention.schedule: call plan() first")
+            if self._planned is None:
+                raise RuntimeError("DecodeAttention.schedule: call plan() first")
+            indptr, last = (_host(t).astype(np.int64) for t in self._planned)
+            pages = indptr[1:] - indptr[:-1]
+            kv_len = (pages * self.page_size + (last - self.page_size)) * (pages > 0)
+            self._schedule = self._plan(kv_len, indptr[:-1])
         return self._schedule
 
-    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> Schedule:
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+             *, check: bool = True) -> None:
         """Plan a batch from FlashInfer's paged layout (int32 tensors, CPU or this op's device).
 
         Args:
             kv_indptr: [B + 1] page-table offsets of each request in kv_indices.
             kv_indices: [>= kv_indptr[-1]] page indices into the KV cache.
             kv_last_page_len: [B] tokens in each request's last page (1..page_size; any for empty requests).
-        Returns:
-            The schedule (also at `self.schedule`). CPU inputs need no device synchronisation; GPU inputs
-            are read on the host first (a synchronisation, as in FlashInfer's plan).
+            check: validate the values (page indices, last-page lengths). CPU inputs are always checked
+                and never synchronise with the device. GPU inputs are planned on the GPU; checking them
+                reads them on the host (a synchronisation) — pass check=False to plan with no host
+                involvement at all (then plan() can itself be captured in a CUDA graph).
+        The schedule is at `self.schedule`.
         """
         for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             check_tensor(name, t, dtype=torch.int32, ndim=1)
             if t.device.type != "cpu" and not same_device(t.device, self.device):
                 raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
-        indptr, last = _host(kv_indptr).astype(np.int64), _host(kv_last_page_len)
-        B = len(indptr) - 1
+        B = kv_indptr.numel() - 1
         if B < 0:
             raise ValueError("kv_indptr must have B + 1 entries, got an empty tensor")
         check_shape("kv_last_page_len", kv_last_page_len, (B,), "one entry per request, B = len(kv_indptr) - 1")
+        on_host = kv_indptr.device.type == "cpu" and kv_indices.device.type == "cpu" \
+            and kv_last_page_len.device.type == "cpu"
+        nnz = -1
+        if on_host or check:
+            indptr, last = _host(kv_indptr), _host(kv_last_page_len)
+            nnz = self._check_page_table(indptr, last, kv_indices.numel())
+        self._schedule = None
+        self._batch = B
+        # What the lazy `schedule` replans from: host copies (the caller may reuse its buffers), or the
+        # GPU tensors themselves (reading them is the synchronisation check=False avoided).
+        self._planned = (indptr.copy(), last.copy()) if on_host else (kv_indptr, kv_last_page_len)
+        if self.device.type == "cpu":
+            self._kv_indices_cpu = kv_indices[:nnz]
+            self._max_page = _max_page(self._kv_indices_cpu.numpy())
+            return
+        if on_host:
+            self._ensure_capacity(B, nnz)
+            t = self.tables
+            staged = t.stage()
+            staged[t.off_indptr:t.off_indptr + B + 1] = indptr
+            staged[t.off_last:t.off_last + B] = last
+            idx = staged[t.off_indices:t.off_indices + nnz]
+            idx[:] = kv_indices.numpy()[:nnz]
+            self._max_page = _max_page(idx)
+            t.upload(B, nnz)
+        else:
+            if nnz < 0:    # unchecked: size by the whole index tensor, trust the values
+                nnz = kv_indices.numel()
+                self._max_page = -1
+            else:
+                self._max_page = _max_page(_host(kv_indices[:nnz]))
+            self._ensure_capacity(B, nnz)
+            t = self.tables
+            t.copy_from_device(*(x.to(self.device).contiguous() for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])))
+        self._plan_params.batch = B
+        self.planner.launch(1, self._plan_params)
+        if config.dump_dir():
+            config.dump("decode_attention.schedule.json", self.schedule.to_json())
+
+    def _check_page_table(self, indptr: np.ndarray, last: np.ndarray, num_indices: int) -> int:
+        """Validate kv_indptr / kv_last_page_len; returns nnz = kv_indptr[-1]."""
         nnz = int(indptr[-1])
         pages = indptr[1:] - indptr[:-1]
-        if indptr[0] != 0 or (B and pages.min() < 0):
+        if indptr[0] != 0 or (len(pages) and pages.min() < 0):
             raise ValueError(f"kv_indptr must start at 0 and never decrease, got {indptr[:8].tolist()}...")
-        if nnz > kv_indices.numel():
-            raise ValueError(f"kv_indptr[-1]={nnz} exceeds len(kv_indices)={kv_indices.numel()}")
+        if nnz > num_indices:
+            raise ValueError(f"kv_indptr[-1]={nnz} exceeds len(kv_indices)={num_indices}")
         nonempty = pages > 0
         if np.any(((last - 1).view(np.uint32) >= self.page_size) & nonempty):   # last < 1 wraps around
             b = int(np.flatnonzero(((last < 1) | (last > self.page_size)) & nonempty)[0])
             raise ValueError(f"kv_last_page_len[{b}]={int(last[b])} is outside [1, page_size={self.page_size}]")
-        kv_len = (pages * self.page_size + (last - self.page_size)) * nonempty
-        on_host = kv_indices.device.type == "cpu"
-        indices = kv_indices[:nnz]
-        if self.device.type == "cpu":
-            self._max_page = _max_page(indices.numpy())
-            self._kv_indices_cpu = indices
-            self._schedule = self._plan(kv_len, indptr[:-1])
-            return self._schedule
-        self._ensure_capacity(B, nnz)
-        t = self.tables
-        staged = t.stage()
-        if on_host:
-            host = indices.numpy()
-            staged[t.off_indices:t.off_indices + nnz] = host
-            self._max_page = _max_page(host)
-        else:
-            self._max_page = _max_page(indices.cpu().numpy())     # GPU page table: one sync, as documented
-        self._schedule = self._plan(kv_len, indptr[:-1], out=t.cta_view(staged))
-        staged[t.off_kv_len:t.off_kv_len + B] = kv_len
-        staged[t.off_page_base:t.off_page_base + B] = indptr[:-1]
-        t.upload(t.off_indices + (nnz if on_host else 0), None if on_host else indices)
-        if config.dump_dir():
-            config.dump("decode_attention.schedule.json", self._schedule.to_json())
-        return self._schedule
+        return nnz
 
     def _plan(self, kv_len: np.ndarray, page_base: np.ndarray, out: np.ndarray | None = None) -> Schedule:
         return plan_decode(kv_len, page_base, self.num_kv_heads, self.group_size, self.topology, self.cost,
@@ -220,8 +267,9 @@ class DecodeAttention:
             out [B, num_qo_heads, head_dim] (and lse if return_lse). A request with no KV tokens gives
             zeros and lse = -inf.
         """
-        s = self.schedule
-        B = len(s.kv_len)
+        if self._planned is None:
+            raise RuntimeError("DecodeAttention.run: call plan() first")
+        B = self._batch
         check_tensor("q", q, dtype=self.dtype, ndim=3, device=self.device)
         check_shape("q", q, (B, self.num_qo_heads, self.head_dim), "batch of the last plan(), num_qo_heads, head_dim")
         check_tensor("kv_cache", kv_cache, dtype=self.dtype, ndim=5, device=self.device)
@@ -260,16 +308,11 @@ class DecodeAttention:
         if sd != 1 or sb % 8 or sh % 8 or q.data_ptr() % 16:
             q = q.contiguous()
             sb, sh, _ = q.stride()
-        t = self.tables
-        params = DECODE_PARAMS.pack(
-            q=q.data_ptr(), kv=kv_cache.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr() if lse is not None else 0,
-            kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),
-            cta_table=t.ptr(0), part_o=self.part_o.data_ptr(), part_lse=self.part_lse.data_ptr(),
-            counters=self.counters.data_ptr(), q_stride_b=sb, q_stride_h=sh,
-            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
-            head_blocks=self.schedule.head_blocks, units_per_request=self.schedule.units_per_request,
-            page_size=self.page_size, num_ctas=self.topology.num_ctas, sm_scale_log2=self.sm_scale * _LOG2E)
-        self.kernel.launch(self.topology.num_ctas, params)
+        p = self._run_params
+        p.q, p.kv, p.out = q.data_ptr(), kv_cache.data_ptr(), out.data_ptr()
+        p.lse = lse.data_ptr() if lse is not None else 0
+        p.q_stride_b, p.q_stride_h = sb, sh
+        self.kernel.launch(self.topology.num_ctas, p)
 
     def _run_cpu(self, q, kv_cache, out, lse) -> None:
         from ..runtime.reference import execute_decode

@@ -1,11 +1,14 @@
 """Device buffers for the work tables, rewritten in place by every plan().
 
-The int32 tables live in one device buffer at fixed offsets — [CTA table | kv_len | page_base |
-kv_indices] — so the kernel's pointers never change between plans and a CUDA graph that captured
-run() stays valid. The host stages the same layout in pinned memory (two buffers, alternating, each
-guarded by an event) and uploads it with one asynchronous copy on the current stream, so plan() never
-waits for the device. Driver calls go through cuda-python directly: plan() is on the serving loop's
-critical path and torch's copy dispatch costs more than the copy.
+One int32 device buffer holds, at fixed offsets,
+
+    [CTA table | kv_len | page_base | kv_indptr | kv_last_page_len | kv_indices]
+
+so the kernels' pointers never change between plans and a CUDA graph that captured run() stays
+valid. plan() stages the raw page table (the last three sections) in pinned memory — two buffers,
+alternating, each guarded by an event — uploads it with one asynchronous copy, and the GPU planner
+fills the first three sections. Driver calls go through cuda-python directly: plan() is on the
+serving loop's critical path and torch's copy dispatch costs more than the copy.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import numpy as np
 import torch
 
 from ..ir import CTA_FIELDS
-from .driver import check, drv
+from .driver import check, current_stream, drv
 
 
 @dataclass(frozen=True)
@@ -27,17 +30,22 @@ class Capacity:
 class WorkTables:
     def __init__(self, device: torch.device, num_ctas: int, cap: Capacity):
         self.device, self.num_ctas, self.cap = device, num_ctas, cap
-        W = num_ctas
-        self.off_kv_len = len(CTA_FIELDS) * W
+        self.off_kv_len = len(CTA_FIELDS) * num_ctas
         self.off_page_base = self.off_kv_len + cap.batch
-        self.off_indices = self.off_page_base + cap.batch
+        self.off_indptr = self.off_page_base + cap.batch
+        self.off_last = self.off_indptr + cap.batch + 1
+        self.off_indices = self.off_last + cap.batch
         size = self.off_indices + max(cap.pages, 1)
         self.buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self.line = torch.zeros(cap.batch + 1, dtype=torch.int64, device=device)   # the planner's scratch
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self._host = [s.numpy() for s in self._staging]
+        self._staging_ptr = [s.data_ptr() for s in self._staging]
+        self._buf_ptr = self.buf.data_ptr()
         d = drv()
         self._events = [check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
                         for _ in range(2)]
+        self._destroy = d.cuEventDestroy
         self._pending = [False, False]
         self._turn = 0
 
@@ -47,26 +55,29 @@ class WorkTables:
             check(drv().cuEventSynchronize(self._events[self._turn]), "cuEventSynchronize")
         return self._host[self._turn]
 
-    def cta_view(self, staged: np.ndarray) -> np.ndarray:
-        return staged[:self.off_kv_len].reshape(len(CTA_FIELDS), self.num_ctas)
-
-    def upload(self, staged_words: int, device_indices: torch.Tensor | None = None) -> None:
-        """Copy the first `staged_words` of the staging buffer (and GPU-resident page indices) to the device."""
+    def upload(self, batch: int, nnz: int) -> None:
+        """Copy the staged raw page table (indptr, last_page_len, the first nnz indices) to the device."""
         d = drv()
-        stream = d.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        check(d.cuMemcpyHtoDAsync(self.buf.data_ptr(), self._staging[self._turn].data_ptr(), 4 * staged_words,
-                                  stream), "upload work tables")
-        if device_indices is not None and device_indices.numel():
-            check(d.cuMemcpyDtoDAsync(self.ptr(self.off_indices), device_indices.data_ptr(),
-                                      4 * device_indices.numel(), stream), "copy kv_indices")
+        stream = current_stream(self.device)
+        lo, hi = self.off_indptr, self.off_indices + nnz
+        check(d.cuMemcpyHtoDAsync(self._buf_ptr + 4 * lo, self._staging_ptr[self._turn] + 4 * lo, 4 * (hi - lo),
+                                  stream), "upload the page table")
         check(d.cuEventRecord(self._events[self._turn], stream), "cuEventRecord")
         self._pending[self._turn] = True
         self._turn ^= 1
 
+    def copy_from_device(self, indptr: torch.Tensor, last: torch.Tensor, indices: torch.Tensor) -> None:
+        """A page table already on the GPU: device-to-device copies, no host involvement."""
+        d = drv()
+        stream = current_stream(self.device)
+        for off, t in ((self.off_indptr, indptr), (self.off_last, last), (self.off_indices, indices)):
+            if t.numel():
+                check(d.cuMemcpyDtoDAsync(self.ptr(off), t.data_ptr(), 4 * t.numel(), stream), "copy the page table")
+
     def ptr(self, offset: int) -> int:
-        return self.buf.data_ptr() + 4 * offset
+        return self._buf_ptr + 4 * offset
 
     def __del__(self) -> None:
-        d = drv()
+        destroy = getattr(self, "_destroy", None)   # bound at init: module imports fail at interpreter exit
         for ev in getattr(self, "_events", ()):
-            d.cuEventDestroy(ev)
+            destroy(ev)

@@ -1,0 +1,150 @@
+// meld: the decode-attention planner on the GPU (one CTA).
+//
+// The same cut of the cost line as meld/scheduler/decode_plan.py (the reference: a GPU test asserts
+// that the tables are identical), computed on the device from the raw page table, so plan() costs the
+// host one copy and one launch, and a page table that already lives on the GPU is planned without any
+// device-to-host synchronisation.
+//
+// Defined by the including source: PLAN_THREADS, struct PlanParams.
+
+namespace meld {
+
+constexpr int PT = PLAN_THREADS;
+constexpr int PW = PT / 32;
+
+// Inclusive block-wide scan of one value per thread under an associative op; `total` receives the
+// block's reduction. Every thread must call it.
+template <class T, class Op>
+__device__ __forceinline__ T block_scan(T v, Op op, T* warp_tot, T& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const T n = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v = op(n, v);
+  }
+  if (lane == 31) warp_tot[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    T w = warp_tot[lane < PW ? lane : PW - 1];
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const T n = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w = op(n, w);
+    }
+    if (lane < PW) warp_tot[lane] = w;
+  }
+  __syncthreads();
+  if (warp > 0) v = op(warp_tot[warp - 1], v);
+  total = warp_tot[PW - 1];
+  __syncthreads();   // warp_tot is reused by the next call
+  return v;
+}
+
+struct Add { __device__ long long operator()(long long a, long long b) const { return a + b; } };
+struct Max { __device__ int operator()(int a, int b) const { return a > b ? a : b; } };
+struct Min { __device__ int operator()(int a, int b) const { return a < b ? a : b; } };
+
+__device__ __forceinline__ long long floor_div(long long a, long long b) {   // b > 0, as NumPy's //
+  const long long q = a / b;
+  return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+}  // namespace meld
+
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1) meld_decode_plan(const __grid_constant__ PlanParams p) {
+  using namespace meld;
+  __shared__ long long tot64[PW];
+  __shared__ int tot32[PW];
+  extern __shared__ int cut[];   // [4][num_ctas]: unit, token, run first, run last of cut c (1..active-1)
+  const int tid = threadIdx.x, B = p.batch, W = p.num_ctas, nh = p.units_per_request;
+  const int U = B * nh, o = p.item_overhead, ms = p.min_split, tile = p.tile;
+  int* cut_u = cut;
+  int* cut_s = cut + W;
+  int* first = cut + 2 * W;
+  int* last = cut + 3 * W;
+  long long* R = p.line;
+
+  // 1. Lengths, and the line: request b occupies [R[b], R[b+1]) with width nh * (len + overhead).
+  long long carry = 0;
+  for (int base = 0; base < B; base += PT) {
+    const int b = base + tid;
+    long long v = 0;
+    if (b < B) {
+      const int pages = p.kv_indptr[b + 1] - p.kv_indptr[b];
+      const int len = pages > 0 ? (pages - 1) * p.page_size + p.last_page_len[b] : 0;
+      p.kv_len[b] = len;
+      p.page_base[b] = p.kv_indptr[b];
+      v = (long long)nh * (len + o);
+    }
+    long long block_total;
+    const long long s = block_scan(v, Add(), tot64, block_total);
+    if (b < B) R[b + 1] = carry + s;
+    carry += block_total;
+  }
+  if (tid == 0) R[0] = 0;
+  __syncthreads();
+  const long long total = carry;
+  const int active = (int)min((long long)W, max(1ll, (total + p.min_cta_tokens - 1) / p.min_cta_tokens));
+
+  // 2. Cut c (1..active-1) at c * total / active: its request (binary search), unit and token.
+  for (int c = 1 + tid; c < active; c += PT) {
+    const long long x = (long long)c * total / active;
+    int lo = 0, hi = B;                          // largest b with R[b] <= x
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (R[mid] <= x) lo = mid; else hi = mid - 1;
+    }
+    const int b = lo;
+    const long long wb = (long long)p.kv_len[b] + o;
+    const long long r = x - R[b];
+    const long long hb = r / wb;
+    long long s = floor_div(r - hb * wb + (tile / 2 - o), tile) * tile;
+    int u = b * nh + (int)hb;
+    const bool to_end = s > wb - (o + ms) && s >= ms;
+    u += to_end;
+    if (s < ms || to_end) s = 0;
+    cut_u[c] = u;
+    cut_s[c] = (int)s;
+  }
+  __syncthreads();
+
+  // 3. Runs of interior cuts (s > 0) in one unit: the pieces of a split unit. first = the run's first
+  //    cut (max-scan of run starts), last = its last cut (min-scan, right to left, of run ends).
+  auto interior = [&](int c) { return c >= 1 && c < active && cut_s[c] > 0; };
+  int acc = 0;
+  for (int base = 0; base < W; base += PT) {
+    const int c = base + tid;
+    const bool start = c < W && interior(c) && !(interior(c - 1) && cut_u[c - 1] == cut_u[c]);
+    int tot;
+    const int f = max(acc, block_scan(start ? c : 0, Max(), tot32, tot));
+    if (c < W) first[c] = f;
+    acc = max(acc, tot);
+  }
+  acc = 0x7fffffff;
+  for (int base = 0; base < W; base += PT) {
+    const int c = W - 1 - (base + tid);
+    const bool end = c >= 0 && interior(c) && !(interior(c + 1) && cut_u[c + 1] == cut_u[c]);
+    int tot;
+    const int l = min(acc, block_scan(end ? c : 0x7fffffff, Min(), tot32, tot));
+    if (c >= 0) last[c] = l;
+    acc = min(acc, tot);
+  }
+  __syncthreads();
+
+  // 4. The CTA table (meld/ir/schedule.py): segment c runs from cut c to cut c + 1; a split unit that
+  //    a segment starts (head) or ends (tail) inside has parts = cuts in its run + 1, the first in CTA
+  //    first - 1.
+  int* t = p.cta_table;
+  for (int c = tid; c < W; c += PT) {
+    const bool act = c < active;
+    t[0 * W + c] = c == 0 ? 0 : act ? cut_u[c] : U;
+    t[1 * W + c] = c == 0 || !act ? 0 : cut_s[c];
+    t[2 * W + c] = c + 1 < active ? cut_u[c + 1] : U;
+    t[3 * W + c] = c + 1 < active ? cut_s[c + 1] : 0;
+    const bool head = interior(c), tail = interior(c + 1);
+    t[4 * W + c] = head ? first[c] - 1 : 0;
+    t[5 * W + c] = head ? last[c] - first[c] + 2 : 0;
+    t[6 * W + c] = tail ? first[c + 1] - 1 : 0;
+    t[7 * W + c] = tail ? last[c + 1] - first[c + 1] + 2 : 0;
+  }
+}
