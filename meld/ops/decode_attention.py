@@ -17,7 +17,7 @@ from ..codegen import (DECODE_PARAMS, HEADS_PER_UNIT, PLAN_PARAMS, TILE_TOKENS, 
                        DecodePlanKernelConfig, compile_source)
 from ..ir import Schedule, TaskGraph
 from ..scheduler import DecodeCost, Topology, plan_decode
-from .checks import check_positive, check_shape, check_tensor, same_device
+from .checks import check_positive, expect, same_device
 from .decode_graph import decode_attention_graph
 
 def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -138,7 +138,7 @@ class DecodeAttention:
         self.counters = torch.zeros(units, dtype=torch.int32, device=self.device)
         t, c = self.tables, self.cost
         self._plan_params = PLAN_PARAMS.pack(     # one struct for every plan(): only `batch` changes
-            kv_indptr=t.ptr(t.off_indptr), last_page_len=t.ptr(t.off_last), kv_len=t.ptr(t.off_kv_len),
+            kv_indptr=t.ptr(t.off_raw), last_page_len=t.ptr(t.off_raw), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), line=t.line.data_ptr(), batch=0,
             page_size=self.page_size, units_per_request=self.units_per_request, num_ctas=W,
             item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens,
@@ -179,64 +179,67 @@ class DecodeAttention:
                 involvement at all (then plan() can itself be captured in a CUDA graph).
         The schedule is at `self.schedule`.
         """
-        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
-            check_tensor(name, t, dtype=torch.int32, ndim=1)
-            if t.device.type != "cpu" and not same_device(t.device, self.device):
-                raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
-        B = kv_indptr.numel() - 1
+        expect("kv_indptr", kv_indptr, torch.int32, (None,), "B + 1 offsets")
+        B = kv_indptr.shape[0] - 1
         if B < 0:
             raise ValueError("kv_indptr must have B + 1 entries, got an empty tensor")
-        check_shape("kv_last_page_len", kv_last_page_len, (B,), "one entry per request, B = len(kv_indptr) - 1")
-        on_host = kv_indptr.device.type == "cpu" and kv_indices.device.type == "cpu" \
-            and kv_last_page_len.device.type == "cpu"
-        nnz = -1
-        if on_host or check:
-            indptr, last = _host(kv_indptr), _host(kv_last_page_len)
-            nnz = self._check_page_table(indptr, last, kv_indices.numel())
+        expect("kv_indices", kv_indices, torch.int32, (None,), "page indices")
+        expect("kv_last_page_len", kv_last_page_len, torch.int32, (B,), "one entry per request, B = len(kv_indptr) - 1")
+        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            if t.device.type != "cpu" and not same_device(t.device, self.device):
+                raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
+        on_host = kv_indptr.device.type == kv_indices.device.type == kv_last_page_len.device.type == "cpu"
         self._schedule = None
         self._batch = B
-        # What the lazy `schedule` replans from: host copies (the caller may reuse its buffers), or the
-        # GPU tensors themselves (reading them is the synchronisation check=False avoided).
-        self._planned = (indptr.copy(), last.copy()) if on_host else (kv_indptr, kv_last_page_len)
         if self.device.type == "cpu":
-            self._kv_indices_cpu = kv_indices[:nnz]
+            indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
+            nnz = self._check_page_table(indptr, last, kv_indices.numel())
+            self._planned = (indptr.copy(), last.copy())
+            self._kv_indices_cpu = kv_indices[:nnz].clone()
             self._max_page = _max_page(self._kv_indices_cpu.numpy())
             return
         if on_host:
+            indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
+            nnz = self._check_page_table(indptr, last, kv_indices.numel())
             self._ensure_capacity(B, nnz)
             t = self.tables
             staged = t.stage()
-            staged[t.off_indptr:t.off_indptr + B + 1] = indptr
-            staged[t.off_last:t.off_last + B] = last
+            raw = staged[t.off_raw:t.off_raw + 2 * B + 1]
+            np.concatenate((indptr, last), out=raw)
             idx = staged[t.off_indices:t.off_indices + nnz]
-            idx[:] = kv_indices.numpy()[:nnz]
+            np.copyto(idx, kv_indices.numpy()[:nnz])
             self._max_page = _max_page(idx)
-            t.upload(B, nnz)
+            # The lazy `schedule` replans from these views: this staging buffer is rewritten two plans
+            # later, when `_planned` already points at the newer one.
+            self._planned = (raw[:B + 1], raw[B + 1:])
+            t.upload(nnz)
         else:
-            if nnz < 0:    # unchecked: size by the whole index tensor, trust the values
-                nnz = kv_indices.numel()
-                self._max_page = -1
-            else:
+            if check:
+                nnz = self._check_page_table(_host(kv_indptr), _host(kv_last_page_len), kv_indices.numel())
                 self._max_page = _max_page(_host(kv_indices[:nnz]))
+            else:          # trust the values: no host involvement at all
+                nnz, self._max_page = kv_indices.numel(), -1
             self._ensure_capacity(B, nnz)
             t = self.tables
-            t.copy_from_device(*(x.to(self.device).contiguous() for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])))
-        self._plan_params.batch = B
-        self.planner.launch(1, self._plan_params)
+            t.copy_from_device(*(x.contiguous() for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])))
+            self._planned = (kv_indptr, kv_last_page_len)
+        p = self._plan_params
+        p.batch, p.last_page_len = B, t.ptr(t.off_raw + B + 1)
+        self.planner.launch(1, p)
         if config.dump_dir():
             config.dump("decode_attention.schedule.json", self.schedule.to_json())
 
     def _check_page_table(self, indptr: np.ndarray, last: np.ndarray, num_indices: int) -> int:
-        """Validate kv_indptr / kv_last_page_len; returns nnz = kv_indptr[-1]."""
+        """Validate kv_indptr / kv_last_page_len in a handful of vector ops; returns nnz = kv_indptr[-1]."""
         nnz = int(indptr[-1])
         pages = indptr[1:] - indptr[:-1]
         if indptr[0] != 0 or (len(pages) and pages.min() < 0):
             raise ValueError(f"kv_indptr must start at 0 and never decrease, got {indptr[:8].tolist()}...")
         if nnz > num_indices:
             raise ValueError(f"kv_indptr[-1]={nnz} exceeds len(kv_indices)={num_indices}")
-        nonempty = pages > 0
-        if np.any(((last - 1).view(np.uint32) >= self.page_size) & nonempty):   # last < 1 wraps around
-            b = int(np.flatnonzero(((last < 1) | (last > self.page_size)) & nonempty)[0])
+        # last - 1 must lie in [0, page_size) for non-empty requests; below 0 wraps to >= 2**31 as uint32.
+        if len(last) and ((last - 1) * (pages > 0)).view(np.uint32).max() >= self.page_size:
+            b = int(np.flatnonzero(((last < 1) | (last > self.page_size)) & (pages > 0))[0])
             raise ValueError(f"kv_last_page_len[{b}]={int(last[b])} is outside [1, page_size={self.page_size}]")
         return nnz
 
@@ -270,33 +273,24 @@ class DecodeAttention:
         if self._planned is None:
             raise RuntimeError("DecodeAttention.run: call plan() first")
         B = self._batch
-        check_tensor("q", q, dtype=self.dtype, ndim=3, device=self.device)
-        check_shape("q", q, (B, self.num_qo_heads, self.head_dim), "batch of the last plan(), num_qo_heads, head_dim")
-        check_tensor("kv_cache", kv_cache, dtype=self.dtype, ndim=5, device=self.device)
-        check_shape("kv_cache", kv_cache, (None, 2, self.page_size, self.num_kv_heads, self.head_dim),
-                    "num_pages, K/V, page_size, num_kv_heads, head_dim")
+        Hq, D = self.num_qo_heads, self.head_dim
+        expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
+        expect("kv_cache", kv_cache, self.dtype, (None, 2, self.page_size, self.num_kv_heads, D),
+               "num_pages, K/V, page_size, num_kv_heads, head_dim", self.device, contiguous=True)
         num_pages = kv_cache.shape[0]
         if self._max_page >= num_pages:
             raise ValueError(f"kv_indices of the last plan() reference page {self._max_page}, but kv_cache has "
                              f"only {num_pages} pages")
-        if not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache must be contiguous, got strides {kv_cache.stride()}")
         if num_pages * 2 * self.page_size >= 2 ** 31:
             raise ValueError(f"kv_cache has {num_pages} pages of {self.page_size}: more than 2**31 token rows")
         if out is None:
-            out = torch.empty(B, self.num_qo_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            out = torch.empty(B, Hq, D, dtype=self.dtype, device=self.device)
         else:
-            check_tensor("out", out, dtype=self.dtype, ndim=3, device=self.device)
-            check_shape("out", out, (B, self.num_qo_heads, self.head_dim), "like q")
-            if not out.is_contiguous():
-                raise ValueError("out must be contiguous")
+            expect("out", out, self.dtype, (B, Hq, D), "like q", self.device, contiguous=True)
         if return_lse or lse is not None:
             if lse is None:
-                lse = torch.empty(B, self.num_qo_heads, dtype=torch.float32, device=self.device)
-            check_tensor("lse", lse, dtype=torch.float32, ndim=2, device=self.device)
-            check_shape("lse", lse, (B, self.num_qo_heads), "batch, num_qo_heads")
-            if not lse.is_contiguous():
-                raise ValueError("lse must be contiguous")
+                lse = torch.empty(B, Hq, dtype=torch.float32, device=self.device)
+            expect("lse", lse, torch.float32, (B, Hq), "batch, num_qo_heads", self.device, contiguous=True)
         if self.device.type == "cpu":
             self._run_cpu(q, kv_cache, out, lse)
         elif B:

@@ -83,6 +83,7 @@ class Kernel:
         self._config.numAttrs = 0
         self._launch = d.cuLaunchKernelEx
         self._params: ctypes.Structure | None = None
+        self._stream = -1
 
     def launch(self, grid: int, params: ctypes.Structure) -> None:
         """Launch on torch's current stream with one by-value parameter struct.
@@ -95,6 +96,8 @@ class Kernel:
             self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self._args_ptr = ctypes.addressof(self._args)
         self._config.gridDimX = grid
-        self._config.hStream = current_stream(self.device)
+        stream = current_stream(self.device)
+        if stream != self._stream:            # the setter builds a CUstream object: only on a change
+            self._config.hStream = self._stream = stream
         check(self._launch(self._config, self.func, self._args_ptr, 0), f"launch {self.name}")
 

@@ -1,11 +1,12 @@
 """Device buffers for the work tables, rewritten in place by every plan().
 
-One int32 device buffer holds, at fixed offsets,
+One int32 device buffer holds
 
-    [CTA table | kv_len | page_base | kv_indptr | kv_last_page_len | kv_indices]
+    [CTA table | kv_len | page_base | raw: kv_indptr then kv_last_page_len | kv_indices]
 
-so the kernels' pointers never change between plans and a CUDA graph that captured run() stays
-valid. plan() stages the raw page table (the last three sections) in pinned memory — two buffers,
+with every section at a fixed offset (sized by the capacities), so the attention kernel's pointers
+never change between plans and a CUDA graph that captured run() stays valid. plan() stages the raw
+page table (the last two sections) in pinned memory — two buffers,
 alternating, each guarded by an event — uploads it with one asynchronous copy, and the GPU planner
 fills the first three sections. Driver calls go through cuda-python directly: plan() is on the
 serving loop's critical path and torch's copy dispatch costs more than the copy.
@@ -32,9 +33,8 @@ class WorkTables:
         self.device, self.num_ctas, self.cap = device, num_ctas, cap
         self.off_kv_len = len(CTA_FIELDS) * num_ctas
         self.off_page_base = self.off_kv_len + cap.batch
-        self.off_indptr = self.off_page_base + cap.batch
-        self.off_last = self.off_indptr + cap.batch + 1
-        self.off_indices = self.off_last + cap.batch
+        self.off_raw = self.off_page_base + cap.batch        # kv_indptr [B + 1], then kv_last_page_len [B]
+        self.off_indices = self.off_raw + 2 * cap.batch + 1
         size = self.off_indices + max(cap.pages, 1)
         self.buf = torch.zeros(size, dtype=torch.int32, device=device)
         self.line = torch.zeros(cap.batch + 1, dtype=torch.int64, device=device)   # the planner's scratch
@@ -55,11 +55,11 @@ class WorkTables:
             check(drv().cuEventSynchronize(self._events[self._turn]), "cuEventSynchronize")
         return self._host[self._turn]
 
-    def upload(self, batch: int, nnz: int) -> None:
+    def upload(self, nnz: int) -> None:
         """Copy the staged raw page table (indptr, last_page_len, the first nnz indices) to the device."""
         d = drv()
         stream = current_stream(self.device)
-        lo, hi = self.off_indptr, self.off_indices + nnz
+        lo, hi = self.off_raw, self.off_indices + nnz
         check(d.cuMemcpyHtoDAsync(self._buf_ptr + 4 * lo, self._staging_ptr[self._turn] + 4 * lo, 4 * (hi - lo),
                                   stream), "upload the page table")
         check(d.cuEventRecord(self._events[self._turn], stream), "cuEventRecord")
@@ -70,7 +70,8 @@ class WorkTables:
         """A page table already on the GPU: device-to-device copies, no host involvement."""
         d = drv()
         stream = current_stream(self.device)
-        for off, t in ((self.off_indptr, indptr), (self.off_last, last), (self.off_indices, indices)):
+        raw_last = self.off_raw + indptr.numel()
+        for off, t in ((self.off_raw, indptr), (raw_last, last), (self.off_indices, indices)):
             if t.numel():
                 check(d.cuMemcpyDtoDAsync(self.ptr(off), t.data_ptr(), 4 * t.numel(), stream), "copy the page table")
 
