@@ -62,3 +62,21 @@ def test_config_rejects_unsupported():
 def test_params_pack_checks_fields():
     with pytest.raises(TypeError, match="missing"):
         DECODE_PARAMS.pack(q=0)
+
+
+def test_dump_dir_gets_every_stage(tmp_path):
+    import torch
+
+    import meld
+    from tests.workloads import paged
+
+    dump = tmp_path / "dump"
+    with config.scope(MELD_DUMP_DIR=str(dump), MELD_CACHE_DIR=str(tmp_path / "cache")):
+        attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu")
+        pb = paged([100, 7], 16)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        cfg = attn.kernel_config
+        compile_source(cfg.render(), cfg.name)
+    names = {p.name for p in dump.iterdir()}
+    assert {"decode_attention.taskgraph.json", "decode_attention.schedule.json", f"{cfg.name}.cu",
+            f"{cfg.name}.cubin"} <= names

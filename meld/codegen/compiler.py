@@ -127,11 +127,12 @@ def compile_source(source: str, name: str, arch: str | None = None) -> Compiled:
     cache = config.cache_dir()
     cubin_path = cache / f"{name}_{key}.cubin"
     if cubin_path.exists():
-        return Compiled(name, cubin_path.read_bytes(), source, compiler, "")
-    cubin, log = _compile_nvrtc(source, name, arch) if nvrtc_ver else compile_nvcc(source, name, arch, nvcc)
-    cache.mkdir(parents=True, exist_ok=True)
-    _atomic_write(cache / f"{name}_{key}.cu", source.encode())
-    _atomic_write(cubin_path, cubin)
+        cubin, log = cubin_path.read_bytes(), ""
+    else:
+        cubin, log = _compile_nvrtc(source, name, arch) if nvrtc_ver else compile_nvcc(source, name, arch, nvcc)
+        cache.mkdir(parents=True, exist_ok=True)
+        _atomic_write(cache / f"{name}_{key}.cu", source.encode())
+        _atomic_write(cubin_path, cubin)
     config.dump(f"{name}.cu", source)
     config.dump(f"{name}.cubin", cubin)
     return Compiled(name, cubin, source, compiler, log)

@@ -197,8 +197,7 @@ class DecodeAttention:
             self._planned = (indptr.copy(), last.copy())
             self._kv_indices_cpu = kv_indices[:nnz].clone()
             self._max_page = _max_page(self._kv_indices_cpu.numpy())
-            return
-        if on_host:
+        elif on_host:
             indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
             nnz = self._check_page_table(indptr, last, kv_indices.numel())
             self._ensure_capacity(B, nnz)
@@ -223,9 +222,10 @@ class DecodeAttention:
             t = self.tables
             t.copy_from_device(*(x.contiguous() for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])))
             self._planned = (kv_indptr, kv_last_page_len)
-        p = self._plan_params
-        p.batch, p.last_page_len = B, t.ptr(t.off_raw + B + 1)
-        self.planner.launch(1, p)
+        if self.device.type == "cuda":
+            p = self._plan_params
+            p.batch, p.last_page_len = B, t.ptr(t.off_raw + B + 1)
+            self.planner.launch(1, p)
         if config.dump_dir():
             config.dump("decode_attention.schedule.json", self.schedule.to_json())
 
