@@ -55,6 +55,10 @@ class WorkTables:
             check(drv().cuEventSynchronize(self._events[self._turn]), "cuEventSynchronize")
         return self._host[self._turn]
 
+    def staging_ptr(self) -> int:
+        """Address of the staging buffer stage() returned last."""
+        return self._staging_ptr[self._turn]
+
     def upload(self, nnz: int) -> None:
         """Copy the staged raw page table (indptr, last_page_len, the first nnz indices) to the device."""
         d = drv()
