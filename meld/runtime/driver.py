@@ -1,4 +1,4 @@
-"""Load cubins and launch kernels through the CUDA driver API (cuda-python), on torch's stream.
+"""Load cubins (cuda-python) and launch kernels (`fastcall`, ctypes) on torch's current stream.
 
 torch owns the CUDA context: we make sure it exists (torch.cuda.init) and use its primary context,
 so meld's launches interleave with torch's work on `torch.cuda.current_stream()` and can be
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen import Compiled
+from . import fastcall
 
 
 class CudaError(RuntimeError):
@@ -76,14 +77,8 @@ class Kernel:
             raise CudaError(f"{compiled.name} cannot run: {threads} threads with {smem_bytes} B shared memory "
                             "do not fit one SM")
         self.name, self.device, self.threads, self.smem_bytes = compiled.name, device, threads, smem_bytes
-        self._config = d.CUlaunchConfig()
-        self._config.blockDimX, self._config.blockDimY, self._config.blockDimZ = threads, 1, 1
-        self._config.gridDimY = self._config.gridDimZ = 1
-        self._config.sharedMemBytes = smem_bytes
-        self._config.numAttrs = 0
-        self._launch = d.cuLaunchKernelEx
+        self._func = int(self.func)
         self._params: ctypes.Structure | None = None
-        self._stream = -1
 
     def launch(self, grid: int, params: ctypes.Structure) -> None:
         """Launch on torch's current stream with one by-value parameter struct.
@@ -95,9 +90,5 @@ class Kernel:
             self._params = params
             self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self._args_ptr = ctypes.addressof(self._args)
-        self._config.gridDimX = grid
-        stream = current_stream(self.device)
-        if stream != self._stream:            # the setter builds a CUstream object: only on a change
-            self._config.hStream = self._stream = stream
-        check(self._launch(self._config, self.func, self._args_ptr, 0), f"launch {self.name}")
-
+        fastcall.launch(self._func, grid, self.threads, self.smem_bytes, current_stream(self.device),
+                        self._args_ptr, self.name)

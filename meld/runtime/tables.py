@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..ir import CTA_FIELDS
+from . import fastcall
 from .driver import check, current_stream, drv
 
 
@@ -45,6 +46,7 @@ class WorkTables:
         d = drv()
         self._events = [check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
                         for _ in range(2)]
+        self._event_ptr = [int(e) for e in self._events]
         self._destroy = d.cuEventDestroy
         self._pending = [False, False]
         self._turn = 0
@@ -52,7 +54,7 @@ class WorkTables:
     def stage(self) -> np.ndarray:
         """The next pinned staging buffer (waits only if its previous upload has not run yet)."""
         if self._pending[self._turn]:
-            check(drv().cuEventSynchronize(self._events[self._turn]), "cuEventSynchronize")
+            fastcall.event_synchronize(self._event_ptr[self._turn])
         return self._host[self._turn]
 
     def staging_ptr(self) -> int:
@@ -61,23 +63,20 @@ class WorkTables:
 
     def upload(self, nnz: int) -> None:
         """Copy the staged raw page table (indptr, last_page_len, the first nnz indices) to the device."""
-        d = drv()
         stream = current_stream(self.device)
         lo, hi = self.off_raw, self.off_indices + nnz
-        check(d.cuMemcpyHtoDAsync(self._buf_ptr + 4 * lo, self._staging_ptr[self._turn] + 4 * lo, 4 * (hi - lo),
-                                  stream), "upload the page table")
-        check(d.cuEventRecord(self._events[self._turn], stream), "cuEventRecord")
+        fastcall.memcpy_htod_async(self._buf_ptr + 4 * lo, self._staging_ptr[self._turn] + 4 * lo, 4 * (hi - lo), stream)
+        fastcall.event_record(self._event_ptr[self._turn], stream)
         self._pending[self._turn] = True
         self._turn ^= 1
 
     def copy_from_device(self, indptr: torch.Tensor, last: torch.Tensor, indices: torch.Tensor) -> None:
         """A page table already on the GPU: device-to-device copies, no host involvement."""
-        d = drv()
         stream = current_stream(self.device)
         raw_last = self.off_raw + indptr.numel()
         for off, t in ((self.off_raw, indptr), (raw_last, last), (self.off_indices, indices)):
             if t.numel():
-                check(d.cuMemcpyDtoDAsync(self.ptr(off), t.data_ptr(), 4 * t.numel(), stream), "copy the page table")
+                fastcall.memcpy_dtod_async(self.ptr(off), t.data_ptr(), 4 * t.numel(), stream)
 
     def ptr(self, offset: int) -> int:
         return self._buf_ptr + 4 * offset

@@ -18,8 +18,8 @@ class DecodeCost:
         tile_tokens: splits land on multiples of the kernel's KV tile.
     """
 
-    item_overhead_tokens: int = 32
-    min_split_tokens: int = 64
+    item_overhead_tokens: int = 64
+    min_split_tokens: int = 128
     min_cta_tokens: int = 128
     tile_tokens: int = 16
 

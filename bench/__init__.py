@@ -1,0 +1,1 @@
+"""Benchmarks of meld against its peers; `harness` holds the one timer all of them share (BENCH.md)."""

@@ -1,0 +1,573 @@
+"""Paged GQA decode attention: meld against FlashInfer (both decode backends) and torch SDPA, per BENCH.md.
+
+Setup on the GPU machine (it has no network; the peers travel as wheels in `.whl/`, see
+`../shared/tools/peer-wheels.sh`), from the repository root:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH FLASHINFER_CUDA_ARCH_LIST=9.0a
+    PYTHONUNBUFFERED=1 python3 bench/decode.py --quick --json $OUT/decode.json
+
+FlashInfer JIT-compiles each kernel family with nvcc on first use (~40 s each: the CUDA-core decode module
+and the tensor-core (prefill) module, per head_dim), so a fresh machine spends ~2-3 min compiling before the
+first numbers. This script sets FLASHINFER_CUDA_ARCH_LIST=9.0a itself when it is unset.
+`--dry-run` lists the cases, their sizes and what will run, without a GPU.
+
+Method (BENCH.md): every implementation gets the same random inputs (bf16, NHD paged cache
+`[num_pages, 2, page_size, Hkv, D]`, page_size 16, pages of all requests drawn from one random permutation)
+and is checked against a float64 reference before it is timed (‖out − ref‖/‖ref‖ < 1e-2, no NaN; meld's
+lse too). Device time is the median of CUDA-graph replays with a cold L2 (`bench.harness.graph_time_us`);
+meld's eager latency and its host-side `plan()` are reported beside it. Ceilings are measured in the same
+run and every ratio in the table is taken side by side:
+  meld TB/s = Σlen·Hkv·D·2(K,V)·2 bytes / meld time;  speedup = best FlashInfer time / meld time (> 1: meld
+  faster);  %read = meld TB/s / pure-read ceiling.
+The exit status is 1 if any check or any implementation failed (the run still goes through every case).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")  # read when flashinfer is imported (lazily below)
+
+import argparse
+import gc
+import math
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and `meld` import as-is
+from bench.harness import (  # noqa: E402
+    GIB, Column, Table, Timing, copy_ceiling_tbps, eager_time_us, env_info, graph_time_us, host_time_us,
+    matmul_ceiling_tflops, read_ceiling_tbps,
+)
+
+PAGE_SIZE = 16
+DTYPE = torch.bfloat16
+BATCHES = (1, 8, 64, 256)
+DISTS = ("uniform2k", "skewed", "one-long")
+IMPLS = ("meld", "fi-fa2", "fi-tc", "sdpa")
+REL_TOL = 1e-2
+LSE_TOL = 1e-3  # on |lse - ref| / max(1, |ref|)
+FI_WORKSPACE_BYTES = 128 << 20
+
+
+# ------------------------------------------------------------------------------------------- workloads
+
+@dataclass(frozen=True)
+class Case:
+    """One workload: batch size, length distribution and head shape."""
+
+    batch: int
+    dist: str
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def shape(self) -> str:
+        return f"{self.num_qo_heads}/{self.num_kv_heads}/{self.head_dim}"
+
+    @property
+    def name(self) -> str:
+        return f"B={self.batch} {self.dist} {self.shape}"
+
+
+def select_cases(batches: Sequence[int], dists: Sequence[str], extra: bool) -> list[Case]:
+    """The B x dist grid, plus BENCH.md's group-8 and D=64 cases (B=64 skewed) when that cell is selected."""
+    cases = [Case(b, d) for b in batches for d in dists]
+    if extra and 64 in batches and "skewed" in dists:
+        cases += [Case(64, "skewed", 64, 8, 128), Case(64, "skewed", 64, 8, 64)]
+    return cases
+
+
+def request_lengths(dist: str, batch: int) -> list[int]:
+    """KV lengths of the batch, exactly as BENCH.md defines them (skewed: its snippet, generator seed 1)."""
+    if dist == "uniform2k":
+        return [2048] * batch
+    if dist == "skewed":
+        g = torch.Generator().manual_seed(1)
+        return [int(min(65536, max(64, math.exp(torch.empty(1).normal_(7.5, 1.2, generator=g).item()))))
+                for _ in range(batch)]
+    if dist == "one-long":
+        return [512] * (batch - 1) + [65536]
+    raise ValueError(f"unknown length distribution {dist!r}; expected one of {DISTS}")
+
+
+@dataclass
+class PageTable:
+    """FlashInfer's CSR page table on the host (int32), as both meld's and FlashInfer's `plan()` take it."""
+
+    lengths: list[int]
+    indptr: torch.Tensor  # [B + 1]
+    indices: torch.Tensor  # [indptr[-1]]: page ids from one random permutation (scattered pages)
+    last_page_len: torch.Tensor  # [B], in 1..page_size
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.indptr[-1])
+
+    def pages_of(self, b: int) -> slice:
+        return slice(int(self.indptr[b]), int(self.indptr[b + 1]))
+
+
+def page_table(lengths: Sequence[int], page_size: int = PAGE_SIZE, seed: int = 0) -> PageTable:
+    pages = [(n + page_size - 1) // page_size for n in lengths]
+    indptr = torch.tensor([0] + pages, dtype=torch.int64).cumsum(0).to(torch.int32)
+    indices = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, pages)], dtype=torch.int32)
+    return PageTable(list(lengths), indptr, indices, last)
+
+
+@dataclass
+class Inputs:
+    """One case's device inputs, shared by meld and every peer."""
+
+    case: Case
+    table: PageTable
+    q: torch.Tensor  # [B, Hq, D]
+    kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D], NHD; exactly the pages the table uses
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes attention must read: Σlen x Hkv x D x (K and V) x 2 bytes."""
+        return sum(self.table.lengths) * self.case.num_kv_heads * self.case.head_dim * 2 * 2
+
+
+def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
+    table = page_table(request_lengths(case.dist, case.batch), PAGE_SIZE, seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(case.batch, case.num_qo_heads, case.head_dim, generator=g, dtype=DTYPE, device=device)
+    kv = torch.randn(table.num_pages, 2, PAGE_SIZE, case.num_kv_heads, case.head_dim, generator=g, dtype=DTYPE,
+                     device=device)
+    return Inputs(case, table, q, kv)
+
+
+def kv_cache_mib(case: Case, table: PageTable) -> float:
+    return table.num_pages * 2 * PAGE_SIZE * case.num_kv_heads * case.head_dim * 2 / (1 << 20)
+
+
+def sdpa_padded_gib(case: Case, table: PageTable) -> float:
+    max_pages = max(int(table.indptr[b + 1] - table.indptr[b]) for b in range(case.batch))
+    return 2 * case.batch * case.num_kv_heads * max_pages * PAGE_SIZE * case.head_dim * 2 / GIB
+
+
+# ------------------------------------------------------------------------------------------ correctness
+
+def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention over each request's pages: out [B, Hq, D] and lse [B, Hq] (natural log).
+
+    q head h attends with kv head h // group (FlashInfer's GQA mapping). One request at a time keeps the
+    float64 copies of K and V small (<= 1 GiB for a 65536-token request).
+    """
+    c = inp.case
+    group, scale = c.num_qo_heads // c.num_kv_heads, c.head_dim ** -0.5
+    indices = inp.table.indices.to(inp.q.device, torch.long)
+    out = torch.empty(c.batch, c.num_qo_heads, c.head_dim, dtype=torch.float64, device=inp.q.device)
+    lse = torch.empty(c.batch, c.num_qo_heads, dtype=torch.float64, device=inp.q.device)
+    for b, n in enumerate(inp.table.lengths):
+        kv = inp.kv_cache[indices[inp.table.pages_of(b)]]  # [P, 2, page_size, Hkv, D]
+        k = kv[:, 0].reshape(-1, c.num_kv_heads, c.head_dim)[:n].double()
+        v = kv[:, 1].reshape(-1, c.num_kv_heads, c.head_dim)[:n].double()
+        s = torch.einsum("hgd,nhd->hgn", inp.q[b].view(c.num_kv_heads, group, c.head_dim).double(), k) * scale
+        m = torch.logsumexp(s, dim=-1)
+        out[b] = torch.einsum("hgn,nhd->hgd", torch.exp(s - m[..., None]), v).reshape(c.num_qo_heads, c.head_dim)
+        lse[b] = m.reshape(c.num_qo_heads)
+    return out, lse
+
+
+def check_output(out: torch.Tensor, ref: torch.Tensor, lse: Optional[torch.Tensor] = None,
+                 ref_lse: Optional[torch.Tensor] = None) -> tuple[float, Optional[float], list[str]]:
+    """Relative error of `out` (and of `lse`) against the float64 reference, and the problems found."""
+    problems: list[str] = []
+    if out.shape != ref.shape:
+        return math.nan, None, [f"out shape {tuple(out.shape)} != {tuple(ref.shape)}"]
+    nans = int(torch.isnan(out).sum())
+    if nans:
+        problems.append(f"{nans} NaN in out (unwritten or broken)")
+    err = float((out.double() - ref).norm() / ref.norm())
+    if not err < REL_TOL:
+        problems.append(f"rel err {err:.2e} >= {REL_TOL:.0e}")
+    lse_err = None
+    if lse is not None and ref_lse is not None:
+        if lse.shape != ref_lse.shape:
+            problems.append(f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}")
+        else:
+            lse_err = float(((lse.double() - ref_lse).abs() / ref_lse.abs().clamp(min=1)).max())
+            if not lse_err < LSE_TOL:
+                problems.append(f"lse err {lse_err:.2e} >= {LSE_TOL:.0e} (natural log expected)")
+    return err, lse_err, problems
+
+
+# ------------------------------------------------------------------------------------- implementations
+
+@dataclass
+class Impl:
+    """A planned implementation: `run` is launch-only (graph-capturable); `outputs` runs it for checking,
+    returning (label, out, lse or None) triples."""
+
+    run: Callable[[], Any]
+    outputs: Callable[[], list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]]
+    plan: Optional[Timing] = None
+    plan_first_us: Optional[float] = None
+    init_us: Optional[float] = None  # constructor wall time (meld compiles its kernel there)
+
+
+def build_meld(inp: Inputs) -> Impl:
+    """meld.DecodeAttention with fixed table capacities: meld's docstring asks for them when run() is captured
+    in a CUDA graph (plans within them rewrite the work tables in place, so the captured graph stays valid)."""
+    import meld
+
+    c, t = inp.case, inp.table
+    t0 = time.perf_counter()
+    attn = meld.DecodeAttention(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                page_size=PAGE_SIZE, dtype=DTYPE, device=str(inp.q.device),
+                                max_batch_size=c.batch, max_num_pages=t.num_pages)
+    init_us = (time.perf_counter() - t0) * 1e6
+
+    def plan() -> None:
+        attn.plan(t.indptr, t.indices, t.last_page_len)
+
+    first = host_time_us(plan, reps=1, min_reps=1)  # may include compilation
+    timing = host_time_us(plan)  # the last of these calls is the plan that is run and captured
+    out = torch.empty_like(inp.q)  # like FlashInfer below: the timed call writes a preallocated output
+
+    def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        # Poisoned outputs: an element the kernel does not write stays NaN and fails the check.
+        alloc = attn.run(inp.q, inp.kv_cache)  # the allocating path, as a user calls it
+        o1 = torch.full_like(inp.q, math.nan)
+        attn.run(inp.q, inp.kv_cache, out=o1)
+        o2 = torch.full_like(inp.q, math.nan)
+        lse = torch.full((c.batch, c.num_qo_heads), math.nan, dtype=torch.float32, device=inp.q.device)
+        attn.run(inp.q, inp.kv_cache, return_lse=True, out=o2, lse=lse)
+        return [("run", alloc, None), ("run(out=)", o1, None), ("run(return_lse=True, out=, lse=)", o2, lse)]
+
+    return Impl(lambda: attn.run(inp.q, inp.kv_cache, out=out), outputs, timing, first.median_us, init_us)
+
+
+def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
+    """FlashInfer 0.6.18 `BatchDecodeWithPagedKVCacheWrapper` in CUDA-graph mode (fixed buffers, fixed grid)."""
+    import flashinfer
+
+    c, t, dev = inp.case, inp.table, inp.q.device
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), kv_layout="NHD",
+        use_cuda_graph=True, use_tensor_cores=tensor_cores,
+        paged_kv_indptr_buffer=torch.empty(c.batch + 1, dtype=torch.int32, device=dev),
+        paged_kv_indices_buffer=torch.empty(t.num_pages, dtype=torch.int32, device=dev),
+        paged_kv_last_page_len_buffer=torch.empty(c.batch, dtype=torch.int32, device=dev),
+    )
+
+    def plan() -> None:
+        wrapper.plan(t.indptr, t.indices, t.last_page_len, c.num_qo_heads, c.num_kv_heads, c.head_dim, PAGE_SIZE,
+                     pos_encoding_mode="NONE", q_data_type=DTYPE, kv_data_type=DTYPE)
+
+    first = host_time_us(plan, reps=1, min_reps=1)  # includes the JIT build on first use
+    timing = host_time_us(plan, reps=20, max_s=1.0)
+    out = torch.empty_like(inp.q)
+
+    def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        out.fill_(math.nan)  # FlashInfer writes into `out`: every element must be overwritten
+        wrapper.run(inp.q, inp.kv_cache, out=out)
+        return [("run", out.clone(), None)]
+
+    return Impl(lambda: wrapper.run(inp.q, inp.kv_cache, out=out), outputs, timing, first.median_us)
+
+
+def build_sdpa(inp: Inputs) -> Impl:
+    """torch SDPA on a padded cache [B, Hkv, maxlen, D] gathered once from the pages, with a boolean mask.
+
+    The q heads of a group are folded into SDPA's query-length axis (q as [B, Hkv, group, D]): the same
+    math as GQA without repeating K/V, and it lets SDPA pick a fused backend despite the mask.
+    """
+    c, t, dev = inp.case, inp.table, inp.q.device
+    group = c.num_qo_heads // c.num_kv_heads
+    max_len = max(int(t.indptr[b + 1] - t.indptr[b]) for b in range(c.batch)) * PAGE_SIZE
+    k = torch.zeros(c.batch, c.num_kv_heads, max_len, c.head_dim, dtype=DTYPE, device=dev)
+    v = torch.zeros_like(k)
+    indices = t.indices.to(dev, torch.long)
+    for b in range(c.batch):
+        kv = inp.kv_cache[indices[t.pages_of(b)]]
+        n = kv.shape[0] * PAGE_SIZE
+        k[b, :, :n] = kv[:, 0].reshape(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        v[b, :, :n] = kv[:, 1].reshape(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+    lengths = torch.tensor(t.lengths, device=dev)
+    mask = (torch.arange(max_len, device=dev) < lengths[:, None]).view(c.batch, 1, 1, max_len)
+    q = inp.q.view(c.batch, c.num_kv_heads, group, c.head_dim)
+
+    def run() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(c.batch, c.num_qo_heads, c.head_dim)
+
+    return Impl(run, lambda: [("run", run(), None)])
+
+
+BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
+    "meld": build_meld,
+    "fi-fa2": lambda inp: build_flashinfer(inp, tensor_cores=False),
+    "fi-tc": lambda inp: build_flashinfer(inp, tensor_cores=True),
+    "sdpa": build_sdpa,
+}
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+def free_cuda() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sdpa_skip_reason(case: Case, table: PageTable, args: argparse.Namespace) -> Optional[str]:
+    if case.batch > args.sdpa_max_batch:
+        return f"B > --sdpa-max-batch {args.sdpa_max_batch}"
+    gib = sdpa_padded_gib(case, table)
+    return f"padded cache {gib:.1f} GiB > {args.sdpa_max_gib} GiB" if gib > args.sdpa_max_gib else None
+
+
+def check_impl(impl: Impl, ref: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, Optional[float], list[str]]:
+    """Worst relative errors over all of `impl`'s checked outputs, and every problem (outputs freed on return)."""
+    errs, lse_errs, problems = [], [], []
+    for label, out, lse in impl.outputs():
+        err, lse_err, probs = check_output(out, ref[0], lse, ref[1])
+        errs.append(err)
+        lse_errs += [] if lse_err is None else [lse_err]
+        problems += [f"{label}: {p}" for p in probs]
+    worst = math.nan if any(math.isnan(e) for e in errs) else max(errs)
+    return worst, max(lse_errs) if lse_errs else None, problems
+
+
+def measure(name: str, inp: Inputs, ref: tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
+            failures: list[str]) -> dict[str, Any]:
+    """Build, check, then time one implementation on one case; errors are recorded, never raised."""
+    res: dict[str, Any] = {}
+
+    def fail(what: str, detail: str) -> None:
+        msg = f"{inp.case.name} {name}: {what}: {detail}"
+        print(f"  !!! FAIL {msg}", flush=True)
+        failures.append(msg)
+        res.setdefault("errors", []).append(f"{what}: {detail}")
+
+    impl = None
+    try:
+        impl = BUILDERS[name](inp)
+        res.update(plan=impl.plan, plan_first_us=impl.plan_first_us, init_us=impl.init_us)
+        rel_err, lse_err, problems = check_impl(impl, ref)
+        res.update(rel_err=rel_err, lse_err=lse_err)
+        if problems:
+            fail("correctness", "; ".join(problems))
+            return res
+        try:
+            res["graph"] = graph_time_us(impl.run, warmup=args.warmup, reps=args.reps, flush=not args.no_flush)
+        except Exception as e:  # noqa: BLE001 - a capture failure must not stop the other timings
+            traceback.print_exc(limit=-4)
+            fail("graph timing", repr(e))
+        if name == "meld":
+            res["eager"] = eager_time_us(impl.run, warmup=args.warmup, reps=args.reps, flush=not args.no_flush)
+    except Exception as e:  # noqa: BLE001 - one broken implementation must not stop the run
+        traceback.print_exc(limit=-4)
+        fail("error", f"{type(e).__name__}: {e}")
+        res["traceback"] = traceback.format_exc()
+    finally:
+        del impl
+        free_cuda()
+    return res
+
+
+def us(res: dict[str, Any], key: str = "graph") -> Optional[float]:
+    t = res.get(key)
+    return t.median_us if isinstance(t, Timing) else None
+
+
+def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, dict[str, Any]],
+              read_tbps: float) -> dict[str, Any]:
+    """One table row: the headline numbers and ratios, plus every raw result for the JSON dump."""
+    def tbps(t: Optional[float]) -> Optional[float]:
+        return inp_bytes / (t * 1e-6) / 1e12 if t else None
+
+    def cell(name: str) -> Any:  # a time, or why there is none
+        r = results.get(name)
+        if r is None:
+            return None
+        return "skip" if r.get("skipped") else "FAIL" if r.get("errors") else us(r)
+
+    m = results.get("meld", {})
+    meld_us = us(m) if not m.get("errors") else None
+    fi = {k: us(results[k]) for k in ("fi-fa2", "fi-tc") if isinstance(cell(k), float)}
+    fi_best = min(fi, key=lambda k: fi[k]) if fi else None
+    fi_us = fi[fi_best] if fi_best else None
+    return {
+        "case": case.name, "B": case.batch, "dist": case.dist, "shape": case.shape,
+        "sum_len": sum(table.lengths), "max_len": max(table.lengths), "kv_mib": kv_cache_mib(case, table),
+        "kv_bytes": inp_bytes,
+        "meld_us": cell("meld"), "meld_eager_us": us(m, "eager"), "meld_tbps": tbps(meld_us),
+        "fa2_us": cell("fi-fa2"), "tc_us": cell("fi-tc"), "fi_us": fi_us, "fi_backend": fi_best,
+        "fi_tbps": tbps(fi_us), "sdpa_us": cell("sdpa"),
+        "speedup": fi_us / meld_us if fi_us and meld_us else None,
+        "pct_read": 100 * tbps(meld_us) / read_tbps if meld_us else None,
+        "plan_us": m["plan"].median_us if isinstance(m.get("plan"), Timing) else None,
+        "rel_err": m.get("rel_err"),
+        "results": results,
+    }
+
+
+COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, errors) is in the JSON
+    Column("B", "B"), Column("dist", "dist", align="<"), Column("shape", "Hq/Hkv/D"),
+    Column("sum_len", "Σlen", "d"), Column("kv_mib", "KV MiB", ".0f"),
+    Column("meld_us", "meld µs", ".1f"), Column("meld_eager_us", "eager µs", ".1f"),
+    Column("meld_tbps", "meld TB/s", ".2f"),
+    Column("fa2_us", "FI-fa2 µs", ".1f"), Column("tc_us", "FI-tc µs", ".1f"), Column("fi_us", "best-FI µs", ".1f"),
+    Column("sdpa_us", "SDPA µs", ".1f"),
+    Column("speedup", "speedup", ".2f"), Column("pct_read", "meld %read", ".0f"),
+    Column("plan_us", "plan µs", ".0f"), Column("rel_err", "rel err", ".1e"),
+]
+DRY_COLUMNS = [
+    Column("B", "B"), Column("dist", "dist", align="<"), Column("shape", "Hq/Hkv/D"),
+    Column("sum_len", "Σlen", "d"), Column("max_len", "max len", "d"), Column("pages", "pages", "d"),
+    Column("kv_mib", "KV MiB", ".0f"), Column("sdpa_gib", "SDPA pad GiB", ".1f"), Column("sdpa", "SDPA", align="<"),
+]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", choices=BATCHES, help=f"batch sizes (default {BATCHES})")
+    p.add_argument("--dist", nargs="+", choices=DISTS, help=f"length distributions (default {DISTS})")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
+    p.add_argument("--quick", action="store_true", help="B in (8, 64), no extra head shapes, 30 replays")
+    p.add_argument("--no-extra", action="store_true", help="skip the group-8 and D=64 cases at B=64 skewed")
+    p.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement (>= 30)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-flush", action="store_true", help="do not clear L2 before each timed replay")
+    p.add_argument("--sdpa-max-batch", type=int, default=64, help="skip SDPA above this batch size")
+    p.add_argument("--sdpa-max-gib", type=float, default=20.0, help="skip SDPA when its padded K+V exceeds this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
+    p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
+    p.add_argument("--dry-run", action="store_true", help="list the cases and their sizes; no GPU needed")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch = args.batch or [8, 64]
+        args.no_extra = True
+        args.reps = min(args.reps, 30)
+    args.batch = args.batch or list(BATCHES)
+    args.dist = args.dist or list(DISTS)
+    args.reps = max(args.reps, 30)
+    return args
+
+
+def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) -> list[str]:
+    """Import meld and FlashInfer once: one that fails is reported once (not once per case) and dropped."""
+    imports = {"meld": "meld", "fi-fa2": "flashinfer", "fi-tc": "flashinfer"}
+    kept = []
+    for name in impls:
+        module = imports.get(name)
+        if module is None:
+            kept.append(name)
+            continue
+        try:
+            mod = __import__(module)
+            if module == "meld":
+                getattr(mod, "DecodeAttention")
+            env[module] = getattr(mod, "__version__", "?")
+            kept.append(name)
+        except Exception as e:  # noqa: BLE001 - the rest of the run goes on without it
+            traceback.print_exc(limit=-3)
+            msg = f"{name}: import {module} failed: {type(e).__name__}: {e}"
+            print(f"!!! FAIL {msg}", flush=True)
+            failures.append(msg)
+            env[module] = "import failed"
+    return kept
+
+
+def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
+    t = Table(DRY_COLUMNS)
+    for c in cases:
+        pt = page_table(request_lengths(c.dist, c.batch), PAGE_SIZE, args.seed)
+        skip = sdpa_skip_reason(c, pt, args) if "sdpa" in args.impls else "not selected"
+        t.add({"B": c.batch, "dist": c.dist, "shape": c.shape, "sum_len": sum(pt.lengths), "max_len": max(pt.lengths),
+               "pages": pt.num_pages, "kv_mib": kv_cache_mib(c, pt), "sdpa_gib": sdpa_padded_gib(c, pt),
+               "sdpa": f"skip ({skip})" if skip else "run"})
+    t.print()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    cases = select_cases(args.batch, args.dist, extra=not args.no_extra)
+    if args.dry_run:
+        dry_run(cases, args)
+        return 0
+    if not torch.cuda.is_available():
+        print("decode.py needs a CUDA GPU (use --dry-run to list the cases)", file=sys.stderr)
+        return 2
+
+    env = env_info()
+    env["commit"] = args.commit or env["commit"]
+    failures: list[str] = []
+    args.impls = preflight(args.impls, env, failures)
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+
+    read_tbps, read_method = read_ceiling_tbps()
+    ceilings = {"read_tbps": read_tbps, "read_method": read_method, "copy_tbps": copy_ceiling_tbps(),
+                "matmul_bf16_tflops": matmul_ceiling_tflops()}
+    print(f"ceilings: pure read {read_tbps:.2f} TB/s ({read_method}); copy {ceilings['copy_tbps']:.2f} TB/s "
+          f"(read+write); bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
+    free_cuda()
+
+    table = Table(COLUMNS)
+    for i, case in enumerate(cases, 1):
+        torch.manual_seed(args.seed)
+        inp = make_inputs(case, args.seed)
+        print(f"[{i}/{len(cases)}] {case.name}: Σlen {sum(inp.table.lengths)}, max {max(inp.table.lengths)}, "
+              f"KV cache {kv_cache_mib(case, inp.table):.0f} MiB", flush=True)
+        ref = reference(inp)
+        results: dict[str, dict[str, Any]] = {}
+        for name in args.impls:
+            skip = sdpa_skip_reason(case, inp.table, args) if name == "sdpa" else None
+            results[name] = {"skipped": skip} if skip else measure(name, inp, ref, args, failures)
+            print(f"  {name:7s} {progress(results[name])}", flush=True)
+        table.add(summarise(case, inp.kv_bytes, inp.table, results, read_tbps))
+        del inp, ref
+        free_cuda()
+        if args.json:
+            table.dump_json(args.json, env=env, ceilings=ceilings, args=vars(args), failures=failures)
+
+    print()
+    table.print()
+    print("speedup = best FlashInfer µs / meld µs (> 1: meld faster); %read = meld TB/s / pure-read ceiling; "
+          "times are CUDA-graph replay medians, plan µs is meld's host plan() median")
+    print(summary_line(table.rows, failures))
+    return 1 if failures else 0
+
+
+def progress(r: dict[str, Any]) -> str:
+    """One line per implementation while the run goes, so a run cut short still shows its numbers."""
+    if r.get("skipped"):
+        return f"skipped: {r['skipped']}"
+    parts = [f"{k} {us(r, k):.1f} µs" for k in ("graph", "eager") if us(r, k) is not None]
+    parts += [f"rel err {r['rel_err']:.1e}"] if r.get("rel_err") is not None else []
+    parts += [f"lse err {r['lse_err']:.1e}"] if r.get("lse_err") is not None else []
+    parts += [f"plan {r['plan'].median_us:.0f} µs"] if isinstance(r.get("plan"), Timing) else []
+    parts += ["FAIL"] if r.get("errors") else []
+    return ", ".join(parts)
+
+
+def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str:
+    ratios = [(r["speedup"], r["case"]) for r in rows if isinstance(r.get("speedup"), float)]
+    head = f"{len(failures)} FAILURE(S) — see '!!! FAIL' lines above" if failures else "all checks passed"
+    if not ratios:
+        return f"summary: {head}; no meld-vs-FlashInfer ratio measured"
+    geo = math.exp(sum(math.log(s) for s, _ in ratios) / len(ratios))
+    lo, hi = min(ratios), max(ratios)
+    best = max(((r["pct_read"], r["case"]) for r in rows if isinstance(r.get("pct_read"), float)),
+               default=(math.nan, "-"))
+    return (f"summary: meld vs best FlashInfer over {len(ratios)} cases: geomean {geo:.2f}x "
+            f"(min {lo[0]:.2f}x at {lo[1]}, max {hi[0]:.2f}x at {hi[1]}); meld peaks at {best[0]:.0f}% of the "
+            f"read ceiling ({best[1]}); {head}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""The one benchmark harness: one timer, ceilings measured in the same run, a table that also dumps JSON.
+
+Why one timer: BENCH.md compares meld with its peers by ratios measured side by side, which only hold if
+every implementation is timed the same way. Device time is taken by replaying a CUDA graph (so launch
+overhead is the same for everyone) and bracketing each replay with CUDA events; we report the median and
+the p10/p90 spread of at least 30 replays. Before each timed replay a buffer several times the L2 is
+read, so every replay starts with a cold L2 as a real decode step would (a read, not a memset: a memset
+leaves dirty lines whose write-back would be charged to the next kernel).
+
+Example:
+    >>> t = graph_time_us(lambda: torch.mm(a, b))          # doctest: +SKIP
+    >>> print(f"{t.median_us:.1f} µs (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+try:  # Triton is on the GPU machine; without it the read ceiling falls back to torch (and says so).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+MIN_REPS = 30
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and spread of repeated measurements, in microseconds."""
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    n: int
+
+    @staticmethod
+    def of(samples_us: Sequence[float]) -> "Timing":
+        s = sorted(samples_us)
+        q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
+        return Timing(statistics.median(s), q[0], q[-1], len(s))
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------- timers
+
+_flush_buf: torch.Tensor | None = None
+
+
+def flush_l2() -> None:
+    """Read a buffer of 4x the L2 size (at least 256 MiB) so the next kernel finds none of its data cached."""
+    global _flush_buf
+    if _flush_buf is None:
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+        _flush_buf = torch.ones(max(4 * (l2 or 64 << 20), 256 << 20) // 4, dtype=torch.float32, device="cuda")
+    _flush_buf.sum()
+
+
+def _queue_ahead() -> None:
+    """Keep the GPU busy ~1 ms so the host enqueues the timed loop ahead of it: host gaps then never count."""
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(2_000_000)
+
+
+def graph_time_us(fn: Callable[[], Any], warmup: int = 5, reps: int = 50, flush: bool = True) -> Timing:
+    """Device time of `fn` from CUDA-graph replays.
+
+    `fn` must be launch-only (no host syncs, no allocations that change between calls). It is warmed up
+    on a side stream, captured once, replayed `warmup` times untimed, then `reps` times each bracketed
+    by its own pair of CUDA events (an L2 flush before each, outside the events, when `flush`).
+
+    Args:
+        fn: the work to time; its outputs are kept alive by the graph's private pool.
+        warmup: untimed calls before capture and untimed replays after it.
+        reps: timed replays (at least 30).
+        flush: read a buffer larger than L2 before each replay.
+    Returns:
+        Timing of one replay in µs.
+    """
+    reps = max(reps, MIN_REPS)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # torch's rule: warm up outside the default stream before capture
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    if flush:
+        flush_l2()  # allocate the flush buffer before the timed loop
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    _queue_ahead()
+    for start, end in events:
+        if flush:
+            flush_l2()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    graph.reset()
+    return Timing.of([s.elapsed_time(e) * 1e3 for s, e in events])
+
+
+def eager_time_us(fn: Callable[[], Any], warmup: int = 5, reps: int = 30, flush: bool = True) -> Timing:
+    """Latency of one eager call, host launch cost included.
+
+    The GPU is idle when the start event is recorded (we synchronise first), so the time from the start
+    event to the end of `fn`'s last kernel includes the host work `fn` does before and between launches.
+    That is the cost a CUDA graph removes; the difference to `graph_time_us` shows it.
+    """
+    reps = max(reps, MIN_REPS)
+    for _ in range(warmup):
+        fn()
+    samples = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        if flush:
+            flush_l2()
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return Timing.of(samples)
+
+
+def host_time_us(fn: Callable[[], Any], reps: int = 50, max_s: float = 2.0, min_reps: int = 5) -> Timing:
+    """Host wall time of `fn` (e.g. a `plan()`): pending device work is drained first so it is not charged."""
+    samples: list[float] = []
+    deadline = time.perf_counter() + max_s
+    while len(samples) < reps and (len(samples) < min_reps or time.perf_counter() < deadline):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return Timing.of(samples)
+
+
+# -------------------------------------------------------------------------------------------- ceilings
+# Each ceiling allocates GiBs; the caller calls torch.cuda.empty_cache() once they are all measured.
+
+if triton is not None:
+
+    @triton.jit
+    def _read_kernel(x_ptr, out_ptr, n_per_prog, BLOCK: tl.constexpr):
+        # One contiguous chunk per program; BLOCK/(32*num_warps) int32 per thread in 4-wide (16-byte) loads.
+        base = x_ptr + tl.program_id(0).to(tl.int64) * n_per_prog
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, n_per_prog, BLOCK):
+            idx = tl.max_contiguous(tl.multiple_of(start + offs, BLOCK), BLOCK)
+            acc += tl.load(base + idx)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+READ_BLOCK = 4096  # int32 elements per program per iteration: 256 threads x 4 loads of 16 bytes
+READ_WARPS = 8
+
+
+def read_reduce(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Sum int32 `x` in `out.numel()` equal contiguous chunks, one partial per program (pure streaming read).
+
+    `x.numel()` must be a multiple of `out.numel() * READ_BLOCK`.
+    """
+    nprog = out.numel()
+    n_per_prog = x.numel() // nprog
+    assert x.dtype == torch.int32 and n_per_prog * nprog == x.numel() and n_per_prog % READ_BLOCK == 0
+    _read_kernel[(nprog,)](x, out, n_per_prog, BLOCK=READ_BLOCK, num_warps=READ_WARPS)
+
+
+def read_ceiling_tbps(gib: float = 4.0, reps: int = 30) -> tuple[float, str]:
+    """Pure-read bandwidth (TB/s) of a streaming reduction over >= `gib` GiB, and the method used.
+
+    Why Triton and not `x.sum()`: torch's reduction does not reliably issue 16-byte loads with enough bytes
+    in flight; BENCH.md's 4.57 TB/s reference comes from a kernel like this one.
+    """
+    if triton is not None:
+        try:
+            return _read_ceiling_triton(gib, reps)
+        except Exception as e:  # noqa: BLE001 - a ceiling must not stop the benchmark; say what was used
+            print(f"warning: triton read kernel failed ({e!r}); falling back to torch sum", flush=True)
+    x = torch.ones(int(gib * GIB) // 4, dtype=torch.float32, device="cuda")
+    t = graph_time_us(lambda: x.sum(), reps=reps, flush=False)
+    return int(gib * GIB) // 4 * 4 / (t.median_us * 1e-6) / 1e12, f"torch float32 sum (no triton), {gib:.1f} GiB"
+
+
+def _read_ceiling_triton(gib: float, reps: int) -> tuple[float, str]:
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    nprog = 8 * sms  # 8 CTAs of 8 warps fill an SM's 64 warps: every chunk is resident at once
+    per_prog = math.ceil(gib * GIB / 4 / nprog / READ_BLOCK) * READ_BLOCK
+    x = torch.empty(nprog * per_prog, dtype=torch.int32, device="cuda").random_()
+    out = torch.empty(nprog, dtype=torch.int32, device="cuda")
+    t = graph_time_us(lambda: read_reduce(x, out), reps=reps, flush=False)
+    nbytes = x.numel() * x.element_size()
+    return (nbytes / (t.median_us * 1e-6) / 1e12,
+            f"triton int32 streaming sum, {nprog} programs x {READ_WARPS} warps, 16-byte loads, {nbytes / GIB:.1f} GiB")
+
+
+def copy_ceiling_tbps(gib: float = 2.0, reps: int = 30) -> float:
+    """Device-to-device copy bandwidth (TB/s), counting bytes read plus bytes written."""
+    src = torch.empty(int(gib * GIB) // 4, dtype=torch.int32, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = graph_time_us(lambda: dst.copy_(src), reps=reps, flush=False)
+    return 2 * src.numel() * src.element_size() / (t.median_us * 1e-6) / 1e12
+
+
+def matmul_ceiling_tflops(n: int = 8192, reps: int = 30) -> float:
+    """Dense bf16 tensor-core rate (TFLOP/s) of an n x n x n `torch.matmul` on random data."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t = graph_time_us(lambda: a @ b, reps=reps, flush=False)
+    return 2 * n**3 / (t.median_us * 1e-6) / 1e12
+
+
+# ------------------------------------------------------------------------------------------ environment
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def env_info() -> dict[str, Any]:
+    """What a result needs to be reproduced: date, GPU, software versions, git commit of the repo."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": getattr(triton, "__version__", None),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / GIB, 1),
+                    l2_mib=round(getattr(p, "L2_cache_size", 0) / (1 << 20), 1))
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ table
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: the row key it shows, its header, a format spec for numbers, and alignment."""
+
+    key: str
+    header: str
+    fmt: str = ""
+    align: str = ">"  # "<" for text columns
+
+
+class Table:
+    """An aligned text table whose rows are dicts; the same rows dump to JSON.
+
+    Example:
+        >>> t = Table([Column("b", "B"), Column("dist", "dist", align="<"), Column("us", "µs", ".1f")])
+        >>> t.add({"b": 8, "dist": "skewed", "us": 34.81}); print(t.render())
+        B  dist      µs
+        -  ------  ----
+        8  skewed  34.8
+    """
+
+    def __init__(self, columns: Sequence[Column]):
+        self.columns = list(columns)
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        self.rows.append(dict(row))
+
+    @staticmethod
+    def _cell(value: Any, fmt: str) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return format(value, fmt)
+        return str(value)
+
+    def render(self) -> str:
+        cells = [[self._cell(r.get(c.key), c.fmt) for c in self.columns] for r in self.rows]
+        widths = [max([len(c.header)] + [len(row[i]) for row in cells]) for i, c in enumerate(self.columns)]
+
+        def line(items: Sequence[str]) -> str:
+            return "  ".join(format(s, f"{c.align}{w}") for s, w, c in zip(items, widths, self.columns)).rstrip()
+
+        out = [line([c.header for c in self.columns]), line(["-" * w for w in widths])]
+        return "\n".join(out + [line(row) for row in cells])
+
+    def print(self) -> None:
+        print(self.render(), flush=True)
+
+    def dump_json(self, path: str | Path, **extra: Any) -> None:
+        """Write `{**extra, "rows": rows}` to `path` (Timing and other dataclasses as dicts)."""
+
+        def default(o: Any) -> Any:
+            return asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**extra, "rows": self.rows}, indent=1, default=default) + "\n")
