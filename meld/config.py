@@ -33,7 +33,7 @@ def cache_dir() -> Path:
 
 
 def dump_dir() -> Path | None:
-    d = get("MELD_DUMP_DIR")
+    d = os.environ.get("MELD_DUMP_DIR")   # read directly: plan() asks on every call
     return Path(d).expanduser() if d else None
 
 
