@@ -77,6 +77,10 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("page_base", "ptr", "int*"),
     Field("cta_table", "ptr", "int*"),
     Field("line", "ptr", "long long*"),
+    Field("src_indices", "ptr", "const int*"),
+    Field("dst_indices", "ptr", "int*"),
+    Field("done_flag", "ptr", "int*"),
+    Field("arrive", "ptr", "int*"),
     Field("batch", "i32"),
     Field("page_size", "i32"),
     Field("units_per_request", "i32"),
@@ -85,4 +89,5 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("min_split", "i32"),
     Field("tile", "i32"),
     Field("min_cta_tokens", "i32"),
+    Field("done_seq", "i32"),
 ])

@@ -128,6 +128,8 @@ class DecodeAttention:
     def _alloc(self, max_batch: int, max_pages: int) -> None:
         from ..runtime.tables import Capacity, WorkTables
 
+        if hasattr(self, "tables"):           # growing: the GPU may still read the old staging buffers
+            torch.cuda.synchronize(self.device)
         self._cap = (max_batch, max_pages)
         W = self.topology.num_ctas
         self.tables = WorkTables(self.device, W, Capacity(max_batch, max_pages))
@@ -139,8 +141,9 @@ class DecodeAttention:
         self.counters = torch.zeros(units, dtype=torch.int32, device=self.device)
         t, c = self.tables, self.cost
         self._plan_params = PLAN_PARAMS.pack(     # one struct for every plan(): only `batch` changes
-            kv_indptr=t.ptr(t.off_raw), last_page_len=t.ptr(t.off_raw), kv_len=t.ptr(t.off_kv_len),
-            page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), line=t.line.data_ptr(), batch=0,
+            kv_indptr=0, last_page_len=0, kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),
+            cta_table=t.ptr(0), line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices),
+            done_flag=0, arrive=t.arrive.data_ptr(), done_seq=0, batch=0,
             page_size=self.page_size, units_per_request=self.units_per_request, num_ctas=W,
             item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens,
             min_cta_tokens=c.min_cta_tokens)
@@ -206,16 +209,17 @@ class DecodeAttention:
             t = self.tables
             staged = t.stage()
             # memmove, not NumPy: three copies at C speed without NumPy's per-call dispatch.
-            base = t.staging_ptr() + 4 * t.off_raw
-            ctypes.memmove(base, kv_indptr.data_ptr(), 4 * (B + 1))
-            ctypes.memmove(base + 4 * (B + 1), kv_last_page_len.data_ptr(), 4 * B)
-            ctypes.memmove(t.staging_ptr() + 4 * t.off_indices, kv_indices.data_ptr(), 4 * nnz)
+            host = t.staging_ptr()
+            ctypes.memmove(host + 4 * t.off_raw, kv_indptr.data_ptr(), 4 * (B + 1))
+            ctypes.memmove(host + 4 * (t.off_raw + B + 1), kv_last_page_len.data_ptr(), 4 * B)
+            ctypes.memmove(host + 4 * t.off_indices, kv_indices.data_ptr(), 4 * nnz)
             raw = staged[t.off_raw:t.off_raw + 2 * B + 1]
             self._max_page = _max_page(staged[t.off_indices:t.off_indices + nnz])
             # The lazy `schedule` replans from these views: this staging buffer is rewritten two plans
             # later, when `_planned` already points at the newer one.
             self._planned = (raw[:B + 1], raw[B + 1:])
-            t.upload(nnz)
+            flag, seq = t.commit()
+            raw_ptr, src, copy_ctas = host + 4 * t.off_raw, host + 4 * t.off_indices, -(-nnz // (4 * 4 * 1024))
         else:
             if check:
                 nnz = self._check_page_table(_host(kv_indptr), _host(kv_last_page_len), kv_indices.numel())
@@ -226,10 +230,13 @@ class DecodeAttention:
             t = self.tables
             t.copy_from_device(*(x.contiguous() for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])))
             self._planned = (kv_indptr, kv_last_page_len)
+            flag, seq, src, copy_ctas = 0, 0, 0, 0
+            raw_ptr = t.ptr(t.off_raw)
         if self.device.type == "cuda":
             p = self._plan_params
-            p.batch, p.last_page_len = B, t.ptr(t.off_raw + B + 1)
-            self.planner.launch(1, p)
+            p.batch, p.kv_indptr, p.last_page_len = B, raw_ptr, raw_ptr + 4 * (B + 1)
+            p.src_indices, p.done_flag, p.done_seq = src, flag, seq
+            self.planner.launch(1 + min(copy_ctas, 64), p)
         if config.dump_dir():
             config.dump("decode_attention.schedule.json", self.schedule.to_json())
 

@@ -5,11 +5,13 @@ One int32 device buffer holds
     [CTA table | kv_len | page_base | raw: kv_indptr then kv_last_page_len | kv_indices]
 
 with every section at a fixed offset (sized by the capacities), so the attention kernel's pointers
-never change between plans and a CUDA graph that captured run() stays valid. plan() stages the raw
-page table (the last two sections) in pinned memory — two buffers,
-alternating, each guarded by an event — uploads it with one asynchronous copy, and the GPU planner
-fills the first three sections. Driver calls go through cuda-python directly: plan() is on the
-serving loop's critical path and torch's copy dispatch costs more than the copy.
+never change between plans and a CUDA graph that captured run() stays valid.
+
+A page table on the host is staged in pinned memory with the same layout (two buffers, alternating)
+and read from there by the GPU planner itself, which also copies the page indices into the device
+buffer: plan() then makes a single driver call (the launch). The planner tells the host that a staging
+buffer may be reused by writing a sequence number into pinned memory, so the host checks a flag instead
+of calling into the driver; only when it runs two plans ahead of the GPU does it wait.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from ..ir import CTA_FIELDS
 from . import fastcall
-from .driver import check, current_stream, drv
+from .driver import current_stream
 
 
 @dataclass(frozen=True)
@@ -35,40 +37,41 @@ class WorkTables:
         self.off_kv_len = len(CTA_FIELDS) * num_ctas
         self.off_page_base = self.off_kv_len + cap.batch
         self.off_raw = self.off_page_base + cap.batch        # kv_indptr [B + 1], then kv_last_page_len [B]
-        self.off_indices = self.off_raw + 2 * cap.batch + 1
+        self.off_indices = -(-(self.off_raw + 2 * cap.batch + 1) // 4) * 4   # 16-byte aligned for the copy
         size = self.off_indices + max(cap.pages, 1)
         self.buf = torch.zeros(size, dtype=torch.int32, device=device)
         self.line = torch.zeros(cap.batch + 1, dtype=torch.int64, device=device)   # the planner's scratch
+        self.arrive = torch.zeros(1, dtype=torch.int32, device=device)             # CTAs done reading
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self._host = [s.numpy() for s in self._staging]
         self._staging_ptr = [s.data_ptr() for s in self._staging]
-        self._buf_ptr = self.buf.data_ptr()
-        d = drv()
-        self._events = [check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-                        for _ in range(2)]
-        self._event_ptr = [int(e) for e in self._events]
-        self._destroy = d.cuEventDestroy
-        self._pending = [False, False]
+        self._done = torch.zeros(2, dtype=torch.int32, pin_memory=True)   # written by the planner
+        self._done_host = self._done.numpy()
+        self._expect = [0, 0]
+        self._seq = 0
         self._turn = 0
+        self._buf_ptr = self.buf.data_ptr()
 
     def stage(self) -> np.ndarray:
-        """The next pinned staging buffer (waits only if its previous upload has not run yet)."""
-        if self._pending[self._turn]:
-            fastcall.event_synchronize(self._event_ptr[self._turn])
-        return self._host[self._turn]
+        """The next pinned staging buffer, once the GPU has finished reading it."""
+        t = self._turn
+        if self._done_host[t] != self._expect[t]:
+            torch.cuda.synchronize(self.device)   # the host is two plans ahead of the GPU: let it catch up
+            if self._done_host[t] != self._expect[t]:
+                raise RuntimeError("meld planner did not complete (a previous kernel failed?)")
+        return self._host[t]
 
     def staging_ptr(self) -> int:
-        """Address of the staging buffer stage() returned last."""
+        """Address of the staging buffer stage() returned last (valid on the device too: pinned memory)."""
         return self._staging_ptr[self._turn]
 
-    def upload(self, nnz: int) -> None:
-        """Copy the staged raw page table (indptr, last_page_len, the first nnz indices) to the device."""
-        stream = current_stream(self.device)
-        lo, hi = self.off_raw, self.off_indices + nnz
-        fastcall.memcpy_htod_async(self._buf_ptr + 4 * lo, self._staging_ptr[self._turn] + 4 * lo, 4 * (hi - lo), stream)
-        fastcall.event_record(self._event_ptr[self._turn], stream)
-        self._pending[self._turn] = True
+    def commit(self) -> tuple[int, int]:
+        """Hand the staged buffer to the GPU: returns (flag address, sequence number) for the planner."""
+        self._seq = self._seq % 0x7FFFFFFF + 1
+        t = self._turn
+        self._expect[t] = self._seq
         self._turn ^= 1
+        return self._done.data_ptr() + 4 * t, self._seq
 
     def copy_from_device(self, indptr: torch.Tensor, last: torch.Tensor, indices: torch.Tensor) -> None:
         """A page table already on the GPU: device-to-device copies, no host involvement."""
@@ -80,8 +83,3 @@ class WorkTables:
 
     def ptr(self, offset: int) -> int:
         return self._buf_ptr + 4 * offset
-
-    def __del__(self) -> None:
-        destroy = getattr(self, "_destroy", None)   # bound at init: module imports fail at interpreter exit
-        for ev in getattr(self, "_events", ()):
-            destroy(ev)

@@ -1,9 +1,11 @@
-// meld: the decode-attention planner on the GPU (one CTA).
+// meld: the decode-attention planner on the GPU.
 //
-// The same cut of the cost line as meld/scheduler/decode_plan.py (the reference: a GPU test asserts
-// that the tables are identical), computed on the device from the raw page table, so plan() costs the
-// host one copy and one launch, and a page table that already lives on the GPU is planned without any
-// device-to-host synchronisation.
+// CTA 0 makes the same cut of the cost line as meld/scheduler/decode_plan.py (the reference: a GPU
+// test asserts that the tables are identical) from the raw page table; the other CTAs copy the page
+// indices into the device buffer. The raw page table may sit in pinned host memory (read over PCIe:
+// plan() then costs the host one launch and no copy call) or in device memory (a page table that
+// already lives on the GPU: no host involvement at all). When every CTA is done reading, the last one
+// writes `done_seq` to the host-mapped `done_flag`, which tells the host it may reuse its staging buffer.
 //
 // Defined by the including source: PLAN_THREADS, struct PlanParams.
 
@@ -49,10 +51,7 @@ __device__ __forceinline__ long long floor_div(long long a, long long b) {   // 
   return (a % b != 0 && a < 0) ? q - 1 : q;
 }
 
-}  // namespace meld
-
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1) meld_decode_plan(const __grid_constant__ PlanParams p) {
-  using namespace meld;
+__device__ __forceinline__ void plan_tables(const PlanParams& p) {
   __shared__ long long tot64[PW];
   __shared__ int tot32[PW];
   extern __shared__ int cut[];   // [4][num_ctas]: unit, token, run first, run last of cut c (1..active-1)
@@ -146,5 +145,45 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1) meld_decode_plan(c
     t[5 * W + c] = head ? last[c] - first[c] + 2 : 0;
     t[6 * W + c] = tail ? first[c + 1] - 1 : 0;
     t[7 * W + c] = tail ? last[c + 1] - first[c + 1] + 2 : 0;
+  }
+}
+
+struct alignas(16) Int4 { int x, y, z, w; };
+
+// CTAs 1..: copy the first kv_indptr[batch] page indices, four 16-byte loads in flight per thread
+// (the source may be host memory, where latency, not bandwidth, is the cost).
+__device__ __forceinline__ void copy_indices(const PlanParams& p) {
+  const int nnz = p.kv_indptr[p.batch];
+  const int n4 = nnz / 4, stride = (gridDim.x - 1) * PT;
+  const Int4* src = reinterpret_cast<const Int4*>(p.src_indices);
+  Int4* dst = reinterpret_cast<Int4*>(p.dst_indices);
+  for (int i0 = (blockIdx.x - 1) * PT + threadIdx.x; i0 < n4; i0 += 4 * stride) {
+    Int4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (i0 + k * stride < n4) v[k] = src[i0 + k * stride];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (i0 + k * stride < n4) dst[i0 + k * stride] = v[k];
+  }
+  if (blockIdx.x == 1)
+    for (int i = 4 * n4 + threadIdx.x; i < nnz; i += PT) p.dst_indices[i] = p.src_indices[i];
+}
+
+}  // namespace meld
+
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1) meld_decode_plan(const __grid_constant__ PlanParams p) {
+  using namespace meld;
+  if (blockIdx.x == 0) plan_tables(p);
+  else copy_indices(p);
+  if (p.done_flag == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(p.arrive, 1) == (int)gridDim.x - 1) {   // last CTA: all reads of the staging buffer are done
+      *p.arrive = 0;
+      __threadfence_system();
+      *reinterpret_cast<volatile int*>(p.done_flag) = p.done_seq;
+    }
   }
 }
