@@ -1,0 +1,69 @@
+"""meld's decode kernel under different static configs and cost models, on BENCH.md's decode grid.
+
+What it answers: which (warps, ring stages) and which planner cost parameters to ship as defaults
+(`DecodeKernelConfig.default`, `DecodeCost`). meld only — the peers are in bench/decode.py; every
+variant runs on the same inputs in one process, timed with the same CUDA-graph replay timer.
+
+    PYTHONPATH=$PWD python3 bench/decode_sweep.py [--batch 64 256] [--json $OUT/sweep.json]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import meld  # noqa: E402
+from bench.decode import BATCHES, DISTS, PAGE_SIZE, Case, make_inputs  # noqa: E402
+from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
+from meld.codegen import DecodeKernelConfig  # noqa: E402
+from meld.scheduler import DecodeCost  # noqa: E402
+
+OLD_COST = DecodeCost(item_overhead_tokens=32, min_split_tokens=64)
+VARIANTS = {  # name: (warps, stages, cost)
+    "w4s3": (4, 3, OLD_COST), "w4s2": (4, 2, OLD_COST), "w8s3": (8, 3, OLD_COST),
+    "w8s2": (8, 2, OLD_COST), "w8s2+cost": (8, 2, DecodeCost()),
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", cost=cost,
+                                        kernel_config=DecodeKernelConfig("bfloat16", 128, w, s))
+             for name, (w, s, cost) in VARIANTS.items()}
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env_info().items()))
+    print("CTAs/SM: " + ", ".join(f"{k} {a.topology.ctas_per_sm}" for k, a in attns.items()), flush=True)
+    table = Table([Column("case", "case", align="<")] + [Column(k, f"{k} µs", ".1f") for k in VARIANTS]
+                  + [Column("best", "best", align="<")])
+    for b in args.batch:
+        for dist in DISTS:
+            inp = make_inputs(Case(b, dist))
+            row = {"case": f"B={b} {dist}"}
+            base = None
+            for name, attn in attns.items():
+                t = inp.table
+                attn.plan(t.indptr, t.indices, t.last_page_len)
+                out = torch.full_like(inp.q, float("nan"))
+                attn.run(inp.q, inp.kv_cache, out=out)
+                base = out.double() if base is None else base   # every variant must compute the same thing
+                err = ((out.double() - base).norm() / base.norm()).item()
+                if not err < 1e-2:
+                    raise SystemExit(f"{name} on {row['case']}: differs from {next(iter(VARIANTS))} by {err:.1e}")
+                row[name] = graph_time_us(lambda: attn.run(inp.q, inp.kv_cache, out=out)).median_us
+            row["best"] = min(VARIANTS, key=lambda k: row[k])
+            table.add(row)
+            print(f"  {row['case']}: " + ", ".join(f"{k} {row[k]:.1f}" for k in VARIANTS), flush=True)
+            del inp
+    table.print()
+    if args.json:
+        table.dump_json(args.json, env=env_info())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
