@@ -58,7 +58,6 @@ def main() -> int:
             row["best"] = min(VARIANTS, key=lambda k: row[k])
             table.add(row)
             print(f"  {row['case']}: " + ", ".join(f"{k} {row[k]:.1f}" for k in VARIANTS), flush=True)
-            del inp
     table.print()
     if args.json:
         table.dump_json(args.json, env=env_info())

@@ -2,7 +2,6 @@
 definition itself computes paged decode attention (compiled for the CPU, checked against torch)."""
 import math
 
-import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
@@ -13,6 +12,9 @@ from tvm import te, tirx  # noqa: E402
 from meld.frontend import capture, decode_attention_primfunc  # noqa: E402
 from meld.frontend.capture import find_range_reduction  # noqa: E402
 from meld.ops.decode_graph import decode_attention_graph  # noqa: E402
+from meld.runtime.reference import attention_reference  # noqa: E402
+
+from .workloads import paged  # noqa: E402
 
 NEG_INF, ZERO, ONE = (tirx.const(v, "float32") for v in (-math.inf, 0.0, 1.0))
 
@@ -129,24 +131,6 @@ def test_non_primfunc_is_rejected():
 
 # --- numerics: the definition is decode attention --------------------------------------------------------
 
-def _reference(q, kv_cache, kv_indptr, kv_indices, lengths):
-    """float64 paged GQA decode attention; lse in natural log, as meld returns it."""
-    batch, num_qo_heads, head_dim = q.shape
-    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.full((batch, num_qo_heads), -math.inf, dtype=torch.float64)
-    for b, n in enumerate(lengths):
-        if n == 0:
-            continue
-        pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
-        k, v = (kv_cache[pages, i].reshape(-1, num_kv_heads, head_dim)[:n].double() for i in (0, 1))
-        k, v = (t.repeat_interleave(num_qo_heads // num_kv_heads, dim=1) for t in (k, v))  # [n, Hq, D]
-        s = torch.einsum("hd,nhd->hn", q[b].double(), k) / math.sqrt(head_dim)
-        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
-        lse[b] = torch.logsumexp(s, dim=-1)
-    return out, lse
-
-
 _BF16_BUG = pytest.mark.xfail(strict=True, reason="TVM 0.27 llvm: bf16 loads inside a tuple reduction are "
                               "read as raw uint16 bits (a plain sum is fine); meld's own CUDA is unaffected")
 
@@ -161,19 +145,15 @@ def test_definition_matches_torch(cfg, dtype):
     fn = tvm.compile(tvm.IRModule({"main": decode_attention_primfunc(*cfg, dtype)}), target="llvm")["main"]
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 0, 9, 1, 12]  # ragged, one empty request, partial and full last pages
-    pages = [-(-n // page_size) for n in lengths]
-    kv_indptr = torch.tensor(np.r_[0, np.cumsum(pages)], dtype=torch.int32)
-    num_pages = int(kv_indptr[-1]) + 3  # unused pages too: the table decides what is read
-    kv_indices = torch.randperm(num_pages, generator=gen)[:int(kv_indptr[-1])].to(torch.int32)
-    last_page_len = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lengths, pages)],
-                                 dtype=torch.int32)
+    pb = paged(lengths, page_size, generator=gen)   # spare pages too: the table decides what is read
+    kv_indptr, kv_indices, last_page_len, num_pages = pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, pb.num_pages
     torch_dtype = getattr(torch, dtype)
     q = torch.randn(len(lengths), num_qo_heads, head_dim, generator=gen).to(torch_dtype)
     kv_cache = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, generator=gen).to(torch_dtype)
     out = torch.empty_like(q)
     lse = torch.empty(len(lengths), num_qo_heads)
     fn(q, kv_cache, kv_indptr, kv_indices, last_page_len, out, lse, max(lengths))
-    ref_out, ref_lse = _reference(q, kv_cache, kv_indptr, kv_indices, lengths)
+    ref_out, ref_lse = attention_reference(q, kv_cache, kv_indptr, kv_indices, last_page_len)
     tol = 1e-5 if dtype == "float32" else 1e-2  # out is rounded to dtype; the math is float32
     torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)

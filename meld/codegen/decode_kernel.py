@@ -42,9 +42,9 @@ class DecodeKernelConfig:
 
     @staticmethod
     def default(dtype: str, head_dim: int) -> "DecodeKernelConfig":
-        """Chosen by measurement on the H200 (.dev sweeps, bench/RESULTS.md): eight warps with two-stage
-        rings per SM beat deeper rings and four-warp CTAs (they leave L1 room for the page-table lookups
-        and make small batches faster); head_dim 256 fits only four warps with three stages."""
+        """Chosen by measurement on the H200 (bench/decode_sweep.py, bench/RESULTS.md): one CTA of eight
+        warps with two-stage rings per SM is best or within 1% at every batch size, and the fastest at
+        small batches; head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB."""
         if head_dim == 256:
             return DecodeKernelConfig(dtype, head_dim, 4, 3)
         return DecodeKernelConfig(dtype, head_dim, 8, 2)

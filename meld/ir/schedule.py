@@ -21,8 +21,6 @@ from typing import Any
 import numpy as np
 
 CTA_FIELDS = ("u_begin", "s_begin", "u_end", "s_end", "head_first", "head_parts", "tail_first", "tail_parts")
-ITEM_FIELDS = ("cta", "unit", "req", "kv_head", "q_head", "rows", "kv_begin", "kv_end", "slot", "parts_begin",
-               "num_parts")
 
 
 class ScheduleError(ValueError):
@@ -70,9 +68,6 @@ class Schedule:
     def num_slots(self) -> int:
         """Partial slots the kernel may address: slot = unit + cta < num_units + num_ctas."""
         return self.num_units + self.num_ctas
-
-    def column(self, name: str) -> np.ndarray:
-        return self.cta[CTA_FIELDS.index(name)]
 
     def items(self) -> dict[str, np.ndarray]:
         """The segments as explicit items, in the order the CTAs run them (what the kernel derives)."""

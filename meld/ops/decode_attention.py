@@ -57,7 +57,7 @@ class DecodeAttention:
             in a CUDA graph: plans within them rewrite the tables in place and the graph stays valid.
             Without them the tables grow as needed (which invalidates captured graphs).
         topology: override the persistent grid (default: the device's SMs x the kernel's occupancy;
-            on the CPU an H200 with 2 CTAs per SM).
+            on the CPU an H200 with one CTA per SM, as the shipped kernel runs there).
 
     Example:
         >>> attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda")
@@ -102,7 +102,7 @@ class DecodeAttention:
         if self.device.type == "cuda":
             self._init_cuda(topology)
         elif self.device.type == "cpu":
-            self.topology = topology or Topology.h200(2)
+            self.topology = topology or Topology.h200()
             self._kv_indices_cpu = torch.zeros(0, dtype=torch.int32)
         else:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
