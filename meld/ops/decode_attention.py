@@ -190,10 +190,12 @@ class DecodeAttention:
         expect("kv_indices", kv_indices, torch.int32, (None,), "page indices", contiguous=True)
         expect("kv_last_page_len", kv_last_page_len, torch.int32, (B,), "one entry per request, B = len(kv_indptr) - 1",
                contiguous=True)
-        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
-            if t.device.type != "cpu" and not same_device(t.device, self.device):
-                raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
         on_host = kv_indptr.device.type == kv_indices.device.type == kv_last_page_len.device.type == "cpu"
+        if not on_host:
+            for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                            ("kv_last_page_len", kv_last_page_len)):
+                if t.device.type != "cpu" and not same_device(t.device, self.device):
+                    raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
         self._schedule = None
         self._batch = B
         if self.device.type == "cpu":
@@ -244,7 +246,7 @@ class DecodeAttention:
         """Validate kv_indptr / kv_last_page_len in a handful of vector ops; returns nnz = kv_indptr[-1]."""
         nnz = int(indptr[-1])
         pages = indptr[1:] - indptr[:-1]
-        if indptr[0] != 0 or (len(pages) and pages.min() < 0):
+        if indptr[0] != 0 or (len(last) and pages.min() < 0):
             raise ValueError(f"kv_indptr must start at 0 and never decrease, got {indptr[:8].tolist()}...")
         if nnz > num_indices:
             raise ValueError(f"kv_indptr[-1]={nnz} exceeds len(kv_indices)={num_indices}")
