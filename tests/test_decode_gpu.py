@@ -134,3 +134,29 @@ def test_page_table_on_gpu(check):
     _assert_gpu_plan_matches_host(attn)
     ref, _ = attention_reference(q, kv, gi, gx, gl)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["c-helper", "numpy"])
+def test_plan_errors_on_gpu_op(helper, monkeypatch):
+    from meld.runtime import host_helper
+
+    if not helper:
+        monkeypatch.setattr(host_helper, "_lib", None)     # force the NumPy path
+    pb = paged([100, 0, 33, 700], 16)
+    attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cuda")
+    i, x, last = pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len
+    bad = last.clone(); bad[2] = 0
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[2\]=0 is outside \[1, page_size=16\]"):
+        attn.plan(i, x, bad)
+    bad = x.clone(); bad[5] = -3
+    with pytest.raises(ValueError, match=r"kv_indices\[5\]=-3 is a negative page index"):
+        attn.plan(i, bad, last)
+    with pytest.raises(ValueError, match="never decrease"):
+        attn.plan(torch.tensor([0, 7, 5, 9, 60], dtype=torch.int32), x, last)
+    with pytest.raises(ValueError, match=r"exceeds len\(kv_indices\)"):
+        attn.plan(i, x[:3], last)
+    attn.plan(i, x, last)          # and a good table still plans after the errors
+    _assert_gpu_plan_matches_host(attn)
+    kv = torch.randn(pb.num_pages, 2, 16, 2, 64, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match=r"reference page \d+, but kv_cache has only 3 pages"):
+        attn.run(torch.randn(4, 8, 64, device="cuda").bfloat16(), kv[:3])

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .. import config
+from ..runtime import host_helper
 from ..codegen import (DECODE_PARAMS, HEADS_PER_UNIT, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
                        DecodePlanKernelConfig, compile_source)
 from ..ir import Schedule, TaskGraph
@@ -33,9 +34,21 @@ def _max_page(indices: np.ndarray) -> int:
         return -1
     top = int(indices.view(np.uint32).max())
     if top >= 2 ** 31:
-        j = int(np.flatnonzero(indices < 0)[0])
-        raise ValueError(f"kv_indices[{j}]={int(indices[j])} is a negative page index")
+        _page_table_error(5, int(np.flatnonzero(indices < 0)[0]), None, None, 0, indices)
     return top
+
+
+def _page_table_error(code: int, where: int, indptr, last, num_indices: int, indices=None, page_size: int = 0):
+    """Raise the ValueError for a page-table problem found by the NumPy checks or the C helper
+    (codes as in meld/runtime/host/stage_page_table.c)."""
+    if code in (1, 2):
+        raise ValueError(f"kv_indptr must start at 0 and never decrease, got kv_indptr[{where}:{where + 2}]="
+                         f"{np.asarray(indptr[where:where + 2]).tolist() if code == 2 else [int(indptr[0])]}")
+    if code == 3:
+        raise ValueError(f"kv_indptr[-1]={int(indptr[-1])} exceeds len(kv_indices)={num_indices}")
+    if code == 4:
+        raise ValueError(f"kv_last_page_len[{where}]={int(last[where])} is outside [1, page_size={page_size}]")
+    raise ValueError(f"kv_indices[{where}]={int(indices[where])} is a negative page index")
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -206,17 +219,30 @@ class DecodeAttention:
             self._max_page = _max_page(self._kv_indices_cpu.numpy())
         elif on_host:
             indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
-            nnz = self._check_page_table(indptr, last, kv_indices.numel())
-            self._ensure_capacity(B, nnz)
+            nnz = int(indptr[-1])
+            if nnz > kv_indices.numel():
+                _page_table_error(3, 0, indptr, last, kv_indices.numel())
+            self._ensure_capacity(B, max(nnz, 0))
             t = self.tables
             staged = t.stage()
-            # memmove, not NumPy: three copies at C speed without NumPy's per-call dispatch.
             host = t.staging_ptr()
-            ctypes.memmove(host + 4 * t.off_raw, kv_indptr.data_ptr(), 4 * (B + 1))
-            ctypes.memmove(host + 4 * (t.off_raw + B + 1), kv_last_page_len.data_ptr(), 4 * B)
-            ctypes.memmove(host + 4 * t.off_indices, kv_indices.data_ptr(), 4 * nnz)
             raw = staged[t.off_raw:t.off_raw + 2 * B + 1]
-            self._max_page = _max_page(staged[t.off_indices:t.off_indices + nnz])
+            helper = host_helper.load()
+            if helper is not None:   # validate and stage in one pass (C)
+                top, where = ctypes.c_int(-1), ctypes.c_longlong(0)
+                err = helper.meld_stage_page_table(
+                    kv_indptr.data_ptr(), kv_last_page_len.data_ptr(), kv_indices.data_ptr(), B, kv_indices.numel(),
+                    self.page_size, host + 4 * t.off_raw, host + 4 * t.off_indices, ctypes.byref(top),
+                    ctypes.byref(where))
+                if err:
+                    _page_table_error(err, where.value, indptr, last, kv_indices.numel(), kv_indices, self.page_size)
+                self._max_page = top.value
+            else:                    # NumPy: the same checks, more passes
+                self._check_page_table(indptr, last, kv_indices.numel())
+                ctypes.memmove(host + 4 * t.off_raw, kv_indptr.data_ptr(), 4 * (B + 1))
+                ctypes.memmove(host + 4 * (t.off_raw + B + 1), kv_last_page_len.data_ptr(), 4 * B)
+                ctypes.memmove(host + 4 * t.off_indices, kv_indices.data_ptr(), 4 * nnz)
+                self._max_page = _max_page(staged[t.off_indices:t.off_indices + nnz])
             # The lazy `schedule` replans from these views: this staging buffer is rewritten two plans
             # later, when `_planned` already points at the newer one.
             self._planned = (raw[:B + 1], raw[B + 1:])
@@ -246,14 +272,16 @@ class DecodeAttention:
         """Validate kv_indptr / kv_last_page_len in a handful of vector ops; returns nnz = kv_indptr[-1]."""
         nnz = int(indptr[-1])
         pages = indptr[1:] - indptr[:-1]
-        if indptr[0] != 0 or (len(last) and pages.min() < 0):
-            raise ValueError(f"kv_indptr must start at 0 and never decrease, got {indptr[:8].tolist()}...")
+        if indptr[0] != 0:
+            _page_table_error(1, 0, indptr, last, num_indices)
+        if len(last) and pages.min() < 0:
+            _page_table_error(2, int(np.flatnonzero(pages < 0)[0]), indptr, last, num_indices)
         if nnz > num_indices:
-            raise ValueError(f"kv_indptr[-1]={nnz} exceeds len(kv_indices)={num_indices}")
+            _page_table_error(3, 0, indptr, last, num_indices)
         # last - 1 must lie in [0, page_size) for non-empty requests; below 0 wraps to >= 2**31 as uint32.
         if len(last) and ((last - 1) * (pages > 0)).view(np.uint32).max() >= self.page_size:
             b = int(np.flatnonzero(((last < 1) | (last > self.page_size)) & (pages > 0))[0])
-            raise ValueError(f"kv_last_page_len[{b}]={int(last[b])} is outside [1, page_size={self.page_size}]")
+            _page_table_error(4, b, indptr, last, num_indices, page_size=self.page_size)
         return nnz
 
     def _plan(self, kv_len: np.ndarray, page_base: np.ndarray, out: np.ndarray | None = None) -> Schedule:
