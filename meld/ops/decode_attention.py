@@ -1,9 +1,9 @@
 """`meld.DecodeAttention`: paged GQA decode attention with FlashInfer's plan()/run() split.
 
-plan() runs once per batch on the host: it reads the page table's shape (lengths), cuts the work into
-one balanced segment per CTA (`meld.scheduler.plan_decode`) and uploads the tables in place. run() only
-launches the one persistent kernel, so it can be captured in a CUDA graph and replayed after later
-plans for other batches (within the capacities given at construction).
+plan() runs once per batch: it validates the page table and hands it to the GPU planner, which cuts
+the work into one balanced segment per CTA (the cut of `meld.scheduler.plan_decode`) and rewrites the
+work tables in place. run() only launches the one persistent kernel, so it can be captured in a CUDA
+graph and replayed after later plans for other batches (within the capacities given at construction).
 """
 from __future__ import annotations
 
