@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and `meld` import as-is
+from meld import workloads  # noqa: E402
 from bench.harness import (  # noqa: E402
     GIB, Column, Table, Timing, copy_ceiling_tbps, eager_time_us, env_info, graph_time_us, host_time_us,
     matmul_ceiling_tflops, read_ceiling_tbps,
@@ -87,16 +88,10 @@ def select_cases(batches: Sequence[int], dists: Sequence[str], extra: bool) -> l
 
 
 def request_lengths(dist: str, batch: int) -> list[int]:
-    """KV lengths of the batch, exactly as BENCH.md defines them (skewed: its snippet, generator seed 1)."""
-    if dist == "uniform2k":
-        return [2048] * batch
-    if dist == "skewed":
-        g = torch.Generator().manual_seed(1)
-        return [int(min(65536, max(64, math.exp(torch.empty(1).normal_(7.5, 1.2, generator=g).item()))))
-                for _ in range(batch)]
-    if dist == "one-long":
-        return [512] * (batch - 1) + [65536]
-    raise ValueError(f"unknown length distribution {dist!r}; expected one of {DISTS}")
+    """KV lengths of the batch, exactly as BENCH.md defines them (`meld.workloads`)."""
+    if dist not in DISTS:
+        raise ValueError(f"unknown length distribution {dist!r}; expected one of {DISTS}")
+    return workloads.lengths(dist, batch)
 
 
 @dataclass
@@ -117,11 +112,8 @@ class PageTable:
 
 
 def page_table(lengths: Sequence[int], page_size: int = PAGE_SIZE, seed: int = 0) -> PageTable:
-    pages = [(n + page_size - 1) // page_size for n in lengths]
-    indptr = torch.tensor([0] + pages, dtype=torch.int64).cumsum(0).to(torch.int32)
-    indices = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
-    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, pages)], dtype=torch.int32)
-    return PageTable(list(lengths), indptr, indices, last)
+    pb = workloads.paged(list(lengths), page_size, spare_pages=0, generator=torch.Generator().manual_seed(seed))
+    return PageTable(list(lengths), pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
 
 
 @dataclass

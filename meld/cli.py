@@ -15,25 +15,12 @@ import numpy as np
 import torch
 
 
-def _skewed(batch: int, seed: int = 1) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(min(65536, max(64, math.exp(torch.empty(1).normal_(7.5, 1.2, generator=g).item()))))
-            for _ in range(batch)]
-
-
-def _paged(lens: list[int], page_size: int):
-    pages = [-(-n // page_size) for n in lens]
-    indptr = torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32)
-    indices = torch.randperm(int(indptr[-1]))[: int(indptr[-1])].to(torch.int32)
-    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)], dtype=torch.int32)
-    return indptr, indices, last, int(indptr[-1])
-
-
 def demo(batch: int, device: str) -> int:
     import meld
     from meld.codegen import compile_nvcc, compile_source
     from meld.ops import decode_attention_graph
     from meld.runtime.reference import attention_reference
+    from meld.workloads import lengths, paged
 
     Hq, Hkv, D, P, dtype = 32, 8, 128, 16, torch.bfloat16
     torch.manual_seed(0)
@@ -48,8 +35,9 @@ def demo(batch: int, device: str) -> int:
         print("1. apache-tvm not installed: task graph from meld.ops' builder:")
     print("   " + str(graph).replace("\n", "\n   "))
 
-    lens = _skewed(batch)
-    indptr, indices, last, num_pages = _paged(lens, P)
+    lens = lengths("skewed", batch)
+    pb = paged(lens, P, spare_pages=0)
+    indptr, indices, last, num_pages = pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, pb.num_pages
     print(f"2. batch: {batch} requests, log-normal lengths {min(lens)}..{max(lens)}, sum {sum(lens)} tokens")
 
     attn = meld.DecodeAttention(Hq, Hkv, D, P, dtype, device)

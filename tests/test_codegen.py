@@ -68,7 +68,7 @@ def test_dump_dir_gets_every_stage(tmp_path):
     import torch
 
     import meld
-    from tests.workloads import paged
+    from meld.workloads import paged
 
     dump = tmp_path / "dump"
     with config.scope(MELD_DUMP_DIR=str(dump), MELD_CACHE_DIR=str(tmp_path / "cache")):

@@ -6,7 +6,7 @@ import torch
 import meld
 from meld.runtime.reference import attention_reference, execute_decode
 
-from .workloads import lengths, paged
+from meld.workloads import lengths, paged
 
 
 def _inputs(lens, Hq=8, Hkv=2, D=64, P=16, dtype=torch.bfloat16):

@@ -8,7 +8,7 @@ import torch
 import meld
 from meld.runtime.reference import attention_reference
 
-from .workloads import lengths, paged
+from meld.workloads import lengths, paged
 
 pytestmark = pytest.mark.gpu
 
@@ -120,8 +120,8 @@ def test_gpu_planner_edge_batches(lens, group):
     _assert_gpu_plan_matches_host(attn)
 
 
-@pytest.mark.parametrize("check", [True, False])
-def test_page_table_on_gpu(check):
+@pytest.mark.parametrize("check,mixed", [(True, False), (False, False), (True, True)])
+def test_page_table_on_gpu(check, mixed):
     lens = lengths("skewed", 64)
     pb = paged(lens, 16)
     dev = "cuda"
@@ -129,7 +129,8 @@ def test_page_table_on_gpu(check):
     q = torch.randn(len(lens), 32, 128, device=dev).bfloat16()
     attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, dev)
     gi, gx, gl = (t.to(dev) for t in (pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len))
-    attn.plan(gi, gx, gl, check=check)
+    # mixed: the FlashInfer habit of a CPU kv_indptr beside GPU indices
+    attn.plan(pb.kv_indptr if mixed else gi, gx, gl, check=check)
     out = attn.run(q, kv)
     _assert_gpu_plan_matches_host(attn)
     ref, _ = attention_reference(q, kv, gi, gx, gl)

@@ -14,7 +14,7 @@ from meld.frontend.capture import find_range_reduction  # noqa: E402
 from meld.ops.decode_graph import decode_attention_graph  # noqa: E402
 from meld.runtime.reference import attention_reference  # noqa: E402
 
-from .workloads import paged  # noqa: E402
+from meld.workloads import paged  # noqa: E402
 
 NEG_INF, ZERO, ONE = (tirx.const(v, "float32") for v in (-math.inf, 0.0, 1.0))
 

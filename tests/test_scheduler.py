@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from meld.scheduler import DecodeCost, Topology, plan_decode
 
-from .workloads import lengths
+from meld.workloads import lengths
 
 length_lists = st.one_of(
     st.lists(st.integers(0, 3000), min_size=0, max_size=70),

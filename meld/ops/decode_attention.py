@@ -254,7 +254,9 @@ class DecodeAttention:
                 nnz, self._max_page = kv_indices.numel(), -1
             self._ensure_capacity(B, nnz)
             t = self.tables
-            t.copy_from_device(*(x.contiguous() for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])))
+            # Mixed placements (say kv_indptr on the CPU, kv_indices on the GPU) move to the device first.
+            t.copy_from_device(*(x.to(self.device).contiguous()
+                                 for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])))
             self._planned = (kv_indptr, kv_last_page_len)
             flag, seq, src, copy_ctas = 0, 0, 0, 0
             raw_ptr = t.ptr(t.off_raw)

@@ -1,4 +1,7 @@
-"""Batches for tests: the length distributions of ../shared/BENCH.md and a paged cache built for them."""
+"""Decode batches: the length distributions of BENCH.md and FlashInfer's paged layout built for them.
+
+One definition for the demo, the tests and the benchmarks, so they all run the same workloads.
+"""
 from __future__ import annotations
 
 import math
@@ -22,7 +25,7 @@ def lengths(dist: str, batch: int) -> list[int]:
         for i in range(0, batch, 3):
             out[i] = 0
         return out
-    raise ValueError(f"unknown distribution {dist!r}")
+    raise ValueError(f"unknown distribution {dist!r}; expected uniform2k, skewed, one-long or ragged")
 
 
 @dataclass
