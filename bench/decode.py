@@ -56,6 +56,7 @@ IMPLS = ("meld", "fi-fa2", "fi-tc", "sdpa")
 REL_TOL = 1e-2
 LSE_TOL = 1e-3  # on |lse - ref| / max(1, |ref|)
 FI_WORKSPACE_BYTES = 128 << 20
+MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-size)
 
 
 # ------------------------------------------------------------------------------------------- workloads
@@ -219,7 +220,7 @@ def build_meld(inp: Inputs) -> Impl:
     t0 = time.perf_counter()
     attn = meld.DecodeAttention(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                 page_size=PAGE_SIZE, dtype=DTYPE, device=str(inp.q.device),
-                                max_batch_size=c.batch, max_num_pages=t.num_pages)
+                                max_batch_size=c.batch, max_num_pages=t.num_pages, **MELD_OPTIONS)
     init_us = (time.perf_counter() - t0) * 1e6
 
     def plan() -> None:
@@ -436,6 +437,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-flush", action="store_true", help="do not clear L2 before each timed replay")
     p.add_argument("--sdpa-max-batch", type=int, default=64, help="skip SDPA above this batch size")
     p.add_argument("--sdpa-max-gib", type=float, default=20.0, help="skip SDPA when its padded K+V exceeds this")
+    p.add_argument("--cluster-size", type=int, help="meld's preferred cluster size (default: meld's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
@@ -488,6 +490,8 @@ def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.cluster_size is not None:
+        MELD_OPTIONS["cluster_size"] = args.cluster_size
     cases = select_cases(args.batch, args.dist, extra=not args.no_extra)
     if args.dry_run:
         dry_run(cases, args)

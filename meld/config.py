@@ -6,6 +6,8 @@
 | MELD_DUMP_DIR     | (unset)          | write every stage (task graph, schedule, .cu, cubin) here      |
 | MELD_COMPILER     | auto             | `nvrtc`, `nvcc`, or `auto` (NVRTC, falling back to nvcc)       |
 | MELD_ARCH         | sm_90a           | target architecture of generated kernels                       |
+| MELD_PROFILE      | 0                | 1: kernels record per-task timestamps; eager runs write traces |
+| MELD_PROFILE_DIR  | meld-profile     | where MELD_PROFILE=1 writes Chrome/Perfetto traces             |
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ _DEFAULTS = {
     "MELD_DUMP_DIR": "",
     "MELD_COMPILER": "auto",
     "MELD_ARCH": "sm_90a",
+    "MELD_PROFILE": "0",
+    "MELD_PROFILE_DIR": "meld-profile",
 }
 
 
@@ -39,6 +43,15 @@ def dump_dir() -> Path | None:
 
 def arch() -> str:
     return get("MELD_ARCH")
+
+
+def profile() -> bool:
+    """MELD_PROFILE=1: build kernels that record per-task start/end times (meld/runtime/profile.py)."""
+    return get("MELD_PROFILE") not in ("", "0")
+
+
+def profile_dir() -> Path:
+    return Path(get("MELD_PROFILE_DIR")).expanduser()
 
 
 def compiler() -> str:

@@ -1,6 +1,7 @@
 """meld.codegen: every kernel configuration the tests and benchmarks use compiles for sm_90a with nvcc
 (and NVRTC where it is installed), the parameter struct's host/device layouts agree (static_asserts
 in the generated source), and the compile cache is keyed by content."""
+import dataclasses
 import shutil
 
 import pytest
@@ -9,6 +10,9 @@ from meld import config
 from meld.codegen import DECODE_PARAMS, CompileError, DecodeKernelConfig, compile_nvcc, compile_source
 
 CONFIGS = [DecodeKernelConfig.default(dt, d) for dt in ("bfloat16", "float16") for d in (64, 128, 256)]
+# The variants the GPU tests, MELD_PROFILE and bench/decode_ablation.py build.
+CONFIGS += [dataclasses.replace(CONFIGS[1], profile=True), dataclasses.replace(CONFIGS[1], onchip_merge=False),
+            dataclasses.replace(CONFIGS[1], onchip_merge=False, profile=True)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

@@ -24,7 +24,7 @@ def _inputs(lens, Hq=8, Hkv=2, D=64, P=16, dtype=torch.bfloat16):
 ])
 def test_cpu_executor_matches_reference(lens, Hq, Hkv, P):
     pb, kv, q = _inputs(lens, Hq, Hkv, 64, P)
-    attn = meld.DecodeAttention(Hq, Hkv, 64, P, torch.bfloat16, "cpu", topology=meld.scheduler.Topology(24, 2))
+    attn = meld.DecodeAttention(Hq, Hkv, 64, P, torch.bfloat16, "cpu", topology=meld.scheduler.Topology(24, {1: 48}))
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     s = attn.schedule.validate()
     out = torch.full((len(lens), Hq, 64), float("nan"), dtype=torch.bfloat16)
@@ -42,7 +42,7 @@ def test_cpu_executor_matches_reference(lens, Hq, Hkv, P):
 def test_cpu_executor_detects_a_wrong_schedule():
     lens = [3000, 2000, 10]
     pb, kv, q = _inputs(lens)
-    attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu", topology=meld.scheduler.Topology(16, 1))
+    attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu", topology=meld.scheduler.Topology(16))
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     s = attn.schedule
     ref, _ = attention_reference(q, kv, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)

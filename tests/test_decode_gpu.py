@@ -1,6 +1,8 @@
 """Decode attention on the GPU against a float64 reference: every output written (poisoned first),
 no NaN, stable across runs, over batch sizes, length distributions, head dims, group sizes and page
-sizes, plus CUDA-graph replay across re-plans."""
+sizes, cluster mixes and both merge paths, plus CUDA-graph replay across re-plans."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -25,14 +27,14 @@ def _assert_gpu_plan_matches_host(attn):
     assert np.array_equal(buf[t.off_page_base:t.off_page_base + B], s.page_base)
 
 
-def _check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=torch.bfloat16, lens=None):
+def _check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=torch.bfloat16, lens=None, **op):
     lens = lens if lens is not None else lengths(dist, B)
     pb = paged(lens, page_size)
     Hq = num_kv_heads * group
     dev = "cuda"
     kv = torch.randn(pb.num_pages, 2, page_size, num_kv_heads, head_dim, device=dev).to(dtype)
     q = torch.randn(len(lens), Hq, head_dim, device=dev).to(dtype)
-    attn = meld.DecodeAttention(Hq, num_kv_heads, head_dim, page_size, dtype, dev)
+    attn = meld.DecodeAttention(Hq, num_kv_heads, head_dim, page_size, dtype, dev, **op)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     _assert_gpu_plan_matches_host(attn)
     out = torch.full((len(lens), Hq, head_dim), float("nan"), dtype=dtype, device=dev)
@@ -51,7 +53,7 @@ def _check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=t
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "results differ between two identical runs: a race"
     empty = torch.tensor([n == 0 for n in lens], device=dev)
     assert (out[empty] == 0).all(), "a request with no KV tokens must give zeros"
-    return err
+    return attn
 
 
 @pytest.mark.parametrize("B", [1, 7, 64, 256])
@@ -83,7 +85,40 @@ def test_float16():
     _check(7, "ragged", dtype=torch.float16)
 
 
-def test_cuda_graph_replay_across_replans():
+@pytest.mark.parametrize("cluster_size", [4, 8, 16])
+@pytest.mark.parametrize("dist", ["skewed", "one-long", "ragged"])
+def test_cluster_mixes(cluster_size, dist):
+    """Several grids (one per cluster size) over one schedule: pieces merge on chip inside a cluster and
+    through global memory across clusters and across grids."""
+    attn = _check(64, dist, cluster_size=cluster_size)
+    mix = attn.cluster_mix
+    assert sum(s * n for s, n in mix) == attn.topology.num_ctas
+    assert mix[0][0] == cluster_size
+
+
+@pytest.mark.parametrize("onchip", [True, False], ids=["dsmem", "hbm"])
+@pytest.mark.parametrize("cluster_size", [1, 4])
+def test_merge_paths_in_the_trace(onchip, cluster_size):
+    """A profiled kernel: the trace shows which merge path ran, every CTA reports once from its own SM."""
+    cfg = dataclasses.replace(meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu").kernel_config,
+                              onchip_merge=onchip, profile=True)
+    attn = _check(64, "skewed", kernel_config=cfg, cluster_size=cluster_size)
+    tr = attn.last_trace()
+    kinds = {k: sum(t.kind == k for t in tr.tasks) for k in ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")}
+    assert tr.overflowed == 0
+    assert len(tr.cta_spans) == attn.topology.num_ctas
+    assert len({c.sm for c in tr.cta_spans}) == attn.topology.num_ctas   # one CTA per SM: the grid covers them all
+    assert kinds["piece"] >= attn.schedule.items()["unit"].size
+    if onchip and cluster_size > 1:
+        assert kinds["merge-dsmem"] > kinds["merge-hbm"] > 0
+    else:
+        assert kinds["merge-dsmem"] == 0 and kinds["merge-hbm"] > 0
+    assert kinds["cluster-wait"] == (attn.topology.num_ctas if onchip else 0)
+    assert all(t.start_ns <= t.end_ns for t in tr.tasks)
+
+
+@pytest.mark.parametrize("cluster_size", [1, 4])
+def test_cuda_graph_replay_across_replans(cluster_size):
     dev, Hq, Hkv, D, P = "cuda", 32, 8, 128, 16
     batches = [lengths("skewed", 64), lengths("one-long", 64), lengths("ragged", 64), [2048] * 64]
     plans = [paged(l, P) for l in batches]
@@ -91,7 +126,7 @@ def test_cuda_graph_replay_across_replans():
     kv = torch.randn(num_pages, 2, P, Hkv, D, device=dev).bfloat16()
     q = torch.randn(64, Hq, D, device=dev).bfloat16()
     attn = meld.DecodeAttention(Hq, Hkv, D, P, torch.bfloat16, dev, max_batch_size=64,
-                                max_num_pages=max(p.kv_indices.numel() for p in plans))
+                                max_num_pages=max(p.kv_indices.numel() for p in plans), cluster_size=cluster_size)
     out = torch.empty(64, Hq, D, dtype=torch.bfloat16, device=dev)
     attn.plan(plans[0].kv_indptr, plans[0].kv_indices, plans[0].kv_last_page_len)
     s = torch.cuda.Stream()

@@ -53,9 +53,8 @@ def test_online_softmax_combiner_merges_like_one_softmax():
     assert m2 == -np.inf and l2 == 0 and not np.isnan(acc2).any()
 
 
-def _schedule():
-    lens = np.array([0, 5000, 17, 300, 2048])
-    return plan_decode(lens, np.r_[0, np.cumsum(-(-lens // 16))][:-1], 8, 4, Topology(16, 2))
+def _schedule(lens=np.array([0, 5000, 17, 300, 2048])):
+    return plan_decode(lens, np.r_[0, np.cumsum(-(-lens // 16))][:-1], 8, 4, Topology(16, {1: 32}))
 
 
 def test_schedule_round_trip():
@@ -76,3 +75,21 @@ def test_schedule_validation_catches_corruption(field, row, delta, message):
     s.cta[row, col] += delta
     with pytest.raises(ScheduleError, match=message):
         s.validate()
+
+
+def test_merge_paths_follow_the_clusters():
+    lens = np.array([5000, 40, 3000, 700, 0, 12000], dtype=np.int64)
+    s = _schedule(lens)
+    W = s.num_ctas
+    alone = s.merge_paths()
+    assert alone["split_units"] > 0 and alone["onchip_units"] == 0 and alone["hbm_pieces"] > 0
+    everyone = s.merge_paths([0] * W)                      # one cluster holds every CTA: all on chip
+    assert everyone["onchip_units"] == everyone["split_units"] == alone["split_units"]
+    assert everyone["hbm_pieces"] == everyone["hbm_partial_rows"] == 0
+    pairs = s.merge_paths([c // 2 for c in range(W)])
+    it = s.items()
+    expect = sum(1 for i in np.flatnonzero((it["slot"] >= 0) & (it["cta"] == it["parts_begin"] - it["unit"]))
+                 if (it["cta"][i] // 2) == (it["cta"][i] + it["num_parts"][i] - 1) // 2)
+    assert pairs["onchip_units"] == expect
+    assert pairs["onchip_pieces"] + pairs["hbm_pieces"] == alone["hbm_pieces"]
+    assert pairs["hbm_partial_rows"] == 4 * pairs["hbm_pieces"]    # group 4: four q heads per piece

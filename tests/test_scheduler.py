@@ -15,7 +15,7 @@ length_lists = st.one_of(
 )
 
 
-def _plan(lens, num_kv_heads=8, group=4, topo=Topology(132, 2), cost=DecodeCost()):
+def _plan(lens, num_kv_heads=8, group=4, topo=Topology(132, {1: 264}), cost=DecodeCost()):
     L = np.asarray(lens, dtype=np.int64)
     return plan_decode(L, np.r_[0, np.cumsum(-(-L // 16))][:-1].astype(np.int64), num_kv_heads, group, topo, cost)
 
@@ -24,7 +24,7 @@ def _plan(lens, num_kv_heads=8, group=4, topo=Topology(132, 2), cost=DecodeCost(
 @given(lens=length_lists, kv_heads=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 3, 4, 8, 9, 16]),
        sms=st.integers(1, 140), per_sm=st.integers(1, 3))
 def test_every_token_covered_once_and_groups_consistent(lens, kv_heads, group, sms, per_sm):
-    s = _plan(lens, kv_heads, group, Topology(sms, per_sm)).validate()
+    s = _plan(lens, kv_heads, group, Topology(sms, {1: sms * per_sm})).validate()
     it = s.items()
     assert it["req"].max(initial=0) < max(len(lens), 1)
     assert np.all(it["slot"] < s.num_slots)
@@ -37,7 +37,7 @@ def test_every_token_covered_once_and_groups_consistent(lens, kv_heads, group, s
 @given(lens=length_lists, sms=st.integers(8, 140))
 def test_balance(lens, sms):
     cost = DecodeCost()
-    s = _plan(lens, topo=Topology(sms, 2), cost=cost)
+    s = _plan(lens, topo=Topology(sms, {1: 2 * sms}), cost=cost)
     per_cta = s.cta_cost(cost.item_overhead_tokens)
     active = s.meta["active_ctas"]
     mean = per_cta.sum() / active
@@ -71,3 +71,61 @@ def test_splits_stay_on_neighbouring_ctas():
 def test_short_batch_uses_fewer_ctas():
     s = _plan([100]).validate()
     assert s.meta["active_ctas"] == -(-(100 + DecodeCost().item_overhead_tokens) * 8 // DecodeCost().min_cta_tokens)
+
+
+# --- cluster mixes ---------------------------------------------------------------------------------
+H200 = {1: 132, 2: 66, 4: 30, 8: 15, 16: 7}
+
+
+def _gpc_table(gpcs: list[int], sizes=(1, 2, 4, 8, 16)) -> dict[int, int]:
+    """The occupancy table of a GPU whose GPCs hold `gpcs` SMs (a cluster lives inside one GPC)."""
+    return {s: sum(m // s for m in gpcs) for s in sizes}
+
+
+def _placeable(gpcs: list[int], mix) -> bool:
+    """Place the mix's clusters, largest first, each into the GPC with the most free SMs."""
+    free = sorted(gpcs, reverse=True)
+    for size, count in mix:
+        for _ in range(count):
+            i = max(range(len(free)), key=lambda k: free[k])
+            if free[i] < size:
+                return False
+            free[i] -= size
+    return True
+
+
+def test_cluster_mix_h200():
+    topo = Topology(132, H200)
+    assert topo.cluster_mix(4) == [(4, 30), (2, 6)]
+    assert topo.cluster_mix(8) == [(8, 15), (2, 6)]          # not (4, 3): the 12 SMs left are pairs
+    assert topo.cluster_mix(2) == [(2, 66)]
+    assert topo.cluster_mix(1) == [(1, 132)]
+    assert topo.cluster_mix(16) == [(16, 7), (8, 1), (2, 6)]
+    assert _gpc_table([18] * 6 + [16, 8]) == H200            # a GPC layout consistent with the table
+    with pytest.raises(ValueError, match="power of two"):
+        topo.cluster_mix(3)
+    with pytest.raises(ValueError, match="powers of two"):
+        Topology(132, {1: 132, 3: 40})
+
+
+@settings(max_examples=300, deadline=None)
+@given(gpcs=st.lists(st.integers(1, 20), min_size=1, max_size=12), preferred=st.sampled_from([1, 2, 4, 8, 16]))
+def test_cluster_mix_covers_every_sm_and_fits_the_gpcs(gpcs, preferred):
+    topo = Topology(sum(gpcs), _gpc_table(gpcs))
+    mix = topo.cluster_mix(preferred)
+    assert sum(s * n for s, n in mix) == sum(gpcs)
+    assert [s for s, _ in mix] == sorted({s for s, _ in mix}, reverse=True) and all(s <= preferred for s, _ in mix)
+    assert _placeable(gpcs, mix)
+    # largest clusters first: every cluster of the largest possible size up to the preferred one
+    s0 = max(s for s, n in topo.max_active_clusters.items() if n and s <= preferred)
+    assert mix[0] == (s0, topo.max_active_clusters[s0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(table=st.dictionaries(st.sampled_from([2, 4, 8, 16]), st.integers(0, 80)), slots=st.integers(1, 300),
+       preferred=st.sampled_from([1, 2, 4, 8, 16]))
+def test_cluster_mix_covers_every_slot_for_any_table(table, slots, preferred):
+    topo = Topology(slots, {1: slots, **table})
+    mix = topo.cluster_mix(preferred)
+    assert sum(s * n for s, n in mix) == slots
+    assert all(0 < n <= topo.max_active_clusters[s] for s, n in mix)

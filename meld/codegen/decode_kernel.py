@@ -29,6 +29,8 @@ class DecodeKernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     l2_prefetch: int = 0   # 0, 128 or 256: L2 prefetch size hint on the KV loads
+    onchip_merge: bool = True   # merge split units inside a cluster through distributed shared memory
+    profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -44,15 +46,17 @@ class DecodeKernelConfig:
     def default(dtype: str, head_dim: int) -> "DecodeKernelConfig":
         """Chosen by measurement on the H200 (bench/decode_sweep.py, bench/RESULTS.md): one CTA of eight
         warps with two-stage rings per SM is best or within 1% at every batch size, and the fastest at
-        small batches; head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB."""
+        small batches. head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB, which
+        leaves no room for the on-chip merge area: its split units merge through global memory."""
         if head_dim == 256:
-            return DecodeKernelConfig(dtype, head_dim, 4, 3)
+            return DecodeKernelConfig(dtype, head_dim, 4, 3, onchip_merge=False)
         return DecodeKernelConfig(dtype, head_dim, 8, 2)
 
     @property
     def name(self) -> str:
         return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}"
-                f"_w{self.num_warps}_s{self.num_stages}" + (f"_l2p{self.l2_prefetch}" if self.l2_prefetch else ""))
+                f"_w{self.num_warps}_s{self.num_stages}" + (f"_l2p{self.l2_prefetch}" if self.l2_prefetch else "")
+                + ("_dsm" if self.onchip_merge else "") + ("_prof" if self.profile else ""))
 
     entry = "meld_decode_attention"   # the template's extern "C" __global__ function
 
@@ -62,10 +66,18 @@ class DecodeKernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the cp.async rings plus the end-of-unit merge area (see the template)."""
+        """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
+        merges, the two partials kept for cluster peers (see the template)."""
         ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * 2
         merge = self.num_warps * HEADS_PER_UNIT * (self.head_dim + 4 + 2) * 4 + 16
-        return ring + merge
+        parts = 2 * HEADS_PER_UNIT * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
+        return ring + merge + parts
+
+    @property
+    def max_parts(self) -> int:
+        """Most pieces one unit may be split into (the merge keeps their weights in the merge area), so
+        the most CTAs a grid may have."""
+        return self.num_warps * (self.head_dim + 4)
 
     def render(self) -> str:
         head = "\n".join([
@@ -76,6 +88,8 @@ class DecodeKernelConfig:
             f"#define SMEM_BYTES {self.smem_bytes}",
             f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
             f'#define MELD_L2_PREFETCH "{f".L2::{self.l2_prefetch}B" if self.l2_prefetch else ""}"',
+            f"#define MELD_ONCHIP_MERGE {int(self.onchip_merge)}",
+            f"#define MELD_PROFILE {int(self.profile)}",
         ])
         return "\n".join([head, _template("common.cuh"), DECODE_PARAMS.c_source(),
                           _template("decode_attention.cuh")])

@@ -58,6 +58,7 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("part_o", "ptr", "float*"),
     Field("part_lse", "ptr", "float*"),
     Field("counters", "ptr", "unsigned*"),
+    Field("prof", "ptr", "long long*"),
     Field("q_stride_b", "i64"),
     Field("q_stride_h", "i64"),
     Field("num_qo_heads", "i32"),
@@ -67,6 +68,8 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("units_per_request", "i32"),
     Field("page_size", "i32"),
     Field("num_ctas", "i32"),
+    Field("cta_offset", "i32"),
+    Field("prof_cap", "i32"),
     Field("sm_scale_log2", "f32"),
 ])
 

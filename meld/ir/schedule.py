@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -139,6 +139,23 @@ class Schedule:
                                                                                start[split] + (np.arange(len(u)) - np.flatnonzero(first)[run])[split])):
             raise ScheduleError("a slot lies outside the partial buffer or out of sequence")
         return self
+
+    def merge_paths(self, cluster_of_cta: Sequence[int] | None = None) -> dict[str, int]:
+        """How the split units merge when CTA row c runs in cluster `cluster_of_cta[c]` (default: no
+        clusters): a unit whose pieces all ran in one cluster merges on chip, any other through global
+        memory. Returns counts of split units and pieces per path, and the partial rows (q heads) the
+        global-memory pieces write (x (head_dim + 1) x 4 bytes each)."""
+        it = self.items()
+        split = it["slot"] >= 0
+        first = it["parts_begin"] - it["unit"]                  # CTA of the unit's first piece
+        last = first + it["num_parts"] - 1
+        cl = np.arange(self.num_ctas) if cluster_of_cta is None else np.asarray(cluster_of_cta)
+        onchip = split & (cl[np.clip(first, 0, self.num_ctas - 1)] == cl[np.clip(last, 0, self.num_ctas - 1)])
+        hbm = split & ~onchip
+        starts = it["cta"] == first
+        return {"split_units": int((split & starts).sum()), "onchip_units": int((onchip & starts).sum()),
+                "onchip_pieces": int(onchip.sum()), "hbm_pieces": int(hbm.sum()),
+                "hbm_partial_rows": int(it["rows"][hbm].sum())}
 
     def cta_cost(self, item_overhead_tokens: int = 0) -> np.ndarray:
         """Predicted cost per CTA in KV tokens (+ a fixed cost per item)."""

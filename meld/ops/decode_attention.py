@@ -8,6 +8,8 @@ graph and replayed after later plans for other batches (within the capacities gi
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -53,6 +55,8 @@ def _page_table_error(code: int, where: int, indptr, last, num_indices: int, ind
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOG2E = 1.4426950408889634
+DEFAULT_CLUSTER_SIZE = 4
+_trace_seq = itertools.count()
 
 
 class DecodeAttention:
@@ -69,8 +73,13 @@ class DecodeAttention:
         max_batch_size, max_num_pages: capacities of the work tables. Give them when run() is captured
             in a CUDA graph: plans within them rewrite the tables in place and the graph stays valid.
             Without them the tables grow as needed (which invalidates captured graphs).
-        topology: override the persistent grid (default: the device's SMs x the kernel's occupancy;
-            on the CPU an H200 with one CTA per SM, as the shipped kernel runs there).
+        topology: override the persistent grid (default: `Topology.discover` of the kernel; on the CPU
+            an H200 with one CTA per SM, as the shipped kernel runs there).
+        cluster_size: the preferred thread-block cluster size. The launch covers every SM with the
+            mix `topology.cluster_mix(cluster_size)` (e.g. 30 clusters of 4 + 6 of 2 on an H200); the
+            pieces of a split unit that land in one cluster merge through distributed shared memory.
+        MELD_PROFILE=1 builds the kernel with per-task timestamps; `last_trace()` returns them, and
+            every eager run() writes a Chrome/Perfetto trace to MELD_PROFILE_DIR.
 
     Example:
         >>> attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda")
@@ -82,7 +91,8 @@ class DecodeAttention:
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", *,
                  sm_scale: float | None = None, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, topology: Topology | None = None,
-                 cost: DecodeCost = DecodeCost(), kernel_config: DecodeKernelConfig | None = None):
+                 cost: DecodeCost = DecodeCost(), kernel_config: DecodeKernelConfig | None = None,
+                 cluster_size: int = DEFAULT_CLUSTER_SIZE):
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             check_positive(name, v)
         if num_qo_heads % num_kv_heads:
@@ -91,6 +101,9 @@ class DecodeAttention:
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if cluster_size not in (1, 2, 4, 8, 16):
+            raise ValueError(f"cluster_size must be 1, 2, 4, 8 or 16, got {cluster_size!r}")
+        self.cluster_size = cluster_size
         for name, v in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages)):
             if v is not None:
                 check_positive(name, v)
@@ -106,11 +119,15 @@ class DecodeAttention:
         self.cost = cost
         self.graph: TaskGraph = decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype])
         self.kernel_config = kernel_config or DecodeKernelConfig.default(_DTYPES[dtype], head_dim)
+        if config.profile() and not self.kernel_config.profile:
+            self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
         self._fixed_capacity = max_batch_size is not None and max_num_pages is not None
         self._cap = (max_batch_size or 64, max_num_pages or 4096)
         self._schedule: Schedule | None = None
         self._planned: tuple[torch.Tensor, torch.Tensor] | None = None
         self._max_page = -1
+        self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))   # the C helper's max page and error index
+        self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
         config.dump("decode_attention.taskgraph.json", self.graph.to_json())
         if self.device.type == "cuda":
             self._init_cuda(topology)
@@ -132,7 +149,11 @@ class DecodeAttention:
                              "is not supported: meld's kernels need sm_90 (Hopper) or newer")
         kc = self.kernel_config
         self.kernel = Kernel(compile_source(kc.render(), kc.name), kc.entry, self.device, kc.threads, kc.smem_bytes)
-        self.topology = topology or Topology(info.sm_count, self.kernel.ctas_per_sm)
+        self.topology = topology or Topology.discover(self.kernel)
+        if self.topology.num_ctas > kc.max_parts:
+            raise ValueError(f"topology has {self.topology.num_ctas} CTA slots; {kc.name} supports at most "
+                             f"{kc.max_parts}")
+        self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
         pc = DecodePlanKernelConfig()
         self.planner = Kernel(compile_source(pc.render(), pc.name), pc.entry, self.device, pc.threads,
                               pc.smem_bytes(self.topology.num_ctas))
@@ -160,13 +181,19 @@ class DecodeAttention:
             page_size=self.page_size, units_per_request=self.units_per_request, num_ctas=W,
             item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens,
             min_cta_tokens=c.min_cta_tokens)
-        self._run_params = DECODE_PARAMS.pack(   # one struct for every run(): tensors and strides change
+        self._prof_cap = units + 3 if self.kernel_config.profile else 0   # every unit, 2 merges, the exit wait
+        self._prof = torch.zeros(W, 1 + self._prof_cap, 4, dtype=torch.int64, device=self.device) \
+            if self._prof_cap else None
+        from ..runtime.driver import PersistentLaunch
+
+        self._launcher = PersistentLaunch(self.kernel, self.cluster_mix, DECODE_PARAMS.pack(
             q=0, kv=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), part_o=self.part_o.data_ptr(),
-            part_lse=self.part_lse.data_ptr(), counters=self.counters.data_ptr(), q_stride_b=0, q_stride_h=0,
+            part_lse=self.part_lse.data_ptr(), counters=self.counters.data_ptr(),
+            prof=self._prof.data_ptr() if self._prof is not None else 0, q_stride_b=0, q_stride_h=0,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
-            num_ctas=W, sm_scale_log2=self.sm_scale * _LOG2E)
+            num_ctas=W, cta_offset=0, prof_cap=self._prof_cap, sm_scale_log2=self.sm_scale * _LOG2E))
 
     # --- plan -----------------------------------------------------------------------------------
     @property
@@ -203,7 +230,7 @@ class DecodeAttention:
         expect("kv_indices", kv_indices, torch.int32, (None,), "page indices", contiguous=True)
         expect("kv_last_page_len", kv_last_page_len, torch.int32, (B,), "one entry per request, B = len(kv_indptr) - 1",
                contiguous=True)
-        on_host = kv_indptr.device.type == kv_indices.device.type == kv_last_page_len.device.type == "cpu"
+        on_host = kv_indptr.is_cpu and kv_indices.is_cpu and kv_last_page_len.is_cpu
         if not on_host:
             for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
                             ("kv_last_page_len", kv_last_page_len)):
@@ -218,7 +245,7 @@ class DecodeAttention:
             self._kv_indices_cpu = kv_indices[:nnz].clone()
             self._max_page = _max_page(self._kv_indices_cpu.numpy())
         elif on_host:
-            indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
+            indptr = kv_indptr.numpy()
             nnz = int(indptr[-1])
             self._ensure_capacity(B, max(0, min(nnz, kv_indices.numel())))   # bad tables copy no more
             t = self.tables
@@ -227,16 +254,17 @@ class DecodeAttention:
             raw = staged[t.off_raw:t.off_raw + 2 * B + 1]
             helper = host_helper.load()
             if helper is not None:   # validate and stage in one pass (C)
-                top, where = ctypes.c_int(-1), ctypes.c_longlong(0)
+                top, where = self._helper_out
                 err = helper.meld_stage_page_table(
                     kv_indptr.data_ptr(), kv_last_page_len.data_ptr(), kv_indices.data_ptr(), B, kv_indices.numel(),
-                    self.page_size, host + 4 * t.off_raw, host + 4 * t.off_indices, ctypes.byref(top),
-                    ctypes.byref(where))
+                    self.page_size, host + 4 * t.off_raw, host + 4 * t.off_indices, self._helper_out_ptrs[0],
+                    self._helper_out_ptrs[1])
                 if err:
-                    _page_table_error(err, where.value, indptr, last, kv_indices.numel(), kv_indices, self.page_size)
+                    _page_table_error(err, where.value, indptr, kv_last_page_len.numpy(), kv_indices.numel(),
+                                      kv_indices, self.page_size)
                 self._max_page = top.value
             else:                    # NumPy: the same checks, more passes
-                self._check_page_table(indptr, last, kv_indices.numel())
+                self._check_page_table(indptr, kv_last_page_len.numpy(), kv_indices.numel())
                 ctypes.memmove(host + 4 * t.off_raw, kv_indptr.data_ptr(), 4 * (B + 1))
                 ctypes.memmove(host + 4 * (t.off_raw + B + 1), kv_last_page_len.data_ptr(), 4 * B)
                 ctypes.memmove(host + 4 * t.off_indices, kv_indices.data_ptr(), 4 * nnz)
@@ -343,11 +371,25 @@ class DecodeAttention:
         if sd != 1 or sb % 8 or sh % 8 or q.data_ptr() % 16:
             q = q.contiguous()
             sb, sh, _ = q.stride()
-        p = self._run_params
-        p.q, p.kv, p.out = q.data_ptr(), kv_cache.data_ptr(), out.data_ptr()
-        p.lse = lse.data_ptr() if lse is not None else 0
-        p.q_stride_b, p.q_stride_h = sb, sh
-        self.kernel.launch(self.topology.num_ctas, p)
+        self._launcher.set(q=q.data_ptr(), kv=kv_cache.data_ptr(), out=out.data_ptr(),
+                           lse=lse.data_ptr() if lse is not None else 0, q_stride_b=sb, q_stride_h=sh)
+        self._launcher.launch()
+        if self._prof is not None and not torch.cuda.is_current_stream_capturing():
+            d = config.profile_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            self.last_trace().write_chrome(d / f"decode_attention-{next(_trace_seq):04d}.trace.json")
+
+    def last_trace(self):
+        """Per-task timestamps of the last launch (waits for it): a `meld.runtime.profile.Trace`.
+        Needs a kernel built with profiling (MELD_PROFILE=1 or kernel_config.profile)."""
+        if self._prof is None:
+            raise RuntimeError("DecodeAttention.last_trace: the kernel was built without profiling "
+                               "(set MELD_PROFILE=1 or pass a kernel_config with profile=True)")
+        from ..runtime.profile import Trace
+
+        torch.cuda.synchronize(self.device)
+        return Trace.from_buffer(self._prof.cpu().numpy(), self.units_per_request, self.head_blocks,
+                                 cluster=self._launcher.cluster_of_cta(), grid=self._launcher.grid_of_cta())
 
     def _run_cpu(self, q, kv_cache, out, lse) -> None:
         from ..runtime.reference import execute_decode

@@ -76,6 +76,13 @@ class Kernel:
         self._func = int(self.func)
         self._params: ctypes.Structure | None = None
 
+    def max_active_clusters(self, size: int) -> int:
+        """Clusters of `size` CTAs of this kernel resident at once (cuOccupancyMaxActiveClusters with
+        its real threads and shared memory); 0 where the size is not possible."""
+        with torch.cuda.device(self.device):
+            return fastcall.max_active_clusters(self._func, fastcall.cluster_config(size, self.threads,
+                                                                                    self.smem_bytes, size))
+
     def launch(self, grid: int, params: ctypes.Structure) -> None:
         """Launch on torch's current stream with one by-value parameter struct.
 
@@ -88,3 +95,78 @@ class Kernel:
             self._args_ptr = ctypes.addressof(self._args)
         fastcall.launch(self._func, grid, self.threads, self.smem_bytes, current_stream(self.device),
                         self._args_ptr, self.name)
+
+
+class PersistentLaunch:
+    """One persistent launch of `kernel` as several grids, one per cluster size of a cluster mix, over
+    one CTA table: grid i runs table rows [offset_i, offset_i + ctas_i) (its `cta_offset` field).
+
+    The grids are forked from torch's current stream onto side streams and joined back with events,
+    so the launch is ordered like a single kernel and can be captured in a CUDA graph. The kernel
+    never waits across grids (see decode_attention.cuh), so a grid that starts late cannot deadlock.
+    """
+
+    def __init__(self, kernel: Kernel, mix: list[tuple[int, int]], params: ctypes.Structure):
+        self.kernel, self.mix = kernel, list(mix)
+        self.params: list[ctypes.Structure] = []
+        self._grids = []
+        offset = 0
+        for size, count in self.mix:
+            p = type(params).from_buffer_copy(params)
+            p.cta_offset = offset
+            cfg = fastcall.cluster_config(size * count, kernel.threads, kernel.smem_bytes, size)
+            args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
+            self.params.append(p)
+            self._grids.append((cfg, args, ctypes.addressof(args)))
+            offset += size * count
+        self.num_ctas = offset
+        self._side, self._events = [], []
+        if len(self.mix) > 1:
+            with torch.cuda.device(kernel.device):
+                for _ in range(len(self.mix)):              # [0]: fork; [i]: join of grid i
+                    ev = torch.cuda.Event()
+                    ev.record()                             # creates the CUDA event now, off the hot path
+                    self._events.append(ev)
+                self._side = [torch.cuda.Stream(kernel.device) for _ in self.mix[1:]]
+            torch.cuda.synchronize(kernel.device)
+            self._side_raw = [s.cuda_stream for s in self._side]
+            self._event_raw = [e.cuda_event for e in self._events]
+
+    def cluster_of_cta(self) -> list[int]:
+        """Cluster id of every CTA row (clusters numbered across the grids)."""
+        out, first = [], 0
+        for size, count in self.mix:
+            out += [first + i // size for i in range(size * count)]
+            first += count
+        return out
+
+    def grid_of_cta(self) -> list[int]:
+        return [g for g, (size, count) in enumerate(self.mix) for _ in range(size * count)]
+
+    def set(self, **fields: int) -> None:
+        """Update fields (tensor pointers, strides) of every grid's parameter struct."""
+        for p in self.params:
+            for k, v in fields.items():
+                setattr(p, k, v)
+
+    def launch(self) -> None:
+        stream = current_stream(self.kernel.device)
+        func, name = self.kernel._func, self.kernel.name
+        if len(self._grids) == 1:
+            cfg, _, args = self._grids[0]
+            cfg.hStream = stream
+            fastcall.launch_ex(func, cfg, args, name)
+            return
+        ev = self._event_raw
+        fastcall.event_record(ev[0], stream)
+        for side in self._side_raw:
+            fastcall.stream_wait_event(side, ev[0])
+        # Smallest grid first: a grid starts only once the one before it is dispatched (measured: the
+        # second grid of 30 x 4 + 6 x 2 started 4 us after the first), so the few CTAs wait, not the many.
+        for i in range(len(self._grids) - 1, -1, -1):
+            cfg, _, args = self._grids[i]
+            cfg.hStream = stream if i == 0 else self._side_raw[i - 1]
+            fastcall.launch_ex(func, cfg, args, name)
+        for i, side in enumerate(self._side_raw, start=1):
+            fastcall.event_record(ev[i], side)
+            fastcall.stream_wait_event(stream, ev[i])

@@ -11,9 +11,30 @@ import ctypes
 
 _c = ctypes.c_void_p
 _u = ctypes.c_uint
+CLUSTER_DIMENSION = 4        # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+NON_PORTABLE_CLUSTERS = 14   # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (clusterDim = first 3 uints)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", _u * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+    _fields_ = [("gridDimX", _u), ("gridDimY", _u), ("gridDimZ", _u), ("blockDimX", _u), ("blockDimY", _u),
+                ("blockDimZ", _u), ("sharedMemBytes", _u), ("hStream", _c),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", _u)]
+
+
 _SIGNATURES = {
     "cuMemcpyDtoDAsync_v2": (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, _c),
     "cuLaunchKernel": (_c, _u, _u, _u, _u, _u, _u, _u, _c, _c, _c),
+    "cuLaunchKernelEx": (ctypes.POINTER(LaunchConfig), _c, _c, _c),
+    "cuOccupancyMaxActiveClusters": (ctypes.POINTER(ctypes.c_int), _c, ctypes.POINTER(LaunchConfig)),
+    "cuFuncSetAttribute": (_c, ctypes.c_int, ctypes.c_int),
+    "cuEventRecord": (_c, _c),
+    "cuStreamWaitEvent": (_c, _c, _u),
     "cuGetErrorString": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
 }
 _lib: ctypes.CDLL | None = None
@@ -46,3 +67,38 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
 def launch(func: int, grid: int, block: int, smem: int, stream: int, params: int, what: str) -> None:
     """cuLaunchKernel with a 1-D grid and block; `params` is the address of the void* argument array."""
     _check(_cuda().cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, params, None), f"launch {what}")
+
+
+def cluster_config(grid: int, block: int, smem: int, cluster: int) -> LaunchConfig:
+    """A 1-D launch configuration with clusters of `cluster` CTAs along x (the occupancy query needs
+    the attribute even for 1). The attribute array is kept alive by the returned struct."""
+    cfg = LaunchConfig(grid, 1, 1, block, 1, 1, smem, None)
+    attr = (LaunchAttribute * 1)()
+    attr[0].id = CLUSTER_DIMENSION
+    attr[0].value[0], attr[0].value[1], attr[0].value[2] = cluster, 1, 1
+    cfg.attrs, cfg.numAttrs = ctypes.cast(attr, ctypes.POINTER(LaunchAttribute)), 1
+    cfg._keep = attr
+    return cfg
+
+
+def launch_ex(func: int, cfg: LaunchConfig, params: int, what: str) -> None:
+    """cuLaunchKernelEx; `cfg.hStream` must be set by the caller."""
+    _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None), f"launch {what}")
+
+
+def max_active_clusters(func: int, cfg: LaunchConfig) -> int:
+    """Clusters of `cfg`'s shape that can be resident at once (0 if the cluster size is not possible)."""
+    lib = _cuda()
+    if cfg.attrs[0].value[0] > 8:
+        if lib.cuFuncSetAttribute(func, NON_PORTABLE_CLUSTERS, 1):
+            return 0
+    n = ctypes.c_int(0)
+    return n.value if lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(cfg)) == 0 else 0
+
+
+def event_record(event: int, stream: int) -> None:
+    _check(_cuda().cuEventRecord(event, stream), "cuEventRecord")
+
+
+def stream_wait_event(stream: int, event: int) -> None:
+    _check(_cuda().cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")

@@ -1,7 +1,15 @@
-"""What the planner needs to know about the GPU: how many workers run at once."""
+"""What the planner needs to know about the GPU: how many CTAs run at once, and in which clusters.
+
+Thread-block clusters must fit inside one GPC, and the H200's GPCs hold different numbers of SMs, so a
+single cluster size of 4 or 8 leaves SMs idle (132 SMs: 30 clusters of 4 cover 120). A mix of sizes
+covers them all. `Topology` records, per cluster size, how many clusters of the real kernel can be
+resident at once (`discover` asks the driver), and `cluster_mix` turns that table into the grids to
+launch. It is a pure function, so the scheduler and its tests need no GPU.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -10,23 +18,70 @@ class Topology:
 
     Attributes:
         sm_count: streaming multiprocessors on the device.
-        ctas_per_sm: CTAs of the kernel resident per SM, from the occupancy calculator with the
-            kernel's real shared memory, registers and threads (`meld.runtime.Kernel.occupancy`).
+        max_active_clusters: cluster size -> clusters of the kernel resident at once, from the occupancy
+            calculator with the kernel's real shared memory, registers and threads. Size 1 gives the
+            number of CTA slots (SMs x CTAs per SM); default {1: sm_count}.
     """
 
     sm_count: int
-    ctas_per_sm: int = 1
+    max_active_clusters: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.sm_count < 1 or self.ctas_per_sm < 1:
-            raise ValueError(f"Topology needs sm_count >= 1 and ctas_per_sm >= 1, got {self}")
+        table = dict(self.max_active_clusters) or {1: self.sm_count}
+        if self.sm_count < 1 or table.get(1, 0) < 1:
+            raise ValueError(f"Topology needs sm_count >= 1 and max_active_clusters[1] >= 1, got {self}")
+        for size, n in table.items():
+            if size < 1 or size & (size - 1) or n < 0:
+                raise ValueError(f"max_active_clusters must map powers of two to counts >= 0, got {size}: {n}")
+        object.__setattr__(self, "max_active_clusters", dict(sorted(table.items())))
 
     @property
     def num_ctas(self) -> int:
-        """Grid size of one persistent launch: every CTA resident at once."""
-        return self.sm_count * self.ctas_per_sm
+        """CTA slots of one persistent launch (every CTA resident at once): the planner's segments."""
+        return self.max_active_clusters[1]
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return -(-self.num_ctas // self.sm_count)
+
+    def cluster_mix(self, preferred: int) -> list[tuple[int, int]]:
+        """Cluster sizes and counts that cover every CTA slot, largest clusters first.
+
+        Clusters live inside GPCs. Taking all `max_active_clusters[s]` clusters of size s leaves
+        `m mod s` SMs free in a GPC of m SMs, and for sizes that divide each other
+        floor(m / t) = (s / t) * floor(m / s) + floor((m mod s) / t), summed over GPCs:
+        the clusters of size t that still fit are max_active_clusters[t] - (s / t) * (clusters of s taken).
+        This is exact when the table comes from whole GPCs (as the driver's does); for any other table
+        the counts are clamped, and size 1 fills whatever is left, so the mix always covers every slot.
+
+        >>> Topology(132, {1: 132, 2: 66, 4: 30, 8: 15, 16: 7}).cluster_mix(4)
+        [(4, 30), (2, 6)]
+        """
+        if preferred < 1 or preferred & (preferred - 1):
+            raise ValueError(f"preferred cluster size must be a power of two, got {preferred}")
+        left, taken, mix = self.num_ctas, {}, []
+        for size in sorted((s for s in self.max_active_clusters if s <= preferred), reverse=True):
+            fits = self.max_active_clusters[size] - sum(s // size * n for s, n in taken.items())
+            n = left if size == 1 else max(0, min(fits, left // size))
+            if n:
+                taken[size] = n
+                mix.append((size, n))
+                left -= size * n
+        return mix
 
     @staticmethod
-    def h200(ctas_per_sm: int = 1) -> "Topology":
-        """The H200 measured here (132 SMs); for planning without a GPU."""
-        return Topology(132, ctas_per_sm)
+    def discover(kernel, sizes: tuple[int, ...] = (1, 2, 4, 8, 16)) -> "Topology":
+        """The table for a loaded `meld.runtime.driver.Kernel`, from cuOccupancyMaxActiveClusters with
+        the kernel's real shared memory, registers and threads (sizes above 8 are non-portable and
+        are left out where the driver refuses them)."""
+        import torch
+
+        sm_count = torch.cuda.get_device_properties(kernel.device).multi_processor_count
+        table = {s: n for s in sizes if (n := kernel.max_active_clusters(s)) > 0}
+        table[1] = table.get(1) or sm_count * kernel.ctas_per_sm
+        return Topology(sm_count, table)
+
+    @staticmethod
+    def h200(max_active_clusters: Mapping[int, int] | None = None) -> "Topology":
+        """The H200 measured here (132 SMs; one 200 KiB CTA per SM, DESIGN.md), for planning without a GPU."""
+        return Topology(132, max_active_clusters or {1: 132, 2: 66, 4: 30, 8: 15, 16: 7})

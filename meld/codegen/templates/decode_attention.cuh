@@ -7,11 +7,21 @@
 //   S[8 heads (padded to 16) x 16 tokens] = Q . K^T
 //   O^T[D x 8 heads]                    += V^T . P^T   (P comes straight from S's accumulator layout)
 // At the end of a unit the warps merge their online-softmax states through shared memory. A unit that
-// the schedule split across CTAs writes a partial (o, lse) to slot unit + cta; the CTA whose atomic
-// increment completes the unit's counter merges the partials and resets the counter (last arriver
-// does the work: no CTA ever waits on another, so any grid size is deadlock-free).
+// the schedule split across CTAs leaves one partial (o, lse) per piece, and the CTA whose arrival
+// completes the unit's counter merges them (last arriver does the work: no CTA waits on another's work):
+//   - on chip, when every piece ran in this CTA's thread-block cluster (MELD_ONCHIP_MERGE): the partial
+//     stays in the shared memory of the CTA that computed it, the counter lives in the shared memory of
+//     the first piece's CTA, and the last arriver reads the partials over distributed shared memory;
+//   - through global memory otherwise (slot unit + cta, a counter per unit that the merger resets).
+// The pieces of a unit sit on consecutive CTAs, and clusters are runs of consecutive CTAs, so most
+// split units merge on chip. Several grids (one per cluster size, `cta_offset` apart) can share one
+// schedule: pieces in different grids always merge through global memory, so a grid that starts late
+// delays the work but never deadlocks. The only waits are cluster barriers (co-resident by hardware):
+// one after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a
+// peer reads it.
 //
-// Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, DecodeParams.
+// Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
+// MELD_ONCHIP_MERGE, MELD_PROFILE, DecodeParams.
 
 namespace meld {
 
@@ -31,6 +41,8 @@ constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
 static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128 or 256");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
+constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
+constexpr bool PROFILE = MELD_PROFILE;
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
 // rows at one chunk column hit eight different bank groups.
@@ -53,14 +65,23 @@ __device__ __forceinline__ Segment load_segment(const DecodeParams& p, int cta) 
   return g;
 }
 
+// Where this CTA runs: its row of the CTA table and the rows of its cluster.
+struct Place {
+  int cta, cluster_first, cluster_ctas;
+};
+
 struct Unit {
   int req, kv_head, q_head, rows, begin, end, page_base;
   int slot;         // partial slot; -1: the unit is whole here and writes the output directly
   int parts_begin, num_parts;
+  int first_cta;    // CTA of the unit's first piece (split units)
+  bool head;        // this piece starts the CTA's segment (else it ends it)
+  bool onchip;      // every piece ran in this cluster: merge through distributed shared memory
   __device__ __forceinline__ int num_tiles() const { return (end - begin + TILE - 1) / TILE; }
 };
 
-__device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& g, int u, int cta) {
+__device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& g, int u, const Place& pl) {
+  const int cta = pl.cta;
   Unit x;
   x.req = u / p.units_per_request;
   const int hb = u - x.req * p.units_per_request;
@@ -77,6 +98,10 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
   x.slot = (head || tail) ? u + cta : -1;
   x.parts_begin = u + (head ? g.head_first : g.tail_first);
   x.num_parts = head ? g.head_parts : g.tail_parts;
+  x.first_cta = x.parts_begin - u;
+  x.head = head;
+  x.onchip = ONCHIP && x.slot >= 0 && x.first_cta >= pl.cluster_first &&
+             x.first_cta + x.num_parts <= pl.cluster_first + pl.cluster_ctas;
   return x;
 }
 
@@ -99,11 +124,11 @@ __device__ __forceinline__ void cursor_fetch_row(const DecodeParams& p, LoadCurs
   }
 }
 
-__device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment& g, LoadCursor& c, int cta,
-                                            int warp, int lane) {
+__device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment& g, LoadCursor& c,
+                                            const Place& pl, int warp, int lane) {
   while (c.live && c.j >= c.x.num_tiles()) {
     if (++c.u > g.u_last) { c.live = false; break; }
-    c.x = load_unit(p, g, c.u, cta);
+    c.x = load_unit(p, g, c.u, pl);
     c.j = warp;
   }
   if (c.live) cursor_fetch_row(p, c, lane);
@@ -111,7 +136,7 @@ __device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment
 
 // Issue the cursor's tile into ring slot `dst` (one commit group per call, empty when the stream is done).
 __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment& g, LoadCursor& c, u32 dst,
-                                           int cta, int warp, int lane) {
+                                           const Place& pl, int warp, int lane) {
   if (c.live) {
     const i64 row_stride = (i64)p.num_kv_heads * D;
     const u16* base = p.kv + c.x.kv_head * D + (lane % CPR) * 8;
@@ -128,7 +153,7 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
   cp_async_commit();
   if (c.live) {
     c.j += WARPS;
-    cursor_seek(p, g, c, cta, warp, lane);
+    cursor_seek(p, g, c, pl, warp, lane);
   }
 }
 
@@ -205,7 +230,45 @@ struct MergeArea {
   float l[WARPS][HEADS];
   int last;
 };
-static_assert(RING_BYTES + sizeof(MergeArea) <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+
+// The partials of this CTA's split pieces kept for an on-chip merge: [0] the piece that starts its
+// segment, [1] the piece that ends it (each written once per launch), and the arrival counter of the
+// unit whose first piece ends this CTA's segment.
+struct __align__(16) PartArea {
+  float o[2][HEADS][D];
+  float lse[2][HEADS];
+  unsigned counter;
+};
+constexpr int PART_OFFSET = (RING_BYTES + (int)sizeof(MergeArea) + 15) & ~15;
+constexpr int PART_BYTES = ONCHIP ? (int)sizeof(PartArea) : 0;
+static_assert(PART_OFFSET + PART_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+
+// Per-task timestamps (MELD_PROFILE builds; meld/runtime/profile.py reads them). Per CTA: a header
+// [begin, end, smid, records] and up to prof_cap records [t0, t1, kind, unit]; thread 0 writes.
+enum TaskKind { kPiece = 0, kMergeHbm = 1, kMergeOnChip = 2, kClusterWait = 3 };
+struct Profiler {
+  i64* base;
+  int n;
+  __device__ __forceinline__ void begin(const DecodeParams& p, int cta) {
+    if (!PROFILE) return;
+    base = p.prof + (i64)cta * (1 + p.prof_cap) * 4;
+    n = 0;
+    if (threadIdx.x == 0) base[0] = global_timer_ns();
+  }
+  __device__ __forceinline__ i64 now() const { return PROFILE ? global_timer_ns() : 0; }
+  __device__ __forceinline__ void record(const DecodeParams& p, i64 t0, int kind, int unit) {
+    if (!PROFILE) return;
+    if (threadIdx.x == 0 && n < p.prof_cap) {
+      i64* r = base + 4 * (1 + n);
+      r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
+    }
+    ++n;
+  }
+  __device__ __forceinline__ void end() {
+    if (!PROFILE || threadIdx.x != 0) return;
+    base[1] = global_timer_ns(); base[2] = sm_id(); base[3] = n;
+  }
+};
 
 __device__ __forceinline__ void store_result(const DecodeParams& p, const Unit& x, int h, int d, float val,
                                              float lse2) {
@@ -214,10 +277,10 @@ __device__ __forceinline__ void store_result(const DecodeParams& p, const Unit& 
   if (d == 0 && p.lse != nullptr) p.lse[row] = lse2 * kLn2;
 }
 
-// End of a unit: merge the warps' states, write the output or a partial, and merge the unit's
-// partials if this CTA completed it.
-__device__ __forceinline__ void finish_unit(const DecodeParams& p, const Unit& x, int u, WarpState& st,
-                                            MergeArea& mg, int warp, int lane) {
+// End of a piece: merge the warps' states, then write the output (whole unit) or this piece's partial
+// and count its arrival. Returns true when this CTA completed a split unit and must merge it.
+__device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& x, int u, const Place& pl,
+                                             WarpState& st, MergeArea& mg, PartArea& pa, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
   float l = st.l + __shfl_xor_sync(0xffffffffu, st.l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -230,6 +293,7 @@ __device__ __forceinline__ void finish_unit(const DecodeParams& p, const Unit& x
     mg.o[warp][2 * t + 1][16 * mt + 8 + g] = st.o[mt][3];
   }
   __syncthreads();
+  const int own = x.head ? 0 : 1;
   for (int i = threadIdx.x; i < x.rows * D; i += THREADS) {
     const int h = i / D, d = i - h * D;
     float mmax = neg_inf();
@@ -247,6 +311,9 @@ __device__ __forceinline__ void finish_unit(const DecodeParams& p, const Unit& x
     const float lse2 = lsum > 0.f ? m_use + log2_approx(lsum) : neg_inf();
     if (x.slot < 0) {
       store_result(p, x, h, d, val, lse2);
+    } else if (x.onchip) {
+      pa.o[own][h][d] = val;
+      if (d == 0) pa.lse[own][h] = lse2;
     } else {
       p.part_o[((i64)x.slot * HEADS + h) * D + d] = val;
       if (d == 0) p.part_lse[x.slot * HEADS + h] = lse2;
@@ -254,68 +321,151 @@ __device__ __forceinline__ void finish_unit(const DecodeParams& p, const Unit& x
   }
   if (x.slot < 0) {
     __syncthreads();   // the merge area is rewritten by the next unit
-    return;
+    return false;
   }
-  __threadfence();     // partials visible device-wide before the counter says so
+  if (!x.onchip) __threadfence();   // partials visible device-wide before the counter says so
   __syncthreads();
-  if (threadIdx.x == 0) mg.last = atomicAdd(p.counters + u, 1u) == (unsigned)(x.num_parts - 1);
-  __syncthreads();
-  if (!mg.last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < x.rows * D; i += THREADS) {
-    const int h = i / D, d = i - h * D;
-    float mmax = neg_inf();
-    for (int k = 0; k < x.num_parts; ++k) mmax = fmaxf(mmax, ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h));
-    const float m_use = mmax == neg_inf() ? 0.f : mmax;
-    float wsum = 0.f, acc = 0.f;
-    for (int k = 0; k < x.num_parts; ++k) {
-      const i64 s = x.parts_begin + k;
-      const float w = exp2_approx(ld_cg(p.part_lse + s * HEADS + h) - m_use);
-      wsum += w;
-      acc += w * ld_cg(p.part_o + (s * HEADS + h) * D + d);
+  if (threadIdx.x == 0) {
+    unsigned old;
+    if (x.onchip) {
+      fence_cluster();               // this CTA's partial (ordered by the barrier above) before the count
+      old = dsmem_atomic_add(dsmem_map(smem_addr(&pa.counter), x.first_cta - pl.cluster_first), 1u);
+    } else {
+      old = atomicAdd(p.counters + u, 1u);
     }
-    store_result(p, x, h, d, wsum > 0.f ? acc / wsum : 0.f, wsum > 0.f ? m_use + log2_approx(wsum) : neg_inf());
+    mg.last = old == (unsigned)(x.num_parts - 1);
+    if (mg.last) {
+      if (x.onchip) fence_cluster(); else __threadfence();
+    }
   }
-  if (threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
+  __syncthreads();
+  return mg.last;
+}
+
+// The last arriver merges the unit's partials (k = 0: the piece that ends CTA first_cta's segment;
+// k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The loads are
+// latency-bound (L2 or a peer's shared memory), so they are issued together: all lse values at once,
+// then per thread four outputs of one head for eight parts at a time.
+__device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
+                                           PartArea& pa, MergeArea& mg, int warp, int lane) {
+  float* w = &mg.o[0][0][0];   // [part][head]: lse, then merge weights (the merge area is free here;
+                               // DecodeKernelConfig.max_parts bounds the grid so they fit)
+  const u32 pa_addr = smem_addr(&pa);
+  const int parts = x.num_parts;
+  auto peer = [&](int k) { return dsmem_map(pa_addr, x.first_cta + k - pl.cluster_first); };
+  for (int i = threadIdx.x; i < parts * HEADS; i += THREADS) {
+    const int k = i / HEADS, h = i % HEADS;
+    w[i] = x.onchip ? dsmem_load(peer(k) + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa))
+                    : ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h);
+  }
+  __syncthreads();
+  for (int h = warp; h < x.rows; h += WARPS) {   // one warp per head: weights exp2(lse - max) / sum
+    float m = neg_inf();
+    for (int k = lane; k < parts; k += 32) m = fmaxf(m, w[k * HEADS + h]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float m_use = m == neg_inf() ? 0.f : m;
+    float sum = 0.f;
+    for (int k = lane; k < parts; k += 32) sum += exp2_approx(w[k * HEADS + h] - m_use);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    __syncwarp();
+    for (int k = lane; k < parts; k += 32)
+      w[k * HEADS + h] = sum > 0.f ? exp2_approx(w[k * HEADS + h] - m_use) / sum : 0.f;
+    if (lane == 0 && p.lse != nullptr)
+      p.lse[(i64)x.req * p.num_qo_heads + x.q_head + h] = sum > 0.f ? (m_use + log2_approx(sum)) * kLn2 : neg_inf();
+  }
+  __syncthreads();
+  constexpr int Q = D / 4;
+  for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
+    const int h = i / Q, d = (i - h * Q) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int k0 = 0; k0 < parts; k0 += 8) {
+      float4 v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {   // past the last part: reload the last one, with weight 0
+        const int k = min(k0 + j, parts - 1);
+        v[j] = x.onchip ? dsmem_load4(peer(k) + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa))
+                        : ld_cg4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float wk = k0 + j < parts ? w[(k0 + j) * HEADS + h] : 0.f;
+        acc.x += wk * v[j].x; acc.y += wk * v[j].y; acc.z += wk * v[j].z; acc.w += wk * v[j].w;
+      }
+    }
+    const i64 row = (i64)x.req * p.num_qo_heads + x.q_head + h;
+    uint2 packed;
+    packed.x = pack2(acc.x, acc.y);
+    packed.y = pack2(acc.z, acc.w);
+    *reinterpret_cast<uint2*>(p.out + row * D + d) = packed;
+  }
+  if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
+  __syncthreads();     // the weights and the `last` flag live in the merge area, rewritten by the next piece
 }
 
 }  // namespace meld
 
-extern "C" __global__ void __launch_bounds__(meld::THREADS)
+extern "C" __global__ void __launch_bounds__(meld::THREADS, 1)   // one CTA per SM: its shared memory decides
 meld_decode_attention(const __grid_constant__ DecodeParams p) {
   using namespace meld;
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int cta = blockIdx.x;
-  const Segment g = load_segment(p, cta);
-  if (g.empty) return;
+  Place pl;
+  pl.cta = p.cta_offset + blockIdx.x;
+  pl.cluster_first = pl.cta - (ONCHIP ? cluster_rank() : 0);
+  pl.cluster_ctas = ONCHIP ? cluster_size() : 1;
+  Profiler prof;
+  prof.begin(p, pl.cta);
   MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
-  const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
-
-  LoadCursor lc;
-  lc.u = g.u_begin;
-  lc.x = load_unit(p, g, lc.u, cta);
-  lc.j = warp;
-  lc.live = true;
-  cursor_seek(p, g, lc, cta, warp, lane);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring + s * STAGE_BYTES, cta, warp, lane);
-
-  WarpState st;
-  int cs = 0;
-  for (int u = g.u_begin; u <= g.u_last; ++u) {
-    const Unit x = load_unit(p, g, u, cta);
-    load_q(p, x, st, lane);
-    const int nt = x.num_tiles();
-    for (int j = warp; j < nt; j += WARPS) {
-      cp_async_wait<STAGES - 2>();
-      __syncwarp();
-      const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
-      issue_tile(p, g, lc, ring + ns * STAGE_BYTES, cta, warp, lane);
-      compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
-      cs = cs + 1 == STAGES ? 0 : cs + 1;
-    }
-    finish_unit(p, x, u, st, mg, warp, lane);
+  PartArea& pa = *reinterpret_cast<PartArea*>(smem + PART_OFFSET);
+  if (ONCHIP) {
+    if (threadIdx.x == 0) pa.counter = 0u;
+    cluster_arrive();     // the counter is zero before any peer counts on it
+    cluster_wait();
   }
-  cp_async_wait<0>();
+  const Segment g = load_segment(p, pl.cta);
+  if (!g.empty) {
+    const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
+    LoadCursor lc;
+    lc.u = g.u_begin;
+    lc.x = load_unit(p, g, lc.u, pl);
+    lc.j = warp;
+    lc.live = true;
+    cursor_seek(p, g, lc, pl, warp, lane);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring + s * STAGE_BYTES, pl, warp, lane);
+
+    WarpState st;
+    int cs = 0;
+    for (int u = g.u_begin; u <= g.u_last; ++u) {
+      const i64 t0 = prof.now();
+      const Unit x = load_unit(p, g, u, pl);
+      load_q(p, x, st, lane);
+      const int nt = x.num_tiles();
+      for (int j = warp; j < nt; j += WARPS) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();
+        const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
+        issue_tile(p, g, lc, ring + ns * STAGE_BYTES, pl, warp, lane);
+        compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
+        cs = cs + 1 == STAGES ? 0 : cs + 1;
+      }
+      const bool merge = finish_piece(p, x, u, pl, st, mg, pa, warp, lane);
+      prof.record(p, t0, kPiece, u);
+      if (merge) {
+        const i64 t1 = prof.now();
+        merge_unit(p, x, u, pl, pa, mg, warp, lane);
+        prof.record(p, t1, x.onchip ? kMergeOnChip : kMergeHbm, u);
+      }
+    }
+    cp_async_wait<0>();
+  }
+  if (ONCHIP) {           // peers may still read this CTA's partials: leave together
+    const i64 t0 = prof.now();
+    cluster_arrive();
+    cluster_wait();
+    prof.record(p, t0, kClusterWait, -1);
+  }
+  prof.end();
 }

@@ -9,8 +9,25 @@
  * 3 indptr[B] > num_indices, 4 last[*where] outside [1, page_size] for a non-empty request,
  * 5 indices[*where] < 0. On success *max_page holds the largest page index (-1 if none).
  */
-int meld_stage_page_table(const int *indptr, const int *last, const int *indices, int batch, long long num_indices,
-                          int page_size, int *raw, int *staged_indices, int *max_page, long long *where) {
+/* Copy and range-check the page indices in one pass: one unsigned max (a negative index wraps above
+ * 2^31). SSE2's missing unsigned max makes the x86-64 baseline loop four times slower than AVX2's
+ * (measured: 16 us against 4 us for 55.7K indices), so x86-64 gets an AVX2 clone picked at load time. */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static unsigned copy_max(const int *restrict src, int *restrict dst, long long n) {
+  unsigned top = 0;
+  for (long long i = 0; i < n; ++i) {
+    const unsigned v = (unsigned)src[i];
+    dst[i] = (int)v;
+    top = v > top ? v : top;
+  }
+  return top;
+}
+
+int meld_stage_page_table(const int *restrict indptr, const int *restrict last, const int *restrict indices,
+                          int batch, long long num_indices, int page_size, int *restrict raw,
+                          int *restrict staged_indices, int *max_page, long long *where) {
   if (indptr[0] != 0) return 1;
   for (int b = 0; b < batch; ++b) {
     const int pages = indptr[b + 1] - indptr[b];
@@ -22,17 +39,11 @@ int meld_stage_page_table(const int *indptr, const int *last, const int *indices
   raw[batch] = indptr[batch];
   const long long nnz = indptr[batch];
   if (nnz > num_indices) return 3;
-  int top = -1, low = 0;
-  for (long long i = 0; i < nnz; ++i) {   /* copy and range in one pass; vectorised by the compiler */
-    const int v = indices[i];
-    staged_indices[i] = v;
-    top = v > top ? v : top;
-    low = v < low ? v : low;
-  }
-  if (low < 0) {
+  const unsigned top = copy_max(indices, staged_indices, nnz);
+  if (top >= 0x80000000u) {
     for (long long i = 0; i < nnz; ++i)
       if (indices[i] < 0) { *where = i; return 5; }
   }
-  *max_page = top;
+  *max_page = nnz > 0 ? (int)top : -1;
   return 0;
 }

@@ -1,0 +1,82 @@
+"""Per-SM timeline of one decode batch: where the kernel's time goes, SM by SM.
+
+Replays meld's kernel built with per-task timestamps (`DecodeKernelConfig.profile`, what MELD_PROFILE=1
+builds) in a CUDA graph on one BENCH.md case with a cold L2, keeps the launch with the median span, and
+writes its Chrome/Perfetto trace and a PNG timeline (bench/timeline.py renders the same from the JSON).
+It also times the unprofiled kernel with the CUDA-graph timer, so the trace's span can be compared with
+the time the benchmarks report (the difference is launch latency and the profiling itself).
+
+    PYTHONPATH=$PWD python3 bench/decode_trace.py --batch 64 --dist skewed --out $OUT/b64-skewed
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import meld  # noqa: E402
+from bench.decode import PAGE_SIZE, Case, make_inputs  # noqa: E402
+from bench.harness import flush_l2, graph_time_us  # noqa: E402
+from bench.timeline import busy_table  # noqa: E402
+from meld.runtime.profile import render_png  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--dist", default="skewed")
+    p.add_argument("--cluster", type=int, default=meld.ops.decode_attention.DEFAULT_CLUSTER_SIZE)
+    p.add_argument("--hbm", action="store_true", help="merge every split unit through global memory")
+    p.add_argument("--runs", type=int, default=9)
+    p.add_argument("--out", type=Path, required=True, help="path prefix of the .trace.json and .png")
+    args = p.parse_args()
+    inp = make_inputs(Case(args.batch, args.dist))
+    t = inp.table
+
+    def op(profile: bool) -> meld.DecodeAttention:
+        cfg = dataclasses.replace(meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cpu").kernel_config,
+                                  profile=profile, onchip_merge=not args.hbm)
+        a = meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", kernel_config=cfg,
+                                 cluster_size=args.cluster)
+        a.plan(t.indptr, t.indices, t.last_page_len)
+        return a
+
+    plain, prof = op(False), op(True)
+    out = torch.empty_like(inp.q)
+    graph_us = graph_time_us(lambda: plain.run(inp.q, inp.kv_cache, out=out)).median_us
+    side = torch.cuda.Stream()   # replay a CUDA graph, as the benchmarks time it (no host gaps between grids)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        prof.run(inp.q, inp.kv_cache, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prof.run(inp.q, inp.kv_cache, out=out)
+    traces = []
+    for _ in range(args.runs):
+        flush_l2()
+        graph.replay()
+        traces.append(prof.last_trace())
+    traces.sort(key=lambda tr: tr.span_ns)
+    tr = traces[len(traces) // 2]
+    print(f"B={args.batch} {args.dist}, clusters {prof.cluster_mix}, "
+          f"{'global-memory' if args.hbm else 'on-chip'} merges")
+    print(f"unprofiled kernel, CUDA-graph replay: {graph_us:.1f} µs; profiled spans over {args.runs} runs: "
+          f"median {tr.span_ns / 1e3:.1f} µs (min {traces[0].span_ns / 1e3:.1f}, max {traces[-1].span_ns / 1e3:.1f})")
+    starts = [c.begin_ns - tr.start_ns for c in tr.cta_spans]
+    print(f"CTA start skew: median {statistics.median(starts) / 1e3:.2f} µs, max {max(starts) / 1e3:.2f} µs")
+    print(tr.summary())
+    print(busy_table(tr.sm_busy()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"wrote {tr.write_chrome(args.out.with_suffix('.trace.json'))} and "
+          f"{render_png(tr, args.out.with_suffix('.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Per-SM timelines of one persistent-kernel launch, from the buffer a MELD_PROFILE build writes.
+
+The kernel's wall time alone cannot say whether SMs sat idle (imbalance, a long tail, merges waiting on
+stragglers); a timeline per SM can. Each CTA writes into int64 `raw[cta]` of shape [1 + cap, 4]:
+
+    row 0:      [t_begin_ns, t_end_ns, smid, n_records]    (%globaltimer at start and exit; n may exceed cap)
+    rows 1..n:  [t0_ns, t1_ns, kind, unit]                 kind indexes KINDS
+
+A CTA whose header is all zero never ran and is left out. The trace converts to Chrome/Perfetto
+trace-event JSON (one track per SM) and back, and renders to a PNG with no plotting dependency.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+KINDS = ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")
+WORK_KINDS = frozenset(KINDS[:3])  # cluster-wait is an SM held idle at the barrier, not work
+
+IDLE = (36, 36, 44)
+COLOURS = {"piece": (66, 133, 244), "merge-hbm": (234, 67, 53), "merge-dsmem": (251, 188, 5),
+           "cluster-wait": (150, 150, 150)}
+STRIP_PX, MARGIN_PX = 8, 10  # busy-fraction strip, then a black gap; the timeline starts at x = MARGIN_PX
+BAR_GAP_PX, BAR_PX = 2, 4    # below the SM rows: the occupancy bar over the whole span
+_PAINT_ORDER = ("cluster-wait", "piece", "merge-hbm", "merge-dsmem")  # later paints over: short merges stay visible
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One timed task of one CTA."""
+
+    cta: int
+    sm: int
+    kind: str
+    unit: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(frozen=True)
+class CtaSpan:
+    """A CTA's lifetime and placement: which SM ran it, its cluster and its launch (grid)."""
+
+    cta: int
+    sm: int
+    begin_ns: int
+    end_ns: int
+    cluster: int
+    grid: int
+
+
+@dataclass
+class Trace:
+    """The tasks and CTA lifetimes of a launch; units decode as (request, kv head, head block)."""
+
+    tasks: list[TaskRecord]
+    cta_spans: list[CtaSpan]
+    overflowed: int  # records dropped because a CTA tried to write more than the buffer's capacity
+    units_per_request: int
+    head_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.head_blocks < 1 or self.units_per_request < 1 or self.units_per_request % self.head_blocks:
+            raise ValueError(f"units_per_request={self.units_per_request} is not a positive multiple of "
+                             f"head_blocks={self.head_blocks}")
+
+    @staticmethod
+    def from_buffer(raw: np.ndarray, units_per_request: int, head_blocks: int,
+                    cluster: Optional[Sequence[int]] = None, grid: Optional[Sequence[int]] = None) -> "Trace":
+        """Decode the kernel's buffer; cluster and grid give each CTA's cluster id (default: its own) and launch."""
+        raw = np.asarray(raw)
+        if raw.ndim != 3 or raw.shape[1] < 1 or raw.shape[2] != 4:
+            raise ValueError(f"profile buffer must be [num_ctas, 1 + cap, 4], got {raw.shape}")
+        n_ctas, cap = raw.shape[0], raw.shape[1] - 1
+        cluster = list(range(n_ctas)) if cluster is None else [int(c) for c in cluster]
+        grid = [0] * n_ctas if grid is None else [int(g) for g in grid]
+        if len(cluster) != n_ctas or len(grid) != n_ctas:
+            raise ValueError(f"cluster and grid need one entry per CTA ({n_ctas})")
+        tasks, spans, overflowed = [], [], 0
+        for c, block in enumerate(raw.tolist()):
+            begin, end, sm, n = block[0]
+            if not (begin or end or sm or n):
+                continue
+            spans.append(CtaSpan(c, sm, begin, end, cluster[c], grid[c]))
+            overflowed += max(n - cap, 0)
+            for t0, t1, kind, unit in block[1:1 + min(max(n, 0), cap)]:
+                if not 0 <= kind < len(KINDS):
+                    raise ValueError(f"CTA {c}: unknown record kind {kind} (expected 0..{len(KINDS) - 1})")
+                tasks.append(TaskRecord(c, sm, KINDS[kind], unit, t0, t1))
+        return Trace(tasks, spans, overflowed, units_per_request, head_blocks)
+
+    @property
+    def start_ns(self) -> int:
+        return min((s.begin_ns for s in self.cta_spans), default=0)
+
+    @property
+    def span_ns(self) -> int:
+        return max((s.end_ns for s in self.cta_spans), default=0) - self.start_ns
+
+    def sms(self) -> list[int]:
+        """Every SM id that ran a CTA, sorted."""
+        return sorted({s.sm for s in self.cta_spans} | {t.sm for t in self.tasks})
+
+    def label(self, task: TaskRecord) -> str:
+        """The event name, e.g. "piece r3 kv2"; " hb1" is added only when query heads come in several blocks."""
+        if task.unit < 0:
+            return task.kind
+        request, hb = divmod(task.unit, self.units_per_request)
+        kv, block = divmod(hb, self.head_blocks)
+        return f"{task.kind} r{request} kv{kv}" + (f" hb{block}" if self.head_blocks > 1 else "")
+
+    def sm_busy(self) -> dict[int, float]:
+        """Per SM: the fraction of the kernel span covered by the union of its work intervals."""
+        lo, span = self.start_ns, self.span_ns
+        intervals: dict[int, list[tuple[int, int]]] = {sm: [] for sm in self.sms()}
+        for t in self.tasks:
+            if t.kind in WORK_KINDS:
+                intervals[t.sm].append((max(t.start_ns, lo), min(t.end_ns, lo + span)))
+        busy = {}
+        for sm, ivs in intervals.items():
+            covered, reach = 0, lo
+            for a, b in sorted(ivs):  # co-resident CTAs overlap on one SM: count each ns once
+                a = max(a, reach)
+                if b > a:
+                    covered, reach = covered + b - a, b
+            busy[sm] = covered / span if span > 0 else 0.0
+        return busy
+
+    def summary(self) -> str:
+        busy = list(self.sm_busy().values())
+        grids = len({s.grid for s in self.cta_spans})
+        counts = Counter(t.kind for t in self.tasks)
+        mean = sum(busy) / len(busy) if busy else 0.0
+        overflow = (f"OVERFLOW: {self.overflowed} records dropped (raise the profile capacity)"
+                    if self.overflowed else "no overflow")
+        return (f"span {self.span_ns / 1e3:.3f} µs, {len(busy)} SMs, {len(self.cta_spans)} CTAs"
+                + (f" in {grids} grids" if grids > 1 else "")
+                + f", SM busy min {min(busy, default=0.0):.3f} mean {mean:.3f}\n"
+                + "tasks: " + ", ".join(f"{k} {counts[k]}" for k in KINDS) + f"; {overflow}")
+
+    def to_chrome(self) -> dict:
+        """Trace-event JSON: one "X" event per task on track tid = SM id, times in µs from kernel start.
+
+        Exact ns (relative to meld.base_ns, so they stay below 2**53 for JavaScript viewers) ride in each
+        event's args and the CTA spans in the top-level "meld" object, so from_chrome loses nothing."""
+        base = self.start_ns
+        spans = {s.cta: s for s in self.cta_spans}
+        events: list[dict] = [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "meld SMs"}}]
+        for sm in self.sms():
+            events += [{"ph": "M", "pid": 0, "tid": sm, "name": "thread_name", "args": {"name": f"SM {sm}"}},
+                       {"ph": "M", "pid": 0, "tid": sm, "name": "thread_sort_index", "args": {"sort_index": sm}}]
+        for t in self.tasks:
+            s = spans[t.cta]
+            events.append({"ph": "X", "pid": 0, "tid": t.sm, "name": self.label(t), "cat": t.kind,
+                           "ts": (t.start_ns - base) / 1e3, "dur": (t.end_ns - t.start_ns) / 1e3,
+                           "args": {"cta": t.cta, "unit": t.unit, "cluster": s.cluster, "grid": s.grid,
+                                    "t0_ns": t.start_ns - base, "t1_ns": t.end_ns - base}})
+        meld = {"base_ns": base, "units_per_request": self.units_per_request, "head_blocks": self.head_blocks,
+                "overflowed": self.overflowed,
+                "ctas": [[s.cta, s.sm, s.begin_ns - base, s.end_ns - base, s.cluster, s.grid]
+                         for s in self.cta_spans]}
+        return {"traceEvents": events, "displayTimeUnit": "ns", "meld": meld}
+
+    def write_chrome(self, path: Union[str, os.PathLike]) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_chrome(), separators=(",", ":")))
+        return path
+
+    @staticmethod
+    def from_chrome(obj_or_path: Union[dict, str, os.PathLike]) -> "Trace":
+        obj = obj_or_path if isinstance(obj_or_path, dict) else json.loads(Path(obj_or_path).read_text())
+        meld = obj.get("meld")
+        if meld is None:
+            raise ValueError("not a meld trace: no top-level 'meld' object (write it with Trace.write_chrome)")
+        base = meld["base_ns"]
+        spans = [CtaSpan(c, sm, base + b, base + e, cl, g) for c, sm, b, e, cl, g in meld["ctas"]]
+        tasks = [TaskRecord(e["args"]["cta"], e["tid"], e["cat"], e["args"]["unit"],
+                            base + e["args"]["t0_ns"], base + e["args"]["t1_ns"])
+                 for e in obj["traceEvents"] if e.get("ph") == "X" and "t0_ns" in e.get("args", {})]
+        return Trace(tasks, spans, meld["overflowed"], meld["units_per_request"], meld["head_blocks"])
+
+
+def _shade(fraction) -> np.ndarray:
+    v = np.round(32 + 223 * np.asarray(fraction, dtype=np.float64)).astype(np.uint8)
+    return np.stack([v, v, v], axis=-1)
+
+
+def render_png(trace: Trace, path: Union[str, os.PathLike], width: int = 1600, row_height: int = 6) -> Path:
+    """Timeline image: one row per SM (sorted by id; a 1-px gap below each when row_height >= 3) at
+    y = i * row_height, coloured by COLOURS over the kernel span from x = MARGIN_PX; a left strip whose
+    grey level is the SM's busy fraction; below, a bar whose grey level is the fraction of SMs working."""
+    w = width - MARGIN_PX
+    if w < 1 or row_height < 1:
+        raise ValueError(f"width must exceed {MARGIN_PX} and row_height be positive")
+    sms, busy = trace.sms(), trace.sm_busy()
+    row = {sm: i for i, sm in enumerate(sms)}
+    lo, span = trace.start_ns, max(trace.span_ns, 1)
+    code = np.zeros((len(sms), w), np.uint8)  # 0 idle, else 1 + index into _PAINT_ORDER
+    for t in sorted(trace.tasks, key=lambda t: _PAINT_ORDER.index(t.kind)):
+        x0 = min(max((t.start_ns - lo) * w // span, 0), w - 1)
+        x1 = max(min(-(-(t.end_ns - lo) * w // span), w), x0 + 1)  # every task shows at least one pixel
+        code[row[t.sm], x0:x1] = 1 + _PAINT_ORDER.index(t.kind)
+    palette = np.array([IDLE] + [COLOURS[k] for k in _PAINT_ORDER], np.uint8)
+    body = row_height - (row_height >= 3)
+    bar_y = len(sms) * row_height + BAR_GAP_PX
+    img = np.zeros((bar_y + BAR_PX, width, 3), np.uint8)
+    for i, sm in enumerate(sms):
+        img[i * row_height:i * row_height + body, MARGIN_PX:] = palette[code[i]]
+        img[i * row_height:i * row_height + body, :STRIP_PX] = _shade(busy[sm])
+    working = np.isin(code, [1 + _PAINT_ORDER.index(k) for k in WORK_KINDS])
+    img[bar_y:, MARGIN_PX:] = _shade(working.mean(axis=0) if sms else np.zeros(w))
+    return _write_png(Path(path), img)
+
+
+def _chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+
+def _write_png(path: Path, img: np.ndarray) -> Path:
+    """RGB 8-bit, filter 0 on every row, one IDAT."""
+    h, w, _ = img.shape
+    rows = np.concatenate([np.zeros((h, 1), np.uint8), img.reshape(h, 3 * w)], axis=1)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                     + _chunk(b"IDAT", zlib.compress(rows.tobytes(), 6)) + _chunk(b"IEND", b""))
+    return path

@@ -1,0 +1,148 @@
+"""meld.runtime.profile and bench/timeline.py on a hand-built profile buffer (CPU only)."""
+import importlib.util
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meld.runtime.profile import COLOURS, IDLE, MARGIN_PX, STRIP_PX, CtaSpan, TaskRecord, Trace, render_png
+
+PIECE, HBM, DSMEM, WAIT = range(4)
+T = 10_000  # kernel start (a non-zero globaltimer origin)
+
+
+def _raw() -> np.ndarray:
+    """6 CTAs, cap 3, units_per_request 4, head_blocks 2. Busy ns per SM (span 2000):
+    SM0: CTA0 [0,600) + [700,900) merged, CTA4 [400,800) co-resident: union [0,900) = 900;
+    SM1: CTA1 wrote 5 records, only 3 kept: 400 + 500 + 500 = 1400;  SM2: 500 (the cluster-wait is idle);
+    SM3: a CTA with no records;  CTA5 never ran (all-zero header). The kernel writes unit -1 for a wait."""
+    ctas = [
+        [[T, T + 1000, 0, 2], [T, T + 600, PIECE, 5], [T + 700, T + 900, HBM, 5]],
+        [[T + 50, T + 2000, 1, 5], [T + 100, T + 500, PIECE, 1], [T + 500, T + 1000, PIECE, 2],
+         [T + 1000, T + 1500, DSMEM, 2]],
+        [[T, T + 1500, 2, 2], [T, T + 500, PIECE, 9], [T + 500, T + 1500, WAIT, -1]],
+        [[T + 200, T + 400, 3, 0]],
+        [[T + 100, T + 800, 0, 1], [T + 400, T + 800, PIECE, 6]],
+        [],
+    ]
+    raw = np.zeros((len(ctas), 4, 4), np.int64)
+    for c, rows in enumerate(ctas):
+        raw[c, :len(rows)] = np.reshape(rows, (-1, 4))
+    return raw
+
+
+@pytest.fixture
+def trace() -> Trace:
+    return Trace.from_buffer(_raw(), units_per_request=4, head_blocks=2, cluster=[0, 0, 1, 1, 2, 3])
+
+
+def test_from_buffer(trace):
+    assert trace.overflowed == 2
+    assert [s.cta for s in trace.cta_spans] == [0, 1, 2, 3, 4]
+    assert trace.cta_spans[1] == CtaSpan(cta=1, sm=1, begin_ns=T + 50, end_ns=T + 2000, cluster=0, grid=0)
+    assert len(trace.tasks) == 8
+    assert trace.tasks[1] == TaskRecord(cta=0, sm=0, kind="merge-hbm", unit=5, start_ns=T + 700, end_ns=T + 900)
+    assert [t.kind for t in trace.tasks if t.cta == 1] == ["piece", "piece", "merge-dsmem"]
+    assert trace.start_ns == T and trace.span_ns == 2000
+    assert trace.sm_busy() == {0: 900 / 2000, 1: 1400 / 2000, 2: 500 / 2000, 3: 0.0}
+    s = trace.summary()
+    assert "span 2.000 µs, 4 SMs, 5 CTAs" in s and "min 0.000 mean 0.350" in s
+    assert "piece 5, merge-hbm 1, merge-dsmem 1, cluster-wait 1" in s and "OVERFLOW: 2 records" in s
+
+
+def test_from_buffer_rejects_and_clips():
+    raw = np.array([[[100, 200, 7, 1], [50, 300, PIECE, 0]]], np.int64)
+    assert Trace.from_buffer(raw, 1, 1).sm_busy() == {7: 1.0}  # a task overhanging the span is clipped to it
+    raw[0, 1, 2] = 4
+    with pytest.raises(ValueError, match="unknown record kind 4"):
+        Trace.from_buffer(raw, 1, 1)
+    with pytest.raises(ValueError, match="one entry per CTA"):
+        Trace.from_buffer(_raw(), 4, 2, cluster=[0])
+    with pytest.raises(ValueError, match="multiple of head_blocks"):
+        Trace.from_buffer(_raw(), 4, 3)
+
+
+def test_chrome_events(trace):
+    obj = json.loads(json.dumps(trace.to_chrome()))
+    assert obj["displayTimeUnit"] == "ns"
+    ev = obj["traceEvents"]
+    meta = {(e["name"], e.get("tid")): e["args"] for e in ev if e["ph"] == "M"}
+    assert meta[("process_name", None)] == {"name": "meld SMs"}
+    assert meta[("thread_name", 3)] == {"name": "SM 3"}
+    xs = [e for e in ev if e["ph"] == "X"]
+    assert {e["pid"] for e in xs} == {0}
+    assert [e["name"] for e in xs] == ["piece r1 kv0 hb1", "merge-hbm r1 kv0 hb1", "piece r0 kv0 hb1",
+                                       "piece r0 kv1 hb0", "merge-dsmem r0 kv1 hb0", "piece r2 kv0 hb1",
+                                       "cluster-wait", "piece r1 kv1 hb0"]
+    e = xs[4]
+    assert (e["tid"], e["cat"], e["ts"], e["dur"]) == (1, "merge-dsmem", 1.0, 0.5)
+    assert e["args"] == {"cta": 1, "unit": 2, "cluster": 0, "grid": 0, "t0_ns": 1000, "t1_ns": 1500}
+    single = Trace.from_buffer(_raw(), units_per_request=4, head_blocks=1).to_chrome()
+    assert [e["name"] for e in single["traceEvents"] if e["ph"] == "X"][0] == "piece r1 kv1"
+
+
+def test_chrome_round_trip(trace, tmp_path):
+    for back in (Trace.from_chrome(json.loads(json.dumps(trace.to_chrome()))),
+                 Trace.from_chrome(trace.write_chrome(tmp_path / "t.json"))):
+        assert back.tasks == trace.tasks and back.cta_spans == trace.cta_spans
+        assert back.sm_busy() == trace.sm_busy()
+        assert (back.overflowed, back.units_per_request, back.head_blocks) == (2, 4, 2)
+    with pytest.raises(ValueError, match="not a meld trace"):
+        Trace.from_chrome({"traceEvents": []})
+
+
+def _read_png(path: Path) -> np.ndarray:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, []
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        assert crc == zlib.crc32(tag + body), tag
+        chunks.append((tag, body))
+        pos += 12 + n
+    assert [t for t, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
+    w, h, depth, colour, comp, filt, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert (depth, colour, comp, filt, interlace) == (8, 2, 0, 0, 0)
+    raw = zlib.decompress(chunks[1][1])
+    assert len(raw) == h * (1 + 3 * w)
+    rows = np.frombuffer(raw, np.uint8).reshape(h, 1 + 3 * w)
+    assert not rows[:, 0].any()  # filter type 0 on every row
+    return rows[:, 1:].reshape(h, w, 3)
+
+
+def test_render_png(trace, tmp_path):
+    img = _read_png(render_png(trace, tmp_path / "t.png", width=MARGIN_PX + 200, row_height=6))
+    assert img.shape == (4 * 6 + 2 + 4, MARGIN_PX + 200, 3)  # 10 ns per timeline pixel
+
+    def px(sm: int, t_ns: int) -> tuple:
+        return tuple(img[sm * 6 + 2, MARGIN_PX + t_ns // 10])
+
+    assert px(1, 300) == COLOURS["piece"] and px(1, 1200) == COLOURS["merge-dsmem"]
+    assert px(0, 650) == COLOURS["piece"] and px(0, 750) == COLOURS["merge-hbm"]  # merges paint over pieces
+    assert px(2, 1000) == COLOURS["cluster-wait"]
+    assert px(1, 1800) == IDLE and px(3, 300) == IDLE
+    assert not img[5].any()  # the gap row under SM 0
+    strip = img[[2, 8, 14, 20], 0, 0].astype(int)  # busy 0.45, 0.7, 0.25, 0
+    assert strip[1] > strip[0] > strip[2] > strip[3]
+    assert tuple(img[:24:6, STRIP_PX].reshape(-1)) == (0,) * 12  # black between strip and timeline
+    bar = img[-1, MARGIN_PX:, 0].astype(int)
+    assert bar[5] > bar[190] == strip[3]  # 2 of 4 SMs working early on, none at the end
+
+
+def test_timeline_cli(trace, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "bench_timeline", Path(__file__).resolve().parents[1] / "bench" / "timeline.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    path = trace.write_chrome(tmp_path / "run.json")
+    assert cli.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "span 2.000 µs" in out and "least busy: SM 3 0.000, SM 2 0.250, SM 0 0.450, SM 1 0.700" in out
+    _read_png(tmp_path / "run.png")
+    assert cli.main([str(path), str(tmp_path / "other.png"), "--width", "300"]) == 0
+    assert _read_png(tmp_path / "other.png").shape[1] == 300
