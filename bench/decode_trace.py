@@ -40,7 +40,7 @@ def main() -> int:
 
     def op(profile: bool) -> meld.DecodeAttention:
         cfg = dataclasses.replace(meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cpu").kernel_config,
-                                  profile=profile, onchip_merge=not args.hbm)
+                                  profile=profile, onchip_merge=args.cluster > 1 and not args.hbm)
         a = meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", kernel_config=cfg,
                                  cluster_size=args.cluster)
         a.plan(t.indptr, t.indices, t.last_page_len)

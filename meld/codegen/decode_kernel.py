@@ -43,14 +43,15 @@ class DecodeKernelConfig:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
 
     @staticmethod
-    def default(dtype: str, head_dim: int) -> "DecodeKernelConfig":
+    def default(dtype: str, head_dim: int, onchip_merge: bool = True) -> "DecodeKernelConfig":
         """Chosen by measurement on the H200 (bench/decode_sweep.py, bench/RESULTS.md): one CTA of eight
         warps with two-stage rings per SM is best or within 1% at every batch size, and the fastest at
         small batches. head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB, which
-        leaves no room for the on-chip merge area: its split units merge through global memory."""
+        leaves no room for the on-chip merge area: its split units merge through global memory.
+        `onchip_merge=False` also drops it (nothing to merge on chip when clusters have one CTA)."""
         if head_dim == 256:
             return DecodeKernelConfig(dtype, head_dim, 4, 3, onchip_merge=False)
-        return DecodeKernelConfig(dtype, head_dim, 8, 2)
+        return DecodeKernelConfig(dtype, head_dim, 8, 2, onchip_merge=onchip_merge)
 
     @property
     def name(self) -> str:

@@ -55,7 +55,9 @@ def _page_table_error(code: int, where: int, indptr, last, num_indices: int, ind
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOG2E = 1.4426950408889634
-DEFAULT_CLUSTER_SIZE = 4
+# Measured on the H200 (bench/decode_ablation.py, bench/RESULTS.md): clusters of one are as fast as any
+# cluster mix at B >= 64 and 1-2 us faster at B <= 8 (cluster launch and barriers, a late second grid).
+DEFAULT_CLUSTER_SIZE = 1
 _trace_seq = itertools.count()
 
 
@@ -78,6 +80,7 @@ class DecodeAttention:
         cluster_size: the preferred thread-block cluster size. The launch covers every SM with the
             mix `topology.cluster_mix(cluster_size)` (e.g. 30 clusters of 4 + 6 of 2 on an H200); the
             pieces of a split unit that land in one cluster merge through distributed shared memory.
+            Default 1 (no clusters): the fastest on the H200 for every batch measured.
         MELD_PROFILE=1 builds the kernel with per-task timestamps; `last_trace()` returns them, and
             every eager run() writes a Chrome/Perfetto trace to MELD_PROFILE_DIR.
 
@@ -118,7 +121,8 @@ class DecodeAttention:
             raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
         self.cost = cost
         self.graph: TaskGraph = decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype])
-        self.kernel_config = kernel_config or DecodeKernelConfig.default(_DTYPES[dtype], head_dim)
+        self.kernel_config = kernel_config or DecodeKernelConfig.default(_DTYPES[dtype], head_dim,
+                                                                         onchip_merge=cluster_size > 1)
         if config.profile() and not self.kernel_config.profile:
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
         self._fixed_capacity = max_batch_size is not None and max_num_pages is not None

@@ -161,10 +161,10 @@ class PersistentLaunch:
         fastcall.event_record(ev[0], stream)
         for side in self._side_raw:
             fastcall.stream_wait_event(side, ev[0])
-        # Smallest grid first: a grid starts only once the one before it is dispatched (measured: the
-        # second grid of 30 x 4 + 6 x 2 started 4 us after the first), so the few CTAs wait, not the many.
-        for i in range(len(self._grids) - 1, -1, -1):
-            cfg, _, args = self._grids[i]
+        # Largest clusters first: they need whole free GPC slices, the small ones fill what is left.
+        # (Measured on the H200: launched smallest first, 6 x 2 broke up the GPCs and most of the
+        # 30 x 4 clusters waited for them to finish; largest first, the second grid starts ~4 us late.)
+        for i, (cfg, _, args) in enumerate(self._grids):
             cfg.hStream = stream if i == 0 else self._side_raw[i - 1]
             fastcall.launch_ex(func, cfg, args, name)
         for i, side in enumerate(self._side_raw, start=1):
