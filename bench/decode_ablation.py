@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import meld  # noqa: E402
 from bench.decode import BATCHES, DISTS, PAGE_SIZE, Case, make_inputs  # noqa: E402
-from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
+from bench.decode_sweep import time_variants  # noqa: E402
+from bench.harness import Column, Table, env_info  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.scheduler import Topology  # noqa: E402
 
@@ -72,20 +73,8 @@ def main() -> int:
                   + [Column("best", "best", align="<")] + [Column(f"{k} KiB", f"{k} KiB", ".0f") for k in VARIANTS])
     for b in args.batch:
         for dist in args.dist:
-            inp = make_inputs(Case(b, dist))
-            row = {"case": f"B={b} {dist}"}
-            base = None
-            for name, attn in attns.items():
-                t = inp.table
-                attn.plan(t.indptr, t.indices, t.last_page_len)
-                out = torch.full_like(inp.q, float("nan"))
-                attn.run(inp.q, inp.kv_cache, out=out)
-                base = out.double() if base is None else base   # every variant must compute the same thing
-                err = ((out.double() - base).norm() / base.norm()).item()
-                if not err < 1e-2:
-                    raise SystemExit(f"{name} on {row['case']}: differs from {next(iter(VARIANTS))} by {err:.1e}")
-                row[name] = graph_time_us(lambda: attn.run(inp.q, inp.kv_cache, out=out)).median_us
-                row[f"{name} KiB"] = hbm_partial_kib(attn)
+            row = {"case": f"B={b} {dist}", **time_variants(attns, make_inputs(Case(b, dist)))}
+            row.update({f"{name} KiB": hbm_partial_kib(attn) for name, attn in attns.items()})
             row["best"] = min(VARIANTS, key=lambda k: row[k])
             table.add(row)
             print(f"  {row['case']}: " + ", ".join(f"{k} {row[k]:.1f}" for k in VARIANTS), flush=True)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import meld  # noqa: E402
-from bench.decode import BATCHES, DISTS, PAGE_SIZE, Case, make_inputs  # noqa: E402
+from bench.decode import BATCHES, DISTS, PAGE_SIZE, Case, Inputs, make_inputs  # noqa: E402
 from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
@@ -26,6 +26,23 @@ VARIANTS = {  # name: (warps, stages, cost)
     "w4s3": (4, 3, OLD_COST), "w4s2": (4, 2, OLD_COST), "w8s3": (8, 3, OLD_COST),
     "w8s2": (8, 2, OLD_COST), "w8s2+cost": (8, 2, DecodeCost()),
 }
+
+
+def time_variants(attns: dict[str, meld.DecodeAttention], inp: Inputs) -> dict[str, float]:
+    """Plan and run every variant on `inp`, check it computes what the first one does, and time it
+    (CUDA-graph replay median, µs). The variants stay planned for `inp` afterwards."""
+    base, times = None, {}
+    for name, attn in attns.items():
+        t = inp.table
+        attn.plan(t.indptr, t.indices, t.last_page_len)
+        out = torch.full_like(inp.q, float("nan"))
+        attn.run(inp.q, inp.kv_cache, out=out)
+        base = out.double() if base is None else base   # every variant must compute the same thing
+        err = ((out.double() - base).norm() / base.norm()).item()
+        if not err < 1e-2:
+            raise SystemExit(f"{name} on {inp.case.name}: differs from {next(iter(attns))} by {err:.1e}")
+        times[name] = graph_time_us(lambda: attn.run(inp.q, inp.kv_cache, out=out)).median_us
+    return times
 
 
 def main() -> int:
@@ -42,19 +59,7 @@ def main() -> int:
                   + [Column("best", "best", align="<")])
     for b in args.batch:
         for dist in DISTS:
-            inp = make_inputs(Case(b, dist))
-            row = {"case": f"B={b} {dist}"}
-            base = None
-            for name, attn in attns.items():
-                t = inp.table
-                attn.plan(t.indptr, t.indices, t.last_page_len)
-                out = torch.full_like(inp.q, float("nan"))
-                attn.run(inp.q, inp.kv_cache, out=out)
-                base = out.double() if base is None else base   # every variant must compute the same thing
-                err = ((out.double() - base).norm() / base.norm()).item()
-                if not err < 1e-2:
-                    raise SystemExit(f"{name} on {row['case']}: differs from {next(iter(VARIANTS))} by {err:.1e}")
-                row[name] = graph_time_us(lambda: attn.run(inp.q, inp.kv_cache, out=out)).median_us
+            row = {"case": f"B={b} {dist}", **time_variants(attns, make_inputs(Case(b, dist)))}
             row["best"] = min(VARIANTS, key=lambda k: row[k])
             table.add(row)
             print(f"  {row['case']}: " + ", ".join(f"{k} {row[k]:.1f}" for k in VARIANTS), flush=True)

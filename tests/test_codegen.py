@@ -11,8 +11,9 @@ from meld.codegen import DECODE_PARAMS, CompileError, DecodeKernelConfig, compil
 
 CONFIGS = [DecodeKernelConfig.default(dt, d) for dt in ("bfloat16", "float16") for d in (64, 128, 256)]
 # The variants the GPU tests, MELD_PROFILE and bench/decode_ablation.py build.
-CONFIGS += [dataclasses.replace(CONFIGS[1], profile=True), dataclasses.replace(CONFIGS[1], onchip_merge=False),
-            dataclasses.replace(CONFIGS[1], onchip_merge=False, profile=True)]
+CONFIGS += [dataclasses.replace(CONFIGS[1], profile=True), dataclasses.replace(CONFIGS[1], onchip_merge=True),
+            dataclasses.replace(CONFIGS[1], onchip_merge=True, profile=True),
+            DecodeKernelConfig.default("bfloat16", 64, onchip_merge=True)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

@@ -29,7 +29,7 @@ class DecodeKernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     l2_prefetch: int = 0   # 0, 128 or 256: L2 prefetch size hint on the KV loads
-    onchip_merge: bool = True   # merge split units inside a cluster through distributed shared memory
+    onchip_merge: bool = False  # merge split units inside a cluster through distributed shared memory
     profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
 
     def __post_init__(self) -> None:
@@ -43,12 +43,12 @@ class DecodeKernelConfig:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
 
     @staticmethod
-    def default(dtype: str, head_dim: int, onchip_merge: bool = True) -> "DecodeKernelConfig":
+    def default(dtype: str, head_dim: int, onchip_merge: bool = False) -> "DecodeKernelConfig":
         """Chosen by measurement on the H200 (bench/decode_sweep.py, bench/RESULTS.md): one CTA of eight
         warps with two-stage rings per SM is best or within 1% at every batch size, and the fastest at
         small batches. head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB, which
         leaves no room for the on-chip merge area: its split units merge through global memory.
-        `onchip_merge=False` also drops it (nothing to merge on chip when clusters have one CTA)."""
+        `onchip_merge=True` adds it (for clusters of more than one CTA) where it fits."""
         if head_dim == 256:
             return DecodeKernelConfig(dtype, head_dim, 4, 3, onchip_merge=False)
         return DecodeKernelConfig(dtype, head_dim, 8, 2, onchip_merge=onchip_merge)
