@@ -23,6 +23,7 @@ import meld  # noqa: E402
 from bench.decode import PAGE_SIZE, Case, make_inputs  # noqa: E402
 from bench.harness import flush_l2, graph_time_us  # noqa: E402
 from bench.timeline import busy_table  # noqa: E402
+from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.runtime.profile import render_png  # noqa: E402
 
 
@@ -39,8 +40,8 @@ def main() -> int:
     t = inp.table
 
     def op(profile: bool) -> meld.DecodeAttention:
-        cfg = dataclasses.replace(meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cpu").kernel_config,
-                                  profile=profile, onchip_merge=args.cluster > 1 and not args.hbm)
+        cfg = dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128), profile=profile,
+                                  onchip_merge=args.cluster > 1 and not args.hbm)
         a = meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", kernel_config=cfg,
                                  cluster_size=args.cluster)
         a.plan(t.indptr, t.indices, t.last_page_len)

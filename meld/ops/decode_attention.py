@@ -55,8 +55,8 @@ def _page_table_error(code: int, where: int, indptr, last, num_indices: int, ind
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOG2E = 1.4426950408889634
-# Measured on the H200 (bench/decode_ablation.py, bench/RESULTS.md): clusters of one are as fast as any
-# cluster mix at B >= 64 and 1-2 us faster at B <= 8 (cluster launch and barriers, a late second grid).
+# Measured on the H200 (bench/decode_ablation.py, bench/RESULTS.md): no cluster variant beats clusters of
+# one by more than 0.5 us anywhere, and those with on-chip merges are 0.3-2 us slower at B <= 8.
 DEFAULT_CLUSTER_SIZE = 1
 _trace_seq = itertools.count()
 

@@ -119,7 +119,6 @@ class PersistentLaunch:
             self.params.append(p)
             self._grids.append((cfg, args, ctypes.addressof(args)))
             offset += size * count
-        self.num_ctas = offset
         self._side, self._events = [], []
         if len(self.mix) > 1:
             with torch.cuda.device(kernel.device):
