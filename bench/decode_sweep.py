@@ -21,10 +21,11 @@ from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
 
-OLD_COST = DecodeCost(item_overhead_tokens=32, min_split_tokens=64)
-VARIANTS = {  # name: (warps, stages, cost)
-    "w4s3": (4, 3, OLD_COST), "w4s2": (4, 2, OLD_COST), "w8s3": (8, 3, OLD_COST),
-    "w8s2": (8, 2, OLD_COST), "w8s2+cost": (8, 2, DecodeCost()),
+VARIANTS = {  # name: (warps, stages, cost); o = item overhead tokens, charged per piece (shipped: o128)
+    "o64": (8, 2, DecodeCost(item_overhead_tokens=64)),
+    "o96": (8, 2, DecodeCost(item_overhead_tokens=96)),
+    "o128": (8, 2, DecodeCost()),
+    "o128 w8s3": (8, 3, DecodeCost()),
 }
 
 

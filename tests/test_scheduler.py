@@ -60,6 +60,18 @@ def test_bench_workloads_use_the_whole_gpu(dist, B):
         assert 0.9 * s.meta["active_ctas"] <= busy <= s.meta["active_ctas"]
 
 
+@pytest.mark.parametrize("lens", [[65536], [65536, 40000, 777], [30000] * 3])
+@pytest.mark.parametrize("ctas", [100, 132, 264])
+def test_every_piece_pays_its_overhead(lens, ctas):
+    """Every piece pays an item overhead, also one that starts a segment inside a unit: CTAs that start
+    inside a unit get as much predicted work as those that start on a unit's first token."""
+    s = _plan(lens, topo=Topology(ctas)).validate()
+    cost = s.cta_cost(DecodeCost().item_overhead_tokens)[:s.meta["active_ctas"]]
+    inside = s.cta[1, :len(cost)] > 0
+    assert inside.sum() > len(cost) // 2   # CTA 0 starts on token 0
+    assert abs(np.median(cost[inside]) - np.median(cost[~inside])) <= DecodeCost().tile_tokens
+
+
 def test_splits_stay_on_neighbouring_ctas():
     s = _plan([65536] + [512] * 63).validate()
     it = s.items()

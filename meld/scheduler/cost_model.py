@@ -1,8 +1,10 @@
 """The decode-attention cost model: time is KV bytes read plus a fixed cost per work item.
 
 Decode attention is bound by reading the KV cache, so a CTA's time is close to the bytes it reads over
-its share of bandwidth. Each item also pays a fixed cost (loading q, the end-of-item merge, writing a
-partial), expressed here in KV tokens so the planner can cut one line of cost into equal segments.
+its share of bandwidth. Each item (every piece of a split unit too) also pays a fixed cost (loading q,
+the end-of-item merge of the warps, writing a partial), expressed here in KV tokens so the planner can
+cut one line of cost into equal segments. On the H200, per-SM traces (bench/decode_trace.py) put it at
+1.5-2 µs per piece, about 100-130 tokens at the per-SM streaming rate; bench/decode_sweep.py chose 128.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class DecodeCost:
         tile_tokens: splits land on multiples of the kernel's KV tile.
     """
 
-    item_overhead_tokens: int = 64
+    item_overhead_tokens: int = 128
     min_split_tokens: int = 128
     min_cta_tokens: int = 128
     tile_tokens: int = 16

@@ -18,6 +18,7 @@ from .cost_model import DecodeCost
 from .topology import Topology
 
 _ARANGE = np.arange(1 << 16, dtype=np.int64)   # sliced, not rebuilt, on the hot path
+_FAR = np.int64(1) << 62
 
 
 def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, group_size: int,
@@ -48,20 +49,49 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     total = int(R[-1])
     active = int(min(W, max(1, -(-total // cost.min_cta_tokens))))
 
-    # Cut j (1..active-1) sits at j * total / active: find its request b, unit u and token s.
-    x = _ARANGE[1:active] * total // active
-    b = R.searchsorted(x, "right") - 1
-    wb = width[b]
-    r = x - R[b]
-    hb = r // wb
-    s = (r - hb * wb + (tile // 2 - o)) // tile * tile
-    u = b * nh + hb
-    to_end = (s > wb - (o + ms)) & (s >= ms)         # too close to the unit's end: cut after it
-    u += to_end
-    s[(s < ms) | to_end] = 0                         # too close to either end: cut on the boundary
+    # Cut j (1..active-1) at line position x[j-1]: find its request b, unit u and token s (a multiple of
+    # the tile, both pieces >= min_split tokens, else the unit's start or end). When segments are long
+    # (`roomy`), a cut takes the nearest of those places to x, and the cuts are far enough apart that
+    # no two land on the same token; otherwise it takes the tile boundary nearest to x, then the unit's
+    # start or end if that leaves a piece too short.
+    lo = -(-ms // tile) * tile                       # the first allowed split token
+    roomy = total // active >= 2 * (o + lo + tile)
 
-    # Pieces of a split unit: consecutive interior cuts in one unit (never on the same token:
-    # cuts are >= min_cta_tokens > tile apart). The first piece belongs to the CTA before the run.
+    def cut(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        b = R.searchsorted(x, "right") - 1
+        wb = width[b]
+        r = x - R[b]
+        hb = r // wb
+        pos = r - hb * wb - o                        # token position in the unit (< 0: in its overhead)
+        n = wb - o                                   # the unit's tokens
+        hi = (n - ms) // tile * tile                 # the last allowed split token
+        s = (pos + tile // 2) // tile * tile
+        if roomy:
+            s = np.clip(s, lo, hi)
+            d_split = np.where(lo <= hi, np.abs(pos - s), _FAR)
+            d_start = pos + o                        # the unit starts with its overhead on the line
+            to_end = (n - pos < d_start) & (n - pos < d_split)
+            s[to_end | (d_start <= d_split)] = 0
+        else:
+            to_end = (s > hi) & (s >= lo)
+            s[to_end | (s < lo)] = 0
+        return b * nh + hb + to_end, s
+
+    # Every piece pays the item overhead, but the line holds it once per unit (at the unit's start), so
+    # a CTA whose segment starts inside a unit pays one overhead the line does not show. Second cut
+    # (roomy only): grow the line by one overhead per interior cut of the first, and move cut j left by
+    # the overheads of the interior cuts before it, so that (x[j+1] - x[j]) + o * interior[j] is the
+    # same for every CTA.
+    j = _ARANGE[1:active]
+    u, s = cut(j * total // active)
+    if roomy:
+        interior = s > 0
+        shift = np.zeros(len(j), dtype=np.int64)
+        np.cumsum(interior[:-1], out=shift[1:])
+        u, s = cut(j * (total + o * int(interior.sum())) // active - o * shift)
+
+    # Pieces of a split unit: consecutive interior cuts in one unit (never on the same token, see above).
+    # The first piece belongs to the CTA before the run.
     j = s.nonzero()[0]
     ui = u[j]
     run_start = np.empty(len(j), dtype=bool)

@@ -85,27 +85,59 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   const long long total = carry;
   const int active = (int)min((long long)W, max(1ll, (total + p.min_cta_tokens - 1) / p.min_cta_tokens));
 
-  // 2. Cut c (1..active-1) at c * total / active: its request (binary search), unit and token.
-  for (int c = 1 + tid; c < active; c += PT) {
-    const long long x = (long long)c * total / active;
-    int lo = 0, hi = B;                          // largest b with R[b] <= x
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (R[mid] <= x) lo = mid; else hi = mid - 1;
+  // 2. Cut c (1..active-1) at line position x: its request (binary search), unit and token, placed as
+  //    decode_plan.py's cut() places it (nearest allowed place when `roomy`, else the old snapping).
+  const long long lo = (ms + tile - 1) / tile * tile, far = 1ll << 62;
+  const bool roomy = total / active >= 2 * (o + lo + tile);
+  auto cut_at = [&](int c, long long x) {
+    int lo_b = 0, hi_b = B;                      // largest b with R[b] <= x
+    while (lo_b < hi_b) {
+      const int mid = (lo_b + hi_b + 1) >> 1;
+      if (R[mid] <= x) lo_b = mid; else hi_b = mid - 1;
     }
-    const int b = lo;
-    const long long wb = (long long)p.kv_len[b] + o;
+    const int b = lo_b;
+    const long long wb = (long long)p.kv_len[b] + o, n = wb - o;
     const long long r = x - R[b];
     const long long hb = r / wb;
-    long long s = floor_div(r - hb * wb + (tile / 2 - o), tile) * tile;
-    int u = b * nh + (int)hb;
-    const bool to_end = s > wb - (o + ms) && s >= ms;
-    u += to_end;
-    if (s < ms || to_end) s = 0;
-    cut_u[c] = u;
-    cut_s[c] = (int)s;
-  }
+    const long long pos = r - hb * wb - o;       // token position in the unit (< 0: in its overhead)
+    const long long hi = floor_div(n - ms, tile) * tile;
+    long long s = floor_div(pos + tile / 2, tile) * tile;
+    bool to_end, to_start;
+    if (roomy) {
+      s = min(max(s, lo), hi);
+      const long long d_split = lo <= hi ? llabs(pos - s) : far;
+      const long long d_start = pos + o;         // the unit starts with its overhead on the line
+      to_end = n - pos < d_start && n - pos < d_split;
+      to_start = d_start <= d_split;
+    } else {
+      to_end = s > hi && s >= lo;
+      to_start = s < lo;
+    }
+    cut_u[c] = b * nh + (int)hb + to_end;
+    cut_s[c] = to_end || to_start ? 0 : (int)s;
+  };
+  for (int c = 1 + tid; c < active; c += PT) cut_at(c, (long long)c * total / active);
   __syncthreads();
+
+  //    Every piece pays the item overhead, but the line holds it once per unit (at its start): a CTA
+  //    whose segment starts inside a unit pays one the line does not show. Second cut (roomy only):
+  //    grow the line by one overhead per interior cut of the first and move each cut left by those before it.
+  if (roomy) {
+    int* shift = first;                          // scratch until step 3
+    long long before = 0;
+    for (int base = 1; base < active; base += PT) {
+      const int c = base + tid;
+      const long long v = c < active && cut_s[c] > 0;
+      long long block_total;
+      const long long incl = block_scan(v, Add(), tot64, block_total);
+      if (c < active) shift[c] = (int)(before + incl - v);
+      before += block_total;
+    }
+    __syncthreads();
+    const long long grown = total + o * before;
+    for (int c = 1 + tid; c < active; c += PT) cut_at(c, (long long)c * grown / active - o * shift[c]);
+    __syncthreads();
+  }
 
   // 3. Runs of interior cuts (s > 0) in one unit: the pieces of a split unit. first = the run's first
   //    cut (max-scan of run starts), last = its last cut (min-scan, right to left, of run ends).
