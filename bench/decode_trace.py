@@ -25,6 +25,7 @@ from bench.harness import flush_l2, graph_time_us  # noqa: E402
 from bench.timeline import busy_table  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.runtime.profile import render_png  # noqa: E402
+from meld.scheduler import DecodeCost  # noqa: E402
 
 
 def main() -> int:
@@ -33,6 +34,8 @@ def main() -> int:
     p.add_argument("--dist", default="skewed")
     p.add_argument("--cluster", type=int, default=meld.ops.decode_attention.DEFAULT_CLUSTER_SIZE)
     p.add_argument("--hbm", action="store_true", help="merge every split unit through global memory")
+    p.add_argument("--item-overhead", type=int, default=DecodeCost().item_overhead_tokens,
+                   help="the planner's item overhead in KV tokens (DecodeCost)")
     p.add_argument("--runs", type=int, default=9)
     p.add_argument("--out", type=Path, required=True, help="path prefix of the .trace.json and .png")
     args = p.parse_args()
@@ -43,7 +46,7 @@ def main() -> int:
         cfg = dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128), profile=profile,
                                   onchip_merge=args.cluster > 1 and not args.hbm)
         a = meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", kernel_config=cfg,
-                                 cluster_size=args.cluster)
+                                 cluster_size=args.cluster, cost=DecodeCost(item_overhead_tokens=args.item_overhead))
         a.plan(t.indptr, t.indices, t.last_page_len)
         return a
 

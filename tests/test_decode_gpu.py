@@ -10,6 +10,7 @@ import torch
 import meld
 from meld.codegen import DecodeKernelConfig
 from meld.runtime.reference import attention_reference
+from meld.scheduler import DecodeCost
 
 from meld.workloads import lengths, paged
 
@@ -63,6 +64,11 @@ def test_batches(B, dist):
     if dist == "one-long" and B == 1:
         pytest.skip("one-long needs B >= 2")
     _check(B, dist)
+
+
+@pytest.mark.parametrize("dist", ["skewed", "one-long"])
+def test_other_cost_models(dist):
+    _check(64, dist, cost=DecodeCost(item_overhead_tokens=64))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -149,9 +155,10 @@ def test_cuda_graph_replay_across_replans(cluster_size):
 
 @pytest.mark.parametrize("lens", [[], [0], [0, 0, 0], [1], [65536], [100000, 3] + [0] * 40, lengths("one-long", 256)])
 @pytest.mark.parametrize("group", [4, 16])
-def test_gpu_planner_edge_batches(lens, group):
+@pytest.mark.parametrize("cost", [DecodeCost(), DecodeCost(item_overhead_tokens=64)])
+def test_gpu_planner_edge_batches(lens, group, cost):
     pb = paged(lens, 16)
-    attn = meld.DecodeAttention(2 * group, 2, 128, 16, torch.bfloat16, "cuda")
+    attn = meld.DecodeAttention(2 * group, 2, 128, 16, torch.bfloat16, "cuda", cost=cost)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     _assert_gpu_plan_matches_host(attn)
 

@@ -34,14 +34,15 @@ def test_every_token_covered_once_and_groups_consistent(lens, kv_heads, group, s
 
 
 @settings(max_examples=200, deadline=None)
-@given(lens=length_lists, sms=st.integers(8, 140))
-def test_balance(lens, sms):
-    cost = DecodeCost()
+@given(lens=length_lists, sms=st.integers(8, 140), overhead=st.sampled_from([64, 128]))
+def test_balance(lens, sms, overhead):
+    cost = DecodeCost(item_overhead_tokens=overhead)
     s = _plan(lens, topo=Topology(sms, {1: 2 * sms}), cost=cost)
-    per_cta = s.cta_cost(cost.item_overhead_tokens)
+    per_cta = s.cta_cost(overhead)
     active = s.meta["active_ctas"]
     mean = per_cta.sum() / active
-    # A cut moves by at most one tile plus the smallest split (snapping) on each side of a segment.
+    # A cut moves by at most one tile plus the smallest split (snapping) on each side of a segment, and
+    # the second cut may misjudge a segment's overheads by one piece.
     slack = 2 * (cost.min_split_tokens + cost.tile_tokens) + cost.item_overhead_tokens
     assert per_cta.max() <= mean + slack
     assert np.all(per_cta[active:] == 0)
@@ -60,16 +61,18 @@ def test_bench_workloads_use_the_whole_gpu(dist, B):
         assert 0.9 * s.meta["active_ctas"] <= busy <= s.meta["active_ctas"]
 
 
-@pytest.mark.parametrize("lens", [[65536], [65536, 40000, 777], [30000] * 3])
+@pytest.mark.parametrize("cost", [DecodeCost(), DecodeCost(item_overhead_tokens=64)])
+@pytest.mark.parametrize("lens", [[65536], [65536, 40000], [30000] * 3])
 @pytest.mark.parametrize("ctas", [100, 132, 264])
-def test_every_piece_pays_its_overhead(lens, ctas):
-    """Every piece pays an item overhead, also one that starts a segment inside a unit: CTAs that start
-    inside a unit get as much predicted work as those that start on a unit's first token."""
-    s = _plan(lens, topo=Topology(ctas)).validate()
-    cost = s.cta_cost(DecodeCost().item_overhead_tokens)[:s.meta["active_ctas"]]
-    inside = s.cta[1, :len(cost)] > 0
-    assert inside.sum() > len(cost) // 2   # CTA 0 starts on token 0
-    assert abs(np.median(cost[inside]) - np.median(cost[~inside])) <= DecodeCost().tile_tokens
+def test_every_piece_pays_its_overhead(lens, ctas, cost):
+    """Every piece pays an item overhead, also one that starts a segment inside a unit: long requests
+    cut over many CTAs give every CTA the same predicted cost."""
+    s = _plan(lens, topo=Topology(ctas), cost=cost).validate()
+    per_cta = s.cta_cost(cost.item_overhead_tokens)[:s.meta["active_ctas"]]
+    inside = s.cta[1, :len(per_cta)] > 0
+    assert inside.sum() > len(per_cta) // 2   # most segments start inside a unit; CTA 0 on token 0
+    assert abs(np.median(per_cta[inside]) - per_cta[0]) <= cost.tile_tokens
+    assert np.percentile(per_cta, 90) - np.percentile(per_cta, 10) <= cost.tile_tokens
 
 
 def test_splits_stay_on_neighbouring_ctas():
