@@ -21,11 +21,11 @@ from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
 
-VARIANTS = {  # name: (warps, stages, cost); o = item overhead tokens, charged per piece (shipped: o128)
-    "o64": (8, 2, DecodeCost(item_overhead_tokens=64)),
-    "o96": (8, 2, DecodeCost(item_overhead_tokens=96)),
-    "o128": (8, 2, DecodeCost()),
-    "o128 w8s3": (8, 3, DecodeCost()),
+VARIANTS = {  # name: (warps, stages, cost, TMA rings); o = item overhead tokens (shipped: o128)
+    "o64": (8, 2, DecodeCost(item_overhead_tokens=64), False),
+    "o96": (8, 2, DecodeCost(item_overhead_tokens=96), False),
+    "o128": (8, 2, DecodeCost(), False),
+    "o128 tma": (8, 2, DecodeCost(), True),
 }
 
 
@@ -52,8 +52,8 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", cost=cost,
-                                        kernel_config=DecodeKernelConfig("bfloat16", 128, w, s))
-             for name, (w, s, cost) in VARIANTS.items()}
+                                        kernel_config=DecodeKernelConfig("bfloat16", 128, w, s, tma=tma))
+             for name, (w, s, cost, tma) in VARIANTS.items()}
     print("env: " + ", ".join(f"{k}={v}" for k, v in env_info().items()))
     print("CTAs/SM: " + ", ".join(f"{k} {a.topology.ctas_per_sm}" for k, a in attns.items()), flush=True)
     table = Table([Column("case", "case", align="<")] + [Column(k, f"{k} µs", ".1f") for k in VARIANTS]

@@ -92,6 +92,29 @@ def test_float16():
     _check(7, "ragged", dtype=torch.float16)
 
 
+def _tma(head_dim, dtype="bfloat16", **kw):
+    base = DecodeKernelConfig("bfloat16", 256, 4, 2) if head_dim == 256 else DecodeKernelConfig.default(dtype, head_dim)
+    return dataclasses.replace(base, dtype=dtype, tma=True, **kw)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_tma_rings_ragged(head_dim, page_size):
+    """KV rows streamed by TMA bulk copies into mbarrier rings: partial tiles (rows not copied), every
+    page size, every head dim."""
+    _check(7, "ragged", head_dim=head_dim, page_size=page_size, group=8, kernel_config=_tma(head_dim))
+
+
+@pytest.mark.parametrize("B,dist", [(1, "uniform2k"), (64, "skewed"), (64, "one-long")])
+def test_tma_rings_batches(B, dist):
+    _check(B, dist, kernel_config=_tma(128))
+    _check(B, dist, dtype=torch.float16, kernel_config=_tma(128, "float16"))
+
+
+def test_tma_rings_with_clusters():
+    _check(64, "skewed", cluster_size=4, kernel_config=_tma(128, onchip_merge=True))
+
+
 @pytest.mark.parametrize("cluster_size", [4, 8, 16])
 @pytest.mark.parametrize("dist", ["skewed", "one-long", "ragged"])
 def test_cluster_mixes(cluster_size, dist):

@@ -14,6 +14,7 @@ from .params import DECODE_PARAMS, PLAN_PARAMS
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 HEADS_PER_UNIT = 8   # q heads per unit: the N dimension of the m16n8k16 tiles
 TILE_TOKENS = 16     # KV tokens per warp step
+SMEM_PER_CTA_MAX = 227 * 1024   # opt-in dynamic shared memory per CTA on sm_90
 
 
 def _template(name: str) -> str:
@@ -31,6 +32,7 @@ class DecodeKernelConfig:
     l2_prefetch: int = 0   # 0, 128 or 256: L2 prefetch size hint on the KV loads
     onchip_merge: bool = False  # merge split units inside a cluster through distributed shared memory
     profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
+    tma: bool = False           # stream KV rows with TMA bulk copies into mbarrier-synchronised rings
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -41,6 +43,9 @@ class DecodeKernelConfig:
             raise ValueError(f"l2_prefetch={self.l2_prefetch}: expected 0, 128 or 256")
         if not 1 <= self.num_warps <= 16 or not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
+        if self.smem_bytes > SMEM_PER_CTA_MAX:
+            raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory, more than the "
+                             f"{SMEM_PER_CTA_MAX} a CTA may have on sm_90: use fewer warps or stages")
 
     @staticmethod
     def default(dtype: str, head_dim: int, onchip_merge: bool = False) -> "DecodeKernelConfig":
@@ -57,7 +62,8 @@ class DecodeKernelConfig:
     def name(self) -> str:
         return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}"
                 f"_w{self.num_warps}_s{self.num_stages}" + (f"_l2p{self.l2_prefetch}" if self.l2_prefetch else "")
-                + ("_dsm" if self.onchip_merge else "") + ("_prof" if self.profile else ""))
+                + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
+                + ("_prof" if self.profile else ""))
 
     entry = "meld_decode_attention"   # the template's extern "C" __global__ function
 
@@ -69,10 +75,12 @@ class DecodeKernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
         merges, the two partials kept for cluster peers (see the template)."""
-        ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * 2
+        row = self.head_dim * 2 + (16 if self.tma else 0)
+        ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * row
         merge = self.num_warps * HEADS_PER_UNIT * (self.head_dim + 4 + 2) * 4 + 16
         parts = 2 * HEADS_PER_UNIT * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
-        return ring + merge + parts
+        bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0
+        return ring + merge + parts + bars
 
     @property
     def max_parts(self) -> int:
@@ -91,6 +99,7 @@ class DecodeKernelConfig:
             f'#define MELD_L2_PREFETCH "{f".L2::{self.l2_prefetch}B" if self.l2_prefetch else ""}"',
             f"#define MELD_ONCHIP_MERGE {int(self.onchip_merge)}",
             f"#define MELD_PROFILE {int(self.profile)}",
+            f"#define MELD_TMA {int(self.tma)}",
         ])
         return "\n".join([head, _template("common.cuh"), DECODE_PARAMS.c_source(),
                           _template("decode_attention.cuh")])

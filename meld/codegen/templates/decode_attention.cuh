@@ -20,8 +20,12 @@
 // one after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a
 // peer reads it.
 //
+// MELD_TMA builds stream KV rows with TMA bulk copies (cp.async.bulk, one 2*D-byte token row per lane)
+// into the same per-warp rings, each stage completed by an mbarrier (expect-tx bytes), instead of
+// cp.async groups; a bulk copy cannot swizzle, so those rings pad each row by 16 bytes instead.
+//
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
-// MELD_ONCHIP_MERGE, MELD_PROFILE, DecodeParams.
+// MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, DecodeParams.
 
 namespace meld {
 
@@ -35,7 +39,9 @@ constexpr int CPR = D / 8;                 // 16-byte chunks per token row
 constexpr int RPP = 32 / CPR;              // token rows one warp-wide cp.async pass covers
 constexpr int PASSES = TILE / RPP;
 constexpr int KSTEPS = D / 16;
-constexpr int TILE_BYTES = TILE * D * 2;   // one K or V tile
+constexpr bool TMA = MELD_TMA;
+constexpr int ROW_BYTES = D * 2 + (TMA ? 16 : 0);   // a token row in the ring (TMA: padded, see tile_off)
+constexpr int TILE_BYTES = TILE * ROW_BYTES;        // one K or V tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
@@ -44,9 +50,11 @@ static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool PROFILE = MELD_PROFILE;
 
-// Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
-// rows at one chunk column hit eight different bank groups.
-__device__ __forceinline__ u32 tile_off(int r, int c) { return r * (D * 2) + ((c ^ (r & 7)) << 4); }
+// Byte offset of 16-byte chunk `c` of token row `r` in a tile, such that ldmatrix's eight rows at one
+// chunk column hit eight different bank groups: an XOR swizzle, or (TMA rings) rows 16 bytes apart mod 128.
+__device__ __forceinline__ u32 tile_off(int r, int c) {
+  return TMA ? r * ROW_BYTES + (c << 4) : r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+}
 
 struct Segment {
   int u_begin, s_begin, u_end, s_end, head_first, head_parts, tail_first, tail_parts;
@@ -134,27 +142,55 @@ __device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment
   if (c.live) cursor_fetch_row(p, c, lane);
 }
 
-// Issue the cursor's tile into ring slot `dst` (one commit group per call, empty when the stream is done).
-__device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment& g, LoadCursor& c, u32 dst,
-                                           const Place& pl, int warp, int lane) {
-  if (c.live) {
-    const i64 row_stride = (i64)p.num_kv_heads * D;
-    const u16* base = p.kv + c.x.kv_head * D + (lane % CPR) * 8;
-#pragma unroll
-    for (int k = 0; k < PASSES; ++k) {
-      const int r = lane / CPR + k * RPP;
-      const int ro = __shfl_sync(0xffffffffu, c.row, r);
-      const u16* src = base + (i64)max(ro, 0) * row_stride;
-      const int bytes = ro >= 0 ? 16 : 0;
-      cp_async_16(dst + tile_off(r, lane % CPR), src, bytes);
-      cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), src + (i64)p.page_size * row_stride, bytes);
+// Issue the cursor's tile into ring stage `stage` (cp.async: one commit group per call, empty when the
+// stream is done; TMA: a bulk copy per valid token row of K and V, counted on the stage's mbarrier).
+__device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment& g, LoadCursor& c, u32 ring,
+                                           u32 bars, int stage, const Place& pl, int warp, int lane) {
+  const u32 dst = ring + stage * STAGE_BYTES;
+  const i64 row_stride = (i64)p.num_kv_heads * D;
+  if (TMA) {
+    if (!c.live) return;
+    const unsigned valid = __ballot_sync(0xffffffffu, c.row >= 0) & 0xffffu;   // lanes r and r + 16: row r
+    const u32 bar = bars + 8 * stage;
+    fence_proxy_async();   // this warp's ldmatrix reads of the stage come before the copies overwrite it
+    if (lane == 0) mbar_arrive_expect_tx(bar, __popc(valid) * 2 * (D * 2));
+    __syncwarp();
+    if (c.row >= 0) {
+      const bool v = lane >= 16;
+      const u16* src = p.kv + (i64)c.row * row_stride + c.x.kv_head * D + (v ? (i64)p.page_size * row_stride : 0);
+      tma_load_1d(dst + (v ? TILE_BYTES : 0) + (lane & 15) * ROW_BYTES, src, D * 2, bar);
     }
+  } else {
+    if (c.live) {
+      const u16* base = p.kv + c.x.kv_head * D + (lane % CPR) * 8;
+#pragma unroll
+      for (int k = 0; k < PASSES; ++k) {
+        const int r = lane / CPR + k * RPP;
+        const int ro = __shfl_sync(0xffffffffu, c.row, r);
+        const u16* src = base + (i64)max(ro, 0) * row_stride;
+        const int bytes = ro >= 0 ? 16 : 0;
+        cp_async_16(dst + tile_off(r, lane % CPR), src, bytes);
+        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), src + (i64)p.page_size * row_stride, bytes);
+      }
+    }
+    cp_async_commit();
   }
-  cp_async_commit();
   if (c.live) {
     c.j += WARPS;
     cursor_seek(p, g, c, pl, warp, lane);
   }
+}
+
+// Wait until ring stage `stage` holds its tile (TMA: the stage's mbarrier phase; `phases` keeps one
+// parity bit per stage).
+__device__ __forceinline__ void wait_tile(u32 bars, int stage, u32& phases) {
+  if (TMA) {
+    mbar_wait(bars + 8 * stage, (phases >> stage) & 1u);
+    phases ^= 1u << stage;
+  } else {
+    cp_async_wait<STAGES - 2>();
+  }
+  __syncwarp();
 }
 
 // Per-warp online-softmax state for the current unit. Lane (g = lane / 4, t = lane % 4) holds:
@@ -241,7 +277,9 @@ struct __align__(16) PartArea {
 };
 constexpr int PART_OFFSET = (RING_BYTES + (int)sizeof(MergeArea) + 15) & ~15;
 constexpr int PART_BYTES = ONCHIP ? (int)sizeof(PartArea) : 0;
-static_assert(PART_OFFSET + PART_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+constexpr int MBAR_OFFSET = (PART_OFFSET + PART_BYTES + 7) & ~7;
+constexpr int MBAR_BYTES = TMA ? WARPS * STAGES * 8 : 0;
+static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
 // Per-task timestamps (MELD_PROFILE builds; meld/runtime/profile.py reads them). Per CTA: a header
 // [begin, end, smid, records] and up to prof_cap records [t0, t1, kind, unit]; thread 0 writes.
@@ -425,8 +463,19 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     cluster_wait();
   }
   const Segment g = load_segment(p, pl.cta);
+  const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
+  const u32 bars = smem_addr(smem + MBAR_OFFSET) + warp * STAGES * 8;   // this warp's stage barriers (TMA)
+  if (TMA) {
+    // Rows past a unit's end are not copied: zero the ring once, so that the stale rows the masked
+    // scores multiply are finite, and arm the barriers.
+    for (int i = lane; i < STAGES * STAGE_BYTES / 16; i += 32)
+      reinterpret_cast<uint4*>(smem + warp * STAGES * STAGE_BYTES)[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (lane == 0)
+      for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1);
+    fence_mbar_init();
+    __syncwarp();
+  }
   if (!g.empty) {
-    const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
     LoadCursor lc;
     lc.u = g.u_begin;
     lc.x = load_unit(p, g, lc.u, pl);
@@ -434,20 +483,20 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     lc.live = true;
     cursor_seek(p, g, lc, pl, warp, lane);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring + s * STAGE_BYTES, pl, warp, lane);
+    for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring, bars, s, pl, warp, lane);
 
     WarpState st;
     int cs = 0;
+    u32 phases = 0;
     for (int u = g.u_begin; u <= g.u_last; ++u) {
       const i64 t0 = prof.now();
       const Unit x = load_unit(p, g, u, pl);
       load_q(p, x, st, lane);
       const int nt = x.num_tiles();
       for (int j = warp; j < nt; j += WARPS) {
-        cp_async_wait<STAGES - 2>();
-        __syncwarp();
+        wait_tile(bars, cs, phases);
         const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
-        issue_tile(p, g, lc, ring + ns * STAGE_BYTES, pl, warp, lane);
+        issue_tile(p, g, lc, ring, bars, ns, pl, warp, lane);
         compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
         cs = cs + 1 == STAGES ? 0 : cs + 1;
       }
@@ -459,7 +508,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
         prof.record(p, t1, x.onchip ? kMergeOnChip : kMergeHbm, u);
       }
     }
-    cp_async_wait<0>();
+    if (!TMA) cp_async_wait<0>();   // (TMA: every issued tile was waited for)
   }
   if (ONCHIP) {           // peers may still read this CTA's partials: leave together
     const i64 t0 = prof.now();
