@@ -21,11 +21,12 @@ from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
 
-VARIANTS = {  # name: (warps, stages, cost, TMA rings); o = item overhead tokens (shipped: o128)
+VARIANTS = {  # name: (warps, stages, cost, TMA rings); o = item overhead tokens (shipped: o128, 2 stages)
     "o64": (8, 2, DecodeCost(item_overhead_tokens=64), False),
     "o96": (8, 2, DecodeCost(item_overhead_tokens=96), False),
     "o128": (8, 2, DecodeCost(), False),
     "o128 tma": (8, 2, DecodeCost(), True),
+    "o128 tma s3": (8, 3, DecodeCost(), True),
 }
 
 

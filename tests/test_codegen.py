@@ -15,7 +15,7 @@ CONFIGS += [dataclasses.replace(CONFIGS[1], profile=True), dataclasses.replace(C
             dataclasses.replace(CONFIGS[1], onchip_merge=True, profile=True),
             DecodeKernelConfig.default("bfloat16", 64, onchip_merge=True)]
 CONFIGS += [dataclasses.replace(c, tma=True) for c in CONFIGS[:2] + CONFIGS[4:5]]   # TMA rings (d64/d128)
-CONFIGS += [DecodeKernelConfig("bfloat16", 256, 4, 2, tma=True),
+CONFIGS += [dataclasses.replace(CONFIGS[2], tma=True),
             dataclasses.replace(CONFIGS[1], tma=True, onchip_merge=True, profile=True)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
@@ -66,7 +66,7 @@ def test_config_rejects_unsupported():
     with pytest.raises(ValueError, match="dtype"):
         DecodeKernelConfig("float32", 128)
     with pytest.raises(ValueError, match="shared memory"):
-        DecodeKernelConfig("bfloat16", 256, 4, 3, tma=True)   # the padded TMA rows do not fit three stages
+        DecodeKernelConfig("bfloat16", 256, 8, 2)   # 256 KiB of rings
 
 
 def test_params_pack_checks_fields():

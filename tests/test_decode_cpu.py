@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import meld
+from meld.codegen import DecodeKernelConfig
 from meld.runtime.reference import attention_reference, execute_decode
 
 from meld.workloads import lengths, paged
@@ -67,6 +68,8 @@ def _planned(**kw):
     (dict(page_size=0), "page_size must be a positive int, got 0"),
     (dict(dtype=torch.float32), "dtype must be torch.bfloat16 or torch.float16"),
     (dict(device="meta"), "device must be 'cuda' or 'cpu'"),
+    (dict(page_size=8, kernel_config=DecodeKernelConfig("bfloat16", 64, 8, 2, tma=True)),
+     "page_size=8: a kernel with TMA rings needs pages that hold whole 16-token tiles"),
 ])
 def test_constructor_errors(kwargs, match):
     args = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, device="cpu")

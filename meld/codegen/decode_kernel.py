@@ -32,7 +32,7 @@ class DecodeKernelConfig:
     l2_prefetch: int = 0   # 0, 128 or 256: L2 prefetch size hint on the KV loads
     onchip_merge: bool = False  # merge split units inside a cluster through distributed shared memory
     profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
-    tma: bool = False           # stream KV rows with TMA bulk copies into mbarrier-synchronised rings
+    tma: bool = False           # load KV tiles with TMA tensor copies into mbarrier-completed rings
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -75,8 +75,7 @@ class DecodeKernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
         merges, the two partials kept for cluster peers (see the template)."""
-        row = self.head_dim * 2 + (16 if self.tma else 0)
-        ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * row
+        ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * 2
         merge = self.num_warps * HEADS_PER_UNIT * (self.head_dim + 4 + 2) * 4 + 16
         parts = 2 * HEADS_PER_UNIT * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
         bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0

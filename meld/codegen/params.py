@@ -5,18 +5,23 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+TensorMap = ctypes.c_uint64 * 16   # a CUtensorMap: 128 opaque bytes, 64-byte aligned in the struct
+_CTYPES = {"ptr": ctypes.c_void_p, "i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float,
+           "tmap": TensorMap}
 _C_SCALARS = {"i64": "long long", "i32": "int", "f32": "float"}
+_TMAP_ALIGN = 64
 
 
 @dataclass(frozen=True)
 class Field:
     name: str
-    kind: str          # ptr | i64 | i32 | f32
+    kind: str          # ptr | i64 | i32 | f32 | tmap (a TMA tensor map)
     c_pointer: str = ""  # C pointer type for kind == "ptr", e.g. "const u16*"
 
     @property
     def c_decl(self) -> str:
+        if self.kind == "tmap":
+            return f"alignas({_TMAP_ALIGN}) unsigned long long {self.name}[16];"
         return f"{self.c_pointer if self.kind == 'ptr' else _C_SCALARS[self.kind]} {self.name};"
 
 
@@ -26,7 +31,20 @@ class ParamStruct:
     def __init__(self, name: str, fields: list[Field]):
         self.name = name
         self.fields = fields
-        self.ctype = type(name, (ctypes.Structure,), {"_fields_": [(f.name, _CTYPES[f.kind]) for f in fields]})
+        # ctypes cannot align a member to 64 bytes: pad explicitly where C++'s alignas() puts the gaps.
+        layout, offset = [], 0
+        for f in fields:
+            t = _CTYPES[f.kind]
+            align = _TMAP_ALIGN if f.kind == "tmap" else ctypes.alignment(t)
+            if offset % align:
+                gap = align - offset % align
+                layout.append((f"_pad_{f.name}", ctypes.c_uint8 * gap))
+                offset += gap
+            layout.append((f.name, t))
+            offset += ctypes.sizeof(t)
+        if any(f.kind == "tmap" for f in fields) and offset % _TMAP_ALIGN:
+            layout.append(("_pad_end", ctypes.c_uint8 * (_TMAP_ALIGN - offset % _TMAP_ALIGN)))
+        self.ctype = type(name, (ctypes.Structure,), {"_fields_": layout})
 
     def c_source(self) -> str:
         """The C declaration, with static_asserts that its layout is the one `pack` produces."""
@@ -59,6 +77,7 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("part_lse", "ptr", "float*"),
     Field("counters", "ptr", "unsigned*"),
     Field("prof", "ptr", "long long*"),
+    Field("kv_map", "tmap"),   # the KV cache as a TMA tensor map (MELD_TMA builds; zero otherwise)
     Field("q_stride_b", "i64"),
     Field("q_stride_h", "i64"),
     Field("num_qo_heads", "i32"),

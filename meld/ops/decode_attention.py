@@ -18,7 +18,7 @@ import torch
 from .. import config
 from ..runtime import host_helper
 from ..codegen import (DECODE_PARAMS, HEADS_PER_UNIT, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
-                       DecodePlanKernelConfig, compile_source)
+                       DecodePlanKernelConfig, TensorMap, compile_source)
 from ..ir import Schedule, TaskGraph
 from ..scheduler import DecodeCost, Topology, plan_decode
 from .checks import check_positive, expect, same_device
@@ -125,6 +125,9 @@ class DecodeAttention:
                                                                          onchip_merge=cluster_size > 1)
         if config.profile() and not self.kernel_config.profile:
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
+        if self.kernel_config.tma and page_size % TILE_TOKENS:
+            raise ValueError(f"page_size={page_size}: a kernel with TMA rings needs pages that hold whole "
+                             f"{TILE_TOKENS}-token tiles (a multiple of {TILE_TOKENS})")
         self._fixed_capacity = max_batch_size is not None and max_num_pages is not None
         self._cap = (max_batch_size or 64, max_num_pages or 4096)
         self._schedule: Schedule | None = None
@@ -144,6 +147,7 @@ class DecodeAttention:
     # --- setup ----------------------------------------------------------------------------------
     def _init_cuda(self, topology: Topology | None) -> None:
         from ..runtime.driver import Kernel, device_info
+        from ..runtime.tensor_map import TensorMapCache
 
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -158,6 +162,7 @@ class DecodeAttention:
             raise ValueError(f"topology has {self.topology.num_ctas} CTA slots; {kc.name} supports at most "
                              f"{kc.max_parts}")
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
+        self._tensor_maps = TensorMapCache() if kc.tma else None
         pc = DecodePlanKernelConfig()
         self.planner = Kernel(compile_source(pc.render(), pc.name), pc.entry, self.device, pc.threads,
                               pc.smem_bytes(self.topology.num_ctas))
@@ -194,7 +199,8 @@ class DecodeAttention:
             q=0, kv=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), part_o=self.part_o.data_ptr(),
             part_lse=self.part_lse.data_ptr(), counters=self.counters.data_ptr(),
-            prof=self._prof.data_ptr() if self._prof is not None else 0, q_stride_b=0, q_stride_h=0,
+            prof=self._prof.data_ptr() if self._prof is not None else 0, kv_map=TensorMap(),   # set by run()
+            q_stride_b=0, q_stride_h=0,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             num_ctas=W, cta_offset=0, prof_cap=self._prof_cap, sm_scale_log2=self.sm_scale * _LOG2E))
@@ -375,6 +381,8 @@ class DecodeAttention:
         if sd != 1 or sb % 8 or sh % 8 or q.data_ptr() % 16:
             q = q.contiguous()
             sb, sh, _ = q.stride()
+        if self._tensor_maps is not None:
+            self._launcher.set(kv_map=self._tensor_maps.get(kv_cache))
         self._launcher.set(q=q.data_ptr(), kv=kv_cache.data_ptr(), out=out.data_ptr(),
                            lse=lse.data_ptr() if lse is not None else 0, q_stride_b=sb, q_stride_h=sh)
         self._launcher.launch()

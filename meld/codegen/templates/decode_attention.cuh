@@ -20,9 +20,10 @@
 // one after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a
 // peer reads it.
 //
-// MELD_TMA builds stream KV rows with TMA bulk copies (cp.async.bulk, one 2*D-byte token row per lane)
-// into the same per-warp rings, each stage completed by an mbarrier (expect-tx bytes), instead of
-// cp.async groups; a bulk copy cannot swizzle, so those rings pad each row by 16 bytes instead.
+// MELD_TMA builds load each tile with TMA tensor copies instead (cp.async.bulk.tensor over a 5-D map of
+// the cache, p.kv_map: one 16-row x 64-channel box per copy, 128-byte swizzled) into the same per-warp
+// rings, each stage completed by an mbarrier (expect-tx bytes). A tile must then lie in one page:
+// page_size % 16 == 0 (DecodeAttention checks it).
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, DecodeParams.
@@ -40,8 +41,10 @@ constexpr int RPP = 32 / CPR;              // token rows one warp-wide cp.async 
 constexpr int PASSES = TILE / RPP;
 constexpr int KSTEPS = D / 16;
 constexpr bool TMA = MELD_TMA;
-constexpr int ROW_BYTES = D * 2 + (TMA ? 16 : 0);   // a token row in the ring (TMA: padded, see tile_off)
-constexpr int TILE_BYTES = TILE * ROW_BYTES;        // one K or V tile
+constexpr int TILE_BYTES = TILE * D * 2;   // one K or V tile
+constexpr int BOX_COLS = 64;               // channels per TMA box: 128 bytes, the swizzle span
+constexpr int BOXES = D / BOX_COLS;        // boxes per K or V tile
+constexpr int BOX_BYTES = TILE * BOX_COLS * 2;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
@@ -50,10 +53,11 @@ static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool PROFILE = MELD_PROFILE;
 
-// Byte offset of 16-byte chunk `c` of token row `r` in a tile, such that ldmatrix's eight rows at one
-// chunk column hit eight different bank groups: an XOR swizzle, or (TMA rings) rows 16 bytes apart mod 128.
+// Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
+// rows at one chunk column hit eight different bank groups. TMA tiles are BOXES blocks of [16 rows][128
+// bytes] in the hardware's 128-byte swizzle (chunk ^ row % 8 inside each block).
 __device__ __forceinline__ u32 tile_off(int r, int c) {
-  return TMA ? r * ROW_BYTES + (c << 4) : r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+  return TMA ? (c >> 3) * BOX_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4) : r * (D * 2) + ((c ^ (r & 7)) << 4);
 }
 
 struct Segment {
@@ -143,22 +147,22 @@ __device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment
 }
 
 // Issue the cursor's tile into ring stage `stage` (cp.async: one commit group per call, empty when the
-// stream is done; TMA: a bulk copy per valid token row of K and V, counted on the stage's mbarrier).
+// stream is done; TMA: 2 * BOXES tensor copies, counted on the stage's mbarrier).
 __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment& g, LoadCursor& c, u32 ring,
                                            u32 bars, int stage, const Place& pl, int warp, int lane) {
   const u32 dst = ring + stage * STAGE_BYTES;
   const i64 row_stride = (i64)p.num_kv_heads * D;
   if (TMA) {
     if (!c.live) return;
-    const unsigned valid = __ballot_sync(0xffffffffu, c.row >= 0) & 0xffffu;   // lanes r and r + 16: row r
     const u32 bar = bars + 8 * stage;
-    fence_proxy_async();   // this warp's ldmatrix reads of the stage come before the copies overwrite it
-    if (lane == 0) mbar_arrive_expect_tx(bar, __popc(valid) * 2 * (D * 2));
+    fence_proxy_async();   // this warp's generic accesses to the stage come before the copies overwrite it
+    if (lane == 0) mbar_arrive_expect_tx(bar, STAGE_BYTES);
     __syncwarp();
-    if (c.row >= 0) {
-      const bool v = lane >= 16;
-      const u16* src = p.kv + (i64)c.row * row_stride + c.x.kv_head * D + (v ? (i64)p.page_size * row_stride : 0);
-      tma_load_1d(dst + (v ? TILE_BYTES : 0) + (lane & 15) * ROW_BYTES, src, D * 2, bar);
+    const int row = __shfl_sync(0xffffffffu, c.row, 0);   // the tile's first token row (always valid)
+    if (lane < 2 * BOXES) {   // lane: K or V (lane / BOXES), channel block (lane % BOXES)
+      const int page = row / (2 * p.page_size), slot = row - page * 2 * p.page_size;
+      const int kv = lane / BOXES, b = lane % BOXES;
+      tma_load_5d(dst + kv * TILE_BYTES + b * BOX_BYTES, &p.kv_map, b * BOX_COLS, c.x.kv_head, slot, kv, page, bar);
     }
   } else {
     if (c.live) {
@@ -219,6 +223,11 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
 }
 
 __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lane) {
+  if (TMA && nvalid < TILE) {   // a TMA tile holds whole pages: zero the V rows past the unit's end,
+    for (int i = lane; i < (TILE - nvalid) * CPR; i += 32)   // which P (0 there) must not turn into NaN
+      st_shared_zero16(kbase + TILE_BYTES + tile_off(nvalid + i / CPR, i % CPR));
+    __syncwarp();
+  }
   const int t = lane & 3;
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lch = (lane >> 3) & 1;
@@ -447,7 +456,7 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
 extern "C" __global__ void __launch_bounds__(meld::THREADS, 1)   // one CTA per SM: its shared memory decides
 meld_decode_attention(const __grid_constant__ DecodeParams p) {
   using namespace meld;
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];   // 1024: TMA 128-byte-swizzled boxes
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   Place pl;
   pl.cta = p.cta_offset + blockIdx.x;
@@ -466,10 +475,6 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
   const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
   const u32 bars = smem_addr(smem + MBAR_OFFSET) + warp * STAGES * 8;   // this warp's stage barriers (TMA)
   if (TMA) {
-    // Rows past a unit's end are not copied: zero the ring once, so that the stale rows the masked
-    // scores multiply are finite, and arm the barriers.
-    for (int i = lane; i < STAGES * STAGE_BYTES / 16; i += 32)
-      reinterpret_cast<uint4*>(smem + warp * STAGES * STAGE_BYTES)[i] = make_uint4(0u, 0u, 0u, 0u);
     if (lane == 0)
       for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1);
     fence_mbar_init();

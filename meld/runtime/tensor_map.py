@@ -1,0 +1,56 @@
+"""TMA tensor maps of the paged KV cache, for kernels built with `DecodeKernelConfig.tma`.
+
+The map describes the cache `[num_pages, 2, page_size, num_kv_heads, head_dim]` as a 5-D tensor whose
+box is 16 token rows x 64 channels of one (page, K or V, kv head): one copy fills one 128-byte-swizzled
+2 KiB block of a ring stage. Encoding is a host call; maps are cached by the cache's address and shape,
+since a model passes the same per-layer caches every step.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..codegen import TensorMap
+from .driver import check, drv
+
+BOX_ROWS, BOX_COLS = 16, 64   # token rows x channels per copy (64 bf16 = the 128-byte swizzle span)
+
+
+def kv_tensor_map(kv_cache: torch.Tensor) -> TensorMap:
+    """The tensor map of a contiguous bf16/fp16 cache [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+    d = drv()
+    pages, two, page_size, heads, dim = kv_cache.shape
+    es = kv_cache.element_size()
+    dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[kv_cache.dtype]
+    dims = [dim, heads, page_size, two, pages]                        # innermost first
+    strides = [dim * es, heads * dim * es, page_size * heads * dim * es, two * page_size * heads * dim * es]
+    box = [BOX_COLS, 1, BOX_ROWS, 1, 1]
+    u64, u32 = d.cuuint64_t, d.cuuint32_t
+    m = check(d.cuTensorMapEncodeTiled(
+        dtype, 5, kv_cache.data_ptr(), [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in box],
+        [u32(1)] * 5,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    out = TensorMap()
+    ctypes.memmove(ctypes.addressof(out), m.getPtr(), ctypes.sizeof(out))   # the 128 opaque bytes
+    return out
+
+
+class TensorMapCache:
+    """kv_tensor_map() per (address, shape, dtype), so run() encodes each layer's cache once."""
+
+    def __init__(self, max_entries: int = 256):
+        self._maps: dict[tuple, TensorMap] = {}
+        self._max = max_entries
+
+    def get(self, kv_cache: torch.Tensor) -> TensorMap:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        m = self._maps.get(key)
+        if m is None:
+            if len(self._maps) >= self._max:
+                self._maps.clear()
+            m = self._maps[key] = kv_tensor_map(kv_cache)
+        return m
