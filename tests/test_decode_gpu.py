@@ -110,9 +110,10 @@ def test_tma_rings_batches(B, dist):
     _check(B, dist, dtype=torch.float16, kernel_config=_tma(128, "float16"))
 
 
-def test_tma_rings_ignore_nan_past_the_end():
-    """Token rows past each request's end inside its last page hold NaN: TMA copies them, the kernel
-    must not let them through (0 * NaN)."""
+@pytest.mark.parametrize("tma", [False, True])
+def test_nan_past_the_end_of_a_page_does_not_leak(tma):
+    """Token rows past each request's end inside its last page hold NaN: TMA copies them (cp.async
+    zero-fills them), and the kernel must not let them through (0 * NaN)."""
     lens = [5, 17, 33, 100, 1000]
     pb = paged(lens, 16)
     dev = "cuda"
@@ -121,7 +122,8 @@ def test_tma_rings_ignore_nan_past_the_end():
         last = int(pb.kv_indices[int(pb.kv_indptr[b + 1]) - 1])
         kv[last, :, n % 16 or 16:] = float("nan")
     q = torch.randn(len(lens), 8, 128, device=dev).bfloat16()
-    attn = meld.DecodeAttention(8, 2, 128, 16, torch.bfloat16, dev, kernel_config=_tma(128))
+    cfg = _tma(128) if tma else DecodeKernelConfig.default("bfloat16", 128)
+    attn = meld.DecodeAttention(8, 2, 128, 16, torch.bfloat16, dev, kernel_config=cfg)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     out = attn.run(q, kv)
     ref, _ = attention_reference(q, kv.nan_to_num(0.0), pb.kv_indptr.to(dev), pb.kv_indices.to(dev),
