@@ -42,10 +42,12 @@ def _check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=t
     out = torch.full((len(lens), Hq, head_dim), float("nan"), dtype=dtype, device=dev)
     lse = torch.full((len(lens), Hq), float("nan"), device=dev)
     attn.run(q, kv, out=out, lse=lse)
+    snap = out.clone()   # the stream's next work: it must see every grid's output (no NaN left)
     out2, lse2 = attn.run(q, kv, return_lse=True)
     torch.cuda.synchronize()
     ref, ref_lse = attention_reference(q, kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev))
     assert not out.isnan().any(), "unwritten or NaN output elements"
+    assert torch.equal(snap, out), "work queued after run() ran before every grid had finished"
     assert not lse.isnan().any(), "unwritten or NaN lse elements"
     err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert err < 1e-2, f"relative error {err:.2e}"

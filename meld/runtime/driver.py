@@ -101,9 +101,13 @@ class PersistentLaunch:
     """One persistent launch of `kernel` as several grids, one per cluster size of a cluster mix, over
     one CTA table: grid i runs table rows [offset_i, offset_i + ctas_i) (its `cta_offset` field).
 
-    The grids are forked from torch's current stream onto side streams and joined back with events,
-    so the launch is ordered like a single kernel and can be captured in a CUDA graph. The kernel
-    never waits across grids (see decode_attention.cuh), so a grid that starts late cannot deadlock.
+    The grids go on torch's current stream, largest clusters first; each later grid is a programmatic
+    dependent launch of the one before. The kernel lets its dependents start once all its CTAs run
+    (`griddepcontrol.launch_dependents` at entry: so the big clusters take their GPC slices before the
+    small ones fill the rest) and, last of all, waits for the grid it depends on
+    (`griddepcontrol.wait`), so the stream's next work starts only after every grid has finished. It is
+    one in-order stream launch: capturable in CUDA graphs. The kernel never waits across grids for
+    work (see decode_attention.cuh), so the order of the grids cannot deadlock.
     """
 
     def __init__(self, kernel: Kernel, mix: list[tuple[int, int]], params: ctypes.Structure):
@@ -111,25 +115,14 @@ class PersistentLaunch:
         self.params: list[ctypes.Structure] = []
         self._grids = []
         offset = 0
-        for size, count in self.mix:
+        for i, (size, count) in enumerate(self.mix):
             p = type(params).from_buffer_copy(params)
             p.cta_offset = offset
-            cfg = fastcall.cluster_config(size * count, kernel.threads, kernel.smem_bytes, size)
+            cfg = fastcall.cluster_config(size * count, kernel.threads, kernel.smem_bytes, size, programmatic=i > 0)
             args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
             self.params.append(p)
             self._grids.append((cfg, args, ctypes.addressof(args)))
             offset += size * count
-        self._side, self._events = [], []
-        if len(self.mix) > 1:
-            with torch.cuda.device(kernel.device):
-                for _ in range(len(self.mix)):              # [0]: fork; [i]: join of grid i
-                    ev = torch.cuda.Event()
-                    ev.record()                             # creates the CUDA event now, off the hot path
-                    self._events.append(ev)
-                self._side = [torch.cuda.Stream(kernel.device) for _ in self.mix[1:]]
-            torch.cuda.synchronize(kernel.device)
-            self._side_raw = [s.cuda_stream for s in self._side]
-            self._event_raw = [e.cuda_event for e in self._events]
 
     def cluster_of_cta(self) -> list[int]:
         """Cluster id of every CTA row (clusters numbered across the grids)."""
@@ -151,21 +144,6 @@ class PersistentLaunch:
     def launch(self) -> None:
         stream = current_stream(self.kernel.device)
         func, name = self.kernel._func, self.kernel.name
-        if len(self._grids) == 1:
-            cfg, _, args = self._grids[0]
+        for cfg, _, args in self._grids:
             cfg.hStream = stream
             fastcall.launch_ex(func, cfg, args, name)
-            return
-        ev = self._event_raw
-        fastcall.event_record(ev[0], stream)
-        for side in self._side_raw:
-            fastcall.stream_wait_event(side, ev[0])
-        # Largest clusters first: they need whole free GPC slices, the small ones fill what is left.
-        # (Measured on the H200: launched smallest first, 6 x 2 broke up the GPCs and most of the
-        # 30 x 4 clusters waited for them to finish; largest first, the second grid starts ~4 us late.)
-        for i, (cfg, _, args) in enumerate(self._grids):
-            cfg.hStream = stream if i == 0 else self._side_raw[i - 1]
-            fastcall.launch_ex(func, cfg, args, name)
-        for i, side in enumerate(self._side_raw, start=1):
-            fastcall.event_record(ev[i], side)
-            fastcall.stream_wait_event(stream, ev[i])

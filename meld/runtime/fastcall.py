@@ -12,6 +12,7 @@ import ctypes
 _c = ctypes.c_void_p
 _u = ctypes.c_uint
 CLUSTER_DIMENSION = 4        # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+PROGRAMMATIC_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 NON_PORTABLE_CLUSTERS = 14   # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 
 
@@ -33,8 +34,6 @@ _SIGNATURES = {
     "cuLaunchKernelEx": (ctypes.POINTER(LaunchConfig), _c, _c, _c),
     "cuOccupancyMaxActiveClusters": (ctypes.POINTER(ctypes.c_int), _c, ctypes.POINTER(LaunchConfig)),
     "cuFuncSetAttribute": (_c, ctypes.c_int, ctypes.c_int),
-    "cuEventRecord": (_c, _c),
-    "cuStreamWaitEvent": (_c, _c, _u),
     "cuGetErrorString": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
 }
 _lib: ctypes.CDLL | None = None
@@ -69,14 +68,17 @@ def launch(func: int, grid: int, block: int, smem: int, stream: int, params: int
     _check(_cuda().cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, params, None), f"launch {what}")
 
 
-def cluster_config(grid: int, block: int, smem: int, cluster: int) -> LaunchConfig:
+def cluster_config(grid: int, block: int, smem: int, cluster: int, programmatic: bool = False) -> LaunchConfig:
     """A 1-D launch configuration with clusters of `cluster` CTAs along x (the occupancy query needs
-    the attribute even for 1). The attribute array is kept alive by the returned struct."""
+    the attribute even for 1); `programmatic`: the grid may start once the previous kernel in the
+    stream lets it (programmatic dependent launch). The attribute array is kept alive by the struct."""
     cfg = LaunchConfig(grid, 1, 1, block, 1, 1, smem, None)
-    attr = (LaunchAttribute * 1)()
+    attr = (LaunchAttribute * 2)()
     attr[0].id = CLUSTER_DIMENSION
     attr[0].value[0], attr[0].value[1], attr[0].value[2] = cluster, 1, 1
-    cfg.attrs, cfg.numAttrs = ctypes.cast(attr, ctypes.POINTER(LaunchAttribute)), 1
+    attr[1].id = PROGRAMMATIC_SERIALIZATION
+    attr[1].value[0] = 1
+    cfg.attrs, cfg.numAttrs = ctypes.cast(attr, ctypes.POINTER(LaunchAttribute)), 2 if programmatic else 1
     cfg._keep = attr
     return cfg
 
@@ -95,10 +97,3 @@ def max_active_clusters(func: int, cfg: LaunchConfig) -> int:
     n = ctypes.c_int(0)
     return n.value if lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(cfg)) == 0 else 0
 
-
-def event_record(event: int, stream: int) -> None:
-    _check(_cuda().cuEventRecord(event, stream), "cuEventRecord")
-
-
-def stream_wait_event(stream: int, event: int) -> None:
-    _check(_cuda().cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")

@@ -16,9 +16,10 @@
 // The pieces of a unit sit on consecutive CTAs, and clusters are runs of consecutive CTAs, so most
 // split units merge on chip. Several grids (one per cluster size, `cta_offset` apart) can share one
 // schedule: pieces in different grids always merge through global memory, so a grid that starts late
-// delays the work but never deadlocks. The only waits are cluster barriers (co-resident by hardware):
-// one after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a
-// peer reads it.
+// delays the work but never deadlocks (meld/runtime/driver.py's PersistentLaunch orders their start
+// and end with griddepcontrol). The only waits are cluster barriers (co-resident by hardware): one
+// after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a peer
+// reads it; and at exit, for the grid launched before this one (which never waits on this one).
 //
 // MELD_TMA builds load each tile with TMA tensor copies instead (cp.async.bulk.tensor over a 5-D map of
 // the cache, p.kv_map: one 16-row x 64-channel box per copy, 128-byte swizzled) into the same per-warp
@@ -462,6 +463,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
   pl.cta = p.cta_offset + blockIdx.x;
   pl.cluster_first = pl.cta - (ONCHIP ? cluster_rank() : 0);
   pl.cluster_ctas = ONCHIP ? cluster_size() : 1;
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // every CTA runs: the next grid may start
   Profiler prof;
   prof.begin(p, pl.cta);
   MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
@@ -522,4 +524,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     prof.record(p, t0, kClusterWait, -1);
   }
   prof.end();
+  // A later grid of a mixed launch (a programmatic dependent launch) ends only after the grid before
+  // it, so the stream's next work sees every grid's output. A plain launch returns at once.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 }
