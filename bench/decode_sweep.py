@@ -1,8 +1,9 @@
 """meld's decode kernel under different static configs and cost models, on BENCH.md's decode grid.
 
-What it answers: which kernel config (ring depth, TMA or cp.async loads) and which planner cost parameters to ship as defaults
-(`DecodeKernelConfig.default`, `DecodeCost`). meld only — the peers are in bench/decode.py; every
-variant runs on the same inputs in one process, timed with the same CUDA-graph replay timer.
+What it answers: which kernel config (ring depth, TMA or cp.async loads) and which planner cost
+parameters to ship as defaults (`DecodeKernelConfig.default`, `DecodeCost`). meld only — the peers are
+in bench/decode.py; every variant runs on the same inputs in one process, timed with the same
+CUDA-graph replay timer.
 
     PYTHONPATH=$PWD python3 bench/decode_sweep.py [--batch 64 256] [--json $OUT/sweep.json]
 """
