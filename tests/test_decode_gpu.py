@@ -134,7 +134,6 @@ def test_nan_past_the_end_of_a_page_does_not_leak(tma):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-
 def test_tma_rings_with_clusters():
     _check(64, "skewed", cluster_size=4, kernel_config=_tma(128, onchip_merge=True))
 

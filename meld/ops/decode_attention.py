@@ -216,7 +216,8 @@ class DecodeAttention:
             indptr, last = (_host(t).astype(np.int64) for t in self._planned)
             pages = indptr[1:] - indptr[:-1]
             kv_len = (pages * self.page_size + (last - self.page_size)) * (pages > 0)
-            self._schedule = self._plan(kv_len, indptr[:-1])
+            self._schedule = plan_decode(kv_len, indptr[:-1], self.num_kv_heads, self.group_size, self.topology,
+                                         self.cost, HEADS_PER_UNIT)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
@@ -321,10 +322,6 @@ class DecodeAttention:
             b = int(np.flatnonzero(((last < 1) | (last > self.page_size)) & (pages > 0))[0])
             _page_table_error(4, b, indptr, last, num_indices, page_size=self.page_size)
         return nnz
-
-    def _plan(self, kv_len: np.ndarray, page_base: np.ndarray, out: np.ndarray | None = None) -> Schedule:
-        return plan_decode(kv_len, page_base, self.num_kv_heads, self.group_size, self.topology, self.cost,
-                           HEADS_PER_UNIT, out=out)
 
     def _ensure_capacity(self, batch: int, pages: int) -> None:
         cb, cp = self._cap

@@ -6,8 +6,10 @@ there are CTAs balances the CTAs (up to tile rounding) and keeps the pieces of a
 neighbouring CTAs, in order. See `meld.ir.schedule` for how the kernel walks the segments and merges
 split units.
 
-The work is a few dozen vectorised NumPy operations over requests and cuts — never over units or
-tokens — because plan() runs once per batch on the host, on the serving loop's critical path.
+This is the reference cut: the GPU planner (`meld/codegen/templates/decode_plan.cuh`) makes the same
+one on the device, and a GPU test asserts that both write identical tables. Here it serves the CPU
+path and `DecodeAttention.schedule`. It is a few dozen vectorised NumPy operations over requests and
+cuts, never over units or tokens.
 """
 from __future__ import annotations
 
@@ -17,13 +19,12 @@ from ..ir import CTA_FIELDS, Schedule
 from .cost_model import DecodeCost
 from .topology import Topology
 
-_ARANGE = np.arange(1 << 16, dtype=np.int64)   # sliced, not rebuilt, on the hot path
+_ARANGE = np.arange(1 << 16, dtype=np.int64)   # sliced, not rebuilt, per plan
 _FAR = np.int64(1) << 62
 
 
 def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, group_size: int,
-                topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8,
-                out: np.ndarray | None = None) -> Schedule:
+                topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8) -> Schedule:
     """Plan one batch.
 
     Args:
@@ -33,8 +34,6 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         topology: the persistent grid (`num_ctas` segments).
         cost: the cost model.
         heads_per_item: q heads one unit computes; a kv head with more q heads gets several units.
-        out: optional int32 [len(CTA_FIELDS), num_ctas] array to write the CTA table into (a pinned
-            staging buffer, so the upload needs no extra copy).
     Returns:
         A `Schedule`; `Schedule.validate()` checks that it covers every KV token exactly once.
     """
@@ -101,12 +100,9 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     first_cta = j[run_start][run_id]                 # cut j starts CTA j + 1; the first piece is CTA j
     parts = np.bincount(run_id)[run_id] + 1
 
-    t = np.empty((len(CTA_FIELDS), W), dtype=np.int32) if out is None else out
-    t[:, active - 1:] = 0
+    t = np.zeros((len(CTA_FIELDS), W), dtype=np.int32)
     t[0, active:] = U                                # idle CTAs: an empty segment at the end
     t[2, active - 1:] = U
-    t[4:, :active] = 0
-    t[0, 0] = t[1, 0] = 0
     t[0, 1:active] = t[2, :active - 1] = u
     t[1, 1:active] = t[3, :active - 1] = s
     t[6, j] = t[4, j + 1] = first_cta                # head (4, 5): the split unit a segment starts inside
