@@ -56,7 +56,8 @@ def _page_table_error(code: int, where: int, indptr, last, num_indices: int, ind
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOG2E = 1.4426950408889634
 # Measured on the H200 (bench/decode_ablation.py, bench/RESULTS.md): no cluster variant beats clusters of
-# one by more than 0.5 us anywhere, and those with on-chip merges are 0.3-2 us slower at B <= 8.
+# one by more than 0.4 us below B = 64 or 0.3% above (none at all since the grids are PDL-ordered,
+# 280e7d9), and those with on-chip merges are 0.3-3 us slower at B <= 8.
 DEFAULT_CLUSTER_SIZE = 1
 _trace_seq = itertools.count()
 
