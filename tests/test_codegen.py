@@ -37,6 +37,17 @@ def test_kernel_compiles_with_nvrtc(cfg, tmp_path):
     assert c.cubin[:4] == b"\x7fELF" and c.compiler.startswith("nvrtc")
 
 
+def test_nvrtc_leaves_python_objects_alone(tmp_path):
+    """NVRTC writes its log and cubin into buffers we pass: they must be our own, never a shared bytes
+    object (an empty log once overwrote CPython's cached b" " with a NUL, process-wide)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    space = bytes([32])
+    with config.scope(MELD_COMPILER="nvrtc", MELD_CACHE_DIR=str(tmp_path)):
+        c = compile_source('extern "C" __global__ void meld_empty() {}', "meld_empty")
+    assert c.log == "" and c.cubin[:4] == b"\x7fELF"
+    assert space == b"\x20" and space * 3 == b"   ", "a cached bytes object was overwritten"
+
+
 @needs_nvcc
 def test_layout_mismatch_fails_to_compile():
     cfg = CONFIGS[1]

@@ -70,16 +70,18 @@ def _compile_nvrtc(source: str, name: str, arch: str) -> tuple[bytes, str]:
         log = _nvrtc_log(nvrtc, prog)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         check(err, "get cubin size")
-        cubin = b" " * size
+        cubin = bytearray(size)   # NVRTC writes into it: never a bytes object (see _nvrtc_log)
         check(nvrtc.nvrtcGetCUBIN(prog, cubin), "get cubin")
-        return cubin, log
+        return bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
 def _nvrtc_log(nvrtc, prog) -> str:
+    # A mutable buffer: an empty log has size 1, and `b" " * 1` is CPython's shared b" " object, which
+    # NVRTC would overwrite with the terminating NUL for the whole process.
     err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
+    log = bytearray(size)
     nvrtc.nvrtcGetProgramLog(prog, log)
     return log.decode(errors="replace").rstrip("\x00 \n")
 
