@@ -90,6 +90,13 @@ def test_skewed_other_shapes(head_dim, group):
     _check(64, "skewed", head_dim=head_dim, group=group)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_merge_of_many_parts(head_dim):
+    """One unit spread over every CTA: the merge goes through its parts in several chunks."""
+    attn = _check(1, "ragged", head_dim=head_dim, group=8, num_kv_heads=1, lens=[50000])
+    assert attn.schedule.items()["num_parts"].max() > 2 * 16, "the unit was not split finely enough to test"
+
+
 def test_float16():
     _check(7, "ragged", dtype=torch.float16)
 

@@ -159,9 +159,6 @@ class DecodeAttention:
         kc = self.kernel_config
         self.kernel = Kernel(compile_source(kc.render(), kc.name), kc.entry, self.device, kc.threads, kc.smem_bytes)
         self.topology = topology or Topology.discover(self.kernel)
-        if self.topology.num_ctas > kc.max_parts:
-            raise ValueError(f"topology has {self.topology.num_ctas} CTA slots; {kc.name} supports at most "
-                             f"{kc.max_parts}")
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
         self._tensor_maps = TensorMapCache() if kc.tma else None
         pc = DecodePlanKernelConfig()

@@ -392,64 +392,59 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 
 // The last arriver merges the unit's partials (k = 0: the piece that ends CTA first_cta's segment;
 // k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The loads are
-// latency-bound (L2 or a peer's shared memory), so they are issued together: all lse values at once,
-// then per thread four outputs of one head for eight parts at a time.
+// latency-bound (L2 or a peer's shared memory), and the merge sits on the kernel's tail, so each thread
+// merges four outputs of one head on its own: it loads that head's lse of MERGE_CHUNK parts together
+// with the parts' four values (one round trip per chunk, no shared memory, no barrier), weighs them
+// exp2(lse_k - max) / sum and keeps a running max across chunks.
+constexpr int MERGE_CHUNK = 16;
 __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
-                                           PartArea& pa, MergeArea& mg, int warp, int lane) {
-  float* w = &mg.o[0][0][0];   // [part][head]: lse, then merge weights (the merge area is free here;
-                               // DecodeKernelConfig.max_parts bounds the grid so they fit)
+                                           PartArea& pa) {
+  constexpr int Q = D / 4;
   const u32 pa_addr = smem_addr(&pa);
   const int parts = x.num_parts;
   auto peer = [&](int k) { return dsmem_map(pa_addr, x.first_cta + k - pl.cluster_first); };
-  for (int i = threadIdx.x; i < parts * HEADS; i += THREADS) {
-    const int k = i / HEADS, h = i % HEADS;
-    w[i] = x.onchip ? dsmem_load(peer(k) + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa))
-                    : ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h);
-  }
-  __syncthreads();
-  for (int h = warp; h < x.rows; h += WARPS) {   // one warp per head: weights exp2(lse - max) / sum
-    float m = neg_inf();
-    for (int k = lane; k < parts; k += 32) m = fmaxf(m, w[k * HEADS + h]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float m_use = m == neg_inf() ? 0.f : m;
-    float sum = 0.f;
-    for (int k = lane; k < parts; k += 32) sum += exp2_approx(w[k * HEADS + h] - m_use);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    __syncwarp();
-    for (int k = lane; k < parts; k += 32)
-      w[k * HEADS + h] = sum > 0.f ? exp2_approx(w[k * HEADS + h] - m_use) / sum : 0.f;
-    if (lane == 0 && p.lse != nullptr)
-      p.lse[(i64)x.req * p.num_qo_heads + x.q_head + h] = sum > 0.f ? (m_use + log2_approx(sum)) * kLn2 : neg_inf();
-  }
-  __syncthreads();
-  constexpr int Q = D / 4;
   for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
     const int h = i / Q, d = (i - h * Q) * 4;
+    float m = neg_inf(), sum = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int k0 = 0; k0 < parts; k0 += 8) {
-      float4 v[8];
+    for (int k0 = 0; k0 < parts; k0 += MERGE_CHUNK) {
+      float lse[MERGE_CHUNK];
+      float4 v[MERGE_CHUNK];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {   // past the last part: reload the last one, with weight 0
+      for (int j = 0; j < MERGE_CHUNK; ++j) {   // past the last part: reload the last one, weighted 0
         const int k = min(k0 + j, parts - 1);
-        v[j] = x.onchip ? dsmem_load4(peer(k) + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa))
-                        : ld_cg4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);
+        if (x.onchip) {
+          lse[j] = dsmem_load(peer(k) + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa));
+          v[j] = dsmem_load4(peer(k) + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa));
+        } else {
+          lse[j] = ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h);
+          v[j] = ld_cg4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);
+        }
       }
+      float mc = m;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float wk = k0 + j < parts ? w[(k0 + j) * HEADS + h] : 0.f;
+      for (int j = 0; j < MERGE_CHUNK; ++j) mc = k0 + j < parts ? fmaxf(mc, lse[j]) : mc;
+      const float m_use = mc == neg_inf() ? 0.f : mc;
+      const float r = exp2_approx(m - m_use);   // rescale the chunks before (0 for the first)
+      sum *= r; acc.x *= r; acc.y *= r; acc.z *= r; acc.w *= r;
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        const float wk = k0 + j < parts ? exp2_approx(lse[j] - m_use) : 0.f;
+        sum += wk;
         acc.x += wk * v[j].x; acc.y += wk * v[j].y; acc.z += wk * v[j].z; acc.w += wk * v[j].w;
       }
+      m = mc;
     }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float lse2 = sum > 0.f ? m + log2_approx(sum) : neg_inf();
     const i64 row = (i64)x.req * p.num_qo_heads + x.q_head + h;
     uint2 packed;
-    packed.x = pack2(acc.x, acc.y);
-    packed.y = pack2(acc.z, acc.w);
+    packed.x = pack2(acc.x * inv, acc.y * inv);
+    packed.y = pack2(acc.z * inv, acc.w * inv);
     *reinterpret_cast<uint2*>(p.out + row * D + d) = packed;
+    if (d == 0 && p.lse != nullptr) p.lse[row] = lse2 * kLn2;
   }
   if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
-  __syncthreads();     // the weights and the `last` flag live in the merge area, rewritten by the next piece
 }
 
 }  // namespace meld
@@ -511,7 +506,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
       prof.record(p, t0, kPiece, u);
       if (merge) {
         const i64 t1 = prof.now();
-        merge_unit(p, x, u, pl, pa, mg, warp, lane);
+        merge_unit(p, x, u, pl, pa);
         prof.record(p, t1, x.onchip ? kMergeOnChip : kMergeHbm, u);
       }
     }
