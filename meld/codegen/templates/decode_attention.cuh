@@ -395,8 +395,10 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // latency-bound (L2 or a peer's shared memory), and the merge sits on the kernel's tail, so each thread
 // merges four outputs of one head on its own: it loads that head's lse of MERGE_CHUNK parts together
 // with the parts' four values (one round trip per chunk, no shared memory, no barrier), weighs them
-// exp2(lse_k - max) / sum and keeps a running max across chunks.
-constexpr int MERGE_CHUNK = 16;
+// exp2(lse_k - max) / sum and keeps a running max across chunks. Chunk sizes as measured on the H200
+// (bench/RESULTS.md): 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8 elsewhere, since
+// 16 made the head_dim-64 kernel 12-13% slower throughout (its registers went from 105 to 136).
+constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
 __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
                                            PartArea& pa) {
   constexpr int Q = D / 4;
