@@ -29,7 +29,6 @@ class DecodeKernelConfig:
     head_dim: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    l2_prefetch: int = 0   # 0, 128 or 256: L2 prefetch size hint on the KV loads
     onchip_merge: bool = False  # merge split units inside a cluster through distributed shared memory
     profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
     tma: bool = False           # load KV tiles with TMA tensor copies into mbarrier-completed rings
@@ -39,8 +38,6 @@ class DecodeKernelConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_MMA_TYPES)}")
         if self.head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim={self.head_dim}: expected 64, 128 or 256")
-        if self.l2_prefetch not in (0, 128, 256):
-            raise ValueError(f"l2_prefetch={self.l2_prefetch}: expected 0, 128 or 256")
         if not 1 <= self.num_warps <= 16 or not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -61,7 +58,7 @@ class DecodeKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}"
-                f"_w{self.num_warps}_s{self.num_stages}" + (f"_l2p{self.l2_prefetch}" if self.l2_prefetch else "")
+                f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
                 + ("_prof" if self.profile else ""))
 
@@ -89,7 +86,6 @@ class DecodeKernelConfig:
             f"#define NUM_STAGES {self.num_stages}",
             f"#define SMEM_BYTES {self.smem_bytes}",
             f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
-            f'#define MELD_L2_PREFETCH "{f".L2::{self.l2_prefetch}B" if self.l2_prefetch else ""}"',
             f"#define MELD_ONCHIP_MERGE {int(self.onchip_merge)}",
             f"#define MELD_PROFILE {int(self.profile)}",
             f"#define MELD_TMA {int(self.tma)}",

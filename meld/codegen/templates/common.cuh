@@ -18,10 +18,8 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 
 // 16-byte async copy global -> shared; src_bytes = 0 fills the destination with zeros.
-// MELD_L2_PREFETCH ("", ".L2::128B" or ".L2::256B") widens the L2 fill of each request.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global" MELD_L2_PREFETCH " [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(src_bytes) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
