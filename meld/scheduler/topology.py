@@ -83,6 +83,6 @@ class Topology:
 
     @staticmethod
     def h200(max_active_clusters: Mapping[int, int] | None = None) -> "Topology":
-        """The H200 measured here (132 SMs, one 160-200 KiB CTA per SM: the table Topology.discover gave for
-        the shipped kernels, bench/RESULTS.md), for planning without a GPU."""
+        """The H200 measured here, for planning without a GPU: 132 SMs and the table Topology.discover gave
+        for the head_dim-128 kernels (one 160-200 KiB CTA per SM, bench/RESULTS.md)."""
         return Topology(132, max_active_clusters or {1: 132, 2: 66, 4: 30, 8: 15, 16: 7})
