@@ -48,11 +48,6 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   asm("cvt.rn." MELD_MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-__device__ __forceinline__ u16 to_half(float x) {
-  u16 r;
-  asm("cvt.rn." MELD_MMA_TYPE ".f32 %0, %1;" : "=h"(r) : "f"(x));
-  return r;
-}
 
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

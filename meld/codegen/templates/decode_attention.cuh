@@ -318,10 +318,13 @@ struct Profiler {
   }
 };
 
-__device__ __forceinline__ void store_result(const DecodeParams& p, const Unit& x, int h, int d, float val,
-                                             float lse2) {
+// Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0.
+__device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x, int h, int d, float4 v, float lse2) {
   const i64 row = (i64)x.req * p.num_qo_heads + x.q_head + h;
-  p.out[row * D + d] = to_half(val);
+  uint2 packed;
+  packed.x = pack2(v.x, v.y);
+  packed.y = pack2(v.z, v.w);
+  *reinterpret_cast<uint2*>(p.out + row * D + d) = packed;
   if (d == 0 && p.lse != nullptr) p.lse[row] = lse2 * kLn2;
 }
 
@@ -342,28 +345,32 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
   }
   __syncthreads();
   const int own = x.head ? 0 : 1;
-  for (int i = threadIdx.x; i < x.rows * D; i += THREADS) {
-    const int h = i / D, d = i - h * D;
+  constexpr int Q = D / 4;
+  for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {   // four outputs of one head per thread
+    const int h = i / Q, d = (i - h * Q) * 4;
     float mmax = neg_inf();
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) mmax = fmaxf(mmax, mg.m[w][h]);
     const float m_use = mmax == neg_inf() ? 0.f : mmax;
-    float lsum = 0.f, acc = 0.f;
+    float lsum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
-      const float s = exp2_approx(mg.m[w][h] - m_use);
-      lsum += mg.l[w][h] * s;
-      acc += mg.o[w][h][d] * s;
+      const float sc = exp2_approx(mg.m[w][h] - m_use);
+      const float4 o = *reinterpret_cast<const float4*>(&mg.o[w][h][d]);
+      lsum += mg.l[w][h] * sc;
+      acc.x += o.x * sc; acc.y += o.y * sc; acc.z += o.z * sc; acc.w += o.w * sc;
     }
-    const float val = lsum > 0.f ? acc / lsum : 0.f;
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const float4 val = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     const float lse2 = lsum > 0.f ? m_use + log2_approx(lsum) : neg_inf();
     if (x.slot < 0) {
-      store_result(p, x, h, d, val, lse2);
+      store_out4(p, x, h, d, val, lse2);
     } else if (x.onchip) {
-      pa.o[own][h][d] = val;
+      *reinterpret_cast<float4*>(&pa.o[own][h][d]) = val;
       if (d == 0) pa.lse[own][h] = lse2;
     } else {
-      p.part_o[((i64)x.slot * HEADS + h) * D + d] = val;
+      *reinterpret_cast<float4*>(p.part_o + ((i64)x.slot * HEADS + h) * D + d) = val;
       if (d == 0) p.part_lse[x.slot * HEADS + h] = lse2;
     }
   }
@@ -439,12 +446,7 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const float lse2 = sum > 0.f ? m + log2_approx(sum) : neg_inf();
-    const i64 row = (i64)x.req * p.num_qo_heads + x.q_head + h;
-    uint2 packed;
-    packed.x = pack2(acc.x * inv, acc.y * inv);
-    packed.y = pack2(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(p.out + row * D + d) = packed;
-    if (d == 0 && p.lse != nullptr) p.lse[row] = lse2 * kLn2;
+    store_out4(p, x, h, d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv), lse2);
   }
   if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
 }
