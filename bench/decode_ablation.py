@@ -9,6 +9,7 @@ runs on the same inputs, checked against the first, and is timed with the same C
   c2       clusters of 2 (they cover every SM of an H200), on-chip merges
   c4-only  clusters of 4 only: the SMs they cannot cover stay idle, on-chip merges
   c4       clusters of 4 plus smaller ones on the SMs left (`Topology.cluster_mix(4)`), on-chip merges
+  c4-flat  the same, but the planner ignores the clusters (no two-level placement: cluster_snap_tokens=0)
   c4-hbm   the same mix, every split unit merged through global memory
   c8       `Topology.cluster_mix(8)`, on-chip merges
 
@@ -31,23 +32,25 @@ from bench.decode import BATCHES, DISTS, PAGE_SIZE, Case, make_inputs  # noqa: E
 from bench.decode_sweep import time_variants  # noqa: E402
 from bench.harness import Column, Table, env_info  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
-from meld.scheduler import Topology  # noqa: E402
+from meld.scheduler import DecodeCost, Topology  # noqa: E402
 
-VARIANTS = {  # name: (preferred cluster size, on-chip merges, only clusters of the preferred size)
-    "c1": (1, False, False), "c2": (2, True, False), "c4-only": (4, True, True),
-    "c4": (4, True, False), "c4-hbm": (4, False, False), "c8": (8, True, False),
+VARIANTS = {  # name: (preferred cluster size, on-chip merges, only clusters of the preferred size, two-level)
+    "c1": (1, False, False, True), "c2": (2, True, False, True), "c4-only": (4, True, True, True),
+    "c4": (4, True, False, True), "c4-flat": (4, True, False, False), "c4-hbm": (4, False, False, True),
+    "c8": (8, True, False, True),
 }
 HEAD_DIM = 128
 
 
 def build(name: str, topo: Topology) -> meld.DecodeAttention:
-    size, onchip, only = VARIANTS[name]
+    size, onchip, only, two_level = VARIANTS[name]
     if only:   # drop the smaller sizes: the planner then spreads the work over these CTAs alone
         n = topo.max_active_clusters[size]
         topo = Topology(topo.sm_count, {1: size * n, size: n})
     cfg = dataclasses.replace(DecodeKernelConfig.default("bfloat16", HEAD_DIM), onchip_merge=onchip)
     return meld.DecodeAttention(32, 8, HEAD_DIM, PAGE_SIZE, torch.bfloat16, "cuda", kernel_config=cfg,
-                                topology=topo, cluster_size=size)
+                                topology=topo, cluster_size=size,
+                                cost=DecodeCost() if two_level else DecodeCost(cluster_snap_tokens=0))
 
 
 def hbm_partial_kib(attn: meld.DecodeAttention) -> float:

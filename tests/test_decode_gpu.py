@@ -154,6 +154,7 @@ def test_cluster_mixes(cluster_size, dist):
     mix = attn.cluster_mix
     assert sum(s * n for s, n in mix) == attn.topology.num_ctas
     assert mix[0][0] == cluster_size
+    assert attn.schedule.meta["cluster_snap_tokens"] > 0, "the GPU planner's two-level placement went untested"
 
 
 @pytest.mark.parametrize("onchip", [True, False], ids=["dsmem", "hbm"])

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meld.scheduler import DecodeCost, Topology, plan_decode
+from meld.scheduler import DecodeCost, Topology, cluster_rows, plan_decode
 
 from meld.workloads import lengths
 
@@ -144,3 +144,55 @@ def test_cluster_mix_covers_every_slot_for_any_table(table, slots, preferred):
     mix = topo.cluster_mix(preferred)
     assert sum(s * n for s, n in mix) == slots
     assert all(0 < n <= topo.max_active_clusters[s] for s, n in mix)
+
+
+# --- two-level placement -----------------------------------------------------------------------------
+
+def _plan_clusters(lens, mix, cost=DecodeCost(), num_ctas=132):
+    L = np.asarray(lens, dtype=np.int64)
+    return plan_decode(L, np.r_[0, np.cumsum(-(-L // 16))][:-1].astype(np.int64), 8, 4, Topology(num_ctas), cost,
+                       clusters=mix)
+
+
+def test_cluster_rows():
+    rows = cluster_rows([(4, 2), (2, 1), (1, 2)])
+    assert rows.tolist() == [[0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 10, 11], [4, 4, 4, 4, 8, 8, 8, 8, 10, 10, 11, 12]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(lens=length_lists, preferred=st.sampled_from([2, 4, 8, 16]), snap=st.sampled_from([16, 64, 256]))
+def test_two_level_placement_covers_every_token_and_stays_balanced(lens, preferred, snap):
+    cost = DecodeCost(cluster_snap_tokens=snap)
+    mix = Topology.h200().cluster_mix(preferred)
+    s = _plan_clusters(lens, mix, cost).validate()
+    covered = np.bincount(s.items()["unit"], weights=s.items()["kv_end"] - s.items()["kv_begin"],
+                          minlength=s.num_units)
+    assert np.array_equal(covered, np.repeat(np.asarray(lens, dtype=np.int64), s.units_per_request))
+    per_cta = s.cta_cost(cost.item_overhead_tokens)
+    # as test_balance, plus each of a cluster's two boundaries moving by <= snap tokens per CTA
+    slack = 2 * (cost.min_split_tokens + cost.tile_tokens) + cost.item_overhead_tokens + 2 * snap + 1
+    assert per_cta.max() <= per_cta.sum() / s.meta["active_ctas"] + slack
+
+
+@pytest.mark.parametrize("dist", ["uniform2k", "skewed", "one-long"])
+@pytest.mark.parametrize("B", [8, 64, 256])
+def test_two_level_placement_sends_fewer_partials_through_hbm(dist, B):
+    mix = Topology.h200().cluster_mix(4)
+    cluster_of_cta = cluster_rows(mix)[0]
+    plain = _plan_clusters(lengths(dist, B), []).merge_paths(cluster_of_cta)
+    placed = _plan_clusters(lengths(dist, B), mix).validate().merge_paths(cluster_of_cta)
+    assert placed["hbm_pieces"] <= plain["hbm_pieces"]
+    if (B, dist) in {(8, "skewed"), (64, "one-long"), (256, "one-long")}:   # where it matters most
+        assert placed["hbm_pieces"] <= 0.9 * plain["hbm_pieces"]
+
+
+@pytest.mark.parametrize("mix", [[(1, 132)], [(4, 30), (2, 6)]])
+def test_no_clusters_or_no_snap_is_the_plain_cut(mix):
+    lens = lengths("skewed", 64)
+    plain = _plan_clusters(lens, [])
+    off = DecodeCost(cluster_snap_tokens=0)
+    assert _plan_clusters(lens, mix, off) == _plan_clusters(lens, [], off)
+    if mix[0][0] == 1:
+        assert _plan_clusters(lens, mix) == plain
+    else:
+        assert _plan_clusters(lens, mix) != plain

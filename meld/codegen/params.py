@@ -103,6 +103,7 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("dst_indices", "ptr", "int*"),
     Field("done_flag", "ptr", "int*"),
     Field("arrive", "ptr", "int*"),
+    Field("cluster_rows", "ptr", "const int*"),   # [2][num_ctas]: each row's cluster (first, end); null: none
     Field("batch", "i32"),
     Field("page_size", "i32"),
     Field("units_per_request", "i32"),
@@ -111,5 +112,6 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("min_split", "i32"),
     Field("tile", "i32"),
     Field("min_cta_tokens", "i32"),
+    Field("cluster_snap", "i32"),
     Field("done_seq", "i32"),
 ])

@@ -20,7 +20,7 @@ from ..runtime import host_helper
 from ..codegen import (DECODE_PARAMS, HEADS_PER_UNIT, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
                        DecodePlanKernelConfig, TensorMap, compile_source)
 from ..ir import Schedule, TaskGraph
-from ..scheduler import DecodeCost, Topology, plan_decode
+from ..scheduler import DecodeCost, Topology, cluster_rows, plan_decode
 from .checks import check_positive, expect, same_device
 from .decode_graph import decode_attention_graph
 
@@ -80,7 +80,9 @@ class DecodeAttention:
             an H200 with one CTA per SM, as the shipped kernel runs there).
         cluster_size: the preferred thread-block cluster size. The launch covers every SM with the
             mix `topology.cluster_mix(cluster_size)` (e.g. 30 clusters of 4 + 6 of 2 on an H200); the
-            pieces of a split unit that land in one cluster merge through distributed shared memory.
+            pieces of a split unit that land in one cluster merge through distributed shared memory,
+            and the planner moves cuts between clusters to unit boundaries where that costs little
+            (`DecodeCost.cluster_snap_tokens`).
             Default 1 (no clusters): the fastest on the H200 for every batch measured.
         MELD_PROFILE=1 builds the kernel with per-task timestamps; `last_trace()` returns them, and
             every eager run() writes a Chrome/Perfetto trace to MELD_PROFILE_DIR.
@@ -141,6 +143,7 @@ class DecodeAttention:
             self._init_cuda(topology)
         elif self.device.type == "cpu":
             self.topology = topology or Topology.h200()
+            self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
             self._kv_indices_cpu = torch.zeros(0, dtype=torch.int32)
         else:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -160,6 +163,8 @@ class DecodeAttention:
         self.kernel = Kernel(compile_source(kc.render(), kc.name), kc.entry, self.device, kc.threads, kc.smem_bytes)
         self.topology = topology or Topology.discover(self.kernel)
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
+        self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
+            if self._plan_clusters else None
         self._tensor_maps = TensorMapCache() if kc.tma else None
         pc = DecodePlanKernelConfig()
         self.planner = Kernel(compile_source(pc.render(), pc.name), pc.entry, self.device, pc.threads,
@@ -185,6 +190,8 @@ class DecodeAttention:
             kv_indptr=0, last_page_len=0, kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),
             cta_table=t.ptr(0), line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices),
             done_flag=0, arrive=t.arrive.data_ptr(), done_seq=0, batch=0,
+            cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0,
+            cluster_snap=c.cluster_snap_tokens,
             page_size=self.page_size, units_per_request=self.units_per_request, num_ctas=W,
             item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens,
             min_cta_tokens=c.min_cta_tokens)
@@ -205,6 +212,11 @@ class DecodeAttention:
 
     # --- plan -----------------------------------------------------------------------------------
     @property
+    def _plan_clusters(self) -> list[tuple[int, int]]:
+        """The cluster mix the planner places for: only where pieces in one cluster merge on chip."""
+        return self.cluster_mix if self.kernel_config.onchip_merge and self.cluster_size > 1 else []
+
+    @property
     def schedule(self) -> Schedule:
         """The `meld.ir.Schedule` of the last plan() (on a GPU: the host planner's copy of the tables the
         GPU planner wrote, computed when first asked for)."""
@@ -215,7 +227,7 @@ class DecodeAttention:
             pages = indptr[1:] - indptr[:-1]
             kv_len = (pages * self.page_size + (last - self.page_size)) * (pages > 0)
             self._schedule = plan_decode(kv_len, indptr[:-1], self.num_kv_heads, self.group_size, self.topology,
-                                         self.cost, HEADS_PER_UNIT)
+                                         self.cost, HEADS_PER_UNIT, self._plan_clusters)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,

@@ -1,6 +1,6 @@
 """Runtime scheduling: turn real shapes into work tables (`meld.ir.Schedule`)."""
 from .cost_model import DecodeCost
 from .decode_plan import plan_decode
-from .topology import Topology
+from .topology import Topology, cluster_rows
 
-__all__ = ["DecodeCost", "Topology", "plan_decode"]
+__all__ = ["DecodeCost", "Topology", "cluster_rows", "plan_decode"]

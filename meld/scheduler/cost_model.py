@@ -18,13 +18,19 @@ class DecodeCost:
         min_split_tokens: never split a (request, head block) into a piece shorter than this.
         min_cta_tokens: use fewer CTAs than the grid when each would get less than this.
         tile_tokens: splits land on multiples of the kernel's KV tile.
+        cluster_snap_tokens: with thread-block clusters, a cut between two clusters moves to the nearest
+            unit boundary (so that unit's pieces stay in one cluster and merge on chip) when that moves
+            at most this many tokens per CTA of the smaller neighbouring cluster; 0 turns it off.
     """
 
     item_overhead_tokens: int = 128
     min_split_tokens: int = 128
     min_cta_tokens: int = 128
     tile_tokens: int = 16
+    cluster_snap_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.tile_tokens < 1 or self.min_split_tokens < 1 or self.min_cta_tokens < 1 or self.item_overhead_tokens < 1:
             raise ValueError(f"DecodeCost fields must be >= 1: {self}")
+        if self.cluster_snap_tokens < 0:
+            raise ValueError(f"DecodeCost.cluster_snap_tokens must be >= 0: {self}")

@@ -6,6 +6,10 @@ there are CTAs balances the CTAs (up to tile rounding) and keeps the pieces of a
 neighbouring CTAs, in order. See `meld.ir.schedule` for how the kernel walks the segments and merges
 split units.
 
+With thread-block clusters the placement has two levels: the cuts between clusters move to unit
+boundaries where that unbalances the CTAs by little, so more split units keep all their pieces in one
+cluster (merged through distributed shared memory); a unit longer than that still spans clusters.
+
 This is the reference cut: the GPU planner (`meld/codegen/templates/decode_plan.cuh`) makes the same
 one on the device, and a GPU test asserts that both write identical tables. Here it serves the CPU
 path and `DecodeAttention.schedule`. It is a few dozen vectorised NumPy operations over requests and
@@ -13,18 +17,21 @@ cuts, never over units or tokens.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from ..ir import CTA_FIELDS, Schedule
 from .cost_model import DecodeCost
-from .topology import Topology
+from .topology import Topology, cluster_rows
 
 _ARANGE = np.arange(1 << 16, dtype=np.int64)   # sliced, not rebuilt, per plan
 _FAR = np.int64(1) << 62
 
 
 def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, group_size: int,
-                topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8) -> Schedule:
+                topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8,
+                clusters: Sequence[tuple[int, int]] = ()) -> Schedule:
     """Plan one batch.
 
     Args:
@@ -34,6 +41,7 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         topology: the persistent grid (`num_ctas` segments).
         cost: the cost model.
         heads_per_item: q heads one unit computes; a kv head with more q heads gets several units.
+        clusters: the launch's cluster mix (`Topology.cluster_mix`); empty: no clusters.
     Returns:
         A `Schedule`; `Schedule.validate()` checks that it covers every KV token exactly once.
     """
@@ -76,18 +84,42 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
             s[to_end | (s < lo)] = 0
         return b * nh + hb + to_end, s
 
+    # Two levels with clusters (roomy only): a cut between two clusters moves to the nearest unit
+    # boundary when that moves it by at most `snap` tokens per CTA of the smaller of the two clusters
+    # (and at least one of them has more than one CTA), so the unit's pieces stay in one cluster and
+    # merge on chip; the cuts inside each cluster keep their proportions within its moved span.
+    j = _ARANGE[1:active]
+    snap = cost.cluster_snap_tokens if roomy and any(size > 1 for size, _ in clusters) else 0
+    if snap:
+        first, end = cluster_rows(clusters).astype(np.int64)[:, :W]
+        f, e = first[j], np.minimum(end[j], active)
+        size, size_before = end[j] - f, end[j - 1] - first[j - 1]
+        boundary = (f == j) & (np.maximum(size, size_before) > 1)
+        tol = snap * np.minimum(size, size_before)
+
+    def place(x: np.ndarray) -> np.ndarray:
+        if not snap:
+            return x
+        xs = np.r_[0, x, total]                      # cut c = 0..active; the first and last never move
+        b = R.searchsorted(x, "right") - 1
+        start = R[b] + (x - R[b]) // width[b] * width[b]
+        near = np.where(x - start <= start + width[b] - x, start, start + width[b])
+        moved = xs.copy()
+        ok = boundary & (np.abs(near - x) <= tol) & (near > 0) & (near < total)
+        moved[j[ok]] = near[ok]
+        return moved[f] + (x - xs[f]) * (moved[e] - moved[f]) // (xs[e] - xs[f])
+
     # Every piece pays the item overhead, but the line holds it once per unit (at the unit's start), so
     # a CTA whose segment starts inside a unit pays one overhead the line does not show. Second cut
     # (roomy only): grow the line by one overhead per interior cut of the first, and move cut j left by
     # the overheads of the interior cuts before it, so that (x[j+1] - x[j]) + o * interior[j] is the
     # same for every CTA.
-    j = _ARANGE[1:active]
-    u, s = cut(j * total // active)
+    u, s = cut(place(j * total // active))
     if roomy:
         interior = s > 0
         shift = np.zeros(len(j), dtype=np.int64)
         np.cumsum(interior[:-1], out=shift[1:])
-        u, s = cut(j * (total + o * int(interior.sum())) // active - o * shift)
+        u, s = cut(place(j * (total + o * int(interior.sum())) // active - o * shift))
 
     # Pieces of a split unit: consecutive interior cuts in one unit (never on the same token, see above).
     # The first piece belongs to the CTA before the run.
@@ -108,4 +140,4 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     t[6, j] = t[4, j + 1] = first_cta                # head (4, 5): the split unit a segment starts inside
     t[7, j] = t[5, j + 1] = parts                    # tail (6, 7): the split unit a segment ends inside
     return Schedule(num_kv_heads, group_size, heads_per_item, L, page_base, t,
-                    {"active_ctas": active, "item_overhead_tokens": o})
+                    {"active_ctas": active, "item_overhead_tokens": o, "cluster_snap_tokens": snap})

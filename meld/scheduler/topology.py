@@ -9,7 +9,9 @@ launch. It is a pure function, so the scheduler and its tests need no GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -86,3 +88,19 @@ class Topology:
         """The H200 measured here, for planning without a GPU: 132 SMs and the table Topology.discover gave
         for the head_dim-128 kernels (one 160-200 KiB CTA per SM, bench/RESULTS.md)."""
         return Topology(132, max_active_clusters or {1: 132, 2: 66, 4: 30, 8: 15, 16: 7})
+
+
+
+def cluster_rows(mix: Sequence[tuple[int, int]]) -> np.ndarray:
+    """int32 [2, num_ctas]: for each CTA row of a launch of `mix` (cluster sizes and counts, in launch
+    order), the first row of its cluster and the row after its cluster's last.
+
+    >>> cluster_rows([(2, 2), (1, 1)]).tolist()
+    [[0, 0, 2, 2, 4], [2, 2, 4, 4, 5]]
+    """
+    first, size = [], []
+    for s, n in mix:
+        first += [len(first) + i // s * s for i in range(s * n)]
+        size += [s] * (s * n)
+    first_a = np.asarray(first, dtype=np.int32)
+    return np.stack([first_a, first_a + np.asarray(size, dtype=np.int32)])

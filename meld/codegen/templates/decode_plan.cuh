@@ -54,7 +54,11 @@ __device__ __forceinline__ long long floor_div(long long a, long long b) {   // 
 __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   __shared__ long long tot64[PW];
   __shared__ int tot32[PW];
-  extern __shared__ int cut[];   // [4][num_ctas]: unit, token, run first, run last of cut c (1..active-1)
+  // [num_ctas + 1] long long: where each cut lands after two-level placement (clusters only); then
+  // [4][num_ctas] int: unit, token, run first, run last of cut c (1..active-1).
+  extern __shared__ long long smem64[];
+  long long* moved = smem64;
+  int* cut = reinterpret_cast<int*>(smem64 + p.num_ctas + 1);
   const int tid = threadIdx.x, B = p.batch, W = p.num_ctas, nh = p.units_per_request;
   const int U = B * nh, o = p.item_overhead, ms = p.min_split, tile = p.tile;
   int* cut_u = cut;
@@ -89,13 +93,16 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   //    decode_plan.py's cut() places it (nearest allowed place when `roomy`, else the old snapping).
   const long long lo = (ms + tile - 1) / tile * tile, far = 1ll << 62;
   const bool roomy = total / active >= 2 * (o + lo + tile);
-  auto cut_at = [&](int c, long long x) {
-    int lo_b = 0, hi_b = B;                      // largest b with R[b] <= x
+  auto request_at = [&](long long x) {           // largest b with R[b] <= x
+    int lo_b = 0, hi_b = B;
     while (lo_b < hi_b) {
       const int mid = (lo_b + hi_b + 1) >> 1;
       if (R[mid] <= x) lo_b = mid; else hi_b = mid - 1;
     }
-    const int b = lo_b;
+    return lo_b;
+  };
+  auto cut_at = [&](int c, long long x) {
+    const int b = request_at(x);
     const long long wb = (long long)p.kv_len[b] + o, n = wb - o;
     const long long r = x - R[b];
     const long long hb = r / wb;
@@ -116,7 +123,38 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
     cut_u[c] = b * nh + (int)hb + to_end;
     cut_s[c] = to_end || to_start ? 0 : (int)s;
   };
-  for (int c = 1 + tid; c < active; c += PT) cut_at(c, (long long)c * total / active);
+
+  //    Two levels with clusters (roomy only, as decode_plan.py's place()): a cut between two clusters
+  //    moves to the nearest unit boundary when that moves it by at most `snap` tokens per CTA of the
+  //    smaller cluster; the cuts inside a cluster keep their proportions within its moved span.
+  const int* cl_first = p.cluster_rows;
+  const int* cl_end = p.cluster_rows + W;
+  const int snap = roomy && p.cluster_rows != nullptr ? p.cluster_snap : 0;
+  auto place_cuts = [&](auto target) {            // target(c): where cut c (0..active) goes on one level
+    if (!snap) {
+      for (int c = 1 + tid; c < active; c += PT) cut_at(c, target(c));
+      return;
+    }
+    for (int c = tid; c <= active; c += PT) {
+      const long long x = target(c);
+      moved[c] = x;
+      if (c == 0 || c == active || cl_first[c] != c) continue;
+      const int size = cl_end[c] - c, before = cl_end[c - 1] - cl_first[c - 1];
+      if (max(size, before) < 2) continue;
+      const int b = request_at(x);
+      const long long wb = (long long)p.kv_len[b] + o;
+      const long long start = R[b] + (x - R[b]) / wb * wb;
+      const long long near = x - start <= start + wb - x ? start : start + wb;
+      if (llabs(near - x) <= (long long)snap * min(size, before) && near > 0 && near < total) moved[c] = near;
+    }
+    __syncthreads();
+    for (int c = 1 + tid; c < active; c += PT) {
+      const int f = cl_first[c], e = min(cl_end[c], active);
+      const long long tf = target(f);
+      cut_at(c, moved[f] + floor_div((target(c) - tf) * (moved[e] - moved[f]), target(e) - tf));
+    }
+  };
+  place_cuts([&](int c) { return c == active ? total : (long long)c * total / active; });
   __syncthreads();
 
   //    Every piece pays the item overhead, but the line holds it once per unit (at its start): a CTA
@@ -135,7 +173,7 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
     }
     __syncthreads();
     const long long grown = total + o * before;
-    for (int c = 1 + tid; c < active; c += PT) cut_at(c, (long long)c * grown / active - o * shift[c]);
+    place_cuts([&](int c) { return c == 0 ? 0ll : c == active ? total : (long long)c * grown / active - o * shift[c]; });
     __syncthreads();
   }
 
