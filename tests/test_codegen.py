@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from meld import config
-from meld.codegen import DECODE_PARAMS, CompileError, DecodeKernelConfig, compile_nvcc, compile_source
+from meld.codegen import (DECODE_PARAMS, CompileError, DecodeKernelConfig, DecodePlanKernelConfig, compile_nvcc,
+                          compile_source)
 
 CONFIGS = [DecodeKernelConfig.default(dt, d) for dt in ("bfloat16", "float16") for d in (64, 128, 256)]
 # The variants the GPU tests, MELD_PROFILE and bench/decode_ablation.py build.
@@ -35,6 +36,22 @@ def test_kernel_compiles_with_nvrtc(cfg, tmp_path):
     with config.scope(MELD_COMPILER="nvrtc", MELD_CACHE_DIR=str(tmp_path)):
         c = compile_source(cfg.render(), cfg.name)
     assert c.cubin[:4] == b"\x7fELF" and c.compiler.startswith("nvrtc")
+
+
+@pytest.mark.parametrize("compiler", ["nvcc", "nvrtc"])
+def test_planner_compiles(compiler, tmp_path):
+    """The GPU planner, with both compilers: NVRTC (what run time uses) rejects some C++ nvcc accepts."""
+    pc = DecodePlanKernelConfig()
+    if compiler == "nvcc":
+        if shutil.which("nvcc") is None:
+            pytest.skip("nvcc is not on PATH")
+        cubin, log = compile_nvcc(pc.render(), pc.name, "sm_90a")
+        assert "0 bytes spill stores" in log, log
+    else:
+        pytest.importorskip("cuda.bindings.nvrtc")
+        with config.scope(MELD_COMPILER="nvrtc", MELD_CACHE_DIR=str(tmp_path)):
+            cubin = compile_source(pc.render(), pc.name).cubin
+    assert cubin[:4] == b"\x7fELF"
 
 
 def test_nvrtc_leaves_python_objects_alone(tmp_path):

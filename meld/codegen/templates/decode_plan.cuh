@@ -130,13 +130,20 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   const int* cl_first = p.cluster_rows;
   const int* cl_end = p.cluster_rows + W;
   const int snap = roomy && p.cluster_rows != nullptr ? p.cluster_snap : 0;
-  auto place_cuts = [&](auto target) {            // target(c): where cut c (0..active) goes on one level
+  int* shift = first;                            // second cut: interior cuts before cut c (scratch until step 3)
+  long long grown = 0;                           // second cut: the line grown by their overheads
+  auto target = [&](int c, bool second) -> long long {   // where cut c (0..active) goes on one level
+    if (c == 0) return 0;
+    if (c == active) return total;
+    return second ? (long long)c * grown / active - (long long)o * shift[c] : (long long)c * total / active;
+  };
+  auto place_cuts = [&](bool second) {
     if (!snap) {
-      for (int c = 1 + tid; c < active; c += PT) cut_at(c, target(c));
+      for (int c = 1 + tid; c < active; c += PT) cut_at(c, target(c, second));
       return;
     }
     for (int c = tid; c <= active; c += PT) {
-      const long long x = target(c);
+      const long long x = target(c, second);
       moved[c] = x;
       if (c == 0 || c == active || cl_first[c] != c) continue;
       const int size = cl_end[c] - c, before = cl_end[c - 1] - cl_first[c - 1];
@@ -150,18 +157,17 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
     __syncthreads();
     for (int c = 1 + tid; c < active; c += PT) {
       const int f = cl_first[c], e = min(cl_end[c], active);
-      const long long tf = target(f);
-      cut_at(c, moved[f] + floor_div((target(c) - tf) * (moved[e] - moved[f]), target(e) - tf));
+      const long long tf = target(f, second);
+      cut_at(c, moved[f] + floor_div((target(c, second) - tf) * (moved[e] - moved[f]), target(e, second) - tf));
     }
   };
-  place_cuts([&](int c) { return c == active ? total : (long long)c * total / active; });
+  place_cuts(false);
   __syncthreads();
 
   //    Every piece pays the item overhead, but the line holds it once per unit (at its start): a CTA
   //    whose segment starts inside a unit pays one the line does not show. Second cut (roomy only):
   //    grow the line by one overhead per interior cut of the first and move each cut left by those before it.
   if (roomy) {
-    int* shift = first;                          // scratch until step 3
     long long before = 0;
     for (int base = 1; base < active; base += PT) {
       const int c = base + tid;
@@ -172,8 +178,8 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
       before += block_total;
     }
     __syncthreads();
-    const long long grown = total + o * before;
-    place_cuts([&](int c) { return c == 0 ? 0ll : c == active ? total : (long long)c * grown / active - o * shift[c]; });
+    grown = total + o * before;
+    place_cuts(true);
     __syncthreads();
   }
 
