@@ -186,6 +186,11 @@ def test_two_level_placement_sends_fewer_partials_through_hbm(dist, B):
         assert placed["hbm_pieces"] <= 0.9 * plain["hbm_pieces"]
 
 
+def test_clusters_must_cover_the_grid():
+    with pytest.raises(ValueError, match="cover 120 CTAs, the grid has 132"):
+        _plan_clusters(lengths("skewed", 64), [(4, 30)])
+
+
 @pytest.mark.parametrize("mix", [[(1, 132)], [(4, 30), (2, 6)]])
 def test_no_clusters_or_no_snap_is_the_plain_cut(mix):
     lens = lengths("skewed", 64)

@@ -48,6 +48,8 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     L = np.asarray(kv_len, dtype=np.int64)
     nh = num_kv_heads * -(-group_size // heads_per_item)
     U, W = len(L) * nh, topology.num_ctas
+    if clusters and sum(size * n for size, n in clusters) != W:
+        raise ValueError(f"clusters {list(clusters)} cover {sum(s * n for s, n in clusters)} CTAs, the grid has {W}")
     tile, o, ms = cost.tile_tokens, cost.item_overhead_tokens, cost.min_split_tokens
 
     width = L + o                                    # one unit of request b on the line
@@ -91,7 +93,7 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     j = _ARANGE[1:active]
     snap = cost.cluster_snap_tokens if roomy and any(size > 1 for size, _ in clusters) else 0
     if snap:
-        first, end = cluster_rows(clusters).astype(np.int64)[:, :W]
+        first, end = cluster_rows(clusters).astype(np.int64)
         f, e = first[j], np.minimum(end[j], active)
         size, size_before = end[j] - f, end[j - 1] - first[j - 1]
         boundary = (f == j) & (np.maximum(size, size_before) > 1)
