@@ -18,6 +18,11 @@ CONFIGS += [dataclasses.replace(CONFIGS[1], profile=True), dataclasses.replace(C
 CONFIGS += [dataclasses.replace(c, tma=True) for c in CONFIGS[:2] + CONFIGS[4:5]]   # TMA rings (d64/d128)
 CONFIGS += [dataclasses.replace(CONFIGS[2], tma=True),
             dataclasses.replace(CONFIGS[1], tma=True, onchip_merge=True, profile=True)]
+# 16-head units (groups of 9-16): head_dim 64 and 128, with every option.
+CONFIGS += [DecodeKernelConfig.default(dt, d, group_size=16) for dt in ("bfloat16", "float16") for d in (64, 128)]
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=16),
+            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=16), tma=True, onchip_merge=True,
+                                profile=True)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

@@ -19,7 +19,8 @@ def _inputs(lens, Hq=8, Hkv=2, D=64, P=16, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("lens,Hq,Hkv,P", [
     (lengths("ragged", 9), 8, 2, 16),
-    ([0, 1, 2, 3, 4000, 0], 12, 1, 1),       # page size 1, group 12 (two head blocks)
+    ([0, 1, 2, 3, 4000, 0], 12, 1, 1),       # page size 1, group 12 (one 16-head unit, 4 rows masked)
+    ([3000, 17, 900], 32, 1, 16),            # group 32: two 16-head units per kv head
     ([5000, 70, 0, 131], 4, 4, 64),          # group 1
     ([0, 0], 8, 2, 16),                      # only empty requests
 ])

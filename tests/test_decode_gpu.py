@@ -80,9 +80,33 @@ def test_shapes_ragged_with_empty_requests(head_dim, group, page_size):
     _check(7, "ragged", head_dim=head_dim, group=group, page_size=page_size)
 
 
-@pytest.mark.parametrize("group,num_kv_heads", [(12, 2), (16, 2), (3, 5)])
+@pytest.mark.parametrize("group,num_kv_heads", [(12, 2), (16, 2), (3, 5), (20, 2), (32, 1)])
 def test_odd_groups(group, num_kv_heads):
-    _check(9, "ragged", group=group, num_kv_heads=num_kv_heads)
+    """Groups above 8 run 16-head units (a group of 12 masks 4 rows; 20 and 32 take two units)."""
+    attn = _check(9, "ragged", group=group, num_kv_heads=num_kv_heads)
+    assert attn.heads_per_unit == (16 if group > 8 else 8)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("B,dist", [(8, "skewed"), (64, "one-long")])
+def test_group_16(head_dim, B, dist):
+    """Llama-405B's shape (128 q heads over 8 kv heads): 16-head units at head_dim 64 and 128, split and
+    merged like any other; head_dim 256 keeps 8-head units (two per kv head)."""
+    attn = _check(B, dist, head_dim=head_dim, group=16)
+    assert attn.heads_per_unit == (8 if head_dim == 256 else 16)
+    assert (attn.schedule.items()["slot"] >= 0).any()
+
+
+@pytest.mark.parametrize("options", ["clusters", "tma", "8-head units"])
+def test_group_16_options(options):
+    if options == "clusters":
+        _check(64, "skewed", group=16, cluster_size=4)
+    elif options == "tma":
+        _check(64, "skewed", group=16, kernel_config=dataclasses.replace(
+            DecodeKernelConfig.default("bfloat16", 128, group_size=16), tma=True))
+    else:
+        attn = _check(64, "skewed", group=16, kernel_config=DecodeKernelConfig.default("bfloat16", 128))
+        assert attn.head_blocks == 2
 
 
 @pytest.mark.parametrize("head_dim,group", [(64, 8), (256, 4)])

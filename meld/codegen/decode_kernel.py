@@ -12,7 +12,6 @@ from importlib import resources
 from .params import DECODE_PARAMS, PLAN_PARAMS
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
-HEADS_PER_UNIT = 8   # q heads per unit: the N dimension of the m16n8k16 tiles
 TILE_TOKENS = 16     # KV tokens per warp step
 SMEM_PER_CTA_MAX = 227 * 1024   # opt-in dynamic shared memory per CTA on sm_90
 
@@ -32,12 +31,15 @@ class DecodeKernelConfig:
     onchip_merge: bool = False  # merge split units inside a cluster through distributed shared memory
     profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
     tma: bool = False           # load KV tiles with TMA tensor copies into mbarrier-completed rings
+    heads_per_unit: int = 8     # q heads one unit computes (and reads its kv head's KV once for): 8 or 16
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_MMA_TYPES)}")
         if self.head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim={self.head_dim}: expected 64, 128 or 256")
+        if self.heads_per_unit not in (8, 16):
+            raise ValueError(f"heads_per_unit={self.heads_per_unit}: expected 8 or 16")
         if not 1 <= self.num_warps <= 16 or not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -45,20 +47,24 @@ class DecodeKernelConfig:
                              f"{SMEM_PER_CTA_MAX} a CTA may have on sm_90: use fewer warps or stages")
 
     @staticmethod
-    def default(dtype: str, head_dim: int, onchip_merge: bool = False) -> "DecodeKernelConfig":
+    def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1) -> "DecodeKernelConfig":
         """Chosen by measurement on the H200 (bench/decode_sweep.py, bench/RESULTS.md): one CTA of eight
         warps with two-stage rings per SM is best or within 1% at every batch size, and the fastest at
         small batches. head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB, which
         leaves no room for the on-chip merge area: its split units merge through global memory.
-        `onchip_merge=True` adds it (for clusters of more than one CTA) where it fits."""
+        `onchip_merge=True` adds it (for clusters of more than one CTA) where it fits. Groups of more
+        than 8 q heads per kv head get 16-head units (head_dim 64 and 128; 256 has no room for their
+        merge area), so a group of 16 reads its KV once instead of twice."""
         if head_dim == 256:
             return DecodeKernelConfig(dtype, head_dim, 4, 3, onchip_merge=False)
-        return DecodeKernelConfig(dtype, head_dim, 8, 2, onchip_merge=onchip_merge)
+        return DecodeKernelConfig(dtype, head_dim, 8, 2, onchip_merge=onchip_merge,
+                                  heads_per_unit=16 if group_size > 8 else 8)
 
     @property
     def name(self) -> str:
         return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}"
                 f"_w{self.num_warps}_s{self.num_stages}"
+                + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
                 + ("_prof" if self.profile else ""))
 
@@ -73,8 +79,8 @@ class DecodeKernelConfig:
         """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
         merges, the two partials kept for cluster peers (see the template)."""
         ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * 2
-        merge = self.num_warps * HEADS_PER_UNIT * (self.head_dim + 4 + 2) * 4 + 16
-        parts = 2 * HEADS_PER_UNIT * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
+        merge = self.num_warps * self.heads_per_unit * (self.head_dim + 4 + 2) * 4 + 16
+        parts = 2 * self.heads_per_unit * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
         bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0
         return ring + merge + parts + bars
 
@@ -84,6 +90,7 @@ class DecodeKernelConfig:
             f"#define HEAD_DIM {self.head_dim}",
             f"#define NUM_WARPS {self.num_warps}",
             f"#define NUM_STAGES {self.num_stages}",
+            f"#define HEADS_PER_UNIT {self.heads_per_unit}",
             f"#define SMEM_BYTES {self.smem_bytes}",
             f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
             f"#define MELD_ONCHIP_MERGE {int(self.onchip_merge)}",

@@ -17,7 +17,7 @@ import torch
 
 from .. import config
 from ..runtime import host_helper
-from ..codegen import (DECODE_PARAMS, HEADS_PER_UNIT, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
+from ..codegen import (DECODE_PARAMS, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
                        DecodePlanKernelConfig, TensorMap, compile_source)
 from ..ir import Schedule, TaskGraph
 from ..scheduler import DecodeCost, Topology, cluster_rows, plan_decode
@@ -115,8 +115,6 @@ class DecodeAttention:
                 check_positive(name, v)
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.group_size = num_qo_heads // num_kv_heads
-        self.head_blocks = -(-self.group_size // HEADS_PER_UNIT)        # units per kv head
-        self.units_per_request = num_kv_heads * self.head_blocks
         self.dtype = dtype
         self.device = torch.device(device)
         self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -124,8 +122,11 @@ class DecodeAttention:
             raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
         self.cost = cost
         self.graph: TaskGraph = decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype])
-        self.kernel_config = kernel_config or DecodeKernelConfig.default(_DTYPES[dtype], head_dim,
-                                                                         onchip_merge=cluster_size > 1)
+        self.kernel_config = kernel_config or DecodeKernelConfig.default(
+            _DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1, group_size=self.group_size)
+        self.heads_per_unit = self.kernel_config.heads_per_unit
+        self.head_blocks = -(-self.group_size // self.heads_per_unit)   # units per kv head
+        self.units_per_request = num_kv_heads * self.head_blocks
         if config.profile() and not self.kernel_config.profile:
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
         if self.kernel_config.tma and page_size % TILE_TOKENS:
@@ -182,8 +183,8 @@ class DecodeAttention:
         units = max_batch * self.units_per_request
         slots = units + W
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.part_o = torch.empty(slots * HEADS_PER_UNIT * self.head_dim, **f32)
-        self.part_lse = torch.empty(slots * HEADS_PER_UNIT, **f32)
+        self.part_o = torch.empty(slots * self.heads_per_unit * self.head_dim, **f32)
+        self.part_lse = torch.empty(slots * self.heads_per_unit, **f32)
         self.counters = torch.zeros(units, dtype=torch.int32, device=self.device)
         t, c = self.tables, self.cost
         self._plan_params = PLAN_PARAMS.pack(     # one struct for every plan(): only `batch` changes
@@ -227,7 +228,7 @@ class DecodeAttention:
             pages = indptr[1:] - indptr[:-1]
             kv_len = (pages * self.page_size + (last - self.page_size)) * (pages > 0)
             self._schedule = plan_decode(kv_len, indptr[:-1], self.num_kv_heads, self.group_size, self.topology,
-                                         self.cost, HEADS_PER_UNIT, self._plan_clusters)
+                                         self.cost, self.heads_per_unit, self._plan_clusters)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,

@@ -1,11 +1,12 @@
 // meld: persistent split-KV decode attention (paged GQA).
 //
 // One CTA per segment of the schedule (meld/ir/schedule.py). A *unit* is one (request, block of up to
-// 8 q heads of one kv head); the CTA's warps take the unit's 16-token KV tiles round-robin, each warp
-// streaming its tiles through a private cp.async ring (the ring runs ahead across unit boundaries, so
-// the memory pipeline never drains between units). Scores and P.V run on the tensor cores (m16n8k16):
-//   S[8 heads (padded to 16) x 16 tokens] = Q . K^T
-//   O^T[D x 8 heads]                    += V^T . P^T   (P comes straight from S's accumulator layout)
+// HEADS = 8 or 16 q heads of one kv head); the CTA's warps take the unit's 16-token KV tiles round-robin,
+// each warp streaming its tiles through a private cp.async ring (the ring runs ahead across unit
+// boundaries, so the memory pipeline never drains between units). Scores and P.V run on the tensor
+// cores (m16n8k16):
+//   S[HEADS heads (8: padded to 16) x 16 tokens] = Q . K^T
+//   O^T[D x 8 heads] += V^T . P^T, once per 8 heads  (P comes straight from S's accumulator layout)
 // At the end of a unit the warps merge their online-softmax states through shared memory. A unit that
 // the schedule split across CTAs leaves one partial (o, lse) per piece, and the CTA whose arrival
 // completes the unit's counter merges them (last arriver does the work: no CTA waits on another's work):
@@ -27,7 +28,7 @@
 // page_size % 16 == 0 (DecodeAttention checks it).
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
-// MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, DecodeParams.
+// HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, DecodeParams.
 
 namespace meld {
 
@@ -36,7 +37,9 @@ constexpr int WARPS = NUM_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int STAGES = NUM_STAGES;
 constexpr int TILE = 16;                   // KV tokens per warp step
-constexpr int HEADS = 8;                   // q heads per unit (the mma N dimension)
+constexpr int HEADS = HEADS_PER_UNIT;      // q heads per unit: 8, or 16 for groups of 9-16 (read KV once)
+constexpr int NT = HEADS / 8;              // head rows of Q.K^T in use (8 or 16 of the m16 tile), and
+                                           // n8 tiles of P.V
 constexpr int CPR = D / 8;                 // 16-byte chunks per token row
 constexpr int RPP = 32 / CPR;              // token rows one warp-wide cp.async pass covers
 constexpr int PASSES = TILE / RPP;
@@ -50,6 +53,7 @@ constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
 static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128 or 256");
+static_assert(HEADS == 8 || HEADS == 16, "a unit computes 8 or 16 q heads");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool PROFILE = MELD_PROFILE;
@@ -198,29 +202,35 @@ __device__ __forceinline__ void wait_tile(u32 bars, int stage, u32& phases) {
   __syncwarp();
 }
 
-// Per-warp online-softmax state for the current unit. Lane (g = lane / 4, t = lane % 4) holds:
-//   m, l  for head g (l is this lane's share; the 4 lanes of a head sum at the end);
-//   o[mt] = O^T[16 mt + g (+8)][heads 2t, 2t+1].
+// Per-warp online-softmax state for the current unit. Lane (g = lane / 4, t = lane % 4) holds, for each
+// block i < NT of 8 heads:
+//   m[i], l[i]  for head 8 i + g (l is this lane's share; the 4 lanes of a head sum at the end);
+//   o[i][mt]    = O^T[16 mt + g (+8)][heads 8 i + 2t, 8 i + 2t + 1].
 struct WarpState {
-  float m, l;
-  float o[KSTEPS][4];
-  u32 qa[KSTEPS][2];   // A fragments of Q (rows 8..15 of the m16 tile are zero)
+  float m[NT], l[NT];
+  float o[NT][KSTEPS][4];
+  u32 qa[KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8); with 8 heads the
+                           // m16 tile's rows 8..15 are zero
 };
 
 __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, WarpState& st, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  const u16* q = p.q + x.req * p.q_stride_b + (i64)(x.q_head + g) * p.q_stride_h + 2 * t;
 #pragma unroll
-  for (int ks = 0; ks < KSTEPS; ++ks) {
-    st.qa[ks][0] = g < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
-    st.qa[ks][1] = g < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + 8) : 0u;
+  for (int i = 0; i < NT; ++i) {
+    const int h = 8 * i + g;
+    const u16* q = p.q + x.req * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + 2 * t;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      st.qa[ks][i][0] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
+      st.qa[ks][i][1] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + 8) : 0u;
+    }
+    st.m[i] = neg_inf();
+    st.l[i] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < KSTEPS; ++mt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) st.o[i][mt][k] = 0.f;
   }
-  st.m = neg_inf();
-  st.l = 0.f;
-#pragma unroll
-  for (int mt = 0; mt < KSTEPS; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) st.o[mt][i] = 0.f;
 }
 
 __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lane) {
@@ -237,36 +247,49 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   for (int ks = 0; ks < KSTEPS; ++ks) {
     u32 b[4];
     ldmatrix_x4(b, kbase + tile_off(lrow, 2 * ks + lch));
-    mma_16816(s0, st.qa[ks][0], 0u, st.qa[ks][1], 0u, b[0], b[1]);
-    mma_16816(s1, st.qa[ks][0], 0u, st.qa[ks][1], 0u, b[2], b[3]);
+    const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;   // heads 8..15
+    mma_16816(s0, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[0], b[1]);
+    mma_16816(s1, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[2], b[3]);
   }
-  // Scores of head g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain).
-  float x[4] = {s0[0] * p.sm_scale_log2, s0[1] * p.sm_scale_log2, s1[0] * p.sm_scale_log2, s1[1] * p.sm_scale_log2};
+  // Head block i: scores of head 8 i + g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain), from the
+  // accumulator rows g (i = 0) and g + 8 (i = 1).
   const int tok[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+  float a_lo[NT], a_hi[NT];
+  u32 pb0[NT], pb1[NT];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    if (tok[i] >= nvalid) x[i] = neg_inf();
-  float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float m_new = fmaxf(st.m, mx);
-  const float m_use = m_new == neg_inf() ? 0.f : m_new;   // nothing seen yet: keep exp2 finite
-  const float alpha = exp2_approx(st.m - m_use);
-  float pr[4];
+  for (int i = 0; i < NT; ++i) {
+    float x[4] = {s0[2 * i] * p.sm_scale_log2, s0[2 * i + 1] * p.sm_scale_log2,
+                  s1[2 * i] * p.sm_scale_log2, s1[2 * i + 1] * p.sm_scale_log2};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) pr[i] = exp2_approx(x[i] - m_use);
-  st.l = st.l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
-  st.m = m_new;
-  const u32 pb0 = pack2(pr[0], pr[1]), pb1 = pack2(pr[2], pr[3]);
-  const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t);      // head 2t lives in lanes 8t..8t+3
-  const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 2t+1
+    for (int k = 0; k < 4; ++k)
+      if (tok[k] >= nvalid) x[k] = neg_inf();
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(st.m[i], mx);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;   // nothing seen yet: keep exp2 finite
+    const float alpha = exp2_approx(st.m[i] - m_use);
+    float pr[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) pr[k] = exp2_approx(x[k] - m_use);
+    st.l[i] = st.l[i] * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
+    st.m[i] = m_new;
+    pb0[i] = pack2(pr[0], pr[1]);
+    pb1[i] = pack2(pr[2], pr[3]);
+    a_lo[i] = __shfl_sync(0xffffffffu, alpha, 8 * t);      // head 8i + 2t lives in lanes 8t..8t+3
+    a_hi[i] = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 8i + 2t + 1
+  }
   const u32 vbase = kbase + TILE_BYTES;
 #pragma unroll
   for (int mt = 0; mt < KSTEPS; ++mt) {
     u32 a[4];
     ldmatrix_x4_trans(a, vbase + tile_off(lrow, 2 * mt + lch));
-    st.o[mt][0] *= a_lo; st.o[mt][1] *= a_hi; st.o[mt][2] *= a_lo; st.o[mt][3] *= a_hi;
-    mma_16816(st.o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      float (&o)[4] = st.o[i][mt];
+      o[0] *= a_lo[i]; o[1] *= a_hi[i]; o[2] *= a_lo[i]; o[3] *= a_hi[i];
+      mma_16816(o, a[0], a[1], a[2], a[3], pb0[i], pb1[i]);
+    }
   }
 }
 
@@ -333,15 +356,19 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x,
 __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& x, int u, const Place& pl,
                                              WarpState& st, MergeArea& mg, PartArea& pa, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  float l = st.l + __shfl_xor_sync(0xffffffffu, st.l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (t == 0) { mg.m[warp][g] = st.m; mg.l[warp][g] = l; }
 #pragma unroll
-  for (int mt = 0; mt < KSTEPS; ++mt) {
-    mg.o[warp][2 * t][16 * mt + g] = st.o[mt][0];
-    mg.o[warp][2 * t + 1][16 * mt + g] = st.o[mt][1];
-    mg.o[warp][2 * t][16 * mt + 8 + g] = st.o[mt][2];
-    mg.o[warp][2 * t + 1][16 * mt + 8 + g] = st.o[mt][3];
+  for (int i = 0; i < NT; ++i) {
+    float l = st.l[i] + __shfl_xor_sync(0xffffffffu, st.l[i], 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) { mg.m[warp][8 * i + g] = st.m[i]; mg.l[warp][8 * i + g] = l; }
+    const int h = 8 * i + 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < KSTEPS; ++mt) {
+      mg.o[warp][h][16 * mt + g] = st.o[i][mt][0];
+      mg.o[warp][h + 1][16 * mt + g] = st.o[i][mt][1];
+      mg.o[warp][h][16 * mt + 8 + g] = st.o[i][mt][2];
+      mg.o[warp][h + 1][16 * mt + 8 + g] = st.o[i][mt][3];
+    }
   }
   __syncthreads();
   const int own = x.head ? 0 : 1;
