@@ -81,10 +81,14 @@ class Case:
 
 
 def select_cases(batches: Sequence[int], dists: Sequence[str], extra: bool) -> list[Case]:
-    """The B x dist grid, plus BENCH.md's group-8 and D=64 cases (B=64 skewed) when that cell is selected."""
+    """The B x dist grid, plus BENCH.md's group-8 and D=64 cases (B=64 skewed) when that cell is selected,
+    and group 16 (Hq=128 Hkv=8, Llama-3.1-405B's shape; not in BENCH.md) at B=64 for the selected
+    uniform2k and skewed cells."""
     cases = [Case(b, d) for b in batches for d in dists]
     if extra and 64 in batches and "skewed" in dists:
         cases += [Case(64, "skewed", 64, 8, 128), Case(64, "skewed", 64, 8, 64)]
+    if extra and 64 in batches:
+        cases += [Case(64, d, 128, 8, 128) for d in ("uniform2k", "skewed") if d in dists]
     return cases
 
 
@@ -315,7 +319,16 @@ def free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
-def sdpa_skip_reason(case: Case, table: PageTable, args: argparse.Namespace) -> Optional[str]:
+FA2_GROUP_SIZES = (1, 2, 3, 4, 8)   # FlashInfer's CUDA-core decode raised a RuntimeError for 16 (H200 run)
+
+
+def skip_reason(name: str, case: Case, table: PageTable, args: argparse.Namespace) -> Optional[str]:
+    """Why a peer does not run a case (None: it does)."""
+    group = case.num_qo_heads // case.num_kv_heads
+    if name == "fi-fa2" and group not in FA2_GROUP_SIZES:
+        return f"group size {group} is not one of FlashInfer's CUDA-core decode sizes {FA2_GROUP_SIZES}"
+    if name != "sdpa":
+        return None
     if case.batch > args.sdpa_max_batch:
         return f"B > --sdpa-max-batch {args.sdpa_max_batch}"
     gib = sdpa_padded_gib(case, table)
@@ -431,7 +444,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dist", nargs="+", choices=DISTS, help=f"length distributions (default {DISTS})")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
     p.add_argument("--quick", action="store_true", help="B in (8, 64), no extra head shapes, 30 replays")
-    p.add_argument("--no-extra", action="store_true", help="skip the group-8 and D=64 cases at B=64 skewed")
+    p.add_argument("--no-extra", action="store_true", help="skip the group-8, D=64 and group-16 cases at B=64")
     p.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement (>= 30)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-flush", action="store_true", help="do not clear L2 before each timed replay")
@@ -481,7 +494,7 @@ def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
     t = Table(DRY_COLUMNS)
     for c in cases:
         pt = page_table(request_lengths(c.dist, c.batch), PAGE_SIZE, args.seed)
-        skip = sdpa_skip_reason(c, pt, args) if "sdpa" in args.impls else "not selected"
+        skip = skip_reason("sdpa", c, pt, args) if "sdpa" in args.impls else "not selected"
         t.add({"B": c.batch, "dist": c.dist, "shape": c.shape, "sum_len": sum(pt.lengths), "max_len": max(pt.lengths),
                "pages": pt.num_pages, "kv_mib": kv_cache_mib(c, pt), "sdpa_gib": sdpa_padded_gib(c, pt),
                "sdpa": f"skip ({skip})" if skip else "run"})
@@ -522,7 +535,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ref = reference(inp)
         results: dict[str, dict[str, Any]] = {}
         for name in args.impls:
-            skip = sdpa_skip_reason(case, inp.table, args) if name == "sdpa" else None
+            skip = skip_reason(name, case, inp.table, args)
             results[name] = {"skipped": skip} if skip else measure(name, inp, ref, args, failures)
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         table.add(summarise(case, inp.kv_bytes, inp.table, results, read_tbps))
