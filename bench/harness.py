@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -244,7 +245,12 @@ def _git(*args: str) -> str | None:
 
 
 def env_info() -> dict[str, Any]:
-    """What a result needs to be reproduced: date, GPU, software versions, git commit of the repo."""
+    """What a result needs to be reproduced: date, GPU, software versions, git commit of the repo.
+
+    MELD_BENCH_COMMIT names the commit where the copy being run has no .git of its own, or a stale one
+    (a GPU machine that receives the working tree); `dirty` is then unknown (None).
+    """
+    commit = os.environ.get("MELD_BENCH_COMMIT")
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -252,8 +258,8 @@ def env_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": getattr(triton, "__version__", None),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": commit or _git("rev-parse", "--short", "HEAD"),
+        "dirty": None if commit else bool(_git("status", "--porcelain", "--untracked-files=no")),
     }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
