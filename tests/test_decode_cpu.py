@@ -132,3 +132,13 @@ def test_run_errors():
     fresh = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu")
     with pytest.raises(RuntimeError, match="call plan\\(\\) first"):
         fresh.run(q, kv)
+
+
+def test_cost_model_follows_the_unit_size():
+    """16-head units take the cost model measured for them; an explicit cost always wins."""
+    big = meld.DecodeAttention(32, 2, 64, 16, torch.bfloat16, "cpu")
+    small = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu")
+    assert (big.heads_per_unit, big.cost.item_overhead_tokens) == (16, 192)
+    assert (small.heads_per_unit, small.cost.item_overhead_tokens) == (8, 128)
+    mine = meld.scheduler.DecodeCost(item_overhead_tokens=64)
+    assert meld.DecodeAttention(32, 2, 64, 16, torch.bfloat16, "cpu", cost=mine).cost is mine

@@ -94,6 +94,7 @@ def test_group_16(head_dim, B, dist):
     merged like any other; head_dim 256 keeps 8-head units (two per kv head)."""
     attn = _check(B, dist, head_dim=head_dim, group=16)
     assert attn.heads_per_unit == (8 if head_dim == 256 else 16)
+    assert attn.cost.item_overhead_tokens == (128 if head_dim == 256 else 192)
     assert (attn.schedule.items()["slot"] >= 0).any()
 
 

@@ -76,6 +76,7 @@ class DecodeAttention:
         max_batch_size, max_num_pages: capacities of the work tables. Give them when run() is captured
             in a CUDA graph: plans within them rewrite the tables in place and the graph stays valid.
             Without them the tables grow as needed (which invalidates captured graphs).
+        cost: the planner's cost model (default `DecodeCost.default` for the kernel's unit size).
         topology: override the persistent grid (default: `Topology.discover` of the kernel; on the CPU
             an H200 with one CTA per SM, as the shipped kernel runs there).
         cluster_size: the preferred thread-block cluster size. The launch covers every SM with the
@@ -97,7 +98,7 @@ class DecodeAttention:
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", *,
                  sm_scale: float | None = None, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, topology: Topology | None = None,
-                 cost: DecodeCost = DecodeCost(), kernel_config: DecodeKernelConfig | None = None,
+                 cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
                  cluster_size: int = DEFAULT_CLUSTER_SIZE):
         for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
             check_positive(name, v)
@@ -118,13 +119,14 @@ class DecodeAttention:
         self.dtype = dtype
         self.device = torch.device(device)
         self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-        if cost.tile_tokens != TILE_TOKENS:
-            raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
-        self.cost = cost
         self.graph: TaskGraph = decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype])
         self.kernel_config = kernel_config or DecodeKernelConfig.default(
             _DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1, group_size=self.group_size)
         self.heads_per_unit = self.kernel_config.heads_per_unit
+        cost = cost or DecodeCost.default(self.heads_per_unit)
+        if cost.tile_tokens != TILE_TOKENS:
+            raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
+        self.cost = cost
         self.head_blocks = -(-self.group_size // self.heads_per_unit)   # units per kv head
         self.units_per_request = num_kv_heads * self.head_blocks
         if config.profile() and not self.kernel_config.profile:

@@ -34,3 +34,10 @@ class DecodeCost:
             raise ValueError(f"DecodeCost fields must be >= 1: {self}")
         if self.cluster_snap_tokens < 0:
             raise ValueError(f"DecodeCost.cluster_snap_tokens must be >= 0: {self}")
+
+    @staticmethod
+    def default(heads_per_unit: int = 8) -> "DecodeCost":
+        """The model for the kernel's unit size, as measured on the H200 (bench/RESULTS.md): 16-head units
+        merge twice the warp state at each unit's end, and an overhead of 192 tokens balanced them best
+        (4% faster than 128 at B = 64 skewed, group 16)."""
+        return DecodeCost(item_overhead_tokens=192) if heads_per_unit == 16 else DecodeCost()
