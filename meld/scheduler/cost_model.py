@@ -4,7 +4,8 @@ Decode attention is bound by reading the KV cache, so a CTA's time is close to t
 its share of bandwidth. Each item (every piece of a split unit too) also pays a fixed cost (loading q,
 the end-of-item merge of the warps, writing a partial), expressed here in KV tokens so the planner can
 cut one line of cost into equal segments. On the H200, per-SM traces (bench/decode_trace.py) put it at
-1.5-2 µs per piece, about 100-140 tokens at the per-SM streaming rate; bench/decode_sweep.py chose 128.
+1.5-2 µs per piece, about 100-140 tokens at the per-SM streaming rate; bench/decode_sweep.py chose 128
+(8-head units; 16-head units merge twice the state and take 192, see `DecodeCost.default`).
 """
 from __future__ import annotations
 
