@@ -90,7 +90,6 @@ class Topology:
         return Topology(132, max_active_clusters or {1: 132, 2: 66, 4: 30, 8: 15, 16: 7})
 
 
-
 def cluster_rows(mix: Sequence[tuple[int, int]]) -> np.ndarray:
     """int32 [2, num_ctas]: for each CTA row of a launch of `mix` (cluster sizes and counts, in launch
     order), the first row of its cluster and the row after its cluster's last.
