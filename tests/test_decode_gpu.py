@@ -10,7 +10,7 @@ import torch
 import meld
 from meld.codegen import DecodeKernelConfig
 from meld.runtime.reference import attention_reference
-from meld.scheduler import DecodeCost
+from meld.scheduler import DecodeCost, Topology
 
 from meld.workloads import lengths, paged
 
@@ -170,11 +170,11 @@ def test_tma_rings_with_clusters():
     _check(64, "skewed", cluster_size=4, kernel_config=_tma(128, onchip_merge=True))
 
 
-@pytest.mark.parametrize("cluster_size", [4, 8, 16])
+@pytest.mark.parametrize("cluster_size", [2, 4, 8, 16])
 @pytest.mark.parametrize("dist", ["skewed", "one-long", "ragged"])
 def test_cluster_mixes(cluster_size, dist):
     """Several grids (one per cluster size) over one schedule: pieces merge on chip inside a cluster and
-    through global memory across clusters and across grids."""
+    through global memory across clusters and across grids (clusters of 2 fill an H200 in one grid)."""
     attn = _check(64, dist, cluster_size=cluster_size)
     mix = attn.cluster_mix
     assert sum(s * n for s, n in mix) == attn.topology.num_ctas
@@ -201,6 +201,14 @@ def test_merge_paths_in_the_trace(onchip, cluster_size):
         assert kinds["merge-dsmem"] == 0 and kinds["merge-hbm"] > 0
     assert kinds["cluster-wait"] == (attn.topology.num_ctas if onchip else 0)
     assert all(t.start_ns <= t.end_ns for t in tr.tasks)
+
+
+def test_grid_larger_than_the_gpu():
+    """A persistent grid with more CTAs than can be resident (half of them start only as others exit):
+    no CTA waits on another's work, so it finishes, and right."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    attn = _check(64, "skewed", topology=Topology(sms, {1: 2 * sms}))
+    assert attn.topology.num_ctas == 2 * sms
 
 
 @pytest.mark.parametrize("cluster_size", [1, 4])
@@ -230,6 +238,41 @@ def test_cuda_graph_replay_across_replans(cluster_size):
         ref, _ = attention_reference(q, kv, p.kv_indptr.to(dev), p.kv_indices.to(dev), p.kv_last_page_len.to(dev))
         assert not out.isnan().any()
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_one_plan_many_layers_in_one_graph(tma):
+    """What an inference engine does: plan once per batch, run every layer (its own q and KV cache) from
+    one captured graph, re-plan for the next batch and replay."""
+    dev, Hq, Hkv, D, P, B, layers = "cuda", 32, 8, 128, 16, 16, 3
+    plans = [paged(lengths("skewed", B), P), paged(lengths("ragged", B), P), paged([3000] * B, P)]
+    num_pages = max(p.num_pages for p in plans)
+    kvs = [torch.randn(num_pages, 2, P, Hkv, D, device=dev).bfloat16() for _ in range(layers)]
+    qs = [torch.randn(B, Hq, D, device=dev).bfloat16() for _ in range(layers)]
+    outs = [torch.empty(B, Hq, D, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+    cfg = _tma(128) if tma else None
+    attn = meld.DecodeAttention(Hq, Hkv, D, P, torch.bfloat16, dev, max_batch_size=B,
+                                max_num_pages=max(p.kv_indices.numel() for p in plans), kernel_config=cfg)
+    attn.plan(plans[0].kv_indptr, plans[0].kv_indices, plans[0].kv_last_page_len)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for q, kv, out in zip(qs, kvs, outs):
+            attn.run(q, kv, out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for q, kv, out in zip(qs, kvs, outs):
+            attn.run(q, kv, out=out)
+    for p in plans:
+        attn.plan(p.kv_indptr, p.kv_indices, p.kv_last_page_len)
+        for out in outs:
+            out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for q, kv, out in zip(qs, kvs, outs):
+            ref, _ = attention_reference(q, kv, p.kv_indptr.to(dev), p.kv_indices.to(dev), p.kv_last_page_len.to(dev))
+            assert not out.isnan().any()
+            assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("lens", [[], [0], [0, 0, 0], [1], [65536], [100000, 3] + [0] * 40, lengths("one-long", 256)])
