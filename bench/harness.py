@@ -218,6 +218,29 @@ def _read_ceiling_triton(gib: float, reps: int) -> tuple[float, str]:
             f"triton int32 streaming sum, {nprog} programs x {READ_WARPS} warps, 16-byte loads, {nbytes / GIB:.1f} GiB")
 
 
+def read_floor_us(nbytes: int, warmup: int = 5, reps: int = 50, flush: bool = True) -> float | None:
+    """About how fast a kernel that must read `nbytes` once can be here: the best CUDA-graph time (same timer
+    and L2 flush as the implementations) of the Triton streaming read with 1, 2, 4 or 8 programs per SM,
+    over `nbytes` rounded up to whole blocks of the programs (at most 10% more) and scaled down to exactly
+    `nbytes`. The scaling flatters the floor, so a speedup bound taken from it errs high. None without
+    Triton."""
+    if triton is None:
+        return None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = math.inf
+    for per_sm in (1, 2, 4, 8):
+        nprog = per_sm * sms
+        grain = nprog * READ_BLOCK
+        n = -(-nbytes // 4 // grain) * grain
+        if 4 * n > 1.1 * nbytes and per_sm > 1:
+            break
+        x = torch.empty(n, dtype=torch.int32, device="cuda").random_()
+        out = torch.empty(nprog, dtype=torch.int32, device="cuda")
+        t = graph_time_us(lambda: read_reduce(x, out), warmup=warmup, reps=reps, flush=flush)
+        best = min(best, t.median_us * nbytes / (4 * n))
+    return best
+
+
 def copy_ceiling_tbps(gib: float = 2.0, reps: int = 30) -> float:
     """Device-to-device copy bandwidth (TB/s), counting bytes read plus bytes written."""
     src = torch.empty(int(gib * GIB) // 4, dtype=torch.int32, device="cuda").random_()
