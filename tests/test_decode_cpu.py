@@ -87,6 +87,7 @@ def _planned(**kw):
     (dict(device="meta"), "device must be 'cuda' or 'cpu'"),
     (dict(page_size=8, kernel_config=DecodeKernelConfig("bfloat16", 64, 8, 2, tma=True)),
      "page_size=8: a kernel with TMA rings needs pages that hold whole 16-token tiles"),
+    (dict(cost=meld.scheduler.DecodeCost(tile_tokens=32)), "cost.tile_tokens=32 must equal the kernel's KV tile 16"),
 ])
 def test_constructor_errors(kwargs, match):
     args = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, device="cpu")

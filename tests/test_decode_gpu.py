@@ -71,6 +71,7 @@ def test_batches(B, dist):
 @pytest.mark.parametrize("dist", ["skewed", "one-long"])
 def test_other_cost_models(dist):
     _check(64, dist, cost=DecodeCost(item_overhead_tokens=64))
+    _check(1, "skewed", cost=DecodeCost(round_tokens=16))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -277,7 +278,7 @@ def test_one_plan_many_layers_in_one_graph(tma):
 
 @pytest.mark.parametrize("lens", [[], [0], [0, 0, 0], [1], [65536], [100000, 3] + [0] * 40, lengths("one-long", 256)])
 @pytest.mark.parametrize("group", [4, 16])
-@pytest.mark.parametrize("cost", [DecodeCost(), DecodeCost(item_overhead_tokens=64)])
+@pytest.mark.parametrize("cost", [DecodeCost(), DecodeCost(item_overhead_tokens=64), DecodeCost(round_tokens=16)])
 def test_gpu_planner_edge_batches(lens, group, cost):
     pb = paged(lens, 16)
     attn = meld.DecodeAttention(2 * group, 2, 128, 16, torch.bfloat16, "cuda", cost=cost)

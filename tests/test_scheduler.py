@@ -22,9 +22,9 @@ def _plan(lens, num_kv_heads=8, group=4, topo=Topology(132, {1: 264}), cost=Deco
 
 @settings(max_examples=300, deadline=None)
 @given(lens=length_lists, kv_heads=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 3, 4, 8, 9, 16]),
-       sms=st.integers(1, 140), per_sm=st.integers(1, 3))
-def test_every_token_covered_once_and_groups_consistent(lens, kv_heads, group, sms, per_sm):
-    s = _plan(lens, kv_heads, group, Topology(sms, {1: sms * per_sm})).validate()
+       sms=st.integers(1, 140), per_sm=st.integers(1, 3), round_=st.sampled_from([16, 48, 128, 256]))
+def test_every_token_covered_once_and_groups_consistent(lens, kv_heads, group, sms, per_sm, round_):
+    s = _plan(lens, kv_heads, group, Topology(sms, {1: sms * per_sm}), DecodeCost(round_tokens=round_)).validate()
     it = s.items()
     assert it["req"].max(initial=0) < max(len(lens), 1)
     assert np.all(it["slot"] < s.num_slots)
@@ -83,9 +83,29 @@ def test_splits_stay_on_neighbouring_ctas():
         assert np.array_equal(ctas, np.arange(ctas[0], ctas[0] + len(ctas)))
 
 
-def test_short_batch_uses_fewer_ctas():
-    s = _plan([100]).validate()
-    assert s.meta["active_ctas"] == -(-(100 + DecodeCost().item_overhead_tokens) * 8 // DecodeCost().min_cta_tokens)
+@pytest.mark.parametrize("round_", [16, 128])
+def test_short_batch_uses_fewer_ctas(round_):
+    """Short segments: each CTA gets at least min_cta_tokens (rounded up) and one round of the warps."""
+    cost = DecodeCost(round_tokens=round_)
+    s = _plan([100], cost=cost).validate()
+    total = (100 + cost.item_overhead_tokens) * 8
+    assert s.meta["active_ctas"] == min(-(-total // cost.min_cta_tokens), total // round_) == (15 if round_ == 16 else 14)
+
+
+@pytest.mark.parametrize("B,dist,roomy", [(1, "uniform2k", False), (1, "skewed", False), (8, "skewed", True),
+                                          (64, "one-long", True)])
+def test_short_segments_cut_on_warp_rounds(B, dist, roomy):
+    """Short segments split units on whole rounds of the 8 warps (128 tokens), long ones on tiles."""
+    it = _plan(lengths(dist, B), topo=Topology(132)).validate().items()
+    inner = it["kv_begin"][it["kv_begin"] > 0]
+    assert len(inner) > 10
+    assert np.all(inner % 16 == 0)
+    assert np.all(inner % 128 == 0) != roomy
+
+
+def test_round_must_be_whole_tiles():
+    with pytest.raises(ValueError, match="round_tokens must be a positive multiple of tile_tokens"):
+        DecodeCost(round_tokens=24)
 
 
 # --- cluster mixes ---------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("item_overhead", "i32"),
     Field("min_split", "i32"),
     Field("tile", "i32"),
+    Field("round", "i32"),
     Field("min_cta_tokens", "i32"),
     Field("cluster_snap", "i32"),
     Field("done_seq", "i32"),

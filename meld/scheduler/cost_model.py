@@ -6,6 +6,12 @@ the end-of-item merge of the warps, writing a partial), expressed here in KV tok
 cut one line of cost into equal segments. On the H200, per-SM traces (bench/decode_trace.py) put it at
 1.5-2 µs per piece, about 100-140 tokens at the per-SM streaming rate; bench/decode_sweep.py chose 128
 (8-head units; 16-head units merge twice the state and take 192, see `DecodeCost.default`).
+
+Cuts inside a unit land on tile boundaries. Where segments are short (a few tiles per warp, as at
+B = 1), they land on whole rounds of the CTA's warps instead (8 warps x 16-token tiles = 128 tokens):
+every warp then gets the same number of tiles, and none idles through a partial last round before the
+piece's end-of-unit barrier (bench/RESULTS.md: 0.5-1.0 µs faster at B = 1; at B = 8 round cuts were
+0.2-0.6 µs slower, so longer segments keep tile cuts).
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ class DecodeCost:
         min_split_tokens: never split a (request, head block) into a piece shorter than this.
         min_cta_tokens: use fewer CTAs than the grid when each would get less than this.
         tile_tokens: splits land on multiples of the kernel's KV tile.
+        round_tokens: splits of short segments (see `plan_decode`'s `roomy`) land on multiples of this,
+            a multiple of tile_tokens: one tile for each of the CTA's 8 warps.
         cluster_snap_tokens: with thread-block clusters, a cut between two clusters moves to the nearest
             unit boundary (so that unit's pieces stay in one cluster and merge on chip) when that moves
             at most this many tokens per CTA of the smaller neighbouring cluster; 0 turns it off.
@@ -28,9 +36,12 @@ class DecodeCost:
     min_split_tokens: int = 128
     min_cta_tokens: int = 128
     tile_tokens: int = 16
+    round_tokens: int = 128
     cluster_snap_tokens: int = 64
 
     def __post_init__(self) -> None:
+        if self.round_tokens < 1 or self.round_tokens % max(self.tile_tokens, 1):
+            raise ValueError(f"DecodeCost.round_tokens must be a positive multiple of tile_tokens: {self}")
         if self.tile_tokens < 1 or self.min_split_tokens < 1 or self.min_cta_tokens < 1 or self.item_overhead_tokens < 1:
             raise ValueError(f"DecodeCost fields must be >= 1: {self}")
         if self.cluster_snap_tokens < 0:

@@ -2,7 +2,7 @@
 
 The units of work — one per (request, q-head block) — are laid end to end in request order, each as
 long as its cost (KV tokens + a fixed item overhead). Cutting that line into as many equal segments as
-there are CTAs balances the CTAs (up to tile rounding) and keeps the pieces of a split unit on
+there are CTAs balances the CTAs (up to the rounding of cuts to tiles or warp rounds) and keeps the pieces of a split unit on
 neighbouring CTAs, in order. See `meld.ir.schedule` for how the kernel walks the segments and merges
 split units.
 
@@ -59,12 +59,16 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     active = int(min(W, max(1, -(-total // cost.min_cta_tokens))))
 
     # Cut j (1..active-1) at line position x[j-1]: find its request b, unit u and token s (a multiple of
-    # the tile, both pieces >= min_split tokens, else the unit's start or end). When segments are long
-    # (`roomy`), a cut takes the nearest of those places to x, and the cuts are far enough apart that
-    # no two land on the same token; otherwise it takes the tile boundary nearest to x, then the unit's
-    # start or end if that leaves a piece too short.
-    lo = -(-ms // tile) * tile                       # the first allowed split token
-    roomy = total // active >= 2 * (o + lo + tile)
+    # the grain, both pieces >= min_split tokens, else the unit's start or end). When segments are long
+    # (`roomy`), the grain is a tile, a cut takes the nearest of those places to x, and the cuts are far
+    # enough apart that no two land on the same token. Otherwise the grain is a round of the warps (see
+    # DecodeCost), a cut takes the grain boundary nearest to x, then the unit's start or end if that
+    # leaves a piece too short, and every CTA gets at least one grain, so no two cuts round onto one token.
+    roomy = total // active >= 2 * (o + -(-ms // tile) * tile + tile)
+    grain = tile if roomy else cost.round_tokens
+    if not roomy:
+        active = min(active, max(1, total // grain))
+    lo = -(-ms // grain) * grain                     # the first allowed split token
 
     def cut(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         b = R.searchsorted(x, "right") - 1
@@ -73,8 +77,8 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         hb = r // wb
         pos = r - hb * wb - o                        # token position in the unit (< 0: in its overhead)
         n = wb - o                                   # the unit's tokens
-        hi = (n - ms) // tile * tile                 # the last allowed split token
-        s = (pos + tile // 2) // tile * tile
+        hi = (n - ms) // grain * grain               # the last allowed split token
+        s = (pos + grain // 2) // grain * grain
         if roomy:
             s = np.clip(s, lo, hi)
             d_split = np.where(lo <= hi, np.abs(pos - s), _FAR)

@@ -87,12 +87,15 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   if (tid == 0) R[0] = 0;
   __syncthreads();
   const long long total = carry;
-  const int active = (int)min((long long)W, max(1ll, (total + p.min_cta_tokens - 1) / p.min_cta_tokens));
+  int active = (int)min((long long)W, max(1ll, (total + p.min_cta_tokens - 1) / p.min_cta_tokens));
 
   // 2. Cut c (1..active-1) at line position x: its request (binary search), unit and token, placed as
-  //    decode_plan.py's cut() places it (nearest allowed place when `roomy`, else the old snapping).
-  const long long lo = (ms + tile - 1) / tile * tile, far = 1ll << 62;
-  const bool roomy = total / active >= 2 * (o + lo + tile);
+  //    decode_plan.py's cut() places it (nearest allowed place on a tile when `roomy`, else the old
+  //    snapping on a round of the warps, with at least one round per CTA).
+  const bool roomy = total / active >= 2 * (o + (ms + tile - 1) / tile * tile + tile);
+  const int grain = roomy ? tile : p.round;
+  if (!roomy) active = (int)min((long long)active, max(1ll, total / grain));
+  const long long lo = (ms + grain - 1) / grain * grain, far = 1ll << 62;
   auto request_at = [&](long long x) {           // largest b with R[b] <= x
     int lo_b = 0, hi_b = B;
     while (lo_b < hi_b) {
@@ -107,8 +110,8 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
     const long long r = x - R[b];
     const long long hb = r / wb;
     const long long pos = r - hb * wb - o;       // token position in the unit (< 0: in its overhead)
-    const long long hi = floor_div(n - ms, tile) * tile;
-    long long s = floor_div(pos + tile / 2, tile) * tile;
+    const long long hi = floor_div(n - ms, grain) * grain;
+    long long s = floor_div(pos + grain / 2, grain) * grain;
     bool to_end, to_start;
     if (roomy) {
       s = min(max(s, lo), hi);
