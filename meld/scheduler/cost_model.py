@@ -10,8 +10,8 @@ cut one line of cost into equal segments. On the H200, per-SM traces (bench/deco
 Cuts inside a unit land on tile boundaries. Where segments are short (a few tiles per warp, as at
 B = 1), they land on whole rounds of the CTA's warps instead (8 warps x 16-token tiles = 128 tokens):
 every warp then gets the same number of tiles, and none idles through a partial last round before the
-piece's end-of-unit barrier (bench/RESULTS.md: 0.5-1.0 µs faster at B = 1; at B = 8 round cuts were
-0.2-0.6 µs slower, so longer segments keep tile cuts).
+piece's end-of-unit barrier (bench/RESULTS.md: 0.3-1.0 µs faster at B = 1; round cuts everywhere were
+no faster at B = 8, so longer segments keep tile cuts).
 """
 from __future__ import annotations
 
