@@ -89,7 +89,8 @@ def test_short_batch_uses_fewer_ctas(round_):
     cost = DecodeCost(round_tokens=round_)
     s = _plan([100], cost=cost).validate()
     total = (100 + cost.item_overhead_tokens) * 8
-    assert s.meta["active_ctas"] == min(-(-total // cost.min_cta_tokens), total // round_) == (15 if round_ == 16 else 14)
+    expected = min(-(-total // cost.min_cta_tokens), total // round_)
+    assert s.meta["active_ctas"] == expected == (15 if round_ == 16 else 14)
 
 
 @pytest.mark.parametrize("B,dist,roomy", [(1, "uniform2k", False), (1, "skewed", False), (8, "skewed", True),

@@ -196,8 +196,8 @@ class DecodeAttention:
             cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0,
             cluster_snap=c.cluster_snap_tokens,
             page_size=self.page_size, units_per_request=self.units_per_request, num_ctas=W,
-            item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens, round=c.round_tokens,
-            min_cta_tokens=c.min_cta_tokens)
+            item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens,
+            round=c.round_tokens, min_cta_tokens=c.min_cta_tokens)
         self._prof_cap = units + 3 if self.kernel_config.profile else 0   # every unit, 2 merges, the exit wait
         self._prof = torch.zeros(W, 1 + self._prof_cap, 4, dtype=torch.int64, device=self.device) \
             if self._prof_cap else None

@@ -40,10 +40,10 @@ class DecodeCost:
     cluster_snap_tokens: int = 64
 
     def __post_init__(self) -> None:
-        if self.round_tokens < 1 or self.round_tokens % max(self.tile_tokens, 1):
-            raise ValueError(f"DecodeCost.round_tokens must be a positive multiple of tile_tokens: {self}")
         if self.tile_tokens < 1 or self.min_split_tokens < 1 or self.min_cta_tokens < 1 or self.item_overhead_tokens < 1:
             raise ValueError(f"DecodeCost fields must be >= 1: {self}")
+        if self.round_tokens < 1 or self.round_tokens % self.tile_tokens:
+            raise ValueError(f"DecodeCost.round_tokens must be a positive multiple of tile_tokens: {self}")
         if self.cluster_snap_tokens < 0:
             raise ValueError(f"DecodeCost.cluster_snap_tokens must be >= 0: {self}")
 

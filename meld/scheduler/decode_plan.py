@@ -2,9 +2,9 @@
 
 The units of work — one per (request, q-head block) — are laid end to end in request order, each as
 long as its cost (KV tokens + a fixed item overhead). Cutting that line into as many equal segments as
-there are CTAs balances the CTAs (up to the rounding of cuts to tiles or warp rounds) and keeps the pieces of a split unit on
-neighbouring CTAs, in order. See `meld.ir.schedule` for how the kernel walks the segments and merges
-split units.
+there are CTAs balances the CTAs (up to the rounding of cuts to tiles or warp rounds) and keeps the
+pieces of a split unit on neighbouring CTAs, in order. See `meld.ir.schedule` for how the kernel walks
+the segments and merges split units.
 
 With thread-block clusters the placement has two levels: the cuts between clusters move to unit
 boundaries where that unbalances the CTAs by little, so more split units keep all their pieces in one
