@@ -96,4 +96,3 @@ def max_active_clusters(func: int, cfg: LaunchConfig) -> int:
             return 0
     n = ctypes.c_int(0)
     return n.value if lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), func, ctypes.byref(cfg)) == 0 else 0
-
