@@ -222,8 +222,8 @@ def read_floor_us(nbytes: int, warmup: int = 5, reps: int = 50, flush: bool = Tr
     """About how fast a kernel that must read `nbytes` once can be here: the best CUDA-graph time (same timer
     and L2 flush as the implementations) of the Triton streaming read with 1, 2, 4 or 8 programs per SM,
     over `nbytes` rounded up to whole blocks of the programs and scaled down to exactly `nbytes` (more
-    than one program per SM only where the rounding adds at most 10%). The scaling flatters the floor, so a speedup bound taken from it errs high. None without
-    Triton."""
+    than one program per SM only where the rounding adds at most 10%). The scaling flatters the floor,
+    so a speedup bound taken from it errs high. None without Triton."""
     if triton is None:
         return None
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -232,7 +232,7 @@ def read_floor_us(nbytes: int, warmup: int = 5, reps: int = 50, flush: bool = Tr
         nprog = per_sm * sms
         grain = nprog * READ_BLOCK
         n = -(-nbytes // 4 // grain) * grain
-        if 4 * n > 1.1 * nbytes and per_sm > 1:   # each grain is a multiple of the last: so are the rest
+        if 4 * n > 1.1 * nbytes and per_sm > 1:   # a coarser grain never rounds up by less
             break
         x = torch.empty(n, dtype=torch.int32, device="cuda").random_()
         out = torch.empty(nprog, dtype=torch.int32, device="cuda")
