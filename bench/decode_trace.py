@@ -2,7 +2,7 @@
 
 Replays meld's kernel built with per-task timestamps (`DecodeKernelConfig.profile`, what MELD_PROFILE=1
 builds) in a CUDA graph on one BENCH.md case with a cold L2, keeps the launch with the median span, and
-writes its Chrome/Perfetto trace and a PNG timeline (bench/timeline.py renders the same from the JSON).
+writes its Chrome/Perfetto trace and a PNG timeline (`meld timeline` renders the same from the JSON).
 It also times the unprofiled kernel with the CUDA-graph timer, so the trace's span can be compared with
 the time the benchmarks report (the difference is launch latency and the profiling itself).
 
@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import meld  # noqa: E402
 from bench.decode import PAGE_SIZE, Case, make_inputs  # noqa: E402
 from bench.harness import flush_l2, graph_time_us  # noqa: E402
-from bench.timeline import busy_table  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.runtime.profile import render_png  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
@@ -75,7 +74,7 @@ def main() -> int:
     starts = [c.begin_ns - tr.start_ns for c in tr.cta_spans]
     print(f"CTA start skew: median {statistics.median(starts) / 1e3:.2f} µs, max {max(starts) / 1e3:.2f} µs")
     print(tr.summary())
-    print(busy_table(tr.sm_busy()))
+    print(tr.busy_table())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     print(f"wrote {tr.write_chrome(args.out.with_suffix('.trace.json'))} and "
           f"{render_png(tr, args.out.with_suffix('.png'))}")

@@ -1,18 +1,26 @@
-"""`meld demo`: the whole pipeline on one skewed decode batch.
+"""meld's command line.
 
-capture (TVM, if installed) -> task graph -> plan -> generate + compile the kernel for sm_90a ->
-run: on a Hopper GPU the kernel, timed; elsewhere the same schedule on the CPU reference executor.
-Either way the result is checked against plain float64 attention.
+`meld demo`: the whole pipeline on one skewed decode batch. capture (TVM, if installed) -> task graph ->
+plan -> generate + compile the kernel for sm_90a -> run: on a Hopper GPU the kernel, timed; elsewhere the
+same schedule on the CPU reference executor. Either way the result is checked against float64 attention.
+
+`meld timeline`: summary, per-SM busy table and PNG timeline of a trace written under MELD_PROFILE=1.
+
+Bad arguments (checked before any work) and bad files end in one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+from meld.runtime.profile import MARGIN_PX, Trace, render_png
 
 
 def demo(batch: int, device: str) -> int:
@@ -87,16 +95,84 @@ def demo(batch: int, device: str) -> int:
     return 0 if ok else 1
 
 
+def timeline(parser: argparse.ArgumentParser, trace_path: Path, out: Path | None, width: int,
+             row_height: int) -> int:
+    """Print a trace's summary and busy table and render its PNG; a bad file is a parser error."""
+    out = out or trace_path.with_suffix(".png")
+    try:
+        trace = Trace.from_chrome(trace_path)
+    except OSError as e:
+        parser.error(f"argument TRACE: cannot read {trace_path}: {e.strerror or e}")
+    except ValueError as e:
+        parser.error(f"argument TRACE: {trace_path}: {e}")
+    if not out.parent.is_dir():
+        parser.error(f"argument -o/--output: folder {out.parent} does not exist")
+    print(trace.summary())
+    print(trace.busy_table())
+    try:
+        print(f"wrote {render_png(trace, out, width, row_height)}")
+    except OSError as e:
+        parser.error(f"argument -o/--output: cannot write {out}: {e.strerror or e}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line on stderr, exit status 2: without the usage block above it (-h shows that)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_above(low: int):
+    """argparse type: an integer > low, else an error naming the value."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value <= low:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > {low}")
+        return value
+    return parse
+
+
+def _devices() -> list[str]:
+    """Where demo can run: the CPU and every sm_90+ GPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu"] + [f"cuda:{i}" for i in range(gpus) if torch.cuda.get_device_capability(i) >= (9, 0)]
+
+
+def _device(parser: argparse.ArgumentParser, device: str | None) -> str:
+    """--device, checked against this machine before any work (default: cuda if GPU 0 is sm_90+, else cpu)."""
+    available = _devices()
+    if device is None:
+        return "cuda" if "cuda:0" in available else "cpu"
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
+    if m is None:
+        parser.error(f"argument --device: {device!r} is not cpu, cuda or cuda:N")
+    if device != "cpu" and f"cuda:{int(m[1] or 0)}" not in available:
+        parser.error(f"argument --device: {device!r} is no sm_90+ GPU here (available: {', '.join(available)})")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="meld", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="meld", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="capture, plan, compile and run decode attention on a skewed batch")
-    d.add_argument("--batch", type=int, default=None, help="requests (default 64 on a GPU, 16 on the CPU)")
-    d.add_argument("--device", default=None, help="cuda or cpu (default: cuda if a Hopper GPU is present)")
+    d.add_argument("--batch", type=_int_above(0), help="requests (default 64 on a GPU, 16 on the CPU)")
+    d.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if a Hopper GPU is present)")
+    t = sub.add_parser("timeline", help="summary, busy table and PNG of a MELD_PROFILE=1 trace",
+                       description="Per-SM timeline of a profiled launch, from Trace.write_chrome's JSON "
+                                   "(which also opens in Perfetto, ui.perfetto.dev, or chrome://tracing).")
+    t.add_argument("trace", type=Path, metavar="TRACE", help="Chrome trace JSON written under MELD_PROFILE=1")
+    t.add_argument("-o", "--output", type=Path, metavar="OUT", help="PNG to write (default: TRACE, suffix .png)")
+    t.add_argument("--width", type=_int_above(MARGIN_PX), default=1600, help="image width in pixels")
+    t.add_argument("--row-height", type=_int_above(0), default=6, help="pixels per SM row")
     args = p.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-                             else "cpu")
-    return demo(args.batch or (64 if device != "cpu" else 16), device)
+    if args.cmd == "timeline":
+        return timeline(t, args.trace, args.output, args.width, args.row_height)
+    device = _device(d, args.device)
+    return demo(args.batch if args.batch is not None else (64 if device != "cpu" else 16), device)
 
 
 if __name__ == "__main__":

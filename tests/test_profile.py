@@ -1,5 +1,4 @@
-"""meld.runtime.profile and bench/timeline.py on a hand-built profile buffer (CPU only)."""
-import importlib.util
+"""meld.runtime.profile on a hand-built profile buffer (CPU only)."""
 import json
 import re
 import struct
@@ -135,17 +134,49 @@ def test_render_png(trace, tmp_path):
     assert bar[5] > bar[190] == strip[3]  # 2 of 4 SMs working early on, none at the end
 
 
-def test_timeline_cli(trace, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "bench_timeline", Path(__file__).resolve().parents[1] / "bench" / "timeline.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    path = trace.write_chrome(tmp_path / "run.json")
-    assert cli.main([str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "span 2.000 µs" in out
-    least = out[out.index("least busy:"):].splitlines()[0]
-    assert re.findall(r"SM (\d+)\s*(\d\.\d+)", least) == [("3", "0.000"), ("2", "0.250"), ("0", "0.450"), ("1", "0.700")]
-    _read_png(tmp_path / "run.png")
-    assert cli.main([str(path), str(tmp_path / "other.png"), "--width", "300"]) == 0
-    assert _read_png(tmp_path / "other.png").shape[1] == 300
+def test_busy_table(trace):
+    table = trace.busy_table(least=3).splitlines()
+    assert table[0] == "SM busy: min 0.000  p10 0.075  median 0.350  max 0.700"
+    assert re.findall(r"SM (\d+) (\d\.\d+)", table[1]) == [("3", "0.000"), ("2", "0.250"), ("0", "0.450")]
+    assert Trace([], [], 0, 1, 1).busy_table() == "SM busy: no SMs"
+
+
+def _xs(obj: dict) -> list[dict]:
+    return [e for e in obj["traceEvents"] if e["ph"] == "X"]
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda o: o.pop("meld"), "not a meld trace"),
+    (lambda o: o.update(meld=[]), "not a meld trace"),
+    (lambda o: o.pop("traceEvents"), "traceEvents is missing"),
+    (lambda o: o["meld"].pop("ctas"), "meld.ctas is missing"),
+    (lambda o: o["meld"].update(base_ns="0"), "meld.base_ns must be an integer, got '0'"),
+    (lambda o: o["meld"].update(head_blocks=2.0), "meld.head_blocks must be an integer, got 2.0"),
+    (lambda o: o["meld"].update(overflowed=True), "meld.overflowed must be an integer, got True"),
+    (lambda o: o["meld"].update(units_per_request=3), "units_per_request=3 is not a positive multiple"),
+    (lambda o: o["meld"]["ctas"].__setitem__(1, [1, 1, 0]), r"meld.ctas\[1\] must be \[cta, sm, "),
+    (lambda o: o["meld"]["ctas"][1].__setitem__(3, None), r"meld.ctas\[1\]\[3\] must be an integer, got None"),
+    (lambda o: o["traceEvents"].append(7), r"traceEvents\[\d+\] must be an object, got 7"),
+    (lambda o: _xs(o)[2].pop("args"), r"traceEvents\[\d+\].args is missing"),
+    (lambda o: _xs(o)[2]["args"].pop("t1_ns"), r"traceEvents\[\d+\].args.t1_ns is missing"),
+    (lambda o: _xs(o)[2].update(tid="1"), r"traceEvents\[\d+\].tid must be an integer, got '1'"),
+    (lambda o: _xs(o)[2].update(cat="merge"), r"unknown task kind 'merge' \(expected piece, merge-hbm, "),
+    (lambda o: _xs(o)[2]["args"].update(cta=5), r"traceEvents\[\d+\].args.cta: CTA 5 is not in meld.ctas"),
+])
+def test_from_chrome_rejects(trace, corrupt, message):
+    obj = json.loads(json.dumps(trace.to_chrome()))
+    corrupt(obj)
+    with pytest.raises(ValueError, match=message):
+        Trace.from_chrome(obj)
+
+
+def test_from_chrome_file_not_json(tmp_path):
+    (tmp_path / "t.json").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="not JSON"):
+        Trace.from_chrome(tmp_path / "t.json")
+    (tmp_path / "t.json").write_text('{"meld": ')
+    with pytest.raises(ValueError, match="not JSON"):
+        Trace.from_chrome(tmp_path / "t.json")
+    (tmp_path / "t.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a meld trace"):
+        Trace.from_chrome(tmp_path / "t.json")

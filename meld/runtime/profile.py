@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import struct
 import zlib
 from collections import Counter
@@ -146,6 +147,16 @@ class Trace:
                 + f", SM busy min {min(busy, default=0.0):.3f} mean {mean:.3f}\n"
                 + "tasks: " + ", ".join(f"{k} {counts[k]}" for k in KINDS) + f"; {overflow}")
 
+    def busy_table(self, least: int = 5) -> str:
+        """Where the idle time is: the low end of the per-SM busy distribution and the SMs that make it."""
+        busy = self.sm_busy()
+        if not busy:
+            return "SM busy: no SMs"
+        v = np.fromiter(busy.values(), dtype=np.float64)
+        worst = sorted(busy, key=lambda sm: (busy[sm], sm))[:least]
+        return (f"SM busy: min {v.min():.3f}  p10 {np.percentile(v, 10):.3f}  median {np.median(v):.3f}  "
+                f"max {v.max():.3f}\nleast busy: " + ", ".join(f"SM {sm} {busy[sm]:.3f}" for sm in worst))
+
     def to_chrome(self) -> dict:
         """Trace-event JSON: one "X" event per task on track tid = SM id, times in µs from kernel start.
 
@@ -176,16 +187,62 @@ class Trace:
 
     @staticmethod
     def from_chrome(obj_or_path: Union[dict, str, os.PathLike]) -> "Trace":
-        obj = obj_or_path if isinstance(obj_or_path, dict) else json.loads(Path(obj_or_path).read_text())
-        meld = obj.get("meld")
-        if meld is None:
+        """Inverse of to_chrome. A file that is not JSON, not a meld trace, or has a missing or mistyped
+        field or an unknown task kind raises ValueError naming the field, not an error deep in rendering."""
+        obj = obj_or_path if isinstance(obj_or_path, dict) else _read_json(Path(obj_or_path))
+        if not isinstance(obj, dict) or not isinstance(obj.get("meld"), dict):
             raise ValueError("not a meld trace: no top-level 'meld' object (write it with Trace.write_chrome)")
-        base = meld["base_ns"]
-        spans = [CtaSpan(c, sm, base + b, base + e, cl, g) for c, sm, b, e, cl, g in meld["ctas"]]
-        tasks = [TaskRecord(e["args"]["cta"], e["tid"], e["cat"], e["args"]["unit"],
-                            base + e["args"]["t0_ns"], base + e["args"]["t1_ns"])
-                 for e in obj["traceEvents"] if e.get("ph") == "X" and "t0_ns" in e.get("args", {})]
-        return Trace(tasks, spans, meld["overflowed"], meld["units_per_request"], meld["head_blocks"])
+        meld = obj["meld"]
+        base = _get(meld, "meld.base_ns")
+        spans = [_cta_span(f"meld.ctas[{i}]", row, base) for i, row in enumerate(_get(meld, "meld.ctas", list))]
+        ctas = {s.cta for s in spans}
+        tasks = [_task(f"traceEvents[{i}]", e, base, ctas) for i, e in enumerate(_get(obj, "traceEvents", list))
+                 if _typed(f"traceEvents[{i}]", e, dict).get("ph") == "X"]
+        counts = (_get(meld, f"meld.{k}") for k in ("overflowed", "units_per_request", "head_blocks"))
+        return Trace(tasks, spans, *counts)
+
+
+_JSON_TYPES = {int: "an integer", str: "a string", list: "an array", dict: "an object"}
+
+
+def _typed(where: str, value, kind: type = int):
+    """value if it is a JSON `kind`; bools and floats are not integers (they would fail later, in pixel maths)."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{where} must be {_JSON_TYPES[kind]}, got {reprlib.repr(value)}")
+    return value
+
+
+def _get(obj: dict, where: str, kind: type = int):
+    """obj's field named by the last part of `where` (e.g. "meld.ctas"), checked by _typed."""
+    key = where.rpartition(".")[2]
+    if key not in obj:
+        raise ValueError(f"{where} is missing")
+    return _typed(where, obj[key], kind)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError; an unreadable file stays an OSError
+        raise ValueError(f"not JSON ({e})") from None
+
+
+def _cta_span(where: str, row, base: int) -> CtaSpan:
+    if not isinstance(row, list) or len(row) != 6:
+        raise ValueError(f"{where} must be [cta, sm, begin_ns, end_ns, cluster, grid], got {reprlib.repr(row)}")
+    c, sm, b, e, cl, g = (_typed(f"{where}[{j}]", v) for j, v in enumerate(row))
+    return CtaSpan(c, sm, base + b, base + e, cl, g)
+
+
+def _task(where: str, event: dict, base: int, ctas: set[int]) -> TaskRecord:
+    """An "X" event back to its task: to_chrome writes one per task, so each must carry all of it."""
+    kind, args = _get(event, f"{where}.cat", str), _get(event, f"{where}.args", dict)
+    if kind not in KINDS:
+        raise ValueError(f"{where}.cat: unknown task kind {reprlib.repr(kind)} (expected {', '.join(KINDS)})")
+    cta, unit, t0, t1 = (_get(args, f"{where}.args.{k}") for k in ("cta", "unit", "t0_ns", "t1_ns"))
+    if cta not in ctas:
+        raise ValueError(f"{where}.args.cta: CTA {cta} is not in meld.ctas")
+    return TaskRecord(cta, _get(event, f"{where}.tid"), kind, unit, base + t0, base + t1)
 
 
 def _shade(fraction) -> np.ndarray:
