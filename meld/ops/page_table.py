@@ -1,0 +1,62 @@
+"""Checks of a FlashInfer-layout page table (kv_indptr, kv_indices, kv_last_page_len) on the host.
+
+The C helper (meld/runtime/host/stage_page_table.c) makes the same checks in one pass while it stages
+the table; both report a problem by the same codes, turned into one ValueError here. Offsets are int32
+on the way in but every difference is taken in 64 bits: kv_indptr = [0, 2**31 - 1, -2**31 + 1] must not
+wrap into a plausible page count.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def page_table_error(code: int, where: int, indptr, last, num_indices: int, indices=None, page_size: int = 0):
+    """Raise the ValueError for problem `code` (as numbered in stage_page_table.c) found at entry `where`."""
+    if code == 1:
+        raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={int(indptr[0])}")
+    if code == 2:
+        shown = np.asarray(indptr[where:where + 2]).tolist()
+        raise ValueError(f"kv_indptr must never decrease, got kv_indptr[{where}:{where + 2}]={shown}")
+    if code == 3:
+        raise ValueError(f"kv_indptr[-1]={int(indptr[-1])} exceeds len(kv_indices)={num_indices}")
+    if code == 4:
+        raise ValueError(f"kv_last_page_len[{where}]={int(last[where])} is outside [1, page_size={page_size}]")
+    if code == 6:
+        pages = int(indptr[where + 1]) - int(indptr[where])
+        raise ValueError(f"request {where} has {pages} pages of page_size={page_size} (kv_last_page_len[{where}]="
+                         f"{int(last[where])}): more than {INT32_MAX} KV tokens")
+    raise ValueError(f"kv_indices[{where}]={int(indices[where])} is a negative page index")
+
+
+def check_page_table(indptr: np.ndarray, last: np.ndarray, num_indices: int, page_size: int) -> int:
+    """Validate kv_indptr / kv_last_page_len in a handful of vector ops; returns nnz = kv_indptr[-1].
+    The first problem reported is the one the C helper reports (it checks request by request)."""
+    if indptr[0] != 0:
+        page_table_error(1, 0, indptr, last, num_indices)
+    pages = np.diff(indptr.astype(np.int64))
+    if len(pages):
+        # last - 1 must lie in [0, page_size) for non-empty requests; below 0 wraps to >= 2**31 as uint32.
+        bad = (pages < 0) | (((last - 1) * (pages > 0)).view(np.uint32) >= page_size)
+        long = pages.max() > INT32_MAX // page_size          # only then can a request's length leave int32
+        if long:
+            bad |= (pages - 1) * page_size + last > INT32_MAX
+        if bad.any():
+            b = int(np.flatnonzero(bad)[0])
+            code = 2 if pages[b] < 0 else 4 if pages[b] > 0 and not 1 <= last[b] <= page_size else 6
+            page_table_error(code, b, indptr, last, num_indices, page_size=page_size)
+    nnz = int(indptr[-1])   # kv_indptr starts at 0 and never decreases: this is its largest entry
+    if nnz > num_indices:
+        page_table_error(3, 0, indptr, last, num_indices)
+    return nnz
+
+
+def max_page(indices: np.ndarray) -> int:
+    """Largest page index, in one pass (negative indices wrap above 2**31 as uint32); -1 if empty."""
+    if not len(indices):
+        return -1
+    top = int(indices.view(np.uint32).max())
+    if top > INT32_MAX:
+        page_table_error(5, int(np.flatnonzero(indices < 0)[0]), None, None, 0, indices)
+    return top
