@@ -22,6 +22,9 @@ import torch
 
 from meld.runtime.profile import MARGIN_PX, Trace, render_png
 
+MAX_DEMO_BATCH = 1024              # about 4M skewed tokens: a 15 GB cache, and minutes on the CPU executor
+MAX_WIDTH_PX, MAX_ROW_PX = 16384, 32   # a timeline PNG of 132 SMs stays under ~200 MB in memory
+
 
 def demo(batch: int, device: str) -> int:
     import meld
@@ -123,15 +126,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _int_above(low: int):
-    """argparse type: an integer > low, else an error naming the value."""
+def _int_in(low: int, high: int):
+    """argparse type: an integer in (low, high], else an error naming the value."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value <= low:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > {low}")
+        if not low < value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > {low} and <= {high}")
         return value
     return parse
 
@@ -159,15 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="meld", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="capture, plan, compile and run decode attention on a skewed batch")
-    d.add_argument("--batch", type=_int_above(0), help="requests (default 64 on a GPU, 16 on the CPU)")
+    d.add_argument("--batch", type=_int_in(0, MAX_DEMO_BATCH),
+                   help=f"requests, at most {MAX_DEMO_BATCH} (default 64 on a GPU, 16 on the CPU)")
     d.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if a Hopper GPU is present)")
     t = sub.add_parser("timeline", help="summary, busy table and PNG of a MELD_PROFILE=1 trace",
                        description="Per-SM timeline of a profiled launch, from Trace.write_chrome's JSON "
                                    "(which also opens in Perfetto, ui.perfetto.dev, or chrome://tracing).")
     t.add_argument("trace", type=Path, metavar="TRACE", help="Chrome trace JSON written under MELD_PROFILE=1")
     t.add_argument("-o", "--output", type=Path, metavar="OUT", help="PNG to write (default: TRACE, suffix .png)")
-    t.add_argument("--width", type=_int_above(MARGIN_PX), default=1600, help="image width in pixels")
-    t.add_argument("--row-height", type=_int_above(0), default=6, help="pixels per SM row")
+    t.add_argument("--width", type=_int_in(MARGIN_PX, MAX_WIDTH_PX), default=1600,
+                   help=f"image width in pixels, at most {MAX_WIDTH_PX}")
+    t.add_argument("--row-height", type=_int_in(0, MAX_ROW_PX), default=6,
+                   help=f"pixels per SM row, at most {MAX_ROW_PX}")
     args = p.parse_args(argv)
     if args.cmd == "timeline":
         return timeline(t, args.trace, args.output, args.width, args.row_height)

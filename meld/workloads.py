@@ -46,3 +46,15 @@ def paged(lens: list[int], page_size: int, spare_pages: int = 3, generator: torc
     indices = torch.randperm(num_pages, generator=generator)[:nnz].to(torch.int32)
     last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)], dtype=torch.int32)
     return PagedBatch(indptr, indices, last, num_pages)
+
+
+def with_request(others: list[int], pos: int, length: int, pages: torch.Tensor, page_size: int, num_pages: int,
+                 generator: torch.Generator | None = None) -> PagedBatch:
+    """The batch `others` with one more request of `length` tokens at position `pos` that reads exactly
+    `pages`; the others read pages of the same cache of `num_pages`. The same request in any batch, at any
+    place: what a batch-invariance check needs."""
+    pb = paged(others[:pos] + [length] + others[pos:], page_size, spare_pages=0, generator=generator)
+    indices = pb.kv_indices % num_pages
+    first = int(pb.kv_indptr[pos])
+    indices[first:first + len(pages)] = pages
+    return PagedBatch(pb.kv_indptr, indices, pb.kv_last_page_len, num_pages)

@@ -23,6 +23,11 @@ CONFIGS += [DecodeKernelConfig.default(dt, d, group_size=16) for dt in ("bfloat1
 CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=16),
             dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=16), tma=True, onchip_merge=True,
                                 profile=True)]
+# Batch-invariant kernels (chunked walk), every head dim and unit size, with TMA; the watchdog's debug build.
+CONFIGS += [DecodeKernelConfig.default("bfloat16", d, group_size=g, batch_invariant=True)
+            for d, g in ((64, 4), (128, 4), (256, 4), (128, 16))]
+CONFIGS += [dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, batch_invariant=True), tma=True, profile=True),
+            dataclasses.replace(CONFIGS[1], tma=True, debug_withhold_signal=True, watchdog_ms=200)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 
@@ -100,6 +105,12 @@ def test_config_rejects_unsupported():
         DecodeKernelConfig("float32", 128)
     with pytest.raises(ValueError, match="shared memory"):
         DecodeKernelConfig("bfloat16", 256, 8, 2)   # 256 KiB of rings
+    with pytest.raises(ValueError, match="batch_invariant kernels merge through global memory"):
+        DecodeKernelConfig("bfloat16", 128, 8, 2, onchip_merge=True, batch_invariant=True)
+    with pytest.raises(ValueError, match="debug_withhold_signal needs tma=True"):
+        DecodeKernelConfig("bfloat16", 128, debug_withhold_signal=True)
+    with pytest.raises(ValueError, match="watchdog_ms=0"):
+        DecodeKernelConfig("bfloat16", 128, watchdog_ms=0)
 
 
 def test_params_pack_checks_fields():

@@ -3,7 +3,6 @@ no NaN, stable across runs, over batch sizes, length distributions, head dims, g
 sizes, cluster mixes and both merge paths, plus CUDA-graph replay across re-plans."""
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,51 +12,9 @@ from meld.runtime.reference import attention_reference
 from meld.scheduler import DecodeCost, Topology
 
 from meld.workloads import lengths, paged
+from tests.gpu_checks import assert_gpu_plan_matches_host as _assert_gpu_plan_matches_host, check as _check
 
 pytestmark = pytest.mark.gpu
-
-
-def _assert_gpu_plan_matches_host(attn):
-    """The GPU planner wrote exactly the tables of meld.scheduler.plan_decode (the reference)."""
-    s = attn.schedule.validate()
-    t = attn.tables
-    W = attn.topology.num_ctas
-    B = len(s.kv_len)
-    buf = t.buf.cpu().numpy()
-    assert np.array_equal(buf[:8 * W].reshape(8, W), s.cta), "GPU planner and host planner disagree"
-    assert np.array_equal(buf[t.off_kv_len:t.off_kv_len + B], s.kv_len)
-    assert np.array_equal(buf[t.off_page_base:t.off_page_base + B], s.page_base)
-
-
-def _check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=torch.bfloat16, lens=None, **op):
-    lens = lens if lens is not None else lengths(dist, B)
-    pb = paged(lens, page_size)
-    Hq = num_kv_heads * group
-    dev = "cuda"
-    kv = torch.randn(pb.num_pages, 2, page_size, num_kv_heads, head_dim, device=dev).to(dtype)
-    q = torch.randn(len(lens), Hq, head_dim, device=dev).to(dtype)
-    attn = meld.DecodeAttention(Hq, num_kv_heads, head_dim, page_size, dtype, dev, **op)
-    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
-    _assert_gpu_plan_matches_host(attn)
-    out = torch.full((len(lens), Hq, head_dim), float("nan"), dtype=dtype, device=dev)
-    lse = torch.full((len(lens), Hq), float("nan"), device=dev)
-    attn.run(q, kv, out=out, lse=lse)
-    snap = out.clone()   # the stream's next work: it must see every grid's output (no NaN left)
-    out2, lse2 = attn.run(q, kv, return_lse=True)
-    torch.cuda.synchronize()
-    ref, ref_lse = attention_reference(q, kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev))
-    assert not out.isnan().any(), "unwritten or NaN output elements"
-    assert torch.equal(snap, out), "work queued after run() ran before every grid had finished"
-    assert not lse.isnan().any(), "unwritten or NaN lse elements"
-    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    assert err < 1e-2, f"relative error {err:.2e}"
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse = -inf must mark exactly the empty requests"
-    assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3 if finite.any() else True
-    assert torch.equal(out, out2) and torch.equal(lse, lse2), "results differ between two identical runs: a race"
-    empty = torch.tensor([n == 0 for n in lens], device=dev)
-    assert (out[empty] == 0).all(), "a request with no KV tokens must give zeros"
-    return attn
 
 
 @pytest.mark.parametrize("B", [1, 7, 64, 256])
@@ -194,7 +151,13 @@ def test_merge_paths_in_the_trace(onchip, cluster_size):
     kinds = {k: sum(t.kind == k for t in tr.tasks) for k in ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")}
     assert tr.overflowed == 0
     assert len(tr.cta_spans) == attn.topology.num_ctas
-    assert len({c.sm for c in tr.cta_spans}) == attn.topology.num_ctas   # one CTA per SM: the grid covers them all
+    grids = {}
+    for c in tr.cta_spans:
+        lo, hi = grids.get(c.grid, (c.begin_ns, c.end_ns))
+        grids[c.grid] = (min(lo, c.begin_ns), max(hi, c.end_ns))
+    if all(grids[g][0] < grids[0][1] for g in grids):   # the grids ran together (a tool like compute-sanitizer
+        # serialises programmatic dependent launches): one CTA per SM, the grids cover them all
+        assert len({c.sm for c in tr.cta_spans}) == attn.topology.num_ctas
     assert kinds["piece"] == attn.schedule.items()["unit"].size   # one record per (CTA, unit) item
     if onchip and cluster_size > 1:
         assert kinds["merge-dsmem"] > kinds["merge-hbm"] > 0

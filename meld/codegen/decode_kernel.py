@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 
-from .params import DECODE_PARAMS, PLAN_PARAMS
+from .params import DECODE_PARAMS, PLAN_PARAMS, WATCHDOG_RECORD
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 TILE_TOKENS = 16     # KV tokens per warp step
@@ -32,6 +32,9 @@ class DecodeKernelConfig:
     profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
     tma: bool = False           # load KV tiles with TMA tensor copies into mbarrier-completed rings
     heads_per_unit: int = 8     # q heads one unit computes (and reads its kv head's KV once for): 8 or 16
+    batch_invariant: bool = False   # walk split units as fixed chunks (meld/ir/schedule.py): no on-chip merges
+    watchdog_ms: int = 2000     # a spin (TMA ring waits) gives up after this long: record and trap
+    debug_withhold_signal: bool = False   # debug build: unit 0's first tile is never issued (tests the watchdog)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -42,23 +45,31 @@ class DecodeKernelConfig:
             raise ValueError(f"heads_per_unit={self.heads_per_unit}: expected 8 or 16")
         if not 1 <= self.num_warps <= 16 or not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
+        if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
+            raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
+        if self.batch_invariant and self.onchip_merge:
+            raise ValueError("batch_invariant kernels merge through global memory: onchip_merge must be False")
+        if self.debug_withhold_signal and not self.tma:
+            raise ValueError("debug_withhold_signal needs tma=True: only the TMA rings wait on a signal")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
             raise ValueError(f"{self.name} needs {self.smem_bytes} bytes of shared memory, more than the "
                              f"{SMEM_PER_CTA_MAX} a CTA may have on sm_90: use fewer warps or stages")
 
     @staticmethod
-    def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1) -> "DecodeKernelConfig":
+    def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
+                batch_invariant: bool = False) -> "DecodeKernelConfig":
         """Chosen by measurement on the H200 (bench/decode_sweep.py, bench/RESULTS.md): one CTA of eight
         warps with two-stage rings per SM is best or within 1% at every batch size, and the fastest at
         small batches. head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB, which
         leaves no room for the on-chip merge area: its split units merge through global memory.
         `onchip_merge=True` adds it (for clusters of more than one CTA) where it fits. Groups of more
         than 8 q heads per kv head get 16-head units (head_dim 64 and 128; 256 has no room for their
-        merge area), so a group of 16 reads its KV once instead of twice."""
+        merge area), so a group of 16 reads its KV once instead of twice. Batch-invariant kernels merge
+        through global memory only."""
         if head_dim == 256:
-            return DecodeKernelConfig(dtype, head_dim, 4, 3, onchip_merge=False)
-        return DecodeKernelConfig(dtype, head_dim, 8, 2, onchip_merge=onchip_merge,
-                                  heads_per_unit=16 if group_size > 8 else 8)
+            return DecodeKernelConfig(dtype, head_dim, 4, 3, onchip_merge=False, batch_invariant=batch_invariant)
+        return DecodeKernelConfig(dtype, head_dim, 8, 2, onchip_merge=onchip_merge and not batch_invariant,
+                                  heads_per_unit=16 if group_size > 8 else 8, batch_invariant=batch_invariant)
 
     @property
     def name(self) -> str:
@@ -66,7 +77,10 @@ class DecodeKernelConfig:
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
-                + ("_prof" if self.profile else ""))
+                + ("_inv" if self.batch_invariant else "")
+                + ("_prof" if self.profile else "")
+                + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
+                + ("_withhold" if self.debug_withhold_signal else ""))
 
     entry = "meld_decode_attention"   # the template's extern "C" __global__ function
 
@@ -96,8 +110,11 @@ class DecodeKernelConfig:
             f"#define MELD_ONCHIP_MERGE {int(self.onchip_merge)}",
             f"#define MELD_PROFILE {int(self.profile)}",
             f"#define MELD_TMA {int(self.tma)}",
+            f"#define MELD_CHUNKED {int(self.batch_invariant)}",
+            f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
+            f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
         ])
-        return "\n".join([head, _template("common.cuh"), DECODE_PARAMS.c_source(),
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), DECODE_PARAMS.c_source(),
                           _template("decode_attention.cuh")])
 
 
@@ -111,6 +128,12 @@ class DecodePlanKernelConfig:
 
     def smem_bytes(self, num_ctas: int) -> int:
         return 8 * (num_ctas + 1) + 4 * 4 * num_ctas
+
+    @property
+    def max_ctas(self) -> int:
+        """The largest grid it can plan: its scratch for every CTA must fit one CTA's shared memory (1 KiB
+        is kept for the static scan buffers)."""
+        return (SMEM_PER_CTA_MAX - 1024 - 8) // 24
 
     def render(self) -> str:
         return "\n".join([f"// {self.name}: generated by meld.codegen.decode_kernel",

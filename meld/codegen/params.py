@@ -56,6 +56,10 @@ class ParamStruct:
         # NVRTC lacks __builtin_offsetof; nvcc (the CPU tests) checks the layout for both.
         return f"struct {self.name} {{\n{body}\n}};\n#ifndef __CUDACC_RTC__\n{asserts}\n{size}\n#endif\n"
 
+    @property
+    def size(self) -> int:
+        return ctypes.sizeof(self.ctype)
+
     def pack(self, **values: int | float) -> ctypes.Structure:
         missing = {f.name for f in self.fields} - values.keys()
         extra = values.keys() - {f.name for f in self.fields}
@@ -73,13 +77,21 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("kv_len", "ptr", "const int*"),
     Field("page_base", "ptr", "const int*"),
     Field("cta_table", "ptr", "const int*"),
+    Field("slot_base", "ptr", "const int*"),   # batch-invariant kernels: each request's first partial slot
     Field("part_o", "ptr", "float*"),
     Field("part_lse", "ptr", "float*"),
     Field("counters", "ptr", "unsigned*"),
     Field("prof", "ptr", "long long*"),
+    Field("watchdog", "ptr", "WatchdogRecord*"),   # pinned host memory: meld/runtime/watchdog.py
+    Field("watchdog_claim", "ptr", "int*"),        # device word: the first CTA to give up claims it
     Field("kv_map", "tmap"),   # the KV cache as a TMA tensor map (MELD_TMA builds; zero otherwise)
     Field("q_stride_b", "i64"),
     Field("q_stride_h", "i64"),
+    Field("kv_page_stride", "i32"),   # KV cache strides in rows of head_dim elements (NHD or HND layout):
+    Field("kv_slot_stride", "i32"),   # a page, a token of a page, a kv head; V lies kv_v_rows rows after K
+    Field("kv_head_stride", "i32"),
+    Field("kv_v_rows", "i32"),
+    Field("kv_hnd", "i32"),           # 1: HND ([pages, 2, Hkv, page_size, D]), for the TMA box coordinates
     Field("num_qo_heads", "i32"),
     Field("num_kv_heads", "i32"),
     Field("group_size", "i32"),
@@ -89,6 +101,8 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("num_ctas", "i32"),
     Field("cta_offset", "i32"),
     Field("prof_cap", "i32"),
+    Field("chunk", "i32"),            # batch-invariant kernels: tokens per chunk (meld/ir/schedule.py)
+    Field("watchdog_kernel", "i32"),  # this kernel's id in the watchdog's registry
     Field("sm_scale_log2", "f32"),
 ])
 
@@ -104,6 +118,7 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("done_flag", "ptr", "int*"),
     Field("arrive", "ptr", "int*"),
     Field("cluster_rows", "ptr", "const int*"),   # [2][num_ctas]: each row's cluster (first, end); null: none
+    Field("slot_base", "ptr", "int*"),            # batch-invariant plans: each request's first partial slot
     Field("batch", "i32"),
     Field("page_size", "i32"),
     Field("units_per_request", "i32"),
@@ -114,5 +129,20 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("round", "i32"),
     Field("min_cta_tokens", "i32"),
     Field("cluster_snap", "i32"),
+    Field("chunk", "i32"),                        # > 0: a batch-invariant plan on chunks of this many tokens
     Field("done_seq", "i32"),
+])
+
+# What a kernel writes before it traps when a wait gives up (meld/runtime/watchdog.py reads it).
+WATCHDOG_RECORD = ParamStruct("WatchdogRecord", [
+    Field("tripped", "i32"),   # written last: 1 once the rest is valid
+    Field("kernel", "i32"),    # the kernel's id in the registry (DecodeParams.watchdog_kernel)
+    Field("site", "i32"),      # what it waited for (watchdog.SITES)
+    Field("cta", "i32"),
+    Field("sm", "i32"),
+    Field("warp", "i32"),
+    Field("unit", "i32"),      # the task it was working on (-1: none)
+    Field("detail", "i32"),    # site-specific: the ring stage
+    Field("parity", "i32"),
+    Field("waited_ns", "i64"),
 ])

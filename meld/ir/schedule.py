@@ -11,6 +11,12 @@ a CTA how many pieces the split unit at its start/end has, and where they begin.
 All arrays are int32 and laid out exactly as the kernel reads them, so uploading a schedule is one copy.
 `items()` expands the segments into explicit (unit, range) items for validation, the CPU reference
 executor and printing; the kernel never needs that form.
+
+Batch-invariant schedules (`chunk_tokens` > 0) split by a rule that depends on a request's length
+alone: a unit of L > chunk_tokens tokens is always cut into its ceil(L / chunk_tokens) chunks, each its
+own piece, even where several run on one CTA, so its result does not depend on the rest of the batch.
+Segments then start and end on chunk boundaries, the head/tail columns are unused (zero), and the
+pieces of request b's units take the slots from `slot_base[b]` on (unit after unit, chunk after chunk).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class Schedule:
         page_base: int32 [B] first page of each request in kv_indices (kv_indptr[:-1]).
         cta: int32 [len(CTA_FIELDS), num_ctas]; CTAs past the active ones have empty segments.
         meta: what the planner decided besides the tables (active CTAs, cost model), for printing.
+        chunk_tokens: 0, or the chunk of a batch-invariant schedule (above).
     """
 
     num_kv_heads: int
@@ -47,6 +54,7 @@ class Schedule:
     page_base: np.ndarray
     cta: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
+    chunk_tokens: int = 0
 
     @property
     def num_ctas(self) -> int:
@@ -65,8 +73,23 @@ class Schedule:
         return len(self.kv_len) * self.units_per_request
 
     @property
+    def chunks(self) -> np.ndarray:
+        """Pieces per unit of each request in a batch-invariant schedule: max(1, ceil(kv_len / chunk))."""
+        return np.maximum(1, -(-self.kv_len.astype(np.int64) // self.chunk_tokens))
+
+    @property
+    def slot_base(self) -> np.ndarray:
+        """int32 [B]: the first partial slot of each request's pieces (batch-invariant schedules; only
+        requests of more than one chunk take slots)."""
+        per_request = np.where(self.chunks > 1, self.chunks, 0) * self.units_per_request
+        return (np.cumsum(per_request) - per_request).astype(np.int32)
+
+    @property
     def num_slots(self) -> int:
-        """Partial slots the kernel may address: slot = unit + cta < num_units + num_ctas."""
+        """Partial slots the kernel may address: slot = unit + cta < num_units + num_ctas, or with
+        chunks, one per piece of every unit split into chunks."""
+        if self.chunk_tokens:
+            return int((np.where(self.chunks > 1, self.chunks, 0) * self.units_per_request).sum())
         return self.num_units + self.num_ctas
 
     def items(self) -> dict[str, np.ndarray]:
@@ -87,14 +110,33 @@ class Schedule:
         pbegin = np.where(head, unit + hf[cta], np.where(tail, unit + tf[cta], -1))
         nparts = np.where(head, hp[cta], np.where(tail, tp[cta], 0))
         nh, nqb, H = self.units_per_request, self.head_blocks, self.heads_per_item
+        if self.chunk_tokens:
+            cta, unit, begin, end, split, pbegin, nparts = self._chunk_pieces(cta, unit, begin, end)
         kvh = (unit % nh) // nqb
         q_head = kvh * self.group_size + (unit % nqb) * H
+        slot = np.where(split, pbegin + begin // self.chunk_tokens if self.chunk_tokens else unit + cta, -1)
         return {
             "cta": cta, "unit": unit, "req": unit // nh, "kv_head": kvh, "q_head": q_head,
             "rows": np.minimum(H, (kvh + 1) * self.group_size - q_head),
-            "kv_begin": begin, "kv_end": end, "slot": np.where(split, unit + cta, -1),
+            "kv_begin": begin, "kv_end": end, "slot": slot,
             "parts_begin": pbegin, "num_parts": nparts,
         }
+
+    def _chunk_pieces(self, cta, unit, begin, end):
+        """Batch-invariant schedules: each item cut at every chunk boundary; a unit of n > 1 chunks has n
+        pieces (slots slot_base[req] + head block * n + chunk), a unit of one chunk is whole."""
+        c = self.chunk_tokens
+        k0 = begin // c
+        count = np.maximum(k0, (end - 1) // c) - k0 + 1          # an empty unit is one (empty) piece
+        rep = lambda a: np.repeat(a, count)                      # noqa: E731
+        k = rep(k0) + np.arange(count.sum()) - rep(np.cumsum(count) - count)
+        cta, unit = rep(cta), rep(unit)
+        begin, end = np.maximum(rep(begin), k * c), np.minimum(rep(end), (k + 1) * c)
+        req = unit // self.units_per_request
+        n = self.chunks[req]
+        pbegin = self.slot_base[req].astype(np.int64) + (unit % self.units_per_request) * n
+        split = n > 1
+        return cta, unit, begin, end, split, np.where(split, pbegin, -1), np.where(split, n, 0)
 
     def validate(self) -> "Schedule":
         """Check every invariant the kernel relies on; raise ScheduleError naming the first broken one."""
@@ -135,6 +177,8 @@ class Schedule:
         start = it["slot"][first][run]
         if np.any(it["parts_begin"][split] != start[split]) or np.any(np.diff(it["slot"][split]) <= 0):
             raise ScheduleError("a split unit's slots are not contiguous from its parts_begin")
+        if self.chunk_tokens and np.any(b[split] % self.chunk_tokens) | np.any(e[split] - b[split] > self.chunk_tokens):
+            raise ScheduleError("a piece of a batch-invariant schedule does not lie on one chunk")
         if split.any() and (it["slot"][split].max() >= self.num_slots or np.any(it["slot"][split] !=
                                                                                start[split] + (np.arange(len(u)) - np.flatnonzero(first)[run])[split])):
             raise ScheduleError("a slot lies outside the partial buffer or out of sequence")
@@ -176,7 +220,8 @@ class Schedule:
         d = json.loads(text)
         i32 = lambda k: np.asarray(d[k], dtype=np.int32)  # noqa: E731
         return Schedule(d["num_kv_heads"], d["group_size"], d["heads_per_item"], i32("kv_len"),
-                        i32("page_base"), i32("cta").reshape(len(CTA_FIELDS), -1), d["meta"])
+                        i32("page_base"), i32("cta").reshape(len(CTA_FIELDS), -1), d["meta"],
+                        d.get("chunk_tokens", 0))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Schedule) and self.to_dict() == other.to_dict()

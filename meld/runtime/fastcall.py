@@ -51,12 +51,16 @@ def _cuda() -> ctypes.CDLL:
 
 
 def _check(err: int, what: str) -> None:
+    """Raise CudaError for a failed call, or the WatchdogTimeout behind it (a meld kernel that trapped)."""
     if err:
+        from . import watchdog
         from .driver import CudaError
 
         msg = ctypes.c_char_p()
         _cuda().cuGetErrorString(err, ctypes.byref(msg))
-        raise CudaError(f"{what}: CUDA error {err} ({msg.value.decode() if msg.value else '?'})")
+        error = CudaError(f"{what}: CUDA error {err} ({msg.value.decode() if msg.value else '?'})")
+        watchdog.translate(error)
+        raise error
 
 
 def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:

@@ -198,7 +198,9 @@ class Trace:
         ctas = {s.cta for s in spans}
         tasks = [_task(f"traceEvents[{i}]", e, base, ctas) for i, e in enumerate(_get(obj, "traceEvents", list))
                  if _typed(f"traceEvents[{i}]", e, dict).get("ph") == "X"]
-        counts = (_get(meld, f"meld.{k}") for k in ("overflowed", "units_per_request", "head_blocks"))
+        counts = [_get(meld, f"meld.{k}") for k in ("overflowed", "units_per_request", "head_blocks")]
+        if counts[0] < 0:
+            raise ValueError(f"meld.overflowed must be >= 0, got {counts[0]}")
         return Trace(tasks, spans, *counts)
 
 
@@ -225,6 +227,8 @@ def _read_json(path: Path):
         return json.loads(path.read_bytes())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError; an unreadable file stays an OSError
         raise ValueError(f"not JSON ({e})") from None
+    except RecursionError:
+        raise ValueError("not a meld trace: JSON nested too deeply to read") from None
 
 
 def _cta_span(where: str, row, base: int) -> CtaSpan:

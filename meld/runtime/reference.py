@@ -4,6 +4,10 @@ It walks the CTAs in order, computes each item's online-softmax state over exact
 whole units to the output and split pieces to their partial slots, counts arrivals per unit, and lets
 the piece that completes a unit merge its slots — so a wrong range, slot, part count or merge in a
 schedule gives a wrong (or NaN-poisoned) answer here, without a GPU.
+
+Non-finite inputs follow the kernel's IEEE rule: a row (request, q head) with a non-finite score (NaN or
+Inf in q or K) or a non-finite P.V value (in V) gets l = NaN, so its output and lse are NaN, split or
+not; an empty row (l == 0) gives zeros and lse = -inf.
 """
 from __future__ import annotations
 
@@ -18,14 +22,21 @@ _merge = COMBINERS["online_softmax"].merge
 
 
 def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, ...]:
-    """(m, l, acc) of softmax attention of q [H, D] over k, v [n, D] (n may be 0)."""
+    """(m, l, acc) of softmax attention of q [H, D] over k, v [n, D] (n may be 0); l = NaN marks a row
+    that met a non-finite score or value."""
     H, D = q.shape
     if k.shape[0] == 0:
         return np.full(H, -np.inf), np.zeros(H), np.zeros((H, D))
-    s = (q @ k.T) * scale
-    m = s.max(axis=1)
-    p = np.exp(s - m[:, None])
-    return m, p.sum(axis=1), p @ v
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = (q @ k.T) * scale
+        bad = ~np.isfinite(s).all(axis=1)
+        s[bad] = 0.0
+        m = s.max(axis=1)
+        p = np.exp(s - m[:, None])
+        acc = p @ v
+    l = p.sum(axis=1)
+    l[bad | ~np.isfinite(acc).all(axis=1)] = np.nan
+    return m, l, acc
 
 
 def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, kv_indices: torch.Tensor,
@@ -54,8 +65,8 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, 
         if slot < 0:
             _write(out, lse, b, h0, m, l, acc)
             continue
-        part_o[slot, :rows] = acc / np.where(l > 0, l, 1.0)[:, None]
-        part_lse[slot, :rows] = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+        part_o[slot, :rows] = acc / l[:, None]         # pieces hold tokens: l >= 1, or NaN
+        part_lse[slot, :rows] = m + np.log(l)
         u = int(it["unit"][i])
         arrived[u] += 1
         if arrived[u] == it["num_parts"][i]:      # last arriver merges the unit's slots
@@ -69,10 +80,12 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, 
 
 
 def _write(out, lse, b, h0, m, l, acc) -> None:
+    """Normalise: l == 0 is an empty row (zeros, lse -inf); a NaN l stays NaN."""
     rows = len(m)
-    safe = np.where(l > 0, l, 1.0)
-    out[b, h0:h0 + rows] = torch.from_numpy(np.where(l[:, None] > 0, acc / safe[:, None], 0.0))
-    lse[b, h0:h0 + rows] = torch.from_numpy(np.where(l > 0, m + np.log(safe), -np.inf))
+    empty = l == 0
+    safe = np.where(empty, 1.0, l)
+    out[b, h0:h0 + rows] = torch.from_numpy(np.where(empty[:, None], 0.0, acc / safe[:, None]))
+    lse[b, h0:h0 + rows] = torch.from_numpy(np.where(empty, -np.inf, m + np.log(safe)))
 
 
 def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

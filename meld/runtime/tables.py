@@ -2,7 +2,7 @@
 
 One int32 device buffer holds
 
-    [CTA table | kv_len | page_base | raw: kv_indptr then kv_last_page_len | kv_indices]
+    [CTA table | kv_len | page_base | slot_base | raw: kv_indptr then kv_last_page_len | kv_indices]
 
 with every section at a fixed offset (sized by the capacities), so the attention kernel's pointers
 never change between plans and a CUDA graph that captured run() stays valid.
@@ -15,6 +15,7 @@ of calling into the driver; only when it runs two plans ahead of the GPU does it
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,8 @@ import torch
 from ..ir import CTA_FIELDS
 from . import fastcall
 from .driver import current_stream
+
+HOST_WAIT_S = 60.0   # plan() gives up waiting for a staging buffer after this long (a blocked stream)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class WorkTables:
         self.device, self.num_ctas, self.cap = device, num_ctas, cap
         self.off_kv_len = len(CTA_FIELDS) * num_ctas
         self.off_page_base = self.off_kv_len + cap.batch
-        self.off_raw = self.off_page_base + cap.batch        # kv_indptr [B + 1], then kv_last_page_len [B]
+        self.off_slot_base = self.off_page_base + cap.batch  # batch-invariant plans only
+        self.off_raw = self.off_slot_base + cap.batch        # kv_indptr [B + 1], then kv_last_page_len [B]
         self.off_indices = -(-(self.off_raw + 2 * cap.batch + 1) // 4) * 4   # 16-byte aligned for the copy
         size = self.off_indices + max(cap.pages, 1)
         self.buf = torch.zeros(size, dtype=torch.int32, device=device)
@@ -53,13 +57,32 @@ class WorkTables:
         self._buf_ptr = self.buf.data_ptr()
 
     def stage(self) -> np.ndarray:
-        """The next pinned staging buffer, once the GPU has finished reading it."""
+        """The next pinned staging buffer, once the GPU has finished reading it (the host is two plans
+        ahead of the GPU when it has not: then wait for the planner's done flag, boundedly)."""
         t = self._turn
         if self._done_host[t] != self._expect[t]:
-            torch.cuda.synchronize(self.device)   # the host is two plans ahead of the GPU: let it catch up
-            if self._done_host[t] != self._expect[t]:
-                raise RuntimeError("meld planner did not complete (a previous kernel failed?)")
+            self._wait_released(t)
         return self._host[t]
+
+    def _wait_released(self, t: int) -> None:
+        """Poll the planner's done flag for staging buffer t. A failed kernel ahead of it on the stream
+        raises (as the WatchdogTimeout it may be); a stream blocked for HOST_WAIT_S raises too."""
+        from . import watchdog
+
+        deadline = time.monotonic() + HOST_WAIT_S
+        pause = 0.0
+        while self._done_host[t] != self._expect[t]:
+            try:
+                torch.cuda.current_stream(self.device).query()   # raises if a kernel failed
+            except RuntimeError as e:
+                watchdog.translate(e)
+                raise
+            watchdog.check(self.device)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"plan(): the GPU planner of an earlier plan() has not released staging buffer "
+                                   f"{t} after {HOST_WAIT_S:g} s: the stream is blocked by work ahead of it")
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-5, 1e-3)
 
     def staging_ptr(self) -> int:
         """Address of the staging buffer stage() returned last (valid on the device too: pinned memory)."""

@@ -1,8 +1,9 @@
 """TMA tensor maps of the paged KV cache, for kernels built with `DecodeKernelConfig.tma`.
 
-The map describes the cache `[num_pages, 2, page_size, num_kv_heads, head_dim]` as a 5-D tensor whose
-box is 16 token rows x 64 channels of one (page, K or V, kv head): one copy fills one 128-byte-swizzled
-2 KiB block of a ring stage. Encoding is a host call; maps are cached by the cache's address and shape,
+The map describes the cache, NHD `[num_pages, 2, page_size, num_kv_heads, head_dim]` or HND
+`[num_pages, 2, num_kv_heads, page_size, head_dim]`, as a 5-D tensor in its own dimension order, whose box
+is 16 token rows x 64 channels of one (page, K or V, kv head): one copy fills one 128-byte-swizzled 2 KiB
+block of a ring stage, the same block in either layout (the kernel orders the coordinates by kv_hnd). Encoding is a host call; maps are cached by the cache's address and shape,
 since a model passes the same per-layer caches every step.
 """
 from __future__ import annotations
@@ -17,16 +18,16 @@ from .driver import check, drv
 BOX_ROWS, BOX_COLS = 16, 64   # token rows x channels per copy (64 bf16 = the 128-byte swizzle span)
 
 
-def kv_tensor_map(kv_cache: torch.Tensor) -> TensorMap:
-    """The tensor map of a contiguous bf16/fp16 cache [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
+    """The tensor map of a contiguous bf16/fp16 cache in `layout` (NHD or HND)."""
     d = drv()
-    pages, two, page_size, heads, dim = kv_cache.shape
+    pages, two, mid, inner, dim = kv_cache.shape      # mid, inner: page_size, heads (NHD) or heads, page_size
     es = kv_cache.element_size()
     dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
              torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[kv_cache.dtype]
-    dims = [dim, heads, page_size, two, pages]                        # innermost first
-    strides = [dim * es, heads * dim * es, page_size * heads * dim * es, two * page_size * heads * dim * es]
-    box = [BOX_COLS, 1, BOX_ROWS, 1, 1]
+    dims = [dim, inner, mid, two, pages]                              # innermost first
+    strides = [dim * es, inner * dim * es, mid * inner * dim * es, two * mid * inner * dim * es]
+    box = [BOX_COLS, 1, BOX_ROWS, 1, 1] if layout == "NHD" else [BOX_COLS, BOX_ROWS, 1, 1, 1]
     u64, u32 = d.cuuint64_t, d.cuuint32_t
     m = check(d.cuTensorMapEncodeTiled(
         dtype, 5, kv_cache.data_ptr(), [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in box],
@@ -42,9 +43,9 @@ def kv_tensor_map(kv_cache: torch.Tensor) -> TensorMap:
 class TensorMapCache:
     """kv_tensor_map() per (address, shape, dtype), so run() encodes each layer's cache once."""
 
-    def __init__(self, max_entries: int = 256):
+    def __init__(self, layout: str = "NHD", max_entries: int = 256):
         self._maps: dict[tuple, TensorMap] = {}
-        self._max = max_entries
+        self._layout, self._max = layout, max_entries
 
     def get(self, kv_cache: torch.Tensor) -> TensorMap:
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
@@ -52,5 +53,5 @@ class TensorMapCache:
         if m is None:
             if len(self._maps) >= self._max:
                 self._maps.clear()
-            m = self._maps[key] = kv_tensor_map(kv_cache)
+            m = self._maps[key] = kv_tensor_map(kv_cache, self._layout)
         return m

@@ -15,7 +15,8 @@ no faster at B = 8, so longer segments keep tile cuts).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class DecodeCost:
         cluster_snap_tokens: with thread-block clusters, a cut between two clusters moves to the nearest
             unit boundary (so that unit's pieces stay in one cluster and merge on chip) when that moves
             at most this many tokens per CTA of the smaller neighbouring cluster; 0 turns it off.
+        invariant_chunk_tokens: the chunk of batch-invariant plans (`DecodeAttention(batch_invariant=True)`):
+            a unit longer than this is always split into its chunks of this many tokens; a multiple of
+            tile_tokens. Larger chunks merge less and balance worse (bench/RESULTS.md).
     """
 
     item_overhead_tokens: int = 128
@@ -38,12 +42,19 @@ class DecodeCost:
     tile_tokens: int = 16
     round_tokens: int = 128
     cluster_snap_tokens: int = 64
+    invariant_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
+        for f in fields(self):   # every field reaches the GPU planner as an int32
+            v = getattr(self, f.name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not 0 <= v <= 2 ** 31 - 1:
+                raise ValueError(f"DecodeCost.{f.name} must be an int in [0, 2**31 - 1], got {v!r}")
         if self.tile_tokens < 1 or self.min_split_tokens < 1 or self.min_cta_tokens < 1 or self.item_overhead_tokens < 1:
             raise ValueError(f"DecodeCost fields must be >= 1: {self}")
         if self.round_tokens < 1 or self.round_tokens % self.tile_tokens:
             raise ValueError(f"DecodeCost.round_tokens must be a positive multiple of tile_tokens: {self}")
+        if self.invariant_chunk_tokens < 1 or self.invariant_chunk_tokens % self.tile_tokens:
+            raise ValueError(f"DecodeCost.invariant_chunk_tokens must be a positive multiple of tile_tokens: {self}")
         if self.cluster_snap_tokens < 0:
             raise ValueError(f"DecodeCost.cluster_snap_tokens must be >= 0: {self}")
 

@@ -10,6 +10,10 @@ With thread-block clusters the placement has two levels: the cuts between cluste
 boundaries where that unbalances the CTAs by little, so more split units keep all their pieces in one
 cluster (merged through distributed shared memory); a unit longer than that still spans clusters.
 
+Batch-invariant plans (`chunk_tokens` > 0) cut every unit longer than a chunk into all its chunks
+(a rule that depends on its length alone, see `meld.ir.schedule`): each chunk is a piece with its own
+overhead on the line, and the cuts between CTAs snap to the nearest chunk boundary.
+
 This is the reference cut: the GPU planner (`meld/codegen/templates/decode_plan.cuh`) makes the same
 one on the device, and a GPU test asserts that both write identical tables. Here it serves the CPU
 path and `DecodeAttention.schedule`. It is a few dozen vectorised NumPy operations over requests and
@@ -29,9 +33,14 @@ _ARANGE = np.arange(1 << 16, dtype=np.int64)   # sliced, not rebuilt, per plan
 _FAR = np.int64(1) << 62
 
 
+def _cuts(active: int) -> np.ndarray:
+    """The cut numbers 1..active-1."""
+    return _ARANGE[1:active] if active <= len(_ARANGE) else np.arange(1, active, dtype=np.int64)
+
+
 def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, group_size: int,
                 topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8,
-                clusters: Sequence[tuple[int, int]] = ()) -> Schedule:
+                clusters: Sequence[tuple[int, int]] = (), chunk_tokens: int = 0) -> Schedule:
     """Plan one batch.
 
     Args:
@@ -42,6 +51,8 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         cost: the cost model.
         heads_per_item: q heads one unit computes; a kv head with more q heads gets several units.
         clusters: the launch's cluster mix (`Topology.cluster_mix`); empty: no clusters.
+        chunk_tokens: > 0 for a batch-invariant plan cut on chunks of this many tokens (a multiple of
+            the tile); clusters then only shape the launch, every merge goes through global memory.
     Returns:
         A `Schedule`; `Schedule.validate()` checks that it covers every KV token exactly once.
     """
@@ -51,6 +62,13 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     if clusters and sum(size * n for size, n in clusters) != W:
         raise ValueError(f"clusters {list(clusters)} cover {sum(s * n for s, n in clusters)} CTAs, the grid has {W}")
     tile, o, ms = cost.tile_tokens, cost.item_overhead_tokens, cost.min_split_tokens
+    if chunk_tokens:
+        if chunk_tokens < 0 or chunk_tokens % tile:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be a positive multiple of the tile ({tile})")
+        u, s, active = _cut_chunks(L, nh, W, cost, chunk_tokens)
+        return _schedule(num_kv_heads, group_size, heads_per_item, L, page_base, U, W, active, u, s, False,
+                         {"active_ctas": active, "item_overhead_tokens": o, "chunk_tokens": chunk_tokens},
+                         chunk_tokens)
 
     width = L + o                                    # one unit of request b on the line
     R = np.zeros(len(L) + 1, dtype=np.int64)
@@ -94,7 +112,7 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     # boundary when that moves it by at most `snap` tokens per CTA of the smaller of the two clusters
     # (and at least one of them has more than one CTA), so the unit's pieces stay in one cluster and
     # merge on chip; the cuts inside each cluster keep their proportions within its moved span.
-    j = _ARANGE[1:active]
+    j = _cuts(active)
     snap = cost.cluster_snap_tokens if roomy and any(size > 1 for size, _ in clusters) else 0
     if snap:
         first, end = cluster_rows(clusters).astype(np.int64)
@@ -127,8 +145,48 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         np.cumsum(interior[:-1], out=shift[1:])
         u, s = cut(place(j * (total + o * int(interior.sum())) // active - o * shift))
 
-    # Pieces of a split unit: consecutive interior cuts in one unit (never on the same token, see above).
-    # The first piece belongs to the CTA before the run.
+    return _schedule(num_kv_heads, group_size, heads_per_item, L, page_base, U, W, active, u, s, True,
+                     {"active_ctas": active, "item_overhead_tokens": o, "cluster_snap_tokens": snap})
+
+
+def _cut_chunks(L: np.ndarray, nh: int, W: int, cost: DecodeCost, chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Cuts of a batch-invariant plan: each unit is its pieces (chunks) with one overhead each, and cut j
+    lands on the chunk boundary (or unit end) nearest to its equal share of the line."""
+    o = cost.item_overhead_tokens
+    n = np.maximum(1, -(-L // chunk))               # pieces per unit
+    width = L + o * n
+    R = np.zeros(len(L) + 1, dtype=np.int64)
+    np.cumsum(width * nh, out=R[1:])
+    total = int(R[-1])
+    active = int(min(W, max(1, -(-total // cost.min_cta_tokens))))
+    x = _cuts(active) * total // active
+    b = R.searchsorted(x, "right") - 1
+    r = x - R[b]
+    hb = r // width[b]
+    r -= hb * width[b]                              # position in the unit; chunk k starts at k * (chunk + o)
+    step = chunk + o
+    k = np.minimum((r + step // 2) // step, n[b] - 1)
+    to_end = width[b] - r < np.abs(r - k * step)
+    return b * nh + hb + to_end, np.where(to_end, 0, k * chunk), active
+
+
+def _schedule(num_kv_heads: int, group_size: int, heads_per_item: int, L: np.ndarray, page_base: np.ndarray,
+              U: int, W: int, active: int, u: np.ndarray, s: np.ndarray, runs: bool, meta: dict,
+              chunk_tokens: int = 0) -> Schedule:
+    """The CTA table from cuts 1..active-1 at (unit u, token s); `runs`: fill the head/tail columns with
+    the runs of interior cuts in one unit (the pieces of a split unit; the first piece belongs to the
+    CTA before the run, and no two cuts share a token)."""
+    t = np.zeros((len(CTA_FIELDS), W), dtype=np.int32)
+    t[0, active:] = U                                # idle CTAs: an empty segment at the end
+    t[2, active - 1:] = U
+    t[0, 1:active] = t[2, :active - 1] = u
+    t[1, 1:active] = t[3, :active - 1] = s
+    if runs:
+        _fill_runs(t, u, s)
+    return Schedule(num_kv_heads, group_size, heads_per_item, L, page_base, t, meta, chunk_tokens)
+
+
+def _fill_runs(t: np.ndarray, u: np.ndarray, s: np.ndarray) -> None:
     j = s.nonzero()[0]
     ui = u[j]
     run_start = np.empty(len(j), dtype=bool)
@@ -137,13 +195,5 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     run_id = run_start.cumsum() - 1
     first_cta = j[run_start][run_id]                 # cut j starts CTA j + 1; the first piece is CTA j
     parts = np.bincount(run_id)[run_id] + 1
-
-    t = np.zeros((len(CTA_FIELDS), W), dtype=np.int32)
-    t[0, active:] = U                                # idle CTAs: an empty segment at the end
-    t[2, active - 1:] = U
-    t[0, 1:active] = t[2, :active - 1] = u
-    t[1, 1:active] = t[3, :active - 1] = s
     t[6, j] = t[4, j + 1] = first_cta                # head (4, 5): the split unit a segment starts inside
     t[7, j] = t[5, j + 1] = parts                    # tail (6, 7): the split unit a segment ends inside
-    return Schedule(num_kv_heads, group_size, heads_per_item, L, page_base, t,
-                    {"active_ctas": active, "item_overhead_tokens": o, "cluster_snap_tokens": snap})

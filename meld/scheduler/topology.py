@@ -8,10 +8,15 @@ launch. It is a pure function, so the scheduler and its tests need no GPU.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -29,13 +34,18 @@ class Topology:
     max_active_clusters: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not _is_int(self.sm_count) or self.sm_count < 1:
+            raise ValueError(f"Topology.sm_count must be a positive int, got {self.sm_count!r}")
+        if not isinstance(self.max_active_clusters, Mapping):
+            raise ValueError(f"Topology.max_active_clusters must be a mapping, got {self.max_active_clusters!r}")
         table = dict(self.max_active_clusters) or {1: self.sm_count}
-        if self.sm_count < 1 or table.get(1, 0) < 1:
-            raise ValueError(f"Topology needs sm_count >= 1 and max_active_clusters[1] >= 1, got {self}")
         for size, n in table.items():
-            if size < 1 or size & (size - 1) or n < 0:
-                raise ValueError(f"max_active_clusters must map powers of two to counts >= 0, got {size}: {n}")
-        object.__setattr__(self, "max_active_clusters", dict(sorted(table.items())))
+            if not (_is_int(size) and _is_int(n)) or size < 1 or size & (size - 1) or n < 0:
+                raise ValueError(f"max_active_clusters must map powers of two to counts >= 0, got {size!r}: {n!r}")
+        if table.get(1, 0) < 1:
+            raise ValueError(f"Topology needs max_active_clusters[1] >= 1, got {self}")
+        object.__setattr__(self, "sm_count", int(self.sm_count))
+        object.__setattr__(self, "max_active_clusters", {int(k): int(v) for k, v in sorted(table.items())})
 
     @property
     def num_ctas(self) -> int:

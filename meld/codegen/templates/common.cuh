@@ -141,13 +141,38 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
                : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   return done != 0;
 }
-// Wait for the barrier's phase `parity` to complete. Watchdog: a phase that never completes (a copy that
-// was never issued, a byte count that does not match) traps after two seconds instead of hanging.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+// --- watchdogs -----------------------------------------------------------------------------------
+// Every spin gives up after MELD_WATCHDOG_NS. The first thread on the device to give up claims the
+// device's record (an atomic on a device word), writes what it waited for into the record (pinned host
+// memory, readable after the trap; meld/runtime/watchdog.py decodes it) and traps.
+struct WaitSite {
+  WatchdogRecord* rec;
+  int* claim;
+  int kernel, site, cta, warp, unit, detail;   // site numbers: watchdog.SITES
+};
+__device__ __noinline__ void watchdog_trip(WatchdogRecord* rec, int* claim, int kernel, int site, int cta, int warp,
+                                           int unit, int detail, u32 parity, i64 waited_ns) {
+  if (rec != nullptr && atomicCAS(claim, 0, 1) == 0) {
+    volatile WatchdogRecord* r = rec;
+    r->kernel = kernel; r->site = site; r->cta = cta; r->sm = sm_id(); r->warp = warp; r->unit = unit;
+    r->detail = detail; r->parity = (int)parity; r->waited_ns = waited_ns;
+    __threadfence_system();   // the record before the flag that says it is complete
+    r->tripped = 1;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// Wait for the barrier's phase `parity` to complete. A phase that never completes (a copy that was
+// never issued, a byte count that does not match) trips the watchdog instead of hanging.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const WaitSite& s) {
   if (mbar_try_wait(bar, parity)) return;
   const i64 t0 = global_timer_ns();
-  while (!mbar_try_wait(bar, parity))
-    if (global_timer_ns() - t0 > 2000000000ll) __trap();
+  while (!mbar_try_wait(bar, parity)) {
+    const i64 waited = global_timer_ns() - t0;
+    if (waited > MELD_WATCHDOG_NS)
+      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, parity, waited);
+  }
 }
 // One TMA tensor copy (a box of a 5-D tensor map, coordinates innermost first) global -> this CTA's
 // shared memory; its bytes complete on `bar`. `map` is the generic address of a __grid_constant__ map.

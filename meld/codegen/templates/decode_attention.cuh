@@ -27,8 +27,24 @@
 // rings, each stage completed by an mbarrier (expect-tx bytes). A tile must then lie in one page:
 // page_size % 16 == 0 (DecodeAttention checks it).
 //
+// IEEE semantics: a non-finite score (NaN or Inf in q or K) or a non-finite P.V accumulator (in V) makes
+// that (request, q head) row's output and lse NaN, split or not; an empty unit gives zeros and lse -inf.
+// Scores are poisoned as they are made (x + 0 * x is NaN exactly for Inf and NaN), the accumulators are
+// folded into l once per piece, and every normalisation tells empty (l == 0) from NaN.
+//
+// MELD_CHUNKED (batch-invariant) builds walk each unit of a segment as its chunks of p.chunk tokens, every
+// chunk a piece of its own whenever the unit has more than one (meld/ir/schedule.py): its slot is
+// slot_base[req] + head block * chunks + chunk, and the last of its chunks to arrive merges them in
+// chunk order, so a request's result does not depend on where in the batch, or beside what, it runs.
+// These builds merge through global memory only.
+//
+// The cache is NHD [pages, 2, page_size, Hkv, D] or HND [pages, 2, Hkv, page_size, D]: the cp.async
+// loads address rows of D elements through run-time strides (kv_page_stride, ...), the TMA map is
+// encoded for the layout and its box coordinates follow kv_hnd.
+//
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
-// HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, DecodeParams.
+// HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
+// MELD_DEBUG_WITHHOLD, DecodeParams.
 
 namespace meld {
 
@@ -56,6 +72,8 @@ static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128 or 256");
 static_assert(HEADS == 8 || HEADS == 16, "a unit computes 8 or 16 q heads");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
+constexpr bool CHUNKED = MELD_CHUNKED;
+static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through global memory");
 constexpr bool PROFILE = MELD_PROFILE;
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
@@ -94,8 +112,21 @@ struct Unit {
   int first_cta;    // CTA of the unit's first piece (split units)
   bool head;        // this piece starts the CTA's segment (else it ends it)
   bool onchip;      // every piece ran in this cluster: merge through distributed shared memory
+  int seg_end, k, k_first, k_last;   // MELD_CHUNKED: the unit's end in this segment; this chunk; its chunks here
   __device__ __forceinline__ int num_tiles() const { return (end - begin + TILE - 1) / TILE; }
 };
+
+// MELD_CHUNKED: make x (a unit of this segment) its chunk k, [k chunk, min(seg_end, (k + 1) chunk)).
+// Segments start and end on chunk boundaries, so every piece is one whole chunk (or a unit's last).
+__device__ __forceinline__ void enter_chunk(const DecodeParams& p, Unit& x, int u, int k) {
+  const int n = max(1, (p.kv_len[x.req] + p.chunk - 1) / p.chunk);
+  x.k = k;
+  x.begin = k * p.chunk;
+  x.end = min(x.seg_end, x.begin + p.chunk);
+  x.num_parts = n > 1 ? n : 0;
+  x.parts_begin = p.slot_base[x.req] + (u - x.req * p.units_per_request) * n;
+  x.slot = n > 1 ? x.parts_begin + k : -1;
+}
 
 __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& g, int u, const Place& pl) {
   const int cta = pl.cta;
@@ -119,6 +150,12 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
   x.head = head;
   x.onchip = ONCHIP && x.slot >= 0 && x.first_cta >= pl.cluster_first &&
              x.first_cta + x.num_parts <= pl.cluster_first + pl.cluster_ctas;
+  if (CHUNKED) {
+    x.seg_end = x.end;
+    x.k_first = x.begin / p.chunk;
+    x.k_last = max(x.k_first, (x.end - 1) / p.chunk);   // an empty unit: one empty piece
+    enter_chunk(p, x, u, x.k_first);
+  }
   return x;
 }
 
@@ -127,7 +164,8 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
 struct LoadCursor {
   int u, j;
   Unit x;
-  int row;      // this lane's token row (lane & 15) of the next tile: page * 2 * page_size + slot, or -1
+  int row;      // this lane's token row (lane & 15) of the next tile, or -1: with TMA page * 2 * page_size +
+                // slot, else the index of its K row of D elements in the cache
   bool live;
 };
 
@@ -137,13 +175,20 @@ __device__ __forceinline__ void cursor_fetch_row(const DecodeParams& p, LoadCurs
   if (pos < c.x.end) {
     const int pg = pos / p.page_size;
     const int page = p.kv_indices[c.x.page_base + pg];
-    c.row = page * 2 * p.page_size + (pos - pg * p.page_size);
+    const int slot = pos - pg * p.page_size;
+    c.row = TMA ? page * 2 * p.page_size + slot
+                : page * p.kv_page_stride + slot * p.kv_slot_stride + c.x.kv_head * p.kv_head_stride;
   }
 }
 
 __device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment& g, LoadCursor& c,
                                             const Place& pl, int warp, int lane) {
   while (c.live && c.j >= c.x.num_tiles()) {
+    if (CHUNKED && c.x.k < c.x.k_last) {
+      enter_chunk(p, c.x, c.u, c.x.k + 1);
+      c.j = warp;
+      continue;
+    }
     if (++c.u > g.u_last) { c.live = false; break; }
     c.x = load_unit(p, g, c.u, pl);
     c.j = warp;
@@ -156,9 +201,13 @@ __device__ __forceinline__ void cursor_seek(const DecodeParams& p, const Segment
 __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment& g, LoadCursor& c, u32 ring,
                                            u32 bars, int stage, const Place& pl, int warp, int lane) {
   const u32 dst = ring + stage * STAGE_BYTES;
-  const i64 row_stride = (i64)p.num_kv_heads * D;
   if (TMA) {
     if (!c.live) return;
+    if (MELD_DEBUG_WITHHOLD && g.u_begin == 0 && g.s_begin == 0 && warp == 0 && c.u == 0 && c.j == 0) {
+      c.j += WARPS;            // unit 0's first tile is never issued: its consumer's wait must trip
+      cursor_seek(p, g, c, pl, warp, lane);
+      return;
+    }
     const u32 bar = bars + 8 * stage;
     fence_proxy_async();   // this warp's generic accesses to the stage come before the copies overwrite it
     if (lane == 0) mbar_arrive_expect_tx(bar, STAGE_BYTES);
@@ -167,19 +216,20 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
     if (lane < 2 * BOXES) {   // lane: K or V (lane / BOXES), channel block (lane % BOXES)
       const int page = row / (2 * p.page_size), slot = row - page * 2 * p.page_size;
       const int kv = lane / BOXES, b = lane % BOXES;
-      tma_load_5d(dst + kv * TILE_BYTES + b * BOX_BYTES, &p.kv_map, b * BOX_COLS, c.x.kv_head, slot, kv, page, bar);
+      const int c1 = p.kv_hnd ? slot : c.x.kv_head, c2 = p.kv_hnd ? c.x.kv_head : slot;   // the map's dim order
+      tma_load_5d(dst + kv * TILE_BYTES + b * BOX_BYTES, &p.kv_map, b * BOX_COLS, c1, c2, kv, page, bar);
     }
   } else {
     if (c.live) {
-      const u16* base = p.kv + c.x.kv_head * D + (lane % CPR) * 8;
+      const u16* base = p.kv + (lane % CPR) * 8;
 #pragma unroll
       for (int k = 0; k < PASSES; ++k) {
         const int r = lane / CPR + k * RPP;
         const int ro = __shfl_sync(0xffffffffu, c.row, r);
-        const u16* src = base + (i64)max(ro, 0) * row_stride;
+        const u16* src = base + (i64)max(ro, 0) * D;
         const int bytes = ro >= 0 ? 16 : 0;
         cp_async_16(dst + tile_off(r, lane % CPR), src, bytes);
-        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), src + (i64)p.page_size * row_stride, bytes);
+        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), src + (i64)p.kv_v_rows * D, bytes);
       }
     }
     cp_async_commit();
@@ -191,10 +241,12 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
 }
 
 // Wait until ring stage `stage` holds its tile (TMA: the stage's mbarrier phase; `phases` keeps one
-// parity bit per stage).
-__device__ __forceinline__ void wait_tile(u32 bars, int stage, u32& phases) {
+// parity bit per stage; the watchdog names the CTA, warp, unit and stage).
+__device__ __forceinline__ void wait_tile(const DecodeParams& p, u32 bars, int stage, u32& phases, int cta, int warp,
+                                          int unit) {
   if (TMA) {
-    mbar_wait(bars + 8 * stage, (phases >> stage) & 1u);
+    const WaitSite site{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 1, cta, warp, unit, stage};
+    mbar_wait(bars + 8 * stage, (phases >> stage) & 1u, site);
     phases ^= 1u << stage;
   } else {
     cp_async_wait<STAGES - 2>();
@@ -213,6 +265,20 @@ struct WarpState {
                            // m16 tile's rows 8..15 are zero
 };
 
+// A fresh online-softmax state for the next piece.
+__device__ __forceinline__ void reset_state(WarpState& st) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    st.m[i] = neg_inf();
+    st.l[i] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < KSTEPS; ++mt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) st.o[i][mt][k] = 0.f;
+  }
+}
+
+// The unit's Q fragments, and a fresh state.
 __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, WarpState& st, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -224,13 +290,8 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
       st.qa[ks][i][0] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
       st.qa[ks][i][1] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + 8) : 0u;
     }
-    st.m[i] = neg_inf();
-    st.l[i] = 0.f;
-#pragma unroll
-    for (int mt = 0; mt < KSTEPS; ++mt)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) st.o[i][mt][k] = 0.f;
   }
+  reset_state(st);
 }
 
 __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lane) {
@@ -261,8 +322,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     float x[4] = {s0[2 * i] * p.sm_scale_log2, s0[2 * i + 1] * p.sm_scale_log2,
                   s1[2 * i] * p.sm_scale_log2, s1[2 * i + 1] * p.sm_scale_log2};
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (tok[k] >= nvalid) x[k] = neg_inf();
+    for (int k = 0; k < 4; ++k)   // past the unit's end: masked; else Inf and NaN scores become NaN
+      x[k] = tok[k] >= nvalid ? neg_inf() : x[k] + 0.f * x[k];
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -358,8 +419,24 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
+    // o - o is 0, or NaN for an Inf or NaN accumulator: summed over a head's channels (this lane's, then
+    // the 8 lanes of the same t) and added to l, it turns the head's whole row NaN (IEEE semantics, above).
+    float bad_lo = 0.f, bad_hi = 0.f;   // heads 8 i + 2 t and 8 i + 2 t + 1
+#pragma unroll
+    for (int mt = 0; mt < KSTEPS; ++mt) {
+      const float(&o)[4] = st.o[i][mt];
+      bad_lo += (o[0] - o[0]) + (o[2] - o[2]);
+      bad_hi += (o[1] - o[1]) + (o[3] - o[3]);
+    }
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) {
+      bad_lo += __shfl_xor_sync(0xffffffffu, bad_lo, d);
+      bad_hi += __shfl_xor_sync(0xffffffffu, bad_hi, d);
+    }
+    const float lo = __shfl_sync(0xffffffffu, bad_lo, g >> 1), hi = __shfl_sync(0xffffffffu, bad_hi, g >> 1);
     float l = st.l[i] + __shfl_xor_sync(0xffffffffu, st.l[i], 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
+    l += (g & 1) ? hi : lo;   // head 8 i + g
     if (t == 0) { mg.m[warp][8 * i + g] = st.m[i]; mg.l[warp][8 * i + g] = l; }
     const int h = 8 * i + 2 * t;
 #pragma unroll
@@ -388,9 +465,9 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
       lsum += mg.l[w][h] * sc;
       acc.x += o.x * sc; acc.y += o.y * sc; acc.z += o.z * sc; acc.w += o.w * sc;
     }
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+    const float inv = lsum == 0.f ? 0.f : 1.f / lsum;   // 0: an empty unit; NaN stays NaN
     const float4 val = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    const float lse2 = lsum > 0.f ? m_use + log2_approx(lsum) : neg_inf();
+    const float lse2 = lsum == 0.f ? neg_inf() : m_use + log2_approx(lsum);
     if (x.slot < 0) {
       store_out4(p, x, h, d, val, lse2);
     } else if (x.onchip) {
@@ -401,21 +478,22 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
       if (d == 0) p.part_lse[x.slot * HEADS + h] = lse2;
     }
   }
-  if (x.slot < 0) {
-    __syncthreads();   // the merge area is rewritten by the next unit
+  if (x.slot < 0 || (CHUNKED && x.k < x.k_last)) {   // (MELD_CHUNKED: the unit's chunks here arrive together,
+    __syncthreads();   // with its last one.) The merge area is rewritten by the next piece
     return false;
   }
   if (!x.onchip) __threadfence();   // partials visible device-wide before the counter says so
   __syncthreads();
   if (threadIdx.x == 0) {
+    const unsigned arrivals = CHUNKED ? x.k_last - x.k_first + 1 : 1;
     unsigned old;
     if (x.onchip) {
       fence_cluster();               // this CTA's partial (ordered by the barrier above) before the count
       old = dsmem_atomic_add(dsmem_map(smem_addr(&pa.counter), x.first_cta - pl.cluster_first), 1u);
     } else {
-      old = atomicAdd(p.counters + u, 1u);
+      old = atomicAdd(p.counters + u, arrivals);
     }
-    mg.last = old == (unsigned)(x.num_parts - 1);
+    mg.last = old == (unsigned)x.num_parts - arrivals;
     if (mg.last) {
       if (x.onchip) fence_cluster(); else __threadfence();
     }
@@ -471,8 +549,8 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
       }
       m = mc;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float lse2 = sum > 0.f ? m + log2_approx(sum) : neg_inf();
+    const float inv = 1.f / sum;   // every part holds tokens: sum >= 1, or NaN from a NaN part
+    const float lse2 = m + log2_approx(sum);
     store_out4(p, x, h, d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv), lse2);
   }
   if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
@@ -522,23 +600,28 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     int cs = 0;
     u32 phases = 0;
     for (int u = g.u_begin; u <= g.u_last; ++u) {
-      const i64 t0 = prof.now();
-      const Unit x = load_unit(p, g, u, pl);
+      Unit x = load_unit(p, g, u, pl);
       load_q(p, x, st, lane);
-      const int nt = x.num_tiles();
-      for (int j = warp; j < nt; j += WARPS) {
-        wait_tile(bars, cs, phases);
-        const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
-        issue_tile(p, g, lc, ring, bars, ns, pl, warp, lane);
-        compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
-        cs = cs + 1 == STAGES ? 0 : cs + 1;
-      }
-      const bool merge = finish_piece(p, x, u, pl, st, mg, pa, warp, lane);
-      prof.record(p, t0, kPiece, u);
-      if (merge) {
-        const i64 t1 = prof.now();
-        merge_unit(p, x, u, pl, pa);
-        prof.record(p, t1, x.onchip ? kMergeOnChip : kMergeHbm, u);
+      for (;;) {   // the unit's piece here (MELD_CHUNKED: each of its chunks here)
+        const i64 t0 = prof.now();
+        const int nt = x.num_tiles();
+        for (int j = warp; j < nt; j += WARPS) {
+          wait_tile(p, bars, cs, phases, pl.cta, warp, u);
+          const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
+          issue_tile(p, g, lc, ring, bars, ns, pl, warp, lane);
+          compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
+          cs = cs + 1 == STAGES ? 0 : cs + 1;
+        }
+        const bool merge = finish_piece(p, x, u, pl, st, mg, pa, warp, lane);
+        prof.record(p, t0, kPiece, u);
+        if (merge) {
+          const i64 t1 = prof.now();
+          merge_unit(p, x, u, pl, pa);
+          prof.record(p, t1, x.onchip ? kMergeOnChip : kMergeHbm, u);
+        }
+        if (!CHUNKED || x.k >= x.k_last) break;
+        enter_chunk(p, x, u, x.k + 1);
+        reset_state(st);
       }
     }
     if (!TMA) cp_async_wait<0>();   // (TMA: every issued tile was waited for)

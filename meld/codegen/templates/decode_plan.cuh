@@ -6,6 +6,9 @@
 // plan() then costs the host one launch and no copy call) or in device memory (a page table that
 // already lives on the GPU: no host involvement at all). When every CTA is done reading, the last one
 // writes `done_seq` to the host-mapped `done_flag`, which tells the host it may reuse its staging buffer.
+// With `chunk` > 0 it makes decode_plan.py's batch-invariant cut instead (_cut_chunks): every piece a
+// chunk with its own overhead on the line, cuts on the nearest chunk boundary, no head/tail runs, and
+// each request's first partial slot in slot_base.
 //
 // Defined by the including source: PLAN_THREADS, struct PlanParams.
 
@@ -60,29 +63,38 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   long long* moved = smem64;
   int* cut = reinterpret_cast<int*>(smem64 + p.num_ctas + 1);
   const int tid = threadIdx.x, B = p.batch, W = p.num_ctas, nh = p.units_per_request;
-  const int U = B * nh, o = p.item_overhead, ms = p.min_split, tile = p.tile;
+  const int U = B * nh, o = p.item_overhead, ms = p.min_split, tile = p.tile, chunk = p.chunk;
   int* cut_u = cut;
   int* cut_s = cut + W;
   int* first = cut + 2 * W;
   int* last = cut + 3 * W;
   long long* R = p.line;
 
-  // 1. Lengths, and the line: request b occupies [R[b], R[b+1]) with width nh * (len + overhead).
-  long long carry = 0;
+  // 1. Lengths, and the line: request b occupies [R[b], R[b+1]) with width nh * (len + overhead) (chunks:
+  //    nh * (len + overhead * pieces), and slot_base[b] = the pieces of the split requests before it).
+  auto pieces = [&](long long len) { return max(1ll, (len + chunk - 1) / chunk); };
+  long long carry = 0, slots = 0;
   for (int base = 0; base < B; base += PT) {
     const int b = base + tid;
-    long long v = 0;
+    long long v = 0, w = 0;
     if (b < B) {
       const int pages = p.kv_indptr[b + 1] - p.kv_indptr[b];
       const int len = pages > 0 ? (pages - 1) * p.page_size + p.last_page_len[b] : 0;
       p.kv_len[b] = len;
       p.page_base[b] = p.kv_indptr[b];
-      v = (long long)nh * (len + o);
+      const long long n = chunk ? pieces(len) : 1;
+      v = (long long)nh * (len + o * n);
+      w = n > 1 ? nh * n : 0;
     }
     long long block_total;
     const long long s = block_scan(v, Add(), tot64, block_total);
     if (b < B) R[b + 1] = carry + s;
     carry += block_total;
+    if (chunk) {
+      const long long sw = block_scan(w, Add(), tot64, block_total);
+      if (b < B) p.slot_base[b] = (int)(slots + sw - w);
+      slots += block_total;
+    }
   }
   if (tid == 0) R[0] = 0;
   __syncthreads();
@@ -94,7 +106,7 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   //    snapping on a round of the warps, with at least one round per CTA).
   const bool roomy = total / active >= 2 * (o + (ms + tile - 1) / tile * tile + tile);
   const int grain = roomy ? tile : p.round;
-  if (!roomy) active = (int)min((long long)active, max(1ll, total / grain));
+  if (!roomy && !chunk) active = (int)min((long long)active, max(1ll, total / grain));
   const long long lo = (ms + grain - 1) / grain * grain, far = 1ll << 62;
   auto request_at = [&](long long x) {           // largest b with R[b] <= x
     int lo_b = 0, hi_b = B;
@@ -125,6 +137,17 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
     }
     cut_u[c] = b * nh + (int)hb + to_end;
     cut_s[c] = to_end || to_start ? 0 : (int)s;
+  };
+
+  auto cut_chunk = [&](int c, long long x) {     // decode_plan.py's _cut_chunks
+    const int b = request_at(x);
+    const long long n = pieces(p.kv_len[b]), wb = p.kv_len[b] + o * n;
+    const long long r0 = x - R[b];
+    const long long hb = r0 / wb, r = r0 - hb * wb, step = chunk + o;
+    const long long k = min((r + step / 2) / step, n - 1);
+    const bool to_end = wb - r < llabs(r - k * step);
+    cut_u[c] = b * nh + (int)hb + to_end;
+    cut_s[c] = to_end ? 0 : (int)(k * chunk);
   };
 
   //    Two levels with clusters (roomy only, as decode_plan.py's place()): a cut between two clusters
@@ -164,13 +187,17 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
       cut_at(c, moved[f] + floor_div((target(c, second) - tf) * (moved[e] - moved[f]), target(e, second) - tf));
     }
   };
-  place_cuts(false);
+  if (chunk) {
+    for (int c = 1 + tid; c < active; c += PT) cut_chunk(c, (long long)c * total / active);
+  } else {
+    place_cuts(false);
+  }
   __syncthreads();
 
   //    Every piece pays the item overhead, but the line holds it once per unit (at its start): a CTA
   //    whose segment starts inside a unit pays one the line does not show. Second cut (roomy only):
   //    grow the line by one overhead per interior cut of the first and move each cut left by those before it.
-  if (roomy) {
+  if (roomy && !chunk) {
     long long before = 0;
     for (int base = 1; base < active; base += PT) {
       const int c = base + tid;
@@ -188,7 +215,7 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
 
   // 3. Runs of interior cuts (s > 0) in one unit: the pieces of a split unit. first = the run's first
   //    cut (max-scan of run starts), last = its last cut (min-scan, right to left, of run ends).
-  auto interior = [&](int c) { return c >= 1 && c < active && cut_s[c] > 0; };
+  auto interior = [&](int c) { return !chunk && c >= 1 && c < active && cut_s[c] > 0; };
   int acc = 0;
   for (int base = 0; base < W; base += PT) {
     const int c = base + tid;

@@ -1,0 +1,62 @@
+"""Checks the GPU test modules share: a full run of DecodeAttention against the float64 reference, and
+the GPU planner's tables against the host planner's."""
+import numpy as np
+import torch
+
+import meld
+from meld.runtime.reference import attention_reference
+from meld.workloads import lengths, paged
+
+
+def assert_gpu_plan_matches_host(attn):
+    """The GPU planner wrote exactly the tables of meld.scheduler.plan_decode (the reference)."""
+    s = attn.schedule.validate()
+    t = attn.tables
+    W = attn.topology.num_ctas
+    B = len(s.kv_len)
+    buf = t.buf.cpu().numpy()
+    assert np.array_equal(buf[:8 * W].reshape(8, W), s.cta), "GPU planner and host planner disagree"
+    assert np.array_equal(buf[t.off_kv_len:t.off_kv_len + B], s.kv_len)
+    assert np.array_equal(buf[t.off_page_base:t.off_page_base + B], s.page_base)
+    if s.chunk_tokens:
+        assert np.array_equal(buf[t.off_slot_base:t.off_slot_base + B], s.slot_base)
+
+
+def layout(kv_nhd: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """An NHD cache [pages, 2, page_size, Hkv, D] in `kv_layout` (HND: [pages, 2, Hkv, page_size, D])."""
+    return kv_nhd if kv_layout == "NHD" else kv_nhd.transpose(2, 3).contiguous()
+
+
+def check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=torch.bfloat16, lens=None, **op):
+    """Plan and run a batch (outputs poisoned first) and check it: no NaN, every grid's output visible
+    to the stream's next work, relative error < 1e-2 against float64, lse, empty requests, and two runs
+    bit-identical. Returns the operator."""
+    lens = lens if lens is not None else lengths(dist, B)
+    pb = paged(lens, page_size)
+    Hq = num_kv_heads * group
+    dev = "cuda"
+    kv = torch.randn(pb.num_pages, 2, page_size, num_kv_heads, head_dim, device=dev).to(dtype)
+    q = torch.randn(len(lens), Hq, head_dim, device=dev).to(dtype)
+    attn = meld.DecodeAttention(Hq, num_kv_heads, head_dim, page_size, dtype, dev, **op)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    assert_gpu_plan_matches_host(attn)
+    cache = layout(kv, attn.kv_layout)
+    out = torch.full((len(lens), Hq, head_dim), float("nan"), dtype=dtype, device=dev)
+    lse = torch.full((len(lens), Hq), float("nan"), device=dev)
+    attn.run(q, cache, out=out, lse=lse)
+    snap = out.clone()   # the stream's next work: it must see every grid's output (no NaN left)
+    out2, lse2 = attn.run(q, cache, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_reference(q, kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev))
+    assert not out.isnan().any(), "unwritten or NaN output elements"
+    assert torch.equal(snap, out), "work queued after run() ran before every grid had finished"
+    assert not lse.isnan().any(), "unwritten or NaN lse elements"
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < 1e-2, f"relative error {err:.2e}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse = -inf must mark exactly the empty requests"
+    assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3 if finite.any() else True
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "results differ between two identical runs: a race"
+    empty = torch.tensor([n == 0 for n in lens], device=dev)
+    assert (out[empty] == 0).all(), "a request with no KV tokens must give zeros"
+    return attn
