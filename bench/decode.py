@@ -57,6 +57,7 @@ REL_TOL = 1e-2
 LSE_TOL = 1e-3  # on |lse - ref| / max(1, |ref|)
 FI_WORKSPACE_BYTES = 128 << 20
 MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-size)
+KV_LAYOUT = ["NHD"]  # --kv-layout: the cache layout meld and FlashInfer read (the reference keeps NHD)
 
 
 # ------------------------------------------------------------------------------------------- workloads
@@ -129,6 +130,7 @@ class Inputs:
     table: PageTable
     q: torch.Tensor  # [B, Hq, D]
     kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D], NHD; exactly the pages the table uses
+    kv_run: torch.Tensor  # the same cache in --kv-layout (HND: [num_pages, 2, Hkv, page_size, D]), as timed
 
     @property
     def kv_bytes(self) -> int:
@@ -142,7 +144,7 @@ def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
     q = torch.randn(case.batch, case.num_qo_heads, case.head_dim, generator=g, dtype=DTYPE, device=device)
     kv = torch.randn(table.num_pages, 2, PAGE_SIZE, case.num_kv_heads, case.head_dim, generator=g, dtype=DTYPE,
                      device=device)
-    return Inputs(case, table, q, kv)
+    return Inputs(case, table, q, kv, kv if KV_LAYOUT[0] == "NHD" else kv.transpose(2, 3).contiguous())
 
 
 def kv_cache_mib(case: Case, table: PageTable) -> float:
@@ -223,7 +225,7 @@ def build_meld(inp: Inputs) -> Impl:
     c, t = inp.case, inp.table
     t0 = time.perf_counter()
     attn = meld.DecodeAttention(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                page_size=PAGE_SIZE, dtype=DTYPE, device=str(inp.q.device),
+                                page_size=PAGE_SIZE, dtype=DTYPE, device=str(inp.q.device), kv_layout=KV_LAYOUT[0],
                                 max_batch_size=c.batch, max_num_pages=t.num_pages, **MELD_OPTIONS)
     init_us = (time.perf_counter() - t0) * 1e6
 
@@ -236,15 +238,15 @@ def build_meld(inp: Inputs) -> Impl:
 
     def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
         # Poisoned outputs: an element the kernel does not write stays NaN and fails the check.
-        alloc = attn.run(inp.q, inp.kv_cache)  # the allocating path, as a user calls it
+        alloc = attn.run(inp.q, inp.kv_run)  # the allocating path, as a user calls it
         o1 = torch.full_like(inp.q, math.nan)
-        attn.run(inp.q, inp.kv_cache, out=o1)
+        attn.run(inp.q, inp.kv_run, out=o1)
         o2 = torch.full_like(inp.q, math.nan)
         lse = torch.full((c.batch, c.num_qo_heads), math.nan, dtype=torch.float32, device=inp.q.device)
-        attn.run(inp.q, inp.kv_cache, return_lse=True, out=o2, lse=lse)
+        attn.run(inp.q, inp.kv_run, return_lse=True, out=o2, lse=lse)
         return [("run", alloc, None), ("run(out=)", o1, None), ("run(return_lse=True, out=, lse=)", o2, lse)]
 
-    return Impl(lambda: attn.run(inp.q, inp.kv_cache, out=out), outputs, timing, first.median_us, init_us)
+    return Impl(lambda: attn.run(inp.q, inp.kv_run, out=out), outputs, timing, first.median_us, init_us)
 
 
 def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
@@ -253,7 +255,7 @@ def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
 
     c, t, dev = inp.case, inp.table, inp.q.device
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), kv_layout="NHD",
+        torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), kv_layout=KV_LAYOUT[0],
         use_cuda_graph=True, use_tensor_cores=tensor_cores,
         paged_kv_indptr_buffer=torch.empty(c.batch + 1, dtype=torch.int32, device=dev),
         paged_kv_indices_buffer=torch.empty(t.num_pages, dtype=torch.int32, device=dev),
@@ -270,10 +272,10 @@ def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
 
     def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
         out.fill_(math.nan)  # FlashInfer writes into `out`: every element must be overwritten
-        wrapper.run(inp.q, inp.kv_cache, out=out)
+        wrapper.run(inp.q, inp.kv_run, out=out)
         return [("run", out.clone(), None)]
 
-    return Impl(lambda: wrapper.run(inp.q, inp.kv_cache, out=out), outputs, timing, first.median_us)
+    return Impl(lambda: wrapper.run(inp.q, inp.kv_run, out=out), outputs, timing, first.median_us)
 
 
 def build_sdpa(inp: Inputs) -> Impl:
@@ -457,6 +459,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--sdpa-max-batch", type=int, default=64, help="skip SDPA above this batch size")
     p.add_argument("--sdpa-max-gib", type=float, default=20.0, help="skip SDPA when its padded K+V exceeds this")
     p.add_argument("--cluster-size", type=int, help="meld's preferred cluster size (default: meld's default)")
+    p.add_argument("--kv-layout", choices=("NHD", "HND"), default="NHD",
+                   help="the cache layout meld and FlashInfer read (SDPA and the reference gather from NHD)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
@@ -511,6 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.cluster_size is not None:
         MELD_OPTIONS["cluster_size"] = args.cluster_size
+    KV_LAYOUT[0] = args.kv_layout
     cases = select_cases(args.batch, args.dist, extra=not args.no_extra)
     if args.dry_run:
         dry_run(cases, args)
@@ -521,6 +526,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     env = env_info()
     env["commit"] = args.commit or env["commit"]
+    env["kv_layout"] = args.kv_layout
     failures: list[str] = []
     args.impls = preflight(args.impls, env, failures)
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)

@@ -1,0 +1,128 @@
+"""meld against an earlier meld (a base tree), and meld's own variants, on BENCH.md's decode grid.
+
+What it answers: what a change costs or gains, measured side by side in one run — the commit before it
+against the working tree, each in its own worker process (two copies of the package cannot share one),
+in alternating rounds so drift hits both; and, inside the new tree's worker, variants of one operator
+(the HND cache layout, batch-invariant plans with several chunk sizes) against its default. Every
+variant is checked against float64 (‖out − ref‖/‖ref‖ < 1e-2, no NaN) before it is timed, with the
+harness's one timer (CUDA-graph replay median, cold L2).
+
+    git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
+    PYTHONPATH=$PWD python3 bench/decode_ab.py --base .ab/base [--variants default hnd inv1024] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's invariant_chunk_tokens
+    "default": {},
+    "hnd": {"kv_layout": "HND"},
+    "inv512": {"batch_invariant": True, "chunk": 512},
+    "inv1024": {"batch_invariant": True, "chunk": 1024},
+    "inv1536": {"batch_invariant": True, "chunk": 1536},
+    "inv2048": {"batch_invariant": True, "chunk": 2048},
+}
+CASES = [(b, d) for b in (1, 8, 64, 256) for d in ("uniform2k", "skewed", "one-long") if (b, d) != (1, "one-long")]
+
+
+def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check: bool) -> dict[str, dict[str, float]]:
+    """Time `variants` of the meld in `tree` on `cases` (µs, graph replay median)."""
+    sys.path[:0] = [str(tree), str(REPO)]
+    import torch
+
+    import meld
+    from bench.decode import PAGE_SIZE, Case, check_output, make_inputs, reference
+    from bench.harness import graph_time_us
+
+    times: dict[str, dict[str, float]] = {}
+    for b, dist in cases:
+        inp = make_inputs(Case(b, dist))
+        c, t = inp.case, inp.table
+        ref = reference(inp) if check else None
+        hnd = None
+        for name in variants:
+            opts = dict(VARIANTS[name])
+            chunk = opts.pop("chunk", None)
+            make = lambda **kw: meld.DecodeAttention(c.num_qo_heads, c.num_kv_heads, c.head_dim, PAGE_SIZE,  # noqa: E731
+                                                     torch.bfloat16, "cuda", max_batch_size=b,
+                                                     max_num_pages=t.num_pages, **opts, **kw)
+            op = make()
+            if chunk:
+                op = make(cost=dataclasses.replace(op.cost, invariant_chunk_tokens=chunk))
+            kv = inp.kv_cache
+            if opts.get("kv_layout") == "HND":
+                hnd = kv.transpose(2, 3).contiguous() if hnd is None else hnd
+                kv = hnd
+            op.plan(t.indptr, t.indices, t.last_page_len)
+            out = torch.full_like(inp.q, float("nan"))
+            lse = torch.full(inp.q.shape[:2], float("nan"), device="cuda")
+            op.run(inp.q, kv, out=out, lse=lse)
+            if check:
+                err, _, problems = check_output(out, ref[0], lse, ref[1])
+                if problems:
+                    raise SystemExit(f"{name} on B={b} {dist}: {'; '.join(problems)}")
+            times.setdefault(f"B={b} {dist}", {})[name] = graph_time_us(partial(op.run, inp.q, kv, out=out)).median_us
+        inp = ref = hnd = op = None   # the next case's inputs need the memory
+        torch.cuda.empty_cache()
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", type=Path, help="a tree holding the base commit's `meld` package")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: 1 8 64 256)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    cases = [c for c in CASES if args.batch is None or c[0] in args.batch]
+    args.variants = ["default"] + [v for v in args.variants if v != "default"]   # the ratios' denominator
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.variants, cases, args.check)))
+        return 0
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    for r in range(args.rounds):
+        for tree, name, variants in ((args.base, "base", ["default"]), (REPO, "new", args.variants)):
+            if tree is None:
+                continue
+            cmd = [sys.executable, __file__, "--worker", str(tree), "--variants", *variants,
+                   *(["--batch", *map(str, args.batch)] if args.batch else []), *(["--check"] if r == 0 else [])]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode:
+                print(res.stdout + res.stderr, file=sys.stderr)
+                return 1
+            runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1}: {name} done", flush=True)
+    med = {k: {case: {v: statistics.median(run[case][v] for run in rs) for v in rs[0][case]} for case in rs[0]}
+           for k, rs in runs.items() if rs}
+    head = ["case"] + (["base µs"] if "base" in med else []) + [f"{v} µs" for v in args.variants]
+    head += (["new/base"] if "base" in med else []) + [f"{v}/default" for v in args.variants if v != "default"]
+    rows = []
+    for case in med["new"]:
+        new = med["new"][case]
+        row = [case] + ([f"{med['base'][case]['default']:.1f}"] if "base" in med else [])
+        row += [f"{new[v]:.1f}" for v in args.variants]
+        row += [f"{new['default'] / med['base'][case]['default']:.3f}"] if "base" in med else []
+        row += [f"{new[v] / new['default']:.3f}" for v in args.variants if v != "default"]
+        rows.append(row)
+    width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(x.rjust(w) for x, w in zip(r, width)))
+    print(f"medians over {args.rounds} alternating rounds; ratios > 1: slower than base / than default")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
