@@ -30,10 +30,13 @@ def plain(t: object) -> object:
 def expect(name: str, t: object, dtype: torch.dtype, shape: tuple[int | None, ...], meaning: str,
            device: torch.device | None = None, contiguous: bool = False) -> None:
     """Require a tensor of `dtype` whose shape matches `shape` (None: any extent), on `device` (None: any)."""
-    if type(t) is torch.Tensor and t.dtype == dtype and t.layout is torch.strided and not t.is_nested and (
-            not contiguous or t.is_contiguous()):
-        ts = t.shape
-        if len(ts) == len(shape) and (device is None or same_device(t.device, device)):
+    if type(t) is torch.Tensor and t.dtype == dtype and t.layout is torch.strided:
+        try:
+            ts = t.shape
+        except RuntimeError:   # a nested tensor has no sizes: the diagnosis below names it
+            ts = ()
+        if len(ts) == len(shape) and (not contiguous or t.is_contiguous()) and (
+                device is None or same_device(t.device, device)):
             for s, e in zip(ts, shape):
                 if e is not None and s != e:
                     break

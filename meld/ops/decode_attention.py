@@ -490,9 +490,11 @@ class DecodeAttention:
             raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
         if self._watchdog is not None:
             self._watchdog.check()
-        grad_inputs = (q, kv_cache) if torch.is_grad_enabled() and any(
-            getattr(t, "requires_grad", False) for t in (q, kv_cache)) else None
-        q, kv_cache = plain(q), plain(kv_cache)
+        grad_inputs = None   # (the usual case, plain tensors that need no grad, tested first: run() is hot)
+        if type(q) is not torch.Tensor or type(kv_cache) is not torch.Tensor or q.requires_grad or kv_cache.requires_grad:
+            if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, kv_cache)):
+                grad_inputs = (q, kv_cache)
+            q, kv_cache = plain(q), plain(kv_cache)
         B = planned.batch
         Hq, D, P, Hkv = self.num_qo_heads, self.head_dim, self.page_size, self.num_kv_heads
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
