@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -73,6 +74,14 @@ class _Buffers:
     prof: torch.Tensor | None
     plan_params: ctypes.Structure
     launcher: object                    # meld.runtime.driver.PersistentLaunch
+
+
+def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, unit: int) -> str:
+    req, hb = divmod(unit, units_per_request)
+    kv, qb = divmod(hb, head_blocks)
+    first = kv * group_size + qb * heads_per_unit
+    last = min(first + heads_per_unit, (kv + 1) * group_size) - 1
+    return f"request {req}, kv head {kv}, q heads {first}-{last}"
 
 
 class _NoBackward(torch.autograd.Function):
@@ -233,7 +242,8 @@ class DecodeAttention:
             if self._plan_clusters else None
         self._tensor_maps = TensorMapCache(self.kv_layout) if kc.tma else None
         self._watchdog = watchdog.for_device(self.device)
-        self._watchdog_id = self._watchdog.register(kc.name, self.describe_unit)
+        self._watchdog_id = self._watchdog.register(kc.name, functools.partial(
+            _describe_unit, self.units_per_request, self.head_blocks, self.group_size, self.heads_per_unit))
         pc = DecodePlanKernelConfig()
         self.planner = Kernel(compile_source(pc.render(), pc.name), pc.entry, self.device, pc.threads,
                               pc.smem_bytes(self.topology.num_ctas))
@@ -462,11 +472,7 @@ class DecodeAttention:
 
     def describe_unit(self, unit: int) -> str:
         """A unit of work in the terms of the batch: "request 3, kv head 1, q heads 4-7"."""
-        req, hb = divmod(unit, self.units_per_request)
-        kv, qb = divmod(hb, self.head_blocks)
-        first = kv * self.group_size + qb * self.heads_per_unit
-        last = min(first + self.heads_per_unit, (kv + 1) * self.group_size) - 1
-        return f"request {req}, kv head {kv}, q heads {first}-{last}"
+        return _describe_unit(self.units_per_request, self.head_blocks, self.group_size, self.heads_per_unit, unit)
 
     # --- run ------------------------------------------------------------------------------------
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,

@@ -23,7 +23,6 @@ from ..codegen.params import WATCHDOG_RECORD
 # What a kernel waited for (`site` in the record); the numbers are the kernels' (common.cuh).
 SITES = {
     1: "the TMA mbarrier of KV ring stage {detail} (its tile's copies never completed)",
-    2: "a deliberately withheld signal (debug build)",
 }
 
 
@@ -58,7 +57,8 @@ class Watchdog:
         return self._claim.data_ptr()
 
     def register(self, name: str, describe_unit: Callable[[int], str]) -> int:
-        """An id for a kernel that reports to this record (its `watchdog_kernel` parameter)."""
+        """An id for a kernel that reports to this record (its `watchdog_kernel` parameter).
+        `describe_unit` must not hold its operator (the registry lives as long as the process)."""
         self._kernels.append(_Kernel(name, describe_unit))
         return len(self._kernels) - 1
 
