@@ -151,3 +151,15 @@ def test_timeline_rejects_sizes(argv, tmp_path, capsys):
     good = str(_trace().write_chrome(tmp_path / "run.json"))
     _fails(["timeline", good, *argv], capsys, f"argument {argv[0]}: '{argv[1]}'")
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_old_timeline_script_forwards_to_meld_timeline(tmp_path, capsys):
+    """bench/timeline.py TRACE [OUT] keeps working: the positional OUT becomes -o, errors stay one line."""
+    from bench.timeline import forward
+
+    assert forward(["t.json", "o.png", "--width", "64"]) == ["timeline", "t.json", "-o", "o.png", "--width", "64"]
+    assert forward(["--width", "64", "t.json"]) == ["timeline", "--width", "64", "t.json"]
+    path = _trace().write_chrome(tmp_path / "run.json")
+    assert cli.main(forward([str(path), str(tmp_path / "old.png"), "--width", "40"])) == 0
+    assert _png_width(tmp_path / "old.png") == 40
+    _fails(forward([str(tmp_path / "missing.json")]), capsys, "cannot read")
