@@ -93,3 +93,18 @@ def test_merge_paths_follow_the_clusters():
     assert pairs["onchip_units"] == expect
     assert pairs["onchip_pieces"] + pairs["hbm_pieces"] == alone["hbm_pieces"]
     assert pairs["hbm_partial_rows"] == 4 * pairs["hbm_pieces"]    # group 4: four q heads per piece
+
+
+def test_batch_invariant_schedule_keeps_pieces_on_chunks():
+    """A batch-invariant schedule validates, survives JSON, and a cut moved off a chunk boundary is caught
+    (it cuts a chunk in two: the unit then has one piece more than its chunks)."""
+    L = np.array([3000, 700, 0, 5000])
+    s = plan_decode(L, np.zeros(4, dtype=np.int64), 2, 4, Topology(8), chunk_tokens=1024).validate()
+    assert Schedule.from_json(s.to_json()) == s and s.chunk_tokens == 1024
+    assert s.num_slots == 2 * (3 + 5)                      # 2 units per request; 700 and 0 take no slot
+    c = int(np.flatnonzero(s.cta[3] % 1024 == 0)[0])    # a segment that ends on a chunk boundary inside a unit
+    assert s.cta[3, c] > 0
+    s.cta[3, c] += 16
+    s.cta[1, c + 1] += 16
+    with pytest.raises(ScheduleError, match="part count differs"):
+        s.validate()

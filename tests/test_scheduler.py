@@ -222,3 +222,20 @@ def test_no_clusters_or_no_snap_is_the_plain_cut(mix):
         assert _plan_clusters(lens, mix) == plain
     else:
         assert _plan_clusters(lens, mix) != plain
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens=length_lists, sms=st.integers(1, 140), chunk=st.sampled_from([16, 256, 1024]),
+       group=st.sampled_from([1, 4, 16]))
+def test_batch_invariant_plans_cut_on_chunks(lens, sms, chunk, group):
+    """Chunked plans cover every token once, and a unit's pieces are exactly its chunks: their bounds
+    depend on its length alone, whatever the batch and grid."""
+    L = np.asarray(lens, dtype=np.int64)
+    s = plan_decode(L, np.zeros(len(L), dtype=np.int64), 2, group, Topology(sms), chunk_tokens=chunk).validate()
+    it = s.items()
+    covered = np.bincount(it["unit"], weights=it["kv_end"] - it["kv_begin"], minlength=s.num_units)
+    assert np.array_equal(covered, np.repeat(L, s.units_per_request))
+    n = s.chunks[it["req"]]
+    assert np.all(it["kv_begin"] % chunk == 0)
+    assert np.all((it["kv_end"] == np.minimum(it["kv_begin"] + chunk, L[it["req"]])) | (n == 1))
+    assert np.array_equal(it["num_parts"], np.where(n > 1, n, 0))

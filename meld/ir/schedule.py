@@ -78,10 +78,15 @@ class Schedule:
         return np.maximum(1, -(-self.kv_len.astype(np.int64) // self.chunk_tokens))
 
     @property
+    def _chunk_slots(self) -> np.ndarray:
+        """Partial slots per request of a batch-invariant schedule: one per piece of each unit, for the
+        requests of more than one chunk."""
+        return np.where(self.chunks > 1, self.chunks, 0) * self.units_per_request
+
+    @property
     def slot_base(self) -> np.ndarray:
-        """int32 [B]: the first partial slot of each request's pieces (batch-invariant schedules; only
-        requests of more than one chunk take slots)."""
-        per_request = np.where(self.chunks > 1, self.chunks, 0) * self.units_per_request
+        """int32 [B]: the first partial slot of each request's pieces (batch-invariant schedules)."""
+        per_request = self._chunk_slots
         return (np.cumsum(per_request) - per_request).astype(np.int32)
 
     @property
@@ -89,7 +94,7 @@ class Schedule:
         """Partial slots the kernel may address: slot = unit + cta < num_units + num_ctas, or with
         chunks, one per piece of every unit split into chunks."""
         if self.chunk_tokens:
-            return int((np.where(self.chunks > 1, self.chunks, 0) * self.units_per_request).sum())
+            return int(self._chunk_slots.sum())
         return self.num_units + self.num_ctas
 
     def items(self) -> dict[str, np.ndarray]:
@@ -177,8 +182,6 @@ class Schedule:
         start = it["slot"][first][run]
         if np.any(it["parts_begin"][split] != start[split]) or np.any(np.diff(it["slot"][split]) <= 0):
             raise ScheduleError("a split unit's slots are not contiguous from its parts_begin")
-        if self.chunk_tokens and np.any(b[split] % self.chunk_tokens) | np.any(e[split] - b[split] > self.chunk_tokens):
-            raise ScheduleError("a piece of a batch-invariant schedule does not lie on one chunk")
         if split.any() and (it["slot"][split].max() >= self.num_slots or np.any(it["slot"][split] !=
                                                                                start[split] + (np.arange(len(u)) - np.flatnonzero(first)[run])[split])):
             raise ScheduleError("a slot lies outside the partial buffer or out of sequence")
