@@ -146,3 +146,52 @@ WATCHDOG_RECORD = ParamStruct("WatchdogRecord", [
     Field("parity", "i32"),
     Field("waited_ns", "i64"),
 ])
+
+# The fused MoE kernels (templates/moe.cuh) share one parameter struct: routing, planning, dispatch and
+# the persistent GEMM kernel read the same buffers.
+MOE_PARAMS = ParamStruct("MoeParams", [
+    Field("x", "ptr", "const u16*"),
+    Field("logits", "ptr", "const void*"),       # router logits, float32 or bf16 (logits_bf16)
+    Field("topk_ids_in", "ptr", "const int*"),   # precomputed routing (null: route from logits)
+    Field("topk_w_in", "ptr", "const float*"),
+    Field("topk_ids", "ptr", "int*"),
+    Field("topk_w", "ptr", "float*"),
+    Field("rank", "ptr", "int*"),                # each pair's rank among its block's tokens of its expert
+    Field("blk_cnt", "ptr", "int*"),             # [blocks][E]: counts, then offsets once planned
+    Field("expert_off", "ptr", "int*"),          # [E + 1]: first row of each expert
+    Field("rb", "ptr", "int*"),                  # [row blocks][4]: expert, first row, rows, 0
+    Field("tasks", "ptr", "int*"),               # tickets -> packed (row block, column block, kind)
+    Field("counters", "ptr", "int*"),            # [0]: next ticket, [1]: tickets in this launch
+    Field("rb_done", "ptr", "int*"),             # gemm1 tiles finished per row block
+    Field("tok_cnt", "ptr", "int*"),             # [T][n2]: rows of a token in y per column block
+    Field("tok_need", "ptr", "int*"),            # valid pairs per token (| POISON: one was invalid)
+    Field("pair_pos", "ptr", "int*"),            # [T][k]: the row of each (token, choice); -1: invalid
+    Field("row_token", "ptr", "int*"),           # the token of each row
+    Field("xs", "ptr", "u16*"),                  # x rows in expert order
+    Field("act", "ptr", "u16*"),                 # SiLU(gate) * up, per row
+    Field("y", "ptr", "u16*"),                   # down projection, per row
+    Field("out", "ptr", "u16*"),
+    Field("error", "ptr", "int*"),               # set when a precomputed id was out of range or repeated
+    Field("prof", "ptr", "long long*"),
+    Field("watchdog", "ptr", "WatchdogRecord*"),
+    Field("watchdog_claim", "ptr", "int*"),
+    Field("w13_map", "tmap"),                    # [E * 2I, H]
+    Field("w2_map", "tmap"),                     # [E * H, I]
+    Field("xs_map", "tmap"),                     # [rows, H]
+    Field("act_map", "tmap"),                    # [rows, I]
+    Field("x_stride", "i64"),
+    Field("out_stride", "i64"),
+    Field("logits_stride", "i64"),
+    Field("num_tokens", "i32"),
+    Field("hidden", "i32"),
+    Field("inter", "i32"),
+    Field("num_experts", "i32"),
+    Field("top_k", "i32"),
+    Field("renormalize", "i32"),
+    Field("logits_bf16", "i32"),
+    Field("n1", "i32"),                          # gemm1 column blocks: ceil(I / 128)
+    Field("n2", "i32"),                          # gemm2 column blocks: ceil(H / 256)
+    Field("lag", "i32"),                         # tickets between an expert's last gemm1 and first gemm2 tile
+    Field("prof_cap", "i32"),
+    Field("watchdog_kernel", "i32"),
+])

@@ -1,5 +1,7 @@
 """User-facing operators."""
 from .decode_attention import DecodeAttention
 from .decode_graph import decode_attention_graph
+from .moe import MoE, fused_moe
 
-__all__ = ["DecodeAttention", "decode_attention_graph"]
+
+__all__ = ["DecodeAttention", "MoE", "decode_attention_graph", "fused_moe"]

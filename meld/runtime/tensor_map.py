@@ -55,3 +55,41 @@ class TensorMapCache:
                 self._maps.clear()
             m = self._maps[key] = kv_tensor_map(kv_cache, self._layout)
         return m
+
+
+def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int = BOX_COLS) -> TensorMap:
+    """The tensor map of a row-major bf16/fp16 matrix [rows, cols] (rows 16-byte aligned) whose box is
+    `box_rows` rows x `box_cols` columns, 128-byte swizzled: the operand tiles of the GEMM kernels."""
+    d = drv()
+    rows, cols = t.shape
+    es = t.element_size()
+    dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[t.dtype]
+    u64, u32 = d.cuuint64_t, d.cuuint32_t
+    m = check(d.cuTensorMapEncodeTiled(
+        dtype, 2, t.data_ptr(), [u64(cols), u64(rows)], [u64(t.stride(0) * es)], [u32(box_cols), u32(box_rows)],
+        [u32(1), u32(1)],
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    out = TensorMap()
+    ctypes.memmove(ctypes.addressof(out), m.getPtr(), ctypes.sizeof(out))
+    return out
+
+
+class TensorMapCache2D:
+    """tensor_map_2d() per (address, shape, dtype) with 64-row boxes: a model passes the same per-layer
+    weights every step, so each is encoded once."""
+
+    def __init__(self, max_entries: int = 1024):
+        self._maps: dict[tuple, TensorMap] = {}
+        self._max = max_entries
+
+    def get(self, t: torch.Tensor) -> TensorMap:
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        m = self._maps.get(key)
+        if m is None:
+            if len(self._maps) >= self._max:
+                self._maps.clear()
+            m = self._maps[key] = tensor_map_2d(t, 64)
+        return m

@@ -1,0 +1,70 @@
+// meld: Hopper (sm_90a) matrix helpers: 2-D TMA tile copies, wgmma shared-memory descriptors, the
+// wgmma fences and warpgroup register reallocation. The m64nNk16 instructions themselves are generated
+// per N by meld/codegen/wgmma.py (their accumulator lists are long and regular).
+
+namespace meld {
+
+// One TMA copy of a box of a 2-D tensor map (coordinates innermost first) into this CTA's shared memory;
+// its bytes complete on `bar`. Out-of-bounds elements are written as zeros and still counted.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, int c1, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3}], [%4];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Descriptor of a K-major operand tile stored as TMA's 128-byte swizzle writes it: rows of 64 16-bit
+// elements (128 bytes), 8-row atoms of 1 KiB one after another (stride byte offset 1024), swizzle mode 1
+// (128 B) in bits 62-63. A k16 step inside the 64-wide row adds 32 bytes to the start address.
+__device__ __forceinline__ unsigned long long wgmma_desc(u32 smem) {
+  return (unsigned long long)((smem & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Keep the accumulators in registers across wgmma issue and wait (the compiler must not move them).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int REGS>
+__device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void regs_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS)); }
+
+// Named barrier over `threads` threads (ids 1..15; 0 is __syncthreads).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Generic-proxy writes made visible to this thread (an acquire) before its async-proxy (TMA) reads.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float((u32)v << 16); }
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+__device__ __forceinline__ u16 ld_cg_u16(const u16* p) {
+  u16 v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+}  // namespace meld

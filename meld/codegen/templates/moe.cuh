@@ -1,0 +1,519 @@
+// meld fused MoE: routing, planning from routing, dispatch and one persistent kernel of expert GEMM tiles
+// with just-in-time combines. Four launches in stream order; no host synchronisation anywhere, so the
+// layer is CUDA-graph capturable within the capacity the buffers were sized for.
+//
+//   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
+//                     caller's topk_ids / topk_weights, validated); per 32-token block, each expert's
+//                     token mask gives the block's count and every pair's rank (deterministic: no order
+//                     of atomics decides a position).
+//   meld_moe_plan     one CTA: offsets of every expert's rows, row blocks of BLOCK_TOKENS rows, and the
+//                     ticket order of all tiles (below).
+//   meld_moe_scatter  rows of x copied to their expert-sorted positions (xs), so every tile's token
+//                     operand is one TMA box.
+//   meld_moe_main     the persistent kernel: CTAs take tiles by ticket (an atomic counter). A gemm1 tile
+//                     computes act = SiLU(x W_gate^T) * (x W_up^T) for one row block and 128 columns of
+//                     I; a gemm2 tile computes y = act W2^T for one row block and 256 columns of H; the
+//                     CTA that completes the last of a token's k rows for a column block forms
+//                     out = sum_j w_j y_j for it, in fixed j order (no float atomics: bit-identical runs).
+//
+// Swapped operands: the weights are wgmma's A (M = 64 weight rows per accumulator) and the tokens its B
+// (N = BLOCK_TOKENS), so a decode step with a few tokens per expert wastes no tensor-core rows on padding.
+//
+// Deadlock freedom: a gemm2 tile waits (spins, with a watchdog) only for the gemm1 tiles of its row
+// block, and the planner puts every one of those at a smaller ticket. Tickets are taken in increasing
+// order by running CTAs, and gemm1 tiles wait for nothing, so the smallest waiting ticket's inputs are
+// always held by running CTAs that finish them: progress without any co-residency assumption.
+//
+// Ticket order: gemm1 tiles expert by expert (inside an expert column-major, so the CTAs that run at the
+// same time share weight tiles in L2), with each expert's gemm2 tiles slotted in LAG tickets after its
+// last gemm1 tile (LAG = the grid size: by then those gemm1 tiles have been taken and mostly finished).
+
+namespace meld {
+
+constexpr int TOK_BLOCK = 32;                  // tokens per routing block: one bit each in an expert mask
+constexpr int BK = 64;                         // K per ring stage: 64 16-bit elements = the 128-byte swizzle
+constexpr int W_ROWS = 64;                     // weight rows per accumulator (wgmma M)
+constexpr int W_BOX = W_ROWS * BK * 2;         // 8 KiB
+constexpr int T_BOX = BLOCK_TOKENS * BK * 2;
+constexpr int STAGE_BYTES = 4 * W_BOX + T_BOX;
+constexpr int G1_COLS = 128;                   // columns of I per gemm1 tile (two warpgroups x 64)
+constexpr int G2_COLS = 256;                   // columns of H per gemm2 tile (two warpgroups x 2 x 64)
+constexpr int ACC = BLOCK_TOKENS / 2;          // accumulator registers per thread per 64-row accumulator
+constexpr int CONSUMERS = 256;
+constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
+
+__device__ __forceinline__ int pack_task(int rb, int col, int kind) { return (rb << 12) | (col << 1) | kind; }
+
+// --- routing ------------------------------------------------------------------------------------------
+// NaN ranks above everything (so a NaN logit is chosen and its token's weights are NaN), then larger
+// values, then smaller expert ids.
+__device__ __forceinline__ bool ranks_above(float a, int ia, float b, int ib) {
+  const bool na = a != a, nb = b != b;
+  if (na != nb) return na;
+  if (!na && a != b) return a > b;
+  return ia < ib;
+}
+
+__device__ __forceinline__ float load_logit(const MoeParams& p, int t, int e) {
+  return p.logits_bf16 ? bf16_to_float(((const u16*)p.logits)[(i64)t * p.logits_stride + e])
+                       : ((const float*)p.logits)[(i64)t * p.logits_stride + e];
+}
+
+extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
+  __shared__ u32 mask[MAX_EXPERTS];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
+  const int t = blockIdx.x * TOK_BLOCK + warp;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) mask[e] = 0;
+  __syncthreads();
+  if (t < p.num_tokens) {
+    for (int c = lane; c < p.n2; c += 32) p.tok_cnt[(i64)t * p.n2 + c] = 0;
+    int valid = 0, poison = 0;
+    if (p.topk_ids_in != nullptr) {
+      for (int j = lane; j < K; j += 32) {
+        int id = p.topk_ids_in[(i64)t * K + j];
+        const float w = p.topk_w_in[(i64)t * K + j];
+        bool ok = id >= 0 && id < E;
+        for (int j2 = 0; j2 < j && ok; ++j2) ok = p.topk_ids_in[(i64)t * K + j2] != id;   // a repeat
+        if (!ok) { id = -1; poison = 1; atomicOr(p.error, 1); }
+        else { atomicOr(&mask[id], 1u << warp); ++valid; }
+        p.topk_ids[(i64)t * K + j] = id;
+        p.topk_w[(i64)t * K + j] = w;
+      }
+    } else {
+      float mx = neg_inf(), sum = 0.f;
+      int nan = 0;
+      for (int e = lane; e < E; e += 32) {
+        const float v = load_logit(p, t, e);
+        nan |= v != v;
+        mx = fmaxf(mx, v);
+      }
+      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
+      nan = __any_sync(~0u, nan);
+      for (int e = lane; e < E; e += 32) sum += __expf(load_logit(p, t, e) - mx);
+      for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
+      u32 chosen = 0;            // bit i: expert lane + 32 i is taken
+      float picked_sum = 0.f, my_w = 0.f;
+      int my_id = -1;
+      for (int j = 0; j < K; ++j) {
+        float best = 0.f;
+        int bi = -1;
+        for (int i = 0, e = lane; e < E; ++i, e += 32) {
+          if (chosen >> i & 1) continue;
+          const float v = load_logit(p, t, e);
+          if (bi < 0 || ranks_above(v, e, best, bi)) { best = v; bi = e; }
+        }
+        for (int o = 16; o; o >>= 1) {
+          const float ob = __shfl_xor_sync(~0u, best, o);
+          const int oi = __shfl_xor_sync(~0u, bi, o);
+          if (oi >= 0 && (bi < 0 || ranks_above(ob, oi, best, bi))) { best = ob; bi = oi; }
+        }
+        if (bi % 32 == lane) chosen |= 1u << (bi / 32);
+        const float w = nan ? __int_as_float(0x7fc00000) : __expf(best - mx) / sum;
+        picked_sum += w;
+        if (j % 32 == lane) { my_id = bi; my_w = w; }
+        if (j % 32 == 31 || j == K - 1) {   // lanes hold pairs j - j % 32 .. j: write them
+          const int jj = j - j % 32 + lane;
+          if (jj <= j) {
+            p.topk_ids[(i64)t * K + jj] = my_id;
+            p.topk_w[(i64)t * K + jj] = my_w;
+            atomicOr(&mask[my_id], 1u << warp);
+            ++valid;
+          }
+        }
+      }
+      if (p.renormalize) {
+        __syncwarp();
+        for (int j = lane; j < K; j += 32) p.topk_w[(i64)t * K + j] /= picked_sum;
+      }
+    }
+    for (int o = 16; o; o >>= 1) {
+      valid += __shfl_xor_sync(~0u, valid, o);
+      poison |= __shfl_xor_sync(~0u, poison, o);
+    }
+    if (lane == 0) p.tok_need[t] = valid | (poison ? POISON : 0);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) p.blk_cnt[(i64)blockIdx.x * E + e] = __popc(mask[e]);
+  if (t < p.num_tokens) {
+    for (int j = lane; j < K; j += 32) {
+      const int id = p.topk_ids[(i64)t * K + j];
+      p.rank[(i64)t * K + j] = id < 0 ? -1 : __popc(mask[id] & ((1u << warp) - 1));
+    }
+  }
+}
+
+// --- planning -----------------------------------------------------------------------------------------
+// Exclusive scan of one int per thread over the block (blockDim.x = 1024); returns the total in *total.
+__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(~0u, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int s = scratch[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(~0u, s, o);
+      if (lane >= o) s += y;
+    }
+    scratch[lane] = s;
+  }
+  __syncthreads();
+  const int excl = x - v + (warp ? scratch[warp - 1] : 0);
+  *total = scratch[31];
+  __syncthreads();
+  return excl;
+}
+
+// The last index i in [0, n] with a[i] <= v (a nondecreasing, a[0] <= v).
+__device__ __forceinline__ int last_at_most(const int* a, int n, long long v) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a[mid] <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) meld_moe_plan(const __grid_constant__ MoeParams p) {
+  __shared__ int rb_off[MAX_EXPERTS + 1], scratch[32];
+  const int E = p.num_experts, tid = threadIdx.x;
+  const int nblk = (p.num_tokens + TOK_BLOCK - 1) / TOK_BLOCK;
+  int cnt = 0;
+  if (tid < E) {   // each expert's per-block counts become per-block offsets
+    for (int b = 0; b < nblk; ++b) {
+      int* c = p.blk_cnt + (i64)b * E + tid;
+      const int n = *c;
+      *c = cnt;
+      cnt += n;
+    }
+  }
+  int total_rows, total_rb;
+  const int rows_before = block_exclusive_scan(cnt, scratch, &total_rows);
+  const int nrb_e = (cnt + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
+  const int rb_before = block_exclusive_scan(nrb_e, scratch, &total_rb);
+  if (tid < E) {
+    rb_off[tid] = rb_before;
+    p.expert_off[tid] = rows_before;
+    for (int r = 0; r < nrb_e; ++r) {
+      int* rb = p.rb + 4 * (i64)(rb_before + r);
+      rb[0] = tid;
+      rb[1] = rows_before + r * BLOCK_TOKENS;
+      rb[2] = min(BLOCK_TOKENS, cnt - r * BLOCK_TOKENS);
+      rb[3] = 0;
+    }
+  }
+  if (tid == 0) {
+    rb_off[E] = total_rb;
+    p.expert_off[E] = total_rows;
+  }
+  __syncthreads();
+  const int n1 = p.n1, n2 = p.n2;
+  const long long nA = (long long)total_rb * n1, nB = (long long)total_rb * n2;
+  for (long long i = tid; i < nA + nB; i += blockDim.x) {
+    const bool g2 = i >= nA;
+    const long long a = g2 ? i - nA : i;
+    const int per = g2 ? n2 : n1;
+    // the expert whose tiles cover index a: rb_off[e] * per <= a < rb_off[e + 1] * per
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if ((long long)rb_off[mid] * per <= a) lo = mid; else hi = mid - 1;
+    }
+    const int e = lo, nrb = rb_off[e + 1] - rb_off[e];
+    const long long local = a - (long long)rb_off[e] * per;
+    const int col = (int)(local / nrb), rb = rb_off[e] + (int)(local % nrb);
+    long long pos;
+    if (g2) {
+      pos = a + min((long long)rb_off[e + 1] * n1 + p.lag, nA);
+    } else {   // gemm2 tiles before it: those of every expert whose gemm1 tiles ended LAG tickets ago
+      long long before = 0;
+      if (a >= p.lag) {
+        // experts e' with rb_off[e' + 1] * n1 + LAG <= a, i.e. rb_off[e' + 1] <= (a - LAG) / n1
+        const int last = last_at_most(rb_off, E, (a - p.lag) / n1);
+        before = (long long)rb_off[last] * n2;
+      }
+      pos = a + before;
+    }
+    p.tasks[pos] = pack_task(rb, col, g2 ? 1 : 0);
+  }
+  for (int r = tid; r < total_rb; r += blockDim.x) p.rb_done[r] = 0;
+  if (tid == 0) {
+    p.counters[0] = 0;                       // the ticket counter
+    p.counters[1] = (int)(nA + nB);          // tickets in this launch
+  }
+}
+
+// --- dispatch -----------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024) meld_moe_scatter(const __grid_constant__ MoeParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
+  const int t = blockIdx.x * TOK_BLOCK + warp;
+  if (t >= p.num_tokens) return;
+  const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
+  const int vecs = p.hidden / 8;
+  for (int j = 0; j < K; ++j) {
+    const int id = p.topk_ids[(i64)t * K + j];
+    const int pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)blockIdx.x * E + id] + p.rank[(i64)t * K + j];
+    if (lane == 0) {
+      p.pair_pos[(i64)t * K + j] = pos;
+      if (pos >= 0) p.row_token[pos] = t;
+    }
+    if (pos < 0) continue;
+    uint4* dst = (uint4*)(p.xs + (i64)pos * p.hidden);
+    for (int v = lane; v < vecs; v += 32) dst[v] = src[v];
+  }
+  if ((p.tok_need[t] & (POISON - 1)) == 0) {   // no valid pair: nothing will combine it
+    for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
+  }
+}
+
+// --- the persistent kernel ----------------------------------------------------------------------------
+struct Task {
+  int kind, col, expert, row0, rows, rb;
+};
+
+__device__ __forceinline__ WaitSite wait_site(const MoeParams& p, int site, int warp, int unit, int detail) {
+  return WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, site, (int)blockIdx.x, warp, unit, detail};
+}
+
+// Spin until a gemm2 tile's row block has all its gemm1 tiles (see the deadlock-freedom note above).
+__device__ void wait_row_block(const MoeParams& p, int rb, int ticket) {
+  const int* flag = p.rb_done + rb;
+  if (ld_acquire(flag) < p.n1) {
+    const i64 t0 = global_timer_ns();
+    while (ld_acquire(flag) < p.n1) {
+      const i64 waited = global_timer_ns() - t0;
+      if (waited > MELD_WATCHDOG_NS)
+        watchdog_trip(p.watchdog, p.watchdog_claim, p.watchdog_kernel, 3, blockIdx.x, 0, ticket, rb, 0, waited);
+    }
+  }
+  fence_proxy_async_global();   // act, written by other CTAs' generic stores, is read next by TMA
+}
+
+struct Ring {
+  u32 base, full, empty;       // stage buffers; mbarriers (8 bytes each)
+  int stage = 0;
+  u32 phase = 0;
+  __device__ void advance() {
+    if (++stage == NUM_STAGES) { stage = 0; phase ^= 1u; }
+  }
+};
+
+__device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, int* slots) {
+  const int ntasks = p.counters[1];
+  int slot = 0;
+  u32 tphase = 0;
+  for (;;) {
+    const int ticket = atomicAdd(p.counters, 1);
+    int packed = -1;
+    if (ticket < ntasks) packed = p.tasks[ticket];
+    mbar_wait(task_empty + 8 * slot, tphase ^ 1u, wait_site(p, 4, 0, ticket, slot));
+    slots[2 * slot] = packed;
+    slots[2 * slot + 1] = ticket;
+    mbar_arrive(task_full + 8 * slot);
+    if ((slot ^= 1) == 0) tphase ^= 1u;
+    if (packed < 0) break;
+    const int kind = packed & 1, col = (packed >> 1) & 2047, rbi = packed >> 12;
+    const int expert = p.rb[4 * rbi], row0 = p.rb[4 * rbi + 1];
+    const void* wmap = kind ? (const void*)&p.w2_map : (const void*)&p.w13_map;
+    const void* tmap = kind ? (const void*)&p.act_map : (const void*)&p.xs_map;
+    int wrow[4];
+    if (kind == 0) {
+      const i64 e0 = (i64)expert * 2 * p.inter;
+      for (int w = 0; w < 2; ++w) {
+        wrow[2 * w] = (int)(e0 + col * G1_COLS + w * 64);                   // gate rows
+        wrow[2 * w + 1] = (int)(e0 + p.inter + col * G1_COLS + w * 64);     // up rows
+      }
+    } else {
+      for (int q = 0; q < 4; ++q) wrow[q] = (int)((i64)expert * p.hidden + col * G2_COLS + q * 64);
+      wait_row_block(p, rbi, ticket);
+    }
+    const int nk = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
+    for (int kk = 0; kk < nk; ++kk) {
+      const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
+      mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
+      mbar_arrive_expect_tx(full, STAGE_BYTES);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) tma_load_2d(dst + q * W_BOX, wmap, kk * BK, wrow[q], full);
+      tma_load_2d(dst + 4 * W_BOX, tmap, kk * BK, row0, full);
+      ring.advance();
+    }
+  }
+}
+
+// One weight block x the token block, K = 64: four k16 steps into one accumulator.
+__device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_smem) {
+#pragma unroll
+  for (int s = 0; s < BK / 16; ++s) wgmma_bf16(acc, wgmma_desc(w_smem + 32 * s), wgmma_desc(t_smem + 32 * s));
+}
+
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
+// A token's k rows for this 256-column block of H are all in y: out = sum_j w_j y_j (fixed j order).
+__device__ void combine(const MoeParams& p, int t, int h0, int c) {
+  const int h = h0 + c;
+  if (h >= p.hidden) return;
+  const int K = p.top_k;
+  float acc = (p.tok_need[t] & POISON) ? __int_as_float(0x7fc00000) : 0.f;
+  for (int j = 0; j < K; ++j) {
+    const int pos = p.pair_pos[(i64)t * K + j];
+    if (pos < 0) continue;
+    acc += p.topk_w[(i64)t * K + j] * bf16_to_float(ld_cg_u16(p.y + (i64)pos * p.hidden + h));
+  }
+  p.out[(i64)t * p.out_stride + h] = float_to_bf16(acc);
+}
+
+struct Profiler {
+  i64* base = nullptr;
+  int n = 0;
+  __device__ void begin(const MoeParams& p) {
+#if MELD_PROFILE
+    base = p.prof + (i64)blockIdx.x * (1 + p.prof_cap) * 4;
+    base[0] = global_timer_ns();
+    base[2] = sm_id();
+#endif
+  }
+  __device__ void record(const MoeParams& p, i64 t0, int kind, int unit) {
+#if MELD_PROFILE
+    if (base != nullptr && n < p.prof_cap) {
+      i64* r = base + 4 * (1 + n);
+      r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
+    }
+    ++n;
+#endif
+  }
+  __device__ void end() {
+#if MELD_PROFILE
+    if (base == nullptr) return;
+    base[1] = global_timer_ns();
+    base[3] = n;
+#endif
+  }
+  __device__ i64 now() const {
+#if MELD_PROFILE
+    return global_timer_ns();
+#else
+    return 0;
+#endif
+  }
+};
+
+__device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, const int* slots,
+                        int* combine_list) {
+  const int ct = threadIdx.x - 128, wg = ct / 128, warp = ct / 32, lane = ct % 32;   // wg: 0 or 1
+  const bool recorder = ct == 0;
+  Profiler prof;
+  if (recorder) prof.begin(p);
+  int slot = 0;
+  u32 tphase = 0;
+  for (;;) {
+    mbar_wait(task_full + 8 * slot, tphase, wait_site(p, 6, warp + 4, -1, slot));
+    const int packed = slots[2 * slot], ticket = slots[2 * slot + 1];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(task_empty + 8 * slot);
+    if ((slot ^= 1) == 0) tphase ^= 1u;
+    if (packed < 0) break;
+    const i64 t0 = prof.now();
+    const int kind = packed & 1, col = (packed >> 1) & 2047, rbi = packed >> 12;
+    const int row0 = p.rb[4 * rbi + 1], rows = p.rb[4 * rbi + 2];
+    float acc0[ACC], acc1[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
+    const int nk = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
+    for (int kk = 0; kk < nk; ++kk) {
+      mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage));
+      const u32 st = ring.base + ring.stage * STAGE_BYTES;
+      wgmma_fence();
+      mma_stage(acc0, st + (2 * wg) * W_BOX, st + 4 * W_BOX);
+      mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + 4 * W_BOX);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc0);
+      fence_regs(acc1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
+      ring.advance();
+    }
+    // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w of the warpgroup, lane l)
+    // holds weight row 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
+    const int wrow = 16 * (warp % 4) + lane / 4;
+    if (kind == 0) {
+      const int f0 = col * G1_COLS + wg * 64;
+#pragma unroll
+      for (int r = 0; r < ACC; ++r) {
+        const int f = f0 + wrow + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
+        if (f < p.inter && tok < rows) p.act[(i64)(row0 + tok) * p.inter + f] = float_to_bf16(silu_mul(acc0[r], acc1[r]));
+      }
+      __threadfence();
+      named_barrier(1, CONSUMERS);
+      if (ct == 0) atomicAdd(p.rb_done + rbi, 1);
+      prof.record(p, t0, 0, ticket);
+    } else {
+      const int h0 = col * G2_COLS;
+#pragma unroll
+      for (int r = 0; r < ACC; ++r) {
+        const int h = h0 + wg * 128 + wrow + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
+        if (tok < rows) {
+          if (h < p.hidden) p.y[(i64)(row0 + tok) * p.hidden + h] = float_to_bf16(acc0[r]);
+          if (h + 64 < p.hidden) p.y[(i64)(row0 + tok) * p.hidden + h + 64] = float_to_bf16(acc1[r]);
+        }
+      }
+      if (ct == 0) combine_list[0] = 0;
+      __threadfence();
+      named_barrier(1, CONSUMERS);
+      if (ct < rows) {   // one thread per token row: count it; the last of a token's rows combines
+        const int t = p.row_token[row0 + ct];
+        const int need = p.tok_need[t] & (POISON - 1);
+        if (atomicAdd(p.tok_cnt + (i64)t * p.n2 + col, 1) == need - 1) {
+          __threadfence();
+          combine_list[1 + atomicAdd(combine_list, 1)] = t;
+        }
+      }
+      named_barrier(1, CONSUMERS);
+      const i64 t1 = prof.now();
+      prof.record(p, t0, 1, ticket);
+      const int n = combine_list[0];
+      for (int i = 0; i < n; ++i) combine(p, combine_list[1 + i], h0, ct);
+      if (n) prof.record(p, t1, 2, ticket);
+      named_barrier(1, CONSUMERS);
+    }
+  }
+  if (recorder) prof.end();
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_constant__ MoeParams p) {
+  extern __shared__ unsigned char smem_raw[];
+  // TMA's 128-byte swizzle repeats every 1 KiB: stage buffers start on 1 KiB boundaries.
+  const u32 raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
+  Ring ring;
+  ring.base = base;
+  ring.full = base + NUM_STAGES * STAGE_BYTES;
+  ring.empty = ring.full + 8 * NUM_STAGES;
+  const u32 task_full = ring.empty + 8 * NUM_STAGES, task_empty = task_full + 16;
+  int* slots = (int*)(smem_raw + (task_empty + 16 - raw));
+  int* combine_list = slots + 4;   // [count, tokens...]: at most BLOCK_TOKENS tokens
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NUM_STAGES; ++s) {
+      mbar_init(ring.full + 8 * s, 1);
+      mbar_init(ring.empty + 8 * s, CONSUMERS / 32);
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(task_full + 8 * s, 1);
+      mbar_init(task_empty + 8 * s, CONSUMERS / 32);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dealloc<40>();
+    if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);
+  } else {
+    regs_alloc<232>();
+    consume(p, ring, task_full, task_empty, slots, combine_list);
+  }
+}
+
+}  // namespace meld

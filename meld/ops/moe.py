@@ -1,0 +1,271 @@
+"""Fused MoE expert layer (vLLM / SGLang conventions): routing, expert GEMMs and the top-k combine in one
+stream of four launches, planned on the GPU from the routing (templates/moe.cuh) — no host
+synchronisation, CUDA-graph capturable within `max_num_tokens`.
+
+Layouts: x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E];
+out [T, H]. out[t] = sum_j w[t, j] * W2[e_j] (SiLU(W_gate[e_j] x[t]) * W_up[e_j] x[t]).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..codegen import compile_source
+from ..codegen.moe_kernel import (G1_COLS, G2_COLS, MAIN_THREADS, MAX_EXPERTS, BLOCK_TOKEN_CHOICES,
+                                  MoeKernelConfig, block_tokens_for)
+from ..codegen.params import MOE_PARAMS
+from ..scheduler.moe_plan import plan_moe
+from .checks import check_positive, expect, plain, resolve_device
+
+_ROUTE_BLOCK = 32        # tokens per routing block (templates/moe.cuh: TOK_BLOCK)
+
+
+def _describe_ticket(ticket: int) -> str:
+    return f"tile ticket {ticket} of the MoE launch"
+
+
+@dataclass
+class _Variant:
+    """The kernels of one token-block size, loaded, with their parameter struct."""
+
+    config: MoeKernelConfig
+    route: object
+    plan: object
+    scatter: object
+    main: object
+    params: object
+
+
+class MoE:
+    """A fused MoE expert layer of fixed sizes and capacity.
+
+    Args:
+        hidden_size, intermediate_size: H and I (multiples of 8: rows must be 16-byte aligned for TMA).
+        num_experts: E (at most 1024); top_k: experts per token, 1..E.
+        dtype: torch.bfloat16. device: "cuda" (or "cuda:N"), or "cpu" for the reference executor.
+        max_num_tokens: capacity; every buffer is sized for it, so calls up to it never allocate.
+        renormalize: renormalise the top-k softmax weights to sum 1 (when routing from logits).
+
+    Example:
+        moe = meld.MoE(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
+                       dtype=torch.bfloat16, device="cuda", max_num_tokens=8192)
+        out = moe(x, router_logits, w13, w2)
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 dtype: torch.dtype = torch.bfloat16, device: object = "cuda", max_num_tokens: int = 8192,
+                 renormalize: bool = True, kernel_config: MoeKernelConfig | None = None):
+        self.hidden_size = H = check_positive("hidden_size", hidden_size)
+        self.intermediate_size = I = check_positive("intermediate_size", intermediate_size)
+        for name, v in (("hidden_size", H), ("intermediate_size", I)):
+            if v % 8:
+                raise ValueError(f"{name} must be a multiple of 8 (16-byte rows for the TMA copies), got {v}")
+        self.num_experts = E = check_positive("num_experts", num_experts, MAX_EXPERTS)
+        self.top_k = check_positive("top_k", top_k)
+        if self.top_k > E:
+            raise ValueError(f"top_k must be in 1..num_experts={E}, got {top_k}")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
+        if not isinstance(renormalize, bool):
+            raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+        self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, (2 ** 31 - 1) // (self.top_k * 4096))
+        self.dtype, self.renormalize = dtype, renormalize
+        self.device = resolve_device(device)
+        self.n1, self.n2 = -(-I // G1_COLS), -(-H // G2_COLS)
+        self._kernel_config = kernel_config
+        self._variants: dict[int, _Variant] = {}
+        if self.device.type == "cuda":
+            self._init_cuda()
+
+    # --- GPU state ------------------------------------------------------------------------------------
+    def _init_cuda(self) -> None:
+        from ..runtime import watchdog
+        from ..runtime.driver import device_info
+
+        info = device_info(self.device)
+        if info.capability != (9, 0):
+            raise ValueError(f"device {self.device} ({info.name}, sm_{info.capability[0]}{info.capability[1]}) "
+                             "is not supported: meld's MoE kernels use wgmma (sm_90a, Hopper)")
+        self._sm_count = info.sm_count
+        T, k, E, H, I = self.max_num_tokens, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size
+        R = T * k
+        nblk = -(-T // _ROUTE_BLOCK)
+        self._rb_cap = E + max(E, -(-R // BLOCK_TOKEN_CHOICES[-1]))
+        i32 = dict(dtype=torch.int32, device=self.device)
+        b = self._bufs = {
+            "topk_ids": torch.empty(R, **i32), "topk_w": torch.empty(R, dtype=torch.float32, device=self.device),
+            "rank": torch.empty(R, **i32), "blk_cnt": torch.empty(nblk * E, **i32),
+            "expert_off": torch.empty(E + 1, **i32), "rb": torch.empty(4 * self._rb_cap, **i32),
+            "tasks": torch.empty(self._rb_cap * (self.n1 + self.n2), **i32), "counters": torch.zeros(2, **i32),
+            "rb_done": torch.zeros(self._rb_cap, **i32), "tok_cnt": torch.zeros(T * self.n2, **i32),
+            "tok_need": torch.empty(T, **i32), "pair_pos": torch.empty(R, **i32),
+            "row_token": torch.empty(R, **i32), "error": torch.zeros(1, **i32),
+            "xs": torch.empty(R, H, dtype=self.dtype, device=self.device),
+            "act": torch.empty(R, I, dtype=self.dtype, device=self.device),
+            "y": torch.empty(R, H, dtype=self.dtype, device=self.device),
+        }
+        self._watchdog = watchdog.for_device(self.device)
+        self._watchdog_id = self._watchdog.register("meld_moe_main", _describe_ticket)
+        self._ptrs = {name: t.data_ptr() for name, t in b.items()}
+        from ..runtime.tensor_map import TensorMapCache2D
+        self._weight_maps = TensorMapCache2D()
+
+    def _variant(self, block_tokens: int) -> _Variant:
+        v = self._variants.get(block_tokens)
+        if v is not None:
+            return v
+        from ..runtime.driver import Kernel
+        from ..runtime.tensor_map import tensor_map_2d
+
+        base = self._kernel_config or MoeKernelConfig()
+        cfg = MoeKernelConfig(block_tokens, base.num_stages, base.profile, base.watchdog_ms)
+        compiled = compile_source(cfg.render(), cfg.name)
+        small = dict(device=self.device, threads=1024, smem_bytes=0)
+        p = self._bufs
+        params = MOE_PARAMS.ctype(
+            **self._ptrs,
+            watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
+            watchdog_kernel=self._watchdog_id, hidden=self.hidden_size, inter=self.intermediate_size,
+            num_experts=self.num_experts, top_k=self.top_k, renormalize=int(self.renormalize),
+            n1=self.n1, n2=self.n2, lag=self._sm_count,
+            xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens))
+        v = _Variant(cfg, Kernel(compiled, "meld_moe_route", **small), Kernel(compiled, "meld_moe_plan", **small),
+                     Kernel(compiled, "meld_moe_scatter", **small),
+                     Kernel(compiled, "meld_moe_main", self.device, MAIN_THREADS, cfg.smem_bytes), params)
+        self._variants[block_tokens] = v
+        return v
+
+    # --- the call -------------------------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
+                 *, topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [T, H] = the MoE layer on x [T, H]. Route from `router_logits` [T, E] (float32 or the
+        activation dtype), or pass `topk_weights` (float32) and `topk_ids` (int32/int64) [T, top_k]
+        instead (vLLM's `fused_experts`); an id out of range or repeated in a row gives that token NaN
+        on the GPU (a ValueError on the CPU, where it is checked)."""
+        x, w13, w2 = plain(x), plain(w13), plain(w2)
+        H, I, E, k, dev = self.hidden_size, self.intermediate_size, self.num_experts, self.top_k, self.device
+        expect("x", x, self.dtype, (None, H), "tokens x hidden_size", dev)
+        T = x.shape[0]
+        if T > self.max_num_tokens:
+            raise ValueError(f"x has {T} tokens, more than max_num_tokens={self.max_num_tokens}")
+        expect("w13", w13, self.dtype, (E, 2 * I, H), "experts x 2*intermediate_size x hidden_size", dev, True)
+        expect("w2", w2, self.dtype, (E, H, I), "experts x hidden_size x intermediate_size", dev, True)
+        if (router_logits is None) == (topk_ids is None):
+            raise ValueError("pass either router_logits or (topk_weights, topk_ids), not both or neither")
+        if router_logits is not None:
+            router_logits = plain(router_logits)
+            dt = router_logits.dtype if isinstance(router_logits, torch.Tensor) else None
+            expect("router_logits", router_logits, dt if dt in (torch.float32, self.dtype) else torch.float32,
+                   (T, E), "tokens x num_experts", dev)
+        else:
+            topk_ids, topk_weights = plain(topk_ids), plain(topk_weights)
+            dt = topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else None
+            expect("topk_ids", topk_ids, dt if dt in (torch.int32, torch.int64) else torch.int32, (T, k),
+                   "tokens x top_k", dev)
+            expect("topk_weights", topk_weights, torch.float32, (T, k), "tokens x top_k", dev)
+            if dev.type == "cpu":
+                self._check_ids(topk_ids)
+        if out is None:
+            out = torch.empty(T, H, dtype=self.dtype, device=dev)
+        else:
+            out = plain(out)
+            expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev)
+            if out.stride(1) != 1:
+                raise ValueError(f"out must have unit stride along hidden_size, got strides {out.stride()}")
+        if T == 0:
+            return out
+        if dev.type == "cpu":
+            return self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, out)
+        self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, out)
+        return out
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        bad = (ids < 0) | (ids >= self.num_experts)
+        if bool(bad.any()):
+            t, j = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"topk_ids[{t}, {j}] = {int(ids[t, j])} is outside 0..{self.num_experts - 1}")
+        s = ids.sort(dim=1).values
+        rep = (s[:, 1:] == s[:, :-1]).any(dim=1)
+        if bool(rep.any()):
+            t = int(rep.nonzero()[0])
+            raise ValueError(f"topk_ids[{t}] = {ids[t].tolist()} names an expert twice")
+
+    def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
+        T = x.shape[0]
+        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()
+        if topk_ids is not None:
+            topk_ids = topk_ids.to(torch.int32).contiguous()
+            topk_w = topk_w.contiguous()
+        elif logits.stride(1) != 1:
+            logits = logits.contiguous()
+        v = self._variant(block_tokens_for(T, self.top_k, self.num_experts))
+        p = v.params
+        p.x, p.x_stride, p.out, p.out_stride, p.num_tokens = x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), T
+        if logits is not None:
+            p.logits, p.logits_stride, p.logits_bf16 = logits.data_ptr(), logits.stride(0), int(logits.dtype != torch.float32)
+            p.topk_ids_in = p.topk_w_in = 0
+        else:
+            p.logits, p.topk_ids_in, p.topk_w_in = 0, topk_ids.data_ptr(), topk_w.data_ptr()
+        p.w13_map = self._weight_maps.get(w13.view(-1, self.hidden_size))
+        p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
+        self._watchdog.check()
+        nblk = -(-T // _ROUTE_BLOCK)
+        v.route.launch(nblk, p)
+        v.plan.launch(1, p)
+        v.scatter.launch(nblk, p)
+        v.main.launch(self._sm_count * v.main.ctas_per_sm, p)
+
+    def errors(self) -> int:
+        """Nonzero once a launch met an invalid precomputed topk id (waits for the GPU); clears it."""
+        if self.device.type == "cpu":
+            return 0
+        e = int(self._bufs["error"].item())
+        self._bufs["error"].zero_()
+        return e
+
+    # --- CPU reference executor -----------------------------------------------------------------------
+    def plan_for(self, topk_ids: np.ndarray, num_tokens: int):
+        """The `MoePlan` this layer runs for a routing (the GPU planner builds the same on the device)."""
+        bt = block_tokens_for(num_tokens, self.top_k, self.num_experts)
+        lag = getattr(self, "_sm_count", 132)
+        return plan_moe(topk_ids, self.num_experts, bt, self.n1, self.n2, lag)
+
+    def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> torch.Tensor:
+        from ..runtime.moe_reference import execute_moe, route
+
+        if logits is not None:
+            ids, w = route(logits, self.top_k, self.renormalize)
+        else:
+            ids, w = topk_ids.long(), topk_w
+        plan = self.plan_for(ids.numpy(), x.shape[0])
+        poisoned = np.zeros(x.shape[0], dtype=bool)
+        out.copy_(execute_moe(plan, x, w13, w2, w, poisoned))
+        return out
+
+
+@functools.lru_cache(maxsize=16)
+def _cached(H: int, I: int, E: int, k: int, device: torch.device, renormalize: bool, capacity: int) -> MoE:
+    return MoE(H, I, E, k, torch.bfloat16, device, capacity, renormalize)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor | None, top_k: int,
+              renormalize: bool = True, *, topk_weights: torch.Tensor | None = None,
+              topk_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer as one call (a cached `MoE` per shape and device, capacity the next power of two).
+
+    Example:
+        out = meld.fused_moe(x, w13, w2, router_logits, top_k=8, renormalize=True)
+    """
+    if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
+        raise ValueError(f"w13 must be a 3-D tensor [E, 2*I, H], got {getattr(w13, 'shape', type(w13).__name__)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [T, H], got {getattr(x, 'shape', type(x).__name__)}")
+    E, I2, H = w13.shape
+    capacity = max(256, 1 << max(0, x.shape[0] - 1).bit_length())
+    moe = _cached(H, I2 // 2, E, top_k, resolve_device(x.device), renormalize, capacity)
+    return moe(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids)

@@ -1,0 +1,67 @@
+"""The fused-MoE plan from a routing, in NumPy: the CPU reference executor's schedule and the oracle the
+GPU planner (templates/moe.cuh: meld_moe_plan) is tested against. It mirrors the device rules exactly:
+rows grouped by expert in token order, row blocks of `block_tokens` rows, and the ticket order of the
+gemm1 / gemm2 tiles (gemm1 tiles expert by expert, column-major inside an expert; an expert's gemm2 tiles
+`lag` tickets after its last gemm1 tile)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GEMM1, GEMM2 = 0, 1
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """Rows, row blocks and tiles of one routing.
+
+    expert_off [E + 1]: each expert's first row; pair_pos [T, k]: the row of each (token, choice), -1 for
+    an invalid pair; row_token [rows]: the token of each row; row_blocks [nrb, 3]: (expert, first row,
+    rows); tasks [ntasks, 3]: (kind, row block, column block) in ticket order.
+    """
+
+    expert_off: np.ndarray
+    pair_pos: np.ndarray
+    row_token: np.ndarray
+    row_blocks: np.ndarray
+    tasks: np.ndarray
+
+    @property
+    def packed_tasks(self) -> np.ndarray:
+        """The tasks as the GPU planner writes them: row block << 12 | column << 1 | kind."""
+        return (self.tasks[:, 1] << 12) | (self.tasks[:, 2] << 1) | self.tasks[:, 0]
+
+
+def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int) -> MoePlan:
+    """`topk_ids` [T, k] (int, -1: an invalid pair); n1, n2: column blocks of the gemm1 and gemm2 tiles."""
+    ids = np.asarray(topk_ids, dtype=np.int64)
+    T, k = ids.shape
+    valid = ids >= 0
+    counts = np.bincount(ids[valid], minlength=num_experts)
+    expert_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pair_pos = np.full((T, k), -1, dtype=np.int64)
+    row_token = np.zeros(int(expert_off[-1]), dtype=np.int64)
+    # rows of an expert in token order (a token routes to an expert at most once)
+    t_idx, j_idx = np.nonzero(valid)
+    order = np.lexsort((t_idx, ids[t_idx, j_idx]))
+    t_idx, j_idx = t_idx[order], j_idx[order]
+    rows = np.arange(len(t_idx))
+    pair_pos[t_idx, j_idx] = rows
+    row_token[rows] = t_idx
+    nrb_e = -(-counts // block_tokens)
+    rb_off = np.concatenate([[0], np.cumsum(nrb_e)]).astype(np.int64)
+    blocks = [(e, expert_off[e] + r * block_tokens, min(block_tokens, counts[e] - r * block_tokens))
+              for e in range(num_experts) for r in range(nrb_e[e])]
+    row_blocks = np.array(blocks, dtype=np.int64).reshape(-1, 3)
+    g1 = [(GEMM1, rb_off[e] + r, c) for e in range(num_experts) for c in range(n1) for r in range(nrb_e[e])]
+    g2 = [[(GEMM2, rb_off[e] + r, c) for c in range(n2) for r in range(nrb_e[e])] for e in range(num_experts)]
+    nA = len(g1)
+    tasks, a = [], 0
+    for e in range(num_experts):   # each expert's gemm2 tiles go in once `lag` tickets passed its gemm1 end
+        due = min(rb_off[e + 1] * n1 + lag, nA)
+        tasks += g1[a:due]
+        a = max(a, due)
+        tasks += g2[e]
+    tasks += g1[a:]
+    return MoePlan(expert_off, pair_pos, row_token, row_blocks, np.array(tasks, dtype=np.int64).reshape(-1, 3))

@@ -1,0 +1,244 @@
+"""Fused MoE: the CPU reference executor and the GPU kernels against a float64 dense reference, the GPU
+planner against the NumPy plan, and the layer's input checks."""
+import numpy as np
+import pytest
+import torch
+
+import meld
+from meld.codegen.compiler import compile_nvcc
+from meld.codegen.moe_kernel import BLOCK_TOKEN_CHOICES, MoeKernelConfig
+from meld.runtime.moe_reference import route
+from meld.scheduler.moe_plan import GEMM1, GEMM2, plan_moe
+
+
+def weights(E, H, I, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(torch.bfloat16)
+    return w13.to(device), w2.to(device)
+
+
+def dense_reference(x, w13, w2, ids, w):
+    """float64, token by token: out[t] = sum_j w[t, j] W2[e] (SiLU(Wg[e] x[t]) * Wu[e] x[t])."""
+    x, w13, w2, w = (t.double().cpu() for t in (x, w13, w2, w))
+    ids = ids.long().cpu()
+    I = w2.shape[2]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        g, u = x[t] @ w13[e, :I].T, x[t] @ w13[e, I:].T
+        out.index_add_(0, t, w[t, j, None] * ((g * torch.sigmoid(g) * u) @ w2[e].T))
+    return out
+
+
+def assert_close(out, ref, what=""):
+    out = out.double().cpu()
+    assert not out.isnan().any(), f"{what}: NaN in the output"
+    err = (out - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 2e-2 * scale + 1e-3, f"{what}: max error {err:.3g} against a scale of {scale:.3g}"
+
+
+def skewed_logits(T, E, hot=0, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    logits[: T // 2, hot] += 20.0
+    return logits
+
+
+# --- the plan -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T,E,k,bt,lag", [(1, 8, 2, 16, 3), (50, 5, 3, 16, 0), (300, 16, 4, 32, 7), (97, 64, 8, 16, 132)])
+def test_plan_covers_every_pair_once_in_dependency_order(T, E, k, bt, lag):
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).numpy()
+    n1, n2 = 3, 5
+    p = plan_moe(ids, E, bt, n1, n2, lag)
+    rows = p.pair_pos[p.pair_pos >= 0]
+    assert sorted(rows.tolist()) == list(range(T * k))                      # every pair has its own row
+    assert (p.row_token[p.pair_pos] == np.arange(T)[:, None]).all()
+    for e in range(E):                                                       # an expert's rows, in token order
+        r = np.arange(p.expert_off[e], p.expert_off[e + 1])
+        assert (ids[p.row_token[r]] == e).any(axis=1).all() and (np.diff(p.row_token[r]) > 0).all()
+    assert all(0 < n <= bt for n in p.row_blocks[:, 2])
+    assert len(p.tasks) == len(p.row_blocks) * (n1 + n2)
+    seen = {}
+    for ticket, (kind, rb, c) in enumerate(p.tasks):
+        seen.setdefault((kind, rb), []).append(ticket)
+        if kind == GEMM2:   # every gemm1 tile of its row block has a smaller ticket
+            assert len(seen.get((GEMM1, rb), [])) == n1
+    assert all(len(v) == (n1 if kind == GEMM1 else n2) for (kind, _), v in seen.items())
+
+
+def test_empty_experts_get_no_tiles():
+    ids = np.zeros((40, 1), dtype=np.int64) + 3
+    p = plan_moe(ids, 8, 16, 2, 2, 5)
+    assert set(p.row_blocks[:, 0].tolist()) == {3}
+    assert len(p.row_blocks) == 3 and len(p.tasks) == 12
+
+
+# --- codegen ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bt", BLOCK_TOKEN_CHOICES)
+def test_kernels_compile_for_sm90a(bt):
+    cfg = MoeKernelConfig(block_tokens=bt)
+    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    assert len(cubin) > 0
+    assert "C7508" not in log, "ptxas ignored setmaxnreg: the consumer warpgroups would run on 168 registers"
+    assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
+
+
+# --- the CPU reference executor -----------------------------------------------------------------------
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 64, 32, 4, 2), (37, 200, 136, 5, 3), (20, 64, 40, 6, 6), (9, 128, 64, 8, 1)])
+def test_cpu_executor_matches_dense_reference(T, H, I, E, k):
+    w13, w2 = weights(E, H, I)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    logits = torch.randn(T, E)
+    moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=64)
+    out = moe(x, logits, w13, w2)
+    ids, w = route(logits, k, True)
+    assert_close(out, dense_reference(x, w13, w2, ids, w), "cpu executor")
+    assert torch.equal(out, meld.fused_moe(x, w13, w2, logits, k))
+
+
+def test_routing_matches_torch_topk():
+    logits = torch.randn(50, 16)
+    ids, w = route(logits, 4, True)
+    p = torch.softmax(logits, -1)
+    tv, ti = p.topk(4, dim=-1)
+    assert torch.equal(ids, ti)
+    assert torch.allclose(w, tv / tv.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(top_k=0), "top_k"), (dict(top_k=9), "top_k"), (dict(hidden_size=100), "hidden_size"),
+    (dict(intermediate_size=-8), "intermediate_size"), (dict(num_experts=2000), "num_experts"),
+    (dict(dtype=torch.float32), "dtype"), (dict(device="gpu"), "device"), (dict(max_num_tokens=0), "max_num_tokens"),
+])
+def test_constructor_errors_name_the_argument(kwargs, match):
+    args = dict(hidden_size=64, intermediate_size=32, num_experts=8, top_k=2, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        meld.MoE(**{**args, **kwargs})
+
+
+def test_call_errors_name_the_argument():
+    H, I, E, k = 64, 32, 8, 2
+    moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=16)
+    w13, w2 = weights(E, H, I)
+    x, logits = torch.randn(4, H).to(torch.bfloat16), torch.randn(4, E)
+    cases = [
+        (dict(x=x.float()), "x must have dtype"), (dict(x=torch.randn(17, H).bfloat16()), "max_num_tokens"),
+        (dict(w13=w13[:, :-1]), "w13 must have shape"), (dict(w2=w2.transpose(1, 2)), "w2 must have shape"),
+        (dict(logits=logits[:, :5]), "router_logits must have shape"),
+        (dict(logits=None), "either router_logits"),
+    ]
+    for over, match in cases:
+        a = {**dict(x=x, logits=logits, w13=w13, w2=w2), **over}
+        with pytest.raises(ValueError, match=match):
+            moe(a["x"], a["logits"], a["w13"], a["w2"])
+    ids = torch.tensor([[0, 1], [2, 2], [0, 1], [3, 4]])
+    with pytest.raises(ValueError, match="names an expert twice"):
+        moe(x, None, w13, w2, topk_weights=torch.rand(4, 2), topk_ids=ids)
+    with pytest.raises(ValueError, match=r"topk_ids\[3, 1\] = 8"):
+        moe(x, None, w13, w2, topk_weights=torch.rand(4, 2), topk_ids=torch.tensor([[0, 1]] * 3 + [[2, 8]]))
+
+
+# --- GPU ----------------------------------------------------------------------------------------------
+def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, **call):
+    dev = "cuda"
+    w13, w2 = weights(E, H, I, dev)
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    logits = (logits if logits is not None else torch.randn(T, E)).to(dev)
+    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=capacity or max(T, 1), renormalize=renormalize)
+    out = torch.full((T, H), float("nan"), device=dev, dtype=torch.bfloat16)   # poisoned
+    moe(x, logits, w13, w2, out=out, **call)
+    torch.cuda.synchronize()
+    ids = moe._bufs["topk_ids"][: T * k].view(T, k).cpu()
+    w = moe._bufs["topk_w"][: T * k].view(T, k).cpu()
+    rids, rw = route(logits.cpu(), k, renormalize)
+    assert torch.equal(ids.sort(1).values, rids.sort(1).values), "GPU routing chose other experts"
+    assert torch.allclose(w.gather(1, ids.argsort(1)), rw.gather(1, rids.argsort(1)), rtol=1e-4, atol=1e-6)
+    assert_close(out, dense_reference(x, w13, w2, ids, w), f"T={T} H={H} I={I} E={E} k={k}")
+    return moe, x, logits, w13, w2, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k", [
+    (1, 256, 128, 8, 2), (7, 200, 136, 5, 3), (100, 512, 256, 16, 4), (333, 264, 200, 12, 2),
+    (64, 256, 128, 8, 1), (40, 128, 64, 6, 6), (1000, 256, 384, 32, 8), (2500, 512, 256, 4, 2),
+])
+def test_gpu_matches_dense_reference(T, H, I, E, k):
+    gpu_case(T, H, I, E, k)
+
+
+@pytest.mark.gpu
+def test_gpu_all_tokens_to_one_expert_and_most_experts_empty():
+    T, E = 600, 64
+    logits = torch.randn(T, E)
+    logits[:, 5] += 30.0
+    logits[:, 9] += 25.0
+    gpu_case(T, 256, 128, E, 2, logits=logits)
+    gpu_case(T, 256, 128, E, 1, logits=skewed_logits(T, E, hot=3))
+
+
+@pytest.mark.gpu
+def test_gpu_plan_matches_numpy_plan():
+    T, E, k = 700, 16, 4
+    moe, *_ = gpu_case(T, 256, 200, E, k, logits=skewed_logits(T, E))
+    b = {n: t.cpu().numpy() for n, t in moe._bufs.items() if t.dtype != torch.bfloat16}
+    ids = b["topk_ids"][: T * k].reshape(T, k)
+    p = moe.plan_for(ids, T)
+    n = len(p.tasks)
+    assert int(b["counters"][1]) == n
+    assert np.array_equal(b["tasks"][:n], p.packed_tasks)
+    assert np.array_equal(b["pair_pos"][: T * k].reshape(T, k), p.pair_pos)
+    assert np.array_equal(b["expert_off"], p.expert_off)
+
+
+@pytest.mark.gpu
+def test_gpu_bit_identical_runs_and_cuda_graph_replay():
+    T, H, I, E, k = 300, 256, 128, 16, 4
+    moe, x, logits, w13, w2, out = gpu_case(T, H, I, E, k, capacity=512)
+    again = moe(x, logits, w13, w2)
+    assert torch.equal(out, again)
+    g = torch.cuda.CUDAGraph()
+    static_out = torch.empty_like(out)
+    with torch.cuda.graph(g):
+        moe(x, logits, w13, w2, out=static_out)
+    x2, l2 = torch.randn_like(x.float()).bfloat16(), torch.randn_like(logits)
+    x.copy_(x2)
+    logits.copy_(l2)
+    g.replay()
+    torch.cuda.synchronize()
+    ids, w = route(l2.cpu(), k, True)
+    assert_close(static_out, dense_reference(x2, w13, w2, ids, w), "graph replay with new routing")
+
+
+@pytest.mark.gpu
+def test_gpu_precomputed_routing_and_top_k_equal_to_experts():
+    T, H, I, E, k = 50, 256, 128, 8, 3
+    dev = "cuda"
+    w13, w2 = weights(E, H, I, dev)
+    x = torch.randn(T, H, device=dev).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(dev)
+    w = torch.rand(T, k, device=dev)
+    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=T)
+    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=ids)
+    assert_close(out, dense_reference(x, w13, w2, ids, w), "precomputed routing")
+    bad = ids.clone()
+    bad[3, 1] = E + 5
+    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
+    assert out[3].isnan().all() and not out[:3].isnan().any() and moe.errors() == 1
+    gpu_case(T, H, I, E, E)
+
+
+@pytest.mark.gpu
+def test_gpu_nan_in_nan_out():
+    T, H, I, E, k = 40, 256, 128, 8, 2
+    dev = "cuda"
+    w13, w2 = weights(E, H, I, dev)
+    x = torch.randn(T, H, device=dev).bfloat16()
+    logits = torch.randn(T, E, device=dev)
+    x[5, 17] = float("nan")
+    logits[9, 2] = float("nan")
+    out = meld.fused_moe(x, w13, w2, logits, k)
+    assert out[5].isnan().any() and out[9].isnan().all()
+    ok = [t for t in range(T) if t not in (5, 9)]
+    assert not out[ok].isnan().any()
