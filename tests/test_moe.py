@@ -86,7 +86,8 @@ def test_kernels_compile_for_sm90a(bt):
 
 
 # --- the CPU reference executor -----------------------------------------------------------------------
-@pytest.mark.parametrize("T,H,I,E,k", [(1, 64, 32, 4, 2), (37, 200, 136, 5, 3), (20, 64, 40, 6, 6), (9, 128, 64, 8, 1)])
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 64, 32, 4, 2), (37, 200, 136, 5, 3), (20, 64, 40, 6, 6), (9, 128, 64, 8, 1),
+                                      (60, 264, 200, 4, 4)])
 def test_cpu_executor_matches_dense_reference(T, H, I, E, k):
     w13, w2 = weights(E, H, I)
     x = torch.randn(T, H).to(torch.bfloat16)

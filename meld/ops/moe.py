@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from ..codegen import compile_source
-from ..codegen.moe_kernel import (G1_COLS, G2_COLS, MAIN_THREADS, MAX_EXPERTS, BLOCK_TOKEN_CHOICES,
-                                  MoeKernelConfig, block_tokens_for)
+from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, MoeKernelConfig,
+                                  block_tokens_for, tile_columns)
 from ..codegen.params import MOE_PARAMS
 from ..scheduler.moe_plan import plan_moe
 from .checks import check_positive, expect, plain, resolve_device
@@ -74,7 +74,6 @@ class MoE:
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, (2 ** 31 - 1) // (self.top_k * 4096))
         self.dtype, self.renormalize = dtype, renormalize
         self.device = resolve_device(device)
-        self.n1, self.n2 = -(-I // G1_COLS), -(-H // G2_COLS)
         self._kernel_config = kernel_config
         self._variants: dict[int, _Variant] = {}
         if self.device.type == "cuda":
@@ -99,8 +98,10 @@ class MoE:
             "topk_ids": torch.empty(R, **i32), "topk_w": torch.empty(R, dtype=torch.float32, device=self.device),
             "rank": torch.empty(R, **i32), "blk_cnt": torch.empty(nblk * E, **i32),
             "expert_off": torch.empty(E + 1, **i32), "rb": torch.empty(4 * self._rb_cap, **i32),
-            "tasks": torch.empty(self._rb_cap * (self.n1 + self.n2), **i32), "counters": torch.zeros(2, **i32),
-            "rb_done": torch.zeros(self._rb_cap, **i32), "tok_cnt": torch.zeros(T * self.n2, **i32),
+            "tasks": torch.empty(self._rb_cap * sum(self._column_blocks(BLOCK_TOKEN_CHOICES[0])), **i32),
+            "counters": torch.zeros(2, **i32),
+            "rb_done": torch.zeros(self._rb_cap, **i32),
+            "tok_cnt": torch.zeros(T * self._column_blocks(BLOCK_TOKEN_CHOICES[0])[1], **i32),
             "tok_need": torch.empty(T, **i32), "pair_pos": torch.empty(R, **i32),
             "row_token": torch.empty(R, **i32), "error": torch.zeros(1, **i32),
             "xs": torch.empty(R, H, dtype=self.dtype, device=self.device),
@@ -112,6 +113,11 @@ class MoE:
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
         from ..runtime.tensor_map import TensorMapCache2D
         self._weight_maps = TensorMapCache2D()
+
+    def _column_blocks(self, block_tokens: int) -> tuple[int, int]:
+        """Tiles per row block: (gemm1 column blocks of I, gemm2 column blocks of H)."""
+        c1, c2 = tile_columns(block_tokens)
+        return -(-self.intermediate_size // c1), -(-self.hidden_size // c2)
 
     def _variant(self, block_tokens: int) -> _Variant:
         v = self._variants.get(block_tokens)
@@ -130,7 +136,7 @@ class MoE:
             watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
             watchdog_kernel=self._watchdog_id, hidden=self.hidden_size, inter=self.intermediate_size,
             num_experts=self.num_experts, top_k=self.top_k, renormalize=int(self.renormalize),
-            n1=self.n1, n2=self.n2, lag=self._sm_count,
+            n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
             xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens))
         v = _Variant(cfg, Kernel(compiled, "meld_moe_route", **small), Kernel(compiled, "meld_moe_plan", **small),
                      Kernel(compiled, "meld_moe_scatter", **small),
@@ -174,8 +180,9 @@ class MoE:
         else:
             out = plain(out)
             expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev)
-            if out.stride(1) != 1:
-                raise ValueError(f"out must have unit stride along hidden_size, got strides {out.stride()}")
+            if out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16:
+                raise ValueError(f"out must have 16-byte aligned rows of unit stride (the kernel writes 16 bytes "
+                                 f"at a time), got strides {out.stride()} at address {out.data_ptr():#x}")
         if T == 0:
             return out
         if dev.type == "cpu":
@@ -233,7 +240,7 @@ class MoE:
         """The `MoePlan` this layer runs for a routing (the GPU planner builds the same on the device)."""
         bt = block_tokens_for(num_tokens, self.top_k, self.num_experts)
         lag = getattr(self, "_sm_count", 132)
-        return plan_moe(topk_ids, self.num_experts, bt, self.n1, self.n2, lag)
+        return plan_moe(topk_ids, self.num_experts, bt, *self._column_blocks(bt), lag, tile_columns(bt))
 
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> torch.Tensor:
         from ..runtime.moe_reference import execute_moe, route

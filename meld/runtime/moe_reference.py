@@ -8,8 +8,6 @@ import torch
 
 from ..scheduler.moe_plan import GEMM1, MoePlan
 
-G1_COLS, G2_COLS = 128, 256
-
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, the top_k largest (NaN first, then smaller ids on ties), weights
@@ -39,6 +37,7 @@ def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     nrows = len(plan.row_token)
     xs = xd[plan.row_token] if nrows else np.zeros((0, H))
     act, y = np.zeros((nrows, I)), np.zeros((nrows, H))
+    G1_COLS, G2_COLS = plan.columns
     n2 = -(-H // G2_COLS)
     need = (plan.pair_pos >= 0).sum(axis=1)
     count = np.zeros((T, n2), dtype=np.int64)

@@ -26,6 +26,7 @@ class MoePlan:
     row_token: np.ndarray
     row_blocks: np.ndarray
     tasks: np.ndarray
+    columns: tuple[int, int]   # columns of I per gemm1 tile, of H per gemm2 tile
 
     @property
     def packed_tasks(self) -> np.ndarray:
@@ -33,8 +34,10 @@ class MoePlan:
         return (self.tasks[:, 1] << 12) | (self.tasks[:, 2] << 1) | self.tasks[:, 0]
 
 
-def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int) -> MoePlan:
-    """`topk_ids` [T, k] (int, -1: an invalid pair); n1, n2: column blocks of the gemm1 and gemm2 tiles."""
+def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
+             columns: tuple[int, int] = (128, 256)) -> MoePlan:
+    """`topk_ids` [T, k] (int, -1: an invalid pair); n1, n2: column blocks of the gemm1 and gemm2 tiles,
+    each `columns` wide."""
     ids = np.asarray(topk_ids, dtype=np.int64)
     T, k = ids.shape
     valid = ids >= 0
@@ -64,4 +67,5 @@ def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int,
         a = max(a, due)
         tasks += g2[e]
     tasks += g1[a:]
-    return MoePlan(expert_off, pair_pos, row_token, row_blocks, np.array(tasks, dtype=np.int64).reshape(-1, 3))
+    return MoePlan(expert_off, pair_pos, row_token, row_blocks, np.array(tasks, dtype=np.int64).reshape(-1, 3),
+                   columns)

@@ -35,9 +35,16 @@ constexpr int BK = 64;                         // K per ring stage: 64 16-bit el
 constexpr int W_ROWS = 64;                     // weight rows per accumulator (wgmma M)
 constexpr int W_BOX = W_ROWS * BK * 2;         // 8 KiB
 constexpr int T_BOX = BLOCK_TOKENS * BK * 2;
-constexpr int STAGE_BYTES = 4 * W_BOX + T_BOX;
-constexpr int G1_COLS = 128;                   // columns of I per gemm1 tile (two warpgroups x 64)
-constexpr int G2_COLS = 256;                   // columns of H per gemm2 tile (two warpgroups x 2 x 64)
+// Wide tiles (MELD_NARROW 0): each consumer warpgroup keeps two 64-row accumulators — gate and up rows
+// of the same 64 columns of I (gemm1), or 128 rows of H (gemm2). Narrow tiles (small token blocks, where
+// the layer is bound by reading weights and needs more, smaller tiles to keep every SM streaming): one
+// accumulator each — warpgroup 0 the gate rows and warpgroup 1 the up rows of 64 columns (their product
+// meets in shared memory), or 64 rows of H each.
+constexpr int NACC = MELD_NARROW ? 1 : 2;      // accumulators per consumer warpgroup
+constexpr int NBOX = 2 * NACC;                 // weight boxes per ring stage
+constexpr int STAGE_BYTES = NBOX * W_BOX + T_BOX;
+constexpr int G1_COLS = 64 * NACC;             // columns of I per gemm1 tile
+constexpr int G2_COLS = 128 * NACC;            // columns of H per gemm2 tile
 constexpr int ACC = BLOCK_TOKENS / 2;          // accumulator registers per thread per 64-row accumulator
 constexpr int CONSUMERS = 256;
 constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
@@ -320,15 +327,15 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     const int expert = p.rb[4 * rbi], row0 = p.rb[4 * rbi + 1];
     const void* wmap = kind ? (const void*)&p.w2_map : (const void*)&p.w13_map;
     const void* tmap = kind ? (const void*)&p.act_map : (const void*)&p.xs_map;
-    int wrow[4];
+    int wrow[NBOX];
     if (kind == 0) {
       const i64 e0 = (i64)expert * 2 * p.inter;
-      for (int w = 0; w < 2; ++w) {
+      for (int w = 0; w < NACC; ++w) {
         wrow[2 * w] = (int)(e0 + col * G1_COLS + w * 64);                   // gate rows
         wrow[2 * w + 1] = (int)(e0 + p.inter + col * G1_COLS + w * 64);     // up rows
       }
     } else {
-      for (int q = 0; q < 4; ++q) wrow[q] = (int)((i64)expert * p.hidden + col * G2_COLS + q * 64);
+      for (int q = 0; q < NBOX; ++q) wrow[q] = (int)((i64)expert * p.hidden + col * G2_COLS + q * 64);
       wait_row_block(p, rbi, ticket);
     }
     const int nk = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
@@ -337,8 +344,8 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
       mbar_arrive_expect_tx(full, STAGE_BYTES);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) tma_load_2d(dst + q * W_BOX, wmap, kk * BK, wrow[q], full);
-      tma_load_2d(dst + 4 * W_BOX, tmap, kk * BK, row0, full);
+      for (int q = 0; q < NBOX; ++q) tma_load_2d(dst + q * W_BOX, wmap, kk * BK, wrow[q], full);
+      tma_load_2d(dst + NBOX * W_BOX, tmap, kk * BK, row0, full);
       ring.advance();
     }
   }
@@ -352,18 +359,44 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_s
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
-// A token's k rows for this 256-column block of H are all in y: out = sum_j w_j y_j (fixed j order).
-__device__ void combine(const MoeParams& p, int t, int h0, int c) {
-  const int h = h0 + c;
-  if (h >= p.hidden) return;
-  const int K = p.top_k;
-  float acc = (p.tok_need[t] & POISON) ? __int_as_float(0x7fc00000) : 0.f;
-  for (int j = 0; j < K; ++j) {
-    const int pos = p.pair_pos[(i64)t * K + j];
-    if (pos < 0) continue;
-    acc += p.topk_w[(i64)t * K + j] * bf16_to_float(ld_cg_u16(p.y + (i64)pos * p.hidden + h));
+// A token's k rows for this column block of H are all in y: out = sum_j w_j y_j, in fixed j order.
+// One warp per token, 8 columns (16 bytes) per lane; the k (row, weight) pairs come from lane j by shuffle
+// so the k row loads are independent and in flight together.
+__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ void combine(const MoeParams& p, int t, int h0, int lane) {
+  const int K = p.top_k, h = h0 + lane * 8;
+  const bool active = lane * 8 < G2_COLS && h < p.hidden;   // every lane stays for the shuffles
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = (p.tok_need[t] & POISON) ? __int_as_float(0x7fc00000) : 0.f;
+  for (int j0 = 0; j0 < K; j0 += 32) {
+    const int mine = j0 + lane < K ? p.pair_pos[(i64)t * K + j0 + lane] : -1;
+    const float mw = j0 + lane < K ? p.topk_w[(i64)t * K + j0 + lane] : 0.f;
+    const int n = min(32, K - j0);
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const int pos = __shfl_sync(~0u, mine, j);
+      const float w = __shfl_sync(~0u, mw, j);
+      if (!active || pos < 0) continue;
+      const uint4 v = ld_cg_v4(p.y + (i64)pos * p.hidden + h);
+      const u32 q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += w * __uint_as_float(q[i] << 16);
+        acc[2 * i + 1] += w * __uint_as_float(q[i] & 0xffff0000u);
+      }
+    }
   }
-  p.out[(i64)t * p.out_stride + h] = float_to_bf16(acc);
+  if (active) {
+    uint4 o;
+    o.x = pack2(acc[0], acc[1]); o.y = pack2(acc[2], acc[3]); o.z = pack2(acc[4], acc[5]); o.w = pack2(acc[6], acc[7]);
+    *(uint4*)(p.out + (i64)t * p.out_stride + h) = o;
+  }
 }
 
 struct Profiler {
@@ -402,7 +435,7 @@ struct Profiler {
 };
 
 __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, const int* slots,
-                        int* combine_list) {
+                        int* combine_list, float* xchg) {
   const int ct = threadIdx.x - 128, wg = ct / 128, warp = ct / 32, lane = ct % 32;   // wg: 0 or 1
   const bool recorder = ct == 0;
   Profiler prof;
@@ -423,29 +456,47 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
     const int nk = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
+    // One stage's wgmmas stay in flight while the next stage's are issued; a stage goes back to the
+    // producer once the wgmmas that read it have completed.
+    int prev = -1;
     for (int kk = 0; kk < nk; ++kk) {
       mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage));
       const u32 st = ring.base + ring.stage * STAGE_BYTES;
       wgmma_fence();
-      mma_stage(acc0, st + (2 * wg) * W_BOX, st + 4 * W_BOX);
-      mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + 4 * W_BOX);
+      mma_stage(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
+      if (NACC == 2) mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc0);
-      fence_regs(acc1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
+      wgmma_wait<1>();
+      if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
+      prev = ring.stage;
       ring.advance();
     }
+    wgmma_wait<0>();
+    fence_regs(acc0);
+    fence_regs(acc1);
+    if (lane == 0) mbar_arrive(ring.empty + 8 * prev);
     // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w of the warpgroup, lane l)
     // holds weight row 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
     const int wrow = 16 * (warp % 4) + lane / 4;
     if (kind == 0) {
+      if (NACC == 1) {   // warpgroup 1 holds the up rows: hand them to the same thread of warpgroup 0
+        float* mine = xchg + (ct % 128) * (ACC + 1);
+        if (wg == 1) {
+#pragma unroll
+          for (int r = 0; r < ACC; ++r) mine[r] = acc0[r];
+        }
+        named_barrier(1, CONSUMERS);
+        if (wg == 0) {
+#pragma unroll
+          for (int r = 0; r < ACC; ++r) acc1[r] = mine[r];
+        }
+      }
       const int f0 = col * G1_COLS + wg * 64;
 #pragma unroll
       for (int r = 0; r < ACC; ++r) {
         const int f = f0 + wrow + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
-        if (f < p.inter && tok < rows) p.act[(i64)(row0 + tok) * p.inter + f] = float_to_bf16(silu_mul(acc0[r], acc1[r]));
+        if ((NACC == 2 || wg == 0) && f < p.inter && tok < rows)
+          p.act[(i64)(row0 + tok) * p.inter + f] = float_to_bf16(silu_mul(acc0[r], acc1[r]));
       }
       __threadfence();
       named_barrier(1, CONSUMERS);
@@ -455,10 +506,10 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       const int h0 = col * G2_COLS;
 #pragma unroll
       for (int r = 0; r < ACC; ++r) {
-        const int h = h0 + wg * 128 + wrow + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
+        const int h = h0 + wg * 64 * NACC + wrow + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
         if (tok < rows) {
           if (h < p.hidden) p.y[(i64)(row0 + tok) * p.hidden + h] = float_to_bf16(acc0[r]);
-          if (h + 64 < p.hidden) p.y[(i64)(row0 + tok) * p.hidden + h + 64] = float_to_bf16(acc1[r]);
+          if (NACC == 2 && h + 64 < p.hidden) p.y[(i64)(row0 + tok) * p.hidden + h + 64] = float_to_bf16(acc1[r]);
         }
       }
       if (ct == 0) combine_list[0] = 0;
@@ -476,7 +527,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       const i64 t1 = prof.now();
       prof.record(p, t0, 1, ticket);
       const int n = combine_list[0];
-      for (int i = 0; i < n; ++i) combine(p, combine_list[1 + i], h0, ct);
+      for (int i = warp; i < n; i += CONSUMERS / 32) combine(p, combine_list[1 + i], h0, lane);
       if (n) prof.record(p, t1, 2, ticket);
       named_barrier(1, CONSUMERS);
     }
@@ -495,6 +546,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   const u32 task_full = ring.empty + 8 * NUM_STAGES, task_empty = task_full + 16;
   int* slots = (int*)(smem_raw + (task_empty + 16 - raw));
   int* combine_list = slots + 4;   // [count, tokens...]: at most BLOCK_TOKENS tokens
+  float* xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);   // narrow gemm1 tiles: [128][ACC + 1] up values
   if (threadIdx.x == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
       mbar_init(ring.full + 8 * s, 1);
@@ -512,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
     if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);
   } else {
     regs_alloc<232>();
-    consume(p, ring, task_full, task_empty, slots, combine_list);
+    consume(p, ring, task_full, task_empty, slots, combine_list, xchg);
   }
 }
 
