@@ -14,8 +14,8 @@ merge (the combiner), and which axes index independent tasks. All of it is read 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import tvm
@@ -80,17 +80,26 @@ _BINARY = {
     tirx.EQ: np.equal, tirx.NE: np.not_equal, tirx.LT: np.less, tirx.LE: np.less_equal,
     tirx.GT: np.greater, tirx.GE: np.greater_equal, tirx.And: np.logical_and, tirx.Or: np.logical_or,
 }
-_UNARY = {"exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt, "fabs": np.abs}
+_UNARY = {"exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt, "fabs": np.abs,
+          "sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v))}
 
 
 def evaluate(expr: tvm.ir.expr.Expr, env: dict[str, np.ndarray]) -> np.ndarray:
-    """Evaluate a TIR expression elementwise in float64, with each free Var looked up by name in `env`."""
+    """Evaluate a TIR expression elementwise in float64, with each free Var looked up by name in `env`.
+
+    A load reads the array `env[buffer name]` at its evaluated (truncated) indices.
+    """
     if isinstance(expr, (tirx.FloatImm, tirx.IntImm)):
         return np.float64(expr.value)
     if isinstance(expr, tirx.Var):
         if expr.name not in env:
             raise ValueError(f"cannot evaluate {expr.name!r}: the expression depends on more than its inputs")
         return env[expr.name]
+    if _is_load(expr):
+        if expr.source.name not in env:
+            raise ValueError(f"cannot evaluate a load of {expr.source.name!r}: the expression reads more "
+                             "than its inputs")
+        return env[expr.source.name][tuple(np.asarray(evaluate(i, env)).astype(np.int64) for i in expr.indices)]
     if type(expr) in _BINARY:
         return _BINARY[type(expr)](evaluate(expr.a, env), evaluate(expr.b, env))
     if isinstance(expr, tirx.Not):
@@ -112,8 +121,8 @@ def evaluate(expr: tvm.ir.expr.Expr, env: dict[str, np.ndarray]) -> np.ndarray:
 
 # --- the combiner -----------------------------------------------------------------------------------
 
-def _canonical_update(block: SBlock, states: list[tirx.Var]) -> tuple[list, int]:
-    """Rewrite each state update as f(lhs0.., rhs0..): lhs_i = state i, rhs_j = a distinct source term.
+def canonical_update(block: SBlock, states: list[tirx.Var]) -> tuple[list, list]:
+    """Rewrite each state update as f(lhs0.., rhs0..): lhs_i = state i, rhs_j = the distinct source term j.
 
     A source term is a maximal floating-point subexpression that reads no state but depends on the
     block's iteration or on a load: after TVM inlines the combiner, each source value appears as such.
@@ -145,7 +154,7 @@ def _canonical_update(block: SBlock, states: list[tirx.Var]) -> tuple[list, int]
 
     stores = _collect(block.body, tirx.BufferStore)
     values = [tvm_ffi.structural_mutate(s.value, (tirx.Var, inline)) for s in stores]
-    return [tvm_ffi.structural_mutate(v, (tvm.ir.expr.Expr, rewrite)) for v in values], len(terms)
+    return [tvm_ffi.structural_mutate(v, (tvm.ir.expr.Expr, rewrite)) for v in values], terms
 
 
 _CASES = ("random states", "the identity on the left", "the identity on the right", "two identities")
@@ -168,8 +177,12 @@ def _mismatch(comb: Combiner, updates: list, perm: tuple[int, ...]) -> tuple[int
     return None
 
 
-def recognise_combiner(block: SBlock) -> str:
-    """Name the COMBINERS entry the reduction in `block` implements, or raise ValueError saying why not."""
+def recognise_combiner(block: SBlock, names: tuple[str, ...] = tuple(COMBINERS)) -> str:
+    """Name the entry of COMBINERS (among `names`) the reduction in `block` implements, or raise ValueError.
+
+    The first match in `names` wins: "weighted_sum" merges like "sum" (its weights are part of the source,
+    not of the merge), so a plain sum is named "sum" unless the caller asks for "weighted_sum" alone.
+    """
     states = _stored(block)
     if block.init is None:
         raise ValueError(f"block {block.name_hint!r} has no init, so it is not a reduction")
@@ -177,12 +190,12 @@ def recognise_combiner(block: SBlock) -> str:
     if any(s not in init for s in states):
         raise ValueError(f"block {block.name_hint!r}: every reduction state needs an init value")
     identity = tuple(float(evaluate(init[s], {})) for s in states)
-    updates, num_terms = _canonical_update(block, states)
-    if num_terms != len(states):
-        raise ValueError(f"block {block.name_hint!r}: the update of {len(states)} states reads {num_terms} "
+    updates, terms = canonical_update(block, states)
+    if len(terms) != len(states):
+        raise ValueError(f"block {block.name_hint!r}: the update of {len(states)} states reads {len(terms)} "
                          "distinct source terms; expected state = combine(state, source) with one term per state")
     why = []
-    for comb in COMBINERS.values():
+    for comb in (COMBINERS[n] for n in names):
         if len(comb.state) != len(states):
             continue
         if not np.array_equal(identity, comb.identity):

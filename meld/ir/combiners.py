@@ -6,8 +6,8 @@ them to merge partials; the CUDA templates implement the same formula.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -36,7 +36,11 @@ def _sum(a1, a2):
     return (a1 + a2,)
 
 
+# "weighted_sum" merges exactly like "sum"; it differs in what the parts are: each part is
+# weight_j * value_j, the weight applied to the part BEFORE the merge (MoE's combine: part j of token t is
+# topk_weight[t, j] * expert_out[t, j, :]). The name tells codegen and the reference executor to scale.
 COMBINERS: dict[str, Combiner] = {
     "online_softmax": Combiner("online_softmax", ("m", "l", "acc"), (-np.inf, 0.0, 0.0), _online_softmax),
     "sum": Combiner("sum", ("acc",), (0.0,), _sum),
+    "weighted_sum": Combiner("weighted_sum", ("acc",), (0.0,), _sum),
 }

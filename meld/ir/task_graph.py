@@ -5,6 +5,13 @@ instance is indexed by), the dynamic range axis it may cover only part of (for s
 positions of a request), which axes should be co-located (affinity) and how partial results over the range
 axis combine (reduction semantics: a named combiner and its identity). Extents are symbolic: the graph is
 the same for every batch; only the scheduler sees real lengths.
+
+An edge src -> dst says dst reads what src writes. By default every dst instance waits for every src
+instance. `depends="axis"` makes the dependency tile-level: a dst instance waits only for the src
+instances that agree with it on the domain axes up to and including that axis (both domains start with
+the same axes up to it), e.g. a down-projection tile of (expert, row_block) waits for the gate/up tiles of
+that (expert, row_block) across all their column blocks. An edge carrying a reduction feeds partials to
+the combine task that merges them.
 """
 from __future__ import annotations
 
@@ -50,7 +57,7 @@ class TaskTemplate:
     """A kind of task. Instances are the points of `domain` (times sub-ranges of `range_axis`, if any)."""
 
     name: str
-    kind: str  # "split_reduce": partial over a sub-range; "combine": merges partials of one domain point
+    kind: str  # one of TASK_KINDS
     domain: tuple[Axis, ...]
     range_axis: Axis | None = None
     affinity: tuple[str, ...] = ()
@@ -62,7 +69,7 @@ class TaskTemplate:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "TaskTemplate":
+    def from_dict(d: dict[str, Any]) -> TaskTemplate:
         return TaskTemplate(
             name=d["name"],
             kind=d["kind"],
@@ -75,7 +82,10 @@ class TaskTemplate:
         )
 
 
-TASK_KINDS = ("split_reduce", "combine")
+# "split_reduce": a partial over a sub-range of its range axis; "combine": merges the partials of one domain
+# point; "map": independent work per domain point (MoE routing, dispatch); "tile": one output tile of a
+# GEMM-like task, whole along its contraction (which stays inside the tile).
+TASK_KINDS = ("split_reduce", "combine", "map", "tile")
 
 
 @dataclass
@@ -92,11 +102,12 @@ class TaskGraph:
         self.graph.add_node(task.name, task=task)
         return task
 
-    def add_edge(self, src: str, dst: str, reduction: Reduction | None = None) -> None:
+    def add_edge(self, src: str, dst: str, reduction: Reduction | None = None, depends: str | None = None) -> None:
+        """dst reads src's output; `depends` names the axis of a tile-level dependency (module docstring)."""
         for n in (src, dst):
             if n not in self.graph:
                 raise GraphError(f"edge {src!r} -> {dst!r}: no task named {n!r}")
-        self.graph.add_edge(src, dst, reduction=reduction)
+        self.graph.add_edge(src, dst, reduction=reduction, depends=depends)
 
     @property
     def tasks(self) -> list[TaskTemplate]:
@@ -105,7 +116,7 @@ class TaskGraph:
     def task(self, name: str) -> TaskTemplate:
         return self.graph.nodes[name]["task"]
 
-    def validate(self) -> "TaskGraph":
+    def validate(self) -> TaskGraph:
         if not nx.is_directed_acyclic_graph(self.graph):
             raise GraphError(f"graph {self.name!r} has a cycle")
         for t in self.tasks:
@@ -114,6 +125,8 @@ class TaskGraph:
             names = {a.name for a in t.domain}
             if len(names) != len(t.domain):
                 raise GraphError(f"task {t.name!r}: repeated axis in domain {t.domain}")
+            if any(a.dynamic and not isinstance(a.extent, str) for a in t.domain):
+                raise GraphError(f"task {t.name!r}: a dynamic axis needs a symbolic extent, got {t.domain}")
             if not set(t.affinity) <= names:
                 raise GraphError(f"task {t.name!r}: affinity {t.affinity} names axes outside its domain")
             if t.reduction is not None and t.reduction.combiner not in COMBINERS:
@@ -122,34 +135,63 @@ class TaskGraph:
                 raise GraphError(f"task {t.name!r}: a split_reduce task needs a range axis and a reduction")
             if t.kind == "split_reduce" and t.reduction.axis != t.range_axis.name:
                 raise GraphError(f"task {t.name!r}: reduces {t.reduction.axis!r}, not its range axis")
+            if t.kind == "combine" and (t.reduction is None or t.range_axis is not None):
+                raise GraphError(f"task {t.name!r}: a combine task needs a reduction and no range axis")
+            if t.kind in ("map", "tile") and (t.reduction is not None or t.range_axis is not None):
+                raise GraphError(f"task {t.name!r}: a {t.kind} task has no range axis and no reduction")
         for src, dst, data in self.graph.edges(data=True):
-            red = data["reduction"]
-            if red is not None and self.task(src).reduction != red:
-                raise GraphError(f"edge {src!r} -> {dst!r}: reduction {red} differs from {src!r}'s")
+            self._check_edge(src, dst, data["reduction"], data["depends"])
+        for t in self.tasks:
+            if t.kind == "combine" and not any(d["reduction"] == t.reduction
+                                               for _, _, d in self.graph.in_edges(t.name, data=True)):
+                raise GraphError(f"task {t.name!r}: no incoming edge brings the partials it merges")
         return self
+
+    def _check_edge(self, src: str, dst: str, red: Reduction | None, depends: str | None) -> None:
+        s, d = self.task(src), self.task(dst)
+        where = f"edge {src!r} -> {dst!r}"
+        if red is not None and (d.kind != "combine" or d.reduction != red):
+            raise GraphError(f"{where}: reduction {red} is not the one {dst!r} merges ({d.reduction})")
+        if red is not None and s.reduction not in (None, red):
+            raise GraphError(f"{where}: reduction {red} differs from {src!r}'s")
+        if depends is None:
+            return
+        src_axes, dst_axes = [a.name for a in s.domain], [a.name for a in d.domain]
+        if depends not in src_axes or depends not in dst_axes:
+            raise GraphError(f"{where}: depends on axis {depends!r}, which is not in both domains "
+                             f"({src_axes} and {dst_axes})")
+        src_pre, dst_pre = s.domain[:src_axes.index(depends) + 1], d.domain[:dst_axes.index(depends) + 1]
+        if src_pre != dst_pre:
+            raise GraphError(f"{where}: depends on {depends!r}, but the domains differ up to it: "
+                             f"{src_pre} vs {dst_pre}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "attrs": dict(sorted(self.attrs.items())),
             "tasks": [t.to_dict() for t in self.tasks],
-            "edges": [
-                {"src": s, "dst": d, "reduction": asdict(r["reduction"]) if r["reduction"] else None}
-                for s, d, r in sorted(self.graph.edges(data=True))
-            ],
+            "edges": [self._edge_dict(s, d, r) for s, d, r in sorted(self.graph.edges(data=True))],
         }
+
+    @staticmethod
+    def _edge_dict(src: str, dst: str, data: dict[str, Any]) -> dict[str, Any]:
+        """`depends` is written only when set, so graphs without tile dependencies keep their old JSON."""
+        red = data["reduction"]
+        edge = {"src": src, "dst": dst, "reduction": asdict(red) if red else None}
+        return edge | ({"depends": data["depends"]} if data["depends"] is not None else {})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> "TaskGraph":
+    def from_json(text: str) -> TaskGraph:
         d = json.loads(text)
         g = TaskGraph(d["name"], dict(d["attrs"]))
         for t in d["tasks"]:
             g.add_task(TaskTemplate.from_dict(t))
         for e in d["edges"]:
-            g.add_edge(e["src"], e["dst"], Reduction(**e["reduction"]) if e["reduction"] else None)
+            g.add_edge(e["src"], e["dst"], Reduction(**e["reduction"]) if e["reduction"] else None,
+                       e.get("depends"))
         return g.validate()
 
     def __eq__(self, other: object) -> bool:
@@ -162,6 +204,6 @@ class TaskGraph:
             rng = f" over {t.range_axis.name}<{t.range_axis.extent}>" if t.range_axis else ""
             red = f" reduce {t.reduction.combiner}" if t.reduction else ""
             lines.append(f"  {t.name}: {t.kind} [{dom}]{rng}{red} affinity={list(t.affinity)}")
-        for s, d in self.graph.edges():
-            lines.append(f"  {s} -> {d}")
+        for s, d, dep in self.graph.edges(data="depends"):
+            lines.append(f"  {s} -> {d}" + (f" depends={dep}" if dep is not None else ""))
         return "\n".join(lines)

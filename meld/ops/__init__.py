@@ -2,6 +2,6 @@
 from .decode_attention import DecodeAttention
 from .decode_graph import decode_attention_graph
 from .moe import MoE, fused_moe
+from .moe_graph import moe_graph
 
-
-__all__ = ["DecodeAttention", "MoE", "decode_attention_graph", "fused_moe"]
+__all__ = ["DecodeAttention", "MoE", "decode_attention_graph", "fused_moe", "moe_graph"]
