@@ -243,3 +243,19 @@ def test_gpu_nan_in_nan_out():
     assert out[5].isnan().any() and out[9].isnan().all()
     ok = [t for t in range(T) if t not in (5, 9)]
     assert not out[ok].isnan().any()
+
+
+@pytest.mark.gpu
+def test_gpu_trace_records_every_tile():
+    T, H, I, E, k = 500, 256, 128, 16, 4
+    w13, w2 = weights(E, H, I, "cuda")
+    moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=T, kernel_config=MoeKernelConfig(profile=True))
+    x, logits = torch.randn(T, H, device="cuda").bfloat16(), skewed_logits(T, E).cuda()
+    out = moe(x, logits, w13, w2)
+    ids, w = route(logits.cpu(), k, True)
+    assert_close(out, dense_reference(x, w13, w2, ids, w), "profiling build")
+    trace = moe.last_trace()
+    n = int(moe._bufs["counters"][1])
+    tiles = sorted(t.unit for t in trace.tasks if t.kind in ("gemm1", "gemm2"))
+    assert tiles == list(range(n)), "every ticket is recorded once"
+    assert sum(t.kind == "combine" for t in trace.tasks) > 0 and trace.overflowed == 0

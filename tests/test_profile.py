@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meld.runtime.profile import COLOURS, IDLE, MARGIN_PX, STRIP_PX, CtaSpan, TaskRecord, Trace, render_png
+from meld.runtime.profile import COLOURS, IDLE, KINDS, MARGIN_PX, STRIP_PX, CtaSpan, TaskRecord, Trace, render_png
 
 PIECE, HBM, DSMEM, WAIT = range(4)
 T = 10_000  # kernel start (a non-zero globaltimer origin)
@@ -56,8 +56,8 @@ def test_from_buffer(trace):
 def test_from_buffer_rejects_and_clips():
     raw = np.array([[[100, 200, 7, 1], [50, 300, PIECE, 0]]], np.int64)
     assert Trace.from_buffer(raw, 1, 1).sm_busy() == {7: 1.0}  # a task overhanging the span is clipped to it
-    raw[0, 1, 2] = 4
-    with pytest.raises(ValueError, match="unknown record kind 4"):
+    raw[0, 1, 2] = len(KINDS)
+    with pytest.raises(ValueError, match="unknown record kind 7"):
         Trace.from_buffer(raw, 1, 1)
     with pytest.raises(ValueError, match="one entry per CTA"):
         Trace.from_buffer(_raw(), 4, 2, cluster=[0])

@@ -6,9 +6,12 @@ layer of a model and every batch of a capacity.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .decode_kernel import SMEM_PER_CTA_MAX, _template
+from ..runtime.profile import KINDS, MOE_KINDS
+from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from .params import MOE_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16
 
@@ -24,10 +27,13 @@ def tile_columns(block_tokens: int) -> tuple[int, int]:
 
 
 def block_tokens_for(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Rows per row block: the smallest choice that holds the mean rows per expert, so a decode step
-    pads little and a prefill chunk runs the widest tiles."""
+    """Rows per row block: the smallest choice that holds an expert's rows under uniform routing (the
+    mean plus three standard deviations of its binomial count), so a decode step pads little, an expert
+    whose rows spill into a second row block (which reads all its weights again) is rare, and a prefill
+    chunk runs the widest tiles."""
     mean = num_tokens * top_k / num_experts
-    return next((b for b in BLOCK_TOKEN_CHOICES if b >= mean), BLOCK_TOKEN_CHOICES[-1])
+    likely_max = mean + 3 * math.sqrt(mean) + 1
+    return next((b for b in BLOCK_TOKEN_CHOICES if b >= likely_max), BLOCK_TOKEN_CHOICES[-1])
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,9 @@ class MoeKernelConfig:
             f"#define MAX_EXPERTS {MAX_EXPERTS}",
             '#define MELD_MMA_TYPE "bf16"',
             f"#define MELD_PROFILE {int(self.profile)}",
+            *(f"#define PROF_{k.upper()} {KINDS.index(k)}" for k in MOE_KINDS),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),
                           "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
-                          MOE_PARAMS.c_source(), _template("moe.cuh")])
+                          MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), _template("moe.cuh")])

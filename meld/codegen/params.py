@@ -161,7 +161,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("expert_off", "ptr", "int*"),          # [E + 1]: first row of each expert
     Field("rb", "ptr", "int*"),                  # [row blocks][4]: expert, first row, rows, 0
     Field("tasks", "ptr", "int*"),               # tickets -> packed (row block, column block, kind)
-    Field("counters", "ptr", "int*"),            # [0]: next ticket, [1]: tickets in this launch
+    Field("counters", "ptr", "int*"),            # [0]: next ticket, [1]: tickets, [2]: routing CTAs done
     Field("rb_done", "ptr", "int*"),             # gemm1 tiles finished per row block
     Field("tok_cnt", "ptr", "int*"),             # [T][n2]: rows of a token in y per column block
     Field("tok_need", "ptr", "int*"),            # valid pairs per token (| POISON: one was invalid)

@@ -26,7 +26,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-CTA_FIELDS = ("u_begin", "s_begin", "u_end", "s_end", "head_first", "head_parts", "tail_first", "tail_parts")
+from .work_table import CTA_TABLE
+
+CTA_FIELDS = CTA_TABLE.fields   # one row per field, one column per CTA (meld/ir/work_table.py)
 
 
 class ScheduleError(ValueError):

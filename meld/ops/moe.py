@@ -1,5 +1,5 @@
 """Fused MoE expert layer (vLLM / SGLang conventions): routing, expert GEMMs and the top-k combine in one
-stream of four launches, planned on the GPU from the routing (templates/moe.cuh) — no host
+stream of three launches, planned on the GPU from the routing (templates/moe.cuh) — no host
 synchronisation, CUDA-graph capturable within `max_num_tokens`.
 
 Layouts: x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E];
@@ -13,14 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import config
 from ..codegen import compile_source
 from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, MoeKernelConfig,
                                   block_tokens_for, tile_columns)
 from ..codegen.params import MOE_PARAMS
+from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler.moe_plan import plan_moe
 from .checks import check_positive, expect, plain, resolve_device
 
 _ROUTE_BLOCK = 32        # tokens per routing block (templates/moe.cuh: TOK_BLOCK)
+_PROFILE_CAP = 4096      # timed records per CTA in profiling builds
 
 
 def _describe_ticket(ticket: int) -> str:
@@ -33,7 +36,6 @@ class _Variant:
 
     config: MoeKernelConfig
     route: object
-    plan: object
     scatter: object
     main: object
     params: object
@@ -74,7 +76,7 @@ class MoE:
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, (2 ** 31 - 1) // (self.top_k * 4096))
         self.dtype, self.renormalize = dtype, renormalize
         self.device = resolve_device(device)
-        self._kernel_config = kernel_config
+        self._kernel_config = kernel_config or MoeKernelConfig(profile=config.profile())
         self._variants: dict[int, _Variant] = {}
         if self.device.type == "cuda":
             self._init_cuda()
@@ -89,17 +91,22 @@ class MoE:
             raise ValueError(f"device {self.device} ({info.name}, sm_{info.capability[0]}{info.capability[1]}) "
                              "is not supported: meld's MoE kernels use wgmma (sm_90a, Hopper)")
         self._sm_count = info.sm_count
+        self._grid = info.sm_count   # one CTA of 384 threads and ~200 KiB per SM (checked at load)
         T, k, E, H, I = self.max_num_tokens, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size
         R = T * k
         nblk = -(-T // _ROUTE_BLOCK)
         self._rb_cap = E + max(E, -(-R // BLOCK_TOKEN_CHOICES[-1]))
+        if self._rb_cap >= MOE_TASK.limit("row_block"):
+            raise ValueError(f"max_num_tokens={T}: {self._rb_cap} row blocks do not fit a task descriptor")
+        if max(self._column_blocks(BLOCK_TOKEN_CHOICES[0])) >= MOE_TASK.limit("col"):
+            raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         i32 = dict(dtype=torch.int32, device=self.device)
         b = self._bufs = {
             "topk_ids": torch.empty(R, **i32), "topk_w": torch.empty(R, dtype=torch.float32, device=self.device),
             "rank": torch.empty(R, **i32), "blk_cnt": torch.empty(nblk * E, **i32),
-            "expert_off": torch.empty(E + 1, **i32), "rb": torch.empty(4 * self._rb_cap, **i32),
+            "expert_off": torch.empty(E + 1, **i32), "rb": torch.empty(ROW_BLOCKS.width * self._rb_cap, **i32),
             "tasks": torch.empty(self._rb_cap * sum(self._column_blocks(BLOCK_TOKEN_CHOICES[0])), **i32),
-            "counters": torch.zeros(2, **i32),
+            "counters": torch.zeros(3, **i32),
             "rb_done": torch.zeros(self._rb_cap, **i32),
             "tok_cnt": torch.zeros(T * self._column_blocks(BLOCK_TOKEN_CHOICES[0])[1], **i32),
             "tok_need": torch.empty(T, **i32), "pair_pos": torch.empty(R, **i32),
@@ -110,6 +117,8 @@ class MoE:
         }
         self._watchdog = watchdog.for_device(self.device)
         self._watchdog_id = self._watchdog.register("meld_moe_main", _describe_ticket)
+        self._prof = torch.zeros(self._grid, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=self.device) \
+            if self._kernel_config.profile else None
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
         from ..runtime.tensor_map import TensorMapCache2D
         self._weight_maps = TensorMapCache2D()
@@ -126,7 +135,7 @@ class MoE:
         from ..runtime.driver import Kernel
         from ..runtime.tensor_map import tensor_map_2d
 
-        base = self._kernel_config or MoeKernelConfig()
+        base = self._kernel_config
         cfg = MoeKernelConfig(block_tokens, base.num_stages, base.profile, base.watchdog_ms)
         compiled = compile_source(cfg.render(), cfg.name)
         small = dict(device=self.device, threads=1024, smem_bytes=0)
@@ -134,13 +143,17 @@ class MoE:
         params = MOE_PARAMS.ctype(
             **self._ptrs,
             watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
-            watchdog_kernel=self._watchdog_id, hidden=self.hidden_size, inter=self.intermediate_size,
+            watchdog_kernel=self._watchdog_id, hidden=self.hidden_size,
+            prof=self._prof.data_ptr() if self._prof is not None else 0,
+            prof_cap=_PROFILE_CAP if self._prof is not None else 0, inter=self.intermediate_size,
             num_experts=self.num_experts, top_k=self.top_k, renormalize=int(self.renormalize),
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
             xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens))
-        v = _Variant(cfg, Kernel(compiled, "meld_moe_route", **small), Kernel(compiled, "meld_moe_plan", **small),
+        v = _Variant(cfg, Kernel(compiled, "meld_moe_route", **small),
                      Kernel(compiled, "meld_moe_scatter", **small),
                      Kernel(compiled, "meld_moe_main", self.device, MAIN_THREADS, cfg.smem_bytes), params)
+        if v.main.ctas_per_sm != 1:
+            raise RuntimeError(f"{cfg.name}: expected one CTA per SM, occupancy says {v.main.ctas_per_sm}")
         self._variants[block_tokens] = v
         return v
 
@@ -223,9 +236,22 @@ class MoE:
         self._watchdog.check()
         nblk = -(-T // _ROUTE_BLOCK)
         v.route.launch(nblk, p)
-        v.plan.launch(1, p)
         v.scatter.launch(nblk, p)
-        v.main.launch(self._sm_count * v.main.ctas_per_sm, p)
+        if self._prof is not None:
+            self._prof.zero_()
+        v.main.launch(self._grid, p)
+
+    def last_trace(self):
+        """Per-tile timestamps of the last launch's persistent kernel (waits for it): a
+        `meld.runtime.profile.Trace` of gemm1 / gemm2 / combine records named by ticket. Needs profiling
+        (MELD_PROFILE=1 or a kernel_config with profile=True); raises RuntimeError otherwise and on the CPU."""
+        if self.device.type == "cpu" or self._prof is None:
+            raise RuntimeError("MoE.last_trace: needs the GPU kernel built with profiling (MELD_PROFILE=1 or "
+                               "kernel_config=MoeKernelConfig(profile=True))")
+        from ..runtime.profile import Trace
+
+        torch.cuda.synchronize(self.device)
+        return Trace.from_buffer(self._prof.cpu().numpy(), 1, 1)
 
     def errors(self) -> int:
         """Nonzero once a launch met an invalid precomputed topk id (waits for the GPU); clears it."""

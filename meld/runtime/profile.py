@@ -23,15 +23,20 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-KINDS = ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")
-WORK_KINDS = frozenset(KINDS[:3])  # cluster-wait is an SM held idle at the barrier, not work
+# Task kinds of every operator's kernels (a record's kind is its index here): decode attention's, then
+# the fused MoE's. Generated kernels take their ids from this tuple (codegen passes them in).
+DECODE_KINDS = ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")
+MOE_KINDS = ("gemm1", "gemm2", "combine")
+KINDS = DECODE_KINDS + MOE_KINDS
+WORK_KINDS = frozenset(KINDS) - {"cluster-wait"}  # cluster-wait is an SM held idle at the barrier, not work
 
 IDLE = (36, 36, 44)
 COLOURS = {"piece": (66, 133, 244), "merge-hbm": (234, 67, 53), "merge-dsmem": (251, 188, 5),
+           "gemm1": (52, 168, 83), "gemm2": (66, 133, 244), "combine": (234, 67, 53),
            "cluster-wait": (150, 150, 150)}
 STRIP_PX, MARGIN_PX = 8, 10  # busy-fraction strip, then a black gap; the timeline starts at x = MARGIN_PX
 BAR_GAP_PX, BAR_PX = 2, 4    # below the SM rows: the occupancy bar over the whole span
-_PAINT_ORDER = ("cluster-wait", "piece", "merge-hbm", "merge-dsmem")  # later paints over: short merges stay visible
+_PAINT_ORDER = ("cluster-wait", "piece", "gemm1", "gemm2", "merge-hbm", "merge-dsmem", "combine")  # later paints over: short merges stay visible
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,8 @@ class Trace:
         """The event name, e.g. "piece r3 kv2"; " hb1" is added only when query heads come in several blocks."""
         if task.unit < 0:
             return task.kind
+        if task.kind in MOE_KINDS:   # MoE tiles are named by their ticket in the launch
+            return f"{task.kind} ticket {task.unit}"
         request, hb = divmod(task.unit, self.units_per_request)
         kv, block = divmod(hb, self.head_blocks)
         return f"{task.kind} r{request} kv{kv}" + (f" hb{block}" if self.head_blocks > 1 else "")
@@ -145,7 +152,8 @@ class Trace:
         return (f"span {self.span_ns / 1e3:.3f} µs, {len(busy)} SMs, {len(self.cta_spans)} CTAs"
                 + (f" in {grids} grids" if grids > 1 else "")
                 + f", SM busy min {min(busy, default=0.0):.3f} mean {mean:.3f}\n"
-                + "tasks: " + ", ".join(f"{k} {counts[k]}" for k in KINDS) + f"; {overflow}")
+                + "tasks: " + ", ".join(f"{k} {counts[k]}" for k in KINDS if k in DECODE_KINDS or counts[k])
+                + f"; {overflow}")
 
     def busy_table(self, least: int = 5) -> str:
         """Where the idle time is: the low end of the per-SM busy distribution and the SMs that make it."""

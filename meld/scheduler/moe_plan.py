@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.work_table import MOE_TASK
+
 GEMM1, GEMM2 = 0, 1
 
 
@@ -30,8 +32,8 @@ class MoePlan:
 
     @property
     def packed_tasks(self) -> np.ndarray:
-        """The tasks as the GPU planner writes them: row block << 12 | column << 1 | kind."""
-        return (self.tasks[:, 1] << 12) | (self.tasks[:, 2] << 1) | self.tasks[:, 0]
+        """The tasks as the GPU planner writes them (meld/ir/work_table.py: MOE_TASK)."""
+        return MOE_TASK.pack(kind=self.tasks[:, 0], row_block=self.tasks[:, 1], col=self.tasks[:, 2])
 
 
 def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,

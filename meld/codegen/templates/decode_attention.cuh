@@ -91,10 +91,9 @@ struct Segment {
 
 __device__ __forceinline__ Segment load_segment(const DecodeParams& p, int cta) {
   Segment g;
-  const int* t = p.cta_table + cta;
-  const int W = p.num_ctas;
-  g.u_begin = t[0]; g.s_begin = t[W]; g.u_end = t[2 * W]; g.s_end = t[3 * W];
-  g.head_first = t[4 * W]; g.head_parts = t[5 * W]; g.tail_first = t[6 * W]; g.tail_parts = t[7 * W];
+  const CtaRow r = load_ctarow(p.cta_table, p.num_ctas, cta);   // meld/ir/work_table.py: CTA_TABLE
+  g.u_begin = r.u_begin; g.s_begin = r.s_begin; g.u_end = r.u_end; g.s_end = r.s_end;
+  g.head_first = r.head_first; g.head_parts = r.head_parts; g.tail_first = r.tail_first; g.tail_parts = r.tail_parts;
   g.u_last = g.s_end > 0 ? g.u_end : g.u_end - 1;
   g.empty = g.u_begin == g.u_end && g.s_begin == g.s_end;
   return g;

@@ -239,18 +239,19 @@ __device__ __forceinline__ void plan_tables(const PlanParams& p) {
   // 4. The CTA table (meld/ir/schedule.py): segment c runs from cut c to cut c + 1; a split unit that
   //    a segment starts (head) or ends (tail) inside has parts = cuts in its run + 1, the first in CTA
   //    first - 1.
-  int* t = p.cta_table;
   for (int c = tid; c < W; c += PT) {
     const bool act = c < active;
-    t[0 * W + c] = c == 0 ? 0 : act ? cut_u[c] : U;
-    t[1 * W + c] = c == 0 || !act ? 0 : cut_s[c];
-    t[2 * W + c] = c + 1 < active ? cut_u[c + 1] : U;
-    t[3 * W + c] = c + 1 < active ? cut_s[c + 1] : 0;
     const bool head = interior(c), tail = interior(c + 1);
-    t[4 * W + c] = head ? first[c] - 1 : 0;
-    t[5 * W + c] = head ? last[c] - first[c] + 2 : 0;
-    t[6 * W + c] = tail ? first[c + 1] - 1 : 0;
-    t[7 * W + c] = tail ? last[c + 1] - first[c + 1] + 2 : 0;
+    CtaRow r;
+    r.u_begin = c == 0 ? 0 : act ? cut_u[c] : U;
+    r.s_begin = c == 0 || !act ? 0 : cut_s[c];
+    r.u_end = c + 1 < active ? cut_u[c + 1] : U;
+    r.s_end = c + 1 < active ? cut_s[c + 1] : 0;
+    r.head_first = head ? first[c] - 1 : 0;
+    r.head_parts = head ? last[c] - first[c] + 2 : 0;
+    r.tail_first = tail ? first[c + 1] - 1 : 0;
+    r.tail_parts = tail ? last[c + 1] - first[c + 1] + 2 : 0;
+    store_ctarow(p.cta_table, W, c, r);   // meld/ir/work_table.py: CTA_TABLE
   }
 }
 

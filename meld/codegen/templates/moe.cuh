@@ -1,13 +1,12 @@
 // meld fused MoE: routing, planning from routing, dispatch and one persistent kernel of expert GEMM tiles
-// with just-in-time combines. Four launches in stream order; no host synchronisation anywhere, so the
+// with just-in-time combines. Three launches in stream order; no host synchronisation anywhere, so the
 // layer is CUDA-graph capturable within the capacity the buffers were sized for.
 //
 //   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
 //                     caller's topk_ids / topk_weights, validated); per 32-token block, each expert's
 //                     token mask gives the block's count and every pair's rank (deterministic: no order
-//                     of atomics decides a position).
-//   meld_moe_plan     one CTA: offsets of every expert's rows, row blocks of BLOCK_TOKENS rows, and the
-//                     ticket order of all tiles (below).
+//                     of atomics decides a position). The last CTA to finish plans: offsets of every
+//                     expert's rows, row blocks of BLOCK_TOKENS rows, and the ticket order of all tiles.
 //   meld_moe_scatter  rows of x copied to their expert-sorted positions (xs), so every tile's token
 //                     operand is one TMA box.
 //   meld_moe_main     the persistent kernel: CTAs take tiles by ticket (an atomic counter). A gemm1 tile
@@ -49,8 +48,6 @@ constexpr int ACC = BLOCK_TOKENS / 2;          // accumulator registers per thre
 constexpr int CONSUMERS = 256;
 constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
 
-__device__ __forceinline__ int pack_task(int rb, int col, int kind) { return (rb << 12) | (col << 1) | kind; }
-
 // --- routing ------------------------------------------------------------------------------------------
 // NaN ranks above everything (so a NaN logit is chosen and its token's weights are NaN), then larger
 // values, then smaller expert ids.
@@ -64,6 +61,108 @@ __device__ __forceinline__ bool ranks_above(float a, int ia, float b, int ib) {
 __device__ __forceinline__ float load_logit(const MoeParams& p, int t, int e) {
   return p.logits_bf16 ? bf16_to_float(((const u16*)p.logits)[(i64)t * p.logits_stride + e])
                        : ((const float*)p.logits)[(i64)t * p.logits_stride + e];
+}
+
+// --- planning -----------------------------------------------------------------------------------------
+// Exclusive scan of one int per thread over the block (blockDim.x = 1024); returns the total in *total.
+__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(~0u, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int s = scratch[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(~0u, s, o);
+      if (lane >= o) s += y;
+    }
+    scratch[lane] = s;
+  }
+  __syncthreads();
+  const int excl = x - v + (warp ? scratch[warp - 1] : 0);
+  *total = scratch[31];
+  __syncthreads();
+  return excl;
+}
+
+// The last index i in [0, n] with a[i] <= v (a nondecreasing, a[0] <= v).
+__device__ __forceinline__ int last_at_most(const int* a, int n, long long v) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a[mid] <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ void plan(const MoeParams& p) {
+  __shared__ int rb_off[MAX_EXPERTS + 1], scratch[32];
+  const int E = p.num_experts, tid = threadIdx.x;
+  const int nblk = (p.num_tokens + TOK_BLOCK - 1) / TOK_BLOCK;
+  int cnt = 0;
+  if (tid < E) {   // each expert's per-block counts become per-block offsets
+    for (int b = 0; b < nblk; ++b) {
+      int* c = p.blk_cnt + (i64)b * E + tid;
+      const int n = __ldcg(c);   // written by the other routing CTAs
+      *c = cnt;
+      cnt += n;
+    }
+  }
+  int total_rows, total_rb;
+  const int rows_before = block_exclusive_scan(cnt, scratch, &total_rows);
+  const int nrb_e = (cnt + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
+  const int rb_before = block_exclusive_scan(nrb_e, scratch, &total_rb);
+  if (tid < E) {
+    rb_off[tid] = rb_before;
+    p.expert_off[tid] = rows_before;
+    for (int r = 0; r < nrb_e; ++r)   // meld/ir/work_table.py: ROW_BLOCKS
+      store_rowblock(p.rb, 0, rb_before + r,
+                     RowBlock{tid, rows_before + r * BLOCK_TOKENS, min(BLOCK_TOKENS, cnt - r * BLOCK_TOKENS), 0});
+  }
+  if (tid == 0) {
+    rb_off[E] = total_rb;
+    p.expert_off[E] = total_rows;
+  }
+  __syncthreads();
+  const int n1 = p.n1, n2 = p.n2;
+  const long long nA = (long long)total_rb * n1, nB = (long long)total_rb * n2;
+  for (long long i = tid; i < nA + nB; i += blockDim.x) {
+    const bool g2 = i >= nA;
+    const long long a = g2 ? i - nA : i;
+    const int per = g2 ? n2 : n1;
+    // the expert whose tiles cover index a: rb_off[e] * per <= a < rb_off[e + 1] * per
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if ((long long)rb_off[mid] * per <= a) lo = mid; else hi = mid - 1;
+    }
+    const int e = lo, nrb = rb_off[e + 1] - rb_off[e];
+    const long long local = a - (long long)rb_off[e] * per;
+    const int col = (int)(local / nrb), rb = rb_off[e] + (int)(local % nrb);
+    long long pos;
+    if (g2) {
+      pos = a + min((long long)rb_off[e + 1] * n1 + p.lag, nA);
+    } else {   // gemm2 tiles before it: those of every expert whose gemm1 tiles ended LAG tickets ago
+      long long before = 0;
+      if (a >= p.lag) {
+        // experts e' with rb_off[e' + 1] * n1 + LAG <= a, i.e. rb_off[e' + 1] <= (a - LAG) / n1
+        const int last = last_at_most(rb_off, E, (a - p.lag) / n1);
+        before = (long long)rb_off[last] * n2;
+      }
+      pos = a + before;
+    }
+    p.tasks[pos] = pack_moetask(g2 ? 1 : 0, col, rb);   // meld/ir/work_table.py: MOE_TASK
+  }
+  for (int r = tid; r < total_rb; r += blockDim.x) p.rb_done[r] = 0;
+  if (tid == 0) {
+    p.counters[0] = 0;                       // the ticket counter
+    p.counters[1] = (int)(nA + nB);          // tickets in this launch
+    p.counters[2] = 0;                       // routing CTAs done: ready for the next launch
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
@@ -147,112 +246,19 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       p.rank[(i64)t * K + j] = id < 0 ? -1 : __popc(mask[id] & ((1u << warp) - 1));
     }
   }
+  // The last routing CTA to finish plans (last arriver: no second launch, and no CTA ever waits).
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(p.counters + 2, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    plan(p);
+  }
 }
 
-// --- planning -----------------------------------------------------------------------------------------
-// Exclusive scan of one int per thread over the block (blockDim.x = 1024); returns the total in *total.
-__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int x = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(~0u, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) scratch[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int s = scratch[lane];
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(~0u, s, o);
-      if (lane >= o) s += y;
-    }
-    scratch[lane] = s;
-  }
-  __syncthreads();
-  const int excl = x - v + (warp ? scratch[warp - 1] : 0);
-  *total = scratch[31];
-  __syncthreads();
-  return excl;
-}
 
-// The last index i in [0, n] with a[i] <= v (a nondecreasing, a[0] <= v).
-__device__ __forceinline__ int last_at_most(const int* a, int n, long long v) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (a[mid] <= v) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-extern "C" __global__ void __launch_bounds__(1024) meld_moe_plan(const __grid_constant__ MoeParams p) {
-  __shared__ int rb_off[MAX_EXPERTS + 1], scratch[32];
-  const int E = p.num_experts, tid = threadIdx.x;
-  const int nblk = (p.num_tokens + TOK_BLOCK - 1) / TOK_BLOCK;
-  int cnt = 0;
-  if (tid < E) {   // each expert's per-block counts become per-block offsets
-    for (int b = 0; b < nblk; ++b) {
-      int* c = p.blk_cnt + (i64)b * E + tid;
-      const int n = *c;
-      *c = cnt;
-      cnt += n;
-    }
-  }
-  int total_rows, total_rb;
-  const int rows_before = block_exclusive_scan(cnt, scratch, &total_rows);
-  const int nrb_e = (cnt + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
-  const int rb_before = block_exclusive_scan(nrb_e, scratch, &total_rb);
-  if (tid < E) {
-    rb_off[tid] = rb_before;
-    p.expert_off[tid] = rows_before;
-    for (int r = 0; r < nrb_e; ++r) {
-      int* rb = p.rb + 4 * (i64)(rb_before + r);
-      rb[0] = tid;
-      rb[1] = rows_before + r * BLOCK_TOKENS;
-      rb[2] = min(BLOCK_TOKENS, cnt - r * BLOCK_TOKENS);
-      rb[3] = 0;
-    }
-  }
-  if (tid == 0) {
-    rb_off[E] = total_rb;
-    p.expert_off[E] = total_rows;
-  }
-  __syncthreads();
-  const int n1 = p.n1, n2 = p.n2;
-  const long long nA = (long long)total_rb * n1, nB = (long long)total_rb * n2;
-  for (long long i = tid; i < nA + nB; i += blockDim.x) {
-    const bool g2 = i >= nA;
-    const long long a = g2 ? i - nA : i;
-    const int per = g2 ? n2 : n1;
-    // the expert whose tiles cover index a: rb_off[e] * per <= a < rb_off[e + 1] * per
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if ((long long)rb_off[mid] * per <= a) lo = mid; else hi = mid - 1;
-    }
-    const int e = lo, nrb = rb_off[e + 1] - rb_off[e];
-    const long long local = a - (long long)rb_off[e] * per;
-    const int col = (int)(local / nrb), rb = rb_off[e] + (int)(local % nrb);
-    long long pos;
-    if (g2) {
-      pos = a + min((long long)rb_off[e + 1] * n1 + p.lag, nA);
-    } else {   // gemm2 tiles before it: those of every expert whose gemm1 tiles ended LAG tickets ago
-      long long before = 0;
-      if (a >= p.lag) {
-        // experts e' with rb_off[e' + 1] * n1 + LAG <= a, i.e. rb_off[e' + 1] <= (a - LAG) / n1
-        const int last = last_at_most(rb_off, E, (a - p.lag) / n1);
-        before = (long long)rb_off[last] * n2;
-      }
-      pos = a + before;
-    }
-    p.tasks[pos] = pack_task(rb, col, g2 ? 1 : 0);
-  }
-  for (int r = tid; r < total_rb; r += blockDim.x) p.rb_done[r] = 0;
-  if (tid == 0) {
-    p.counters[0] = 0;                       // the ticket counter
-    p.counters[1] = (int)(nA + nB);          // tickets in this launch
-  }
-}
 
 // --- dispatch -----------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(1024) meld_moe_scatter(const __grid_constant__ MoeParams p) {
@@ -261,16 +267,21 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_scatter(const __grid
   if (t >= p.num_tokens) return;
   const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
   const int vecs = p.hidden / 8;
-  for (int j = 0; j < K; ++j) {
-    const int id = p.topk_ids[(i64)t * K + j];
-    const int pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)blockIdx.x * E + id] + p.rank[(i64)t * K + j];
-    if (lane == 0) {
+  for (int j0 = 0; j0 < K; j0 += 32) {   // lane j resolves pair j0 + j: the loads of all pairs overlap
+    const int j = j0 + lane;
+    int pos = -1;
+    if (j < K) {
+      const int id = p.topk_ids[(i64)t * K + j];
+      pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)blockIdx.x * E + id] + p.rank[(i64)t * K + j];
       p.pair_pos[(i64)t * K + j] = pos;
       if (pos >= 0) p.row_token[pos] = t;
     }
-    if (pos < 0) continue;
-    uint4* dst = (uint4*)(p.xs + (i64)pos * p.hidden);
-    for (int v = lane; v < vecs; v += 32) dst[v] = src[v];
+    for (int jj = 0; jj < min(32, K - j0); ++jj) {
+      const int row = __shfl_sync(~0u, pos, jj);
+      if (row < 0) continue;
+      uint4* dst = (uint4*)(p.xs + (i64)row * p.hidden);
+      for (int v = lane; v < vecs; v += 32) dst[v] = src[v];
+    }
   }
   if ((p.tok_need[t] & (POISON - 1)) == 0) {   // no valid pair: nothing will combine it
     for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
@@ -323,8 +334,10 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     mbar_arrive(task_full + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
     if (packed < 0) break;
-    const int kind = packed & 1, col = (packed >> 1) & 2047, rbi = packed >> 12;
-    const int expert = p.rb[4 * rbi], row0 = p.rb[4 * rbi + 1];
+    const MoeTask task = unpack_moetask(packed);
+    const int kind = task.kind, col = task.col, rbi = task.row_block;
+    const RowBlock blk = load_rowblock(p.rb, 0, rbi);
+    const int expert = blk.expert, row0 = blk.first_row;
     const void* wmap = kind ? (const void*)&p.w2_map : (const void*)&p.w13_map;
     const void* tmap = kind ? (const void*)&p.act_map : (const void*)&p.xs_map;
     int wrow[NBOX];
@@ -450,8 +463,10 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     if ((slot ^= 1) == 0) tphase ^= 1u;
     if (packed < 0) break;
     const i64 t0 = prof.now();
-    const int kind = packed & 1, col = (packed >> 1) & 2047, rbi = packed >> 12;
-    const int row0 = p.rb[4 * rbi + 1], rows = p.rb[4 * rbi + 2];
+    const MoeTask task = unpack_moetask(packed);
+    const int kind = task.kind, col = task.col, rbi = task.row_block;
+    const RowBlock blk = load_rowblock(p.rb, 0, rbi);
+    const int row0 = blk.first_row, rows = blk.rows;
     float acc0[ACC], acc1[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
@@ -501,7 +516,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       __threadfence();
       named_barrier(1, CONSUMERS);
       if (ct == 0) atomicAdd(p.rb_done + rbi, 1);
-      prof.record(p, t0, 0, ticket);
+      prof.record(p, t0, PROF_GEMM1, ticket);
     } else {
       const int h0 = col * G2_COLS;
 #pragma unroll
@@ -525,10 +540,10 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       }
       named_barrier(1, CONSUMERS);
       const i64 t1 = prof.now();
-      prof.record(p, t0, 1, ticket);
+      prof.record(p, t0, PROF_GEMM2, ticket);
       const int n = combine_list[0];
       for (int i = warp; i < n; i += CONSUMERS / 32) combine(p, combine_list[1 + i], h0, lane);
-      if (n) prof.record(p, t1, 2, ticket);
+      if (n) prof.record(p, t1, PROF_COMBINE, ticket);
       named_barrier(1, CONSUMERS);
     }
   }
