@@ -214,3 +214,18 @@ def test_definition_matches_torch(fe, top_k, renormalize, dtype):
             ref[t] += weights[t, j] * (w2[e].float() @ act)
     tol = 1e-5 if dtype == "float32" else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_lowering_selects_the_family_and_merge_from_the_graph():
+    from meld.codegen.lowering import lower
+    from meld.ir.task_graph import GraphError
+    from meld.ops import decode_attention_graph
+
+    low = lower(moe_graph(64, 32, 8, 2))
+    assert (low.family, low.combiner) == ("moe", "weighted_sum")
+    assert low.waits == (("gemm1", "gemm2", "row_block"),)
+    assert lower(decode_attention_graph(32, 8, 128, 16)).family == "decode_attention"
+    g = moe_graph(64, 32, 8, 2)
+    g.graph.edges["gemm1", "gemm2"]["depends"] = "expert"   # a family that waits per expert does not exist
+    with pytest.raises(GraphError, match="row-block dependency"):
+        lower(g)

@@ -23,10 +23,11 @@ import torch
 from .. import config
 from ..runtime import host_helper
 from ..codegen import (DECODE_PARAMS, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
-                       DecodePlanKernelConfig, TensorMap, compile_source)
-from ..ir import Schedule, TaskGraph
+                       DecodePlanKernelConfig, TensorMap)
+from ..ir import Schedule
 from ..scheduler import DecodeCost, Topology, cluster_rows, plan_decode
-from .checks import check_finite, check_positive, expect, is_int, plain, resolve_device, same_device
+from .base import Operator
+from .checks import check_finite, check_positive, expect, is_int, plain, same_device
 from .decode_graph import decode_attention_graph
 from .page_table import check_page_table, max_page, page_table_error
 
@@ -98,7 +99,7 @@ class _NoBackward(torch.autograd.Function):
                                   "torch.no_grad(), or use a differentiable attention for training)")
 
 
-class DecodeAttention:
+class DecodeAttention(Operator):
     """Decode attention over a paged KV cache (FlashInfer's layouts) for variable-length batches.
 
     Args:
@@ -174,7 +175,6 @@ class DecodeAttention:
             raise ValueError(f"cost must be a meld.scheduler.DecodeCost, got {type(cost).__name__}")
         if kernel_config is not None and not isinstance(kernel_config, DecodeKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.DecodeKernelConfig, got {type(kernel_config).__name__}")
-        self.device = resolve_device(device)
         self.cluster_size = cluster_size
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.group_size = num_qo_heads // num_kv_heads
@@ -182,7 +182,7 @@ class DecodeAttention:
         # The kernel takes sm_scale * log2(e) as a float32: it must stay finite there.
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else \
             check_finite("sm_scale", sm_scale, _FLOAT32_MAX / _LOG2E)
-        self.graph: TaskGraph = decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype])
+        self._setup(decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype]), device)
         self.kernel_config = kernel_config or DecodeKernelConfig.default(
             _DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1, group_size=self.group_size,
             batch_invariant=batch_invariant)
@@ -214,7 +214,6 @@ class DecodeAttention:
         else:
             self.topology = self._servable(topology or Topology.h200())
             self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
-        config.dump("decode_attention.taskgraph.json", self.graph.to_json())
 
     # --- setup ----------------------------------------------------------------------------------
     @staticmethod
@@ -226,27 +225,20 @@ class DecodeAttention:
         return topology
 
     def _init_cuda(self, topology: Topology | None) -> None:
-        from ..runtime import watchdog
-        from ..runtime.driver import Kernel, device_info
         from ..runtime.tensor_map import TensorMapCache
 
-        info = device_info(self.device)
-        if info.capability < (9, 0):
-            raise ValueError(f"device {self.device} ({info.name}, sm_{info.capability[0]}{info.capability[1]}) "
-                             "is not supported: meld's kernels need sm_90 (Hopper) or newer")
+        self._require_hopper()
         kc = self.kernel_config
-        self.kernel = Kernel(compile_source(kc.render(), kc.name), kc.entry, self.device, kc.threads, kc.smem_bytes)
+        self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
         self.topology = self._servable(topology or Topology.discover(self.kernel))
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
         self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
             if self._plan_clusters else None
         self._tensor_maps = TensorMapCache(self.kv_layout) if kc.tma else None
-        self._watchdog = watchdog.for_device(self.device)
-        self._watchdog_id = self._watchdog.register(kc.name, functools.partial(
+        self._register_watchdog(kc.name, functools.partial(
             _describe_unit, self.units_per_request, self.head_blocks, self.group_size, self.heads_per_unit))
         pc = DecodePlanKernelConfig()
-        self.planner = Kernel(compile_source(pc.render(), pc.name), pc.entry, self.device, pc.threads,
-                              pc.smem_bytes(self.topology.num_ctas))
+        self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
         self._buf = self._make_buffers(self.max_batch_size or _DEFAULT_CAPACITY[0],
                                        self.max_num_pages or _DEFAULT_CAPACITY[1])
 

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 from .. import config
-from ..codegen import compile_source
 from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, MoeKernelConfig,
                                   block_tokens_for, tile_columns)
 from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler.moe_plan import plan_moe
+from .base import Operator
 from .checks import check_positive, expect, plain, resolve_device
+from .moe_graph import moe_graph
 
 _ROUTE_BLOCK = 32        # tokens per routing block (templates/moe.cuh: TOK_BLOCK)
 _PROFILE_CAP = 4096      # timed records per CTA in profiling builds
@@ -41,7 +42,7 @@ class _Variant:
     params: object
 
 
-class MoE:
+class MoE(Operator):
     """A fused MoE expert layer of fixed sizes and capacity.
 
     Args:
@@ -75,7 +76,7 @@ class MoE:
             raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, (2 ** 31 - 1) // (self.top_k * 4096))
         self.dtype, self.renormalize = dtype, renormalize
-        self.device = resolve_device(device)
+        self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
         self._kernel_config = kernel_config or MoeKernelConfig(profile=config.profile())
         self._variants: dict[int, _Variant] = {}
         if self.device.type == "cuda":
@@ -83,13 +84,7 @@ class MoE:
 
     # --- GPU state ------------------------------------------------------------------------------------
     def _init_cuda(self) -> None:
-        from ..runtime import watchdog
-        from ..runtime.driver import device_info
-
-        info = device_info(self.device)
-        if info.capability != (9, 0):
-            raise ValueError(f"device {self.device} ({info.name}, sm_{info.capability[0]}{info.capability[1]}) "
-                             "is not supported: meld's MoE kernels use wgmma (sm_90a, Hopper)")
+        info = self._require_hopper(exact=True)
         self._sm_count = info.sm_count
         self._grid = info.sm_count   # one CTA of 384 threads and ~200 KiB per SM (checked at load)
         T, k, E, H, I = self.max_num_tokens, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size
@@ -115,8 +110,7 @@ class MoE:
             "act": torch.empty(R, I, dtype=self.dtype, device=self.device),
             "y": torch.empty(R, H, dtype=self.dtype, device=self.device),
         }
-        self._watchdog = watchdog.for_device(self.device)
-        self._watchdog_id = self._watchdog.register("meld_moe_main", _describe_ticket)
+        self._register_watchdog("meld_moe_main", _describe_ticket)
         self._prof = torch.zeros(self._grid, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=self.device) \
             if self._kernel_config.profile else None
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
@@ -132,13 +126,12 @@ class MoE:
         v = self._variants.get(block_tokens)
         if v is not None:
             return v
-        from ..runtime.driver import Kernel
         from ..runtime.tensor_map import tensor_map_2d
 
         base = self._kernel_config
         cfg = MoeKernelConfig(block_tokens, base.num_stages, base.profile, base.watchdog_ms)
-        compiled = compile_source(cfg.render(), cfg.name)
-        small = dict(device=self.device, threads=1024, smem_bytes=0)
+        k = self._kernels(cfg, {"meld_moe_route": (1024, 0), "meld_moe_scatter": (1024, 0),
+                                "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs
         params = MOE_PARAMS.ctype(
             **self._ptrs,
@@ -149,9 +142,7 @@ class MoE:
             num_experts=self.num_experts, top_k=self.top_k, renormalize=int(self.renormalize),
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
             xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens))
-        v = _Variant(cfg, Kernel(compiled, "meld_moe_route", **small),
-                     Kernel(compiled, "meld_moe_scatter", **small),
-                     Kernel(compiled, "meld_moe_main", self.device, MAIN_THREADS, cfg.smem_bytes), params)
+        v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)
         if v.main.ctas_per_sm != 1:
             raise RuntimeError(f"{cfg.name}: expected one CTA per SM, occupancy says {v.main.ctas_per_sm}")
         self._variants[block_tokens] = v
@@ -277,7 +268,7 @@ class MoE:
             ids, w = topk_ids.long(), topk_w
         plan = self.plan_for(ids.numpy(), x.shape[0])
         poisoned = np.zeros(x.shape[0], dtype=bool)
-        out.copy_(execute_moe(plan, x, w13, w2, w, poisoned))
+        out.copy_(execute_moe(plan, x, w13, w2, w, poisoned, self.lowering.combiner))
         return out
 
 

@@ -54,6 +54,19 @@ def device_info(device: torch.device) -> DeviceInfo:
     return DeviceInfo(p.multi_processor_count, (p.major, p.minor), p.name)
 
 
+_modules: dict[tuple, object] = {}
+
+
+def _module(compiled: Compiled, device: torch.device):
+    """A cubin is loaded once per device: every entry of a module (a MoE's routing, dispatch and GEMM
+    kernels) shares it. The caller has made torch's context current."""
+    key = (device.index, compiled.name, hash(compiled.cubin))
+    m = _modules.get(key)
+    if m is None:
+        m = _modules[key] = check(drv().cuModuleLoadData(compiled.cubin), f"load {compiled.name}")
+    return m
+
+
 class Kernel:
     """One compiled kernel loaded into torch's context on one device."""
 
@@ -63,7 +76,7 @@ class Kernel:
         with torch.cuda.device(device):
             torch.empty(1, device=device)          # make torch's primary context current on this thread
             check(d.cuInit(0), "cuInit")
-            self.module = check(d.cuModuleLoadData(compiled.cubin), f"load {compiled.name}")
+            self.module = _module(compiled, device)
             self.func = check(d.cuModuleGetFunction(self.module, entry.encode()), f"find {entry} in {compiled.name}")
             attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(d.cuFuncSetAttribute(self.func, attr, smem_bytes), f"set smem of {compiled.name}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..ir import COMBINERS
 from ..scheduler.moe_plan import GEMM1, MoePlan
 
 
@@ -27,8 +28,10 @@ def _round(a: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
-                poisoned: np.ndarray) -> torch.Tensor:
-    """out [T, H] (x's dtype) from the plan; `poisoned` [T]: tokens with an invalid (id, weight) pair."""
+                poisoned: np.ndarray, combiner: str = "weighted_sum") -> torch.Tensor:
+    """out [T, H] (x's dtype) from the plan; `poisoned` [T]: tokens with an invalid (id, weight) pair;
+    `combiner`: the graph's reduction, whose merge folds a token's weighted rows in fixed order."""
+    merge = COMBINERS[combiner].merge
     dt = x.dtype
     xd, w13d, w2d = (t.double().numpy() for t in (x, w13, w2))
     wd = topk_w.double().numpy()
@@ -59,6 +62,6 @@ def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
                 acc = np.full(cols.stop - cols.start, np.nan if poisoned[t] else 0.0)
                 for j, pos in enumerate(plan.pair_pos[t]):
                     if pos >= 0:
-                        acc = acc + wd[t, j] * y[pos, cols]
+                        (acc,) = merge(acc, wd[t, j] * y[pos, cols])
                 out[t, cols] = acc
     return torch.from_numpy(out).to(dt)

@@ -1,0 +1,55 @@
+"""What every operator shares, written once: its task graph and the family it lowers to, the device it
+runs on (the CPU reference executor, or a Hopper GPU), kernels compiled once and loaded once per module,
+and the device's watchdog record. An operator adds its shapes, checks, buffers and launch order."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .. import config
+from ..codegen import compile_source
+from ..codegen.lowering import Lowering, lower
+from ..ir import TaskGraph
+from .checks import resolve_device
+
+
+class Operator:
+    """Base of meld's operators. Subclasses call `_setup` first, then `_kernels` for each module."""
+
+    graph: TaskGraph
+    lowering: Lowering
+    device: torch.device
+
+    def _setup(self, graph: TaskGraph, device: object) -> None:
+        self.graph = graph
+        self.lowering = lower(graph)
+        self.device = resolve_device(device)
+        config.dump(f"{graph.name}.taskgraph.json", graph.to_json())
+
+    def _require_hopper(self, exact: bool = False):
+        """The device's properties; ValueError where meld's kernels cannot run (sm_90 needed; `exact`:
+        sm_90 itself, for kernels built for sm_90a's wgmma)."""
+        from ..runtime.driver import device_info
+
+        info = device_info(self.device)
+        if info.capability < (9, 0) or (exact and info.capability != (9, 0)):
+            need = "sm_90a (Hopper: wgmma)" if exact else "sm_90 (Hopper) or newer"
+            raise ValueError(f"device {self.device} ({info.name}, sm_{info.capability[0]}{info.capability[1]}) "
+                             f"is not supported: meld's {self.lowering.family} kernels need {need}")
+        return info
+
+    def _kernels(self, cfg, entries: dict[str, tuple[int, int]]) -> dict:
+        """Compile `cfg.render()` once and load its `entries` ({entry: (threads, dynamic smem bytes)})."""
+        from ..runtime.driver import Kernel
+
+        compiled = compile_source(cfg.render(), cfg.name)
+        return {e: Kernel(compiled, e, self.device, threads, smem) for e, (threads, smem) in entries.items()}
+
+    def _register_watchdog(self, name: str, describe: Callable[[int], str]) -> None:
+        """This operator's kernels report to the device's record under one id (`describe` names a task from
+        its number and must not hold the operator)."""
+        from ..runtime import watchdog
+
+        self._watchdog = watchdog.for_device(self.device)
+        self._watchdog_id = self._watchdog.register(name, describe)
