@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from ..ir.work_table import CTA_TABLE
+from ..runtime.profile import kind_defines
 from .params import DECODE_PARAMS, PLAN_PARAMS, WATCHDOG_RECORD
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
@@ -110,6 +111,7 @@ class DecodeKernelConfig:
             f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
             f"#define MELD_ONCHIP_MERGE {int(self.onchip_merge)}",
             f"#define MELD_PROFILE {int(self.profile)}",
+            kind_defines(),
             f"#define MELD_TMA {int(self.tma)}",
             f"#define MELD_CHUNKED {int(self.batch_invariant)}",
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .decode_kernel import SMEM_PER_CTA_MAX, _template
-from ..runtime.profile import KINDS, MOE_KINDS
+from ..runtime.profile import kind_defines
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from .params import MOE_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16
@@ -90,7 +90,7 @@ class MoeKernelConfig:
             f"#define MAX_EXPERTS {MAX_EXPERTS}",
             '#define MELD_MMA_TYPE "bf16"',
             f"#define MELD_PROFILE {int(self.profile)}",
-            *(f"#define PROF_{k.upper()} {KINDS.index(k)}" for k in MOE_KINDS),
+            kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),

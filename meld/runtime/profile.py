@@ -28,7 +28,12 @@ import numpy as np
 DECODE_KINDS = ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")
 MOE_KINDS = ("gemm1", "gemm2", "combine")
 KINDS = DECODE_KINDS + MOE_KINDS
-WORK_KINDS = frozenset(KINDS) - {"cluster-wait"}  # cluster-wait is an SM held idle at the barrier, not work
+WORK_KINDS = frozenset(KINDS) - {"cluster-wait"}
+
+
+def kind_defines() -> str:
+    """`#define PROF_<KIND> <index>` for every kind: the ids generated kernels record (common.cuh: Profiler)."""
+    return "\n".join(f"#define PROF_{k.upper().replace('-', '_')} {i}" for i, k in enumerate(KINDS))  # cluster-wait is an SM held idle at the barrier, not work
 
 IDLE = (36, 36, 44)
 COLOURS = {"piece": (66, 133, 244), "merge-hbm": (234, 67, 53), "merge-dsmem": (251, 188, 5),

@@ -18,26 +18,32 @@ from .driver import check, drv
 BOX_ROWS, BOX_COLS = 16, 64   # token rows x channels per copy (64 bf16 = the 128-byte swizzle span)
 
 
-def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
-    """The tensor map of a contiguous bf16/fp16 cache in `layout` (NHD or HND)."""
+def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int]) -> TensorMap:
+    """cuTensorMapEncodeTiled over `t` (bf16/fp16), dimensions innermost first, byte strides of the outer
+    ones, 128-byte swizzle, zero fill out of bounds: the 128 opaque bytes a kernel takes by value."""
     d = drv()
-    pages, two, mid, inner, dim = kv_cache.shape      # mid, inner: page_size, heads (NHD) or heads, page_size
-    es = kv_cache.element_size()
     dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[kv_cache.dtype]
-    dims = [dim, inner, mid, two, pages]                              # innermost first
-    strides = [dim * es, inner * dim * es, mid * inner * dim * es, two * mid * inner * dim * es]
-    box = [BOX_COLS, 1, BOX_ROWS, 1, 1] if layout == "NHD" else [BOX_COLS, BOX_ROWS, 1, 1, 1]
+             torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[t.dtype]
     u64, u32 = d.cuuint64_t, d.cuuint32_t
     m = check(d.cuTensorMapEncodeTiled(
-        dtype, 5, kv_cache.data_ptr(), [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in box],
-        [u32(1)] * 5,
+        dtype, len(dims), t.data_ptr(), [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in box],
+        [u32(1)] * len(dims),
         d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
     out = TensorMap()
-    ctypes.memmove(ctypes.addressof(out), m.getPtr(), ctypes.sizeof(out))   # the 128 opaque bytes
+    ctypes.memmove(ctypes.addressof(out), m.getPtr(), ctypes.sizeof(out))
     return out
+
+
+def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
+    """The tensor map of a contiguous bf16/fp16 cache in `layout` (NHD or HND)."""
+    pages, two, mid, inner, dim = kv_cache.shape      # mid, inner: page_size, heads (NHD) or heads, page_size
+    es = kv_cache.element_size()
+    dims = [dim, inner, mid, two, pages]                              # innermost first
+    strides = [dim * es, inner * dim * es, mid * inner * dim * es, two * mid * inner * dim * es]
+    box = [BOX_COLS, 1, BOX_ROWS, 1, 1] if layout == "NHD" else [BOX_COLS, BOX_ROWS, 1, 1, 1]
+    return _encode(kv_cache, dims, strides, box)
 
 
 class TensorMapCache:
@@ -60,21 +66,8 @@ class TensorMapCache:
 def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int = BOX_COLS) -> TensorMap:
     """The tensor map of a row-major bf16/fp16 matrix [rows, cols] (rows 16-byte aligned) whose box is
     `box_rows` rows x `box_cols` columns, 128-byte swizzled: the operand tiles of the GEMM kernels."""
-    d = drv()
     rows, cols = t.shape
-    es = t.element_size()
-    dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[t.dtype]
-    u64, u32 = d.cuuint64_t, d.cuuint32_t
-    m = check(d.cuTensorMapEncodeTiled(
-        dtype, 2, t.data_ptr(), [u64(cols), u64(rows)], [u64(t.stride(0) * es)], [u32(box_cols), u32(box_rows)],
-        [u32(1), u32(1)],
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    out = TensorMap()
-    ctypes.memmove(ctypes.addressof(out), m.getPtr(), ctypes.sizeof(out))
-    return out
+    return _encode(t, [cols, rows], [t.stride(0) * t.element_size()], [box_cols, box_rows])
 
 
 class TensorMapCache2D:

@@ -84,6 +84,33 @@ __device__ __forceinline__ int sm_id() {
   return (int)r;
 }
 
+// --- per-task timestamps (MELD_PROFILE builds; meld/runtime/profile.py reads them) ---------------------
+// Per CTA: a header [begin, end, smid, records] and up to `cap` records [t0, t1, kind, unit]; one thread
+// of the CTA (the recorder) writes. Kinds are indices into meld.runtime.profile.KINDS (PROF_* defines).
+struct Profiler {
+  i64* base = nullptr;
+  int n = 0, cap = 0;
+  __device__ __forceinline__ void begin(i64* buf, int capacity, int cta, bool recorder) {
+    if (!MELD_PROFILE || !recorder || buf == nullptr) return;
+    base = buf + (i64)cta * (1 + capacity) * 4;
+    cap = capacity;
+    base[0] = global_timer_ns();
+  }
+  __device__ __forceinline__ i64 now() const { return MELD_PROFILE ? global_timer_ns() : 0; }
+  __device__ __forceinline__ void record(i64 t0, int kind, int unit) {
+    if (!MELD_PROFILE || base == nullptr) return;
+    if (n < cap) {
+      i64* r = base + 4 * (1 + n);
+      r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
+    }
+    ++n;
+  }
+  __device__ __forceinline__ void end() {
+    if (!MELD_PROFILE || base == nullptr) return;
+    base[1] = global_timer_ns(); base[2] = sm_id(); base[3] = n;
+  }
+};
+
 // --- thread-block clusters: rank, barrier, distributed shared memory -----------------------------
 __device__ __forceinline__ int cluster_rank() {
   u32 r;

@@ -74,7 +74,6 @@ static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool CHUNKED = MELD_CHUNKED;
 static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through global memory");
-constexpr bool PROFILE = MELD_PROFILE;
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
 // rows at one chunk column hit eight different bank groups. TMA tiles are BOXES blocks of [16 rows][128
@@ -374,33 +373,6 @@ constexpr int MBAR_OFFSET = (PART_OFFSET + PART_BYTES + 7) & ~7;
 constexpr int MBAR_BYTES = TMA ? WARPS * STAGES * 8 : 0;
 static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
-// Per-task timestamps (MELD_PROFILE builds; meld/runtime/profile.py reads them). Per CTA: a header
-// [begin, end, smid, records] and up to prof_cap records [t0, t1, kind, unit]; thread 0 writes.
-enum TaskKind { kPiece = 0, kMergeHbm = 1, kMergeOnChip = 2, kClusterWait = 3 };
-struct Profiler {
-  i64* base;
-  int n;
-  __device__ __forceinline__ void begin(const DecodeParams& p, int cta) {
-    if (!PROFILE) return;
-    base = p.prof + (i64)cta * (1 + p.prof_cap) * 4;
-    n = 0;
-    if (threadIdx.x == 0) base[0] = global_timer_ns();
-  }
-  __device__ __forceinline__ i64 now() const { return PROFILE ? global_timer_ns() : 0; }
-  __device__ __forceinline__ void record(const DecodeParams& p, i64 t0, int kind, int unit) {
-    if (!PROFILE) return;
-    if (threadIdx.x == 0 && n < p.prof_cap) {
-      i64* r = base + 4 * (1 + n);
-      r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
-    }
-    ++n;
-  }
-  __device__ __forceinline__ void end() {
-    if (!PROFILE || threadIdx.x != 0) return;
-    base[1] = global_timer_ns(); base[2] = sm_id(); base[3] = n;
-  }
-};
-
 // Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0.
 __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x, int h, int d, float4 v, float lse2) {
   const i64 row = (i64)x.req * p.num_qo_heads + x.q_head + h;
@@ -568,7 +540,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
   pl.cluster_ctas = ONCHIP ? cluster_size() : 1;
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // every CTA runs: the next grid may start
   Profiler prof;
-  prof.begin(p, pl.cta);
+  prof.begin(p.prof, p.prof_cap, pl.cta, threadIdx.x == 0);
   MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
   PartArea& pa = *reinterpret_cast<PartArea*>(smem + PART_OFFSET);
   if (ONCHIP) {
@@ -612,11 +584,11 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
           cs = cs + 1 == STAGES ? 0 : cs + 1;
         }
         const bool merge = finish_piece(p, x, u, pl, st, mg, pa, warp, lane);
-        prof.record(p, t0, kPiece, u);
+        prof.record(t0, PROF_PIECE, u);
         if (merge) {
           const i64 t1 = prof.now();
           merge_unit(p, x, u, pl, pa);
-          prof.record(p, t1, x.onchip ? kMergeOnChip : kMergeHbm, u);
+          prof.record(t1, x.onchip ? PROF_MERGE_DSMEM : PROF_MERGE_HBM, u);
         }
         if (!CHUNKED || x.k >= x.k_last) break;
         enter_chunk(p, x, u, x.k + 1);
@@ -629,7 +601,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     const i64 t0 = prof.now();
     cluster_arrive();
     cluster_wait();
-    prof.record(p, t0, kClusterWait, -1);
+    prof.record(t0, PROF_CLUSTER_WAIT, -1);
   }
   prof.end();
   // A later grid of a mixed launch (a programmatic dependent launch) ends only after the grid before

@@ -412,47 +412,12 @@ __device__ void combine(const MoeParams& p, int t, int h0, int lane) {
   }
 }
 
-struct Profiler {
-  i64* base = nullptr;
-  int n = 0;
-  __device__ void begin(const MoeParams& p) {
-#if MELD_PROFILE
-    base = p.prof + (i64)blockIdx.x * (1 + p.prof_cap) * 4;
-    base[0] = global_timer_ns();
-    base[2] = sm_id();
-#endif
-  }
-  __device__ void record(const MoeParams& p, i64 t0, int kind, int unit) {
-#if MELD_PROFILE
-    if (base != nullptr && n < p.prof_cap) {
-      i64* r = base + 4 * (1 + n);
-      r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
-    }
-    ++n;
-#endif
-  }
-  __device__ void end() {
-#if MELD_PROFILE
-    if (base == nullptr) return;
-    base[1] = global_timer_ns();
-    base[3] = n;
-#endif
-  }
-  __device__ i64 now() const {
-#if MELD_PROFILE
-    return global_timer_ns();
-#else
-    return 0;
-#endif
-  }
-};
-
 __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, const int* slots,
                         int* combine_list, float* xchg) {
   const int ct = threadIdx.x - 128, wg = ct / 128, warp = ct / 32, lane = ct % 32;   // wg: 0 or 1
   const bool recorder = ct == 0;
   Profiler prof;
-  if (recorder) prof.begin(p);
+  prof.begin(p.prof, p.prof_cap, blockIdx.x, recorder);
   int slot = 0;
   u32 tphase = 0;
   for (;;) {
@@ -516,7 +481,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       __threadfence();
       named_barrier(1, CONSUMERS);
       if (ct == 0) atomicAdd(p.rb_done + rbi, 1);
-      prof.record(p, t0, PROF_GEMM1, ticket);
+      prof.record(t0, PROF_GEMM1, ticket);
     } else {
       const int h0 = col * G2_COLS;
 #pragma unroll
@@ -540,14 +505,14 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       }
       named_barrier(1, CONSUMERS);
       const i64 t1 = prof.now();
-      prof.record(p, t0, PROF_GEMM2, ticket);
+      prof.record(t0, PROF_GEMM2, ticket);
       const int n = combine_list[0];
       for (int i = warp; i < n; i += CONSUMERS / 32) combine(p, combine_list[1 + i], h0, lane);
-      if (n) prof.record(p, t1, PROF_COMBINE, ticket);
+      if (n) prof.record(t1, PROF_COMBINE, ticket);
       named_barrier(1, CONSUMERS);
     }
   }
-  if (recorder) prof.end();
+  prof.end();
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_constant__ MoeParams p) {
