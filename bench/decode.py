@@ -29,12 +29,11 @@ import os
 os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")  # read when flashinfer is imported (lazily below)
 
 import argparse
-import gc
 import math
 import sys
 import time
-import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -44,8 +43,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and `meld` import as-is
 from meld import workloads  # noqa: E402
 from bench.harness import (  # noqa: E402
-    GIB, Column, Table, Timing, copy_ceiling_tbps, eager_time_us, env_info, graph_time_us, host_time_us,
-    matmul_ceiling_tflops, read_ceiling_tbps, read_floor_us,
+    GIB, Column, Table, Timing, add_timing_args, ceilings_line, env_info, env_line, failure_head, failure_recorder,
+    free_cuda, host_time_us, keep_available, measure_ceilings, median_us, read_floor_us, result_cell, run_recorded,
+    speedup_span, time_impl, timed_reps, timing_parts, worst,
 )
 
 PAGE_SIZE = 16
@@ -315,12 +315,6 @@ BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
 
 # ------------------------------------------------------------------------------------------------ run
 
-def free_cuda() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # The group sizes FlashInfer's CUDA-core decode instantiates (DISPATCH_GQA_GROUP_SIZE, include/flashinfer/utils.cuh);
 # any other raises at plan() (group 16 did on the H200).
 FA2_GROUP_SIZES = (1, 2, 3, 4, 8)
@@ -347,50 +341,28 @@ def check_impl(impl: Impl, ref: tuple[torch.Tensor, torch.Tensor]) -> tuple[floa
         errs.append(err)
         lse_errs += [] if lse_err is None else [lse_err]
         problems += [f"{label}: {p}" for p in probs]
-    worst = math.nan if any(math.isnan(e) for e in errs) else max(errs)
-    return worst, max(lse_errs) if lse_errs else None, problems
+    return worst(errs), max(lse_errs) if lse_errs else None, problems
 
 
 def measure(name: str, inp: Inputs, ref: tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
             failures: list[str]) -> dict[str, Any]:
     """Build, check, then time one implementation on one case; errors are recorded, never raised."""
     res: dict[str, Any] = {}
+    fail = failure_recorder(f"{inp.case.name} {name}", res, failures)
 
-    def fail(what: str, detail: str) -> None:
-        msg = f"{inp.case.name} {name}: {what}: {detail}"
-        print(f"  !!! FAIL {msg}", flush=True)
-        failures.append(msg)
-        res.setdefault("errors", []).append(f"{what}: {detail}")
-
-    impl = None
-    try:
+    def build_check_time() -> None:
         impl = BUILDERS[name](inp)
         res.update(plan=impl.plan, plan_first_us=impl.plan_first_us, init_us=impl.init_us)
         rel_err, lse_err, problems = check_impl(impl, ref)
         res.update(rel_err=rel_err, lse_err=lse_err)
         if problems:
             fail("correctness", "; ".join(problems))
-            return res
-        try:
-            res["graph"] = graph_time_us(impl.run, warmup=args.warmup, reps=args.reps, flush=not args.no_flush)
-        except Exception as e:  # noqa: BLE001 - a capture failure must not stop the other timings
-            traceback.print_exc(limit=-4)
-            fail("graph timing", repr(e))
-        if name == "meld":
-            res["eager"] = eager_time_us(impl.run, warmup=args.warmup, reps=args.reps, flush=not args.no_flush)
-    except Exception as e:  # noqa: BLE001 - one broken implementation must not stop the run
-        traceback.print_exc(limit=-4)
-        fail("error", f"{type(e).__name__}: {e}")
-        res["traceback"] = traceback.format_exc()
-    finally:
-        del impl
-        free_cuda()
+            return
+        time_impl(impl.run, res, fail, warmup=args.warmup, reps=args.reps, flush=not args.no_flush,
+                  eager=name == "meld")
+
+    run_recorded(build_check_time, res, fail)
     return res
-
-
-def us(res: dict[str, Any], key: str = "graph") -> Optional[float]:
-    t = res.get(key)
-    return t.median_us if isinstance(t, Timing) else None
 
 
 def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, dict[str, Any]],
@@ -401,28 +373,23 @@ def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, d
     def tbps(t: Optional[float]) -> Optional[float]:
         return inp_bytes / (t * 1e-6) / 1e12 if t else None
 
-    def cell(name: str) -> Any:  # a time, or why there is none
-        r = results.get(name)
-        if r is None:
-            return None
-        return "skip" if r.get("skipped") else "FAIL" if r.get("errors") else us(r)
-
+    cell = partial(result_cell, results)  # a time, or why there is none
     m = results.get("meld", {})
-    meld_us = us(m) if not m.get("errors") else None
-    fi = {k: us(results[k]) for k in ("fi-fa2", "fi-tc") if isinstance(cell(k), float)}
+    meld_us = median_us(m) if not m.get("errors") else None
+    fi = {k: median_us(results[k]) for k in ("fi-fa2", "fi-tc") if isinstance(cell(k), float)}
     fi_best = min(fi, key=lambda k: fi[k]) if fi else None
     fi_us = fi[fi_best] if fi_best else None
     return {
         "case": case.name, "B": case.batch, "dist": case.dist, "shape": case.shape,
         "sum_len": sum(table.lengths), "max_len": max(table.lengths), "kv_mib": kv_cache_mib(case, table),
         "kv_bytes": inp_bytes,
-        "meld_us": cell("meld"), "meld_eager_us": us(m, "eager"), "meld_tbps": tbps(meld_us),
+        "meld_us": cell("meld"), "meld_eager_us": median_us(m, "eager"), "meld_tbps": tbps(meld_us),
         "fa2_us": cell("fi-fa2"), "tc_us": cell("fi-tc"), "fi_us": fi_us, "fi_backend": fi_best,
         "fi_tbps": tbps(fi_us), "sdpa_us": cell("sdpa"),
         "speedup": fi_us / meld_us if fi_us and meld_us else None,
         "floor_us": floor_us, "max_speedup": fi_us / floor_us if fi_us and floor_us else None,
         "pct_read": 100 * tbps(meld_us) / read_tbps if meld_us else None,
-        "plan_us": m["plan"].median_us if isinstance(m.get("plan"), Timing) else None,
+        "plan_us": median_us(m, "plan"),
         "rel_err": m.get("rel_err"),
         "results": results,
     }
@@ -453,9 +420,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
     p.add_argument("--quick", action="store_true", help="B in (8, 64), no extra head shapes, 30 replays")
     p.add_argument("--no-extra", action="store_true", help="skip the group-8, D=64 and group-16 cases at B=64")
-    p.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement (>= 30)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--no-flush", action="store_true", help="do not clear L2 before each timed replay")
+    add_timing_args(p)
     p.add_argument("--sdpa-max-batch", type=int, default=64, help="skip SDPA above this batch size")
     p.add_argument("--sdpa-max-gib", type=float, default=20.0, help="skip SDPA when its padded K+V exceeds this")
     p.add_argument("--cluster-size", type=int, help="meld's preferred cluster size (default: meld's default)")
@@ -469,35 +434,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.quick:
         args.batch = args.batch or [8, 64]
         args.no_extra = True
-        args.reps = min(args.reps, 30)
     args.batch = args.batch or list(BATCHES)
     args.dist = args.dist or list(DISTS)
-    args.reps = max(args.reps, 30)
+    args.reps = timed_reps(args.reps, args.quick)
     return args
 
 
 def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) -> list[str]:
     """Import meld and FlashInfer once: one that fails is reported once (not once per case) and dropped."""
     imports = {"meld": "meld", "fi-fa2": "flashinfer", "fi-tc": "flashinfer"}
-    kept = []
-    for name in impls:
+
+    def probe(name: str) -> None:
         module = imports.get(name)
         if module is None:
-            kept.append(name)
-            continue
-        try:
-            mod = __import__(module)
-            if module == "meld":
-                getattr(mod, "DecodeAttention")
-            env[module] = getattr(mod, "__version__", "?")
-            kept.append(name)
-        except Exception as e:  # noqa: BLE001 - the rest of the run goes on without it
-            traceback.print_exc(limit=-3)
-            msg = f"{name}: import {module} failed: {type(e).__name__}: {e}"
-            print(f"!!! FAIL {msg}", flush=True)
-            failures.append(msg)
-            env[module] = "import failed"
-    return kept
+            return
+        env[module] = "import failed"  # until the import below succeeds
+        mod = __import__(module)
+        if module == "meld":
+            getattr(mod, "DecodeAttention")
+        env[module] = getattr(mod, "__version__", "?")
+
+    return keep_available(impls, probe, failures, why=lambda name: f"import {imports[name]} failed")
 
 
 def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
@@ -529,14 +486,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env["kv_layout"] = args.kv_layout
     failures: list[str] = []
     args.impls = preflight(args.impls, env, failures)
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    print(env_line(env), flush=True)
 
-    read_tbps, read_method = read_ceiling_tbps()
-    ceilings = {"read_tbps": read_tbps, "read_method": read_method, "copy_tbps": copy_ceiling_tbps(),
-                "matmul_bf16_tflops": matmul_ceiling_tflops()}
-    print(f"ceilings: pure read {read_tbps:.2f} TB/s ({read_method}); copy {ceilings['copy_tbps']:.2f} TB/s "
-          f"(read+write); bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
-    free_cuda()
+    ceilings = measure_ceilings()
+    print(ceilings_line(ceilings), flush=True)
 
     table = Table(COLUMNS)
     for i, case in enumerate(cases, 1):
@@ -551,7 +504,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results[name] = {"skipped": skip} if skip else measure(name, inp, ref, args, failures)
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         floor_us = read_floor_us(inp.kv_bytes, args.warmup, args.reps, not args.no_flush)
-        table.add(summarise(case, inp.kv_bytes, inp.table, results, read_tbps, floor_us))
+        table.add(summarise(case, inp.kv_bytes, inp.table, results, ceilings["read_tbps"], floor_us))
         del inp, ref
         free_cuda()
         if args.json:
@@ -570,26 +523,22 @@ def progress(r: dict[str, Any]) -> str:
     """One line per implementation while the run goes, so a run cut short still shows its numbers."""
     if r.get("skipped"):
         return f"skipped: {r['skipped']}"
-    parts = [f"{k} {us(r, k):.1f} µs" for k in ("graph", "eager") if us(r, k) is not None]
+    parts = timing_parts(r)
     parts += [f"rel err {r['rel_err']:.1e}"] if r.get("rel_err") is not None else []
     parts += [f"lse err {r['lse_err']:.1e}"] if r.get("lse_err") is not None else []
-    parts += [f"plan {r['plan'].median_us:.0f} µs"] if isinstance(r.get("plan"), Timing) else []
+    parts += [f"plan {median_us(r, 'plan'):.0f} µs"] if median_us(r, "plan") is not None else []
     parts += ["FAIL"] if r.get("errors") else []
     return ", ".join(parts)
 
 
 def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str:
-    ratios = [(r["speedup"], r["case"]) for r in rows if isinstance(r.get("speedup"), float)]
-    head = f"{len(failures)} FAILURE(S) — see '!!! FAIL' lines above" if failures else "all checks passed"
-    if not ratios:
+    head, span = failure_head(failures), speedup_span(rows)
+    if span is None:
         return f"summary: {head}; no meld-vs-FlashInfer ratio measured"
-    geo = math.exp(sum(math.log(s) for s, _ in ratios) / len(ratios))
-    lo, hi = min(ratios), max(ratios)
     best = max(((r["pct_read"], r["case"]) for r in rows if isinstance(r.get("pct_read"), float)),
                default=(math.nan, "-"))
-    return (f"summary: meld vs best FlashInfer over {len(ratios)} cases: geomean {geo:.2f}x "
-            f"(min {lo[0]:.2f}x at {lo[1]}, max {hi[0]:.2f}x at {hi[1]}); meld peaks at {best[0]:.0f}% of the "
-            f"read ceiling ({best[1]}); {head}")
+    return (f"summary: meld vs best FlashInfer {span}; meld peaks at {best[0]:.0f}% of the read ceiling "
+            f"({best[1]}); {head}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ Example:
 """
 from __future__ import annotations
 
+import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -21,6 +23,7 @@ import platform
 import statistics
 import subprocess
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -36,6 +39,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 MIN_REPS = 30
+QUICK_REPS = 30  # what --quick caps the timed replays at
 
 
 @dataclass(frozen=True)
@@ -289,6 +293,174 @@ def env_info() -> dict[str, Any]:
         info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / GIB, 1),
                     l2_mib=round(getattr(p, "L2_cache_size", 0) / (1 << 20), 1))
     return info
+
+
+# ------------------------------------------------------------------------------------------------- runs
+# What every benchmark script does around its own build-and-check code. A result is a dict per
+# implementation and case (Timing values under "graph" and "eager", a list under "errors", a reason under
+# "skipped"); a failure is printed, kept and recorded in the result, never raised: one broken implementation
+# costs its cells, not the run, and the exit status still says it failed.
+
+Fail = Callable[[str, str], None]
+"""`fail(what, detail)`: record one failure of the implementation being measured (`failure_recorder`)."""
+
+
+def free_cuda() -> None:
+    """Collect garbage, then hand the allocator's cached blocks back to the driver.
+
+    Why both: buffers kept alive by reference cycles (closures, tracebacks) die only in `gc.collect()`, and
+    torch's caching allocator keeps their memory until `empty_cache()`; then the next implementation (and a
+    library with its own allocator) starts from the same free memory as the one before. Safe without CUDA."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def median_us(res: Mapping[str, Any], key: str = "graph") -> float | None:
+    """The median in µs of the Timing under `key` of a result; None where there is none (not run, failed)."""
+    t = res.get(key)
+    return t.median_us if isinstance(t, Timing) else None
+
+
+def result_cell(results: Mapping[str, Mapping[str, Any]], name: str) -> Any:
+    """Implementation `name`'s table cell: its graph median, or why there is none ("skip", "FAIL"; None when
+    it was not selected), so a missing number never reads as a slow or a fast one."""
+    r = results.get(name)
+    if r is None:
+        return None
+    return "skip" if r.get("skipped") else "FAIL" if r.get("errors") else median_us(r)
+
+
+def timing_parts(res: Mapping[str, Any]) -> list[str]:
+    """`graph 12.3 µs`, `eager 15.0 µs`: a result's times as the progress lines print them."""
+    return [f"{k} {median_us(res, k):.1f} µs" for k in ("graph", "eager") if median_us(res, k) is not None]
+
+
+def worst(values: Sequence[float]) -> float:
+    """The largest error, NaN if any is NaN (max() alone depends on where the NaN sits)."""
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+def record_failure(failures: list[str], msg: str, indent: str = "") -> None:
+    """Print `msg` as a '!!! FAIL' line (the summary line points at them) and keep it for the JSON and the
+    exit status."""
+    print(f"{indent}!!! FAIL {msg}", flush=True)
+    failures.append(msg)
+
+
+def failure_recorder(where: str, res: dict[str, Any], failures: list[str]) -> Fail:
+    """The `fail(what, detail)` of one implementation on one case (`where` names both): the failure is
+    printed and kept as "WHERE: WHAT: DETAIL", and "WHAT: DETAIL" goes into `res["errors"]`, which turns the
+    implementation's table cell into FAIL."""
+
+    def fail(what: str, detail: str) -> None:
+        record_failure(failures, f"{where}: {what}: {detail}", indent="  ")
+        res.setdefault("errors", []).append(f"{what}: {detail}")
+
+    return fail
+
+
+def keep_available(names: Sequence[str], probe: Callable[[str], None], failures: list[str],
+                   why: Callable[[str], str] = lambda name: "unavailable") -> list[str]:
+    """The names whose `probe(name)` does not raise, in order. One that raises is dropped and is one failure,
+    "NAME: why(NAME): Error: message": reported once before the cases, not once per case, while the run goes
+    on without it."""
+    kept = []
+    for name in names:
+        try:
+            probe(name)
+        except Exception as e:  # noqa: BLE001 - the rest of the run goes on without it
+            traceback.print_exc(limit=-3)
+            record_failure(failures, f"{name}: {why(name)}: {type(e).__name__}: {e}")
+            continue
+        kept.append(name)
+    return kept
+
+
+def run_recorded(body: Callable[[], None], res: dict[str, Any], fail: Fail) -> None:
+    """Run one implementation's build-check-time `body`; an exception is recorded as an "error" failure (its
+    traceback also in `res["traceback"]`, for the JSON), never raised; CUDA memory is freed afterwards.
+
+    Why a function to call and not a `with` block: what `body` builds is its own local, gone once `body`
+    returns or raises, so `free_cuda()` really gives its buffers back before the next implementation."""
+    try:
+        body()
+    except Exception as e:  # noqa: BLE001 - one broken implementation must not stop the run
+        traceback.print_exc(limit=-4)
+        fail("error", f"{type(e).__name__}: {e}")
+        res["traceback"] = traceback.format_exc()
+    finally:
+        free_cuda()
+
+
+def time_impl(run: Callable[[], Any], res: dict[str, Any], fail: Fail, *, warmup: int, reps: int, flush: bool,
+              eager: bool) -> None:
+    """Time a checked implementation into `res`: "graph" (`graph_time_us`), and "eager" (`eager_time_us`)
+    too when `eager`.
+
+    A capture failure is recorded as a "graph timing" failure and the eager timing still runs: that it
+    cannot be captured is a finding, and its eager latency still says how fast it is. An eager failure
+    raises (to `run_recorded`)."""
+    try:
+        res["graph"] = graph_time_us(run, warmup=warmup, reps=reps, flush=flush)
+    except Exception as e:  # noqa: BLE001 - a capture failure must not stop the other timings
+        traceback.print_exc(limit=-4)
+        fail("graph timing", repr(e))
+    if eager:
+        res["eager"] = eager_time_us(run, warmup=warmup, reps=reps, flush=flush)
+
+
+def measure_ceilings() -> dict[str, Any]:
+    """The ceilings a table's ratios are taken against, measured in this run: pure read (TB/s, and the
+    method), device copy (TB/s, read + write) and dense bf16 matmul (TFLOP/s). Their buffers are freed."""
+    read_tbps, read_method = read_ceiling_tbps()
+    ceilings = {"read_tbps": read_tbps, "read_method": read_method, "copy_tbps": copy_ceiling_tbps(),
+                "matmul_bf16_tflops": matmul_ceiling_tflops()}
+    free_cuda()
+    return ceilings
+
+
+def ceilings_line(ceilings: Mapping[str, Any], matmul: str = "bf16 matmul") -> str:
+    """The `measure_ceilings()` result as the run prints it before the cases (`matmul` names the matmul)."""
+    return (f"ceilings: pure read {ceilings['read_tbps']:.2f} TB/s ({ceilings['read_method']}); copy "
+            f"{ceilings['copy_tbps']:.2f} TB/s (read+write); {matmul} {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s")
+
+
+def env_line(env: Mapping[str, Any]) -> str:
+    """The environment as the run prints it first: `env: key=value, ...` in `env`'s order."""
+    return "env: " + ", ".join(f"{k}={v}" for k, v in env.items())
+
+
+def failure_head(failures: Sequence[str]) -> str:
+    """The verdict of a summary line: how many failures (and where to look), or that every check passed."""
+    return f"{len(failures)} FAILURE(S) — see '!!! FAIL' lines above" if failures else "all checks passed"
+
+
+def speedup_span(rows: Sequence[Mapping[str, Any]], key: str = "speedup") -> str | None:
+    """How the rows' float `key`s spread, as the summary lines say it: "over N cases: geomean G.GGx (min A.AAx
+    at CASE, max B.BBx at CASE)"; None when no row has one. A geometric mean because ratios multiply: a 2x
+    and a 0.5x cancel, as they should."""
+    ratios = [(r[key], r["case"]) for r in rows if isinstance(r.get(key), float)]
+    if not ratios:
+        return None
+    geo = math.exp(statistics.fmean(math.log(s) for s, _ in ratios))
+    lo, hi = min(ratios), max(ratios)
+    return f"over {len(ratios)} cases: geomean {geo:.2f}x (min {lo[0]:.2f}x at {lo[1]}, max {hi[0]:.2f}x at {hi[1]})"
+
+
+# ----------------------------------------------------------------------------------------- command line
+
+def add_timing_args(p: argparse.ArgumentParser) -> None:
+    """--reps, --warmup and --no-flush: the timer's knobs, spelled and defaulted the same in every script."""
+    p.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement (>= 30)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-flush", action="store_true", help="do not clear L2 before each timed replay")
+
+
+def timed_reps(reps: int, quick: bool) -> int:
+    """The --reps a run records and uses: at most QUICK_REPS with --quick, never fewer than MIN_REPS (the
+    p10/p90 spread needs them)."""
+    return max(min(reps, QUICK_REPS) if quick else reps, MIN_REPS)
 
 
 # ------------------------------------------------------------------------------------------------ table

@@ -34,9 +34,7 @@ The exit status is 1 if any check or any implementation failed (the run still go
 from __future__ import annotations
 
 import argparse
-import gc
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -53,14 +51,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from bench.harness import (
     Column,
     Table,
-    Timing,
-    copy_ceiling_tbps,
-    eager_time_us,
+    add_timing_args,
+    ceilings_line,
     env_info,
+    env_line,
+    failure_head,
+    failure_recorder,
     flush_l2,
-    graph_time_us,
-    matmul_ceiling_tflops,
-    read_ceiling_tbps,
+    free_cuda,
+    keep_available,
+    measure_ceilings,
+    median_us,
+    record_failure,
+    result_cell,
+    run_recorded,
+    speedup_span,
+    time_impl,
+    timed_reps,
+    timing_parts,
+    worst,
 )
 
 DTYPE = torch.bfloat16
@@ -252,11 +261,6 @@ def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: 
     return out
 
 
-def worst(values: Sequence[float]) -> float:
-    """The largest error, NaN if any is NaN (max() alone depends on where the NaN sits)."""
-    return math.nan if any(math.isnan(v) for v in values) else max(values)
-
-
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(‖out − ref‖/‖ref‖, max|out − ref| / max|ref|), in float64."""
     d = out.double() - ref.double()
@@ -315,32 +319,16 @@ def build_meld(inp: Inputs, moe: Any) -> Impl:
 
 # ---------------------------------------------------------------------------------------------- run
 
-def free_cuda() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def us(res: dict[str, Any], key: str = "graph") -> float | None:
-    t = res.get(key)
-    return t.median_us if isinstance(t, Timing) else None
-
-
 def measure(name: str, impl_of: Callable[[], Impl], ref: torch.Tensor | None, peer_out: torch.Tensor | None,
             args: argparse.Namespace, failures: list[str], case: Case) -> tuple[dict[str, Any], torch.Tensor | None]:
     """Build, check (float64 reference, then the peer's output), then time one implementation on one case.
     Errors are recorded, never raised. Returns the result and the first checked output (for agreement)."""
     res: dict[str, Any] = {}
     first: torch.Tensor | None = None
+    fail = failure_recorder(f"{case.name} {name}", res, failures)
 
-    def fail(what: str, detail: str) -> None:
-        msg = f"{case.name} {name}: {what}: {detail}"
-        print(f"  !!! FAIL {msg}", flush=True)
-        failures.append(msg)
-        res.setdefault("errors", []).append(f"{what}: {detail}")
-
-    impl = None
-    try:
+    def build_check_time() -> None:
+        nonlocal first
         impl = impl_of()
         problems: list[str] = []
         for label, call in impl.paths:
@@ -366,22 +354,12 @@ def measure(name: str, impl_of: Callable[[], Impl], ref: torch.Tensor | None, pe
                 problems += [f"{label}: {p}" for p in probs]
         if problems:
             fail("correctness", "; ".join(problems))
-            return res, first
+            return
         first = first.clone()
-        try:
-            res["graph"] = graph_time_us(impl.run, warmup=args.warmup, reps=args.reps, flush=not args.no_flush)
-        except Exception as e:  # noqa: BLE001 - a capture failure must not stop the other timings
-            traceback.print_exc(limit=-4)
-            fail("graph timing", repr(e))
-        if name == "meld":
-            res["eager"] = eager_time_us(impl.run, warmup=args.warmup, reps=args.reps, flush=not args.no_flush)
-    except Exception as e:  # noqa: BLE001 - one broken implementation must not stop the run
-        traceback.print_exc(limit=-4)
-        fail("error", f"{type(e).__name__}: {e}")
-        res["traceback"] = traceback.format_exc()
-    finally:
-        del impl
-        free_cuda()
+        time_impl(impl.run, res, fail, warmup=args.warmup, reps=args.reps, flush=not args.no_flush,
+                  eager=name == "meld")
+
+    run_recorded(build_check_time, res, fail)
     return res, first
 
 
@@ -426,12 +404,7 @@ def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[st
     """One table row: the headline numbers and ratios, plus every raw result for the JSON dump."""
     c, s = inp.case, inp.case.shape
 
-    def cell(name: str) -> Any:  # a time, or why there is none
-        r = results.get(name)
-        if r is None:
-            return None
-        return "skip" if r.get("skipped") else "FAIL" if r.get("errors") else us(r)
-
+    cell = partial(result_cell, results)  # a time, or why there is none
     meld_us = cell("meld") if isinstance(cell("meld"), float) else None
     peer_us = cell("torch") if isinstance(cell("torch"), float) else None
     flops = s.flops(c.tokens)
@@ -446,7 +419,7 @@ def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[st
     return {
         "case": c.name, "shape": s.name, "T": c.tokens, "routing": c.routing, "touched": inp.touched,
         "max_load": inp.max_load, "flops": flops, "touched_bytes": inp.touched * s.expert_bytes,
-        "meld_us": cell("meld"), "meld_eager_us": us(m, "eager"), "torch_us": cell("torch"),
+        "meld_us": cell("meld"), "meld_eager_us": median_us(m, "eager"), "torch_us": cell("torch"),
         "speedup": peer_us / meld_us if peer_us and meld_us else None,
         "meld_tflops": tflops, "torch_tflops": flops / (peer_us * 1e-6) / 1e12 if peer_us else None,
         "pct_mma": 100 * tflops / ceilings["matmul_bf16_tflops"] if tflops else None,
@@ -500,9 +473,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"T in {','.join(map(str, QUICK_TOKENS))} (unless --tokens), 30 replays")
     p.add_argument("--check-max-tokens", type=int, default=max(TOKENS),
                    help="check against the float64 reference up to this T; above it, against the peer only")
-    p.add_argument("--reps", type=int, default=50, help="timed graph replays per measurement (>= 30)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--no-flush", action="store_true", help="do not clear L2 before each timed replay")
+    add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, metavar="PATH", help="write env, ceilings and every row here "
@@ -515,33 +486,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.tokens = parse_list(p, args.tokens, "--tokens", TOKENS, int) or list(QUICK_TOKENS if args.quick else TOKENS)
     args.routing = parse_list(p, args.routing, "--routing", ROUTINGS) or list(ROUTINGS)
     args.impls = parse_list(p, args.impls, "--impls", IMPLS) or list(IMPLS)
-    args.reps = max(min(args.reps, 30) if args.quick else args.reps, 30)
+    args.reps = timed_reps(args.reps, args.quick)
     return args
 
 
 def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) -> list[str]:
     """Import meld once: if it or meld.MoE is missing, that is one failure (not one per case) and the peer
     still runs. The same for torch's grouped GEMM."""
-    kept = []
-    for name in impls:
-        try:
-            if name == "meld":
-                import meld
 
-                meld.MoE  # noqa: B018 - the operator must exist
-                env["meld"] = getattr(meld, "__version__", "?")
-            elif _GROUPED_MM is None:
-                raise RuntimeError(f"torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm")
-            else:
-                env["grouped_mm"] = ("F.grouped_mm" if _GROUPED_MM is getattr(F, "grouped_mm", None)
-                                     else "torch._grouped_mm")
-            kept.append(name)
-        except Exception as e:  # noqa: BLE001 - the rest of the run goes on without it
-            traceback.print_exc(limit=-3)
-            msg = f"{name}: unavailable: {type(e).__name__}: {e}"
-            print(f"!!! FAIL {msg}", flush=True)
-            failures.append(msg)
-    return kept
+    def probe(name: str) -> None:
+        if name == "meld":
+            import meld
+
+            meld.MoE  # noqa: B018 - the operator must exist
+            env["meld"] = getattr(meld, "__version__", "?")
+        elif _GROUPED_MM is None:
+            raise RuntimeError(f"torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm")
+        else:
+            env["grouped_mm"] = ("F.grouped_mm" if _GROUPED_MM is getattr(F, "grouped_mm", None)
+                                 else "torch._grouped_mm")
+
+    return keep_available(impls, probe, failures)
 
 
 def cases_of(args: argparse.Namespace) -> list[Case]:
@@ -576,8 +541,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, ceilings: dict[str, Any], 
             print(f"{shape.name}: meld.MoE(max_num_tokens={max_tokens}) built in {init_us / 1e3:.0f} ms", flush=True)
         except Exception as e:  # noqa: BLE001 - the peer still runs on this shape
             traceback.print_exc(limit=-4)
-            failures.append(f"{shape.name} meld: constructor: {type(e).__name__}: {e}")
-            print(f"  !!! FAIL {failures[-1]}", flush=True)
+            record_failure(failures, f"{shape.name} meld: constructor: {type(e).__name__}: {e}", indent="  ")
     for case in [c for c in cases_of(args) if c.shape == shape]:
         done[0] += 1
         inp = make_inputs(case, w13, w2, args.seed, device)
@@ -634,7 +598,7 @@ def trace_case(shape: Shape, inp: Inputs, folder: Path, max_tokens: int, traced:
 
 def progress(r: dict[str, Any]) -> str:
     """One line per implementation while the run goes, so a run cut short still shows its numbers."""
-    parts = [f"{k} {us(r, k):.1f} µs" for k in ("graph", "eager") if us(r, k) is not None]
+    parts = timing_parts(r)
     for key, label in (("rel_err_ref", "rel err"), ("max_err_ref", "max err"), ("rel_err_torch", "vs torch")):
         if r.get(key):
             parts.append(f"{label} {worst(list(r[key].values())):.1e}")
@@ -642,16 +606,12 @@ def progress(r: dict[str, Any]) -> str:
 
 
 def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str:
-    head = f"{len(failures)} FAILURE(S) — see '!!! FAIL' lines above" if failures else "all checks passed"
-    ratios = [(r["speedup"], r["case"]) for r in rows if isinstance(r.get("speedup"), float)]
-    if not ratios:
+    head, span = failure_head(failures), speedup_span(rows)
+    if span is None:
         return f"summary: {head}; no meld-vs-torch ratio measured"
-    geo = math.exp(statistics.fmean(math.log(s) for s, _ in ratios))
-    lo, hi = min(ratios), max(ratios)
     best = min(((r["floor_ratio"], r["case"]) for r in rows if isinstance(r.get("floor_ratio"), float)),
                default=(math.nan, "-"))
-    return (f"summary: meld vs torch grouped_mm over {len(ratios)} cases: geomean {geo:.2f}x (min {lo[0]:.2f}x at "
-            f"{lo[1]}, max {hi[0]:.2f}x at {hi[1]}); meld closest to the weights-read floor at {best[0]:.2f}x "
+    return (f"summary: meld vs torch grouped_mm {span}; meld closest to the weights-read floor at {best[0]:.2f}x "
             f"({best[1]}); {head}")
 
 
@@ -668,14 +628,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["commit"] = args.commit or env["commit"]
     failures: list[str] = []
     args.impls = preflight(args.impls, env, failures)
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    print(env_line(env), flush=True)
 
-    read_tbps, read_method = read_ceiling_tbps()
-    ceilings = {"read_tbps": read_tbps, "read_method": read_method, "copy_tbps": copy_ceiling_tbps(),
-                "matmul_bf16_tflops": matmul_ceiling_tflops()}
-    print(f"ceilings: pure read {read_tbps:.2f} TB/s ({read_method}); copy {ceilings['copy_tbps']:.2f} TB/s "
-          f"(read+write); bf16 matmul 8192^3 {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
-    free_cuda()
+    ceilings = measure_ceilings()
+    print(ceilings_line(ceilings, matmul="bf16 matmul 8192^3"), flush=True)
 
     table, done, total = Table(COLUMNS), [0], len(cases_of(args))
     for name in args.shapes:

@@ -225,7 +225,7 @@ class DecodeAttention(Operator):
         return topology
 
     def _init_cuda(self, topology: Topology | None) -> None:
-        from ..runtime.tensor_map import TensorMapCache
+        from ..runtime.tensor_map import TensorMapCache, kv_tensor_map
 
         self._require_hopper()
         kc = self.kernel_config
@@ -234,7 +234,7 @@ class DecodeAttention(Operator):
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
         self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
             if self._plan_clusters else None
-        self._tensor_maps = TensorMapCache(self.kv_layout) if kc.tma else None
+        self._tensor_maps = TensorMapCache(functools.partial(kv_tensor_map, layout=self.kv_layout)) if kc.tma else None
         self._register_watchdog(kc.name, functools.partial(
             _describe_unit, self.units_per_request, self.head_blocks, self.group_size, self.heads_per_unit))
         pc = DecodePlanKernelConfig()

@@ -114,8 +114,8 @@ class MoE(Operator):
         self._prof = torch.zeros(self._grid, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=self.device) \
             if self._kernel_config.profile else None
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
-        from ..runtime.tensor_map import TensorMapCache2D
-        self._weight_maps = TensorMapCache2D()
+        from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
+        self._weight_maps = TensorMapCache(functools.partial(tensor_map_2d, box_rows=64))   # 64 weight rows per box
 
     def _column_blocks(self, block_tokens: int) -> tuple[int, int]:
         """Tiles per row block: (gemm1 column blocks of I, gemm2 column blocks of H)."""

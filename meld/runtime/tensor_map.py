@@ -1,14 +1,16 @@
-"""TMA tensor maps of the paged KV cache, for kernels built with `DecodeKernelConfig.tma`.
+"""TMA tensor maps: of the paged KV cache (kernels built with `DecodeKernelConfig.tma`) and of the MoE
+GEMM operands (2-D row-major matrices, `tensor_map_2d`).
 
-The map describes the cache, NHD `[num_pages, 2, page_size, num_kv_heads, head_dim]` or HND
+The KV map describes the cache, NHD `[num_pages, 2, page_size, num_kv_heads, head_dim]` or HND
 `[num_pages, 2, num_kv_heads, page_size, head_dim]`, as a 5-D tensor in its own dimension order, whose box
 is 16 token rows x 64 channels of one (page, K or V, kv head): one copy fills one 128-byte-swizzled 2 KiB
-block of a ring stage, the same block in either layout (the kernel orders the coordinates by kv_hnd). Encoding is a host call; maps are cached by the cache's address and shape,
-since a model passes the same per-layer caches every step.
+block of a ring stage, the same block in either layout (the kernel orders the coordinates by kv_hnd).
+Encoding is a host call; `TensorMapCache` keeps the maps.
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import torch
 
@@ -47,19 +49,20 @@ def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
 
 
 class TensorMapCache:
-    """kv_tensor_map() per (address, shape, dtype), so run() encodes each layer's cache once."""
+    """Tensor maps per (address, shape, dtype) of the tensors a kernel reads, so run() encodes each one
+    once: a model passes the same per-layer caches and weights every step."""
 
-    def __init__(self, layout: str = "NHD", max_entries: int = 256):
+    def __init__(self, encode: Callable[[torch.Tensor], TensorMap], max_entries: int = 1024):
         self._maps: dict[tuple, TensorMap] = {}
-        self._layout, self._max = layout, max_entries
+        self._encode, self._max = encode, max_entries
 
-    def get(self, kv_cache: torch.Tensor) -> TensorMap:
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+    def get(self, t: torch.Tensor) -> TensorMap:
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
         m = self._maps.get(key)
         if m is None:
             if len(self._maps) >= self._max:
                 self._maps.clear()
-            m = self._maps[key] = kv_tensor_map(kv_cache, self._layout)
+            m = self._maps[key] = self._encode(t)
         return m
 
 
@@ -68,21 +71,3 @@ def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int = BOX_COLS) -> T
     `box_rows` rows x `box_cols` columns, 128-byte swizzled: the operand tiles of the GEMM kernels."""
     rows, cols = t.shape
     return _encode(t, [cols, rows], [t.stride(0) * t.element_size()], [box_cols, box_rows])
-
-
-class TensorMapCache2D:
-    """tensor_map_2d() per (address, shape, dtype) with 64-row boxes: a model passes the same per-layer
-    weights every step, so each is encoded once."""
-
-    def __init__(self, max_entries: int = 1024):
-        self._maps: dict[tuple, TensorMap] = {}
-        self._max = max_entries
-
-    def get(self, t: torch.Tensor) -> TensorMap:
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        m = self._maps.get(key)
-        if m is None:
-            if len(self._maps) >= self._max:
-                self._maps.clear()
-            m = self._maps[key] = tensor_map_2d(t, 64)
-        return m

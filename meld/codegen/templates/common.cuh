@@ -71,6 +71,17 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
   asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
+__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {   // 16 bytes of any type
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// A flag another CTA released (a counter its last writer incremented after a fence).
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 // --- timing (MELD_PROFILE builds) ---------------------------------------------------------------
 __device__ __forceinline__ i64 global_timer_ns() {

@@ -49,22 +49,11 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 // Generic-proxy writes made visible to this thread (an acquire) before its async-proxy (TMA) reads.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float((u32)v << 16); }
 __device__ __forceinline__ u16 float_to_bf16(float f) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
-}
-__device__ __forceinline__ u16 ld_cg_u16(const u16* p) {
-  u16 v;
-  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
 }
 
 }  // namespace meld

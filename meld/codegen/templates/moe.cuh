@@ -375,12 +375,6 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 // A token's k rows for this column block of H are all in y: out = sum_j w_j y_j, in fixed j order.
 // One warp per token, 8 columns (16 bytes) per lane; the k (row, weight) pairs come from lane j by shuffle
 // so the k row loads are independent and in flight together.
-__device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ void combine(const MoeParams& p, int t, int h0, int lane) {
   const int K = p.top_k, h = h0 + lane * 8;
   const bool active = lane * 8 < G2_COLS && h < p.hidden;   // every lane stays for the shuffles
