@@ -23,6 +23,11 @@ from ..codegen.params import WATCHDOG_RECORD
 # What a kernel waited for (`site` in the record); the numbers are the kernels' (common.cuh).
 SITES = {
     1: "the TMA mbarrier of KV ring stage {detail} (its tile's copies never completed)",
+    3: "the gemm1 tiles of row block {detail} (the gemm2 tile's input; their counter never completed)",
+    4: "task slot {detail} to be released by the consumer warpgroups",
+    5: "ring stage {detail} to be released by the consumer warpgroups",
+    6: "task slot {detail} to be filled by the producer",
+    7: "the TMA copies of ring stage {detail} (the tile's bytes never arrived)",
 }
 
 
