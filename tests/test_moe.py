@@ -6,7 +6,7 @@ import torch
 
 import meld
 from meld.codegen.compiler import compile_nvcc
-from meld.codegen.moe_kernel import BLOCK_TOKEN_CHOICES, MoeKernelConfig
+from meld.codegen.moe_kernel import BLOCK_TOKEN_CHOICES, MoeKernelConfig, block_tokens_for
 from meld.runtime.moe_reference import route
 from meld.scheduler.moe_plan import GEMM1, GEMM2, plan_moe
 
@@ -185,7 +185,9 @@ def test_gpu_plan_matches_numpy_plan():
     moe, *_ = gpu_case(T, 256, 200, E, k, logits=skewed_logits(T, E))
     b = {n: t.cpu().numpy() for n, t in moe._bufs.items() if t.dtype != torch.bfloat16}
     ids = b["topk_ids"][: T * k].reshape(T, k)
-    p = moe.plan_for(ids, T)
+    host = moe.plan_for(ids, T)
+    n1, n2 = (-(-moe.intermediate_size // host.columns[0]), -(-moe.hidden_size // host.columns[1]))
+    p = plan_moe(ids, E, block_tokens_for(T, k, E), n1, n2, moe._sm_count, host.columns)   # the NumPy oracle
     n = len(p.tasks)
     assert int(b["counters"][1]) == n
     assert np.array_equal(b["tasks"][:n], p.packed_tasks)
@@ -259,3 +261,23 @@ def test_gpu_trace_records_every_tile():
     tiles = sorted(t.unit for t in trace.tasks if t.kind in ("gemm1", "gemm2"))
     assert tiles == list(range(n)), "every ticket is recorded once"
     assert sum(t.kind == "combine" for t in trace.tasks) > 0 and trace.overflowed == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_planner_equals_the_numpy_oracle(seed):
+    """The host build of the planner rules (templates/moe_plan.h, shared with the GPU planner) against the
+    independent NumPy plan: random shapes, invalid pairs, empty experts, lags shorter and longer than a plan."""
+    from meld.scheduler.moe_plan import plan_moe_host
+
+    rng = np.random.default_rng(seed)
+    E = int(rng.integers(1, 40))
+    k = int(rng.integers(1, E + 1))
+    T = int(rng.integers(1, 300))
+    hot = rng.choice(E, size=max(1, E // 3), replace=False)     # most experts empty
+    ids = np.stack([rng.permutation(hot if len(hot) >= k else np.arange(E))[:k] for _ in range(T)])
+    ids[rng.random(ids.shape) < 0.05] = -1
+    bt, n1, n2, lag = int(rng.choice([16, 32, 64, 128])), int(rng.integers(1, 7)), int(rng.integers(1, 9)), \
+        int(rng.integers(0, 300))
+    a, b = plan_moe(ids, E, bt, n1, n2, lag), plan_moe_host(ids, E, bt, n1, n2, lag)
+    for f in ("expert_off", "pair_pos", "row_token", "row_blocks", "tasks"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f

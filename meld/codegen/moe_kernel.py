@@ -95,4 +95,5 @@ class MoeKernelConfig:
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),
                           "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
-                          MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), _template("moe.cuh")])
+                          MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), _template("moe_plan.h"),
+                          _template("moe.cuh")])

@@ -18,7 +18,7 @@ from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS
                                   block_tokens_for, tile_columns)
 from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
-from ..scheduler.moe_plan import plan_moe
+from ..scheduler.moe_plan import plan_moe_host
 from .base import Operator
 from .checks import check_positive, expect, plain, resolve_device
 from .moe_graph import moe_graph
@@ -257,7 +257,7 @@ class MoE(Operator):
         """The `MoePlan` this layer runs for a routing (the GPU planner builds the same on the device)."""
         bt = block_tokens_for(num_tokens, self.top_k, self.num_experts)
         lag = getattr(self, "_sm_count", 132)
-        return plan_moe(topk_ids, self.num_experts, bt, *self._column_blocks(bt), lag, tile_columns(bt))
+        return plan_moe_host(topk_ids, self.num_experts, bt, *self._column_blocks(bt), lag, tile_columns(bt))
 
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> torch.Tensor:
         from ..runtime.moe_reference import execute_moe, route

@@ -1,8 +1,11 @@
-"""The host half of plan() in C: validate the page table and stage it in one pass.
+"""Host code in C, compiled at first use with the system C compiler (like Triton's launcher stubs) into
+MELD_CACHE_DIR, keyed by the source and compiler, and loaded with ctypes:
 
-Compiled at first use with the system C compiler (like Triton's launcher stubs) into MELD_CACHE_DIR,
-keyed by the source and compiler, and loaded with ctypes. Where no compiler works, `load()` returns None
-and plan() uses its NumPy path, which checks the same things (tests run both on the same inputs).
+- the host half of decode's plan(): validate the page table and stage it in one pass (`load()`); where no
+  compiler works it returns None and plan() uses its NumPy path, which checks the same things (tests run
+  both on the same inputs);
+- the fused MoE's host planner (`load_moe_plan()`), built from the same plan rules as the GPU planner
+  (templates/moe_plan.h), for the CPU reference executor.
 """
 from __future__ import annotations
 
@@ -18,23 +21,25 @@ from .. import config
 
 _SOURCE = "stage_page_table.c"
 _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
+_moe_lib: ctypes.CDLL | None = None
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(name: str, sources: list[tuple[str, str]]) -> ctypes.CDLL | None:
+    """Compile the concatenated `sources` ((package, path) pairs) into lib `name`; None without a compiler."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    src = resources.files("meld.runtime").joinpath("host", _SOURCE).read_text()
+    src = "\n".join(resources.files(pkg).joinpath(path).read_text() for pkg, path in sources)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     key = hashlib.sha256((src + version).encode()).hexdigest()[:16]
-    out = config.cache_dir() / f"stage_page_table_{key}.so"
+    out = config.cache_dir() / f"{name}_{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="meld-cc-") as tmp:
-            c, so = os.path.join(tmp, _SOURCE), os.path.join(tmp, "lib.so")
+            c, so = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, "lib.so")
             with open(c, "w") as f:
                 f.write(src)
             res = subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", so, c], capture_output=True, text=True)
@@ -44,7 +49,13 @@ def _build() -> ctypes.CDLL | None:
             os.close(fd)
             shutil.copyfile(so, part)
             os.replace(part, out)
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out))
+
+
+def _build_stage() -> ctypes.CDLL | None:
+    lib = _build("stage_page_table", [("meld.runtime", f"host/{_SOURCE}")])
+    if lib is None:
+        return None
     fn = lib.meld_stage_page_table
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_longlong)]
@@ -56,5 +67,20 @@ def load() -> ctypes.CDLL | None:
     """The compiled helper, or None where it cannot be built (then callers use NumPy)."""
     global _lib
     if _lib is False:
-        _lib = _build()
+        _lib = _build_stage()
     return _lib
+
+
+def load_moe_plan() -> ctypes.CDLL:
+    """The MoE host planner; RuntimeError where no C compiler works (the CPU executor needs it)."""
+    global _moe_lib
+    if _moe_lib is None:
+        lib = _build("moe_plan", [("meld.codegen", "templates/moe_plan.h"), ("meld.runtime", "host/moe_plan.c")])
+        if lib is None:
+            raise RuntimeError("meld.MoE(device='cpu') compiles its host planner with the system C compiler "
+                               "(cc or gcc, or $CC), and none worked")
+        fn = lib.meld_moe_plan
+        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 7, *[ctypes.c_void_p] * 6]
+        fn.restype = ctypes.c_longlong
+        _moe_lib = lib
+    return _moe_lib

@@ -1,8 +1,10 @@
-"""The fused-MoE plan from a routing, in NumPy: the CPU reference executor's schedule and the oracle the
-GPU planner (templates/moe.cuh: meld_moe_plan) is tested against. It mirrors the device rules exactly:
-rows grouped by expert in token order, row blocks of `block_tokens` rows, and the ticket order of the
-gemm1 / gemm2 tiles (gemm1 tiles expert by expert, column-major inside an expert; an expert's gemm2 tiles
-`lag` tickets after its last gemm1 tile)."""
+"""The fused-MoE plan from a routing: rows grouped by expert in token order, row blocks of `block_tokens`
+rows, and the ticket order of the gemm1 / gemm2 tiles (gemm1 tiles expert by expert, column-major inside
+an expert; an expert's gemm2 tiles `lag` tickets after its last gemm1 tile).
+
+The rules have one source, templates/moe_plan.h, compiled into the GPU planner (templates/moe.cuh) and
+into the host planner `plan_moe_host` (runtime/host/moe_plan.c), which the CPU reference executor runs.
+`plan_moe` below is written independently in NumPy: the test oracle both are checked against."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +40,8 @@ class MoePlan:
 
 def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
              columns: tuple[int, int] = (128, 256)) -> MoePlan:
-    """`topk_ids` [T, k] (int, -1: an invalid pair); n1, n2: column blocks of the gemm1 and gemm2 tiles,
-    each `columns` wide."""
+    """The test oracle. `topk_ids` [T, k] (int, -1: an invalid pair); n1, n2: column blocks of the gemm1
+    and gemm2 tiles, each `columns` wide."""
     ids = np.asarray(topk_ids, dtype=np.int64)
     T, k = ids.shape
     valid = ids >= 0
@@ -70,4 +72,25 @@ def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int,
         tasks += g2[e]
     tasks += g1[a:]
     return MoePlan(expert_off, pair_pos, row_token, row_blocks, np.array(tasks, dtype=np.int64).reshape(-1, 3),
+                   columns)
+
+
+def plan_moe_host(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
+                  columns: tuple[int, int] = (128, 256)) -> MoePlan:
+    """The plan from the host build of the GPU planner's rules (same arguments as `plan_moe`)."""
+    from ..runtime.host_helper import load_moe_plan
+
+    ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
+    T, k = ids.shape
+    cap = num_experts + T * k // block_tokens + 1
+    expert_off = np.zeros(num_experts + 1, np.int64)
+    pair_pos = np.zeros((T, k), np.int64)
+    row_token = np.zeros(max(T * k, 1), np.int64)
+    rb_off = np.zeros(num_experts + 1, np.int32)
+    row_blocks = np.zeros((cap, 3), np.int64)
+    tasks = np.zeros((cap * (n1 + n2), 3), np.int64)
+    nrb = load_moe_plan().meld_moe_plan(
+        ids.ctypes.data, T, k, num_experts, block_tokens, n1, n2, lag,
+        *(a.ctypes.data for a in (expert_off, pair_pos, row_token, rb_off, row_blocks, tasks)))
+    return MoePlan(expert_off, pair_pos, row_token[: expert_off[-1]], row_blocks[:nrb], tasks[: nrb * (n1 + n2)],
                    columns)

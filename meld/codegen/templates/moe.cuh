@@ -89,16 +89,6 @@ __device__ int block_exclusive_scan(int v, int* scratch, int* total) {
   return excl;
 }
 
-// The last index i in [0, n] with a[i] <= v (a nondecreasing, a[0] <= v).
-__device__ __forceinline__ int last_at_most(const int* a, int n, long long v) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (a[mid] <= v) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 __device__ void plan(const MoeParams& p) {
   __shared__ int rb_off[MAX_EXPERTS + 1], scratch[32];
   const int E = p.num_experts, tid = threadIdx.x;
@@ -130,32 +120,11 @@ __device__ void plan(const MoeParams& p) {
   __syncthreads();
   const int n1 = p.n1, n2 = p.n2;
   const long long nA = (long long)total_rb * n1, nB = (long long)total_rb * n2;
-  for (long long i = tid; i < nA + nB; i += blockDim.x) {
-    const bool g2 = i >= nA;
-    const long long a = g2 ? i - nA : i;
-    const int per = g2 ? n2 : n1;
-    // the expert whose tiles cover index a: rb_off[e] * per <= a < rb_off[e + 1] * per
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if ((long long)rb_off[mid] * per <= a) lo = mid; else hi = mid - 1;
-    }
-    const int e = lo, nrb = rb_off[e + 1] - rb_off[e];
-    const long long local = a - (long long)rb_off[e] * per;
-    const int col = (int)(local / nrb), rb = rb_off[e] + (int)(local % nrb);
-    long long pos;
-    if (g2) {
-      pos = a + min((long long)rb_off[e + 1] * n1 + p.lag, nA);
-    } else {   // gemm2 tiles before it: those of every expert whose gemm1 tiles ended LAG tickets ago
-      long long before = 0;
-      if (a >= p.lag) {
-        // experts e' with rb_off[e' + 1] * n1 + LAG <= a, i.e. rb_off[e' + 1] <= (a - LAG) / n1
-        const int last = last_at_most(rb_off, E, (a - p.lag) / n1);
-        before = (long long)rb_off[last] * n2;
-      }
-      pos = a + before;
-    }
-    p.tasks[pos] = pack_moetask(g2 ? 1 : 0, col, rb);   // meld/ir/work_table.py: MOE_TASK
+  for (long long i = tid; i < nA + nB; i += blockDim.x) {   // the order: moe_plan.h
+    const int g2 = i >= nA;
+    int rb, col;
+    const long long pos = moe_ticket(g2, g2 ? i - nA : i, rb_off, E, n1, n2, p.lag, &rb, &col);
+    p.tasks[pos] = pack_moetask(g2, col, rb);   // meld/ir/work_table.py: MOE_TASK
   }
   for (int r = tid; r < total_rb; r += blockDim.x) p.rb_done[r] = 0;
   if (tid == 0) {

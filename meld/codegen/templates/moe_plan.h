@@ -1,0 +1,44 @@
+/* meld fused MoE: the ticket order of the tiles, written once. The GPU planner (moe.cuh: plan) and the host
+ * planner (runtime/host/moe_plan.c, the CPU reference executor's) both compile this text, so the two
+ * cannot order tiles differently; meld/scheduler/moe_plan.py is the NumPy test oracle of both.
+ *
+ * gemm1 tiles come expert by expert, column-major inside an expert (the CTAs running at once share
+ * weight tiles in L2); an expert's gemm2 tiles come `lag` tickets after its last gemm1 tile. rb_off[e] is
+ * the first row block of expert e (rb_off[E]: all of them); n1, n2: column blocks per row block. */
+#ifndef MELD_MOE_PLAN_H
+#define MELD_MOE_PLAN_H
+#ifdef __CUDACC__
+#define MELD_HD __host__ __device__ __forceinline__
+#else
+#define MELD_HD static inline
+#endif
+
+/* The last index i in [lo, hi] with a[i] * scale <= v (a nondecreasing, a[lo] * scale <= v). */
+MELD_HD int moe_last_at_most(const int *a, int lo, int hi, long long scale, long long v) {
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if ((long long)a[mid] * scale <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+/* Ticket of the a-th gemm1 tile (g2 = 0) or gemm2 tile (g2 = 1) in (expert, column, row block) order;
+ * its row block and column come back in *rb and *col. */
+MELD_HD long long moe_ticket(int g2, long long a, const int *rb_off, int E, int n1, int n2, int lag,
+                             int *rb, int *col) {
+  const long long nA = (long long)rb_off[E] * n1;
+  const int per = g2 ? n2 : n1;
+  const int e = moe_last_at_most(rb_off, 0, E - 1, per, a);   /* never an empty expert: see moe.cuh */
+  const int nrb = rb_off[e + 1] - rb_off[e];
+  const long long local = a - (long long)rb_off[e] * per;
+  *col = (int)(local / nrb);
+  *rb = rb_off[e] + (int)(local % nrb);
+  if (g2) {
+    const long long due = (long long)rb_off[e + 1] * n1 + lag;
+    return a + (due < nA ? due : nA);
+  }
+  /* gemm2 tiles before it: those of every expert e' with rb_off[e' + 1] * n1 + lag <= a */
+  if (a < lag) return a;
+  return a + (long long)rb_off[moe_last_at_most(rb_off, 0, E, n1, a - lag)] * n2;
+}
+#endif
