@@ -188,3 +188,45 @@ def test_the_largest_tables_the_capacities_allow():
     assert _err(out, _ref(q, kv, pb)) < 1e-2
     with pytest.raises(ValueError, match="max_batch_size=4096"):
         attn.plan(*(torch.zeros(B + 2, dtype=torch.int32),) * 2, torch.ones(B + 1, dtype=torch.int32))
+
+
+MOE_WITHHELD = textwrap.dedent("""
+    import time, torch, meld
+    from meld.codegen.moe_kernel import MoeKernelConfig
+    from meld.runtime import watchdog
+    cfg = MoeKernelConfig(watchdog_ms=200, debug_withhold_signal=True)
+    moe = meld.MoE(256, 128, 8, 2, device="cuda", max_num_tokens=64, kernel_config=cfg)
+    w13 = torch.randn(8, 256, 256, device="cuda").bfloat16() * 0.05
+    w2 = torch.randn(8, 256, 128, device="cuda").bfloat16() * 0.05
+    x, logits = torch.randn(40, 256, device="cuda").bfloat16(), torch.randn(40, 8, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    moe(x, logits, w13, w2)
+    try:
+        torch.cuda.synchronize()
+        print("SYNC returned")
+    except RuntimeError as e:
+        print(f"SYNC {time.monotonic() - t0:.3f} {type(e).__name__}")
+    for what, call in (("CHECK", watchdog.check), ("RUN", lambda: moe(x, logits, w13, w2))):
+        try:
+            call()
+            print(what, "no error")
+        except watchdog.WatchdogTimeout as e:
+            print(what, e)
+""")
+
+
+@pytest.mark.trap
+def test_moe_waiting_on_a_row_block_that_never_completes_trips_the_watchdog():
+    """A debug build never counts row block 0's gemm1 tiles, so its gemm2 tiles wait forever: the producer
+    that waits gives up after 200 ms and the error names the kernel, the tile ticket and the row block."""
+    r = subprocess.run([sys.executable, "-c", MOE_WITHHELD], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lines = {line.split(" ", 1)[0]: line for line in r.stdout.splitlines()}
+    assert "SYNC" in lines, r.stdout + r.stderr
+    sync = lines["SYNC"].split()
+    assert sync[1] != "returned", "the kernel finished: the signal was not withheld\n" + r.stdout + r.stderr
+    assert float(sync[1]) < 0.2 + 3.0, f"the watchdog took {sync[1]} s to trip (bound 0.2 s)"
+    for what in ("CHECK", "RUN"):
+        msg = lines[what]
+        assert "meld watchdog on cuda:0: meld_moe_main" in msg and "(tile ticket " in msg, msg
+        assert "for the gemm1 tiles of row block 0" in msg, msg

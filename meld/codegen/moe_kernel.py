@@ -43,7 +43,8 @@ class MoeKernelConfig:
     block_tokens: int = 128
     num_stages: int = 0          # 0: as many as fit
     profile: bool = False
-    watchdog_ms: int = 2000
+    watchdog_ms: int = 2000      # a spin gives up after this long: record what it waited for, and trap
+    debug_withhold_signal: bool = False   # debug build: row block 0's gemm1 tiles never signal (tests the watchdog)
 
     def __post_init__(self) -> None:
         if self.block_tokens not in BLOCK_TOKEN_CHOICES:
@@ -79,7 +80,8 @@ class MoeKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_moe_bf16_n{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
-                + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
+                + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
+                + ("_withhold" if self.debug_withhold_signal else ""))
 
     def render(self) -> str:
         head = "\n".join([
@@ -92,6 +94,7 @@ class MoeKernelConfig:
             f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
+            f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),
                           "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",

@@ -7,6 +7,7 @@ out [T, H]. out[t] = sum_j w[t, j] * W2[e_j] (SiLU(W_gate[e_j] x[t]) * W_up[e_j]
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -129,7 +130,7 @@ class MoE(Operator):
         from ..runtime.tensor_map import tensor_map_2d
 
         base = self._kernel_config
-        cfg = MoeKernelConfig(block_tokens, base.num_stages, base.profile, base.watchdog_ms)
+        cfg = dataclasses.replace(base, block_tokens=block_tokens)
         k = self._kernels(cfg, {"meld_moe_route": (1024, 0), "meld_moe_scatter": (1024, 0),
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs

@@ -202,13 +202,14 @@ __device__ __noinline__ void watchdog_trip(WatchdogRecord* rec, int* claim, int 
 }
 
 // Wait for the barrier's phase `parity` to complete. A phase that never completes (a copy that was
-// never issued, a byte count that does not match) trips the watchdog instead of hanging.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const WaitSite& s) {
+// never issued, a byte count that does not match) trips the watchdog instead of hanging. A wait that is
+// downstream of another spin gets a longer `limit_ns`, so the spin at the root cause reports first.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const WaitSite& s, i64 limit_ns = MELD_WATCHDOG_NS) {
   if (mbar_try_wait(bar, parity)) return;
   const i64 t0 = global_timer_ns();
   while (!mbar_try_wait(bar, parity)) {
     const i64 waited = global_timer_ns() - t0;
-    if (waited > MELD_WATCHDOG_NS)
+    if (waited > limit_ns)
       watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, parity, waited);
   }
 }

@@ -384,7 +384,8 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
   int slot = 0;
   u32 tphase = 0;
   for (;;) {
-    mbar_wait(task_full + 8 * slot, tphase, wait_site(p, 6, warp + 4, -1, slot));
+    // Consumers wait on the producer, which may itself be waiting (on a row block): they give up later.
+    mbar_wait(task_full + 8 * slot, tphase, wait_site(p, 6, warp + 4, -1, slot), 2 * MELD_WATCHDOG_NS);
     const int packed = slots[2 * slot], ticket = slots[2 * slot + 1];
     __syncwarp();
     if (lane == 0) mbar_arrive(task_empty + 8 * slot);
@@ -403,7 +404,8 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     // producer once the wgmmas that read it have completed.
     int prev = -1;
     for (int kk = 0; kk < nk; ++kk) {
-      mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage));
+      mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage),
+                2 * MELD_WATCHDOG_NS);
       const u32 st = ring.base + ring.stage * STAGE_BYTES;
       wgmma_fence();
       mma_stage(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
@@ -443,7 +445,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       }
       __threadfence();
       named_barrier(1, CONSUMERS);
-      if (ct == 0) atomicAdd(p.rb_done + rbi, 1);
+      if (ct == 0 && !(MELD_DEBUG_WITHHOLD && rbi == 0)) atomicAdd(p.rb_done + rbi, 1);
       prof.record(t0, PROF_GEMM1, ticket);
     } else {
       const int h0 = col * G2_COLS;
