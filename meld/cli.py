@@ -26,6 +26,19 @@ MAX_DEMO_BATCH = 1024              # about 4M skewed tokens: a 15 GB cache, and 
 MAX_WIDTH_PX, MAX_ROW_PX = 16384, 32   # a timeline PNG of 132 SMs stays under ~200 MB in memory
 
 
+def _show_graph(capture, built) -> None:
+    """Step 1 of the demo: print the task graph captured from the TVM definition (checked equal to the
+    builder's), or the builder's where apache-tvm is not installed."""
+    try:
+        graph = capture()
+        assert graph == built, "TVM capture and the builder disagree"
+        print("1. captured from the TVM definition (equal to meld.ops' builder):")
+    except ImportError:
+        graph = built
+        print("1. apache-tvm not installed: task graph from meld.ops' builder:")
+    print("   " + str(graph).replace("\n", "\n   "))
+
+
 def demo(batch: int, device: str) -> int:
     import meld
     from meld.codegen import compile_nvcc, compile_source
@@ -36,15 +49,11 @@ def demo(batch: int, device: str) -> int:
     Hq, Hkv, D, P, dtype = 32, 8, 128, 16, torch.bfloat16
     torch.manual_seed(0)
     print(f"meld {meld.__version__} demo: paged GQA decode attention, Hq={Hq} Hkv={Hkv} D={D} page={P} bf16")
-    try:
+    def captured():
         from meld.frontend import capture, decode_attention_primfunc
-        graph = capture(decode_attention_primfunc(Hq, Hkv, D, P))
-        assert graph == decode_attention_graph(Hq, Hkv, D, P), "TVM capture and the builder disagree"
-        print("1. captured from the TVM definition (equal to meld.ops' builder):")
-    except ImportError:
-        graph = decode_attention_graph(Hq, Hkv, D, P)
-        print("1. apache-tvm not installed: task graph from meld.ops' builder:")
-    print("   " + str(graph).replace("\n", "\n   "))
+        return capture(decode_attention_primfunc(Hq, Hkv, D, P))
+
+    _show_graph(captured, decode_attention_graph(Hq, Hkv, D, P))
 
     lens = lengths("skewed", batch)
     pb = paged(lens, P, spare_pages=0)
@@ -108,16 +117,12 @@ def demo_moe(device: str) -> int:
 
     T, H, I, E, k = 200, 512, 256, 16, 4
     print(f"\nfused MoE: T={T} H={H} I={I} E={E} top_k={k} bf16, half the tokens' first choice on one expert")
-    try:
+    def captured():
         from meld.frontend.capture_moe import capture_moe
         from meld.frontend.moe import moe_primfunc
-        graph = capture_moe(moe_primfunc(H, I, E, k))
-        assert graph == moe_graph(H, I, E, k), "TVM capture and the builder disagree"
-        print("1. captured from the TVM definition (equal to meld.ops' builder):")
-    except ImportError:
-        graph = moe_graph(H, I, E, k)
-        print("1. apache-tvm not installed: task graph from meld.ops' builder:")
-    print("   " + str(graph).replace("\n", "\n   "))
+        return capture_moe(moe_primfunc(H, I, E, k))
+
+    _show_graph(captured, moe_graph(H, I, E, k))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16)

@@ -61,17 +61,27 @@ WITHHELD = textwrap.dedent("""
 """)
 
 
+def _tripped_child(script: str) -> tuple[dict[str, str], str]:
+    """Run a withheld-signal script in a child process (a trap leaves the CUDA context unusable); assert its
+    kernel did not finish and its watchdog tripped within the 200 ms limit (plus slack). Returns its output
+    lines by first word, and the whole output for messages."""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    output = r.stdout + r.stderr
+    lines = {line.split(" ", 1)[0]: line for line in r.stdout.splitlines()}
+    assert "SYNC" in lines, output
+    sync = lines["SYNC"].split()
+    assert sync[1] != "returned", "the kernel finished: the signal was not withheld\n" + output
+    assert float(sync[1]) < 0.2 + 3.0, f"the watchdog took {sync[1]} s to trip (bound 0.2 s)"
+    return lines, output
+
+
 @pytest.mark.trap
 def test_a_withheld_signal_trips_the_watchdog_which_names_the_task():
     """A debug build never issues unit 0's first tile: warp 0 of the CTA that runs it waits on that ring
     stage's mbarrier. The watchdog gives up after 200 ms, and the error names the kernel, CTA, warp, unit
     and flag. The trap leaves the process's CUDA context unusable, so the kernel runs in a child process."""
-    r = subprocess.run([sys.executable, "-c", WITHHELD], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    lines = {line.split(" ", 1)[0]: line for line in r.stdout.splitlines()}
-    assert "SYNC" in lines and "CTA" in lines, r.stdout + r.stderr
-    sync = lines["SYNC"].split()
-    assert sync[1] != "returned", "the kernel finished: the signal was not withheld\n" + r.stdout + r.stderr
-    assert float(sync[1]) < 0.2 + 3.0, f"the watchdog took {sync[1]} s to trip (bound 0.2 s)"
+    lines, output = _tripped_child(WITHHELD)
+    assert "CTA" in lines, output
     cta = lines["CTA"].split()[1]
     for what in ("CHECK", "RUN", "PLAN"):
         msg = lines[what]
@@ -220,12 +230,7 @@ MOE_WITHHELD = textwrap.dedent("""
 def test_moe_waiting_on_a_row_block_that_never_completes_trips_the_watchdog():
     """A debug build never counts row block 0's gemm1 tiles, so its gemm2 tiles wait forever: the producer
     that waits gives up after 200 ms and the error names the kernel, the tile ticket and the row block."""
-    r = subprocess.run([sys.executable, "-c", MOE_WITHHELD], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    lines = {line.split(" ", 1)[0]: line for line in r.stdout.splitlines()}
-    assert "SYNC" in lines, r.stdout + r.stderr
-    sync = lines["SYNC"].split()
-    assert sync[1] != "returned", "the kernel finished: the signal was not withheld\n" + r.stdout + r.stderr
-    assert float(sync[1]) < 0.2 + 3.0, f"the watchdog took {sync[1]} s to trip (bound 0.2 s)"
+    lines, _ = _tripped_child(MOE_WITHHELD)
     for what in ("CHECK", "RUN"):
         msg = lines[what]
         assert "meld watchdog on cuda:0: meld_moe_main" in msg and "(tile ticket " in msg, msg

@@ -19,6 +19,7 @@ from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS
                                   block_tokens_for, tile_columns)
 from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
+from ..scheduler import Topology
 from ..scheduler.moe_plan import plan_moe_host
 from .base import Operator
 from .checks import check_positive, expect, plain, resolve_device
@@ -82,6 +83,8 @@ class MoE(Operator):
         self._variants: dict[int, _Variant] = {}
         if self.device.type == "cuda":
             self._init_cuda()
+        else:   # the CPU executor plans for the H200, as decode attention's does
+            self._sm_count = Topology.h200().sm_count
 
     # --- GPU state ------------------------------------------------------------------------------------
     def _init_cuda(self) -> None:
@@ -257,8 +260,8 @@ class MoE(Operator):
     def plan_for(self, topk_ids: np.ndarray, num_tokens: int):
         """The `MoePlan` this layer runs for a routing (the GPU planner builds the same on the device)."""
         bt = block_tokens_for(num_tokens, self.top_k, self.num_experts)
-        lag = getattr(self, "_sm_count", 132)
-        return plan_moe_host(topk_ids, self.num_experts, bt, *self._column_blocks(bt), lag, tile_columns(bt))
+        return plan_moe_host(topk_ids, self.num_experts, bt, *self._column_blocks(bt), self._sm_count,
+                             tile_columns(bt))
 
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> torch.Tensor:
         from ..runtime.moe_reference import execute_moe, route
@@ -268,8 +271,7 @@ class MoE(Operator):
         else:
             ids, w = topk_ids.long(), topk_w
         plan = self.plan_for(ids.numpy(), x.shape[0])
-        poisoned = np.zeros(x.shape[0], dtype=bool)
-        out.copy_(execute_moe(plan, x, w13, w2, w, poisoned, self.lowering.combiner))
+        out.copy_(execute_moe(plan, x, w13, w2, w, self.lowering.combiner))
         return out
 
 

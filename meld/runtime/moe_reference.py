@@ -28,8 +28,8 @@ def _round(a: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
-                poisoned: np.ndarray, combiner: str = "weighted_sum") -> torch.Tensor:
-    """out [T, H] (x's dtype) from the plan; `poisoned` [T]: tokens with an invalid (id, weight) pair;
+                combiner: str = "weighted_sum") -> torch.Tensor:
+    """out [T, H] (x's dtype) from the plan (its routing already validated: every pair has a row);
     `combiner`: the graph's reduction, whose merge folds a token's weighted rows in fixed order."""
     merge = COMBINERS[combiner].merge
     dt = x.dtype
@@ -59,9 +59,8 @@ def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         for t in plan.row_token[rows]:
             count[t, c] += 1
             if count[t, c] == need[t]:   # the token's last row for this column block: combine
-                acc = np.full(cols.stop - cols.start, np.nan if poisoned[t] else 0.0)
+                acc = np.zeros(cols.stop - cols.start)
                 for j, pos in enumerate(plan.pair_pos[t]):
-                    if pos >= 0:
-                        (acc,) = merge(acc, wd[t, j] * y[pos, cols])
+                    (acc,) = merge(acc, wd[t, j] * y[pos, cols])
                 out[t, cols] = acc
     return torch.from_numpy(out).to(dt)
