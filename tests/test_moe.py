@@ -164,6 +164,8 @@ def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, **call
 @pytest.mark.parametrize("T,H,I,E,k", [
     (1, 256, 128, 8, 2), (7, 200, 136, 5, 3), (100, 512, 256, 16, 4), (333, 264, 200, 12, 2),
     (64, 256, 128, 8, 1), (40, 128, 64, 6, 6), (1000, 256, 384, 32, 8), (2500, 512, 256, 4, 2),
+    (20, 128, 64, 40, 36),     # top_k > 32: routing writes its pairs in chunks of 32 lanes
+    (5, 2568, 64, 4, 2),       # rows of x longer than one dispatch chunk (2048 elements), one partial
 ])
 def test_gpu_matches_dense_reference(T, H, I, E, k):
     gpu_case(T, H, I, E, k)
@@ -229,7 +231,23 @@ def test_gpu_precomputed_routing_and_top_k_equal_to_experts():
     bad[3, 1] = E + 5
     out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
     assert out[3].isnan().all() and not out[:3].isnan().any() and moe.errors() == 1
+    bad = ids.clone()
+    bad[5, 2] = bad[5, 0]   # a repeat: the first of the two is valid, the token still becomes NaN
+    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
+    assert out[5].isnan().all() and not out[:5].isnan().any() and moe.errors() == 1
     gpu_case(T, H, I, E, E)
+    # top_k > 32: pairs are checked in chunks of 32 lanes, a repeat across chunks counts too
+    E, k = 40, 36
+    w13, w2 = weights(E, H, I, dev)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(dev)
+    w = torch.rand(T, k, device=dev)
+    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=T)
+    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=ids)
+    assert_close(out, dense_reference(x, w13, w2, ids, w), "precomputed routing, top_k > 32")
+    bad = ids.clone()
+    bad[7, 34] = bad[7, 1]
+    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
+    assert out[7].isnan().all() and not out[:7].isnan().any() and moe.errors() == 1
 
 
 @pytest.mark.gpu

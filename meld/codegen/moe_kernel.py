@@ -18,6 +18,7 @@ from .wgmma import wgmma_bf16
 BLOCK_TOKEN_CHOICES = (16, 32, 64, 128)
 MAX_EXPERTS = 1024        # the planner gives each expert one thread of its 1024
 MAIN_THREADS = 384        # one producer warpgroup, two consumer warpgroups
+SCATTER_WARPS = 2         # tokens per dispatch CTA (one warp each)
 NARROW_MAX_TOKENS = 32    # token blocks up to this size run narrow tiles (templates/moe.cuh)
 
 
@@ -90,6 +91,7 @@ class MoeKernelConfig:
             f"#define NUM_STAGES {self.stages}",
             f"#define MELD_NARROW {int(self.narrow)}",
             f"#define MAX_EXPERTS {MAX_EXPERTS}",
+            f"#define SCATTER_WARPS {SCATTER_WARPS}",
             '#define MELD_MMA_TYPE "bf16"',
             f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import config
-from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, MoeKernelConfig,
+from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, SCATTER_WARPS, MoeKernelConfig,
                                   block_tokens_for, tile_columns)
 from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
@@ -134,7 +134,7 @@ class MoE(Operator):
 
         base = self._kernel_config
         cfg = dataclasses.replace(base, block_tokens=block_tokens)
-        k = self._kernels(cfg, {"meld_moe_route": (1024, 0), "meld_moe_scatter": (1024, 0),
+        k = self._kernels(cfg, {"meld_moe_route": (1024, _ROUTE_BLOCK * 4 * self.num_experts), "meld_moe_scatter": (32 * SCATTER_WARPS, 0),
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs
         params = MOE_PARAMS.ctype(
@@ -230,11 +230,11 @@ class MoE(Operator):
         p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
         self._watchdog.check()
         nblk = -(-T // _ROUTE_BLOCK)
-        v.route.launch(nblk, p)
-        v.scatter.launch(nblk, p)
         if self._prof is not None:
             self._prof.zero_()
-        v.main.launch(self._grid, p)
+        v.route.launch(nblk, p)
+        v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)
+        v.main.launch(self._grid, p, programmatic=True)
 
     def last_trace(self):
         """Per-tile timestamps of the last launch's persistent kernel (waits for it): a

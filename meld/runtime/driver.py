@@ -88,6 +88,7 @@ class Kernel:
         self.name, self.device, self.threads, self.smem_bytes = compiled.name, device, threads, smem_bytes
         self._func = int(self.func)
         self._params: ctypes.Structure | None = None
+        self._programmatic: dict[int, fastcall.LaunchConfig] = {}   # launch configurations by grid size
 
     def max_active_clusters(self, size: int) -> int:
         """Clusters of `size` CTAs of this kernel resident at once (cuOccupancyMaxActiveClusters with
@@ -96,18 +97,28 @@ class Kernel:
             return fastcall.max_active_clusters(self._func, fastcall.cluster_config(size, self.threads,
                                                                                     self.smem_bytes, size))
 
-    def launch(self, grid: int, params: ctypes.Structure) -> None:
+    def launch(self, grid: int, params: ctypes.Structure, programmatic: bool = False) -> None:
         """Launch on torch's current stream with one by-value parameter struct.
 
         The argument array is kept and reused while `params` is the same object, so callers on a hot
-        path keep one struct and update only the fields that change.
+        path keep one struct and update only the fields that change. `programmatic`: a programmatic
+        dependent launch of the stream's previous kernel (the kernel must `grid_dependency_wait()`
+        before it reads that kernel's output: common.cuh).
         """
         if params is not self._params:
             self._params = params
             self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self._args_ptr = ctypes.addressof(self._args)
-        fastcall.launch(self._func, grid, self.threads, self.smem_bytes, current_stream(self.device),
-                        self._args_ptr, self.name)
+        stream = current_stream(self.device)
+        if not programmatic:
+            fastcall.launch(self._func, grid, self.threads, self.smem_bytes, stream, self._args_ptr, self.name)
+            return
+        cfg = self._programmatic.get(grid)
+        if cfg is None:
+            cfg = self._programmatic[grid] = fastcall.cluster_config(grid, self.threads, self.smem_bytes, 1,
+                                                                     programmatic=True)
+        cfg.hStream = stream
+        fastcall.launch_ex(self._func, cfg, self._args_ptr, self.name)
 
 
 class PersistentLaunch:

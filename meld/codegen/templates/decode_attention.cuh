@@ -538,7 +538,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
   pl.cta = p.cta_offset + blockIdx.x;
   pl.cluster_first = pl.cta - (ONCHIP ? cluster_rank() : 0);
   pl.cluster_ctas = ONCHIP ? cluster_size() : 1;
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // every CTA runs: the next grid may start
+  launch_dependents();   // every CTA runs: the next grid may start
   Profiler prof;
   prof.begin(p.prof, p.prof_cap, pl.cta, threadIdx.x == 0);
   MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
@@ -606,5 +606,5 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
   prof.end();
   // A later grid of a mixed launch (a programmatic dependent launch) ends only after the grid before
   // it, so the stream's next work sees every grid's output. A plain launch returns at once.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  grid_dependency_wait();
 }

@@ -1,6 +1,7 @@
 // meld fused MoE: routing, planning from routing, dispatch and one persistent kernel of expert GEMM tiles
-// with just-in-time combines. Three launches in stream order; no host synchronisation anywhere, so the
-// layer is CUDA-graph capturable within the capacity the buffers were sized for.
+// with just-in-time combines. Three launches in stream order, the second and third programmatic dependents
+// of the one before (each starts its prologue while the one before finishes); no host synchronisation
+// anywhere, so the layer is CUDA-graph capturable within the capacity the buffers were sized for.
 //
 //   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
 //                     caller's topk_ids / topk_weights, validated); per 32-token block, each expert's
@@ -49,13 +50,26 @@ constexpr int CONSUMERS = 256;
 constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
 
 // --- routing ------------------------------------------------------------------------------------------
-// NaN ranks above everything (so a NaN logit is chosen and its token's weights are NaN), then larger
-// values, then smaller expert ids.
-__device__ __forceinline__ bool ranks_above(float a, int ia, float b, int ib) {
-  const bool na = a != a, nb = b != b;
-  if (na != nb) return na;
-  if (!na && a != b) return a > b;
-  return ia < ib;
+// Routing ranks by an order-preserving 32-bit key: every NaN above everything (so a NaN logit is chosen
+// and its token's weights are NaN), then larger values (-0 equal to +0); key 0 (no float has it) marks
+// an expert already taken. Among equal keys the smaller expert id wins.
+__device__ __forceinline__ u32 order_key(float v) {
+  if (v != v) return 0xFFFFFFFFu;
+  u32 u = __float_as_uint(v);
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(u32 k) {
+  return k == 0xFFFFFFFFu ? __int_as_float(0x7fc00000) : __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+// This lane's best remaining expert of a warp's key row (experts lane, lane + 32, ...): (key, expert).
+__device__ __forceinline__ void lane_best(const u32* keys, int E, int lane, u32& key, int& expert) {
+  key = 0;
+  expert = -1;
+  for (int e = lane; e < E; e += 32) {
+    const u32 k = keys[e];
+    if (k > key) { key = k; expert = e; }
+  }
 }
 
 __device__ __forceinline__ float load_logit(const MoeParams& p, int t, int e) {
@@ -95,11 +109,17 @@ __device__ void plan(const MoeParams& p) {
   const int nblk = (p.num_tokens + TOK_BLOCK - 1) / TOK_BLOCK;
   int cnt = 0;
   if (tid < E) {   // each expert's per-block counts become per-block offsets
-    for (int b = 0; b < nblk; ++b) {
-      int* c = p.blk_cnt + (i64)b * E + tid;
-      const int n = __ldcg(c);   // written by the other routing CTAs
-      *c = cnt;
-      cnt += n;
+    constexpr int BATCH = 16;   // loads in flight at once: one L2 round trip per BATCH blocks, not per block
+    for (int b0 = 0; b0 < nblk; b0 += BATCH) {
+      int* c = p.blk_cnt + (i64)b0 * E + tid;
+      int n[BATCH];
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) n[u] = b0 + u < nblk ? __ldcg(c + (i64)u * E) : 0;   // other CTAs wrote them
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u) {
+        if (b0 + u < nblk) c[(i64)u * E] = cnt;
+        cnt += n[u];
+      }
     }
   }
   int total_rows, total_rb;
@@ -136,67 +156,82 @@ __device__ void plan(const MoeParams& p) {
 
 extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
   __shared__ u32 mask[MAX_EXPERTS];
+  extern __shared__ u32 route_keys[];   // [TOK_BLOCK][E]: one row of keys per warp
+  launch_dependents();   // the dispatch launch may start loading rows of x
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
   const int t = blockIdx.x * TOK_BLOCK + warp;
   for (int e = threadIdx.x; e < E; e += blockDim.x) mask[e] = 0;
   __syncthreads();
+  // This lane's pair when K <= 32 (pair j = lane): its expert stays in a register for the rank below.
+  int own = -1;
   if (t < p.num_tokens) {
     for (int c = lane; c < p.n2; c += 32) p.tok_cnt[(i64)t * p.n2 + c] = 0;
     int valid = 0, poison = 0;
     if (p.topk_ids_in != nullptr) {
-      for (int j = lane; j < K; j += 32) {
-        int id = p.topk_ids_in[(i64)t * K + j];
-        const float w = p.topk_w_in[(i64)t * K + j];
-        bool ok = id >= 0 && id < E;
-        for (int j2 = 0; j2 < j && ok; ++j2) ok = p.topk_ids_in[(i64)t * K + j2] != id;   // a repeat
-        if (!ok) { id = -1; poison = 1; atomicOr(p.error, 1); }
+      for (int j0 = 0; j0 < K; j0 += 32) {   // lane j checks pair j0 + j
+        const int j = j0 + lane;
+        const int raw = j < K ? p.topk_ids_in[(i64)t * K + j] : -1;
+        bool ok = raw >= 0 && raw < E;
+        for (int l = 0; l < 32; ++l) {   // a repeat of an earlier pair of this chunk...
+          const int other = __shfl_sync(~0u, raw, l);
+          if (l < lane && other == raw) ok = false;
+        }
+        for (int j2 = 0; j2 < j0 && ok; ++j2) ok = p.topk_ids_in[(i64)t * K + j2] != raw;   // ...or of one before
+        if (j >= K) continue;
+        const int id = ok ? raw : -1;
+        if (!ok) { poison = 1; atomicOr(p.error, 1); }
         else { atomicOr(&mask[id], 1u << warp); ++valid; }
+        own = id;
         p.topk_ids[(i64)t * K + j] = id;
-        p.topk_w[(i64)t * K + j] = w;
+        p.topk_w[(i64)t * K + j] = p.topk_w_in[(i64)t * K + j];
       }
     } else {
+      // The token's logits are read from memory once, as keys in shared memory. Each of the K rounds is
+      // two warp reductions (the best key, then the smallest expert holding it); only the winner's lane
+      // looks at its experts again.
+      u32* keys = route_keys + warp * E;
       float mx = neg_inf(), sum = 0.f;
       int nan = 0;
+#pragma unroll 4
       for (int e = lane; e < E; e += 32) {
         const float v = load_logit(p, t, e);
+        keys[e] = order_key(v);
         nan |= v != v;
         mx = fmaxf(mx, v);
       }
       for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
       nan = __any_sync(~0u, nan);
-      for (int e = lane; e < E; e += 32) sum += __expf(load_logit(p, t, e) - mx);
+      for (int e = lane; e < E; e += 32) sum += __expf(key_value(keys[e]) - mx);
       for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
-      u32 chosen = 0;            // bit i: expert lane + 32 i is taken
-      float picked_sum = 0.f, my_w = 0.f;
+      u32 lane_key;
+      int lane_expert;
+      lane_best(keys, E, lane, lane_key, lane_expert);
+      float picked_sum = 0.f;
+      u32 my_key = 0;   // lane j's pair of the current chunk of 32: its key and expert
       int my_id = -1;
       for (int j = 0; j < K; ++j) {
-        float best = 0.f;
-        int bi = -1;
-        for (int i = 0, e = lane; e < E; ++i, e += 32) {
-          if (chosen >> i & 1) continue;
-          const float v = load_logit(p, t, e);
-          if (bi < 0 || ranks_above(v, e, best, bi)) { best = v; bi = e; }
+        const u32 top = __reduce_max_sync(~0u, lane_key);   // > 0: K <= E leaves an expert untaken
+        const int bi = (int)__reduce_min_sync(~0u, lane_key == top ? (u32)lane_expert : 0xFFFFFFFFu);
+        if (bi % 32 == lane) {
+          keys[bi] = 0;
+          lane_best(keys, E, lane, lane_key, lane_expert);
         }
-        for (int o = 16; o; o >>= 1) {
-          const float ob = __shfl_xor_sync(~0u, best, o);
-          const int oi = __shfl_xor_sync(~0u, bi, o);
-          if (oi >= 0 && (bi < 0 || ranks_above(ob, oi, best, bi))) { best = ob; bi = oi; }
-        }
-        if (bi % 32 == lane) chosen |= 1u << (bi / 32);
-        const float w = nan ? __int_as_float(0x7fc00000) : __expf(best - mx) / sum;
-        picked_sum += w;
-        if (j % 32 == lane) { my_id = bi; my_w = w; }
-        if (j % 32 == 31 || j == K - 1) {   // lanes hold pairs j - j % 32 .. j: write them
+        if (j % 32 == lane) { my_key = top; my_id = bi; }
+        if (j % 32 == 31 || j == K - 1) {   // lanes hold pairs j - j % 32 .. j: weigh and write them
           const int jj = j - j % 32 + lane;
-          if (jj <= j) {
-            p.topk_ids[(i64)t * K + jj] = my_id;
-            p.topk_w[(i64)t * K + jj] = my_w;
+          const float w = jj > j ? 0.f : nan ? __int_as_float(0x7fc00000) : __expf(key_value(my_key) - mx) / sum;
+          float chunk = w;
+          for (int o = 16; o; o >>= 1) chunk += __shfl_xor_sync(~0u, chunk, o);
+          picked_sum += chunk;
+          if (jj <= j) {   // with K <= 32 this is the last chunk: the weights are renormalised here
+            p.topk_ids[(i64)t * K + jj] = own = my_id;
+            p.topk_w[(i64)t * K + jj] = p.renormalize && K <= 32 ? w / picked_sum : w;
             atomicOr(&mask[my_id], 1u << warp);
             ++valid;
           }
         }
       }
-      if (p.renormalize) {
+      if (p.renormalize && K > 32) {
         __syncwarp();
         for (int j = lane; j < K; j += 32) p.topk_w[(i64)t * K + j] /= picked_sum;
       }
@@ -211,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
   for (int e = threadIdx.x; e < E; e += blockDim.x) p.blk_cnt[(i64)blockIdx.x * E + e] = __popc(mask[e]);
   if (t < p.num_tokens) {
     for (int j = lane; j < K; j += 32) {
-      const int id = p.topk_ids[(i64)t * K + j];
+      const int id = K <= 32 ? own : p.topk_ids[(i64)t * K + j];
       p.rank[(i64)t * K + j] = id < 0 ? -1 : __popc(mask[id] & ((1u << warp) - 1));
     }
   }
@@ -230,26 +265,50 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
 
 
 // --- dispatch -----------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024) meld_moe_scatter(const __grid_constant__ MoeParams p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
-  const int t = blockIdx.x * TOK_BLOCK + warp;
-  if (t >= p.num_tokens) return;
-  const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
+// A programmatic dependent of the routing launch: x is the layer's input, not routing's output, so each
+// warp loads its token's row before waiting for routing, then stores it to the token's k expert rows.
+// A lane keeps SCATTER_VECS 16-byte vectors of the row in registers, so the stores of a chunk wait on one
+// round of loads, not on one load each. CTAs are small (SCATTER_WARPS tokens): one SM moves only tens of
+// GB/s, so a few hundred tokens must spread over many SMs.
+constexpr int SCATTER_VECS = 8;
+
+extern "C" __global__ void __launch_bounds__(SCATTER_WARPS * 32) meld_moe_scatter(const __grid_constant__ MoeParams p) {
+  launch_dependents();   // the persistent kernel may start its prologue
+  const int lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
+  const int t = blockIdx.x * SCATTER_WARPS + threadIdx.x / 32, rblk = t / TOK_BLOCK;
+  const bool live = t < p.num_tokens;
+  const uint4* src = (const uint4*)(p.x + (i64)(live ? t : 0) * p.x_stride);
   const int vecs = p.hidden / 8;
-  for (int j0 = 0; j0 < K; j0 += 32) {   // lane j resolves pair j0 + j: the loads of all pairs overlap
+  constexpr int CHUNK = 32 * SCATTER_VECS;
+  uint4 row[SCATTER_VECS];
+#pragma unroll
+  for (int u = 0; u < SCATTER_VECS; ++u)
+    if (live && lane + 32 * u < vecs) row[u] = src[lane + 32 * u];
+  grid_dependency_wait();
+  if (!live) return;
+  for (int j0 = 0; j0 < K; j0 += 32) {   // lane j resolves pair j0 + j
     const int j = j0 + lane;
     int pos = -1;
     if (j < K) {
       const int id = p.topk_ids[(i64)t * K + j];
-      pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)blockIdx.x * E + id] + p.rank[(i64)t * K + j];
+      pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)rblk * E + id] + p.rank[(i64)t * K + j];
       p.pair_pos[(i64)t * K + j] = pos;
       if (pos >= 0) p.row_token[pos] = t;
     }
-    for (int jj = 0; jj < min(32, K - j0); ++jj) {
-      const int row = __shfl_sync(~0u, pos, jj);
-      if (row < 0) continue;
-      uint4* dst = (uint4*)(p.xs + (i64)row * p.hidden);
-      for (int v = lane; v < vecs; v += 32) dst[v] = src[v];
+    for (int c = 0; c < vecs; c += CHUNK) {
+      if (c > 0 || j0 > 0) {   // the first chunk is already in registers
+#pragma unroll
+        for (int u = 0; u < SCATTER_VECS; ++u)
+          if (c + lane + 32 * u < vecs) row[u] = src[c + lane + 32 * u];
+      }
+      for (int jj = 0; jj < min(32, K - j0); ++jj) {
+        const int r = __shfl_sync(~0u, pos, jj);
+        if (r < 0) continue;
+        uint4* dst = (uint4*)(p.xs + (i64)r * p.hidden) + c;
+#pragma unroll
+        for (int u = 0; u < SCATTER_VECS; ++u)
+          if (c + lane + 32 * u < vecs) dst[lane + 32 * u] = row[u];
+      }
     }
   }
   if ((p.tok_need[t] & (POISON - 1)) == 0) {   // no valid pair: nothing will combine it
@@ -258,10 +317,6 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_scatter(const __grid
 }
 
 // --- the persistent kernel ----------------------------------------------------------------------------
-struct Task {
-  int kind, col, expert, row0, rows, rb;
-};
-
 __device__ __forceinline__ WaitSite wait_site(const MoeParams& p, int site, int warp, int unit, int detail) {
   return WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, site, (int)blockIdx.x, warp, unit, detail};
 }
@@ -318,16 +373,25 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       }
     } else {
       for (int q = 0; q < NBOX; ++q) wrow[q] = (int)((i64)expert * p.hidden + col * G2_COLS + q * 64);
-      wait_row_block(p, rbi, ticket);
     }
     const int nk = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
-    for (int kk = 0; kk < nk; ++kk) {
+    // A gemm2 tile's weights do not depend on gemm1: up to a ring of them is in flight before the wait
+    // for its row block, and only the act boxes of those stages wait (their stages complete with them).
+    const int early = kind ? min(nk, NUM_STAGES) : 0;
+    Ring late = ring;
+    for (int kk = 0; kk <= nk; ++kk) {
+      if (kind && kk == early) {
+        wait_row_block(p, rbi, ticket);
+        for (int e = 0; e < early; ++e, late.advance())
+          tma_load_2d(late.base + late.stage * STAGE_BYTES + NBOX * W_BOX, tmap, e * BK, row0, late.full + 8 * late.stage);
+      }
+      if (kk == nk) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
       mbar_arrive_expect_tx(full, STAGE_BYTES);
 #pragma unroll
       for (int q = 0; q < NBOX; ++q) tma_load_2d(dst + q * W_BOX, wmap, kk * BK, wrow[q], full);
-      tma_load_2d(dst + NBOX * W_BOX, tmap, kk * BK, row0, full);
+      if (kk >= early) tma_load_2d(dst + NBOX * W_BOX, tmap, kk * BK, row0, full);
       ring.advance();
     }
   }
@@ -504,6 +568,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
     fence_mbar_init();
   }
   __syncthreads();
+  grid_dependency_wait();   // a programmatic dependent of dispatch: the prologue above overlapped its tail
   if (threadIdx.x < 128) {
     regs_dealloc<40>();
     if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);

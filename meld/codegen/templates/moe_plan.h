@@ -30,9 +30,9 @@ MELD_HD long long moe_ticket(int g2, long long a, const int *rb_off, int E, int 
   const int per = g2 ? n2 : n1;
   const int e = moe_last_at_most(rb_off, 0, E - 1, per, a);   /* never an empty expert: see moe.cuh */
   const int nrb = rb_off[e + 1] - rb_off[e];
-  const long long local = a - (long long)rb_off[e] * per;
-  *col = (int)(local / nrb);
-  *rb = rb_off[e] + (int)(local % nrb);
+  const int local = (int)(a - (long long)rb_off[e] * per);   /* < per * nrb: 32-bit division, the cheap one */
+  *col = local / nrb;
+  *rb = rb_off[e] + local % nrb;
   if (g2) {
     const long long due = (long long)rb_off[e + 1] * n1 + lag;
     return a + (due < nA ? due : nA);
