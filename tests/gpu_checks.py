@@ -5,12 +5,17 @@ import torch
 
 import meld
 from meld.runtime.reference import attention_reference
+from meld.scheduler import plan_decode
 from meld.workloads import lengths, paged
 
 
 def assert_gpu_plan_matches_host(attn):
-    """The GPU planner wrote exactly the tables of meld.scheduler.plan_decode (the reference)."""
+    """The GPU planner wrote exactly the tables of the host planner (`schedule`: the same source run as one
+    thread), and those are the NumPy oracle's (meld.scheduler.plan_decode)."""
     s = attn.schedule.validate()
+    oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.group_size, attn.topology, attn.cost,
+                         attn.heads_per_unit, attn._plan_clusters, attn._chunk)
+    assert np.array_equal(oracle.cta, s.cta) and oracle.meta == s.meta, "host planner and NumPy oracle disagree"
     t = attn.tables
     W = attn.topology.num_ctas
     B = len(s.kv_len)

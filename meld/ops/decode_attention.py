@@ -22,10 +22,10 @@ import torch
 
 from .. import config
 from ..runtime import host_helper
-from ..codegen import (DECODE_PARAMS, PLAN_PARAMS, TILE_TOKENS, DecodeKernelConfig,
-                       DecodePlanKernelConfig, TensorMap)
+from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, DecodePlanKernelConfig, TensorMap
 from ..ir import Schedule
-from ..scheduler import DecodeCost, Topology, cluster_rows, plan_decode
+from ..scheduler import DecodeCost, Topology, cluster_rows, plan_decode_host
+from ..scheduler.decode_plan_host import plan_params
 from .base import Operator
 from .checks import check_finite, check_positive, expect, is_int, plain, same_device
 from .decode_graph import decode_attention_graph
@@ -261,17 +261,12 @@ class DecodeAttention(Operator):
         part_o = torch.empty(slots * self.heads_per_unit * self.head_dim, **f32)
         part_lse = torch.empty(slots * self.heads_per_unit, **f32)
         counters = torch.zeros(units, dtype=torch.int32, device=self.device)
-        c = self.cost
-        plan_params = PLAN_PARAMS.pack(     # one struct for every plan(): only `batch` changes
-            kv_indptr=0, last_page_len=0, kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),
-            cta_table=t.ptr(0), line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices),
-            done_flag=0, arrive=t.arrive.data_ptr(), done_seq=0, batch=0,
-            cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0,
-            cluster_snap=c.cluster_snap_tokens,
-            page_size=self.page_size, units_per_request=self.units_per_request, num_ctas=W,
-            item_overhead=c.item_overhead_tokens, min_split=c.min_split_tokens, tile=c.tile_tokens,
-            round=c.round_tokens, min_cta_tokens=c.min_cta_tokens, slot_base=t.ptr(t.off_slot_base),
-            chunk=self._chunk)
+        params = plan_params(   # one struct for every plan(): plan() sets the batch and the page table
+            self.cost, self.page_size, self.units_per_request, W, self._chunk, kv_indptr=0, last_page_len=0,
+            kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
+            line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
+            arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base),
+            cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0)
         # Records per CTA: at most every piece (units, or with chunks up to every slot too), 2 merges, the exit wait.
         prof_cap = units + (slots if self.batch_invariant else 0) + 3 if self.kernel_config.profile else 0
         prof = torch.zeros(W, 1 + prof_cap, 4, dtype=torch.int64, device=self.device) if prof_cap else None
@@ -286,7 +281,7 @@ class DecodeAttention(Operator):
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             num_ctas=W, cta_offset=0, prof_cap=prof_cap, sm_scale_log2=self.sm_scale * _LOG2E))
-        return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, plan_params, launcher)
+        return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, params, launcher)
 
     @property
     def _chunk(self) -> int:
@@ -338,16 +333,14 @@ class DecodeAttention(Operator):
 
     @property
     def schedule(self) -> Schedule:
-        """The `meld.ir.Schedule` of the last plan() (on a GPU: the host planner's copy of the tables the
-        GPU planner wrote, computed when first asked for)."""
+        """The `meld.ir.Schedule` of the last plan(), from the host build of the GPU planner (on a GPU: a
+        copy of the tables the GPU planner wrote, computed when first asked for)."""
         if self._schedule is None:
             if self._planned is None:
                 raise RuntimeError("DecodeAttention.schedule: call plan() first")
-            indptr, last = (_host(t).astype(np.int64) for t in (self._planned.indptr, self._planned.last))
-            pages = indptr[1:] - indptr[:-1]
-            kv_len = (pages * self.page_size + (last - self.page_size)) * (pages > 0)
-            self._schedule = plan_decode(kv_len, indptr[:-1], self.num_kv_heads, self.group_size, self.topology,
-                                         self.cost, self.heads_per_unit, self._plan_clusters, self._chunk)
+            self._schedule = plan_decode_host(_host(self._planned.indptr), _host(self._planned.last), self.page_size,
+                                              self.num_kv_heads, self.group_size, self.topology, self.cost,
+                                              self.heads_per_unit, self._plan_clusters, self._chunk)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,

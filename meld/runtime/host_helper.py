@@ -1,11 +1,13 @@
-"""Host code in C, compiled at first use with the system C compiler (like Triton's launcher stubs) into
-MELD_CACHE_DIR, keyed by the source and compiler, and loaded with ctypes:
+"""Host code in C and C++, compiled at first use with the system compiler (like Triton's launcher stubs)
+into MELD_CACHE_DIR, keyed by the source and compiler, and loaded with ctypes:
 
 - the host half of decode's plan(): validate the page table and stage it in one pass (`load()`); where no
   compiler works it returns None and plan() uses its NumPy path, which checks the same things (tests run
   both on the same inputs);
 - the fused MoE's host planner (`load_moe_plan()`), built from the same plan rules as the GPU planner
-  (templates/moe_plan.h), for the CPU reference executor.
+  (templates/moe_plan.h), for the CPU reference executor;
+- decode's host planner (`load_decode_plan()`): the GPU planner's own source (templates/decode_plan.h)
+  compiled as C++ for a block of one thread, for the CPU reference executor and `DecodeAttention.schedule`.
 """
 from __future__ import annotations
 
@@ -22,14 +24,22 @@ from .. import config
 _SOURCE = "stage_page_table.c"
 _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 _moe_lib: ctypes.CDLL | None = None
+_decode_lib: ctypes.CDLL | None = None
+_COMPILERS = {"c": ("CC", "cc", "gcc"), "c++": ("CXX", "c++", "g++")}   # the variable, then the names tried
 
 
-def _build(name: str, sources: list[tuple[str, str]]) -> ctypes.CDLL | None:
-    """Compile the concatenated `sources` ((package, path) pairs) into lib `name`; None without a compiler."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _read(pkg: str, path: str) -> str:
+    return resources.files(pkg).joinpath(path).read_text()
+
+
+def _build(name: str, sources: list[str], lang: str = "c") -> ctypes.CDLL | None:
+    """Compile the concatenated `sources` (texts in `lang`: "c", or "c++" as C++17) into lib `name`; None
+    without a working compiler ($CC, cc or gcc for C; $CXX, c++ or g++ for C++)."""
+    env, *names = _COMPILERS[lang]
+    cc = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
     if cc is None:
         return None
-    src = "\n".join(resources.files(pkg).joinpath(path).read_text() for pkg, path in sources)
+    src = "\n".join(sources)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
@@ -39,10 +49,11 @@ def _build(name: str, sources: list[tuple[str, str]]) -> ctypes.CDLL | None:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="meld-cc-") as tmp:
-            c, so = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, "lib.so")
+            c, so = os.path.join(tmp, f"{name}.{'cpp' if lang == 'c++' else 'c'}"), os.path.join(tmp, "lib.so")
             with open(c, "w") as f:
                 f.write(src)
-            res = subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", so, c], capture_output=True, text=True)
+            std = ["-std=c++17"] if lang == "c++" else []
+            res = subprocess.run([cc, *std, "-O3", "-shared", "-fPIC", "-o", so, c], capture_output=True, text=True)
             if res.returncode != 0:
                 return None
             fd, part = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")
@@ -53,7 +64,7 @@ def _build(name: str, sources: list[tuple[str, str]]) -> ctypes.CDLL | None:
 
 
 def _build_stage() -> ctypes.CDLL | None:
-    lib = _build("stage_page_table", [("meld.runtime", f"host/{_SOURCE}")])
+    lib = _build("stage_page_table", [_read("meld.runtime", f"host/{_SOURCE}")])
     if lib is None:
         return None
     fn = lib.meld_stage_page_table
@@ -75,7 +86,8 @@ def load_moe_plan() -> ctypes.CDLL:
     """The MoE host planner; RuntimeError where no C compiler works (the CPU executor needs it)."""
     global _moe_lib
     if _moe_lib is None:
-        lib = _build("moe_plan", [("meld.codegen", "templates/moe_plan.h"), ("meld.runtime", "host/moe_plan.c")])
+        lib = _build("moe_plan", [_read("meld.codegen", "templates/moe_plan.h"),
+                                  _read("meld.runtime", "host/moe_plan.c")])
         if lib is None:
             raise RuntimeError("meld.MoE(device='cpu') compiles its host planner with the system C compiler "
                                "(cc or gcc, or $CC), and none worked")
@@ -84,3 +96,23 @@ def load_moe_plan() -> ctypes.CDLL:
         fn.restype = ctypes.c_longlong
         _moe_lib = lib
     return _moe_lib
+
+
+def load_decode_plan() -> ctypes.CDLL:
+    """Decode's host planner; RuntimeError where no C++ compiler works (the CPU executor and `schedule` need it)."""
+    global _decode_lib
+    if _decode_lib is None:
+        from ..codegen.decode_kernel import SMEM_PER_CTA_MAX, plan_source
+
+        lib = _build("decode_plan", [_read("meld.runtime", "host/one_thread.h"), plan_source(1),
+                                     f"#define PLAN_SMEM_BYTES {SMEM_PER_CTA_MAX}",
+                                     _read("meld.runtime", "host/decode_plan.cpp")], "c++")
+        if lib is None:
+            raise RuntimeError("meld.DecodeAttention plans on the host (device='cpu', and `schedule`) with the GPU "
+                               "planner's source compiled by the system C++ compiler (c++ or g++, or $CXX), and "
+                               "none worked")
+        fn = lib.meld_decode_plan_host
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = None
+        _decode_lib = lib
+    return _decode_lib

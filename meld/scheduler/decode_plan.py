@@ -14,10 +14,11 @@ Batch-invariant plans (`chunk_tokens` > 0) cut every unit longer than a chunk in
 (a rule that depends on its length alone, see `meld.ir.schedule`): each chunk is a piece with its own
 overhead on the line, and the cuts between CTAs snap to the nearest chunk boundary.
 
-This is the reference cut: the GPU planner (`meld/codegen/templates/decode_plan.cuh`) makes the same
-one on the device, and a GPU test asserts that both write identical tables. Here it serves the CPU
-path and `DecodeAttention.schedule`. It is a few dozen vectorised NumPy operations over requests and
-cuts, never over units or tokens.
+This is the test oracle, written independently of the planner that runs: templates/decode_plan.h
+(meld/codegen), compiled into the GPU planner and, for a block of one thread, into the host planner
+`plan_decode_host` that serves the CPU executor and `DecodeAttention.schedule`. Tests assert that both
+write its tables. It is a few dozen vectorised NumPy operations over requests and cuts, never over
+units or tokens.
 """
 from __future__ import annotations
 
