@@ -192,6 +192,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("n1", "i32"),                          # gemm1 column blocks: ceil(I / 128)
     Field("n2", "i32"),                          # gemm2 column blocks: ceil(H / 256)
     Field("lag", "i32"),                         # tickets between an expert's last gemm1 and first gemm2 tile
+    Field("route_dispatches", "i32"),            # 1: the (lone) routing CTA copies the rows, no dispatch launch
     Field("prof_cap", "i32"),
     Field("watchdog_kernel", "i32"),
 ])

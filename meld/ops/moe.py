@@ -27,6 +27,9 @@ from .moe_graph import moe_graph
 
 _ROUTE_BLOCK = 32        # tokens per routing block (templates/moe.cuh: TOK_BLOCK)
 _PROFILE_CAP = 4096      # timed records per CTA in profiling builds
+# Rows a lone routing CTA copies itself rather than launch dispatch (templates/moe.cuh): one SM moves tens
+# of GB/s, so 128 KiB costs a few µs, about what the extra launch costs.
+_ROUTE_DISPATCH_BYTES = 128 * 1024
 
 
 def _describe_ticket(ticket: int) -> str:
@@ -232,8 +235,10 @@ class MoE(Operator):
         nblk = -(-T // _ROUTE_BLOCK)
         if self._prof is not None:
             self._prof.zero_()
+        p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES)
         v.route.launch(nblk, p)
-        v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)
+        if not p.route_dispatches:
+            v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)
         v.main.launch(self._grid, p, programmatic=True)
 
     def last_trace(self):

@@ -1,7 +1,8 @@
 // meld fused MoE: routing, planning from routing, dispatch and one persistent kernel of expert GEMM tiles
-// with just-in-time combines. Three launches in stream order, the second and third programmatic dependents
-// of the one before (each starts its prologue while the one before finishes); no host synchronisation
-// anywhere, so the layer is CUDA-graph capturable within the capacity the buffers were sized for.
+// with just-in-time combines. Three launches in stream order (two for a few rows: the lone routing CTA
+// dispatches too), each after the first a programmatic dependent of the one before (it starts its prologue
+// while the one before finishes); no host synchronisation anywhere, so the layer is CUDA-graph capturable
+// within the capacity the buffers were sized for.
 //
 //   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
 //                     caller's topk_ids / topk_weights, validated); per 32-token block, each expert's
@@ -9,7 +10,7 @@
 //                     of atomics decides a position). The last CTA to finish plans: offsets of every
 //                     expert's rows, row blocks of BLOCK_TOKENS rows, and the ticket order of all tiles.
 //   meld_moe_scatter  rows of x copied to their expert-sorted positions (xs), so every tile's token
-//                     operand is one TMA box.
+//                     operand is one TMA box (done by the routing CTA itself for a few rows).
 //   meld_moe_main     the persistent kernel: CTAs take tiles by ticket (an atomic counter). A gemm1 tile
 //                     computes act = SiLU(x W_gate^T) * (x W_up^T) for one row block and 128 columns of
 //                     I; a gemm2 tile computes y = act W2^T for one row block and 256 columns of H; the
@@ -154,6 +155,48 @@ __device__ void plan(const MoeParams& p) {
   }
 }
 
+// --- dispatch -----------------------------------------------------------------------------------------
+// A token's row of x copied to its k expert-sorted rows of xs, by one warp. A lane keeps SCATTER_VECS
+// 16-byte vectors of the row in registers, so the stores of a chunk wait on one round of loads, not on
+// one load each; `row` may arrive holding the first chunk already (`first_loaded`).
+constexpr int SCATTER_VECS = 8;
+
+__device__ __forceinline__ void load_chunk(const uint4* src, int c, int vecs, int lane, uint4 (&row)[SCATTER_VECS]) {
+#pragma unroll
+  for (int u = 0; u < SCATTER_VECS; ++u)
+    if (c + lane + 32 * u < vecs) row[u] = src[c + lane + 32 * u];
+}
+
+__device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATTER_VECS], bool first_loaded) {
+  const int E = p.num_experts, K = p.top_k, rblk = t / TOK_BLOCK, vecs = p.hidden / 8;
+  constexpr int CHUNK = 32 * SCATTER_VECS;
+  const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
+  for (int j0 = 0; j0 < K; j0 += 32) {   // lane j resolves pair j0 + j
+    const int j = j0 + lane;
+    int pos = -1;
+    if (j < K) {
+      const int id = p.topk_ids[(i64)t * K + j];
+      pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)rblk * E + id] + p.rank[(i64)t * K + j];
+      p.pair_pos[(i64)t * K + j] = pos;
+      if (pos >= 0) p.row_token[pos] = t;
+    }
+    for (int c = 0; c < vecs; c += CHUNK) {
+      if (c > 0 || j0 > 0 || !first_loaded) load_chunk(src, c, vecs, lane, row);
+      for (int jj = 0; jj < min(32, K - j0); ++jj) {
+        const int r = __shfl_sync(~0u, pos, jj);
+        if (r < 0) continue;
+        uint4* dst = (uint4*)(p.xs + (i64)r * p.hidden) + c;
+#pragma unroll
+        for (int u = 0; u < SCATTER_VECS; ++u)
+          if (c + lane + 32 * u < vecs) dst[lane + 32 * u] = row[u];
+      }
+    }
+  }
+  if ((p.tok_need[t] & (POISON - 1)) == 0) {   // no valid pair: nothing will combine it
+    for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
   __shared__ u32 mask[MAX_EXPERTS];
   extern __shared__ u32 route_keys[];   // [TOK_BLOCK][E]: one row of keys per warp
@@ -250,7 +293,19 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       p.rank[(i64)t * K + j] = id < 0 ? -1 : __popc(mask[id] & ((1u << warp) - 1));
     }
   }
-  // The last routing CTA to finish plans (last arriver: no second launch, and no CTA ever waits).
+  // The last routing CTA to finish plans (last arriver: no second launch, and no CTA ever waits). A lone
+  // CTA (T <= 32) is last by construction and plans at once; when its rows are few (route_dispatches: one
+  // SM copies only tens of GB/s) it dispatches them too, and a decode step runs two launches, not three.
+  if (gridDim.x == 1) {
+    __syncthreads();
+    plan(p);
+    if (p.route_dispatches) {
+      __syncthreads();   // the plan's offsets, written by this CTA, are visible to all of it
+      uint4 row[SCATTER_VECS];
+      if (t < p.num_tokens) dispatch(p, t, lane, row, false);
+    }
+    return;
+  }
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -262,59 +317,21 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
   }
 }
 
-
-
-// --- dispatch -----------------------------------------------------------------------------------------
-// A programmatic dependent of the routing launch: x is the layer's input, not routing's output, so each
-// warp loads its token's row before waiting for routing, then stores it to the token's k expert rows.
-// A lane keeps SCATTER_VECS 16-byte vectors of the row in registers, so the stores of a chunk wait on one
-// round of loads, not on one load each. CTAs are small (SCATTER_WARPS tokens): one SM moves only tens of
-// GB/s, so a few hundred tokens must spread over many SMs.
-constexpr int SCATTER_VECS = 8;
-
+// A programmatic dependent of the routing launch (more than one routing CTA): x is the layer's input, not
+// routing's output, so each warp loads its token's first chunk before waiting for routing. CTAs are small
+// (SCATTER_WARPS tokens): one SM moves only tens of GB/s, so a few hundred tokens must spread over many SMs.
 extern "C" __global__ void __launch_bounds__(SCATTER_WARPS * 32) meld_moe_scatter(const __grid_constant__ MoeParams p) {
   launch_dependents();   // the persistent kernel may start its prologue
-  const int lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
-  const int t = blockIdx.x * SCATTER_WARPS + threadIdx.x / 32, rblk = t / TOK_BLOCK;
+  const int lane = threadIdx.x % 32, t = blockIdx.x * SCATTER_WARPS + threadIdx.x / 32;
   const bool live = t < p.num_tokens;
-  const uint4* src = (const uint4*)(p.x + (i64)(live ? t : 0) * p.x_stride);
-  const int vecs = p.hidden / 8;
-  constexpr int CHUNK = 32 * SCATTER_VECS;
   uint4 row[SCATTER_VECS];
-#pragma unroll
-  for (int u = 0; u < SCATTER_VECS; ++u)
-    if (live && lane + 32 * u < vecs) row[u] = src[lane + 32 * u];
+  if (live) load_chunk((const uint4*)(p.x + (i64)t * p.x_stride), 0, p.hidden / 8, lane, row);
   grid_dependency_wait();
-  if (!live) return;
-  for (int j0 = 0; j0 < K; j0 += 32) {   // lane j resolves pair j0 + j
-    const int j = j0 + lane;
-    int pos = -1;
-    if (j < K) {
-      const int id = p.topk_ids[(i64)t * K + j];
-      pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)rblk * E + id] + p.rank[(i64)t * K + j];
-      p.pair_pos[(i64)t * K + j] = pos;
-      if (pos >= 0) p.row_token[pos] = t;
-    }
-    for (int c = 0; c < vecs; c += CHUNK) {
-      if (c > 0 || j0 > 0) {   // the first chunk is already in registers
-#pragma unroll
-        for (int u = 0; u < SCATTER_VECS; ++u)
-          if (c + lane + 32 * u < vecs) row[u] = src[c + lane + 32 * u];
-      }
-      for (int jj = 0; jj < min(32, K - j0); ++jj) {
-        const int r = __shfl_sync(~0u, pos, jj);
-        if (r < 0) continue;
-        uint4* dst = (uint4*)(p.xs + (i64)r * p.hidden) + c;
-#pragma unroll
-        for (int u = 0; u < SCATTER_VECS; ++u)
-          if (c + lane + 32 * u < vecs) dst[lane + 32 * u] = row[u];
-      }
-    }
-  }
-  if ((p.tok_need[t] & (POISON - 1)) == 0) {   // no valid pair: nothing will combine it
-    for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
-  }
+  if (live) dispatch(p, t, lane, row, true);
 }
+
+
+
 
 // --- the persistent kernel ----------------------------------------------------------------------------
 __device__ __forceinline__ WaitSite wait_site(const MoeParams& p, int site, int warp, int unit, int detail) {
@@ -439,14 +456,37 @@ __device__ void combine(const MoeParams& p, int t, int h0, int lane) {
   }
 }
 
+// A finished gemm1 tile is handed to the epilogue warp through a two-slot mailbox (mbarriers: `full` when
+// every consumer thread has stored its part and arrived, `empty` when the epilogue warp is done with the
+// slot), which makes the stores visible at gpu scope and signals the row block, while the consumers go on:
+// the fence after a tile's stores measured 2-3 µs. (gemm2 tiles keep their fence: their combines read
+// what it publishes, and moved to the epilogue warps they ran slower than the tensor cores.)
+struct Mailbox {
+  u32 full, empty;   // two mbarriers each (8 bytes apart)
+  int* box;          // [2][4]: kind (0: a gemm1 tile; -1: no more tiles), column, row block, ticket
+};
+
 __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, const int* slots,
-                        int* combine_list, float* xchg) {
+                        Mailbox mb, int* combine_list, float* xchg) {
   const int ct = threadIdx.x - 128, wg = ct / 128, warp = ct / 32, lane = ct % 32;   // wg: 0 or 1
   const bool recorder = ct == 0;
   Profiler prof;
   prof.begin(p.prof, p.prof_cap, blockIdx.x, recorder);
-  int slot = 0;
-  u32 tphase = 0;
+  int slot = 0, mslot = 0;
+  u32 tphase = 0, mphase = 0;
+  // Hand a tile (or the end, kind -1) to the epilogue warps: every consumer's stores before its arrival.
+  // The barrier keeps the two warpgroups a tile apart at most (each arrives once per slot use, and
+  // warpgroup 0 has read the narrow tiles' exchange area before warpgroup 1 writes it again).
+  auto post = [&](int kind, int col, int rbi, int ticket) {
+    named_barrier(1, CONSUMERS);
+    if (ct == 0) {
+      mbar_wait(mb.empty + 8 * mslot, mphase ^ 1u, wait_site(p, 8, warp + 4, ticket, mslot), 2 * MELD_WATCHDOG_NS);
+      int* b = mb.box + 4 * mslot;
+      b[0] = kind; b[1] = col; b[2] = rbi; b[3] = ticket;
+    }
+    mbar_arrive(mb.full + 8 * mslot);
+    if ((mslot ^= 1) == 0) mphase ^= 1u;
+  };
   for (;;) {
     // Consumers wait on the producer, which may itself be waiting (on a row block): they give up later.
     mbar_wait(task_full + 8 * slot, tphase, wait_site(p, 6, warp + 4, -1, slot), 2 * MELD_WATCHDOG_NS);
@@ -454,7 +494,10 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     __syncwarp();
     if (lane == 0) mbar_arrive(task_empty + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
-    if (packed < 0) break;
+    if (packed < 0) {
+      post(-1, 0, 0, ticket);
+      break;
+    }
     const i64 t0 = prof.now();
     const MoeTask task = unpack_moetask(packed);
     const int kind = task.kind, col = task.col, rbi = task.row_block;
@@ -507,9 +550,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
         if ((NACC == 2 || wg == 0) && f < p.inter && tok < rows)
           p.act[(i64)(row0 + tok) * p.inter + f] = float_to_bf16(silu_mul(acc0[r], acc1[r]));
       }
-      __threadfence();
-      named_barrier(1, CONSUMERS);
-      if (ct == 0 && !(MELD_DEBUG_WITHHOLD && rbi == 0)) atomicAdd(p.rb_done + rbi, 1);
+      post(0, col, rbi, ticket);
       prof.record(t0, PROF_GEMM1, ticket);
     } else {
       const int h0 = col * G2_COLS;
@@ -544,6 +585,27 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
   prof.end();
 }
 
+// Warp 1 of the producer warpgroup: per finished gemm1 tile, make its stores visible at gpu scope and bump
+// its row block's counter, while the consumers go on to the next tile.
+__device__ void epilogue(const MoeParams& p, Mailbox mb) {
+  const int lane = threadIdx.x % 32;
+  int mslot = 0;
+  u32 mphase = 0;
+  for (;;) {
+    mbar_wait(mb.full + 8 * mslot, mphase, wait_site(p, 9, 1, -1, mslot), 3 * MELD_WATCHDOG_NS);
+    const int* b = mb.box + 4 * mslot;
+    const int kind = b[0], rbi = b[2];
+    if (kind < 0) break;
+    if (lane == 0) {
+      __threadfence();   // the consumers' stores (acquired through the mailbox) before the counter
+      if (!(MELD_DEBUG_WITHHOLD && rbi == 0)) atomicAdd(p.rb_done + rbi, 1);
+      mbar_arrive(mb.empty + 8 * mslot);
+    }
+    __syncwarp();
+    if ((mslot ^= 1) == 0) mphase ^= 1u;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_constant__ MoeParams p) {
   extern __shared__ unsigned char smem_raw[];
   // TMA's 128-byte swizzle repeats every 1 KiB: stage buffers start on 1 KiB boundaries.
@@ -553,8 +615,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   ring.full = base + NUM_STAGES * STAGE_BYTES;
   ring.empty = ring.full + 8 * NUM_STAGES;
   const u32 task_full = ring.empty + 8 * NUM_STAGES, task_empty = task_full + 16;
-  int* slots = (int*)(smem_raw + (task_empty + 16 - raw));
-  int* combine_list = slots + 4;   // [count, tokens...]: at most BLOCK_TOKENS tokens
+  Mailbox mb;
+  mb.full = task_empty + 16;
+  mb.empty = mb.full + 16;
+  int* slots = (int*)(smem_raw + (mb.empty + 16 - raw));
+  mb.box = slots + 4;
+  int* combine_list = mb.box + 8;   // [count, tokens...]: at most BLOCK_TOKENS tokens
   float* xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);   // narrow gemm1 tiles: [128][ACC + 1] up values
   if (threadIdx.x == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
@@ -564,6 +630,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
     for (int s = 0; s < 2; ++s) {
       mbar_init(task_full + 8 * s, 1);
       mbar_init(task_empty + 8 * s, CONSUMERS / 32);
+      mbar_init(mb.full + 8 * s, CONSUMERS);
+      mbar_init(mb.empty + 8 * s, 1);
     }
     fence_mbar_init();
   }
@@ -572,9 +640,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   if (threadIdx.x < 128) {
     regs_dealloc<40>();
     if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);
+    else if (threadIdx.x / 32 == 1) epilogue(p, mb);
   } else {
     regs_alloc<232>();
-    consume(p, ring, task_full, task_empty, slots, combine_list, xchg);
+    consume(p, ring, task_full, task_empty, slots, mb, combine_list, xchg);
   }
 }
 
