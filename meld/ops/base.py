@@ -20,12 +20,23 @@ class Operator:
     graph: TaskGraph
     lowering: Lowering
     device: torch.device
+    handle: int   # names this operator to its torch custom op (meld.ops.torch_ops)
 
     def _setup(self, graph: TaskGraph, device: object) -> None:
+        from .torch_ops import register
+
+        self.handle = register(self)
         self.graph = graph
         self.lowering = lower(graph)
         self.device = resolve_device(device)
         config.dump(f"{graph.name}.taskgraph.json", graph.to_json())
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (copy, deepcopy, unpickling) is another operator: it gets its own handle."""
+        from .torch_ops import register
+
+        self.__dict__.update(state)
+        self.handle = register(self)
 
     def _require_hopper(self, exact: bool = False):
         """The device's properties; ValueError where meld's kernels cannot run (sm_90 needed; `exact`:

@@ -474,6 +474,9 @@ class DecodeAttention(Operator):
             out [B, num_qo_heads, head_dim] (and lse if return_lse). A request with no KV tokens gives
             zeros and lse = -inf.
         """
+        if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
+            from .torch_ops import decode_attention
+            return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse)
         planned = self._planned
         if planned is None:
             raise RuntimeError("DecodeAttention.run: call plan() first")

@@ -163,6 +163,9 @@ class MoE(Operator):
         activation dtype), or pass `topk_weights` (float32) and `topk_ids` (int32/int64) [T, top_k]
         instead (vLLM's `fused_experts`); an id out of range or repeated in a row gives that token NaN
         on the GPU (a ValueError on the CPU, where it is checked)."""
+        if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
+            from .torch_ops import moe
+            return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
         x, w13, w2 = plain(x), plain(w13), plain(w2)
         H, I, E, k, dev = self.hidden_size, self.intermediate_size, self.num_experts, self.top_k, self.device
         expect("x", x, self.dtype, (None, H), "tokens x hidden_size", dev)

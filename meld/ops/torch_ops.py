@@ -1,0 +1,156 @@
+"""meld's operators as torch custom ops, so that `torch.compile(fullgraph=True)` of a model calling meld
+traces it as one opaque node instead of breaking the graph.
+
+A custom op takes tensors and scalars, not Python objects, so each operator is named by an int, its
+`handle` (given at construction), which this registry maps back to it, as vLLM names an attention layer
+by a string looked up in its forward context. The registry holds operators weakly: registering keeps
+nothing alive, and a handle whose operator is gone raises ValueError naming it.
+
+    torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle) -> ()       # DecodeAttention.run
+    torch.ops.meld.moe(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> ()   # MoE()
+
+Both write their preallocated outputs, declared mutated (functionalisation and Inductor's re-inplacing
+handle them, as for vLLM's `unified_attention_with_output`), and return nothing; their fake
+implementations check dtypes and shapes against the operator when a graph is traced. Like vLLM's
+`direct_register_custom_op`, they are defined with `torch.library.Library` rather than
+`torch.library.custom_op`, whose Python-side dispatch costs several times more per call;
+tools/torch_op_overhead.py times the op path against the direct call. meld has no backward: the ops'
+outputs carry no autograd history.
+
+`DecodeAttention.run` and `MoE.__call__` emit these ops by themselves while Dynamo traces, so model code
+needs no change; `decode_attention()` and `moe()` below take the op path always (eager included). plan()
+stays outside the graph, once per step, as engines build their attention metadata.
+
+Example:
+    attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda")   # attn.handle names it
+    step = torch.compile(model, fullgraph=True)      # model calls attn.run(q, kv_cache) in every layer
+    attn.plan(kv_indptr, kv_indices, kv_last_page_len)   # once per step, outside the compiled region
+    logits = step(tokens)                                # one meld::decode_attention node per layer
+    torch.ops.meld.decode_attention(q, kv_cache, out, None, attn.handle)   # or the op itself
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from typing import TypeVar
+
+import torch
+
+from .base import Operator
+from .checks import expect
+from .decode_attention import DecodeAttention
+from .moe import MoE
+
+_T = TypeVar("_T", bound=Operator)
+_live: dict[int, weakref.ref] = {}
+_handles = itertools.count()
+
+
+def _forget(handle: int, _ref: weakref.ref) -> None:
+    _live.pop(handle, None)
+
+
+def register(op: Operator) -> int:
+    """A new handle naming `op` (held weakly: the handle is forgotten when `op` is collected)."""
+    handle = next(_handles)
+    _live[handle] = weakref.ref(op, functools.partial(_forget, handle))
+    return handle
+
+
+def lookup(handle: int, kind: type[_T]) -> _T:
+    """The live operator `handle` names, which must be a `kind`."""
+    ref = _live.get(handle)
+    op = None if ref is None else ref()
+    if isinstance(op, kind):
+        return op
+    if op is None:
+        raise ValueError(f"handle={handle!r} names no live meld operator (never registered, or its operator "
+                         "was garbage-collected)")
+    raise ValueError(f"handle={handle!r} names a {type(op).__name__}, not a {kind.__name__}")
+
+
+# --- the ops --------------------------------------------------------------------------------------------
+_lib = torch.library.Library("meld", "FRAGMENT")
+
+
+def _define(name: str, schema: str, impl, fake) -> None:
+    _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    for key in ("CPU", "CUDA"):
+        _lib.impl(name, impl, key)
+    torch.library.register_fake(f"meld::{name}", fake, lib=_lib)
+
+
+def _decode_attention_impl(q, kv_cache, out, lse, handle) -> None:
+    lookup(handle, DecodeAttention).run(q, kv_cache, out=out, lse=lse)
+
+
+def _decode_attention_fake(q, kv_cache, out, lse, handle) -> None:
+    attn = lookup(handle, DecodeAttention)
+    Hq, D, P, Hkv, dt, dev = attn.num_qo_heads, attn.head_dim, attn.page_size, attn.num_kv_heads, attn.dtype, attn.device
+    expect("q", q, dt, (None, Hq, D), "batch, num_qo_heads, head_dim", dev)
+    page = (P, Hkv) if attn.kv_layout == "NHD" else (Hkv, P)
+    expect("kv_cache", kv_cache, dt, (None, 2, *page, D), f"num_pages, K/V, kv_layout={attn.kv_layout!r}", dev)
+    expect("out", out, dt, (q.shape[0], Hq, D), "like q", dev)
+    if lse is not None:
+        expect("lse", lse, torch.float32, (q.shape[0], Hq), "batch, num_qo_heads", dev)
+
+
+def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
+    lookup(handle, MoE)(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+
+
+def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
+    layer = lookup(handle, MoE)
+    H, I, E, k, dt, dev = (layer.hidden_size, layer.intermediate_size, layer.num_experts, layer.top_k, layer.dtype,
+                           layer.device)
+    expect("x", x, dt, (None, H), "tokens x hidden_size", dev)
+    T = x.shape[0]
+    expect("w13", w13, dt, (E, 2 * I, H), "experts x 2*intermediate_size x hidden_size", dev)
+    expect("w2", w2, dt, (E, H, I), "experts x hidden_size x intermediate_size", dev)
+    if (router_logits is None) == (topk_ids is None):
+        raise ValueError("pass either router_logits or (topk_weights, topk_ids), not both or neither")
+    if router_logits is not None:
+        expect("router_logits", router_logits, router_logits.dtype if router_logits.dtype == dt else torch.float32,
+               (T, E), "tokens x num_experts", dev)
+    else:
+        expect("topk_ids", topk_ids, topk_ids.dtype if topk_ids.dtype == torch.int64 else torch.int32, (T, k),
+               "tokens x top_k", dev)
+        expect("topk_weights", topk_weights, torch.float32, (T, k), "tokens x top_k", dev)
+    expect("out", out, dt, (T, H), "tokens x hidden_size", dev)
+
+
+_define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle) -> ()",
+        _decode_attention_impl, _decode_attention_fake)
+_define("moe", "(Tensor x, Tensor? router_logits, Tensor w13, Tensor w2, Tensor? topk_weights, Tensor? topk_ids, "
+        "Tensor(a!) out, int handle) -> ()", _moe_impl, _moe_fake)
+_decode_attention_op = torch.ops.meld.decode_attention.default   # the overload: no resolution per call
+_moe_op = torch.ops.meld.moe.default
+
+
+# --- callers ----------------------------------------------------------------------------------------------
+def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """`attn.run(q, kv_cache, ...)` (same arguments and results) through torch.ops.meld.decode_attention."""
+    if return_lse is not True and return_lse is not False:
+        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=attn.dtype, device=q.device)
+    if return_lse and lse is None:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    _decode_attention_op(q, kv_cache, out, lse, attn.handle)
+    return (out, lse) if return_lse else out
+
+
+def moe(layer: MoE, x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor, *,
+        topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """`layer(x, router_logits, w13, w2, ...)` (same arguments and result) through torch.ops.meld.moe."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if out is None:
+        out = torch.empty(x.shape[0], layer.hidden_size, dtype=layer.dtype, device=x.device)
+    _moe_op(x, router_logits, w13, w2, topk_weights, topk_ids, out, layer.handle)
+    return out

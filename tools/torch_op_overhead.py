@@ -1,0 +1,139 @@
+"""Host time of meld's torch custom ops against the direct calls (issue 13: the dispatcher path may add at
+most ~2 us per call).
+
+    python tools/torch_op_overhead.py [--cuda] [--calls N] [--rounds R] [--json PATH]
+
+`stub` rows time operators whose work is replaced by nothing (subclasses, on the CPU), so they measure the
+call paths alone: the direct method, torch.ops.meld.* (dispatcher, handle lookup, Python kernel) and the
+`meld.ops.torch_ops` callers (which also allocate nothing here: outputs are passed in), and for comparison
+the same schema defined through torch.library.custom_op, doing nothing. With --cuda it also
+times the real operators on the GPU: host time per call of run() / MoE() and of their ops, the GPU work
+queued and not waited for (each round of calls is timed between synchronisations, and is short enough not
+to fill the launch queue). Each number is the best round's mean per call: other processes on the host only
+ever add to it. `torch.add(out=)` on one-element CPU tensors is timed alongside, to compare hosts by.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import meld  # noqa: E402
+from meld.ops import torch_ops  # noqa: E402
+from meld.workloads import paged  # noqa: E402
+
+
+class _StubAttention(meld.DecodeAttention):
+    def run(self, q, kv_cache, *, return_lse=False, out=None, lse=None):
+        return out
+
+
+class _StubMoE(meld.MoE):
+    def __call__(self, x, router_logits, w13, w2, *, topk_weights=None, topk_ids=None, out=None):
+        return out
+
+
+@torch.library.custom_op("meld_overhead::stub", mutates_args=("out", "lse"))
+def _custom_op_stub(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                    handle: int) -> None:
+    """The decode op's schema defined through torch.library.custom_op instead, doing nothing: what that
+    path would cost (meld.ops.torch_ops uses torch.library.Library)."""
+
+
+def time_calls(variants: dict[str, Callable[[], object]], calls: int, rounds: int, sync: Callable[[], None]) -> dict[str, float]:
+    """The best of `rounds` rounds' host time per call (us) of each variant, the variants interleaved."""
+    for fn in variants.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    return {name: min(s) for name, s in samples.items()}
+
+
+def attention_variants(attn, q, kv, out) -> dict[str, Callable[[], object]]:
+    op, h = torch.ops.meld.decode_attention.default, attn.handle
+    return {"run()": lambda: attn.run(q, kv, out=out),
+            "torch.ops.meld.decode_attention": lambda: op(q, kv, out, None, h),
+            "torch_ops.decode_attention()": lambda: torch_ops.decode_attention(attn, q, kv, out=out)}
+
+
+def stub_attention_variants() -> dict[str, Callable[[], object]]:
+    v = attention_case(_StubAttention, "cpu", 8, 64)
+    q, kv, out = torch.empty(8, 32, 128), torch.empty(1, 2, 16, 8, 128), torch.empty(8, 32, 128)
+    stub = torch.ops.meld_overhead.stub.default
+    return {**v, "custom_op stub (no work at all)": lambda: stub(q, kv, out, None, 0)}
+
+
+def moe_variants(layer, x, logits, w13, w2, out) -> dict[str, Callable[[], object]]:
+    op, h = torch.ops.meld.moe.default, layer.handle
+    return {"MoE()": lambda: layer(x, logits, w13, w2, out=out),
+            "torch.ops.meld.moe": lambda: op(x, logits, w13, w2, None, None, out, h),
+            "torch_ops.moe()": lambda: torch_ops.moe(layer, x, logits, w13, w2, out=out)}
+
+
+def attention_case(cls, device: str, B: int, length: int, **kw):
+    Hq, Hkv, D, P, bf16 = 32, 8, 128, 16, torch.bfloat16
+    pb = paged([length] * B, P)
+    attn = cls(Hq, Hkv, D, P, bf16, device, **kw)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    kv = torch.randn(pb.num_pages, 2, P, Hkv, D, dtype=bf16, device=device)
+    q = torch.randn(B, Hq, D, dtype=bf16, device=device)
+    return attention_variants(attn, q, kv, torch.empty_like(q))
+
+
+def moe_case(cls, device: str, T: int, H: int = 2048, I: int = 768, E: int = 64, k: int = 8):
+    bf16 = torch.bfloat16
+    layer = cls(H, I, E, k, bf16, device, max_num_tokens=256)
+    w13 = torch.randn(E, 2 * I, H, dtype=bf16, device=device) / H ** 0.5
+    w2 = torch.randn(E, H, I, dtype=bf16, device=device) / I ** 0.5
+    x = torch.randn(T, H, dtype=bf16, device=device)
+    logits = torch.randn(T, E, device=device)
+    return moe_variants(layer, x, logits, w13, w2, torch.empty_like(x))
+
+
+def measure(calls: int, rounds: int, cuda: bool) -> dict[str, dict[str, float]]:
+    none = lambda: None  # noqa: E731
+    a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)
+    res = {"reference (cpu)": time_calls({"torch.add(a, b, out=c)": lambda: torch.add(a, b, out=c)}, calls, rounds, none),
+           "stub attention (cpu)": time_calls(stub_attention_variants(), calls, rounds, none),
+           "stub moe (cpu)": time_calls(moe_case(_StubMoE, "cpu", 8, H=64, I=32, E=4, k=2), calls, rounds, none)}
+    if cuda:
+        sync = torch.cuda.synchronize
+        cap = dict(max_batch_size=64, max_num_pages=64 * 64)
+        res["attention B=8 x 1024 tokens (cuda)"] = time_calls(attention_case(meld.DecodeAttention, "cuda", 8, 1024, **cap),
+                                                               min(calls, 300), rounds, sync)
+        res["moe T=8 (cuda)"] = time_calls(moe_case(meld.MoE, "cuda", 8), min(calls, 100), rounds, sync)
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cuda", action="store_true", help="also time the real operators on the GPU")
+    ap.add_argument("--calls", type=int, default=2000, help="calls per round (at most 300 / 100 on the GPU)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args(argv)
+    res = measure(args.calls, args.rounds, args.cuda)
+    for case, times in res.items():
+        base = next(iter(times.values()))
+        print(case)
+        for name, us in times.items():
+            print(f"  {name:34s} {us:7.2f} us/call  ({us - base:+.2f})")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
