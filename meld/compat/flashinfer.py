@@ -1,0 +1,394 @@
+"""FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on `meld.DecodeAttention`: an engine switches by
+changing one import,
+
+    from meld.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+Argument names, defaults, positional order and return values are FlashInfer 0.6.18's
+(flashinfer/decode.py). What meld does not compute raises NotImplementedError naming the option and its
+value; bad inputs raise ValueError naming the argument. Differences that remain:
+
+- lse is base 2, as FlashInfer's (its `state_t::get_lse` is m + log2(d) in sm_scale * log2(e) units):
+  meld's natural-log lse is multiplied by log2(e) in place after the kernel.
+- The workspace buffer is accepted and unused: each meld operator allocates its own tables and partial
+  buffers, sized by its capacities.
+- One meld operator per (heads, head_dim, page_size, dtype, sm_scale, batch invariance), made on first
+  plan() and reused by later plans (plan once per step, run() per layer); its capacities grow as
+  needed, or with use_cuda_graph=True are fixed to the paged_kv_*_buffer sizes, so that plans rewrite
+  its tables in place and a run() captured in a CUDA graph stays valid across re-plans (of the same
+  shapes and sm_scale: a captured run() replays the operator it was captured with).
+- plan() takes a meld-only keyword `check` (default True): page tables partly on the GPU are read back
+  to validate them (FlashInfer's plan() reads indptr back too); check=False plans with no host
+  synchronisation at all, so plan() itself can be captured in a CUDA graph.
+- fixed_split_size (> 0) and disable_split_kv=True, FlashInfer's knobs for batch-invariant outputs,
+  select meld's batch-invariant mode (its own chunk size, not fixed_split_size pages).
+- The kernel choice (use_tensor_cores, backend, enable_pdl) is meld's: accepted, it changes nothing.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+
+from ..ops.checks import check_finite, check_positive, expect, is_int, plain
+from ..ops.decode_attention import DecodeAttention
+
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper"]
+
+_LOG2E = 1.4426950408889634
+_BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
+_POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+_HEAD_DIMS = (64, 128, 256)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _unsupported(option: str, value: object, why: str) -> NotImplementedError:
+    return NotImplementedError(f"meld.compat.flashinfer: {option}={value!r} is not supported: {why}")
+
+
+def _dtype(name: str, value: object) -> torch.dtype:
+    """FlashInfer's canonicalize_torch_dtype: a torch.dtype or its name in torch ('bfloat16')."""
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name} must be a torch.dtype or the name of one, got {value!r}")
+    return dtype
+
+
+def _check_options(pos_encoding_mode: object, window_left: object, logits_soft_cap: object) -> None:
+    """The attention variants plan() and the deprecated forward() share: meld computes plain softmax attention."""
+    if pos_encoding_mode not in _POS_ENCODING_MODES:
+        raise ValueError(f"pos_encoding_mode must be one of {_POS_ENCODING_MODES}, got {pos_encoding_mode!r}")
+    if pos_encoding_mode != "NONE":
+        raise _unsupported("pos_encoding_mode", pos_encoding_mode,
+                           "meld applies no positional encoding inside attention (apply RoPE to q and k before run())")
+    if not is_int(window_left) or window_left < -1:
+        raise ValueError(f"window_left must be -1 (no window) or a token count >= 0, got {window_left!r}")
+    if window_left != -1:
+        raise _unsupported("window_left", window_left, "meld has no sliding window (every request attends to all "
+                           "its tokens): pass only the window's pages")
+    if logits_soft_cap is not None:
+        cap = check_finite("logits_soft_cap", logits_soft_cap)
+        if cap < 0:
+            raise ValueError(f"logits_soft_cap must be None, 0 or positive, got {logits_soft_cap!r}")
+        if cap > 0:
+            raise _unsupported("logits_soft_cap", logits_soft_cap, "meld does not cap logits")
+
+
+def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    return all(s == e for s, e, n in zip(t.stride(), strides, t.shape) if n > 1)
+
+
+def _join(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k and v as the one [num_pages, 2, ...] tensor whose halves [:, 0] and [:, 1] they are (a view), or
+    None when they are not: meld finds a page's V at a fixed offset from its K."""
+    n, a, b, d = k.shape
+    size = a * b * d
+    strides = (2 * size, b * d, d, 1)
+    if n and (k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+              or v.data_ptr() - k.data_ptr() != size * k.element_size()
+              or not _strides_match(k, strides) or not _strides_match(v, strides)):
+        return None
+    return k.as_strided((n, 2, a, b, d), (2 * size, size, b * d, d, 1), k.storage_offset())
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Decode attention over a paged KV cache for a batch of requests, with FlashInfer's API on meld.
+
+    Example (FlashInfer's own; `flashinfer.` becomes `meld.compat.flashinfer.`):
+        >>> workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")   # unused by meld
+        >>> wrapper = BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        >>> wrapper.plan(indptr, indices, last_page_len, 64, 8, 128, 16, data_type=torch.float16)
+        >>> outs = [wrapper.run(q[i], kv_cache[i]) for i in range(num_layers)]   # one plan, every layer
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
+                 jit_args: list | None = None) -> None:
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise ValueError("float_workspace_buffer must be a torch.Tensor, got "
+                             f"{type(float_workspace_buffer).__name__}")
+        if float_workspace_buffer.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"float_workspace_buffer must be on a CUDA device (or the CPU, for meld's CPU executor), "
+                             f"got {float_workspace_buffer.device}")
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        for name, flag in (("use_cuda_graph", use_cuda_graph), ("use_tensor_cores", use_tensor_cores)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if jit_args is not None:
+            raise _unsupported("jit_args", jit_args, "meld runs its own kernel, not FlashInfer's custom JIT variants")
+        self._float_workspace_buffer = float_workspace_buffer   # held, as FlashInfer does; meld never reads it
+        self.device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        self._use_tensor_cores = use_tensor_cores or backend in ("trtllm-gen", "cute-dsl")
+        self._fixed_batch_size = 0
+        if use_cuda_graph:
+            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+                if not isinstance(buf, torch.Tensor):
+                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode, got {type(buf).__name__}")
+                expect(name, buf, torch.int32, (None,), "a 1-D int32 buffer", self.device, contiguous=True)
+            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
+            if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
+                raise ValueError(f"paged_kv_indptr_buffer must have batch_size + 1 = {self._fixed_batch_size + 1} "
+                                 f"entries (batch_size = len(paged_kv_last_page_len_buffer)), got "
+                                 f"{len(paged_kv_indptr_buffer)}")
+        self._paged_kv_indptr_buf = paged_kv_indptr_buffer
+        self._paged_kv_indices_buf = paged_kv_indices_buffer
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self._ops: dict[tuple, DecodeAttention] = {}
+        self._op: DecodeAttention | None = None   # the operator of the last plan() that succeeded
+        self._batch = 0
+        self._kv_shape: tuple[int, ...] = ()      # a page of the cache as meld reads it: [2, ...]
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer: torch.Tensor) -> None:
+        """Accepted for FlashInfer's API; meld's operators use their own buffers."""
+        for name, buf in (("float_workspace_buffer", float_workspace_buffer),
+                          ("int_workspace_buffer", int_workspace_buffer)):
+            if not isinstance(buf, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+        self._float_workspace_buffer = float_workspace_buffer
+
+    # --- plan -----------------------------------------------------------------------------------
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
+             window_left: int = -1, logits_soft_cap: float | None = None,
+             q_data_type: str | torch.dtype | None = "float16", kv_data_type: str | torch.dtype | None = None,
+             o_data_type: str | torch.dtype | None = None, data_type: str | torch.dtype | None = None,
+             sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+             non_blocking: bool = True, block_tables: torch.Tensor | None = None,
+             seq_lens: torch.Tensor | None = None, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False, q_len_per_req: int = 1, *, window_right: int = 0,
+             check: bool = True) -> None:
+        """Plan a batch (FlashInfer's paged layout, int32; CPU or this wrapper's device) for every run()
+        until the next plan(). A plan() that raises changes nothing.
+
+        Supported: pos_encoding_mode="NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer),
+        window_left=-1, window_right=0, logits_soft_cap None or 0, q/kv/o data types one of bfloat16 and
+        float16, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale (default 1/sqrt(head_dim)).
+        The rest raises NotImplementedError. `check` is meld's (see the module docstring).
+        """
+        _check_options(pos_encoding_mode, window_left, logits_soft_cap)
+        if window_right != 0:
+            raise _unsupported("window_right", window_right, "meld attends to every token up to the query")
+        for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+            if value is not None:
+                raise _unsupported(name, value, "meld reads request lengths from indptr and last_page_len")
+        if not is_int(q_len_per_req) or q_len_per_req < 1:
+            raise ValueError(f"q_len_per_req must be an int >= 1, got {q_len_per_req!r}")
+        if q_len_per_req != 1:
+            raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
+        if fixed_split_size is not None and not is_int(fixed_split_size):
+            raise ValueError(f"fixed_split_size must be None or an int, got {fixed_split_size!r}")
+        if fixed_split_size is not None and not self._use_tensor_cores:   # FlashInfer's rule
+            raise ValueError("fixed_split_size is only supported by tensor core decode (use_tensor_cores=True)")
+        if not isinstance(disable_split_kv, bool):
+            raise ValueError(f"disable_split_kv must be True or False, got {disable_split_kv!r}")
+        if not is_int(head_dim) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if head_dim not in _HEAD_DIMS:
+            raise _unsupported("head_dim", head_dim, f"meld's kernels are built for head_dim {_HEAD_DIMS}")
+        dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
+        if sm_scale is not None:
+            sm_scale = check_finite("sm_scale", sm_scale)
+        batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)
+        op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, sm_scale, batch_invariant)
+        if self._use_cuda_graph and isinstance(indices, torch.Tensor) and isinstance(last_page_len, torch.Tensor):
+            if len(last_page_len) != self._fixed_batch_size:
+                raise ValueError(f"The batch size should be fixed in cudagraph mode: len(last_page_len)="
+                                 f"{len(last_page_len)}, but the paged_kv_*_buffers given at construction hold "
+                                 f"{self._fixed_batch_size}")
+            if indices.numel() > len(self._paged_kv_indices_buf):
+                raise ValueError(f"indices has {indices.numel()} entries, more than paged_kv_indices_buffer's "
+                                 f"{len(self._paged_kv_indices_buf)}")
+        op.plan(indptr, indices, last_page_len, check=check)
+        if self._use_cuda_graph:   # FlashInfer's plan() keeps the table in these buffers: engines may read them
+            self._paged_kv_indptr_buf.copy_(indptr, non_blocking=non_blocking)
+            self._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=non_blocking)
+            self._paged_kv_indices_buf[:len(indices)].copy_(
+                indices, non_blocking=indices.device == self.device and non_blocking)
+        self._op, self._batch = op, len(last_page_len)
+        P, H, D = op.page_size, op.num_kv_heads, op.head_dim
+        self._kv_shape = (2, P, H, D) if self._kv_layout == "NHD" else (2, H, P, D)
+
+    begin_forward = plan
+
+    def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> torch.dtype:
+        """The one dtype meld computes in, resolved as FlashInfer resolves its three."""
+        if data_type is not None:   # FlashInfer's deprecated alias: it only fills the types left as None
+            q_data_type = data_type if q_data_type is None else q_data_type
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
+        q = _dtype("q_data_type", q_data_type)
+        kv = q if kv_data_type is None else _dtype("kv_data_type", kv_data_type)
+        o = q if o_data_type is None else _dtype("o_data_type", o_data_type)
+        if q not in _DTYPES:
+            raise _unsupported("q_data_type", q, "meld computes in torch.bfloat16 or torch.float16")
+        if kv != q:
+            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} (q_data_type defaults "
+                               "to 'float16', and data_type= does not override a q_data_type given, as in FlashInfer)")
+        if o != q:
+            raise _unsupported("o_data_type", o, f"meld writes the output in q's dtype {q}")
+        return q
+
+    def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sm_scale, batch_invariant):
+        """The meld operator of these shapes, made once per wrapper."""
+        num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
+            ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
+        scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, scale, batch_invariant)
+        op = self._ops.get(key)
+        if op is None:
+            graph = self._use_cuda_graph
+            op = DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, self.device,
+                                 kv_layout=self._kv_layout, sm_scale=sm_scale, batch_invariant=batch_invariant,
+                                 max_batch_size=self._fixed_batch_size if graph else None,
+                                 max_num_pages=max(1, len(self._paged_kv_indices_buf)) if graph else None)
+            self._ops[key] = op
+        return op
+
+    # --- run ------------------------------------------------------------------------------------
+    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *args,
+            q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
+            enable_pdl: bool | None = None, window_left: int | None = None, sinks: torch.Tensor | None = None,
+            q_len_per_req: int | None = None, skip_softmax_threshold_scale_factor: float | None = None,
+            kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Attention of q [batch, num_qo_heads, head_dim] over the planned batch.
+
+        paged_kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD; HND swaps
+        page_size and num_kv_heads; 4-D without the page_size axis when page_size is 1), or a tuple
+        (k_cache, v_cache) of the two halves [:, 0] and [:, 1] of such a tensor. meld reads it in place:
+        a cache that is not contiguous, or K and V in separate allocations, raise NotImplementedError.
+        q_scale and k_scale must be None or 1 (fold them into plan()'s sm_scale); v_scale multiplies the
+        output in place, as FlashInfer does. Returns out, or (out, lse) with lse base 2.
+        """
+        op = self._op
+        if op is None:
+            raise RuntimeError("BatchDecodeWithPagedKVCacheWrapper.run: call plan() first")
+        if args:
+            raise _unsupported("*args", args, "they are inputs of FlashInfer's custom-JIT and fp8 kernels")
+        if sinks is not None or skip_softmax_threshold_scale_factor is not None or kv_cache_sf is not None:
+            for name, value in (("sinks", sinks), ("kv_cache_sf", kv_cache_sf),
+                                ("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor)):
+                if value is not None:
+                    raise _unsupported(name, value, "meld computes plain softmax attention over a bf16/fp16 cache")
+        if window_left is not None and window_left != -1:
+            raise ValueError(f"window_left must be None or plan()'s window_left=-1, got {window_left!r}")
+        if q_len_per_req is not None and q_len_per_req != 1:
+            raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
+        if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
+            raise ValueError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")
+        for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+            if scale is not None and (type(scale) is not float or scale != 1.0) and check_finite(name, scale) != 1:
+                raise _unsupported(name, scale, f"meld fixes the softmax scale at plan(): plan with sm_scale="
+                                   f"{op.sm_scale!r} * {name} instead")
+        if type(v_scale) not in (float, type(None)) and not isinstance(v_scale, (numbers.Real, torch.Tensor)):
+            raise ValueError(f"v_scale must be a number, got {v_scale!r}")
+        kv = paged_kv_cache
+        if not (type(kv) is torch.Tensor and kv.dtype == op.dtype and kv.shape[1:] == self._kv_shape
+                and kv.is_contiguous() and kv.device == op.device):   # the common case: one test, no diagnosis
+            kv = self._cache(kv)
+        if lse is not None:
+            lse = plain(lse)   # scaled to base 2 in place below: the tensor meld writes, not a graph node
+        elif return_lse:
+            lse = torch.empty(self._batch, op.num_qo_heads, dtype=torch.float32, device=op.device)
+        result = op.run(q, kv, return_lse=return_lse, out=out, lse=lse)
+        if lse is not None:
+            lse.mul_(_LOG2E)
+        if v_scale is not None and not (isinstance(v_scale, float) and v_scale == 1.0):   # FlashInfer's rule
+            plain(result[0] if return_lse else result).mul_(v_scale)
+        return result
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def _cache(self, paged_kv_cache) -> torch.Tensor:
+        """FlashInfer's cache forms as the one contiguous [num_pages, 2, ...] tensor meld reads, by views only."""
+        op = self._op
+        meaning = ("num_pages, K/V, page_size, num_kv_heads, head_dim" if self._kv_layout == "NHD" else
+                   "num_pages, K/V, num_kv_heads, page_size, head_dim") + f": kv_layout={self._kv_layout!r}"
+        page_axis = -3 if self._kv_layout == "NHD" else -2
+        if isinstance(paged_kv_cache, tuple):
+            if len(paged_kv_cache) != 2:
+                raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} "
+                                 "items")
+            halves = []
+            for i, t in enumerate(paged_kv_cache):
+                t = plain(t)
+                if isinstance(t, torch.Tensor) and t.dim() == 3 and op.page_size == 1:
+                    t = t.unsqueeze(page_axis)
+                expect(f"paged_kv_cache[{i}]", t, op.dtype, (None, *self._kv_shape[1:]),
+                       meaning.replace("K/V, ", ""), op.device)
+                halves.append(t)
+            kv = _join(*halves)
+            if kv is None:
+                raise NotImplementedError(
+                    "meld.compat.flashinfer: paged_kv_cache=(k_cache, v_cache) in separate allocations is not "
+                    "supported: meld reads a page's K and V from one [num_pages, 2, ...] tensor; pass that tensor, "
+                    "or k_cache and v_cache as its halves [:, 0] and [:, 1]")
+        else:
+            kv = plain(paged_kv_cache)
+            if not isinstance(kv, torch.Tensor):
+                raise ValueError(f"paged_kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got "
+                                 f"{type(paged_kv_cache).__name__}")
+            if kv.dim() == 4 and op.page_size == 1:
+                kv = kv.unsqueeze(page_axis)
+            expect("paged_kv_cache", kv, op.dtype, (None, *self._kv_shape), meaning, op.device)
+        if not kv.is_contiguous():
+            raise NotImplementedError(f"meld.compat.flashinfer: a paged_kv_cache that is not contiguous (strides "
+                                      f"{kv.stride()}) is not supported: meld reads a contiguous cache")
+        return kv
+
+    # --- FlashInfer's deprecated spellings --------------------------------------------------------
+    def forward(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale: float | None = None,
+                k_scale: float | None = None, v_scale: float | None = None, window_left: int = -1,
+                logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
+                rope_theta: float | None = None) -> torch.Tensor:
+        """Deprecated in FlashInfer (use run()). Its options replace plan()'s there; here they must agree
+        with them: sm_scale (None: 1/sqrt(head_dim)) equal to plan()'s."""
+        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+
+    def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE",
+                           q_scale: float | None = None, k_scale: float | None = None, v_scale: float | None = None,
+                           window_left: int = -1, logits_soft_cap: float | None = None, sm_scale: float | None = None,
+                           rope_scale: float | None = None, rope_theta: float | None = None):
+        """Deprecated in FlashInfer (use run_return_lse()): forward() returning (out, lse)."""
+        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+
+    def _forward_options(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale) -> None:
+        _check_options(pos_encoding_mode, window_left, logits_soft_cap)
+        op = self._op
+        if op is not None:
+            scale = 1.0 / math.sqrt(op.head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
+            if scale != op.sm_scale:
+                raise _unsupported("sm_scale", sm_scale, f"forward() must keep plan()'s sm_scale={op.sm_scale!r} "
+                                   "(meld fixes the scale at plan())")
+
+    def end_forward(self) -> None:
+        """Deprecated in FlashInfer, where it does nothing."""
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """FlashInfer's CUDA-graph spelling: the wrapper with use_cuda_graph=True and its fixed buffers."""
+
+    def __init__(self, workspace_buffer: torch.Tensor, indptr_buffer: torch.Tensor, indices_buffer: torch.Tensor,
+                 last_page_len_buffer: torch.Tensor, kv_layout: str = "NHD", use_tensor_cores: bool = False) -> None:
+        super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+                         paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+                         paged_kv_last_page_len_buffer=last_page_len_buffer)
