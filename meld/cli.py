@@ -6,6 +6,10 @@ same schedule on the CPU reference executor. Either way the result is checked ag
 
 `meld timeline`: summary, per-SM busy table and PNG timeline of a trace written under MELD_PROFILE=1.
 
+`meld serve-bench`: a continuous-batching decode loop (meld.serving) on a log-normal request trace, per
+attention backend: tokens/s, step latency p50/p99, attention's share of the step, and with --check the
+logits against the reference backend. Without a GPU it runs a tiny model on the CPU executor.
+
 Bad arguments (checked before any work) and bad files end in one line on stderr and exit status 2.
 """
 from __future__ import annotations
@@ -235,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"image width in pixels, at most {MAX_WIDTH_PX}")
     t.add_argument("--row-height", type=_int_in(0, MAX_ROW_PX), default=6,
                    help=f"pixels per SM row, at most {MAX_ROW_PX}")
+    from meld.serving import cli as serving_cli   # argparse, torch and NumPy only: no TVM, no kernels
+
+    sb = serving_cli.add_parser(sub)
     args = p.parse_args(argv)
+    if args.cmd == "serve-bench":
+        return serving_cli.serve_bench(sb, args, _device(sb, args.device))
     if args.cmd == "timeline":
         return timeline(t, args.trace, args.output, args.width, args.row_height)
     device = _device(d, args.device)

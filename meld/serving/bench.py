@@ -1,0 +1,190 @@
+"""`meld serve-bench`: the decode loop on a trace for each (max batch, attention backend), one table.
+
+For every max batch it builds one trace and one KV pool, then runs each backend over the same trace in
+turn (same model, same weights, same scheduling), times each sampled step's attention alone for its share
+of the step, and with `check` compares the logits of the first steps against the reference run (the
+`sdpa` backend with torch's MoE; `meld` when `sdpa` is the backend measured).
+
+Columns: tokens/s = decode tokens over the summed wall time of the decode steps (prefill, done on
+admission, is not counted); step p50/p99 = wall time of a step, host work and the final sync included;
+attn ms/step = the sampled steps' attention (every layer) timed alone; attn share = that over the same
+steps' wall time; check = the largest relative L2 error of a step's logits and the argmax agreement.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .backends import BackendUnavailable, make_backend, unavailable
+from .engine import Engine, RunResult, buckets_for
+from .kv_cache import PagedKVCache
+from .models import MODELS, PREFILL_CHUNK, DecoderModel, ModelConfig, tiny_config
+from .trace import TraceConfig, make_trace
+
+CHECK_TOL = 2e-2     # relative L2 error of a step's logits, bf16 end to end: a few bf16 ulps through the layers
+
+
+@dataclass
+class BenchConfig:
+    """One serve-bench invocation. None: the size's default (see `resolved`)."""
+
+    model: str = "llama"
+    size: str = "full"                  # "full": the published shapes; "tiny": for the CPU executor
+    layers: int | None = None
+    backends: list[str] = field(default_factory=lambda: ["meld"])
+    max_batches: list[int] = field(default_factory=lambda: [64])
+    requests: int | None = None         # default 2 x max batch (full), 8 (tiny)
+    steps: int | None = None            # measured decode steps; default 200 (full), 12 (tiny)
+    arrival_rate: float | None = None   # requests per step; default max batch / 4 (full), 2 (tiny)
+    kv_pages: int | None = None         # pool pages; default 8192 tokens per request slot (full), 256 (tiny)
+    page_size: int = 16
+    graphs: bool = True
+    moe: str = "auto"                   # auto: meld's MoE on the meld backend, torch's on the others
+    check: bool = False
+    check_steps: int = 4
+    check_tol: float = CHECK_TOL
+    samples: int = 16                   # steps whose attention is timed alone
+    seed: int = 1
+    device: str = "cpu"
+
+
+def model_config(cfg: BenchConfig) -> ModelConfig:
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; expected one of {', '.join(MODELS)}")
+    over = {} if cfg.layers is None else {"num_layers": cfg.layers}
+    return tiny_config(cfg.model, **over) if cfg.size == "tiny" else MODELS[cfg.model](**over)
+
+
+def trace_config(cfg: BenchConfig, max_batch: int) -> TraceConfig:
+    tiny = cfg.size == "tiny"
+    n = cfg.requests or (8 if tiny else 2 * max_batch)
+    rate = cfg.arrival_rate or (2.0 if tiny else max_batch / 4)
+    return TraceConfig.tiny(n, rate, cfg.seed) if tiny else TraceConfig(n, rate, seed=cfg.seed)
+
+
+def pool_pages(cfg: BenchConfig, max_batch: int, trace_cfg: TraceConfig) -> int:
+    if cfg.kv_pages:
+        return cfg.kv_pages
+    per_request = 256 if cfg.size == "tiny" else 8192
+    longest = trace_cfg.prompt[3] + trace_cfg.output[3]
+    return -(-max(max_batch * per_request, longest) // cfg.page_size) + 1 + max_batch
+
+
+def check_pool_fits(mc: ModelConfig, pages: int, page_size: int, device: torch.device) -> None:
+    """ValueError, before allocating, when the pool would not fit in the GPU's free memory."""
+    if device.type != "cuda":
+        return
+    need = mc.num_layers * pages * 2 * page_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > 0.8 * free:
+        raise ValueError(f"a KV pool of {pages} pages needs {need / 2**30:.1f} GiB, more than 80% of the "
+                         f"{free / 2**30:.1f} GiB free on {device}: pass a smaller --kv-pages")
+
+
+def compare(run: RunResult, ref: RunResult) -> dict:
+    """Largest relative L2 error of a step's logits against the reference, and argmax agreement."""
+    worst, agree, total = 0.0, 0, 0
+    for (rids, a), (ref_rids, b) in zip(run.logits, ref.logits):
+        if rids != ref_rids:
+            raise RuntimeError(f"the runs decoded different batches ({rids} vs {ref_rids}): scheduling must not "
+                               "depend on the backend")
+        a, b = a.float(), b.float()
+        worst = max(worst, ((a - b).norm() / b.norm()).item())
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    return dict(check_steps=len(run.logits), check_rel_err=worst, check_argmax_agree=agree / max(total, 1))
+
+
+def _engine(model, name, moe, mc, cache, max_batch, pages, graphs, device):
+    model.use_moe(moe)
+    rows = buckets_for(max_batch)[-1]
+    try:
+        backend = make_backend(name, mc, cache.page_size, device, rows, pages + rows)
+    except ValueError as e:   # e.g. meld on a GPU its kernels do not support
+        raise BackendUnavailable(f"backend {name!r}: {e}") from None
+    return Engine(model, backend, cache, max_batch, graphs=graphs and backend.supports_graphs, token_seed=0)
+
+
+def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
+    """Run the configurations of `cfg`, print the table through `echo`; (exit status, rows).
+    Raises BackendUnavailable or ValueError, before any run, for what cannot run here."""
+    device = torch.device(cfg.device)
+    mc = model_config(cfg)
+    for name in cfg.backends:
+        why = unavailable(name, device)
+        if why:
+            raise BackendUnavailable(why)
+    if cfg.moe not in ("auto", "meld", "torch"):
+        raise ValueError(f"moe must be auto, meld or torch, got {cfg.moe!r}")
+    graphs = cfg.graphs and device.type == "cuda"
+    model = DecoderModel(mc, device, moe="torch", moe_max_tokens=max(PREFILL_CHUNK, *cfg.max_batches))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU reference executor"
+    echo(f"{mc.describe()}; bf16 on {device} ({where}); page size {cfg.page_size}; "
+         f"{'CUDA graphs per batch bucket' if graphs else 'eager'}")
+    rows, status = [], 0
+    for max_batch in cfg.max_batches:
+        tc = trace_config(cfg, max_batch)
+        trace = make_trace(tc)
+        pages = pool_pages(cfg, max_batch, tc)
+        check_pool_fits(mc, pages, cfg.page_size, device)
+        cache = PagedKVCache(mc.num_layers, pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, mc.dtype, device,
+                             seed=cfg.seed)
+        echo(f"max batch {max_batch}: trace of {tc.num_requests} requests, {tc.arrival_rate:g} arriving per step, "
+             f"prompts log-normal{tc.prompt[:2]} in [{tc.prompt[2]}, {tc.prompt[3]}], outputs log-normal"
+             f"{tc.output[:2]} in [{tc.output[2]}, {tc.output[3]}] (seed {tc.seed}); KV pool {pages} pages")
+        steps = cfg.steps or (12 if cfg.size == "tiny" else 200)
+        ref = None
+        for name in cfg.backends:
+            moe = cfg.moe if cfg.moe != "auto" else ("meld" if name == "meld" else "torch")
+            engine = _engine(model, name, moe, mc, cache, max_batch, pages, graphs, device)
+            result = engine.run(trace, steps, record_logits=cfg.check_steps if cfg.check else 0,
+                                samples=cfg.samples)
+            engine.time_attention(result)
+            row = result.summary()
+            if cfg.check:
+                if ref is None or (name == "sdpa") != ref[0]:
+                    ref_name = "meld" if name == "sdpa" else "sdpa"
+                    ref_engine = _engine(model, ref_name, "torch", mc, cache, max_batch, pages, False, device)
+                    ref = (name == "sdpa", ref_engine.run(trace, cfg.check_steps, record_logits=cfg.check_steps))
+                    del ref_engine
+                row.update(compare(result, ref[1]), check_against=ref[1].backend + (
+                    f" + {ref[1].moe} MoE" if mc.is_moe else ""))
+                row["check_ok"] = row["check_rel_err"] <= cfg.check_tol
+                status |= 0 if row["check_ok"] else 1
+            del engine
+            rows.append(row)
+            echo(format_row(row, header=name == cfg.backends[0]))
+        del cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return status, rows
+
+
+_COLUMNS = ("backend", "moe", "mode", "max batch", "steps", "mean batch", "tokens/s", "step p50 ms", "step p99 ms",
+            "attn ms/step", "attn share", "check")
+
+
+def format_row(row: dict, header: bool = False) -> str:
+    """One table row (and the header above the first)."""
+    check = "-"
+    if "check_rel_err" in row:
+        check = (f"{'OK' if row['check_ok'] else 'FAIL'} rel err {row['check_rel_err']:.1e}, argmax "
+                 f"{row['check_argmax_agree']:.0%} vs {row['check_against']}")
+    cells = (row["backend"], row["moe"], row["mode"], row["max_batch"], row["steps"], f"{row['mean_batch']:.1f}",
+             f"{row['tokens_per_s']:.0f}", f"{row['step_p50_ms']:.2f}", f"{row['step_p99_ms']:.2f}",
+             f"{row['attn_ms_per_step']:.2f}" if "attn_ms_per_step" in row else "-",
+             f"{row['attn_share']:.0%}" if "attn_share" in row else "-", check)
+    line = "| " + " | ".join(str(c) for c in cells) + " |"
+    if not header:
+        return line
+    return "| " + " | ".join(_COLUMNS) + " |\n|" + "---|" * len(_COLUMNS) + "\n" + line
+
+
+def write_json(path, cfg: BenchConfig, rows: list[dict]) -> None:
+    device = torch.device(cfg.device)
+    meta = dict(config=asdict(cfg), torch=torch.__version__,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)

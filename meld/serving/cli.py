@@ -1,0 +1,108 @@
+"""`meld serve-bench`'s arguments and their checks against this machine, registered by meld.cli.
+
+Bad arguments, an unusable device or backend, and a pool the trace cannot fit end in one line on stderr
+and exit status 2 (meld.cli's convention), before any measurement; a failed --check is exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from .backends import BACKENDS, BackendUnavailable, unavailable
+from .bench import CHECK_TOL, BenchConfig, serve_bench as run, write_json
+
+MAX_BATCH = 1024
+
+
+def _int_in(low: int, high: int):
+    from meld.cli import _int_in
+
+    return _int_in(low, high)
+
+
+def _list_of(parse, what: str):
+    """argparse type: a comma-separated list, each item through `parse`."""
+    def parse_list(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r} names no {what}")
+        return [parse(t) for t in items]
+    return parse_list
+
+
+def _backend_name(text: str) -> str:
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a backend ({', '.join(BACKENDS)})")
+    return text
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """The serve-bench subcommand on meld's subparsers."""
+    s = sub.add_parser("serve-bench", help="continuous-batching decode loop on a request trace, per attention backend",
+                       description="A decode loop as serving engines run it (meld.serving): a Llama- or "
+                                   "Qwen3-MoE-style model with random weights, a paged KV pool, continuous batching "
+                                   "of a log-normal trace, plan() once per step, run() per layer, one CUDA graph "
+                                   "per batch bucket. Prints tokens/s, step latency p50/p99 and attention's share "
+                                   "of the step for each backend and max batch.")
+    s.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama")
+    s.add_argument("--backend", type=_list_of(_backend_name, "backend"), default=["meld"],
+                   help="comma-separated: meld, flashinfer, flashinfer-tc (its tensor-core decode), sdpa")
+    s.add_argument("--max-batch", type=_list_of(_int_in(0, MAX_BATCH), "batch size"),
+                   help="comma-separated max batch sizes (default 64 on a GPU, 4 on the CPU)")
+    s.add_argument("--requests", type=_int_in(0, 1 << 20), help="requests in the trace (default 2 x max batch)")
+    s.add_argument("--steps", type=_int_in(0, 1 << 20), help="decode steps measured (default 200; 12 on the CPU)")
+    s.add_argument("--layers", type=_int_in(0, 1024), help="decoder layers (default 4; 2 for --size tiny)")
+    s.add_argument("--arrival-rate", type=_positive_float, help="requests arriving per step (default max batch / 4)")
+    s.add_argument("--kv-pages", type=_int_in(1, 2 ** 31 - 1), help="KV pool pages (default 8192 tokens per batch slot)")
+    s.add_argument("--moe", choices=["auto", "meld", "torch"], default="auto",
+                   help="MoE layers: auto = meld's fused MoE on the meld backend, torch's grouped GEMM on the others")
+    s.add_argument("--size", choices=["full", "tiny"], help="full: published shapes (GPU); tiny: for the CPU executor")
+    s.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    s.add_argument("--check", action="store_true", help="compare the first steps' logits with the reference backend")
+    s.add_argument("--check-steps", type=_int_in(0, 1000), default=4, help="steps compared by --check")
+    s.add_argument("--check-tol", type=_positive_float, default=CHECK_TOL,
+                   help=f"largest relative L2 error of a step's logits (default {CHECK_TOL:g})")
+    s.add_argument("--samples", type=_int_in(-1, 100000), default=16, help="steps whose attention is timed alone")
+    s.add_argument("--seed", type=int, default=1, help="trace seed (1: prompts are BENCH.md's skewed batch)")
+    s.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if a Hopper GPU is present)")
+    s.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
+    return s
+
+
+def serve_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, device: str) -> int:
+    """Check the arguments against this machine (size, backends, files) before any work, then run.
+    `device` is --device as meld.cli checked it."""
+    size = args.size or ("full" if device != "cpu" else "tiny")
+    if size == "full" and device == "cpu":
+        parser.error("argument --size: 'full' needs a GPU (the CPU executor computes in float64, for tiny models); "
+                     "use --size tiny")
+    for name in args.backend:
+        why = unavailable(name, device)
+        if why:
+            parser.error(f"argument --backend: {why}")
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"argument --json: folder {args.json.parent} does not exist")
+    cfg = BenchConfig(model=args.model, size=size, layers=args.layers, backends=args.backend,
+                      max_batches=args.max_batch or [64 if device != "cpu" else 4], requests=args.requests,
+                      steps=args.steps, arrival_rate=args.arrival_rate, kv_pages=args.kv_pages, graphs=not args.eager,
+                      moe=args.moe, check=args.check, check_steps=args.check_steps, check_tol=args.check_tol,
+                      samples=args.samples, seed=args.seed, device=device)
+    try:
+        status, rows = run(cfg)
+    except (BackendUnavailable, ValueError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.json is not None:
+        write_json(args.json, cfg, rows)
+        print(f"wrote {args.json}")
+    return status

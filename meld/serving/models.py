@@ -1,0 +1,289 @@
+"""Decoder models with random weights for the decode loop: a Llama-style dense decoder and a
+Qwen3-MoE-style one, built from a config and a seed.
+
+What matters to attention is exact (GQA heads, head_dim, RoPE applied to q and k before the cache write,
+since meld's attention has no positional encoding inside), and the rest is what a step spends its time
+on besides attention (RMSNorm, the QKV/O projections, a SwiGLU MLP or a routed MoE, the LM head), at the
+published sizes of Llama-3-8B and Qwen3-30B-A3B with fewer layers. Weights are N(0, 1/fan_in), so
+activations stay O(1) and logits are comparable across attention backends.
+
+Model code is backend-agnostic: attention goes through `backend.run(layer, q, kv_cache)` (see
+`backends.py`), the KV write through `PagedKVCache.write`, the MoE through `self.moe` (meld's fused MoE or
+torch's grouped-GEMM pipeline). `decode()` only launches work, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import PagedKVCache
+from .torch_moe import torch_grouped_mm_moe
+
+PREFILL_CHUNK = 8192   # default tokens per MLP/MoE call in prefill: bounds activations and meld.MoE's capacity
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder's shapes. `intermediate_size` for a dense SwiGLU MLP, or `num_experts` > 0 for MoE layers
+    (`top_k` experts of `moe_intermediate_size` each, softmax routing renormalised over the top k)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    qk_norm: bool = False          # Qwen3: RMSNorm over each q and k head before RoPE
+    rope_theta: float = 500000.0
+    rms_eps: float = 1e-5
+    max_position: int = 131072
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(f"num_qo_heads={self.num_qo_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if (self.num_experts > 0) == (self.intermediate_size > 0):
+            raise ValueError("give intermediate_size (dense MLP) or num_experts (MoE), exactly one")
+        if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ValueError(f"MoE needs 1 <= top_k <= num_experts and moe_intermediate_size > 0, got top_k="
+                             f"{self.top_k}, num_experts={self.num_experts}, "
+                             f"moe_intermediate_size={self.moe_intermediate_size}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def describe(self) -> str:
+        mlp = (f"MoE {self.num_experts} experts top-{self.top_k} I={self.moe_intermediate_size}" if self.is_moe
+               else f"SwiGLU I={self.intermediate_size}")
+        return (f"{self.name}: {self.num_layers} layers, hidden {self.hidden_size}, GQA {self.num_qo_heads}/"
+                f"{self.num_kv_heads}/{self.head_dim}, {mlp}, vocab {self.vocab_size}")
+
+
+def llama_config(num_layers: int = 4, **over) -> ModelConfig:
+    """Llama-3-8B's shapes (GQA 32/8/128, hidden 4096, SwiGLU 14336, vocab 128256), `num_layers` layers."""
+    return ModelConfig(**{**dict(name="llama", num_layers=num_layers, hidden_size=4096, num_qo_heads=32,
+                                 num_kv_heads=8, head_dim=128, vocab_size=128256, intermediate_size=14336,
+                                 rope_theta=500000.0, rms_eps=1e-5), **over})
+
+
+def qwen3_moe_config(num_layers: int = 4, **over) -> ModelConfig:
+    """Qwen3-30B-A3B's shapes (GQA 32/4/128 with q/k norms, hidden 2048, 128 experts top-8 of I=768 —
+    BENCH.md's qwen3-30b-a3b MoE shape —, vocab 151936), `num_layers` layers, every one MoE."""
+    return ModelConfig(**{**dict(name="qwen3-moe", num_layers=num_layers, hidden_size=2048, num_qo_heads=32,
+                                 num_kv_heads=4, head_dim=128, vocab_size=151936, num_experts=128, top_k=8,
+                                 moe_intermediate_size=768, qk_norm=True, rope_theta=1e6, rms_eps=1e-6), **over})
+
+
+def tiny_config(kind: str, **over) -> ModelConfig:
+    """The same architecture small enough for the CPU executor: 2 layers, hidden 256, GQA 4/2/64."""
+    small = dict(num_layers=2, hidden_size=256, num_qo_heads=4, num_kv_heads=2, head_dim=64, vocab_size=512,
+                 max_position=4096)
+    if kind == "llama":
+        return llama_config(**{**small, "intermediate_size": 512, **over})
+    if kind == "qwen3-moe":
+        return qwen3_moe_config(**{**small, "num_experts": 8, "top_k": 2, "moe_intermediate_size": 128, **over})
+    raise ValueError(f"unknown model {kind!r}; expected one of {sorted(MODELS)}")
+
+
+MODELS = {"llama": llama_config, "qwen3-moe": qwen3_moe_config}
+
+
+# --- building blocks ---------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_position: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_position, head_dim / 2] (float32) of the rotary embedding."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    angles = torch.arange(max_position, dtype=torch.float64, device=device)[:, None] * inv[None]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated by the angles of its token (cos, sin [N, D/2]), Llama's rotate-half form."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+# --- MoE implementations ---------------------------------------------------------------------------------
+class TorchMoE:
+    """The unfused torch MoE (BENCH.md's peer): softmax top-k routing -> (token, expert) pairs sorted by
+    expert -> grouped GEMM gate/up -> SiLU(gate) * up -> grouped GEMM down -> weighted index_add_ (fp32).
+    No host synchronisation on the GPU, so it is capturable."""
+
+    name = "torch"
+
+    def __init__(self, top_k: int, renormalize: bool = True):
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def __call__(self, x, router_logits, w13, w2) -> torch.Tensor:
+        return torch_grouped_mm_moe(x, w13, w2, router_logits, self.top_k, self.renormalize)
+
+
+class MeldMoE:
+    """meld's fused MoE (`meld.MoE`), one operator for every layer (the weights are arguments)."""
+
+    name = "meld"
+
+    def __init__(self, config: ModelConfig, device, max_num_tokens: int):
+        import meld
+
+        self.op = meld.MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.top_k,
+                           config.dtype, device, max_num_tokens=max_num_tokens, renormalize=True)
+        self.max_num_tokens = max_num_tokens
+
+    def __call__(self, x, router_logits, w13, w2) -> torch.Tensor:
+        return self.op(x, router_logits, w13, w2)
+
+
+# --- the model ---------------------------------------------------------------------------------------------
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor                 # [(Hq + 2 Hkv) D, H]
+    o: torch.Tensor                   # [H, Hq D]
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None   # dense: [2 I, H] (gate rows, then up rows)
+    down: torch.Tensor | None = None      # dense: [H, I]
+    router: torch.Tensor | None = None    # MoE: [E, H]
+    w13: torch.Tensor | None = None       # MoE: [E, 2 I, H]
+    w2: torch.Tensor | None = None        # MoE: [E, H, I]
+
+
+class DecoderModel:
+    """A decoder with random weights (seeded) on `device`.
+
+    Args:
+        config: a ModelConfig (`llama_config()`, `qwen3_moe_config()`, `tiny_config(kind)`).
+        device: where weights and activations live.
+        moe: "torch" or "meld": the MoE implementation (MoE models only; `use_moe` switches later).
+        moe_max_tokens: capacity of meld's MoE, at least the largest decode batch; prefill runs its MLP/MoE
+            in chunks of this many tokens.
+
+    Example:
+        >>> model = DecoderModel(llama_config(num_layers=2), "cuda")
+        >>> logits = model.decode(tokens, positions, slots, backend, kv)   # one token per request
+    """
+
+    def __init__(self, config: ModelConfig, device: str | torch.device = "cpu", moe: str = "torch",
+                 moe_max_tokens: int = PREFILL_CHUNK):
+        self.config = c = config
+        self.device = torch.device(device)
+        g = torch.Generator(device=self.device).manual_seed(c.seed)
+        dt = c.dtype
+
+        def randn(*shape, fan_in: int | None = None) -> torch.Tensor:
+            w = torch.randn(*shape, generator=g, device=self.device, dtype=torch.float32)
+            return (w / fan_in ** 0.5 if fan_in else w).to(dt)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, dtype=dt, device=self.device)
+
+        H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_qo_heads, c.num_kv_heads
+        self.embed = randn(c.vocab_size, H)
+        self.layers: list[LayerWeights] = []
+        for _ in range(c.num_layers):
+            w = LayerWeights(ones(H), randn((Hq + 2 * Hkv) * D, H, fan_in=H), randn(H, Hq * D, fan_in=Hq * D), ones(H))
+            if c.qk_norm:
+                w.q_norm, w.k_norm = ones(D), ones(D)
+            if c.is_moe:
+                E, I = c.num_experts, c.moe_intermediate_size
+                w.router = randn(E, H, fan_in=H)
+                w.w13, w.w2 = randn(E, 2 * I, H, fan_in=H), randn(E, H, I, fan_in=I)
+            else:
+                w.gate_up, w.down = randn(2 * c.intermediate_size, H, fan_in=H), randn(H, c.intermediate_size,
+                                                                                        fan_in=c.intermediate_size)
+            self.layers.append(w)
+        self.final_norm = ones(H)
+        self.lm_head = randn(c.vocab_size, H, fan_in=H)
+        self.cos, self.sin = rope_tables(D, c.max_position, c.rope_theta, self.device)
+        self._moe_max_tokens = self.prefill_chunk = moe_max_tokens
+        self._moes: dict[str, object] = {}
+        self.moe = None
+        if c.is_moe:
+            self.use_moe(moe)
+
+    def use_moe(self, impl: str) -> None:
+        """Run the MoE layers with "meld" (meld.MoE) or "torch" (the grouped-GEMM pipeline)."""
+        if not self.config.is_moe:
+            return
+        if impl not in ("meld", "torch"):
+            raise ValueError(f"moe must be 'meld' or 'torch', got {impl!r}")
+        if impl not in self._moes:
+            self._moes[impl] = (MeldMoE(self.config, self.device, self._moe_max_tokens) if impl == "meld"
+                                else TorchMoE(self.config.top_k))
+        self.moe = self._moes[impl]
+
+    @property
+    def moe_name(self) -> str:
+        return self.moe.name if self.moe is not None else "-"
+
+    # --- pieces ------------------------------------------------------------------------------------------
+    def _qkv(self, w: LayerWeights, x: torch.Tensor, positions: torch.Tensor):
+        """q [N, Hq, D], k and v [N, Hkv, D] of the normed hidden states x [N, H], RoPE applied to q and k."""
+        c = self.config
+        qkv = (x @ w.qkv.T).view(x.shape[0], c.num_qo_heads + 2 * c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.num_qo_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+        if c.qk_norm:
+            q, k = rms_norm(q, w.q_norm, c.rms_eps), rms_norm(k, w.k_norm, c.rms_eps)
+        cos, sin = self.cos[positions], self.sin[positions]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if self.config.is_moe:
+            return self.moe(x, (x @ w.router.T).float(), w.w13, w.w2)
+        gate, up = (x @ w.gate_up.T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w.down.T
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.final_norm, self.config.rms_eps) @ self.lm_head.T
+
+    # --- the two passes ----------------------------------------------------------------------------------
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, backend,
+               cache: PagedKVCache) -> torch.Tensor:
+        """One decode step: logits [B, vocab] of tokens [B] at positions [B] (int64, on the device).
+        Each token's K/V goes to its slot first; attention (planned by the caller, once for the step)
+        then reads it with the rest of the request's cache."""
+        c = self.config
+        h = self.embed[tokens]
+        for i, w in enumerate(self.layers):
+            q, k, v = self._qkv(w, rms_norm(h, w.input_norm, c.rms_eps), positions)
+            cache.write(i, slots, k, v)
+            o = backend.run(i, q, cache.layer(i))
+            h = h + o.reshape(o.shape[0], -1) @ w.o.T
+            h = h + self._mlp(w, rms_norm(h, w.post_norm, c.rms_eps))
+        return self._logits(h)
+
+    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+        """The dense prefill of one request: tokens [L] (positions 0..L-1) with causal SDPA over the prompt,
+        K/V written to `slots` [L]. Returns the last position's logits [1, vocab]."""
+        c = self.config
+        L, G = tokens.shape[0], c.num_qo_heads // c.num_kv_heads
+        positions = torch.arange(L, device=tokens.device)
+        h = self.embed[tokens]
+        for i, w in enumerate(self.layers):
+            q, k, v = self._qkv(w, rms_norm(h, w.input_norm, c.rms_eps), positions)
+            cache.write(i, slots, k, v)
+            q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)   # [L, Hq, D]
+            h = h + o.reshape(L, -1) @ w.o.T
+            n = self.prefill_chunk
+            for s in range(0, L, n):
+                h[s:s + n] += self._mlp(w, rms_norm(h[s:s + n], w.post_norm, c.rms_eps))
+        return self._logits(h[-1:])
