@@ -73,7 +73,7 @@ class MoeKernelConfig:
     def _fixed_bytes(self) -> int:
         xchg = 128 * (self.block_tokens // 2 + 1) * 4 if self.narrow else 0   # narrow gemm1: up values
         # alignment, ring and task-slot mbarriers, mailbox mbarriers, task slots, mailbox, combine list
-        return 1024 + 16 * 16 + 32 + 32 + 16 + 32 + 4 * (4 + self.block_tokens) + xchg
+        return 1024 + 16 * 16 + 32 + 32 + 16 + 16 + 4 * (4 + self.block_tokens) + xchg
 
     @property
     def smem_bytes(self) -> int:

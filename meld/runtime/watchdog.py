@@ -28,7 +28,7 @@ SITES = {
     5: "ring stage {detail} to be released by the consumer warpgroups",
     6: "task slot {detail} to be filled by the producer",
     7: "the TMA copies of ring stage {detail} (the tile's bytes never arrived)",
-    8: "epilogue mailbox slot {detail} to be released by the epilogue warps",
+    8: "epilogue mailbox slot {detail} to be released by the epilogue warp",
     9: "epilogue mailbox slot {detail} to be filled by the consumer warpgroups",
 }
 

@@ -459,11 +459,11 @@ __device__ void combine(const MoeParams& p, int t, int h0, int lane) {
 // A finished gemm1 tile is handed to the epilogue warp through a two-slot mailbox (mbarriers: `full` when
 // every consumer thread has stored its part and arrived, `empty` when the epilogue warp is done with the
 // slot), which makes the stores visible at gpu scope and signals the row block, while the consumers go on:
-// the fence after a tile's stores measured 2-3 µs. (gemm2 tiles keep their fence: their combines read
+// the fence after a tile's stores measured 1-2.6 µs. (gemm2 tiles keep their fence: their combines read
 // what it publishes, and moved to the epilogue warps they ran slower than the tensor cores.)
 struct Mailbox {
   u32 full, empty;   // two mbarriers each (8 bytes apart)
-  int* box;          // [2][4]: kind (0: a gemm1 tile; -1: no more tiles), column, row block, ticket
+  int* box;          // [2][2]: kind (0: a gemm1 tile; -1: no more tiles), row block
 };
 
 __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, const int* slots,
@@ -477,12 +477,13 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
   // Hand a tile (or the end, kind -1) to the epilogue warps: every consumer's stores before its arrival.
   // The barrier keeps the two warpgroups a tile apart at most (each arrives once per slot use, and
   // warpgroup 0 has read the narrow tiles' exchange area before warpgroup 1 writes it again).
-  auto post = [&](int kind, int col, int rbi, int ticket) {
+  auto post = [&](int kind, int rbi, int ticket) {
     named_barrier(1, CONSUMERS);
     if (ct == 0) {
       mbar_wait(mb.empty + 8 * mslot, mphase ^ 1u, wait_site(p, 8, warp + 4, ticket, mslot), 2 * MELD_WATCHDOG_NS);
-      int* b = mb.box + 4 * mslot;
-      b[0] = kind; b[1] = col; b[2] = rbi; b[3] = ticket;
+      int* b = mb.box + 2 * mslot;
+      b[0] = kind;
+      b[1] = rbi;
     }
     mbar_arrive(mb.full + 8 * mslot);
     if ((mslot ^= 1) == 0) mphase ^= 1u;
@@ -495,7 +496,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     if (lane == 0) mbar_arrive(task_empty + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
     if (packed < 0) {
-      post(-1, 0, 0, ticket);
+      post(-1, 0, ticket);
       break;
     }
     const i64 t0 = prof.now();
@@ -550,7 +551,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
         if ((NACC == 2 || wg == 0) && f < p.inter && tok < rows)
           p.act[(i64)(row0 + tok) * p.inter + f] = float_to_bf16(silu_mul(acc0[r], acc1[r]));
       }
-      post(0, col, rbi, ticket);
+      post(0, rbi, ticket);
       prof.record(t0, PROF_GEMM1, ticket);
     } else {
       const int h0 = col * G2_COLS;
@@ -593,8 +594,8 @@ __device__ void epilogue(const MoeParams& p, Mailbox mb) {
   u32 mphase = 0;
   for (;;) {
     mbar_wait(mb.full + 8 * mslot, mphase, wait_site(p, 9, 1, -1, mslot), 3 * MELD_WATCHDOG_NS);
-    const int* b = mb.box + 4 * mslot;
-    const int kind = b[0], rbi = b[2];
+    const int* b = mb.box + 2 * mslot;
+    const int kind = b[0], rbi = b[1];
     if (kind < 0) break;
     if (lane == 0) {
       __threadfence();   // the consumers' stores (acquired through the mailbox) before the counter
@@ -620,7 +621,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   mb.empty = mb.full + 16;
   int* slots = (int*)(smem_raw + (mb.empty + 16 - raw));
   mb.box = slots + 4;
-  int* combine_list = mb.box + 8;   // [count, tokens...]: at most BLOCK_TOKENS tokens
+  int* combine_list = mb.box + 4;   // [count, tokens...]: at most BLOCK_TOKENS tokens
   float* xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);   // narrow gemm1 tiles: [128][ACC + 1] up values
   if (threadIdx.x == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
