@@ -188,6 +188,7 @@ def test_cuda_graph_replay_across_replans(cluster_size):
     out = torch.empty(64, Hq, D, dtype=torch.bfloat16, device=dev)
     attn.plan(plans[0].kv_indptr, plans[0].kv_indices, plans[0].kv_last_page_len)
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())   # plan() and the inputs were enqueued on this stream
     with torch.cuda.stream(s):
         attn.run(q, kv, out=out)            # warm up outside capture
     torch.cuda.synchronize()
@@ -219,6 +220,7 @@ def test_one_plan_many_layers_in_one_graph(tma):
                                 max_num_pages=max(p.kv_indices.numel() for p in plans), kernel_config=cfg)
     attn.plan(plans[0].kv_indptr, plans[0].kv_indices, plans[0].kv_last_page_len)
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())   # plan() and the inputs were enqueued on this stream
     with torch.cuda.stream(s):
         for q, kv, out in zip(qs, kvs, outs):
             attn.run(q, kv, out=out)

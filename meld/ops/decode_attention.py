@@ -355,7 +355,8 @@ class DecodeAttention(Operator):
                 and never synchronise with the device. GPU inputs are planned on the GPU; checking them
                 reads them on the host (a synchronisation) — pass check=False to plan with no host
                 involvement at all (then plan() can itself be captured in a CUDA graph).
-        The schedule is at `self.schedule`. A plan() that raises changes nothing.
+        The schedule is at `self.schedule`. A plan() that raises changes nothing. Like FlashInfer's, the
+        plan is written on torch's current stream: a run() on another stream must wait for it.
         """
         if self._watchdog is not None:
             self._watchdog.check()
