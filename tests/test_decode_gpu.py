@@ -205,6 +205,68 @@ def test_cuda_graph_replay_across_replans(cluster_size):
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def _slow_copy():
+    """A Triton kernel that copies bf16 src to dst after ~100 µs of dependent arithmetic per element."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def slow_copy(src, dst, n, spins, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < n).to(tl.float32)
+        y = x
+        for _ in range(spins):   # y stays x exactly (halves of a float add back to it); not foldable
+            y = y * 0.5 + x * 0.5
+        tl.store(dst + offs, y.to(tl.bfloat16), mask=offs < n)
+
+    def run(src, dst, spins=20000):
+        n = src.numel()
+        slow_copy[(triton.cdiv(n, 1024),)](src, dst, n, spins, BLOCK=1024)
+    return run
+
+
+@pytest.mark.parametrize("cluster_size,tma", [(1, False), (1, True), (4, False)])
+def test_overlapped_run_waits_for_the_kernel_before(cluster_size, tma):
+    """With overlap run() starts while the kernel before it still runs: q and the KV cache that a slow
+    kernel writes just before run() must be read only after it ends, by every grid of the cluster mix,
+    eagerly and replayed from a CUDA graph. The result equals a plain launch's bit for bit."""
+    slow_copy = _slow_copy()
+    dev, Hq, Hkv, D, P, B = "cuda", 32, 8, 128, 16, 8
+    plan = paged(lengths("skewed", B), P)
+    nq, nkv = B * Hq * D, plan.num_pages * 2 * P * Hkv * D
+    src = torch.randn(nq + nkv, device=dev).bfloat16()
+    dst = torch.full_like(src, float("nan"))
+    q, kv = dst[:nq].view(B, Hq, D), dst[nq:].view(plan.num_pages, 2, P, Hkv, D)
+    outs = []
+    for overlap in (True, False):
+        attn = meld.DecodeAttention(Hq, Hkv, D, P, torch.bfloat16, dev, cluster_size=cluster_size,
+                                    kernel_config=_tma(128) if tma else None, overlap=overlap)
+        assert len(attn.cluster_mix) > 1 or cluster_size == 1
+        attn.plan(plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len)
+        attn.run(q, kv)             # the plain launch after a plan (NaN in: NaN out)
+        dst.fill_(float("nan"))
+        slow_copy(src, dst)         # the kernel right before the (overlapped) run
+        outs.append(attn.run(q, kv))
+        torch.cuda.synchronize()
+        if overlap:
+            graphed = torch.empty_like(outs[0])
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                slow_copy(src, dst)
+                attn.run(q, kv, out=graphed)
+            dst.fill_(float("nan"))
+            graphed.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(graphed, outs[0])
+    qs, kvs = src[:nq].view(B, Hq, D), src[nq:].view(plan.num_pages, 2, P, Hkv, D)
+    ref, _ = attention_reference(qs, kvs, plan.kv_indptr.to(dev), plan.kv_indices.to(dev),
+                                 plan.kv_last_page_len.to(dev))
+    assert not outs[0].isnan().any()
+    assert ((outs[0].double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("tma", [False, True])
 def test_one_plan_many_layers_in_one_graph(tma):
     """What an inference engine does: plan once per batch, run every layer (its own q and KV cache) from

@@ -161,6 +161,7 @@ BAD_CONSTRUCTOR = [
     ("cluster-bool", dict(cluster_size=True), r"cluster_size must be 1, 2, 4, 8 or 16, got True"),
     ("cluster-float", dict(cluster_size=2.0), r"cluster_size must be 1, 2, 4, 8 or 16, got 2\.0"),
     ("bi-int", dict(batch_invariant=1), r"batch_invariant must be True or False, got 1"),
+    ("overlap-int", dict(overlap=1), r"overlap must be True or False, got 1"),
     ("topology-str", dict(topology="h200"), r"topology must be a meld\.scheduler\.Topology, got str"),
     ("topology-too-big", dict(topology=Topology(70000)), r"topology=.*70000 CTA slots"),
     ("cost-dict", dict(cost={}), r"cost must be a meld\.scheduler\.DecodeCost, got dict"),

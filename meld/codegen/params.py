@@ -103,6 +103,7 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("prof_cap", "i32"),
     Field("chunk", "i32"),            # batch-invariant kernels: tokens per chunk (meld/ir/schedule.py)
     Field("watchdog_kernel", "i32"),  # this kernel's id in the watchdog's registry
+    Field("wait_inputs", "i32"),      # 1: the first grid of an overlapped launch (decode_attention.cuh's entry)
     Field("sm_scale_log2", "f32"),
 ])
 

@@ -132,6 +132,12 @@ class DecodeAttention(Operator):
             longer than `cost.invariant_chunk_tokens` is split into its chunks) and its pieces merge in
             a fixed order, through global memory. Costs speed (bench/RESULTS.md). Without it, results are
             bit-identical from run to run for the same batch, but not across batches.
+        overlap: launch run() as a programmatic dependent of the kernel before it in the stream: the
+            persistent CTAs start and read their work tables while that kernel ends, and wait for it
+            before reading q and the KV cache. The first run() after a plan() is launched plainly, since
+            the plan's own kernel writes those tables. Off by default: inside a captured Llama decode
+            step at B <= 8 (bench/serve_layer.py) it changed attention's per-layer cost by -0.1 to
+            +1.1 µs, within the noise, since the KV-append kernel before it leaves no tail to overlap.
         MELD_PROFILE=1 builds the kernel with per-task timestamps; `last_trace()` returns them, and
             every eager run() writes a Chrome/Perfetto trace to MELD_PROFILE_DIR.
 
@@ -150,7 +156,7 @@ class DecodeAttention(Operator):
                  kv_layout: str = "NHD", sm_scale: float | None = None, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, topology: Topology | None = None,
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
-                 cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False):
+                 cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         if num_qo_heads % num_kv_heads:
@@ -167,6 +173,9 @@ class DecodeAttention(Operator):
         cluster_size = int(cluster_size)
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        self.overlap = overlap
         self.max_batch_size = None if max_batch_size is None else check_positive("max_batch_size", max_batch_size)
         self.max_num_pages = None if max_num_pages is None else check_positive("max_num_pages", max_num_pages)
         if topology is not None and not isinstance(topology, Topology):
@@ -204,6 +213,7 @@ class DecodeAttention(Operator):
             raise ValueError(f"page_size={page_size}: a kernel with TMA rings needs pages that hold whole "
                              f"{TILE_TOKENS}-token tiles (a multiple of {TILE_TOKENS})")
         self._planned: _Planned | None = None
+        self._plan_kernel_last = False   # the last kernel this op put on a stream was plan()'s
         self._schedule: Schedule | None = None   # of `_planned`, computed on first use
         self._buf: _Buffers | None = None
         self._watchdog = None
@@ -280,7 +290,7 @@ class DecodeAttention(Operator):
             watchdog_kernel=self._watchdog_id, q_stride_b=0, q_stride_h=0, **self._kv_strides(),
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
-            num_ctas=W, cta_offset=0, prof_cap=prof_cap, sm_scale_log2=self.sm_scale * _LOG2E))
+            num_ctas=W, cta_offset=0, prof_cap=prof_cap, wait_inputs=0, sm_scale_log2=self.sm_scale * _LOG2E))
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, params, launcher)
 
     @property
@@ -388,6 +398,7 @@ class DecodeAttention(Operator):
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
         """Install a validated plan (and grown buffers): the only place plan() changes the operator."""
         self._planned, self._schedule = planned, None
+        self._plan_kernel_last = True
         if buf is not None:
             self._buf = buf
 
@@ -536,7 +547,8 @@ class DecodeAttention(Operator):
             launcher.set(kv_map=self._tensor_maps.get(kv_cache))
         launcher.set(q=q.data_ptr(), kv=kv_cache.data_ptr(), out=out.data_ptr(),
                      lse=lse.data_ptr() if lse is not None else 0, q_stride_b=sb, q_stride_h=sh)
-        launcher.launch()
+        launcher.launch(overlap=self.overlap and not self._plan_kernel_last)
+        self._plan_kernel_last = False
         if self._buf.prof is not None and not torch.cuda.is_current_stream_capturing():
             d = config.profile_dir()
             d.mkdir(parents=True, exist_ok=True)

@@ -132,6 +132,10 @@ class PersistentLaunch:
     (`griddepcontrol.wait`), so the stream's next work starts only after every grid has finished. It is
     one in-order stream launch: capturable in CUDA graphs. The kernel never waits across grids for
     work (see decode_attention.cuh), so the order of the grids cannot deadlock.
+
+    `launch(overlap=True)` makes the first grid a programmatic dependent of the stream's previous kernel
+    too: its CTAs read their tables while that kernel ends, wait for it (its `wait_inputs` field), and
+    only then let the later grids start.
     """
 
     def __init__(self, kernel: Kernel, mix: list[tuple[int, int]], params: ctypes.Structure):
@@ -147,6 +151,9 @@ class PersistentLaunch:
             self.params.append(p)
             self._grids.append((cfg, args, ctypes.addressof(args)))
             offset += size * count
+        size, count = self.mix[0]
+        self._overlap_cfg = fastcall.cluster_config(size * count, kernel.threads, kernel.smem_bytes, size,
+                                                    programmatic=True)
 
     def cluster_of_cta(self) -> list[int]:
         """Cluster id of every CTA row (clusters numbered across the grids)."""
@@ -165,9 +172,14 @@ class PersistentLaunch:
             for k, v in fields.items():
                 setattr(p, k, v)
 
-    def launch(self) -> None:
+    def launch(self, overlap: bool = False) -> None:
+        """`overlap`: only where the stream's previous kernel wrote none of the tables the kernel reads
+        before its wait (a plan's)."""
         stream = current_stream(self.kernel.device)
         func, name = self.kernel._func, self.kernel.name
-        for cfg, _, args in self._grids:
+        self.params[0].wait_inputs = int(overlap)
+        for i, (cfg, _, args) in enumerate(self._grids):
+            if i == 0 and overlap:
+                cfg = self._overlap_cfg
             cfg.hStream = stream
             fastcall.launch_ex(func, cfg, args, name)

@@ -538,7 +538,11 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
   pl.cta = p.cta_offset + blockIdx.x;
   pl.cluster_first = pl.cta - (ONCHIP ? cluster_rank() : 0);
   pl.cluster_ctas = ONCHIP ? cluster_size() : 1;
-  launch_dependents();   // every CTA runs: the next grid may start
+  // Plain launch: the next grid of the mix may start once every CTA runs. Overlapped launch (wait_inputs,
+  // the first grid only): a programmatic dependent of the op before it, whose output (q, the KV cache)
+  // is read only after grid_dependency_wait below; the later grids start after that wait, so they never
+  // see that op's output unfinished either.
+  if (!p.wait_inputs) launch_dependents();
   Profiler prof;
   prof.begin(p.prof, p.prof_cap, pl.cta, threadIdx.x == 0);
   MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
@@ -557,13 +561,19 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     fence_mbar_init();
     __syncwarp();
   }
-  if (!g.empty) {
-    LoadCursor lc;
+  LoadCursor lc;
+  if (!g.empty) {   // the prologue reads only plan() tables: the op before has not written them
     lc.u = g.u_begin;
     lc.x = load_unit(p, g, lc.u, pl);
     lc.j = warp;
     lc.live = true;
     cursor_seek(p, g, lc, pl, warp, lane);
+  }
+  if (p.wait_inputs) {
+    grid_dependency_wait();
+    launch_dependents();
+  }
+  if (!g.empty) {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring, bars, s, pl, warp, lane);
 
