@@ -8,8 +8,8 @@ of the step, and with `check` compares the logits of the first steps against the
 Columns: tokens/s = decode tokens over the summed wall time of the decode steps (prefill, done on
 admission, is not counted); step p50/p99 = wall time of a step, host work and the final sync included;
 attn ms/step = the sampled steps' attention (every layer) timed alone; attn share = that over the same
-steps' wall time; check = the largest relative L2 error of a row's logits (MoE models: with the 10% worst
-rows set aside, for routing flips: `compare`) and the argmax agreement.
+steps' wall time; check = the largest relative L2 error of a row's logits and the argmax agreement (MoE
+models: of an eager run that replays the reference run's routing, `RoutingTape`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from .backends import BackendUnavailable, make_backend, unavailable
 from .engine import Engine, RunResult, buckets_for
 from .kv_cache import PagedKVCache
-from .models import MODELS, PREFILL_CHUNK, DecoderModel, ModelConfig, tiny_config
+from .models import MODELS, PREFILL_CHUNK, DecoderModel, ModelConfig, RoutingTape, tiny_config
 from .trace import TraceConfig, make_trace
 
 CHECK_TOL = 2e-2     # relative L2 error of a step's logits, bf16 end to end: a few bf16 ulps through the layers
@@ -84,20 +84,9 @@ def check_pool_fits(mc: ModelConfig, pages: int, page_size: int, device: torch.d
                          f"{free / 2**30:.1f} GiB free on {device}: pass a smaller --kv-pages")
 
 
-# MoE models: the share of rows a check may set aside. A token whose top-k routing flips on a near-tie of
-# the router logits takes other experts from that layer on, and its row is far off however right both runs
-# are. Measured on the H200: the tiny Qwen3-MoE (8 experts, top 2), meld vs SDPA attention with torch's MoE
-# in both, one flipped token in 152 rows (row error 0.39, every other row below 8e-3); the full-size one
-# (128 experts, top 8: many more near-ties), meld and FlashInfer against SDPA alike, about 3% of rows with
-# another argmax.
-MOE_SPARE_ROWS = 0.10
-
-
-def compare(run: RunResult, ref: RunResult, spare_rows: float = 0.0) -> dict:
-    """Each row's relative L2 error of the logits against the reference over the compared steps, and argmax
-    agreement. check_rel_err is the largest row error once the `spare_rows` share of rows with the largest
-    errors is set aside (0 for dense models; MOE_SPARE_ROWS for MoE ones); check_spared counts the set-aside
-    rows and check_spared_err is the largest of their errors."""
+def compare(run: RunResult, ref: RunResult) -> dict:
+    """The largest relative L2 error of a row's logits against the reference over the compared steps, the
+    median one, and argmax agreement."""
     errs, agree = [], 0
     for (rids, a), (ref_rids, b) in zip(run.logits, ref.logits):
         if rids != ref_rids:
@@ -106,12 +95,19 @@ def compare(run: RunResult, ref: RunResult, spare_rows: float = 0.0) -> dict:
         a, b = a.float(), b.float()
         errs += ((a - b).norm(dim=-1) / b.norm(dim=-1)).tolist()
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-    errs.sort(reverse=True)
-    spared = int(spare_rows * len(errs))
-    return dict(check_steps=len(run.logits), check_rel_err=errs[spared] if len(errs) > spared else 0.0,
-                check_spared=spared, check_spared_err=errs[0] if spared else None,
-                check_row_err_p50=errs[len(errs) // 2] if errs else 0.0,
-                check_argmax_agree=agree / max(len(errs), 1))
+    errs.sort()
+    return dict(check_steps=len(run.logits), check_rel_err=errs[-1] if errs else 0.0,
+                check_row_err_p50=errs[len(errs) // 2] if errs else 0.0, check_argmax_agree=agree / max(len(errs), 1))
+
+
+def run_with_routing(model: DecoderModel, engine: Engine, trace, steps: int, tape: RoutingTape | None) -> RunResult:
+    """`steps` eager steps of `engine` recording their logits, the MoE routing recorded to or replayed from
+    `tape` (None: routed as the model routes)."""
+    model.routing = tape
+    try:
+        return engine.run(trace, steps, record_logits=steps)
+    finally:
+        model.routing = None
 
 
 def _engine(model, name, moe, mc, cache, max_batch, pages, graphs, device):
@@ -164,10 +160,16 @@ def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
                 if ref is None or (name == "sdpa") != ref[0]:
                     ref_name = "meld" if name == "sdpa" else "sdpa"
                     ref_engine = _engine(model, ref_name, "torch", mc, cache, max_batch, pages, False, device)
-                    ref = (name == "sdpa", ref_engine.run(trace, cfg.check_steps, record_logits=cfg.check_steps))
+                    tape = RoutingTape(mc.top_k) if mc.is_moe else None
+                    ref = (name == "sdpa", run_with_routing(model, ref_engine, trace, cfg.check_steps, tape), tape)
                     del ref_engine
-                row.update(compare(result, ref[1], MOE_SPARE_ROWS if mc.is_moe else 0.0), check_against=ref[1].backend + (
-                    f" + {ref[1].moe} MoE" if mc.is_moe else ""))
+                got, against = result, ref[1].backend
+                if mc.is_moe:   # the measured run routed by its own logits: check an eager run on the reference's routing
+                    check_engine = _engine(model, name, moe, mc, cache, max_batch, pages, False, device)
+                    got = run_with_routing(model, check_engine, trace, cfg.check_steps, ref[2].replay())
+                    against += f" + {ref[1].moe} MoE, eager, its routing replayed"
+                    del check_engine
+                row.update(compare(got, ref[1]), check_against=against)
                 row["check_ok"] = row["check_rel_err"] <= cfg.check_tol
                 status |= 0 if row["check_ok"] else 1
             del engine
@@ -187,9 +189,7 @@ def format_row(row: dict, header: bool = False) -> str:
     """One table row (and the header above the first)."""
     check = "-"
     if "check_rel_err" in row:
-        spared = f" ({row['check_spared']} rows set aside, worst {row['check_spared_err']:.1e})" \
-            if row.get("check_spared") else ""
-        check = (f"{'OK' if row['check_ok'] else 'FAIL'} rel err {row['check_rel_err']:.1e}{spared}, argmax "
+        check = (f"{'OK' if row['check_ok'] else 'FAIL'} rel err {row['check_rel_err']:.1e}, argmax "
                  f"{row['check_argmax_agree']:.0%} vs {row['check_against']}")
     cells = (row["backend"], row["moe"], row["mode"], row["max_batch"], row["steps"], f"{row['mean_batch']:.1f}",
              f"{row['tokens_per_s']:.0f}", f"{row['step_p50_ms']:.2f}", f"{row['step_p99_ms']:.2f}",

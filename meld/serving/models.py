@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import PagedKVCache
-from .torch_moe import torch_grouped_mm_moe
+from .torch_moe import topk_route, torch_grouped_mm_moe
 
 PREFILL_CHUNK = 8192   # default tokens per MLP/MoE call in prefill: bounds activations and meld.MoE's capacity
 
@@ -120,6 +120,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # --- MoE implementations ---------------------------------------------------------------------------------
+class RoutingTape:
+    """Every MoE routing decision of one run, in call order, to replay in another run of the same trace.
+
+    Two attention backends differ in the last bits of their outputs; where a token's router logits hold a
+    near-tie at the top-k boundary that flips its experts, and its logits end far from the other run's
+    however right both backends are. Measured on the H200 against SDPA with torch's MoE: on the tiny
+    Qwen3-MoE (8 experts, top 2) one token in 152 rows flipped (row error 0.39); on the full-size one (128
+    experts, top 8) meld and FlashInfer both agreed on only 96% of the argmaxes. A check that replays the
+    reference run's routing compares the attention backends alone: the replaying run takes the recorded
+    experts of each call, weighted by the softmax of its own router logits.
+    """
+
+    def __init__(self, top_k: int, renormalize: bool = True):
+        self.top_k, self.renormalize = top_k, renormalize
+        self.ids: list[torch.Tensor] = []
+        self.replaying, self._next = False, 0
+
+    def replay(self) -> "RoutingTape":
+        """Switch from recording to replaying from the first call on."""
+        self.replaying, self._next = True, 0
+        return self
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k] int64) for this call's router logits [T, E]."""
+        if not self.replaying:
+            weights, ids = topk_route(logits, self.top_k, self.renormalize)
+            self.ids.append(ids)
+            return weights, ids
+        if self._next >= len(self.ids):
+            raise RuntimeError(f"the routing tape holds {len(self.ids)} MoE calls; this run makes more (the runs "
+                               "must decode the same trace)")
+        ids = self.ids[self._next]
+        if ids.shape[0] != logits.shape[0]:
+            raise RuntimeError(f"MoE call {self._next} routes {logits.shape[0]} tokens; the recorded run routed "
+                               f"{ids.shape[0]} (the runs must decode the same trace)")
+        self._next += 1
+        weights = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
 class TorchMoE:
     """The unfused torch MoE (BENCH.md's peer): softmax top-k routing -> (token, expert) pairs sorted by
     expert -> grouped GEMM gate/up -> SiLU(gate) * up -> grouped GEMM down -> weighted index_add_ (fp32).
@@ -130,8 +172,8 @@ class TorchMoE:
     def __init__(self, top_k: int, renormalize: bool = True):
         self.top_k, self.renormalize = top_k, renormalize
 
-    def __call__(self, x, router_logits, w13, w2) -> torch.Tensor:
-        return torch_grouped_mm_moe(x, w13, w2, router_logits, self.top_k, self.renormalize)
+    def __call__(self, x, router_logits, w13, w2, routing=None) -> torch.Tensor:
+        return torch_grouped_mm_moe(x, w13, w2, router_logits, self.top_k, self.renormalize, routing=routing)
 
 
 class MeldMoE:
@@ -146,8 +188,10 @@ class MeldMoE:
                            config.dtype, device, max_num_tokens=max_num_tokens, renormalize=True)
         self.max_num_tokens = max_num_tokens
 
-    def __call__(self, x, router_logits, w13, w2) -> torch.Tensor:
-        return self.op(x, router_logits, w13, w2)
+    def __call__(self, x, router_logits, w13, w2, routing=None) -> torch.Tensor:
+        if routing is None:
+            return self.op(x, router_logits, w13, w2)
+        return self.op(x, None, w13, w2, topk_weights=routing[0], topk_ids=routing[1])
 
 
 # --- the model ---------------------------------------------------------------------------------------------
@@ -216,6 +260,7 @@ class DecoderModel:
         self._moe_max_tokens = self.prefill_chunk = moe_max_tokens
         self._moes: dict[str, object] = {}
         self.moe = None
+        self.routing: RoutingTape | None = None   # eager runs only: records or replays every MoE routing
         if c.is_moe:
             self.use_moe(moe)
 
@@ -247,7 +292,8 @@ class DecoderModel:
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if self.config.is_moe:
-            return self.moe(x, (x @ w.router.T).float(), w.w13, w.w2)
+            logits = (x @ w.router.T).float()
+            return self.moe(x, logits, w.w13, w.w2, self.routing(logits) if self.routing is not None else None)
         gate, up = (x @ w.gate_up.T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ w.down.T
 

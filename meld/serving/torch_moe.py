@@ -52,13 +52,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def torch_grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int,
                          renormalize: bool = True,
                          mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = grouped_mm,
-                         ) -> torch.Tensor:
+                         routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The BENCH.md MoE peer: an unfused torch pipeline, launch-only on the GPU (no host sync: capturable).
 
     Args:
         x: [T, H] tokens; w13: [E, 2I, H] gate rows then up rows; w2: [E, H, I]; logits: [T, E] router logits.
         top_k: experts per token; renormalize: divide the k softmax weights by their sum.
         mm: the grouped GEMM (`grouped_mm`; `grouped_mm_loop` to force the loop on the CPU).
+        routing: (weights [T, k] float32, expert ids [T, k] int64) to use instead of routing `logits`.
     Returns:
         [T, H] in x's dtype: Σ_j w_j · (SiLU(x·gate_j) ⊙ (x·up_j)) · down_j over the token's k experts.
 
@@ -67,7 +68,7 @@ def torch_grouped_mm_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, l
     """
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[-1]
-    weights, ids = topk_route(logits, top_k, renormalize)
+    weights, ids = routing if routing is not None else topk_route(logits, top_k, renormalize)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # the T*k (token, expert) pairs grouped by expert
     token = order // top_k
