@@ -136,8 +136,8 @@ class DecodeAttention(Operator):
             persistent CTAs start and read their work tables while that kernel ends, and wait for it
             before reading q and the KV cache. The first run() after a plan() is launched plainly, since
             the plan's own kernel writes those tables. Off by default: inside a captured Llama decode
-            step at B <= 8 (bench/serve_layer.py) it changed attention's per-layer cost by -0.1 to
-            +1.1 µs, within the noise, since the KV-append kernel before it leaves no tail to overlap.
+            step at B <= 8 (bench/serve_layer.py) it changed attention's per-layer cost by -0.7 to
+            +1.1 µs over two runs: no gain (the kernel before it there, the KV append, is a tiny copy).
         MELD_PROFILE=1 builds the kernel with per-task timestamps; `last_trace()` returns them, and
             every eager run() writes a Chrome/Perfetto trace to MELD_PROFILE_DIR.
 
