@@ -1,0 +1,155 @@
+"""Fit the decode planner's cost model to measured per-CTA times.
+
+The planner balances the CTAs of a launch by a predicted cost: KV tokens plus `item_overhead_tokens` per
+item (`DecodeCost`), a constant fitted by hand sweeps. A profiling build records when each CTA starts and
+when each of its tasks ends, so every launch is a set of (planned work, measured time) samples. This
+module turns (schedule, trace) pairs into those samples and fits
+
+    time = speed[sm] * (per_token * tokens + per_item * items + per_merge * merges + fixed)
+
+by robust regression (Huber weights, iteratively reweighted least squares: a CTA slowed by something the
+model cannot see, a preemption or a cold TLB, must not drag the fit), where `merges` counts the merges the
+CTA ran as the last arriver and `speed` is an optional factor per SM. `today()` is the shipped model with
+only its time scale fitted, so the two can be compared on the same samples: `errors()` gives
+|predicted - measured| / measured per CTA.
+
+    samples = concat([cta_samples(schedule, trace, launch=i) for i, (schedule, trace) in enumerate(runs)])
+    fit = fit_cost(samples.where(samples.launch % 3 != 0), per_sm=True)
+    print(np.percentile(errors(fit, samples.where(samples.launch % 3 == 0)), 90))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ..ir import Schedule
+from ..runtime.profile import Trace
+from ..scheduler.cost_model import DecodeCost
+
+_MERGES = ("merge-hbm", "merge-dsmem")
+_WORK = ("piece",) + _MERGES
+
+
+@dataclass(frozen=True)
+class CtaSamples:
+    """Per-CTA features and measured times (one entry per CTA that ran work), possibly of many launches."""
+
+    tokens: np.ndarray    # KV tokens the plan gave the CTA
+    items: np.ndarray     # items (pieces) the plan gave it
+    merges: np.ndarray    # merges it ran, as the last arriver of a split unit (from the trace)
+    sm: np.ndarray        # the SM it ran on
+    time_ns: np.ndarray   # from its start to the end of its last piece or merge
+    launch: np.ndarray    # which launch the sample came from
+
+    def __len__(self) -> int:
+        return len(self.time_ns)
+
+    def where(self, mask: np.ndarray) -> "CtaSamples":
+        return CtaSamples(**{f.name: getattr(self, f.name)[mask] for f in fields(self)})
+
+
+def cta_samples(schedule: Schedule, trace: Trace, launch: int = 0) -> CtaSamples:
+    """The samples of one launch: the plan's work per CTA and the trace's time per CTA."""
+    it = schedule.items()
+    tokens = np.bincount(it["cta"], weights=it["kv_end"] - it["kv_begin"], minlength=schedule.num_ctas)
+    items = np.bincount(it["cta"], minlength=schedule.num_ctas)
+    begin = {s.cta: s.begin_ns for s in trace.cta_spans}
+    sm = {s.cta: s.sm for s in trace.cta_spans}
+    end: dict[int, int] = {}
+    merges = np.zeros(schedule.num_ctas, dtype=np.int64)
+    for t in trace.tasks:
+        if t.kind in _WORK:
+            end[t.cta] = max(end.get(t.cta, 0), t.end_ns)
+            merges[t.cta] += t.kind in _MERGES
+    ctas = np.array(sorted(c for c in end if c in begin and c < schedule.num_ctas and items[c] > 0), dtype=np.int64)
+    return CtaSamples(tokens[ctas].astype(np.float64), items[ctas].astype(np.float64), merges[ctas].astype(np.float64),
+                      np.array([sm[c] for c in ctas], dtype=np.int64),
+                      np.array([end[c] - begin[c] for c in ctas], dtype=np.float64),
+                      np.full(len(ctas), launch, dtype=np.int64))
+
+
+def concat(samples: list[CtaSamples]) -> CtaSamples:
+    return CtaSamples(**{f.name: np.concatenate([getattr(s, f.name) for s in samples]) for f in fields(CtaSamples)})
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """time_ns = speed[sm] * (per_token_ns * tokens + per_item_ns * items + per_merge_ns * merges + fixed_ns);
+    an SM without a factor runs at 1."""
+
+    per_token_ns: float
+    per_item_ns: float
+    per_merge_ns: float
+    fixed_ns: float
+    sm_speed: dict[int, float] | None = None
+
+    def predict(self, s: CtaSamples) -> np.ndarray:
+        base = self.per_token_ns * s.tokens + self.per_item_ns * s.items + self.per_merge_ns * s.merges + self.fixed_ns
+        if not self.sm_speed:
+            return base
+        return base * np.array([self.sm_speed.get(int(sm), 1.0) for sm in s.sm])
+
+    @property
+    def item_overhead_tokens(self) -> float:
+        """The item cost in KV-token equivalents: what `DecodeCost.item_overhead_tokens` holds."""
+        return self.per_item_ns / self.per_token_ns
+
+
+def errors(fit: CostFit, s: CtaSamples) -> np.ndarray:
+    """|predicted - measured| / measured, per sample."""
+    return np.abs(fit.predict(s) - s.time_ns) / s.time_ns
+
+
+def _huber_lstsq(X: np.ndarray, y: np.ndarray, k: float = 1.345, iters: int = 50) -> np.ndarray:
+    """Coefficients of y ~ X under Huber's loss (scale from the median absolute residual)."""
+    w = np.ones(len(y))
+    beta = np.zeros(X.shape[1])
+    for _ in range(iters):
+        sw = np.sqrt(w)
+        new = np.linalg.lstsq(X * sw[:, None], y * sw, rcond=None)[0]
+        r = y - X @ new
+        scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1.0
+        a = np.abs(r) / (k * scale)
+        w = np.where(a <= 1, 1.0, 1.0 / np.maximum(a, 1e-12))
+        done = np.allclose(new, beta, rtol=1e-9, atol=1e-12)
+        beta = new
+        if done:
+            break
+    return beta
+
+
+def _check(s: CtaSamples, need: int) -> None:
+    if len(s) < need:
+        raise ValueError(f"need at least {need} CTA samples to fit, got {len(s)}")
+    if not np.all(np.isfinite(s.time_ns)) or np.any(s.time_ns <= 0):
+        raise ValueError("measured CTA times must be finite and positive")
+
+
+def fit_cost(s: CtaSamples, per_sm: bool = False, rounds: int = 5) -> CostFit:
+    """The robust fit of the four constants and, with `per_sm`, one speed factor per SM (median 1),
+    alternating: the constants on times divided by the speeds, then each SM's median ratio of measured
+    to predicted time."""
+    _check(s, 8)
+    X = np.stack([s.tokens, s.items, s.merges, np.ones(len(s))], axis=1)
+    speed = np.ones(len(s))
+    sm_speed: dict[int, float] | None = None
+    for _ in range(rounds if per_sm else 1):
+        beta = _huber_lstsq(X, s.time_ns / speed)
+        if not per_sm:
+            break
+        ratio = s.time_ns / (X @ beta)
+        sm_speed = {int(sm): float(np.median(ratio[s.sm == sm])) for sm in np.unique(s.sm)}
+        norm = float(np.median(list(sm_speed.values())))
+        sm_speed = {sm: v / norm for sm, v in sm_speed.items()}
+        speed = np.array([sm_speed[int(sm)] for sm in s.sm])
+    return CostFit(*(float(b) for b in beta), sm_speed=sm_speed)
+
+
+def today(s: CtaSamples, cost: DecodeCost) -> CostFit:
+    """The shipped model, time proportional to tokens + cost.item_overhead_tokens per item, with only its
+    scale fitted (the median ratio of measured time to predicted cost)."""
+    _check(s, 1)
+    units = s.tokens + cost.item_overhead_tokens * s.items
+    scale = float(np.median(s.time_ns / units))
+    return CostFit(scale, scale * cost.item_overhead_tokens, 0.0, 0.0)
