@@ -6,6 +6,11 @@ same schedule on the CPU reference executor. Either way the result is checked ag
 
 `meld timeline`: summary, per-SM busy table and PNG timeline of a trace written under MELD_PROFILE=1.
 
+`meld tune --workload bench`: search decode attention's planner constants on BENCH's B >= 64 batches,
+print the before/after table, and record a candidate that wins beyond the noise in the tuning database
+(--db, or MELD_TUNING_DB). `meld tune --show`: what the database holds and whether each entry applies
+here.
+
 `meld serve-bench`: a continuous-batching decode loop (meld.serving) on a log-normal request trace, per
 attention backend: tokens/s, step latency p50/p99, attention's share of the step, and with --check the
 logits against the reference backend. Without a GPU it runs a tiny model on the CPU executor.
@@ -204,6 +209,48 @@ def _int_in(low: int, high: int):
     return parse
 
 
+def _db_path(parser: argparse.ArgumentParser, db: Path | None) -> Path:
+    from meld import config
+
+    path = db or config.tuning_db()
+    if path is None:
+        parser.error("argument --db: no database given and MELD_TUNING_DB is not set")
+    return path
+
+
+def tune_run(parser: argparse.ArgumentParser, db: Path | None, rounds: int, device: str | None) -> int:
+    from meld.tuning.db import TuningDB
+    from meld.tuning.tune import table, tune
+
+    path = _db_path(parser, db)
+    if _devices() == ["cpu"]:
+        parser.error("argument --workload: tuning measures on a GPU; this machine has no sm_90+ GPU")
+    device = _device(parser, device or "cuda")
+    if device == "cpu":
+        parser.error("argument --device: tuning measures on a GPU, not the CPU")
+    try:
+        TuningDB.load(path)   # a damaged database fails before any measurement
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    result = tune(path, rounds=rounds, device=device)
+    print(table(result))
+    print(f"recorded in {path}" if result.adopted else f"nothing recorded in {path}")
+    return 0
+
+
+def tune_show(parser: argparse.ArgumentParser, db: Path | None) -> int:
+    from meld.tuning.db import TuningDB, describe
+
+    path = _db_path(parser, db)
+    try:
+        loaded = TuningDB.load(path)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    gpu = torch.device("cuda") if torch.cuda.is_available() else None
+    print(describe(loaded, gpu))
+    return 0
+
+
 def _devices() -> list[str]:
     """Where demo can run: the CPU and every sm_90+ GPU."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -239,12 +286,25 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"image width in pixels, at most {MAX_WIDTH_PX}")
     t.add_argument("--row-height", type=_int_in(0, MAX_ROW_PX), default=6,
                    help=f"pixels per SM row, at most {MAX_ROW_PX}")
+    tu = sub.add_parser("tune", help="the tuning database: what it holds and whether it applies here",
+                        description="Tuned operator configurations are kept in one JSON file (MELD_TUNING_DB) "
+                                    "keyed by GPU, driver, CUDA, kernel sources, dtype and shape; an entry "
+                                    "recorded elsewhere is ignored with a warning.")
+    what = tu.add_mutually_exclusive_group(required=True)
+    what.add_argument("--show", action="store_true", help="list the entries and where each applies")
+    what.add_argument("--workload", choices=["bench"], help="tune on this workload (bench: BENCH.md's B >= 64 decode "
+                                                            "batches) and record what wins")
+    tu.add_argument("--db", type=Path, help="the database file (default: MELD_TUNING_DB)")
+    tu.add_argument("--rounds", type=_int_in(0, 1000), default=5, help="interleaved rounds of replays per batch")
+    tu.add_argument("--device", help="cuda or cuda:N (default: cuda)")
     from meld.serving import cli as serving_cli   # argparse, torch and NumPy only: no TVM, no kernels
 
     sb = serving_cli.add_parser(sub)
     args = p.parse_args(argv)
     if args.cmd == "serve-bench":
         return serving_cli.serve_bench(sb, args, _device(sb, args.device))
+    if args.cmd == "tune":
+        return tune_show(tu, args.db) if args.show else tune_run(tu, args.db, args.rounds, args.device)
     if args.cmd == "timeline":
         return timeline(t, args.trace, args.output, args.width, args.row_height)
     device = _device(d, args.device)

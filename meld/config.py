@@ -8,6 +8,7 @@
 | MELD_ARCH         | sm_90a           | target architecture of generated kernels                       |
 | MELD_PROFILE      | 0                | 1: kernels record per-task timestamps; eager runs write traces |
 | MELD_PROFILE_DIR  | meld-profile     | where MELD_PROFILE=1 writes Chrome/Perfetto traces             |
+| MELD_TUNING_DB    | (unset)          | JSON tuning database operators take their tuned configs from   |
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ _DEFAULTS = {
     "MELD_ARCH": "sm_90a",
     "MELD_PROFILE": "0",
     "MELD_PROFILE_DIR": "meld-profile",
+    "MELD_TUNING_DB": "",
 }
 
 
@@ -52,6 +54,12 @@ def profile() -> bool:
 
 def profile_dir() -> Path:
     return Path(get("MELD_PROFILE_DIR")).expanduser()
+
+
+def tuning_db() -> Path | None:
+    """The tuning database operators read at construction (meld.tuning.db), or None."""
+    path = get("MELD_TUNING_DB")
+    return Path(path).expanduser() if path else None
 
 
 def compiler() -> str:

@@ -57,6 +57,17 @@ class Operator:
         compiled = compile_source(cfg.render(), cfg.name)
         return {e: Kernel(compiled, e, self.device, threads, smem) for e, (threads, smem) in entries.items()}
 
+    def _tuned(self, dtype: str, shape: str):
+        """The tuning database's entry (`meld.tuning.db.TuningEntry`) for this operator, dtype and shape
+        bucket on this GPU with these kernel sources, or None: MELD_TUNING_DB unset, the CPU executor, or no
+        such entry (entries recorded elsewhere are ignored with a warning)."""
+        path = config.tuning_db()
+        if path is None or self.device.type != "cuda":
+            return None
+        from ..tuning.db import TuningDB, TuningKey
+
+        return TuningDB.load(path).lookup(TuningKey.here(self.graph.name, dtype, shape, self.device), warn=True)
+
     def _register_watchdog(self, name: str, describe: Callable[[int], str]) -> None:
         """This operator's kernels report to the device's record under one id (`describe` names a task from
         its number and must not hold the operator)."""

@@ -118,7 +118,9 @@ class DecodeAttention(Operator):
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
             place and the graph stays valid. A capacity not given grows as needed (which invalidates
             captured graphs).
-        cost: the planner's cost model (default `DecodeCost.default` for the kernel's unit size).
+        cost: the planner's cost model (default `DecodeCost.default` for the kernel's unit size; with
+            MELD_TUNING_DB set and no kernel_config given, the database's entry for this shape bucket, GPU
+            and kernel source where there is one: `self.tuning`).
         topology: override the persistent grid (default: `Topology.discover` of the kernel; on the CPU
             an H200 with one CTA per SM, as the shipped kernel runs there).
         cluster_size: the preferred thread-block cluster size. The launch covers every SM with the
@@ -201,7 +203,12 @@ class DecodeAttention(Operator):
                              f"{kc.batch_invariant}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, "
                              f"batch_invariant={batch_invariant}")
         self.heads_per_unit = self.kernel_config.heads_per_unit
-        cost = cost or DecodeCost.default(self.heads_per_unit)
+        self.tuning = None   # the tuning database entry this operator took its cost model from (MELD_TUNING_DB)
+        if cost is None:
+            cost = DecodeCost.default(self.heads_per_unit)
+            if kernel_config is None:
+                self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket)
+                cost = self._tuned_cost(cost)
         if cost.tile_tokens != TILE_TOKENS:
             raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
         self.cost = cost
@@ -226,6 +233,23 @@ class DecodeAttention(Operator):
             self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
 
     # --- setup ----------------------------------------------------------------------------------
+    @property
+    def shape_bucket(self) -> str:
+        """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
+        return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
+                + ("/invariant" if self.batch_invariant else ""))
+
+    def _tuned_cost(self, cost: DecodeCost) -> DecodeCost:
+        """`cost` with the fields the tuning entry sets (`{"cost": {field: value}}`)."""
+        if self.tuning is None:
+            return cost
+        fields_set = self.tuning.config.get("cost", {})
+        try:
+            return dataclasses.replace(cost, **fields_set)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"tuning database {config.tuning_db()}: the {self.shape_bucket} entry's cost "
+                             f"{fields_set!r} is not a DecodeCost: {e}") from None
+
     @staticmethod
     def _servable(topology: Topology) -> Topology:
         limit = DecodePlanKernelConfig().max_ctas

@@ -1,0 +1,155 @@
+"""`meld tune`: search decode attention's planner constants on a workload; adopt a candidate only where it
+is faster beyond the noise on every batch of the workload, and record it in the tuning database.
+
+Each batch of the workload is planned by every candidate (a `DecodeCost`; the kernel is the same, so one
+compile serves all) and run from its own CUDA graph. Rounds replay the candidates in a shuffled order,
+each replay after a read of a buffer larger than L2 (a cold L2, as a decode step finds it) and timed by
+CUDA events. Per batch, a candidate's time ratio against the default is the median of its replays over
+the default's, with a 95% bootstrap interval (replays resampled). A candidate is adopted when it is
+faster beyond the noise on at least one batch (the interval's upper end below 1) and slower beyond it on
+none (no interval's lower end above 1), with the best geometric mean among such candidates; otherwise the
+default stays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..scheduler import DecodeCost
+from ..workloads import lengths, paged
+
+BENCH_BATCHES = [(b, d) for b in (64, 256) for d in ("uniform2k", "skewed", "one-long")]   # BENCH.md, B >= 64
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)                   # BENCH.md's GQA shape
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    name: str
+    median_us: dict[str, float]                        # per candidate
+    ratio: dict[str, tuple[float, float, float]]       # per candidate: (median ratio to default, CI low, CI high)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    batches: list[BatchResult]
+    geomean: dict[str, float]                          # per candidate, of the median ratios
+    adopted: str | None
+
+
+def candidates(default: DecodeCost, item_overheads=(64, 96, 192, 256)) -> dict[str, DecodeCost]:
+    """The default and one candidate per item overhead (the constant the fit finds furthest off)."""
+    out = {"default": default}
+    for v in item_overheads:
+        if v != default.item_overhead_tokens:
+            out[f"item_overhead_tokens={v}"] = dataclasses.replace(default, item_overhead_tokens=v)
+    return out
+
+
+def bootstrap_ratio(a: np.ndarray, b: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """median(b) / median(a) and its 95% bootstrap interval."""
+    rng = np.random.default_rng(seed)
+    ra = np.median(rng.choice(a, (n, len(a))), axis=1)
+    rb = np.median(rng.choice(b, (n, len(b))), axis=1)
+    r = rb / ra
+    return float(np.median(b) / np.median(a)), float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))
+
+
+def decide(batches: list[BatchResult]) -> tuple[dict[str, float], str | None]:
+    """Geometric means of the ratios, and the adopted candidate (see the module docstring) or None."""
+    names = [k for k in batches[0].ratio if k != "default"]
+    geo = {k: math.exp(sum(math.log(b.ratio[k][0]) for b in batches) / len(batches)) for k in names}
+    ok = [k for k in names if any(b.ratio[k][2] < 1.0 for b in batches) and not any(b.ratio[k][1] > 1.0 for b in batches)]
+    return geo, min(ok, key=geo.get) if ok else None
+
+
+def measure(costs: dict[str, DecodeCost], batches=BENCH_BATCHES, rounds: int = 5, reps: int = 10,
+            device: str = "cuda", seed: int = 0) -> list[BatchResult]:
+    import meld
+
+    dev = torch.device(device)
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 << 20
+    flush = torch.ones(l2, dtype=torch.float32, device=dev)   # 4x the L2, read before each replay
+    rng, results = random.Random(seed), []
+    for b, dist in batches:
+        lens = lengths(dist, b)
+        t = paged(lens, SHAPE["page_size"], generator=torch.Generator().manual_seed(seed))
+        g = torch.Generator(device=dev).manual_seed(seed)
+        q = torch.randn(b, SHAPE["num_qo_heads"], SHAPE["head_dim"], generator=g, device=dev, dtype=torch.bfloat16)
+        kv = torch.randn(t.num_pages, 2, SHAPE["page_size"], SHAPE["num_kv_heads"], SHAPE["head_dim"], generator=g,
+                         device=dev, dtype=torch.bfloat16)
+        graphs, ops = {}, {}
+        for name, cost in costs.items():
+            op = ops[name] = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, dev, cost=cost)
+            op.plan(t.kv_indptr, t.kv_indices, t.kv_last_page_len)
+            out = torch.empty_like(q)
+            op.run(q, kv, out=out)
+            torch.cuda.synchronize(dev)
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name]):
+                op.run(q, kv, out=out)
+        samples: dict[str, list[float]] = {k: [] for k in costs}
+        order = list(costs)
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for name in order:
+                events = []
+                for _ in range(reps):
+                    flush.sum()
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    graphs[name].replay()
+                    e1.record()
+                    events.append((e0, e1))
+                torch.cuda.synchronize(dev)
+                samples[name] += [e0.elapsed_time(e1) * 1e3 for e0, e1 in events]
+        base = np.array(samples["default"])
+        results.append(BatchResult(f"B={b} {dist}", {k: float(np.median(v)) for k, v in samples.items()},
+                                   {k: bootstrap_ratio(base, np.array(v)) for k, v in samples.items()}))
+        del graphs, ops, kv
+        torch.cuda.empty_cache()
+    return results
+
+
+def tune(db_path, rounds: int = 5, reps: int = 10, device: str = "cuda") -> TuneResult:
+    """Measure the candidates on BENCH's B >= 64 batches, decide, and record an adopted candidate in the
+    tuning database at `db_path` under this machine's key (its evidence: every batch's times and ratios)."""
+    import meld
+
+    from .db import TuningDB, TuningEntry, TuningKey
+
+    costs = candidates(DecodeCost.default())
+    batches = measure(costs, rounds=rounds, reps=reps, device=device)
+    geo, adopted = decide(batches)
+    result = TuneResult(batches, geo, adopted)
+    if adopted is not None:
+        op = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, device)
+        key = TuningKey.here(op.graph.name, "bfloat16", op.shape_bucket, op.device)
+        changed = {f.name: getattr(costs[adopted], f.name) for f in dataclasses.fields(DecodeCost)
+                   if getattr(costs[adopted], f.name) != getattr(costs["default"], f.name)}
+        evidence = {"workload": "BENCH.md decode, B >= 64", "geomean_ratio": geo[adopted], "batches": {
+            b.name: {"default_us": b.median_us["default"], "tuned_us": b.median_us[adopted],
+                     "ratio_ci95": list(b.ratio[adopted])} for b in batches}}
+        db = TuningDB.load(db_path)
+        db.put(TuningEntry(key, {"cost": changed}, evidence))
+        db.save()
+    return result
+
+
+def table(result: TuneResult) -> str:
+    """The before/after table: per batch, the default's µs and each candidate's ratio [95% interval]."""
+    names = list(result.batches[0].median_us)
+    lines = [" | ".join(["batch"] + [f"{n} µs" if n == "default" else n for n in names])]
+    for b in result.batches:
+        cells = [b.name]
+        for n in names:
+            r, lo, hi = b.ratio[n]
+            cells.append(f"{b.median_us[n]:.1f}" if n == "default" else f"{r:.3f} [{lo:.3f}, {hi:.3f}]")
+        lines.append(" | ".join(cells))
+    lines.append(" | ".join(["geomean", "1"] + [f"{result.geomean[n]:.3f}" for n in names if n != "default"]))
+    lines.append(f"adopted: {result.adopted or 'none (the default stays)'}")
+    return "\n".join(lines)
