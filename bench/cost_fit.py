@@ -28,6 +28,7 @@ import meld  # noqa: E402
 from bench.decode import PAGE_SIZE, Case, make_inputs  # noqa: E402
 from bench.harness import Column, Table, env_info, env_line, flush_l2  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
+from meld.runtime.cuda_graphs import capture  # noqa: E402
 from meld.tuning import concat, cta_samples, errors, fit_cost, today  # noqa: E402
 
 CASES = [(b, d) for b in (64, 256) for d in ("uniform2k", "skewed", "one-long")]
@@ -42,14 +43,7 @@ def record(case: Case, launches: int):
                                 "cuda", kernel_config=cfg)
     attn.plan(t.indptr, t.indices, t.last_page_len)
     out = torch.empty_like(inp.q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        attn.run(inp.q, inp.kv_cache, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attn.run(inp.q, inp.kv_cache, out=out)
+    graph, _ = capture(lambda: attn.run(inp.q, inp.kv_cache, out=out))
     runs = []
     for _ in range(launches):
         flush_l2()

@@ -23,6 +23,7 @@ import meld  # noqa: E402
 from bench.decode import PAGE_SIZE, Case, make_inputs  # noqa: E402
 from bench.harness import flush_l2, graph_time_us  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
+from meld.runtime.cuda_graphs import capture  # noqa: E402
 from meld.runtime.profile import render_png  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
 
@@ -52,14 +53,8 @@ def main() -> int:
     plain, prof = op(False), op(True)
     out = torch.empty_like(inp.q)
     graph_us = graph_time_us(lambda: plain.run(inp.q, inp.kv_cache, out=out)).median_us
-    side = torch.cuda.Stream()   # replay a CUDA graph, as the benchmarks time it (no host gaps between grids)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        prof.run(inp.q, inp.kv_cache, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        prof.run(inp.q, inp.kv_cache, out=out)
+    # replay a CUDA graph, as the benchmarks time it (no host gaps between grids)
+    graph, _ = capture(lambda: prof.run(inp.q, inp.kv_cache, out=out))
     traces = []
     for _ in range(args.runs):
         flush_l2()

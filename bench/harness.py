@@ -30,6 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from meld.runtime.cuda_graphs import capture
+
 try:  # Triton is on the GPU machine; without it the read ceiling falls back to torch (and says so).
     import triton
     import triton.language as tl
@@ -97,16 +99,7 @@ def graph_time_us(fn: Callable[[], Any], warmup: int = 5, reps: int = 50, flush:
         Timing of one replay in µs.
     """
     reps = max(reps, MIN_REPS)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # torch's rule: warm up outside the default stream before capture
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture(fn, warmup=warmup)
     for _ in range(warmup):
         graph.replay()
     if flush:

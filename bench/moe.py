@@ -298,19 +298,13 @@ def measure(name: str, impl_of: Callable[[], Impl], ref: torch.Tensor | None, pe
 def write_trace(moe: Any, inp: Inputs, folder: Path, runs: int = 5) -> str:
     """Per-SM timeline of the profiled module on this case, replayed in a CUDA graph with a cold L2 (as it is
     timed); the launch with the median span is written as Chrome JSON + PNG, as `meld timeline` renders it."""
+    from meld.runtime.cuda_graphs import capture
     from meld.runtime.profile import render_png
 
     def run() -> Any:
         return moe(inp.x, inp.logits, inp.w13, inp.w2)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture(run)
     traces = []
     for _ in range(runs):
         flush_l2()

@@ -40,6 +40,7 @@ from bench.harness import (  # noqa: E402
     Column, Table, Timing, _queue_ahead, env_info, env_line, read_floor_us,
 )
 from meld import workloads  # noqa: E402
+from meld.runtime.cuda_graphs import capture  # noqa: E402
 from meld.serving.backends import AttentionBackend, BackendUnavailable, make_backend  # noqa: E402
 from meld.serving.kv_cache import PagedKVCache  # noqa: E402
 from meld.serving.models import DecoderModel, llama_config  # noqa: E402
@@ -74,19 +75,6 @@ def backend_for(variant: str, mc, B: int, pages: int, device) -> AttentionBacken
         backend.attn.overlap = True
     backend.prepare_graphs([B])
     return backend
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def interleaved_us(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int, reps: int) -> dict[str, Timing]:
@@ -130,11 +118,9 @@ def run_case(model: DecoderModel, B: int, dist: str, variants: list[str], rounds
             continue
         backends[v] = backend
         backend.plan(table)
-        out = {}
-        steps[v] = capture(lambda b=backend: out.__setitem__("logits", model.decode(tokens, positions, slots, b, cache)))
-        logits[v] = out["logits"]
+        steps[v], logits[v] = capture(lambda b=backend: model.decode(tokens, positions, slots, b, cache))
         if v != "none":
-            alone[v] = capture(lambda b=backend: [b.run(i, q, cache.layer(i)) for i in range(mc.num_layers)])
+            alone[v] = capture(lambda b=backend: [b.run(i, q, cache.layer(i)) for i in range(mc.num_layers)])[0]
     t_step = interleaved_us(steps, rounds, reps)
     t_alone = interleaved_us(alone, rounds, reps)
     read = read_floor_us(kv_bytes)   # one layer's KV

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..runtime.cuda_graphs import capture
 from .backends import AttentionBackend
 from .kv_cache import NULL_SLOT, PagedKVCache, PageTable
 from .models import DecoderModel, MeldMoE
@@ -162,15 +163,7 @@ class Engine:
         self._stage_padding()
         for rows in reversed(self.buckets):
             self.backend.plan(self._padding_table(rows))
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):   # warm-up off the capture, as torch.cuda.graphs recommends
-                self._forward(rows)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                logits = self._forward(rows)
-            self._graphs[rows] = (g, logits)
+            self._graphs[rows] = capture(lambda: self._forward(rows), pool=pool, device=self.device)
         torch.cuda.synchronize(self.device)
 
     def bucket(self, batch: int) -> int:
@@ -318,13 +311,5 @@ class Engine:
     def _attention_graph(self, rows: int, call):
         """A graph of one step's attention calls for this bucket (captured once, after a plan of it)."""
         if rows not in self._attn_graphs:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                call()
-            self._attn_graphs[rows] = g
+            self._attn_graphs[rows] = capture(call, device=self.device)[0]
         return self._attn_graphs[rows].replay

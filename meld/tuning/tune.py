@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..runtime.cuda_graphs import capture
 from ..scheduler import DecodeCost
 from ..workloads import lengths, paged
 
@@ -87,11 +88,7 @@ def measure(costs: dict[str, DecodeCost], batches=BENCH_BATCHES, rounds: int = 5
             op = ops[name] = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, dev, cost=cost)
             op.plan(t.kv_indptr, t.kv_indices, t.kv_last_page_len)
             out = torch.empty_like(q)
-            op.run(q, kv, out=out)
-            torch.cuda.synchronize(dev)
-            graphs[name] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[name]):
-                op.run(q, kv, out=out)
+            graphs[name] = capture(lambda op=op, out=out, kv=kv: op.run(q, kv, out=out), device=dev)[0]
         samples: dict[str, list[float]] = {k: [] for k in costs}
         order = list(costs)
         for _ in range(rounds):
