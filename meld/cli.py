@@ -6,9 +6,9 @@ same schedule on the CPU reference executor. Either way the result is checked ag
 
 `meld timeline`: summary, per-SM busy table and PNG timeline of a trace written under MELD_PROFILE=1.
 
-`meld tune --workload bench`: search decode attention's planner constants on BENCH's B >= 64 batches,
-print the before/after table, and record a candidate that wins beyond the noise in the tuning database
-(--db, or MELD_TUNING_DB). `meld tune --show`: what the database holds and whether each entry applies
+`meld tune --workload bench|recorded:FILE`: search decode attention's planner constants on BENCH's B >= 64
+batches (or on batches MELD_RECORD recorded), print the before/after table, and record a candidate that
+wins beyond the noise in the tuning database (--db, or MELD_TUNING_DB). `meld tune --show`: what the database holds and whether each entry applies
 here.
 
 `meld serve-bench`: a continuous-batching decode loop (meld.serving) on a log-normal request trace, per
@@ -218,11 +218,25 @@ def _db_path(parser: argparse.ArgumentParser, db: Path | None) -> Path:
     return path
 
 
-def tune_run(parser: argparse.ArgumentParser, db: Path | None, rounds: int, device: str | None) -> int:
+def _workload(text: str) -> str:
+    """argparse type of `meld tune --workload`: "bench" or "recorded:FILE" (an existing file)."""
+    if text == "bench" or (text.startswith("recorded:") and Path(text[len("recorded:"):]).is_file()):
+        return text
+    if text.startswith("recorded:"):
+        raise argparse.ArgumentTypeError(f"{text[len('recorded:'):]!r} is not a file")
+    raise argparse.ArgumentTypeError(f"{text!r} is not 'bench' or 'recorded:FILE'")
+
+
+def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, rounds: int,
+             device: str | None) -> int:
     from meld.tuning.db import TuningDB
-    from meld.tuning.tune import table, tune
+    from meld.tuning.tune import bench_batches, recorded_batches, table, tune
 
     path = _db_path(parser, db)
+    try:
+        batches = bench_batches() if workload == "bench" else recorded_batches(workload[len("recorded:"):])
+    except ValueError as e:
+        parser.error(f"argument --workload: {e}")
     if _devices() == ["cpu"]:
         parser.error("argument --workload: tuning measures on a GPU; this machine has no sm_90+ GPU")
     device = _device(parser, device or "cuda")
@@ -232,7 +246,7 @@ def tune_run(parser: argparse.ArgumentParser, db: Path | None, rounds: int, devi
         TuningDB.load(path)   # a damaged database fails before any measurement
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    result = tune(path, rounds=rounds, device=device)
+    result = tune(path, batches, workload, rounds=rounds, device=device)
     print(table(result))
     print(f"recorded in {path}" if result.adopted else f"nothing recorded in {path}")
     return 0
@@ -292,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "recorded elsewhere is ignored with a warning.")
     what = tu.add_mutually_exclusive_group(required=True)
     what.add_argument("--show", action="store_true", help="list the entries and where each applies")
-    what.add_argument("--workload", choices=["bench"], help="tune on this workload (bench: BENCH.md's B >= 64 decode "
-                                                            "batches) and record what wins")
+    what.add_argument("--workload", type=_workload, metavar="bench|recorded:FILE",
+                      help="tune on BENCH.md's B >= 64 decode batches, or on batches recorded under MELD_RECORD, "
+                           "and record what wins")
     tu.add_argument("--db", type=Path, help="the database file (default: MELD_TUNING_DB)")
     tu.add_argument("--rounds", type=_int_in(0, 1000), default=5, help="interleaved rounds of replays per batch")
     tu.add_argument("--device", help="cuda or cuda:N (default: cuda)")
@@ -304,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "serve-bench":
         return serving_cli.serve_bench(sb, args, _device(sb, args.device))
     if args.cmd == "tune":
-        return tune_show(tu, args.db) if args.show else tune_run(tu, args.db, args.rounds, args.device)
+        return tune_show(tu, args.db) if args.show else tune_run(tu, args.db, args.workload, args.rounds, args.device)
     if args.cmd == "timeline":
         return timeline(t, args.trace, args.output, args.width, args.row_height)
     device = _device(d, args.device)

@@ -9,6 +9,8 @@
 | MELD_PROFILE      | 0                | 1: kernels record per-task timestamps; eager runs write traces |
 | MELD_PROFILE_DIR  | meld-profile     | where MELD_PROFILE=1 writes Chrome/Perfetto traces             |
 | MELD_TUNING_DB    | (unset)          | JSON tuning database operators take their tuned configs from   |
+| MELD_RECORD       | (unset)          | append sampled batches (plan()'s KV lengths) to this JSON-lines file |
+| MELD_RECORD_EVERY | 100              | record one plan() in this many                                 |
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ _DEFAULTS = {
     "MELD_PROFILE": "0",
     "MELD_PROFILE_DIR": "meld-profile",
     "MELD_TUNING_DB": "",
+    "MELD_RECORD": "",
+    "MELD_RECORD_EVERY": "100",
 }
 
 

@@ -15,7 +15,9 @@ from meld import cli, config
 from meld.ops.base import Operator
 from meld.tuning import db as tdb
 from meld.tuning.db import TuningDB, TuningEntry, TuningKey, source_hash
-from meld.tuning.tune import BatchResult, bootstrap_ratio, candidates, decide
+from meld.tuning import recorder as rec
+from meld.tuning.tune import BatchResult, bootstrap_ratio, candidates, decide, recorded_batches
+from meld.workloads import lengths, paged
 
 KEY = TuningKey("decode_attention", "bfloat16", "Hq32/Hkv8/D128/P16/C1", "NVIDIA H200", 132, "13.0", "13.0",
                 source_hash())
@@ -173,9 +175,61 @@ def test_gpu_measure_times_every_candidate_on_every_batch():
 
     cost = meld.scheduler.DecodeCost()
     res = measure({"default": cost, "item_overhead_tokens=64": dataclasses.replace(cost, item_overhead_tokens=64)},
-                  batches=[(64, "skewed"), (8, "one-long")], rounds=2, reps=4)
+                  [("B=64 skewed", lengths("skewed", 64)), ("B=8 one-long", lengths("one-long", 8))], rounds=2, reps=4)
     assert [b.name for b in res] == ["B=64 skewed", "B=8 one-long"]
     for b in res:
         assert b.ratio["default"][0] == 1.0 and all(v > 0 for v in b.median_us.values())
         r, lo, hi = b.ratio["item_overhead_tokens=64"]
         assert lo <= r <= hi and 0.5 < r < 2
+
+
+# --- the workload recorder ----------------------------------------------------------------------------------
+def test_plan_records_one_batch_in_every(tmp_path):
+    """MELD_RECORD: plan() appends one batch in MELD_RECORD_EVERY (its KV lengths, operator and shape);
+    a plan() that raises records and counts nothing."""
+    path = tmp_path / "workload.jsonl"
+    batches = [lengths("ragged", 9), lengths("skewed", 5), [7, 0, 300], lengths("one-long", 3), [16, 17]]
+    with config.scope(MELD_RECORD=str(path), MELD_RECORD_EVERY="2"):
+        attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu")
+        for lens in batches:
+            t = paged(lens, 16)
+            attn.plan(t.kv_indptr, t.kv_indices, t.kv_last_page_len)
+            with pytest.raises(ValueError):
+                attn.plan(t.kv_indptr, t.kv_indices, t.kv_last_page_len + 100)
+    assert rec.load(path, "decode_attention", "Hq32/Hkv8/D128/P16/C1") == [batches[0], batches[2], batches[4]]
+    assert rec.load(path, "decode_attention", "Hq8/Hkv8/D64/P16/C1") == []
+    with open(path, "a") as f:
+        f.write("not json\n")
+    with pytest.raises(ValueError, match=rf"{path}:4 is not a workload record"):
+        rec.load(path, "decode_attention", "Hq32/Hkv8/D128/P16/C1")
+    with config.scope(MELD_RECORD=str(path), MELD_RECORD_EVERY="0"), pytest.raises(ValueError, match="must be >= 1"):
+        rec.recorder()
+
+
+def test_recorded_batches_spread_over_their_sizes(tmp_path):
+    path = tmp_path / "w.jsonl"
+    r = rec.WorkloadRecorder(path, 1)
+    for n in range(1, 21):
+        r.record("decode_attention", "Hq32/Hkv8/D128/P16/C1", [100 * n] * (n % 4 + 1))
+    r.record("decode_attention", "Hq32/Hkv8/D128/P16/C1", [0, 0])
+    picked = recorded_batches(path, most=4)
+    totals = [sum(lens) for _, lens in picked]
+    assert len(picked) == 4 and totals == sorted(totals) and totals[0] > 0
+    assert totals[0] == min(100 * n * (n % 4 + 1) for n in range(1, 21))
+    assert totals[-1] == max(100 * n * (n % 4 + 1) for n in range(1, 21))
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds no recorded decode_attention batch"):
+        recorded_batches(empty)
+
+
+def test_cli_tune_workload_arguments(tmp_path, capsys):
+    for workload, why in [("recorded:" + str(tmp_path / "missing.jsonl"), "is not a file"), ("bnech", "is not 'bench'")]:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["tune", "--workload", workload, "--db", str(tmp_path / "t.json")])
+        assert exc.value.code == 2 and why in capsys.readouterr().err
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["tune", "--workload", f"recorded:{empty}", "--db", str(tmp_path / "t.json")])
+    assert exc.value.code == 2 and "holds no recorded" in capsys.readouterr().err

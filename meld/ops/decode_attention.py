@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import config
+from ..tuning.recorder import kv_lens, recorder
 from ..runtime import host_helper
 from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, DecodePlanKernelConfig, TensorMap
 from ..ir import Schedule
@@ -425,6 +426,11 @@ class DecodeAttention(Operator):
         self._plan_kernel_last = True
         if buf is not None:
             self._buf = buf
+        rec = recorder()
+        if rec is not None and rec.due() and not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                                                     for t in (planned.indptr, planned.last)):
+            rec.record(self.graph.name, self.shape_bucket, kv_lens(_host(planned.indptr), _host(planned.last),
+                                                                   self.page_size))
 
     def _plan_cpu(self, B, kv_indptr, kv_indices, kv_last_page_len) -> None:
         indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()

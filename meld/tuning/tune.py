@@ -1,5 +1,6 @@
-"""`meld tune`: search decode attention's planner constants on a workload; adopt a candidate only where it
-is faster beyond the noise on every batch of the workload, and record it in the tuning database.
+"""`meld tune`: search decode attention's planner constants on a workload (BENCH's B >= 64 batches, or
+batches recorded from production by MELD_RECORD); adopt a candidate only where it is faster beyond the
+noise and slower on no batch, and record it in the tuning database.
 
 Each batch of the workload is planned by every candidate (a `DecodeCost`; the kernel is the same, so one
 compile serves all) and run from its own CUDA graph. Rounds replay the candidates in a shuffled order,
@@ -24,8 +25,27 @@ from ..runtime.cuda_graphs import capture
 from ..scheduler import DecodeCost
 from ..workloads import lengths, paged
 
-BENCH_BATCHES = [(b, d) for b in (64, 256) for d in ("uniform2k", "skewed", "one-long")]   # BENCH.md, B >= 64
-SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)                   # BENCH.md's GQA shape
+SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)   # BENCH.md's GQA shape
+SHAPE_BUCKET = "Hq32/Hkv8/D128/P16/C1"                                       # DecodeAttention.shape_bucket of it
+
+
+def bench_batches() -> list[tuple[str, list[int]]]:
+    """BENCH.md's decode batches with B >= 64."""
+    return [(f"B={b} {d}", lengths(d, b)) for b in (64, 256) for d in ("uniform2k", "skewed", "one-long")]
+
+
+def recorded_batches(path, most: int = 6) -> list[tuple[str, list[int]]]:
+    """Up to `most` batches recorded for BENCH's shape (MELD_RECORD), spread over their total tokens: the
+    smallest, the largest and quantiles between."""
+    from .recorder import load
+
+    got = load(path, "decode_attention", SHAPE_BUCKET)
+    got = [lens for lens in got if sum(lens) > 0]
+    if not got:
+        raise ValueError(f"{path} holds no recorded decode_attention batch of {SHAPE_BUCKET} with KV tokens")
+    order = sorted(range(len(got)), key=lambda i: sum(got[i]))
+    picks = sorted({order[round(q * (len(order) - 1))] for q in np.linspace(0, 1, most)}, key=lambda i: sum(got[i]))
+    return [(f"recorded #{i} B={len(got[i])} {sum(got[i])} tokens", got[i]) for i in picks]
 
 
 @dataclass(frozen=True)
@@ -68,16 +88,17 @@ def decide(batches: list[BatchResult]) -> tuple[dict[str, float], str | None]:
     return geo, min(ok, key=geo.get) if ok else None
 
 
-def measure(costs: dict[str, DecodeCost], batches=BENCH_BATCHES, rounds: int = 5, reps: int = 10,
+def measure(costs: dict[str, DecodeCost], batches: list[tuple[str, list[int]]], rounds: int = 5, reps: int = 10,
             device: str = "cuda", seed: int = 0) -> list[BatchResult]:
+    """Each (name, KV lengths) batch of BENCH's shape, planned by every candidate, timed (module docstring)."""
     import meld
 
     dev = torch.device(device)
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 << 20
     flush = torch.ones(l2, dtype=torch.float32, device=dev)   # 4x the L2, read before each replay
     rng, results = random.Random(seed), []
-    for b, dist in batches:
-        lens = lengths(dist, b)
+    for batch_name, lens in batches:
+        b = len(lens)
         t = paged(lens, SHAPE["page_size"], generator=torch.Generator().manual_seed(seed))
         g = torch.Generator(device=dev).manual_seed(seed)
         q = torch.randn(b, SHAPE["num_qo_heads"], SHAPE["head_dim"], generator=g, device=dev, dtype=torch.bfloat16)
@@ -105,32 +126,33 @@ def measure(costs: dict[str, DecodeCost], batches=BENCH_BATCHES, rounds: int = 5
                 torch.cuda.synchronize(dev)
                 samples[name] += [e0.elapsed_time(e1) * 1e3 for e0, e1 in events]
         base = np.array(samples["default"])
-        results.append(BatchResult(f"B={b} {dist}", {k: float(np.median(v)) for k, v in samples.items()},
+        results.append(BatchResult(batch_name, {k: float(np.median(v)) for k, v in samples.items()},
                                    {k: bootstrap_ratio(base, np.array(v)) for k, v in samples.items()}))
         del graphs, ops, kv
         torch.cuda.empty_cache()
     return results
 
 
-def tune(db_path, rounds: int = 5, reps: int = 10, device: str = "cuda") -> TuneResult:
-    """Measure the candidates on BENCH's B >= 64 batches, decide, and record an adopted candidate in the
-    tuning database at `db_path` under this machine's key (its evidence: every batch's times and ratios)."""
+def tune(db_path, batches: list[tuple[str, list[int]]], workload: str, rounds: int = 5, reps: int = 10,
+         device: str = "cuda") -> TuneResult:
+    """Measure the candidates on `batches`, decide, and record an adopted candidate in the tuning database
+    at `db_path` under this machine's key (its evidence: the workload, every batch's times and ratios)."""
     import meld
 
     from .db import TuningDB, TuningEntry, TuningKey
 
     costs = candidates(DecodeCost.default())
-    batches = measure(costs, rounds=rounds, reps=reps, device=device)
-    geo, adopted = decide(batches)
-    result = TuneResult(batches, geo, adopted)
+    measured = measure(costs, batches, rounds=rounds, reps=reps, device=device)
+    geo, adopted = decide(measured)
+    result = TuneResult(measured, geo, adopted)
     if adopted is not None:
         op = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, device)
         key = TuningKey.here(op.graph.name, "bfloat16", op.shape_bucket, op.device)
         changed = {f.name: getattr(costs[adopted], f.name) for f in dataclasses.fields(DecodeCost)
                    if getattr(costs[adopted], f.name) != getattr(costs["default"], f.name)}
-        evidence = {"workload": "BENCH.md decode, B >= 64", "geomean_ratio": geo[adopted], "batches": {
+        evidence = {"workload": workload, "geomean_ratio": geo[adopted], "batches": {
             b.name: {"default_us": b.median_us["default"], "tuned_us": b.median_us[adopted],
-                     "ratio_ci95": list(b.ratio[adopted])} for b in batches}}
+                     "ratio_ci95": list(b.ratio[adopted])} for b in measured}}
         db = TuningDB.load(db_path)
         db.put(TuningEntry(key, {"cost": changed}, evidence))
         db.save()
