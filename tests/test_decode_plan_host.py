@@ -108,3 +108,13 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
     indptr, last = _page_table([100], 16, np.random.default_rng(0))
     with pytest.raises(RuntimeError, match="system C\\+\\+ compiler"):
         plan_decode_host(indptr, last, 16, 8, 4, Topology(132))
+
+
+def test_a_snapped_cut_never_passes_a_neighbouring_cluster_boundary():
+    """Found by the property test above: with a snap tolerance far above the CTAs' shares, a cluster
+    boundary rounded to a unit boundary past the next (unsnapped) boundary made that cluster's segments
+    run backwards, in both planners, and their head/tail parts disagree."""
+    cost = DecodeCost(item_overhead_tokens=1, min_split_tokens=1, min_cta_tokens=1, tile_tokens=16, round_tokens=16,
+                      cluster_snap_tokens=256, invariant_chunk_tokens=16)
+    topo, mix = Topology(52, {1: 52, 2: 6}), [(2, 6), (1, 40)]
+    _assert_equal([0, 0, 1000], 16, 8, 4, 8, topo, cost, mix, 0)   # equal, and valid

@@ -111,8 +111,10 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
 
     # Two levels with clusters (roomy only): a cut between two clusters moves to the nearest unit
     # boundary when that moves it by at most `snap` tokens per CTA of the smaller of the two clusters
-    # (and at least one of them has more than one CTA), so the unit's pieces stay in one cluster and
-    # merge on chip; the cuts inside each cluster keep their proportions within its moved span.
+    # (and at least one of them has more than one CTA), and not past the neighbouring cluster boundaries'
+    # own positions (a snapped cut ahead of an unsnapped neighbour made a cluster's span run backwards), so
+    # the unit's pieces stay in one cluster and merge on chip; the cuts inside each cluster keep their
+    # proportions within its moved span.
     j = _cuts(active)
     snap = cost.cluster_snap_tokens if roomy and any(size > 1 for size, _ in clusters) else 0
     if snap:
@@ -130,7 +132,7 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         start = R[b] + (x - R[b]) // width[b] * width[b]
         near = np.where(x - start <= start + width[b] - x, start, start + width[b])
         moved = xs.copy()
-        ok = boundary & (np.abs(near - x) <= tol) & (near > 0) & (near < total)
+        ok = boundary & (np.abs(near - x) <= tol) & (near > 0) & (near < total) & (near >= xs[first[j - 1]]) & (near <= xs[e])
         moved[j[ok]] = near[ok]
         return moved[f] + (x - xs[f]) * (moved[e] - moved[f]) // (xs[e] - xs[f])
 

@@ -184,7 +184,11 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
       const long long wb = (long long)p.kv_len[b] + o;
       const long long start = R[b] + (x - R[b]) / wb * wb;
       const long long near = x - start <= start + wb - x ? start : start + wb;
-      if (llabs(near - x) <= (long long)snap * min(size, before) && near > 0 && near < total) moved[c] = near;
+      // ... and never past the neighbouring cluster boundaries' own targets: rounding to the nearest unit
+      // boundary keeps snapped cuts in order, and this keeps a snapped cut behind an unsnapped neighbour.
+      const long long lo = target(cl_first[c - 1], second), hi = target(min(cl_end[c], active), second);
+      if (llabs(near - x) <= (long long)snap * min(size, before) && near > 0 && near < total && near >= lo && near <= hi)
+        moved[c] = near;
     }
     __syncthreads();
     for (int c = 1 + tid; c < active; c += PT) {
