@@ -233,3 +233,16 @@ def test_cli_tune_workload_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["tune", "--workload", f"recorded:{empty}", "--db", str(tmp_path / "t.json")])
     assert exc.value.code == 2 and "holds no recorded" in capsys.readouterr().err
+
+
+def test_a_recording_that_fails_never_fails_the_plan(tmp_path):
+    """A file that cannot be written: one warning, the plan goes through, recording stops."""
+    attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu")
+    u = paged([300, 1, 90], 16)
+    with config.scope(MELD_RECORD=str(tmp_path / "no-such-dir" / "w.jsonl"), MELD_RECORD_EVERY="1"):
+        with pytest.warns(UserWarning, match="cannot append batches .*recording stops"):
+            attn.plan(u.kv_indptr, u.kv_indices, u.kv_last_page_len)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            attn.plan(u.kv_indptr, u.kv_indices, u.kv_last_page_len)
+    assert attn.schedule.kv_len.tolist() == [300, 1, 90]

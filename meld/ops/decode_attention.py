@@ -421,16 +421,17 @@ class DecodeAttention(Operator):
             config.dump("decode_attention.schedule.json", self.schedule.to_json())
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
-        """Install a validated plan (and grown buffers): the only place plan() changes the operator."""
-        self._planned, self._schedule = planned, None
-        self._plan_kernel_last = True
-        if buf is not None:
-            self._buf = buf
+        """Install a validated plan (and grown buffers): the only place plan() changes the operator;
+        and record the batch when MELD_RECORD samples it."""
         rec = recorder()
         if rec is not None and rec.due() and not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
                                                      for t in (planned.indptr, planned.last)):
             rec.record(self.graph.name, self.shape_bucket, kv_lens(_host(planned.indptr), _host(planned.last),
                                                                    self.page_size))
+        self._planned, self._schedule = planned, None
+        self._plan_kernel_last = True
+        if buf is not None:
+            self._buf = buf
 
     def _plan_cpu(self, B, kv_indptr, kv_indices, kv_last_page_len) -> None:
         indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()

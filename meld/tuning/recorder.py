@@ -4,10 +4,12 @@
 One JSON line per recorded batch: {"operator", "shape", "batch", "kv_lens"}. Only one plan() in
 MELD_RECORD_EVERY (default 100) is recorded, and only page tables planned from host memory (reading a
 table that lives on the GPU would synchronise with it); the cost of an unrecorded plan() is one counter.
+A file that cannot be written gives one warning and ends the recording, never a failed plan().
 """
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +33,12 @@ class WorkloadRecorder:
     def record(self, operator: str, shape: str, kv_lens: np.ndarray) -> None:
         line = json.dumps({"operator": operator, "shape": shape, "batch": int(len(kv_lens)),
                            "kv_lens": [int(n) for n in kv_lens]})
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:   # recording must never fail a plan(): say so once and stop recording
+            warnings.warn(f"MELD_RECORD={self.path}: cannot append batches ({e}); recording stops", stacklevel=4)
+            self.every = 1 << 62
 
 
 _recorders: dict[tuple[str, int], WorkloadRecorder] = {}
