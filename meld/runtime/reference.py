@@ -70,22 +70,32 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, 
         u = int(it["unit"][i])
         arrived[u] += 1
         if arrived[u] == it["num_parts"][i]:      # last arriver merges the unit's slots
-            s0 = int(it["parts_begin"][i])
-            m, l, acc = np.full(rows, -np.inf), np.zeros(rows), np.zeros((rows, D))
-            for s in range(s0, s0 + int(it["num_parts"][i])):
-                ls = part_lse[s, :rows]
-                m, l, acc = _merge(m, l, acc, ls, np.ones(rows), part_o[s, :rows])
-            _write(out, lse, b, h0, m, l, acc)
+            s0, n = int(it["parts_begin"][i]), int(it["num_parts"][i])
+            o, ls = merge_partials(part_lse[s0:s0 + n, :rows], part_o[s0:s0 + n, :rows])
+            out[b, h0:h0 + rows], lse[b, h0:h0 + rows] = torch.from_numpy(o), torch.from_numpy(ls)
     return out, lse
 
 
-def _write(out, lse, b, h0, m, l, acc) -> None:
-    """Normalise: l == 0 is an empty row (zeros, lse -inf); a NaN l stays NaN."""
-    rows = len(m)
+def merge_partials(part_lse: np.ndarray, part_o: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge n partial results of the same rows, in order, as a last arriver does: lse [n, H] and o [n, H, D]
+    (a part with no tokens: lse -inf) -> (o [H, D], lse [H])."""
+    H, D = part_o.shape[1:]
+    m, l, acc = np.full(H, -np.inf), np.zeros(H), np.zeros((H, D))
+    for s in range(len(part_lse)):
+        m, l, acc = _merge(m, l, acc, part_lse[s], np.ones(H), part_o[s])
+    return _normalised(m, l, acc)
+
+
+def _normalised(m, l, acc) -> tuple[np.ndarray, np.ndarray]:
+    """(o, lse) of a softmax state: l == 0 is an empty row (zeros, lse -inf); a NaN l stays NaN."""
     empty = l == 0
     safe = np.where(empty, 1.0, l)
-    out[b, h0:h0 + rows] = torch.from_numpy(np.where(empty[:, None], 0.0, acc / safe[:, None]))
-    lse[b, h0:h0 + rows] = torch.from_numpy(np.where(empty, -np.inf, m + np.log(safe)))
+    return np.where(empty[:, None], 0.0, acc / safe[:, None]), np.where(empty, -np.inf, m + np.log(safe))
+
+
+def _write(out, lse, b, h0, m, l, acc) -> None:
+    o, ls = _normalised(m, l, acc)
+    out[b, h0:h0 + len(m)], lse[b, h0:h0 + len(m)] = torch.from_numpy(o), torch.from_numpy(ls)
 
 
 def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,

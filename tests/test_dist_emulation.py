@@ -1,0 +1,127 @@
+"""meld.dist on the CPU: sharding plans, the emulated transport, and sequence-parallel decode over emulated
+ranks. Under random landing order and delays the result equals the single-rank execution of the same
+parts bit for bit, matches float64 attention, and loses nothing; a transport that lets a count overtake
+its data is caught."""
+import numpy as np
+import pytest
+import torch
+
+from meld.dist import EmulatedTransport, rank_partials, seq_parallel_decode, shard_batch
+from meld.runtime.reference import attention_reference, merge_partials
+from meld.workloads import paged
+
+P, HQ, HKV, D = 4, 4, 2, 64
+LENS = [0, 5, 50, 130, 7, 64, 1, 33]
+
+
+def _inputs(lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = paged(lens, P, generator=g)
+    q = torch.randn(len(lens), HQ, D, generator=g).bfloat16()
+    kv = torch.randn(t.num_pages, 2, P, HKV, D, generator=g).bfloat16()
+    return t, q, kv
+
+
+def _single_rank(plan, t, q, kv):
+    """The same parts computed rank by rank in one thread, each request merged in part order."""
+    parts = {}
+    for r in range(plan.world):
+        o, lse = rank_partials(plan, r, q, kv, t.kv_indptr, t.kv_indices)
+        for k, i in enumerate(plan.on(r)):
+            parts[int(i)] = (o[k], lse[k])
+    out, lse = [], []
+    for b in range(len(plan.kv_len)):
+        idx = sorted(np.flatnonzero(plan.req == b), key=lambda i: plan.part[i])
+        mo, ml = merge_partials(np.stack([parts[i][1] for i in idx]), np.stack([parts[i][0] for i in idx]))
+        out.append(mo)
+        lse.append(ml)
+    return torch.from_numpy(np.stack(out)), torch.from_numpy(np.stack(lse))
+
+
+# --- plans ---------------------------------------------------------------------------------------------------
+def test_shard_plans_cover_every_request_and_split_the_long_ones():
+    plan = shard_batch(LENS, P, 3, min_split_tokens=16)
+    assert plan.world == 3 and plan.num_parts.tolist() == [1, 1, 3, 3, 1, 3, 1, 1]
+    for b in (2, 3, 5):   # split over every rank, cuts on pages, owner = part 0's rank
+        idx = np.flatnonzero(plan.req == b)
+        assert sorted(plan.rank[idx].tolist()) == [0, 1, 2] and all(plan.begin[i] % P == 0 for i in idx)
+    assert np.bincount(plan.rank, weights=plan.end - plan.begin, minlength=3).max() <= 120
+    assert shard_batch(LENS, P, 1).num_parts.tolist() == [1] * len(LENS)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        shard_batch(LENS, P, 0)
+    with pytest.raises(ValueError, match="lengths >= 0"):
+        shard_batch([3, -1], P, 2)
+
+
+# --- the transport -------------------------------------------------------------------------------------------
+def test_ordered_transport_lands_each_channel_in_issue_order():
+    tr = EmulatedTransport(2, ordered=True, seed=3, max_delay=1e-5, chunk=3)
+    try:
+        w = tr.window("w", (4, 10), np.float64, np.nan)
+        tr.window("n", (4,), np.int64, 0)
+        for i in range(4):
+            tr.put(0, 1, "w", i, np.arange(10) + 10 * i)
+            assert tr.fetch_add(0, 1, "n", i, 5) == 0   # lands after the put before it: the row is whole
+            assert np.array_equal(tr.get(0, 1, "w", i), np.arange(10) + 10 * i)
+        assert tr.fetch_add(0, 1, "n", 2, 1) == 5
+        tr.quiet(0)
+        assert np.isnan(w[0]).all() and np.array_equal(w[1][3], np.arange(30, 40))
+        assert all(v == 1 for v in tr.landed_elements.values()) and len(tr.landed_elements) == 40
+    finally:
+        tr.close()
+
+
+def test_a_stuck_operation_names_itself():
+    tr = EmulatedTransport(2, timeout=0.2)
+    tr.window("n", (1,), np.int64, 0)
+    tr.close()   # no proxy: nothing lands
+    with pytest.raises(TimeoutError, match=r"rank 1: fetch_add on rank 0's n\[0\] did not land in 0.2 s"):
+        tr.fetch_add(1, 0, "n", 0, 1)
+    with pytest.raises(TimeoutError, match="rank 1: 1 operations did not land"):
+        tr.quiet(1)
+
+
+# --- sequence-parallel decode ------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_seq_parallel_equals_single_rank_under_any_landing_order(world, ordered):
+    t, q, kv = _inputs(LENS)
+    plan = shard_batch(LENS, P, world, min_split_tokens=16)
+    want_o, want_lse = _single_rank(plan, t, q, kv)
+    ref_o, ref_lse = attention_reference(q, kv, t.kv_indptr, t.kv_indices, t.kv_last_page_len)
+    for seed in range(3):
+        tr = EmulatedTransport(world, ordered=ordered, seed=seed, max_delay=2e-5, chunk=64)
+        try:
+            out, lse = seq_parallel_decode(plan, tr, q, kv, t.kv_indptr, t.kv_indices)
+        finally:
+            tr.close()
+        assert torch.equal(out, want_o) and torch.equal(lse, want_lse), f"seed {seed}: differs from one rank"
+        assert torch.allclose(out, ref_o, atol=1e-12) and torch.allclose(lse[ref_lse > -np.inf],
+                                                                        ref_lse[ref_lse > -np.inf], atol=1e-12)
+        counts = [tr._windows["arrived"][plan.owner[b]][b] for b in range(len(LENS))]
+        assert counts == plan.num_parts.tolist()                             # every part counted once
+        written = {(k[0], k[2]): 0 for k in tr.landed_elements if k[1] == "part_o"}
+        for k, v in tr.landed_elements.items():
+            assert v == 1, f"{k} landed {v} times"
+            if k[1] == "part_o":
+                written[(k[0], k[2])] += 1
+        assert sorted(written) == sorted((int(plan.owner[plan.req[i]]), (int(plan.req[i]), int(plan.part[i])))
+                                         for i in range(len(plan.req)))    # every partial reached its owner
+        assert all(n == HQ * D for n in written.values())                  # whole
+
+
+def test_a_count_that_overtakes_its_data_is_caught():
+    """fence=False lets a fetch-add land before the puts before it: the last part then merges a partial
+    that has not landed (NaN-poisoned), and the comparison above fails. With the fence it never does."""
+    t, q, kv = _inputs(LENS)
+    plan = shard_batch(LENS, P, 2, min_split_tokens=16)
+    want_o, _ = _single_rank(plan, t, q, kv)
+    caught = 0
+    for seed in range(4):
+        tr = EmulatedTransport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=32, fence=False)
+        try:
+            out, _ = seq_parallel_decode(plan, tr, q, kv, t.kv_indptr, t.kv_indices)
+        finally:
+            tr.close()
+        caught += not torch.equal(out, want_o)
+    assert caught >= 3
