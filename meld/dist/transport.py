@@ -1,22 +1,26 @@
-"""Moving partial results between ranks: one interface, and the CPU emulation CI tests the protocol on.
+"""Moving partial results between ranks: one protocol, carried by a command ring and a host proxy.
 
-A transport moves data into *windows*: named arrays of one shape on every rank (symmetric memory). A rank
-`src` issues towards a rank `dst`:
+A transport moves data between *windows*: named arrays of one shape on every rank (symmetric memory). A
+rank `src` issues towards a rank `dst`:
 
-    put(src, dst, window, index, value)     dst's window[index] = value; returns at once
+    put(src, dst, window, index, value)     dst's window[index] = value; returns at once (value is staged
+                                            in src's own window[index], which must not change until it lands)
     fetch_add(src, dst, window, index, n)   dst's integer window[index] += n, returning the old value; it
                                             lands only after every put src issued to dst before it (one
                                             fence per destination: the completion travels behind the data)
     get(src, dst, window, index)            a copy of dst's window[index] (a remote read)
     quiet(src)                              returns once everything src issued has landed
 
-`EmulatedTransport` runs the ranks as threads of one process. A proxy thread lands the queued operations
-one at a time after random delays: in issue order per (src, dst) pair (`ordered`, as RDMA reliable
-connections deliver), or in random order (unordered, as SRD-like transports deliver); either way a put
-travels as chunks of `chunk` elements. `fence=False` lets a fetch-add overtake the puts before it: a broken
-transport, for the test that must catch one. It counts every element each put lands, so a test can check
-that nothing was lost or written twice. Every wait gives up after `timeout` seconds with an error that
-names the operation (the emulation's watchdog).
+Each rank writes its operations as fixed-size records (`COMMAND`, 48 bytes) into its own `CommandRing`; a
+host proxy thread takes them, cuts every put into network chunks of `chunk` elements (whatever the size
+of the compute result), and lands them one at a time. That is the design of the proxy transport that
+models inter-node RDMA, where a GPU kernel writes the records into pinned memory. `EmulatedTransport` is
+it with ranks as threads of one process, copies between NumPy windows, random delays, and landing order
+either in issue order per (src, dst) pair (`ordered`, as reliable connections deliver) or shuffled (as
+SRD-like transports deliver). `fence=False` lets a fetch-add overtake the puts before it: a broken
+transport, for the test that must catch one. It counts every element each put lands, so a test can
+check that nothing was lost or written twice. Every wait gives up after `timeout` seconds with an error
+that names the operation (the emulation's watchdog).
 """
 from __future__ import annotations
 
@@ -25,9 +29,37 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
+
+PUT, ADD = 1, 2
+COMMAND = np.dtype([("op", "<u4"), ("window", "<u4"), ("dst", "<u4"), ("pad", "<u4"), ("start", "<u8"),
+                    ("count", "<u8"), ("addend", "<i8"), ("ticket", "<u8")])   # 48 bytes, 8-byte aligned fields
+
+
+class CommandRing:
+    """One rank's commands to the proxy: records in one buffer, a tail the rank advances after writing a
+    record and a head the proxy advances after taking records. Full: the rank waits (up to `timeout`)."""
+
+    def __init__(self, rank: int, capacity: int = 1024, timeout: float = 30.0):
+        self.rank, self.records, self.timeout = rank, np.zeros(capacity, dtype=COMMAND), timeout
+        self.head = self.tail = 0
+
+    def push(self, op: int, window: int, dst: int, start: int, count: int = 0, addend: int = 0, ticket: int = 0) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.tail - self.head >= len(self.records):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: the command ring stayed full for {self.timeout} s")
+            time.sleep(1e-5)
+        self.records[self.tail % len(self.records)] = (op, window, dst, 0, start, count, addend, ticket)
+        self.tail += 1            # after the record: the proxy reads only records below the tail
+
+    def take(self) -> np.ndarray:
+        """The records written since the last take (the proxy's side)."""
+        head, tail = self.head, self.tail
+        out = self.records[np.arange(head, tail) % len(self.records)]   # a copy: the rank may reuse the slots
+        self.head = tail
+        return out
 
 
 @dataclass
@@ -35,29 +67,39 @@ class _Op:
     src: int
     dst: int
     seq: int                      # issue order on its (src, dst) channel
-    window: str
-    index: Any
-    value: Any = None             # put: (flat start, the chunk's values); add: the addend
+    window: int
+    start: int                    # first flat element (put chunk) or the element added to
+    count: int = 0
+    addend: int = 0
     add: bool = False
+    ticket: int = 0
+
+
+@dataclass
+class _Ticket:
     landed: threading.Event = field(default_factory=threading.Event)
     old: int = 0
 
 
 class EmulatedTransport:
-    """Ranks as threads, a proxy thread landing their operations (module docstring)."""
+    """Ranks as threads, one command ring each, a proxy thread landing their operations (module docstring)."""
 
     def __init__(self, world: int, ordered: bool = True, seed: int = 0, max_delay: float = 1e-4, chunk: int = 64,
-                 fence: bool = True, timeout: float = 30.0):
+                 fence: bool = True, timeout: float = 30.0, ring_capacity: int = 1024):
         if world < 1 or chunk < 1:
             raise ValueError(f"world and chunk must be >= 1, got {world}, {chunk}")
         self.world, self.ordered, self.fence, self.chunk, self.timeout = world, ordered, fence, chunk, timeout
+        self.rings = [CommandRing(r, ring_capacity, timeout) for r in range(world)]
         self._rng, self._max_delay = random.Random(seed), max_delay
-        self._windows: dict[str, list[np.ndarray]] = {}
+        self._names: list[str] = []
+        self._windows: list[list[np.ndarray]] = []
         self._pending: dict[tuple[int, int], list[_Op]] = {}
         self._seq: Counter = Counter()
-        self._unlanded: Counter = Counter()     # per src
-        self.landed_elements: Counter = Counter()   # (dst, window, flat element) -> times a put landed it
-        self._cv = threading.Condition()
+        self._unlanded: Counter = Counter()          # per src: issued, not landed yet
+        self._tickets: dict[tuple[int, int], _Ticket] = {}
+        self._next_ticket: Counter = Counter()
+        self.landed_elements: Counter = Counter()    # (dst, window name, flat element) -> times a put landed it
+        self._cv = threading.Condition()             # the doorbell, and the lock of everything above
         self._closed = False
         self._proxy = threading.Thread(target=self._run_proxy, name="meld-emulated-proxy", daemon=True)
         self._proxy.start()
@@ -66,28 +108,42 @@ class EmulatedTransport:
     def window(self, name: str, shape: tuple[int, ...], dtype, fill) -> list[np.ndarray]:
         """Allocate `name` on every rank, filled with `fill` (NaN makes a slot never written visible)."""
         with self._cv:
-            self._windows[name] = [np.full(shape, fill, dtype=dtype) for _ in range(self.world)]
-            return self._windows[name]
+            if name in self._names:
+                raise ValueError(f"window {name!r} exists already")
+            self._names.append(name)
+            self._windows.append([np.full(shape, fill, dtype=dtype) for _ in range(self.world)])
+            return self._windows[-1]
+
+    def _at(self, window: str, rank: int, index) -> tuple[int, np.ndarray, int]:
+        """(window id, rank's window[index] as a view, its first flat element)."""
+        w = self._names.index(window)
+        arr = self._windows[w][rank]
+        index = index if isinstance(index, tuple) else (index,)
+        return w, arr[index], int(np.ravel_multi_index(index + (0,) * (arr.ndim - len(index)), arr.shape))
 
     # --- the operations ----------------------------------------------------------------------------------
     def put(self, src: int, dst: int, window: str, index, value) -> None:
-        value = np.ascontiguousarray(value, dtype=self._windows[window][dst].dtype).reshape(-1)
-        with self._cv:   # cut into network chunks, whatever the size of the compute result
-            for start in range(0, max(len(value), 1), self.chunk):
-                self._enqueue(_Op(src, dst, 0, window, index, (start, value[start:start + self.chunk].copy())))
+        w, own, start = self._at(window, src, index)
+        own[...] = value                              # staged in the rank's own window (symmetric layout)
+        self._issue(src, PUT, w, dst, start, count=own.size)
 
     def fetch_add(self, src: int, dst: int, window: str, index, n: int) -> int:
-        op = _Op(src, dst, 0, window, index, n, add=True)
+        w, _, start = self._at(window, dst, index)
         with self._cv:
-            self._enqueue(op)
-        if not op.landed.wait(self.timeout):
+            ticket = self._next_ticket[src]
+            self._next_ticket[src] += 1
+            t = self._tickets[(src, ticket)] = _Ticket()
+        self._issue(src, ADD, w, dst, start, addend=n, ticket=ticket)
+        if not t.landed.wait(self.timeout):
             raise TimeoutError(f"rank {src}: fetch_add on rank {dst}'s {window}[{index}] did not land in "
                                f"{self.timeout} s")
-        return op.old
+        with self._cv:
+            del self._tickets[(src, ticket)]
+        return t.old
 
     def get(self, src: int, dst: int, window: str, index) -> np.ndarray:
         with self._cv:
-            return self._windows[window][dst][index].copy()
+            return self._at(window, dst, index)[1].copy()
 
     def quiet(self, src: int) -> None:
         with self._cv:
@@ -100,14 +156,29 @@ class EmulatedTransport:
             self._cv.notify_all()
         self._proxy.join()
 
+    def _issue(self, src: int, op: int, window: int, dst: int, start: int, **fields) -> None:
+        with self._cv:
+            self._unlanded[src] += 1
+        self.rings[src].push(op, window, dst, start, **fields)
+        with self._cv:
+            self._cv.notify_all()                     # the doorbell
+
     # --- the proxy ---------------------------------------------------------------------------------------
-    def _enqueue(self, op: _Op) -> None:
-        ch = (op.src, op.dst)
-        op.seq = self._seq[ch]
-        self._seq[ch] += 1
-        self._pending.setdefault(ch, []).append(op)
-        self._unlanded[op.src] += 1
-        self._cv.notify_all()
+    def _take_commands(self) -> None:
+        """Move every ring's new records into the channels, puts cut into network chunks."""
+        for src, ring in enumerate(self.rings):
+            for rec in ring.take():
+                dst, w, start = int(rec["dst"]), int(rec["window"]), int(rec["start"])
+                if rec["op"] == ADD:
+                    ops = [_Op(src, dst, 0, w, start, addend=int(rec["addend"]), add=True, ticket=int(rec["ticket"]))]
+                else:
+                    n = int(rec["count"])
+                    ops = [_Op(src, dst, 0, w, start + a, min(self.chunk, n - a)) for a in range(0, n, self.chunk)]
+                    self._unlanded[src] += len(ops) - 1   # one issued put, several chunks to land
+                for op in ops:
+                    op.seq = self._seq[(src, dst)]
+                    self._seq[(src, dst)] += 1
+                    self._pending.setdefault((src, dst), []).append(op)
 
     def _landable(self) -> list[_Op]:
         out = []
@@ -124,27 +195,31 @@ class EmulatedTransport:
     def _run_proxy(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or self._landable())
+                def ready():
+                    self._take_commands()
+                    return self._closed or bool(self._landable())
+                self._cv.wait_for(ready)
                 if self._closed:
                     return
                 op = self._rng.choice(self._landable())
                 delay = self._rng.random() * self._max_delay
             time.sleep(delay)
             with self._cv:
-                self._land(op)
+                ticket = self._land(op)
                 self._pending[(op.src, op.dst)].remove(op)
                 self._unlanded[op.src] -= 1
                 self._cv.notify_all()
-            op.landed.set()
+            if ticket is not None:
+                ticket.landed.set()
 
-    def _land(self, op: _Op) -> None:
-        target = self._windows[op.window][op.dst]
+    def _land(self, op: _Op) -> _Ticket | None:
+        dst = self._windows[op.window][op.dst].reshape(-1)
         if op.add:
-            op.old = int(target[op.index])
-            target[op.index] += op.value
-            return
-        start, values = op.value
-        flat = target[op.index].reshape(-1)          # a view: windows are C-contiguous, index picks leading axes
-        flat[start:start + len(values)] = values
-        for e in range(start, start + len(values)):
-            self.landed_elements[(op.dst, op.window, op.index, e)] += 1
+            t = self._tickets[(op.src, op.ticket)]
+            t.old = int(dst[op.start])
+            dst[op.start] += op.addend
+            return t
+        dst[op.start:op.start + op.count] = self._windows[op.window][op.src].reshape(-1)[op.start:op.start + op.count]
+        for e in range(op.start, op.start + op.count):
+            self.landed_elements[(op.dst, self._names[op.window], e)] += 1
+        return None
