@@ -30,6 +30,7 @@ SITES = {
     7: "the TMA copies of ring stage {detail} (the tile's bytes never arrived)",
     8: "epilogue mailbox slot {detail} to be released by the epilogue warp",
     9: "epilogue mailbox slot {detail} to be filled by the consumer warpgroups",
+    10: "cross-rank flag {detail} to reach its count (the phase parity field holds the count waited for)",
 }
 
 

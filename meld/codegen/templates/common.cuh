@@ -221,6 +221,36 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const WaitSite& s
       watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, parity, waited);
   }
 }
+// --- cross-rank signals (meld/dist) -----------------------------------------------------------------
+// A put is plain stores into a peer's symmetric buffer (NVLink peer memory, or pinned host memory for
+// the proxy). signal_add makes every store this thread issued before it visible at system scope, then
+// adds to the flag (release); fetch_add_sys does the same and returns the old count (the last arriver
+// sees count - 1); signal_wait spins with acquire loads until the flag reaches `value`, under the
+// watchdog, so the data the signal covers is visible after it returns.
+__device__ __forceinline__ void signal_add(unsigned long long* flag, unsigned long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(flag), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long fetch_add_sys(unsigned long long* flag, unsigned long long v) {
+  unsigned long long old;
+  asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(flag), "l"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ unsigned long long load_acquire_sys(const unsigned long long* flag) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+  return v;
+}
+__device__ __forceinline__ void signal_wait(const unsigned long long* flag, unsigned long long value, const WaitSite& s,
+                                            i64 limit_ns = MELD_WATCHDOG_NS) {
+  if (load_acquire_sys(flag) >= value) return;
+  const i64 t0 = global_timer_ns();
+  while (load_acquire_sys(flag) < value) {
+    const i64 waited = global_timer_ns() - t0;
+    if (waited > limit_ns)
+      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, (u32)value, waited);
+  }
+}
+
 // One TMA tensor copy (a box of a 5-D tensor map, coordinates innermost first) global -> this CTA's
 // shared memory; its bytes complete on `bar`. `map` is the generic address of a __grid_constant__ map.
 __device__ __forceinline__ void tma_load_5d(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4,
