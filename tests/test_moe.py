@@ -216,38 +216,32 @@ def test_gpu_bit_identical_runs_and_cuda_graph_replay():
     assert_close(static_out, dense_reference(x2, w13, w2, ids, w), "graph replay with new routing")
 
 
+def _check_precomputed(x, H, I, E, k, bad_ids):
+    """meld's MoE on precomputed (weights, ids) against the dense reference; then each (row, col, id) of
+    `bad_ids` put into a copy of the ids makes exactly that token NaN, counted once by errors()."""
+    T, dev = x.shape[0], x.device
+    w13, w2 = weights(E, H, I, dev)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(dev)
+    w = torch.rand(T, k, device=dev)
+    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=T)
+    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=ids)
+    assert_close(out, dense_reference(x, w13, w2, ids, w), f"precomputed routing, E={E} top_k={k}")
+    for row, col, bad_id in bad_ids:
+        bad = ids.clone()
+        bad[row, col] = bad_id(ids[row])
+        out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
+        assert out[row].isnan().all() and not out[:row].isnan().any() and moe.errors() == 1
+
+
 @pytest.mark.gpu
 def test_gpu_precomputed_routing_and_top_k_equal_to_experts():
     T, H, I, E, k = 50, 256, 128, 8, 3
-    dev = "cuda"
-    w13, w2 = weights(E, H, I, dev)
-    x = torch.randn(T, H, device=dev).bfloat16()
-    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(dev)
-    w = torch.rand(T, k, device=dev)
-    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=T)
-    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=ids)
-    assert_close(out, dense_reference(x, w13, w2, ids, w), "precomputed routing")
-    bad = ids.clone()
-    bad[3, 1] = E + 5
-    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
-    assert out[3].isnan().all() and not out[:3].isnan().any() and moe.errors() == 1
-    bad = ids.clone()
-    bad[5, 2] = bad[5, 0]   # a repeat: the first of the two is valid, the token still becomes NaN
-    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
-    assert out[5].isnan().all() and not out[:5].isnan().any() and moe.errors() == 1
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    # out of range; a repeat (the first of the two is valid, the token still becomes NaN)
+    _check_precomputed(x, H, I, E, k, [(3, 1, lambda r: E + 5), (5, 2, lambda r: r[0])])
     gpu_case(T, H, I, E, E)
     # top_k > 32: pairs are checked in chunks of 32 lanes, a repeat across chunks counts too
-    E, k = 40, 36
-    w13, w2 = weights(E, H, I, dev)
-    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(dev)
-    w = torch.rand(T, k, device=dev)
-    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=T)
-    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=ids)
-    assert_close(out, dense_reference(x, w13, w2, ids, w), "precomputed routing, top_k > 32")
-    bad = ids.clone()
-    bad[7, 34] = bad[7, 1]
-    out = moe(x, None, w13, w2, topk_weights=w, topk_ids=bad)
-    assert out[7].isnan().all() and not out[:7].isnan().any() and moe.errors() == 1
+    _check_precomputed(x, H, I, 40, 36, [(7, 34, lambda r: r[1])])
 
 
 @pytest.mark.gpu
