@@ -127,3 +127,43 @@ def test_a_count_that_overtakes_its_data_is_caught():
             tr.close()
         caught += not torch.equal(out, want_o)
     assert caught >= 4
+
+
+def test_window_layout_places_do_not_overlap_and_are_aligned():
+    from meld.dist import WindowLayout
+
+    L = WindowLayout.of(max_batch=5, world=3, num_qo_heads=12, head_dim=64, units_per_request=6)
+    places = [(L.out, 5 * 12 * 64 * 2), (L.lse, 5 * 12 * 4), (L.part_o, 5 * 3 * 12 * 64 * 4), (L.part_lse, 5 * 3 * 12 * 4),
+              (L.counts, 5 * 6 * 8), (L.landed, 8)]
+    for (a, n), (b, _) in zip(places, places[1:]):
+        assert a % 256 == 0 and a + n <= b
+    assert places[-1][0] + 8 <= L.nbytes
+
+
+def test_seq_parallel_decode_needs_a_process_group():
+    import torch.distributed as dist
+
+    from meld.dist import SeqParallelDecode
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        SeqParallelDecode(32, 8, 128, 16, max_batch_size=4, max_num_pages=64)
+
+
+def test_local_tables_cover_each_ranks_token_ranges():
+    """Every rank's local batch reads exactly the pages of its parts' token ranges, with the right last-page fill."""
+    lens = [0, 5, 40000, 17, 9000, 33000]
+    P = 16
+    plan = shard_batch(lens, P, 3, min_split_tokens=1000)
+    pages = [-(-n // P) for n in lens]
+    indptr = np.r_[0, np.cumsum(pages)]
+    indices = np.random.default_rng(0).permutation(indptr[-1]).astype(np.int32)
+    for r in range(3):
+        idx, ip, ind, last = plan.local_tables(r, indptr, indices, P)
+        assert np.array_equal(idx, plan.on(r))
+        for k, i in enumerate(idx):
+            b, lo, hi = plan.req[i], plan.begin[i], plan.end[i]
+            assert np.array_equal(ind[ip[k]:ip[k + 1]], indices[indptr[b] + lo // P:indptr[b] + -(-hi // P)])
+            n = ip[k + 1] - ip[k]
+            assert (n - 1) * P + last[k] == hi - lo if n else hi == lo

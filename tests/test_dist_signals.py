@@ -61,7 +61,7 @@ def test_gpu_two_ctas_ping_pong_through_signals():
     from meld.runtime import watchdog
     from meld.runtime.driver import Kernel
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     kernel = Kernel(compile_source(source(), "meld_signal_pingpong"), "meld_signal_pingpong", dev, 256, 0)
 
     class PingParams(ctypes.Structure):

@@ -105,6 +105,20 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("watchdog_kernel", "i32"),  # this kernel's id in the watchdog's registry
     Field("wait_inputs", "i32"),      # 1: the first grid of an overlapped launch (decode_attention.cuh's entry)
     Field("sm_scale_log2", "f32"),
+    # MELD_XRANK builds (meld/dist/seq_parallel.py; zero otherwise): each local request's (batch request,
+    # part, parts, owner rank); every rank's symmetric window as this rank addresses it; the launch's exit
+    # counter and the landings it waits for; the places in a window, in bytes.
+    Field("xreq", "ptr", "const int4*"),
+    Field("xpeers", "ptr", "char* const*"),
+    Field("xexit", "ptr", "unsigned*"),
+    Field("x_out_off", "i64"),
+    Field("x_lse_off", "i64"),
+    Field("x_po_off", "i64"),
+    Field("x_plse_off", "i64"),
+    Field("x_count_off", "i64"),
+    Field("x_landed_off", "i64"),
+    Field("x_rank", "i32"),
+    Field("x_world", "i32"),
 ])
 
 PLAN_PARAMS = ParamStruct("PlanParams", [

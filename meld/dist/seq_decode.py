@@ -22,23 +22,14 @@ def rank_partials(plan: ShardPlan, rank: int, q: torch.Tensor, kv_cache: torch.T
     (its token range's pages) and run by the CPU reference executor."""
     import meld
 
-    idx = plan.on(rank)
     B, Hq, D = q.shape
     P, Hkv = kv_cache.shape[2], kv_cache.shape[3]
+    idx, indptr, indices, last = plan.local_tables(rank, kv_indptr.numpy(), kv_indices.numpy(), P)
     if not len(idx):
         return np.zeros((0, Hq, D)), np.zeros((0, Hq))
-    indptr = kv_indptr.tolist()
-    pages, counts, last = [], [], []
-    for i in idx:
-        b, lo, hi = int(plan.req[i]), int(plan.begin[i]), int(plan.end[i])
-        first, stop = indptr[b] + lo // P, indptr[b] + -(-hi // P)
-        pages.append(kv_indices[first:stop])
-        counts.append(stop - first)
-        last.append((hi - lo - 1) % P + 1 if hi > lo else 0)
-    local_indptr = torch.tensor(np.r_[0, np.cumsum(counts)], dtype=torch.int32)
-    local_indices = torch.cat(pages).to(torch.int32)
+    local_indices = torch.from_numpy(indices)
     attn = meld.DecodeAttention(Hq, Hkv, D, P, q.dtype, "cpu", sm_scale=sm_scale)
-    attn.plan(local_indptr, local_indices, torch.tensor(last, dtype=torch.int32))
+    attn.plan(torch.from_numpy(indptr), local_indices, torch.from_numpy(last))
     o, lse = execute_decode(attn.schedule, q[torch.from_numpy(plan.req[idx])], kv_cache, local_indices, attn.sm_scale)
     return o.numpy(), lse.numpy()
 

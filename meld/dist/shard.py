@@ -33,6 +33,22 @@ class ShardPlan:
         """The indices of rank `rank`'s parts."""
         return np.flatnonzero(self.rank == rank)
 
+    def local_tables(self, rank: int, kv_indptr: np.ndarray, kv_indices: np.ndarray,
+                     page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rank `rank`'s parts as a batch of their own: (part indices, kv_indptr, kv_indices,
+        kv_last_page_len), int32, each part a request over its token range's pages of the batch's table."""
+        idx = self.on(rank)
+        pages, counts, last = [], [], []
+        for i in idx:
+            b, lo, hi = int(self.req[i]), int(self.begin[i]), int(self.end[i])
+            first, stop = int(kv_indptr[b]) + lo // page_size, int(kv_indptr[b]) - (-hi // page_size)
+            pages.append(kv_indices[first:stop])
+            counts.append(stop - first)
+            last.append((hi - lo - 1) % page_size + 1 if hi > lo else 0)
+        indptr = np.r_[0, np.cumsum(counts, dtype=np.int64)].astype(np.int32)
+        indices = np.concatenate(pages).astype(np.int32) if pages else np.zeros(0, np.int32)
+        return idx, indptr, indices, np.asarray(last, dtype=np.int32)
+
     def validate(self) -> "ShardPlan":
         """Every request covered exactly once by its parts, in order; ValueError otherwise."""
         B = len(self.kv_len)

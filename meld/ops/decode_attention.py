@@ -315,7 +315,8 @@ class DecodeAttention(Operator):
             watchdog_kernel=self._watchdog_id, q_stride_b=0, q_stride_h=0, **self._kv_strides(),
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
-            num_ctas=W, cta_offset=0, prof_cap=prof_cap, wait_inputs=0, sm_scale_log2=self.sm_scale * _LOG2E))
+            num_ctas=W, cta_offset=0, prof_cap=prof_cap, wait_inputs=0, sm_scale_log2=self.sm_scale * _LOG2E,
+            **{f.name: 0 for f in DECODE_PARAMS.fields if f.name.startswith("x")}))   # set by meld.dist
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, params, launcher)
 
     @property
@@ -533,21 +534,9 @@ class DecodeAttention(Operator):
                 grad_inputs = (q, kv_cache)
             q, kv_cache = plain(q), plain(kv_cache)
         B = planned.batch
-        Hq, D, P, Hkv = self.num_qo_heads, self.head_dim, self.page_size, self.num_kv_heads
+        Hq, D = self.num_qo_heads, self.head_dim
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
-        if self.kv_layout == "NHD":
-            expect("kv_cache", kv_cache, self.dtype, (None, 2, P, Hkv, D),
-                   "num_pages, K/V, page_size, num_kv_heads, head_dim: kv_layout='NHD'", self.device, contiguous=True)
-        else:
-            expect("kv_cache", kv_cache, self.dtype, (None, 2, Hkv, P, D),
-                   "num_pages, K/V, num_kv_heads, page_size, head_dim: kv_layout='HND'", self.device, contiguous=True)
-        num_pages = kv_cache.shape[0]
-        if planned.max_page >= num_pages:
-            raise ValueError(f"kv_indices of the last plan() reference page {planned.max_page}, but kv_cache has "
-                             f"only {num_pages} pages")
-        if num_pages * 2 * P * Hkv >= 2 ** 31:
-            raise ValueError(f"kv_cache has {num_pages} pages of {P} tokens x {Hkv} kv heads: more than 2**31 rows "
-                             "of head_dim elements")
+        self._check_kv_cache(kv_cache, planned)
         if out is None:
             out = torch.empty(B, Hq, D, dtype=self.dtype, device=self.device)
         else:
@@ -567,6 +556,23 @@ class DecodeAttention(Operator):
             out, *rest = _NoBackward.apply(*grad_inputs, out, *([lse] if lse is not None else []))
             lse = rest[0] if rest else None
         return (out, lse) if return_lse else out
+
+    def _check_kv_cache(self, kv_cache: torch.Tensor, planned: _Planned) -> None:
+        """kv_cache's dtype, layout, device, and pages enough for the plan's page indices."""
+        D, P, Hkv = self.head_dim, self.page_size, self.num_kv_heads
+        if self.kv_layout == "NHD":
+            expect("kv_cache", kv_cache, self.dtype, (None, 2, P, Hkv, D),
+                   "num_pages, K/V, page_size, num_kv_heads, head_dim: kv_layout='NHD'", self.device, contiguous=True)
+        else:
+            expect("kv_cache", kv_cache, self.dtype, (None, 2, Hkv, P, D),
+                   "num_pages, K/V, num_kv_heads, page_size, head_dim: kv_layout='HND'", self.device, contiguous=True)
+        num_pages = kv_cache.shape[0]
+        if planned.max_page >= num_pages:
+            raise ValueError(f"kv_indices of the last plan() reference page {planned.max_page}, but kv_cache has "
+                             f"only {num_pages} pages")
+        if num_pages * 2 * P * Hkv >= 2 ** 31:
+            raise ValueError(f"kv_cache has {num_pages} pages of {P} tokens x {Hkv} kv heads: more than 2**31 rows "
+                             "of head_dim elements")
 
     def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         sb, sh, sd = q.stride()

@@ -31,6 +31,8 @@ SITES = {
     8: "epilogue mailbox slot {detail} to be released by the epilogue warp",
     9: "epilogue mailbox slot {detail} to be filled by the consumer warpgroups",
     10: "cross-rank flag {detail} to reach its count (the phase parity field holds the count waited for)",
+    11: "the other ranks' results: {detail} units must land in this rank's window before the launch ends "
+        "(a rank that never launched, or died)",
 }
 
 

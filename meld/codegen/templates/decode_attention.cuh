@@ -38,13 +38,26 @@
 // chunk order, so a request's result does not depend on where in the batch, or beside what, it runs.
 // These builds merge through global memory only.
 //
+// MELD_XRANK builds run one rank's share of a sequence-parallel batch (meld/dist/seq_parallel.py): each
+// local request is part `part` of `parts` of batch request `b` (p.xreq), its q row is q[b], and a unit's
+// result on this rank (whole here, or merged from this rank's pieces as above) goes to the ranks'
+// symmetric windows (p.xpeers: NVLink peer memory) instead of p.out: a request whole on this rank writes
+// its output and lse into every rank's window; a part of a request split across ranks puts its float
+// partial into the owner's window and counts it on the owner's counter for the unit (system-scope
+// release), and the part whose count completes it merges the parts, in part order, and writes every
+// rank's output: the same last-arriver merge one level up, so no rank waits on another's work inside the
+// loop. At its end each CTA fences once (system scope) and adds the units it finished to every rank's
+// landing counter; the last CTA of the launch waits (under the watchdog) until its own counter holds
+// every unit of the batch, so the launch ends with the whole output in this rank's window, and takes
+// that count back for the next launch.
+//
 // The cache is NHD [pages, 2, page_size, Hkv, D] or HND [pages, 2, Hkv, page_size, D]: the cp.async
 // loads address rows of D elements through run-time strides (kv_page_stride, ...), the TMA map is
 // encoded for the layout and its box coordinates follow kv_hnd.
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
-// MELD_DEBUG_WITHHOLD, DecodeParams.
+// MELD_DEBUG_WITHHOLD, MELD_XRANK, DecodeParams.
 
 namespace meld {
 
@@ -73,6 +86,8 @@ static_assert(HEADS == 8 || HEADS == 16, "a unit computes 8 or 16 q heads");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool CHUNKED = MELD_CHUNKED;
+constexpr bool XRANK = MELD_XRANK;
+constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their launches up to seconds apart
 static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through global memory");
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
@@ -111,6 +126,7 @@ struct Unit {
   bool head;        // this piece starts the CTA's segment (else it ends it)
   bool onchip;      // every piece ran in this cluster: merge through distributed shared memory
   int seg_end, k, k_first, k_last;   // MELD_CHUNKED: the unit's end in this segment; this chunk; its chunks here
+  int xb, xpart, xparts, xowner;     // the batch request (its q and output row) and, MELD_XRANK, its part here
   __device__ __forceinline__ int num_tiles() const { return (end - begin + TILE - 1) / TILE; }
 };
 
@@ -131,6 +147,12 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
   Unit x;
   x.req = u / p.units_per_request;
   const int hb = u - x.req * p.units_per_request;
+  if (XRANK) {
+    const int4 r = p.xreq[x.req];
+    x.xb = r.x; x.xpart = r.y; x.xparts = r.z; x.xowner = r.w;
+  } else {
+    x.xb = x.req;
+  }
   x.kv_head = hb / p.head_blocks;
   const int qb = hb - x.kv_head * p.head_blocks;
   x.q_head = x.kv_head * p.group_size + qb * HEADS;
@@ -282,7 +304,7 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const int h = 8 * i + g;
-    const u16* q = p.q + x.req * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + 2 * t;
+    const u16* q = p.q + x.xb * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + 2 * t;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       st.qa[ks][i][0] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
@@ -373,14 +395,38 @@ constexpr int MBAR_OFFSET = (PART_OFFSET + PART_BYTES + 7) & ~7;
 constexpr int MBAR_BYTES = TMA ? WARPS * STAGES * 8 : 0;
 static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
-// Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0.
-__device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x, int h, int d, float4 v, float lse2) {
-  const i64 row = (i64)x.req * p.num_qo_heads + x.q_head + h;
+// MELD_XRANK: rank r's symmetric window as this rank addresses it, and places in it (offsets: p.x_*_off).
+__device__ __forceinline__ char* xwin(const DecodeParams& p, int r) { return p.xpeers[r]; }
+__device__ __forceinline__ unsigned long long* xcounter(const DecodeParams& p, const Unit& x, int u) {
+  const int gu = x.xb * p.units_per_request + (u - x.req * p.units_per_request);
+  return reinterpret_cast<unsigned long long*>(xwin(p, x.xowner) + p.x_count_off) + gu;
+}
+
+// Four final outputs (h, d..d+3) of the batch row `row` into out/lse (lse when d == 0).
+__device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int d, float4 v, float lse2) {
   uint2 packed;
   packed.x = pack2(v.x, v.y);
   packed.y = pack2(v.z, v.w);
-  *reinterpret_cast<uint2*>(p.out + row * D + d) = packed;
-  if (d == 0 && p.lse != nullptr) p.lse[row] = lse2 * kLn2;
+  *reinterpret_cast<uint2*>(out + row * D + d) = packed;
+  if (d == 0 && lse != nullptr) lse[row] = lse2 * kLn2;
+}
+
+// Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0. MELD_XRANK: a request whole on
+// this rank writes every rank's window; a part of a split one puts its float partial into the owner's.
+__device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x, int h, int d, float4 v, float lse2) {
+  const i64 row = (i64)x.xb * p.num_qo_heads + x.q_head + h;
+  if (!XRANK) {
+    store_final4(p.out, p.lse, row, d, v, lse2);
+  } else if (x.xparts == 1) {
+    for (int r = 0; r < p.x_world; ++r)
+      store_final4(reinterpret_cast<u16*>(xwin(p, r) + p.x_out_off), reinterpret_cast<float*>(xwin(p, r) + p.x_lse_off),
+                   row, d, v, lse2);
+  } else {
+    char* w = xwin(p, x.xowner);
+    const i64 prow = ((i64)x.xb * p.x_world + x.xpart) * p.num_qo_heads + x.q_head + h;
+    *reinterpret_cast<float4*>(reinterpret_cast<float*>(w + p.x_po_off) + prow * D + d) = v;
+    if (d == 0) reinterpret_cast<float*>(w + p.x_plse_off)[prow] = lse2;
+  }
 }
 
 // End of a piece: merge the warps' states, then write the output (whole unit) or this piece's partial
@@ -482,12 +528,10 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // (bench/RESULTS.md): 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8 elsewhere, since
 // 16 made the head_dim-64 kernel 12-13% slower throughout (its registers went from 105 to 136).
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
-__device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
-                                           PartArea& pa) {
+// `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4.
+template <class Load>
+__device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x, int parts, Load load) {
   constexpr int Q = D / 4;
-  const u32 pa_addr = smem_addr(&pa);
-  const int parts = x.num_parts;
-  auto peer = [&](int k) { return dsmem_map(pa_addr, x.first_cta + k - pl.cluster_first); };
   for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
     const int h = i / Q, d = (i - h * Q) * 4;
     float m = neg_inf(), sum = 0.f;
@@ -497,14 +541,7 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
       float4 v[MERGE_CHUNK];
 #pragma unroll
       for (int j = 0; j < MERGE_CHUNK; ++j) {   // past the last part: reload the last one, weighted 0
-        const int k = min(k0 + j, parts - 1);
-        if (x.onchip) {
-          lse[j] = dsmem_load(peer(k) + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa));
-          v[j] = dsmem_load4(peer(k) + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa));
-        } else {
-          lse[j] = ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h);
-          v[j] = ld_cg4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);
-        }
+        load(min(k0 + j, parts - 1), h, d, lse[j], v[j]);
       }
       float mc = m;
 #pragma unroll
@@ -524,7 +561,69 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
     const float lse2 = m + log2_approx(sum);
     store_out4(p, x, h, d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv), lse2);
   }
+}
+
+__device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
+                                           PartArea& pa) {
+  const u32 pa_addr = smem_addr(&pa);
+  merge_parts(p, x, x.num_parts, [&](int k, int h, int d, float& lse, float4& v) {
+    if (x.onchip) {
+      const u32 peer = dsmem_map(pa_addr, x.first_cta + k - pl.cluster_first);
+      lse = dsmem_load(peer + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa));
+      v = dsmem_load4(peer + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa));
+    } else {
+      lse = ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h);
+      v = ld_cg4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);
+    }
+  });
   if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
+}
+
+// MELD_XRANK, after a unit's result on this rank is stored (store_out4, every thread). A final result
+// (a request whole on this rank) only adds to the CTA's tally of units it wrote; a part of a split request
+// counts on the owner's unit counter (after a system-scope fence, so the count covers its partial), and
+// the part that completes the count merges the parts from the owner's window (remote loads over NVLink
+// when this rank is not the owner), writes every rank's output, resets the counter and adds to the tally.
+// Returns the units this call finished.
+__device__ __forceinline__ int xrank_finish(const DecodeParams& p, const Unit& x, int u, MergeArea& mg) {
+  if (x.xparts == 1) return 1;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0)
+    mg.last = fetch_add_sys(xcounter(p, x, u), 1ull) == (unsigned long long)(x.xparts - 1);
+  __syncthreads();
+  if (!mg.last) return 0;
+  const char* w = xwin(p, x.xowner);
+  Unit f = x;
+  f.xparts = 1;   // the merged result is final: store_out4 writes every rank's output
+  merge_parts(p, f, x.xparts, [&](int k, int h, int d, float& lse, float4& v) {
+    const i64 prow = ((i64)x.xb * p.x_world + k) * p.num_qo_heads + x.q_head + h;
+    lse = ld_cg(reinterpret_cast<const float*>(w + p.x_plse_off) + prow);
+    v = ld_cg4(reinterpret_cast<const float*>(w + p.x_po_off) + prow * D + d);
+  });
+  if (threadIdx.x == 0) *xcounter(p, x, u) = 0ull;   // every part has arrived: ready for the next launch
+  __syncthreads();   // (mg.last is rewritten by the next unit)
+  return 1;
+}
+
+// MELD_XRANK, at the end of every CTA: one system-scope fence covers every final write and counter reset
+// of the CTA, then its tally lands on every rank's landing counter (one fence per CTA, not per unit).
+// The last CTA of the launch (all grids) then waits until every unit of the batch has landed in this
+// rank's window (p.xexit[1] of them) and takes that count back.
+__device__ __forceinline__ void xrank_exit(const DecodeParams& p, int cta, int finished) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (finished)
+    for (int r = 0; r < p.x_world; ++r)
+      signal_add(reinterpret_cast<unsigned long long*>(xwin(p, r) + p.x_landed_off), (unsigned long long)finished);
+  if (atomicAdd(p.xexit, 1u) != (unsigned)p.num_ctas - 1) return;
+  p.xexit[0] = 0u;
+  const unsigned long long expected = *reinterpret_cast<volatile unsigned*>(p.xexit + 1);   // plan() writes it
+  unsigned long long* landed = reinterpret_cast<unsigned long long*>(xwin(p, p.x_rank) + p.x_landed_off);
+  signal_wait(landed, expected, WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, (int)expected},
+              XRANK_WAIT_NS);
+  atomicAdd(landed, 0ull - expected);   // a faster rank's next launch may have counted already: subtract
 }
 
 }  // namespace meld
@@ -562,6 +661,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     __syncwarp();
   }
   LoadCursor lc;
+  int finished = 0;   // MELD_XRANK: units whose final output this CTA wrote (to every rank)
   if (!g.empty) {   // the prologue reads only plan() tables: the op before has not written them
     lc.u = g.u_begin;
     lc.x = load_unit(p, g, lc.u, pl);
@@ -600,6 +700,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
           merge_unit(p, x, u, pl, pa);
           prof.record(t1, x.onchip ? PROF_MERGE_DSMEM : PROF_MERGE_HBM, u);
         }
+        if (XRANK && (merge || x.slot < 0)) finished += xrank_finish(p, x, u, mg);
         if (!CHUNKED || x.k >= x.k_last) break;
         enter_chunk(p, x, u, x.k + 1);
         reset_state(st);
@@ -613,6 +714,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     cluster_wait();
     prof.record(t0, PROF_CLUSTER_WAIT, -1);
   }
+  if (XRANK) xrank_exit(p, pl.cta, finished);
   prof.end();
   // A later grid of a mixed launch (a programmatic dependent launch) ends only after the grid before
   // it, so the stream's next work sees every grid's output. A plain launch returns at once.

@@ -1,0 +1,173 @@
+"""Multi-GPU operators (meld.dist) against their unfused torch + NCCL baselines, on the GPUs of one node.
+
+(a) Sequence-parallel decode attention (`SeqParallelDecode`): the KV of long requests sharded across the
+GPUs, partials merged by the last arriving piece through NVLink peer memory, every rank's output complete
+when its launch ends. Baselines in the same run, on the same shard: meld's single-GPU kernel on each GPU's
+parts + one `all_gather_into_tensor` of (out, lse) + a torch merge ("unfused"); and meld on one GPU with the
+whole batch ("1 GPU"); and the single-GPU kernel on each GPU's parts alone, no exchange ("parts only",
+the floor). Times: CUDA-graph replays per rank (bench/harness.py's timer, L2 flushed), the
+slowest rank's median. Correctness: every rank's first output (poisoned before) against float64.
+
+    python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HQ, HKV, D, P = 32, 8, 128, 16
+CASES = {"1m": [1 << 20], "skewed8": "skewed:8", "skewed64": "skewed:64", "one-long64": "one-long:64"}
+
+
+def case_lengths(name: str) -> list[int]:
+    from meld.workloads import lengths
+
+    spec = CASES[name]
+    if isinstance(spec, list):
+        return spec
+    dist_name, b = spec.split(":")
+    return lengths(dist_name, int(b))
+
+
+class Unfused:
+    """meld's single-GPU kernel on this rank's parts, one all_gather of (out, lse), a torch merge."""
+
+    def __init__(self, shard, rank: int, world: int, pb, dev):
+        import meld
+
+        self.world, self.B = world, len(shard.kv_len)
+        idx, ip, ind, last = shard.local_tables(rank, pb.kv_indptr.numpy(), pb.kv_indices.numpy(), P)
+        n_max = max(len(shard.on(r)) for r in range(world))
+        self.attn = meld.DecodeAttention(HQ, HKV, D, P, torch.bfloat16, dev)
+        self.attn.plan(torch.from_numpy(ip), torch.from_numpy(ind), torch.from_numpy(last))
+        self.n = len(idx)
+        self.q_idx = torch.from_numpy(shard.req[idx]).to(dev)
+        o_bytes, l_bytes = n_max * HQ * D * 2, n_max * HQ * 4
+        self.buf = torch.zeros(o_bytes + l_bytes, dtype=torch.uint8, device=dev)
+        self.out = self.buf[:o_bytes].view(torch.bfloat16).view(n_max, HQ, D)
+        self.lse = self.buf[o_bytes:].view(torch.float32).view(n_max, HQ)
+        self.lse.fill_(-math.inf)
+        self.gathered = torch.empty(world, o_bytes + l_bytes, dtype=torch.uint8, device=dev)
+        self.o_all = self.gathered[:, :o_bytes].view(torch.bfloat16).view(world, n_max, HQ, D)
+        self.l_all = self.gathered[:, o_bytes:].view(torch.float32).view(world, n_max, HQ)
+        # Each request's parts as rows of the gathered batch ([B, world]; missing parts read a padding row).
+        ranks, rows = torch.zeros(self.B, world, dtype=torch.int64), torch.zeros(self.B, world, dtype=torch.int64)
+        valid = torch.zeros(self.B, world, dtype=torch.bool)
+        for r in range(world):
+            for k, i in enumerate(shard.on(r)):
+                ranks[shard.req[i], shard.part[i]], rows[shard.req[i], shard.part[i]] = r, k
+                valid[shard.req[i], shard.part[i]] = True
+        self.ranks, self.rows, self.valid = ranks.to(dev), rows.to(dev), valid.to(dev)[:, :, None]
+
+    def run(self, q, kv):
+        import torch.distributed as dist
+
+        if self.n:
+            self.attn.run(q.index_select(0, self.q_idx), kv, out=self.out[:self.n], lse=self.lse[:self.n])
+        dist.all_gather_into_tensor(self.gathered, self.buf)
+        lse = torch.where(self.valid, self.l_all[self.ranks, self.rows], -math.inf)          # [B, world, Hq]
+        m = lse.amax(1, keepdim=True)
+        w = torch.exp(lse - torch.where(torch.isfinite(m), m, 0))
+        s = w.sum(1)
+        out = (w[..., None] * self.o_all[self.ranks, self.rows].float()).sum(1) / s[..., None].clamp_min(1e-30)
+        return out.to(torch.bfloat16), (m[:, 0] + torch.log(s))
+
+
+def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: str | None) -> None:
+    import torch.distributed as dist
+
+    import meld
+    from bench.harness import graph_time_us
+    from meld.dist import SeqParallelDecode
+    from meld.runtime.reference import attention_reference
+    from meld.workloads import paged
+
+    dev = torch.device("cuda", rank)
+    rows = []
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    for _ in range(200):   # clocks up before the first case is timed
+        a @ a
+    torch.cuda.synchronize()
+
+    def slowest(t: float | None) -> float:
+        v = torch.tensor([t if t is not None else 0.0], device=dev)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return v.item()
+
+    for name in names:
+        lens = case_lengths(name)
+        g = torch.Generator().manual_seed(1234)
+        pb = paged(lens, P, generator=g)
+        kv = torch.randn(pb.num_pages, 2, P, HKV, D, generator=g).to(torch.bfloat16).to(dev)
+        q = torch.randn(len(lens), HQ, D, generator=g).to(torch.bfloat16).to(dev)
+        op = SeqParallelDecode(HQ, HKV, D, P, torch.bfloat16, max_batch_size=len(lens), max_num_pages=pb.num_pages)
+        op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        base = Unfused(op.shard, rank, world, pb, dev)
+        out, lse = op.outputs(len(lens))
+        out.fill_(math.nan)
+        torch.cuda.synchronize()
+        dist.barrier()
+        op.run(q, kv)
+        b_out, _ = base.run(q, kv)
+        outs = (out.clone(), b_out.clone())   # checked after the timing (the float64 reference is heavy)
+        dist.barrier()
+        t_meld = slowest(graph_time_us(lambda: op.run(q, kv), reps=reps).median_us)
+        dist.barrier()
+        t_unfused = slowest(graph_time_us(lambda: base.run(q, kv), reps=reps).median_us)
+        dist.barrier()
+        q_local = q.index_select(0, base.q_idx)
+        t_local = slowest(graph_time_us(lambda: base.attn.run(q_local, kv, out=base.out[:base.n], lse=base.lse[:base.n]),
+                                        reps=reps).median_us if base.n else None)
+        dist.barrier()
+        t_one = None
+        if rank == 0:   # meld on one GPU, the whole batch
+            one = meld.DecodeAttention(HQ, HKV, D, P, torch.bfloat16, dev)
+            one.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+            t_one = graph_time_us(lambda: one.run(q, kv), reps=reps).median_us
+        t_one = slowest(t_one)
+        ref, _ = attention_reference(q, kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev))
+        errs = [((o.double() - ref).norm() / ref.norm()).item() for o in outs]
+        del ref
+        if math.isnan(errs[0]) or max(errs) > 1e-2:
+            raise AssertionError(f"{name} rank {rank}: relative errors meld {errs[0]:.2e}, unfused {errs[1]:.2e}")
+        split = int((op.shard.num_parts > 1).sum())
+        rows.append(dict(case=name, B=len(lens), tokens=int(sum(lens)), split=split, err=max(errs), meld_us=t_meld,
+                         unfused_us=t_unfused, local_us=t_local, one_gpu_us=t_one, vs_unfused=t_unfused / t_meld, vs_one_gpu=t_one / t_meld))
+        dist.barrier()
+    if rank == 0:
+        print(f"seq-parallel decode attention, {world} GPUs, bf16 Hq={HQ} Hkv={HKV} D={D} page {P}; "
+              "median µs of graph replays, slowest rank")
+        print("case | B | tokens | split reqs | max rel err | meld | unfused | parts only | meld 1 GPU | unfused/meld | "
+              "1GPU/meld")
+        for r in rows:
+            print(f"{r['case']} | {r['B']} | {r['tokens']} | {r['split']} | {r['err']:.1e} | {r['meld_us']:.1f} | "
+                  f"{r['unfused_us']:.1f} | {r['local_us']:.1f} | {r['one_gpu_us']:.1f} | {r['vs_unfused']:.2f} | "
+                  f"{r['vs_one_gpu']:.2f}")
+        print("parts only: meld's single-GPU kernel on each GPU's parts, nothing exchanged (the floor for meld)")
+        if out_json:
+            Path(out_json).write_text(json.dumps(rows, indent=1))
+
+
+def main() -> None:
+    from meld.dist import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if torch.cuda.device_count() < a.world:
+        sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
+    spawn(_bench_rank, a.world, a.cases, a.reps, a.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""`SeqParallelDecode`: decode attention with the KV of long requests sharded across the GPUs of a
+process group, in one persistent kernel per GPU and no collective.
+
+Every rank holds the whole batch's q and runs its parts of the batch (`shard_batch`: a long request is
+cut into one contiguous token range per rank, a short one stays whole on one rank) as a batch of its own
+through `DecodeAttention`'s kernel built with `xrank=True` (templates/decode_attention.cuh, MELD_XRANK).
+Results travel through one symmetric window per rank (torch symmetric memory: NVLink peer memory between
+the GPUs of a node): a part's partial goes straight into the owner's window, the part whose arrival
+completes a unit's count merges the parts and writes the output into every rank's window, and each
+launch ends once every unit of the batch has landed in its own rank's window. So each rank's output is
+complete when its launch ends, in stream order, and a CUDA graph can hold the launch.
+
+The page table is the batch's, the same on every rank; the pages of the tokens rank r computes
+(`self.shard`, a function of the lengths only) index rank r's own `kv_cache`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..ops.checks import check_positive, expect
+from ..ops.page_table import check_page_table
+from .shard import ShardPlan, shard_batch
+
+_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Byte offsets in a rank's symmetric window: the output rows and lse every rank receives, the float
+    partials (and log2 lse) of split requests' parts at their owner, one arrival counter per unit of the
+    batch, and the landing counter."""
+
+    out: int
+    lse: int
+    part_o: int
+    part_lse: int
+    counts: int
+    landed: int
+    nbytes: int
+
+    @staticmethod
+    def of(max_batch: int, world: int, num_qo_heads: int, head_dim: int, units_per_request: int) -> "WindowLayout":
+        sizes = [max_batch * num_qo_heads * head_dim * 2, max_batch * num_qo_heads * 4,
+                 max_batch * world * num_qo_heads * head_dim * 4, max_batch * world * num_qo_heads * 4,
+                 max_batch * units_per_request * 8, 8]
+        offsets, at = [], 0
+        for n in sizes:
+            offsets.append(at)
+            at += -(-n // _ALIGN) * _ALIGN
+        return WindowLayout(*offsets, at)
+
+
+class SymmetricWindow:
+    """`nbytes` of device memory on every rank of `group`, each rank's addressable from every other
+    (torch symmetric memory, its CUDA backend). Allocation is collective."""
+
+    def __init__(self, nbytes: int, device: torch.device, group):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        with warnings.catch_warnings():   # older torch needs it per group; newer ones deprecate it
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.local, group)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.peers = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
+
+
+class SeqParallelDecode:
+    """Sequence-parallel paged decode attention over the ranks of a `torch.distributed` process group
+    (one process per GPU; module docstring).
+
+    Args:
+        num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sm_scale, kv_layout, cluster_size: as
+            `meld.DecodeAttention`'s.
+        max_batch_size: requests per plan (the symmetric window is sized by it).
+        max_num_pages: page indices of one rank's parts per plan.
+        min_split_tokens: a request of at least `min_split_tokens * world` tokens is split across the ranks.
+        group: the process group (default: the default group); device: this rank's GPU (default: current).
+        kernel_config: the kernel (default: DecodeKernelConfig.default for the shape, with xrank=True). A
+            launch waits at most 10 x its watchdog_ms for the other ranks' results, then the watchdog
+            names the wait and the kernel traps.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype = torch.bfloat16, *, max_batch_size: int, max_num_pages: int,
+                 min_split_tokens: int = 4096, group=None, device: str | torch.device | None = None,
+                 sm_scale: float | None = None, kv_layout: str = "NHD", cluster_size: int = 1,
+                 kernel_config=None):
+        import torch.distributed as dist
+
+        import meld
+        from ..codegen import DecodeKernelConfig
+
+        if not dist.is_initialized():
+            raise RuntimeError("SeqParallelDecode: torch.distributed is not initialised (init_process_group first)")
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.max_batch_size = check_positive("max_batch_size", max_batch_size)
+        self.min_split_tokens = check_positive("min_split_tokens", min_split_tokens)
+        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if kernel_config is None:
+            kernel_config = dataclasses.replace(DecodeKernelConfig.default(
+                {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, str(dtype)), head_dim,
+                onchip_merge=cluster_size > 1, group_size=num_qo_heads // max(1, num_kv_heads)), xrank=True)
+        if not isinstance(kernel_config, DecodeKernelConfig) or not kernel_config.xrank:
+            raise ValueError(f"kernel_config must be a DecodeKernelConfig with xrank=True, got {kernel_config!r}")
+        self.attn = meld.DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, device,
+                                         kv_layout=kv_layout, sm_scale=sm_scale, max_batch_size=max_batch_size,
+                                         max_num_pages=max_num_pages, cluster_size=cluster_size,
+                                         kernel_config=kernel_config)
+        self.device, self.dtype = device, dtype
+        self.num_qo_heads, self.head_dim, self.page_size = num_qo_heads, head_dim, page_size
+        self.layout = WindowLayout.of(max_batch_size, self.world, num_qo_heads, head_dim, self.attn.units_per_request)
+        self.window = SymmetricWindow(self.layout.nbytes, device, self.group)
+        self.window.local.zero_()                    # counters (and every byte) zero before any rank counts
+        self._xreq = torch.zeros(max_batch_size, 4, dtype=torch.int32, device=device)
+        self._xexit = torch.zeros(2, dtype=torch.int32, device=device)   # exit count, landings per launch
+        self.shard: ShardPlan | None = None
+        torch.cuda.synchronize(device)
+        dist.barrier(self.group)
+
+    def _set_params(self) -> None:
+        L = self.layout
+        self.attn._buf.launcher.set(
+            xreq=self._xreq.data_ptr(), xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(),
+            x_out_off=L.out, x_lse_off=L.lse, x_po_off=L.part_o, x_plse_off=L.part_lse, x_count_off=L.counts,
+            x_landed_off=L.landed, x_rank=self.rank, x_world=self.world)
+
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> None:
+        """Plan a batch (FlashInfer's paged layout, int32 CPU tensors, the same on every rank). A plan()
+        that raises changes nothing."""
+        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            expect(name, t, torch.int32, (None,), "int32 on the CPU", torch.device("cpu"), contiguous=True)
+        indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
+        B = len(indptr) - 1
+        if B < 0 or len(last) != B:
+            raise ValueError(f"kv_indptr has {len(indptr)} entries and kv_last_page_len {len(last)}: expected B + 1 and B")
+        if B > self.max_batch_size:
+            raise ValueError(f"batch of {B} requests exceeds max_batch_size={self.max_batch_size}")
+        check_page_table(indptr, last, kv_indices.numel(), self.page_size)
+        pages = np.diff(indptr.astype(np.int64))
+        kv_len = np.where(pages > 0, (pages - 1) * self.page_size + last, 0)
+        shard = shard_batch(kv_len, self.page_size, self.world, self.min_split_tokens)
+        idx, l_indptr, l_indices, l_last = shard.local_tables(self.rank, indptr, kv_indices.numpy(), self.page_size)
+        self.attn.plan(torch.from_numpy(l_indptr), torch.from_numpy(l_indices), torch.from_numpy(l_last))
+        rows = np.stack([shard.req[idx], shard.part[idx], shard.num_parts[shard.req[idx]], shard.owner[shard.req[idx]]],
+                        axis=1).astype(np.int32).reshape(-1, 4)
+        self._xreq[:len(rows)].copy_(torch.from_numpy(rows))
+        self._xexit.copy_(torch.tensor([0, B * self.attn.units_per_request], dtype=torch.int32))
+        self._set_params()
+        self.shard = shard
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False):
+        """out [B, num_qo_heads, head_dim] (and lse [B, num_qo_heads], float32, natural log), the same on
+        every rank once this launch ends. They are views of this rank's window, rewritten by the next run():
+        clone them to keep them. Every rank must run each plan."""
+        if self.shard is None:
+            raise RuntimeError("SeqParallelDecode.run: call plan() first")
+        B, Hq, D = len(self.shard.kv_len), self.num_qo_heads, self.head_dim
+        expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
+        self.attn._check_kv_cache(kv_cache, self.attn._planned)
+        out, lse = self.outputs(B)
+        self.attn._launch(q, kv_cache, out, lse)
+        return (out, lse) if return_lse else out
+
+    def outputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's output and lse views of its window for a batch of `batch` requests."""
+        w, L, Hq, D = self.window.local, self.layout, self.num_qo_heads, self.head_dim
+        out = w[L.out:L.out + batch * Hq * D * 2].view(self.dtype).view(batch, Hq, D)
+        lse = w[L.lse:L.lse + batch * Hq * 4].view(torch.float32).view(batch, Hq)
+        return out, lse

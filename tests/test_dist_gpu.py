@@ -1,0 +1,134 @@
+"""meld.dist on two GPUs of one node (the device tool's nvidia-h200-x2): sequence-parallel decode
+attention through NVLink peer memory, checked on every rank against float64 on fresh random inputs,
+outputs poisoned before each run, repeated launches bit-identical, a CUDA graph replayed after a replan."""
+import math
+
+import pytest
+import torch
+
+from meld.workloads import lengths, paged
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA GPUs in one node (the device tool's nvidia-h200-x2)")]
+
+HKV, GROUP, D, P = 8, 4, 128, 16
+# Lengths: BENCH's skewed batch, one request split over both ranks, empties and odd lengths, a lone short
+# request (one rank has no part at all), and a batch with several split requests.
+CASES = [lengths("skewed", 8), [70001], [0, 3001, 17, 0, 9000, 1], [33], [20000, 5, 64000, 700, 4096, 4095]]
+
+
+def _batch(lens, seed, dev):
+    g = torch.Generator().manual_seed(seed)   # the same on every rank: replicated q and cache
+    pb = paged(lens, P, generator=g)
+    kv = torch.randn(pb.num_pages, 2, P, HKV, D, generator=g).to(torch.bfloat16).to(dev)
+    q = torch.randn(len(lens), HKV * GROUP, D, generator=g).to(torch.bfloat16).to(dev)
+    return pb, kv, q
+
+
+def _check(op, pb, kv, q, out, lse, what):
+    from meld.runtime.reference import attention_reference
+
+    ref, ref_lse = attention_reference(q, kv, pb.kv_indptr.to(q.device), pb.kv_indices.to(q.device),
+                                       pb.kv_last_page_len.to(q.device))
+    assert not out.isnan().any() and not lse.isnan().any(), f"{what}: unwritten or NaN output on rank {op.rank}"
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < 1e-2, f"{what}: relative error {err:.2e} on rank {op.rank}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse = -inf must mark exactly the empty requests"
+    if finite.any():
+        assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3, what
+
+
+def _poisoned_run(op, q, kv):
+    """Poison this rank's outputs, and let no rank start before every rank has (a peer's run writes here)."""
+    import torch.distributed as dist
+
+    out, lse = op.outputs(q.shape[0])
+    out.fill_(math.nan)
+    lse.fill_(math.nan)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return op.run(q, kv, return_lse=True)
+
+
+def _seq_parallel_rank(rank, world):
+    import torch.distributed as dist
+
+    from meld.dist import SeqParallelDecode
+    from meld.runtime.cuda_graphs import capture
+
+    dev = torch.device("cuda", rank)
+    op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=16, max_num_pages=16384,
+                           min_split_tokens=1024)
+    for i, lens in enumerate(CASES):
+        pb, kv, q = _batch(lens, 100 + i, dev)
+        op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        assert int(op.shard.num_parts.max()) == (world if max(lens) >= 1024 * world else 1)
+        out, lse = _poisoned_run(op, q, kv)
+        first = out.clone(), lse.clone()   # stream order: the launch has ended, with every rank's units here
+        for _ in range(3):                 # the counters reset themselves: repeated launches agree bit for bit
+            op.run(q, kv)
+        torch.cuda.synchronize()
+        _check(op, pb, kv, q, out, lse, f"lengths {lens}")
+        assert torch.equal(first[0], out) and torch.equal(first[1], lse), "launches differ: a race"
+    # A captured run, replayed after a replan to other lengths (the plan rewrites the tables in place).
+    batches = [paged(lens, P, generator=torch.Generator().manual_seed(7 + j))
+               for j, lens in enumerate((CASES[0], [20000, 5, 64000, 700, 4096, 4095, 0, 3]))]
+    g = torch.Generator().manual_seed(9)
+    kv = torch.randn(max(b.num_pages for b in batches), 2, P, HKV, D, generator=g).to(torch.bfloat16).to(dev)
+    q = torch.empty(8, HKV * GROUP, D, dtype=torch.bfloat16, device=dev)
+    op.plan(batches[0].kv_indptr, batches[0].kv_indices, batches[0].kv_last_page_len)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph, _ = capture(lambda: op.run(q, kv), device=dev)
+    q.copy_(torch.randn(q.shape, generator=g).to(torch.bfloat16))
+    pb = batches[1]
+    op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    out, lse = op.outputs(8)
+    out.fill_(math.nan)
+    lse.fill_(math.nan)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(op, pb, kv, q, out, lse, "graph replay after a replan")
+
+
+def test_seq_parallel_decode_on_two_gpus_matches_float64():
+    from meld.dist import spawn
+
+    spawn(_seq_parallel_rank, 2)
+
+
+def _watchdog_rank(rank, world):
+    import dataclasses
+    import os
+
+    import torch.distributed as dist
+
+    from meld.codegen import DecodeKernelConfig
+    from meld.dist import SeqParallelDecode
+    from meld.runtime import watchdog
+
+    host = dist.new_group(backend="gloo")   # rank 0's CUDA context dies with its kernel: meet on the host
+    dev = torch.device("cuda", rank)
+    kc = dataclasses.replace(DecodeKernelConfig.default("bfloat16", D), xrank=True, watchdog_ms=100)
+    op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=4, max_num_pages=1024,
+                           min_split_tokens=1024, kernel_config=kc)
+    pb, kv, q = _batch([5000, 300], 3, dev)
+    op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    if rank == 0:   # rank 1 never runs this plan: rank 0's launch must give up and say why
+        op.run(q, kv)
+        with pytest.raises(RuntimeError):
+            torch.cuda.synchronize(dev)
+        with pytest.raises(watchdog.WatchdogTimeout, match="the other ranks' results: 16 units"):
+            watchdog.check(dev)
+    dist.barrier(group=host)
+    os._exit(0)   # no teardown through a dead context
+
+
+def test_seq_parallel_watchdog_names_a_rank_that_never_ran():
+    from meld.dist import spawn
+
+    spawn(_watchdog_rank, 2)
