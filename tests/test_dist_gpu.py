@@ -52,7 +52,7 @@ def _poisoned_run(op, q, kv):
     return op.run(q, kv, return_lse=True)
 
 
-def _seq_parallel_rank(rank, world):
+def _seq_parallel_rank(rank, world, cluster_size):
     import torch.distributed as dist
 
     from meld.dist import SeqParallelDecode
@@ -60,7 +60,7 @@ def _seq_parallel_rank(rank, world):
 
     dev = torch.device("cuda", rank)
     op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=16, max_num_pages=16384,
-                           min_split_tokens=1024)
+                           min_split_tokens=1024, cluster_size=cluster_size)
     for i, lens in enumerate(CASES):
         pb, kv, q = _batch(lens, 100 + i, dev)
         op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
@@ -95,10 +95,12 @@ def _seq_parallel_rank(rank, world):
     _check(op, pb, kv, q, out, lse, "graph replay after a replan")
 
 
-def test_seq_parallel_decode_on_two_gpus_matches_float64():
+@pytest.mark.parametrize("cluster_size", [1, 4])
+def test_seq_parallel_decode_on_two_gpus_matches_float64(cluster_size):
+    """cluster_size 4: a mix of cluster grids, split units merging on chip before they cross ranks."""
     from meld.dist import spawn
 
-    spawn(_seq_parallel_rank, 2)
+    spawn(_seq_parallel_rank, 2, cluster_size)
 
 
 def _watchdog_rank(rank, world):
