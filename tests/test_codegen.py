@@ -29,10 +29,12 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", d, group_size=g, batch_invari
 CONFIGS += [dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, batch_invariant=True), tma=True, profile=True),
             dataclasses.replace(CONFIGS[1], tma=True, debug_withhold_signal=True, watchdog_ms=200)]
 # Sequence-parallel ranks (meld.dist): the default builds, with clusters and TMA, 16-head units.
-CONFIGS += [dataclasses.replace(CONFIGS[1], xrank=True), dataclasses.replace(CONFIGS[1], xrank=True, onchip_merge=True),
-            dataclasses.replace(CONFIGS[0], xrank=True, tma=True),
-            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=16), xrank=True),
-            dataclasses.replace(CONFIGS[1], xrank=True, watchdog_ms=100)]
+CONFIGS += [dataclasses.replace(CONFIGS[1], xrank="peer"), dataclasses.replace(CONFIGS[1], xrank="peer", onchip_merge=True),
+            dataclasses.replace(CONFIGS[0], xrank="peer", tma=True),
+            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=16), xrank="peer"),
+            dataclasses.replace(CONFIGS[1], xrank="peer", watchdog_ms=100)]
+CONFIGS += [dataclasses.replace(CONFIGS[1], xrank="proxy"), dataclasses.replace(CONFIGS[1], xrank="proxy", onchip_merge=True),
+            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=16), xrank="proxy")]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

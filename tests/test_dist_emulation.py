@@ -134,7 +134,7 @@ def test_window_layout_places_do_not_overlap_and_are_aligned():
 
     L = WindowLayout.of(max_batch=5, world=3, num_qo_heads=12, head_dim=64, units_per_request=6)
     places = [(L.out, 5 * 12 * 64 * 2), (L.lse, 5 * 12 * 4), (L.part_o, 5 * 3 * 12 * 64 * 4), (L.part_lse, 5 * 3 * 12 * 4),
-              (L.counts, 5 * 6 * 8), (L.landed, 8)]
+              (L.counts, 5 * 6 * 8), (L.landed, 3 * 8), (L.started, 3 * 8)]
     for (a, n), (b, _) in zip(places, places[1:]):
         assert a % 256 == 0 and a + n <= b
     assert places[-1][0] + 8 <= L.nbytes

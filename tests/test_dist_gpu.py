@@ -40,6 +40,19 @@ def _check(op, pb, kv, q, out, lse, what):
         assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3, what
 
 
+def _sync(op):
+    """Wait for the device; a failed kernel is reported with the watchdog's record and the proxy's state."""
+    from meld.runtime import watchdog
+
+    try:
+        torch.cuda.synchronize(op.device)
+    except RuntimeError as e:
+        proxy = op.proxy and f"; proxy landed {op.proxy.landed_ops} ops, error {op.proxy.error!r}"
+        wd = watchdog.for_device(op.device)
+        raise AssertionError(f"rank {op.rank}: {e}; {wd.message() if wd.tripped() else 'no watchdog record'}"
+                             f"{proxy or ''}") from None
+
+
 def _poisoned_run(op, q, kv):
     """Poison this rank's outputs, and let no rank start before every rank has (a peer's run writes here)."""
     import torch.distributed as dist
@@ -52,7 +65,7 @@ def _poisoned_run(op, q, kv):
     return op.run(q, kv, return_lse=True)
 
 
-def _seq_parallel_rank(rank, world, cluster_size):
+def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
     import torch.distributed as dist
 
     from meld.dist import SeqParallelDecode
@@ -60,7 +73,8 @@ def _seq_parallel_rank(rank, world, cluster_size):
 
     dev = torch.device("cuda", rank)
     op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=16, max_num_pages=16384,
-                           min_split_tokens=1024, cluster_size=cluster_size)
+                           min_split_tokens=1024, cluster_size=cluster_size, transport=transport, ordered=ordered,
+                           chunk_bytes=1000)   # (the proxy: puts cut into chunks that do not divide rows)
     for i, lens in enumerate(CASES):
         pb, kv, q = _batch(lens, 100 + i, dev)
         op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
@@ -69,9 +83,24 @@ def _seq_parallel_rank(rank, world, cluster_size):
         first = out.clone(), lse.clone()   # stream order: the launch has ended, with every rank's units here
         for _ in range(3):                 # the counters reset themselves: repeated launches agree bit for bit
             op.run(q, kv)
-        torch.cuda.synchronize()
+        _sync(op)
         _check(op, pb, kv, q, out, lse, f"lengths {lens}")
         assert torch.equal(first[0], out) and torch.equal(first[1], lse), "launches differ: a race"
+    # Layers back to back, each output read by the stream's next work and no host sync between: no rank may
+    # write a layer's results into a window whose rank still reads the layer before (outputs or partials).
+    pb = paged(CASES[4], P, generator=torch.Generator().manual_seed(50))
+    layers = []
+    for i in range(4):
+        g = torch.Generator().manual_seed(60 + i)
+        layers.append((torch.randn(pb.num_pages, 2, P, HKV, D, generator=g).to(torch.bfloat16).to(dev),
+                       torch.randn(len(CASES[4]), HKV * GROUP, D, generator=g).to(torch.bfloat16).to(dev)))
+    op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    _sync(op)
+    dist.barrier()
+    outs = [tuple(t.clone() for t in op.run(q_l, kv_l, return_lse=True)) for kv_l, q_l in layers]
+    _sync(op)
+    for i, ((kv_l, q_l), (o, l)) in enumerate(zip(layers, outs)):
+        _check(op, pb, kv_l, q_l, o, l, f"layer {i} of 4 run back to back")
     # A captured run, replayed after a replan to other lengths (the plan rewrites the tables in place).
     batches = [paged(lens, P, generator=torch.Generator().manual_seed(7 + j))
                for j, lens in enumerate((CASES[0], [20000, 5, 64000, 700, 4096, 4095, 0, 3]))]
@@ -91,16 +120,19 @@ def _seq_parallel_rank(rank, world, cluster_size):
     torch.cuda.synchronize()
     dist.barrier()
     graph.replay()
-    torch.cuda.synchronize()
+    _sync(op)
     _check(op, pb, kv, q, out, lse, "graph replay after a replan")
+    op.close()
 
 
-@pytest.mark.parametrize("cluster_size", [1, 4])
-def test_seq_parallel_decode_on_two_gpus_matches_float64(cluster_size):
-    """cluster_size 4: a mix of cluster grids, split units merging on chip before they cross ranks."""
+@pytest.mark.parametrize("cluster_size, transport, ordered", [(1, "peer", True), (4, "peer", True),
+                                                             (1, "proxy", True), (1, "proxy", False)])
+def test_seq_parallel_decode_on_two_gpus_matches_float64(cluster_size, transport, ordered):
+    """cluster_size 4: a mix of cluster grids, split units merging on chip before they cross ranks. The proxy
+    transport as if the GPUs were two nodes, its chunks landing in issue order or shuffled."""
     from meld.dist import spawn
 
-    spawn(_seq_parallel_rank, 2, cluster_size)
+    spawn(_seq_parallel_rank, 2, cluster_size, transport, ordered)
 
 
 def _watchdog_rank(rank, world):
@@ -115,7 +147,7 @@ def _watchdog_rank(rank, world):
 
     host = dist.new_group(backend="gloo")   # rank 0's CUDA context dies with its kernel: meet on the host
     dev = torch.device("cuda", rank)
-    kc = dataclasses.replace(DecodeKernelConfig.default("bfloat16", D), xrank=True, watchdog_ms=100)
+    kc = dataclasses.replace(DecodeKernelConfig.default("bfloat16", D), xrank="peer", watchdog_ms=100)
     op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=4, max_num_pages=1024,
                            min_split_tokens=1024, kernel_config=kc)
     pb, kv, q = _batch([5000, 300], 3, dev)
@@ -124,7 +156,7 @@ def _watchdog_rank(rank, world):
         op.run(q, kv)
         with pytest.raises(RuntimeError):
             torch.cuda.synchronize(dev)
-        with pytest.raises(watchdog.WatchdogTimeout, match="the other ranks' results: 16 units"):
+        with pytest.raises(watchdog.WatchdogTimeout, match="rank 1 to start this launch"):
             watchdog.check(dev)
     dist.barrier(group=host)
     os._exit(0)   # no teardown through a dead context

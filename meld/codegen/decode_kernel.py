@@ -37,7 +37,8 @@ class DecodeKernelConfig:
     batch_invariant: bool = False   # walk split units as fixed chunks (meld/ir/schedule.py): no on-chip merges
     watchdog_ms: int = 2000     # a spin (TMA ring waits) gives up after this long: record and trap
     debug_withhold_signal: bool = False   # debug build: unit 0's first tile is never issued (tests the watchdog)
-    xrank: bool = False         # one rank's share of a sequence-parallel batch (meld/dist/seq_parallel.py)
+    xrank: str = ""             # one rank's share of a sequence-parallel batch (meld/dist/seq_parallel.py), its
+                                # results crossing to the other ranks through "peer" memory or a "proxy"
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -52,6 +53,8 @@ class DecodeKernelConfig:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if self.batch_invariant and self.onchip_merge:
             raise ValueError("batch_invariant kernels merge through global memory: onchip_merge must be False")
+        if self.xrank not in ("", "peer", "proxy"):
+            raise ValueError(f"xrank={self.xrank!r}: expected '', 'peer' or 'proxy'")
         if self.xrank and self.batch_invariant:
             raise ValueError("xrank kernels merge across ranks in part order; batch_invariant is not supported")
         if self.debug_withhold_signal and not self.tma:
@@ -82,7 +85,7 @@ class DecodeKernelConfig:
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
-                + ("_inv" if self.batch_invariant else "") + ("_xr" if self.xrank else "")
+                + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
                 + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_withhold" if self.debug_withhold_signal else ""))
@@ -119,7 +122,7 @@ class DecodeKernelConfig:
             f"#define MELD_CHUNKED {int(self.batch_invariant)}",
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
-            f"#define MELD_XRANK {int(self.xrank)}",
+            f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), DECODE_PARAMS.c_source(),
                           CTA_TABLE.c_source(), _template("decode_attention.cuh")])

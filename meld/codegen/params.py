@@ -107,18 +107,28 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("sm_scale_log2", "f32"),
     # MELD_XRANK builds (meld/dist/seq_parallel.py; zero otherwise): each local request's (batch request,
     # part, parts, owner rank); every rank's symmetric window as this rank addresses it; the launch's exit
-    # counter and the landings it waits for; the places in a window, in bytes.
+    # counter, the landings it waits for and the batch's split requests; the places in a window, in bytes.
+    # Proxy builds also: the split requests (batch request, parts), per source rank the units expected
+    # from it and those taken so far, and the command ring (pinned host records, the device's claim
+    # counter, the proxy's head).
     Field("xreq", "ptr", "const int4*"),
     Field("xpeers", "ptr", "char* const*"),
     Field("xexit", "ptr", "unsigned*"),
+    Field("xsplit", "ptr", "const int2*"),
+    Field("xsrc", "ptr", "unsigned long long*"),
+    Field("xring", "ptr", "meld::ProxyCommand*"),
+    Field("xring_tail", "ptr", "unsigned long long*"),
+    Field("xring_head", "ptr", "const unsigned long long*"),
     Field("x_out_off", "i64"),
     Field("x_lse_off", "i64"),
     Field("x_po_off", "i64"),
     Field("x_plse_off", "i64"),
     Field("x_count_off", "i64"),
     Field("x_landed_off", "i64"),
+    Field("x_started_off", "i64"),
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
+    Field("xring_cap", "i32"),
 ])
 
 PLAN_PARAMS = ParamStruct("PlanParams", [

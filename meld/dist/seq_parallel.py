@@ -4,11 +4,15 @@ process group, in one persistent kernel per GPU and no collective.
 Every rank holds the whole batch's q and runs its parts of the batch (`shard_batch`: a long request is
 cut into one contiguous token range per rank, a short one stays whole on one rank) as a batch of its own
 through `DecodeAttention`'s kernel built with `xrank=True` (templates/decode_attention.cuh, MELD_XRANK).
-Results travel through one symmetric window per rank (torch symmetric memory: NVLink peer memory between
-the GPUs of a node): a part's partial goes straight into the owner's window, the part whose arrival
-completes a unit's count merges the parts and writes the output into every rank's window, and each
-launch ends once every unit of the batch has landed in its own rank's window. So each rank's output is
-complete when its launch ends, in stream order, and a CUDA graph can hold the launch.
+Results travel through one symmetric window per rank (torch symmetric memory), by one of two transports:
+- `"peer"` (NVLink peer memory, the GPUs of a node): a part's partial goes straight into the owner's
+  window, the part whose arrival completes a unit's count merges the parts and writes the output into
+  every rank's window;
+- `"proxy"` (the model of RDMA between nodes, `meld.dist.proxy`): every unit's rows go from this rank's
+  window to the others' as puts handed to a host proxy thread, with one signal per CTA and destination;
+  every rank merges the split requests itself once their parts have landed, at the end of its launch.
+Either way each launch ends once every unit of the batch is in its own rank's window: each rank's
+output is complete when its launch ends, in stream order, and a CUDA graph can hold the launch.
 
 The page table is the batch's, the same on every rank; the pages of the tokens rank r computes
 (`self.shard`, a function of the lengths only) index rank r's own `kv_cache`.
@@ -32,8 +36,9 @@ _ALIGN = 256
 @dataclass(frozen=True)
 class WindowLayout:
     """Byte offsets in a rank's symmetric window: the output rows and lse every rank receives, the float
-    partials (and log2 lse) of split requests' parts at their owner, one arrival counter per unit of the
-    batch, and the landing counter."""
+    partials (and log2 lse) of split requests' parts at their owner (with the proxy: at every rank), one
+    arrival counter per unit of the batch, the landing counter (the proxy: one per source rank), and the
+    launches each rank has started."""
 
     out: int
     lse: int
@@ -41,13 +46,14 @@ class WindowLayout:
     part_lse: int
     counts: int
     landed: int
+    started: int
     nbytes: int
 
     @staticmethod
     def of(max_batch: int, world: int, num_qo_heads: int, head_dim: int, units_per_request: int) -> "WindowLayout":
         sizes = [max_batch * num_qo_heads * head_dim * 2, max_batch * num_qo_heads * 4,
                  max_batch * world * num_qo_heads * head_dim * 4, max_batch * world * num_qo_heads * 4,
-                 max_batch * units_per_request * 8, 8]
+                 max_batch * units_per_request * 8, 8 * world, 8 * world]
         offsets, at = [], 0
         for n in sizes:
             offsets.append(at)
@@ -84,16 +90,19 @@ class SeqParallelDecode:
         max_num_pages: page indices of one rank's parts per plan.
         min_split_tokens: a request of at least `min_split_tokens * world` tokens is split across the ranks.
         group: the process group (default: the default group); device: this rank's GPU (default: current).
-        kernel_config: the kernel (default: DecodeKernelConfig.default for the shape, with xrank=True). A
-            launch waits at most 10 x its watchdog_ms for the other ranks' results, then the watchdog
-            names the wait and the kernel traps.
+        transport: "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy thread, as
+            RDMA between nodes would carry them); ordered, chunk_bytes: the proxy's delivery (in issue
+            order, or shuffled) and network chunk (`meld.dist.proxy.GpuProxy`).
+        kernel_config: the kernel (default: DecodeKernelConfig.default for the shape, with xrank set to
+            the transport). A launch waits at most 10 x its watchdog_ms for the other ranks' results, then
+            the watchdog names the wait and the kernel traps.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, *, max_batch_size: int, max_num_pages: int,
                  min_split_tokens: int = 4096, group=None, device: str | torch.device | None = None,
                  sm_scale: float | None = None, kv_layout: str = "NHD", cluster_size: int = 1,
-                 kernel_config=None):
+                 transport: str = "peer", ordered: bool = True, chunk_bytes: int = 64 << 10, kernel_config=None):
         import torch.distributed as dist
 
         import meld
@@ -110,12 +119,15 @@ class SeqParallelDecode:
             raise ValueError(f"device must be a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if transport not in ("peer", "proxy"):
+            raise ValueError(f"transport must be 'peer' or 'proxy', got {transport!r}")
         if kernel_config is None:
             kernel_config = dataclasses.replace(DecodeKernelConfig.default(
                 {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, str(dtype)), head_dim,
-                onchip_merge=cluster_size > 1, group_size=num_qo_heads // max(1, num_kv_heads)), xrank=True)
-        if not isinstance(kernel_config, DecodeKernelConfig) or not kernel_config.xrank:
-            raise ValueError(f"kernel_config must be a DecodeKernelConfig with xrank=True, got {kernel_config!r}")
+                onchip_merge=cluster_size > 1, group_size=num_qo_heads // max(1, num_kv_heads)), xrank=transport)
+        if not isinstance(kernel_config, DecodeKernelConfig) or kernel_config.xrank != transport:
+            raise ValueError(f"kernel_config must be a DecodeKernelConfig with xrank={transport!r}, got {kernel_config!r}")
+        self.transport = transport
         self.attn = meld.DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, device,
                                          kv_layout=kv_layout, sm_scale=sm_scale, max_batch_size=max_batch_size,
                                          max_num_pages=max_num_pages, cluster_size=cluster_size,
@@ -126,7 +138,14 @@ class SeqParallelDecode:
         self.window = SymmetricWindow(self.layout.nbytes, device, self.group)
         self.window.local.zero_()                    # counters (and every byte) zero before any rank counts
         self._xreq = torch.zeros(max_batch_size, 4, dtype=torch.int32, device=device)
-        self._xexit = torch.zeros(2, dtype=torch.int32, device=device)   # exit count, landings per launch
+        self._xexit = torch.zeros(4, dtype=torch.int32, device=device)   # exit count, landings per launch, splits
+        self._xsplit = torch.zeros(max_batch_size, 2, dtype=torch.int32, device=device)   # proxy: (request, parts)
+        # Per source rank the units expected from it and those taken (the proxy), then this rank's launches.
+        self._xsrc = torch.zeros(2 * self.world + 1, dtype=torch.int64, device=device)
+        self.proxy = None
+        if transport == "proxy":
+            from .proxy import GpuProxy
+            self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         self.shard: ShardPlan | None = None
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
@@ -136,7 +155,8 @@ class SeqParallelDecode:
         self.attn._buf.launcher.set(
             xreq=self._xreq.data_ptr(), xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(),
             x_out_off=L.out, x_lse_off=L.lse, x_po_off=L.part_o, x_plse_off=L.part_lse, x_count_off=L.counts,
-            x_landed_off=L.landed, x_rank=self.rank, x_world=self.world)
+            x_landed_off=L.landed, x_started_off=L.started, x_rank=self.rank, x_world=self.world, xsplit=self._xsplit.data_ptr(),
+            xsrc=self._xsrc.data_ptr(), **(self.proxy.ring_params() if self.proxy else {}))
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> None:
         """Plan a batch (FlashInfer's paged layout, int32 CPU tensors, the same on every rank). A plan()
@@ -158,7 +178,13 @@ class SeqParallelDecode:
         rows = np.stack([shard.req[idx], shard.part[idx], shard.num_parts[shard.req[idx]], shard.owner[shard.req[idx]]],
                         axis=1).astype(np.int32).reshape(-1, 4)
         self._xreq[:len(rows)].copy_(torch.from_numpy(rows))
-        self._xexit.copy_(torch.tensor([0, B * self.attn.units_per_request], dtype=torch.int32))
+        U = self.attn.units_per_request
+        split = np.flatnonzero(shard.num_parts > 1)
+        self._xsplit[:len(split)].copy_(torch.from_numpy(np.stack([split, shard.num_parts[split]], axis=1).astype(np.int32)))
+        self._xexit.copy_(torch.tensor([0, B * U, len(split), 0], dtype=torch.int32))
+        from_src = np.bincount(shard.rank, minlength=self.world) * U
+        from_src[self.rank] = 0
+        self._xsrc[:self.world].copy_(torch.from_numpy(from_src.astype(np.int64)))
         self._set_params()
         self.shard = shard
 
@@ -168,12 +194,21 @@ class SeqParallelDecode:
         clone them to keep them. Every rank must run each plan."""
         if self.shard is None:
             raise RuntimeError("SeqParallelDecode.run: call plan() first")
+        if self.transport == "proxy" and (self.proxy is None or self.proxy.error is not None):
+            raise RuntimeError(f"SeqParallelDecode.run: the proxy thread is "
+                               f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
         B, Hq, D = len(self.shard.kv_len), self.num_qo_heads, self.head_dim
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         self.attn._check_kv_cache(kv_cache, self.attn._planned)
         out, lse = self.outputs(B)
         self.attn._launch(q, kv_cache, out, lse)
         return (out, lse) if return_lse else out
+
+    def close(self) -> None:
+        """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
 
     def outputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's output and lse views of its window for a batch of `batch` requests."""

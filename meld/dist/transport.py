@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PUT, ADD = 1, 2
+PUT, ADD, SIGNAL = 1, 2, 3    # SIGNAL: an add with no reply (the GPU proxy's; meld/dist/proxy.py)
 COMMAND = np.dtype([("op", "<u4"), ("window", "<u4"), ("dst", "<u4"), ("pad", "<u4"), ("start", "<u8"),
                     ("count", "<u8"), ("addend", "<i8"), ("ticket", "<u8")])   # 48 bytes, 8-byte aligned fields
 
@@ -71,8 +71,64 @@ class _Op:
     start: int                    # first flat element (put chunk) or the element added to
     count: int = 0
     addend: int = 0
-    add: bool = False
+    kind: int = PUT
     ticket: int = 0
+
+    @property
+    def fenced(self) -> bool:
+        """An add (fetch-add or signal): it lands only after the puts issued before it on its channel."""
+        return self.kind != PUT
+
+
+class ProxySchedule:
+    """A proxy's operations in flight: taken from command records, one list per (src, dst) channel in
+    issue order, every put cut into network chunks of `chunk` units (elements or bytes, as the records
+    count them). `landable()` is what may land next: the oldest operation of each channel (`ordered`), or
+    any put and an add only once it is its channel's oldest (unordered; `fence=False` drops that rule, a
+    broken transport). Shared by the emulated and the GPU proxy, so both deliver by the same rules."""
+
+    def __init__(self, ordered: bool, chunk: int, fence: bool = True):
+        self.ordered, self.chunk, self.fence = ordered, chunk, fence
+        self._pending: dict[tuple[int, int], list[_Op]] = {}
+        self._seq: Counter = Counter()
+
+    def add(self, src: int, records: np.ndarray) -> int:
+        """Take `src`'s records; returns how many operations they became (puts count their chunks)."""
+        made = 0
+        for rec in records:
+            dst, w, start, kind = int(rec["dst"]), int(rec["window"]), int(rec["start"]), int(rec["op"])
+            if kind != PUT:
+                ops = [_Op(src, dst, 0, w, start, addend=int(rec["addend"]), kind=kind, ticket=int(rec["ticket"]))]
+            else:
+                n = int(rec["count"])
+                ops = [_Op(src, dst, 0, w, start + a, min(self.chunk, n - a)) for a in range(0, n, self.chunk)]
+            for op in ops:
+                op.seq = self._seq[(src, dst)]
+                self._seq[(src, dst)] += 1
+                self._pending.setdefault((src, dst), []).append(op)
+            made += len(ops)
+        return made
+
+    def landable(self) -> list[_Op]:
+        out = []
+        for ops in self._pending.values():
+            if not ops:
+                continue
+            if self.ordered:
+                out.append(ops[0])
+                continue
+            first = ops[0].seq   # (a channel's list stays in issue order)
+            out += [o for o in ops if not o.fenced or not self.fence or o.seq == first]
+        return out
+
+    def done(self, op: _Op) -> None:
+        self._pending[(op.src, op.dst)].remove(op)
+
+    def done_all(self, ops: list[_Op]) -> None:
+        """`done` for many operations, in one pass over their channels."""
+        gone = {id(o) for o in ops}
+        for key in {(o.src, o.dst) for o in ops}:
+            self._pending[key] = [o for o in self._pending[key] if id(o) not in gone]
 
 
 @dataclass
@@ -93,8 +149,7 @@ class EmulatedTransport:
         self._rng, self._max_delay = random.Random(seed), max_delay
         self._names: list[str] = []
         self._windows: list[list[np.ndarray]] = []
-        self._pending: dict[tuple[int, int], list[_Op]] = {}
-        self._seq: Counter = Counter()
+        self._schedule = ProxySchedule(ordered, chunk, fence)
         self._unlanded: Counter = Counter()          # per src: issued, not landed yet
         self._tickets: dict[tuple[int, int], _Ticket] = {}
         self._next_ticket: Counter = Counter()
@@ -165,48 +220,26 @@ class EmulatedTransport:
 
     # --- the proxy ---------------------------------------------------------------------------------------
     def _take_commands(self) -> None:
-        """Move every ring's new records into the channels, puts cut into network chunks."""
+        """Move every ring's new records into the channels."""
         for src, ring in enumerate(self.rings):
-            for rec in ring.take():
-                dst, w, start = int(rec["dst"]), int(rec["window"]), int(rec["start"])
-                if rec["op"] == ADD:
-                    ops = [_Op(src, dst, 0, w, start, addend=int(rec["addend"]), add=True, ticket=int(rec["ticket"]))]
-                else:
-                    n = int(rec["count"])
-                    ops = [_Op(src, dst, 0, w, start + a, min(self.chunk, n - a)) for a in range(0, n, self.chunk)]
-                    self._unlanded[src] += len(ops) - 1   # one issued put, several chunks to land
-                for op in ops:
-                    op.seq = self._seq[(src, dst)]
-                    self._seq[(src, dst)] += 1
-                    self._pending.setdefault((src, dst), []).append(op)
-
-    def _landable(self) -> list[_Op]:
-        out = []
-        for ops in self._pending.values():
-            if not ops:
-                continue
-            if self.ordered:
-                out.append(ops[0])
-                continue
-            first = min(o.seq for o in ops)
-            out += [o for o in ops if not o.add or not self.fence or o.seq == first]
-        return out
+            records = ring.take()
+            self._unlanded[src] += self._schedule.add(src, records) - len(records)   # a put lands as its chunks
 
     def _run_proxy(self) -> None:
         while True:
             with self._cv:
                 def ready():
                     self._take_commands()
-                    return self._closed or bool(self._landable())
+                    return self._closed or bool(self._schedule.landable())
                 self._cv.wait_for(ready)
                 if self._closed:
                     return
-                op = self._rng.choice(self._landable())
+                op = self._rng.choice(self._schedule.landable())
                 delay = self._rng.random() * self._max_delay
             time.sleep(delay)
             with self._cv:
                 ticket = self._land(op)
-                self._pending[(op.src, op.dst)].remove(op)
+                self._schedule.done(op)
                 self._unlanded[op.src] -= 1
                 self._cv.notify_all()
             if ticket is not None:
@@ -214,7 +247,7 @@ class EmulatedTransport:
 
     def _land(self, op: _Op) -> _Ticket | None:
         dst = self._windows[op.window][op.dst].reshape(-1)
-        if op.add:
+        if op.fenced:
             t = self._tickets[(op.src, op.ticket)]
             t.old = int(dst[op.start])
             dst[op.start] += op.addend

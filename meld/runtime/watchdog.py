@@ -33,6 +33,10 @@ SITES = {
     10: "cross-rank flag {detail} to reach its count (the phase parity field holds the count waited for)",
     11: "the other ranks' results: {detail} units must land in this rank's window before the launch ends "
         "(a rank that never launched, or died)",
+    12: "a free slot in the proxy's command ring (a proxy that stopped taking records; the phase parity field "
+        "holds the slot)",
+    13: "rank {detail} to start this launch before writing into its window (the phase parity field holds the "
+        "launch number)",
 }
 
 

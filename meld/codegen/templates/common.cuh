@@ -251,6 +251,40 @@ __device__ __forceinline__ void signal_wait(const unsigned long long* flag, unsi
   }
 }
 
+// --- the proxy transport's command ring (meld/dist/proxy.py) ------------------------------------------
+// A GPU that cannot store into a peer (RDMA between nodes) hands its puts and signals to a host proxy as
+// fixed-size records in pinned host memory (meld/dist/transport.py's COMMAND). A thread claims a slot on
+// the device's tail counter, waits (under the watchdog) until the proxy's head leaves that slot free,
+// writes the record and then, after a system-scope fence, its ticket (slot + 1): the proxy takes a record
+// only once its ticket is there.
+struct ProxyCommand {
+  u32 op, window, dst, pad;
+  unsigned long long start, count;
+  long long addend;
+  unsigned long long ticket;
+};
+static_assert(sizeof(ProxyCommand) == 48, "ProxyCommand must match meld.dist.transport.COMMAND");
+constexpr u32 PROXY_PUT = 1, PROXY_SIGNAL = 3;
+__device__ __forceinline__ void proxy_push(ProxyCommand* ring, unsigned long long* tail, const unsigned long long* head,
+                                           int capacity, u32 op, u32 dst, unsigned long long start,
+                                           unsigned long long count, long long addend, const WaitSite& s) {
+  const unsigned long long slot = atomicAdd(tail, 1ull);
+  const volatile unsigned long long* h = head;
+  if (slot >= *h + capacity) {
+    const i64 t0 = global_timer_ns();
+    while (slot >= *h + capacity) {
+      const i64 waited = global_timer_ns() - t0;
+      if (waited > MELD_WATCHDOG_NS)
+        watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, (u32)slot, waited);
+    }
+  }
+  volatile ProxyCommand* c = ring + slot % capacity;
+  c->op = op; c->window = 0u; c->dst = dst; c->pad = 0u;
+  c->start = start; c->count = count; c->addend = addend;
+  __threadfence_system();
+  c->ticket = slot + 1;
+}
+
 // One TMA tensor copy (a box of a 5-D tensor map, coordinates innermost first) global -> this CTA's
 // shared memory; its bytes complete on `bar`. `map` is the generic address of a __grid_constant__ map.
 __device__ __forceinline__ void tma_load_5d(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4,
