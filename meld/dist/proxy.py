@@ -83,36 +83,42 @@ class GpuProxy:
             head = 0
             while not self._closed:
                 head = self._take(head)
-                ops = self._schedule.landable()
+                # Ordered: everything taken, in issue order (one stream keeps it); unordered: what may land
+                # now, shuffled over the copy streams.
+                ops = self._schedule.pending() if self.ordered else self._schedule.landable()
                 if not ops:
                     if self.poll_s:
                         time.sleep(self.poll_s)
                     continue
                 if not self.ordered:
-                    self._rng.shuffle(ops)   # what may land now, in any order
-                for op in ops:
-                    self._land(op)
+                    self._rng.shuffle(ops)
+                self._land(ops)
                 self._schedule.done_all(ops)
                 self.landed_ops += len(ops)
         except BaseException as e:   # noqa: BLE001 - the kernel's watchdog reports the stall; this says why
             self.error = e
 
-    def _land(self, op) -> None:
-        src, dst = self._bufs[self.window.rank], self._bufs[op.dst]
-        if op.kind == PUT:
-            stream = self._streams[0] if self.ordered else self._rng.choice(self._streams)
+    def _land(self, ops) -> None:
+        """Issue `ops` in their order: puts as copies on their stream, each signal after every put issued
+        before it (on any stream) completes."""
+        src = self._bufs[self.window.rank]
+        for op in ops:
+            if op.kind == PUT:
+                stream = self._streams[0] if self.ordered else self._rng.choice(self._streams)
+                with torch.cuda.stream(stream):   # (copy_ crosses devices; the peer's view is on the peer)
+                    self._bufs[op.dst][op.start:op.start + op.count].copy_(src[op.start:op.start + op.count],
+                                                                           non_blocking=True)
+                continue
+            if op.kind != SIGNAL:
+                raise ValueError(f"the GPU proxy lands puts and signals, got a record of op {op.kind}")
+            stream = self._streams[0]
+            for other in self._streams[1:]:    # every put before it, on either stream, completes first
+                stream.wait_stream(other)
+            key = (op.dst, op.start)
+            self._totals[key] += op.addend
+            slot = self._signals % self.capacity   # a pinned staging slot per signal in flight
+            self._signals += 1
+            self._values_t[slot] = self._totals[key]
             with torch.cuda.stream(stream):
-                dst[op.start:op.start + op.count].copy_(src[op.start:op.start + op.count], non_blocking=True)
-            return
-        if op.kind != SIGNAL:
-            raise ValueError(f"the GPU proxy lands puts and signals, got a record of op {op.kind}")
-        stream = self._streams[0]
-        for other in self._streams[1:]:    # every put before it, on either stream, completes first
-            stream.wait_stream(other)
-        key = (op.dst, op.start)
-        self._totals[key] += op.addend
-        slot = self._signals % self.capacity   # a pinned staging slot per signal in flight
-        self._signals += 1
-        self._values_t[slot] = self._totals[key]
-        with torch.cuda.stream(stream):
-            dst[op.start:op.start + 8].copy_(self._values_t[slot:slot + 1].view(torch.uint8), non_blocking=True)
+                self._bufs[op.dst][op.start:op.start + 8].copy_(self._values_t[slot:slot + 1].view(torch.uint8),
+                                                                non_blocking=True)

@@ -121,6 +121,11 @@ class ProxySchedule:
             out += [o for o in ops if not o.fenced or not self.fence or o.seq == first]
         return out
 
+    def pending(self) -> list[_Op]:
+        """Every operation not landed yet, each channel's in issue order (an ordered proxy that keeps issue
+        order itself, on one stream, may hand them all on at once)."""
+        return [o for ops in self._pending.values() for o in ops]
+
     def done(self, op: _Op) -> None:
         self._pending[(op.src, op.dst)].remove(op)
 
