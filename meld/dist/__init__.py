@@ -1,12 +1,16 @@
-"""The multi-rank layer: the rank dimension of a schedule (`shard`), transports that move partials
-between ranks (`transport`: the CPU emulation), sequence-parallel decode attention over them
-(`seq_decode`: emulated ranks; `seq_parallel`: GPUs of a process group through symmetric memory), and
-`spawn` for starting ranks in the tests and benchmarks."""
+"""The multi-rank layer: the rank dimension of a schedule (`shard`); transports that move partials between
+ranks (`transport`: the CPU emulation and the protocol its proxy shares with the GPU's, `proxy`: the GPU
+proxy); the one cross-rank reduction (`reduce`: the last arriving part merges); sequence-parallel decode
+attention (`seq_decode`: emulated ranks; `seq_parallel`: the GPUs of a process group, peer memory or the
+proxy); the row-parallel GEMM's per-tile all-reduce (`tp_matmul`, emulated ranks); and `spawn` for
+starting ranks in the tests and benchmarks."""
+from .reduce import LastArriverReduce, run_ranks
 from .seq_decode import rank_partials, seq_parallel_decode
 from .seq_parallel import SeqParallelDecode, SymmetricWindow, WindowLayout
 from .shard import ShardPlan, shard_batch
 from .spawn import spawn
+from .tp_matmul import row_parallel_matmul
 from .transport import EmulatedTransport
 
-__all__ = ["EmulatedTransport", "SeqParallelDecode", "ShardPlan", "SymmetricWindow", "WindowLayout", "rank_partials",
-           "seq_parallel_decode", "shard_batch", "spawn"]
+__all__ = ["EmulatedTransport", "LastArriverReduce", "SeqParallelDecode", "ShardPlan", "SymmetricWindow", "WindowLayout",
+           "rank_partials", "row_parallel_matmul", "run_ranks", "seq_parallel_decode", "shard_batch", "spawn"]
