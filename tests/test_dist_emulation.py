@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from meld.dist import EmulatedTransport, rank_partials, row_parallel_matmul, seq_parallel_decode, shard_batch
+from meld.dist import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, seq_parallel_decode,
+                       shard_batch)
 from meld.runtime.reference import attention_reference, merge_partials
 from meld.workloads import paged
 
@@ -24,9 +25,10 @@ def _inputs(lens, seed=0):
 
 def _single_rank(plan, t, q, kv):
     """The same parts computed rank by rank in one thread, each request merged in part order."""
+    rs, indices = ranked_decode_schedule(plan, t.kv_indptr, t.kv_indices, HQ, HKV, D, P)
     parts = {}
     for r in range(plan.world):
-        o, lse = rank_partials(plan, r, q, kv, t.kv_indptr, t.kv_indices)
+        o, lse = rank_partials(rs, indices, r, q, kv)
         for k, i in enumerate(plan.on(r)):
             parts[int(i)] = (o[k], lse[k])
     out, lse = [], []
@@ -211,3 +213,28 @@ def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts():
             tr.close()
         caught += any(not np.array_equal(y, x[:, :48] @ w[:48] + x[:, 48:] @ w[48:]) for y in ys)
     assert caught >= 3
+
+
+def test_ranked_schedule_edges_json_and_validation():
+    """The rank dimension in the IR: every part of a split request is an edge to its owner (crossing ranks
+    unless it is part 0), JSON round-trips, and a lost or doubled part is a ScheduleError."""
+    import dataclasses
+
+    from meld.ir import RankedSchedule, ScheduleError
+
+    t, _, _ = _inputs(LENS)
+    plan = shard_batch(LENS, P, 3, min_split_tokens=16)
+    rs, _ = ranked_decode_schedule(plan, t.kv_indptr, t.kv_indices, HQ, HKV, D, P)
+    split = plan.num_parts > 1
+    assert split.any() and (~split).any()
+    assert len(rs.edges) == int(plan.num_parts[split].sum())
+    assert sum(e.crosses for e in rs.edges) == int((plan.num_parts[split] - 1).sum())   # part 0 is at its owner
+    assert np.array_equal(rs.owner(), plan.owner) and np.array_equal(rs.parts_of(), plan.num_parts)
+    assert RankedSchedule.from_json(rs.to_json()) == rs
+    r = int(plan.rank[np.flatnonzero(plan.num_parts[plan.req] > 1)[0]])
+    lost = dataclasses.replace(rs, key=[k if i != r else k[1:] for i, k in enumerate(rs.key)])
+    with pytest.raises(ScheduleError):
+        lost.validate()
+    doubled = dataclasses.replace(rs, part=[np.zeros_like(p) for p in rs.part])
+    with pytest.raises(ScheduleError, match="parts"):
+        doubled.validate()

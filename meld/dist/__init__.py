@@ -5,7 +5,7 @@ attention (`seq_decode`: emulated ranks; `seq_parallel`: the GPUs of a process g
 proxy); the row-parallel GEMM's per-tile all-reduce (`tp_matmul`, emulated ranks); and `spawn` for
 starting ranks in the tests and benchmarks."""
 from .reduce import LastArriverReduce, run_ranks
-from .seq_decode import rank_partials, seq_parallel_decode
+from .seq_decode import rank_partials, ranked_decode_schedule, seq_parallel_decode
 from .seq_parallel import SeqParallelDecode, SymmetricWindow, WindowLayout
 from .shard import ShardPlan, shard_batch
 from .spawn import spawn
@@ -13,4 +13,4 @@ from .tp_matmul import row_parallel_matmul
 from .transport import EmulatedTransport
 
 __all__ = ["EmulatedTransport", "LastArriverReduce", "SeqParallelDecode", "ShardPlan", "SymmetricWindow", "WindowLayout",
-           "rank_partials", "row_parallel_matmul", "run_ranks", "seq_parallel_decode", "shard_batch", "spawn"]
+           "rank_partials", "ranked_decode_schedule", "row_parallel_matmul", "run_ranks", "seq_parallel_decode", "shard_batch", "spawn"]

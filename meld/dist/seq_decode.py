@@ -1,5 +1,5 @@
 """Sequence-parallel decode attention over emulated ranks: each rank computes its parts of the batch (a
-`ShardPlan`) with the CPU reference executor, puts each part's partial output and log-sum-exp into the
+`ShardPlan`, run as a `RankedSchedule`) with the CPU reference executor, puts each part's partial output and log-sum-exp into the
 owner rank's window and counts it there with a fetch-add; the part whose fetch-add completes its
 request's count merges the request's partials, in part order, and puts the result into the owner's
 output window (`LastArriverReduce`). No all-gather, no separate merge step, and a result that does not depend on the order
@@ -7,29 +7,45 @@ in which the parts land.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
+from ..ir.ranked import RankedSchedule
 from ..runtime.reference import execute_decode, merge_partials
 from .reduce import LastArriverReduce, run_ranks
 from .shard import ShardPlan
 
 
-def rank_partials(plan: ShardPlan, rank: int, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                  kv_indices: torch.Tensor, sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(o [n, Hq, D], lse [n, Hq]) in float64 of rank `rank`'s n parts, each planned as a request of its own
-    (its token range's pages) and run by the CPU reference executor."""
+def ranked_decode_schedule(plan: ShardPlan, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, num_qo_heads: int,
+                           num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype = torch.bfloat16,
+                           ) -> tuple[RankedSchedule, list[torch.Tensor]]:
+    """`plan` as a `RankedSchedule` (each rank's parts planned as a batch of their own, as on the GPU) and
+    each rank's local page indices."""
     import meld
 
+    schedules, keys, parts, indices = [], [], [], []
+    for r in range(plan.world):
+        idx, ip, ind, last = plan.local_tables(r, kv_indptr.numpy(), kv_indices.numpy(), page_size)
+        attn = meld.DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, "cpu")
+        attn.plan(torch.from_numpy(ip), torch.from_numpy(ind), torch.from_numpy(last))
+        schedules.append(attn.schedule)
+        keys.append(plan.req[idx].astype(np.int32))
+        parts.append(plan.part[idx].astype(np.int32))
+        indices.append(torch.from_numpy(ind))
+    return RankedSchedule(plan.world, schedules, keys, parts, len(plan.kv_len)).validate(), indices
+
+
+def rank_partials(rs: RankedSchedule, indices: list[torch.Tensor], rank: int, q: torch.Tensor, kv_cache: torch.Tensor,
+                  sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(o [n, Hq, D], lse [n, Hq]) in float64 of rank `rank`'s n local items, by the CPU reference executor."""
     B, Hq, D = q.shape
-    P, Hkv = kv_cache.shape[2], kv_cache.shape[3]
-    idx, indptr, indices, last = plan.local_tables(rank, kv_indptr.numpy(), kv_indices.numpy(), P)
-    if not len(idx):
+    key = rs.key[rank]
+    if not len(key):
         return np.zeros((0, Hq, D)), np.zeros((0, Hq))
-    local_indices = torch.from_numpy(indices)
-    attn = meld.DecodeAttention(Hq, Hkv, D, P, q.dtype, "cpu", sm_scale=sm_scale)
-    attn.plan(torch.from_numpy(indptr), local_indices, torch.from_numpy(last))
-    o, lse = execute_decode(attn.schedule, q[torch.from_numpy(plan.req[idx])], kv_cache, local_indices, attn.sm_scale)
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    o, lse = execute_decode(rs.schedules[rank], q[torch.from_numpy(key).long()], kv_cache, indices[rank], scale)
     return o.numpy(), lse.numpy()
 
 
@@ -44,18 +60,19 @@ def seq_parallel_decode(plan: ShardPlan, transport, q: torch.Tensor, kv_cache: t
     """Run `plan` with one thread per rank over `transport`; returns (out [B, Hq, D], lse [B, Hq]) float64,
     gathered from the owners' output windows."""
     B, Hq, D = q.shape
+    rs, indices = ranked_decode_schedule(plan, kv_indptr, kv_indices, Hq, kv_cache.shape[3], D, kv_cache.shape[2],
+                                         q.dtype)
+    owner, n = rs.owner(), rs.parts_of()
     reduce = LastArriverReduce("attn", _merge_packed)
-    out_w = reduce.windows(transport, B, int(plan.num_parts.max(initial=1)), (Hq, D + 1))
+    out_w = reduce.windows(transport, B, int(n.max(initial=1)), (Hq, D + 1))
 
     def rank_main(r: int) -> None:
-        o, lse = rank_partials(plan, r, q, kv_cache, kv_indptr, kv_indices, sm_scale)
-        for k, i in enumerate(plan.on(r)):
-            b = int(plan.req[i])
-            owner = int(plan.owner[b])
-            reduce.contribute(transport, r, owner, b, int(plan.part[i]), int(plan.num_parts[b]),
-                              np.concatenate([o[k], lse[k][:, None]], axis=1), to=[owner])
+        o, lse = rank_partials(rs, indices, r, q, kv_cache, sm_scale)
+        for i, (b, p) in enumerate(zip(rs.key[r].tolist(), rs.part[r].tolist())):
+            reduce.contribute(transport, r, int(owner[b]), b, p, int(n[b]),
+                              np.concatenate([o[i], lse[i][:, None]], axis=1), to=[int(owner[b])])
         transport.quiet(r)
 
     run_ranks(plan.world, rank_main)
-    res = np.stack([out_w[plan.owner[b]][b] for b in range(B)]) if B else np.zeros((0, Hq, D + 1))
+    res = np.stack([out_w[owner[b]][b] for b in range(B)]) if B else np.zeros((0, Hq, D + 1))
     return torch.from_numpy(res[:, :, :D].copy()), torch.from_numpy(res[:, :, D].copy())
