@@ -294,3 +294,22 @@ def test_expert_parallel_moe_catches_a_count_that_overtakes_its_rows():
         finally:
             tr.close()
     assert caught >= 2
+
+
+def test_shard_plan_validation_names_the_broken_request():
+    import dataclasses
+
+    plan = shard_batch([40, 3, 90], 4, 2, min_split_tokens=10)
+    assert plan.num_parts.tolist() == [2, 1, 2]
+    i = int(np.flatnonzero((plan.req == 2) & (plan.part == 1))[0])
+    broken = {
+        "parts": dataclasses.replace(plan, part=np.where(np.arange(len(plan.part)) == i, 0, plan.part)),
+        "cover": dataclasses.replace(plan, begin=np.where(np.arange(len(plan.begin)) == i, plan.begin + 4, plan.begin)),
+        "owner": dataclasses.replace(plan, owner=np.where(np.arange(3) == 2, 1 - plan.owner, plan.owner)),
+        "outside": dataclasses.replace(plan, rank=np.where(np.arange(len(plan.rank)) == i, 2, plan.rank)),
+    }
+    for what, bad in broken.items():
+        with pytest.raises(ValueError, match="request 2|ranks outside") as e:
+            bad.validate()
+        assert what != "outside" or "ranks outside [0, 2)" in str(e.value)
+    assert plan.validate() is plan

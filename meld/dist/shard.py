@@ -38,33 +38,50 @@ class ShardPlan:
         """Rank `rank`'s parts as a batch of their own: (part indices, kv_indptr, kv_indices,
         kv_last_page_len), int32, each part a request over its token range's pages of the batch's table."""
         idx = self.on(rank)
-        pages, counts, last = [], [], []
-        for i in idx:
-            b, lo, hi = int(self.req[i]), int(self.begin[i]), int(self.end[i])
-            first, stop = int(kv_indptr[b]) + lo // page_size, int(kv_indptr[b]) - (-hi // page_size)
-            pages.append(kv_indices[first:stop])
-            counts.append(stop - first)
-            last.append((hi - lo - 1) % page_size + 1 if hi > lo else 0)
-        indptr = np.r_[0, np.cumsum(counts, dtype=np.int64)].astype(np.int32)
-        indices = np.concatenate(pages).astype(np.int32) if pages else np.zeros(0, np.int32)
-        return idx, indptr, indices, np.asarray(last, dtype=np.int32)
+        lo, hi = self.begin[idx], self.end[idx]
+        base = np.asarray(kv_indptr, dtype=np.int64)[self.req[idx]]
+        first, stop = base + lo // page_size, base - (-hi // page_size)
+        counts = stop - first
+        indptr = np.r_[0, np.cumsum(counts)].astype(np.int64)
+        gather = np.repeat(first - indptr[:-1], counts) + np.arange(indptr[-1])   # each part's pages, in order
+        indices = np.asarray(kv_indices)[gather].astype(np.int32)
+        last = np.where(hi > lo, (hi - lo - 1) % page_size + 1, 0)
+        return idx, indptr.astype(np.int32), indices, last.astype(np.int32)
 
     def validate(self) -> "ShardPlan":
-        """Every request covered exactly once by its parts, in order; ValueError otherwise."""
+        """Every request covered exactly once by its parts, in order; ValueError otherwise (vectorised: plan()
+        runs it per batch)."""
         B = len(self.kv_len)
-        for b in range(B):
-            idx = np.flatnonzero(self.req == b)
-            idx = idx[np.argsort(self.part[idx])]
-            if len(idx) != self.num_parts[b] or not np.array_equal(self.part[idx], np.arange(len(idx))):
-                raise ValueError(f"request {b}: parts {self.part[idx].tolist()} are not 0..{self.num_parts[b] - 1}")
-            bounds = np.r_[self.begin[idx], self.end[idx][-1:]] if len(idx) else np.zeros(0)
-            if len(idx) and (self.begin[idx[0]] != 0 or self.end[idx[-1]] != self.kv_len[b]
-                             or not np.array_equal(self.begin[idx[1:]], self.end[idx[:-1]]) or np.any(np.diff(bounds) < 0)):
-                raise ValueError(f"request {b}: parts do not cover [0, {self.kv_len[b]}) in order")
-            if len(idx) and self.owner[b] != self.rank[idx[0]]:
-                raise ValueError(f"request {b}: owner {self.owner[b]} is not part 0's rank {self.rank[idx[0]]}")
         if np.any((self.rank < 0) | (self.rank >= self.world)):
             raise ValueError(f"ranks outside [0, {self.world})")
+        if np.any((self.req < 0) | (self.req >= B)):
+            raise ValueError(f"part requests outside [0, {B})")
+        order = np.lexsort((self.part, self.req))
+        req, part, begin, end = self.req[order], self.part[order], self.begin[order], self.end[order]
+        first = np.cumsum(self.num_parts) - self.num_parts             # each request's first part, sorted
+        bad_parts = np.bincount(req, minlength=B) != self.num_parts
+        if not bad_parts.any() and len(req):   # counts agree: request b's parts sit at first[b]... in order
+            bad_parts = np.bincount(req, weights=part != np.arange(len(req)) - first[req], minlength=B) > 0
+        if bad_parts.any():
+            b = int(np.flatnonzero(bad_parts)[0])
+            got = np.sort(self.part[self.req == b]).tolist()
+            raise ValueError(f"request {b}: parts {got} are not 0..{self.num_parts[b] - 1}")
+        has = self.num_parts > 0
+        last = first + self.num_parts - 1
+        gap = np.zeros(B, dtype=bool)
+        if len(req) > 1:
+            inner = req[1:] == req[:-1]
+            np.logical_or.at(gap, req[1:][inner], begin[1:][inner] != end[:-1][inner])
+        np.logical_or.at(gap, req, end < begin)
+        gap[has] |= (begin[first[has]] != 0) | (end[last[has]] != self.kv_len[has])
+        if gap.any():
+            b = int(np.flatnonzero(gap)[0])
+            raise ValueError(f"request {b}: parts do not cover [0, {self.kv_len[b]}) in order")
+        wrong = has.copy()
+        wrong[has] = self.owner[has] != self.rank[order][first[has]]
+        if wrong.any():
+            b = int(np.flatnonzero(wrong)[0])
+            raise ValueError(f"request {b}: owner {self.owner[b]} is not part 0's rank {self.rank[order][first[b]]}")
         return self
 
 
@@ -77,19 +94,20 @@ def shard_batch(kv_len, page_size: int, world: int, min_split_tokens: int = 4096
     L = np.asarray(kv_len, dtype=np.int64)
     if L.ndim != 1 or np.any(L < 0):
         raise ValueError(f"kv_len must be a list of lengths >= 0, got {kv_len!r}")
-    load = np.zeros(world, dtype=np.int64)
+    load = [0] * world                                   # Python ints: this loop runs per plan()
+    ranks = range(world)
     parts: list[tuple[int, int, int, int, int]] = []   # (req, part, rank, begin, end)
-    for b in np.argsort(-L, kind="stable"):             # longest first: the greedy placement balances better
+    for b in np.argsort(-L, kind="stable").tolist():    # longest first: the greedy placement balances better
         n = int(L[b])
         if world > 1 and n >= min_split_tokens * world:
             pages = -(-n // page_size)
             cuts = [min(n, (pages * r // world) * page_size) for r in range(world + 1)]
-            for r in range(world):
-                parts.append((int(b), r, r, cuts[r], cuts[r + 1]))
+            for r in ranks:
+                parts.append((b, r, r, cuts[r], cuts[r + 1]))
                 load[r] += cuts[r + 1] - cuts[r]
         else:
-            r = int(np.argmin(load))
-            parts.append((int(b), 0, r, 0, n))
+            r = min(ranks, key=load.__getitem__)        # the least loaded (the lowest rank on a tie)
+            parts.append((b, 0, r, 0, n))
             load[r] += n
     parts.sort(key=lambda p: (p[2], p[0], p[1]))
     a = np.array(parts, dtype=np.int64).reshape(-1, 5)
