@@ -16,7 +16,7 @@ from meld.ops.base import Operator
 from meld.tuning import db as tdb
 from meld.tuning.db import TuningDB, TuningEntry, TuningKey, source_hash
 from meld.tuning import recorder as rec
-from meld.tuning.tune import BatchResult, bootstrap_ratio, candidates, decide, recorded_batches
+from meld.tuning.tune import BatchResult, Candidate, bootstrap_ratio, candidates, decide, recorded_batches
 from meld.workloads import lengths, paged
 
 KEY = TuningKey("decode_attention", "bfloat16", "Hq32/Hkv8/D128/P16/C1", "NVIDIA H200", 132, "13.0", "13.0",
@@ -81,16 +81,29 @@ def test_source_hash_follows_the_kernel_templates(tmp_path, monkeypatch):
 
 
 def test_decode_attention_takes_the_tuned_cost(monkeypatch):
-    """The operator applies its entry's cost fields (here through a stand-in lookup: on the CPU executor
-    the database is not read, there being no GPU to key it by); a field DecodeCost lacks is a clear error."""
-    entry = TuningEntry(KEY, {"cost": {"item_overhead_tokens": 64, "min_split_tokens": 256}})
+    """The operator applies its entry's cost and kernel fields (here through a stand-in lookup: on the CPU
+    executor the database is not read, there being no GPU to key it by); a field DecodeCost or
+    DecodeKernelConfig lacks is a clear error."""
+    entry = TuningEntry(KEY, {"cost": {"item_overhead_tokens": 64, "min_split_tokens": 256},
+                              "kernel": {"num_stages": 3}})
     seen = []
     monkeypatch.setattr(Operator, "_tuned", lambda self, dtype, shape: seen.append((dtype, shape)) or entry)
     attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu")
     assert seen == [("bfloat16", "Hq32/Hkv8/D128/P16/C1")] and attn.tuning is entry
     assert (attn.cost.item_overhead_tokens, attn.cost.min_split_tokens, attn.cost.round_tokens) == (64, 256, 128)
+    assert (attn.kernel_config.num_warps, attn.kernel_config.num_stages) == (8, 3)
     own = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu", cost=meld.scheduler.DecodeCost())
     assert own.tuning is None and own.cost.item_overhead_tokens == 128   # a cost given is kept
+    given = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu",
+                                 kernel_config=meld.codegen.DecodeKernelConfig.default("bfloat16", 128))
+    assert given.tuning is None and given.kernel_config.num_stages == 2   # a kernel given is kept
+    entry.config["kernel"] = {"stages": 3}
+    with pytest.raises(ValueError, match=r"entry's kernel \{'stages': 3\} is not a DecodeKernelConfig"):
+        meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu")
+    entry.config["kernel"] = {"num_stages": 1}
+    with pytest.raises(ValueError, match="num_stages=1"):
+        meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu")
+    del entry.config["kernel"]
     entry.config["cost"] = {"item_overhead": 64}
     with pytest.raises(ValueError, match=r"entry's cost \{'item_overhead': 64\} is not a DecodeCost"):
         meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu")
@@ -158,8 +171,13 @@ def test_bootstrap_interval_and_candidates():
     r, lo, hi = bootstrap_ratio(a, rng.normal(100, 1, 50))
     assert lo < 1.0 < hi
     c = candidates(meld.scheduler.DecodeCost())
-    assert c["default"] == meld.scheduler.DecodeCost() and "item_overhead_tokens=64" in c
-    assert all(v.item_overhead_tokens != 128 for k, v in c.items() if k != "default")
+    assert c["default"].cost == meld.scheduler.DecodeCost() and c["default"].kernel_config() is None
+    assert "item_overhead_tokens=64" in c
+    assert all(v.cost.item_overhead_tokens != 128 for k, v in c.items() if k.startswith("item_overhead"))
+    kernels = {k: v.kernel_config() for k, v in c.items() if v.kernel}
+    assert set(kernels) == {"num_stages=3", "tma=True", "num_warps=4,num_stages=4"}
+    assert kernels["num_warps=4,num_stages=4"].name == "meld_decode_attention_bf16_d128_w4_s4"
+    assert all(c[k].cost == meld.scheduler.DecodeCost() for k in kernels)   # kernel variants keep the default cost
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -174,13 +192,15 @@ def test_gpu_measure_times_every_candidate_on_every_batch():
     from meld.tuning.tune import measure
 
     cost = meld.scheduler.DecodeCost()
-    res = measure({"default": cost, "item_overhead_tokens=64": dataclasses.replace(cost, item_overhead_tokens=64)},
+    res = measure({"default": Candidate(cost), "item_overhead_tokens=64": Candidate(dataclasses.replace(cost, item_overhead_tokens=64)),
+                   "num_stages=3": Candidate(cost, {"num_stages": 3})},
                   [("B=64 skewed", lengths("skewed", 64)), ("B=8 one-long", lengths("one-long", 8))], rounds=2, reps=4)
     assert [b.name for b in res] == ["B=64 skewed", "B=8 one-long"]
     for b in res:
         assert b.ratio["default"][0] == 1.0 and all(v > 0 for v in b.median_us.values())
-        r, lo, hi = b.ratio["item_overhead_tokens=64"]
-        assert lo <= r <= hi and 0.5 < r < 2
+        for name in ("item_overhead_tokens=64", "num_stages=3"):
+            r, lo, hi = b.ratio[name]
+            assert lo <= r <= hi and 0.5 < r < 2
 
 
 # --- the workload recorder ----------------------------------------------------------------------------------
@@ -246,3 +266,22 @@ def test_a_recording_that_fails_never_fails_the_plan(tmp_path):
             warnings.simplefilter("error")
             attn.plan(u.kv_indptr, u.kv_indices, u.kv_last_page_len)
     assert attn.schedule.kv_len.tolist() == [300, 1, 90]
+
+
+def test_tune_records_the_adopted_kernel_fields(tmp_path, monkeypatch):
+    """tune() on measurements where a kernel variant wins: its kernel fields go to the database beside the cost
+    fields it changes (none), with the evidence (measurements and the machine's key stand in: no GPU here)."""
+    from meld.tuning import tune as tmod
+
+    def fake_measure(cands, batches, **kw):
+        assert {"default", "num_stages=3", "tma=True"} <= set(cands)
+        ratios = {k: (0.95, 0.93, 0.97) if k == "num_stages=3" else (1.0, 0.99, 1.01) for k in cands if k != "default"}
+        return [_batch(name, **ratios) for name, _ in batches]
+
+    monkeypatch.setattr(tmod, "measure", fake_measure)
+    monkeypatch.setattr(tdb.TuningKey, "here", staticmethod(lambda op, dt, shape, dev: dataclasses.replace(KEY, shape=shape)))
+    res = tmod.tune(tmp_path / "t.json", [("B=64 skewed", lengths("skewed", 64))], "bench", device="cpu")
+    assert res.adopted == "num_stages=3"
+    (entry,) = TuningDB.load(tmp_path / "t.json").entries
+    assert entry.config == {"cost": {}, "kernel": {"num_stages": 3}}
+    assert entry.evidence["batches"]["B=64 skewed"]["ratio_ci95"] == [0.95, 0.93, 0.97]

@@ -120,8 +120,8 @@ class DecodeAttention(Operator):
             place and the graph stays valid. A capacity not given grows as needed (which invalidates
             captured graphs).
         cost: the planner's cost model (default `DecodeCost.default` for the kernel's unit size; with
-            MELD_TUNING_DB set and no kernel_config given, the database's entry for this shape bucket, GPU
-            and kernel source where there is one: `self.tuning`).
+            MELD_TUNING_DB set and neither cost nor kernel_config given, the cost and kernel fields of the
+            database's entry for this shape bucket, GPU and kernel source where there is one: `self.tuning`).
         topology: override the persistent grid (default: `Topology.discover` of the kernel; on the CPU
             an H200 with one CTA per SM, as the shipped kernel runs there).
         cluster_size: the preferred thread-block cluster size. The launch covers every SM with the
@@ -195,21 +195,19 @@ class DecodeAttention(Operator):
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else \
             check_finite("sm_scale", sm_scale, _FLOAT32_MAX / _LOG2E)
         self._setup(decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype]), device)
-        self.kernel_config = kernel_config or DecodeKernelConfig.default(
+        # The tuning database's entry for this shape on this GPU (MELD_TUNING_DB), unless cost or kernel is given.
+        self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket) if cost is None and kernel_config is None else None
+        self.kernel_config = kernel_config or self._tuned_config("kernel", DecodeKernelConfig.default(
             _DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1, group_size=self.group_size,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant))
         kc = self.kernel_config
         if (kc.dtype, kc.head_dim, kc.batch_invariant) != (_DTYPES[dtype], head_dim, batch_invariant):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
                              f"{kc.batch_invariant}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, "
                              f"batch_invariant={batch_invariant}")
         self.heads_per_unit = self.kernel_config.heads_per_unit
-        self.tuning = None   # the tuning database entry this operator took its cost model from (MELD_TUNING_DB)
         if cost is None:
-            cost = DecodeCost.default(self.heads_per_unit)
-            if kernel_config is None:
-                self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket)
-                cost = self._tuned_cost(cost)
+            cost = self._tuned_config("cost", DecodeCost.default(self.heads_per_unit))
         if cost.tile_tokens != TILE_TOKENS:
             raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
         self.cost = cost
@@ -240,16 +238,17 @@ class DecodeAttention(Operator):
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
                 + ("/invariant" if self.batch_invariant else ""))
 
-    def _tuned_cost(self, cost: DecodeCost) -> DecodeCost:
-        """`cost` with the fields the tuning entry sets (`{"cost": {field: value}}`)."""
+    def _tuned_config(self, part: str, default):
+        """`default` (a DecodeCost or DecodeKernelConfig) with the fields the tuning entry sets for `part`
+        (`{"cost": {field: value}, "kernel": {field: value}}`)."""
         if self.tuning is None:
-            return cost
-        fields_set = self.tuning.config.get("cost", {})
+            return default
+        fields_set = self.tuning.config.get(part, {})
         try:
-            return dataclasses.replace(cost, **fields_set)
+            return dataclasses.replace(default, **fields_set)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"tuning database {config.tuning_db()}: the {self.shape_bucket} entry's cost "
-                             f"{fields_set!r} is not a DecodeCost: {e}") from None
+            raise ValueError(f"tuning database {config.tuning_db()}: the {self.shape_bucket} entry's {part} "
+                             f"{fields_set!r} is not a {type(default).__name__}: {e}") from None
 
     @staticmethod
     def _servable(topology: Topology) -> Topology:

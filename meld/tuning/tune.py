@@ -1,9 +1,10 @@
-"""`meld tune`: search decode attention's planner constants on a workload (BENCH's B >= 64 batches, or
-batches recorded from production by MELD_RECORD); adopt a candidate only where it is faster beyond the
-noise and slower on no batch, and record it in the tuning database.
+"""`meld tune`: search decode attention's planner constants and kernel configurations on a workload
+(BENCH's B >= 64 batches, or batches recorded from production by MELD_RECORD); adopt a candidate only
+where it is faster beyond the noise and slower on no batch, and record it in the tuning database.
 
-Each batch of the workload is planned by every candidate (a `DecodeCost`; the kernel is the same, so one
-compile serves all) and run from its own CUDA graph. Rounds replay the candidates in a shuffled order,
+A candidate is a `DecodeCost` and the `DecodeKernelConfig` fields it changes (warps, stages, TMA rings);
+the kernels of all candidates compile at once, on a thread pool, before anything is timed. Each batch of
+the workload is planned by every candidate and run from its own CUDA graph. Rounds replay the candidates in a shuffled order,
 each replay after a read of a buffer larger than L2 (a cold L2, as a decode step finds it) and timed by
 CUDA events. Per batch, a candidate's time ratio against the default is the median of its replays over
 the default's, with a 95% bootstrap interval (replays resampled). A candidate is adopted when it is
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..codegen import DecodeKernelConfig
 from ..runtime.cuda_graphs import capture
 from ..scheduler import DecodeCost
 from ..workloads import lengths, paged
@@ -62,13 +64,46 @@ class TuneResult:
     adopted: str | None
 
 
-def candidates(default: DecodeCost, item_overheads=(64, 96, 192, 256)) -> dict[str, DecodeCost]:
-    """The default and one candidate per item overhead (the constant the fit finds furthest off)."""
-    out = {"default": default}
+@dataclass(frozen=True)
+class Candidate:
+    """A planner cost model and the kernel configuration fields that differ from the default kernel's."""
+
+    cost: DecodeCost
+    kernel: dict = dataclasses.field(default_factory=dict)
+
+    def kernel_config(self) -> DecodeKernelConfig | None:
+        """The kernel of BENCH's shape with these fields (None: the default kernel)."""
+        if not self.kernel:
+            return None
+        return dataclasses.replace(DecodeKernelConfig.default("bfloat16", SHAPE["head_dim"]), **self.kernel)
+
+
+# Kernel variants of the default (eight warps, two stages, cp.async rings): one more stage, TMA rings, and
+# four warps with four stages (the configurations the hand sweeps of bench/decode_sweep.py found close).
+KERNEL_VARIANTS = ({"num_stages": 3}, {"tma": True}, {"num_warps": 4, "num_stages": 4})
+
+
+def candidates(default: DecodeCost, item_overheads=(64, 96, 192, 256), kernels=KERNEL_VARIANTS) -> dict[str, Candidate]:
+    """The default, one candidate per item overhead (the constant the fit finds furthest off), and one per
+    kernel variant with the default cost."""
+    out = {"default": Candidate(default)}
     for v in item_overheads:
         if v != default.item_overhead_tokens:
-            out[f"item_overhead_tokens={v}"] = dataclasses.replace(default, item_overhead_tokens=v)
+            out[f"item_overhead_tokens={v}"] = Candidate(dataclasses.replace(default, item_overhead_tokens=v))
+    for k in kernels:
+        out[",".join(f"{f}={v}" for f, v in k.items())] = Candidate(default, dict(k))
     return out
+
+
+def compile_all(cands: dict[str, Candidate], workers: int = 8) -> None:
+    """Compile every candidate's kernel into the on-disk cache at once (operators then load them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..codegen import compile_source
+
+    configs = {c.name: c for c in (cand.kernel_config() for cand in cands.values()) if c is not None}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda c: compile_source(c.render(), c.name), configs.values()))
 
 
 def bootstrap_ratio(a: np.ndarray, b: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -88,11 +123,13 @@ def decide(batches: list[BatchResult]) -> tuple[dict[str, float], str | None]:
     return geo, min(ok, key=geo.get) if ok else None
 
 
-def measure(costs: dict[str, DecodeCost], batches: list[tuple[str, list[int]]], rounds: int = 5, reps: int = 10,
+def measure(cands: dict[str, Candidate], batches: list[tuple[str, list[int]]], rounds: int = 5, reps: int = 10,
             device: str = "cuda", seed: int = 0) -> list[BatchResult]:
-    """Each (name, KV lengths) batch of BENCH's shape, planned by every candidate, timed (module docstring)."""
+    """Each (name, KV lengths) batch of BENCH's shape, planned and run by every candidate, timed (module
+    docstring)."""
     import meld
 
+    compile_all(cands)
     dev = torch.device(device)
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 << 20
     flush = torch.ones(l2, dtype=torch.float32, device=dev)   # 4x the L2, read before each replay
@@ -105,13 +142,14 @@ def measure(costs: dict[str, DecodeCost], batches: list[tuple[str, list[int]]], 
         kv = torch.randn(t.num_pages, 2, SHAPE["page_size"], SHAPE["num_kv_heads"], SHAPE["head_dim"], generator=g,
                          device=dev, dtype=torch.bfloat16)
         graphs, ops = {}, {}
-        for name, cost in costs.items():
-            op = ops[name] = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, dev, cost=cost)
+        for name, cand in cands.items():
+            op = ops[name] = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, dev, cost=cand.cost,
+                                                  kernel_config=cand.kernel_config())
             op.plan(t.kv_indptr, t.kv_indices, t.kv_last_page_len)
             out = torch.empty_like(q)
             graphs[name] = capture(lambda op=op, out=out, kv=kv: op.run(q, kv, out=out), device=dev)[0]
-        samples: dict[str, list[float]] = {k: [] for k in costs}
-        order = list(costs)
+        samples: dict[str, list[float]] = {k: [] for k in cands}
+        order = list(cands)
         for _ in range(rounds):
             rng.shuffle(order)
             for name in order:
@@ -141,20 +179,21 @@ def tune(db_path, batches: list[tuple[str, list[int]]], workload: str, rounds: i
 
     from .db import TuningDB, TuningEntry, TuningKey
 
-    costs = candidates(DecodeCost.default())
-    measured = measure(costs, batches, rounds=rounds, reps=reps, device=device)
+    cands = candidates(DecodeCost.default())
+    measured = measure(cands, batches, rounds=rounds, reps=reps, device=device)
     geo, adopted = decide(measured)
     result = TuneResult(measured, geo, adopted)
     if adopted is not None:
         op = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, device)
         key = TuningKey.here(op.graph.name, "bfloat16", op.shape_bucket, op.device)
-        changed = {f.name: getattr(costs[adopted], f.name) for f in dataclasses.fields(DecodeCost)
-                   if getattr(costs[adopted], f.name) != getattr(costs["default"], f.name)}
+        best, default = cands[adopted], cands["default"]
+        changed = {f.name: getattr(best.cost, f.name) for f in dataclasses.fields(DecodeCost)
+                   if getattr(best.cost, f.name) != getattr(default.cost, f.name)}
         evidence = {"workload": workload, "geomean_ratio": geo[adopted], "batches": {
             b.name: {"default_us": b.median_us["default"], "tuned_us": b.median_us[adopted],
                      "ratio_ci95": list(b.ratio[adopted])} for b in measured}}
         db = TuningDB.load(db_path)
-        db.put(TuningEntry(key, {"cost": changed}, evidence))
+        db.put(TuningEntry(key, {"cost": changed, **({"kernel": best.kernel} if best.kernel else {})}, evidence))
         db.save()
     return result
 
