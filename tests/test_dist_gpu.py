@@ -86,6 +86,19 @@ def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
         _sync(op)
         _check(op, pb, kv, q, out, lse, f"lengths {lens}")
         assert torch.equal(first[0], out) and torch.equal(first[1], lse), "launches differ: a race"
+        if i == 0:   # bad input: clear errors before anything launches, and the plan before stays in force
+            with pytest.raises(ValueError, match="kv_indptr"):
+                op.plan(pb.kv_indptr.long(), pb.kv_indices, pb.kv_last_page_len)
+            big = paged([5] * 17, P)
+            with pytest.raises(ValueError, match="max_batch_size=16"):
+                op.plan(big.kv_indptr, big.kv_indices, big.kv_last_page_len)
+            with pytest.raises(ValueError, match="q"):
+                op.run(q[:-1], kv)
+            with pytest.raises(ValueError, match="kv_cache"):
+                op.run(q, kv[:1])
+            again = op.run(q, kv).clone()
+            _sync(op)
+            assert torch.equal(again, first[0]), "a call that raised changed the operator"
     # Layers back to back, each output read by the stream's next work and no host sync between: no rank may
     # write a layer's results into a window whose rank still reads the layer before (outputs or partials).
     pb = paged(CASES[4], P, generator=torch.Generator().manual_seed(50))
