@@ -1,9 +1,9 @@
 """Sequence-parallel decode attention over emulated ranks: each rank computes its parts of the batch (a
-`ShardPlan`, run as a `RankedSchedule`) with the CPU reference executor, puts each part's partial output and log-sum-exp into the
-owner rank's window and counts it there with a fetch-add; the part whose fetch-add completes its
-request's count merges the request's partials, in part order, and puts the result into the owner's
-output window (`LastArriverReduce`). No all-gather, no separate merge step, and a result that does not depend on the order
-in which the parts land.
+`ShardPlan`, run as a `RankedSchedule`) with the CPU reference executor, puts each part's partial output
+and log-sum-exp into the owner rank's window and counts it there with a fetch-add; the part whose
+fetch-add completes its request's count merges the request's partials, in part order, and puts the result
+into every rank's output window (`LastArriverReduce`), as the GPU kernel does. No all-gather, no separate
+merge step, and a result that does not depend on the order in which the parts land.
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def _merge_packed(parts: np.ndarray) -> np.ndarray:
 
 def seq_parallel_decode(plan: ShardPlan, transport, q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor,
                         kv_indices: torch.Tensor, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `plan` with one thread per rank over `transport`; returns (out [B, Hq, D], lse [B, Hq]) float64,
-    gathered from the owners' output windows."""
+    """Run `plan` with one thread per rank over `transport`; the merged result goes to every rank's output
+    window, as the GPU kernel's does. Returns (out [B, Hq, D], lse [B, Hq]) float64 from rank 0's window;
+    ValueError if any rank's differs."""
     B, Hq, D = q.shape
     rs, indices = ranked_decode_schedule(plan, kv_indptr, kv_indices, Hq, kv_cache.shape[3], D, kv_cache.shape[2],
                                          q.dtype)
@@ -70,9 +71,12 @@ def seq_parallel_decode(plan: ShardPlan, transport, q: torch.Tensor, kv_cache: t
         o, lse = rank_partials(rs, indices, r, q, kv_cache, sm_scale)
         for i, (b, p) in enumerate(zip(rs.key[r].tolist(), rs.part[r].tolist())):
             reduce.contribute(transport, r, int(owner[b]), b, p, int(n[b]),
-                              np.concatenate([o[i], lse[i][:, None]], axis=1), to=[int(owner[b])])
+                              np.concatenate([o[i], lse[i][:, None]], axis=1), to=range(plan.world))
         transport.quiet(r)
 
     run_ranks(plan.world, rank_main)
-    res = np.stack([out_w[owner[b]][b] for b in range(B)]) if B else np.zeros((0, Hq, D + 1))
+    res = out_w[0][:B]
+    for r in range(1, plan.world):
+        if not np.array_equal(out_w[r][:B], res, equal_nan=True):
+            raise ValueError(f"rank {r}'s output window differs from rank 0's")
     return torch.from_numpy(res[:, :, :D].copy()), torch.from_numpy(res[:, :, D].copy())
