@@ -137,9 +137,13 @@ class SeqParallelDecode:
         self.layout = WindowLayout.of(max_batch_size, self.world, num_qo_heads, head_dim, self.attn.units_per_request)
         self.window = SymmetricWindow(self.layout.nbytes, device, self.group)
         self.window.local.zero_()                    # counters (and every byte) zero before any rank counts
-        self._xreq = torch.zeros(max_batch_size, 4, dtype=torch.int32, device=device)
-        self._xexit = torch.zeros(4, dtype=torch.int32, device=device)   # exit count, landings per launch, splits
-        self._xsplit = torch.zeros(max_batch_size, 2, dtype=torch.int32, device=device)   # proxy: (request, parts)
+        # The kernel's int32 tables, written by plan() in one copy: per local request (batch request, part,
+        # parts, owner); the split requests (batch request, parts; the proxy); exit count, landings per
+        # launch, split requests, 0.
+        nb = max_batch_size
+        self._xint = torch.zeros(6 * nb + 4, dtype=torch.int32, device=device)
+        self._xreq, self._xsplit = self._xint[:4 * nb].view(nb, 4), self._xint[4 * nb:6 * nb].view(nb, 2)
+        self._xexit = self._xint[6 * nb:]
         # Per source rank the units expected from it and those taken (the proxy), then this rank's launches.
         self._xsrc = torch.zeros(2 * self.world + 1, dtype=torch.int64, device=device)
         self.proxy = None
@@ -147,10 +151,13 @@ class SeqParallelDecode:
             from .proxy import GpuProxy
             self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         self.shard: ShardPlan | None = None
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None   # run()'s outputs for the planned batch
+        self._set_params()
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
     def _set_params(self) -> None:
+        """The kernel's cross-rank parameters: fixed for the operator's life (the capacities are given)."""
         L = self.layout
         self.attn._buf.launcher.set(
             xreq=self._xreq.data_ptr(), xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(),
@@ -177,16 +184,17 @@ class SeqParallelDecode:
         self.attn.plan(torch.from_numpy(l_indptr), torch.from_numpy(l_indices), torch.from_numpy(l_last))
         rows = np.stack([shard.req[idx], shard.part[idx], shard.num_parts[shard.req[idx]], shard.owner[shard.req[idx]]],
                         axis=1).astype(np.int32).reshape(-1, 4)
-        self._xreq[:len(rows)].copy_(torch.from_numpy(rows))
-        U = self.attn.units_per_request
+        U, nb = self.attn.units_per_request, self.max_batch_size
         split = np.flatnonzero(shard.num_parts > 1)
-        self._xsplit[:len(split)].copy_(torch.from_numpy(np.stack([split, shard.num_parts[split]], axis=1).astype(np.int32)))
-        self._xexit.copy_(torch.tensor([0, B * U, len(split), 0], dtype=torch.int32))
+        host = np.zeros(self._xint.numel(), dtype=np.int32)
+        host[:rows.size] = rows.reshape(-1)
+        host[4 * nb:4 * nb + 2 * len(split)] = np.stack([split, shard.num_parts[split]], axis=1).reshape(-1)
+        host[6 * nb:] = (0, B * U, len(split), 0)
+        self._xint.copy_(torch.from_numpy(host))
         from_src = np.bincount(shard.rank, minlength=self.world) * U
         from_src[self.rank] = 0
         self._xsrc[:self.world].copy_(torch.from_numpy(from_src.astype(np.int64)))
-        self._set_params()
-        self.shard = shard
+        self.shard, self._views = shard, self.outputs(B)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False):
         """out [B, num_qo_heads, head_dim] (and lse [B, num_qo_heads], float32, natural log), the same on
@@ -200,7 +208,7 @@ class SeqParallelDecode:
         B, Hq, D = len(self.shard.kv_len), self.num_qo_heads, self.head_dim
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         self.attn._check_kv_cache(kv_cache, self.attn._planned)
-        out, lse = self.outputs(B)
+        out, lse = self._views
         self.attn._launch(q, kv_cache, out, lse)
         return (out, lse) if return_lse else out
 
