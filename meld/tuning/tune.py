@@ -141,12 +141,12 @@ def measure(cands: dict[str, Candidate], batches: list[tuple[str, list[int]]], r
         q = torch.randn(b, SHAPE["num_qo_heads"], SHAPE["head_dim"], generator=g, device=dev, dtype=torch.bfloat16)
         kv = torch.randn(t.num_pages, 2, SHAPE["page_size"], SHAPE["num_kv_heads"], SHAPE["head_dim"], generator=g,
                          device=dev, dtype=torch.bfloat16)
-        graphs, ops = {}, {}
+        graphs, ops, outs = {}, {}, {}   # (a graph writes into its out: outs keeps every one alive)
         for name, cand in cands.items():
             op = ops[name] = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, dev, cost=cand.cost,
                                                   kernel_config=cand.kernel_config())
             op.plan(t.kv_indptr, t.kv_indices, t.kv_last_page_len)
-            out = torch.empty_like(q)
+            out = outs[name] = torch.empty_like(q)
             graphs[name] = capture(lambda op=op, out=out, kv=kv: op.run(q, kv, out=out), device=dev)[0]
         samples: dict[str, list[float]] = {k: [] for k in cands}
         order = list(cands)
@@ -166,7 +166,7 @@ def measure(cands: dict[str, Candidate], batches: list[tuple[str, list[int]]], r
         base = np.array(samples["default"])
         results.append(BatchResult(batch_name, {k: float(np.median(v)) for k, v in samples.items()},
                                    {k: bootstrap_ratio(base, np.array(v)) for k, v in samples.items()}))
-        del graphs, ops, kv
+        del graphs, ops, outs, kv
         torch.cuda.empty_cache()
     return results
 
