@@ -124,7 +124,7 @@ class DecodeKernelConfig:
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), DECODE_PARAMS.c_source(),
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("xrank.cuh"), DECODE_PARAMS.c_source(),
                           CTA_TABLE.c_source(), _template("decode_attention.cuh")])
 
 

@@ -398,6 +398,9 @@ static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) 
 
 // MELD_XRANK: rank r's symmetric window as this rank addresses it, and places in it (offsets: p.x_*_off).
 __device__ __forceinline__ char* xwin(const DecodeParams& p, int r) { return p.xpeers[r]; }
+__device__ __forceinline__ XWindows xwindows(const DecodeParams& p) {
+  return XWindows{p.xpeers, p.x_rank, p.x_world, p.x_started_off, p.x_landed_off};
+}
 __device__ __forceinline__ unsigned long long* xcounter(const DecodeParams& p, const Unit& x, int u) {
   const int gu = x.xb * p.units_per_request + (u - x.req * p.units_per_request);
   return reinterpret_cast<unsigned long long*>(xwin(p, x.xowner) + p.x_count_off) + gu;
@@ -605,22 +608,21 @@ __device__ __forceinline__ void xrank_announce(const DecodeParams& p, int cta) {
   const unsigned long long n = xrank_launch(p);
   const long long slot = p.x_started_off + 8 * p.x_rank;
   const WaitSite s{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 12, cta, 0, -1, 0};
+  if (!PROXY) {
+    xrank_announce_peers(xwindows(p), n);
+    return;
+  }
   for (int r = 0; r < p.x_world; ++r) {
-    if (PROXY && r != p.x_rank)
+    if (r != p.x_rank)
       proxy_push(p.xring, p.xring_tail, p.xring_head, p.xring_cap, PROXY_SIGNAL, r, slot, 0, 1, s);
     else
       asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(xwin(p, r) + slot), "l"(n) : "memory");
   }
 }
 __device__ __forceinline__ void xrank_await_started(const DecodeParams& p, int cta) {
-  if (threadIdx.x == 0) {
-    const unsigned long long n = xrank_launch(p);
-    const unsigned long long* started = reinterpret_cast<const unsigned long long*>(xwin(p, p.x_rank) + p.x_started_off);
-    for (int r = 0; r < p.x_world; ++r)
-      if (r != p.x_rank)
-        signal_wait(started + r, n, WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 13, cta, 0, -1, r},
-                    XRANK_WAIT_NS);
-  }
+  if (threadIdx.x == 0)
+    xrank_wait_started(xwindows(p), xrank_launch(p), WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 13, cta, 0, -1, 0},
+                       XRANK_WAIT_NS);
   __syncthreads();
 }
 
@@ -743,17 +745,13 @@ __device__ __forceinline__ void xrank_exit(const DecodeParams& p, int cta, int f
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (finished)
-    for (int r = 0; r < p.x_world; ++r)
-      signal_add(reinterpret_cast<unsigned long long*>(xwin(p, r) + p.x_landed_off), (unsigned long long)finished);
+  xrank_land(xwindows(p), (unsigned long long)finished);
   if (atomicAdd(p.xexit, 1u) != (unsigned)p.num_ctas - 1) return;
   p.xexit[0] = 0u;
   const unsigned long long expected = *reinterpret_cast<volatile unsigned*>(p.xexit + 1);   // plan() writes it
-  unsigned long long* landed = reinterpret_cast<unsigned long long*>(xwin(p, p.x_rank) + p.x_landed_off);
-  signal_wait(landed, expected, WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, (int)expected},
-              XRANK_WAIT_NS);
-  atomicAdd(landed, 0ull - expected);   // a faster rank's next launch may have counted already: subtract
-  p.xsrc[2 * p.x_world] += 1;           // launches done (every CTA read the count at its start)
+  xrank_take_landed(xwindows(p), expected, WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, 0},
+                    XRANK_WAIT_NS);
+  p.xsrc[2 * p.x_world] += 1;   // launches done (every CTA read the count at its start)
 }
 
 }  // namespace meld

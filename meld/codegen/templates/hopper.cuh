@@ -56,4 +56,15 @@ __device__ __forceinline__ u16 float_to_bf16(float f) {
   return r;
 }
 
+// A ring of NUM_STAGES TMA stages: a `full` mbarrier per stage (the producer's copies completed) and an
+// `empty` one (its consumers are done with it); the phase flips each time the ring wraps.
+struct Ring {
+  u32 base, full, empty;       // stage buffers; mbarriers (8 bytes each)
+  int stage = 0;
+  u32 phase = 0;
+  __device__ void advance() {
+    if (++stage == NUM_STAGES) { stage = 0; phase ^= 1u; }
+  }
+};
+
 }  // namespace meld

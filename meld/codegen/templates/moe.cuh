@@ -352,15 +352,6 @@ __device__ void wait_row_block(const MoeParams& p, int rb, int ticket) {
   fence_proxy_async_global();   // act, written by other CTAs' generic stores, is read next by TMA
 }
 
-struct Ring {
-  u32 base, full, empty;       // stage buffers; mbarriers (8 bytes each)
-  int stage = 0;
-  u32 phase = 0;
-  __device__ void advance() {
-    if (++stage == NUM_STAGES) { stage = 0; phase ^= 1u; }
-  }
-};
-
 __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, int* slots) {
   const int ntasks = p.counters[1];
   int slot = 0;

@@ -1,0 +1,54 @@
+// meld: the cross-rank protocol that every operator over a process group shares (meld/dist): each rank's
+// symmetric window as this rank addresses it, the start handshake and the landing count.
+//
+// Nothing is written into another rank's window before that rank has started the same launch (its
+// stream has then finished with the previous launch's outputs and partials): CTA 0 announces each
+// launch on every rank, and a CTA waits for every rank's announcement once, before its first remote
+// write. Every CTA adds the results it wrote to every rank's landing counter after one system-scope
+// fence; the launch's last CTA waits until its own rank holds all of them, so a rank's output is
+// complete when its launch ends, and takes the count back (a faster rank's next launch may have added
+// to it already).
+
+namespace meld {
+
+struct XWindows {
+  char* const* peers;          // every rank's window base, as this rank addresses it (NVLink peer memory)
+  int rank, world;
+  long long started_off;       // u64 per rank: the launches it has started
+  long long landed_off;        // u64: results landed in this window
+  __device__ __forceinline__ unsigned long long* word(int r, long long off) const {
+    return reinterpret_cast<unsigned long long*>(peers[r] + off);
+  }
+};
+
+// Launch n has started on this rank: stored (release, system scope) into every rank's slot for it.
+__device__ __forceinline__ void xrank_announce_peers(const XWindows& w, unsigned long long n) {
+  for (int r = 0; r < w.world; ++r)
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, w.started_off + 8 * w.rank)), "l"(n) : "memory");
+}
+
+// Wait (one thread) until every other rank has started launch n; the wait site's detail names the rank.
+__device__ __forceinline__ void xrank_wait_started(const XWindows& w, unsigned long long n, WaitSite s, i64 limit_ns) {
+  const unsigned long long* started = w.word(w.rank, w.started_off);
+  for (int r = 0; r < w.world; ++r) {
+    if (r == w.rank) continue;
+    s.detail = r;
+    signal_wait(started + r, n, s, limit_ns);
+  }
+}
+
+// One thread, after the system-scope fences of every thread whose writes `landed` counts.
+__device__ __forceinline__ void xrank_land(const XWindows& w, unsigned long long landed) {
+  if (landed)
+    for (int r = 0; r < w.world; ++r) signal_add(w.word(r, w.landed_off), landed);
+}
+
+// The launch's last CTA: wait until `expected` results have landed in this rank's window, take them back.
+__device__ __forceinline__ void xrank_take_landed(const XWindows& w, unsigned long long expected, WaitSite s, i64 limit_ns) {
+  unsigned long long* landed = w.word(w.rank, w.landed_off);
+  s.detail = (int)expected;
+  signal_wait(landed, expected, s, limit_ns);
+  atomicAdd(landed, 0ull - expected);
+}
+
+}  // namespace meld
