@@ -8,7 +8,13 @@ whole batch ("1 GPU"); and the single-GPU kernel on each GPU's parts alone, no e
 the floor). Times: CUDA-graph replays per rank (bench/harness.py's timer, L2 flushed), the
 slowest rank's median. Correctness: every rank's first output (poisoned before) against float64.
 
+(c) The row-parallel linear with its all-reduce fused per tile (`RowParallelLinear`, `--op tp`): each
+rank's x_r [M, K/world] @ W_r.T, every output tile summed at its owner as soon as all its partials are
+there and written to every rank through NVLink peer memory. Baseline in the same run: `torch.matmul` +
+NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communication's).
+
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
+    python3 bench/dist.py --op tp [--tokens 1 16 128 1024 4096]
 """
 from __future__ import annotations
 
@@ -180,6 +186,83 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
             Path(out_json).write_text(json.dumps(rows, indent=1))
 
 
+TP_SHAPES = {"llama70b-o": (8192, 8192), "llama70b-down": (28672, 8192)}   # (K over all ranks, N)
+
+
+def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None) -> None:
+    import torch.distributed as dist
+
+    from bench.harness import graph_time_us
+    from meld.dist import RowParallelLinear
+
+    dev = torch.device("cuda", rank)
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    for _ in range(200):   # clocks up before the first case is timed
+        a @ a
+    torch.cuda.synchronize()
+
+    def slowest(t: float) -> float:
+        v = torch.tensor([t], device=dev)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return v.item()
+
+    rows = []
+    alone = [dist.new_group([r]) for r in range(world)]   # meld on a group of one rank: its GEMM, no exchange
+    for shape, (k_all, n) in TP_SHAPES.items():
+        k = k_all // world
+        g = torch.Generator(device=dev).manual_seed(7)   # the same on every rank: the reference is local
+        w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
+        w = w_all[:, rank * k:(rank + 1) * k].contiguous()
+        op = RowParallelLinear(k, n, max_tokens=max(tokens))
+        solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
+        for m in tokens:
+            x_all = torch.randn(m, k_all, generator=g, device=dev).to(torch.bfloat16)
+            x = x_all[:, rank * k:(rank + 1) * k].contiguous()
+            y = op.output(m)
+            y.fill_(math.nan)
+            torch.cuda.synchronize()
+            dist.barrier()
+            got = op(x, w).clone()
+            base = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+
+            def unfused():
+                torch.matmul(x, w.T, out=base)
+                dist.all_reduce(base)
+
+            unfused()
+            torch.cuda.synchronize()
+            ref = x_all.double() @ w_all.double().T
+            errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (got, base)]
+            del ref
+            if any(math.isnan(e) for e in errs) or max(errs) > 1e-2:
+                raise AssertionError(f"{shape} M={m} rank {rank}: relative errors (meld, unfused) {errs}")
+            dist.barrier()
+            t_meld = slowest(graph_time_us(lambda: op(x, w), reps=reps).median_us)
+            dist.barrier()
+            t_unf = slowest(graph_time_us(unfused, reps=reps).median_us)
+            dist.barrier()
+            t_mm = slowest(graph_time_us(lambda: torch.matmul(x, w.T, out=base), reps=reps).median_us)
+            t_solo = slowest(graph_time_us(lambda: solo(x, w), reps=reps).median_us)
+            # bytes each rank sends over NVLink: its float partials of the tiles other ranks own, and the bf16
+            # tiles it merged to the other ranks (each about (world - 1) / world of the output)
+            sent = m * n * (4 + 2) * (world - 1) / world
+            rows.append(dict(shape=shape, M=m, K=k, N=n, err=max(errs), meld_us=t_meld, unfused_us=t_unf, matmul_us=t_mm, solo_us=t_solo,
+                             comm_share=1 - t_mm / t_unf, vs_unfused=t_unf / t_meld, nvlink_gbs=sent / t_meld / 1e3))
+            dist.barrier()
+    if rank == 0:
+        print(f"row-parallel linear + all-reduce, {world} GPUs, bf16; median µs of graph replays, slowest rank")
+        print("shape | M | K per rank | N | max rel err | meld | meld 1 rank | matmul | matmul + all_reduce | comm share | "
+              "unfused/meld | meld NVLink GB/s per rank")
+        for r in rows:
+            print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['err']:.1e} | {r['meld_us']:.1f} | {r['solo_us']:.1f} | "
+                  f"{r['matmul_us']:.1f} | {r['unfused_us']:.1f} | {r['comm_share']:.0%} | {r['vs_unfused']:.2f} | "
+                  f"{r['nvlink_gbs']:.0f}")
+        print("meld 1 rank: the same kernel on a group of one rank (this rank's GEMM, nothing exchanged); comm share: "
+              "1 - matmul / (matmul + all_reduce)")
+        if out_json:
+            Path(out_json).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     from meld.dist import spawn
 
@@ -189,10 +272,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json")
     ap.add_argument("--no-proxy", action="store_true", help="skip the proxy transport")
+    ap.add_argument("--op", choices=("decode", "tp"), default="decode")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096], help="--op tp: rows M")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
-    spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
+    if a.op == "tp":
+        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json)
+    else:
+        spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
 
 
 if __name__ == "__main__":

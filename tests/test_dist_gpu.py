@@ -179,3 +179,91 @@ def test_seq_parallel_watchdog_names_a_rank_that_never_ran():
     from meld.dist import spawn
 
     spawn(_watchdog_rank, 2)
+
+
+# --- the row-parallel linear, its all-reduce fused per tile --------------------------------------------------
+# (M, K per rank, N): every token block (8..256 and two blocks of 256), N and K not multiples of the 64-wide
+# tiles, K below one stage.
+TP_CASES = [(1, 4096, 1024), (5, 1000, 1000), (13, 512, 264), (40, 256, 512), (64, 2048, 8), (70, 520, 256),
+            (300, 264, 136), (17, 24, 64)]
+
+
+def _tp_inputs(m, k, n, world, seed, dev):
+    g = torch.Generator().manual_seed(seed)   # every rank draws every rank's slices: the reference is local
+    xs = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _ in range(world)]
+    ws = [(torch.randn(n, k, generator=g) / math.sqrt(k * world)).to(torch.bfloat16) for _ in range(world)]
+    ref = sum(x.double() @ w.double().T for x, w in zip(xs, ws))
+    return xs, ws, ref
+
+
+def _tp_rank(rank, world):
+    import torch.distributed as dist
+
+    from meld.dist import RowParallelLinear
+    from meld.runtime.cuda_graphs import capture
+
+    dev = torch.device("cuda", rank)
+    for i, (m, k, n) in enumerate(TP_CASES):
+        xs, ws, ref = _tp_inputs(m, k, n, world, 300 + i, dev)
+        x, w = xs[rank].to(dev), ws[rank].to(dev)
+        op = RowParallelLinear(k, n, max_tokens=max(m, 8))
+        out = op.output(m)
+        out.fill_(math.nan)
+        torch.cuda.synchronize()
+        dist.barrier()
+        y = op(x, w)
+        assert y.data_ptr() == out.data_ptr() and y.shape == (m, n)
+        first = y.clone()
+        for _ in range(3):
+            op(x, w)
+        torch.cuda.synchronize()
+        assert not first.isnan().any(), f"(M, K, N) = {(m, k, n)}: unwritten output on rank {rank}"
+        err = ((first.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"(M, K, N) = {(m, k, n)}: relative error {err:.2e} on rank {rank}"
+        assert torch.equal(first, y), f"(M, K, N) = {(m, k, n)}: launches differ: a race"
+        every = [torch.empty_like(first) for _ in range(world)]
+        dist.all_gather(every, first)
+        assert all(torch.equal(e, first) for e in every), "ranks disagree"
+        if i == 1:   # bad input: clear errors, nothing launched, the operator usable afterwards
+            with pytest.raises(ValueError, match="x"):
+                op(x.float(), w)
+            with pytest.raises(ValueError, match="weight"):
+                op(x, w[:, :-8])
+            with pytest.raises(ValueError, match="max_tokens=8"):
+                op(torch.zeros(9, k, dtype=torch.bfloat16, device=dev), w)
+            assert torch.equal(op(x, w), first)
+            # Layers back to back, each output read in stream order: no rank writes a layer's tiles into a
+            # window whose rank still reads the layer before.
+            layers = [(torch.randn(m, k, device=dev).to(torch.bfloat16), w) for _ in range(4)]
+            outs = [op(xl, wl).clone() for xl, wl in layers]
+            got = [torch.empty_like(outs[0]) for _ in range(world)]
+            for j, ((xl, wl), o) in enumerate(zip(layers, outs)):
+                parts = [torch.empty_like(xl) for _ in range(world)]
+                dist.all_gather(parts, xl)   # every rank's input of layer j
+                wfull = [torch.empty_like(wl) for _ in range(world)]
+                dist.all_gather(wfull, wl)
+                r = sum(p.double() @ q.double().T for p, q in zip(parts, wfull))
+                e = ((o.double() - r).norm() / r.norm()).item()
+                assert e < 1e-2, f"layer {j} of 4 back to back: relative error {e:.2e}"
+                dist.all_gather(got, o)
+                assert all(torch.equal(a, o) for a in got)
+            # A captured call, replayed on new inputs.
+            xg = x.clone()
+            graph, _ = capture(lambda: op(xg, w), device=dev)
+            xs2, _, _ = _tp_inputs(m, k, n, world, 999, dev)
+            xg.copy_(xs2[rank])
+            out.fill_(math.nan)
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            r2 = sum(a.double() @ b.double().T for a, b in zip(xs2, ws))
+            e = ((out.double().cpu() - r2).norm() / r2.norm()).item()
+            assert e < 1e-2, f"graph replay: relative error {e:.2e}"
+        dist.barrier()
+
+
+def test_row_parallel_linear_on_two_gpus_matches_float64():
+    from meld.dist import spawn
+
+    spawn(_tp_rank, 2)

@@ -221,3 +221,28 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("prof_cap", "i32"),
     Field("watchdog_kernel", "i32"),
 ])
+
+# The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/dist/tp_linear.py).
+TP_PARAMS = ParamStruct("TpParams", [
+    Field("w_map", "tmap"),                      # this rank's weight [N, K] (64-row boxes)
+    Field("x_map", "tmap"),                      # this rank's input [M, K] (BLOCK_TOKENS-row boxes)
+    Field("xpeers", "ptr", "char* const*"),      # every rank's symmetric window, as this rank addresses it
+    Field("xexit", "ptr", "unsigned*"),          # the launch's exit counter
+    Field("xlaunch", "ptr", "unsigned long long*"),   # launches this rank has finished
+    Field("watchdog", "ptr", "WatchdogRecord*"),
+    Field("watchdog_claim", "ptr", "int*"),
+    Field("x_out_off", "i64"),                   # places in a window, in bytes: the output [M, N] bf16,
+    Field("x_part_off", "i64"),                  # the float partials [tiles][world][tile], one counter per
+    Field("x_count_off", "i64"),                 # tile, the landing counter and the launches started
+    Field("x_landed_off", "i64"),
+    Field("x_started_off", "i64"),
+    Field("m", "i32"),
+    Field("n", "i32"),
+    Field("k", "i32"),
+    Field("m_tiles", "i32"),                     # token blocks
+    Field("k_splits", "i32"),                    # pieces of K per output tile
+    Field("tiles", "i32"),                       # pieces: output tiles x k_splits
+    Field("x_rank", "i32"),
+    Field("x_world", "i32"),
+    Field("watchdog_kernel", "i32"),
+])

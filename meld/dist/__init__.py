@@ -2,16 +2,17 @@
 ranks (`transport`: the CPU emulation and the protocol its proxy shares with the GPU's, `proxy`: the GPU
 proxy); the one cross-rank reduction (`reduce`: the last arriving part merges); sequence-parallel decode
 attention (`seq_decode`: emulated ranks; `seq_parallel`: the GPUs of a process group, peer memory or the
-proxy); the row-parallel GEMM's per-tile all-reduce and expert-parallel MoE on emulated ranks
-(`tp_matmul`, `ep_moe`); and `spawn` for starting ranks in the tests and benchmarks."""
+proxy); the row-parallel GEMM with its all-reduce fused per tile (`tp_linear`: the GPUs of a process group;
+`tp_matmul`: emulated ranks); expert-parallel MoE on emulated ranks (`ep_moe`); and `spawn` for starting ranks in the tests and benchmarks."""
 from .ep_moe import expert_parallel_moe
 from .reduce import LastArriverReduce, run_ranks
 from .seq_decode import rank_partials, ranked_decode_schedule, seq_parallel_decode
 from .seq_parallel import SeqParallelDecode, SymmetricWindow, WindowLayout
 from .shard import ShardPlan, shard_batch
 from .spawn import spawn
+from .tp_linear import RowParallelLinear
 from .tp_matmul import row_parallel_matmul
 from .transport import EmulatedTransport
 
 __all__ = ["EmulatedTransport", "LastArriverReduce", "expert_parallel_moe", "SeqParallelDecode", "ShardPlan", "SymmetricWindow", "WindowLayout",
-           "rank_partials", "ranked_decode_schedule", "row_parallel_matmul", "run_ranks", "seq_parallel_decode", "shard_batch", "spawn"]
+           "RowParallelLinear", "rank_partials", "ranked_decode_schedule", "row_parallel_matmul", "run_ranks", "seq_parallel_decode", "shard_batch", "spawn"]

@@ -1,0 +1,200 @@
+// meld row-parallel linear, all-reduced tile by tile across the ranks of a process group
+// (meld/dist/tp_linear.py): y = sum_r x_r W_r^T on every rank, where x_r [M, K] and W_r [N, K] are rank
+// r's slices of the contraction dimension. One persistent kernel per GPU, no collective afterwards.
+//
+// An output tile is 64 columns of N (64 weight rows: wgmma's A) x BLOCK_TOKENS tokens (wgmma's N), so a
+// decode step with a few tokens wastes no tensor-core rows. With few output tiles, K is split too
+// (p.k_splits pieces per tile), so that every SM streams weights. CTA c computes pieces c, c + grid, ...;
+// the token blocks of a column block are adjacent, so CTAs running together share its weight boxes in
+// L2. Warp 0 keeps a ring of (weight box, token box) stages loaded by TMA; one consumer warpgroup runs
+// the wgmmas, one stage's in flight while the next is issued.
+//
+// Output tile o is reduced at its owner rank o % world, over its world x k_splits partials (rank-major):
+// every piece stores its float partial into the owner's window (NVLink peer memory) and counts it on the
+// owner's tile counter after a system-scope fence; the piece whose count completes the tile sums the
+// partials in that fixed order (the same sum, bit for bit, whichever piece arrives last; no float
+// atomics) and writes the bf16 tile into every rank's output. The start handshake and the landing count
+// are xrank.cuh's.
+//
+// Deadlock freedom: no CTA waits for another CTA's tile. A CTA waits only on its own TMA ring, once for
+// every rank to have started the launch (every launch starts all its CTAs without waiting for anything),
+// and, the launch's last CTA, for tiles that CTAs which never wait have finished or will finish.
+
+namespace meld {
+
+constexpr int BK = 64;                           // K per box: one 128-byte swizzled row
+constexpr int W_BOX = 64 * BK * 2;               // 64 weight rows
+constexpr int X_BOX = BLOCK_TOKENS * BK * 2;     // the token block
+constexpr int BOX_PAIR = W_BOX + X_BOX;
+constexpr int STAGE_BYTES = K_BOXES * BOX_PAIR;  // K_BOXES boxes along K: each weight row read in runs of
+                                                 // 128 K_BOXES contiguous bytes (DRAM row locality)
+constexpr int ACC = BLOCK_TOKENS / 2;            // accumulators per consumer thread (64 x BLOCK_TOKENS)
+constexpr int TILE_FLOATS = 64 * BLOCK_TOKENS;
+constexpr int CONSUMERS = 128;
+constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their launches up to seconds apart
+
+__device__ __forceinline__ WaitSite tp_site(const TpParams& p, int site, int warp, int tile, int detail) {
+  return WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, site, (int)blockIdx.x, warp, tile, detail};
+}
+
+__device__ __forceinline__ XWindows tp_windows(const TpParams& p) {
+  return XWindows{p.xpeers, p.x_rank, p.x_world, p.x_started_off, p.x_landed_off};
+}
+
+// Piece t: output tile o = t / k_splits (column block, token block) and its K blocks [k0, k1).
+struct Piece {
+  int o, split, col, tok0, k0, k1;
+};
+__device__ __forceinline__ Piece tp_piece(const TpParams& p, int t) {
+  Piece x;
+  x.o = t / p.k_splits;
+  x.split = t - x.o * p.k_splits;
+  x.col = x.o / p.m_tiles;
+  x.tok0 = (x.o - x.col * p.m_tiles) * BLOCK_TOKENS;
+  const int nk = (p.k + BK * K_BOXES - 1) / (BK * K_BOXES);   // stages
+  x.k0 = (int)((long long)nk * x.split / p.k_splits);
+  x.k1 = (int)((long long)nk * (x.split + 1) / p.k_splits);
+  return x;
+}
+
+__device__ void tp_produce(const TpParams& p, Ring ring) {
+  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+    const Piece x = tp_piece(p, t);
+    const int col = x.col, tok0 = x.tok0;
+    for (int kk = x.k0; kk < x.k1; ++kk) {
+      const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
+      mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, tp_site(p, 5, 0, t, ring.stage));
+      mbar_arrive_expect_tx(full, STAGE_BYTES);   // out-of-bounds elements arrive as zeros, counted
+#pragma unroll
+      for (int b = 0; b < K_BOXES; ++b) {
+        tma_load_2d(dst + b * BOX_PAIR, &p.w_map, (kk * K_BOXES + b) * BK, col * 64, full);
+        tma_load_2d(dst + b * BOX_PAIR + W_BOX, &p.x_map, (kk * K_BOXES + b) * BK, tok0, full);
+      }
+      ring.advance();
+    }
+  }
+}
+
+// The tile's partials, summed in their fixed order (this piece's from registers, the others' from the
+// owner's window), converted to bf16 and staged token-major in shared memory [BLOCK_TOKENS][64].
+__device__ __forceinline__ void tp_sum(const float* parts, int nparts, int mine, float (&acc)[ACC], u16* staged,
+                                       int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < ACC; i += 4) {
+    const float4 own = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    float4 s = mine == 0 ? own : ld_cg4(parts + i);
+    for (int r = 1; r < nparts; ++r) {
+      const float4 v = r == mine ? own : ld_cg4(parts + (i64)r * TILE_FLOATS + i);
+      s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+    }
+    acc[i] = s.x; acc[i + 1] = s.y; acc[i + 2] = s.z; acc[i + 3] = s.w;
+  }
+  // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w, lane l) holds weight row (output
+  // column) 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
+#pragma unroll
+  for (int r = 0; r < ACC; ++r) {
+    const int c = 16 * (warp % 4) + lane / 4 + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
+    staged[tok * 64 + c] = float_to_bf16(acc[r]);
+  }
+}
+
+__device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last) {
+  const int ct = threadIdx.x - 128, warp = ct / 32, lane = ct % 32;
+  const XWindows w = tp_windows(p);
+  const unsigned long long launch = *reinterpret_cast<volatile unsigned long long*>(p.xlaunch) + 1;
+  if (blockIdx.x == 0 && ct == 0) xrank_announce_peers(w, launch);
+  const int nparts = p.x_world * p.k_splits;
+  int finished = 0;          // tiles whose output this CTA wrote (into every rank's window)
+  bool started = false;      // every rank has started this launch
+  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+    const Piece x = tp_piece(p, t);
+    const int col = x.col, tok0 = x.tok0, mine = p.x_rank * p.k_splits + x.split;
+    float acc[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+    int prev = -1;
+    for (int kk = x.k0; kk < x.k1; ++kk) {
+      mbar_wait(ring.full + 8 * ring.stage, ring.phase, tp_site(p, 7, warp + 4, t, ring.stage));
+      const u32 st = ring.base + ring.stage * STAGE_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int b = 0; b < K_BOXES; ++b)
+#pragma unroll
+        for (int s = 0; s < BK / 16; ++s)
+          wgmma_bf16(acc, wgmma_desc(st + b * BOX_PAIR + 32 * s), wgmma_desc(st + b * BOX_PAIR + W_BOX + 32 * s));
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
+      prev = ring.stage;
+      ring.advance();
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
+    if (!started) {   // before this CTA's first write into another rank's window
+      if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
+      named_barrier(1, CONSUMERS);
+      started = true;
+    }
+    char* ow = p.xpeers[x.o % p.x_world];   // the owner's window
+    float* parts = reinterpret_cast<float*>(ow + p.x_part_off) + (i64)x.o * nparts * TILE_FLOATS + ct * ACC;
+    if (nparts > 1) {
+      float* dst = parts + (i64)mine * TILE_FLOATS;
+#pragma unroll
+      for (int i = 0; i < ACC; i += 4)
+        *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+      __threadfence_system();
+    }
+    named_barrier(1, CONSUMERS);
+    unsigned long long* count = reinterpret_cast<unsigned long long*>(ow + p.x_count_off) + x.o;
+    if (ct == 0) *last = fetch_add_sys(count, 1ull) == (unsigned long long)(nparts - 1);
+    named_barrier(1, CONSUMERS);
+    if (!*last) continue;
+    tp_sum(parts, nparts, mine, acc, staged, warp, lane);
+    named_barrier(1, CONSUMERS);
+    for (int i = ct; i < BLOCK_TOKENS * 8; i += CONSUMERS) {   // 16 bytes of a token's 64 columns each
+      const int tk = i / 8, c = col * 64 + 8 * (i % 8);
+      if (tok0 + tk >= p.m || c >= p.n) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(staged + tk * 64 + 8 * (i % 8));
+      const i64 off = p.x_out_off + ((i64)(tok0 + tk) * p.n + c) * 2;
+      for (int r = 0; r < p.x_world; ++r) *reinterpret_cast<uint4*>(p.xpeers[r] + off) = v;
+    }
+    if (ct == 0) *count = 0ull;   // every part has arrived: ready for the next launch
+    ++finished;
+    named_barrier(1, CONSUMERS);   // (staged is rewritten by the next tile)
+  }
+  // One system-scope fence per thread covers the CTA's output writes and counter resets, then its tally
+  // lands on every rank; the launch's last CTA waits for every tile of its own rank's output.
+  __threadfence_system();
+  named_barrier(1, CONSUMERS);
+  if (ct != 0) return;
+  xrank_land(w, (unsigned long long)finished);
+  if (atomicAdd(p.xexit, 1u) != gridDim.x - 1) return;
+  p.xexit[0] = 0u;
+  xrank_take_landed(w, (unsigned long long)(p.tiles / p.k_splits), tp_site(p, 11, warp + 4, -1, 0), XRANK_WAIT_NS);
+  *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
+}
+
+extern "C" __global__ void __launch_bounds__(256, CTAS_PER_SM) meld_tp_linear(const __grid_constant__ TpParams p) {
+  extern __shared__ unsigned char smem_raw[];
+  // TMA's 128-byte swizzle repeats every 1 KiB: stage buffers start on 1 KiB boundaries.
+  const u32 raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
+  Ring ring;
+  ring.base = base;
+  ring.full = base + NUM_STAGES * STAGE_BYTES;
+  ring.empty = ring.full + 8 * NUM_STAGES;
+  u16* staged = reinterpret_cast<u16*>(smem_raw + (ring.empty + 8 * NUM_STAGES - raw));
+  int* last = reinterpret_cast<int*>(staged + BLOCK_TOKENS * 64);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NUM_STAGES; ++s) {
+      mbar_init(ring.full + 8 * s, 1);
+      mbar_init(ring.empty + 8 * s, CONSUMERS / 32);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) tp_produce(p, ring);
+  else if (threadIdx.x >= 128) tp_consume(p, ring, staged, last);
+}
+
+}  // namespace meld

@@ -1,0 +1,160 @@
+"""`RowParallelLinear`: a tensor-parallel row-parallel projection whose all-reduce is fused into the GEMM,
+tile by tile, in one persistent kernel per GPU (templates/tp_linear.cuh).
+
+Rank r holds x_r [M, K] and W_r [N, K], its slices of the contraction dimension (Megatron's row-parallel
+layer: the input arrives split, as the column-parallel layer before it leaves it); every rank gets
+y = sum_r x_r W_r^T [M, N]. Each output tile is summed at its owner rank as soon as every rank's partial
+of it is there, by whichever rank's partial arrived last, in rank order, and written into every rank's
+output through NVLink peer memory: the reduction overlaps the GEMM's other tiles, there is no separate
+collective, and every rank's result is bit-identical, launch after launch.
+
+The output is a view of this rank's symmetric window (torch symmetric memory), complete when the launch
+ends in stream order and rewritten by the next call: clone it to keep it. Every rank must make the same
+calls with the same M. The launch is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops.checks import check_positive, expect
+from .seq_parallel import SymmetricWindow
+
+_ALIGN = 256
+
+
+def _window_layout(max_tokens: int, n: int, world: int, sm_count: int) -> dict[str, int]:
+    """Byte offsets in a rank's window: the output [max_tokens, N] bf16, the float partials of every output
+    tile at its owner ([tiles][world x k_splits][64 x block tokens], `TpSchedule.max_partial_floats` per
+    rank), one u64 counter per output tile, the landing counter and the launches every rank started."""
+    from ..codegen.tp_kernel import TpSchedule
+
+    sizes = {"out": max_tokens * n * 2, "part": TpSchedule.max_partial_floats(max_tokens, n, sm_count) * world * 4,
+             "count": -(-n // 64) * -(-max_tokens // 8) * 8, "landed": 8, "started": 8 * world}
+    offsets, at = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = at
+        at += -(-size // _ALIGN) * _ALIGN
+    offsets["nbytes"] = at
+    return offsets
+
+
+def _describe_tile(shape: dict):
+    def describe(t: int) -> str:
+        m_tiles, bt, splits = shape.get("m_tiles", 1), shape.get("block_tokens", 0), shape.get("k_splits", 1)
+        o, split = divmod(t, splits)
+        col, tm = divmod(o, m_tiles)
+        return (f"piece {split} of {splits} of K of output tile {o}: columns {64 * col}..{64 * col + 63}, "
+                f"tokens {tm * bt}..{tm * bt + bt - 1}")
+    return describe
+
+
+class RowParallelLinear:
+    """y = sum over ranks of x_r @ W_r.T, on every rank of a `torch.distributed` group (module docstring).
+
+    Args:
+        in_features: K, this rank's slice of the input features (the same on every rank; a multiple of 8).
+        out_features: N (a multiple of 8).
+        max_tokens: the most rows M of x per call (the symmetric window is sized by it).
+        group: the process group (default: the default group); device: this rank's GPU (default: current).
+        watchdog_ms: a wait inside the kernel gives up after this long (waits for other ranks: ten times
+            it), names what it waited for and traps.
+        k_boxes: 64-wide boxes of K per TMA ring stage (1, 2 or 4; `TpKernelConfig.k_boxes`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
+                 group=None, device: str | torch.device | None = None, watchdog_ms: int = 2000, k_boxes: int = 1):
+        import torch.distributed as dist
+
+        from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig
+        from ..runtime import watchdog
+
+        if not dist.is_initialized():
+            raise RuntimeError("RowParallelLinear: torch.distributed is not initialised (init_process_group first)")
+        self.in_features = check_positive("in_features", in_features)
+        self.out_features = check_positive("out_features", out_features)
+        self.max_tokens = check_positive("max_tokens", max_tokens)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if v % 8:
+                raise ValueError(f"{name}={v}: must be a multiple of 8 (16-byte rows for the TMA loads and stores)")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
+        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        TpKernelConfig(8, k_boxes, watchdog_ms)   # checks k_boxes and watchdog_ms
+        self.k_boxes = k_boxes
+        self.group = group or dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.device, self.dtype, self.watchdog_ms = device, dtype, watchdog_ms
+        self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        self.layout = _window_layout(self.max_tokens, self.out_features, self.world, self._sm_count)
+        if max(-(-out_features // 64) * -(-max_tokens // b) for b in TP_BLOCK_TOKENS) >= 1 << 31:
+            raise ValueError(f"out_features={out_features}, max_tokens={max_tokens}: too many output tiles")
+        self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)
+        self.window.local.zero_()   # counters (and every byte) zero before any rank counts
+        self._xexit = torch.zeros(2, dtype=torch.int32, device=device)
+        self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
+        self._watchdog = watchdog.for_device(device)
+        self._shape: dict = {}
+        self._watchdog_id = self._watchdog.register("meld_tp_linear", _describe_tile(self._shape))
+        self._variants: dict[int, tuple] = {}
+        self._schedules: dict = {}
+        from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
+        from ..codegen.tp_kernel import tp_block_tokens
+        self._weight_maps = TensorMapCache(lambda w: tensor_map_2d(w, 64))
+        self._x_maps = TensorMapCache(lambda x: tensor_map_2d(x, tp_block_tokens(x.shape[0])))
+        torch.cuda.synchronize(device)
+        dist.barrier(self.group)
+
+    def _variant(self, block_tokens: int):
+        v = self._variants.get(block_tokens)
+        if v is None:
+            from ..codegen import compile_source
+            from ..codegen.params import TP_PARAMS
+            from ..codegen.tp_kernel import TP_THREADS, TpKernelConfig
+            from ..runtime.driver import Kernel
+
+            cfg = TpKernelConfig(block_tokens, self.k_boxes, self.watchdog_ms)
+            kernel = Kernel(compile_source(cfg.render(), cfg.name), cfg.entry, self.device, TP_THREADS, cfg.smem_bytes)
+            L = self.layout
+            params = TP_PARAMS.ctype(
+                xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),
+                watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
+                watchdog_kernel=self._watchdog_id, x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
+                x_landed_off=L["landed"], x_started_off=L["started"], n=self.out_features, k=self.in_features,
+                x_rank=self.rank, x_world=self.world)
+            v = self._variants[block_tokens] = (cfg, kernel, params)
+        return v
+
+    def output(self, num_tokens: int) -> torch.Tensor:
+        """This rank's output view [num_tokens, out_features] of its window."""
+        n = num_tokens * self.out_features
+        return self.window.local[self.layout["out"]:self.layout["out"] + 2 * n].view(self.dtype).view(num_tokens, -1)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y [M, out_features] = sum over ranks of x_r @ weight_r.T, for this rank's x [M, in_features] and
+        weight [out_features, in_features] (bf16, contiguous, on this rank's device)."""
+        from ..codegen.tp_kernel import TpSchedule
+
+        expect("x", x, self.dtype, (None, self.in_features), "tokens x in_features (this rank's slice)", self.device,
+               contiguous=True)
+        expect("weight", weight, self.dtype, (self.out_features, self.in_features), "out_features x in_features",
+               self.device, contiguous=True)
+        M = x.shape[0]
+        if M > self.max_tokens:
+            raise ValueError(f"x has {M} rows, more than max_tokens={self.max_tokens}")
+        if M == 0:
+            return self.output(0)
+        self._watchdog.check()
+        sched = self._schedules.get(M)
+        if sched is None:
+            sched = self._schedules[M] = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count)
+        cfg, kernel, p = self._variant(sched.block_tokens)
+        p.m, p.m_tiles, p.k_splits, p.tiles = M, sched.m_tiles, sched.k_splits, sched.pieces
+        p.w_map = self._weight_maps.get(weight)
+        p.x_map = self._x_maps.get(x)
+        self._shape.update(m_tiles=sched.m_tiles, block_tokens=cfg.block_tokens, k_splits=sched.k_splits)
+        kernel.launch(min(sched.pieces, kernel.ctas_per_sm * self._sm_count), p)
+        return self.output(M)

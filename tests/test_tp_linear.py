@@ -1,0 +1,97 @@
+"""meld.dist.RowParallelLinear (templates/tp_linear.cuh): every token-block variant compiles for sm_90a,
+the window layout holds the largest call, the token block covers the rows; on one GPU (a process group of
+one rank: the GEMM and the tile protocol without a peer) it matches float64 on fresh random inputs, with
+the output poisoned first and repeated launches bit-identical. Two GPUs: tests/test_dist_gpu.py."""
+import math
+
+import pytest
+import torch
+
+from meld.codegen import compile_nvcc
+from meld.codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, tp_block_tokens
+from meld.dist.tp_linear import _window_layout
+
+
+@pytest.mark.parametrize("bt", TP_BLOCK_TOKENS)
+@pytest.mark.parametrize("k_boxes", [1, 2])
+def test_kernel_compiles_for_sm90a(bt, k_boxes):
+    cfg = TpKernelConfig(bt, k_boxes)
+    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    assert len(cubin) > 0
+    assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
+    assert " 0 bytes spill stores" in log, f"the accumulators spill:\n{log}"
+    assert cfg.stages >= (3 if k_boxes == 1 else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas_per_sm == 2 else 227 << 10)
+
+
+def test_block_tokens_cover_the_rows():
+    assert [tp_block_tokens(m) for m in (1, 8, 9, 64, 65, 200, 256, 257, 8192)] == [8, 8, 16, 64, 64, 64, 64, 256, 256]
+    with pytest.raises(ValueError, match="block_tokens=24"):
+        TpKernelConfig(24)
+    with pytest.raises(ValueError, match="watchdog_ms"):
+        TpKernelConfig(8, watchdog_ms=0)
+    with pytest.raises(ValueError, match="k_boxes=3"):
+        TpKernelConfig(8, 3)
+    assert TpKernelConfig(8, 4).stages == 3
+    with pytest.raises(ValueError, match="room for 1 stages"):
+        TpKernelConfig(256, 4)
+
+
+@pytest.mark.parametrize("m, n, k, splits", [(1, 8192, 4096, 2), (1, 4096, 4096, 4), (16, 1024, 8192, 8),
+                                             (1, 8192, 256, 1), (128, 8192, 4096, 1), (4096, 8192, 4096, 1)])
+def test_schedule_gives_every_cta_slot_a_piece(m, n, k, splits):
+    s = TpSchedule.of(m, n, k, 132)
+    slots = TpKernelConfig(s.block_tokens).ctas_per_sm * 132
+    assert s.k_splits == splits and s.m_tiles * s.block_tokens >= m
+    assert s.pieces <= max(slots, s.out_tiles) and -(-k // 64) >= 4 * s.k_splits or s.k_splits == 1
+
+
+@pytest.mark.parametrize("max_tokens, n, world", [(1, 8, 2), (300, 1000, 2), (8192, 8192, 4), (77, 136, 1), (16, 64, 2)])
+def test_window_holds_the_largest_call(max_tokens, n, world):
+    L = _window_layout(max_tokens, n, world, 132)
+    offsets = [L[k] for k in ("out", "part", "count", "landed", "started")] + [L["nbytes"]]
+    assert offsets == sorted(offsets) and all(o % 256 == 0 for o in offsets)
+    assert L["part"] - L["out"] >= max_tokens * n * 2
+    for m in range(1, max_tokens + 1, max(1, max_tokens // 40)):
+        for k in (64, 4096, 1 << 16):
+            s = TpSchedule.of(m, n, k, 132)
+            assert L["count"] - L["part"] >= s.pieces * world * 64 * s.block_tokens * 4, (m, k, s)
+            assert L["landed"] - L["count"] >= s.out_tiles * 8
+
+
+def _one_rank(rank, world):
+    from meld.dist import RowParallelLinear
+
+    dev = torch.device("cuda", rank)
+    for m, k, n in [(1, 4096, 1024), (37, 1000, 136), (200, 264, 520)]:
+        g = torch.Generator().manual_seed(m)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+        ref = x.double() @ w.double().T
+        op = RowParallelLinear(k, n, max_tokens=m)
+        op.output(m).fill_(math.nan)
+        y = op(x.to(dev), w.to(dev)).clone()
+        for _ in range(3):
+            again = op(x.to(dev), w.to(dev))
+        torch.cuda.synchronize()
+        assert not y.isnan().any()
+        err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"(M, K, N) = {(m, k, n)}: relative error {err:.2e}"
+        assert torch.equal(y, again), "launches differ"
+
+
+@pytest.mark.gpu
+def test_one_rank_matches_float64():
+    from meld.dist import spawn
+
+    spawn(_one_rank, 1)
+
+
+def test_needs_a_process_group():
+    import torch.distributed as dist
+
+    from meld.dist import RowParallelLinear
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        RowParallelLinear(64, 64, max_tokens=8)
