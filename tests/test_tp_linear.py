@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from meld.codegen import compile_nvcc
-from meld.codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, tp_block_tokens
+from meld.codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, tp_block_tokens
 from meld.dist.tp_linear import _window_layout
 
 
 @pytest.mark.parametrize("bt", TP_BLOCK_TOKENS)
-@pytest.mark.parametrize("k_boxes", [1, 2])
-def test_kernel_compiles_for_sm90a(bt, k_boxes):
-    cfg = TpKernelConfig(bt, k_boxes)
+@pytest.mark.parametrize("k_boxes, ctas", [(1, 0), (2, 1), (1, 2)])
+def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas):
+    cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas), bt)
     cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     assert len(cubin) > 0
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
     assert " 0 bytes spill stores" in log, f"the accumulators spill:\n{log}"
-    assert cfg.stages >= (3 if k_boxes == 1 else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas_per_sm == 2 else 227 << 10)
+    assert cfg.stages >= (3 if k_boxes == 1 else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas == 2 else 227 << 10)
 
 
 def test_block_tokens_cover_the_rows():
@@ -31,18 +31,21 @@ def test_block_tokens_cover_the_rows():
         TpKernelConfig(8, watchdog_ms=0)
     with pytest.raises(ValueError, match="k_boxes=3"):
         TpKernelConfig(8, 3)
-    assert TpKernelConfig(8, 4).stages == 3
-    with pytest.raises(ValueError, match="room for 1 stages"):
-        TpKernelConfig(256, 4)
+    with pytest.raises(ValueError, match="ctas_per_sm=2"):
+        TpKernelConfig(128, ctas_per_sm=2)
+    assert block_config(TpKernelConfig(ctas_per_sm=2), 128).ctas == 1
+    assert [block_config(TpKernelConfig(), b).ctas for b in TP_BLOCK_TOKENS] == [1, 1, 1, 2, 1, 1]
 
 
-@pytest.mark.parametrize("m, n, k, splits", [(1, 8192, 4096, 2), (1, 4096, 4096, 4), (16, 1024, 8192, 8),
-                                             (1, 8192, 256, 1), (128, 8192, 4096, 1), (4096, 8192, 4096, 1)])
-def test_schedule_gives_every_cta_slot_a_piece(m, n, k, splits):
-    s = TpSchedule.of(m, n, k, 132)
-    slots = TpKernelConfig(s.block_tokens).ctas_per_sm * 132
+@pytest.mark.parametrize("m, n, k, ctas, splits", [(1, 8192, 4096, 2, 2), (1, 4096, 4096, 2, 4), (1, 4096, 4096, 1, 2),
+                                                   (16, 1024, 8192, 1, 8), (1, 8192, 256, 2, 1), (128, 8192, 4096, 2, 1),
+                                                   (1, 8192, 4096, 1, 1), (4096, 8192, 4096, 1, 1)])
+def test_schedule_gives_every_cta_slot_a_piece(m, n, k, ctas, splits):
+    base = TpKernelConfig(ctas_per_sm=ctas)
+    s = TpSchedule.of(m, n, k, 132, base)
+    slots = block_config(base, s.block_tokens).ctas * 132
     assert s.k_splits == splits and s.m_tiles * s.block_tokens >= m
-    assert s.pieces <= max(slots, s.out_tiles) and -(-k // 64) >= 4 * s.k_splits or s.k_splits == 1
+    assert s.pieces <= max(slots, s.out_tiles) and (s.k_splits == 1 or -(-k // 64) >= 8 * s.k_splits)
 
 
 @pytest.mark.parametrize("max_tokens, n, world", [(1, 8, 2), (300, 1000, 2), (8192, 8192, 4), (77, 136, 1), (16, 64, 2)])
@@ -52,8 +55,8 @@ def test_window_holds_the_largest_call(max_tokens, n, world):
     assert offsets == sorted(offsets) and all(o % 256 == 0 for o in offsets)
     assert L["part"] - L["out"] >= max_tokens * n * 2
     for m in range(1, max_tokens + 1, max(1, max_tokens // 40)):
-        for k in (64, 4096, 1 << 16):
-            s = TpSchedule.of(m, n, k, 132)
+        for k, ctas in ((64, 1), (4096, 2), (4096, 1), (1 << 16, 2)):
+            s = TpSchedule.of(m, n, k, 132, TpKernelConfig(ctas_per_sm=ctas))
             assert L["count"] - L["part"] >= s.pieces * world * 64 * s.block_tokens * 4, (m, k, s)
             assert L["landed"] - L["count"] >= s.out_tiles * 8
 

@@ -1,8 +1,9 @@
 """Emit the row-parallel linear kernel (templates/tp_linear.cuh) from its static configuration: the token
-block (wgmma's N) and, from it, the ring depth and CTAs per SM. Shapes, ranks and the window's layout are
+block (wgmma's N), CTAs per SM and, from them, the ring depth. Shapes, ranks and the window's layout are
 run-time values."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .decode_kernel import SMEM_PER_CTA_MAX, _template
@@ -14,10 +15,12 @@ TP_THREADS = 256              # the producer warpgroup (warp 0 loads) and one co
 _TWO_PER_SM_BYTES = 112 << 10   # shared memory of one of two CTAs on an SM (228 KiB, 1 KiB reserved per CTA)
 
 
+MAX_STAGES = 32
+
+
 def tp_block_tokens(num_tokens: int) -> int:
-    """The smallest token block that holds `num_tokens` up to 64; 64 up to 256 rows (two CTAs per SM, each
-    streaming its own weights: a weight box is read once per token block, from L2 after the first); the
-    widest beyond."""
+    """The smallest token block that holds `num_tokens` up to 64; 64 up to 256 rows (more tiles to spread
+    over the SMs: a weight box is read once per token block, from L2 after the first); the widest beyond."""
     if num_tokens > 256:
         return TP_BLOCK_TOKENS[-1]
     return next(b for b in TP_BLOCK_TOKENS if b >= min(num_tokens, 64))
@@ -34,11 +37,11 @@ class TpSchedule:
     k_splits: int
 
     @staticmethod
-    def of(m: int, n: int, k: int, sm_count: int) -> "TpSchedule":
+    def of(m: int, n: int, k: int, sm_count: int, base: "TpKernelConfig") -> "TpSchedule":
         bt = tp_block_tokens(m)
         m_tiles = -(-m // bt)
         out_tiles = -(-n // 64) * m_tiles
-        slots = TpKernelConfig(bt).ctas_per_sm * sm_count
+        slots = block_config(base, bt).ctas * sm_count
         return TpSchedule(bt, m_tiles, out_tiles, max(1, min(slots // out_tiles, -(-k // 64) // 8, 8)))
 
     @property
@@ -48,20 +51,30 @@ class TpSchedule:
     @staticmethod
     def max_partial_floats(max_tokens: int, n: int, sm_count: int) -> int:
         """The most float partials one rank contributes to a call of at most `max_tokens` rows: the whole
-        output tile grid when K is not split, one piece per CTA slot when it is."""
+        output tile grid when K is not split, at most one piece per CTA slot when it is (64 x 256 floats
+        a CTA at one per SM, 64 x 64 at two)."""
         return max(-(-n // 64) * 64 * -(-max_tokens // 256) * 256, sm_count * 64 * 256)
 
 
 @dataclass(frozen=True)
 class TpKernelConfig:
+    """Static configuration of the row-parallel linear kernel. `RowParallelLinear` picks `block_tokens` per
+    call from the rows of x; the other fields are its `kernel_config`'s."""
+
     block_tokens: int = 64
     k_boxes: int = 1          # 64-wide K boxes per ring stage: 1, 2 or 4 (longer runs of each weight row per
                               # stage; measured no faster, bench/RESULTS.md 2026-11-30)
+    ctas_per_sm: int = 0      # 1: one CTA per SM with the deepest ring that fits; 2 (token blocks up to 64,
+                              # whose accumulators fit 128 registers a thread): two, each with half the memory;
+                              # 0: two for 64-token blocks, one otherwise (measured: bench/RESULTS.md 2026-11-30)
     watchdog_ms: int = 2000   # a spin gives up after this long (cross-rank waits: ten times it)
 
     def __post_init__(self) -> None:
         if self.block_tokens not in TP_BLOCK_TOKENS:
             raise ValueError(f"block_tokens={self.block_tokens}: expected one of {TP_BLOCK_TOKENS}")
+        if self.ctas_per_sm not in (0, 1, 2) or (self.ctas_per_sm == 2 and self.block_tokens > 64):
+            raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: expected 0 (automatic), 1, or 2 with blocks of at "
+                             "most 64 tokens")
         if self.k_boxes not in (1, 2, 4):
             raise ValueError(f"k_boxes={self.k_boxes}: expected 1, 2 or 4")
         if self.stages < 2:
@@ -70,9 +83,11 @@ class TpKernelConfig:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
 
     @property
-    def ctas_per_sm(self) -> int:
-        """Two CTAs per SM up to 64-token blocks (their accumulators fit 128 registers a thread), else one."""
-        return 2 if self.block_tokens <= 64 else 1
+    def ctas(self) -> int:
+        """CTAs per SM, resolved: automatic (0) is two for 64-token blocks and one otherwise (the deepest
+        ring streams a few tokens' weights fastest; 64-token blocks, whose tiles are many, ran faster two
+        to an SM)."""
+        return self.ctas_per_sm or (2 if self.block_tokens == 64 else 1)
 
     @property
     def stage_bytes(self) -> int:
@@ -84,8 +99,8 @@ class TpKernelConfig:
 
     @property
     def stages(self) -> int:
-        budget = _TWO_PER_SM_BYTES if self.ctas_per_sm == 2 else SMEM_PER_CTA_MAX
-        return min(8, (budget - self._fixed_bytes) // (self.stage_bytes + 16))
+        budget = _TWO_PER_SM_BYTES if self.ctas == 2 else SMEM_PER_CTA_MAX
+        return min(MAX_STAGES, (budget - self._fixed_bytes) // (self.stage_bytes + 16))
 
     @property
     def smem_bytes(self) -> int:
@@ -93,7 +108,7 @@ class TpKernelConfig:
 
     @property
     def name(self) -> str:
-        return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_s{self.stages}"
+        return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_c{self.ctas}_s{self.stages}"
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
 
     entry = "meld_tp_linear"
@@ -103,7 +118,7 @@ class TpKernelConfig:
             f"// {self.name}: generated by meld.codegen.tp_kernel from {self!r}",
             f"#define BLOCK_TOKENS {self.block_tokens}",
             f"#define NUM_STAGES {self.stages}",
-            f"#define CTAS_PER_SM {self.ctas_per_sm}",
+            f"#define CTAS_PER_SM {self.ctas}",
             f"#define K_BOXES {self.k_boxes}",
             '#define MELD_MMA_TYPE "bf16"',
             "#define MELD_PROFILE 0",
@@ -112,3 +127,9 @@ class TpKernelConfig:
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("xrank.cuh"),
                           _template("hopper.cuh"), "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
                           TP_PARAMS.c_source(), _template("tp_linear.cuh")])
+
+
+def block_config(base: TpKernelConfig, block_tokens: int) -> TpKernelConfig:
+    """`base` for a token block (one CTA per SM where the block is too wide for two)."""
+    return dataclasses.replace(base, block_tokens=block_tokens,
+                               ctas_per_sm=base.ctas_per_sm if block_tokens <= 64 else min(base.ctas_per_sm, 1))

@@ -56,16 +56,16 @@ class RowParallelLinear:
         out_features: N (a multiple of 8).
         max_tokens: the most rows M of x per call (the symmetric window is sized by it).
         group: the process group (default: the default group); device: this rank's GPU (default: current).
-        watchdog_ms: a wait inside the kernel gives up after this long (waits for other ranks: ten times
-            it), names what it waited for and traps.
-        k_boxes: 64-wide boxes of K per TMA ring stage (1, 2 or 4; `TpKernelConfig.k_boxes`).
+        kernel_config: the kernel's static choices (`meld.codegen.tp_kernel.TpKernelConfig`; its block_tokens
+            is chosen per call). A wait inside the kernel gives up after its watchdog_ms (waits for other
+            ranks: ten times it), names what it waited for and traps.
     """
 
     def __init__(self, in_features: int, out_features: int, *, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
-                 group=None, device: str | torch.device | None = None, watchdog_ms: int = 2000, k_boxes: int = 1):
+                 group=None, device: str | torch.device | None = None, kernel_config=None):
         import torch.distributed as dist
 
-        from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig
+        from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, block_config
         from ..runtime import watchdog
 
         if not dist.is_initialized():
@@ -83,11 +83,16 @@ class RowParallelLinear:
             raise ValueError(f"device must be a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        TpKernelConfig(8, k_boxes, watchdog_ms)   # checks k_boxes and watchdog_ms
-        self.k_boxes = k_boxes
+        if kernel_config is None:
+            kernel_config = TpKernelConfig()
+        if not isinstance(kernel_config, TpKernelConfig):
+            raise ValueError(f"kernel_config must be a meld.codegen.tp_kernel.TpKernelConfig, got {kernel_config!r}")
+        for bt in TP_BLOCK_TOKENS:   # every block's variant is valid (a call never fails on the config)
+            block_config(kernel_config, bt)
+        self.kernel_config = kernel_config
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.device, self.dtype, self.watchdog_ms = device, dtype, watchdog_ms
+        self.device, self.dtype = device, dtype
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         self.layout = _window_layout(self.max_tokens, self.out_features, self.world, self._sm_count)
         if max(-(-out_features // 64) * -(-max_tokens // b) for b in TP_BLOCK_TOKENS) >= 1 << 31:
@@ -108,15 +113,14 @@ class RowParallelLinear:
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
-    def _variant(self, block_tokens: int):
-        v = self._variants.get(block_tokens)
+    def _variant(self, cfg):
+        v = self._variants.get(cfg.block_tokens)
         if v is None:
             from ..codegen import compile_source
             from ..codegen.params import TP_PARAMS
-            from ..codegen.tp_kernel import TP_THREADS, TpKernelConfig
+            from ..codegen.tp_kernel import TP_THREADS
             from ..runtime.driver import Kernel
 
-            cfg = TpKernelConfig(block_tokens, self.k_boxes, self.watchdog_ms)
             kernel = Kernel(compile_source(cfg.render(), cfg.name), cfg.entry, self.device, TP_THREADS, cfg.smem_bytes)
             L = self.layout
             params = TP_PARAMS.ctype(
@@ -125,7 +129,7 @@ class RowParallelLinear:
                 watchdog_kernel=self._watchdog_id, x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
                 x_landed_off=L["landed"], x_started_off=L["started"], n=self.out_features, k=self.in_features,
                 x_rank=self.rank, x_world=self.world)
-            v = self._variants[block_tokens] = (cfg, kernel, params)
+            v = self._variants[cfg.block_tokens] = (cfg, kernel, params)
         return v
 
     def output(self, num_tokens: int) -> torch.Tensor:
@@ -136,7 +140,7 @@ class RowParallelLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """y [M, out_features] = sum over ranks of x_r @ weight_r.T, for this rank's x [M, in_features] and
         weight [out_features, in_features] (bf16, contiguous, on this rank's device)."""
-        from ..codegen.tp_kernel import TpSchedule
+        from ..codegen.tp_kernel import TpSchedule, block_config
 
         expect("x", x, self.dtype, (None, self.in_features), "tokens x in_features (this rank's slice)", self.device,
                contiguous=True)
@@ -150,8 +154,9 @@ class RowParallelLinear:
         self._watchdog.check()
         sched = self._schedules.get(M)
         if sched is None:
-            sched = self._schedules[M] = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count)
-        cfg, kernel, p = self._variant(sched.block_tokens)
+            sched = self._schedules[M] = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count,
+                                                       self.kernel_config)
+        cfg, kernel, p = self._variant(block_config(self.kernel_config, sched.block_tokens))
         p.m, p.m_tiles, p.k_splits, p.tiles = M, sched.m_tiles, sched.k_splits, sched.pieces
         p.w_map = self._weight_maps.get(weight)
         p.x_map = self._x_maps.get(x)
