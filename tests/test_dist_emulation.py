@@ -173,46 +173,64 @@ def test_local_tables_cover_each_ranks_token_ranges():
 
 
 # --- row-parallel GEMM with a per-tile all-reduce ---------------------------------------------------------
+def _tp_case(world, m, n, k, sm_count, seed=0):
+    from meld.codegen.tp_kernel import TpKernelConfig, TpSchedule
+
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((m, k)) for _ in range(world)]
+    ws = [rng.standard_normal((n, k)) for _ in range(world)]
+    return xs, ws, TpSchedule.of(m, n, k, sm_count, TpKernelConfig())
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("ordered", [True, False])
-def test_row_parallel_matmul_reduces_every_tile_once_in_rank_order(world, ordered):
-    """Sizes that are not multiples of the tile; tiles finishing in a different order on every rank; every
-    rank's y bit-identical to the single-rank sum in rank order and close to x @ w; each tile counted once
-    per rank and every element of every partial landed once."""
-    from meld.dist.tp_matmul import single_rank_reference, tile_grid
+@pytest.mark.parametrize("m, n, k, sm_count", [(70, 150, 133, 132), (5, 136, 1000, 8), (300, 72, 200, 4)])
+def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m, n, k, sm_count):
+    """The GPU kernel's schedule (TpSchedule: token blocks, 64-column tiles, K split into pieces where
+    tiles are few; sizes not multiples of any of them); pieces finishing in a different order on every
+    rank; every rank's y bit-identical to the single-rank sum in (rank, split) order and close to the
+    product; each tile counted once per part and every element of every partial landed once."""
+    from meld.dist.tp_matmul import single_rank_reference
 
-    rng = np.random.default_rng(world)
-    m, k, n, tile = 70, 133, 150, (32, 64)
-    x, w = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-    want = single_rank_reference(x, w, world)
+    xs, ws, sched = _tp_case(world, m, n, k, sm_count, seed=world)
+    want = single_rank_reference(xs, ws, sched)
+    exact = sum(x @ w.T for x, w in zip(xs, ws))
     for seed in range(2):
         tr = EmulatedTransport(world, ordered=ordered, seed=seed, max_delay=1e-5, chunk=500)
         try:
-            ys = row_parallel_matmul(tr, x, w, world, tile, seed=seed)
+            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed)
         finally:
             tr.close()
         for r, y in enumerate(ys):
             assert np.array_equal(y, want), f"rank {r}, seed {seed}: differs from the single-rank sum"
-            np.testing.assert_allclose(y, x @ w, rtol=1e-12, atol=1e-12)
-        tiles = len(tile_grid(m, n, tile))
-        assert [int(tr.get(0, t % world, "y.count", t)) for t in range(tiles)] == [world] * tiles
+            np.testing.assert_allclose(y, exact, rtol=1e-10, atol=1e-10)
+        parts = world * sched.k_splits
+        assert [int(tr.get(0, o % world, "y.count", o)) for o in range(sched.out_tiles)] == [parts] * sched.out_tiles
         assert all(v == 1 for v in tr.landed_elements.values())
-        parts = {k for k in tr.landed_elements if k[1] == "y.parts"}
-        assert len(parts) == tiles * world * tile[0] * tile[1]
+        landed = {e for e in tr.landed_elements if e[1] == "y.parts"}
+        assert len(landed) == sched.out_tiles * parts * sched.block_tokens * 64
+
+
+def test_row_parallel_schedule_splits_k_where_tiles_are_few():
+    """(The case above with 8 SMs cuts K in pieces: the emulation covers the kernel's split path.)"""
+    _, _, sched = _tp_case(2, 5, 136, 1000, 8)
+    assert sched.k_splits > 1 and sched.pieces > sched.out_tiles
 
 
 def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts():
     """With fence=False a count can land before its partial: the merge then sums a NaN-poisoned slot."""
-    rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((64, 96)), rng.standard_normal((96, 128))
+    from meld.dist.tp_matmul import single_rank_reference
+
+    xs, ws, sched = _tp_case(2, 64, 128, 96, 132)
+    want = single_rank_reference(xs, ws, sched)
     caught = 0
     for seed in range(6):   # caught in 30 of 30 runs measured
         tr = EmulatedTransport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=64, fence=False)
         try:
-            ys = row_parallel_matmul(tr, x, w, 2, (32, 64), seed=seed)
+            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed)
         finally:
             tr.close()
-        caught += any(not np.array_equal(y, x[:, :48] @ w[:48] + x[:, 48:] @ w[48:]) for y in ys)
+        caught += any(not np.array_equal(y, want) for y in ys)
     assert caught >= 3
 
 

@@ -31,6 +31,9 @@ class TpSchedule:
     """How one call's output is cut: token blocks, output tiles (64 columns x a token block) and the pieces
     of K each tile is split into, so that every CTA slot of the GPU has a piece (each at least 512 of K)."""
 
+    m: int
+    n: int
+    k: int
     block_tokens: int
     m_tiles: int
     out_tiles: int
@@ -42,7 +45,17 @@ class TpSchedule:
         m_tiles = -(-m // bt)
         out_tiles = -(-n // 64) * m_tiles
         slots = block_config(base, bt).ctas * sm_count
-        return TpSchedule(bt, m_tiles, out_tiles, max(1, min(slots // out_tiles, -(-k // 64) // 8, 8)))
+        return TpSchedule(m, n, k, bt, m_tiles, out_tiles, max(1, min(slots // out_tiles, -(-k // 64) // 8, 8)))
+
+    def piece(self, t: int) -> tuple[int, int, slice, slice, slice]:
+        """Piece t as the kernel cuts it (templates/tp_linear.cuh, tp_piece): its output tile, its split
+        of K, and the tile's tokens, columns and the piece's K range (64-wide blocks, clipped to the shape)."""
+        o, split = divmod(t, self.k_splits)
+        col, tm = divmod(o, self.m_tiles)
+        nk = -(-self.k // 64)
+        k0, k1 = nk * split // self.k_splits * 64, nk * (split + 1) // self.k_splits * 64
+        return (o, split, slice(tm * self.block_tokens, min((tm + 1) * self.block_tokens, self.m)),
+                slice(64 * col, min(64 * col + 64, self.n)), slice(min(k0, self.k), min(k1, self.k)))
 
     @property
     def pieces(self) -> int:

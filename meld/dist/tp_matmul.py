@@ -1,12 +1,12 @@
-"""Row-parallel GEMM with its all-reduce fused per output tile, over emulated ranks (the protocol of the
-tensor-parallel projection; its GPU kernel is not written yet).
+"""The row-parallel linear's per-tile all-reduce over emulated ranks, with the GPU kernel's schedule
+(`meld.codegen.tp_kernel.TpSchedule`; the GPU operator is `meld.dist.RowParallelLinear`).
 
-y = x @ w with the K dimension split across ranks (rank r holds x[:, K_r] and w[K_r, :], as after a
-column-parallel layer). Each rank computes its partial of every output tile, in its own order, and hands
-each one to the tile's owner as soon as it is done (`LastArriverReduce`): the last partial of a tile to
-arrive sums the tile's partials in rank order and puts the sum to every rank. An all-reduce that starts
-with the first finished tile instead of after the whole GEMM, and a sum whose order (rank 0 + rank 1 +
-...) does not depend on which rank finishes first.
+Rank r holds x_r [M, K] and w_r [N, K] (its slices of the contraction dimension) and every rank gets
+y = sum_r x_r w_r^T. Each output tile (64 columns x a token block) is computed as world x k_splits
+pieces; each rank computes its pieces in its own order and hands each partial to the tile's owner rank
+(o % world) as soon as it is done (`LastArriverReduce`): the last partial to arrive sums the tile's
+partials in (rank, split) order and puts the sum to every rank. The same rule as the kernel's, run by the
+CPU reference executor under the emulated transport's reordering and delays.
 """
 from __future__ import annotations
 
@@ -15,50 +15,50 @@ import random
 
 import numpy as np
 
+from ..codegen.tp_kernel import TpSchedule
 from .reduce import LastArriverReduce, run_ranks
 
 
-def k_slices(k: int, world: int) -> np.ndarray:
-    """Rank r's rows of w: [bounds[r], bounds[r + 1])."""
-    return np.array([k * r // world for r in range(world + 1)])
+def _partial(sched: TpSchedule, x: np.ndarray, w: np.ndarray, t: int) -> np.ndarray:
+    """Piece t's partial of its output tile, padded to the tile's shape [block_tokens, 64]."""
+    _, _, rows, cols, ks = sched.piece(t)
+    part = np.zeros((sched.block_tokens, 64))
+    part[:rows.stop - rows.start, :cols.stop - cols.start] = x[rows, ks] @ w[cols, ks].T
+    return part
 
 
-def tile_grid(m: int, n: int, tile: tuple[int, int]) -> list[tuple[slice, slice]]:
-    tm, tn = tile
-    return [(slice(i, min(i + tm, m)), slice(j, min(j + tn, n))) for i in range(0, m, tm) for j in range(0, n, tn)]
+def _assemble(sched: TpSchedule, tiles) -> np.ndarray:
+    y = np.empty((sched.m, sched.n))
+    for o in range(sched.out_tiles):
+        _, _, rows, cols, _ = sched.piece(o * sched.k_splits)
+        y[rows, cols] = tiles[o][:rows.stop - rows.start, :cols.stop - cols.start]
+    return y
 
 
-def row_parallel_matmul(transport, x: np.ndarray, w: np.ndarray, world: int, tile: tuple[int, int] = (64, 128),
+def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule,
                         seed: int = 0) -> list[np.ndarray]:
-    """y = x @ w (float64) reduced across `world` emulated ranks (module docstring); returns every rank's y."""
-    m, k = x.shape
-    n = w.shape[1]
-    bounds, tiles = k_slices(k, world), tile_grid(m, n, tile)
-    reduce = LastArriverReduce("y", lambda parts: functools.reduce(np.add, parts))   # rank order
-    out = reduce.windows(transport, len(tiles), world, tile)
+    """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y."""
+    world, S = len(xs), sched.k_splits
+    reduce = LastArriverReduce("y", lambda parts: functools.reduce(np.add, parts))   # (rank, split) order
+    out = reduce.windows(transport, sched.out_tiles, world * S, (sched.block_tokens, 64))
 
     def rank_main(r: int) -> None:
-        ks = slice(bounds[r], bounds[r + 1])
-        order = list(range(len(tiles)))
-        random.Random(seed * 1000 + r).shuffle(order)   # tiles finish in a different order on every rank
+        order = list(range(sched.pieces))
+        random.Random(seed * 1000 + r).shuffle(order)   # pieces finish in a different order on every rank
         for t in order:
-            rows, cols = tiles[t]
-            part = np.zeros(tile)
-            part[:rows.stop - rows.start, :cols.stop - cols.start] = x[rows, ks] @ w[ks, cols]
-            reduce.contribute(transport, r, t % world, t, r, world, part, to=range(world))
+            o, split = divmod(t, S)
+            reduce.contribute(transport, r, o % world, o, r * S + split, world * S, _partial(sched, xs[r], ws[r], t),
+                              to=range(world))
         transport.quiet(r)
 
     run_ranks(world, rank_main)
-    ys = []
-    for r in range(world):
-        y = np.empty((m, n))
-        for t, (rows, cols) in enumerate(tiles):
-            y[rows, cols] = out[r][t][:rows.stop - rows.start, :cols.stop - cols.start]
-        ys.append(y)
-    return ys
+    return [_assemble(sched, out[r]) for r in range(world)]
 
 
-def single_rank_reference(x: np.ndarray, w: np.ndarray, world: int) -> np.ndarray:
-    """The same sum on one rank: the K slices' products added in rank order."""
-    b = k_slices(x.shape[1], world)
-    return functools.reduce(np.add, [x[:, b[r]:b[r + 1]] @ w[b[r]:b[r + 1]] for r in range(world)])
+def single_rank_reference(xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule) -> np.ndarray:
+    """The same sum on one rank: every tile's partials, computed as the ranks compute them, added in
+    (rank, split) order."""
+    S = sched.k_splits
+    tiles = [functools.reduce(np.add, [_partial(sched, x, w, o * S + s) for x, w in zip(xs, ws) for s in range(S)])
+             for o in range(sched.out_tiles)]
+    return _assemble(sched, tiles)
