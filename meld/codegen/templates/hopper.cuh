@@ -56,8 +56,9 @@ __device__ __forceinline__ u16 float_to_bf16(float f) {
   return r;
 }
 
-// A ring of NUM_STAGES TMA stages: a `full` mbarrier per stage (the producer's copies completed) and an
-// `empty` one (its consumers are done with it); the phase flips each time the ring wraps.
+// A ring of NUM_STAGES TMA stages: a `full` mbarrier per stage (the producer's copies completed: one
+// arrival with the byte count) and an `empty` one (one arrival per consumer warp once its wgmmas have read
+// the stage); the phase flips each time the ring wraps.
 struct Ring {
   u32 base, full, empty;       // stage buffers; mbarriers (8 bytes each)
   int stage = 0;
@@ -65,6 +66,27 @@ struct Ring {
   __device__ void advance() {
     if (++stage == NUM_STAGES) { stage = 0; phase ^= 1u; }
   }
+  __device__ void init(int consumer_warps) const {
+    for (int s = 0; s < NUM_STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, consumer_warps);
+    }
+  }
 };
+
+// A consumer warpgroup's turn at the ring's next stage (of STAGE bytes): wait for its copies, issue the
+// wgmmas that read it (`mma(stage address)`), and keep them in flight while the stage before, whose
+// wgmmas have then completed, goes back to the producer. `prev`: the stage still to release (-1: none).
+template <int STAGE, class Mma>
+__device__ __forceinline__ void ring_consume(Ring& ring, int& prev, int lane, const WaitSite& site, i64 limit_ns, Mma&& mma) {
+  mbar_wait(ring.full + 8 * ring.stage, ring.phase, site, limit_ns);
+  wgmma_fence();
+  mma(ring.base + ring.stage * STAGE);
+  wgmma_commit();
+  wgmma_wait<1>();
+  if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
+  prev = ring.stage;
+  ring.advance();
+}
 
 }  // namespace meld

@@ -502,19 +502,12 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     // One stage's wgmmas stay in flight while the next stage's are issued; a stage goes back to the
     // producer once the wgmmas that read it have completed.
     int prev = -1;
-    for (int kk = 0; kk < nk; ++kk) {
-      mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage),
-                2 * MELD_WATCHDOG_NS);
-      const u32 st = ring.base + ring.stage * STAGE_BYTES;
-      wgmma_fence();
-      mma_stage(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
-      if (NACC == 2) mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
-      wgmma_commit();
-      wgmma_wait<1>();
-      if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
-      prev = ring.stage;
-      ring.advance();
-    }
+    for (int kk = 0; kk < nk; ++kk)
+      ring_consume<STAGE_BYTES>(ring, prev, lane, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS,
+                                [&](u32 st) {
+                                  mma_stage(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
+                                  if (NACC == 2) mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
+                                });
     wgmma_wait<0>();
     fence_regs(acc0);
     fence_regs(acc1);
@@ -615,10 +608,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   int* combine_list = mb.box + 4;   // [count, tokens...]: at most BLOCK_TOKENS tokens
   float* xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);   // narrow gemm1 tiles: [128][ACC + 1] up values
   if (threadIdx.x == 0) {
-    for (int s = 0; s < NUM_STAGES; ++s) {
-      mbar_init(ring.full + 8 * s, 1);
-      mbar_init(ring.empty + 8 * s, CONSUMERS / 32);
-    }
+    ring.init(CONSUMERS / 32);
     for (int s = 0; s < 2; ++s) {
       mbar_init(task_full + 8 * s, 1);
       mbar_init(task_empty + 8 * s, CONSUMERS / 32);

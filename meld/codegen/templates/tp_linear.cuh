@@ -113,21 +113,14 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
     int prev = -1;
-    for (int kk = x.k0; kk < x.k1; ++kk) {
-      mbar_wait(ring.full + 8 * ring.stage, ring.phase, tp_site(p, 7, warp + 4, t, ring.stage));
-      const u32 st = ring.base + ring.stage * STAGE_BYTES;
-      wgmma_fence();
+    for (int kk = x.k0; kk < x.k1; ++kk)
+      ring_consume<STAGE_BYTES>(ring, prev, lane, tp_site(p, 7, warp + 4, t, ring.stage), MELD_WATCHDOG_NS, [&](u32 st) {
 #pragma unroll
-      for (int b = 0; b < K_BOXES; ++b)
+        for (int b = 0; b < K_BOXES; ++b)
 #pragma unroll
-        for (int s = 0; s < BK / 16; ++s)
-          wgmma_bf16(acc, wgmma_desc(st + b * BOX_PAIR + 32 * s), wgmma_desc(st + b * BOX_PAIR + W_BOX + 32 * s));
-      wgmma_commit();
-      wgmma_wait<1>();
-      if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
-      prev = ring.stage;
-      ring.advance();
-    }
+          for (int s = 0; s < BK / 16; ++s)
+            wgmma_bf16(acc, wgmma_desc(st + b * BOX_PAIR + 32 * s), wgmma_desc(st + b * BOX_PAIR + W_BOX + 32 * s));
+      });
     wgmma_wait<0>();
     fence_regs(acc);
     if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
@@ -186,10 +179,7 @@ extern "C" __global__ void __launch_bounds__(256, CTAS_PER_SM) meld_tp_linear(co
   u16* staged = reinterpret_cast<u16*>(smem_raw + (ring.empty + 8 * NUM_STAGES - raw));
   int* last = reinterpret_cast<int*>(staged + BLOCK_TOKENS * 64);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < NUM_STAGES; ++s) {
-      mbar_init(ring.full + 8 * s, 1);
-      mbar_init(ring.empty + 8 * s, CONSUMERS / 32);
-    }
+    ring.init(CONSUMERS / 32);
     fence_mbar_init();
   }
   __syncthreads();
