@@ -66,6 +66,17 @@ struct Ring {
   __device__ void advance() {
     if (++stage == NUM_STAGES) { stage = 0; phase ^= 1u; }
   }
+  // The ring at the start of dynamic shared memory (whose address is `raw`): stage buffers of STAGE bytes
+  // from the first 1 KiB boundary (TMA's 128-byte swizzle repeats every 1 KiB), then the mbarriers.
+  template <int STAGE>
+  __device__ static Ring at(u32 raw) {
+    Ring r;
+    r.base = (raw + 1023) & ~1023u;
+    r.full = r.base + NUM_STAGES * STAGE;
+    r.empty = r.full + 8 * NUM_STAGES;
+    return r;
+  }
+  __device__ u32 end() const { return empty + 8 * NUM_STAGES; }   // the first byte after the ring
   __device__ void init(int consumer_warps) const {
     for (int s = 0; s < NUM_STAGES; ++s) {
       mbar_init(full + 8 * s, 1);

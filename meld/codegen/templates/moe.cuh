@@ -593,13 +593,9 @@ __device__ void epilogue(const MoeParams& p, Mailbox mb) {
 
 extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_constant__ MoeParams p) {
   extern __shared__ unsigned char smem_raw[];
-  // TMA's 128-byte swizzle repeats every 1 KiB: stage buffers start on 1 KiB boundaries.
-  const u32 raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
-  Ring ring;
-  ring.base = base;
-  ring.full = base + NUM_STAGES * STAGE_BYTES;
-  ring.empty = ring.full + 8 * NUM_STAGES;
-  const u32 task_full = ring.empty + 8 * NUM_STAGES, task_empty = task_full + 16;
+  const u32 raw = smem_addr(smem_raw);
+  const Ring ring = Ring::at<STAGE_BYTES>(raw);
+  const u32 task_full = ring.end(), task_empty = task_full + 16;
   Mailbox mb;
   mb.full = task_empty + 16;
   mb.empty = mb.full + 16;

@@ -170,13 +170,9 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
 
 extern "C" __global__ void __launch_bounds__(256, CTAS_PER_SM) meld_tp_linear(const __grid_constant__ TpParams p) {
   extern __shared__ unsigned char smem_raw[];
-  // TMA's 128-byte swizzle repeats every 1 KiB: stage buffers start on 1 KiB boundaries.
-  const u32 raw = smem_addr(smem_raw), base = (raw + 1023) & ~1023u;
-  Ring ring;
-  ring.base = base;
-  ring.full = base + NUM_STAGES * STAGE_BYTES;
-  ring.empty = ring.full + 8 * NUM_STAGES;
-  u16* staged = reinterpret_cast<u16*>(smem_raw + (ring.empty + 8 * NUM_STAGES - raw));
+  const u32 raw = smem_addr(smem_raw);
+  const Ring ring = Ring::at<STAGE_BYTES>(raw);
+  u16* staged = reinterpret_cast<u16*>(smem_raw + (ring.end() - raw));
   int* last = reinterpret_cast<int*>(staged + BLOCK_TOKENS * 64);
   if (threadIdx.x == 0) {
     ring.init(CONSUMERS / 32);
