@@ -98,3 +98,29 @@ def test_needs_a_process_group():
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         RowParallelLinear(64, 64, max_tokens=8)
+
+
+def test_graph_lowers_to_the_row_parallel_kernel_and_its_sum():
+    """The operator's task graph decides the family and the merge (as for decode attention and MoE); a
+    split-reduce over K that asks for another combiner is refused before anything compiles."""
+    import dataclasses
+
+    from meld.codegen.lowering import lower
+    from meld.ir import Reduction
+    from meld.ir.task_graph import GraphError
+    from meld.ops.tp_linear_graph import tp_linear_graph
+
+    g = tp_linear_graph(4096, 8192, 2)
+    assert (lower(g).family, lower(g).combiner) == ("tp_linear", "sum")
+    assert g.attrs["world"] == 2 and {t.kind for t in g.tasks} == {"split_reduce", "combine"}
+    assert tp_linear_graph(4096, 8192, 2).to_json() == g.to_json()
+    with pytest.raises(ValueError, match="world=0"):
+        tp_linear_graph(64, 64, 0)
+    red = Reduction("weighted_sum", "k")
+    bad = tp_linear_graph(64, 64, 2)
+    for t in bad.tasks:
+        bad.graph.nodes[t.name]["task"] = dataclasses.replace(t, reduction=red)
+    for s, d in bad.graph.edges:
+        bad.graph.edges[s, d]["reduction"] = red
+    with pytest.raises(GraphError, match="weighted_sum"):
+        lower(bad)

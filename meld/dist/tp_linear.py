@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.base import Operator
 from ..ops.checks import check_positive, expect
+from ..ops.tp_linear_graph import tp_linear_graph
 from .seq_parallel import SymmetricWindow
 
 _ALIGN = 256
@@ -48,7 +50,7 @@ def _describe_tile(shape: dict):
     return describe
 
 
-class RowParallelLinear:
+class RowParallelLinear(Operator):
     """y = sum over ranks of x_r @ W_r.T, on every rank of a `torch.distributed` group (module docstring).
 
     Args:
@@ -66,7 +68,6 @@ class RowParallelLinear:
         import torch.distributed as dist
 
         from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, block_config
-        from ..runtime import watchdog
 
         if not dist.is_initialized():
             raise RuntimeError("RowParallelLinear: torch.distributed is not initialised (init_process_group first)")
@@ -92,7 +93,11 @@ class RowParallelLinear:
         self.kernel_config = kernel_config
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.device, self.dtype = device, dtype
+        self._setup(tp_linear_graph(self.in_features, self.out_features, self.world), device)
+        if self.lowering.family != "tp_linear" or self.lowering.combiner != "sum":
+            raise ValueError(f"graph {self.graph.name!r} lowers to {self.lowering}, not the row-parallel kernel's sum")
+        self._require_hopper(exact=True)
+        self.dtype = dtype
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         self.layout = _window_layout(self.max_tokens, self.out_features, self.world, self._sm_count)
         if max(-(-out_features // 64) * -(-max_tokens // b) for b in TP_BLOCK_TOKENS) >= 1 << 31:
@@ -101,13 +106,12 @@ class RowParallelLinear:
         self.window.local.zero_()   # counters (and every byte) zero before any rank counts
         self._xexit = torch.zeros(2, dtype=torch.int32, device=device)
         self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
-        self._watchdog = watchdog.for_device(device)
         self._shape: dict = {}
-        self._watchdog_id = self._watchdog.register("meld_tp_linear", _describe_tile(self._shape))
+        self._register_watchdog("meld_tp_linear", _describe_tile(self._shape))
         self._variants: dict[int, tuple] = {}
         self._schedules: dict = {}
-        from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         from ..codegen.tp_kernel import tp_block_tokens
+        from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         self._weight_maps = TensorMapCache(lambda w: tensor_map_2d(w, 64))
         self._x_maps = TensorMapCache(lambda x: tensor_map_2d(x, tp_block_tokens(x.shape[0])))
         torch.cuda.synchronize(device)
@@ -116,12 +120,10 @@ class RowParallelLinear:
     def _variant(self, cfg):
         v = self._variants.get(cfg.block_tokens)
         if v is None:
-            from ..codegen import compile_source
             from ..codegen.params import TP_PARAMS
             from ..codegen.tp_kernel import TP_THREADS
-            from ..runtime.driver import Kernel
 
-            kernel = Kernel(compile_source(cfg.render(), cfg.name), cfg.entry, self.device, TP_THREADS, cfg.smem_bytes)
+            kernel = self._kernels(cfg, {cfg.entry: (TP_THREADS, cfg.smem_bytes)})[cfg.entry]
             L = self.layout
             params = TP_PARAMS.ctype(
                 xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),

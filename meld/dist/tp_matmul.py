@@ -5,8 +5,9 @@ Rank r holds x_r [M, K] and w_r [N, K] (its slices of the contraction dimension)
 y = sum_r x_r w_r^T. Each output tile (64 columns x a token block) is computed as world x k_splits
 pieces; each rank computes its pieces in its own order and hands each partial to the tile's owner rank
 (o % world) as soon as it is done (`LastArriverReduce`): the last partial to arrive sums the tile's
-partials in (rank, split) order and puts the sum to every rank. The same rule as the kernel's, run by the
-CPU reference executor under the emulated transport's reordering and delays.
+partials in (rank, split) order — with the combiner the operator's task graph records, as the GPU's
+merge is chosen from it — and puts the sum to every rank. The same rule as the kernel's, run by the CPU
+reference executor under the emulated transport's reordering and delays.
 """
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ import random
 
 import numpy as np
 
+from ..codegen.lowering import lower
 from ..codegen.tp_kernel import TpSchedule
+from ..ir import COMBINERS
+from ..ops.tp_linear_graph import tp_linear_graph
 from .reduce import LastArriverReduce, run_ranks
+
+
+def _merge(sched: TpSchedule, world: int):
+    """The merge of a tile's partials, in their order: the combiner the operator's graph lowers to."""
+    combine = COMBINERS[lower(tp_linear_graph(sched.k, sched.n, world)).combiner].merge
+    return lambda parts: functools.reduce(lambda a, b: combine(a, b)[0], parts)
 
 
 def _partial(sched: TpSchedule, x: np.ndarray, w: np.ndarray, t: int) -> np.ndarray:
@@ -39,7 +49,7 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
                         seed: int = 0) -> list[np.ndarray]:
     """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y."""
     world, S = len(xs), sched.k_splits
-    reduce = LastArriverReduce("y", lambda parts: functools.reduce(np.add, parts))   # (rank, split) order
+    reduce = LastArriverReduce("y", _merge(sched, world))   # (rank, split) order
     out = reduce.windows(transport, sched.out_tiles, world * S, (sched.block_tokens, 64))
 
     def rank_main(r: int) -> None:
@@ -58,7 +68,7 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
 def single_rank_reference(xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule) -> np.ndarray:
     """The same sum on one rank: every tile's partials, computed as the ranks compute them, added in
     (rank, split) order."""
-    S = sched.k_splits
-    tiles = [functools.reduce(np.add, [_partial(sched, x, w, o * S + s) for x, w in zip(xs, ws) for s in range(S)])
+    S, merge = sched.k_splits, _merge(sched, len(xs))
+    tiles = [merge([_partial(sched, x, w, o * S + s) for x, w in zip(xs, ws) for s in range(S)])
              for o in range(sched.out_tiles)]
     return _assemble(sched, tiles)
