@@ -124,3 +124,44 @@ def test_graph_lowers_to_the_row_parallel_kernel_and_its_sum():
         bad.graph.edges[s, d]["reduction"] = red
     with pytest.raises(GraphError, match="weighted_sum"):
         lower(bad)
+
+
+# --- the TVM frontend ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k, n, world, dtype", [(64, 136, 2, "bfloat16"), (24, 8, 3, "float16"), (512, 64, 1, "bfloat16")])
+def test_capture_gives_the_builders_graph(k, n, world, dtype):
+    from meld.frontend.capture_tp import capture_tp_linear
+    from meld.frontend.tp_linear import tp_linear_primfunc
+    from meld.ops.tp_linear_graph import tp_linear_graph
+
+    g = capture_tp_linear(tp_linear_primfunc(k, n, world, dtype), world)
+    assert g.to_json() == tp_linear_graph(k, n, world, dtype).to_json()
+
+
+def _variant(update):
+    """A definition like tp_linear_primfunc(16, 8, 2)'s whose reduction is `update(x, w, t, n, k)`."""
+    from tvm import te, tirx
+
+    T = tirx.Var("num_tokens", "int32")
+    x, w = te.placeholder((T, 32), "bfloat16", "x"), te.placeholder((8, 32), "bfloat16", "weight")
+    k = te.reduce_axis((0, 32), "k")
+    acc = te.compute((T, 8), lambda t, n: update(x, w, t, n, k), name="acc")
+    out = te.compute((T, 8), lambda t, n: acc[t, n].astype("bfloat16"), name="out")
+    return te.create_prim_func([x, w, out])
+
+
+def test_capture_rejects_other_math():
+    from tvm import te
+
+    from meld.frontend.capture_tp import capture_tp_linear
+    from meld.frontend.tp_linear import tp_linear_primfunc
+
+    f32 = "float32"
+    with pytest.raises(ValueError, match="no known combiner|matches no"):   # a max, not a sum
+        capture_tp_linear(_variant(lambda x, w, t, n, k: te.max(x[t, k].astype(f32) * w[n, k].astype(f32), axis=k)), 2)
+    with pytest.raises(ValueError, match="another formula"):                 # a sum, of another product
+        capture_tp_linear(_variant(lambda x, w, t, n, k: te.sum(x[t, k].astype(f32) * w[n, k].astype(f32)
+                                                               * x[t, k].astype(f32), axis=k)), 2)
+    with pytest.raises(ValueError, match="world=3 does not divide"):
+        capture_tp_linear(tp_linear_primfunc(16, 8, 2), 3)
+    with pytest.raises(ValueError, match="world=0"):
+        capture_tp_linear(tp_linear_primfunc(16, 8, 2), 0)
