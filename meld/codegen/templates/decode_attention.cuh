@@ -606,18 +606,11 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
 __device__ __forceinline__ unsigned long long xrank_launch(const DecodeParams& p) { return p.xsrc[2 * p.x_world] + 1; }
 __device__ __forceinline__ void xrank_announce(const DecodeParams& p, int cta) {
   const unsigned long long n = xrank_launch(p);
-  const long long slot = p.x_started_off + 8 * p.x_rank;
-  const WaitSite s{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 12, cta, 0, -1, 0};
-  if (!PROXY) {
+  if (PROXY)
+    xrank_announce_proxy(xwindows(p), XRing{p.xring, p.xring_tail, p.xring_head, p.xring_cap}, n,
+                         WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 12, cta, 0, -1, 0});
+  else
     xrank_announce_peers(xwindows(p), n);
-    return;
-  }
-  for (int r = 0; r < p.x_world; ++r) {
-    if (r != p.x_rank)
-      proxy_push(p.xring, p.xring_tail, p.xring_head, p.xring_cap, PROXY_SIGNAL, r, slot, 0, 1, s);
-    else
-      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(xwin(p, r) + slot), "l"(n) : "memory");
-  }
 }
 __device__ __forceinline__ void xrank_await_started(const DecodeParams& p, int cta) {
   if (threadIdx.x == 0)

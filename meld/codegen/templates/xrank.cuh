@@ -27,6 +27,31 @@ __device__ __forceinline__ void xrank_announce_peers(const XWindows& w, unsigned
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, w.started_off + 8 * w.rank)), "l"(n) : "memory");
 }
 
+// The proxy transport's command ring (meld/dist/proxy.py) as a kernel addresses it (common.cuh: proxy_push).
+struct XRing {
+  ProxyCommand* ring;
+  unsigned long long* tail;
+  const unsigned long long* head;
+  int cap;
+  __device__ __forceinline__ void push(u32 op, int dst, unsigned long long start, unsigned long long count,
+                                       long long addend, const WaitSite& s) const {
+    proxy_push(ring, tail, head, cap, op, dst, start, count, addend, s);
+  }
+};
+
+// The same through the proxy: a signal adding 1 to every other rank's slot for this rank (its running
+// total is the launch number) and a store into this rank's own.
+__device__ __forceinline__ void xrank_announce_proxy(const XWindows& w, const XRing& q, unsigned long long n,
+                                                     const WaitSite& s) {
+  const long long slot = w.started_off + 8 * w.rank;
+  for (int r = 0; r < w.world; ++r) {
+    if (r != w.rank)
+      q.push(PROXY_SIGNAL, r, slot, 0, 1, s);
+    else
+      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(n) : "memory");
+  }
+}
+
 // Wait (one thread) until every other rank has started launch n; the wait site's detail names the rank.
 __device__ __forceinline__ void xrank_wait_started(const XWindows& w, unsigned long long n, WaitSite s, i64 limit_ns) {
   const unsigned long long* started = w.word(w.rank, w.started_off);
