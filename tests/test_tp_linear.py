@@ -165,3 +165,32 @@ def test_capture_rejects_other_math():
         capture_tp_linear(tp_linear_primfunc(16, 8, 2), 3)
     with pytest.raises(ValueError, match="world=0"):
         capture_tp_linear(tp_linear_primfunc(16, 8, 2), 0)
+
+
+def test_bad_construction_names_the_argument(tmp_path):
+    """In a process group of one (gloo, CPU): every check before a window is allocated."""
+    import torch.distributed as dist
+
+    from meld.dist import RowParallelLinear
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for kwargs, match in [(dict(in_features=0), "in_features must be a positive int"),
+                              (dict(out_features=100), "out_features=100: must be a multiple of 8"),
+                              (dict(in_features=12), "in_features=12: must be a multiple of 8"),
+                              (dict(max_tokens=-1), "max_tokens must be a positive int"),
+                              (dict(dtype=torch.float16), "dtype must be torch.bfloat16"),
+                              (dict(device="cpu"), "device must be a CUDA device"),
+                              (dict(kernel_config="fast"), "kernel_config must be"),
+                              (dict(kernel_config=TpKernelConfig(8, k_boxes=4)), "room for 1 stages")]:
+            args = dict(in_features=64, out_features=64, max_tokens=8) | kwargs
+            if not torch.cuda.is_available() and "device" not in kwargs and "in_features" not in kwargs \
+                    and "out_features" not in kwargs and "max_tokens" not in kwargs and "dtype" not in kwargs:
+                args["device"] = "cuda"   # no GPU here: the device check comes before the config's
+                match = "CUDA is not available|" + match
+            with pytest.raises(ValueError, match=match):
+                RowParallelLinear(args.pop("in_features"), args.pop("out_features"), **args)
+    finally:
+        dist.destroy_process_group()

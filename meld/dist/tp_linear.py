@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.base import Operator
-from ..ops.checks import check_positive, expect
+from ..ops.checks import check_positive, expect, resolve_device
 from ..ops.tp_linear_graph import tp_linear_graph
 from .seq_parallel import SymmetricWindow
 
@@ -79,11 +79,9 @@ class RowParallelLinear(Operator):
                 raise ValueError(f"{name}={v}: must be a multiple of 8 (16-byte rows for the TMA loads and stores)")
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
-        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device("cuda" if device is None else device)
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         if kernel_config is None:
             kernel_config = TpKernelConfig()
         if not isinstance(kernel_config, TpKernelConfig):
