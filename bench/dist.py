@@ -14,7 +14,7 @@ there and written to every rank through NVLink peer memory. Baseline in the same
 NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communication's).
 
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
-    python3 bench/dist.py --op tp [--tokens 1 16 128 1024 4096]
+    python3 bench/dist.py --op tp [--tokens 1 16 128 1024 4096] [--merge owner every_rank]
 """
 from __future__ import annotations
 
@@ -189,10 +189,11 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
 TP_SHAPES = {"llama70b-o": (8192, 8192), "llama70b-down": (28672, 8192)}   # (K over all ranks, N)
 
 
-def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None) -> None:
+def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str]) -> None:
     import torch.distributed as dist
 
     from bench.harness import graph_time_us
+    from meld.codegen.tp_kernel import TpKernelConfig
     from meld.dist import RowParallelLinear
 
     dev = torch.device("cuda", rank)
@@ -213,16 +214,18 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
         g = torch.Generator(device=dev).manual_seed(7)   # the same on every rank: the reference is local
         w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
         w = w_all[:, rank * k:(rank + 1) * k].contiguous()
-        op = RowParallelLinear(k, n, max_tokens=max(tokens))
+        ops = {mg: RowParallelLinear(k, n, max_tokens=max(tokens), kernel_config=TpKernelConfig(merge=mg))
+               for mg in merges}
         solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
         for m in tokens:
             x_all = torch.randn(m, k_all, generator=g, device=dev).to(torch.bfloat16)
             x = x_all[:, rank * k:(rank + 1) * k].contiguous()
-            y = op.output(m)
-            y.fill_(math.nan)
-            torch.cuda.synchronize()
-            dist.barrier()
-            got = op(x, w).clone()
+            got = {}
+            for mg, op in ops.items():
+                op.output(m).fill_(math.nan)
+                torch.cuda.synchronize()
+                dist.barrier()
+                got[mg] = op(x, w).clone()
             base = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
 
             def unfused():
@@ -232,29 +235,35 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
             unfused()
             torch.cuda.synchronize()
             ref = x_all.double() @ w_all.double().T
-            errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (got, base)]
+            errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (*got.values(), base)]
             del ref
             if any(math.isnan(e) for e in errs) or max(errs) > 1e-2:
-                raise AssertionError(f"{shape} M={m} rank {rank}: relative errors (meld, unfused) {errs}")
-            dist.barrier()
-            t_meld = slowest(graph_time_us(lambda: op(x, w), reps=reps).median_us)
+                raise AssertionError(f"{shape} M={m} rank {rank}: relative errors ({', '.join(ops)}, unfused) {errs}")
+            t_meld = {}
+            for mg, op in ops.items():
+                dist.barrier()
+                t_meld[mg] = slowest(graph_time_us(lambda op=op: op(x, w), reps=reps).median_us)
             dist.barrier()
             t_unf = slowest(graph_time_us(unfused, reps=reps).median_us)
             dist.barrier()
             t_mm = slowest(graph_time_us(lambda: torch.matmul(x, w.T, out=base), reps=reps).median_us)
             t_solo = slowest(graph_time_us(lambda: solo(x, w), reps=reps).median_us)
-            # bytes each rank sends over NVLink: its float partials of the tiles other ranks own, and the bf16
-            # tiles it merged to the other ranks (each about (world - 1) / world of the output)
-            sent = m * n * (4 + 2) * (world - 1) / world
-            rows.append(dict(shape=shape, M=m, K=k, N=n, err=max(errs), meld_us=t_meld, unfused_us=t_unf, matmul_us=t_mm, solo_us=t_solo,
-                             comm_share=1 - t_mm / t_unf, vs_unfused=t_unf / t_meld, nvlink_gbs=sent / t_meld / 1e3))
+            # bytes each rank sends over NVLink: owner merges, its float partials of the tiles other ranks own
+            # and the bf16 tiles it merged for them ((world - 1) / world of the output each); every-rank
+            # merges, its float partials of every tile to each other rank
+            sent = {"owner": m * n * (4 + 2) * (world - 1) / world, "every_rank": m * n * 4 * (world - 1)}
+            for mg in ops:
+                rows.append(dict(shape=shape, M=m, K=k, N=n, merge=mg, err=max(errs), meld_us=t_meld[mg], unfused_us=t_unf,
+                                 matmul_us=t_mm, solo_us=t_solo, comm_share=1 - t_mm / t_unf,
+                                 vs_unfused=t_unf / t_meld[mg], nvlink_gbs=sent[mg] / t_meld[mg] / 1e3))
             dist.barrier()
     if rank == 0:
         print(f"row-parallel linear + all-reduce, {world} GPUs, bf16; median µs of graph replays, slowest rank")
-        print("shape | M | K per rank | N | max rel err | meld | meld 1 rank | matmul | matmul + all_reduce | comm share | "
-              "unfused/meld | meld NVLink GB/s per rank")
+        print("shape | M | K per rank | N | merge | max rel err | meld | meld 1 rank | matmul | matmul + all_reduce | "
+              "comm share | unfused/meld | meld NVLink GB/s per rank")
         for r in rows:
-            print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['err']:.1e} | {r['meld_us']:.1f} | {r['solo_us']:.1f} | "
+            print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['merge']} | {r['err']:.1e} | {r['meld_us']:.1f} | "
+                  f"{r['solo_us']:.1f} | "
                   f"{r['matmul_us']:.1f} | {r['unfused_us']:.1f} | {r['comm_share']:.0%} | {r['vs_unfused']:.2f} | "
                   f"{r['nvlink_gbs']:.0f}")
         print("meld 1 rank: the same kernel on a group of one rank (this rank's GEMM, nothing exchanged); comm share: "
@@ -274,11 +283,13 @@ def main() -> None:
     ap.add_argument("--no-proxy", action="store_true", help="skip the proxy transport")
     ap.add_argument("--op", choices=("decode", "tp"), default="decode")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096], help="--op tp: rows M")
+    ap.add_argument("--merge", nargs="+", default=["owner"], choices=["owner", "every_rank"],
+                    help="--op tp: how tiles merge (TpKernelConfig.merge), each measured")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
     if a.op == "tp":
-        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json)
+        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge)
     else:
         spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
 

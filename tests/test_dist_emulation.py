@@ -185,7 +185,8 @@ def _tp_case(world, m, n, k, sm_count, seed=0):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("m, n, k, sm_count", [(70, 150, 133, 132), (5, 136, 1000, 8), (300, 72, 200, 4)])
-def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m, n, k, sm_count):
+@pytest.mark.parametrize("merge", ["owner", "every_rank"])
+def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m, n, k, sm_count, merge):
     """The GPU kernel's schedule (TpSchedule: token blocks, 64-column tiles, K split into pieces where
     tiles are few; sizes not multiples of any of them); pieces finishing in a different order on every
     rank; every rank's y bit-identical to the single-rank sum in (rank, split) order and close to the
@@ -198,17 +199,22 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
     for seed in range(2):
         tr = EmulatedTransport(world, ordered=ordered, seed=seed, max_delay=1e-5, chunk=500)
         try:
-            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed)
+            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge=merge)
         finally:
             tr.close()
         for r, y in enumerate(ys):
             assert np.array_equal(y, want), f"rank {r}, seed {seed}: differs from the single-rank sum"
             np.testing.assert_allclose(y, exact, rtol=1e-10, atol=1e-10)
         parts = world * sched.k_splits
-        assert [int(tr.get(0, o % world, "y.count", o)) for o in range(sched.out_tiles)] == [parts] * sched.out_tiles
         assert all(v == 1 for v in tr.landed_elements.values())
         landed = {e for e in tr.landed_elements if e[1] == "y.parts"}
-        assert len(landed) == sched.out_tiles * parts * sched.block_tokens * 64
+        if merge == "owner":
+            assert [int(tr.get(0, o % world, "y.count", o)) for o in range(sched.out_tiles)] == [parts] * sched.out_tiles
+            assert len(landed) == sched.out_tiles * parts * sched.block_tokens * 64
+        else:   # every partial on every other rank; one signal from each rank to each other
+            assert len(landed) == sched.out_tiles * parts * (world - 1) * sched.block_tokens * 64
+            assert all([int(tr.get(r, r, "y.stamp", s)) for s in range(world)] == [int(s != r) for s in range(world)]
+                       for r in range(world))
 
 
 def test_row_parallel_schedule_splits_k_where_tiles_are_few():
@@ -217,17 +223,19 @@ def test_row_parallel_schedule_splits_k_where_tiles_are_few():
     assert sched.k_splits > 1 and sched.pieces > sched.out_tiles
 
 
-def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts():
-    """With fence=False a count can land before its partial: the merge then sums a NaN-poisoned slot."""
+@pytest.mark.parametrize("merge", ["owner", "every_rank"])
+def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts(merge):
+    """With fence=False a count or signal can land before its partial: the merge then sums a NaN-poisoned
+    slot."""
     from meld.dist.tp_matmul import single_rank_reference
 
     xs, ws, sched = _tp_case(2, 64, 128, 96, 132)
     want = single_rank_reference(xs, ws, sched)
     caught = 0
-    for seed in range(6):   # caught in 30 of 30 runs measured
+    for seed in range(6):   # caught in 30 of 30 runs measured, each merge
         tr = EmulatedTransport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=64, fence=False)
         try:
-            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed)
+            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge=merge)
         finally:
             tr.close()
         caught += any(not np.array_equal(y, want) for y in ys)

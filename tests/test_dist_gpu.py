@@ -196,17 +196,19 @@ def _tp_inputs(m, k, n, world, seed, dev):
     return xs, ws, ref
 
 
-def _tp_rank(rank, world):
+def _tp_rank(rank, world, merge, transport, ordered):
     import torch.distributed as dist
 
+    from meld.codegen.tp_kernel import TpKernelConfig
     from meld.dist import RowParallelLinear
     from meld.runtime.cuda_graphs import capture
 
     dev = torch.device("cuda", rank)
+    kc = TpKernelConfig(merge=merge, transport=transport)
     for i, (m, k, n) in enumerate(TP_CASES):
         xs, ws, ref = _tp_inputs(m, k, n, world, 300 + i, dev)
         x, w = xs[rank].to(dev), ws[rank].to(dev)
-        op = RowParallelLinear(k, n, max_tokens=max(m, 8))
+        op = RowParallelLinear(k, n, max_tokens=max(m, 8), kernel_config=kc, ordered=ordered, chunk_bytes=1000)
         out = op.output(m)
         out.fill_(math.nan)
         torch.cuda.synchronize()
@@ -260,10 +262,16 @@ def _tp_rank(rank, world):
             r2 = sum(a.double() @ b.double().T for a, b in zip(xs2, ws))
             e = ((out.double().cpu() - r2).norm() / r2.norm()).item()
             assert e < 1e-2, f"graph replay: relative error {e:.2e}"
+        torch.cuda.synchronize()
         dist.barrier()
+        op.close()
 
 
-def test_row_parallel_linear_on_two_gpus_matches_float64():
+@pytest.mark.parametrize("merge, transport, ordered", [("owner", "peer", True), ("every_rank", "peer", True),
+                                                       ("every_rank", "proxy", True), ("every_rank", "proxy", False)])
+def test_row_parallel_linear_on_two_gpus_matches_float64(merge, transport, ordered):
+    """Both merges through NVLink peer memory; every-rank merges through the proxy transport as if the GPUs
+    were two nodes, its chunks (1000 bytes: not whole rows) landing in issue order or shuffled."""
     from meld.dist import spawn
 
-    spawn(_tp_rank, 2)
+    spawn(_tp_rank, 2, merge, transport, ordered)

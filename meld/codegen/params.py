@@ -236,6 +236,10 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_count_off", "i64"),                 # tile, the landing counter and the launches started
     Field("x_landed_off", "i64"),
     Field("x_started_off", "i64"),
+    Field("x_signal_off", "i64"),                # every-rank merges: u64 stamps [world][x_grid_cap] (launch numbers)
+    Field("xring", "ptr", "meld::ProxyCommand*"),   # the proxy transport's command ring (meld/dist/proxy.py)
+    Field("xring_tail", "ptr", "unsigned long long*"),
+    Field("xring_head", "ptr", "const unsigned long long*"),
     Field("m", "i32"),
     Field("n", "i32"),
     Field("k", "i32"),
@@ -244,5 +248,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("tiles", "i32"),                       # pieces: output tiles x k_splits
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
+    Field("x_grid_cap", "i32"),
+    Field("xring_cap", "i32"),
     Field("watchdog_kernel", "i32"),
 ])

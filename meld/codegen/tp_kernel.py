@@ -65,8 +65,9 @@ class TpSchedule:
     def max_partial_floats(max_tokens: int, n: int, sm_count: int) -> int:
         """The most float partials one rank contributes to a call of at most `max_tokens` rows: the whole
         output tile grid when K is not split, at most one piece per CTA slot when it is (64 x 256 floats
-        a CTA at one per SM, 64 x 64 at two)."""
-        return max(-(-n // 64) * 64 * -(-max_tokens // 256) * 256, sm_count * 64 * 256)
+        a CTA at one per SM, 64 x 64 at two); plus, for every-rank merges, whose partials lie per CTA in
+        blocks of equal size, up to one more tile per CTA."""
+        return max(-(-n // 64) * 64 * -(-max_tokens // 256) * 256, sm_count * 64 * 256) + sm_count * 64 * 256
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,10 @@ class TpKernelConfig:
     ctas_per_sm: int = 0      # 1: one CTA per SM with the deepest ring that fits; 2 (token blocks up to 64,
                               # whose accumulators fit 128 registers a thread): two, each with half the memory;
                               # 0: two for 64-token blocks, one otherwise (measured: bench/RESULTS.md 2026-11-30)
+    merge: str = "owner"      # "owner": a tile's last arriving partial sums it at its owner rank and writes every
+                              # rank's output; "every_rank": every rank gets every partial and sums its own output
+    transport: str = "peer"   # "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy
+                              # thread, the model of RDMA: meld/dist/proxy.py; needs merge="every_rank")
     watchdog_ms: int = 2000   # a spin gives up after this long (cross-rank waits: ten times it)
 
     def __post_init__(self) -> None:
@@ -88,6 +93,12 @@ class TpKernelConfig:
         if self.ctas_per_sm not in (0, 1, 2) or (self.ctas_per_sm == 2 and self.block_tokens > 64):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: expected 0 (automatic), 1, or 2 with blocks of at "
                              "most 64 tokens")
+        if self.merge not in ("owner", "every_rank") or self.transport not in ("peer", "proxy"):
+            raise ValueError(f"merge={self.merge!r}, transport={self.transport!r}: expected merge 'owner' or "
+                             "'every_rank', transport 'peer' or 'proxy'")
+        if self.transport == "proxy" and self.merge != "every_rank":
+            raise ValueError("transport='proxy' needs merge='every_rank' (a proxy carries puts and signals, not the "
+                             "owner's fetch-add)")
         if self.k_boxes not in (1, 2, 4):
             raise ValueError(f"k_boxes={self.k_boxes}: expected 1, 2 or 4")
         if self.stages < 2:
@@ -122,6 +133,7 @@ class TpKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_c{self.ctas}_s{self.stages}"
+                + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
 
     entry = "meld_tp_linear"
@@ -133,6 +145,8 @@ class TpKernelConfig:
             f"#define NUM_STAGES {self.stages}",
             f"#define CTAS_PER_SM {self.ctas}",
             f"#define K_BOXES {self.k_boxes}",
+            f"#define MELD_TP_EVERY {int(self.merge == 'every_rank')}",
+            f"#define MELD_TP_PROXY {int(self.transport == 'proxy')}",
             '#define MELD_MMA_TYPE "bf16"',
             "#define MELD_PROFILE 0",
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",

@@ -25,13 +25,15 @@ _ALIGN = 256
 
 
 def _window_layout(max_tokens: int, n: int, world: int, sm_count: int) -> dict[str, int]:
-    """Byte offsets in a rank's window: the output [max_tokens, N] bf16, the float partials of every output
-    tile at its owner ([tiles][world x k_splits][64 x block tokens], `TpSchedule.max_partial_floats` per
-    rank), one u64 counter per output tile, the landing counter and the launches every rank started."""
+    """Byte offsets in a rank's window: the output [max_tokens, N] bf16, the float partials
+    (`TpSchedule.max_partial_floats` per rank: owner merges keep [tiles][world x k_splits][64 x block tokens]
+    at a tile's owner, every-rank merges every rank's, per CTA), one u64 counter per output tile, the landing
+    counter, the launches every rank started, and the every-rank merges' stamps [world][2 x SMs]."""
     from ..codegen.tp_kernel import TpSchedule
 
     sizes = {"out": max_tokens * n * 2, "part": TpSchedule.max_partial_floats(max_tokens, n, sm_count) * world * 4,
-             "count": -(-n // 64) * -(-max_tokens // 8) * 8, "landed": 8, "started": 8 * world}
+             "count": -(-n // 64) * -(-max_tokens // 8) * 8, "landed": 8, "started": 8 * world,
+             "signal": 8 * world * 2 * sm_count}
     offsets, at = {}, 0
     for name, size in sizes.items():
         offsets[name] = at
@@ -58,13 +60,16 @@ class RowParallelLinear(Operator):
         out_features: N (a multiple of 8).
         max_tokens: the most rows M of x per call (the symmetric window is sized by it).
         group: the process group (default: the default group); device: this rank's GPU (default: current).
-        kernel_config: the kernel's static choices (`meld.codegen.tp_kernel.TpKernelConfig`; its block_tokens
-            is chosen per call). A wait inside the kernel gives up after its watchdog_ms (waits for other
-            ranks: ten times it), names what it waited for and traps.
+        kernel_config: the kernel's static choices (`meld.codegen.tp_kernel.TpKernelConfig`: how tiles merge
+            and over which transport; its block_tokens is chosen per call). A wait inside the kernel gives up
+            after its watchdog_ms (waits for other ranks: ten times it), names what it waited for and traps.
+        ordered, chunk_bytes: the proxy transport's delivery (in issue order, or shuffled) and network chunk
+            (`meld.dist.proxy.GpuProxy`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
-                 group=None, device: str | torch.device | None = None, kernel_config=None):
+                 group=None, device: str | torch.device | None = None, kernel_config=None, ordered: bool = True,
+                 chunk_bytes: int = 64 << 10):
         import torch.distributed as dist
 
         from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, block_config
@@ -106,6 +111,10 @@ class RowParallelLinear(Operator):
         self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
         self._shape: dict = {}
         self._register_watchdog("meld_tp_linear", _describe_tile(self._shape))
+        self.proxy = None
+        if kernel_config.transport == "proxy":
+            from .proxy import GpuProxy
+            self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         self._variants: dict[int, tuple] = {}
         self._schedules: dict = {}
         from ..codegen.tp_kernel import tp_block_tokens
@@ -127,8 +136,9 @@ class RowParallelLinear(Operator):
                 xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),
                 watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
                 watchdog_kernel=self._watchdog_id, x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
-                x_landed_off=L["landed"], x_started_off=L["started"], n=self.out_features, k=self.in_features,
-                x_rank=self.rank, x_world=self.world)
+                x_landed_off=L["landed"], x_started_off=L["started"], x_signal_off=L["signal"],
+                x_grid_cap=2 * self._sm_count, n=self.out_features, k=self.in_features, x_rank=self.rank,
+                x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}))
             v = self._variants[cfg.block_tokens] = (cfg, kernel, params)
         return v
 
@@ -149,6 +159,9 @@ class RowParallelLinear(Operator):
         M = x.shape[0]
         if M > self.max_tokens:
             raise ValueError(f"x has {M} rows, more than max_tokens={self.max_tokens}")
+        if self.kernel_config.transport == "proxy" and (self.proxy is None or self.proxy.error is not None):
+            raise RuntimeError(f"RowParallelLinear: the proxy thread is "
+                               f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
         if M == 0:
             return self.output(0)
         self._watchdog.check()
@@ -161,5 +174,12 @@ class RowParallelLinear(Operator):
         p.w_map = self._weight_maps.get(weight)
         p.x_map = self._x_maps.get(x)
         self._shape.update(m_tiles=sched.m_tiles, block_tokens=cfg.block_tokens, k_splits=sched.k_splits)
-        kernel.launch(min(sched.pieces, kernel.ctas_per_sm * self._sm_count), p)
+        # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
+        kernel.launch(min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count), p)
         return self.output(M)
+
+    def close(self) -> None:
+        """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None

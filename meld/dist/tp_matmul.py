@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 
 import numpy as np
 
@@ -46,8 +47,15 @@ def _assemble(sched: TpSchedule, tiles) -> np.ndarray:
 
 
 def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule,
-                        seed: int = 0) -> list[np.ndarray]:
-    """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y."""
+                        seed: int = 0, merge: str = "owner") -> list[np.ndarray]:
+    """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y.
+    `merge`: "owner" (the last arriving partial of a tile sums it at the owner) or "every_rank" (as
+    `TpKernelConfig.merge`: every rank puts each partial to every rank, then signals each rank once; each
+    rank, once every other rank's signal is in, sums every tile itself from its own window)."""
+    if merge == "every_rank":
+        return _every_rank(transport, xs, ws, sched, seed)
+    if merge != "owner":
+        raise ValueError(f"merge={merge!r}: expected 'owner' or 'every_rank'")
     world, S = len(xs), sched.k_splits
     reduce = LastArriverReduce("y", _merge(sched, world))   # (rank, split) order
     out = reduce.windows(transport, sched.out_tiles, world * S, (sched.block_tokens, 64))
@@ -59,6 +67,40 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
             o, split = divmod(t, S)
             reduce.contribute(transport, r, o % world, o, r * S + split, world * S, _partial(sched, xs[r], ws[r], t),
                               to=range(world))
+        transport.quiet(r)
+
+    run_ranks(world, rank_main)
+    return [_assemble(sched, out[r]) for r in range(world)]
+
+
+def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, poll_s: float = 1e-5) -> list[np.ndarray]:
+    world, S = len(xs), sched.k_splits
+    merge = _merge(sched, world)
+    transport.window("y.parts", (sched.out_tiles, world * S, sched.block_tokens, 64), np.float64, np.nan)
+    transport.window("y.stamp", (world,), np.int64, 0)
+    out = [np.full((sched.out_tiles, sched.block_tokens, 64), np.nan) for _ in range(world)]
+
+    def rank_main(r: int) -> None:
+        order = list(range(sched.pieces))
+        random.Random(seed * 1000 + r).shuffle(order)
+        for t in order:
+            o, split = divmod(t, S)
+            part = _partial(sched, xs[r], ws[r], t)
+            for dst in range(world):   # (the put stages the partial in this rank's own window too)
+                if dst != r:
+                    transport.put(r, dst, "y.parts", (o, r * S + split), part)
+            if world == 1:
+                transport.put(r, r, "y.parts", (o, split), part)
+        for dst in range(world):       # one signal per destination, behind this rank's puts to it
+            if dst != r:
+                transport.fetch_add(r, dst, "y.stamp", r, 1)
+        deadline = time.monotonic() + transport.timeout
+        while any(transport.get(r, r, "y.stamp", src) < 1 for src in range(world) if src != r):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {r}: the other ranks' partials did not arrive")
+            time.sleep(poll_s)
+        for o in range(sched.out_tiles):
+            out[r][o] = merge(list(transport.get(r, r, "y.parts", o)))
         transport.quiet(r)
 
     run_ranks(world, rank_main)

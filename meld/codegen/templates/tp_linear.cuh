@@ -32,6 +32,8 @@ constexpr int ACC = BLOCK_TOKENS / 2;            // accumulators per consumer th
 constexpr int TILE_FLOATS = 64 * BLOCK_TOKENS;
 constexpr int CONSUMERS = 128;
 constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their launches up to seconds apart
+constexpr bool TP_EVERY = MELD_TP_EVERY != 0;          // every rank merges (else the owner: see below)
+constexpr bool TP_PROXY = MELD_TP_PROXY != 0;          // the proxy transport (every rank merges)
 
 __device__ __forceinline__ WaitSite tp_site(const TpParams& p, int site, int warp, int tile, int detail) {
   return WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, site, (int)blockIdx.x, warp, tile, detail};
@@ -75,16 +77,18 @@ __device__ void tp_produce(const TpParams& p, Ring ring) {
   }
 }
 
-// The tile's partials, summed in their fixed order (this piece's from registers, the others' from the
-// owner's window), converted to bf16 and staged token-major in shared memory [BLOCK_TOKENS][64].
-__device__ __forceinline__ void tp_sum(const float* parts, int nparts, int mine, float (&acc)[ACC], u16* staged,
+// The tile's partials, summed in their fixed order (part `mine` from registers, the others from memory:
+// `part(k)` is this thread's share of part k), converted to bf16 and staged token-major in shared memory
+// [BLOCK_TOKENS][64].
+template <class Part>
+__device__ __forceinline__ void tp_sum(Part&& part, int nparts, int mine, float (&acc)[ACC], u16* staged,
                                        int warp, int lane) {
 #pragma unroll
   for (int i = 0; i < ACC; i += 4) {
     const float4 own = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-    float4 s = mine == 0 ? own : ld_cg4(parts + i);
+    float4 s = mine == 0 ? own : ld_cg4(part(0) + i);
     for (int r = 1; r < nparts; ++r) {
-      const float4 v = r == mine ? own : ld_cg4(parts + (i64)r * TILE_FLOATS + i);
+      const float4 v = r == mine ? own : ld_cg4(part(r) + i);
       s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
     }
     acc[i] = s.x; acc[i + 1] = s.y; acc[i + 2] = s.z; acc[i + 3] = s.w;
@@ -98,6 +102,39 @@ __device__ __forceinline__ void tp_sum(const float* parts, int nparts, int mine,
   }
 }
 
+// Piece t's partial into acc, from the ring's stages (one stage's wgmmas in flight while the next issue).
+__device__ __forceinline__ void tp_gemm(const TpParams& p, Ring& ring, const Piece& x, int t, float (&acc)[ACC],
+                                        int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+  int prev = -1;
+  for (int kk = x.k0; kk < x.k1; ++kk)
+    ring_consume<STAGE_BYTES>(ring, prev, lane, tp_site(p, 7, warp + 4, t, ring.stage), MELD_WATCHDOG_NS, [&](u32 st) {
+#pragma unroll
+      for (int b = 0; b < K_BOXES; ++b)
+#pragma unroll
+        for (int s = 0; s < BK / 16; ++s)
+          wgmma_bf16(acc, wgmma_desc(st + b * BOX_PAIR + 32 * s), wgmma_desc(st + b * BOX_PAIR + W_BOX + 32 * s));
+    });
+  wgmma_wait<0>();
+  fence_regs(acc);
+  if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
+}
+
+// A staged tile's rows (16 bytes of a token's 64 columns per thread and step) into the outputs of ranks
+// r0 .. r1 - 1.
+__device__ __forceinline__ void tp_store_tile(const TpParams& p, const u16* staged, const Piece& x, int ct, int r0,
+                                              int r1) {
+  for (int i = ct; i < BLOCK_TOKENS * 8; i += CONSUMERS) {
+    const int tk = i / 8, c = x.col * 64 + 8 * (i % 8);
+    if (x.tok0 + tk >= p.m || c >= p.n) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(staged + tk * 64 + 8 * (i % 8));
+    const i64 off = p.x_out_off + ((i64)(x.tok0 + tk) * p.n + c) * 2;
+    for (int r = r0; r < r1; ++r) *reinterpret_cast<uint4*>(p.xpeers[r] + off) = v;
+  }
+}
+
+// The owner merges (MELD_TP_EVERY 0): the protocol at the top of this file.
 __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last) {
   const int ct = threadIdx.x - 128, warp = ct / 32, lane = ct % 32;
   const XWindows w = tp_windows(p);
@@ -108,22 +145,9 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
   bool started = false;      // every rank has started this launch
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
     const Piece x = tp_piece(p, t);
-    const int col = x.col, tok0 = x.tok0, mine = p.x_rank * p.k_splits + x.split;
+    const int mine = p.x_rank * p.k_splits + x.split;
     float acc[ACC];
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
-    int prev = -1;
-    for (int kk = x.k0; kk < x.k1; ++kk)
-      ring_consume<STAGE_BYTES>(ring, prev, lane, tp_site(p, 7, warp + 4, t, ring.stage), MELD_WATCHDOG_NS, [&](u32 st) {
-#pragma unroll
-        for (int b = 0; b < K_BOXES; ++b)
-#pragma unroll
-          for (int s = 0; s < BK / 16; ++s)
-            wgmma_bf16(acc, wgmma_desc(st + b * BOX_PAIR + 32 * s), wgmma_desc(st + b * BOX_PAIR + W_BOX + 32 * s));
-      });
-    wgmma_wait<0>();
-    fence_regs(acc);
-    if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
+    tp_gemm(p, ring, x, t, acc, warp, lane);
     if (!started) {   // before this CTA's first write into another rank's window
       if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
       named_barrier(1, CONSUMERS);
@@ -143,15 +167,9 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
     if (ct == 0) *last = fetch_add_sys(count, 1ull) == (unsigned long long)(nparts - 1);
     named_barrier(1, CONSUMERS);
     if (!*last) continue;
-    tp_sum(parts, nparts, mine, acc, staged, warp, lane);
+    tp_sum([&](int k) { return parts + (i64)k * TILE_FLOATS; }, nparts, mine, acc, staged, warp, lane);
     named_barrier(1, CONSUMERS);
-    for (int i = ct; i < BLOCK_TOKENS * 8; i += CONSUMERS) {   // 16 bytes of a token's 64 columns each
-      const int tk = i / 8, c = col * 64 + 8 * (i % 8);
-      if (tok0 + tk >= p.m || c >= p.n) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(staged + tk * 64 + 8 * (i % 8));
-      const i64 off = p.x_out_off + ((i64)(tok0 + tk) * p.n + c) * 2;
-      for (int r = 0; r < p.x_world; ++r) *reinterpret_cast<uint4*>(p.xpeers[r] + off) = v;
-    }
+    tp_store_tile(p, staged, x, ct, 0, p.x_world);
     if (ct == 0) *count = 0ull;   // every part has arrived: ready for the next launch
     ++finished;
     named_barrier(1, CONSUMERS);   // (staged is rewritten by the next tile)
@@ -168,6 +186,97 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
   *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
 }
 
+// Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it). Each piece's float partial goes to
+// every rank's window: with peer memory stored into each; with the proxy stored into this rank's own and,
+// at the CTA's end, sent as one put per destination of all the CTA's partials (they are contiguous: a
+// rank's partials lie per CTA, I slots each). At its end each CTA stamps its slot [rank][cta] with the
+// launch number on every rank, after one system-scope fence (the proxy: a signal behind its put, whose
+// running total the stamp before this one tells). Then it merges the tiles whose first piece it computed,
+// once every CTA that computed one of their pieces, on every rank, has stamped this launch: it reads only
+// its own window, sums in (rank, split) order and writes only its own rank's output. Every rank computes
+// the same sums in the same order: the outputs are bit-identical, and nothing but partials crosses ranks.
+//
+// Deadlock freedom: a CTA waits only after it has issued everything it sends, for CTAs that stamp before
+// they wait; the grid fits the GPU at once (RowParallelLinear sizes it by occupancy), so each of them runs.
+__device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
+  const int ct = threadIdx.x - 128, warp = ct / 32, lane = ct % 32;
+  const XWindows w = tp_windows(p);
+  const XRing q{p.xring, p.xring_tail, p.xring_head, p.xring_cap};
+  const unsigned long long launch = *reinterpret_cast<volatile unsigned long long*>(p.xlaunch) + 1;
+  if (blockIdx.x == 0 && ct == 0) {
+    if (TP_PROXY)
+      xrank_announce_proxy(w, q, launch, tp_site(p, 12, warp + 4, -1, 0));
+    else
+      xrank_announce_peers(w, launch);
+  }
+  const int G = gridDim.x, I = (p.tiles + G - 1) / G;   // CTAs; pieces of one CTA, at most
+  const i64 region = (i64)G * I * TILE_FLOATS;          // one rank's partials in a window (floats)
+  // Piece t's partial from rank r, in a window: its CTA's block of I slots, at the piece's ordinal there.
+  auto part_at = [&](int r, int t) -> i64 { return p.x_part_off / 4 + r * region + ((i64)(t % G) * I + t / G) * TILE_FLOATS; };
+  auto stamp_at = [&](int r, int cta) -> i64 { return p.x_signal_off + 8 * ((i64)r * p.x_grid_cap + cta); };
+  int pieces = 0;
+  for (int t = blockIdx.x; t < p.tiles; t += G, ++pieces) {
+    const Piece x = tp_piece(p, t);
+    float acc[ACC];
+    tp_gemm(p, ring, x, t, acc, warp, lane);
+    if (pieces == 0) {   // before this CTA's first write of this launch into any window (module docstring)
+      if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
+      named_barrier(1, CONSUMERS);
+    }
+    const i64 off = part_at(p.x_rank, t) + ct * ACC;
+    for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r) {
+      float* dst = reinterpret_cast<float*>(p.xpeers[r]) + off;
+#pragma unroll
+      for (int i = 0; i < ACC; i += 4)
+        *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+    }
+  }
+  __threadfence_system();
+  named_barrier(1, CONSUMERS);
+  if (ct == 0) {
+    const i64 stamp = stamp_at(p.x_rank, blockIdx.x);
+    if (TP_PROXY) {
+      unsigned long long* own = w.word(p.x_rank, stamp);
+      const unsigned long long before = *own;   // the proxy's running total for this slot (only this CTA adds)
+      const WaitSite s = tp_site(p, 12, warp + 4, -1, 0);
+      for (int r = 0; r < p.x_world; ++r) {
+        if (r == p.x_rank) continue;
+        if (pieces)
+          q.push(PROXY_PUT, r, 4 * part_at(p.x_rank, blockIdx.x), (unsigned long long)pieces * TILE_FLOATS * 4, 0, s);
+        q.push(PROXY_SIGNAL, r, stamp, 0, (long long)(launch - before), s);
+      }
+      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(own), "l"(launch) : "memory");
+    } else {
+      for (int r = 0; r < p.x_world; ++r)
+        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, stamp)), "l"(launch) : "memory");
+    }
+  }
+  const int nparts = p.x_world * p.k_splits;
+  const float* mine = reinterpret_cast<const float*>(p.xpeers[p.x_rank]);
+  for (int t = blockIdx.x; t < p.tiles; t += G) {
+    const Piece x = tp_piece(p, t);
+    if (x.split != 0) continue;   // a tile is merged by the CTA of its first piece
+    if (ct == 0)
+      for (int k = 0; k < nparts; ++k) {
+        const int src = x.o * p.k_splits + k % p.k_splits;
+        signal_wait(w.word(p.x_rank, stamp_at(k / p.k_splits, src % G)), launch,
+                    tp_site(p, 10, warp + 4, t, k / p.k_splits), XRANK_WAIT_NS);
+      }
+    named_barrier(1, CONSUMERS);
+    float acc[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+    tp_sum([&](int k) { return mine + part_at(k / p.k_splits, x.o * p.k_splits + k % p.k_splits) + ct * ACC; },
+           nparts, -1, acc, staged, warp, lane);
+    named_barrier(1, CONSUMERS);
+    tp_store_tile(p, staged, x, ct, p.x_rank, p.x_rank + 1);
+    named_barrier(1, CONSUMERS);   // (staged is rewritten by the next tile)
+  }
+  if (ct != 0 || atomicAdd(p.xexit, 1u) != G - 1) return;
+  p.xexit[0] = 0u;
+  *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
+}
+
 extern "C" __global__ void __launch_bounds__(256, CTAS_PER_SM) meld_tp_linear(const __grid_constant__ TpParams p) {
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
@@ -179,8 +288,12 @@ extern "C" __global__ void __launch_bounds__(256, CTAS_PER_SM) meld_tp_linear(co
     fence_mbar_init();
   }
   __syncthreads();
-  if (threadIdx.x == 0) tp_produce(p, ring);
-  else if (threadIdx.x >= 128) tp_consume(p, ring, staged, last);
+  if (threadIdx.x == 0)
+    tp_produce(p, ring);
+  else if (threadIdx.x >= 128 && TP_EVERY)
+    tp_consume_every(p, ring, staged);
+  else if (threadIdx.x >= 128)
+    tp_consume(p, ring, staged, last);
 }
 
 }  // namespace meld
