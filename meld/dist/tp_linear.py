@@ -8,6 +8,11 @@ of it is there, by whichever rank's partial arrived last, in rank order, and wri
 output through NVLink peer memory: the reduction overlaps the GEMM's other tiles, there is no separate
 collective, and every rank's result is bit-identical, launch after launch.
 
+That is the default merge (`TpKernelConfig.merge="owner"`). With `merge="every_rank"` every partial goes to
+every rank instead and each rank sums its own output from its own window: no remote fetch-add or loads,
+and the form the proxy transport (`transport="proxy"`, the model of RDMA between nodes) can carry as puts
+and signals (templates/tp_linear.cuh says how each works and why neither deadlocks).
+
 The output is a view of this rank's symmetric window (torch symmetric memory), complete when the launch
 ends in stream order and rewritten by the next call: clone it to keep it. Every rank must make the same
 calls with the same M. The launch is CUDA-graph capturable.
