@@ -120,7 +120,6 @@ def test_graph_lowers_to_the_row_parallel_kernel_and_its_sum():
     g = tp_linear_graph(4096, 8192, 2)
     assert (lower(g).family, lower(g).combiner) == ("tp_linear", "sum")
     assert g.attrs["world"] == 2 and {t.kind for t in g.tasks} == {"split_reduce", "combine"}
-    assert tp_linear_graph(4096, 8192, 2).to_json() == g.to_json()
     with pytest.raises(ValueError, match="world=0"):
         tp_linear_graph(64, 64, 0)
     red = Reduction("weighted_sum", "k")
@@ -193,10 +192,6 @@ def test_bad_construction_names_the_argument(tmp_path):
                               (dict(kernel_config="fast"), "kernel_config must be"),
                               (dict(kernel_config=TpKernelConfig(8, k_boxes=4)), "room for 1 stages")]:
             args = dict(in_features=64, out_features=64, max_tokens=8) | kwargs
-            if not torch.cuda.is_available() and "device" not in kwargs and "in_features" not in kwargs \
-                    and "out_features" not in kwargs and "max_tokens" not in kwargs and "dtype" not in kwargs:
-                args["device"] = "cuda"   # no GPU here: the device check comes before the config's
-                match = "CUDA is not available|" + match
             with pytest.raises(ValueError, match=match):
                 RowParallelLinear(args.pop("in_features"), args.pop("out_features"), **args)
     finally:

@@ -89,15 +89,15 @@ class RowParallelLinear(Operator):
                 raise ValueError(f"{name}={v}: must be a multiple of 8 (16-byte rows for the TMA loads and stores)")
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
-        device = resolve_device("cuda" if device is None else device)
-        if device.type != "cuda":
-            raise ValueError(f"device must be a CUDA device, got {device}")
         if kernel_config is None:
             kernel_config = TpKernelConfig()
         if not isinstance(kernel_config, TpKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.tp_kernel.TpKernelConfig, got {kernel_config!r}")
         for bt in TP_BLOCK_TOKENS:   # every block's variant is valid (a call never fails on the config)
             block_config(kernel_config, bt)
+        device = resolve_device("cuda" if device is None else device)
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
         self.kernel_config = kernel_config
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -120,8 +120,9 @@ class RowParallelLinear(Operator):
         if kernel_config.transport == "proxy":
             from .proxy import GpuProxy
             self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
-        self._variants: dict[int, tuple] = {}
-        self._schedules: dict = {}
+        self._variants: dict[int, tuple] = {}   # per token block: (config, kernel, parameter struct)
+        self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid)
+        self._last_m = 0
         from ..codegen.tp_kernel import tp_block_tokens
         from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         self._weight_maps = TensorMapCache(lambda w: tensor_map_2d(w, 64))
@@ -170,17 +171,20 @@ class RowParallelLinear(Operator):
         if M == 0:
             return self.output(0)
         self._watchdog.check()
-        sched = self._schedules.get(M)
-        if sched is None:
-            sched = self._schedules[M] = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count,
-                                                       self.kernel_config)
-        cfg, kernel, p = self._variant(block_config(self.kernel_config, sched.block_tokens))
-        p.m, p.m_tiles, p.k_splits, p.tiles = M, sched.m_tiles, sched.k_splits, sched.pieces
+        call = self._calls.get(M)
+        if call is None:   # the schedule, kernel and grid of M rows, worked out once
+            sched = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count, self.kernel_config)
+            cfg, kernel, p = self._variant(block_config(self.kernel_config, sched.block_tokens))
+            # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
+            call = self._calls[M] = (sched, kernel, p, min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count))
+        sched, kernel, p, grid = call
+        if M != self._last_m:
+            self._last_m = M
+            p.m, p.m_tiles, p.k_splits, p.tiles = M, sched.m_tiles, sched.k_splits, sched.pieces
+            self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits)
         p.w_map = self._weight_maps.get(weight)
         p.x_map = self._x_maps.get(x)
-        self._shape.update(m_tiles=sched.m_tiles, block_tokens=cfg.block_tokens, k_splits=sched.k_splits)
-        # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
-        kernel.launch(min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count), p)
+        kernel.launch(grid, p)
         return self.output(M)
 
     def close(self) -> None:
