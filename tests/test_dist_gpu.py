@@ -196,6 +196,14 @@ def _tp_inputs(m, k, n, world, seed, dev):
     return xs, ws, ref
 
 
+def _sync_holding_gil() -> int:
+    """cuCtxSynchronize called through ctypes.PyDLL, which keeps the GIL for the call (as a first cuBLAS call
+    loading its module does, for instance)."""
+    import ctypes
+
+    return ctypes.PyDLL("libcuda.so.1").cuCtxSynchronize()
+
+
 def _tp_rank(rank, world, merge, transport, ordered):
     import torch.distributed as dist
 
@@ -214,6 +222,8 @@ def _tp_rank(rank, world, merge, transport, ordered):
         torch.cuda.synchronize()
         dist.barrier()
         y = op(x, w)
+        if transport == "proxy":   # a host thread that waits for the GPU holding the GIL starves no proxy
+            assert _sync_holding_gil() == 0
         assert y.data_ptr() == out.data_ptr() and y.shape == (m, n)
         first = y.clone()
         for _ in range(3):

@@ -85,7 +85,8 @@ class ProxySchedule:
     issue order, every put cut into network chunks of `chunk` units (elements or bytes, as the records
     count them). `landable()` is what may land next: the oldest operation of each channel (`ordered`), or
     any put and an add only once it is its channel's oldest (unordered; `fence=False` drops that rule, a
-    broken transport). Shared by the emulated and the GPU proxy, so both deliver by the same rules."""
+    broken transport). The GPU proxy (runtime/host/gpu_proxy.cpp) delivers by the same rules
+    (tests/test_gpu_proxy_plan.py compares them)."""
 
     def __init__(self, ordered: bool, chunk: int, fence: bool = True):
         self.ordered, self.chunk, self.fence = ordered, chunk, fence
@@ -121,19 +122,8 @@ class ProxySchedule:
             out += [o for o in ops if not o.fenced or not self.fence or o.seq == first]
         return out
 
-    def pending(self) -> list[_Op]:
-        """Every operation not landed yet, each channel's in issue order (an ordered proxy that keeps issue
-        order itself, on one stream, may hand them all on at once)."""
-        return [o for ops in self._pending.values() for o in ops]
-
     def done(self, op: _Op) -> None:
         self._pending[(op.src, op.dst)].remove(op)
-
-    def done_all(self, ops: list[_Op]) -> None:
-        """`done` for many operations, in one pass over their channels."""
-        gone = {id(o) for o in ops}
-        for key in {(o.src, o.dst) for o in ops}:
-            self._pending[key] = [o for o in self._pending[key] if id(o) not in gone]
 
 
 @dataclass

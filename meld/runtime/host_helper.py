@@ -7,7 +7,8 @@ into MELD_CACHE_DIR, keyed by the source and compiler, and loaded with ctypes:
 - the fused MoE's host planner (`load_moe_plan()`), built from the same plan rules as the GPU planner
   (templates/moe_plan.h), for the CPU reference executor;
 - decode's host planner (`load_decode_plan()`): the GPU planner's own source (templates/decode_plan.h)
-  compiled as C++ for a block of one thread, for the CPU reference executor and `DecodeAttention.schedule`.
+  compiled as C++ for a block of one thread, for the CPU reference executor and `DecodeAttention.schedule`;
+- the GPU proxy thread of meld.dist's proxy transport (`load_proxy()`), which must run without the GIL.
 """
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ import subprocess
 import tempfile
 from importlib import resources
 
+import numpy as np
+
 from .. import config
 
 _SOURCE = "stage_page_table.c"
 _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 _moe_lib: ctypes.CDLL | None = None
 _decode_lib: ctypes.CDLL | None = None
+_proxy_lib: ctypes.CDLL | None = None
 _COMPILERS = {"c": ("CC", "cc", "gcc"), "c++": ("CXX", "c++", "g++")}   # the variable, then the names tried
 
 
@@ -116,3 +120,56 @@ def load_decode_plan() -> ctypes.CDLL:
         fn.restype = None
         _decode_lib = lib
     return _decode_lib
+
+
+class ProxyConfig(ctypes.Structure):
+    """gpu_proxy.cpp's MeldProxyConfig."""
+    _fields_ = [("records", ctypes.c_void_p), ("head", ctypes.c_void_p), ("capacity", ctypes.c_longlong),
+                ("peers", ctypes.c_void_p), ("window_bytes", ctypes.c_ulonglong), ("chunk", ctypes.c_ulonglong),
+                ("seed", ctypes.c_ulonglong), ("poll_ns", ctypes.c_longlong), ("world", ctypes.c_int),
+                ("rank", ctypes.c_int), ("ordered", ctypes.c_int), ("device", ctypes.c_int)]
+
+
+PROXY_OP = np.dtype([("kind", "<i4"), ("dst", "<i4"), ("stream", "<i4"), ("pad", "<i4"), ("start", "<u8"),
+                     ("count", "<u8"), ("value", "<i8")])   # gpu_proxy.cpp's Op
+
+
+def load_proxy() -> ctypes.CDLL:
+    """The GPU proxy (runtime/host/gpu_proxy.cpp); RuntimeError where no C++ compiler works."""
+    global _proxy_lib
+    if _proxy_lib is None:
+        lib = _build("gpu_proxy", [_read("meld.runtime", "host/gpu_proxy.cpp")], "c++")
+        if lib is None:
+            raise RuntimeError("meld.dist's proxy transport compiles its host thread with the system C++ compiler "
+                               "(c++ or g++, or $CXX), and none worked")
+        lib.meld_proxy_start.argtypes = [ctypes.POINTER(ProxyConfig), ctypes.c_char_p, ctypes.c_int]
+        lib.meld_proxy_start.restype = ctypes.c_void_p
+        lib.meld_proxy_error.argtypes = [ctypes.c_void_p]
+        lib.meld_proxy_error.restype = ctypes.c_char_p
+        lib.meld_proxy_landed.argtypes = [ctypes.c_void_p]
+        lib.meld_proxy_landed.restype = ctypes.c_longlong
+        lib.meld_proxy_stop.argtypes = [ctypes.c_void_p]
+        lib.meld_proxy_stop.restype = None
+        lib.meld_proxy_plan.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_ulonglong,
+                                        ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_void_p,
+                                        ctypes.c_longlong]
+        lib.meld_proxy_plan.restype = ctypes.c_longlong
+        _proxy_lib = lib
+    return _proxy_lib
+
+
+def proxy_plan(records: np.ndarray, world: int, window_bytes: int, ordered: bool, chunk: int,
+               seed: int = 0) -> np.ndarray:
+    """The operations the GPU proxy issues for `records` (transport.COMMAND), in its order (`PROXY_OP`):
+    its schedule without CUDA, for the tests."""
+    from ..dist.transport import PUT
+
+    lib = load_proxy()
+    recs = np.ascontiguousarray(records)
+    cap = sum(-(-int(r["count"]) // chunk) if int(r["op"]) == PUT else 1 for r in recs) + 1
+    out = np.zeros(cap, dtype=PROXY_OP)
+    n = lib.meld_proxy_plan(recs.ctypes.data, len(recs), world, window_bytes, int(ordered), chunk, seed,
+                            out.ctypes.data, cap)
+    if n < 0:
+        raise ValueError("a record the GPU proxy rejects (rank, window range or op)")
+    return out[:n]

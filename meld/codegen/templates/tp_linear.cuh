@@ -77,18 +77,27 @@ __device__ void tp_produce(const TpParams& p, Ring ring) {
   }
 }
 
+// A float partial tile in memory: consumer thread ct's accumulators i .. i + 3 at float i CONSUMERS + 4 ct,
+// so that each store (and load) instruction of a warp covers 512 contiguous bytes: whole lines across
+// NVLink rather than 16 bytes of each of 32 lines. `dst` is the tile's base + 4 ct.
+__device__ __forceinline__ void tp_store_partial(float* dst, const float (&acc)[ACC]) {
+#pragma unroll
+  for (int i = 0; i < ACC; i += 4)
+    *reinterpret_cast<float4*>(dst + i * CONSUMERS) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+}
+
 // The tile's partials, summed in their fixed order (part `mine` from registers, the others from memory:
-// `part(k)` is this thread's share of part k), converted to bf16 and staged token-major in shared memory
-// [BLOCK_TOKENS][64].
+// `part(k)` is part k's base + 4 ct, laid out as tp_store_partial writes it), converted to bf16 and staged
+// token-major in shared memory [BLOCK_TOKENS][64].
 template <class Part>
 __device__ __forceinline__ void tp_sum(Part&& part, int nparts, int mine, float (&acc)[ACC], u16* staged,
                                        int warp, int lane) {
 #pragma unroll
   for (int i = 0; i < ACC; i += 4) {
     const float4 own = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-    float4 s = mine == 0 ? own : ld_cg4(part(0) + i);
+    float4 s = mine == 0 ? own : ld_cg4(part(0) + i * CONSUMERS);
     for (int r = 1; r < nparts; ++r) {
-      const float4 v = r == mine ? own : ld_cg4(part(r) + i);
+      const float4 v = r == mine ? own : ld_cg4(part(r) + i * CONSUMERS);
       s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
     }
     acc[i] = s.x; acc[i + 1] = s.y; acc[i + 2] = s.z; acc[i + 3] = s.w;
@@ -154,12 +163,9 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
       started = true;
     }
     char* ow = p.xpeers[x.o % p.x_world];   // the owner's window
-    float* parts = reinterpret_cast<float*>(ow + p.x_part_off) + (i64)x.o * nparts * TILE_FLOATS + ct * ACC;
+    float* parts = reinterpret_cast<float*>(ow + p.x_part_off) + (i64)x.o * nparts * TILE_FLOATS + 4 * ct;
     if (nparts > 1) {
-      float* dst = parts + (i64)mine * TILE_FLOATS;
-#pragma unroll
-      for (int i = 0; i < ACC; i += 4)
-        *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+      tp_store_partial(parts + (i64)mine * TILE_FLOATS, acc);
       __threadfence_system();
     }
     named_barrier(1, CONSUMERS);
@@ -223,13 +229,9 @@ __device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
       if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
       named_barrier(1, CONSUMERS);
     }
-    const i64 off = part_at(p.x_rank, t) + ct * ACC;
-    for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r) {
-      float* dst = reinterpret_cast<float*>(p.xpeers[r]) + off;
-#pragma unroll
-      for (int i = 0; i < ACC; i += 4)
-        *reinterpret_cast<float4*>(dst + i) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-    }
+    const i64 off = part_at(p.x_rank, t) + 4 * ct;
+    for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
+      tp_store_partial(reinterpret_cast<float*>(p.xpeers[r]) + off, acc);
   }
   __threadfence_system();
   named_barrier(1, CONSUMERS);
@@ -266,7 +268,7 @@ __device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
     float acc[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
-    tp_sum([&](int k) { return mine + part_at(k / p.k_splits, x.o * p.k_splits + k % p.k_splits) + ct * ACC; },
+    tp_sum([&](int k) { return mine + part_at(k / p.k_splits, x.o * p.k_splits + k % p.k_splits) + 4 * ct; },
            nparts, -1, acc, staged, warp, lane);
     named_barrier(1, CONSUMERS);
     tp_store_tile(p, staged, x, ct, p.x_rank, p.x_rank + 1);
