@@ -14,7 +14,7 @@ there and written to every rank through NVLink peer memory. Baseline in the same
 NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communication's).
 
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
-    python3 bench/dist.py --op tp [--tokens 1 16 128 1024 4096] [--merge owner every_rank]
+    python3 bench/dist.py --op tp [--tokens 1 16 128 1024 4096] [--merge owner every_rank] [--partials bfloat16 float32]
 """
 from __future__ import annotations
 
@@ -189,7 +189,8 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
 TP_SHAPES = {"llama70b-o": (8192, 8192), "llama70b-down": (28672, 8192)}   # (K over all ranks, N)
 
 
-def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str]) -> None:
+def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str],
+             partials: list[str]) -> None:
     import torch.distributed as dist
 
     from bench.harness import graph_time_us
@@ -214,8 +215,9 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
         g = torch.Generator(device=dev).manual_seed(7)   # the same on every rank: the reference is local
         w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
         w = w_all[:, rank * k:(rank + 1) * k].contiguous()
-        ops = {mg: RowParallelLinear(k, n, max_tokens=max(tokens), kernel_config=TpKernelConfig(merge=mg))
-               for mg in merges}
+        ops = {(mg, pt): RowParallelLinear(k, n, max_tokens=max(tokens),
+                                           kernel_config=TpKernelConfig(merge=mg, partials=pt))
+               for mg in merges for pt in partials}
         solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
         for m in tokens:
             x_all = torch.randn(m, k_all, generator=g, device=dev).to(torch.bfloat16)
@@ -238,7 +240,7 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
             errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (*got.values(), base)]
             del ref
             if any(math.isnan(e) for e in errs) or max(errs) > 1e-2:
-                raise AssertionError(f"{shape} M={m} rank {rank}: relative errors ({', '.join(ops)}, unfused) {errs}")
+                raise AssertionError(f"{shape} M={m} rank {rank}: relative errors ({', '.join(map(str, ops))}, unfused) {errs}")
             t_meld = {}
             for mg, op in ops.items():
                 dist.barrier()
@@ -248,21 +250,24 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
             dist.barrier()
             t_mm = slowest(graph_time_us(lambda: torch.matmul(x, w.T, out=base), reps=reps).median_us)
             t_solo = slowest(graph_time_us(lambda: solo(x, w), reps=reps).median_us)
-            # bytes each rank sends over NVLink: owner merges, its float partials of the tiles other ranks own
-            # and the bf16 tiles it merged for them ((world - 1) / world of the output each); every-rank
-            # merges, its float partials of every tile to each other rank
-            sent = {"owner": m * n * (4 + 2) * (world - 1) / world, "every_rank": m * n * 4 * (world - 1)}
-            for mg in ops:
-                rows.append(dict(shape=shape, M=m, K=k, N=n, merge=mg, err=max(errs), meld_us=t_meld[mg], unfused_us=t_unf,
-                                 matmul_us=t_mm, solo_us=t_solo, comm_share=1 - t_mm / t_unf,
-                                 vs_unfused=t_unf / t_meld[mg], nvlink_gbs=sent[mg] / t_meld[mg] / 1e3))
+            # bytes of the M rows each rank sends over NVLink: owner merges, its partials of the tiles other ranks
+            # own and the bf16 tiles it merged for them ((world - 1) / world of the output each); every-rank
+            # merges, its partials of every tile to each other rank
+            for mg, pt in ops:
+                ps = 2 if pt == "bfloat16" else 4
+                sent = m * n * (ps + 2) * (world - 1) / world if mg == "owner" else m * n * ps * (world - 1)
+                t = t_meld[(mg, pt)]
+                rows.append(dict(shape=shape, M=m, K=k, N=n, merge=mg, partials=pt, err=max(errs), meld_us=t,
+                                 unfused_us=t_unf, matmul_us=t_mm, solo_us=t_solo, comm_share=1 - t_mm / t_unf,
+                                 vs_unfused=t_unf / t, nvlink_gbs=sent / t / 1e3))
             dist.barrier()
     if rank == 0:
         print(f"row-parallel linear + all-reduce, {world} GPUs, bf16; median µs of graph replays, slowest rank")
-        print("shape | M | K per rank | N | merge | max rel err | meld | meld 1 rank | matmul | matmul + all_reduce | "
+        print("shape | M | K per rank | N | merge | partials | max rel err | meld | meld 1 rank | matmul | matmul + all_reduce | "
               "comm share | unfused/meld | meld NVLink GB/s per rank")
         for r in rows:
-            print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['merge']} | {r['err']:.1e} | {r['meld_us']:.1f} | "
+            print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['merge']} | {r['partials']} | {r['err']:.1e} | "
+                  f"{r['meld_us']:.1f} | "
                   f"{r['solo_us']:.1f} | "
                   f"{r['matmul_us']:.1f} | {r['unfused_us']:.1f} | {r['comm_share']:.0%} | {r['vs_unfused']:.2f} | "
                   f"{r['nvlink_gbs']:.0f}")
@@ -285,11 +290,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096], help="--op tp: rows M")
     ap.add_argument("--merge", nargs="+", default=["owner"], choices=["owner", "every_rank"],
                     help="--op tp: how tiles merge (TpKernelConfig.merge), each measured")
+    ap.add_argument("--partials", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
+                    help="--op tp: how partials travel (TpKernelConfig.partials), each measured")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
     if a.op == "tp":
-        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge)
+        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials)
     else:
         spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
 

@@ -204,7 +204,7 @@ def _sync_holding_gil() -> int:
     return ctypes.PyDLL("libcuda.so.1").cuCtxSynchronize()
 
 
-def _tp_rank(rank, world, merge, transport, ordered):
+def _tp_rank(rank, world, merge, transport, ordered, partials):
     import torch.distributed as dist
 
     from meld.codegen.tp_kernel import TpKernelConfig
@@ -212,7 +212,7 @@ def _tp_rank(rank, world, merge, transport, ordered):
     from meld.runtime.cuda_graphs import capture
 
     dev = torch.device("cuda", rank)
-    kc = TpKernelConfig(merge=merge, transport=transport)
+    kc = TpKernelConfig(merge=merge, transport=transport, partials=partials)
     for i, (m, k, n) in enumerate(TP_CASES):
         xs, ws, ref = _tp_inputs(m, k, n, world, 300 + i, dev)
         x, w = xs[rank].to(dev), ws[rank].to(dev)
@@ -277,11 +277,12 @@ def _tp_rank(rank, world, merge, transport, ordered):
         op.close()
 
 
-@pytest.mark.parametrize("merge, transport, ordered", [("owner", "peer", True), ("every_rank", "peer", True),
-                                                       ("every_rank", "proxy", True), ("every_rank", "proxy", False)])
-def test_row_parallel_linear_on_two_gpus_matches_float64(merge, transport, ordered):
+@pytest.mark.parametrize("merge, transport, ordered, partials", [
+    ("owner", "peer", True, "bfloat16"), ("owner", "peer", True, "float32"), ("every_rank", "peer", True, "bfloat16"),
+    ("every_rank", "proxy", True, "bfloat16"), ("every_rank", "proxy", False, "float32")])
+def test_row_parallel_linear_on_two_gpus_matches_float64(merge, transport, ordered, partials):
     """Both merges through NVLink peer memory; every-rank merges through the proxy transport as if the GPUs
     were two nodes, its chunks (1000 bytes: not whole rows) landing in issue order or shuffled."""
     from meld.dist import spawn
 
-    spawn(_tp_rank, 2, merge, transport, ordered)
+    spawn(_tp_rank, 2, merge, transport, ordered, partials)

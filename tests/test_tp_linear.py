@@ -13,11 +13,13 @@ from meld.dist.tp_linear import _window_layout
 
 
 @pytest.mark.parametrize("bt", TP_BLOCK_TOKENS)
-@pytest.mark.parametrize("k_boxes, ctas, merge, transport", [(1, 0, "owner", "peer"), (2, 1, "owner", "peer"),
-                                                             (1, 2, "owner", "peer"), (1, 0, "every_rank", "peer"),
-                                                             (1, 0, "every_rank", "proxy")])
-def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport):
-    cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas, merge=merge, transport=transport), bt)
+@pytest.mark.parametrize("k_boxes, ctas, merge, transport, partials", [
+    (1, 0, "owner", "peer", "bfloat16"), (2, 1, "owner", "peer", "bfloat16"), (1, 2, "owner", "peer", "float32"),
+    (1, 0, "every_rank", "peer", "bfloat16"), (1, 0, "every_rank", "proxy", "bfloat16"),
+    (1, 0, "every_rank", "proxy", "float32")])
+def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials):
+    cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas, merge=merge, transport=transport,
+                                      partials=partials), bt)
     cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     assert len(cubin) > 0
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
@@ -37,6 +39,8 @@ def test_block_tokens_cover_the_rows():
         TpKernelConfig(transport="proxy")
     with pytest.raises(ValueError, match="merge='last'"):
         TpKernelConfig(merge="last")
+    with pytest.raises(ValueError, match="partials='float16'"):
+        TpKernelConfig(partials="float16")
     with pytest.raises(ValueError, match="ctas_per_sm=2"):
         TpKernelConfig(128, ctas_per_sm=2)
     assert block_config(TpKernelConfig(ctas_per_sm=2), 128).ctas == 1
@@ -71,13 +75,15 @@ def _one_rank(rank, world):
     from meld.dist import RowParallelLinear
 
     dev = torch.device("cuda", rank)
-    for m, k, n, merge in [(1, 4096, 1024, "owner"), (37, 1000, 136, "owner"), (200, 264, 520, "owner"),
-                           (1, 4096, 1024, "every_rank"), (37, 1000, 136, "every_rank")]:
+    for m, k, n, merge, partials in [(1, 4096, 1024, "owner", "bfloat16"), (37, 1000, 136, "owner", "bfloat16"),
+                                     (200, 264, 520, "owner", "bfloat16"), (1, 4096, 1024, "every_rank", "bfloat16"),
+                                     (37, 1000, 136, "every_rank", "bfloat16"), (1, 4096, 1024, "owner", "float32"),
+                                     (37, 1000, 136, "every_rank", "float32")]:
         g = torch.Generator().manual_seed(m)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
         ref = x.double() @ w.double().T
-        op = RowParallelLinear(k, n, max_tokens=m, kernel_config=TpKernelConfig(merge=merge))
+        op = RowParallelLinear(k, n, max_tokens=m, kernel_config=TpKernelConfig(merge=merge, partials=partials))
         op.output(m).fill_(math.nan)
         y = op(x.to(dev), w.to(dev)).clone()
         for _ in range(3):

@@ -85,6 +85,8 @@ class TpKernelConfig:
                               # rank's output; "every_rank": every rank gets every partial and sums its own output
     transport: str = "peer"   # "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy
                               # thread, the model of RDMA: meld/dist/proxy.py; needs merge="every_rank")
+    partials: str = "bfloat16"   # how partial tiles travel between ranks and splits of K: "bfloat16" (half the
+                                 # bytes; the rounding of a bf16 NCCL all-reduce) or "float32"
     watchdog_ms: int = 2000   # a spin gives up after this long (cross-rank waits: ten times it)
 
     def __post_init__(self) -> None:
@@ -99,6 +101,8 @@ class TpKernelConfig:
         if self.transport == "proxy" and self.merge != "every_rank":
             raise ValueError("transport='proxy' needs merge='every_rank' (a proxy carries puts and signals, not the "
                              "owner's fetch-add)")
+        if self.partials not in ("bfloat16", "float32"):
+            raise ValueError(f"partials={self.partials!r}: expected 'bfloat16' or 'float32'")
         if self.k_boxes not in (1, 2, 4):
             raise ValueError(f"k_boxes={self.k_boxes}: expected 1, 2 or 4")
         if self.stages < 2:
@@ -133,7 +137,7 @@ class TpKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_c{self.ctas}_s{self.stages}"
-                + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "")
+                + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "") + ("_pf32" if self.partials == "float32" else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
 
     entry = "meld_tp_linear"
@@ -147,6 +151,7 @@ class TpKernelConfig:
             f"#define K_BOXES {self.k_boxes}",
             f"#define MELD_TP_EVERY {int(self.merge == 'every_rank')}",
             f"#define MELD_TP_PROXY {int(self.transport == 'proxy')}",
+            f"#define MELD_TP_BF16_PARTS {int(self.partials == 'bfloat16')}",
             '#define MELD_MMA_TYPE "bf16"',
             "#define MELD_PROFILE 0",
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",

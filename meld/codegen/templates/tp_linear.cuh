@@ -10,7 +10,7 @@
 // the wgmmas, one stage's in flight while the next is issued.
 //
 // Output tile o is reduced at its owner rank o % world, over its world x k_splits partials (rank-major):
-// every piece stores its float partial into the owner's window (NVLink peer memory) and counts it on the
+// every piece stores its partial (bf16 or float: MELD_TP_BF16_PARTS) into the owner's window (NVLink peer memory) and counts it on the
 // owner's tile counter after a system-scope fence; the piece whose count completes the tile sums the
 // partials in that fixed order (the same sum, bit for bit, whichever piece arrives last; no float
 // atomics) and writes the bf16 tile into every rank's output. The start handshake and the landing count
@@ -29,7 +29,7 @@ constexpr int BOX_PAIR = W_BOX + X_BOX;
 constexpr int STAGE_BYTES = K_BOXES * BOX_PAIR;  // K_BOXES boxes along K: each weight row read in runs of
                                                  // 128 K_BOXES contiguous bytes (DRAM row locality)
 constexpr int ACC = BLOCK_TOKENS / 2;            // accumulators per consumer thread (64 x BLOCK_TOKENS)
-constexpr int TILE_FLOATS = 64 * BLOCK_TOKENS;
+constexpr int TILE_ELEMS = 64 * BLOCK_TOKENS;
 constexpr int CONSUMERS = 128;
 constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their launches up to seconds apart
 constexpr bool TP_EVERY = MELD_TP_EVERY != 0;          // every rank merges (else the owner: see below)
@@ -77,27 +77,53 @@ __device__ void tp_produce(const TpParams& p, Ring ring) {
   }
 }
 
-// A float partial tile in memory: consumer thread ct's accumulators i .. i + 3 at float i CONSUMERS + 4 ct,
-// so that each store (and load) instruction of a warp covers 512 contiguous bytes: whole lines across
-// NVLink rather than 16 bytes of each of 32 lines. `dst` is the tile's base + 4 ct.
-__device__ __forceinline__ void tp_store_partial(float* dst, const float (&acc)[ACC]) {
+// Partials travel as bf16 (as NCCL's bf16 all-reduce carries them: half the bytes of float) or float.
+#if MELD_TP_BF16_PARTS
+using Part = u16;
+__device__ __forceinline__ void part_store4(Part* d, const float* a) {
+  *reinterpret_cast<uint2*>(d) = make_uint2(float_to_bf16(a[0]) | (u32)float_to_bf16(a[1]) << 16,
+                                            float_to_bf16(a[2]) | (u32)float_to_bf16(a[3]) << 16);
+}
+__device__ __forceinline__ float4 part_value4(const float* a) {   // a partial as it reads back from memory
+  return make_float4(bf16_to_float(float_to_bf16(a[0])), bf16_to_float(float_to_bf16(a[1])),
+                     bf16_to_float(float_to_bf16(a[2])), bf16_to_float(float_to_bf16(a[3])));
+}
+__device__ __forceinline__ float4 part_load4(const Part* s) {
+  uint2 v;
+  asm volatile("ld.global.cg.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(s));
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
+#else
+using Part = float;
+__device__ __forceinline__ void part_store4(Part* d, const float* a) {
+  *reinterpret_cast<float4*>(d) = make_float4(a[0], a[1], a[2], a[3]);
+}
+__device__ __forceinline__ float4 part_value4(const float* a) { return make_float4(a[0], a[1], a[2], a[3]); }
+__device__ __forceinline__ float4 part_load4(const Part* s) { return ld_cg4(s); }
+#endif
+
+// A partial tile in memory: consumer thread ct's accumulators i .. i + 3 at element i CONSUMERS + 4 ct, so
+// that each store (and load) instruction of a warp covers 32 contiguous runs of 4 elements: whole lines
+// across NVLink rather than a few bytes of each of 32 lines. `dst` is the tile's base + 4 ct.
+__device__ __forceinline__ void tp_store_partial(Part* dst, const float (&acc)[ACC]) {
 #pragma unroll
-  for (int i = 0; i < ACC; i += 4)
-    *reinterpret_cast<float4*>(dst + i * CONSUMERS) = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
+  for (int i = 0; i < ACC; i += 4) part_store4(dst + i * CONSUMERS, acc + i);
 }
 
-// The tile's partials, summed in their fixed order (part `mine` from registers, the others from memory:
-// `part(k)` is part k's base + 4 ct, laid out as tp_store_partial writes it), converted to bf16 and staged
-// token-major in shared memory [BLOCK_TOKENS][64].
+// The tile's partials, summed in their fixed order (part `mine` from registers, rounded as the others read
+// back, so the sum is the same whichever piece merges; the others from memory: `part(k)` is part k's
+// base + 4 ct, laid out as tp_store_partial writes it), converted to bf16 and staged token-major in shared
+// memory [BLOCK_TOKENS][64].
 template <class Part>
 __device__ __forceinline__ void tp_sum(Part&& part, int nparts, int mine, float (&acc)[ACC], u16* staged,
                                        int warp, int lane) {
 #pragma unroll
   for (int i = 0; i < ACC; i += 4) {
-    const float4 own = make_float4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]);
-    float4 s = mine == 0 ? own : ld_cg4(part(0) + i * CONSUMERS);
+    const float4 own = part_value4(acc + i);
+    float4 s = mine == 0 ? own : part_load4(part(0) + i * CONSUMERS);
     for (int r = 1; r < nparts; ++r) {
-      const float4 v = r == mine ? own : ld_cg4(part(r) + i * CONSUMERS);
+      const float4 v = r == mine ? own : part_load4(part(r) + i * CONSUMERS);
       s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
     }
     acc[i] = s.x; acc[i + 1] = s.y; acc[i + 2] = s.z; acc[i + 3] = s.w;
@@ -163,9 +189,9 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
       started = true;
     }
     char* ow = p.xpeers[x.o % p.x_world];   // the owner's window
-    float* parts = reinterpret_cast<float*>(ow + p.x_part_off) + (i64)x.o * nparts * TILE_FLOATS + 4 * ct;
+    Part* parts = reinterpret_cast<Part*>(ow + p.x_part_off) + (i64)x.o * nparts * TILE_ELEMS + 4 * ct;
     if (nparts > 1) {
-      tp_store_partial(parts + (i64)mine * TILE_FLOATS, acc);
+      tp_store_partial(parts + (i64)mine * TILE_ELEMS, acc);
       __threadfence_system();
     }
     named_barrier(1, CONSUMERS);
@@ -173,7 +199,7 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
     if (ct == 0) *last = fetch_add_sys(count, 1ull) == (unsigned long long)(nparts - 1);
     named_barrier(1, CONSUMERS);
     if (!*last) continue;
-    tp_sum([&](int k) { return parts + (i64)k * TILE_FLOATS; }, nparts, mine, acc, staged, warp, lane);
+    tp_sum([&](int k) { return parts + (i64)k * TILE_ELEMS; }, nparts, mine, acc, staged, warp, lane);
     named_barrier(1, CONSUMERS);
     tp_store_tile(p, staged, x, ct, 0, p.x_world);
     if (ct == 0) *count = 0ull;   // every part has arrived: ready for the next launch
@@ -192,7 +218,7 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
   *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
 }
 
-// Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it). Each piece's float partial goes to
+// Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it). Each piece's partial goes to
 // every rank's window: with peer memory stored into each; with the proxy stored into this rank's own and,
 // at the CTA's end, sent as one put per destination of all the CTA's partials (they are contiguous: a
 // rank's partials lie per CTA, I slots each). At its end each CTA stamps its slot [rank][cta] with the
@@ -216,9 +242,11 @@ __device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
       xrank_announce_peers(w, launch);
   }
   const int G = gridDim.x, I = (p.tiles + G - 1) / G;   // CTAs; pieces of one CTA, at most
-  const i64 region = (i64)G * I * TILE_FLOATS;          // one rank's partials in a window (floats)
+  const i64 region = (i64)G * I * TILE_ELEMS;          // one rank's partials in a window (elements)
   // Piece t's partial from rank r, in a window: its CTA's block of I slots, at the piece's ordinal there.
-  auto part_at = [&](int r, int t) -> i64 { return p.x_part_off / 4 + r * region + ((i64)(t % G) * I + t / G) * TILE_FLOATS; };
+  auto part_at = [&](int r, int t) -> i64 {
+    return p.x_part_off / (i64)sizeof(Part) + r * region + ((i64)(t % G) * I + t / G) * TILE_ELEMS;
+  };
   auto stamp_at = [&](int r, int cta) -> i64 { return p.x_signal_off + 8 * ((i64)r * p.x_grid_cap + cta); };
   int pieces = 0;
   for (int t = blockIdx.x; t < p.tiles; t += G, ++pieces) {
@@ -231,7 +259,7 @@ __device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
     }
     const i64 off = part_at(p.x_rank, t) + 4 * ct;
     for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
-      tp_store_partial(reinterpret_cast<float*>(p.xpeers[r]) + off, acc);
+      tp_store_partial(reinterpret_cast<Part*>(p.xpeers[r]) + off, acc);
   }
   __threadfence_system();
   named_barrier(1, CONSUMERS);
@@ -244,7 +272,7 @@ __device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
       for (int r = 0; r < p.x_world; ++r) {
         if (r == p.x_rank) continue;
         if (pieces)
-          q.push(PROXY_PUT, r, 4 * part_at(p.x_rank, blockIdx.x), (unsigned long long)pieces * TILE_FLOATS * 4, 0, s);
+          q.push(PROXY_PUT, r, sizeof(Part) * part_at(p.x_rank, blockIdx.x), pieces * TILE_ELEMS * sizeof(Part), 0, s);
         q.push(PROXY_SIGNAL, r, stamp, 0, (long long)(launch - before), s);
       }
       asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(own), "l"(launch) : "memory");
@@ -254,7 +282,7 @@ __device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
     }
   }
   const int nparts = p.x_world * p.k_splits;
-  const float* mine = reinterpret_cast<const float*>(p.xpeers[p.x_rank]);
+  const Part* mine = reinterpret_cast<const Part*>(p.xpeers[p.x_rank]);
   for (int t = blockIdx.x; t < p.tiles; t += G) {
     const Piece x = tp_piece(p, t);
     if (x.split != 0) continue;   // a tile is merged by the CTA of its first piece
