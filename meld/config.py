@@ -8,6 +8,7 @@
 | MELD_ARCH         | sm_90a           | target architecture of generated kernels                       |
 | MELD_PROFILE      | 0                | 1: kernels record per-task timestamps; eager runs write traces |
 | MELD_PROFILE_DIR  | meld-profile     | where MELD_PROFILE=1 writes Chrome/Perfetto traces             |
+| MELD_PROFILE_EVERY| 1                | a profiled kernel records one launch in this many (sampling)   |
 | MELD_TUNING_DB    | (unset)          | JSON tuning database operators take their tuned configs from   |
 | MELD_RECORD       | (unset)          | append sampled batches (plan()'s KV lengths) to this JSON-lines file |
 | MELD_RECORD_EVERY | 100              | record one plan() in this many                                 |
@@ -26,6 +27,7 @@ _DEFAULTS = {
     "MELD_ARCH": "sm_90a",
     "MELD_PROFILE": "0",
     "MELD_PROFILE_DIR": "meld-profile",
+    "MELD_PROFILE_EVERY": "1",
     "MELD_TUNING_DB": "",
     "MELD_RECORD": "",
     "MELD_RECORD_EVERY": "100",
@@ -54,6 +56,19 @@ def arch() -> str:
 def profile() -> bool:
     """MELD_PROFILE=1: build kernels that record per-task start/end times (meld/runtime/profile.py)."""
     return get("MELD_PROFILE") not in ("", "0")
+
+
+def profile_every() -> int:
+    """MELD_PROFILE_EVERY=N: profiled kernels record one launch in N (the launch number is counted on the
+    GPU, so CUDA-graph replays are sampled too); eager runs write Chrome traces only when N is 1."""
+    v = get("MELD_PROFILE_EVERY")
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"MELD_PROFILE_EVERY={v!r}: expected a positive integer")
+    return n
 
 
 def profile_dir() -> Path:

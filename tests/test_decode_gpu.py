@@ -354,3 +354,44 @@ def test_plan_errors_on_gpu_op(helper, monkeypatch):
     kv = torch.randn(pb.num_pages, 2, 16, 2, 64, device="cuda").bfloat16()
     with pytest.raises(ValueError, match=r"reference page \d+, but kv_cache has only 3 pages"):
         attn.run(torch.randn(4, 8, 64, device="cuda").bfloat16(), kv[:3])
+
+
+def test_sampled_profile_records_one_launch_in_n():
+    """MELD_PROFILE_EVERY=3: the launches numbered 0, 3, 6, ... on the GPU write the trace and the others
+    leave it as it was, eager launches and graph replays alike (production pays for one launch in N)."""
+    from meld import config
+    from meld.runtime.cuda_graphs import capture
+
+    dev, P = "cuda", 16
+    pb = paged(lengths("skewed", 64), P)
+    kv = torch.randn(pb.num_pages, 2, P, 8, 128, device=dev).bfloat16()
+    q = torch.randn(64, 32, 128, device=dev).bfloat16()
+    cfg = dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128), profile=True)
+    with config.scope(MELD_PROFILE_EVERY="3"):
+        attn = meld.DecodeAttention(32, 8, 128, P, torch.bfloat16, dev, kernel_config=cfg)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+
+    def begins():
+        torch.cuda.synchronize()
+        return attn._buf.prof[:, 0, 0].clone()   # each CTA's begin time (its trace header)
+
+    seen = []
+    for _ in range(3):                                            # launches 0, 1, 2
+        attn.run(q, kv)
+        seen.append(begins())
+    graph, _ = capture(lambda: attn.run(q, kv), device=dev)      # the warmup: launch 3
+    seen.append(begins())
+    for _ in range(3):                                            # replays: launches 4, 5, 6
+        graph.replay()
+        seen.append(begins())
+    assert (seen[0] > 0).all(), "launch 0 left a CTA's header unwritten"
+    for n in range(1, 7):
+        if n % 3:
+            assert torch.equal(seen[n], seen[n - 1]), f"launch {n} (not sampled) wrote the trace"
+        else:
+            assert (seen[n] > seen[n - 1]).all(), f"launch {n} (sampled) left a CTA's header"
+    tr = attn.last_trace()
+    assert len(tr.cta_spans) == attn.topology.num_ctas and tr.tasks
+    with config.scope(MELD_PROFILE_EVERY="0"):
+        with pytest.raises(ValueError, match="MELD_PROFILE_EVERY='0'"):
+            meld.DecodeAttention(32, 8, 128, P, torch.bfloat16, dev, kernel_config=cfg)

@@ -77,8 +77,9 @@ def test_empty_experts_get_no_tiles():
 
 # --- codegen ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bt", BLOCK_TOKEN_CHOICES)
-def test_kernels_compile_for_sm90a(bt):
-    cfg = MoeKernelConfig(block_tokens=bt)
+@pytest.mark.parametrize("profile", [False, True])
+def test_kernels_compile_for_sm90a(bt, profile):
+    cfg = MoeKernelConfig(block_tokens=bt, profile=profile)
     cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     assert len(cubin) > 0
     assert "C7508" not in log, "ptxas ignored setmaxnreg: the consumer warpgroups would run on 168 registers"

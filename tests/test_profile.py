@@ -180,3 +180,15 @@ def test_from_chrome_file_not_json(tmp_path):
     (tmp_path / "t.json").write_text("[]")
     with pytest.raises(ValueError, match="not a meld trace"):
         Trace.from_chrome(tmp_path / "t.json")
+
+
+def test_profile_every_setting():
+    from meld import config
+
+    assert config.profile_every() == 1
+    with config.scope(MELD_PROFILE_EVERY="100"):
+        assert config.profile_every() == 100
+    for bad in ("0", "-3", "often"):
+        with config.scope(MELD_PROFILE_EVERY=bad):
+            with pytest.raises(ValueError, match=f"MELD_PROFILE_EVERY={bad!r}"):
+                config.profile_every()

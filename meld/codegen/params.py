@@ -82,6 +82,7 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("part_lse", "ptr", "float*"),
     Field("counters", "ptr", "unsigned*"),
     Field("prof", "ptr", "long long*"),
+    Field("prof_clock", "ptr", "unsigned*"),     # sampled profiles: [launch, exits] (common.cuh: Profiler)
     Field("watchdog", "ptr", "WatchdogRecord*"),   # pinned host memory: meld/runtime/watchdog.py
     Field("watchdog_claim", "ptr", "int*"),        # device word: the first CTA to give up claims it
     Field("kv_map", "tmap"),   # the KV cache as a TMA tensor map (MELD_TMA builds; zero otherwise)
@@ -101,6 +102,7 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("num_ctas", "i32"),
     Field("cta_offset", "i32"),
     Field("prof_cap", "i32"),
+    Field("prof_every", "i32"),                  # a profiled kernel records one launch in this many
     Field("chunk", "i32"),            # batch-invariant kernels: tokens per chunk (meld/ir/schedule.py)
     Field("watchdog_kernel", "i32"),  # this kernel's id in the watchdog's registry
     Field("wait_inputs", "i32"),      # 1: the first grid of an overlapped launch (decode_attention.cuh's entry)
@@ -198,6 +200,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("out", "ptr", "u16*"),
     Field("error", "ptr", "int*"),               # set when a precomputed id was out of range or repeated
     Field("prof", "ptr", "long long*"),
+    Field("prof_clock", "ptr", "unsigned*"),     # sampled profiles: [launch, exits] (common.cuh: Profiler)
     Field("watchdog", "ptr", "WatchdogRecord*"),
     Field("watchdog_claim", "ptr", "int*"),
     Field("w13_map", "tmap"),                    # [E * 2I, H]
@@ -219,6 +222,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("lag", "i32"),                         # tickets between an expert's last gemm1 and first gemm2 tile
     Field("route_dispatches", "i32"),            # 1: the (lone) routing CTA copies the rows, no dispatch launch
     Field("prof_cap", "i32"),
+    Field("prof_every", "i32"),                  # a profiled kernel records one launch in this many
     Field("watchdog_kernel", "i32"),
 ])
 

@@ -74,6 +74,7 @@ class _Buffers:
     part_lse: torch.Tensor
     counters: torch.Tensor
     prof: torch.Tensor | None
+    prof_clock: torch.Tensor | None     # sampled profiles: the launch number and the exit tickets
     plan_params: ctypes.Structure
     launcher: object                    # meld.runtime.driver.PersistentLaunch
 
@@ -215,6 +216,7 @@ class DecodeAttention(Operator):
         self.units_per_request = num_kv_heads * self.head_blocks
         if config.profile() and not self.kernel_config.profile:
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
+        self.profile_every = config.profile_every()
         if self.kernel_config.tma and page_size % TILE_TOKENS:
             raise ValueError(f"page_size={page_size}: a kernel with TMA rings needs pages that hold whole "
                              f"{TILE_TOKENS}-token tiles (a multiple of {TILE_TOKENS})")
@@ -304,19 +306,21 @@ class DecodeAttention(Operator):
         # Records per CTA: at most every piece (units, or with chunks up to every slot too), 2 merges, the exit wait.
         prof_cap = units + (slots if self.batch_invariant else 0) + 3 if self.kernel_config.profile else 0
         prof = torch.zeros(W, 1 + prof_cap, 4, dtype=torch.int64, device=self.device) if prof_cap else None
+        clock = torch.zeros(2, dtype=torch.int32, device=self.device) if prof_cap and self.profile_every > 1 else None
         launcher = PersistentLaunch(self.kernel, self.cluster_mix, DECODE_PARAMS.pack(
             q=0, kv=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), slot_base=t.ptr(t.off_slot_base),
             chunk=self._chunk, part_o=part_o.data_ptr(),
             part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
             prof=prof.data_ptr() if prof is not None else 0, kv_map=TensorMap(),   # set by run()
+            prof_clock=clock.data_ptr() if clock is not None else 0, prof_every=self.profile_every,
             watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
             watchdog_kernel=self._watchdog_id, q_stride_b=0, q_stride_h=0, **self._kv_strides(),
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             num_ctas=W, cta_offset=0, prof_cap=prof_cap, wait_inputs=0, sm_scale_log2=self.sm_scale * _LOG2E,
             **{f.name: 0 for f in DECODE_PARAMS.fields if f.name.startswith("x")}))   # set by meld.dist
-        return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, params, launcher)
+        return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 
     @property
     def _chunk(self) -> int:
@@ -585,13 +589,14 @@ class DecodeAttention(Operator):
                      lse=lse.data_ptr() if lse is not None else 0, q_stride_b=sb, q_stride_h=sh)
         launcher.launch(overlap=self.overlap and not self._plan_kernel_last)
         self._plan_kernel_last = False
-        if self._buf.prof is not None and not torch.cuda.is_current_stream_capturing():
+        if self._buf.prof is not None and self.profile_every == 1 and not torch.cuda.is_current_stream_capturing():
             d = config.profile_dir()
             d.mkdir(parents=True, exist_ok=True)
             self.last_trace().write_chrome(d / f"decode_attention-{next(_trace_seq):04d}.trace.json")
 
     def last_trace(self):
-        """Per-task timestamps of the last launch (waits for it): a `meld.runtime.profile.Trace`.
+        """Per-task timestamps of the last launch (waits for it): a `meld.runtime.profile.Trace`; with
+        MELD_PROFILE_EVERY=N, of the last launch sampled (the launch numbered 0, N, 2N, ... on the GPU).
         Needs a kernel built with profiling (MELD_PROFILE=1 or kernel_config.profile); raises RuntimeError
         otherwise, and on the CPU executor, which records no trace."""
         if self._buf is None:

@@ -121,6 +121,9 @@ class MoE(Operator):
         self._register_watchdog("meld_moe_main", _describe_ticket)
         self._prof = torch.zeros(self._grid, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=self.device) \
             if self._kernel_config.profile else None
+        self.profile_every = config.profile_every()
+        self._prof_clock = torch.zeros(2, dtype=torch.int32, device=self.device) \
+            if self._prof is not None and self.profile_every > 1 else None
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
         from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         self._weight_maps = TensorMapCache(functools.partial(tensor_map_2d, box_rows=64))   # 64 weight rows per box
@@ -145,7 +148,8 @@ class MoE(Operator):
             **self._ptrs,
             watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
             watchdog_kernel=self._watchdog_id, hidden=self.hidden_size,
-            prof=self._prof.data_ptr() if self._prof is not None else 0,
+            prof=self._prof.data_ptr() if self._prof is not None else 0, prof_every=self.profile_every,
+            prof_clock=self._prof_clock.data_ptr() if self._prof_clock is not None else 0,
             prof_cap=_PROFILE_CAP if self._prof is not None else 0, inter=self.intermediate_size,
             num_experts=self.num_experts, top_k=self.top_k, renormalize=int(self.renormalize),
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
@@ -237,7 +241,7 @@ class MoE(Operator):
         p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
         self._watchdog.check()
         nblk = -(-T // _ROUTE_BLOCK)
-        if self._prof is not None:
+        if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)
             self._prof.zero_()
         p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES)
         v.route.launch(nblk, p)
@@ -246,7 +250,8 @@ class MoE(Operator):
         v.main.launch(self._grid, p, programmatic=True)
 
     def last_trace(self):
-        """Per-tile timestamps of the last launch's persistent kernel (waits for it): a
+        """Per-tile timestamps of the last launch's (MELD_PROFILE_EVERY=N: the last sampled launch's)
+        persistent kernel (waits for it): a
         `meld.runtime.profile.Trace` of gemm1 / gemm2 / combine records named by ticket. Needs profiling
         (MELD_PROFILE=1 or a kernel_config with profile=True); raises RuntimeError otherwise and on the CPU."""
         if self.device.type == "cpu" or self._prof is None:

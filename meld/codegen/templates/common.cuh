@@ -106,16 +106,24 @@ __device__ __forceinline__ int sm_id() {
 // --- per-task timestamps (MELD_PROFILE builds; meld/runtime/profile.py reads them) ---------------------
 // Per CTA: a header [begin, end, smid, records] and up to `cap` records [t0, t1, kind, unit]; one thread
 // of the CTA (the recorder) writes. Kinds are indices into meld.runtime.profile.KINDS (PROF_* defines).
+// Sampling (`every` > 1, with a `clock` of two words [launch, exits]): a launch records only when its
+// number is a multiple of `every`, so production runs pay for one launch in `every`. Each recorder reads
+// the launch number when its CTA begins and takes an exit ticket when it ends; the last of the launch's
+// `ctas` tickets advances the number, after every CTA of the launch has read it (eager launches and graph
+// replays alike).
 struct Profiler {
   i64* base = nullptr;
+  unsigned* clock = nullptr;
   int n = 0, cap = 0;
-  __device__ __forceinline__ void begin(i64* buf, int capacity, int cta, bool recorder) {
+  __device__ __forceinline__ void begin(i64* buf, int capacity, int cta, bool recorder, unsigned* clk, int every) {
     if (!MELD_PROFILE || !recorder || buf == nullptr) return;
+    clock = clk;
+    if (clk != nullptr && every > 1 && *reinterpret_cast<volatile unsigned*>(clk) % (unsigned)every != 0u) return;
     base = buf + (i64)cta * (1 + capacity) * 4;
     cap = capacity;
     base[0] = global_timer_ns();
   }
-  __device__ __forceinline__ i64 now() const { return MELD_PROFILE ? global_timer_ns() : 0; }
+  __device__ __forceinline__ i64 now() const { return MELD_PROFILE && base != nullptr ? global_timer_ns() : 0; }
   __device__ __forceinline__ void record(i64 t0, int kind, int unit) {
     if (!MELD_PROFILE || base == nullptr) return;
     if (n < cap) {
@@ -124,9 +132,17 @@ struct Profiler {
     }
     ++n;
   }
-  __device__ __forceinline__ void end() {
-    if (!MELD_PROFILE || base == nullptr) return;
-    base[1] = global_timer_ns(); base[2] = sm_id(); base[3] = n;
+  __device__ __forceinline__ void end(int ctas) {
+    if (!MELD_PROFILE) return;
+    if (base != nullptr) {
+      base[1] = global_timer_ns(); base[2] = sm_id(); base[3] = n;
+    }
+    if (clock == nullptr) return;
+    __threadfence();   // this CTA's read of the launch number comes before its ticket
+    if (atomicAdd(clock + 1, 1u) == (unsigned)ctas - 1u) {
+      clock[1] = 0u;
+      atomicAdd(clock, 1u);
+    }
   }
 };
 

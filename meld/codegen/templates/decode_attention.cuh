@@ -764,7 +764,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
   // see that op's output unfinished either.
   if (!p.wait_inputs) launch_dependents();
   Profiler prof;
-  prof.begin(p.prof, p.prof_cap, pl.cta, threadIdx.x == 0);
+  prof.begin(p.prof, p.prof_cap, pl.cta, threadIdx.x == 0, p.prof_clock, p.prof_every);
   MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
   PartArea& pa = *reinterpret_cast<PartArea*>(smem + PART_OFFSET);
   if (ONCHIP) {
@@ -842,7 +842,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     prof.record(t0, PROF_CLUSTER_WAIT, -1);
   }
   if (XRANK) xrank_exit(p, pl.cta, finished, mg);
-  prof.end();
+  prof.end(p.num_ctas);
   // A later grid of a mixed launch (a programmatic dependent launch) ends only after the grid before
   // it, so the stream's next work sees every grid's output. A plain launch returns at once.
   grid_dependency_wait();

@@ -462,7 +462,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
   const int ct = threadIdx.x - 128, wg = ct / 128, warp = ct / 32, lane = ct % 32;   // wg: 0 or 1
   const bool recorder = ct == 0;
   Profiler prof;
-  prof.begin(p.prof, p.prof_cap, blockIdx.x, recorder);
+  prof.begin(p.prof, p.prof_cap, blockIdx.x, recorder, p.prof_clock, p.prof_every);
   int slot = 0, mslot = 0;
   u32 tphase = 0, mphase = 0;
   // Hand a tile (or the end, kind -1) to the epilogue warps: every consumer's stores before its arrival.
@@ -567,7 +567,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       named_barrier(1, CONSUMERS);
     }
   }
-  prof.end();
+  prof.end(gridDim.x);
 }
 
 // Warp 1 of the producer warpgroup: per finished gemm1 tile, make its stores visible at gpu scope and bump
