@@ -210,9 +210,9 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
         landed = {e for e in tr.landed_elements if e[1] == "y.parts"}
         if merge == "owner":
             assert [int(tr.get(0, o % world, "y.count", o)) for o in range(sched.out_tiles)] == [parts] * sched.out_tiles
-            assert len(landed) == sched.out_tiles * parts * sched.block_tokens * 64
+            assert len(landed) == sched.out_tiles * parts * sched.block_tokens * sched.cols
         else:   # every partial on every other rank; one signal from each rank to each other
-            assert len(landed) == sched.out_tiles * parts * (world - 1) * sched.block_tokens * 64
+            assert len(landed) == sched.out_tiles * parts * (world - 1) * sched.block_tokens * sched.cols
             assert all([int(tr.get(r, r, "y.stamp", s)) for s in range(world)] == [int(s != r) for s in range(world)]
                        for r in range(world))
 

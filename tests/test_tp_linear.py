@@ -13,13 +13,13 @@ from meld.dist.tp_linear import _window_layout
 
 
 @pytest.mark.parametrize("bt", TP_BLOCK_TOKENS)
-@pytest.mark.parametrize("k_boxes, ctas, merge, transport, partials", [
-    (1, 0, "owner", "peer", "bfloat16"), (2, 1, "owner", "peer", "bfloat16"), (1, 2, "owner", "peer", "float32"),
-    (1, 0, "every_rank", "peer", "bfloat16"), (1, 0, "every_rank", "proxy", "bfloat16"),
-    (1, 0, "every_rank", "proxy", "float32")])
-def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials):
+@pytest.mark.parametrize("k_boxes, ctas, merge, transport, partials, wgs", [
+    (1, 0, "owner", "peer", "bfloat16", 0), (2, 1, "owner", "peer", "bfloat16", 0), (1, 2, "owner", "peer", "float32", 0),
+    (1, 0, "every_rank", "peer", "bfloat16", 0), (1, 0, "every_rank", "proxy", "bfloat16", 0),
+    (1, 0, "every_rank", "proxy", "float32", 0), (1, 1, "owner", "peer", "bfloat16", 2)])
+def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials, wgs):
     cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas, merge=merge, transport=transport,
-                                      partials=partials), bt)
+                                      partials=partials, warpgroups=wgs), bt)
     cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     assert len(cubin) > 0
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
@@ -45,6 +45,12 @@ def test_block_tokens_cover_the_rows():
         TpKernelConfig(128, ctas_per_sm=2)
     assert block_config(TpKernelConfig(ctas_per_sm=2), 128).ctas == 1
     assert [block_config(TpKernelConfig(), b).ctas for b in TP_BLOCK_TOKENS] == [1, 1, 1, 2, 1, 1]
+    assert [block_config(TpKernelConfig(), b).wgs for b in TP_BLOCK_TOKENS] == [1, 1, 1, 1, 1, 2]
+    assert [block_config(TpKernelConfig(warpgroups=2), b).wgs for b in TP_BLOCK_TOKENS] == [1, 1, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="warpgroups=3"):
+        TpKernelConfig(warpgroups=3)
+    with pytest.raises(ValueError, match="warpgroups=2"):
+        TpKernelConfig(warpgroups=2, ctas_per_sm=2)
 
 
 @pytest.mark.parametrize("m, n, k, ctas, splits", [(1, 8192, 4096, 2, 2), (1, 4096, 4096, 2, 4), (1, 4096, 4096, 1, 2),
@@ -67,7 +73,10 @@ def test_window_holds_the_largest_call(max_tokens, n, world):
     for m in range(1, max_tokens + 1, max(1, max_tokens // 40)):
         for k, ctas in ((64, 1), (4096, 2), (4096, 1), (1 << 16, 2)):
             s = TpSchedule.of(m, n, k, 132, TpKernelConfig(ctas_per_sm=ctas))
-            assert L["count"] - L["part"] >= s.pieces * world * 64 * s.block_tokens * 4, (m, k, s)
+            assert L["count"] - L["part"] >= s.pieces * world * s.cols * s.block_tokens * 4, (m, k, s)
+            grid = min(s.pieces, block_config(TpKernelConfig(ctas_per_sm=ctas), s.block_tokens).ctas * 132)
+            per_cta = -(-s.pieces // grid)   # every-rank merges: each CTA's block of pieces
+            assert L["count"] - L["part"] >= grid * per_cta * world * s.cols * s.block_tokens * 4, (m, k, s)
             assert L["landed"] - L["count"] >= s.out_tiles * 8
 
 
@@ -78,7 +87,8 @@ def _one_rank(rank, world):
     for m, k, n, merge, partials in [(1, 4096, 1024, "owner", "bfloat16"), (37, 1000, 136, "owner", "bfloat16"),
                                      (200, 264, 520, "owner", "bfloat16"), (1, 4096, 1024, "every_rank", "bfloat16"),
                                      (37, 1000, 136, "every_rank", "bfloat16"), (1, 4096, 1024, "owner", "float32"),
-                                     (37, 1000, 136, "every_rank", "float32")]:
+                                     (37, 1000, 136, "every_rank", "float32"), (300, 1000, 200, "owner", "bfloat16"),
+                                     (300, 520, 136, "every_rank", "bfloat16")]:
         g = torch.Generator().manual_seed(m)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)

@@ -11,7 +11,6 @@ from .params import TP_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16
 
 TP_BLOCK_TOKENS = (8, 16, 32, 64, 128, 256)
-TP_THREADS = 256              # the producer warpgroup (warp 0 loads) and one consumer warpgroup
 _TWO_PER_SM_BYTES = 112 << 10   # shared memory of one of two CTAs on an SM (228 KiB, 1 KiB reserved per CTA)
 
 
@@ -28,8 +27,9 @@ def tp_block_tokens(num_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class TpSchedule:
-    """How one call's output is cut: token blocks, output tiles (64 columns x a token block) and the pieces
-    of K each tile is split into, so that every CTA slot of the GPU has a piece (each at least 512 of K)."""
+    """How one call's output is cut: token blocks, output tiles (`cols` = 64 per consumer warpgroup x a token
+    block) and the pieces of K each tile is split into, so that every CTA slot of the GPU has a piece (each at
+    least 512 of K)."""
 
     m: int
     n: int
@@ -38,14 +38,17 @@ class TpSchedule:
     m_tiles: int
     out_tiles: int
     k_splits: int
+    cols: int = 64
 
     @staticmethod
     def of(m: int, n: int, k: int, sm_count: int, base: "TpKernelConfig") -> "TpSchedule":
         bt = tp_block_tokens(m)
+        cfg = block_config(base, bt)
         m_tiles = -(-m // bt)
-        out_tiles = -(-n // 64) * m_tiles
-        slots = block_config(base, bt).ctas * sm_count
-        return TpSchedule(m, n, k, bt, m_tiles, out_tiles, max(1, min(slots // out_tiles, -(-k // 64) // 8, 8)))
+        out_tiles = -(-n // cfg.cols) * m_tiles
+        slots = cfg.ctas * sm_count
+        return TpSchedule(m, n, k, bt, m_tiles, out_tiles, max(1, min(slots // out_tiles, -(-k // 64) // 8, 8)),
+                          cfg.cols)
 
     def piece(self, t: int) -> tuple[int, int, slice, slice, slice]:
         """Piece t as the kernel cuts it (templates/tp_linear.cuh, tp_piece): its output tile, its split
@@ -55,7 +58,7 @@ class TpSchedule:
         nk = -(-self.k // 64)
         k0, k1 = nk * split // self.k_splits * 64, nk * (split + 1) // self.k_splits * 64
         return (o, split, slice(tm * self.block_tokens, min((tm + 1) * self.block_tokens, self.m)),
-                slice(64 * col, min(64 * col + 64, self.n)), slice(min(k0, self.k), min(k1, self.k)))
+                slice(self.cols * col, min(self.cols * (col + 1), self.n)), slice(min(k0, self.k), min(k1, self.k)))
 
     @property
     def pieces(self) -> int:
@@ -64,10 +67,10 @@ class TpSchedule:
     @staticmethod
     def max_partial_floats(max_tokens: int, n: int, sm_count: int) -> int:
         """The most float partials one rank contributes to a call of at most `max_tokens` rows: the whole
-        output tile grid when K is not split, at most one piece per CTA slot when it is (64 x 256 floats
-        a CTA at one per SM, 64 x 64 at two); plus, for every-rank merges, whose partials lie per CTA in
-        blocks of equal size, up to one more tile per CTA."""
-        return max(-(-n // 64) * 64 * -(-max_tokens // 256) * 256, sm_count * 64 * 256) + sm_count * 64 * 256
+        output tile grid when K is not split (columns rounded up to two warpgroups' 128), at most one piece
+        per CTA slot when it is (128 x 256 floats a CTA at one per SM, 64 x 64 at two); plus, for every-rank
+        merges, whose partials lie per CTA in blocks of equal size, up to one more tile per CTA."""
+        return max(-(-n // 128) * 128 * -(-max_tokens // 256) * 256, sm_count * 128 * 256) + sm_count * 128 * 256
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class TpKernelConfig:
     block_tokens: int = 64
     k_boxes: int = 1          # 64-wide K boxes per ring stage: 1, 2 or 4 (longer runs of each weight row per
                               # stage; measured no faster, bench/RESULTS.md 2026-11-30)
+    warpgroups: int = 0       # consumer warpgroups (64 weight rows each, sharing each stage's token box): 1, 2
+                              # (one CTA per SM), or 0: two for 256-token blocks of one K box, one otherwise
     ctas_per_sm: int = 0      # 1: one CTA per SM with the deepest ring that fits; 2 (token blocks up to 64,
                               # whose accumulators fit 128 registers a thread): two, each with half the memory;
                               # 0: two for 64-token blocks, one otherwise (measured: bench/RESULTS.md 2026-11-30)
@@ -95,6 +100,8 @@ class TpKernelConfig:
         if self.ctas_per_sm not in (0, 1, 2) or (self.ctas_per_sm == 2 and self.block_tokens > 64):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: expected 0 (automatic), 1, or 2 with blocks of at "
                              "most 64 tokens")
+        if self.warpgroups not in (0, 1, 2) or (self.warpgroups == 2 and self.ctas == 2):
+            raise ValueError(f"warpgroups={self.warpgroups}: expected 0 (automatic), 1, or 2 with one CTA per SM")
         if self.merge not in ("owner", "every_rank") or self.transport not in ("peer", "proxy"):
             raise ValueError(f"merge={self.merge!r}, transport={self.transport!r}: expected merge 'owner' or "
                              "'every_rank', transport 'peer' or 'proxy'")
@@ -115,15 +122,30 @@ class TpKernelConfig:
         """CTAs per SM, resolved: automatic (0) is two for 64-token blocks and one otherwise (the deepest
         ring streams a few tokens' weights fastest; 64-token blocks, whose tiles are many, ran faster two
         to an SM)."""
-        return self.ctas_per_sm or (2 if self.block_tokens == 64 else 1)
+        return self.ctas_per_sm or (2 if self.block_tokens == 64 and self.wgs == 1 else 1)
+
+    @property
+    def wgs(self) -> int:
+        """Consumer warpgroups, resolved: automatic (0) is two for 256-token blocks of one K box a stage
+        (their activation boxes are the largest traffic) and one otherwise."""
+        return self.warpgroups or (2 if self.block_tokens == 256 and self.k_boxes == 1 else 1)
+
+    @property
+    def cols(self) -> int:
+        """Output columns (weight rows) of a tile."""
+        return 64 * self.wgs
+
+    @property
+    def threads(self) -> int:
+        return 128 + 128 * self.wgs   # the producer warpgroup (warp 0 loads) and the consumer warpgroups
 
     @property
     def stage_bytes(self) -> int:
-        return self.k_boxes * (64 + self.block_tokens) * 64 * 2
+        return self.k_boxes * (self.cols + self.block_tokens) * 64 * 2
 
     @property
     def _fixed_bytes(self) -> int:
-        return 1024 + self.block_tokens * 64 * 2 + 16   # alignment, the staged output tile, the last-arriver flag
+        return 1024 + self.block_tokens * self.cols * 2 + 16   # alignment, the staged output tile, the last-arriver flag
 
     @property
     def stages(self) -> int:
@@ -136,7 +158,7 @@ class TpKernelConfig:
 
     @property
     def name(self) -> str:
-        return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_c{self.ctas}_s{self.stages}"
+        return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_c{self.ctas}_s{self.stages}_w{self.wgs}"
                 + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "") + ("_pf32" if self.partials == "float32" else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
 
@@ -148,6 +170,7 @@ class TpKernelConfig:
             f"#define BLOCK_TOKENS {self.block_tokens}",
             f"#define NUM_STAGES {self.stages}",
             f"#define CTAS_PER_SM {self.ctas}",
+            f"#define TP_WGS {self.wgs}",
             f"#define K_BOXES {self.k_boxes}",
             f"#define MELD_TP_EVERY {int(self.merge == 'every_rank')}",
             f"#define MELD_TP_PROXY {int(self.transport == 'proxy')}",
@@ -164,4 +187,5 @@ class TpKernelConfig:
 def block_config(base: TpKernelConfig, block_tokens: int) -> TpKernelConfig:
     """`base` for a token block (one CTA per SM where the block is too wide for two)."""
     return dataclasses.replace(base, block_tokens=block_tokens,
-                               ctas_per_sm=base.ctas_per_sm if block_tokens <= 64 else min(base.ctas_per_sm, 1))
+                               ctas_per_sm=base.ctas_per_sm if block_tokens <= 64 else min(base.ctas_per_sm, 1),
+                               warpgroups=base.warpgroups if block_tokens > 64 else min(base.warpgroups, 1))

@@ -50,9 +50,10 @@ def _window_layout(max_tokens: int, n: int, world: int, sm_count: int) -> dict[s
 def _describe_tile(shape: dict):
     def describe(t: int) -> str:
         m_tiles, bt, splits = shape.get("m_tiles", 1), shape.get("block_tokens", 0), shape.get("k_splits", 1)
+        cols = shape.get("cols", 64)
         o, split = divmod(t, splits)
         col, tm = divmod(o, m_tiles)
-        return (f"piece {split} of {splits} of K of output tile {o}: columns {64 * col}..{64 * col + 63}, "
+        return (f"piece {split} of {splits} of K of output tile {o}: columns {cols * col}..{cols * col + cols - 1}, "
                 f"tokens {tm * bt}..{tm * bt + bt - 1}")
     return describe
 
@@ -134,9 +135,8 @@ class RowParallelLinear(Operator):
         v = self._variants.get(cfg.block_tokens)
         if v is None:
             from ..codegen.params import TP_PARAMS
-            from ..codegen.tp_kernel import TP_THREADS
 
-            kernel = self._kernels(cfg, {cfg.entry: (TP_THREADS, cfg.smem_bytes)})[cfg.entry]
+            kernel = self._kernels(cfg, {cfg.entry: (cfg.threads, cfg.smem_bytes)})[cfg.entry]
             L = self.layout
             params = TP_PARAMS.ctype(
                 xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),
@@ -181,7 +181,8 @@ class RowParallelLinear(Operator):
         if M != self._last_m:
             self._last_m = M
             p.m, p.m_tiles, p.k_splits, p.tiles = M, sched.m_tiles, sched.k_splits, sched.pieces
-            self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits)
+            self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits,
+                               cols=sched.cols)
         p.w_map = self._weight_maps.get(weight)
         p.x_map = self._x_maps.get(x)
         kernel.launch(grid, p)

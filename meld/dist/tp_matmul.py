@@ -2,7 +2,7 @@
 (`meld.codegen.tp_kernel.TpSchedule`; the GPU operator is `meld.dist.RowParallelLinear`).
 
 Rank r holds x_r [M, K] and w_r [N, K] (its slices of the contraction dimension) and every rank gets
-y = sum_r x_r w_r^T. Each output tile (64 columns x a token block) is computed as world x k_splits
+y = sum_r x_r w_r^T. Each output tile (`cols` columns x a token block) is computed as world x k_splits
 pieces; each rank computes its pieces in its own order and hands each partial to the tile's owner rank
 (o % world) as soon as it is done (`LastArriverReduce`): the last partial to arrive sums the tile's
 partials in (rank, split) order — with the combiner the operator's task graph records, as the GPU's
@@ -31,9 +31,9 @@ def _merge(sched: TpSchedule, world: int):
 
 
 def _partial(sched: TpSchedule, x: np.ndarray, w: np.ndarray, t: int) -> np.ndarray:
-    """Piece t's partial of its output tile, padded to the tile's shape [block_tokens, 64]."""
+    """Piece t's partial of its output tile, padded to the tile's shape [block_tokens, cols]."""
     _, _, rows, cols, ks = sched.piece(t)
-    part = np.zeros((sched.block_tokens, 64))
+    part = np.zeros((sched.block_tokens, sched.cols))
     part[:rows.stop - rows.start, :cols.stop - cols.start] = x[rows, ks] @ w[cols, ks].T
     return part
 
@@ -58,7 +58,7 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
         raise ValueError(f"merge={merge!r}: expected 'owner' or 'every_rank'")
     world, S = len(xs), sched.k_splits
     reduce = LastArriverReduce("y", _merge(sched, world))   # (rank, split) order
-    out = reduce.windows(transport, sched.out_tiles, world * S, (sched.block_tokens, 64))
+    out = reduce.windows(transport, sched.out_tiles, world * S, (sched.block_tokens, sched.cols))
 
     def rank_main(r: int) -> None:
         order = list(range(sched.pieces))
@@ -76,9 +76,9 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
 def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, poll_s: float = 1e-5) -> list[np.ndarray]:
     world, S = len(xs), sched.k_splits
     merge = _merge(sched, world)
-    transport.window("y.parts", (sched.out_tiles, world * S, sched.block_tokens, 64), np.float64, np.nan)
+    transport.window("y.parts", (sched.out_tiles, world * S, sched.block_tokens, sched.cols), np.float64, np.nan)
     transport.window("y.stamp", (world,), np.int64, 0)
-    out = [np.full((sched.out_tiles, sched.block_tokens, 64), np.nan) for _ in range(world)]
+    out = [np.full((sched.out_tiles, sched.block_tokens, sched.cols), np.nan) for _ in range(world)]
 
     def rank_main(r: int) -> None:
         order = list(range(sched.pieces))

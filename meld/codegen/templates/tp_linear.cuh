@@ -2,11 +2,13 @@
 // (meld/dist/tp_linear.py): y = sum_r x_r W_r^T on every rank, where x_r [M, K] and W_r [N, K] are rank
 // r's slices of the contraction dimension. One persistent kernel per GPU, no collective afterwards.
 //
-// An output tile is 64 columns of N (64 weight rows: wgmma's A) x BLOCK_TOKENS tokens (wgmma's N), so a
-// decode step with a few tokens wastes no tensor-core rows. With few output tiles, K is split too
+// An output tile is COLS = 64 TP_WGS columns of N (weight rows: wgmma's A, 64 for each consumer warpgroup)
+// x BLOCK_TOKENS tokens (wgmma's N), so a decode step with a few tokens wastes no tensor-core rows; with
+// two consumer warpgroups (wide token blocks) both read each stage's token box, which halves the
+// activation traffic per weight row. With few output tiles, K is split too
 // (p.k_splits pieces per tile), so that every SM streams weights. CTA c computes pieces c, c + grid, ...;
 // the token blocks of a column block are adjacent, so CTAs running together share its weight boxes in
-// L2. Warp 0 keeps a ring of (weight box, token box) stages loaded by TMA; one consumer warpgroup runs
+// L2. Warp 0 keeps a ring of (weight box, token box) stages loaded by TMA; the consumer warpgroups run
 // the wgmmas, one stage's in flight while the next is issued.
 //
 // Output tile o is reduced at its owner rank o % world, over its world x k_splits partials (rank-major):
@@ -23,14 +25,15 @@
 namespace meld {
 
 constexpr int BK = 64;                           // K per box: one 128-byte swizzled row
-constexpr int W_BOX = 64 * BK * 2;               // 64 weight rows
+constexpr int COLS = 64 * TP_WGS;                // output columns (weight rows) of a tile
+constexpr int W_BOX = COLS * BK * 2;
 constexpr int X_BOX = BLOCK_TOKENS * BK * 2;     // the token block
 constexpr int BOX_PAIR = W_BOX + X_BOX;
 constexpr int STAGE_BYTES = K_BOXES * BOX_PAIR;  // K_BOXES boxes along K: each weight row read in runs of
                                                  // 128 K_BOXES contiguous bytes (DRAM row locality)
 constexpr int ACC = BLOCK_TOKENS / 2;            // accumulators per consumer thread (64 x BLOCK_TOKENS)
-constexpr int TILE_ELEMS = 64 * BLOCK_TOKENS;
-constexpr int CONSUMERS = 128;
+constexpr int TILE_ELEMS = COLS * BLOCK_TOKENS;
+constexpr int CONSUMERS = 128 * TP_WGS;
 constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their launches up to seconds apart
 constexpr bool TP_EVERY = MELD_TP_EVERY != 0;          // every rank merges (else the owner: see below)
 constexpr bool TP_PROXY = MELD_TP_PROXY != 0;          // the proxy transport (every rank merges)
@@ -69,7 +72,9 @@ __device__ void tp_produce(const TpParams& p, Ring ring) {
       mbar_arrive_expect_tx(full, STAGE_BYTES);   // out-of-bounds elements arrive as zeros, counted
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
-        tma_load_2d(dst + b * BOX_PAIR, &p.w_map, (kk * K_BOXES + b) * BK, col * 64, full);
+#pragma unroll
+        for (int g = 0; g < TP_WGS; ++g)   // 64 weight rows a box (the map's), one per consumer warpgroup
+          tma_load_2d(dst + b * BOX_PAIR + g * 64 * BK * 2, &p.w_map, (kk * K_BOXES + b) * BK, col * COLS + 64 * g, full);
         tma_load_2d(dst + b * BOX_PAIR + W_BOX, &p.x_map, (kk * K_BOXES + b) * BK, tok0, full);
       }
       ring.advance();
@@ -114,7 +119,7 @@ __device__ __forceinline__ void tp_store_partial(Part* dst, const float (&acc)[A
 // The tile's partials, summed in their fixed order (part `mine` from registers, rounded as the others read
 // back, so the sum is the same whichever piece merges; the others from memory: `part(k)` is part k's
 // base + 4 ct, laid out as tp_store_partial writes it), converted to bf16 and staged token-major in shared
-// memory [BLOCK_TOKENS][64].
+// memory [BLOCK_TOKENS][COLS].
 template <class Part>
 __device__ __forceinline__ void tp_sum(Part&& part, int nparts, int mine, float (&acc)[ACC], u16* staged,
                                        int warp, int lane) {
@@ -129,11 +134,12 @@ __device__ __forceinline__ void tp_sum(Part&& part, int nparts, int mine, float 
     acc[i] = s.x; acc[i + 1] = s.y; acc[i + 2] = s.z; acc[i + 3] = s.w;
   }
   // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w, lane l) holds weight row (output
-  // column) 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
+  // column) 64 (w / 4) + 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
 #pragma unroll
   for (int r = 0; r < ACC; ++r) {
-    const int c = 16 * (warp % 4) + lane / 4 + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
-    staged[tok * 64 + c] = float_to_bf16(acc[r]);
+    const int c = 64 * (warp / 4) + 16 * (warp % 4) + lane / 4 + 8 * ((r / 2) % 2);
+    const int tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
+    staged[tok * COLS + c] = float_to_bf16(acc[r]);
   }
 }
 
@@ -149,21 +155,23 @@ __device__ __forceinline__ void tp_gemm(const TpParams& p, Ring& ring, const Pie
       for (int b = 0; b < K_BOXES; ++b)
 #pragma unroll
         for (int s = 0; s < BK / 16; ++s)
-          wgmma_bf16(acc, wgmma_desc(st + b * BOX_PAIR + 32 * s), wgmma_desc(st + b * BOX_PAIR + W_BOX + 32 * s));
+          wgmma_bf16(acc, wgmma_desc(st + b * BOX_PAIR + (warp / 4) * 64 * BK * 2 + 32 * s),
+                     wgmma_desc(st + b * BOX_PAIR + W_BOX + 32 * s));
     });
   wgmma_wait<0>();
   fence_regs(acc);
   if (prev >= 0 && lane == 0) mbar_arrive(ring.empty + 8 * prev);
 }
 
-// A staged tile's rows (16 bytes of a token's 64 columns per thread and step) into the outputs of ranks
+// A staged tile's rows (16 bytes of a token's COLS columns per thread and step) into the outputs of ranks
 // r0 .. r1 - 1.
 __device__ __forceinline__ void tp_store_tile(const TpParams& p, const u16* staged, const Piece& x, int ct, int r0,
                                               int r1) {
-  for (int i = ct; i < BLOCK_TOKENS * 8; i += CONSUMERS) {
-    const int tk = i / 8, c = x.col * 64 + 8 * (i % 8);
+  constexpr int STEPS = COLS / 8;   // 16-byte steps per token
+  for (int i = ct; i < BLOCK_TOKENS * STEPS; i += CONSUMERS) {
+    const int tk = i / STEPS, c = x.col * COLS + 8 * (i % STEPS);
     if (x.tok0 + tk >= p.m || c >= p.n) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(staged + tk * 64 + 8 * (i % 8));
+    const uint4 v = *reinterpret_cast<const uint4*>(staged + tk * COLS + 8 * (i % STEPS));
     const i64 off = p.x_out_off + ((i64)(x.tok0 + tk) * p.n + c) * 2;
     for (int r = r0; r < r1; ++r) *reinterpret_cast<uint4*>(p.xpeers[r] + off) = v;
   }
@@ -307,22 +315,26 @@ __device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
   *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
 }
 
-extern "C" __global__ void __launch_bounds__(256, CTAS_PER_SM) meld_tp_linear(const __grid_constant__ TpParams p) {
+extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_tp_linear(const __grid_constant__ TpParams p) {
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
   const Ring ring = Ring::at<STAGE_BYTES>(raw);
   u16* staged = reinterpret_cast<u16*>(smem_raw + (ring.end() - raw));
-  int* last = reinterpret_cast<int*>(staged + BLOCK_TOKENS * 64);
+  int* last = reinterpret_cast<int*>(staged + BLOCK_TOKENS * COLS);
   if (threadIdx.x == 0) {
     ring.init(CONSUMERS / 32);
     fence_mbar_init();
   }
   __syncthreads();
-  if (threadIdx.x == 0)
-    tp_produce(p, ring);
-  else if (threadIdx.x >= 128 && TP_EVERY)
+  if (threadIdx.x < 128) {
+    if (TP_WGS == 2) regs_dealloc<40>();   // (two consumer warpgroups: their accumulators take the registers)
+    if (threadIdx.x == 0) tp_produce(p, ring);
+    return;
+  }
+  if (TP_WGS == 2) regs_alloc<232>();
+  if (TP_EVERY)
     tp_consume_every(p, ring, staged);
-  else if (threadIdx.x >= 128)
+  else
     tp_consume(p, ring, staged, last);
 }
 
