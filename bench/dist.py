@@ -9,8 +9,9 @@ the floor). Times: CUDA-graph replays per rank (bench/harness.py's timer, L2 flu
 slowest rank's median. Correctness: every rank's first output (poisoned before) against float64.
 
 (c) The row-parallel linear with its all-reduce fused per tile (`RowParallelLinear`, `--op tp`): each
-rank's x_r [M, K/world] @ W_r.T, every output tile summed at its owner as soon as all its partials are
-there and written to every rank through NVLink peer memory. Baseline in the same run: `torch.matmul` +
+rank's x_r [M, K/world] @ W_r.T, every partial tile sent to every rank through NVLink peer memory as
+soon as it is computed and each rank's output summed from them (`--merge owner`: summed at the tile's
+owner and written to every rank). Baseline in the same run: `torch.matmul` +
 NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communication's).
 
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
@@ -176,7 +177,7 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
                   f"{r['vs_one_gpu']:.2f}")
         print("parts only: meld's single-GPU kernel on each GPU's parts, nothing exchanged (the floor for meld)")
         if with_proxy:
-            print("\nthe proxy transport (puts and signals through a Python host thread, peer copies): µs per launch, "
+            print("\nthe proxy transport (puts and signals through the C++ host proxy thread, peer copies): µs per launch, "
                   "operations the proxy landed per launch on rank 0 (chunks of 64 KiB)")
             print("case | ordered µs | unordered µs | proxy ops per launch | ordered µs per op")
             for r in rows:
@@ -288,7 +289,7 @@ def main() -> None:
     ap.add_argument("--no-proxy", action="store_true", help="skip the proxy transport")
     ap.add_argument("--op", choices=("decode", "tp"), default="decode")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096], help="--op tp: rows M")
-    ap.add_argument("--merge", nargs="+", default=["owner"], choices=["owner", "every_rank"],
+    ap.add_argument("--merge", nargs="+", default=["every_rank"], choices=["owner", "every_rank"],
                     help="--op tp: how tiles merge (TpKernelConfig.merge), each measured")
     ap.add_argument("--partials", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
                     help="--op tp: how partials travel (TpKernelConfig.partials), each measured")

@@ -36,7 +36,7 @@ def test_block_tokens_cover_the_rows():
     with pytest.raises(ValueError, match="k_boxes=3"):
         TpKernelConfig(8, 3)
     with pytest.raises(ValueError, match="needs merge='every_rank'"):
-        TpKernelConfig(transport="proxy")
+        TpKernelConfig(merge="owner", transport="proxy")
     with pytest.raises(ValueError, match="merge='last'"):
         TpKernelConfig(merge="last")
     with pytest.raises(ValueError, match="partials='float16'"):

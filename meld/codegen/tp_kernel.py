@@ -86,8 +86,10 @@ class TpKernelConfig:
     ctas_per_sm: int = 0      # 1: one CTA per SM with the deepest ring that fits; 2 (token blocks up to 64,
                               # whose accumulators fit 128 registers a thread): two, each with half the memory;
                               # 0: two for 64-token blocks, one otherwise (measured: bench/RESULTS.md 2026-11-30)
-    merge: str = "owner"      # "owner": a tile's last arriving partial sums it at its owner rank and writes every
-                              # rank's output; "every_rank": every rank gets every partial and sums its own output
+    merge: str = "every_rank"   # "every_rank": every rank gets every partial and sums its own output (faster on
+                                # two H200s: bench/RESULTS.md 2026-11-30); "owner": a tile's last arriving partial
+                                # sums it at its owner rank and writes every rank's output (fewer bytes per rank
+                                # when the group is larger)
     transport: str = "peer"   # "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy
                               # thread, the model of RDMA: meld/dist/proxy.py; needs merge="every_rank")
     partials: str = "bfloat16"   # how partial tiles travel between ranks and splits of K: "bfloat16" (half the

@@ -3,15 +3,15 @@ tile by tile, in one persistent kernel per GPU (templates/tp_linear.cuh).
 
 Rank r holds x_r [M, K] and W_r [N, K], its slices of the contraction dimension (Megatron's row-parallel
 layer: the input arrives split, as the column-parallel layer before it leaves it); every rank gets
-y = sum_r x_r W_r^T [M, N]. Each output tile is summed at its owner rank as soon as every rank's partial
-of it is there, by whichever rank's partial arrived last, in rank order, and written into every rank's
-output through NVLink peer memory: the reduction overlaps the GEMM's other tiles, there is no separate
-collective, and every rank's result is bit-identical, launch after launch.
-
-That is the default merge (`TpKernelConfig.merge="owner"`). With `merge="every_rank"` every partial goes to
-every rank instead and each rank sums its own output from its own window: no remote fetch-add or loads,
-and the form the proxy transport (`transport="proxy"`, the model of RDMA between nodes) can carry as puts
-and signals (templates/tp_linear.cuh says how each works and why neither deadlocks).
+y = sum_r x_r W_r^T [M, N]. By default (`TpKernelConfig.merge="every_rank"`) every piece's partial tile
+goes to every rank as soon as it is computed (bf16 by default, through NVLink peer memory) and each rank
+sums its own output from its own window, in rank order, once every partial of a tile has landed: the
+exchange overlaps the GEMM's other tiles, there is no separate collective, no remote fetch-add or load,
+and every rank's result is bit-identical, launch after launch. It is also the form the proxy transport
+(`transport="proxy"`, the model of RDMA between nodes) carries as puts and signals. With
+`merge="owner"` each tile is summed at its owner rank by whichever partial arrives last and written into
+every rank's output: fewer bytes per rank in larger groups, slower on two H200s (bench/RESULTS.md).
+templates/tp_linear.cuh says how each works and why neither deadlocks.
 
 The output is a view of this rank's symmetric window (torch symmetric memory), complete when the launch
 ends in stream order and rewritten by the next call: clone it to keep it. Every rank must make the same
