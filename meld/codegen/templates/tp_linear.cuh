@@ -11,16 +11,21 @@
 // L2. Warp 0 keeps a ring of (weight box, token box) stages loaded by TMA; the consumer warpgroups run
 // the wgmmas, one stage's in flight while the next is issued.
 //
-// Output tile o is reduced at its owner rank o % world, over its world x k_splits partials (rank-major):
-// every piece stores its partial (bf16 or float: MELD_TP_BF16_PARTS) into the owner's window (NVLink peer memory) and counts it on the
-// owner's tile counter after a system-scope fence; the piece whose count completes the tile sums the
-// partials in that fixed order (the same sum, bit for bit, whichever piece arrives last; no float
-// atomics) and writes the bf16 tile into every rank's output. The start handshake and the landing count
-// are xrank.cuh's.
+// Two ways to merge, both in a fixed order (rank-major over the world x k_splits partials of a tile: the
+// same sum, bit for bit, whichever piece arrives last; no float atomics), partials in bf16 or float
+// (MELD_TP_BF16_PARTS):
+// - every rank merges (MELD_TP_EVERY 1, the default; tp_consume_every says how): every partial goes to
+//   every rank and each rank sums its own output;
+// - the owner merges (MELD_TP_EVERY 0): output tile o is reduced at its owner rank o % world; every piece
+//   stores its partial into the owner's window (NVLink peer memory) and counts it on the owner's tile
+//   counter after a system-scope fence; the piece whose count completes the tile sums the partials and
+//   writes the bf16 tile into every rank's output.
+// The start handshake and the landing count are xrank.cuh's.
 //
-// Deadlock freedom: no CTA waits for another CTA's tile. A CTA waits only on its own TMA ring, once for
-// every rank to have started the launch (every launch starts all its CTAs without waiting for anything),
-// and, the launch's last CTA, for tiles that CTAs which never wait have finished or will finish.
+// Deadlock freedom (owner merges): no CTA waits for another CTA's tile. A CTA waits only on its own TMA
+// ring, once for every rank to have started the launch (every launch starts all its CTAs without waiting
+// for anything), and, the launch's last CTA, for tiles that CTAs which never wait have finished or will
+// finish. Every-rank merges: at tp_consume_every.
 
 namespace meld {
 
