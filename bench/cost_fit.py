@@ -1,8 +1,10 @@
 """How well the decode planner's cost model predicts per-CTA time, today and after fitting it to traces.
 
 For each BENCH.md case with B >= 64 (32/8/128, page 16), meld's kernel built with per-task timestamps
-replays the case `--launches` times from a CUDA graph with a cold L2; each launch's schedule and trace
-give one sample per CTA (`meld.tuning.cost_fit`). Launches are split by index: every third one is held
+replays the case `--launches` times from a CUDA graph with a cold L2, after one untimed replay; each
+launch's schedule and trace give one sample per CTA (`meld.tuning.cost_fit`). (The untimed replay: the
+first launch after the process frees device memory runs 11-14% slower, every CTA alike, because unmapping
+invalidates the GPU's address translations: bench/RESULTS.md 2026-11-30. It says nothing of the plan.) Launches are split by index: every third one is held
 out, the rest fit. Per case, on the held-out launches, the p50 and p90 of |predicted - measured| /
 measured per CTA for:
   today      the shipped model (tokens + item_overhead_tokens per item) with its time scale fitted
@@ -36,6 +38,8 @@ CASES = [(b, d) for b in (64, 256) for d in ("uniform2k", "skewed", "one-long")]
 
 def record(case: Case, launches: int):
     """(schedule, trace) of each launch of the case, replayed from a graph after an L2 flush."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()   # the previous case's memory (its graph's pool) unmapped now, not between launches
     inp = make_inputs(case)
     t = inp.table
     cfg = dataclasses.replace(DecodeKernelConfig.default("bfloat16", case.head_dim), profile=True)
@@ -44,6 +48,8 @@ def record(case: Case, launches: int):
     attn.plan(t.indptr, t.indices, t.last_page_len)
     out = torch.empty_like(inp.q)
     graph, _ = capture(lambda: attn.run(inp.q, inp.kv_cache, out=out))
+    flush_l2()
+    graph.replay()   # untimed: translations refilled after the frees before it (module docstring)
     runs = []
     for _ in range(launches):
         flush_l2()
@@ -90,6 +96,9 @@ def main(argv=None) -> int:
         row[f"{k}_p50"], row[f"{k}_p90"] = pct(errors(f, allheld))
     table.add(row)
     print(table.render())
+    for (b, d), s in per_case.items():   # a launch slower than the rest, every CTA alike, is not the plan's doing
+        medians = [float(np.median(s.time_ns[s.launch == i])) / 1e3 for i in range(a.launches)]
+        print(f"B={b} {d}: median CTA time per launch (µs) " + " ".join(f"{m:.1f}" for m in medians))
     for k, f in fits.items():
         speeds = sorted(f.sm_speed.values()) if f.sm_speed else []
         spread = f", SM speed p10 {np.percentile(speeds, 10):.3f} p90 {np.percentile(speeds, 90):.3f}" if speeds else ""
