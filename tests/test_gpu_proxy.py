@@ -83,3 +83,25 @@ def test_proxy_lands_puts_and_signals_while_the_launching_thread_holds_the_gil(o
         assert proxy.landed_ops == PUTS * -(-PUT_BYTES // 1000) + 5
     finally:
         proxy.close()
+
+
+@pytest.mark.gpu
+def test_a_proxy_dropped_without_close_stops_its_thread():
+    """No close(): the finalizer stops the thread before the ring it polls is freed (no crash, at exit either)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import gc
+    import weakref
+
+    from meld.dist.proxy import GpuProxy
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(4096, dtype=torch.uint8, device=dev)
+    window = types.SimpleNamespace(local=buf, rank=0, world=1, handle=types.SimpleNamespace(buffer_ptrs=[buf.data_ptr()]))
+    proxy = GpuProxy(window)
+    stopped = proxy._stop
+    alive = weakref.ref(proxy)
+    del proxy
+    gc.collect()
+    assert alive() is None and not stopped.alive
+    torch.cuda.synchronize()

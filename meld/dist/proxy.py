@@ -18,10 +18,16 @@ call loading its module, say) would otherwise starve the proxy that the running 
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
 from .transport import COMMAND
+
+
+def _stop(lib, handle, *buffers) -> None:
+    """Stop a proxy thread (the buffers it reads are held until it has)."""
+    lib.meld_proxy_stop(handle)
 
 
 class GpuProxy:
@@ -52,6 +58,9 @@ class GpuProxy:
         self._handle = self._lib.meld_proxy_start(ctypes.byref(cfg), err, len(err))
         if not self._handle:
             raise RuntimeError(f"the GPU proxy of rank {window.rank} could not start: {err.value.decode()}")
+        # A proxy dropped without close() (or alive at exit) stops its thread before the ring it reads is
+        # freed: the finalizer holds the ring's buffers until then.
+        self._stop = weakref.finalize(self, _stop, self._lib, self._handle, self._records_t, self._head_t, self._peers)
 
     def ring_params(self) -> dict[str, int]:
         return dict(xring=self._records_t.data_ptr(), xring_tail=self._tail.data_ptr(),
@@ -73,5 +82,5 @@ class GpuProxy:
     def close(self) -> None:
         """Stop the thread once what it issued has landed."""
         if self._handle:
-            self._lib.meld_proxy_stop(self._handle)
+            self._stop()
             self._handle = None
