@@ -190,6 +190,33 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
 TP_SHAPES = {"llama70b-o": (8192, 8192), "llama70b-down": (28672, 8192)}   # (K over all ranks, N)
 
 
+def peer_copy_gbs(dev: torch.device, nbytes: int = 256 << 20, reps: int = 10) -> float:
+    """This rank's copy into the next rank's symmetric memory, every rank at once (the copy engines over
+    NVLink, both directions loaded as meld's exchange loads them): GB/s per rank, the slowest rank's."""
+    import torch.distributed as dist
+
+    from meld.dist.seq_parallel import SymmetricWindow
+
+    win = SymmetricWindow(nbytes, dev, dist.group.WORLD)
+    peer = win.handle.get_buffer((win.rank + 1) % win.world, (nbytes,), torch.uint8, 0)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        peer.copy_(src)
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3)
+    v = torch.tensor([sorted(times[1:])[reps // 2]], device=dev)
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    torch.cuda.synchronize()
+    dist.barrier()
+    return nbytes / v.item() / 1e3
+
+
 def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str],
              partials: list[str]) -> None:
     import torch.distributed as dist
@@ -209,6 +236,7 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
         return v.item()
 
+    ceiling = peer_copy_gbs(dev)
     rows = []
     alone = [dist.new_group([r]) for r in range(world)]   # meld on a group of one rank: its GEMM, no exchange
     for shape, (k_all, n) in TP_SHAPES.items():
@@ -263,19 +291,20 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
                                  vs_unfused=t_unf / t, nvlink_gbs=sent / t / 1e3))
             dist.barrier()
     if rank == 0:
-        print(f"row-parallel linear + all-reduce, {world} GPUs, bf16; median µs of graph replays, slowest rank")
+        print(f"row-parallel linear + all-reduce, {world} GPUs, bf16; median µs of graph replays, slowest rank; "
+              f"peer-copy ceiling {ceiling:.0f} GB/s per rank (256 MiB copies into the next rank, all ranks at once)")
         print("shape | M | K per rank | N | merge | partials | max rel err | meld | meld 1 rank | matmul | matmul + all_reduce | "
-              "comm share | unfused/meld | meld NVLink GB/s per rank")
+              "comm share | unfused/meld | meld NVLink GB/s per rank | of ceiling")
         for r in rows:
             print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['merge']} | {r['partials']} | {r['err']:.1e} | "
                   f"{r['meld_us']:.1f} | "
                   f"{r['solo_us']:.1f} | "
                   f"{r['matmul_us']:.1f} | {r['unfused_us']:.1f} | {r['comm_share']:.0%} | {r['vs_unfused']:.2f} | "
-                  f"{r['nvlink_gbs']:.0f}")
+                  f"{r['nvlink_gbs']:.0f} | {r['nvlink_gbs'] / ceiling:.0%}")
         print("meld 1 rank: the same kernel on a group of one rank (this rank's GEMM, nothing exchanged); comm share: "
               "1 - matmul / (matmul + all_reduce)")
         if out_json:
-            Path(out_json).write_text(json.dumps(rows, indent=1))
+            Path(out_json).write_text(json.dumps(dict(peer_copy_gbs=ceiling, rows=rows), indent=1))
 
 
 def main() -> None:
