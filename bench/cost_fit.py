@@ -3,10 +3,10 @@
 For each BENCH.md case with B >= 64 (32/8/128, page 16), meld's kernel built with per-task timestamps
 replays the case `--launches` times from a CUDA graph with a cold L2, after one untimed replay; each
 launch's schedule and trace give one sample per CTA (`meld.tuning.cost_fit`). (The untimed replay: the
-first launch after the process frees device memory runs 11-14% slower, every CTA alike, because unmapping
-invalidates the GPU's address translations: bench/RESULTS.md 2026-11-30. It says nothing of the plan.) Launches are split by index: every third one is held
-out, the rest fit. Per case, on the held-out launches, the p50 and p90 of |predicted - measured| /
-measured per CTA for:
+first launch after the process frees device memory runs 11-14% slower, every CTA alike, because
+unmapping invalidates the GPU's address translations: bench/RESULTS.md 2026-11-30. It says nothing of
+the plan.) Launches are split by index: every third one is held out, the rest fit. Per case, on the
+held-out launches, the p50 and p90 of |predicted - measured| / measured per CTA for:
   today      the shipped model (tokens + item_overhead_tokens per item) with its time scale fitted
   fit        per-token, per-item, per-merge and fixed costs, fitted (Huber) on every case's training launches
   fit+SM     the same with one speed factor per SM

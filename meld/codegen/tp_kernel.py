@@ -161,7 +161,8 @@ class TpKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_c{self.ctas}_s{self.stages}_w{self.wgs}"
-                + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "") + ("_pf32" if self.partials == "float32" else "")
+                + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "")
+                + ("_pf32" if self.partials == "float32" else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
 
     entry = "meld_tp_linear"

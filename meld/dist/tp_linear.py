@@ -31,7 +31,7 @@ _ALIGN = 256
 
 def _window_layout(max_tokens: int, n: int, world: int, sm_count: int) -> dict[str, int]:
     """Byte offsets in a rank's window: the output [max_tokens, N] bf16, the partials (sized as float)
-    (`TpSchedule.max_partial_floats` per rank: owner merges keep [tiles][world x k_splits][64 x block tokens]
+    (`TpSchedule.max_partial_floats` per rank: owner merges keep [tiles][world x k_splits][cols x block tokens]
     at a tile's owner, every-rank merges every rank's, per CTA), one u64 counter per output tile, the landing
     counter, the launches every rank started, and the every-rank merges' stamps [world][2 x SMs]."""
     from ..codegen.tp_kernel import TpSchedule
@@ -67,8 +67,9 @@ class RowParallelLinear(Operator):
         max_tokens: the most rows M of x per call (the symmetric window is sized by it).
         group: the process group (default: the default group); device: this rank's GPU (default: current).
         kernel_config: the kernel's static choices (`meld.codegen.tp_kernel.TpKernelConfig`: how tiles merge,
-            over which transport, partials in bf16 or float; its block_tokens is chosen per call). A wait inside the kernel gives up
-            after its watchdog_ms (waits for other ranks: ten times it), names what it waited for and traps.
+            over which transport, partials in bf16 or float, consumer warpgroups; its block_tokens is chosen per
+            call). A wait inside the kernel gives up after its watchdog_ms (waits for other ranks: ten times
+            it), names what it waited for and traps.
         ordered, chunk_bytes: the proxy transport's delivery (in issue order, or shuffled) and network chunk
             (`meld.dist.proxy.GpuProxy`).
     """
