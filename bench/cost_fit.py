@@ -9,7 +9,8 @@ the plan.) Launches are split by index: every third one is held out, the rest fi
 held-out launches, the p50 and p90 of |predicted - measured| / measured per CTA for:
   today      the shipped model (tokens + item_overhead_tokens per item) with its time scale fitted
   fit        per-token, per-item, per-merge and fixed costs, fitted (Huber) on every case's training launches
-  fit+SM     the same with one speed factor per SM
+  fit+mix    the same and the launch's mean tokens, items and merges per CTA (the CTAs share the bandwidth)
+  fit+SM     `fit` with one speed factor per SM
 The fitted constants are printed; `fit`'s item cost in tokens is what `DecodeCost.item_overhead_tokens`
 would take.
 
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
         cost, runs = record(Case(b, d), a.launches)
         per_case[(b, d)] = concat([cta_samples(s, tr, launch=i) for i, (s, tr) in enumerate(runs)])
     train = concat([s.where(s.launch % 3 != 0) for s in per_case.values()])
-    fits = {"today": today(train, cost), "fit": fit_cost(train), "fit+SM": fit_cost(train, per_sm=True)}
+    fits = {"today": today(train, cost), "fit": fit_cost(train), "fit+mix": fit_cost(train, mix=True),
+            "fit+SM": fit_cost(train, per_sm=True)}
     table = Table([Column("B", "B"), Column("dist", "dist", align="<"), Column("ctas", "CTA samples")]
                   + [c for k in fits for c in (Column(f"{k}_p50", f"{k} p50 %", ".1f"),
                                                Column(f"{k}_p90", f"{k} p90 %", ".1f"))])
@@ -102,8 +104,10 @@ def main(argv=None) -> int:
     for k, f in fits.items():
         speeds = sorted(f.sm_speed.values()) if f.sm_speed else []
         spread = f", SM speed p10 {np.percentile(speeds, 10):.3f} p90 {np.percentile(speeds, 90):.3f}" if speeds else ""
+        mix = (f", launch means: {f.mix_token_ns:.3f} ns/token, {f.mix_item_ns:.0f} ns/item, {f.mix_merge_ns:.0f} "
+               "ns/merge" if k == "fit+mix" else "")
         print(f"{k}: {f.per_token_ns:.3f} ns/token, {f.per_item_ns:.0f} ns/item ({f.item_overhead_tokens:.0f} tokens), "
-              f"{f.per_merge_ns:.0f} ns/merge, {f.fixed_ns:.0f} ns fixed{spread}")
+              f"{f.per_merge_ns:.0f} ns/merge, {f.fixed_ns:.0f} ns fixed{mix}{spread}")
     if a.json:
         table.dump_json(a.json, env=env, fits={k: dataclasses.asdict(f) for k, f in fits.items()})
     return 0

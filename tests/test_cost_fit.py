@@ -1,6 +1,8 @@
 """meld.tuning.cost_fit on traces synthesised from real schedules with known costs: the samples count the
 plan's work and the trace's merges per CTA, the fit recovers the constants and per-SM speeds, a few
 outlier CTAs do not move it, and held-out launches are predicted as well as the training ones."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,10 +20,10 @@ def _schedule(dist: str, batch: int, ctas: int = SMS):
     return plan_decode(L, np.r_[0, np.cumsum(-(-L // 16))][:-1].astype(np.int64), 8, 4, Topology(ctas))
 
 
-def _trace(schedule, rng, speed=None, outliers=0, noise=0.01) -> Trace:
+def _trace(schedule, rng, speed=None, outliers=0, noise=0.01, model=TRUE) -> Trace:
     """A trace whose CTA c, on SM c, runs its items back to back and ends after
-    speed[c] * TRUE(tokens, items, merges) with multiplicative noise; merges: one per split unit, on its
-    last piece's CTA."""
+    speed[c] * model(tokens, items, merges, the launch's means of them) with multiplicative noise; merges:
+    one per split unit, on its last piece's CTA."""
     it = schedule.items()
     spans, tasks = [], []
     last = {}
@@ -32,10 +34,14 @@ def _trace(schedule, rng, speed=None, outliers=0, noise=0.01) -> Trace:
     tokens = np.bincount(it["cta"], weights=it["kv_end"] - it["kv_begin"], minlength=schedule.num_ctas)
     items = np.bincount(it["cta"], minlength=schedule.num_ctas)
     slow = set(rng.choice(np.flatnonzero(items), outliers, replace=False).tolist()) if outliers else set()
+    used = items > 0
+    mix = (model.mix_token_ns * tokens[used].mean() + model.mix_item_ns * items[used].mean()
+           + model.mix_merge_ns * merges[used].mean())
     for c in range(schedule.num_ctas):
         if not items[c]:
             continue
-        t = TRUE.per_token_ns * tokens[c] + TRUE.per_item_ns * items[c] + TRUE.per_merge_ns * merges[c] + TRUE.fixed_ns
+        t = (model.per_token_ns * tokens[c] + model.per_item_ns * items[c] + model.per_merge_ns * merges[c]
+             + model.fixed_ns + mix)
         t *= (1.0 if speed is None else speed[c]) * rng.normal(1.0, noise) * (3.0 if c in slow else 1.0)
         begin = 1_000_000 + int(rng.integers(0, 500))
         end = begin + int(t)
@@ -94,3 +100,17 @@ def test_too_few_or_bad_samples_raise():
     bad.time_ns[0] = 0
     with pytest.raises(ValueError, match="finite and positive"):
         fit_cost(bad)
+
+
+def test_launch_mix_terms_are_recovered_where_the_plain_fit_misses_them():
+    """CTAs that share the memory bandwidth: each one's time depends on the launch's mean work too."""
+    mixed = dataclasses.replace(TRUE, mix_token_ns=1.2, mix_item_ns=-400.0)
+    s = _samples(np.random.default_rng(4), model=mixed)
+    plain, fit = fit_cost(s), fit_cost(s, mix=True)
+    # A balanced plan gives every CTA about the mean tokens: what is identified is the sum of the own and
+    # the launch's per-token costs, the sign of the mix's item term, and the predictions.
+    assert fit.per_token_ns + fit.mix_token_ns == pytest.approx(TRUE.per_token_ns + 1.2, rel=0.05)
+    assert fit.mix_item_ns < -100
+    assert np.percentile(errors(fit, s), 90) < 0.03 < np.percentile(errors(plain, s), 90)
+    with pytest.raises(ValueError, match="at least 4 different mixes, got 1"):
+        fit_cost(s.where(s.launch == 0), mix=True)

@@ -5,11 +5,16 @@ item (`DecodeCost`), a constant fitted by hand sweeps. A profiling build records
 when each of its tasks ends, so every launch is a set of (planned work, measured time) samples. This
 module turns (schedule, trace) pairs into those samples and fits
 
-    time = speed[sm] * (per_token * tokens + per_item * items + per_merge * merges + fixed)
+    time = speed[sm] * (per_token * tokens + per_item * items + per_merge * merges + fixed
+                        + mix_token * mean tokens + mix_item * mean items + mix_merge * mean merges)
 
 by robust regression (Huber weights, iteratively reweighted least squares: a CTA slowed by something the
 model cannot see, a preemption or a cold TLB, must not drag the fit), where `merges` counts the merges the
-CTA ran as the last arriver and `speed` is an optional factor per SM. `today()` is the shipped model with
+CTA ran as the last arriver, `speed` is an optional factor per SM, and the `mix_*` terms (optional) weigh
+the launch's mean work per CTA: the CTAs share the GPU's memory bandwidth, so a CTA streams faster when
+the others spend more of their time in per-item work (bench/RESULTS.md 2026-11-30: a CTA streaming one
+long piece among CTAs of ~22 short items each ran at 13.8 ns per token, at 14.7-15.0 where every CTA
+streams). `today()` is the shipped model with
 only its time scale fitted, so the two can be compared on the same samples: `errors()` gives
 |predicted - measured| / measured per CTA.
 
@@ -41,6 +46,9 @@ class CtaSamples:
     sm: np.ndarray        # the SM it ran on
     time_ns: np.ndarray   # from its start to the end of its last piece or merge
     launch: np.ndarray    # which launch the sample came from
+    mix_tokens: np.ndarray   # the launch's mean tokens, items and merges per CTA (the same for all its CTAs)
+    mix_items: np.ndarray
+    mix_merges: np.ndarray
 
     def __len__(self) -> int:
         return len(self.time_ns)
@@ -63,10 +71,11 @@ def cta_samples(schedule: Schedule, trace: Trace, launch: int = 0) -> CtaSamples
             end[t.cta] = max(end.get(t.cta, 0), t.end_ns)
             merges[t.cta] += t.kind in _MERGES
     ctas = np.array(sorted(c for c in end if c in begin and c < schedule.num_ctas and items[c] > 0), dtype=np.int64)
-    return CtaSamples(tokens[ctas].astype(np.float64), items[ctas].astype(np.float64), merges[ctas].astype(np.float64),
-                      np.array([sm[c] for c in ctas], dtype=np.int64),
+    t, i, m = tokens[ctas].astype(np.float64), items[ctas].astype(np.float64), merges[ctas].astype(np.float64)
+    mean = (lambda v: np.full(len(ctas), v.mean() if len(v) else 0.0))
+    return CtaSamples(t, i, m, np.array([sm[c] for c in ctas], dtype=np.int64),
                       np.array([end[c] - begin[c] for c in ctas], dtype=np.float64),
-                      np.full(len(ctas), launch, dtype=np.int64))
+                      np.full(len(ctas), launch, dtype=np.int64), mean(t), mean(i), mean(m))
 
 
 def concat(samples: list[CtaSamples]) -> CtaSamples:
@@ -75,17 +84,22 @@ def concat(samples: list[CtaSamples]) -> CtaSamples:
 
 @dataclass(frozen=True)
 class CostFit:
-    """time_ns = speed[sm] * (per_token_ns * tokens + per_item_ns * items + per_merge_ns * merges + fixed_ns);
-    an SM without a factor runs at 1."""
+    """time_ns = speed[sm] * (per_token_ns * tokens + per_item_ns * items + per_merge_ns * merges + fixed_ns
+    + mix_token_ns * mix_tokens + mix_item_ns * mix_items + mix_merge_ns * mix_merges); an SM without a factor
+    runs at 1."""
 
     per_token_ns: float
     per_item_ns: float
     per_merge_ns: float
     fixed_ns: float
     sm_speed: dict[int, float] | None = None
+    mix_token_ns: float = 0.0
+    mix_item_ns: float = 0.0
+    mix_merge_ns: float = 0.0
 
     def predict(self, s: CtaSamples) -> np.ndarray:
-        base = self.per_token_ns * s.tokens + self.per_item_ns * s.items + self.per_merge_ns * s.merges + self.fixed_ns
+        base = (self.per_token_ns * s.tokens + self.per_item_ns * s.items + self.per_merge_ns * s.merges + self.fixed_ns
+                + self.mix_token_ns * s.mix_tokens + self.mix_item_ns * s.mix_items + self.mix_merge_ns * s.mix_merges)
         if not self.sm_speed:
             return base
         return base * np.array([self.sm_speed.get(int(sm), 1.0) for sm in s.sm])
@@ -126,12 +140,19 @@ def _check(s: CtaSamples, need: int) -> None:
         raise ValueError("measured CTA times must be finite and positive")
 
 
-def fit_cost(s: CtaSamples, per_sm: bool = False, rounds: int = 5) -> CostFit:
-    """The robust fit of the four constants and, with `per_sm`, one speed factor per SM (median 1),
-    alternating: the constants on times divided by the speeds, then each SM's median ratio of measured
-    to predicted time."""
+def fit_cost(s: CtaSamples, per_sm: bool = False, mix: bool = False, rounds: int = 5) -> CostFit:
+    """The robust fit of the four constants, with `mix` the three launch-mix terms too (the samples must
+    come from launches of at least four different mixes), and with `per_sm` one speed factor per SM
+    (median 1), alternating: the constants on times divided by the speeds, then each SM's median ratio of
+    measured to predicted time."""
     _check(s, 8)
-    X = np.stack([s.tokens, s.items, s.merges, np.ones(len(s))], axis=1)
+    cols = [s.tokens, s.items, s.merges, np.ones(len(s))]
+    if mix:
+        mixes = len(np.unique(np.stack([s.mix_tokens, s.mix_items, s.mix_merges], axis=1), axis=0))
+        if mixes < 4:
+            raise ValueError(f"fitting the launch-mix terms needs launches of at least 4 different mixes, got {mixes}")
+        cols += [s.mix_tokens, s.mix_items, s.mix_merges]
+    X = np.stack(cols, axis=1)
     speed = np.ones(len(s))
     sm_speed: dict[int, float] | None = None
     for _ in range(rounds if per_sm else 1):
@@ -143,7 +164,8 @@ def fit_cost(s: CtaSamples, per_sm: bool = False, rounds: int = 5) -> CostFit:
         norm = float(np.median(list(sm_speed.values())))
         sm_speed = {sm: v / norm for sm, v in sm_speed.items()}
         speed = np.array([sm_speed[int(sm)] for sm in s.sm])
-    return CostFit(*(float(b) for b in beta), sm_speed=sm_speed)
+    return CostFit(*(float(b) for b in beta[:4]), sm_speed=sm_speed, **(
+        dict(zip(("mix_token_ns", "mix_item_ns", "mix_merge_ns"), (float(b) for b in beta[4:]))) if mix else {}))
 
 
 def today(s: CtaSamples, cost: DecodeCost) -> CostFit:
