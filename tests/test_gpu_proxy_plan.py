@@ -88,3 +88,15 @@ def test_proxy_rejects_records_it_cannot_land(bad):
         recs[0][k] = v
     with pytest.raises(ValueError, match="rejects"):
         host_helper.proxy_plan(recs, 3, WINDOW, ordered=True, chunk=1000)
+
+
+@pytest.mark.parametrize("chunk, capacity", [(0, 16), (1000, 1)])
+def test_gpu_proxy_refuses_a_chunk_or_ring_it_cannot_use(chunk, capacity):
+    """Checked before anything touches the GPU (a zero chunk would never finish a put)."""
+    import types
+
+    from meld.dist.proxy import GpuProxy
+
+    window = types.SimpleNamespace(local=None, rank=0, world=2, handle=None)
+    with pytest.raises(ValueError, match="chunk_bytes and capacity"):
+        GpuProxy(window, chunk_bytes=chunk, capacity=capacity)
