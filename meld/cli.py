@@ -8,8 +8,9 @@ same schedule on the CPU reference executor. Either way the result is checked ag
 
 `meld tune --workload bench|recorded:FILE`: search decode attention's planner constants on BENCH's B >= 64
 batches (or on batches MELD_RECORD recorded), print the before/after table, and record a candidate that
-wins beyond the noise in the tuning database (--db, or MELD_TUNING_DB). `meld tune --show`: what the database holds and whether each entry applies
-here.
+wins beyond the noise in the tuning database (--db, or MELD_TUNING_DB); with `--fit FILE` (a fitted cost
+model) the planner constants are searched on a finer grid and only the `--keep` the model predicts fastest
+are measured. `meld tune --show`: what the database holds and whether each entry applies here.
 
 `meld serve-bench`: a continuous-batching decode loop (meld.serving) on a log-normal request trace, per
 attention backend: tokens/s, step latency p50/p99, attention's share of the step, and with --check the
@@ -228,15 +229,21 @@ def _workload(text: str) -> str:
 
 
 def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, rounds: int,
-             device: str | None) -> int:
+             device: str | None, fit_path: Path | None = None, keep: int = 2) -> int:
     from meld.tuning.db import TuningDB
-    from meld.tuning.tune import bench_batches, recorded_batches, table, tune
+    from meld.tuning.tune import bench_batches, load_fit, recorded_batches, table, tune
 
     path = _db_path(parser, db)
     try:
         batches = bench_batches() if workload == "bench" else recorded_batches(workload[len("recorded:"):])
     except ValueError as e:
         parser.error(f"argument --workload: {e}")
+    fit = None
+    if fit_path is not None:
+        try:
+            fit = load_fit(fit_path)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            parser.error(f"argument --fit: {fit_path}: {e}")
     if _devices() == ["cpu"]:
         parser.error("argument --workload: tuning measures on a GPU; this machine has no sm_90+ GPU")
     device = _device(parser, device or "cuda")
@@ -246,7 +253,7 @@ def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, ro
         TuningDB.load(path)   # a damaged database fails before any measurement
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    result = tune(path, batches, workload, rounds=rounds, device=device)
+    result = tune(path, batches, workload, rounds=rounds, device=device, fit=fit, keep=keep)
     print(table(result))
     print(f"recorded in {path}" if result.adopted else f"nothing recorded in {path}")
     return 0
@@ -312,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     tu.add_argument("--db", type=Path, help="the database file (default: MELD_TUNING_DB)")
     tu.add_argument("--rounds", type=_int_in(0, 1000), default=5, help="interleaved rounds of replays per batch")
     tu.add_argument("--device", help="cuda or cuda:N (default: cuda)")
+    tu.add_argument("--fit", type=Path, help="a fitted cost model (bench/cost_fit.py --json): search the planner "
+                                            "constants on a finer grid and measure only those it predicts fastest")
+    tu.add_argument("--keep", type=_int_in(0, 100), default=2, help="with --fit: planner candidates measured")
     from meld.serving import cli as serving_cli   # argparse, torch and NumPy only: no TVM, no kernels
 
     sb = serving_cli.add_parser(sub)
@@ -319,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "serve-bench":
         return serving_cli.serve_bench(sb, args, _device(sb, args.device))
     if args.cmd == "tune":
-        return tune_show(tu, args.db) if args.show else tune_run(tu, args.db, args.workload, args.rounds, args.device)
+        return tune_show(tu, args.db) if args.show else tune_run(tu, args.db, args.workload, args.rounds, args.device,
+                                                                 args.fit, args.keep)
     if args.cmd == "timeline":
         return timeline(t, args.trace, args.output, args.width, args.row_height)
     device = _device(d, args.device)

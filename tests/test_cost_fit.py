@@ -114,3 +114,38 @@ def test_launch_mix_terms_are_recovered_where_the_plain_fit_misses_them():
     assert np.percentile(errors(fit, s), 90) < 0.03 < np.percentile(errors(plain, s), 90)
     with pytest.raises(ValueError, match="at least 4 different mixes, got 1"):
         fit_cost(s.where(s.launch == 0), mix=True)
+
+
+@pytest.mark.parametrize("model", [TRUE, dataclasses.replace(TRUE, mix_token_ns=1.2, mix_item_ns=-400.0)])
+def test_a_plan_alone_predicts_what_its_trace_measures(model):
+    """plan_samples counts the same work per CTA as the trace of the plan's launch, so a model predicts each
+    CTA's time, and the launch's (its slowest CTA), before anything runs."""
+    from meld.tuning import plan_samples, predicted_launch_ns
+
+    for dist in ("skewed", "one-long"):
+        s = _schedule(dist, 64)
+        measured = cta_samples(s, _trace(s, np.random.default_rng(5), noise=0.0, model=model))
+        planned = plan_samples(s)
+        assert np.array_equal(planned.sm, measured.sm) and np.isnan(planned.time_ns).all()
+        assert np.allclose(model.predict(planned), measured.time_ns, rtol=1e-6, atol=2)
+        assert predicted_launch_ns(model, s) == pytest.approx(measured.time_ns.max(), abs=2)   # (times in whole ns)
+
+
+def test_a_fit_survives_json(tmp_path):
+    import json
+
+    from meld.tuning.tune import load_fit
+
+    f = dataclasses.replace(TRUE, mix_token_ns=1.5, sm_speed={3: 1.01, 7: 0.99})
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(dataclasses.asdict(f)))
+    assert load_fit(one) == f
+    bench = tmp_path / "bench.json"   # bench/cost_fit.py --json: the fits by name
+    bench.write_text(json.dumps({"fits": {"fit": dataclasses.asdict(TRUE), "fit+mix": dataclasses.asdict(f)}, "rows": []}))
+    assert load_fit(bench) == f
+    bench.write_text(json.dumps({"fits": {"today": dataclasses.asdict(TRUE)}}))
+    with pytest.raises(ValueError, match="neither 'fit\\+mix' nor 'fit'"):
+        load_fit(bench)
+    one.write_text(json.dumps({"per_token_ns": 1.0, "speed": 2}))
+    with pytest.raises(ValueError, match="unknown fields \\['speed'\\]"):
+        load_fit(one)

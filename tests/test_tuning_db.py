@@ -285,3 +285,47 @@ def test_tune_records_the_adopted_kernel_fields(tmp_path, monkeypatch):
     (entry,) = TuningDB.load(tmp_path / "t.json").entries
     assert entry.config == {"cost": {}, "kernel": {"num_stages": 3}}
     assert entry.evidence["batches"]["B=64 skewed"]["ratio_ci95"] == [0.95, 0.93, 0.97]
+
+
+def test_a_fitted_model_prunes_the_planner_candidates(tmp_path, monkeypatch):
+    """With a fit, the planner constants are searched on the fine grid, planned on the host and ranked by the
+    predicted launch time; only the `keep` best are measured, beside the default and the kernel variants.
+    A model where items cost 1000 tokens keeps the largest item overheads, one where they are free the
+    smallest."""
+    from meld.tuning import CostFit
+    from meld.tuning import tune as tmod
+
+    cands = candidates(meld.scheduler.DecodeCost(), tmod.FINE_ITEM_OVERHEADS)
+    batches = tmod.bench_batches()
+    costly, free = CostFit(10.0, 10000.0, 0.0, 0.0), CostFit(10.0, 0.0, 0.0, 0.0)
+    for fit, want in ((costly, {"item_overhead_tokens=256", "item_overhead_tokens=240"}),
+                      (free, {"item_overhead_tokens=32", "item_overhead_tokens=48"})):
+        kept = tmod.prune(cands, fit, batches, keep=2)
+        assert set(kept) == {"default", *want, "num_stages=3", "tma=True", "num_warps=4,num_stages=4"}
+        pred = tmod.predicted_ratios(fit, cands, batches, 132)
+        assert pred["default"] == 1.0 and max(pred[k] for k in want) < min(v for k, v in pred.items() if k not in want)
+    with pytest.raises(ValueError, match="keep=0"):
+        tmod.prune(cands, costly, batches, keep=0)
+
+    seen = []
+
+    def fake_measure(cands, batches, **kw):
+        seen.append(set(cands))
+        return [_batch(name, **{k: (1.0, 0.99, 1.01) for k in cands if k != "default"}) for name, _ in batches]
+
+    monkeypatch.setattr(tmod, "measure", fake_measure)
+    res = tmod.tune(tmp_path / "t.json", batches[:2], "bench", device="cpu", fit=costly, keep=3, sm_count=132)
+    assert res.adopted is None and len(seen[0]) == 1 + 3 + 3
+
+
+def test_cli_tune_fit_argument(tmp_path, capsys):
+    bad = tmp_path / "fit.json"
+    bad.write_text('{"fits": {"today": {}}}')
+    for path, why in [(tmp_path / "missing.json", "No such file"), (bad, "neither 'fit+mix' nor 'fit'")]:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["tune", "--workload", "bench", "--fit", str(path), "--db", str(tmp_path / "t.json")])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "argument --fit" in err and why in err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["tune", "--workload", "bench", "--keep", "0", "--db", str(tmp_path / "t.json")])
+    assert exc.value.code == 2 and "--keep" in capsys.readouterr().err

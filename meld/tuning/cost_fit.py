@@ -78,6 +78,29 @@ def cta_samples(schedule: Schedule, trace: Trace, launch: int = 0) -> CtaSamples
                       np.full(len(ctas), launch, dtype=np.int64), mean(t), mean(i), mean(m))
 
 
+def plan_samples(schedule: Schedule) -> CtaSamples:
+    """A plan's per-CTA features before it runs (times NaN): tokens, items, and one merge per split unit on
+    the CTA of its last piece; what `CostFit.predict` needs to say how long each CTA will take."""
+    it = schedule.items()
+    W = schedule.num_ctas
+    tokens = np.bincount(it["cta"], weights=it["kv_end"] - it["kv_begin"], minlength=W).astype(np.float64)
+    items = np.bincount(it["cta"], minlength=W).astype(np.float64)
+    split = it["slot"] >= 0
+    last = dict(zip(it["unit"][split].tolist(), it["cta"][split].tolist()))   # (items run in order: the last wins)
+    merges = np.bincount(np.array(list(last.values()), dtype=np.int64), minlength=W).astype(np.float64)
+    ctas = np.flatnonzero(items)
+    t, i, m = tokens[ctas], items[ctas], merges[ctas]
+    n = len(ctas)
+    return CtaSamples(t, i, m, ctas.astype(np.int64), np.full(n, np.nan), np.zeros(n, dtype=np.int64),
+                      np.full(n, t.mean() if n else 0.0), np.full(n, i.mean() if n else 0.0),
+                      np.full(n, m.mean() if n else 0.0))
+
+
+def predicted_launch_ns(fit: "CostFit", schedule: Schedule) -> float:
+    """The launch's predicted time: its slowest CTA's."""
+    return float(fit.predict(plan_samples(schedule)).max())
+
+
 def concat(samples: list[CtaSamples]) -> CtaSamples:
     return CtaSamples(**{f.name: np.concatenate([getattr(s, f.name) for s in samples]) for f in fields(CtaSamples)})
 
@@ -103,6 +126,16 @@ class CostFit:
         if not self.sm_speed:
             return base
         return base * np.array([self.sm_speed.get(int(sm), 1.0) for sm in s.sm])
+
+    @staticmethod
+    def from_dict(d: dict) -> "CostFit":
+        """A fit as `dataclasses.asdict` wrote it (JSON: SM ids as strings)."""
+        names = {f.name for f in fields(CostFit)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"not a CostFit: unknown fields {sorted(unknown)}")
+        sm = d.get("sm_speed")
+        return CostFit(**{**d, "sm_speed": {int(k): float(v) for k, v in sm.items()} if sm else None})
 
     @property
     def item_overhead_tokens(self) -> float:

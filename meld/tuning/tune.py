@@ -11,6 +11,12 @@ the default's, with a 95% bootstrap interval (replays resampled). A candidate is
 faster beyond the noise on at least one batch (the interval's upper end below 1) and slower beyond it on
 none (no interval's lower end above 1), with the best geometric mean among such candidates; otherwise the
 default stays.
+
+With a fitted cost model (`meld.tuning.cost_fit`, e.g. `bench/cost_fit.py --json`'s), the planner
+constants are searched on a finer grid and pruned before anything runs: each batch is planned on the host
+by every cost candidate, the fit predicts each plan's slowest CTA, and only the `keep` candidates it
+predicts fastest (by geometric mean over the batches) are measured, beside the default and the kernel
+variants (which the fit knows nothing of).
 """
 from __future__ import annotations
 
@@ -18,14 +24,16 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..codegen import DecodeKernelConfig
 from ..runtime.cuda_graphs import capture
-from ..scheduler import DecodeCost
+from ..scheduler import DecodeCost, Topology, plan_decode
 from ..workloads import lengths, paged
+from .cost_fit import CostFit, predicted_launch_ns
 
 SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)   # BENCH.md's GQA shape
 SHAPE_BUCKET = "Hq32/Hkv8/D128/P16/C1"                                       # DecodeAttention.shape_bucket of it
@@ -93,6 +101,51 @@ def candidates(default: DecodeCost, item_overheads=(64, 96, 192, 256), kernels=K
     for k in kernels:
         out[",".join(f"{f}={v}" for f, v in k.items())] = Candidate(default, dict(k))
     return out
+
+
+FINE_ITEM_OVERHEADS = tuple(range(32, 257, 16))   # the grid a fitted model prunes
+
+
+def predicted_ratios(fit: CostFit, cands: dict[str, Candidate], batches: list[tuple[str, list[int]]],
+                     sm_count: int) -> dict[str, float]:
+    """Each planner-only candidate's predicted launch time over the default's, geometric mean over the
+    batches (every batch planned on the host for a grid of `sm_count` CTAs)."""
+    costs = {k: c for k, c in cands.items() if not c.kernel}
+    logs = {k: 0.0 for k in costs}
+    for _, lens in batches:
+        L = np.asarray(lens, dtype=np.int64)
+        page_base = np.r_[0, np.cumsum(-(-L // SHAPE["page_size"]))][:-1]
+        t = {k: predicted_launch_ns(fit, plan_decode(L, page_base, SHAPE["num_kv_heads"],
+                                                     SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"],
+                                                     Topology(sm_count), c.cost))
+             for k, c in costs.items()}
+        for k in costs:
+            logs[k] += math.log(t[k] / t["default"])
+    return {k: math.exp(v / len(batches)) for k, v in logs.items()}
+
+
+def prune(cands: dict[str, Candidate], fit: CostFit, batches: list[tuple[str, list[int]]], keep: int = 2,
+          sm_count: int = 132) -> dict[str, Candidate]:
+    """The default, the `keep` planner candidates `fit` predicts fastest, and every kernel variant."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: expected at least 1")
+    pred = predicted_ratios(fit, cands, batches, sm_count)
+    best = sorted((k for k in pred if k != "default"), key=pred.get)[:keep]
+    return {k: c for k, c in cands.items() if k == "default" or k in best or c.kernel}
+
+
+def load_fit(path) -> CostFit:
+    """A fitted model from a JSON file: `bench/cost_fit.py --json`'s (its "fit+mix", else its "fit"), or one
+    `CostFit` as a dict."""
+    import json
+
+    d = json.loads(Path(path).read_text())
+    if "fits" in d:
+        fits = d["fits"]
+        d = fits.get("fit+mix") or fits.get("fit")
+        if d is None:
+            raise ValueError(f"{path}: its fits hold neither 'fit+mix' nor 'fit'")
+    return CostFit.from_dict(d)
 
 
 def compile_all(cands: dict[str, Candidate], workers: int = 8) -> None:
@@ -172,14 +225,19 @@ def measure(cands: dict[str, Candidate], batches: list[tuple[str, list[int]]], r
 
 
 def tune(db_path, batches: list[tuple[str, list[int]]], workload: str, rounds: int = 5, reps: int = 10,
-         device: str = "cuda") -> TuneResult:
-    """Measure the candidates on `batches`, decide, and record an adopted candidate in the tuning database
-    at `db_path` under this machine's key (its evidence: the workload, every batch's times and ratios)."""
+         device: str = "cuda", fit: CostFit | None = None, keep: int = 2, sm_count: int | None = None) -> TuneResult:
+    """Measure the candidates on `batches` (with `fit`: the finer grid, pruned to `keep` planner candidates
+    first), decide, and record an adopted candidate in the tuning database at `db_path` under this
+    machine's key (its evidence: the workload, every batch's times and ratios)."""
     import meld
 
     from .db import TuningDB, TuningEntry, TuningKey
 
-    cands = candidates(DecodeCost.default())
+    if fit is None:
+        cands = candidates(DecodeCost.default())
+    else:
+        sms = sm_count or torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+        cands = prune(candidates(DecodeCost.default(), FINE_ITEM_OVERHEADS), fit, batches, keep, sms)
     measured = measure(cands, batches, rounds=rounds, reps=reps, device=device)
     geo, adopted = decide(measured)
     result = TuneResult(measured, geo, adopted)
