@@ -31,7 +31,7 @@ import torch
 
 from ..codegen import DecodeKernelConfig
 from ..runtime.cuda_graphs import capture
-from ..scheduler import DecodeCost, Topology, plan_decode
+from ..scheduler import DecodeCost, Topology, plan_decode_host
 from ..workloads import lengths, paged
 from .cost_fit import CostFit, predicted_launch_ns
 
@@ -113,11 +113,11 @@ def predicted_ratios(fit: CostFit, cands: dict[str, Candidate], batches: list[tu
     costs = {k: c for k, c in cands.items() if not c.kernel}
     logs = {k: 0.0 for k in costs}
     for _, lens in batches:
-        L = np.asarray(lens, dtype=np.int64)
-        page_base = np.r_[0, np.cumsum(-(-L // SHAPE["page_size"]))][:-1]
-        t = {k: predicted_launch_ns(fit, plan_decode(L, page_base, SHAPE["num_kv_heads"],
-                                                     SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"],
-                                                     Topology(sm_count), c.cost))
+        pt = paged(lens, SHAPE["page_size"])   # planned by the GPU planner's own source, built for the host
+        t = {k: predicted_launch_ns(fit, plan_decode_host(pt.kv_indptr.numpy(), pt.kv_last_page_len.numpy(),
+                                                          SHAPE["page_size"], SHAPE["num_kv_heads"],
+                                                          SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"],
+                                                          Topology(sm_count), c.cost))
              for k, c in costs.items()}
         for k in costs:
             logs[k] += math.log(t[k] / t["default"])

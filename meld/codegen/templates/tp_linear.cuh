@@ -125,8 +125,8 @@ __device__ __forceinline__ void tp_store_partial(Part* dst, const float (&acc)[A
 // back, so the sum is the same whichever piece merges; the others from memory: `part(k)` is part k's
 // base + 4 ct, laid out as tp_store_partial writes it), converted to bf16 and staged token-major in shared
 // memory [BLOCK_TOKENS][COLS].
-template <class Part>
-__device__ __forceinline__ void tp_sum(Part&& part, int nparts, int mine, float (&acc)[ACC], u16* staged,
+template <class PartAt>
+__device__ __forceinline__ void tp_sum(PartAt&& part, int nparts, int mine, float (&acc)[ACC], u16* staged,
                                        int warp, int lane) {
 #pragma unroll
   for (int i = 0; i < ACC; i += 4) {
