@@ -1,6 +1,7 @@
 """meld.dist on two GPUs of one node (the device tool's nvidia-h200-x2): sequence-parallel decode
-attention through NVLink peer memory, checked on every rank against float64 on fresh random inputs,
-outputs poisoned before each run, repeated launches bit-identical, a CUDA graph replayed after a replan."""
+attention, the row-parallel linear and the expert-parallel MoE, checked on every rank against float64 on
+fresh random inputs, outputs poisoned before each run, repeated launches bit-identical, a CUDA graph
+replayed on new inputs."""
 import math
 
 import pytest
@@ -286,3 +287,125 @@ def test_row_parallel_linear_on_two_gpus_matches_float64(merge, transport, order
     from meld.dist import spawn
 
     spawn(_tp_rank, 2, merge, transport, ordered, partials)
+
+
+# --- expert-parallel MoE -------------------------------------------------------------------------------
+# (H, I, E, top_k, T per rank, routing): sizes off the tiles, a hot expert with empty ones, one token,
+# and the qwen3-30b-a3b shape.
+EP_CASES = [(256, 136, 8, 2, 37, "uniform"), (512, 264, 16, 4, 200, "hot"), (264, 200, 4, 3, 1, "uniform"),
+            (2048, 768, 128, 8, 128, "uniform")]
+
+
+def _ep_inputs(H, I, E, k, T, routing, world, seed):
+    """Every rank's tokens and routing and all experts' weights (the same draw on every rank: the
+    reference is local)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(T, H, generator=g).to(torch.bfloat16) for _ in range(world)]
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / math.sqrt(H)).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / math.sqrt(I)).to(torch.bfloat16)
+    ids, wts = [], []
+    for _ in range(world):
+        score = torch.rand(T, E, generator=g)
+        if routing == "hot":   # expert 1 in almost every token's choice, experts E-2 and E-1 in none
+            score[:, 1] += 0.9
+            score[:, E - 2:] = -1.0
+        ids.append(score.topk(k, dim=1).indices.to(torch.int32))
+        wts.append(torch.rand(T, k, generator=g) + 0.1)
+    return xs, ids, wts, w13, w2
+
+
+def _ep_reference(x, ids, wts, w13, w2):
+    """out[t] = sum_j w[t, j] W2[e] (SiLU(W_gate[e] x[t]) * W_up[e] x[t]), in float64."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        h = x[t] @ w13[e].T
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].T
+        out.index_add_(0, t, y * wts[t, j].double()[:, None])
+    return out
+
+
+def _ep_rank(rank, world):
+    import torch.distributed as dist
+
+    from meld.dist import ExpertParallelMoE
+    from meld.runtime.cuda_graphs import capture
+
+    dev = torch.device("cuda", rank)
+    for i, (H, I, E, k, T, routing) in enumerate(EP_CASES):
+        xs, ids, wts, w13, w2 = _ep_inputs(H, I, E, k, T, routing, world, 500 + i)
+        op = ExpertParallelMoE(H, I, E, k, max_num_tokens=T + 3)
+        mine = slice(op.first_expert, op.first_expert + op.experts_per_rank)
+        x, tid, tw = xs[rank].to(dev), ids[rank].to(dev), wts[rank].to(dev)
+        lw13, lw2 = w13[mine].contiguous().to(dev), w2[mine].contiguous().to(dev)
+        what = f"(H, I, E, k, T) = {(H, I, E, k, T)} {routing}"
+        out = torch.full((T, H), math.nan, dtype=torch.bfloat16, device=dev)
+        torch.cuda.synchronize()
+        dist.barrier()
+        op(x, tw, tid, lw13, lw2, out=out)
+        first = out.clone()
+        for _ in range(3):
+            op(x, tw, tid, lw13, lw2, out=out)
+        torch.cuda.synchronize()
+        assert not first.isnan().any(), f"{what}: unwritten or NaN output on rank {rank}"
+        ref = _ep_reference(xs[rank], ids[rank], wts[rank], w13, w2)
+        err = ((first.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"{what}: relative error {err:.2e} on rank {rank}"
+        assert torch.equal(first, out), f"{what}: calls differ: a race"
+        assert op.errors() == 0
+        if i == 1:
+            # Layers back to back, each read in stream order: no rank writes into a window still being read.
+            layers = [_ep_inputs(H, I, E, k, T, "uniform", world, 600 + j) for j in range(3)]
+            outs = [op(a[rank].to(dev), c[rank].to(dev), b[rank].to(dev), lw13, lw2).clone()
+                    for a, b, c, _, _ in layers]
+            for j, ((a, b, c, _, _), o) in enumerate(zip(layers, outs)):
+                r = _ep_reference(a[rank], b[rank], c[rank], w13, w2)
+                e = ((o.double().cpu() - r).norm() / r.norm()).item()
+                assert e < 1e-2, f"layer {j} of 3 back to back: relative error {e:.2e}"
+            # NaN in, NaN out: a repeated id and one out of range poison their tokens only.
+            bad = tid.clone()
+            bad[3, 1] = bad[3, 0]
+            bad[7, 0] = E
+            got = op(x, tw, bad, lw13, lw2)
+            torch.cuda.synchronize()
+            nan_rows = got.isnan().any(dim=1).nonzero().flatten().tolist()
+            assert nan_rows == [3, 7], f"NaN rows {nan_rows}"
+            assert op.errors() != 0 and op.errors() == 0
+            # Bad input: a clear error naming the argument, nothing launched, the operator usable afterwards.
+            with pytest.raises(ValueError, match="topk_ids"):
+                op(x, tw, tid[:, :1], lw13, lw2)
+            with pytest.raises(ValueError, match="w13"):
+                op(x, tw, tid, w13.to(dev), lw2)
+            with pytest.raises(ValueError, match="max_num_tokens"):
+                op(torch.zeros(T + 4, H, dtype=torch.bfloat16, device=dev), tw, tid, lw13, lw2)
+            with pytest.raises(ValueError, match="same number of tokens"):
+                n = T - 1 - rank
+                op(x[:n], tw[:n], tid[:n], lw13, lw2)
+            assert torch.equal(op(x, tw, tid, lw13, lw2), first)
+            # A captured call, replayed on new inputs.
+            xg, idg, wg = x.clone(), tid.clone(), tw.clone()
+            og = torch.empty_like(out)
+            graph, _ = capture(lambda: op(xg, wg, idg, lw13, lw2, out=og), device=dev)
+            xs2, ids2, wts2, _, _ = _ep_inputs(H, I, E, k, T, "hot", world, 999)
+            xg.copy_(xs2[rank])
+            idg.copy_(ids2[rank])
+            wg.copy_(wts2[rank])
+            og.fill_(math.nan)
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            r2 = _ep_reference(xs2[rank], ids2[rank], wts2[rank], w13, w2)
+            e = ((og.double().cpu() - r2).norm() / r2.norm()).item()
+            assert e < 1e-2, f"graph replay: relative error {e:.2e}"
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def test_expert_parallel_moe_on_two_gpus_matches_float64():
+    """Each rank's tokens through experts split over both GPUs (NVLink peer memory), against float64."""
+    from meld.dist import spawn
+
+    spawn(_ep_rank, 2)

@@ -46,6 +46,9 @@ class MoeKernelConfig:
     profile: bool = False
     watchdog_ms: int = 2000      # a spin gives up after this long: record what it waited for, and trap
     debug_withhold_signal: bool = False   # debug build: row block 0's gemm1 tiles never signal (tests the watchdog)
+    absent_pairs: bool = False   # a precomputed id of -1 is a pair this layer does not serve (an expert-parallel
+                                 # owner's slot served by another rank): skipped, not an error; a token with
+                                 # only such pairs keeps its output row unwritten
 
     def __post_init__(self) -> None:
         if self.block_tokens not in BLOCK_TOKEN_CHOICES:
@@ -83,7 +86,7 @@ class MoeKernelConfig:
     def name(self) -> str:
         return (f"meld_moe_bf16_n{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
-                + ("_withhold" if self.debug_withhold_signal else ""))
+                + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else ""))
 
     def render(self) -> str:
         head = "\n".join([
@@ -98,6 +101,7 @@ class MoeKernelConfig:
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
+            f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),
                           "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",

@@ -256,3 +256,35 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("xring_cap", "i32"),
     Field("watchdog_kernel", "i32"),
 ])
+
+# Expert-parallel MoE: dispatch, return and combine around each rank's MoE launches (templates/ep_moe.cuh,
+# meld/dist/expert_parallel.py).
+EP_PARAMS = ParamStruct("EpParams", [
+    Field("xpeers", "ptr", "char* const*"),      # every rank's symmetric window, as this rank addresses it
+    Field("xexit", "ptr", "unsigned*"),          # the kernel's exit counter (each kernel leaves it at 0)
+    Field("xlaunch", "ptr", "unsigned long long*"),   # calls this rank has finished
+    Field("watchdog", "ptr", "WatchdogRecord*"),
+    Field("watchdog_claim", "ptr", "int*"),
+    Field("x", "ptr", "const u16*"),             # this rank's tokens [T, H]
+    Field("topk_ids", "ptr", "const int*"),      # [T, k], global expert ids
+    Field("topk_w", "ptr", "const float*"),      # [T, k]
+    Field("out", "ptr", "u16*"),                 # [T, H]
+    Field("served", "ptr", "const u16*"),        # the owner's MoE output per received slot [world T k, H]
+    Field("error", "ptr", "int*"),               # set when an id was out of range or repeated
+    Field("x_stride", "i64"),
+    Field("x_started_off", "i64"),               # places in a window, in bytes: u64 per rank: calls started,
+    Field("x_sent_off", "i64"),                  # dispatches landed here, returns landed here;
+    Field("x_back_off", "i64"),
+    Field("x_hdr_off", "i64"),                   # per received slot [world][T k]: the local expert (-1: absent),
+    Field("x_wts_off", "i64"),                   # its weight, its row [H] bf16;
+    Field("x_rows_off", "i64"),
+    Field("x_ret_off", "i64"),                   # per own pair [T k]: its weighted expert output [H] bf16
+    Field("num_tokens", "i32"),
+    Field("hidden", "i32"),
+    Field("top_k", "i32"),
+    Field("num_experts", "i32"),
+    Field("experts_per_rank", "i32"),
+    Field("x_rank", "i32"),
+    Field("x_world", "i32"),
+    Field("watchdog_kernel", "i32"),
+])

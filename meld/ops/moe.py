@@ -220,7 +220,9 @@ class MoE(Operator):
             t = int(rep.nonzero()[0])
             raise ValueError(f"topk_ids[{t}] = {ids[t].tolist()} names an expert twice")
 
-    def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
+    def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out, block_tokens: int | None = None) -> None:
+        """The launches of checked inputs; `block_tokens`: the row block (default: chosen for T tokens routed
+        uniformly; an expert-parallel owner knows its rows better)."""
         T = x.shape[0]
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
@@ -229,7 +231,7 @@ class MoE(Operator):
             topk_w = topk_w.contiguous()
         elif logits.stride(1) != 1:
             logits = logits.contiguous()
-        v = self._variant(block_tokens_for(T, self.top_k, self.num_experts))
+        v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts))
         p = v.params
         p.x, p.x_stride, p.out, p.out_stride, p.num_tokens = x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), T
         if logits is not None:

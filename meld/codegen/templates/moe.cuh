@@ -5,7 +5,8 @@
 // within the capacity the buffers were sized for.
 //
 //   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
-//                     caller's topk_ids / topk_weights, validated); per 32-token block, each expert's
+//                     caller's topk_ids / topk_weights, validated; MELD_ABSENT_PAIRS: an id of -1 is a
+//                     pair this layer does not serve, skipped); per 32-token block, each expert's
 //                     token mask gives the block's count and every pair's rank (deterministic: no order
 //                     of atomics decides a position). The last CTA to finish plans: offsets of every
 //                     expert's rows, row blocks of BLOCK_TOKENS rows, and the ticket order of all tiles.
@@ -192,7 +193,10 @@ __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATT
       }
     }
   }
-  if ((p.tok_need[t] & (POISON - 1)) == 0) {   // no valid pair: nothing will combine it
+  // No valid pair: nothing will combine it. (With absent pairs, a token that had only absent ones is not
+  // this layer's to write: an expert-parallel owner's slot that another rank serves.)
+  const int need = p.tok_need[t];
+  if ((need & (POISON - 1)) == 0 && (!MELD_ABSENT_PAIRS || (need & POISON))) {
     for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
   }
 }
@@ -222,8 +226,8 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
         for (int j2 = 0; j2 < j0 && ok; ++j2) ok = p.topk_ids_in[(i64)t * K + j2] != raw;   // ...or of one before
         if (j >= K) continue;
         const int id = ok ? raw : -1;
-        if (!ok) { poison = 1; atomicOr(p.error, 1); }
-        else { atomicOr(&mask[id], 1u << warp); ++valid; }
+        if (ok) { atomicOr(&mask[id], 1u << warp); ++valid; }
+        else if (!(MELD_ABSENT_PAIRS && raw == -1)) { poison = 1; atomicOr(p.error, 1); }
         own = id;
         p.topk_ids[(i64)t * K + j] = id;
         p.topk_w[(i64)t * K + j] = p.topk_w_in[(i64)t * K + j];

@@ -1,0 +1,52 @@
+"""The expert-parallel MoE's kernels (templates/ep_moe.cuh) compile for sm_90a, the owner's MoE build that
+skips absent pairs compiles, and the symmetric window's regions are aligned and disjoint. (Two GPUs run
+the operator: tests/test_dist_gpu.py; the protocol on emulated ranks: tests/test_dist_emulation.py.)"""
+import shutil
+
+import pytest
+
+from meld.codegen import compile_nvcc
+from meld.codegen.ep_kernel import EP_ENTRIES, EpKernelConfig
+from meld.codegen.moe_kernel import MoeKernelConfig
+from meld.dist.expert_parallel import window_layout
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("cfg", [EpKernelConfig(), EpKernelConfig(watchdog_ms=100)], ids=lambda c: c.name)
+def test_ep_kernels_compile_for_sm90a_without_spills(cfg):
+    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    for entry in EP_ENTRIES:
+        assert f"Compiling entry function '{entry}'" in log
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert spills and all("0 bytes spill stores" in line for line in spills), log
+
+
+@needs_nvcc
+@pytest.mark.parametrize("bt", [16, 128])
+def test_owner_moe_build_with_absent_pairs_compiles(bt):
+    cfg = MoeKernelConfig(block_tokens=bt, absent_pairs=True)
+    assert cfg.name.endswith("_absent") and "#define MELD_ABSENT_PAIRS 1" in cfg.render()
+    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    assert "#define MELD_ABSENT_PAIRS 0" in MoeKernelConfig(block_tokens=bt).render()
+
+
+@pytest.mark.parametrize("T,k,H,world", [(1, 1, 8, 2), (37, 3, 264, 2), (1024, 8, 2048, 2), (5, 2, 64, 8)])
+def test_window_regions_are_aligned_disjoint_and_sized(T, k, H, world):
+    L = window_layout(T, k, H, world)
+    slots = T * k
+    need = {"started": 8 * world, "sent": 8 * world, "back": 8 * world, "hdr": 4 * world * slots,
+            "wts": 4 * world * slots, "rows": 2 * H * world * slots, "ret": 2 * H * slots}
+    spans = sorted((L[n], L[n] + size) for n, size in need.items())
+    assert all(L[n] % 256 == 0 for n in need)
+    assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:])), spans
+    assert spans[-1][1] <= L["nbytes"]
+
+
+def test_ep_kernel_config_rejects_a_bad_watchdog():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="watchdog_ms"):
+            EpKernelConfig(watchdog_ms=bad)
