@@ -8,6 +8,14 @@ whole batch ("1 GPU"); and the single-GPU kernel on each GPU's parts alone, no e
 the floor). Times: CUDA-graph replays per rank (bench/harness.py's timer, L2 flushed), the
 slowest rank's median. Correctness: every rank's first output (poisoned before) against float64.
 
+(b) Expert-parallel MoE (`ExpertParallelMoE`, `--op ep`): qwen3-30b-a3b's experts split over the GPUs, each
+with its own T tokens; rows to their experts' GPUs through NVLink peer memory, each GPU's MoE kernels over
+what it received, rows back, combined in choice order. Baselines in the same run, each NCCL
+`all_to_all_single` + a grouped GEMM + `all_to_all_single` back + a weighted sum: with exact splits (read on
+the host, so eager), and padded to T k rows per pair of ranks (no host synchronisation: CUDA graphs), its
+grouped GEMM torch's or meld.MoE's (what the fusion alone buys). Correctness:
+every pipeline against float64.
+
 (c) The row-parallel linear with its all-reduce fused per tile (`RowParallelLinear`, `--op tp`): each
 rank's x_r [M, K/world] @ W_r.T, every partial tile sent to every rank through NVLink peer memory as
 soon as it is computed and each rank's output summed from them (`--merge owner`: summed at the tile's
@@ -15,6 +23,7 @@ owner and written to every rank). Baseline in the same run: `torch.matmul` +
 NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communication's).
 
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
+    python3 bench/dist.py --op ep [--tokens 1 16 128 1024 4096]
     python3 bench/dist.py --op tp [--tokens 1 16 128 1024 4096] [--merge owner every_rank] [--partials bfloat16 float32]
 """
 from __future__ import annotations
@@ -307,6 +316,167 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
             Path(out_json).write_text(json.dumps(dict(peer_copy_gbs=ceiling, rows=rows), indent=1))
 
 
+def _to_ranks(ids, experts_per_rank: int):
+    """The pairs sorted by their expert's rank (stable): the order, each pair's rank and local expert id."""
+    flat = ids.flatten().long()
+    dest = flat // experts_per_rank
+    order = torch.argsort(dest, stable=True)
+    return order, dest[order], flat[order] % experts_per_rank
+
+
+def _combine(back, order, wts, T: int, k: int):
+    """out[t] = sum of its pairs' expert rows times their weights (float32, then bf16)."""
+    contrib = back.float() * wts.flatten()[order, None]
+    return torch.zeros(T, back.shape[1], dtype=torch.float32, device=back.device).index_add_(
+        0, order // k, contrib).to(back.dtype)
+
+
+def unfused_ep_moe(x, ids, wts, w13, w2, experts_per_rank: int):
+    """The unfused expert-parallel MoE with exact splits: counts exchanged and read on the host (NCCL's
+    all_to_all_single takes the splits as ints, so this path cannot be captured), rows to their ranks by
+    all_to_all, this rank's experts by torch's grouped GEMM, rows back by all_to_all, weighted sum."""
+    import torch.distributed as dist
+
+    from meld.serving.torch_moe import torch_grouped_mm_moe
+
+    T, k = ids.shape
+    order, dest, eid = _to_ranks(ids, experts_per_rank)
+    send = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=x.device).scatter_add_(
+        0, dest, torch.ones_like(dest))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    sc, rc = send.tolist(), recv.tolist()
+    rows = torch.empty(sum(rc), x.shape[1], dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(rows, x[order // k], rc, sc)
+    reid = torch.empty(sum(rc), dtype=torch.int64, device=x.device)
+    dist.all_to_all_single(reid, eid, rc, sc)
+    ones = torch.ones(len(reid), 1, dtype=torch.float32, device=x.device)
+    y = torch_grouped_mm_moe(rows, w13, w2, None, 1, routing=(ones, reid[:, None]))
+    back = torch.empty(T * k, x.shape[1], dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(back, y, sc, rc)
+    return _combine(back, order, wts, T, k)
+
+
+def padded_ep_moe(x, ids, wts, w13, w2, experts_per_rank: int, group_moe=None):
+    """The unfused expert-parallel MoE without a host synchronisation (CUDA-graph capturable): every rank
+    sends every other a block of T k rows (as many as could go there), filled from the start; all_to_all
+    with equal splits; this rank's experts over the received rows by torch's grouped GEMM (padding sorted
+    last, outside every group), or by `group_moe` (a meld.MoE that skips absent pairs); all_to_all back;
+    each pair's row read from its block; weighted sum."""
+    import torch.distributed as dist
+
+    from meld.serving.torch_moe import grouped_mm
+
+    T, k = ids.shape
+    world, H, El, C = dist.get_world_size(), x.shape[1], experts_per_rank, T * k
+    order, dest, eid = _to_ranks(ids, El)
+    counts = torch.zeros(world, dtype=torch.int64, device=x.device).scatter_add_(0, dest, torch.ones_like(dest))
+    slot = dest * C + torch.arange(C, device=x.device) - (counts.cumsum(0) - counts)[dest]
+    send = torch.zeros(world * C, H, dtype=x.dtype, device=x.device)
+    send[slot] = x[order // k]
+    send_eid = torch.full((world * C,), -1, dtype=torch.int64, device=x.device)
+    send_eid[slot] = eid
+    rows, reid = torch.empty_like(send), torch.empty_like(send_eid)
+    dist.all_to_all_single(rows, send)
+    dist.all_to_all_single(reid, send_eid)
+    if group_moe is None:
+        key = torch.where(reid < 0, El, reid)
+        o2 = torch.argsort(key, stable=True)
+        offs = torch.zeros(El + 1, dtype=torch.int32, device=x.device).scatter_add_(
+            0, key, torch.ones_like(key, dtype=torch.int32))[:El].cumsum(0, dtype=torch.int32)
+        inter = w2.shape[-1]
+        gu = grouped_mm(rows[o2], w13.transpose(1, 2), offs)
+        ys = grouped_mm(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], w2.transpose(1, 2), offs)
+        y = torch.empty_like(rows)
+        y[o2] = ys
+    else:
+        ones = torch.ones(len(reid), 1, dtype=torch.float32, device=x.device)
+        y = group_moe(rows, None, w13, w2, topk_weights=ones, topk_ids=reid[:, None])
+    back = torch.empty_like(y)
+    dist.all_to_all_single(back, y)
+    return _combine(back[slot], order, wts, T, k)
+
+
+def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None) -> None:
+    import torch.distributed as dist
+
+    import meld
+    from bench.harness import eager_time_us, graph_time_us
+    from bench.moe import SHAPES, make_weights, reference_moe, router_logits
+    from meld.codegen.moe_kernel import MoeKernelConfig
+    from meld.dist import ExpertParallelMoE
+    from meld.serving.torch_moe import topk_route
+
+    dev = torch.device("cuda", rank)
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    for _ in range(200):   # clocks up before the first case is timed
+        a @ a
+    torch.cuda.synchronize()
+
+    def slowest(t: float) -> float:
+        v = torch.tensor([t], device=dev)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return v.item()
+
+    rows = []
+    shape = SHAPES["qwen3-30b-a3b"]
+    E, k = shape.experts, shape.top_k
+    El = E // world
+    w13, w2 = make_weights(shape, 0, dev)   # every expert on every rank: the reference is local
+    mine = slice(rank * El, (rank + 1) * El)
+    lw13, lw2 = w13[mine].contiguous(), w2[mine].contiguous()
+    op = ExpertParallelMoE(shape.hidden, shape.inter, E, k, max_num_tokens=max(tokens))
+    group_moe = meld.MoE(shape.hidden, shape.inter, El, 1, max_num_tokens=world * max(tokens) * k, device=dev,
+                         renormalize=False, kernel_config=MoeKernelConfig(absent_pairs=True))
+    for T in tokens:
+        logits = router_logits(shape, T, "uniform", seed=1 + rank).to(dev)   # each rank its own tokens
+        wts, ids = topk_route(logits, k, True)
+        ids = ids.to(torch.int32)
+        x = torch.randn(T, shape.hidden, generator=torch.Generator(device=dev).manual_seed(11 + rank), device=dev,
+                        dtype=torch.bfloat16)
+        out = torch.full((T, shape.hidden), math.nan, dtype=torch.bfloat16, device=dev)
+        torch.cuda.synchronize()
+        dist.barrier()
+        op(x, wts, ids, lw13, lw2, out=out)
+        outs = {"exact": lambda: unfused_ep_moe(x, ids, wts, lw13, lw2, El),
+                "padded": lambda: padded_ep_moe(x, ids, wts, lw13, lw2, El),
+                "padded meld.MoE": lambda: padded_ep_moe(x, ids, wts, lw13, lw2, El, group_moe)}
+        got = {name: f() for name, f in outs.items()}
+        torch.cuda.synchronize()
+        ref = reference_moe(x, w13, w2, logits, k, True)
+        errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (out, *got.values())]
+        del ref
+        if any(math.isnan(e) for e in errs) or max(errs) > 1e-2:
+            raise AssertionError(f"T={T} rank {rank}: relative errors (meld, {', '.join(outs)}) {errs}")
+        dist.barrier()
+        t_meld = slowest(graph_time_us(lambda: op(x, wts, ids, lw13, lw2, out=out), reps=reps).median_us)
+        dist.barrier()
+        t_meld_eager = slowest(eager_time_us(lambda: op(x, wts, ids, lw13, lw2, out=out), reps=reps).median_us)
+        t = {}
+        for name, f in outs.items():
+            dist.barrier()
+            timer = eager_time_us if name == "exact" else graph_time_us
+            t[name] = slowest(timer(f, reps=reps).median_us)
+        # bytes this rank sends over NVLink: its rows to the other rank's experts, and their outputs back
+        crossing = int(((ids.long() // El) != rank).sum())
+        sent = 2 * crossing * shape.hidden * 2
+        rows.append(dict(shape=shape.name, T=T, err=max(errs), meld_us=t_meld, meld_eager_us=t_meld_eager,
+                         exact_eager_us=t["exact"], padded_us=t["padded"], padded_meld_moe_us=t["padded meld.MoE"],
+                         nvlink_gbs=sent / t_meld / 1e3))
+        dist.barrier()
+    if rank == 0:
+        print(f"expert-parallel MoE, {shape.name} (E={E}, top {k}, {El} experts per GPU), {world} GPUs, bf16, uniform "
+              "routing; T tokens per GPU; median µs, slowest rank; CUDA-graph replays except where eager")
+        print("T | max rel err | meld | meld eager | exact a2a + grouped_mm + a2a (eager) | padded a2a + grouped_mm + a2a | "
+              "padded a2a + meld.MoE + a2a | exact/meld | padded/meld | padded meld.MoE/meld | meld NVLink GB/s per rank")
+        for r in rows:
+            print(f"{r['T']} | {r['err']:.1e} | {r['meld_us']:.1f} | {r['meld_eager_us']:.1f} | {r['exact_eager_us']:.1f} | "
+                  f"{r['padded_us']:.1f} | {r['padded_meld_moe_us']:.1f} | {r['exact_eager_us'] / r['meld_us']:.2f} | "
+                  f"{r['padded_us'] / r['meld_us']:.2f} | {r['padded_meld_moe_us'] / r['meld_us']:.2f} | {r['nvlink_gbs']:.0f}")
+        if out_json:
+            Path(out_json).write_text(json.dumps(dict(rows=rows), indent=1))
+
+
 def main() -> None:
     from meld.dist import spawn
 
@@ -316,8 +486,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json")
     ap.add_argument("--no-proxy", action="store_true", help="skip the proxy transport")
-    ap.add_argument("--op", choices=("decode", "tp"), default="decode")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096], help="--op tp: rows M")
+    ap.add_argument("--op", choices=("decode", "tp", "ep"), default="decode")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096],
+                    help="--op tp: rows M; --op ep: tokens per GPU")
     ap.add_argument("--merge", nargs="+", default=["every_rank"], choices=["owner", "every_rank"],
                     help="--op tp: how tiles merge (TpKernelConfig.merge), each measured")
     ap.add_argument("--partials", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
@@ -325,7 +496,9 @@ def main() -> None:
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
-    if a.op == "tp":
+    if a.op == "ep":
+        spawn(_ep_rank, a.world, a.tokens, a.reps, a.json)
+    elif a.op == "tp":
         spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials)
     else:
         spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
