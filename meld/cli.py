@@ -10,7 +10,8 @@ same schedule on the CPU reference executor. Either way the result is checked ag
 batches (or on batches MELD_RECORD recorded), print the before/after table, and record a candidate that
 wins beyond the noise in the tuning database (--db, or MELD_TUNING_DB); with `--fit FILE` (a fitted cost
 model) the planner constants are searched on a finer grid and only the `--keep` the model predicts fastest
-are measured. `meld tune --show`: what the database holds and whether each entry applies here.
+are measured; `--sweep` (with --fit) also sweeps that whole space and compares, recording nothing. `meld tune
+--show`: what the database holds and whether each entry applies here.
 
 `meld serve-bench`: a continuous-batching decode loop (meld.serving) on a log-normal request trace, per
 attention backend: tokens/s, step latency p50/p99, attention's share of the step, and with --check the
@@ -229,11 +230,14 @@ def _workload(text: str) -> str:
 
 
 def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, rounds: int,
-             device: str | None, fit_path: Path | None = None, keep: int = 2) -> int:
+             device: str | None, fit_path: Path | None = None, keep: int = 2, sweep: bool = False) -> int:
     from meld.tuning.db import TuningDB
-    from meld.tuning.tune import bench_batches, load_fit, recorded_batches, table, tune
+    from meld.tuning.tune import bench_batches, load_fit, recorded_batches, sweep_report, table, tune
+    from meld.tuning.tune import sweep as sweep_compare
 
-    path = _db_path(parser, db)
+    if sweep and fit_path is None:
+        parser.error("argument --sweep: needs --fit (the sweep is compared with the search a fitted model prunes)")
+    path = None if sweep else _db_path(parser, db)   # a sweep records nothing
     try:
         batches = bench_batches() if workload == "bench" else recorded_batches(workload[len("recorded:"):])
     except ValueError as e:
@@ -249,6 +253,11 @@ def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, ro
     device = _device(parser, device or "cuda")
     if device == "cpu":
         parser.error("argument --device: tuning measures on a GPU, not the CPU")
+    if sweep:
+        compared = sweep_compare(batches, fit, rounds=rounds, device=device, keep=keep)
+        print(table(compared.pruned))
+        print(sweep_report(compared))
+        return 0
     try:
         TuningDB.load(path)   # a damaged database fails before any measurement
     except ValueError as e:
@@ -322,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     tu.add_argument("--fit", type=Path, help="a fitted cost model (bench/cost_fit.py --json): search the planner "
                                             "constants on a finer grid and measure only those it predicts fastest")
     tu.add_argument("--keep", type=_int_in(0, 100), default=2, help="with --fit: planner candidates measured")
+    tu.add_argument("--sweep", action="store_true", help="with --fit: also measure every candidate of the space the "
+                                                         "search prunes and compare the two (records nothing)")
     from meld.serving import cli as serving_cli   # argparse, torch and NumPy only: no TVM, no kernels
 
     sb = serving_cli.add_parser(sub)
@@ -330,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         return serving_cli.serve_bench(sb, args, _device(sb, args.device))
     if args.cmd == "tune":
         return tune_show(tu, args.db) if args.show else tune_run(tu, args.db, args.workload, args.rounds, args.device,
-                                                                 args.fit, args.keep)
+                                                                 args.fit, args.keep, args.sweep)
     if args.cmd == "timeline":
         return timeline(t, args.trace, args.output, args.width, args.row_height)
     device = _device(d, args.device)

@@ -7,22 +7,29 @@ the kernels of all candidates compile at once, on a thread pool, before anything
 the workload is planned by every candidate and run from its own CUDA graph. Rounds replay the candidates in a shuffled order,
 each replay after a read of a buffer larger than L2 (a cold L2, as a decode step finds it) and timed by
 CUDA events. Per batch, a candidate's time ratio against the default is the median of its replays over
-the default's, with a 95% bootstrap interval (replays resampled). A candidate is adopted when it is
-faster beyond the noise on at least one batch (the interval's upper end below 1) and slower beyond it on
-none (no interval's lower end above 1), with the best geometric mean among such candidates; otherwise the
-default stays.
+the default's, with a 95% bootstrap interval (replays resampled); in a search, a candidate already slower
+beyond that noise after a round is not replayed on the batch again (racing: it can no longer be adopted).
+A candidate is adopted when it is faster beyond the noise on at least one batch (the interval's upper end
+below 1) and slower beyond it on none (no interval's lower end above 1), with the best geometric mean
+among such candidates; otherwise the default stays.
 
 With a fitted cost model (`meld.tuning.cost_fit`, e.g. `bench/cost_fit.py --json`'s), the planner
 constants are searched on a finer grid and pruned before anything runs: each batch is planned on the host
 by every cost candidate, the fit predicts each plan's slowest CTA, and only the `keep` candidates it
 predicts fastest (by geometric mean over the batches) are measured, beside the default and the kernel
 variants (which the fit knows nothing of).
+
+`sweep` checks the pruning against the exhaustive sweep of the same space (every cost of the finer grid
+with every kernel, every candidate replayed every round): how close the pruned search's choice comes to
+the sweep's fastest, measured in the sweep's own run, and what share of the sweep's time it takes (the
+issue's acceptance row: within 2%, in at most 10%).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +98,10 @@ class Candidate:
 KERNEL_VARIANTS = ({"num_stages": 3}, {"tma": True}, {"num_warps": 4, "num_stages": 4})
 
 
+def _kernel_name(kernel: dict) -> str:
+    return ",".join(f"{f}={v}" for f, v in kernel.items())
+
+
 def candidates(default: DecodeCost, item_overheads=(64, 96, 192, 256), kernels=KERNEL_VARIANTS) -> dict[str, Candidate]:
     """The default, one candidate per item overhead (the constant the fit finds furthest off), and one per
     kernel variant with the default cost."""
@@ -99,11 +110,21 @@ def candidates(default: DecodeCost, item_overheads=(64, 96, 192, 256), kernels=K
         if v != default.item_overhead_tokens:
             out[f"item_overhead_tokens={v}"] = Candidate(dataclasses.replace(default, item_overhead_tokens=v))
     for k in kernels:
-        out[",".join(f"{f}={v}" for f, v in k.items())] = Candidate(default, dict(k))
+        out[_kernel_name(k)] = Candidate(default, dict(k))
     return out
 
 
 FINE_ITEM_OVERHEADS = tuple(range(32, 257, 16))   # the grid a fitted model prunes
+
+
+def sweep_candidates(default: DecodeCost) -> dict[str, Candidate]:
+    """The space the pruned search samples, whole: every cost of the finer grid (and the default's) with
+    the default kernel and with each kernel variant. Named as `candidates` names their parts, joined
+    ("item_overhead_tokens=80,num_stages=3"), so that a candidate of the pruned search has the same name
+    here and its time in the sweep can be looked up."""
+    costs = candidates(default, FINE_ITEM_OVERHEADS, kernels=())
+    return {",".join(n for n in (cost_name, _kernel_name(k)) if n and n != "default") or "default":
+            Candidate(c.cost, dict(k)) for k in ({}, *KERNEL_VARIANTS) for cost_name, c in costs.items()}
 
 
 def predicted_ratios(fit: CostFit, cands: dict[str, Candidate], batches: list[tuple[str, list[int]]],
@@ -176,10 +197,18 @@ def decide(batches: list[BatchResult]) -> tuple[dict[str, float], str | None]:
     return geo, min(ok, key=geo.get) if ok else None
 
 
+def racing(samples: dict[str, list[float]], names: list[str]) -> list[str]:
+    """The candidates still worth replaying on a batch after a round: the default, and every one not yet
+    slower than it beyond the noise (its interval's lower end above 1 — `decide` never adopts such a one)."""
+    base = np.array(samples["default"])
+    return [n for n in names if n == "default" or bootstrap_ratio(base, np.array(samples[n]), n=500)[1] <= 1.0]
+
+
 def measure(cands: dict[str, Candidate], batches: list[tuple[str, list[int]]], rounds: int = 5, reps: int = 10,
-            device: str = "cuda", seed: int = 0) -> list[BatchResult]:
+            device: str = "cuda", seed: int = 0, race: bool = False) -> list[BatchResult]:
     """Each (name, KV lengths) batch of BENCH's shape, planned and run by every candidate, timed (module
-    docstring)."""
+    docstring). `race`: after each round, stop replaying a batch's candidates that are already slower than
+    the default beyond the noise (`racing`); their ratios then rest on fewer replays."""
     import meld
 
     compile_all(cands)
@@ -216,6 +245,8 @@ def measure(cands: dict[str, Candidate], batches: list[tuple[str, list[int]]], r
                     events.append((e0, e1))
                 torch.cuda.synchronize(dev)
                 samples[name] += [e0.elapsed_time(e1) * 1e3 for e0, e1 in events]
+            if race:
+                order = racing(samples, order)
         base = np.array(samples["default"])
         results.append(BatchResult(batch_name, {k: float(np.median(v)) for k, v in samples.items()},
                                    {k: bootstrap_ratio(base, np.array(v)) for k, v in samples.items()}))
@@ -224,23 +255,30 @@ def measure(cands: dict[str, Candidate], batches: list[tuple[str, list[int]]], r
     return results
 
 
-def tune(db_path, batches: list[tuple[str, list[int]]], workload: str, rounds: int = 5, reps: int = 10,
-         device: str = "cuda", fit: CostFit | None = None, keep: int = 2, sm_count: int | None = None) -> TuneResult:
-    """Measure the candidates on `batches` (with `fit`: the finer grid, pruned to `keep` planner candidates
-    first), decide, and record an adopted candidate in the tuning database at `db_path` under this
-    machine's key (its evidence: the workload, every batch's times and ratios)."""
-    import meld
-
-    from .db import TuningDB, TuningEntry, TuningKey
-
+def search(batches: list[tuple[str, list[int]]], rounds: int = 5, reps: int = 10, device: str = "cuda",
+           fit: CostFit | None = None, keep: int = 2,
+           sm_count: int | None = None) -> tuple[dict[str, Candidate], TuneResult]:
+    """The candidates (with `fit`: the finer grid, pruned to `keep` planner candidates first), measured on
+    `batches` and decided: `tune` without the database, which `sweep` times."""
     if fit is None:
         cands = candidates(DecodeCost.default())
     else:
         sms = sm_count or torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
         cands = prune(candidates(DecodeCost.default(), FINE_ITEM_OVERHEADS), fit, batches, keep, sms)
-    measured = measure(cands, batches, rounds=rounds, reps=reps, device=device)
-    geo, adopted = decide(measured)
-    result = TuneResult(measured, geo, adopted)
+    measured = measure(cands, batches, rounds=rounds, reps=reps, device=device, race=True)
+    return cands, TuneResult(measured, *decide(measured))
+
+
+def tune(db_path, batches: list[tuple[str, list[int]]], workload: str, rounds: int = 5, reps: int = 10,
+         device: str = "cuda", fit: CostFit | None = None, keep: int = 2, sm_count: int | None = None) -> TuneResult:
+    """`search`, and record an adopted candidate in the tuning database at `db_path` under this machine's
+    key (its evidence: the workload, every batch's times and ratios)."""
+    import meld
+
+    from .db import TuningDB, TuningEntry, TuningKey
+
+    cands, result = search(batches, rounds, reps, device, fit, keep, sm_count)
+    geo, adopted, measured = result.geomean, result.adopted, result.batches
     if adopted is not None:
         op = meld.DecodeAttention(*SHAPE.values(), torch.bfloat16, device)
         key = TuningKey.here(op.graph.name, "bfloat16", op.shape_bucket, op.device)
@@ -269,3 +307,79 @@ def table(result: TuneResult) -> str:
     lines.append(" | ".join(["geomean", "1"] + [f"{result.geomean[n]:.3f}" for n in names if n != "default"]))
     lines.append(f"adopted: {result.adopted or 'none (the default stays)'}")
     return "\n".join(lines)
+
+
+QUALITY_MAX, TIME_MAX = 1.02, 0.10   # the acceptance row: within 2% of the sweep's fastest, in <= 10% of its time
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """The pruned search against the exhaustive sweep of the same space, on the same batches."""
+
+    pruned: TuneResult
+    swept: list[BatchResult]
+    geomean: dict[str, float]   # per sweep candidate, the default's 1 included
+    tuned: str                  # what the pruned search adopted, or "default"
+    best: str                   # the sweep's fastest by geometric mean
+    pruned_s: float             # wall times, each with the same kernels compiled and the GPU started before
+    sweep_s: float
+    warmup_s: float             # that compiling and starting, done once before both
+
+    @property
+    def quality(self) -> float:
+        """The tuned candidate's geometric mean over the fastest's, both as the sweep measured them (the
+        pruned run's own numbers are of another run, with other noise)."""
+        return self.geomean[self.tuned] / self.geomean[self.best]
+
+    @property
+    def time_ratio(self) -> float:
+        return self.pruned_s / self.sweep_s
+
+    @property
+    def passed(self) -> bool:
+        return self.quality <= QUALITY_MAX and self.time_ratio <= TIME_MAX
+
+
+def summarize(pruned: TuneResult, swept: list[BatchResult], pruned_s: float, sweep_s: float,
+              warmup_s: float) -> SweepResult:
+    """The comparison of a pruned search and a sweep already measured and timed."""
+    geo = {"default": 1.0, **decide(swept)[0]}
+    tuned = pruned.adopted or "default"
+    if tuned not in geo:
+        raise ValueError(f"the pruned search adopted {tuned!r}, which the sweep did not measure")
+    return SweepResult(pruned, swept, geo, tuned, min(geo, key=geo.get), pruned_s, sweep_s, warmup_s)
+
+
+def sweep(batches: list[tuple[str, list[int]]], fit: CostFit, rounds: int = 5, reps: int = 10, device: str = "cuda",
+          keep: int = 2, sm_count: int | None = None) -> SweepResult:
+    """The pruned search (`search`, as `tune` runs it; nothing recorded) and the exhaustive sweep of
+    `sweep_candidates`, each timed by the wall clock, compile and planning included. Before both, every
+    kernel of the space is compiled (the two need the same four) and the GPU runs one captured launch (its
+    context, the first module loads), so that neither run pays a one-time cost the other does not."""
+    space = sweep_candidates(DecodeCost.default())
+    t0 = time.perf_counter()
+    compile_all(space)
+    measure({"default": space["default"]}, batches[:1], rounds=1, reps=1, device=device)
+    t1 = time.perf_counter()
+    _, pruned = search(batches, rounds, reps, device, fit, keep, sm_count)
+    t2 = time.perf_counter()
+    swept = measure(space, batches, rounds=rounds, reps=reps, device=device)
+    t3 = time.perf_counter()
+    return summarize(pruned, swept, t2 - t1, t3 - t2, t1 - t0)
+
+
+def sweep_report(r: SweepResult) -> str:
+    """The comparison in a few lines, each check with its threshold and verdict."""
+    def verdict(ok: bool) -> str:
+        return "pass" if ok else "FAIL"
+
+    rank = sorted(r.geomean, key=r.geomean.get).index(r.tuned) + 1
+    return "\n".join([
+        f"sweep: {len(r.geomean)} candidates on {len(r.swept)} batches; fastest {r.best} at "
+        f"{r.geomean[r.best]:.4f} of the default (geometric mean)",
+        f"tuned: {r.tuned} at {r.geomean[r.tuned]:.4f} in the sweep (rank {rank} of {len(r.geomean)}): "
+        f"{r.quality:.4f} of the fastest (<= {QUALITY_MAX}: {verdict(r.quality <= QUALITY_MAX)})",
+        f"time: pruned search {r.pruned_s:.1f} s, sweep {r.sweep_s:.1f} s: {r.time_ratio:.4f} of the sweep's "
+        f"(<= {TIME_MAX}: {verdict(r.time_ratio <= TIME_MAX)}); before both, compiling the kernels and a first "
+        f"launch: {r.warmup_s:.1f} s",
+        f"acceptance row: {verdict(r.passed)}"])
