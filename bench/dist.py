@@ -226,6 +226,23 @@ def peer_copy_gbs(dev: torch.device, nbytes: int = 256 << 20, reps: int = 10) ->
     return nbytes / v.item() / 1e3
 
 
+def _warm_rank(dev: torch.device):
+    """Runs matmuls until the clocks are up (before the first case is timed); returns `slowest`: a time's
+    maximum over the ranks."""
+    import torch.distributed as dist
+
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    for _ in range(200):
+        a @ a
+    torch.cuda.synchronize()
+
+    def slowest(t: float) -> float:
+        v = torch.tensor([t], device=dev)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return v.item()
+    return slowest
+
+
 def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str],
              partials: list[str]) -> None:
     import torch.distributed as dist
@@ -235,15 +252,7 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     from meld.dist import RowParallelLinear
 
     dev = torch.device("cuda", rank)
-    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
-    for _ in range(200):   # clocks up before the first case is timed
-        a @ a
-    torch.cuda.synchronize()
-
-    def slowest(t: float) -> float:
-        v = torch.tensor([t], device=dev)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        return v.item()
+    slowest = _warm_rank(dev)
 
     ceiling = peer_copy_gbs(dev)
     rows = []
@@ -408,15 +417,7 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     from meld.serving.torch_moe import topk_route
 
     dev = torch.device("cuda", rank)
-    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
-    for _ in range(200):   # clocks up before the first case is timed
-        a @ a
-    torch.cuda.synchronize()
-
-    def slowest(t: float) -> float:
-        v = torch.tensor([t], device=dev)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        return v.item()
+    slowest = _warm_rank(dev)
 
     rows = []
     shape = SHAPES["qwen3-30b-a3b"]

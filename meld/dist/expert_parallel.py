@@ -27,9 +27,8 @@ from ..ops.base import Operator
 from ..ops.checks import check_positive, expect, plain, resolve_device
 from ..ops.moe import MoE
 from ..ops.moe_graph import moe_graph
-from .seq_parallel import SymmetricWindow
+from .seq_parallel import SymmetricWindow, pack_regions
 
-_ALIGN = 256
 MAX_TOP_K = 32            # a warp's lanes hold a token's pairs (templates/ep_moe.cuh)
 
 
@@ -40,12 +39,7 @@ def window_layout(max_tokens: int, top_k: int, hidden: int, world: int) -> dict[
     slots = max_tokens * top_k
     sizes = {"started": 8 * world, "sent": 8 * world, "back": 8 * world, "hdr": 4 * world * slots,
              "wts": 4 * world * slots, "rows": 2 * hidden * world * slots, "ret": 2 * hidden * slots}
-    offsets, at = {}, 0
-    for name, size in sizes.items():
-        offsets[name] = at
-        at += -(-size // _ALIGN) * _ALIGN
-    offsets["nbytes"] = at
-    return offsets
+    return pack_regions(sizes)
 
 
 def _describe(unit: int) -> str:

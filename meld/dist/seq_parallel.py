@@ -33,6 +33,16 @@ from .shard import ShardPlan, shard_batch
 _ALIGN = 256
 
 
+def pack_regions(sizes: dict[str, int]) -> dict[str, int]:
+    """Byte offsets of a symmetric window's regions, in order, each at a 256-byte boundary (16-byte vector
+    and TMA alignment, and no two regions' counters in one line); "nbytes": the window's size."""
+    offsets, at = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = at
+        at += -(-size // _ALIGN) * _ALIGN
+    return {**offsets, "nbytes": at}
+
+
 @dataclass(frozen=True)
 class WindowLayout:
     """Byte offsets in a rank's symmetric window: the output rows and lse every rank receives, the float
@@ -51,14 +61,10 @@ class WindowLayout:
 
     @staticmethod
     def of(max_batch: int, world: int, num_qo_heads: int, head_dim: int, units_per_request: int) -> "WindowLayout":
-        sizes = [max_batch * num_qo_heads * head_dim * 2, max_batch * num_qo_heads * 4,
-                 max_batch * world * num_qo_heads * head_dim * 4, max_batch * world * num_qo_heads * 4,
-                 max_batch * units_per_request * 8, 8 * world, 8 * world]
-        offsets, at = [], 0
-        for n in sizes:
-            offsets.append(at)
-            at += -(-n // _ALIGN) * _ALIGN
-        return WindowLayout(*offsets, at)
+        return WindowLayout(**pack_regions({
+            "out": max_batch * num_qo_heads * head_dim * 2, "lse": max_batch * num_qo_heads * 4,
+            "part_o": max_batch * world * num_qo_heads * head_dim * 4, "part_lse": max_batch * world * num_qo_heads * 4,
+            "counts": max_batch * units_per_request * 8, "landed": 8 * world, "started": 8 * world}))
 
 
 class SymmetricWindow:

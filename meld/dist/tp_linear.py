@@ -24,9 +24,8 @@ import torch
 from ..ops.base import Operator
 from ..ops.checks import check_positive, expect, resolve_device
 from ..ops.tp_linear_graph import tp_linear_graph
-from .seq_parallel import SymmetricWindow
+from .seq_parallel import SymmetricWindow, pack_regions
 
-_ALIGN = 256
 
 
 def _window_layout(max_tokens: int, n: int, world: int, sm_count: int) -> dict[str, int]:
@@ -39,12 +38,7 @@ def _window_layout(max_tokens: int, n: int, world: int, sm_count: int) -> dict[s
     sizes = {"out": max_tokens * n * 2, "part": TpSchedule.max_partial_floats(max_tokens, n, sm_count) * world * 4,
              "count": -(-n // 64) * -(-max_tokens // 8) * 8, "landed": 8, "started": 8 * world,
              "signal": 8 * world * 2 * sm_count}
-    offsets, at = {}, 0
-    for name, size in sizes.items():
-        offsets[name] = at
-        at += -(-size // _ALIGN) * _ALIGN
-    offsets["nbytes"] = at
-    return offsets
+    return pack_regions(sizes)
 
 
 def _describe_tile(shape: dict):
