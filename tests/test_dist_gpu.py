@@ -41,13 +41,15 @@ def _check(op, pb, kv, q, out, lse, what):
         assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3, what
 
 
-def _sync(op):
-    """Wait for the device; a failed kernel is reported with the watchdog's record and the proxy's state."""
+def _sync(op, fn=lambda: None):
+    """Run fn and wait for the device; a failed kernel is reported with the watchdog's record and the proxy's
+    state."""
     from meld.runtime import watchdog
 
     try:
+        fn()
         torch.cuda.synchronize(op.device)
-    except RuntimeError as e:
+    except Exception as e:   # (a fault surfaces in the next CUDA call: a module load raises CudaError)
         proxy = op.proxy and f"; proxy landed {op.proxy.landed_ops} ops, error {op.proxy.error!r}"
         wd = watchdog.for_device(op.device)
         raise AssertionError(f"rank {op.rank}: {e}; {wd.message() if wd.tripped() else 'no watchdog record'}"
@@ -327,16 +329,18 @@ def _ep_reference(x, ids, wts, w13, w2):
     return out
 
 
-def _ep_rank(rank, world):
+def _ep_rank(rank, world, transport, ordered):
     import torch.distributed as dist
 
+    from meld.codegen.ep_kernel import EpKernelConfig
     from meld.dist import ExpertParallelMoE
     from meld.runtime.cuda_graphs import capture
 
     dev = torch.device("cuda", rank)
     for i, (H, I, E, k, T, routing) in enumerate(EP_CASES):
         xs, ids, wts, w13, w2 = _ep_inputs(H, I, E, k, T, routing, world, 500 + i)
-        op = ExpertParallelMoE(H, I, E, k, max_num_tokens=T + 3)
+        op = ExpertParallelMoE(H, I, E, k, max_num_tokens=T + 3, kernel_config=EpKernelConfig(transport=transport),
+                               ordered=ordered, chunk_bytes=1000)   # (the proxy: chunks that do not divide rows)
         mine = slice(op.first_expert, op.first_expert + op.experts_per_rank)
         x, tid, tw = xs[rank].to(dev), ids[rank].to(dev), wts[rank].to(dev)
         lw13, lw2 = w13[mine].contiguous().to(dev), w2[mine].contiguous().to(dev)
@@ -344,7 +348,7 @@ def _ep_rank(rank, world):
         out = torch.full((T, H), math.nan, dtype=torch.bfloat16, device=dev)
         torch.cuda.synchronize()
         dist.barrier()
-        op(x, tw, tid, lw13, lw2, out=out)
+        _sync(op, lambda: op(x, tw, tid, lw13, lw2, out=out))
         first = out.clone()
         for _ in range(3):
             op(x, tw, tid, lw13, lw2, out=out)
@@ -402,10 +406,14 @@ def _ep_rank(rank, world):
             assert e < 1e-2, f"graph replay: relative error {e:.2e}"
         torch.cuda.synchronize()
         dist.barrier()
+        op.close()
 
 
-def test_expert_parallel_moe_on_two_gpus_matches_float64():
-    """Each rank's tokens through experts split over both GPUs (NVLink peer memory), against float64."""
+@pytest.mark.parametrize("transport, ordered", [("peer", True), ("proxy", True), ("proxy", False)])
+def test_expert_parallel_moe_on_two_gpus_matches_float64(transport, ordered):
+    """Each rank's tokens through experts split over both GPUs, against float64: through NVLink peer memory,
+    and through the proxy transport as if the GPUs were two nodes, its chunks (1000 bytes: not whole rows)
+    landing in issue order or shuffled."""
     from meld.dist import spawn
 
-    spawn(_ep_rank, 2)
+    spawn(_ep_rank, 2, transport, ordered)

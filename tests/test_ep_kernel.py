@@ -14,7 +14,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 
 
 @needs_nvcc
-@pytest.mark.parametrize("cfg", [EpKernelConfig(), EpKernelConfig(watchdog_ms=100)], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", [EpKernelConfig(), EpKernelConfig(transport="proxy"), EpKernelConfig(watchdog_ms=100)],
+                         ids=lambda c: c.name)
 def test_ep_kernels_compile_for_sm90a_without_spills(cfg):
     cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     assert cubin[:4] == b"\x7fELF"
@@ -39,14 +40,31 @@ def test_window_regions_are_aligned_disjoint_and_sized(T, k, H, world):
     L = window_layout(T, k, H, world)
     slots = T * k
     need = {"started": 8 * world, "sent": 8 * world, "back": 8 * world, "hdr": 4 * world * slots,
-            "wts": 4 * world * slots, "rows": 2 * H * world * slots, "ret": 2 * H * slots}
+            "wts": 4 * world * slots, "rows": 2 * H * world * slots, "ret": 2 * H * world * world * slots}
     spans = sorted((L[n], L[n] + size) for n, size in need.items())
     assert all(L[n] % 256 == 0 for n in need)
     assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:])), spans
     assert spans[-1][1] <= L["nbytes"]
 
 
-def test_ep_kernel_config_rejects_a_bad_watchdog():
+def test_ep_kernel_config_rejects_a_bad_watchdog_or_transport():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="watchdog_ms"):
             EpKernelConfig(watchdog_ms=bad)
+    with pytest.raises(ValueError, match="transport"):
+        EpKernelConfig(transport="nvshmem")
+    assert "#define MELD_EP_PROXY 1" in EpKernelConfig(transport="proxy").render()
+    assert "#define MELD_EP_PROXY 0" in EpKernelConfig().render()
+
+
+def test_moe_expert_slice_arguments_are_checked():
+    import meld
+
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="first_expert"):
+            meld.MoE(64, 32, 4, 2, device="cpu", first_expert=bad)
+    with pytest.raises(ValueError, match="GPU only"):
+        meld.MoE(64, 32, 4, 2, device="cpu", first_expert=4)
+    with pytest.raises(ValueError, match="GPU only"):
+        meld.MoE(64, 32, 4, 2, device="cpu", kernel_config=MoeKernelConfig(absent_pairs=True))
+    assert meld.MoE(64, 32, 4, 2, device="cpu").first_expert == 0

@@ -46,9 +46,9 @@ class MoeKernelConfig:
     profile: bool = False
     watchdog_ms: int = 2000      # a spin gives up after this long: record what it waited for, and trap
     debug_withhold_signal: bool = False   # debug build: row block 0's gemm1 tiles never signal (tests the watchdog)
-    absent_pairs: bool = False   # a precomputed id of -1 is a pair this layer does not serve (an expert-parallel
-                                 # owner's slot served by another rank): skipped, not an error; a token with
-                                 # only such pairs keeps its output row unwritten
+    absent_pairs: bool = False   # a precomputed id outside the layer's experts (MoE first_expert..+num_experts)
+                                 # is a pair another rank serves (expert parallelism): skipped, not an error;
+                                 # a token with only such pairs keeps its output row unwritten
 
     def __post_init__(self) -> None:
         if self.block_tokens not in BLOCK_TOKEN_CHOICES:

@@ -214,6 +214,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("hidden", "i32"),
     Field("inter", "i32"),
     Field("num_experts", "i32"),
+    Field("expert_base", "i32"),                 # precomputed ids are global: this layer's expert e is id e + base
     Field("top_k", "i32"),
     Field("renormalize", "i32"),
     Field("logits_bf16", "i32"),
@@ -275,10 +276,14 @@ EP_PARAMS = ParamStruct("EpParams", [
     Field("x_started_off", "i64"),               # places in a window, in bytes: u64 per rank: calls started,
     Field("x_sent_off", "i64"),                  # dispatches landed here, returns landed here;
     Field("x_back_off", "i64"),
-    Field("x_hdr_off", "i64"),                   # per received slot [world][T k]: the local expert (-1: absent),
-    Field("x_wts_off", "i64"),                   # its weight, its row [H] bf16;
+    Field("x_hdr_off", "i64"),                   # per (source, pair) slot [world][T k]: the global expert
+    Field("x_wts_off", "i64"),                   # (-1: invalid), its weight, its row [H] bf16;
     Field("x_rows_off", "i64"),
-    Field("x_ret_off", "i64"),                   # per own pair [T k]: its weighted expert output [H] bf16
+    Field("x_ret_off", "i64"),                   # per (owner, source) [world][world][T k]: served rows [H] bf16
+    Field("xring", "ptr", "meld::ProxyCommand*"),   # the proxy transport's command ring (meld/dist/proxy.py)
+    Field("xring_tail", "ptr", "unsigned long long*"),
+    Field("xring_head", "ptr", "const unsigned long long*"),
+    Field("xring_cap", "i32"),
     Field("num_tokens", "i32"),
     Field("hidden", "i32"),
     Field("top_k", "i32"),

@@ -1,12 +1,13 @@
 """`ExpertParallelMoE`: an MoE layer whose experts are split over the GPUs of a process group, each rank
-keeping its own tokens: dispatch over NVLink peer memory, this rank's experts on its MoE kernels, and the
-weighted expert rows back to their tokens' ranks, combined in choice order — a stream of launches on every
-GPU with no host synchronisation and no collective (templates/ep_moe.cuh), CUDA-graph capturable.
+keeping its own tokens: dispatch, this rank's experts on its MoE kernels, and the weighted expert rows back
+to their tokens' ranks, combined in choice order — a stream of launches on every GPU with no host
+synchronisation and no collective (templates/ep_moe.cuh), CUDA-graph capturable. The rows cross through
+NVLink peer memory, or through the proxy transport (the model of RDMA between nodes: meld/dist/proxy.py).
 
 Rank r serves experts [r E/W, (r+1) E/W) (`meld.dist.ep_moe.expert_owner`, the protocol's emulation on the
-CPU). Its window receives every rank's rows for its experts at fixed slots (source rank, token, choice),
-which its `meld.MoE` (top_k 1, an absent slot skipped) runs as tokens: each slot's row through its expert,
-times its weight. The result is deterministic: each token's k weighted rows are summed in choice order on
+CPU). Its window receives every rank's rows at fixed slots (source rank, token, choice), which its
+`meld.MoE` (top_k 1, first_expert r E/W, a pair of another rank's expert skipped) runs as tokens: each
+served slot's row through its expert, times its weight. The result is deterministic: each token's k weighted rows are summed in choice order on
 its own rank. Precision: each weighted expert row is rounded to bf16 before the sum (the single-GPU MoE
 rounds once, after it).
 
@@ -21,7 +22,7 @@ import dataclasses
 import torch
 
 from ..codegen.ep_kernel import EP_ENTRIES, EP_WARPS, EpKernelConfig
-from ..codegen.moe_kernel import MAX_EXPERTS, MoeKernelConfig, block_tokens_for
+from ..codegen.moe_kernel import BLOCK_TOKEN_CHOICES, MAX_EXPERTS, MoeKernelConfig, block_tokens_for
 from ..codegen.params import EP_PARAMS
 from ..ops.base import Operator
 from ..ops.checks import check_positive, expect, plain, resolve_device
@@ -34,11 +35,13 @@ MAX_TOP_K = 32            # a warp's lanes hold a token's pairs (templates/ep_mo
 
 def window_layout(max_tokens: int, top_k: int, hidden: int, world: int) -> dict[str, int]:
     """Byte offsets in a rank's window: per rank, the calls it started, its dispatches and its returns that
-    landed here (u64 running counts); per received slot [world][T k], its local expert (int32, -1: absent),
-    weight (float) and row (bf16 [H]); per own pair [T k], its weighted expert row (bf16 [H])."""
+    landed here (u64 running counts); per (source, pair) slot [world][T k], its global expert (int32, -1:
+    invalid), weight (float) and row (bf16 [H]); per (owner, source) [world][world][T k], the weighted expert
+    rows the owner served (bf16 [H]: a block per pair of ranks, so that the proxy puts whole blocks that
+    no other rank writes)."""
     slots = max_tokens * top_k
     sizes = {"started": 8 * world, "sent": 8 * world, "back": 8 * world, "hdr": 4 * world * slots,
-             "wts": 4 * world * slots, "rows": 2 * hidden * world * slots, "ret": 2 * hidden * slots}
+             "wts": 4 * world * slots, "rows": 2 * hidden * world * slots, "ret": 2 * hidden * world * world * slots}
     return pack_regions(sizes)
 
 
@@ -57,16 +60,20 @@ class ExpertParallelMoE(Operator):
         top_k: experts per token, 1..min(E, 32).
         max_num_tokens: the most tokens per rank per call (the symmetric window is sized by it).
         group: the process group (default: the default group); device: this rank's GPU (default: current).
-        kernel_config: the cross-rank kernels (`meld.codegen.ep_kernel.EpKernelConfig`); a wait for other
-            ranks gives up after ten times its watchdog_ms, names what it waited for and traps.
+        kernel_config: the cross-rank kernels (`meld.codegen.ep_kernel.EpKernelConfig`: the transport, "peer"
+            or "proxy"); a wait for other ranks gives up after ten times its watchdog_ms, names what it
+            waited for and traps.
         moe_kernel_config: this rank's MoE kernels (`meld.codegen.moe_kernel.MoeKernelConfig`; absent pairs
             are always on).
+        ordered, chunk_bytes: the proxy transport's delivery (in issue order, or shuffled) and network chunk
+            (`meld.dist.proxy.GpuProxy`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  max_num_tokens: int, dtype: torch.dtype = torch.bfloat16, group=None,
                  device: str | torch.device | None = None, kernel_config: EpKernelConfig | None = None,
-                 moe_kernel_config: MoeKernelConfig | None = None):
+                 moe_kernel_config: MoeKernelConfig | None = None, ordered: bool = True,
+                 chunk_bytes: int = 64 << 10):
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -103,7 +110,11 @@ class ExpertParallelMoE(Operator):
         slots = self.world * self.max_num_tokens * self.top_k
         base = moe_kernel_config or MoeKernelConfig()
         self.experts = MoE(H, I, self.experts_per_rank, 1, dtype, device, slots, renormalize=False,
-                           kernel_config=dataclasses.replace(base, absent_pairs=True))
+                           kernel_config=dataclasses.replace(base, absent_pairs=True), first_expert=self.first_expert)
+        # Every row-block variant loaded now: a module load inside a call would wait for the device while the
+        # dispatch kernel waits for the other ranks, whose proxy threads' copies wait for that load's lock.
+        for bt in BLOCK_TOKEN_CHOICES:
+            self.experts._variant(bt)
         self.layout = window_layout(self.max_num_tokens, self.top_k, H, self.world)
         self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)
         self.window.local.zero_()   # counts (and every byte) zero before any rank counts
@@ -112,6 +123,10 @@ class ExpertParallelMoE(Operator):
         self._xexit = torch.zeros(1, dtype=torch.int32, device=device)
         self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
         self._register_watchdog("meld_ep_moe", _describe)
+        self.proxy = None
+        if self.kernel_config.transport == "proxy":
+            from .proxy import GpuProxy
+            self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         cfg = self.kernel_config
         self._k = self._kernels(cfg, {e: (cfg.threads, 0) for e in EP_ENTRIES})
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -122,7 +137,8 @@ class ExpertParallelMoE(Operator):
             watchdog_kernel=self._watchdog_id, served=self._served.data_ptr(), error=self._error.data_ptr(),
             x_started_off=L["started"], x_sent_off=L["sent"], x_back_off=L["back"], x_hdr_off=L["hdr"],
             x_wts_off=L["wts"], x_rows_off=L["rows"], x_ret_off=L["ret"], hidden=H, top_k=self.top_k,
-            num_experts=E, experts_per_rank=self.experts_per_rank, x_rank=self.rank, x_world=self.world)
+            num_experts=E, experts_per_rank=self.experts_per_rank, x_rank=self.rank, x_world=self.world,
+            **(self.proxy.ring_params() if self.proxy else {}))
         self._checked_counts: set[int] = set()
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
@@ -168,6 +184,9 @@ class ExpertParallelMoE(Operator):
         else:
             out = plain(out)
             expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev, True)
+        if self.kernel_config.transport == "proxy" and (self.proxy is None or self.proxy.error is not None):
+            raise RuntimeError(f"ExpertParallelMoE: the proxy thread is "
+                               f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
         self._check_count(T)
         if T == 0:
             return out
@@ -190,6 +209,12 @@ class ExpertParallelMoE(Operator):
         self._k["meld_ep_return"].launch(self._grid("meld_ep_return", S), p)
         self._k["meld_ep_combine"].launch(self._grid("meld_ep_combine", T), p)
         return out
+
+    def close(self) -> None:
+        """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
 
     def errors(self) -> int:
         """Nonzero once a call met an invalid topk id (waits for the GPU); clears it."""

@@ -13,7 +13,11 @@ destination).
 
 The thread is C++ (runtime/host/gpu_proxy.cpp, built with the system compiler at first use) and never
 takes the GIL: a Python thread that blocks in a call holding the GIL while the GPU drains (a first cuBLAS
-call loading its module, say) would otherwise starve the proxy that the running kernel waits for.
+call loading its module, say) would otherwise starve the proxy that the running kernel waits for. For the
+same reason an operator that runs over the proxy loads every kernel it may launch before its first call:
+a module load while one of its kernels waits for the other ranks blocked both ranks' proxies on two H200s
+(their copies waited for the load, the load for the kernels, the kernels for the copies; the watchdog
+named the wait).
 """
 from __future__ import annotations
 

@@ -118,6 +118,9 @@ class RowParallelLinear(Operator):
             self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         self._variants: dict[int, tuple] = {}   # per token block: (config, kernel, parameter struct)
         self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid)
+        if self.proxy is not None:   # every variant loaded now: no module load while a kernel waits on the proxy
+            for bt in TP_BLOCK_TOKENS:
+                self._variant(block_config(kernel_config, bt))
         self._last_m = 0
         from ..codegen.tp_kernel import tp_block_tokens
         from ..runtime.tensor_map import TensorMapCache, tensor_map_2d

@@ -57,6 +57,10 @@ class MoE(Operator):
         dtype: torch.bfloat16. device: "cuda" (or "cuda:N"), or "cpu" for the reference executor.
         max_num_tokens: capacity; every buffer is sized for it, so calls up to it never allocate.
         renormalize: renormalise the top-k softmax weights to sum 1 (when routing from logits).
+        first_expert: precomputed topk ids are global and this layer's experts are ids first_expert ..
+            first_expert + num_experts - 1 (expert parallelism: w13 and w2 hold those); with
+            `kernel_config.absent_pairs`, a pair of another expert is skipped (its token's output row is
+            left as it was when it has no pair here), otherwise it is an invalid id. GPU only.
 
     Example:
         moe = meld.MoE(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
@@ -66,7 +70,7 @@ class MoE(Operator):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dtype: torch.dtype = torch.bfloat16, device: object = "cuda", max_num_tokens: int = 8192,
-                 renormalize: bool = True, kernel_config: MoeKernelConfig | None = None):
+                 renormalize: bool = True, kernel_config: MoeKernelConfig | None = None, first_expert: int = 0):
         self.hidden_size = H = check_positive("hidden_size", hidden_size)
         self.intermediate_size = I = check_positive("intermediate_size", intermediate_size)
         for name, v in (("hidden_size", H), ("intermediate_size", I)):
@@ -84,6 +88,12 @@ class MoE(Operator):
         self.dtype, self.renormalize = dtype, renormalize
         self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
         self._kernel_config = kernel_config or MoeKernelConfig(profile=config.profile())
+        if isinstance(first_expert, bool) or not isinstance(first_expert, int) or first_expert < 0:
+            raise ValueError(f"first_expert must be a non-negative int, got {first_expert!r}")
+        if (first_expert or self._kernel_config.absent_pairs) and self.device.type != "cuda":
+            raise ValueError(f"first_expert={first_expert}, absent_pairs={self._kernel_config.absent_pairs}: a slice "
+                             "of the experts runs on the GPU only")
+        self.first_expert = first_expert
         self._variants: dict[int, _Variant] = {}
         if self.device.type == "cuda":
             self._init_cuda()
@@ -151,7 +161,8 @@ class MoE(Operator):
             prof=self._prof.data_ptr() if self._prof is not None else 0, prof_every=self.profile_every,
             prof_clock=self._prof_clock.data_ptr() if self._prof_clock is not None else 0,
             prof_cap=_PROFILE_CAP if self._prof is not None else 0, inter=self.intermediate_size,
-            num_experts=self.num_experts, top_k=self.top_k, renormalize=int(self.renormalize),
+            num_experts=self.num_experts, expert_base=self.first_expert, top_k=self.top_k,
+            renormalize=int(self.renormalize),
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
             xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens))
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)

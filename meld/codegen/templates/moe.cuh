@@ -5,8 +5,9 @@
 // within the capacity the buffers were sized for.
 //
 //   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
-//                     caller's topk_ids / topk_weights, validated; MELD_ABSENT_PAIRS: an id of -1 is a
-//                     pair this layer does not serve, skipped); per 32-token block, each expert's
+//                     caller's topk_ids / topk_weights, validated, less expert_base; MELD_ABSENT_PAIRS: an
+//                     id outside this layer's experts is a pair another layer serves, skipped — expert
+//                     parallelism); per 32-token block, each expert's
 //                     token mask gives the block's count and every pair's rank (deterministic: no order
 //                     of atomics decides a position). The last CTA to finish plans: offsets of every
 //                     expert's rows, row blocks of BLOCK_TOKENS rows, and the ticket order of all tiles.
@@ -217,17 +218,18 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
     if (p.topk_ids_in != nullptr) {
       for (int j0 = 0; j0 < K; j0 += 32) {   // lane j checks pair j0 + j
         const int j = j0 + lane;
-        const int raw = j < K ? p.topk_ids_in[(i64)t * K + j] : -1;
-        bool ok = raw >= 0 && raw < E;
+        const int raw = j < K ? p.topk_ids_in[(i64)t * K + j] - p.expert_base : -1;
+        const bool in_range = raw >= 0 && raw < E;
+        bool ok = in_range;
         for (int l = 0; l < 32; ++l) {   // a repeat of an earlier pair of this chunk...
           const int other = __shfl_sync(~0u, raw, l);
           if (l < lane && other == raw) ok = false;
         }
-        for (int j2 = 0; j2 < j0 && ok; ++j2) ok = p.topk_ids_in[(i64)t * K + j2] != raw;   // ...or of one before
+        for (int j2 = 0; j2 < j0 && ok; ++j2) ok = p.topk_ids_in[(i64)t * K + j2] - p.expert_base != raw;   // ...or of one before
         if (j >= K) continue;
         const int id = ok ? raw : -1;
         if (ok) { atomicOr(&mask[id], 1u << warp); ++valid; }
-        else if (!(MELD_ABSENT_PAIRS && raw == -1)) { poison = 1; atomicOr(p.error, 1); }
+        else if (!MELD_ABSENT_PAIRS || in_range) { poison = 1; atomicOr(p.error, 1); }   // out of range, or a repeat
         own = id;
         p.topk_ids[(i64)t * K + j] = id;
         p.topk_w[(i64)t * K + j] = p.topk_w_in[(i64)t * K + j];
