@@ -412,6 +412,7 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     import meld
     from bench.harness import eager_time_us, graph_time_us
     from bench.moe import SHAPES, make_weights, reference_moe, router_logits
+    from meld.codegen.ep_kernel import EpKernelConfig
     from meld.codegen.moe_kernel import MoeKernelConfig
     from meld.dist import ExpertParallelMoE
     from meld.serving.torch_moe import topk_route
@@ -427,6 +428,8 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     mine = slice(rank * El, (rank + 1) * El)
     lw13, lw2 = w13[mine].contiguous(), w2[mine].contiguous()
     op = ExpertParallelMoE(shape.hidden, shape.inter, E, k, max_num_tokens=max(tokens))
+    proxy_op = ExpertParallelMoE(shape.hidden, shape.inter, E, k, max_num_tokens=max(tokens),
+                                 kernel_config=EpKernelConfig(transport="proxy"))
     group_moe = meld.MoE(shape.hidden, shape.inter, El, 1, max_num_tokens=world * max(tokens) * k, device=dev,
                          renormalize=False, kernel_config=MoeKernelConfig(absent_pairs=True))
     for T in tokens:
@@ -443,16 +446,19 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
                 "padded": lambda: padded_ep_moe(x, ids, wts, lw13, lw2, El),
                 "padded meld.MoE": lambda: padded_ep_moe(x, ids, wts, lw13, lw2, El, group_moe)}
         got = {name: f() for name, f in outs.items()}
+        got["meld proxy"] = proxy_op(x, wts, ids, lw13, lw2)
         torch.cuda.synchronize()
         ref = reference_moe(x, w13, w2, logits, k, True)
         errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (out, *got.values())]
         del ref
         if any(math.isnan(e) for e in errs) or max(errs) > 1e-2:
-            raise AssertionError(f"T={T} rank {rank}: relative errors (meld, {', '.join(outs)}) {errs}")
+            raise AssertionError(f"T={T} rank {rank}: relative errors (meld, {', '.join(got)}) {errs}")
         dist.barrier()
         t_meld = slowest(graph_time_us(lambda: op(x, wts, ids, lw13, lw2, out=out), reps=reps).median_us)
         dist.barrier()
         t_meld_eager = slowest(eager_time_us(lambda: op(x, wts, ids, lw13, lw2, out=out), reps=reps).median_us)
+        dist.barrier()
+        t_proxy = slowest(graph_time_us(lambda: proxy_op(x, wts, ids, lw13, lw2, out=out), reps=reps).median_us)
         t = {}
         for name, f in outs.items():
             dist.barrier()
@@ -462,20 +468,23 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
         crossing = int(((ids.long() // El) != rank).sum())
         sent = 2 * crossing * shape.hidden * 2
         rows.append(dict(shape=shape.name, T=T, err=max(errs), meld_us=t_meld, meld_eager_us=t_meld_eager,
+                         meld_proxy_us=t_proxy,
                          exact_eager_us=t["exact"], padded_us=t["padded"], padded_meld_moe_us=t["padded meld.MoE"],
                          nvlink_gbs=sent / t_meld / 1e3))
         dist.barrier()
     if rank == 0:
         print(f"expert-parallel MoE, {shape.name} (E={E}, top {k}, {El} experts per GPU), {world} GPUs, bf16, uniform "
               "routing; T tokens per GPU; median µs, slowest rank; CUDA-graph replays except where eager")
-        print("T | max rel err | meld | meld eager | exact a2a + grouped_mm + a2a (eager) | padded a2a + grouped_mm + a2a | "
+        print("T | max rel err | meld | meld eager | meld proxy | exact a2a + grouped_mm + a2a (eager) | padded a2a + grouped_mm + a2a | "
               "padded a2a + meld.MoE + a2a | exact/meld | padded/meld | padded meld.MoE/meld | meld NVLink GB/s per rank")
         for r in rows:
-            print(f"{r['T']} | {r['err']:.1e} | {r['meld_us']:.1f} | {r['meld_eager_us']:.1f} | {r['exact_eager_us']:.1f} | "
+            print(f"{r['T']} | {r['err']:.1e} | {r['meld_us']:.1f} | {r['meld_eager_us']:.1f} | {r['meld_proxy_us']:.1f} | "
+                  f"{r['exact_eager_us']:.1f} | "
                   f"{r['padded_us']:.1f} | {r['padded_meld_moe_us']:.1f} | {r['exact_eager_us'] / r['meld_us']:.2f} | "
                   f"{r['padded_us'] / r['meld_us']:.2f} | {r['padded_meld_moe_us'] / r['meld_us']:.2f} | {r['nvlink_gbs']:.0f}")
         if out_json:
             Path(out_json).write_text(json.dumps(dict(rows=rows), indent=1))
+    proxy_op.close()
 
 
 def main() -> None:
