@@ -284,7 +284,8 @@ def _moe_inputs(world, tokens, seed=0, E=8, H=24, I=16, k=3):
 @pytest.mark.parametrize("ordered", [True, False])
 def test_expert_parallel_moe_equals_single_rank_under_any_landing_order(world, ordered):
     """Uneven tokens per rank (one rank with none at 3 ranks), a hot expert: every rank's output is bit-identical
-    to the single-rank MoE of its tokens; every token reduced once per choice; nothing landed twice."""
+    to the single-rank MoE of its tokens; every rank's dispatch and return counted once on every other; nothing
+    landed twice."""
     from meld.dist.ep_moe import expert_parallel_moe, single_rank_reference
 
     tokens = [7, 3] if world == 2 else [5, 0, 9]
@@ -297,14 +298,15 @@ def test_expert_parallel_moe_equals_single_rank_under_any_landing_order(world, o
             tr.close()
         for r in range(world):
             assert np.array_equal(ys[r], single_rank_reference(xs[r], ids[r], wts[r], w13, w2)), f"rank {r}"
-        t_max = max(tokens)
-        assert all(int(tr.get(0, r, "moe.y.count", r * t_max + t)) == 3 for r in range(world) for t in range(tokens[r]))
-        assert all(v == 1 for v in tr.landed_elements.values())
+        for name in ("ep.sent", "ep.back"):
+            counts = np.array([[int(tr.get(0, r, name, s)) for s in range(world)] for r in range(world)])
+            assert np.array_equal(counts, 1 - np.eye(world, dtype=np.int64)), (name, counts)
+        assert tr.landed_elements and all(v == 1 for v in tr.landed_elements.values())
 
 
 def test_expert_parallel_moe_catches_a_count_that_overtakes_its_rows():
-    """fence=False: a source's count can land before its rows; the expert rank then skips the rows still in flight,
-    their tokens never complete and their outputs stay NaN (or a wait times out): caught."""
+    """fence=False: a count can land before the block it follows; the expert rank then reads rows still in
+    flight (NaN), or a source sums expert rows still in flight: its outputs are wrong or NaN: caught."""
     from meld.dist.ep_moe import expert_parallel_moe, single_rank_reference
 
     xs, ids, wts, w13, w2 = _moe_inputs(2, [8, 8], seed=1)

@@ -1,14 +1,15 @@
-"""Expert-parallel MoE over emulated ranks: dispatch, expert FFNs and combine as one protocol (the GPU
-kernel is not written yet).
+"""Expert-parallel MoE over emulated ranks: the protocol of the GPU operator's proxy transport
+(`meld.dist.ExpertParallelMoE`, templates/ep_moe.cuh), run with the CPU reference's float64 FFN.
 
 Every rank holds its own tokens and their routing; the experts are split into contiguous blocks, one per
-rank. Dispatch: each (token, choice) row is put into its expert's rank, with its expert id and weight
-(the routing travels with the row), and after its rows to a rank a source counts itself there (the count
-lands behind the rows: one fence per destination). An expert rank serves each source as soon as that
-source's count is in, without waiting for the others: its FFN rows for that source start while other
-sources' rows are still in flight. Combine: each weighted expert output is one part of its token's result,
-reduced at the token's rank by the last arriving part, in choice order (`LastArriverReduce`), so the
-result does not depend on which expert rank finishes first.
+rank. Windows are laid out by (source rank, pair) slots, slot = t k + j. Dispatch: a rank writes only its
+own window, its source block: every pair's global expert id, weight and row of x; then it puts the block
+whole to every other rank and a count behind it (one fence per destination: the signal carries the
+completion). An expert rank serves each source as soon as that source's count is in, without waiting for
+the others: each slot of one of its experts, w * FFN_e(row), staged in its owner block for that source
+(a block per (owner, source): no other rank writes it), put whole to the source with a count behind it.
+Combine: each token's k weighted rows summed in choice order on its own rank, once every owner's count
+is in, so the result does not depend on which expert rank finishes first.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 
 import numpy as np
 
-from .reduce import LastArriverReduce, run_ranks
+from .reduce import run_ranks
 
 
 def expert_owner(num_experts: int, world: int) -> np.ndarray:
@@ -39,40 +40,55 @@ def expert_parallel_moe(transport, xs: list[np.ndarray], topk_ids: list[np.ndarr
     world = transport.world
     hidden = w13.shape[2]
     owner = expert_owner(w13.shape[0], world)
-    t_max = max(1, max(len(x) for x in xs))
     k = topk_ids[0].shape[1]
-    transport.window("moe.rows", (world, t_max, k, hidden + 2), np.float64, np.nan)   # row, expert, weight
-    transport.window("moe.sent", (world,), np.int64, 0)
-    combine = LastArriverReduce("moe.y", lambda parts: functools.reduce(np.add, parts))   # choice order
-    out = combine.windows(transport, world * t_max, k, (hidden,))
+    slots = max(1, max(len(x) for x in xs)) * k
+    hdr = transport.window("ep.hdr", (world, slots), np.float64, -1)          # global expert id, -1: none
+    wts = transport.window("ep.wts", (world, slots), np.float64, np.nan)
+    rows = transport.window("ep.rows", (world, slots, hidden), np.float64, np.nan)
+    ret = transport.window("ep.ret", (world, world, slots, hidden), np.float64, np.nan)   # [owner][source]
+    transport.window("ep.sent", (world,), np.int64, 0)
+    transport.window("ep.back", (world,), np.int64, 0)
+    outs = [np.full((len(x), hidden), np.nan) for x in xs]
 
-    def rank_main(r: int) -> None:
-        x, ids, wts = xs[r], topk_ids[r], topk_w[r]
-        for t in range(len(x)):
-            for j in range(k):
-                e = int(ids[t, j])
-                transport.put(r, int(owner[e]), "moe.rows", (r, t, j), np.r_[x[t], e, wts[t, j]])
-        for d in range(world):
-            transport.fetch_add(r, d, "moe.sent", r, 1)   # behind every row to d
-        waiting = set(range(world))
-        while waiting:                                      # serve each source once its rows are all in
-            ready = [s for s in waiting if int(transport.get(r, r, "moe.sent", s)) == 1]
+    def wait_all(r: int, counts: str, serve=lambda s: None) -> None:
+        """Until every other rank's count is in on rank r, calling serve(s) as each source's lands."""
+        waiting = set(range(world)) - {r}
+        while waiting:
+            ready = [s for s in waiting if int(transport.get(r, r, counts, s)) == 1]
             if not ready:
                 time.sleep(poll_s)
             for s in ready:
                 waiting.remove(s)
-                rows = transport.get(r, r, "moe.rows", s)
-                expert = rows[:, :, hidden]   # NaN: no row in that slot
-                mine = ~np.isnan(expert)
-                mine[mine] = owner[expert[mine].astype(np.int64)] == r   # (this rank's puts staged in its own window)
-                for t, j in zip(*np.nonzero(mine)):
-                    row = rows[t, j]
-                    y = row[hidden + 1] * expert_ffn(row[:hidden], w13, w2, int(row[hidden]))
-                    combine.contribute(transport, r, s, s * t_max + int(t), int(j), k, y, to=[s])
+                serve(s)
+
+    def rank_main(r: int) -> None:
+        x, ids, w = xs[r], topk_ids[r], topk_w[r]
+        n = len(x) * k
+        hdr[r][r, :n], wts[r][r, :n], rows[r][r, :n] = ids.reshape(-1), w.reshape(-1), np.repeat(x, k, axis=0)
+        for d in range(world):   # this rank's source block, whole, then its count behind it
+            if d != r:
+                for name, win in (("ep.hdr", hdr), ("ep.wts", wts), ("ep.rows", rows)):
+                    transport.put(r, d, name, r, win[r][r])
+                transport.signal(r, d, "ep.sent", r, 1)
+
+        def serve(s: int) -> None:   # the slots of source s for this rank's experts, into block (r, s)
+            e = hdr[r][s]
+            for i in np.flatnonzero(e >= 0):
+                if owner[int(e[i])] == r:
+                    ret[r][r, s, i] = wts[r][s, i] * expert_ffn(rows[r][s, i], w13, w2, int(e[i]))
+            if s != r:
+                transport.put(r, s, "ep.ret", (r, s), ret[r][r, s])
+                transport.signal(r, s, "ep.back", r, 1)
+
+        serve(r)
+        wait_all(r, "ep.sent", serve)
+        wait_all(r, "ep.back")
+        for t in range(len(x)):   # choice order
+            outs[r][t] = functools.reduce(np.add, [ret[r][owner[int(ids[t, j])], r, t * k + j] for j in range(k)])
         transport.quiet(r)
 
     run_ranks(world, rank_main)
-    return [out[r][r * t_max:r * t_max + len(xs[r])] for r in range(world)]
+    return outs
 
 
 def single_rank_reference(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w13: np.ndarray, w2: np.ndarray) -> np.ndarray:

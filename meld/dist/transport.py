@@ -8,6 +8,8 @@ rank `src` issues towards a rank `dst`:
     fetch_add(src, dst, window, index, n)   dst's integer window[index] += n, returning the old value; it
                                             lands only after every put src issued to dst before it (one
                                             fence per destination: the completion travels behind the data)
+    signal(src, dst, window, index, n)      dst's integer window[index] += n, no reply (the GPU proxy's
+                                            signal); lands behind the puts before it, as a fetch-add does
     get(src, dst, window, index)            a copy of dst's window[index] (a remote read)
     quiet(src)                              returns once everything src issued has landed
 
@@ -191,6 +193,10 @@ class EmulatedTransport:
             del self._tickets[(src, ticket)]
         return t.old
 
+    def signal(self, src: int, dst: int, window: str, index, n: int) -> None:
+        w, _, start = self._at(window, dst, index)
+        self._issue(src, SIGNAL, w, dst, start, addend=n)
+
     def get(self, src: int, dst: int, window: str, index) -> np.ndarray:
         with self._cv:
             return self._at(window, dst, index)[1].copy()
@@ -243,9 +249,12 @@ class EmulatedTransport:
     def _land(self, op: _Op) -> _Ticket | None:
         dst = self._windows[op.window][op.dst].reshape(-1)
         if op.fenced:
-            t = self._tickets[(op.src, op.ticket)]
-            t.old = int(dst[op.start])
+            old = int(dst[op.start])
             dst[op.start] += op.addend
+            if op.kind == SIGNAL:
+                return None
+            t = self._tickets[(op.src, op.ticket)]
+            t.old = old
             return t
         dst[op.start:op.start + op.count] = self._windows[op.window][op.src].reshape(-1)[op.start:op.start + op.count]
         for e in range(op.start, op.start + op.count):
