@@ -4,12 +4,12 @@ to their tokens' ranks, combined in choice order — a stream of launches on eve
 synchronisation and no collective (templates/ep_moe.cuh), CUDA-graph capturable. The rows cross through
 NVLink peer memory, or through the proxy transport (the model of RDMA between nodes: meld/dist/proxy.py).
 
-Rank r serves experts [r E/W, (r+1) E/W) (`meld.dist.ep_moe.expert_owner`, the protocol's emulation on the
-CPU). Its window receives every rank's rows at fixed slots (source rank, token, choice), which its
-`meld.MoE` (top_k 1, first_expert r E/W, a pair of another rank's expert skipped) runs as tokens: each
-served slot's row through its expert, times its weight. The result is deterministic: each token's k weighted rows are summed in choice order on
-its own rank. Precision: each weighted expert row is rounded to bf16 before the sum (the single-GPU MoE
-rounds once, after it).
+Rank r serves experts [r E/W, (r+1) E/W) (`meld.dist.ep_moe.expert_owner`; `meld.dist.ep_moe` runs the
+same protocol on emulated ranks). Its window receives every rank's rows at fixed slots (source rank, token,
+choice), which its `meld.MoE` (top_k 1, first_expert r E/W, a pair of another rank's expert skipped) runs
+as tokens: each served slot's row through its expert, times its weight. The result is deterministic: each
+token's k weighted rows are summed in choice order on its own rank. Precision: each weighted expert row is
+rounded to bf16 before the sum (the single-GPU MoE rounds once, after it).
 
 Routing is the caller's (`topk_weights`, `topk_ids`: vLLM's `fused_experts` convention), computed on every
 rank for its own tokens. Every rank must make the same calls with the same number of tokens (a new count is

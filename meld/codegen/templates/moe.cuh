@@ -6,11 +6,11 @@
 //
 //   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
 //                     caller's topk_ids / topk_weights, validated, less expert_base; MELD_ABSENT_PAIRS: an
-//                     id outside this layer's experts is a pair another layer serves, skipped — expert
-//                     parallelism); per 32-token block, each expert's
-//                     token mask gives the block's count and every pair's rank (deterministic: no order
-//                     of atomics decides a position). The last CTA to finish plans: offsets of every
-//                     expert's rows, row blocks of BLOCK_TOKENS rows, and the ticket order of all tiles.
+//                     id outside this layer's experts is a pair another rank serves, skipped — expert
+//                     parallelism); per 32-token block, each expert's token mask gives the block's count
+//                     and every pair's rank (deterministic: no order of atomics decides a position). The
+//                     last CTA to finish plans: offsets of every expert's rows, row blocks of
+//                     BLOCK_TOKENS rows, and the ticket order of all tiles.
 //   meld_moe_scatter  rows of x copied to their expert-sorted positions (xs), so every tile's token
 //                     operand is one TMA box (done by the routing CTA itself for a few rows).
 //   meld_moe_main     the persistent kernel: CTAs take tiles by ticket (an atomic counter). A gemm1 tile
