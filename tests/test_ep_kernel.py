@@ -68,3 +68,32 @@ def test_moe_expert_slice_arguments_are_checked():
     with pytest.raises(ValueError, match="GPU only"):
         meld.MoE(64, 32, 4, 2, device="cpu", kernel_config=MoeKernelConfig(absent_pairs=True))
     assert meld.MoE(64, 32, 4, 2, device="cpu").first_expert == 0
+
+
+def test_expert_parallel_construction_names_the_argument(tmp_path):
+    """In a process group of one (gloo, CPU): every check before a window is allocated."""
+    import torch
+    import torch.distributed as dist
+
+    from meld.dist import ExpertParallelMoE
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ExpertParallelMoE(64, 32, 8, 2, max_num_tokens=4)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for kwargs, match in [(dict(hidden_size=60), "hidden_size=60: must be a multiple of 8"),
+                              (dict(intermediate_size=0), "intermediate_size must be a positive int"),
+                              (dict(top_k=9), "top_k=9: expected 1..min"),
+                              (dict(num_experts=64, top_k=33), "top_k=33"),
+                              (dict(max_num_tokens=0), "max_num_tokens must be a positive int"),
+                              (dict(dtype=torch.float16), "dtype must be torch.bfloat16"),
+                              (dict(kernel_config="fast"), "kernel_config must be"),
+                              (dict(device="cpu"), "device must be a CUDA device")]:
+            args = dict(hidden_size=64, intermediate_size=32, num_experts=8, top_k=2, max_num_tokens=4) | kwargs
+            with pytest.raises(ValueError, match=match):
+                ExpertParallelMoE(args.pop("hidden_size"), args.pop("intermediate_size"), args.pop("num_experts"),
+                                  args.pop("top_k"), **args)
+    finally:
+        dist.destroy_process_group()

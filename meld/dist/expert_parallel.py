@@ -152,6 +152,9 @@ class ExpertParallelMoE(Operator):
         """Every rank calls with the same number of tokens: checked across the group once per count."""
         if T in self._checked_counts:
             return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"ExpertParallelMoE: a first call with {T} tokens is being captured; call once with "
+                               f"{T} tokens before capturing (the count is checked across the group, on the host)")
         import torch.distributed as dist
 
         got = [None] * self.world
