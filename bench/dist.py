@@ -9,8 +9,9 @@ the floor). Times: CUDA-graph replays per rank (bench/harness.py's timer, L2 flu
 slowest rank's median. Correctness: every rank's first output (poisoned before) against float64.
 
 (b) Expert-parallel MoE (`ExpertParallelMoE`, `--op ep`): qwen3-30b-a3b's experts split over the GPUs, each
-with its own T tokens; rows to their experts' GPUs through NVLink peer memory, each GPU's MoE kernels over
-what it received, rows back, combined in choice order. Baselines in the same run, each NCCL
+with its own T tokens; rows to their experts' GPUs, each GPU's MoE kernels over what it received, rows back,
+combined in choice order; through NVLink peer memory, and through the proxy transport (ordered, 64 KiB
+chunks). Baselines in the same run, each NCCL
 `all_to_all_single` + a grouped GEMM + `all_to_all_single` back + a weighted sum: with exact splits (read on
 the host, so eager), and padded to T k rows per pair of ranks (no host synchronisation: CUDA graphs), its
 grouped GEMM torch's or meld.MoE's (what the fusion alone buys). Correctness:
