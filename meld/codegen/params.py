@@ -68,6 +68,15 @@ class ParamStruct:
         return self.ctype(**values)
 
 
+# The proxy transport's command ring as a kernel addresses it (meld/dist/proxy.py; templates/common.cuh,
+# proxy_push): the pinned host records, the device's claim counter, the proxy's head. Its capacity is an
+# i32 field "xring_cap" among each struct's scalars.
+PROXY_RING = [
+    Field("xring", "ptr", "meld::ProxyCommand*"),
+    Field("xring_tail", "ptr", "unsigned long long*"),
+    Field("xring_head", "ptr", "const unsigned long long*"),
+]
+
 DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("q", "ptr", "const u16*"),
     Field("kv", "ptr", "const u16*"),
@@ -118,9 +127,7 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("xexit", "ptr", "unsigned*"),
     Field("xsplit", "ptr", "const int2*"),
     Field("xsrc", "ptr", "unsigned long long*"),
-    Field("xring", "ptr", "meld::ProxyCommand*"),
-    Field("xring_tail", "ptr", "unsigned long long*"),
-    Field("xring_head", "ptr", "const unsigned long long*"),
+    *PROXY_RING,
     Field("x_out_off", "i64"),
     Field("x_lse_off", "i64"),
     Field("x_po_off", "i64"),
@@ -242,9 +249,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_landed_off", "i64"),
     Field("x_started_off", "i64"),
     Field("x_signal_off", "i64"),                # every-rank merges: u64 stamps [world][x_grid_cap] (launch numbers)
-    Field("xring", "ptr", "meld::ProxyCommand*"),   # the proxy transport's command ring (meld/dist/proxy.py)
-    Field("xring_tail", "ptr", "unsigned long long*"),
-    Field("xring_head", "ptr", "const unsigned long long*"),
+    *PROXY_RING,
     Field("m", "i32"),
     Field("n", "i32"),
     Field("k", "i32"),
@@ -280,9 +285,7 @@ EP_PARAMS = ParamStruct("EpParams", [
     Field("x_wts_off", "i64"),                   # (-1: invalid), its weight, its row [H] bf16;
     Field("x_rows_off", "i64"),
     Field("x_ret_off", "i64"),                   # per (owner, source) [world][world][T k]: served rows [H] bf16
-    Field("xring", "ptr", "meld::ProxyCommand*"),   # the proxy transport's command ring (meld/dist/proxy.py)
-    Field("xring_tail", "ptr", "unsigned long long*"),
-    Field("xring_head", "ptr", "const unsigned long long*"),
+    *PROXY_RING,
     Field("xring_cap", "i32"),
     Field("num_tokens", "i32"),
     Field("hidden", "i32"),

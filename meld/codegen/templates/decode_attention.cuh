@@ -88,7 +88,6 @@ constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool CHUNKED = MELD_CHUNKED;
 constexpr bool XRANK = MELD_XRANK != 0;   // 1: peer memory, 2: the proxy transport
 constexpr bool PROXY = MELD_XRANK == 2;
-constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their launches up to seconds apart
 static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through global memory");
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight

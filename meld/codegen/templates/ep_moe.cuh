@@ -35,7 +35,6 @@
 
 namespace meld {
 
-constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their calls up to seconds apart
 constexpr int EP_VECS = 8;                             // 16-byte vectors per lane per chunk of a row
 
 __device__ __forceinline__ WaitSite ep_site(const EpParams& p, int site, int unit, int detail) {

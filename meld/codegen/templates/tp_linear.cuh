@@ -39,7 +39,6 @@ constexpr int STAGE_BYTES = K_BOXES * BOX_PAIR;  // K_BOXES boxes along K: each 
 constexpr int ACC = BLOCK_TOKENS / 2;            // accumulators per consumer thread (64 x BLOCK_TOKENS)
 constexpr int TILE_ELEMS = COLS * BLOCK_TOKENS;
 constexpr int CONSUMERS = 128 * TP_WGS;
-constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // ranks start their launches up to seconds apart
 constexpr bool TP_EVERY = MELD_TP_EVERY != 0;          // every rank merges (else the owner: see below)
 constexpr bool TP_PROXY = MELD_TP_PROXY != 0;          // the proxy transport (every rank merges)
 

@@ -11,6 +11,8 @@
 
 namespace meld {
 
+constexpr i64 XRANK_WAIT_NS = 10 * MELD_WATCHDOG_NS;   // a wait for another rank: ranks start launches up to seconds apart
+
 struct XWindows {
   char* const* peers;          // every rank's window base, as this rank addresses it (NVLink peer memory)
   int rank, world;
