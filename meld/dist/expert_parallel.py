@@ -45,6 +45,18 @@ def window_layout(max_tokens: int, top_k: int, hidden: int, world: int) -> dict[
     return pack_regions(sizes)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    grid_dispatch: int
+    grid_return: int
+    grid_combine: int
+    rows: torch.Tensor          # the window's slots as the MoE's tokens [world T k, H]
+    ids: torch.Tensor           # their global experts [world T k, 1]
+    weights: torch.Tensor       # [world T k, 1]
+    served: torch.Tensor        # the MoE's output [world T k, H]
+    block_tokens: int
+
+
 def _describe(unit: int) -> str:
     return {-1: "the dispatch (every rank's rows for this rank's experts)",
             -2: "the return (every rank's expert rows for this rank's tokens)"}.get(unit, f"token {unit}")
@@ -140,6 +152,7 @@ class ExpertParallelMoE(Operator):
             num_experts=E, experts_per_rank=self.experts_per_rank, x_rank=self.rank, x_world=self.world,
             **(self.proxy.ring_params() if self.proxy else {}))
         self._checked_counts: set[int] = set()
+        self._calls: dict[int, _Call] = {}
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
@@ -201,17 +214,26 @@ class ExpertParallelMoE(Operator):
         p = self._p
         p.x, p.x_stride, p.topk_ids, p.topk_w, p.out, p.num_tokens = (x.data_ptr(), x.stride(0), ids.data_ptr(),
                                                                        wts.data_ptr(), out.data_ptr(), T)
-        self._k["meld_ep_dispatch"].launch(self._grid("meld_ep_dispatch", T), p)
-        S, L, win = self.world * T * k, self.layout, self.window.local
-        rows = win[L["rows"]:L["rows"] + S * H * 2].view(self.dtype).view(S, H)
-        hdr = win[L["hdr"]:L["hdr"] + S * 4].view(torch.int32).view(S, 1)
-        w = win[L["wts"]:L["wts"] + S * 4].view(torch.float32).view(S, 1)
-        # This rank's rows per expert average world T k / E: the row block the MoE picks for them.
-        self.experts._launch(rows, None, w13, w2, w, hdr, self._served[:S],
-                             block_tokens=block_tokens_for(self.world * T, k, self.num_experts))
-        self._k["meld_ep_return"].launch(self._grid("meld_ep_return", S), p)
-        self._k["meld_ep_combine"].launch(self._grid("meld_ep_combine", T), p)
+        c = self._calls.get(T) or self._call(T)
+        self._k["meld_ep_dispatch"].launch(c.grid_dispatch, p)
+        self.experts._launch(c.rows, None, w13, w2, c.weights, c.ids, c.served, block_tokens=c.block_tokens)
+        self._k["meld_ep_return"].launch(c.grid_return, p)
+        self._k["meld_ep_combine"].launch(c.grid_combine, p)
         return out
+
+    def _call(self, T: int) -> "_Call":
+        """What a call of T tokens launches over, worked out once per T: the grids, and the MoE's inputs as
+        views of the window's world T k slots."""
+        S, L, win, H = self.world * T * self.top_k, self.layout, self.window.local, self.hidden_size
+        c = self._calls[T] = _Call(
+            grid_dispatch=self._grid("meld_ep_dispatch", T), grid_return=self._grid("meld_ep_return", S),
+            grid_combine=self._grid("meld_ep_combine", T),
+            rows=win[L["rows"]:L["rows"] + S * H * 2].view(self.dtype).view(S, H),
+            ids=win[L["hdr"]:L["hdr"] + S * 4].view(torch.int32).view(S, 1),
+            weights=win[L["wts"]:L["wts"] + S * 4].view(torch.float32).view(S, 1), served=self._served[:S],
+            # this rank's rows per expert average world T k / E: the row block the MoE picks for them
+            block_tokens=block_tokens_for(self.world * T, self.top_k, self.num_experts))
+        return c
 
     def close(self) -> None:
         """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
