@@ -23,8 +23,10 @@ def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials
     cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     assert len(cubin) > 0
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
-    assert " 0 bytes spill stores" in log, f"the accumulators spill:\n{log}"
-    assert cfg.stages >= (3 if k_boxes == 1 else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas == 2 else 227 << 10)
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores" in line for line in spills), f"registers spill:\n{log}"
+    wide_float_stage = merge == "every_rank" and partials == "float32" and bt == 256   # a 128 KiB staged tile
+    assert cfg.stages >= (3 if k_boxes == 1 and not wide_float_stage else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas == 2 else 227 << 10)
 
 
 def test_block_tokens_cover_the_rows():
@@ -88,7 +90,8 @@ def _one_rank(rank, world):
                                      (200, 264, 520, "owner", "bfloat16"), (1, 4096, 1024, "every_rank", "bfloat16"),
                                      (37, 1000, 136, "every_rank", "bfloat16"), (1, 4096, 1024, "owner", "float32"),
                                      (37, 1000, 136, "every_rank", "float32"), (300, 1000, 200, "owner", "bfloat16"),
-                                     (300, 520, 136, "every_rank", "bfloat16")]:
+                                     (300, 520, 136, "every_rank", "bfloat16"), (520, 264, 8200, "every_rank", "bfloat16"),
+                                     (130, 1000, 8200, "every_rank", "float32")]:
         g = torch.Generator().manual_seed(m)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)

@@ -147,7 +147,10 @@ class TpKernelConfig:
 
     @property
     def _fixed_bytes(self) -> int:
-        return 1024 + self.block_tokens * self.cols * 2 + 16   # alignment, the staged output tile, the last-arriver flag
+        """Alignment, the staged tile (every-rank merges: a partial, as it travels; owner merges: the bf16
+        sum), its two mbarriers and four ints (the merge teams' claims, the last-arriver flag)."""
+        part = 4 if self.merge == "every_rank" and self.partials == "float32" else 2
+        return 1024 + self.block_tokens * self.cols * part + 32
 
     @property
     def stages(self) -> int:

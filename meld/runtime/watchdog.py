@@ -37,6 +37,8 @@ SITES = {
         "holds the slot)",
     13: "rank {detail} to start this launch before writing into its window (the phase parity field holds the "
         "launch number)",
+    14: "the consumer warpgroups to stage partial {detail} of this CTA for the sender",
+    15: "the sender to finish reading staged partial {detail} of this CTA",
 }
 
 

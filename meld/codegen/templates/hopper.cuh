@@ -46,8 +46,19 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Generic-proxy writes made visible to this thread (an acquire) before its async-proxy (TMA) reads.
+// Orders this thread's generic-proxy and async-proxy (TMA) accesses to global memory: generic writes it
+// acquired before TMA reads, or TMA writes it waited for before a generic release.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// TMA bulk copies from this CTA's shared memory to global memory (a peer's too, over NVLink): `bytes` a
+// multiple of 16, both addresses 16-byte aligned, in this thread's bulk group. wait_read: the sources may
+// be rewritten; wait: the writes have completed (then fence_proxy_async_global before a generic release).
+__device__ __forceinline__ void bulk_store(void* dst, u32 src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 __device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float((u32)v << 16); }
 __device__ __forceinline__ u16 float_to_bf16(float f) {

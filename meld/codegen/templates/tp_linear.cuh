@@ -14,8 +14,9 @@
 // Two ways to merge, both in a fixed order (rank-major over the world x k_splits partials of a tile: the
 // same sum, bit for bit, whichever piece arrives last; no float atomics), partials in bf16 or float
 // (MELD_TP_BF16_PARTS):
-// - every rank merges (MELD_TP_EVERY 1, the default; tp_consume_every says how): every partial goes to
-//   every rank and each rank sums its own output;
+// - every rank merges (MELD_TP_EVERY 1, the default; the section "Every rank merges" says how): every
+//   partial goes to every rank and each rank sums its own output, warps 1-3 of the producer warpgroup
+//   sending and summing while the consumer warpgroups compute the next piece;
 // - the owner merges (MELD_TP_EVERY 0): output tile o is reduced at its owner rank o % world; every piece
 //   stores its partial into the owner's window (NVLink peer memory) and counts it on the owner's tile
 //   counter after a system-scope fence; the piece whose count completes the tile sums the partials and
@@ -25,7 +26,7 @@
 // Deadlock freedom (owner merges): no CTA waits for another CTA's tile. A CTA waits only on its own TMA
 // ring, once for every rank to have started the launch (every launch starts all its CTAs without waiting
 // for anything), and, the launch's last CTA, for tiles that CTAs which never wait have finished or will
-// finish. Every-rank merges: at tp_consume_every.
+// finish. Every-rank merges: in their section.
 
 namespace meld {
 
@@ -111,13 +112,31 @@ __device__ __forceinline__ void part_store4(Part* d, const float* a) {
 __device__ __forceinline__ float4 part_value4(const float* a) { return make_float4(a[0], a[1], a[2], a[3]); }
 __device__ __forceinline__ float4 part_load4(const Part* s) { return ld_cg4(s); }
 #endif
+// The shared-memory tile: every-rank merges stage partials there (as they travel), owner merges the bf16 sum.
+constexpr int STAGED_BYTES = TILE_ELEMS * (TP_EVERY ? (int)sizeof(Part) : 2);
 
-// A partial tile in memory: consumer thread ct's accumulators i .. i + 3 at element i CONSUMERS + 4 ct, so
+// Owner merges' partial tile in memory: consumer thread ct's accumulators i .. i + 3 at element i CONSUMERS + 4 ct, so
 // that each store (and load) instruction of a warp covers 32 contiguous runs of 4 elements: whole lines
 // across NVLink rather than a few bytes of each of 32 lines. `dst` is the tile's base + 4 ct.
 __device__ __forceinline__ void tp_store_partial(Part* dst, const float (&acc)[ACC]) {
 #pragma unroll
   for (int i = 0; i < ACC; i += 4) part_store4(dst + i * CONSUMERS, acc + i);
+}
+
+// A tile's accumulators staged token-major in shared memory [BLOCK_TOKENS][COLS], as bf16 (or float
+// partials). Accumulator layout (wgmma m64nN, f32): register r of thread (warp w, lane l) holds weight row
+// (output column) 64 (w / 4) + 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
+template <class T>
+__device__ __forceinline__ void tp_stage(const float (&acc)[ACC], T* staged, int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < ACC; ++r) {
+    const int c = 64 * (warp / 4) + 16 * (warp % 4) + lane / 4 + 8 * ((r / 2) % 2);
+    const int tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
+    if constexpr (sizeof(T) == 2)
+      staged[tok * COLS + c] = float_to_bf16(acc[r]);
+    else
+      staged[tok * COLS + c] = acc[r];
+  }
 }
 
 // The tile's partials, summed in their fixed order (part `mine` from registers, rounded as the others read
@@ -137,14 +156,7 @@ __device__ __forceinline__ void tp_sum(PartAt&& part, int nparts, int mine, floa
     }
     acc[i] = s.x; acc[i + 1] = s.y; acc[i + 2] = s.z; acc[i + 3] = s.w;
   }
-  // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w, lane l) holds weight row (output
-  // column) 64 (w / 4) + 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
-#pragma unroll
-  for (int r = 0; r < ACC; ++r) {
-    const int c = 64 * (warp / 4) + 16 * (warp % 4) + lane / 4 + 8 * ((r / 2) % 2);
-    const int tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
-    staged[tok * COLS + c] = float_to_bf16(acc[r]);
-  }
+  tp_stage(acc, staged, warp, lane);
 }
 
 // Piece t's partial into acc, from the ring's stages (one stage's wgmmas in flight while the next issue).
@@ -230,116 +242,298 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
   *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
 }
 
-// Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it). Each piece's partial goes to
-// every rank's window: with peer memory stored into each; with the proxy stored into this rank's own and,
-// at the CTA's end, sent as one put per destination of all the CTA's partials (they are contiguous: a
-// rank's partials lie per CTA, I slots each). At its end each CTA stamps its slot [rank][cta] with the
-// launch number on every rank, after one system-scope fence (the proxy: a signal behind its put, whose
-// running total the stamp before this one tells). Then it merges the tiles whose first piece it computed,
-// once every CTA that computed one of their pieces, on every rank, has stamped this launch: it reads only
-// its own window, sums in (rank, split) order and writes only its own rank's output. Every rank computes
-// the same sums in the same order: the outputs are bit-identical, and nothing but partials crosses ranks.
+// Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it): every partial goes to every rank and
+// each rank sums its own output. Three roles share a CTA's pieces, so that a piece's exchange and sum
+// overlap the GEMM of the next:
+// - the consumer warpgroups compute each piece and stage its partial, rounded as it travels, token-major in
+//   shared memory (one tile: they wait for the sender to have read the one before);
+// - the sender (warp 1) copies it with TMA bulk stores into every rank's window (the proxy: into this
+//   rank's own, and at the CTA's end one put per destination of all its pieces, which lie contiguous: a
+//   rank's partials lie per CTA, I slots each), and once the copies have completed stamps the CTA's slot
+//   [rank][cta] on every rank with (launch, pieces sent) after a system-scope fence (the proxy: a signal
+//   behind its put, adding to the slot what the running total before this launch lacks);
+// - merge teams (warps 2 and 3 from the start; the consumer warpgroups after their last piece) claim the
+//   CTA's tiles (those whose first piece it computed) in order, wait until every piece of the tile is
+//   stamped in this rank's window, sum the pieces from there in (rank, split) order and write this rank's
+//   output. Every rank computes the same sums in the same order: the outputs are bit-identical, and
+//   nothing but partials crosses ranks.
 //
-// Deadlock freedom: a CTA waits only after it has issued everything it sends, for CTAs that stamp before
-// they wait; the grid fits the GPU at once (RowParallelLinear sizes it by occupancy), so each of them runs.
-__device__ void tp_consume_every(const TpParams& p, Ring ring, u16* staged) {
-  const int ct = threadIdx.x - 128, warp = ct / 32, lane = ct % 32;
+// Deadlock freedom: the consumers wait only for their ring and for the sender; the sender only for the
+// consumers and, once, for every rank to start the launch; merge teams wait for senders, and no sender
+// waits for a merge. The grid fits the GPU at once (RowParallelLinear sizes it by occupancy), so every
+// sender of every rank runs.
+
+constexpr int STAMP_SHIFT = 24;   // a stamp: launch << STAMP_SHIFT | pieces sent (fewer than 2^24 a CTA)
+
+__device__ __forceinline__ unsigned long long tp_stamp(unsigned long long launch, int sent) {
+  return launch << STAMP_SHIFT | (unsigned long long)sent;
+}
+
+// Where every-rank merges keep things in a window: piece t's partial from rank r (elements: its CTA's
+// block of I slots, at the piece's ordinal there) and CTA c's stamp from rank r (bytes).
+struct EveryLayout {
+  int G, I;
+  i64 region, part0, stamp0, cap;
+  __device__ explicit EveryLayout(const TpParams& p)
+      : G(gridDim.x), I((p.tiles + gridDim.x - 1) / gridDim.x), region((i64)G * I * TILE_ELEMS),
+        part0(p.x_part_off / (i64)sizeof(Part)), stamp0(p.x_signal_off), cap(p.x_grid_cap) {}
+  __device__ i64 part(int r, int t) const { return part0 + r * region + ((i64)(t % G) * I + t / G) * TILE_ELEMS; }
+  __device__ i64 stamp(int r, int cta) const { return stamp0 + 8 * ((i64)r * cap + cta); }
+};
+
+__device__ __forceinline__ unsigned long long tp_launch(const TpParams& p) {   // this launch's number
+  return *reinterpret_cast<volatile unsigned long long*>(p.xlaunch) + 1;
+}
+
+// The staged tile into a window (a warp, 16 bytes a lane and step, U steps in flight).
+template <int U>
+__device__ __forceinline__ void tp_copy(uint4* dst, const uint4* staged_v, int lane) {
+  constexpr int STEPS = TILE_ELEMS * sizeof(Part) / 16;
+  for (int e = lane; e < STEPS; e += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (e + 32 * u < STEPS) v[u] = staged_v[e + 32 * u];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (e + 32 * u < STEPS) __stcs(dst + e + 32 * u, v[u]);
+  }
+}
+
+// The sender (warp 1): `staged` is the shared-memory tile, `bars` its full and empty mbarriers. A TMA bulk
+// store copies it into this rank's window; the warp's own stores copy it into the other ranks' (a remote
+// bulk store would hold up the TMA loads of the GEMM behind it on this SM's copy engine).
+__device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, const uint4* staged_v, u32 bars, int lane) {
   const XWindows w = tp_windows(p);
   const XRing q{p.xring, p.xring_tail, p.xring_head, p.xring_cap};
-  const unsigned long long launch = *reinterpret_cast<volatile unsigned long long*>(p.xlaunch) + 1;
-  if (blockIdx.x == 0 && ct == 0) {
+  const EveryLayout L(p);
+  const unsigned long long launch = tp_launch(p);
+  if (blockIdx.x == 0 && lane == 0) {
     if (TP_PROXY)
-      xrank_announce_proxy(w, q, launch, tp_site(p, 12, warp + 4, -1, 0));
+      xrank_announce_proxy(w, q, launch, tp_site(p, 12, 1, -1, 0));
     else
       xrank_announce_peers(w, launch);
   }
-  const int G = gridDim.x, I = (p.tiles + G - 1) / G;   // CTAs; pieces of one CTA, at most
-  const i64 region = (i64)G * I * TILE_ELEMS;          // one rank's partials in a window (elements)
-  // Piece t's partial from rank r, in a window: its CTA's block of I slots, at the piece's ordinal there.
-  auto part_at = [&](int r, int t) -> i64 {
-    return p.x_part_off / (i64)sizeof(Part) + r * region + ((i64)(t % G) * I + t / G) * TILE_ELEMS;
-  };
-  auto stamp_at = [&](int r, int cta) -> i64 { return p.x_signal_off + 8 * ((i64)r * p.x_grid_cap + cta); };
-  int pieces = 0;
-  for (int t = blockIdx.x; t < p.tiles; t += G, ++pieces) {
+  const i64 slot = L.stamp(p.x_rank, blockIdx.x);
+  const unsigned long long before = *w.word(p.x_rank, slot);   // the proxy's running total (only this CTA adds)
+  int sent = 0;
+  for (int t = blockIdx.x; t < p.tiles; t += L.G) {
+    const i64 off = sizeof(Part) * L.part(p.x_rank, t);
+    if (lane == 0) {
+      mbar_wait(bars, sent & 1, tp_site(p, 14, 1, t, sent), 2 * MELD_WATCHDOG_NS);
+      if (sent == 0)   // before this CTA's first write of this launch into any window (module docstring)
+        xrank_wait_started(w, launch, tp_site(p, 13, 1, t, 0), XRANK_WAIT_NS);
+      bulk_store(p.xpeers[p.x_rank] + off, staged, TILE_ELEMS * sizeof(Part));
+      bulk_commit();
+    }
+    __syncwarp();
+    for (int r = 0; r < (TP_PROXY ? 0 : p.x_world); ++r)
+      if (r != p.x_rank) tp_copy<8>(reinterpret_cast<uint4*>(p.xpeers[r] + off), staged_v, lane);
+    if (lane == 0) bulk_wait_read();
+    __syncwarp();
+    if (lane == 0) {
+      mbar_arrive(bars + 8);   // the tile may be restaged
+      bulk_wait();
+      fence_proxy_async_global();
+    }
+    __threadfence_system();   // (each lane's stores into other ranks' windows)
+    __syncwarp();
+    ++sent;
+    if (lane == 0)
+      for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
+        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(tp_stamp(launch, sent)) : "memory");
+  }
+  if (TP_PROXY && lane == 0) {
+    const WaitSite s = tp_site(p, 12, 1, -1, 0);
+    for (int r = 0; r < p.x_world; ++r) {
+      if (r == p.x_rank) continue;
+      if (sent)
+        q.push(PROXY_PUT, r, sizeof(Part) * L.part(p.x_rank, blockIdx.x), sent * TILE_ELEMS * sizeof(Part), 0, s);
+      q.push(PROXY_SIGNAL, r, slot, 0, (long long)(tp_stamp(launch, sent) - before), s);
+    }
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(p.x_rank, slot)), "l"(tp_stamp(launch, sent)) : "memory");
+  }
+}
+
+// 16 bytes of partials (bf16 or float) added into s (or assigned to it: `first`).
+__device__ __forceinline__ void part_acc16(float (&s)[16 / sizeof(Part)], const uint4 v, bool first) {
+  constexpr int VEC = 16 / sizeof(Part);
+  const u32 u[4] = {v.x, v.y, v.z, v.w};
+  float f[VEC];
+  if constexpr (VEC == 8) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) { f[2 * j] = __uint_as_float(u[j] << 16); f[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u); }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) f[j] = __uint_as_float(u[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s[j] = first ? f[j] : s[j] + f[j];
+}
+
+// Tile x's partials (token-major tiles in this rank's window, `part(k)` for k in (rank, split) order) summed
+// in that order and written into this rank's output as bf16, 16 bytes of each partial a thread and step
+// (thread i of nt), U steps' first two partials loaded at once (a team with few registers keeps U small);
+// streaming loads and stores (read or written once here), so that they leave L2 to the GEMM's boxes.
+template <int U, class PartAt>
+__device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, PartAt&& part, int nparts, int i, int nt) {
+  constexpr int VEC = 16 / sizeof(Part), ROW = COLS / VEC;   // elements a step; steps a token
+  const int total = min(BLOCK_TOKENS, p.m - x.tok0) * ROW, cols = min(COLS, p.n - x.col * COLS);
+  u16* out = reinterpret_cast<u16*>(p.xpeers[p.x_rank] + p.x_out_off) + (i64)x.tok0 * p.n + x.col * COLS;
+  for (int e0 = i; e0 < total; e0 += U * nt) {
+    uint4 v[U][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * nt;   // (a tile's columns past n are in the window too: zeros)
+      if (e >= total) continue;
+      v[u][0] = __ldlu(reinterpret_cast<const uint4*>(part(0) + e * VEC));
+      if (nparts > 1) v[u][1] = __ldlu(reinterpret_cast<const uint4*>(part(1) + e * VEC));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + u * nt, c = VEC * (e % ROW);
+      if (e >= total || c >= cols) continue;
+      float s[VEC];
+      part_acc16(s, v[u][0], true);
+      if (nparts > 1) part_acc16(s, v[u][1], false);
+      for (int k = 2; k < nparts; ++k) part_acc16(s, __ldlu(reinterpret_cast<const uint4*>(part(k) + e * VEC)), false);
+      u32 o[VEC / 2];
+#pragma unroll
+      for (int j = 0; j < VEC / 2; ++j) o[j] = float_to_bf16(s[2 * j]) | (u32)float_to_bf16(s[2 * j + 1]) << 16;
+      u16* d = out + (i64)(e / ROW) * p.n + c;
+      if constexpr (VEC == 8)
+        __stcs(reinterpret_cast<uint4*>(d), make_uint4(o[0], o[1], o[2], o[3]));
+      else
+        __stcs(reinterpret_cast<uint2*>(d), make_uint2(o[0], o[1]));
+    }
+  }
+}
+
+// Merges: a team's leader claims the CTA's tiles (those whose first piece it computed) in order on `claim`.
+struct MergeClaims {
+  const TpParams& p;
+  XWindows w;
+  EveryLayout L;
+  unsigned long long launch;
+  int* claim;
+  __device__ MergeClaims(const TpParams& p_, int* claim_) : p(p_), w(tp_windows(p_)), L(p_), launch(tp_launch(p_)), claim(claim_) {}
+  // Piece k of tile t's parts in (rank, split) order: piece src = t + k % k_splits from rank k / k_splits.
+  __device__ const unsigned long long* stamp(int t, int k) const {
+    return w.word(p.x_rank, L.stamp(k / p.k_splits, (t + k % p.k_splits) % L.G));
+  }
+  __device__ unsigned long long landed(int t, int k) const { return tp_stamp(launch, (t + k % p.k_splits) / L.G + 1); }
+  // The next tile, once all its parts have landed (waiting for them), or p.tiles when none is left.
+  __device__ int next(int warp) const {
+    int t;
+    do t = blockIdx.x + L.G * atomicAdd(claim, 1);
+    while (t < p.tiles && t % p.k_splits != 0);
+    for (int k = 0; t < p.tiles && k < p.x_world * p.k_splits; ++k)
+      signal_wait(stamp(t, k), landed(t, k), tp_site(p, 10, warp, t, k / p.k_splits), 2 * XRANK_WAIT_NS);
+    return t;
+  }
+  // The next tile if all its parts have landed already (claimed), else p.tiles (nothing claimed).
+  __device__ int next_ready() const {
+    for (int c = *reinterpret_cast<volatile int*>(claim);;) {
+      const int t = blockIdx.x + L.G * c;
+      if (t >= p.tiles) return p.tiles;
+      if (t % p.k_splits == 0)
+        for (int k = 0; k < p.x_world * p.k_splits; ++k)
+          if (load_acquire_sys(stamp(t, k)) < landed(t, k)) return p.tiles;
+      const int seen = atomicCAS(claim, c, c + 1);
+      if (seen == c && t % p.k_splits == 0) return t;
+      c = seen == c ? c + 1 : seen;
+    }
+  }
+  template <int U>
+  __device__ void merge(int t, int i, int nt) const {
+    const Part* mine = reinterpret_cast<const Part*>(p.xpeers[p.x_rank]);
+    tp_merge<U>(p, tp_piece(p, t), [&](int k) { return mine + L.part(k / p.k_splits, t + k % p.k_splits); },
+                p.x_world * p.k_splits, i, nt);
+  }
+};
+
+// A merge team (threads i of nt, named barrier `bar`): merges claimed tiles, its leader waiting for each one's
+// parts and handing it on through `slot`, until none is left.
+template <int U>
+__device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, int bar, int* claim, volatile int* slot, int warp) {
+  const MergeClaims mc(p, claim);
+  for (;;) {
+    if (i == 0) *slot = mc.next(warp);
+    named_barrier(bar, nt);
+    const int t = *slot;
+    named_barrier(bar, nt);   // (the slot is rewritten by the next claim)
+    if (t >= p.tiles) return;
+    mc.merge<U>(t, i, nt);
+  }
+}
+
+// The consumer warpgroups: every piece's GEMM, its partial staged for the sender, and after each, the next
+// tile to merge if all its parts have landed already (the merge warps fall behind when tiles are quick to
+// compute); then a merge team.
+__device__ __forceinline__ void tp_consume_every(const TpParams& p, Ring ring, Part* staged, u32 bars, int* team) {
+  const int ct = threadIdx.x - 128, warp = ct / 32, lane = ct % 32;
+  const MergeClaims mc(p, team);
+  int sent = 0;
+  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ++sent) {
     const Piece x = tp_piece(p, t);
     float acc[ACC];
     tp_gemm(p, ring, x, t, acc, warp, lane);
-    if (pieces == 0) {   // before this CTA's first write of this launch into any window (module docstring)
-      if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
-      named_barrier(1, CONSUMERS);
-    }
-    const i64 off = part_at(p.x_rank, t) + 4 * ct;
-    for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
-      tp_store_partial(reinterpret_cast<Part*>(p.xpeers[r]) + off, acc);
-  }
-  __threadfence_system();
-  named_barrier(1, CONSUMERS);
-  if (ct == 0) {
-    const i64 stamp = stamp_at(p.x_rank, blockIdx.x);
-    if (TP_PROXY) {
-      unsigned long long* own = w.word(p.x_rank, stamp);
-      const unsigned long long before = *own;   // the proxy's running total for this slot (only this CTA adds)
-      const WaitSite s = tp_site(p, 12, warp + 4, -1, 0);
-      for (int r = 0; r < p.x_world; ++r) {
-        if (r == p.x_rank) continue;
-        if (pieces)
-          q.push(PROXY_PUT, r, sizeof(Part) * part_at(p.x_rank, blockIdx.x), pieces * TILE_ELEMS * sizeof(Part), 0, s);
-        q.push(PROXY_SIGNAL, r, stamp, 0, (long long)(launch - before), s);
-      }
-      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(own), "l"(launch) : "memory");
-    } else {
-      for (int r = 0; r < p.x_world; ++r)
-        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, stamp)), "l"(launch) : "memory");
-    }
-  }
-  const int nparts = p.x_world * p.k_splits;
-  const Part* mine = reinterpret_cast<const Part*>(p.xpeers[p.x_rank]);
-  for (int t = blockIdx.x; t < p.tiles; t += G) {
-    const Piece x = tp_piece(p, t);
-    if (x.split != 0) continue;   // a tile is merged by the CTA of its first piece
-    if (ct == 0)
-      for (int k = 0; k < nparts; ++k) {
-        const int src = x.o * p.k_splits + k % p.k_splits;
-        signal_wait(w.word(p.x_rank, stamp_at(k / p.k_splits, src % G)), launch,
-                    tp_site(p, 10, warp + 4, t, k / p.k_splits), XRANK_WAIT_NS);
-      }
+    if (sent) mbar_wait(bars + 8, (sent - 1) & 1, tp_site(p, 15, warp + 4, t, sent - 1), 2 * XRANK_WAIT_NS);
+    tp_stage(acc, staged, warp, lane);
+    fence_proxy_async();   // (the sender's bulk copy reads it)
     named_barrier(1, CONSUMERS);
-    float acc[ACC];
-#pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
-    tp_sum([&](int k) { return mine + part_at(k / p.k_splits, x.o * p.k_splits + k % p.k_splits) + 4 * ct; },
-           nparts, -1, acc, staged, warp, lane);
+    if (ct == 0) {
+      mbar_arrive(bars);
+      team[3] = mc.next_ready();
+    }
     named_barrier(1, CONSUMERS);
-    tp_store_tile(p, staged, x, ct, p.x_rank, p.x_rank + 1);
-    named_barrier(1, CONSUMERS);   // (staged is rewritten by the next tile)
+    const int ready = team[3];   // (rewritten after the next piece's first barrier)
+    if (ready < p.tiles) mc.merge<4>(ready, ct, CONSUMERS);
   }
-  if (ct != 0 || atomicAdd(p.xexit, 1u) != G - 1) return;
+  tp_merge_team<4>(p, ct, CONSUMERS, 1, team, team + 1, warp + 4);
+}
+
+// The end of a CTA of every-rank merges (every thread but the producer warp's): the launch's last CTA
+// records the launch as finished (every CTA read the count at its start).
+__device__ __forceinline__ void tp_every_done(const TpParams& p) {
+  named_barrier(3, 96 + CONSUMERS);
+  if (threadIdx.x != 32 || atomicAdd(p.xexit, 1u) != gridDim.x - 1) return;
   p.xexit[0] = 0u;
-  *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
+  *p.xlaunch = tp_launch(p);
 }
 
 extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_tp_linear(const __grid_constant__ TpParams p) {
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
   const Ring ring = Ring::at<STAGE_BYTES>(raw);
-  u16* staged = reinterpret_cast<u16*>(smem_raw + (ring.end() - raw));
-  int* last = reinterpret_cast<int*>(staged + BLOCK_TOKENS * COLS);
+  unsigned char* staged = smem_raw + (ring.end() - raw);   // the staged tile, then two mbarriers and four ints
+  const u32 bars = ring.end() + STAGED_BYTES;
+  int* team = reinterpret_cast<int*>(staged + STAGED_BYTES + 16);   // [claim, consumers' slot, mergers' slot,
+                                                                     // consumers' ready tile (owner merges: last)]
   if (threadIdx.x == 0) {
     ring.init(CONSUMERS / 32);
+    mbar_init(bars, 1);       // a staged partial is ready (the consumers)
+    mbar_init(bars + 8, 1);   // it has been read (the sender)
+    team[0] = 0;
     fence_mbar_init();
   }
   __syncthreads();
   if (threadIdx.x < 128) {
-    if (TP_WGS == 2) regs_dealloc<40>();   // (two consumer warpgroups: their accumulators take the registers)
+    if (TP_WGS == 2) regs_dealloc<104>();   // (two consumer warpgroups: their accumulators take the registers)
     if (threadIdx.x == 0) tp_produce(p, ring);
+    if (!TP_EVERY || threadIdx.x < 32) return;
+    if (threadIdx.x < 64) tp_send(p, ring.end(), reinterpret_cast<const uint4*>(staged), bars, threadIdx.x - 32);
+    if (threadIdx.x >= 64) tp_merge_team<4>(p, threadIdx.x - 64, 64, 2, team, team + 2, threadIdx.x / 32);
+    tp_every_done(p);
     return;
   }
-  if (TP_WGS == 2) regs_alloc<232>();
-  if (TP_EVERY)
-    tp_consume_every(p, ring, staged);
-  else
-    tp_consume(p, ring, staged, last);
+  if (TP_WGS == 2) regs_alloc<200>();
+  if (TP_EVERY) {
+    tp_consume_every(p, ring, reinterpret_cast<Part*>(staged), bars, team);
+    tp_every_done(p);
+  } else {
+    tp_consume(p, ring, reinterpret_cast<u16*>(staged), team + 3);
+  }
 }
 
 }  // namespace meld
