@@ -3,11 +3,13 @@
 
 Rank r holds x_r [M, K] and w_r [N, K] (its slices of the contraction dimension) and every rank gets
 y = sum_r x_r w_r^T. Each output tile (`cols` columns x a token block) is computed as world x k_splits
-pieces; each rank computes its pieces in its own order and hands each partial to the tile's owner rank
-(o % world) as soon as it is done (`LastArriverReduce`): the last partial to arrive sums the tile's
-partials in (rank, split) order — with the combiner the operator's task graph records, as the GPU's
-merge is chosen from it — and puts the sum to every rank. The same rule as the kernel's, run by the CPU
-reference executor under the emulated transport's reordering and delays.
+pieces. Owner merges: each rank computes its pieces in its own order and hands each partial to the tile's
+owner rank (o % world) as soon as it is done (`LastArriverReduce`): the last partial to arrive sums the
+tile's partials in (rank, split) order — with the combiner the operator's task graph records, as the GPU's
+merge is chosen from it — and puts the sum to every rank. Every-rank merges (the GPU's default): every
+partial goes to every rank behind a per-CTA stamp, and each rank sums a tile once the stamps cover its
+pieces. The kernel's rules, run by the CPU reference executor under the emulated transport's reordering
+and delays.
 """
 from __future__ import annotations
 
@@ -47,13 +49,14 @@ def _assemble(sched: TpSchedule, tiles) -> np.ndarray:
 
 
 def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule,
-                        seed: int = 0, merge: str = "owner") -> list[np.ndarray]:
+                        seed: int = 0, merge: str = "owner", grid: int | None = None) -> list[np.ndarray]:
     """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y.
     `merge`: "owner" (the last arriving partial of a tile sums it at the owner) or "every_rank" (as
-    `TpKernelConfig.merge`: every rank puts each partial to every rank, then signals each rank once; each
-    rank, once every other rank's signal is in, sums every tile itself from its own window)."""
+    `TpKernelConfig.merge` and templates/tp_linear.cuh: the pieces of `grid` CTAs, by default about three
+    each; every partial put into every rank's window, each followed by its CTA's stamp on every rank; each
+    rank sums a tile from its own window once the stamps cover its pieces)."""
     if merge == "every_rank":
-        return _every_rank(transport, xs, ws, sched, seed)
+        return _every_rank(transport, xs, ws, sched, seed, grid or max(1, (sched.pieces + 2) // 3))
     if merge != "owner":
         raise ValueError(f"merge={merge!r}: expected 'owner' or 'every_rank'")
     world, S = len(xs), sched.k_splits
@@ -73,34 +76,58 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
     return [_assemble(sched, out[r]) for r in range(world)]
 
 
-def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, poll_s: float = 1e-5) -> list[np.ndarray]:
+def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s: float = 1e-5) -> list[np.ndarray]:
+    """CTA c of every rank computes pieces c, c + G, ... in order (the CTAs of a rank interleaved at random
+    within each round). After each piece it puts the partial into every rank's window (its own too) and
+    signals its stamp slot [rank][c] there (the pieces it has sent). A tile is summed by the CTA of its
+    first piece: after each of its pieces if the tile's stamps already cover it (the GPU's consumers), and
+    every tile left after its last piece, waiting for them."""
     world, S = len(xs), sched.k_splits
     merge = _merge(sched, world)
     transport.window("y.parts", (sched.out_tiles, world * S, sched.block_tokens, sched.cols), np.float64, np.nan)
-    transport.window("y.stamp", (world,), np.int64, 0)
+    transport.window("y.stamp", (world, G), np.int64, 0)
     out = [np.full((sched.out_tiles, sched.block_tokens, sched.cols), np.nan) for _ in range(world)]
 
     def rank_main(r: int) -> None:
-        order = list(range(sched.pieces))
-        random.Random(seed * 1000 + r).shuffle(order)
-        for t in order:
-            o, split = divmod(t, S)
-            part = _partial(sched, xs[r], ws[r], t)
-            for dst in range(world):   # (the put stages the partial in this rank's own window too)
-                if dst != r:
+        def covered(t: int) -> bool:   # every part of the tile of first piece t, (rank, split) k, stamped here
+            return all(transport.get(r, r, "y.stamp", (k // S, (t + k % S) % G)) >= (t + k % S) // G + 1
+                       for k in range(world * S))
+
+        claimed = [0] * G   # per CTA: the ordinals looked at for a tile to merge
+
+        def merge_next(c: int, wait: bool) -> bool:
+            """CTA c's next tile to merge, if any (waiting for its parts, or only if they have landed)."""
+            while c + G * claimed[c] < sched.pieces:
+                t = c + G * claimed[c]
+                if t % S == 0:
+                    deadline = time.monotonic() + transport.timeout
+                    while not covered(t):
+                        if not wait:
+                            return False
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"rank {r}: the parts of tile {t // S} did not arrive")
+                        time.sleep(poll_s)
+                    claimed[c] += 1
+                    out[r][t // S] = merge(list(transport.get(r, r, "y.parts", t // S)))
+                    return True
+                claimed[c] += 1
+            return False
+
+        rng = random.Random(seed * 1000 + r)
+        for j in range(-(-sched.pieces // G)):
+            ctas = [c for c in range(G) if c + G * j < sched.pieces]
+            rng.shuffle(ctas)
+            for c in ctas:
+                t = c + G * j
+                o, split = divmod(t, S)
+                part = _partial(sched, xs[r], ws[r], t)
+                for dst in range(world):
                     transport.put(r, dst, "y.parts", (o, r * S + split), part)
-            if world == 1:
-                transport.put(r, r, "y.parts", (o, split), part)
-        for dst in range(world):       # one signal per destination, behind this rank's puts to it
-            if dst != r:
-                transport.fetch_add(r, dst, "y.stamp", r, 1)
-        deadline = time.monotonic() + transport.timeout
-        while any(transport.get(r, r, "y.stamp", src) < 1 for src in range(world) if src != r):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {r}: the other ranks' partials did not arrive")
-            time.sleep(poll_s)
-        for o in range(sched.out_tiles):
-            out[r][o] = merge(list(transport.get(r, r, "y.parts", o)))
+                    transport.signal(r, dst, "y.stamp", (r, c), 1)
+                merge_next(c, wait=False)
+        for c in range(G):
+            while merge_next(c, wait=True):
+                pass
         transport.quiet(r)
 
     run_ranks(world, rank_main)
