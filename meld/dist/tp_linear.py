@@ -4,11 +4,12 @@ tile by tile, in one persistent kernel per GPU (templates/tp_linear.cuh).
 Rank r holds x_r [M, K] and W_r [N, K], its slices of the contraction dimension (Megatron's row-parallel
 layer: the input arrives split, as the column-parallel layer before it leaves it); every rank gets
 y = sum_r x_r W_r^T [M, N]. By default (`TpKernelConfig.merge="every_rank"`) every piece's partial tile
-goes to every rank as soon as it is computed (bf16 by default, through NVLink peer memory) and each rank
-sums its own output from its own window, in rank order, once every partial of a tile has landed: the
-exchange overlaps the GEMM's other tiles, there is no separate collective, no remote fetch-add or load,
-and every rank's result is bit-identical, launch after launch. It is also the form the proxy transport
-(`transport="proxy"`, the model of RDMA between nodes) carries as puts and signals. With
+is published in its rank's window as soon as it is computed (bf16 by default) and stamped on every rank;
+each rank sums its own output in rank order, reading the partials where they lie (NVLink peer memory),
+as soon as a tile's are all stamped: the exchange and the sums overlap the GEMM's next tiles, there is no
+separate collective and no remote fetch-add, and every rank's result is bit-identical, launch after
+launch. The proxy transport (`transport="proxy"`, the model of RDMA between nodes) carries the same as
+puts and signals into every rank's window. With
 `merge="owner"` each tile is summed at its owner rank by whichever partial arrives last and written into
 every rank's output: fewer bytes per rank in larger groups, slower on two H200s (bench/RESULTS.md).
 templates/tp_linear.cuh says how each works and why neither deadlocks.

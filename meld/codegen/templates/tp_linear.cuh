@@ -15,8 +15,8 @@
 // same sum, bit for bit, whichever piece arrives last; no float atomics), partials in bf16 or float
 // (MELD_TP_BF16_PARTS):
 // - every rank merges (MELD_TP_EVERY 1, the default; the section "Every rank merges" says how): every
-//   partial goes to every rank and each rank sums its own output, warps 1-3 of the producer warpgroup
-//   sending and summing while the consumer warpgroups compute the next piece;
+//   rank reads every partial and sums its own output, warps 1-3 of the producer warpgroup publishing and
+//   summing while the consumer warpgroups compute the next piece;
 // - the owner merges (MELD_TP_EVERY 0): output tile o is reduced at its owner rank o % world; every piece
 //   stores its partial into the owner's window (NVLink peer memory) and counts it on the owner's tile
 //   counter after a system-scope fence; the piece whose count completes the tile sums the partials and
@@ -242,21 +242,20 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
   *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
 }
 
-// Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it): every partial goes to every rank and
-// each rank sums its own output. Three roles share a CTA's pieces, so that a piece's exchange and sum
-// overlap the GEMM of the next:
+// Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it): every rank reads every partial and
+// sums its own output. Three roles share a CTA's pieces, so that a piece's exchange and sum overlap the
+// GEMM of the next:
 // - the consumer warpgroups compute each piece and stage its partial, rounded as it travels, token-major in
 //   shared memory (one tile: they wait for the sender to have read the one before);
-// - the sender (warp 1) copies it with TMA bulk stores into every rank's window (the proxy: into this
-//   rank's own, and at the CTA's end one put per destination of all its pieces, which lie contiguous: a
-//   rank's partials lie per CTA, I slots each), and once the copies have completed stamps the CTA's slot
-//   [rank][cta] on every rank with (launch, pieces sent) after a system-scope fence (the proxy: a signal
-//   behind its put, adding to the slot what the running total before this launch lacks);
-// - merge teams (warps 2 and 3 from the start; the consumer warpgroups after their last piece) claim the
-//   CTA's tiles (those whose first piece it computed) in order, wait until every piece of the tile is
-//   stamped in this rank's window, sum the pieces from there in (rank, split) order and write this rank's
-//   output. Every rank computes the same sums in the same order: the outputs are bit-identical, and
-//   nothing but partials crosses ranks.
+// - the sender (warp 1) copies it with a TMA bulk store into this rank's window and stamps it on every
+//   rank (tp_send). Over peer memory the other ranks read it there: storing it into their windows instead
+//   cost the GEMM of the next pieces up to 20 µs each and was 3% slower overall (bench/RESULTS.md); the
+//   proxy puts it into theirs;
+// - merge teams (warps 2 and 3 from the start; the consumer warpgroups between pieces when a tile is ready,
+//   and after their last piece) claim the CTA's tiles (those whose first piece it computed) in order, wait
+//   until every piece of the tile is stamped in this rank's window, sum the pieces where they lie in
+//   (rank, split) order and write this rank's output. Every rank computes the same sums in the same order:
+//   the outputs are bit-identical, and nothing but partials crosses ranks.
 //
 // Deadlock freedom: the consumers wait only for their ring and for the sender; the sender only for the
 // consumers and, once, for every rank to start the launch; merge teams wait for senders, and no sender
@@ -285,30 +284,18 @@ __device__ __forceinline__ unsigned long long tp_launch(const TpParams& p) {   /
   return *reinterpret_cast<volatile unsigned long long*>(p.xlaunch) + 1;
 }
 
-// The staged tile into a window (a warp, 16 bytes a lane and step, U steps in flight).
-template <int U>
-__device__ __forceinline__ void tp_copy(uint4* dst, const uint4* staged_v, int lane) {
-  constexpr int STEPS = TILE_ELEMS * sizeof(Part) / 16;
-  for (int e = lane; e < STEPS; e += 32 * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (e + 32 * u < STEPS) v[u] = staged_v[e + 32 * u];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (e + 32 * u < STEPS) __stcs(dst + e + 32 * u, v[u]);
-  }
-}
-
-// The sender (warp 1): `staged` is the shared-memory tile, `bars` its full and empty mbarriers. A TMA bulk
-// store copies it into this rank's window; the warp's own stores copy it into the other ranks' (a remote
-// bulk store would hold up the TMA loads of the GEMM behind it on this SM's copy engine).
-__device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, const uint4* staged_v, u32 bars, int lane) {
+// The sender (one thread of warp 1): `staged` is the shared-memory tile, `bars` its full and empty
+// mbarriers. A TMA bulk store copies each partial into this rank's window: there the other ranks' merges
+// read it over NVLink (peer memory), or the proxy puts it into theirs at the CTA's end, all its pieces in
+// one put per destination (they lie contiguous). Once the copy has completed, the CTA's stamp slot
+// [rank][cta] on every rank gets (launch, pieces sent) after a system-scope fence (the proxy: a signal
+// behind its put, adding what the slot's running total before this launch lacks).
+__device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, u32 bars) {
   const XWindows w = tp_windows(p);
   const XRing q{p.xring, p.xring_tail, p.xring_head, p.xring_cap};
   const EveryLayout L(p);
   const unsigned long long launch = tp_launch(p);
-  if (blockIdx.x == 0 && lane == 0) {
+  if (blockIdx.x == 0) {
     if (TP_PROXY)
       xrank_announce_proxy(w, q, launch, tp_site(p, 12, 1, -1, 0));
     else
@@ -318,32 +305,21 @@ __device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, const uin
   const unsigned long long before = *w.word(p.x_rank, slot);   // the proxy's running total (only this CTA adds)
   int sent = 0;
   for (int t = blockIdx.x; t < p.tiles; t += L.G) {
-    const i64 off = sizeof(Part) * L.part(p.x_rank, t);
-    if (lane == 0) {
-      mbar_wait(bars, sent & 1, tp_site(p, 14, 1, t, sent), 2 * MELD_WATCHDOG_NS);
-      if (sent == 0)   // before this CTA's first write of this launch into any window (module docstring)
-        xrank_wait_started(w, launch, tp_site(p, 13, 1, t, 0), XRANK_WAIT_NS);
-      bulk_store(p.xpeers[p.x_rank] + off, staged, TILE_ELEMS * sizeof(Part));
-      bulk_commit();
-    }
-    __syncwarp();
-    for (int r = 0; r < (TP_PROXY ? 0 : p.x_world); ++r)
-      if (r != p.x_rank) tp_copy<8>(reinterpret_cast<uint4*>(p.xpeers[r] + off), staged_v, lane);
-    if (lane == 0) bulk_wait_read();
-    __syncwarp();
-    if (lane == 0) {
-      mbar_arrive(bars + 8);   // the tile may be restaged
-      bulk_wait();
-      fence_proxy_async_global();
-    }
-    __threadfence_system();   // (each lane's stores into other ranks' windows)
-    __syncwarp();
+    mbar_wait(bars, sent & 1, tp_site(p, 14, 1, t, sent), 2 * MELD_WATCHDOG_NS);
+    if (sent == 0)   // before this CTA's first write of this launch into its window (module docstring)
+      xrank_wait_started(w, launch, tp_site(p, 13, 1, t, 0), XRANK_WAIT_NS);
+    bulk_store(p.xpeers[p.x_rank] + sizeof(Part) * L.part(p.x_rank, t), staged, TILE_ELEMS * sizeof(Part));
+    bulk_commit();
+    bulk_wait_read();
+    mbar_arrive(bars + 8);   // the tile may be restaged
+    bulk_wait();
+    fence_proxy_async_global();
+    __threadfence_system();
     ++sent;
-    if (lane == 0)
-      for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
-        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(tp_stamp(launch, sent)) : "memory");
+    for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
+      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(tp_stamp(launch, sent)) : "memory");
   }
-  if (TP_PROXY && lane == 0) {
+  if (TP_PROXY) {
     const WaitSite s = tp_site(p, 12, 1, -1, 0);
     for (int r = 0; r < p.x_world; ++r) {
       if (r == p.x_rank) continue;
@@ -353,6 +329,14 @@ __device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, const uin
     }
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(p.x_rank, slot)), "l"(tp_stamp(launch, sent)) : "memory");
   }
+}
+
+// 16 bytes of a partial, in this rank's window or another's (written by other GPUs during this launch:
+// volatile, never from a cache line of an earlier launch).
+__device__ __forceinline__ uint4 part_ld16(const Part* a) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+  return v;
 }
 
 // 16 bytes of partials (bf16 or float) added into s (or assigned to it: `first`).
@@ -386,8 +370,8 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, Part
     for (int u = 0; u < U; ++u) {
       const int e = e0 + u * nt;   // (a tile's columns past n are in the window too: zeros)
       if (e >= total) continue;
-      v[u][0] = __ldlu(reinterpret_cast<const uint4*>(part(0) + e * VEC));
-      if (nparts > 1) v[u][1] = __ldlu(reinterpret_cast<const uint4*>(part(1) + e * VEC));
+      v[u][0] = part_ld16((part(0) + e * VEC));
+      if (nparts > 1) v[u][1] = part_ld16((part(1) + e * VEC));
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -396,7 +380,7 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, Part
       float s[VEC];
       part_acc16(s, v[u][0], true);
       if (nparts > 1) part_acc16(s, v[u][1], false);
-      for (int k = 2; k < nparts; ++k) part_acc16(s, __ldlu(reinterpret_cast<const uint4*>(part(k) + e * VEC)), false);
+      for (int k = 2; k < nparts; ++k) part_acc16(s, part_ld16((part(k) + e * VEC)), false);
       u32 o[VEC / 2];
 #pragma unroll
       for (int j = 0; j < VEC / 2; ++j) o[j] = float_to_bf16(s[2 * j]) | (u32)float_to_bf16(s[2 * j + 1]) << 16;
@@ -446,8 +430,9 @@ struct MergeClaims {
   }
   template <int U>
   __device__ void merge(int t, int i, int nt) const {
-    const Part* mine = reinterpret_cast<const Part*>(p.xpeers[p.x_rank]);
-    tp_merge<U>(p, tp_piece(p, t), [&](int k) { return mine + L.part(k / p.k_splits, t + k % p.k_splits); },
+    tp_merge<U>(p, tp_piece(p, t), [&](int k) {
+      return reinterpret_cast<const Part*>(p.xpeers[TP_PROXY ? p.x_rank : k / p.k_splits]) +   // where it lies
+             L.part(k / p.k_splits, t + k % p.k_splits); },
                 p.x_world * p.k_splits, i, nt);
   }
 };
@@ -522,7 +507,8 @@ extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_
     if (TP_WGS == 2) regs_dealloc<104>();   // (two consumer warpgroups: their accumulators take the registers)
     if (threadIdx.x == 0) tp_produce(p, ring);
     if (!TP_EVERY || threadIdx.x < 32) return;
-    if (threadIdx.x < 64) tp_send(p, ring.end(), reinterpret_cast<const uint4*>(staged), bars, threadIdx.x - 32);
+    if (threadIdx.x == 32) tp_send(p, ring.end(), bars);
+    __syncwarp();
     if (threadIdx.x >= 64) tp_merge_team<4>(p, threadIdx.x - 64, 64, 2, team, team + 2, threadIdx.x / 32);
     tp_every_done(p);
     return;
