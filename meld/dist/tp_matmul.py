@@ -52,9 +52,10 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
                         seed: int = 0, merge: str = "owner", grid: int | None = None) -> list[np.ndarray]:
     """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y.
     `merge`: "owner" (the last arriving partial of a tile sums it at the owner) or "every_rank" (as
-    `TpKernelConfig.merge` and templates/tp_linear.cuh: the pieces of `grid` CTAs, by default about three
-    each; every partial put into every rank's window, each followed by its CTA's stamp on every rank; each
-    rank sums a tile from its own window once the stamps cover its pieces)."""
+    `TpKernelConfig.merge` and templates/tp_linear.cuh over the proxy transport, but a put per piece: the
+    pieces of `grid` CTAs, by default about three each; every partial put into every rank's window, each
+    followed by its CTA's stamp on every rank; each rank sums a tile from its own window once the stamps
+    cover its pieces)."""
     if merge == "every_rank":
         return _every_rank(transport, xs, ws, sched, seed, grid or max(1, (sched.pieces + 2) // 3))
     if merge != "owner":

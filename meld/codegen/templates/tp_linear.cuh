@@ -248,14 +248,15 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
 // - the consumer warpgroups compute each piece and stage its partial, rounded as it travels, token-major in
 //   shared memory (one tile: they wait for the sender to have read the one before);
 // - the sender (warp 1) copies it with a TMA bulk store into this rank's window and stamps it on every
-//   rank (tp_send). Over peer memory the other ranks read it there: storing it into their windows instead
-//   cost the GEMM of the next pieces up to 20 µs each and was 3% slower overall (bench/RESULTS.md); the
-//   proxy puts it into theirs;
+//   rank (tp_send). Over peer memory the other ranks read it there (storing it into their windows instead
+//   cost the GEMM of the next pieces up to 20 µs each and was 3-4% slower overall: bench/RESULTS.md); the
+//   proxy puts it into theirs. A rank rewrites its window's partials only once every rank has started the
+//   launch, so every read of the launch before has finished;
 // - merge teams (warps 2 and 3 from the start; the consumer warpgroups between pieces when a tile is ready,
 //   and after their last piece) claim the CTA's tiles (those whose first piece it computed) in order, wait
 //   until every piece of the tile is stamped in this rank's window, sum the pieces where they lie in
 //   (rank, split) order and write this rank's output. Every rank computes the same sums in the same order:
-//   the outputs are bit-identical, and nothing but partials crosses ranks.
+//   the outputs are bit-identical, and nothing but partials and stamps crosses ranks.
 //
 // Deadlock freedom: the consumers wait only for their ring and for the sender; the sender only for the
 // consumers and, once, for every rank to start the launch; merge teams wait for senders, and no sender
