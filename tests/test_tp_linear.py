@@ -67,18 +67,23 @@ def test_schedule_gives_every_cta_slot_a_piece(m, n, k, ctas, splits):
 
 
 @pytest.mark.parametrize("max_tokens, n, world", [(1, 8, 2), (300, 1000, 2), (8192, 8192, 4), (77, 136, 1), (16, 64, 2)])
-def test_window_holds_the_largest_call(max_tokens, n, world):
-    L = _window_layout(max_tokens, n, world, 132)
+@pytest.mark.parametrize("own_parts_only", [False, True])
+def test_window_holds_the_largest_call(max_tokens, n, world, own_parts_only):
+    """Owner merges and the proxy keep every rank's partials in a window; every-rank merges over peer memory
+    only their own rank's."""
+    L = _window_layout(max_tokens, n, world, 132, 1 if own_parts_only else world)
     offsets = [L[k] for k in ("out", "part", "count", "landed", "started")] + [L["nbytes"]]
     assert offsets == sorted(offsets) and all(o % 256 == 0 for o in offsets)
     assert L["part"] - L["out"] >= max_tokens * n * 2
     for m in range(1, max_tokens + 1, max(1, max_tokens // 40)):
         for k, ctas in ((64, 1), (4096, 2), (4096, 1), (1 << 16, 2)):
             s = TpSchedule.of(m, n, k, 132, TpKernelConfig(ctas_per_sm=ctas))
-            assert L["count"] - L["part"] >= s.pieces * world * s.cols * s.block_tokens * 4, (m, k, s)
             grid = min(s.pieces, block_config(TpKernelConfig(ctas_per_sm=ctas), s.block_tokens).ctas * 132)
             per_cta = -(-s.pieces // grid)   # every-rank merges: each CTA's block of pieces
-            assert L["count"] - L["part"] >= grid * per_cta * world * s.cols * s.block_tokens * 4, (m, k, s)
+            ranks = 1 if own_parts_only else world
+            assert L["count"] - L["part"] >= grid * per_cta * ranks * s.cols * s.block_tokens * 4, (m, k, s)
+            if not own_parts_only:
+                assert L["count"] - L["part"] >= s.pieces * world * s.cols * s.block_tokens * 4, (m, k, s)
             assert L["landed"] - L["count"] >= s.out_tiles * 8
 
 

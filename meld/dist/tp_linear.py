@@ -29,14 +29,15 @@ from .seq_parallel import SymmetricWindow, pack_regions
 
 
 
-def _window_layout(max_tokens: int, n: int, world: int, sm_count: int) -> dict[str, int]:
-    """Byte offsets in a rank's window: the output [max_tokens, N] bf16, the partials (sized as float)
-    (`TpSchedule.max_partial_floats` per rank: owner merges keep [tiles][world x k_splits][cols x block tokens]
-    at a tile's owner, every-rank merges every rank's, per CTA), one u64 counter per output tile, the landing
-    counter, the launches every rank started, and the every-rank merges' stamps [world][2 x SMs]."""
+def _window_layout(max_tokens: int, n: int, world: int, sm_count: int, part_ranks: int) -> dict[str, int]:
+    """Byte offsets in a rank's window: the output [max_tokens, N] bf16, the partials (sized as float) of
+    `part_ranks` ranks (`TpSchedule.max_partial_floats` each: owner merges keep [tiles][world x k_splits]
+    [cols x block tokens] at a tile's owner; every-rank merges per CTA, over peer memory this rank's own
+    only, over the proxy every rank's), one u64 counter per output tile, the landing counter, the launches
+    every rank started, and the every-rank merges' stamps [world][2 x SMs]."""
     from ..codegen.tp_kernel import TpSchedule
 
-    sizes = {"out": max_tokens * n * 2, "part": TpSchedule.max_partial_floats(max_tokens, n, sm_count) * world * 4,
+    sizes = {"out": max_tokens * n * 2, "part": TpSchedule.max_partial_floats(max_tokens, n, sm_count) * part_ranks * 4,
              "count": -(-n // 64) * -(-max_tokens // 8) * 8, "landed": 8, "started": 8 * world,
              "signal": 8 * world * 2 * sm_count}
     return pack_regions(sizes)
@@ -104,7 +105,9 @@ class RowParallelLinear(Operator):
         self._require_hopper(exact=True)
         self.dtype = dtype
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        self.layout = _window_layout(self.max_tokens, self.out_features, self.world, self._sm_count)
+        own_parts_only = kernel_config.merge == "every_rank" and kernel_config.transport == "peer"
+        self.layout = _window_layout(self.max_tokens, self.out_features, self.world, self._sm_count,
+                                     1 if own_parts_only else self.world)
         if max(-(-out_features // 64) * -(-max_tokens // b) for b in TP_BLOCK_TOKENS) >= 1 << 31:
             raise ValueError(f"out_features={out_features}, max_tokens={max_tokens}: too many output tiles")
         self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)

@@ -270,12 +270,13 @@ __device__ __forceinline__ unsigned long long tp_stamp(unsigned long long launch
 }
 
 // Where every-rank merges keep things in a window: piece t's partial from rank r (elements: its CTA's
-// block of I slots, at the piece's ordinal there) and CTA c's stamp from rank r (bytes).
+// block of I slots, at the piece's ordinal there; over peer memory a window holds only its own rank's, the
+// proxy's every rank's) and CTA c's stamp from rank r (bytes).
 struct EveryLayout {
   int G, I;
   i64 region, part0, stamp0, cap;
   __device__ explicit EveryLayout(const TpParams& p)
-      : G(gridDim.x), I((p.tiles + gridDim.x - 1) / gridDim.x), region((i64)G * I * TILE_ELEMS),
+      : G(gridDim.x), I((p.tiles + gridDim.x - 1) / gridDim.x), region(TP_PROXY ? (i64)G * I * TILE_ELEMS : 0),
         part0(p.x_part_off / (i64)sizeof(Part)), stamp0(p.x_signal_off), cap(p.x_grid_cap) {}
   __device__ i64 part(int r, int t) const { return part0 + r * region + ((i64)(t % G) * I + t / G) * TILE_ELEMS; }
   __device__ i64 stamp(int r, int cta) const { return stamp0 + 8 * ((i64)r * cap + cta); }
