@@ -357,10 +357,10 @@ __device__ __forceinline__ void part_acc16(float (&s)[16 / sizeof(Part)], const 
   for (int j = 0; j < VEC; ++j) s[j] = first ? f[j] : s[j] + f[j];
 }
 
-// Tile x's partials (token-major tiles in this rank's window, `part(k)` for k in (rank, split) order) summed
-// in that order and written into this rank's output as bf16, 16 bytes of each partial a thread and step
+// Tile x's partials (token-major tiles where they lie, `part(k)` for k in (rank, split) order) summed in
+// that order and written into this rank's output as bf16, 16 bytes of each partial a thread and step
 // (thread i of nt), U steps' first two partials loaded at once (a team with few registers keeps U small);
-// streaming loads and stores (read or written once here), so that they leave L2 to the GEMM's boxes.
+// streaming stores (the output is not read here), so that they leave L2 to the GEMM's boxes.
 template <int U, class PartAt>
 __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, PartAt&& part, int nparts, int i, int nt) {
   constexpr int VEC = 16 / sizeof(Part), ROW = COLS / VEC;   // elements a step; steps a token
@@ -372,8 +372,8 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, Part
     for (int u = 0; u < U; ++u) {
       const int e = e0 + u * nt;   // (a tile's columns past n are in the window too: zeros)
       if (e >= total) continue;
-      v[u][0] = part_ld16((part(0) + e * VEC));
-      if (nparts > 1) v[u][1] = part_ld16((part(1) + e * VEC));
+      v[u][0] = part_ld16(part(0) + e * VEC);
+      if (nparts > 1) v[u][1] = part_ld16(part(1) + e * VEC);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -382,7 +382,7 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, Part
       float s[VEC];
       part_acc16(s, v[u][0], true);
       if (nparts > 1) part_acc16(s, v[u][1], false);
-      for (int k = 2; k < nparts; ++k) part_acc16(s, part_ld16((part(k) + e * VEC)), false);
+      for (int k = 2; k < nparts; ++k) part_acc16(s, part_ld16(part(k) + e * VEC), false);
       u32 o[VEC / 2];
 #pragma unroll
       for (int j = 0; j < VEC / 2; ++j) o[j] = float_to_bf16(s[2 * j]) | (u32)float_to_bf16(s[2 * j + 1]) << 16;
