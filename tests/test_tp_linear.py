@@ -30,7 +30,7 @@ def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials
 
 
 def test_block_tokens_cover_the_rows():
-    assert [tp_block_tokens(m) for m in (1, 8, 9, 64, 65, 200, 256, 257, 8192)] == [8, 8, 16, 64, 64, 64, 64, 256, 256]
+    assert [tp_block_tokens(m) for m in (1, 8, 9, 64, 65, 200, 256, 257, 8192)] == [8, 8, 16, 64, 128, 128, 128, 256, 256]
     with pytest.raises(ValueError, match="block_tokens=24"):
         TpKernelConfig(24)
     with pytest.raises(ValueError, match="watchdog_ms"):

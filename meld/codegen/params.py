@@ -238,6 +238,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
 TP_PARAMS = ParamStruct("TpParams", [
     Field("w_map", "tmap"),                      # this rank's weight [N, K] (64-row boxes)
     Field("x_map", "tmap"),                      # this rank's input [M, K] (BLOCK_TOKENS-row boxes)
+    Field("x_tail_map", "tmap"),                 # the same, M % BLOCK_TOKENS-row boxes (the last token block's)
     Field("xpeers", "ptr", "char* const*"),      # every rank's symmetric window, as this rank addresses it
     Field("xexit", "ptr", "unsigned*"),          # the launch's exit counter
     Field("xlaunch", "ptr", "unsigned long long*"),   # launches this rank has finished

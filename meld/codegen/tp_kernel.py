@@ -18,11 +18,14 @@ MAX_STAGES = 32
 
 
 def tp_block_tokens(num_tokens: int) -> int:
-    """The smallest token block that holds `num_tokens` up to 64; 64 up to 256 rows (more tiles to spread
-    over the SMs: a weight box is read once per token block, from L2 after the first); the widest beyond."""
+    """The smallest token block that holds `num_tokens` up to 64; 128 up to 256 rows; the widest beyond.
+    128-token blocks (one CTA per SM, a deep ring) beat 64-token ones (two CTAs per SM, each weight box read
+    once per block) from 96 to 256 rows, up to 1.25x (bench/RESULTS.md, 2026-11-30, final session)."""
     if num_tokens > 256:
         return TP_BLOCK_TOKENS[-1]
-    return next(b for b in TP_BLOCK_TOKENS if b >= min(num_tokens, 64))
+    if num_tokens > 64:
+        return 128
+    return next(b for b in TP_BLOCK_TOKENS if b >= num_tokens)
 
 
 @dataclass(frozen=True)
