@@ -25,7 +25,7 @@ NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communi
 
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
     python3 bench/dist.py --op ep [--tokens 1 16 128 1024 4096]
-    python3 bench/dist.py --op tp [--tokens 1 16 128 1024 4096] [--merge owner every_rank] [--partials bfloat16 float32]
+    python3 bench/dist.py --op tp [--tokens 1 16 128 200 1024 4096] [--merge owner every_rank] [--partials bfloat16 float32]
 """
 from __future__ import annotations
 
@@ -498,8 +498,9 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--no-proxy", action="store_true", help="skip the proxy transport")
     ap.add_argument("--op", choices=("decode", "tp", "ep"), default="decode")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096],
-                    help="--op tp: rows M; --op ep: tokens per GPU")
+    ap.add_argument("--tokens", type=int, nargs="+",
+                    help="--op tp: rows M (default 1 16 128 200 1024 4096: 200 is not a multiple of a token "
+                         "block); --op ep: tokens per GPU (default 1 16 128 1024 4096)")
     ap.add_argument("--merge", nargs="+", default=["every_rank"], choices=["owner", "every_rank"],
                     help="--op tp: how tiles merge (TpKernelConfig.merge), each measured")
     ap.add_argument("--partials", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
@@ -507,6 +508,8 @@ def main() -> None:
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
+    if a.tokens is None:
+        a.tokens = [1, 16, 128, 200, 1024, 4096] if a.op == "tp" else [1, 16, 128, 1024, 4096]
     if a.op == "ep":
         spawn(_ep_rank, a.world, a.tokens, a.reps, a.json)
     elif a.op == "tp":
