@@ -185,15 +185,24 @@ def _tp_case(world, m, n, k, sm_count, seed=0):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("m, n, k, sm_count", [(70, 150, 133, 132), (5, 136, 1000, 8), (300, 72, 200, 4)])
-@pytest.mark.parametrize("merge", ["owner", "every_rank"])
+@pytest.mark.parametrize("merge", ["owner", "every_rank", "direct"])
 def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m, n, k, sm_count, merge):
     """The GPU kernel's schedule (TpSchedule: token blocks, 64-column tiles, K split into pieces where
     tiles are few; sizes not multiples of any of them); pieces finishing in a different order on every
     rank; every rank's y bit-identical to the single-rank sum in (rank, split) order and close to the
-    product; each tile counted once per part and every element of every partial landed once."""
+    product; each tile counted once per part and every element of every partial landed once. (The direct
+    path refuses a schedule that splits K.)"""
     from meld.dist.tp_matmul import single_rank_reference
 
     xs, ws, sched = _tp_case(world, m, n, k, sm_count, seed=world)
+    if merge == "direct" and sched.k_splits > 1:
+        tr = EmulatedTransport(world)
+        try:
+            with pytest.raises(ValueError, match="k_splits"):
+                row_parallel_matmul(tr, xs, ws, sched, merge=merge)
+        finally:
+            tr.close()
+        return
     want = single_rank_reference(xs, ws, sched)
     exact = sum(x @ w.T for x, w in zip(xs, ws))
     for seed in range(2):
@@ -211,6 +220,11 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
         if merge == "owner":
             assert [int(tr.get(0, o % world, "y.count", o)) for o in range(sched.out_tiles)] == [parts] * sched.out_tiles
             assert len(landed) == sched.out_tiles * parts * sched.block_tokens * sched.cols
+        elif merge == "direct":   # every rank's partial of every tile in every rank's window, one stamp each
+            landed = {e for e in tr.landed_elements if e[1] == "y.direct"}
+            assert len(landed) == sched.out_tiles * world * world * sched.block_tokens * sched.cols
+            assert all(int(tr.get(r, r, "y.stamp", (s, c))) == 1
+                       for r in range(world) for s in range(world) for c in range(sched.pieces))
         else:   # every partial on every rank; each CTA's stamp on every rank counts its pieces
             assert len(landed) == sched.out_tiles * parts * world * sched.block_tokens * sched.cols
             G = max(1, (sched.pieces + 2) // 3)
@@ -225,7 +239,7 @@ def test_row_parallel_schedule_splits_k_where_tiles_are_few():
     assert sched.k_splits > 1 and sched.pieces > sched.out_tiles
 
 
-@pytest.mark.parametrize("merge", ["owner", "every_rank"])
+@pytest.mark.parametrize("merge", ["owner", "every_rank", "direct"])
 def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts(merge):
     """With fence=False a count or signal can land before its partial: the merge then sums a NaN-poisoned
     slot."""

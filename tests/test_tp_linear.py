@@ -66,6 +66,28 @@ def test_schedule_gives_every_cta_slot_a_piece(m, n, k, ctas, splits):
     assert s.pieces <= max(slots, s.out_tiles) and (s.k_splits == 1 or -(-k // 64) >= 8 * s.k_splits)
 
 
+def test_direct_path_takes_decode_sizes_only():
+    """One piece a CTA and a tile, token blocks of at most 64, every-rank merges over peer memory, and room
+    for every rank's slot of every CTA slot: else the general path."""
+    from meld.codegen.tp_kernel import direct_path
+
+    room = _window_layout(256, 8192, 2, 132, 1)
+    room = room["count"] - room["part"]
+
+    def direct(m, n=8192, k=4096, world=2, room=room, **cfg):
+        base = TpKernelConfig(**cfg)
+        s = TpSchedule.of(m, n, k, 132, base)
+        c = block_config(base, s.block_tokens)
+        return direct_path(c, s, min(s.pieces, c.ctas * 132), world, 132, room)
+
+    assert direct(1) and direct(16) and direct(32) and direct(1, world=8)
+    assert not direct(64)                  # two CTAs an SM: K in two pieces
+    assert not direct(1, n=16384)          # 256 tiles: two a CTA
+    assert not direct(128) and not direct(300)
+    assert not direct(1, merge="owner") and not direct(1, transport="proxy")
+    assert not direct(1, room=2 * 264 * 64 * 8 * 2 - 1)
+
+
 @pytest.mark.parametrize("max_tokens, n, world", [(1, 8, 2), (300, 1000, 2), (8192, 8192, 4), (77, 136, 1), (16, 64, 2)])
 @pytest.mark.parametrize("own_parts_only", [False, True])
 def test_window_holds_the_largest_call(max_tokens, n, world, own_parts_only):

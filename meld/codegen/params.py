@@ -257,6 +257,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("m_tiles", "i32"),                     # token blocks
     Field("k_splits", "i32"),                    # pieces of K per output tile
     Field("tiles", "i32"),                       # pieces: output tiles x k_splits
+    Field("direct", "i32"),                      # every-rank merges, one piece a CTA and a tile: the direct path
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
     Field("x_grid_cap", "i32"),

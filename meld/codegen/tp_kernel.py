@@ -193,6 +193,15 @@ class TpKernelConfig:
                           TP_PARAMS.c_source(), _template("tp_linear.cuh")])
 
 
+def direct_path(cfg: TpKernelConfig, sched: TpSchedule, grid: int, world: int, sm_count: int, room: int) -> bool:
+    """Whether a call takes the kernel's direct path (templates/tp_linear.cuh, tp_consume_direct): every-rank
+    merges over peer memory, one piece a CTA and a tile, token blocks of at most 64 (decode sizes), and
+    `room` (bytes of the window's partials region) for every rank's slot of every CTA slot (2 x SMs)."""
+    part = 4 if cfg.partials == "float32" else 2
+    return (cfg.merge == "every_rank" and cfg.transport == "peer" and sched.k_splits == 1 and sched.pieces <= grid
+            and sched.block_tokens <= 64 and world * 2 * sm_count * cfg.cols * cfg.block_tokens * part <= room)
+
+
 def block_config(base: TpKernelConfig, block_tokens: int) -> TpKernelConfig:
     """`base` for a token block (one CTA per SM where the block is too wide for two)."""
     return dataclasses.replace(base, block_tokens=block_tokens,

@@ -8,8 +8,10 @@ is published in its rank's window as soon as it is computed (bf16 by default) an
 each rank sums its own output in rank order, reading the partials where they lie (NVLink peer memory),
 as soon as a tile's are all stamped: the exchange and the sums overlap the GEMM's next tiles, there is no
 separate collective and no remote fetch-add, and every rank's result is bit-identical, launch after
-launch. The proxy transport (`transport="proxy"`, the model of RDMA between nodes) carries the same as
-puts and signals into every rank's window. With
+launch. At decode sizes (every CTA one piece, every tile one piece a rank) the kernel takes a direct path
+instead: each CTA stores its partial into every rank's window, stamps it, and sums its tile once every
+rank's has landed (tp_linear.cuh, tp_direct). The proxy transport (`transport="proxy"`, the model of RDMA
+between nodes) carries the same as puts and signals into every rank's window. With
 `merge="owner"` each tile is summed at its owner rank by whichever partial arrives last and written into
 every rank's output: fewer bytes per rank in larger groups, slower on two H200s (bench/RESULTS.md).
 templates/tp_linear.cuh says how each works and why neither deadlocks.
@@ -153,6 +155,11 @@ class RowParallelLinear(Operator):
             v = self._variants[cfg.block_tokens] = (cfg, kernel, params)
         return v
 
+    def _direct(self, cfg, sched, grid: int) -> bool:
+        from ..codegen.tp_kernel import direct_path
+
+        return direct_path(cfg, sched, grid, self.world, self._sm_count, self.layout["count"] - self.layout["part"])
+
     def output(self, num_tokens: int) -> torch.Tensor:
         """This rank's output view [num_tokens, out_features] of its window."""
         n = num_tokens * self.out_features
@@ -181,11 +188,12 @@ class RowParallelLinear(Operator):
             sched = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count, self.kernel_config)
             cfg, kernel, p = self._variant(block_config(self.kernel_config, sched.block_tokens))
             # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
-            call = self._calls[M] = (sched, kernel, p, min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count))
-        sched, kernel, p, grid = call
+            grid = min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count)
+            call = self._calls[M] = (sched, kernel, p, grid, self._direct(cfg, sched, grid))
+        sched, kernel, p, grid, direct = call
         if M != self._last_m:
             self._last_m = M
-            p.m, p.m_tiles, p.k_splits, p.tiles = M, sched.m_tiles, sched.k_splits, sched.pieces
+            p.m, p.m_tiles, p.k_splits, p.tiles, p.direct = M, sched.m_tiles, sched.k_splits, sched.pieces, int(direct)
             self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits,
                                cols=sched.cols)
         p.w_map = self._weight_maps.get(weight)

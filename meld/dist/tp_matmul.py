@@ -51,15 +51,17 @@ def _assemble(sched: TpSchedule, tiles) -> np.ndarray:
 def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule,
                         seed: int = 0, merge: str = "owner", grid: int | None = None) -> list[np.ndarray]:
     """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y.
-    `merge`: "owner" (the last arriving partial of a tile sums it at the owner) or "every_rank" (as
+    `merge`: "owner" (the last arriving partial of a tile sums it at the owner), "every_rank" (as
     `TpKernelConfig.merge` and templates/tp_linear.cuh over the proxy transport, but a put per piece: the
     pieces of `grid` CTAs, by default about three each; every partial put into every rank's window, each
     followed by its CTA's stamp on every rank; each rank sums a tile from its own window once the stamps
-    cover its pieces)."""
+    cover its pieces) or "direct" (the kernel's direct path at decode sizes: a CTA a piece, a piece a tile)."""
     if merge == "every_rank":
         return _every_rank(transport, xs, ws, sched, seed, grid or max(1, (sched.pieces + 2) // 3))
+    if merge == "direct":
+        return _direct(transport, xs, ws, sched, seed)
     if merge != "owner":
-        raise ValueError(f"merge={merge!r}: expected 'owner' or 'every_rank'")
+        raise ValueError(f"merge={merge!r}: expected 'owner', 'every_rank' or 'direct'")
     world, S = len(xs), sched.k_splits
     reduce = LastArriverReduce("y", _merge(sched, world))   # (rank, split) order
     out = reduce.windows(transport, sched.out_tiles, world * S, (sched.block_tokens, sched.cols))
@@ -129,6 +131,42 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
         for c in range(G):
             while merge_next(c, wait=True):
                 pass
+        transport.quiet(r)
+
+    run_ranks(world, rank_main)
+    return [_assemble(sched, out[r]) for r in range(world)]
+
+
+def _direct(transport, xs, ws, sched: TpSchedule, seed: int, poll_s: float = 1e-5) -> list[np.ndarray]:
+    """The kernel's direct path (templates/tp_linear.cuh, tp_consume_direct): CTA c of every rank computes
+    piece c (K is not split; one CTA a piece), puts its partial into slot [rank][c] of every rank's window
+    (its own too), then signals the slot's stamp there; then waits until every rank's stamp for c has landed
+    in its own window and sums the tile in rank order. A rank's CTAs run in a random order, every one's puts
+    before any waits (on the GPU they are all resident at once)."""
+    world = len(xs)
+    if sched.k_splits != 1:
+        raise ValueError(f"the direct path needs one piece a tile, got k_splits={sched.k_splits}")
+    merge = _merge(sched, world)
+    G = sched.pieces
+    transport.window("y.direct", (world, G, sched.block_tokens, sched.cols), np.float64, np.nan)
+    transport.window("y.stamp", (world, G), np.int64, 0)
+    out = [np.full((sched.out_tiles, sched.block_tokens, sched.cols), np.nan) for _ in range(world)]
+
+    def rank_main(r: int) -> None:
+        ctas = list(range(G))
+        random.Random(seed * 1000 + r).shuffle(ctas)
+        for c in ctas:
+            part = _partial(sched, xs[r], ws[r], c)
+            for dst in range(world):
+                transport.put(r, dst, "y.direct", (r, c), part)
+                transport.signal(r, dst, "y.stamp", (r, c), 1)
+        for c in ctas:
+            deadline = time.monotonic() + transport.timeout
+            while any(transport.get(r, r, "y.stamp", (s, c)) < 1 for s in range(world)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {r}: the parts of tile {c} did not arrive")
+                time.sleep(poll_s)
+            out[r][c] = merge([transport.get(r, r, "y.direct", (s, c)) for s in range(world)])
         transport.quiet(r)
 
     run_ranks(world, rank_main)

@@ -289,6 +289,7 @@ struct EveryLayout {
         part0(p.x_part_off / (i64)sizeof(Part)), stamp0(p.x_signal_off), cap(p.x_grid_cap) {}
   __device__ i64 part(int r, int t) const { return part0 + r * region + ((i64)(t % G) * I + t / G) * TILE_ELEMS; }
   __device__ i64 stamp(int r, int cta) const { return stamp0 + 8 * ((i64)r * cap + cta); }
+  __device__ i64 direct(int r, int cta) const { return part0 + ((i64)r * cap + cta) * TILE_ELEMS; }   // (p.direct)
 };
 
 __device__ __forceinline__ unsigned long long tp_launch(const TpParams& p) {   // this launch's number
@@ -474,6 +475,42 @@ __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, 
   }
 }
 
+// Direct merges (p.direct: RowParallelLinear sets it when every CTA has one piece and every tile is one
+// piece a rank, over peer memory: decode sizes). The general path spent ~7 µs of a one-GPU call after the
+// GEMM at M = 1 (bulk copy, fences, stamp, claim, merge: measured), and its machinery has nothing to overlap
+// when a CTA has one piece. Here the consumer warpgroups stage the partial, wait once for every rank to have
+// started the launch, store it into slot [this rank][CTA] of every rank's window (their own too: the sum
+// then reads every part alike), fence, and thread r stamps the slot on rank r and waits for rank r's stamp
+// here; then they sum the tile in rank order (the same sums as the general path: outputs bit-identical
+// across ranks and to it). The sender and the merge warps only announce the launch (CTA 0) and end.
+// Deadlock freedom: a CTA waits for the same CTA of the other ranks, which store and stamp before waiting.
+// (Called by tp_consume_every after the GEMM of piece t = blockIdx.x: one wgmma call site, or ptxas
+// serialises the wgmma pipeline.)
+__device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int t, const float (&acc)[ACC], Part* staged,
+                                          int ct, int warp, int lane) {
+  const XWindows w = tp_windows(p);
+  const EveryLayout L(p);
+  const unsigned long long launch = tp_launch(p), stamp = tp_stamp(launch, 1);
+  tp_stage(acc, staged, warp, lane);
+  if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
+  named_barrier(1, CONSUMERS);
+  constexpr int VECS = TILE_ELEMS * (int)sizeof(Part) / 16;
+  for (int r = 0; r < p.x_world; ++r) {
+    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<Part*>(p.xpeers[r]) + L.direct(p.x_rank, t));
+    for (int i = ct; i < VECS; i += CONSUMERS) dst[i] = reinterpret_cast<const uint4*>(staged)[i];
+  }
+  __threadfence_system();
+  named_barrier(1, CONSUMERS);
+  if (ct < p.x_world) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(ct, L.stamp(p.x_rank, t))), "l"(stamp) : "memory");
+    signal_wait(w.word(p.x_rank, L.stamp(ct, t)), stamp, tp_site(p, 10, warp + 4, t, ct), 2 * XRANK_WAIT_NS);
+  }
+  named_barrier(1, CONSUMERS);
+  for (int row0 = 0; row0 < BLOCK_TOKENS; row0 += CHUNK_TOKENS)
+    tp_merge<4>(p, x, row0, [&](int k) { return reinterpret_cast<const Part*>(p.xpeers[p.x_rank]) + L.direct(k, t); },
+                p.x_world, ct, CONSUMERS);
+}
+
 // The consumer warpgroups: every piece's GEMM, its partial staged for the sender, and after each, the next
 // chunk to merge if all its tile's parts have landed already (the merge warps fall behind when tiles are
 // quick to compute); then a merge team.
@@ -485,6 +522,10 @@ __device__ __forceinline__ void tp_consume_every(const TpParams& p, Ring ring, P
     const Piece x = tp_piece(p, t);
     float acc[ACC];
     tp_gemm(p, ring, x, t, acc, warp, lane);
+    if (!TP_PROXY && p.direct) {   // (its only piece)
+      tp_direct(p, x, t, acc, staged, ct, warp, lane);
+      return;
+    }
     if (sent) mbar_wait(bars + 8, (sent - 1) & 1, tp_site(p, 15, warp + 4, t, sent - 1), 2 * XRANK_WAIT_NS);
     tp_stage(acc, staged, warp, lane);
     fence_proxy_async();   // (the sender's bulk copy reads it)
@@ -529,9 +570,15 @@ extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_
     if (TP_WGS == 2) regs_dealloc<104>();   // (two consumer warpgroups: their accumulators take the registers)
     if (threadIdx.x == 0) tp_produce(p, ring);
     if (!TP_EVERY || threadIdx.x < 32) return;
-    if (threadIdx.x == 32) tp_send(p, ring.end(), bars);
+    const bool direct = !TP_PROXY && p.direct;
+    if (threadIdx.x == 32) {
+      if (!direct)
+        tp_send(p, ring.end(), bars);
+      else if (blockIdx.x == 0)
+        xrank_announce_peers(tp_windows(p), tp_launch(p));
+    }
     __syncwarp();
-    if (threadIdx.x >= 64) tp_merge_team<4>(p, threadIdx.x - 64, 64, 2, team, team + 2, threadIdx.x / 32);
+    if (threadIdx.x >= 64 && !direct) tp_merge_team<4>(p, threadIdx.x - 64, 64, 2, team, team + 2, threadIdx.x / 32);
     tp_every_done(p);
     return;
   }
