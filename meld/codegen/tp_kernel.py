@@ -67,6 +67,13 @@ class TpSchedule:
     def pieces(self) -> int:
         return self.out_tiles * self.k_splits
 
+    @property
+    def merge_chunks(self) -> tuple[int, int]:
+        """Every-rank merges claim a tile in chunks: (rows a chunk, chunks a tile); chunk q of a tile is merged
+        by the CTA of its split q % k_splits (templates/tp_linear.cuh, MergeClaims)."""
+        rows = min(self.block_tokens, 64)
+        return rows, self.block_tokens // rows
+
     @staticmethod
     def max_partial_floats(max_tokens: int, n: int, sm_count: int) -> int:
         """The most float partials one rank contributes to a call of at most `max_tokens` rows: the whole

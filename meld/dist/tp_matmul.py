@@ -82,11 +82,13 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
 def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s: float = 1e-5) -> list[np.ndarray]:
     """CTA c of every rank computes pieces c, c + G, ... in order (the CTAs of a rank interleaved at random
     within each round). After each piece it puts the partial into every rank's window (its own too) and
-    signals its stamp slot [rank][c] there (the pieces it has sent). A tile is summed by the CTA of its
-    first piece: after each of its pieces if the tile's stamps already cover it (the GPU's consumers), and
-    every tile left after its last piece, waiting for them."""
+    signals its stamp slot [rank][c] there (the pieces it has sent). A tile is summed in chunks of rows,
+    chunk q by the CTA of its split q % k_splits, in the order of that CTA's pieces: after each of its
+    pieces if the tile's stamps already cover it (the GPU's consumers), and every chunk left after its last
+    piece, waiting for them."""
     world, S = len(xs), sched.k_splits
     merge = _merge(sched, world)
+    rows, chunks = sched.merge_chunks
     transport.window("y.parts", (sched.out_tiles, world * S, sched.block_tokens, sched.cols), np.float64, np.nan)
     transport.window("y.stamp", (world, G), np.int64, 0)
     out = [np.full((sched.out_tiles, sched.block_tokens, sched.cols), np.nan) for _ in range(world)]
@@ -96,22 +98,24 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
             return all(transport.get(r, r, "y.stamp", (k // S, (t + k % S) % G)) >= (t + k % S) // G + 1
                        for k in range(world * S))
 
-        claimed = [0] * G   # per CTA: the ordinals looked at for a tile to merge
+        claimed = [0] * G   # per CTA: the claims looked at (piece ordinal x chunks + chunk)
 
         def merge_next(c: int, wait: bool) -> bool:
-            """CTA c's next tile to merge, if any (waiting for its parts, or only if they have landed)."""
-            while c + G * claimed[c] < sched.pieces:
-                t = c + G * claimed[c]
-                if t % S == 0:
+            """CTA c's next chunk to merge, if any (waiting for its tile's parts, or only if they have landed)."""
+            while c + G * (claimed[c] // chunks) < sched.pieces:
+                t, q = c + G * (claimed[c] // chunks), claimed[c] % chunks
+                if q % S == t % S:
+                    t0 = t - t % S
                     deadline = time.monotonic() + transport.timeout
-                    while not covered(t):
+                    while not covered(t0):
                         if not wait:
                             return False
                         if time.monotonic() > deadline:
                             raise TimeoutError(f"rank {r}: the parts of tile {t // S} did not arrive")
                         time.sleep(poll_s)
                     claimed[c] += 1
-                    out[r][t // S] = merge(list(transport.get(r, r, "y.parts", t // S)))
+                    rs = slice(q * rows, (q + 1) * rows)
+                    out[r][t // S][rs] = merge([p[rs] for p in transport.get(r, r, "y.parts", t // S)])
                     return True
                 claimed[c] += 1
             return False

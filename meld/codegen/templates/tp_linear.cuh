@@ -369,10 +369,10 @@ __device__ __forceinline__ void part_acc16(float (&s)[16 / sizeof(Part)], const 
 
 // Rows row0 .. row0 + CHUNK_TOKENS - 1 of tile x: its partials (token-major tiles where they lie, `part(k)`
 // for k in (rank, split) order) summed in that order and written into this rank's output as bf16, 16 bytes
-// of each partial a thread and step (thread i of nt), U steps' first two partials loaded at once (a team
-// with few registers keeps U small); streaming stores (the output is not read here), so that they leave L2
-// to the GEMM's boxes.
-template <int U, class PartAt>
+// of each partial a thread and step (thread i of nt), U steps' first P partials loaded at once (the rest one
+// after another: with P = 2, a tile of 4 partials cost two serial round trips over NVLink a step); streaming
+// stores (the output is not read here), so that they leave L2 to the GEMM's boxes.
+template <int U, int P, class PartAt>
 __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, int row0, PartAt&& part, int nparts, int i,
                                          int nt) {
   constexpr int VEC = 16 / sizeof(Part), ROW = COLS / VEC;   // elements a step; steps a token
@@ -380,13 +380,14 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, int 
   u16* out = reinterpret_cast<u16*>(p.xpeers[p.x_rank] + p.x_out_off) + (i64)(x.tok0 + row0) * p.n + x.col * COLS;
   const i64 at0 = (i64)row0 * COLS;   // the chunk's first element in a partial
   for (int e0 = i; e0 < total; e0 += U * nt) {
-    uint4 v[U][2];
+    uint4 v[U][P];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int e = e0 + u * nt;   // (a tile's columns past n are in the window too: zeros)
       if (e >= total) continue;
-      v[u][0] = part_ld16(part(0) + at0 + e * VEC);
-      if (nparts > 1) v[u][1] = part_ld16(part(1) + at0 + e * VEC);
+#pragma unroll
+      for (int j = 0; j < P; ++j)
+        if (j < nparts) v[u][j] = part_ld16(part(j) + at0 + e * VEC);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -394,8 +395,10 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, int 
       if (e >= total || c >= cols) continue;
       float s[VEC];
       part_acc16(s, v[u][0], true);
-      if (nparts > 1) part_acc16(s, v[u][1], false);
-      for (int k = 2; k < nparts; ++k) part_acc16(s, part_ld16(part(k) + at0 + e * VEC), false);
+#pragma unroll
+      for (int j = 1; j < P; ++j)
+        if (j < nparts) part_acc16(s, v[u][j], false);
+      for (int k = P; k < nparts; ++k) part_acc16(s, part_ld16(part(k) + at0 + e * VEC), false);
       u32 o[VEC / 2];
 #pragma unroll
       for (int j = 0; j < VEC / 2; ++j) o[j] = float_to_bf16(s[2 * j]) | (u32)float_to_bf16(s[2 * j + 1]) << 16;
@@ -408,10 +411,12 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, int 
   }
 }
 
-// Merges: a team's leader claims the CTA's tiles (those whose first piece it computed) in order on `claim`,
-// a chunk of CHUNK_TOKENS rows at a time, as `tile x CHUNKS + chunk` (p.tiles x CHUNKS: none left). Teams
-// share a tile's chunks: the last tile's merge is spread over every team instead of left to the slowest
-// (one team of 64 threads merging the last 256 x 128 tile alone took about 20 µs after the GEMM: measured).
+// Merges: a team's leader claims chunks of CHUNK_TOKENS rows of the tiles of the CTA's pieces, in order on
+// `claim`, as `first piece of the tile x CHUNKS + chunk` (p.tiles x CHUNKS: none left). Chunk q of a tile is
+// merged by the CTA that computed its split q % k_splits (a tile split over K is merged by all of its
+// pieces' CTAs, not by the first alone); teams share a CTA's chunks, so the last tile's merge is spread over
+// every team instead of left to the slowest (one team of 64 threads merging the last 256 x 128 tile alone
+// took about 20 µs after the GEMM: measured).
 struct MergeClaims {
   const TpParams& p;
   XWindows w;
@@ -420,8 +425,10 @@ struct MergeClaims {
   int* claim;
   __device__ MergeClaims(const TpParams& p_, int* claim_) : p(p_), w(tp_windows(p_)), L(p_), launch(tp_launch(p_)), claim(claim_) {}
   __device__ int none() const { return p.tiles * CHUNKS; }
-  // Claim c: tile blockIdx.x + G (c / CHUNKS) (a first piece of its tile, or not merged here), chunk c % CHUNKS.
-  __device__ int tile_of(int c) const { return blockIdx.x + L.G * (c / CHUNKS); }
+  // Claim c: piece blockIdx.x + G (c / CHUNKS), chunk c % CHUNKS of its tile: this CTA's to merge, or skipped.
+  __device__ int piece_of(int c) const { return blockIdx.x + L.G * (c / CHUNKS); }
+  __device__ bool mine(int t, int c) const { return (c % CHUNKS) % p.k_splits == t % p.k_splits; }
+  __device__ int code(int t, int c) const { return (t - t % p.k_splits) * CHUNKS + c % CHUNKS; }
   // Piece k of tile t's parts in (rank, split) order: piece src = t + k % k_splits from rank k / k_splits.
   __device__ const unsigned long long* stamp(int t, int k) const {
     return w.word(p.x_rank, L.stamp(k / p.k_splits, (t + k % p.k_splits) % L.G));
@@ -430,39 +437,49 @@ struct MergeClaims {
   // The next chunk once all its tile's parts have landed (waiting for them), or none().
   __device__ int next(int warp) const {
     int c, t;
-    do t = tile_of(c = atomicAdd(claim, 1));
-    while (t < p.tiles && t % p.k_splits != 0);
+    do t = piece_of(c = atomicAdd(claim, 1));
+    while (t < p.tiles && !mine(t, c));
     if (t >= p.tiles) return none();
+    const int t0 = t - t % p.k_splits;   // the tile's first piece
     for (int k = 0; k < p.x_world * p.k_splits; ++k)
-      signal_wait(stamp(t, k), landed(t, k), tp_site(p, 10, warp, t, k / p.k_splits), 2 * XRANK_WAIT_NS);
-    return t * CHUNKS + c % CHUNKS;
+      signal_wait(stamp(t0, k), landed(t0, k), tp_site(p, 10, warp, t0, k / p.k_splits), 2 * XRANK_WAIT_NS);
+    return code(t, c);
   }
   // The next chunk if all its tile's parts have landed already (claimed), else none() (nothing claimed).
   __device__ int next_ready() const {
     for (int c = *reinterpret_cast<volatile int*>(claim);;) {
-      const int t = tile_of(c);
+      const int t = piece_of(c), t0 = t - t % p.k_splits;
       if (t >= p.tiles) return none();
-      if (t % p.k_splits == 0)
+      if (mine(t, c))
         for (int k = 0; k < p.x_world * p.k_splits; ++k)
-          if (load_acquire_sys(stamp(t, k)) < landed(t, k)) return none();
+          if (load_acquire_sys(stamp(t0, k)) < landed(t0, k)) return none();
       const int seen = atomicCAS(claim, c, c + 1);
-      if (seen == c && t % p.k_splits == 0) return t * CHUNKS + c % CHUNKS;
+      if (seen == c && mine(t, c)) return code(t, c);
       c = seen == c ? c + 1 : seen;
     }
   }
-  template <int U>
+  // U steps of the first two parts in flight, or U4 steps of the first four (tiles of more than two parts).
+  template <int U, int U4>
   __device__ void merge(int chunk, int i, int nt) const {
-    const int t = chunk / CHUNKS;
-    tp_merge<U>(p, tp_piece(p, t), (chunk % CHUNKS) * CHUNK_TOKENS, [&](int k) {
+    const int t = chunk / CHUNKS, nparts = p.x_world * p.k_splits;
+    const auto part = [&](int k) {
       return reinterpret_cast<const Part*>(p.xpeers[TP_PROXY ? p.x_rank : k / p.k_splits]) +   // where it lies
-             L.part(k / p.k_splits, t + k % p.k_splits); },
-                p.x_world * p.k_splits, i, nt);
+             L.part(k / p.k_splits, t + k % p.k_splits); };
+    if (nparts <= 2)
+      tp_merge<U, 2>(p, tp_piece(p, t), (chunk % CHUNKS) * CHUNK_TOKENS, part, nparts, i, nt);
+    else
+      tp_merge<U4, 4>(p, tp_piece(p, t), (chunk % CHUNKS) * CHUNK_TOKENS, part, nparts, i, nt);
   }
 };
 
+// Steps of four parts in flight (MergeClaims::merge) within the registers: with two consumer warpgroups
+// ptxas fits every path in 168 a thread (two steps spilled), at two CTAs an SM in 128.
+constexpr int MERGER_U4 = TP_WGS == 2 || CTAS_PER_SM == 2 ? 1 : 2;
+constexpr int CONSUMER_U4 = CTAS_PER_SM == 2 || TP_WGS == 2 ? 1 : 2;
+
 // A merge team (threads i of nt, named barrier `bar`): merges claimed chunks, its leader waiting for each
 // one's parts and handing it on through `slot`, until none is left.
-template <int U>
+template <int U, int U4>
 __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, int bar, int* claim, volatile int* slot, int warp) {
   const MergeClaims mc(p, claim);
   for (;;) {
@@ -471,7 +488,7 @@ __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, 
     const int c = *slot;
     named_barrier(bar, nt);   // (the slot is rewritten by the next claim)
     if (c >= mc.none()) return;
-    mc.merge<U>(c, i, nt);
+    mc.merge<U, U4>(c, i, nt);
   }
 }
 
@@ -507,8 +524,8 @@ __device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int
   }
   named_barrier(1, CONSUMERS);
   for (int row0 = 0; row0 < BLOCK_TOKENS; row0 += CHUNK_TOKENS)
-    tp_merge<4>(p, x, row0, [&](int k) { return reinterpret_cast<const Part*>(p.xpeers[p.x_rank]) + L.direct(k, t); },
-                p.x_world, ct, CONSUMERS);
+    tp_merge<4, 2>(p, x, row0, [&](int k) { return reinterpret_cast<const Part*>(p.xpeers[p.x_rank]) + L.direct(k, t); },
+                   p.x_world, ct, CONSUMERS);
 }
 
 // The consumer warpgroups: every piece's GEMM, its partial staged for the sender, and after each, the next
@@ -536,9 +553,9 @@ __device__ __forceinline__ void tp_consume_every(const TpParams& p, Ring ring, P
     }
     named_barrier(1, CONSUMERS);
     const int ready = team[3];   // (rewritten after the next piece's first barrier)
-    if (ready < mc.none()) mc.merge<4>(ready, ct, CONSUMERS);
+    if (ready < mc.none()) mc.merge<4, CONSUMER_U4>(ready, ct, CONSUMERS);
   }
-  tp_merge_team<4>(p, ct, CONSUMERS, 1, team, team + 1, warp + 4);
+  tp_merge_team<4, CONSUMER_U4>(p, ct, CONSUMERS, 1, team, team + 1, warp + 4);
 }
 
 // The end of a CTA of every-rank merges (every thread but the producer warp's): the launch's last CTA
@@ -578,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_
         xrank_announce_peers(tp_windows(p), tp_launch(p));
     }
     __syncwarp();
-    if (threadIdx.x >= 64 && !direct) tp_merge_team<4>(p, threadIdx.x - 64, 64, 2, team, team + 2, threadIdx.x / 32);
+    if (threadIdx.x >= 64 && !direct) tp_merge_team<4, MERGER_U4>(p, threadIdx.x - 64, 64, 2, team, team + 2, threadIdx.x / 32);
     tp_every_done(p);
     return;
   }
