@@ -188,7 +188,8 @@ def test_seq_parallel_watchdog_names_a_rank_that_never_ran():
 # (M, K per rank, N): every token block (8..256 and two blocks of 256), N and K not multiples of the 64-wide
 # tiles, K below one stage.
 TP_CASES = [(1, 4096, 1024), (5, 1000, 1000), (13, 512, 264), (40, 256, 512), (64, 2048, 8), (70, 520, 256),
-            (300, 264, 136), (17, 24, 64), (520, 264, 8200), (130, 1000, 8200)]   # the last two: CTAs of 2 pieces
+            (300, 264, 136), (17, 24, 64), (520, 264, 8200), (130, 1000, 8200),   # these two: CTAs of 2 pieces
+            (300, 1024, 264)]   # two consumer warpgroups, K in two pieces: four partials a tile, merged by both CTAs
 
 
 def _tp_inputs(m, k, n, world, seed, dev):
