@@ -25,7 +25,8 @@ NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communi
 
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
     python3 bench/dist.py --op ep [--tokens 1 16 128 1024 4096]
-    python3 bench/dist.py --op tp [--tokens 1 16 128 200 1024 4096] [--merge owner every_rank] [--partials bfloat16 float32]
+    python3 bench/dist.py --op tp [--tokens 1 16 128 200 1024 4096] [--shapes llama70b-o ...]
+                                  [--merge owner every_rank] [--partials bfloat16 float32]
 """
 from __future__ import annotations
 
@@ -197,7 +198,10 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
             Path(out_json).write_text(json.dumps(rows, indent=1))
 
 
-TP_SHAPES = {"llama70b-o": (8192, 8192), "llama70b-down": (28672, 8192)}   # (K over all ranks, N)
+# (K over all ranks, N). Llama-8B's N = 4096 leaves few output tiles at prefill sizes: K is split in pieces
+# and tiles have four partials at two ranks (a path the 70B shapes never take).
+TP_SHAPES = {"llama70b-o": (8192, 8192), "llama70b-down": (28672, 8192), "llama8b-o": (4096, 4096),
+             "llama8b-down": (14336, 4096)}
 
 
 def peer_copy_gbs(dev: torch.device, nbytes: int = 256 << 20, reps: int = 10) -> float:
@@ -245,7 +249,7 @@ def _warm_rank(dev: torch.device):
 
 
 def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str],
-             partials: list[str]) -> None:
+             partials: list[str], shapes: list[str]) -> None:
     import torch.distributed as dist
 
     from bench.harness import graph_time_us
@@ -258,7 +262,8 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     ceiling = peer_copy_gbs(dev)
     rows = []
     alone = [dist.new_group([r]) for r in range(world)]   # meld on a group of one rank: its GEMM, no exchange
-    for shape, (k_all, n) in TP_SHAPES.items():
+    for shape in shapes:
+        k_all, n = TP_SHAPES[shape]
         k = k_all // world
         g = torch.Generator(device=dev).manual_seed(7)   # the same on every rank: the reference is local
         w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
@@ -501,6 +506,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+",
                     help="--op tp: rows M (default 1 16 128 200 1024 4096: 200 is not a multiple of a token "
                          "block); --op ep: tokens per GPU (default 1 16 128 1024 4096)")
+    ap.add_argument("--shapes", nargs="+", default=list(TP_SHAPES), choices=list(TP_SHAPES),
+                    help="--op tp: weight shapes (K over all ranks x N)")
     ap.add_argument("--merge", nargs="+", default=["every_rank"], choices=["owner", "every_rank"],
                     help="--op tp: how tiles merge (TpKernelConfig.merge), each measured")
     ap.add_argument("--partials", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
@@ -513,7 +520,7 @@ def main() -> None:
     if a.op == "ep":
         spawn(_ep_rank, a.world, a.tokens, a.reps, a.json)
     elif a.op == "tp":
-        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials)
+        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials, a.shapes)
     else:
         spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
 

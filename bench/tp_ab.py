@@ -1,0 +1,136 @@
+"""The row-parallel linear against an earlier meld (a base tree), on the GPUs of one host.
+
+What it answers: what a change to `RowParallelLinear` (templates/tp_linear.cuh) costs or gains, measured
+side by side in one run: the base tree and the working tree each in their own worker processes (two copies
+of the package cannot share one), in alternating rounds so that drift hits both. Each worker times, on
+`--world` GPUs, meld, the same kernel on a group of one rank, and `matmul` + NCCL `all_reduce`, with the
+harness's one timer (CUDA-graph replay median, cold L2, the slowest rank), after checking meld's output
+against float64 in the first round (relative error < 1e-2, no NaN).
+
+    git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
+    PYTHONPATH=$PWD python3 bench/tp_ab.py --base .ab/base [--shapes llama70b-o ...] [--tokens 1 16 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int, check: bool, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bench.dist import TP_SHAPES, _warm_rank
+    from bench.harness import graph_time_us
+    from meld.dist import RowParallelLinear
+
+    dev = torch.device("cuda", rank)
+    slowest = _warm_rank(dev)
+    alone = [dist.new_group([r]) for r in range(world)]   # the same kernel on a group of one rank
+    times: dict[str, dict[str, float]] = {}
+    for shape in shapes:
+        k_all, n = TP_SHAPES[shape]
+        k = k_all // world
+        g = torch.Generator(device=dev).manual_seed(7)   # the same on every rank: the reference is local
+        w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
+        w = w_all[:, rank * k:(rank + 1) * k].contiguous()
+        op = RowParallelLinear(k, n, max_tokens=max(tokens))
+        solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
+        for m in tokens:
+            x_all = torch.randn(m, k_all, generator=g, device=dev).to(torch.bfloat16)
+            x = x_all[:, rank * k:(rank + 1) * k].contiguous()
+            if check:
+                op.output(m).fill_(math.nan)
+                torch.cuda.synchronize()
+                dist.barrier()
+                y = op(x, w).clone()
+                ref = x_all.double() @ w_all.double().T
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                if math.isnan(err) or err > 1e-2:
+                    raise AssertionError(f"{shape} M={m} rank {rank}: relative error {err}")
+                del ref
+            base = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+
+            def unfused():
+                torch.matmul(x, w.T, out=base)
+                dist.all_reduce(base)
+
+            dist.barrier()
+            t = {"meld": slowest(graph_time_us(lambda: op(x, w), reps=reps).median_us),
+                 "one rank": slowest(graph_time_us(lambda: solo(x, w), reps=reps).median_us)}
+            dist.barrier()
+            t["unfused"] = slowest(graph_time_us(unfused, reps=reps).median_us)
+            times[f"{shape} M={m}"] = t
+        op.close()
+        solo.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def worker(tree: Path, world: int, shapes: list[str], tokens: list[int], reps: int, check: bool, out: str) -> None:
+    sys.path[:0] = [str(tree), str(REPO)]   # (spawned ranks inherit the path)
+    from meld.dist import spawn
+
+    spawn(_rank, world, shapes, tokens, reps, check, out)
+
+
+def main() -> int:
+    from bench.dist import TP_SHAPES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", type=Path, required=True, help="a tree holding the base commit's `meld` package")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--shapes", nargs="+", default=list(TP_SHAPES), choices=list(TP_SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 200, 512, 1024])
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, args.world, args.shapes, args.tokens, args.reps, args.check, args.out)
+        return 0
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    with tempfile.TemporaryDirectory(prefix="meld-tp-ab-") as tmp:
+        for r in range(args.rounds):
+            for tree, name in ((args.base, "base"), (REPO, "new")):
+                out = str(Path(tmp) / f"{name}{r}.json")
+                cmd = [sys.executable, __file__, "--base", str(args.base), "--worker", str(tree), "--out", out,
+                       "--world", str(args.world), "--reps", str(args.reps), "--shapes", *args.shapes,
+                       "--tokens", *map(str, args.tokens), *(["--check"] if r == 0 else [])]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode:
+                    print(res.stdout + res.stderr, file=sys.stderr)
+                    return 1
+                runs[name].append(json.loads(Path(out).read_text()))
+                print(f"round {r + 1}: {name} done", flush=True)
+    med = {k: {case: {v: statistics.median(run[case][v] for run in rs) for v in rs[0][case]} for case in rs[0]}
+           for k, rs in runs.items()}
+    head = ["case", "base µs (1 rank)", "new µs (1 rank)", "unfused µs", "new/base", "unfused/new"]
+    rows = []
+    for case, new in med["new"].items():
+        old = med["base"][case]
+        unf = statistics.median([new["unfused"], old["unfused"]])
+        rows.append([case, f"{old['meld']:.1f} ({old['one rank']:.1f})", f"{new['meld']:.1f} ({new['one rank']:.1f})",
+                     f"{unf:.1f}", f"{new['meld'] / old['meld']:.3f}", f"{unf / new['meld']:.2f}"])
+    width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(x.rjust(w) for x, w in zip(r, width)))
+    print(f"medians over {args.rounds} alternating rounds, {args.world} GPUs; new/base < 1: faster than base")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
