@@ -90,6 +90,8 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.worker, args.variants, cases, args.check)))
         return 0
+    from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
+
     runs: dict[str, list[dict]] = {"base": [], "new": []}
     for r in range(args.rounds):
         for tree, name, variants in ((args.base, "base", ["default"]), (REPO, "new", args.variants)):
@@ -115,9 +117,7 @@ def main() -> int:
         row += [f"{new['default'] / med['base'][case]['default']:.3f}"] if "base" in med else []
         row += [f"{new[v] / new['default']:.3f}" for v in args.variants if v != "default"]
         rows.append(row)
-    width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    for r in [head] + rows:
-        print("  ".join(x.rjust(w) for x, w in zip(r, width)))
+    print_aligned(head, rows)
     print(f"medians over {args.rounds} alternating rounds; ratios > 1: slower than base / than default")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))

@@ -248,6 +248,16 @@ def _warm_rank(dev: torch.device):
     return slowest
 
 
+def tp_weights(shape: str, rank: int, world: int, dev: torch.device):
+    """A TP_SHAPES weight [N, K over all ranks] drawn the same on every rank (the reference is local), this
+    rank's K slice of it, and the generator to draw the inputs with: (k per rank, n, w_all, w, g)."""
+    k_all, n = TP_SHAPES[shape]
+    k = k_all // world
+    g = torch.Generator(device=dev).manual_seed(7)
+    w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
+    return k, n, w_all, w_all[:, rank * k:(rank + 1) * k].contiguous(), g
+
+
 def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str],
              partials: list[str], shapes: list[str]) -> None:
     import torch.distributed as dist
@@ -263,17 +273,13 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     rows = []
     alone = [dist.new_group([r]) for r in range(world)]   # meld on a group of one rank: its GEMM, no exchange
     for shape in shapes:
-        k_all, n = TP_SHAPES[shape]
-        k = k_all // world
-        g = torch.Generator(device=dev).manual_seed(7)   # the same on every rank: the reference is local
-        w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
-        w = w_all[:, rank * k:(rank + 1) * k].contiguous()
+        k, n, w_all, w, g = tp_weights(shape, rank, world, dev)
         ops = {(mg, pt): RowParallelLinear(k, n, max_tokens=max(tokens),
                                            kernel_config=TpKernelConfig(merge=mg, partials=pt))
                for mg in merges for pt in partials}
         solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
         for m in tokens:
-            x_all = torch.randn(m, k_all, generator=g, device=dev).to(torch.bfloat16)
+            x_all = torch.randn(m, w_all.shape[1], generator=g, device=dev).to(torch.bfloat16)
             x = x_all[:, rank * k:(rank + 1) * k].contiguous()
             got = {}
             for mg, op in ops.items():

@@ -329,6 +329,13 @@ def timing_parts(res: Mapping[str, Any]) -> list[str]:
     return [f"{k} {median_us(res, k):.1f} µs" for k in ("graph", "eager") if median_us(res, k) is not None]
 
 
+def print_aligned(head: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A plain table: every column right-aligned to its widest cell (the A/B scripts' output)."""
+    width = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(x.rjust(w) for x, w in zip(r, width)))
+
+
 def worst(values: Sequence[float]) -> float:
     """The largest error, NaN if any is NaN (max() alone depends on where the NaN sits)."""
     return math.nan if any(math.isnan(v) for v in values) else max(values)

@@ -28,7 +28,7 @@ def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int
     import torch
     import torch.distributed as dist
 
-    from bench.dist import TP_SHAPES, _warm_rank
+    from bench.dist import _warm_rank, tp_weights
     from bench.harness import graph_time_us
     from meld.dist import RowParallelLinear
 
@@ -37,15 +37,11 @@ def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int
     alone = [dist.new_group([r]) for r in range(world)]   # the same kernel on a group of one rank
     times: dict[str, dict[str, float]] = {}
     for shape in shapes:
-        k_all, n = TP_SHAPES[shape]
-        k = k_all // world
-        g = torch.Generator(device=dev).manual_seed(7)   # the same on every rank: the reference is local
-        w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
-        w = w_all[:, rank * k:(rank + 1) * k].contiguous()
+        k, n, w_all, w, g = tp_weights(shape, rank, world, dev)
         op = RowParallelLinear(k, n, max_tokens=max(tokens))
         solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
         for m in tokens:
-            x_all = torch.randn(m, k_all, generator=g, device=dev).to(torch.bfloat16)
+            x_all = torch.randn(m, w_all.shape[1], generator=g, device=dev).to(torch.bfloat16)
             x = x_all[:, rank * k:(rank + 1) * k].contiguous()
             if check:
                 op.output(m).fill_(math.nan)
@@ -100,6 +96,8 @@ def main() -> int:
     if args.worker:
         worker(args.worker, args.world, args.shapes, args.tokens, args.reps, args.check, args.out)
         return 0
+    from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
+
     runs: dict[str, list[dict]] = {"base": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="meld-tp-ab-") as tmp:
         for r in range(args.rounds):
@@ -123,9 +121,7 @@ def main() -> int:
         unf = statistics.median([new["unfused"], old["unfused"]])
         rows.append([case, f"{old['meld']:.1f} ({old['one rank']:.1f})", f"{new['meld']:.1f} ({new['one rank']:.1f})",
                      f"{unf:.1f}", f"{new['meld'] / old['meld']:.3f}", f"{unf / new['meld']:.2f}"])
-    width = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    for r in [head] + rows:
-        print("  ".join(x.rjust(w) for x, w in zip(r, width)))
+    print_aligned(head, rows)
     print(f"medians over {args.rounds} alternating rounds, {args.world} GPUs; new/base < 1: faster than base")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))

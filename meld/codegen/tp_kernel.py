@@ -19,8 +19,10 @@ MAX_STAGES = 32
 
 def tp_block_tokens(num_tokens: int) -> int:
     """The smallest token block that holds `num_tokens` up to 64; 128 up to 256 rows; the widest beyond.
-    128-token blocks (one CTA per SM, a deep ring) beat 64-token ones (two CTAs per SM, each weight box read
-    once per block) from 96 to 256 rows, up to 1.25x (bench/RESULTS.md, 2026-11-30, final session)."""
+    128-token blocks (one CTA per SM, a deep ring) against 64-token ones (two CTAs per SM, each weight box
+    read once per block), Llama-70B's o and down projections: faster on two H200s at 128 rows (7-8%), and on
+    one GPU at 200 and 256 rows (up to 1.25x); on one GPU, slower only for the o projection at 96 and 128
+    rows (3-5%) (bench/RESULTS.md, 2026-11-30, final session)."""
     if num_tokens > 256:
         return TP_BLOCK_TOKENS[-1]
     if num_tokens > 64:

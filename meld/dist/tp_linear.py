@@ -131,10 +131,10 @@ class RowParallelLinear(Operator):
         from ..codegen.tp_kernel import tp_block_tokens
         from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         self._weight_maps = TensorMapCache(lambda w: tensor_map_2d(w, 64))
-        self._x_maps = TensorMapCache(lambda x: tensor_map_2d(x, tp_block_tokens(x.shape[0])))
-        # the last token block's boxes: its own rows only (templates/tp_linear.cuh, tp_produce)
-        self._x_tail_maps = TensorMapCache(lambda x: tensor_map_2d(x, x.shape[0] % tp_block_tokens(x.shape[0])
-                                                                   or tp_block_tokens(x.shape[0])))
+        # x's maps: token-block boxes, and the last block's, of its own rows only (tp_linear.cuh, tp_produce)
+        self._x_maps = TensorMapCache(lambda x: (tensor_map_2d(x, tp_block_tokens(x.shape[0])),
+                                                 tensor_map_2d(x, x.shape[0] % tp_block_tokens(x.shape[0])
+                                                               or tp_block_tokens(x.shape[0]))))
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
@@ -197,8 +197,7 @@ class RowParallelLinear(Operator):
             self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits,
                                cols=sched.cols)
         p.w_map = self._weight_maps.get(weight)
-        p.x_map = self._x_maps.get(x)
-        p.x_tail_map = self._x_tail_maps.get(x)
+        p.x_map, p.x_tail_map = self._x_maps.get(x)
         kernel.launch(grid, p)
         return self.output(M)
 

@@ -10,12 +10,14 @@ Encoding is a host call; `TensorMapCache` keeps the maps.
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 import torch
 
 from ..codegen import TensorMap
 from .driver import check, drv
+
+M = TypeVar("M")   # what a cache keeps per tensor: a map, or a tuple of maps
 
 BOX_ROWS, BOX_COLS = 16, 64   # token rows x channels per copy (64 bf16 = the 128-byte swizzle span)
 
@@ -48,15 +50,16 @@ def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
     return _encode(kv_cache, dims, strides, box)
 
 
-class TensorMapCache:
+class TensorMapCache(Generic[M]):
     """Tensor maps per (address, shape, dtype) of the tensors a kernel reads, so run() encodes each one
-    once: a model passes the same per-layer caches and weights every step."""
+    once: a model passes the same per-layer caches and weights every step. (`encode` may return several
+    maps of one tensor: one lookup a call.)"""
 
-    def __init__(self, encode: Callable[[torch.Tensor], TensorMap], max_entries: int = 1024):
-        self._maps: dict[tuple, TensorMap] = {}
+    def __init__(self, encode: Callable[[torch.Tensor], M], max_entries: int = 1024):
+        self._maps: dict[tuple, M] = {}
         self._encode, self._max = encode, max_entries
 
-    def get(self, t: torch.Tensor) -> TensorMap:
+    def get(self, t: torch.Tensor) -> M:
         key = (t.data_ptr(), tuple(t.shape), t.dtype)
         m = self._maps.get(key)
         if m is None:
