@@ -191,24 +191,18 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
     tiles are few; sizes not multiples of any of them); pieces finishing in a different order on every
     rank; every rank's y bit-identical to the single-rank sum in (rank, split) order and close to the
     product; each tile counted once per part and every element of every partial landed once. (The direct
-    path refuses a schedule that splits K.)"""
+    path runs two launches, the second on 2 x: one in each parity slot.)"""
     from meld.dist.tp_matmul import single_rank_reference
 
     xs, ws, sched = _tp_case(world, m, n, k, sm_count, seed=world)
-    if merge == "direct" and sched.k_splits > 1:
-        tr = EmulatedTransport(world)
-        try:
-            with pytest.raises(ValueError, match="k_splits"):
-                row_parallel_matmul(tr, xs, ws, sched, merge=merge)
-        finally:
-            tr.close()
-        return
-    want = single_rank_reference(xs, ws, sched)
-    exact = sum(x @ w.T for x, w in zip(xs, ws))
+    launches = 2 if merge == "direct" else 1
+    xs_last = [x * launches for x in xs]
+    want = single_rank_reference(xs_last, ws, sched)
+    exact = sum(x @ w.T for x, w in zip(xs_last, ws))
     for seed in range(2):
         tr = EmulatedTransport(world, ordered=ordered, seed=seed, max_delay=1e-5, chunk=500)
         try:
-            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge=merge)
+            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge=merge, launches=launches)
         finally:
             tr.close()
         for r, y in enumerate(ys):
@@ -220,11 +214,11 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
         if merge == "owner":
             assert [int(tr.get(0, o % world, "y.count", o)) for o in range(sched.out_tiles)] == [parts] * sched.out_tiles
             assert len(landed) == sched.out_tiles * parts * sched.block_tokens * sched.cols
-        elif merge == "direct":   # every rank's partial of every tile in every rank's window, one stamp each
-            landed = {e for e in tr.landed_elements if e[1] == "y.direct"}
-            assert len(landed) == sched.out_tiles * world * world * sched.block_tokens * sched.cols
-            assert all(int(tr.get(r, r, "y.stamp", (s, c))) == 1
-                       for r in range(world) for s in range(world) for c in range(sched.pieces))
+        elif merge == "direct":   # every piece's partial in every rank's window, in both launches' slots
+            landed = {e for e in tr.landed_elements if e[1] == "y.ll"}
+            assert len(landed) == 2 * sched.pieces * world * world * sched.block_tokens * sched.cols
+            assert all((tr.get(r, r, "y.ll", (launch % 2,))["tag"] == launch).all()
+                       for r in range(world) for launch in (1, 2))
         else:   # every partial on every rank; each CTA's stamp on every rank counts its pieces
             assert len(landed) == sched.out_tiles * parts * world * sched.block_tokens * sched.cols
             G = max(1, (sched.pieces + 2) // 3)
@@ -239,7 +233,26 @@ def test_row_parallel_schedule_splits_k_where_tiles_are_few():
     assert sched.k_splits > 1 and sched.pieces > sched.out_tiles
 
 
-@pytest.mark.parametrize("merge", ["owner", "every_rank", "direct"])
+@pytest.mark.parametrize("world, m, n, k, sm_count", [(2, 3, 136, 1000, 8), (3, 16, 200, 96, 132)])
+def test_direct_path_ranks_a_launch_apart_read_only_their_launch(world, m, n, k, sm_count):
+    """Five direct launches back to back (launch l on x * l), ranks never waiting for each other between them,
+    deliveries delayed and reordered: a rank a launch ahead writes the other parity's slots, and a word is
+    summed only once it carries its launch's tag (a stale word of launch l - 2 in the same slot would make
+    the last launch's y differ from the single-rank sum)."""
+    from meld.dist.tp_matmul import single_rank_reference
+
+    xs, ws, sched = _tp_case(world, m, n, k, sm_count, seed=7)
+    want = single_rank_reference([x * 5 for x in xs], ws, sched)
+    for seed in range(3):
+        tr = EmulatedTransport(world, ordered=False, seed=seed, max_delay=2e-5, chunk=64)
+        try:
+            ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge="direct", launches=5)
+        finally:
+            tr.close()
+        assert all(np.array_equal(y, want) for y in ys), f"seed {seed}"
+
+
+@pytest.mark.parametrize("merge", ["owner", "every_rank"])
 def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts(merge):
     """With fence=False a count or signal can land before its partial: the merge then sums a NaN-poisoned
     slot."""

@@ -15,7 +15,7 @@ from meld.dist.tp_linear import _window_layout
 @pytest.mark.parametrize("bt", TP_BLOCK_TOKENS)
 @pytest.mark.parametrize("k_boxes, ctas, merge, transport, partials, wgs", [
     (1, 0, "owner", "peer", "bfloat16", 0), (2, 1, "owner", "peer", "bfloat16", 0), (1, 2, "owner", "peer", "float32", 0),
-    (1, 0, "every_rank", "peer", "bfloat16", 0), (1, 0, "every_rank", "proxy", "bfloat16", 0),
+    (0, 0, "every_rank", "peer", "bfloat16", 0), (1, 0, "every_rank", "proxy", "bfloat16", 0),
     (1, 0, "every_rank", "proxy", "float32", 0), (1, 1, "owner", "peer", "bfloat16", 2)])
 def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials, wgs):
     cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas, merge=merge, transport=transport,
@@ -26,7 +26,7 @@ def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials
     spills = [line for line in log.splitlines() if "spill stores" in line]
     assert spills and all(" 0 bytes spill stores" in line for line in spills), f"registers spill:\n{log}"
     wide_float_stage = merge == "every_rank" and partials == "float32" and bt == 256   # a 128 KiB staged tile
-    assert cfg.stages >= (3 if k_boxes == 1 and not wide_float_stage else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas == 2 else 227 << 10)
+    assert cfg.stages >= (3 if cfg.boxes == 1 and not wide_float_stage else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas == 2 else 227 << 10)
 
 
 def test_block_tokens_cover_the_rows():
@@ -46,7 +46,9 @@ def test_block_tokens_cover_the_rows():
     with pytest.raises(ValueError, match="ctas_per_sm=2"):
         TpKernelConfig(128, ctas_per_sm=2)
     assert block_config(TpKernelConfig(ctas_per_sm=2), 128).ctas == 1
-    assert [block_config(TpKernelConfig(), b).ctas for b in TP_BLOCK_TOKENS] == [1, 1, 1, 2, 1, 1]
+    assert [block_config(TpKernelConfig(), b).ctas for b in TP_BLOCK_TOKENS] == [1, 1, 1, 1, 1, 1]
+    assert [block_config(TpKernelConfig(), b).boxes for b in TP_BLOCK_TOKENS] == [2, 2, 2, 2, 1, 1]
+    assert block_config(TpKernelConfig(ctas_per_sm=2), 64).boxes == 1 and TpKernelConfig(8, k_boxes=1).boxes == 1
     assert [block_config(TpKernelConfig(), b).wgs for b in TP_BLOCK_TOKENS] == [1, 1, 1, 1, 1, 2]
     assert [block_config(TpKernelConfig(warpgroups=2), b).wgs for b in TP_BLOCK_TOKENS] == [1, 1, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="warpgroups=3"):
@@ -67,12 +69,14 @@ def test_schedule_gives_every_cta_slot_a_piece(m, n, k, ctas, splits):
 
 
 def test_direct_path_takes_decode_sizes_only():
-    """One piece a CTA and a tile, token blocks of at most 64, every-rank merges over peer memory, and room
-    for every rank's slot of every CTA slot: else the general path."""
-    from meld.codegen.tp_kernel import direct_path
+    """One piece a CTA (K split or not), token blocks of at most 64 at one CTA per SM, every-rank merges over
+    peer memory, and room for both launches' slots of every rank and CTA slot: else the general path."""
+    from meld.codegen.tp_kernel import LL_MAX_TOKENS, direct_path, direct_room
 
-    room = _window_layout(256, 8192, 2, 132, 1)
-    room = room["count"] - room["part"]
+    room = direct_room(TpKernelConfig(), 256, 2, 132)
+    assert room == 2 * 2 * 264 * (LL_MAX_TOKENS * 64 // 2) * 8
+    L = _window_layout(256, 8192, 2, 132, 1, room)
+    assert L["nbytes"] - L["ll"] >= room and L["ll"] > L["signal"]
 
     def direct(m, n=8192, k=4096, world=2, room=room, **cfg):
         base = TpKernelConfig(**cfg)
@@ -80,12 +84,14 @@ def test_direct_path_takes_decode_sizes_only():
         c = block_config(base, s.block_tokens)
         return direct_path(c, s, min(s.pieces, c.ctas * 132), world, 132, room)
 
-    assert direct(1) and direct(16) and direct(32) and direct(1, world=8)
-    assert not direct(64)                  # two CTAs an SM: K in two pieces
-    assert not direct(1, n=16384)          # 256 tiles: two a CTA
-    assert not direct(128) and not direct(300)
+    assert direct(1) and direct(16) and direct(64) and direct(1, world=2, partials="float32")
+    assert direct(1, n=4096) and direct(16, n=1024)   # K split: 64 tiles x 2, 16 tiles x 8
+    assert not direct(65) and not direct(300)         # wider token blocks: their words would carry too many bytes
+    assert not direct(1, n=16384)                     # 256 tiles: two a CTA
+    assert not direct(64, ctas_per_sm=2)              # the registers of its words: one CTA per SM
     assert not direct(1, merge="owner") and not direct(1, transport="proxy")
-    assert not direct(1, room=2 * 264 * 64 * 8 * 2 - 1)
+    assert direct(16, world=4) and not direct(64, world=4)   # a region sized for two ranks of 64 rows
+    assert not direct(32, room=direct_room(TpKernelConfig(), 16, 2, 132))   # sized for 16 rows
 
 
 @pytest.mark.parametrize("max_tokens, n, world", [(1, 8, 2), (300, 1000, 2), (8192, 8192, 4), (77, 136, 1), (16, 64, 2)])

@@ -250,6 +250,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_landed_off", "i64"),
     Field("x_started_off", "i64"),
     Field("x_signal_off", "i64"),                # every-rank merges: u64 stamps [world][x_grid_cap] (launch numbers)
+    Field("x_ll_off", "i64"),                    # direct merges: tagged words [2][world][x_grid_cap][a tile's]
     *PROXY_RING,
     Field("m", "i32"),
     Field("n", "i32"),
@@ -257,7 +258,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("m_tiles", "i32"),                     # token blocks
     Field("k_splits", "i32"),                    # pieces of K per output tile
     Field("tiles", "i32"),                       # pieces: output tiles x k_splits
-    Field("direct", "i32"),                      # every-rank merges, one piece a CTA and a tile: the direct path
+    Field("direct", "i32"),                      # every-rank merges, one piece a CTA, small token blocks: the direct path
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
     Field("x_grid_cap", "i32"),

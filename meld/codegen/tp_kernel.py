@@ -19,10 +19,10 @@ MAX_STAGES = 32
 
 def tp_block_tokens(num_tokens: int) -> int:
     """The smallest token block that holds `num_tokens` up to 64; 128 up to 256 rows; the widest beyond.
-    128-token blocks (one CTA per SM, a deep ring) against 64-token ones (two CTAs per SM, each weight box
-    read once per block), Llama-70B's o and down projections: faster on two H200s at 128 rows (7-8%), and on
-    one GPU at 200 and 256 rows (up to 1.25x); on one GPU, slower only for the o projection at 96 and 128
-    rows (3-5%) (bench/RESULTS.md, 2026-11-30, final session)."""
+    128-token blocks against 64-token ones (then two CTAs per SM, each weight box read once per block),
+    Llama-70B's o and down projections: faster on two H200s at 128 rows (7-8%), and on one GPU at 200 and
+    256 rows (up to 1.25x); on one GPU, slower only for the o projection at 96 and 128 rows (3-5%)
+    (bench/RESULTS.md, 2026-11-30, final session)."""
     if num_tokens > 256:
         return TP_BLOCK_TOKENS[-1]
     if num_tokens > 64:
@@ -44,6 +44,7 @@ class TpSchedule:
     out_tiles: int
     k_splits: int
     cols: int = 64
+    k_block: int = 64   # K per ring stage (64 x the config's K boxes)
 
     @staticmethod
     def of(m: int, n: int, k: int, sm_count: int, base: "TpKernelConfig") -> "TpSchedule":
@@ -53,15 +54,15 @@ class TpSchedule:
         out_tiles = -(-n // cfg.cols) * m_tiles
         slots = cfg.ctas * sm_count
         return TpSchedule(m, n, k, bt, m_tiles, out_tiles, max(1, min(slots // out_tiles, -(-k // 64) // 8, 8)),
-                          cfg.cols)
+                          cfg.cols, 64 * cfg.boxes)
 
     def piece(self, t: int) -> tuple[int, int, slice, slice, slice]:
         """Piece t as the kernel cuts it (templates/tp_linear.cuh, tp_piece): its output tile, its split
-        of K, and the tile's tokens, columns and the piece's K range (64-wide blocks, clipped to the shape)."""
+        of K, and the tile's tokens, columns and the piece's K range (whole stages, clipped to the shape)."""
         o, split = divmod(t, self.k_splits)
         col, tm = divmod(o, self.m_tiles)
-        nk = -(-self.k // 64)
-        k0, k1 = nk * split // self.k_splits * 64, nk * (split + 1) // self.k_splits * 64
+        nk, kb = -(-self.k // self.k_block), self.k_block
+        k0, k1 = nk * split // self.k_splits * kb, nk * (split + 1) // self.k_splits * kb
         return (o, split, slice(tm * self.block_tokens, min((tm + 1) * self.block_tokens, self.m)),
                 slice(self.cols * col, min(self.cols * (col + 1), self.n)), slice(min(k0, self.k), min(k1, self.k)))
 
@@ -91,13 +92,14 @@ class TpKernelConfig:
     call from the rows of x; the other fields are its `kernel_config`'s."""
 
     block_tokens: int = 64
-    k_boxes: int = 1          # 64-wide K boxes per ring stage: 1, 2 or 4 (longer runs of each weight row per
-                              # stage; measured no faster, bench/RESULTS.md 2026-11-30)
+    k_boxes: int = 0          # 64-wide K boxes per ring stage: 1, 2 or 4 (each weight row read in runs of
+                              # 128 k_boxes bytes), or 0: two for token blocks of at most 64 at one CTA per SM,
+                              # one otherwise (bench/RESULTS.md 2026-11-30, closing session)
     warpgroups: int = 0       # consumer warpgroups (64 weight rows each, sharing each stage's token box): 1, 2
                               # (one CTA per SM), or 0: two for 256-token blocks of one K box, one otherwise
     ctas_per_sm: int = 0      # 1: one CTA per SM with the deepest ring that fits; 2 (token blocks up to 64,
-                              # whose accumulators fit 128 registers a thread): two, each with half the memory;
-                              # 0: two for 64-token blocks, one otherwise (measured: bench/RESULTS.md 2026-11-30)
+                              # whose accumulators fit 128 registers a thread): two, each with half the memory
+                              # (no direct path); 0: one (measured: bench/RESULTS.md 2026-11-30, closing session)
     merge: str = "every_rank"   # "every_rank": every rank gets every partial and sums its own output (faster on
                                 # two H200s: bench/RESULTS.md 2026-11-30); "owner": a tile's last arriving partial
                                 # sums it at its owner rank and writes every rank's output (fewer bytes per rank
@@ -124,25 +126,40 @@ class TpKernelConfig:
                              "owner's fetch-add)")
         if self.partials not in ("bfloat16", "float32"):
             raise ValueError(f"partials={self.partials!r}: expected 'bfloat16' or 'float32'")
-        if self.k_boxes not in (1, 2, 4):
-            raise ValueError(f"k_boxes={self.k_boxes}: expected 1, 2 or 4")
+        if self.k_boxes not in (0, 1, 2, 4):
+            raise ValueError(f"k_boxes={self.k_boxes}: expected 0 (automatic), 1, 2 or 4")
         if self.stages < 2:
-            raise ValueError(f"{self.k_boxes} K boxes of {self.block_tokens}-token blocks leave room for {self.stages} stages")
+            raise ValueError(f"{self.boxes} K boxes of {self.block_tokens}-token blocks leave room for {self.stages} stages")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
 
     @property
     def ctas(self) -> int:
-        """CTAs per SM, resolved: automatic (0) is two for 64-token blocks and one otherwise (the deepest
-        ring streams a few tokens' weights fastest; 64-token blocks, whose tiles are many, ran faster two
-        to an SM)."""
-        return self.ctas_per_sm or (2 if self.block_tokens == 64 and self.wgs == 1 else 1)
+        """CTAs per SM, resolved: automatic (0) is one (the deepest ring streams a few tokens' weights fastest;
+        64-token blocks two to an SM, once faster on one GPU, took 1.2-1.4x as long on two H200s as one CTA
+        per SM with the direct path: bench/RESULTS.md 2026-11-30, closing session)."""
+        return self.ctas_per_sm or 1
 
     @property
     def wgs(self) -> int:
         """Consumer warpgroups, resolved: automatic (0) is two for 256-token blocks of one K box a stage
         (their activation boxes are the largest traffic) and one otherwise."""
-        return self.warpgroups or (2 if self.block_tokens == 256 and self.k_boxes == 1 else 1)
+        return self.warpgroups or (2 if self.block_tokens == 256 and self.boxes == 1 else 1)
+
+    @property
+    def boxes(self) -> int:
+        """K boxes per ring stage, resolved: automatic (0) is two for token blocks of at most 64 at one CTA per
+        SM (the GEMM of a decode step ended 0.5-2.8 µs sooner on two H200s) and one otherwise (more stages
+        fit)."""
+        return self.k_boxes or (2 if self.block_tokens <= 64 and self.ctas == 1 else 1)
+
+    @property
+    def direct(self) -> bool:
+        """Whether the kernel has the direct path (templates/tp_linear.cuh, tp_direct; `direct_path` says
+        which calls take it): every-rank merges over peer memory, token blocks of at most LL_MAX_TOKENS, one
+        CTA per SM (the registers of its words)."""
+        return (self.merge == "every_rank" and self.transport == "peer" and self.block_tokens <= LL_MAX_TOKENS
+                and self.ctas == 1)
 
     @property
     def cols(self) -> int:
@@ -155,7 +172,7 @@ class TpKernelConfig:
 
     @property
     def stage_bytes(self) -> int:
-        return self.k_boxes * (self.cols + self.block_tokens) * 64 * 2
+        return self.boxes * (self.cols + self.block_tokens) * 64 * 2
 
     @property
     def _fixed_bytes(self) -> int:
@@ -175,7 +192,7 @@ class TpKernelConfig:
 
     @property
     def name(self) -> str:
-        return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.k_boxes}_c{self.ctas}_s{self.stages}_w{self.wgs}"
+        return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.boxes}_c{self.ctas}_s{self.stages}_w{self.wgs}"
                 + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "")
                 + ("_pf32" if self.partials == "float32" else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
@@ -189,10 +206,11 @@ class TpKernelConfig:
             f"#define NUM_STAGES {self.stages}",
             f"#define CTAS_PER_SM {self.ctas}",
             f"#define TP_WGS {self.wgs}",
-            f"#define K_BOXES {self.k_boxes}",
+            f"#define K_BOXES {self.boxes}",
             f"#define MELD_TP_EVERY {int(self.merge == 'every_rank')}",
             f"#define MELD_TP_PROXY {int(self.transport == 'proxy')}",
             f"#define MELD_TP_BF16_PARTS {int(self.partials == 'bfloat16')}",
+            f"#define MELD_TP_DIRECT {int(self.direct)}",
             '#define MELD_MMA_TYPE "bf16"',
             "#define MELD_PROFILE 0",
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
@@ -202,13 +220,26 @@ class TpKernelConfig:
                           TP_PARAMS.c_source(), _template("tp_linear.cuh")])
 
 
+LL_MAX_TOKENS = 64   # the largest token block of the direct path (its words carry twice a partial's bytes)
+
+
+def direct_words(cfg: TpKernelConfig) -> int:
+    """8-byte words of one direct-path slot: a partial tile, 4 bytes of it a word (tp_linear.cuh, LL_WORDS)."""
+    return cfg.block_tokens * cfg.cols * (4 if cfg.partials == "float32" else 2) // 4
+
+
+def direct_room(base: TpKernelConfig, max_tokens: int, world: int, sm_count: int) -> int:
+    """Bytes of a window's direct-path region for calls of at most `max_tokens` rows: two launches' slots
+    (parity) x every rank x every CTA slot (2 x SMs), each a tile of the largest direct block."""
+    cfg = block_config(base, tp_block_tokens(min(max_tokens, LL_MAX_TOKENS)))
+    return 2 * world * 2 * sm_count * direct_words(cfg) * 8
+
+
 def direct_path(cfg: TpKernelConfig, sched: TpSchedule, grid: int, world: int, sm_count: int, room: int) -> bool:
-    """Whether a call takes the kernel's direct path (templates/tp_linear.cuh, tp_consume_direct): every-rank
-    merges over peer memory, one piece a CTA and a tile, token blocks of at most 64 (decode sizes), and
-    `room` (bytes of the window's partials region) for every rank's slot of every CTA slot (2 x SMs)."""
-    part = 4 if cfg.partials == "float32" else 2
-    return (cfg.merge == "every_rank" and cfg.transport == "peer" and sched.k_splits == 1 and sched.pieces <= grid
-            and sched.block_tokens <= 64 and world * 2 * sm_count * cfg.cols * cfg.block_tokens * part <= room)
+    """Whether a call takes the kernel's direct path (templates/tp_linear.cuh, tp_direct): a kernel that has
+    it (`TpKernelConfig.direct`: decode-size token blocks), one piece a CTA, and `room` (bytes of the window's
+    direct region) for its slots."""
+    return cfg.direct and sched.pieces <= grid and 2 * world * 2 * sm_count * direct_words(cfg) * 8 <= room
 
 
 def block_config(base: TpKernelConfig, block_tokens: int) -> TpKernelConfig:

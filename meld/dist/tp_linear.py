@@ -8,9 +8,9 @@ is published in its rank's window as soon as it is computed (bf16 by default) an
 each rank sums its own output in rank order, reading the partials where they lie (NVLink peer memory),
 as soon as a tile's are all stamped: the exchange and the sums overlap the GEMM's next tiles, there is no
 separate collective and no remote fetch-add, and every rank's result is bit-identical, launch after
-launch. At decode sizes (every CTA one piece, every tile one piece a rank) the kernel takes a direct path
-instead: each CTA stores its partial into every rank's window, stamps it, and sums its tile once every
-rank's has landed (tp_linear.cuh, tp_direct). The proxy transport (`transport="proxy"`, the model of RDMA
+launch. At decode sizes (every CTA one piece, token blocks of at most 64) the kernel takes a direct path
+instead: each CTA stores its partial into every rank's window as words that carry the launch's tag, and
+sums its share of the tile once every part's words carry it (tp_linear.cuh, tp_direct). The proxy transport (`transport="proxy"`, the model of RDMA
 between nodes) carries the same as puts and signals into every rank's window. With
 `merge="owner"` each tile is summed at its owner rank by whichever partial arrives last and written into
 every rank's output: fewer bytes per rank in larger groups, slower on two H200s (bench/RESULTS.md).
@@ -31,17 +31,18 @@ from .seq_parallel import SymmetricWindow, pack_regions
 
 
 
-def _window_layout(max_tokens: int, n: int, world: int, sm_count: int, part_ranks: int) -> dict[str, int]:
+def _window_layout(max_tokens: int, n: int, world: int, sm_count: int, part_ranks: int, direct: int = 0) -> dict[str, int]:
     """Byte offsets in a rank's window: the output [max_tokens, N] bf16, the partials (sized as float) of
     `part_ranks` ranks (`TpSchedule.max_partial_floats` each: owner merges keep [tiles][world x k_splits]
     [cols x block tokens] at a tile's owner; every-rank merges per CTA, over peer memory this rank's own
     only, over the proxy every rank's), one u64 counter per output tile, the landing counter, the launches
-    every rank started, and the every-rank merges' stamps [world][2 x SMs]."""
+    every rank started, the every-rank merges' stamps [world][2 x SMs], and `direct` bytes for the direct
+    path's tagged words (`meld.codegen.tp_kernel.direct_room`)."""
     from ..codegen.tp_kernel import TpSchedule
 
     sizes = {"out": max_tokens * n * 2, "part": TpSchedule.max_partial_floats(max_tokens, n, sm_count) * part_ranks * 4,
              "count": -(-n // 64) * -(-max_tokens // 8) * 8, "landed": 8, "started": 8 * world,
-             "signal": 8 * world * 2 * sm_count}
+             "signal": 8 * world * 2 * sm_count, "ll": direct}
     return pack_regions(sizes)
 
 
@@ -77,7 +78,7 @@ class RowParallelLinear(Operator):
                  chunk_bytes: int = 64 << 10):
         import torch.distributed as dist
 
-        from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, block_config
+        from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, block_config, direct_room
 
         if not dist.is_initialized():
             raise RuntimeError("RowParallelLinear: torch.distributed is not initialised (init_process_group first)")
@@ -109,7 +110,9 @@ class RowParallelLinear(Operator):
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         own_parts_only = kernel_config.merge == "every_rank" and kernel_config.transport == "peer"
         self.layout = _window_layout(self.max_tokens, self.out_features, self.world, self._sm_count,
-                                     1 if own_parts_only else self.world)
+                                     1 if own_parts_only else self.world,
+                                     direct_room(kernel_config, self.max_tokens, self.world, self._sm_count)
+                                     if own_parts_only else 0)
         if max(-(-out_features // 64) * -(-max_tokens // b) for b in TP_BLOCK_TOKENS) >= 1 << 31:
             raise ValueError(f"out_features={out_features}, max_tokens={max_tokens}: too many output tiles")
         self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)
@@ -149,7 +152,7 @@ class RowParallelLinear(Operator):
                 xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),
                 watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
                 watchdog_kernel=self._watchdog_id, x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
-                x_landed_off=L["landed"], x_started_off=L["started"], x_signal_off=L["signal"],
+                x_landed_off=L["landed"], x_started_off=L["started"], x_signal_off=L["signal"], x_ll_off=L["ll"],
                 x_grid_cap=2 * self._sm_count, n=self.out_features, k=self.in_features, x_rank=self.rank,
                 x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}))
             v = self._variants[cfg.block_tokens] = (cfg, kernel, params)
@@ -158,7 +161,7 @@ class RowParallelLinear(Operator):
     def _direct(self, cfg, sched, grid: int) -> bool:
         from ..codegen.tp_kernel import direct_path
 
-        return direct_path(cfg, sched, grid, self.world, self._sm_count, self.layout["count"] - self.layout["part"])
+        return direct_path(cfg, sched, grid, self.world, self._sm_count, self.layout["nbytes"] - self.layout["ll"])
 
     def output(self, num_tokens: int) -> torch.Tensor:
         """This rank's output view [num_tokens, out_features] of its window."""

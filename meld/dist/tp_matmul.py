@@ -49,17 +49,19 @@ def _assemble(sched: TpSchedule, tiles) -> np.ndarray:
 
 
 def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule,
-                        seed: int = 0, merge: str = "owner", grid: int | None = None) -> list[np.ndarray]:
+                        seed: int = 0, merge: str = "owner", grid: int | None = None,
+                        launches: int = 1) -> list[np.ndarray]:
     """y = sum_r xs[r] @ ws[r].T (float64) over len(xs) emulated ranks (module docstring); every rank's y.
     `merge`: "owner" (the last arriving partial of a tile sums it at the owner), "every_rank" (as
     `TpKernelConfig.merge` and templates/tp_linear.cuh over the proxy transport, but a put per piece: the
     pieces of `grid` CTAs, by default about three each; every partial put into every rank's window, each
     followed by its CTA's stamp on every rank; each rank sums a tile from its own window once the stamps
-    cover its pieces) or "direct" (the kernel's direct path at decode sizes: a CTA a piece, a piece a tile)."""
+    cover its pieces) or "direct" (the kernel's direct path at decode sizes: a CTA a piece, partials as
+    tagged words; `launches` of them back to back, launch l on x_r * l: the last one's y)."""
     if merge == "every_rank":
         return _every_rank(transport, xs, ws, sched, seed, grid or max(1, (sched.pieces + 2) // 3))
     if merge == "direct":
-        return _direct(transport, xs, ws, sched, seed)
+        return _direct(transport, xs, ws, sched, seed, launches)
     if merge != "owner":
         raise ValueError(f"merge={merge!r}: expected 'owner', 'every_rank' or 'direct'")
     world, S = len(xs), sched.k_splits
@@ -141,36 +143,46 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
     return [_assemble(sched, out[r]) for r in range(world)]
 
 
-def _direct(transport, xs, ws, sched: TpSchedule, seed: int, poll_s: float = 1e-5) -> list[np.ndarray]:
-    """The kernel's direct path (templates/tp_linear.cuh, tp_consume_direct): CTA c of every rank computes
-    piece c (K is not split; one CTA a piece), puts its partial into slot [rank][c] of every rank's window
-    (its own too), then signals the slot's stamp there; then waits until every rank's stamp for c has landed
-    in its own window and sums the tile in rank order. A rank's CTAs run in a random order, every one's puts
-    before any waits (on the GPU they are all resident at once)."""
-    world = len(xs)
-    if sched.k_splits != 1:
-        raise ValueError(f"the direct path needs one piece a tile, got k_splits={sched.k_splits}")
+LL_WORD = np.dtype([("v", np.float64), ("tag", np.int64)])   # a direct-path word: a value and its launch's tag
+
+
+def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int, poll_s: float = 1e-5) -> list[np.ndarray]:
+    """The kernel's direct path (templates/tp_linear.cuh, tp_direct): CTA c of every rank computes piece c
+    (one piece a CTA) and puts its partial, every element tagged with the launch, into slot [launch % 2]
+    [rank][c] of every rank's window (its own too). The k_splits CTAs of a tile each sum a share of its
+    elements (element e: split e % k_splits) in (rank, split) order once that share of every part carries the
+    launch's tag; no stamps, no fences. Launch l computes x_r * l; `launches` run back to back with no wait
+    between them, so a rank can be a launch ahead of another (the parity slots are what keeps it from
+    overwriting words the other has still to read). Every rank's y of the last launch."""
+    world, S, G = len(xs), sched.k_splits, sched.pieces
     merge = _merge(sched, world)
-    G = sched.pieces
-    transport.window("y.direct", (world, G, sched.block_tokens, sched.cols), np.float64, np.nan)
-    transport.window("y.stamp", (world, G), np.int64, 0)
-    out = [np.full((sched.out_tiles, sched.block_tokens, sched.cols), np.nan) for _ in range(world)]
+    shape = (sched.block_tokens, sched.cols)
+    transport.window("y.ll", (2, world, G) + shape, LL_WORD, np.array((np.nan, 0), dtype=LL_WORD))
+    out = [np.full((sched.out_tiles,) + shape, np.nan) for _ in range(world)]
 
     def rank_main(r: int) -> None:
-        ctas = list(range(G))
-        random.Random(seed * 1000 + r).shuffle(ctas)
-        for c in ctas:
-            part = _partial(sched, xs[r], ws[r], c)
-            for dst in range(world):
-                transport.put(r, dst, "y.direct", (r, c), part)
-                transport.signal(r, dst, "y.stamp", (r, c), 1)
-        for c in ctas:
-            deadline = time.monotonic() + transport.timeout
-            while any(transport.get(r, r, "y.stamp", (s, c)) < 1 for s in range(world)):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {r}: the parts of tile {c} did not arrive")
-                time.sleep(poll_s)
-            out[r][c] = merge([transport.get(r, r, "y.direct", (s, c)) for s in range(world)])
+        rng = random.Random(seed * 1000 + r)
+        for launch in range(1, launches + 1):
+            par, ctas = launch % 2, list(range(G))
+            rng.shuffle(ctas)
+            for c in ctas:
+                word = np.empty(shape, LL_WORD)
+                word["v"], word["tag"] = _partial(sched, xs[r] * launch, ws[r], c), launch
+                for dst in range(world):
+                    transport.put(r, dst, "y.ll", (par, r, c), word)
+            for c in ctas:
+                o, split = divmod(c, S)
+                share = np.arange(shape[0] * shape[1]) % S == split
+                deadline = time.monotonic() + transport.timeout
+                while True:   # one snapshot of each part: its tags and values together
+                    parts = [transport.get(r, r, "y.ll", (par, k // S, o * S + k % S)).reshape(-1)
+                             for k in range(world * S)]
+                    if all((p["tag"][share] == launch).all() for p in parts):
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {r}: the parts of tile {o} did not arrive in launch {launch}")
+                    time.sleep(poll_s)
+                out[r][o].reshape(-1)[share] = merge([p["v"] for p in parts])[share]
         transport.quiet(r)
 
     run_ranks(world, rank_main)

@@ -267,6 +267,29 @@ __device__ __forceinline__ void signal_wait(const unsigned long long* flag, unsi
   }
 }
 
+// Low-latency words (NCCL's LL protocol): 4 bytes of data and a 4-byte tag (the launch) in one 8-byte store,
+// which lands whole (a single-copy-atomic access), so a reader that sees the tag has the data: no fence and
+// no separate flag between them. ll_wait spins until a word carries `tag`, under the watchdog, and returns
+// its data.
+__device__ __forceinline__ void ll_put(unsigned long long* a, u32 tag, u32 data) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(a), "l"((unsigned long long)tag << 32 | data) : "memory");
+}
+__device__ __forceinline__ unsigned long long ll_load(const unsigned long long* a) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 ll_wait(const unsigned long long* a, u32 tag, const WaitSite& s, i64 limit_ns) {
+  const i64 t0 = global_timer_ns();
+  for (;;) {
+    const unsigned long long v = ll_load(a);
+    if ((u32)(v >> 32) == tag) return (u32)v;
+    const i64 waited = global_timer_ns() - t0;
+    if (waited > limit_ns)
+      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, tag, waited);
+  }
+}
+
 // --- the proxy transport's command ring (meld/dist/proxy.py) ------------------------------------------
 // A GPU that cannot store into a peer (RDMA between nodes) hands its puts and signals to a host proxy as
 // fixed-size records in pinned host memory (meld/dist/transport.py's COMMAND). A thread claims a slot on

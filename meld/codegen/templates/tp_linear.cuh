@@ -289,7 +289,6 @@ struct EveryLayout {
         part0(p.x_part_off / (i64)sizeof(Part)), stamp0(p.x_signal_off), cap(p.x_grid_cap) {}
   __device__ i64 part(int r, int t) const { return part0 + r * region + ((i64)(t % G) * I + t / G) * TILE_ELEMS; }
   __device__ i64 stamp(int r, int cta) const { return stamp0 + 8 * ((i64)r * cap + cta); }
-  __device__ i64 direct(int r, int cta) const { return part0 + ((i64)r * cap + cta) * TILE_ELEMS; }   // (p.direct)
 };
 
 __device__ __forceinline__ unsigned long long tp_launch(const TpParams& p) {   // this launch's number
@@ -492,40 +491,82 @@ __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, 
   }
 }
 
-// Direct merges (p.direct: RowParallelLinear sets it when every CTA has one piece and every tile is one
-// piece a rank, over peer memory: decode sizes). The general path spent ~7 µs of a one-GPU call after the
-// GEMM at M = 1 (bulk copy, fences, stamp, claim, merge: measured), and its machinery has nothing to overlap
-// when a CTA has one piece. Here the consumer warpgroups stage the partial, wait once for every rank to have
-// started the launch, store it into slot [this rank][CTA] of every rank's window (their own too: the sum
-// then reads every part alike), fence, and thread r stamps the slot on rank r and waits for rank r's stamp
-// here; then they sum the tile in rank order (the same sums as the general path: outputs bit-identical
-// across ranks and to it). The sender and the merge warps only announce the launch (CTA 0) and end.
-// Deadlock freedom: a CTA waits for the same CTA of the other ranks, which store and stamp before waiting.
+// Direct merges (p.direct: RowParallelLinear sets it at decode sizes — every CTA one piece, token blocks of
+// at most LL_MAX_TOKENS (MELD_TP_DIRECT: compiled for those only), over peer memory). The general path
+// spent ~7 µs of a one-GPU call after the GEMM at M = 1 (bulk copy, fences, stamp, claim, merge: measured),
+// and its machinery has nothing to overlap when a CTA has one piece. Here the partial travels as
+// low-latency words (common.cuh: ll_put): 4 bytes of it and the launch's tag in each 8-byte store, into slot
+// [launch parity][this rank][CTA] of every other rank's window (and of this rank's when K is split, for the
+// tile's other CTAs): no fence, no stamp, no wait for the other ranks to start. The k_splits CTAs of a tile each sum a share of its words (word i: split
+// i % k_splits) in (rank, split) order once every part's word carries the tag — the sums of the general
+// path, so the outputs are bit-identical across ranks and to it.
+// Why two slots (launch parity) suffice: a rank writes launch n + 1's words only after its launch n ended,
+// which needed every other rank's words of launch n, written after that rank had ended launch n - 1, the
+// last to read the slots that launch n + 1 rewrites. (A tag repeats after 2^32 launches.)
+// Deadlock freedom: a CTA waits only for the CTAs of its tile on every rank, which store before waiting and
+// are all resident (the grid fits the GPU at once).
 // (Called by tp_consume_every after the GEMM of piece t = blockIdx.x: one wgmma call site, or ptxas
 // serialises the wgmma pipeline.)
+constexpr int LL_WORDS = TILE_ELEMS * (int)sizeof(Part) / 4;    // words of a partial tile
+constexpr int LL_PER_THREAD = (LL_WORDS + CONSUMERS - 1) / CONSUMERS;
+constexpr int LL_GROUP = LL_PER_THREAD < 16 / TP_WGS ? LL_PER_THREAD : 16 / TP_WGS;   // words summed at once
+static_assert(LL_PER_THREAD % LL_GROUP == 0, "whole groups of words");
+
+__device__ __forceinline__ unsigned long long* tp_ll_slot(const TpParams& p, char* window, u32 tag, int r, int cta) {
+  return reinterpret_cast<unsigned long long*>(window + p.x_ll_off) +
+         ((i64)((tag & 1) * p.x_world + r) * p.x_grid_cap + cta) * LL_WORDS;
+}
+
 __device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int t, const float (&acc)[ACC], Part* staged,
                                           int ct, int warp, int lane) {
-  const XWindows w = tp_windows(p);
-  const EveryLayout L(p);
-  const unsigned long long launch = tp_launch(p), stamp = tp_stamp(launch, 1);
+  constexpr int ROW_WORDS = COLS * (int)sizeof(Part) / 4, VEC = 4 / (int)sizeof(Part);
+  const u32 tag = (u32)tp_launch(p);   // launches count from 1: a zeroed window holds no tag
+  const int ks = p.k_splits, words = min(BLOCK_TOKENS, p.m - x.tok0) * ROW_WORDS;
+  const u32* mine = reinterpret_cast<const u32*>(staged);
   tp_stage(acc, staged, warp, lane);
-  if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
   named_barrier(1, CONSUMERS);
-  constexpr int VECS = TILE_ELEMS * (int)sizeof(Part) / 16;
   for (int r = 0; r < p.x_world; ++r) {
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<Part*>(p.xpeers[r]) + L.direct(p.x_rank, t));
-    for (int i = ct; i < VECS; i += CONSUMERS) dst[i] = reinterpret_cast<const uint4*>(staged)[i];
+    if (r == p.x_rank && ks == 1) continue;   // (read from shared memory below)
+    unsigned long long* dst = tp_ll_slot(p, p.xpeers[r], tag, p.x_rank, t);
+    for (int i = ct; i < words; i += CONSUMERS) ll_put(dst + i, tag, mine[i]);
   }
-  __threadfence_system();
-  named_barrier(1, CONSUMERS);
-  if (ct < p.x_world) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(ct, L.stamp(p.x_rank, t))), "l"(stamp) : "memory");
-    signal_wait(w.word(p.x_rank, L.stamp(ct, t)), stamp, tp_site(p, 10, warp + 4, t, ct), 2 * XRANK_WAIT_NS);
+  u16* out = reinterpret_cast<u16*>(p.xpeers[p.x_rank] + p.x_out_off) + (i64)x.tok0 * p.n + x.col * COLS;
+  for (int g = 0; g < LL_PER_THREAD; g += LL_GROUP) {   // a group of this thread's words at a time (registers)
+    float s[LL_GROUP][VEC];
+    for (int k = 0; k < p.x_world * ks; ++k) {   // (rank, split) order
+      const int r = k / ks, split = k % ks;
+      const bool own = r == p.x_rank && split == x.split;
+      const unsigned long long* src = tp_ll_slot(p, p.xpeers[p.x_rank], tag, r, t - x.split + split);
+      unsigned long long v[LL_GROUP];
+#pragma unroll
+      for (int u = 0; u < LL_GROUP; ++u) {   // the group's loads in flight at once
+        const int i = x.split + ks * (ct + (g + u) * CONSUMERS);
+        if (!own && i < words) v[u] = ll_load(src + i);
+      }
+#pragma unroll
+      for (int u = 0; u < LL_GROUP; ++u) {
+        const int i = x.split + ks * (ct + (g + u) * CONSUMERS);
+        if (i >= words) continue;
+        const u32 d = own ? mine[i] : (u32)(v[u] >> 32) == tag ? (u32)v[u]
+                                    : ll_wait(src + i, tag, tp_site(p, 10, warp + 4, t, r), 2 * XRANK_WAIT_NS);
+        float f[VEC];
+        if constexpr (VEC == 2) { f[0] = __uint_as_float(d << 16); f[1] = __uint_as_float(d & 0xffff0000u); }
+        else f[0] = __uint_as_float(d);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s[u][j] = k == 0 ? f[j] : s[u][j] + f[j];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < LL_GROUP; ++u) {
+      const int i = x.split + ks * (ct + (g + u) * CONSUMERS), c = VEC * (i % ROW_WORDS);
+      if (i >= words || x.col * COLS + c >= p.n) continue;
+      u16* d = out + (i64)(i / ROW_WORDS) * p.n + c;
+      if constexpr (VEC == 2)
+        *reinterpret_cast<u32*>(d) = float_to_bf16(s[u][0]) | (u32)float_to_bf16(s[u][1]) << 16;
+      else
+        *d = float_to_bf16(s[u][0]);
+    }
   }
-  named_barrier(1, CONSUMERS);
-  for (int row0 = 0; row0 < BLOCK_TOKENS; row0 += CHUNK_TOKENS)
-    tp_merge<4, 2>(p, x, row0, [&](int k) { return reinterpret_cast<const Part*>(p.xpeers[p.x_rank]) + L.direct(k, t); },
-                   p.x_world, ct, CONSUMERS);
 }
 
 // The consumer warpgroups: every piece's GEMM, its partial staged for the sender, and after each, the next
@@ -539,9 +580,11 @@ __device__ __forceinline__ void tp_consume_every(const TpParams& p, Ring ring, P
     const Piece x = tp_piece(p, t);
     float acc[ACC];
     tp_gemm(p, ring, x, t, acc, warp, lane);
-    if (!TP_PROXY && p.direct) {   // (its only piece)
-      tp_direct(p, x, t, acc, staged, ct, warp, lane);
-      return;
+    if constexpr (!TP_PROXY && MELD_TP_DIRECT) {   // (token blocks the direct path may take)
+      if (p.direct) {   // (its only piece)
+        tp_direct(p, x, t, acc, staged, ct, warp, lane);
+        return;
+      }
     }
     if (sent) mbar_wait(bars + 8, (sent - 1) & 1, tp_site(p, 15, warp + 4, t, sent - 1), 2 * XRANK_WAIT_NS);
     tp_stage(acc, staged, warp, lane);
