@@ -509,7 +509,7 @@ __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, 
 // serialises the wgmma pipeline.)
 constexpr int LL_WORDS = TILE_ELEMS * (int)sizeof(Part) / 4;    // words of a partial tile
 constexpr int LL_PER_THREAD = (LL_WORDS + CONSUMERS - 1) / CONSUMERS;
-constexpr int LL_GROUP = LL_PER_THREAD < 16 / TP_WGS ? LL_PER_THREAD : 16 / TP_WGS;   // words summed at once
+constexpr int LL_GROUP = LL_PER_THREAD < 16 / TP_WGS ? LL_PER_THREAD : 16 / TP_WGS;   // words waited for at once
 static_assert(LL_PER_THREAD % LL_GROUP == 0, "whole groups of words");
 
 __device__ __forceinline__ unsigned long long* tp_ll_slot(const TpParams& p, char* window, u32 tag, int r, int cta) {
@@ -537,21 +537,22 @@ __device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int
       const int r = k / ks, split = k % ks;
       const bool own = r == p.x_rank && split == x.split;
       const unsigned long long* src = tp_ll_slot(p, p.xpeers[p.x_rank], tag, r, t - x.split + split);
-      unsigned long long v[LL_GROUP];
-#pragma unroll
-      for (int u = 0; u < LL_GROUP; ++u) {   // the group's loads in flight at once
-        const int i = x.split + ks * (ct + (g + u) * CONSUMERS);
-        if (!own && i < words) v[u] = ll_load(src + i);
-      }
+      u32 d[LL_GROUP];
+      int off[LL_GROUP];
+      unsigned pending = 0;
 #pragma unroll
       for (int u = 0; u < LL_GROUP; ++u) {
-        const int i = x.split + ks * (ct + (g + u) * CONSUMERS);
-        if (i >= words) continue;
-        const u32 d = own ? mine[i] : (u32)(v[u] >> 32) == tag ? (u32)v[u]
-                                    : ll_wait(src + i, tag, tp_site(p, 10, warp + 4, t, r), 2 * XRANK_WAIT_NS);
+        const int i = off[u] = x.split + ks * (ct + (g + u) * CONSUMERS);
+        if (i < words && own) d[u] = mine[i];
+        else if (i < words) pending |= 1u << u;
+      }
+      ll_wait(src, off, pending, tag, d, tp_site(p, 10, warp + 4, t, r), 2 * XRANK_WAIT_NS);
+#pragma unroll
+      for (int u = 0; u < LL_GROUP; ++u) {
+        if (off[u] >= words) continue;
         float f[VEC];
-        if constexpr (VEC == 2) { f[0] = __uint_as_float(d << 16); f[1] = __uint_as_float(d & 0xffff0000u); }
-        else f[0] = __uint_as_float(d);
+        if constexpr (VEC == 2) { f[0] = __uint_as_float(d[u] << 16); f[1] = __uint_as_float(d[u] & 0xffff0000u); }
+        else f[0] = __uint_as_float(d[u]);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) s[u][j] = k == 0 ? f[j] : s[u][j] + f[j];
       }
