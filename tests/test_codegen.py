@@ -141,3 +141,17 @@ def test_dump_dir_gets_every_stage(tmp_path):
     names = {p.name for p in dump.iterdir()}
     assert {"decode_attention.taskgraph.json", "decode_attention.schedule.json", f"{cfg.name}.cu",
             f"{cfg.name}.cubin"} <= names
+
+
+def test_every_wait_site_in_the_templates_is_named():
+    """A kernel's watchdog record names what it waited for by a site number; the host describes it from
+    watchdog.SITES, so every number a template passes needs its entry."""
+    import re
+    from importlib import resources
+
+    from meld.runtime.watchdog import SITES
+
+    text = "".join(f.read_text() for f in resources.files("meld.codegen").joinpath("templates").iterdir()
+                   if f.name.endswith(".cuh"))
+    used = {int(n) for pattern in (r"_site\(p, (\d+)", r"watchdog_kernel, (\d+)") for n in re.findall(pattern, text)}
+    assert {10, 12, 16} <= used and used <= set(SITES), sorted(used - set(SITES))

@@ -39,6 +39,8 @@ SITES = {
         "launch number)",
     14: "the consumer warpgroups to stage partial {detail} of this CTA for the sender",
     15: "the sender to finish reading staged partial {detail} of this CTA",
+    16: "rank {detail}'s partial words to carry this launch's tag (the phase parity field holds the launch "
+        "number; a rank that never launched, or died)",
 }
 
 

@@ -546,7 +546,7 @@ __device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int
         if (i < words && own) d[u] = mine[i];
         else if (i < words) pending |= 1u << u;
       }
-      ll_wait(src, off, pending, tag, d, tp_site(p, 10, warp + 4, t, r), 2 * XRANK_WAIT_NS);
+      ll_wait(src, off, pending, tag, d, tp_site(p, 16, warp + 4, t, r), 2 * XRANK_WAIT_NS);
 #pragma unroll
       for (int u = 0; u < LL_GROUP; ++u) {
         if (off[u] >= words) continue;
