@@ -1,31 +1,34 @@
-"""meld.MoE under two kernel configurations, side by side in one run (a same-run A/B).
+"""meld.MoE against another meld.MoE, side by side in one run (a same-run A/B): a base tree (an earlier
+commit's package) or the same tree, each under its own kernel configuration.
 
-What it answers: what a change to the MoE kernel's static choices (`meld.codegen.moe_kernel.MoeKernelConfig`)
-costs or gains. Both modules time every case in alternating rounds (the order flips each round, so drift
-hits both) with the harness's one timer (CUDA-graph replay median, cold L2), after checking both outputs
-against bench/moe.py's float64 reference; the weights-read floor (experts touched x their bytes / the
-pure-read ceiling measured in the same run) puts each time against BENCH.md's bound.
+What it answers: what a change to the MoE kernel (its source, or its static choices,
+`meld.codegen.moe_kernel.MoeKernelConfig`) costs or gains. Each side runs in its own worker process (two
+copies of the package cannot share one), in alternating rounds so that drift hits both, timing every case
+with the harness's one timer (CUDA-graph replay median, cold L2) after checking its output against
+bench/moe.py's float64 reference (first round). The weights-read floor (experts touched x their bytes /
+the pure-read ceiling, measured in each worker) puts each time against BENCH.md's bound.
 
-    PYTHONPATH=$PWD python3 bench/moe_ab.py --new k_boxes=2 [--base k_boxes=1] [--shapes qwen3-30b-a3b ...]
-                                            [--tokens 1 16 128] [--routing uniform] [--rounds 2]
+    git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base [--tokens 1 16 128] [--shapes ...]
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --new k_boxes=2 [--base k_boxes=1]     # configs, this tree
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.harness import graph_time_us, print_aligned, read_ceiling_tbps
-from bench.moe import DTYPE, RENORMALIZE, ROUTINGS, SHAPES, Case, errors, make_inputs, make_weights, reference_moe
+REPO = Path(__file__).resolve().parents[1]
 
 
 def kernel_config(assignments: list[str]):
     """A MoeKernelConfig from `field=value` strings (ints and bools by the field's default)."""
+    import dataclasses
+
     from meld.codegen.moe_kernel import MoeKernelConfig
 
     fields = {f.name: f for f in dataclasses.fields(MoeKernelConfig)}
@@ -39,51 +42,91 @@ def kernel_config(assignments: list[str]):
     return MoeKernelConfig(**values)
 
 
-def main() -> None:
-    import meld
+def worker(tree: Path, config: list[str], shapes: list[str], tokens: list[int], routings: list[str], reps: int,
+           check: bool, out: str) -> None:
+    """Time the meld in `tree` under `config` on every case; write {case: {"us", "floor_us"}} to `out`."""
+    sys.path[:0] = [str(tree), str(REPO)]
+    import torch
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", nargs="*", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--new", nargs="+", required=True, metavar="FIELD=VALUE")
+    import meld
+    from bench.harness import graph_time_us, read_ceiling_tbps
+    from bench.moe import DTYPE, RENORMALIZE, SHAPES, Case, errors, make_inputs, make_weights, reference_moe
+
+    cfg = kernel_config(config)
+    read_tbps, _ = read_ceiling_tbps()
+    res = {}
+    for shape in (SHAPES[s] for s in shapes):
+        w13, w2 = make_weights(shape, 0, "cuda")
+        moe = meld.MoE(shape.hidden, shape.inter, shape.experts, shape.top_k, dtype=DTYPE, device="cuda",
+                       max_num_tokens=max(tokens), kernel_config=cfg)
+        for t in tokens:
+            for routing in routings:
+                inp = make_inputs(Case(shape, t, routing), w13, w2, 0, "cuda")
+                if check:
+                    rel, worst = errors(moe(inp.x, inp.logits, w13, w2),
+                                        reference_moe(inp.x, w13, w2, inp.logits, shape.top_k, RENORMALIZE))
+                    if not rel < 1e-2 or not worst < 2e-2:
+                        raise SystemExit(f"{inp.case.name}: relative error {rel:.2e}, max {worst:.2e}")
+                us = graph_time_us(lambda: moe(inp.x, inp.logits, w13, w2), reps=reps).median_us
+                res[inp.case.name] = {"us": us, "floor_us": inp.touched * shape.expert_bytes / (read_tbps * 1e6)}
+        moe = None
+        torch.cuda.empty_cache()
+    Path(out).write_text(json.dumps(res))
+
+
+def main() -> int:
+    from bench.moe import ROUTINGS, SHAPES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-tree", type=Path, default=REPO, help="a tree holding the base commit's `meld` package")
+    p.add_argument("--base", nargs="*", default=[], metavar="FIELD=VALUE", help="the base side's kernel config")
+    p.add_argument("--new", nargs="*", default=[], metavar="FIELD=VALUE", help="this tree's kernel config")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
     p.add_argument("--routing", nargs="+", default=["uniform"], choices=ROUTINGS)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--config", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
-    configs = {"base": kernel_config(args.base), "new": kernel_config(args.new)}
-    read_tbps, _ = read_ceiling_tbps()
+    common = ["--shapes", *args.shapes, "--tokens", *map(str, args.tokens), "--routing", *args.routing,
+              "--reps", str(args.reps)]
+    if args.worker:
+        worker(args.worker, args.config, args.shapes, args.tokens, args.routing, args.reps, args.check, args.out)
+        return 0
+    if args.base_tree.resolve() == REPO and args.base == args.new:
+        p.error("nothing to compare: give --base-tree, or --base / --new configs that differ")
+    from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
+
+    sides = {"base": (args.base_tree, args.base), "new": (REPO, args.new)}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory(prefix="meld-moe-ab-") as tmp:
+        for r in range(args.rounds):
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                tree, config = sides[name]
+                out = str(Path(tmp) / f"{name}{r}.json")
+                cmd = [sys.executable, __file__, "--worker", str(tree), "--config", *config, "--out", out, *common,
+                       *(["--check"] if r == 0 else [])]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode:
+                    print(res.stdout + res.stderr, file=sys.stderr)
+                    return 1
+                runs[name].append(json.loads(Path(out).read_text()))
+                print(f"round {r + 1}: {name} done", flush=True)
     rows = []
-    for shape in (SHAPES[s] for s in args.shapes):
-        w13, w2 = make_weights(shape, 0, "cuda")
-        mods = {name: meld.MoE(shape.hidden, shape.inter, shape.experts, shape.top_k, dtype=DTYPE, device="cuda",
-                               max_num_tokens=max(args.tokens), kernel_config=cfg) for name, cfg in configs.items()}
-        for t in args.tokens:
-            for routing in args.routing:
-                inp = make_inputs(Case(shape, t, routing), w13, w2, 0, "cuda")
-                ref = reference_moe(inp.x, w13, w2, inp.logits, shape.top_k, RENORMALIZE)
-                for name, moe in mods.items():
-                    rel, worst = errors(moe(inp.x, inp.logits, w13, w2), ref)
-                    if not rel < 1e-2 or not worst < 2e-2:
-                        raise SystemExit(f"{name} {inp.case.name}: relative error {rel:.2e}, max {worst:.2e}")
-                del ref
-                times: dict[str, list[float]] = {name: [] for name in mods}
-                for r in range(args.rounds):
-                    for name in (list(mods) if r % 2 == 0 else list(mods)[::-1]):
-                        moe = mods[name]
-                        times[name].append(graph_time_us(lambda: moe(inp.x, inp.logits, w13, w2),
-                                                         reps=args.reps).median_us)
-                base, new = (statistics.median(times[n]) for n in ("base", "new"))
-                floor = inp.touched * shape.expert_bytes / (read_tbps * 1e12) * 1e6
-                rows.append([inp.case.name, f"{base:.1f}", f"{new:.1f}", f"{new / base:.3f}", f"{floor:.1f}",
-                             f"{base / floor:.2f}", f"{new / floor:.2f}"])
-                print(f"{inp.case.name}: done", flush=True)
-        del mods
-        torch.cuda.empty_cache()
-    print(f"base {configs['base']}\nnew  {configs['new']}\nread ceiling {read_tbps:.2f} TB/s")
+    for case in runs["new"][0]:
+        base, new = (statistics.median(run[case]["us"] for run in runs[n]) for n in ("base", "new"))
+        floor = statistics.median(run[case]["floor_us"] for n in runs for run in runs[n])
+        rows.append([case, f"{base:.1f}", f"{new:.1f}", f"{new / base:.3f}", f"{floor:.1f}", f"{base / floor:.2f}",
+                     f"{new / floor:.2f}"])
+    print(f"base: {args.base_tree} {' '.join(args.base) or '(default config)'}; "
+          f"new: {REPO} {' '.join(args.new) or '(default config)'}")
     print_aligned(["case", "base µs", "new µs", "new/base", "floor µs", "base/floor", "new/floor"], rows)
     print(f"medians over {args.rounds} alternating rounds; new/base < 1: new faster")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -85,6 +85,8 @@ def test_kernels_compile_for_sm90a(bt, profile, k_boxes):
     assert len(cubin) > 0
     assert "C7508" not in log, "ptxas ignored setmaxnreg: the consumer warpgroups would run on 168 registers"
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores" in line for line in spills), f"registers spill:\n{log}"
 
 
 # --- the CPU reference executor -----------------------------------------------------------------------

@@ -634,11 +634,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   __syncthreads();
   grid_dependency_wait();   // a programmatic dependent of dispatch: the prologue above overlapped its tail
   if (threadIdx.x < 128) {
-    regs_dealloc<40>();
+    regs_dealloc<56>();   // (the producer spilled at 40; the consumers fit 224 without spilling: 56 x 128 + 224 x 256
+                          //  threads' registers = the 168 x 384 the CTA starts with)
     if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);
     else if (threadIdx.x / 32 == 1) epilogue(p, mb);
   } else {
-    regs_alloc<232>();
+    regs_alloc<224>();
     consume(p, ring, task_full, task_empty, slots, mb, combine_list, xchg);
   }
 }
