@@ -77,13 +77,16 @@ def test_empty_experts_get_no_tiles():
 
 # --- codegen ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bt", BLOCK_TOKEN_CHOICES)
-@pytest.mark.parametrize("profile", [False, True])
-def test_kernels_compile_for_sm90a(bt, profile):
-    cfg = MoeKernelConfig(block_tokens=bt, profile=profile)
+@pytest.mark.parametrize("profile, k_boxes", [(False, 1), (True, 1), (False, 2)])
+def test_kernels_compile_for_sm90a(bt, profile, k_boxes):
+    cfg = MoeKernelConfig(block_tokens=bt, profile=profile, k_boxes=k_boxes)
+    assert cfg.boxes == (k_boxes if cfg.narrow else 1) and cfg.stages >= 4
     cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     assert len(cubin) > 0
     assert "C7508" not in log, "ptxas ignored setmaxnreg: the consumer warpgroups would run on 168 registers"
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores" in line for line in spills), f"registers spill:\n{log}"
 
 
 # --- the CPU reference executor -----------------------------------------------------------------------
@@ -143,12 +146,13 @@ def test_call_errors_name_the_argument():
 
 
 # --- GPU ----------------------------------------------------------------------------------------------
-def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, **call):
+def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, kernel_config=None, **call):
     dev = "cuda"
     w13, w2 = weights(E, H, I, dev)
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
     logits = (logits if logits is not None else torch.randn(T, E)).to(dev)
-    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=capacity or max(T, 1), renormalize=renormalize)
+    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=capacity or max(T, 1), renormalize=renormalize,
+                   kernel_config=kernel_config)
     out = torch.full((T, H), float("nan"), device=dev, dtype=torch.bfloat16)   # poisoned
     moe(x, logits, w13, w2, out=out, **call)
     torch.cuda.synchronize()
@@ -170,6 +174,14 @@ def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, **call
 ])
 def test_gpu_matches_dense_reference(T, H, I, E, k):
     gpu_case(T, H, I, E, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 256, 128, 8, 2), (7, 200, 136, 5, 3), (100, 512, 256, 16, 4),
+                                       (40, 128, 64, 6, 6), (5, 2568, 64, 4, 2)])
+def test_gpu_two_k_boxes_a_stage_match_dense_reference(T, H, I, E, k):
+    """Narrow tiles with two K boxes a ring stage (H and I not multiples of 128: a last box past K)."""
+    gpu_case(T, H, I, E, k, kernel_config=MoeKernelConfig(k_boxes=2))
 
 
 @pytest.mark.gpu

@@ -46,6 +46,9 @@ class MoeKernelConfig:
     profile: bool = False
     watchdog_ms: int = 2000      # a spin gives up after this long: record what it waited for, and trap
     debug_withhold_signal: bool = False   # debug build: row block 0's gemm1 tiles never signal (tests the watchdog)
+    k_boxes: int = 1             # 64-wide K boxes per ring stage of narrow tiles (token blocks up to 32): 1 or 2
+                                 # (each weight row read in runs of 256 bytes; the row-parallel linear's decode
+                                 # GEMM streamed faster so: bench/RESULTS.md 2026-11-30, closing session)
     absent_pairs: bool = False   # a precomputed id outside the layer's experts (MoE first_expert..+num_experts)
                                  # is a pair another rank serves (expert parallelism): skipped, not an error;
                                  # a token with only such pairs keeps its output row unwritten
@@ -55,6 +58,8 @@ class MoeKernelConfig:
             raise ValueError(f"block_tokens={self.block_tokens}: expected one of {BLOCK_TOKEN_CHOICES}")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
+        if self.k_boxes not in (1, 2):
+            raise ValueError(f"k_boxes={self.k_boxes!r}: expected 1 or 2")
         if not 0 <= self.num_stages <= 16 or self.stages < 2:
             raise ValueError(f"num_stages={self.num_stages}: {self.stages} stages of {self.stage_bytes} bytes "
                              f"do not fit {SMEM_PER_CTA_MAX} bytes of shared memory")
@@ -64,8 +69,13 @@ class MoeKernelConfig:
         return self.block_tokens <= NARROW_MAX_TOKENS
 
     @property
+    def boxes(self) -> int:
+        """K boxes per ring stage: k_boxes for narrow tiles, one for wide ones (whose stages are large already)."""
+        return self.k_boxes if self.narrow else 1
+
+    @property
     def stage_bytes(self) -> int:
-        return (2 if self.narrow else 4) * 64 * 64 * 2 + self.block_tokens * 64 * 2
+        return self.boxes * ((2 if self.narrow else 4) * 64 * 64 * 2 + self.block_tokens * 64 * 2)
 
     @property
     def stages(self) -> int:
@@ -84,7 +94,8 @@ class MoeKernelConfig:
 
     @property
     def name(self) -> str:
-        return (f"meld_moe_bf16_n{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
+        return (f"meld_moe_bf16_n{self.block_tokens}_s{self.stages}" + (f"_k{self.boxes}" if self.boxes > 1 else "")
+                + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else ""))
 
@@ -94,6 +105,7 @@ class MoeKernelConfig:
             f"#define BLOCK_TOKENS {self.block_tokens}",
             f"#define NUM_STAGES {self.stages}",
             f"#define MELD_NARROW {int(self.narrow)}",
+            f"#define K_BOXES {self.boxes}",
             f"#define MAX_EXPERTS {MAX_EXPERTS}",
             f"#define SCATTER_WARPS {SCATTER_WARPS}",
             '#define MELD_MMA_TYPE "bf16"',

@@ -45,7 +45,9 @@ constexpr int T_BOX = BLOCK_TOKENS * BK * 2;
 // meets in shared memory), or 64 rows of H each.
 constexpr int NACC = MELD_NARROW ? 1 : 2;      // accumulators per consumer warpgroup
 constexpr int NBOX = 2 * NACC;                 // weight boxes per ring stage
-constexpr int STAGE_BYTES = NBOX * W_BOX + T_BOX;
+constexpr int BOX_SET = NBOX * W_BOX + T_BOX;   // one 64-wide K box: its weight boxes, then its token box
+constexpr int STAGE_BYTES = K_BOXES * BOX_SET;  // K_BOXES of them along K: each weight row read in runs of
+                                                // 128 K_BOXES contiguous bytes
 constexpr int G1_COLS = 64 * NACC;             // columns of I per gemm1 tile
 constexpr int G2_COLS = 128 * NACC;            // columns of H per gemm2 tile
 constexpr int ACC = BLOCK_TOKENS / 2;          // accumulator registers per thread per 64-row accumulator
@@ -388,7 +390,8 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     } else {
       for (int q = 0; q < NBOX; ++q) wrow[q] = (int)((i64)expert * p.hidden + col * G2_COLS + q * 64);
     }
-    const int nk = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
+    const int nk = ((kind ? p.inter : p.hidden) + BK * K_BOXES - 1) / (BK * K_BOXES);   // stages (a K box past
+                                                                                     // the end: zeros, counted)
     // A gemm2 tile's weights do not depend on gemm1: up to a ring of them is in flight before the wait
     // for its row block, and only the act boxes of those stages wait (their stages complete with them).
     const int early = kind ? min(nk, NUM_STAGES) : 0;
@@ -397,15 +400,21 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       if (kind && kk == early) {
         wait_row_block(p, rbi, ticket);
         for (int e = 0; e < early; ++e, late.advance())
-          tma_load_2d(late.base + late.stage * STAGE_BYTES + NBOX * W_BOX, tmap, e * BK, row0, late.full + 8 * late.stage);
+#pragma unroll
+          for (int b = 0; b < K_BOXES; ++b)
+            tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX, tmap, (e * K_BOXES + b) * BK,
+                        row0, late.full + 8 * late.stage);
       }
       if (kk == nk) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
       mbar_arrive_expect_tx(full, STAGE_BYTES);
 #pragma unroll
-      for (int q = 0; q < NBOX; ++q) tma_load_2d(dst + q * W_BOX, wmap, kk * BK, wrow[q], full);
-      if (kk >= early) tma_load_2d(dst + NBOX * W_BOX, tmap, kk * BK, row0, full);
+      for (int b = 0; b < K_BOXES; ++b) {
+#pragma unroll
+        for (int q = 0; q < NBOX; ++q) tma_load_2d(dst + b * BOX_SET + q * W_BOX, wmap, (kk * K_BOXES + b) * BK, wrow[q], full);
+        if (kk >= early) tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX, tmap, (kk * K_BOXES + b) * BK, row0, full);
+      }
       ring.advance();
     }
   }
@@ -504,15 +513,18 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     float acc0[ACC], acc1[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
-    const int nk = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
+    const int nk = ((kind ? p.inter : p.hidden) + BK * K_BOXES - 1) / (BK * K_BOXES);
     // One stage's wgmmas stay in flight while the next stage's are issued; a stage goes back to the
     // producer once the wgmmas that read it have completed.
     int prev = -1;
     for (int kk = 0; kk < nk; ++kk)
       ring_consume<STAGE_BYTES>(ring, prev, lane, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS,
                                 [&](u32 st) {
-                                  mma_stage(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
-                                  if (NACC == 2) mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
+#pragma unroll
+                                  for (int b = 0; b < K_BOXES; ++b, st += BOX_SET) {
+                                    mma_stage(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
+                                    if (NACC == 2) mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
+                                  }
                                 });
     wgmma_wait<0>();
     fence_regs(acc0);
@@ -622,11 +634,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   __syncthreads();
   grid_dependency_wait();   // a programmatic dependent of dispatch: the prologue above overlapped its tail
   if (threadIdx.x < 128) {
-    regs_dealloc<40>();
+    regs_dealloc<56>();   // (the producer spilled at 40; the consumers fit 224 without spilling: 56 x 128 + 224 x 256
+                          //  threads' registers = the 168 x 384 the CTA starts with)
     if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);
     else if (threadIdx.x / 32 == 1) epilogue(p, mb);
   } else {
-    regs_alloc<232>();
+    regs_alloc<224>();
     consume(p, ring, task_full, task_empty, slots, mb, combine_list, xchg);
   }
 }

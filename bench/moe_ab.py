@@ -1,0 +1,132 @@
+"""meld.MoE against another meld.MoE, side by side in one run (a same-run A/B): a base tree (an earlier
+commit's package) or the same tree, each under its own kernel configuration.
+
+What it answers: what a change to the MoE kernel (its source, or its static choices,
+`meld.codegen.moe_kernel.MoeKernelConfig`) costs or gains. Each side runs in its own worker process (two
+copies of the package cannot share one), in alternating rounds so that drift hits both, timing every case
+with the harness's one timer (CUDA-graph replay median, cold L2) after checking its output against
+bench/moe.py's float64 reference (first round). The weights-read floor (experts touched x their bytes /
+the pure-read ceiling, measured in each worker) puts each time against BENCH.md's bound.
+
+    git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base [--tokens 1 16 128] [--shapes ...]
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --new k_boxes=2 [--base k_boxes=1]     # configs, this tree
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kernel_config(assignments: list[str]):
+    """A MoeKernelConfig from `field=value` strings (ints and bools by the field's default)."""
+    import dataclasses
+
+    from meld.codegen.moe_kernel import MoeKernelConfig
+
+    fields = {f.name: f for f in dataclasses.fields(MoeKernelConfig)}
+    values = {}
+    for a in assignments:
+        name, _, text = a.partition("=")
+        if name not in fields or not text:
+            raise SystemExit(f"{a!r}: expected field=value with a field of {sorted(fields)}")
+        default = fields[name].default
+        values[name] = text.lower() in ("1", "true") if isinstance(default, bool) else type(default)(text)
+    return MoeKernelConfig(**values)
+
+
+def worker(tree: Path, config: list[str], shapes: list[str], tokens: list[int], routings: list[str], reps: int,
+           check: bool, out: str) -> None:
+    """Time the meld in `tree` under `config` on every case; write {case: {"us", "floor_us"}} to `out`."""
+    sys.path[:0] = [str(tree), str(REPO)]
+    import torch
+
+    import meld
+    from bench.harness import graph_time_us, read_ceiling_tbps
+    from bench.moe import DTYPE, RENORMALIZE, SHAPES, Case, errors, make_inputs, make_weights, reference_moe
+
+    cfg = kernel_config(config)
+    read_tbps, _ = read_ceiling_tbps()
+    res = {}
+    for shape in (SHAPES[s] for s in shapes):
+        w13, w2 = make_weights(shape, 0, "cuda")
+        moe = meld.MoE(shape.hidden, shape.inter, shape.experts, shape.top_k, dtype=DTYPE, device="cuda",
+                       max_num_tokens=max(tokens), kernel_config=cfg)
+        for t in tokens:
+            for routing in routings:
+                inp = make_inputs(Case(shape, t, routing), w13, w2, 0, "cuda")
+                if check:
+                    rel, worst = errors(moe(inp.x, inp.logits, w13, w2),
+                                        reference_moe(inp.x, w13, w2, inp.logits, shape.top_k, RENORMALIZE))
+                    if not rel < 1e-2 or not worst < 2e-2:
+                        raise SystemExit(f"{inp.case.name}: relative error {rel:.2e}, max {worst:.2e}")
+                us = graph_time_us(lambda: moe(inp.x, inp.logits, w13, w2), reps=reps).median_us
+                res[inp.case.name] = {"us": us, "floor_us": inp.touched * shape.expert_bytes / (read_tbps * 1e6)}
+        moe = None
+        torch.cuda.empty_cache()
+    Path(out).write_text(json.dumps(res))
+
+
+def main() -> int:
+    from bench.moe import ROUTINGS, SHAPES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-tree", type=Path, default=REPO, help="a tree holding the base commit's `meld` package")
+    p.add_argument("--base", nargs="*", default=[], metavar="FIELD=VALUE", help="the base side's kernel config")
+    p.add_argument("--new", nargs="*", default=[], metavar="FIELD=VALUE", help="this tree's kernel config")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
+    p.add_argument("--routing", nargs="+", default=["uniform"], choices=ROUTINGS)
+    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--config", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    common = ["--shapes", *args.shapes, "--tokens", *map(str, args.tokens), "--routing", *args.routing,
+              "--reps", str(args.reps)]
+    if args.worker:
+        worker(args.worker, args.config, args.shapes, args.tokens, args.routing, args.reps, args.check, args.out)
+        return 0
+    if args.base_tree.resolve() == REPO and args.base == args.new:
+        p.error("nothing to compare: give --base-tree, or --base / --new configs that differ")
+    from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
+
+    sides = {"base": (args.base_tree, args.base), "new": (REPO, args.new)}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory(prefix="meld-moe-ab-") as tmp:
+        for r in range(args.rounds):
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                tree, config = sides[name]
+                out = str(Path(tmp) / f"{name}{r}.json")
+                cmd = [sys.executable, __file__, "--worker", str(tree), "--config", *config, "--out", out, *common,
+                       *(["--check"] if r == 0 else [])]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode:
+                    print(res.stdout + res.stderr, file=sys.stderr)
+                    return 1
+                runs[name].append(json.loads(Path(out).read_text()))
+                print(f"round {r + 1}: {name} done", flush=True)
+    rows = []
+    for case in runs["new"][0]:
+        base, new = (statistics.median(run[case]["us"] for run in runs[n]) for n in ("base", "new"))
+        floor = statistics.median(run[case]["floor_us"] for n in runs for run in runs[n])
+        rows.append([case, f"{base:.1f}", f"{new:.1f}", f"{new / base:.3f}", f"{floor:.1f}", f"{base / floor:.2f}",
+                     f"{new / floor:.2f}"])
+    print(f"base: {args.base_tree} {' '.join(args.base) or '(default config)'}; "
+          f"new: {REPO} {' '.join(args.new) or '(default config)'}")
+    print_aligned(["case", "base µs", "new µs", "new/base", "floor µs", "base/floor", "new/floor"], rows)
+    print(f"medians over {args.rounds} alternating rounds; new/base < 1: new faster")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
