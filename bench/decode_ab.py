@@ -22,6 +22,10 @@ from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.ab_tree import worker_tree_first  # noqa: E402
+
+worker_tree_first(REPO)
 VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's invariant_chunk_tokens
     "default": {},
     "hnd": {"kv_layout": "HND"},
@@ -35,7 +39,6 @@ CASES = [(b, d) for b in (1, 8, 64, 256) for d in ("uniform2k", "skewed", "one-l
 
 def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check: bool) -> dict[str, dict[str, float]]:
     """Time `variants` of the meld in `tree` on `cases` (µs, graph replay median)."""
-    sys.path[:0] = [str(tree), str(REPO)]
     import torch
 
     import meld

@@ -10,6 +10,7 @@ the pure-read ceiling, measured in each worker) puts each time against BENCH.md'
 
     git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
     PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base [--tokens 1 16 128] [--shapes ...]
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base --new-tree .ab/new    # two other trees
     PYTHONPATH=$PWD python3 bench/moe_ab.py --new k_boxes=2 [--base k_boxes=1]     # configs, this tree
 """
 from __future__ import annotations
@@ -23,6 +24,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.ab_tree import worker_tree_first  # noqa: E402
+
+worker_tree_first(REPO)
 
 
 def kernel_config(assignments: list[str]):
@@ -45,7 +50,6 @@ def kernel_config(assignments: list[str]):
 def worker(tree: Path, config: list[str], shapes: list[str], tokens: list[int], routings: list[str], reps: int,
            check: bool, out: str) -> None:
     """Time the meld in `tree` under `config` on every case; write {case: {"us", "floor_us"}} to `out`."""
-    sys.path[:0] = [str(tree), str(REPO)]
     import torch
 
     import meld
@@ -79,6 +83,7 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-tree", type=Path, default=REPO, help="a tree holding the base commit's `meld` package")
+    p.add_argument("--new-tree", type=Path, default=REPO, help="the new side's tree (default: this checkout)")
     p.add_argument("--base", nargs="*", default=[], metavar="FIELD=VALUE", help="the base side's kernel config")
     p.add_argument("--new", nargs="*", default=[], metavar="FIELD=VALUE", help="this tree's kernel config")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -96,11 +101,11 @@ def main() -> int:
     if args.worker:
         worker(args.worker, args.config, args.shapes, args.tokens, args.routing, args.reps, args.check, args.out)
         return 0
-    if args.base_tree.resolve() == REPO and args.base == args.new:
+    if args.base_tree.resolve() == args.new_tree.resolve() and args.base == args.new:
         p.error("nothing to compare: give --base-tree, or --base / --new configs that differ")
     from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
 
-    sides = {"base": (args.base_tree, args.base), "new": (REPO, args.new)}
+    sides = {"base": (args.base_tree, args.base), "new": (args.new_tree, args.new)}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory(prefix="meld-moe-ab-") as tmp:
         for r in range(args.rounds):
@@ -122,7 +127,7 @@ def main() -> int:
         rows.append([case, f"{base:.1f}", f"{new:.1f}", f"{new / base:.3f}", f"{floor:.1f}", f"{base / floor:.2f}",
                      f"{new / floor:.2f}"])
     print(f"base: {args.base_tree} {' '.join(args.base) or '(default config)'}; "
-          f"new: {REPO} {' '.join(args.new) or '(default config)'}")
+          f"new: {args.new_tree} {' '.join(args.new) or '(default config)'}")
     print_aligned(["case", "base µs", "new µs", "new/base", "floor µs", "base/floor", "new/floor"], rows)
     print(f"medians over {args.rounds} alternating rounds; new/base < 1: new faster")
     return 0

@@ -22,6 +22,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.ab_tree import worker_tree_first  # noqa: E402
+
+worker_tree_first(REPO)
 
 
 def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int, check: bool, out: str) -> None:
@@ -72,7 +76,6 @@ def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int
 
 
 def worker(tree: Path, world: int, shapes: list[str], tokens: list[int], reps: int, check: bool, out: str) -> None:
-    sys.path[:0] = [str(tree), str(REPO)]   # (spawned ranks inherit the path)
     from meld.dist import spawn
 
     spawn(_rank, world, shapes, tokens, reps, check, out)
