@@ -429,8 +429,11 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_s
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
 // A token's k rows for this column block of H are all in y: out = sum_j w_j y_j, in fixed j order.
-// One warp per token, 8 columns (16 bytes) per lane; the k (row, weight) pairs come from lane j by shuffle
-// so the k row loads are independent and in flight together.
+// One warp per token, 8 columns (16 bytes) per lane; the k (row, weight) pairs come from lane j by shuffle.
+// The loads of COMBINE_BATCH rows are issued before any of them is used, so a token costs one L2 round
+// trip per batch, not one per row (ncu: the row-at-a-time loop stalled on each load in turn).
+constexpr int COMBINE_BATCH = 8;
+
 __device__ void combine(const MoeParams& p, int t, int h0, int lane) {
   const int K = p.top_k, h = h0 + lane * 8;
   const bool active = lane * 8 < G2_COLS && h < p.hidden;   // every lane stays for the shuffles
@@ -441,17 +444,26 @@ __device__ void combine(const MoeParams& p, int t, int h0, int lane) {
     const int mine = j0 + lane < K ? p.pair_pos[(i64)t * K + j0 + lane] : -1;
     const float mw = j0 + lane < K ? p.topk_w[(i64)t * K + j0 + lane] : 0.f;
     const int n = min(32, K - j0);
-#pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const int pos = __shfl_sync(~0u, mine, j);
-      const float w = __shfl_sync(~0u, mw, j);
-      if (!active || pos < 0) continue;
-      const uint4 v = ld_cg_v4(p.y + (i64)pos * p.hidden + h);
-      const u32 q[4] = {v.x, v.y, v.z, v.w};
+    for (int j1 = 0; j1 < n; j1 += COMBINE_BATCH) {
+      uint4 v[COMBINE_BATCH];
+      float w[COMBINE_BATCH];
+      bool use[COMBINE_BATCH];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += w * __uint_as_float(q[i] << 16);
-        acc[2 * i + 1] += w * __uint_as_float(q[i] & 0xffff0000u);
+      for (int u = 0; u < COMBINE_BATCH; ++u) {
+        const int pos = __shfl_sync(~0u, mine, (j1 + u) % 32);   // lanes >= n hold -1
+        w[u] = __shfl_sync(~0u, mw, (j1 + u) % 32);
+        use[u] = active && j1 + u < n && pos >= 0;
+        if (use[u]) v[u] = ld_cg_v4(p.y + (i64)pos * p.hidden + h);
+      }
+#pragma unroll
+      for (int u = 0; u < COMBINE_BATCH; ++u) {
+        if (!use[u]) continue;
+        const u32 q[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[2 * i] += w[u] * __uint_as_float(q[i] << 16);
+          acc[2 * i + 1] += w[u] * __uint_as_float(q[i] & 0xffff0000u);
+        }
       }
     }
   }
