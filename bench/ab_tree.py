@@ -1,4 +1,5 @@
-"""The `meld` package of an A/B side: a tree holding another commit's package, put first on the path.
+"""What the A/B scripts (bench/*_ab.py) share: the `meld` package of a side, a tree holding another
+commit's package put first on the path, and the alternating rounds of worker processes.
 
 A tree that is not there must stop the run: with the path entry missing, `import meld` would quietly find
 this checkout's package and the A/B would compare the code with itself. (Trees under an ignored folder such
@@ -6,8 +7,12 @@ as `.ab/` reach the GPU machine only when the run carries them.)
 """
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 
 def worker_tree_first(repo: Path) -> None:
@@ -28,3 +33,22 @@ def use_tree(tree: Path, repo: Path) -> None:
 
     if Path(meld.__file__).resolve() != init.resolve():
         raise SystemExit(f"{tree}: `import meld` found {meld.__file__} instead")
+
+
+def run_rounds(sides: Sequence[str], rounds: int, command: Callable[[str, int, str], list[str]]
+               ) -> dict[str, list[dict]] | None:
+    """Each side's worker once a round, the sides' order alternating so that drift hits both.
+    `command(side, round, out)` is the worker's command line; the worker writes its JSON to `out`.
+    Returns every side's results in round order, or None after printing a failed worker's output."""
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory(prefix="meld-ab-") as tmp:
+        for r in range(rounds):
+            for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                out = str(Path(tmp) / f"{side}{r}.json")
+                res = subprocess.run(command(side, r, out), capture_output=True, text=True)
+                if res.returncode:
+                    print(res.stdout + res.stderr, file=sys.stderr)
+                    return None
+                runs[side].append(json.loads(Path(out).read_text()))
+                print(f"round {r + 1}: {side} done", flush=True)
+    return runs

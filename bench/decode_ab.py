@@ -16,14 +16,13 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import worker_tree_first  # noqa: E402
+from bench.ab_tree import run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's invariant_chunk_tokens
@@ -87,27 +86,21 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     cases = [c for c in CASES if args.batch is None or c[0] in args.batch]
     args.variants = ["default"] + [v for v in args.variants if v != "default"]   # the ratios' denominator
     if args.worker:
-        print(json.dumps(worker(args.worker, args.variants, cases, args.check)))
+        Path(args.out).write_text(json.dumps(worker(args.worker, args.variants, cases, args.check)))
         return 0
     from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
 
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    for r in range(args.rounds):
-        for tree, name, variants in ((args.base, "base", ["default"]), (REPO, "new", args.variants)):
-            if tree is None:
-                continue
-            cmd = [sys.executable, __file__, "--worker", str(tree), "--variants", *variants,
-                   *(["--batch", *map(str, args.batch)] if args.batch else []), *(["--check"] if r == 0 else [])]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode:
-                print(res.stdout + res.stderr, file=sys.stderr)
-                return 1
-            runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}: {name} done", flush=True)
+    sides = {**({"base": (args.base, ["default"])} if args.base else {}), "new": (REPO, args.variants)}
+    runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
+        sys.executable, __file__, "--worker", str(sides[side][0]), "--variants", *sides[side][1], "--out", out,
+        *(["--batch", *map(str, args.batch)] if args.batch else []), *(["--check"] if r == 0 else [])])
+    if runs is None:
+        return 1
     med = {k: {case: {v: statistics.median(run[case][v] for run in rs) for v in rs[0][case]} for case in rs[0]}
            for k, rs in runs.items() if rs}
     head = ["case"] + (["base µs"] if "base" in med else []) + [f"{v} µs" for v in args.variants]

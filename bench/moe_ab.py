@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import worker_tree_first  # noqa: E402
+from bench.ab_tree import run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -106,20 +104,11 @@ def main() -> int:
     from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
 
     sides = {"base": (args.base_tree, args.base), "new": (args.new_tree, args.new)}
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    with tempfile.TemporaryDirectory(prefix="meld-moe-ab-") as tmp:
-        for r in range(args.rounds):
-            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                tree, config = sides[name]
-                out = str(Path(tmp) / f"{name}{r}.json")
-                cmd = [sys.executable, __file__, "--worker", str(tree), "--config", *config, "--out", out, *common,
-                       *(["--check"] if r == 0 else [])]
-                res = subprocess.run(cmd, capture_output=True, text=True)
-                if res.returncode:
-                    print(res.stdout + res.stderr, file=sys.stderr)
-                    return 1
-                runs[name].append(json.loads(Path(out).read_text()))
-                print(f"round {r + 1}: {name} done", flush=True)
+    runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
+        sys.executable, __file__, "--worker", str(sides[side][0]), "--config", *sides[side][1], "--out", out, *common,
+        *(["--check"] if r == 0 else [])])
+    if runs is None:
+        return 1
     rows = []
     for case in runs["new"][0]:
         base, new = (statistics.median(run[case]["us"] for run in runs[n]) for n in ("base", "new"))

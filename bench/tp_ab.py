@@ -16,14 +16,12 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import worker_tree_first  # noqa: E402
+from bench.ab_tree import run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -101,20 +99,13 @@ def main() -> int:
         return 0
     from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
 
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    with tempfile.TemporaryDirectory(prefix="meld-tp-ab-") as tmp:
-        for r in range(args.rounds):
-            for tree, name in ((args.base, "base"), (REPO, "new")):
-                out = str(Path(tmp) / f"{name}{r}.json")
-                cmd = [sys.executable, __file__, "--base", str(args.base), "--worker", str(tree), "--out", out,
-                       "--world", str(args.world), "--reps", str(args.reps), "--shapes", *args.shapes,
-                       "--tokens", *map(str, args.tokens), *(["--check"] if r == 0 else [])]
-                res = subprocess.run(cmd, capture_output=True, text=True)
-                if res.returncode:
-                    print(res.stdout + res.stderr, file=sys.stderr)
-                    return 1
-                runs[name].append(json.loads(Path(out).read_text()))
-                print(f"round {r + 1}: {name} done", flush=True)
+    trees = {"base": args.base, "new": REPO}
+    runs = run_rounds(list(trees), args.rounds, lambda side, r, out: [
+        sys.executable, __file__, "--base", str(args.base), "--worker", str(trees[side]), "--out", out,
+        "--world", str(args.world), "--reps", str(args.reps), "--shapes", *args.shapes,
+        "--tokens", *map(str, args.tokens), *(["--check"] if r == 0 else [])])
+    if runs is None:
+        return 1
     med = {k: {case: {v: statistics.median(run[case][v] for run in rs) for v in rs[0][case]} for case in rs[0]}
            for k, rs in runs.items()}
     head = ["case", "base µs (1 rank)", "new µs (1 rank)", "unfused µs", "new/base", "unfused/new"]
