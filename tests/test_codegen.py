@@ -155,3 +155,15 @@ def test_every_wait_site_in_the_templates_is_named():
                    if f.name.endswith(".cuh"))
     used = {int(n) for pattern in (r"_site\(p, (\d+)", r"watchdog_kernel, (\d+)") for n in re.findall(pattern, text)}
     assert {10, 12, 16} <= used and used <= set(SITES), sorted(used - set(SITES))
+
+
+def test_no_generic_lambdas_in_the_templates():
+    """NVRTC 13.0, the runtime compiler on the GPU machines, takes a generic lambda's call operator
+    (`[&](auto x)`) in device code for a host function and rejects the kernel; nvcc 13.0 and NVRTC 13.5,
+    which the CPU tests have, accept it. So the templates use none (a template member function instead)."""
+    import re
+    from importlib import resources
+
+    hits = [f"{f.name}: {m.group(0)}" for f in resources.files("meld.codegen").joinpath("templates").iterdir()
+            if f.name.endswith((".cuh", ".h")) for m in re.finditer(r"\]\s*\([^)]*\bauto\b[^)]*\)", f.read_text())]
+    assert not hits, hits
