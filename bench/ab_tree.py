@@ -8,6 +8,7 @@ as `.ab/` reach the GPU machine only when the run carries them.)
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,12 @@ def use_tree(tree: Path, repo: Path) -> None:
 
     if Path(meld.__file__).resolve() != init.resolve():
         raise SystemExit(f"{tree}: `import meld` found {meld.__file__} instead")
+
+
+def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per side, case and measure: the median over the rounds of `run_rounds`' {case: {measure: value}}."""
+    return {side: {case: {m: statistics.median(run[case][m] for run in rs) for m in rs[0][case]} for case in rs[0]}
+            for side, rs in runs.items()}
 
 
 def run_rounds(sides: Sequence[str], rounds: int, command: Callable[[str, int, str], list[str]]

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's invariant_chunk_tokens
@@ -101,8 +100,7 @@ def main() -> int:
         *(["--batch", *map(str, args.batch)] if args.batch else []), *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1
-    med = {k: {case: {v: statistics.median(run[case][v] for run in rs) for v in rs[0][case]} for case in rs[0]}
-           for k, rs in runs.items() if rs}
+    med = medians(runs)
     head = ["case"] + (["base µs"] if "base" in med else []) + [f"{v} µs" for v in args.variants]
     head += (["new/base"] if "base" in med else []) + [f"{v}/default" for v in args.variants if v != "default"]
     rows = []

@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -109,9 +109,10 @@ def main() -> int:
         *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1
+    med = medians(runs)
     rows = []
-    for case in runs["new"][0]:
-        base, new = (statistics.median(run[case]["us"] for run in runs[n]) for n in ("base", "new"))
+    for case in med["new"]:
+        base, new = med["base"][case]["us"], med["new"][case]["us"]
         floor = statistics.median(run[case]["floor_us"] for n in runs for run in runs[n])
         rows.append([case, f"{base:.1f}", f"{new:.1f}", f"{new / base:.3f}", f"{floor:.1f}", f"{base / floor:.2f}",
                      f"{new / floor:.2f}"])

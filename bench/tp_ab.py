@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -106,8 +106,7 @@ def main() -> int:
         "--tokens", *map(str, args.tokens), *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1
-    med = {k: {case: {v: statistics.median(run[case][v] for run in rs) for v in rs[0][case]} for case in rs[0]}
-           for k, rs in runs.items()}
+    med = medians(runs)
     head = ["case", "base µs (1 rank)", "new µs (1 rank)", "unfused µs", "new/base", "unfused/new"]
     rows = []
     for case, new in med["new"].items():

@@ -7,7 +7,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import run_rounds, use_tree  # noqa: E402
+from bench.ab_tree import medians, run_rounds, use_tree  # noqa: E402
 
 
 def test_a_missing_tree_stops_the_worker_naming_it(tmp_path):
@@ -33,3 +33,8 @@ def test_rounds_alternate_the_sides_and_a_failed_worker_ends_the_run(tmp_path):
     assert runs == {"base": [{"r": 0}, {"r": 1}, {"r": 2}], "new": [{"r": 0}, {"r": 1}, {"r": 2}]}
     fail = "import sys; open(sys.argv[2], 'w').write('{}'); sys.exit(sys.argv[1] == 'new')"
     assert run_rounds(["base", "new"], 2, lambda side, r, out: [sys.executable, "-c", fail, side, out]) is None
+
+
+def test_medians_are_per_side_case_and_measure():
+    runs = {"base": [{"c": {"us": 3.0}}, {"c": {"us": 1.0}}, {"c": {"us": 2.0}}], "new": [{"c": {"us": 5.0}}] * 3}
+    assert medians(runs) == {"base": {"c": {"us": 2.0}}, "new": {"c": {"us": 5.0}}}

@@ -47,8 +47,8 @@ class MoeKernelConfig:
     watchdog_ms: int = 2000      # a spin gives up after this long: record what it waited for, and trap
     debug_withhold_signal: bool = False   # debug build: row block 0's gemm1 tiles never signal (tests the watchdog)
     k_boxes: int = 1             # 64-wide K boxes per ring stage of narrow tiles (token blocks up to 32): 1 or 2
-                                 # (each weight row read in runs of 256 bytes; the row-parallel linear's decode
-                                 # GEMM streamed faster so: bench/RESULTS.md 2026-11-30, closing session)
+                                 # (each weight row read in runs of 256 bytes; on the MoE layers' A/B it was
+                                 # mixed, 0.965-1.023: bench/RESULTS.md 2026-12-01, so 1 stays the default)
     absent_pairs: bool = False   # a precomputed id outside the layer's experts (MoE first_expert..+num_experts)
                                  # is a pair another rank serves (expert parallelism): skipped, not an error;
                                  # a token with only such pairs keeps its output row unwritten
