@@ -6,7 +6,8 @@ import torch
 
 import meld
 from meld.codegen.compiler import compile_nvcc
-from meld.codegen.moe_kernel import BLOCK_TOKEN_CHOICES, MoeKernelConfig, block_tokens_for
+from meld.codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MoeKernelConfig, block_tokens_for, tile_token_widths,
+                                    token_box_rows)
 from meld.runtime.moe_reference import route
 from meld.scheduler.moe_plan import GEMM1, GEMM2, plan_moe
 
@@ -76,6 +77,17 @@ def test_empty_experts_get_no_tiles():
 
 
 # --- codegen ------------------------------------------------------------------------------------------
+def test_wide_tiles_run_the_token_widths_their_row_blocks_fill():
+    """A wide kernel carries one wgmma shape per multiple of 32 tokens up to its block (an expert's last row
+    block runs the narrowest that holds its rows); a narrow kernel only its block's."""
+    assert tile_token_widths(128) == (32, 64, 96, 128) and tile_token_widths(64) == (32, 64)
+    assert tile_token_widths(32) == (32,) and tile_token_widths(16) == (16,)
+    assert [token_box_rows(b) for b in BLOCK_TOKEN_CHOICES] == [16, 32, 32, 32]
+    src = MoeKernelConfig(block_tokens=128).render()
+    assert all(f"m64n{n}k16" in src for n in (32, 64, 96, 128))
+    assert "m64n32k16" not in MoeKernelConfig(block_tokens=16).render()
+
+
 @pytest.mark.parametrize("bt", BLOCK_TOKEN_CHOICES)
 @pytest.mark.parametrize("profile, k_boxes", [(False, 1), (True, 1), (False, 2)])
 def test_kernels_compile_for_sm90a(bt, profile, k_boxes):

@@ -27,6 +27,19 @@ def tile_columns(block_tokens: int) -> tuple[int, int]:
     return (64, 128) if block_tokens <= NARROW_MAX_TOKENS else (128, 256)
 
 
+def token_box_rows(block_tokens: int) -> int:
+    """Rows of xs / act per TMA box of a tile narrower than its block (templates/moe.cuh: T_ROWS, the
+    `*_part_map` tensor maps): such a wide tile loads as many boxes as its row block's rows need."""
+    return block_tokens if block_tokens <= NARROW_MAX_TOKENS else 32
+
+
+def tile_token_widths(block_tokens: int) -> tuple[int, ...]:
+    """The token widths (wgmma N) a tile of this token block may run: narrow tiles the block, wide ones
+    every multiple of token_box_rows up to it."""
+    box = token_box_rows(block_tokens)
+    return tuple(range(box, block_tokens + 1, box))
+
+
 def block_tokens_for(num_tokens: int, top_k: int, num_experts: int) -> int:
     """Rows per row block: the smallest choice that holds an expert's rows under uniform routing (the
     mean plus three standard deviations of its binomial count), so a decode step pads little, an expert
@@ -86,7 +99,7 @@ class MoeKernelConfig:
     def _fixed_bytes(self) -> int:
         xchg = 128 * (self.block_tokens // 2 + 1) * 4 if self.narrow else 0   # narrow gemm1: up values
         # alignment, ring and task-slot mbarriers, mailbox mbarriers, task slots, mailbox, combine list
-        return 1024 + 16 * 16 + 32 + 32 + 16 + 16 + 4 * (4 + self.block_tokens) + xchg
+        return 1024 + 16 * 16 + 32 + 32 + 32 + 16 + 4 * (4 + self.block_tokens) + xchg
 
     @property
     def smem_bytes(self) -> int:
@@ -116,6 +129,7 @@ class MoeKernelConfig:
             f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),
-                          "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
+                          "namespace meld {\n" + "".join(map(wgmma_bf16, tile_token_widths(self.block_tokens)))
+                          + "}  // namespace meld",
                           MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), _template("moe_plan.h"),
                           _template("moe.cuh")])

@@ -212,8 +212,10 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("watchdog_claim", "ptr", "int*"),
     Field("w13_map", "tmap"),                    # [E * 2I, H]
     Field("w2_map", "tmap"),                     # [E * H, I]
-    Field("xs_map", "tmap"),                     # [rows, H]
-    Field("act_map", "tmap"),                    # [rows, I]
+    Field("xs_map", "tmap"),                     # [rows, H], boxes of a row block's rows
+    Field("act_map", "tmap"),                    # [rows, I], same
+    Field("xs_part_map", "tmap"),                # the same with boxes of T_ROWS rows (tiles narrower than a block)
+    Field("act_part_map", "tmap"),
     Field("x_stride", "i64"),
     Field("out_stride", "i64"),
     Field("logits_stride", "i64"),

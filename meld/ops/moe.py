@@ -16,7 +16,7 @@ import torch
 
 from .. import config
 from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, SCATTER_WARPS, MoeKernelConfig,
-                                  block_tokens_for, tile_columns)
+                                  block_tokens_for, tile_columns, token_box_rows)
 from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
@@ -164,7 +164,9 @@ class MoE(Operator):
             num_experts=self.num_experts, expert_base=self.first_expert, top_k=self.top_k,
             renormalize=int(self.renormalize),
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
-            xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens))
+            xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens),
+            xs_part_map=tensor_map_2d(p["xs"], token_box_rows(block_tokens)),
+            act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens)))
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)
         if v.main.ctas_per_sm != 1:
             raise RuntimeError(f"{cfg.name}: expected one CTA per SM, occupancy says {v.main.ctas_per_sm}")

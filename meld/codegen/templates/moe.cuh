@@ -51,6 +51,13 @@ constexpr int STAGE_BYTES = K_BOXES * BOX_SET;  // K_BOXES of them along K: each
 constexpr int G1_COLS = 64 * NACC;             // columns of I per gemm1 tile
 constexpr int G2_COLS = 128 * NACC;            // columns of H per gemm2 tile
 constexpr int ACC = BLOCK_TOKENS / 2;          // accumulator registers per thread per 64-row accumulator
+// A wide tile copies and multiplies only the token columns its row block fills, rounded up to T_ROWS
+// (wgmma N; meld/codegen/moe_kernel.py: token_box_rows): an expert's last row block, a few rows past a
+// multiple of BLOCK_TOKENS, then costs a fraction of a full tile.
+constexpr int T_ROWS = MELD_NARROW ? BLOCK_TOKENS : 32;
+__device__ __forceinline__ int tile_tokens(int rows) {
+  return MELD_NARROW ? BLOCK_TOKENS : min(BLOCK_TOKENS, (rows + T_ROWS - 1) / T_ROWS * T_ROWS);
+}
 constexpr int CONSUMERS = 256;
 constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
 
@@ -368,18 +375,23 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     const int ticket = atomicAdd(p.counters, 1);
     int packed = -1;
     if (ticket < ntasks) packed = p.tasks[ticket];
+    const MoeTask task = unpack_moetask(packed);
+    const int kind = task.kind, col = task.col, rbi = task.row_block;
+    const RowBlock blk = packed < 0 ? RowBlock{} : load_rowblock(p.rb, 0, rbi);
+    const int expert = blk.expert, row0 = blk.first_row, n = tile_tokens(blk.rows);
     mbar_wait(task_empty + 8 * slot, tphase ^ 1u, wait_site(p, 4, 0, ticket, slot));
-    slots[2 * slot] = packed;
-    slots[2 * slot + 1] = ticket;
+    slots[4 * slot] = packed;
+    slots[4 * slot + 1] = ticket;
+    slots[4 * slot + 2] = n;
     mbar_arrive(task_full + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
     if (packed < 0) break;
-    const MoeTask task = unpack_moetask(packed);
-    const int kind = task.kind, col = task.col, rbi = task.row_block;
-    const RowBlock blk = load_rowblock(p.rb, 0, rbi);
-    const int expert = blk.expert, row0 = blk.first_row;
     const void* wmap = kind ? (const void*)&p.w2_map : (const void*)&p.w13_map;
-    const void* tmap = kind ? (const void*)&p.act_map : (const void*)&p.xs_map;
+    // A full-width tile copies its token operand as one box a stage, a narrower one as n / T_ROWS boxes.
+    const bool part = n < BLOCK_TOKENS;
+    const void* tmap = part ? (kind ? (const void*)&p.act_part_map : (const void*)&p.xs_part_map)
+                            : (kind ? (const void*)&p.act_map : (const void*)&p.xs_map);
+    const int tboxes = part ? n / T_ROWS : 1, trows = part ? T_ROWS : BLOCK_TOKENS;
     int wrow[NBOX];
     if (kind == 0) {
       const i64 e0 = (i64)expert * 2 * p.inter;
@@ -402,29 +414,56 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
         for (int e = 0; e < early; ++e, late.advance())
 #pragma unroll
           for (int b = 0; b < K_BOXES; ++b)
-            tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX, tmap, (e * K_BOXES + b) * BK,
-                        row0, late.full + 8 * late.stage);
+            for (int i = 0; i < tboxes; ++i)
+              tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX + i * trows * BK * 2, tmap,
+                          (e * K_BOXES + b) * BK, row0 + i * trows, late.full + 8 * late.stage);
       }
       if (kk == nk) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
-      mbar_arrive_expect_tx(full, STAGE_BYTES);
+      mbar_arrive_expect_tx(full, K_BOXES * (NBOX * W_BOX + n * BK * 2));
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
 #pragma unroll
         for (int q = 0; q < NBOX; ++q) tma_load_2d(dst + b * BOX_SET + q * W_BOX, wmap, (kk * K_BOXES + b) * BK, wrow[q], full);
-        if (kk >= early) tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX, tmap, (kk * K_BOXES + b) * BK, row0, full);
+        if (kk >= early)
+          for (int i = 0; i < tboxes; ++i)
+            tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * 2, tmap, (kk * K_BOXES + b) * BK,
+                        row0 + i * trows, full);
       }
       ring.advance();
     }
   }
 }
 
-// One weight block x the token block, K = 64: four k16 steps into one accumulator.
+// One weight block x the token block, K = 64: four k16 steps into one accumulator, as an N-wide wgmma on
+// its first N/2 registers (N = 2R); the others stay zero, and hold tokens >= N >= the row block's rows,
+// which the epilogues never store.
+template <int R>
 __device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_smem) {
+  float (&head)[R] = *reinterpret_cast<float (*)[R]>(&acc[0]);
 #pragma unroll
-  for (int s = 0; s < BK / 16; ++s) wgmma_bf16(acc, wgmma_desc(w_smem + 32 * s), wgmma_desc(t_smem + 32 * s));
+  for (int s = 0; s < BK / 16; ++s) wgmma_bf16(head, wgmma_desc(w_smem + 32 * s), wgmma_desc(t_smem + 32 * s));
 }
+
+// A tile's k loop for wgmmas of N = 2R token columns: one stage's wgmmas stay in flight while the next
+// stage's are issued; a stage goes back to the producer once the wgmmas that read it have completed.
+struct KLoop {
+  const MoeParams& p;
+  int nk, lane, warp, wg, ticket;
+  template <int R>
+  __device__ __forceinline__ void run(Ring& ring, int& prev, float (&acc0)[ACC], float (&acc1)[ACC]) const {
+    for (int kk = 0; kk < nk; ++kk)
+      ring_consume<STAGE_BYTES>(ring, prev, lane, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS,
+                                [&](u32 st) {
+#pragma unroll
+                                  for (int b = 0; b < K_BOXES; ++b, st += BOX_SET) {
+                                    mma_stage<R>(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
+                                    if (NACC == 2) mma_stage<R>(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
+                                  }
+                                });
+  }
+};
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
@@ -509,7 +548,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
   for (;;) {
     // Consumers wait on the producer, which may itself be waiting (on a row block): they give up later.
     mbar_wait(task_full + 8 * slot, tphase, wait_site(p, 6, warp + 4, -1, slot), 2 * MELD_WATCHDOG_NS);
-    const int packed = slots[2 * slot], ticket = slots[2 * slot + 1];
+    const int packed = slots[4 * slot], ticket = slots[4 * slot + 1], n = slots[4 * slot + 2];
     __syncwarp();
     if (lane == 0) mbar_arrive(task_empty + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
@@ -526,18 +565,15 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
     const int nk = ((kind ? p.inter : p.hidden) + BK * K_BOXES - 1) / (BK * K_BOXES);
-    // One stage's wgmmas stay in flight while the next stage's are issued; a stage goes back to the
-    // producer once the wgmmas that read it have completed.
+    // The k loop is instantiated per token width (a branch inside it would serialise the wgmmas); widths
+    // above the block collapse onto it, so a narrow kernel has one loop (meld/codegen/moe_kernel.py emits
+    // the wgmma shapes of tile_token_widths).
     int prev = -1;
-    for (int kk = 0; kk < nk; ++kk)
-      ring_consume<STAGE_BYTES>(ring, prev, lane, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS,
-                                [&](u32 st) {
-#pragma unroll
-                                  for (int b = 0; b < K_BOXES; ++b, st += BOX_SET) {
-                                    mma_stage(acc0, st + (NACC * wg) * W_BOX, st + NBOX * W_BOX);
-                                    if (NACC == 2) mma_stage(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
-                                  }
-                                });
+    const KLoop kl{p, nk, lane, warp, wg, ticket};
+    if (MELD_NARROW || n == BLOCK_TOKENS) kl.run<ACC>(ring, prev, acc0, acc1);
+    else if (n == 32) kl.run<MELD_NARROW ? ACC : 16>(ring, prev, acc0, acc1);
+    else if (n == 64) kl.run<MELD_NARROW || BLOCK_TOKENS < 64 ? ACC : 32>(ring, prev, acc0, acc1);
+    else kl.run<MELD_NARROW || BLOCK_TOKENS < 96 ? ACC : 48>(ring, prev, acc0, acc1);
     wgmma_wait<0>();
     fence_regs(acc0);
     fence_regs(acc1);
@@ -591,9 +627,9 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       named_barrier(1, CONSUMERS);
       const i64 t1 = prof.now();
       prof.record(t0, PROF_GEMM2, ticket);
-      const int n = combine_list[0];
-      for (int i = warp; i < n; i += CONSUMERS / 32) combine(p, combine_list[1 + i], h0, lane);
-      if (n) prof.record(t1, PROF_COMBINE, ticket);
+      const int ncomb = combine_list[0];
+      for (int i = warp; i < ncomb; i += CONSUMERS / 32) combine(p, combine_list[1 + i], h0, lane);
+      if (ncomb) prof.record(t1, PROF_COMBINE, ticket);
       named_barrier(1, CONSUMERS);
     }
   }
@@ -630,7 +666,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_
   mb.full = task_empty + 16;
   mb.empty = mb.full + 16;
   int* slots = (int*)(smem_raw + (mb.empty + 16 - raw));
-  mb.box = slots + 4;
+  mb.box = slots + 8;
   int* combine_list = mb.box + 4;   // [count, tokens...]: at most BLOCK_TOKENS tokens
   float* xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);   // narrow gemm1 tiles: [128][ACC + 1] up values
   if (threadIdx.x == 0) {
