@@ -167,9 +167,12 @@ __device__ void plan(const MoeParams& p) {
 }
 
 // --- dispatch -----------------------------------------------------------------------------------------
-// A token's row of x copied to its k expert-sorted rows of xs, by one warp. A lane keeps SCATTER_VECS
-// 16-byte vectors of the row in registers, so the stores of a chunk wait on one round of loads, not on
-// one load each; `row` may arrive holding the first chunk already (`first_loaded`).
+// A token's row of x copied to its k expert-sorted rows of xs, by one warp or by `parts` warps (the lone
+// routing CTA spreads a few tokens' rows over all its warps: warp `part` copies chunks part, part + parts,
+// ...; one warp copying a 14 KB row's chunks one after another took 4-5 µs, bench/RESULTS.md 2026-12-01).
+// Part 0 also records the pairs' positions and NaN-fills a token with no valid pair. A lane keeps
+// SCATTER_VECS 16-byte vectors of the row in registers, so the stores of a chunk wait on one round of
+// loads, not on one load each; `row` may arrive holding the first chunk already (`first_loaded`).
 constexpr int SCATTER_VECS = 8;
 
 __device__ __forceinline__ void load_chunk(const uint4* src, int c, int vecs, int lane, uint4 (&row)[SCATTER_VECS]) {
@@ -178,7 +181,8 @@ __device__ __forceinline__ void load_chunk(const uint4* src, int c, int vecs, in
     if (c + lane + 32 * u < vecs) row[u] = src[c + lane + 32 * u];
 }
 
-__device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATTER_VECS], bool first_loaded) {
+__device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATTER_VECS], bool first_loaded,
+                         int part = 0, int parts = 1) {
   const int E = p.num_experts, K = p.top_k, rblk = t / TOK_BLOCK, vecs = p.hidden / 8;
   constexpr int CHUNK = 32 * SCATTER_VECS;
   const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
@@ -188,10 +192,12 @@ __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATT
     if (j < K) {
       const int id = p.topk_ids[(i64)t * K + j];
       pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)rblk * E + id] + p.rank[(i64)t * K + j];
-      p.pair_pos[(i64)t * K + j] = pos;
-      if (pos >= 0) p.row_token[pos] = t;
+      if (part == 0) {
+        p.pair_pos[(i64)t * K + j] = pos;
+        if (pos >= 0) p.row_token[pos] = t;
+      }
     }
-    for (int c = 0; c < vecs; c += CHUNK) {
+    for (int c = part * CHUNK; c < vecs; c += parts * CHUNK) {
       if (c > 0 || j0 > 0 || !first_loaded) load_chunk(src, c, vecs, lane, row);
       for (int jj = 0; jj < min(32, K - j0); ++jj) {
         const int r = __shfl_sync(~0u, pos, jj);
@@ -206,7 +212,7 @@ __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATT
   // No valid pair: nothing will combine it. (With absent pairs, a token that had only absent ones is not
   // this layer's to write: an expert-parallel owner's slot that another rank serves.)
   const int need = p.tok_need[t];
-  if ((need & (POISON - 1)) == 0 && (!MELD_ABSENT_PAIRS || (need & POISON))) {
+  if (part == 0 && (need & (POISON - 1)) == 0 && (!MELD_ABSENT_PAIRS || (need & POISON))) {
     for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
   }
 }
@@ -317,7 +323,8 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
     if (p.route_dispatches) {
       __syncthreads();   // the plan's offsets, written by this CTA, are visible to all of it
       uint4 row[SCATTER_VECS];
-      if (t < p.num_tokens) dispatch(p, t, lane, row, false);
+      const int parts = max(1, TOK_BLOCK / p.num_tokens), tt = warp / parts;   // (this CTA's tokens: 0..T-1)
+      if (tt < p.num_tokens) dispatch(p, tt, lane, row, false, warp % parts, parts);
     }
     return;
   }
