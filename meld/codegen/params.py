@@ -252,7 +252,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_landed_off", "i64"),
     Field("x_started_off", "i64"),
     Field("x_signal_off", "i64"),                # every-rank merges: u64 stamps [world][x_grid_cap] (launch numbers)
-    Field("x_ll_off", "i64"),                    # direct merges: tagged words [2][world][x_grid_cap][a tile's]
+    Field("x_ll_off", "i64"),                    # direct merges: tagged words [2][world][x_ll_cap][a tile's]
     *PROXY_RING,
     Field("m", "i32"),
     Field("n", "i32"),
@@ -264,6 +264,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
     Field("x_grid_cap", "i32"),
+    Field("x_ll_cap", "i32"),                    # CTA slots of the direct region: the SMs (its kernels run one a SM)
     Field("xring_cap", "i32"),
     Field("watchdog_kernel", "i32"),
 ])

@@ -230,16 +230,18 @@ def direct_words(cfg: TpKernelConfig) -> int:
 
 def direct_room(base: TpKernelConfig, max_tokens: int, world: int, sm_count: int) -> int:
     """Bytes of a window's direct-path region for calls of at most `max_tokens` rows: two launches' slots
-    (parity) x every rank x every CTA slot (2 x SMs), each a tile of the largest direct block."""
+    (parity) x every rank x every CTA slot (the SMs: the direct path runs one CTA per SM), each a tile of
+    the largest direct block."""
     cfg = block_config(base, tp_block_tokens(min(max_tokens, LL_MAX_TOKENS)))
-    return 2 * world * 2 * sm_count * direct_words(cfg) * 8
+    return 2 * world * sm_count * direct_words(cfg) * 8
 
 
 def direct_path(cfg: TpKernelConfig, sched: TpSchedule, grid: int, world: int, sm_count: int, room: int) -> bool:
     """Whether a call takes the kernel's direct path (templates/tp_linear.cuh, tp_direct): a kernel that has
     it (`TpKernelConfig.direct`: decode-size token blocks), one piece a CTA, and `room` (bytes of the window's
     direct region) for its slots."""
-    return cfg.direct and sched.pieces <= grid and 2 * world * 2 * sm_count * direct_words(cfg) * 8 <= room
+    return (cfg.direct and sched.pieces <= grid <= sm_count
+            and 2 * world * sm_count * direct_words(cfg) * 8 <= room)
 
 
 def block_config(base: TpKernelConfig, block_tokens: int) -> TpKernelConfig:

@@ -153,8 +153,8 @@ class RowParallelLinear(Operator):
                 watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
                 watchdog_kernel=self._watchdog_id, x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
                 x_landed_off=L["landed"], x_started_off=L["started"], x_signal_off=L["signal"], x_ll_off=L["ll"],
-                x_grid_cap=2 * self._sm_count, n=self.out_features, k=self.in_features, x_rank=self.rank,
-                x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}))
+                x_grid_cap=2 * self._sm_count, x_ll_cap=self._sm_count, n=self.out_features, k=self.in_features,
+                x_rank=self.rank, x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}))
             v = self._variants[cfg.block_tokens] = (cfg, kernel, params)
         return v
 

@@ -514,7 +514,7 @@ static_assert(LL_PER_THREAD % LL_GROUP == 0, "whole groups of words");
 
 __device__ __forceinline__ unsigned long long* tp_ll_slot(const TpParams& p, char* window, u32 tag, int r, int cta) {
   return reinterpret_cast<unsigned long long*>(window + p.x_ll_off) +
-         ((i64)((tag & 1) * p.x_world + r) * p.x_grid_cap + cta) * LL_WORDS;
+         ((i64)((tag & 1) * p.x_world + r) * p.x_ll_cap + cta) * LL_WORDS;
 }
 
 __device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int t, const float (&acc)[ACC], Part* staged,
