@@ -92,6 +92,9 @@ def test_direct_path_takes_decode_sizes_only():
     assert not direct(1, merge="owner") and not direct(1, transport="proxy")
     assert direct(16, world=4) and not direct(64, world=4)   # a region sized for two ranks of 64 rows
     assert not direct(32, room=direct_room(TpKernelConfig(), 16, 2, 132))   # sized for 16 rows
+    s = TpSchedule.of(1, 4096, 4096, 132, TpKernelConfig())
+    c = block_config(TpKernelConfig(), s.block_tokens)
+    assert direct_path(c, s, 132, 2, 132, room) and not direct_path(c, s, 133, 2, 132, room)   # a slot per SM
 
 
 @pytest.mark.parametrize("max_tokens, n, world", [(1, 8, 2), (300, 1000, 2), (8192, 8192, 4), (77, 136, 1), (16, 64, 2)])

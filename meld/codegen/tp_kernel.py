@@ -228,20 +228,23 @@ def direct_words(cfg: TpKernelConfig) -> int:
     return cfg.block_tokens * cfg.cols * (4 if cfg.partials == "float32" else 2) // 4
 
 
-def direct_room(base: TpKernelConfig, max_tokens: int, world: int, sm_count: int) -> int:
-    """Bytes of a window's direct-path region for calls of at most `max_tokens` rows: two launches' slots
-    (parity) x every rank x every CTA slot (the SMs: the direct path runs one CTA per SM), each a tile of
-    the largest direct block."""
-    cfg = block_config(base, tp_block_tokens(min(max_tokens, LL_MAX_TOKENS)))
+def direct_bytes(cfg: TpKernelConfig, world: int, sm_count: int) -> int:
+    """Bytes of the direct-path slots of `cfg`'s calls: two launches' (parity) x every rank x every CTA slot
+    (the SMs: the direct path runs one CTA per SM), each one tile's words."""
     return 2 * world * sm_count * direct_words(cfg) * 8
+
+
+def direct_room(base: TpKernelConfig, max_tokens: int, world: int, sm_count: int) -> int:
+    """Bytes of a window's direct-path region for calls of at most `max_tokens` rows: the slots of the
+    largest direct block."""
+    return direct_bytes(block_config(base, tp_block_tokens(min(max_tokens, LL_MAX_TOKENS))), world, sm_count)
 
 
 def direct_path(cfg: TpKernelConfig, sched: TpSchedule, grid: int, world: int, sm_count: int, room: int) -> bool:
     """Whether a call takes the kernel's direct path (templates/tp_linear.cuh, tp_direct): a kernel that has
     it (`TpKernelConfig.direct`: decode-size token blocks), one piece a CTA, and `room` (bytes of the window's
     direct region) for its slots."""
-    return (cfg.direct and sched.pieces <= grid <= sm_count
-            and 2 * world * sm_count * direct_words(cfg) * 8 <= room)
+    return cfg.direct and sched.pieces <= grid <= sm_count and direct_bytes(cfg, world, sm_count) <= room
 
 
 def block_config(base: TpKernelConfig, block_tokens: int) -> TpKernelConfig:
