@@ -6,10 +6,10 @@
 // launch on every rank, and a CTA waits for every rank's announcement once, before its first remote
 // write. (The one exception, the row-parallel linear's direct path, writes words tagged with the launch
 // into slots that alternate between launches: tp_linear.cuh says why no rank can then overwrite a word
-// another still has to read. Its launches announce themselves all the same.) Every CTA adds the results it wrote to every rank's landing counter after one system-scope
-// fence; the launch's last CTA waits until its own rank holds all of them, so a rank's output is
-// complete when its launch ends, and takes the count back (a faster rank's next launch may have added
-// to it already).
+// another still has to read. Its launches announce themselves all the same.) Every CTA adds the results
+// it wrote to every rank's landing counter after one system-scope fence; the launch's last CTA waits
+// until its own rank holds all of them, so a rank's output is complete when its launch ends, and takes
+// the count back (a faster rank's next launch may have added to it already).
 
 namespace meld {
 
