@@ -258,7 +258,8 @@ class MoE(Operator):
         nblk = -(-T // _ROUTE_BLOCK)
         if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)
             self._prof.zero_()
-        p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES)
+        p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
+                                 and T * self.top_k <= _ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
         v.route.launch(nblk, p)
         if not p.route_dispatches:
             v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)

@@ -12,6 +12,11 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, in
                ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// Ask for `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory in L2, without waiting.
+__device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }

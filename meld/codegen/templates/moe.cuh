@@ -115,12 +115,17 @@ __device__ int block_exclusive_scan(int v, int* scratch, int* total) {
   return excl;
 }
 
-__device__ void plan(const MoeParams& p) {
+// `lone_mask`: the lone routing CTA's expert masks (its counts without a round trip through blk_cnt), and
+// `row_off` gets each expert's first row there too; both null when several routing CTAs wrote blk_cnt.
+__device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
   __shared__ int rb_off[MAX_EXPERTS + 1], scratch[32];
   const int E = p.num_experts, tid = threadIdx.x;
   const int nblk = (p.num_tokens + TOK_BLOCK - 1) / TOK_BLOCK;
   int cnt = 0;
-  if (tid < E) {   // each expert's per-block counts become per-block offsets
+  if (lone_mask != nullptr && tid < E) {   // one block: its offsets are zeros
+    cnt = __popc(lone_mask[tid]);
+    p.blk_cnt[tid] = 0;
+  } else if (tid < E) {   // each expert's per-block counts become per-block offsets
     constexpr int BATCH = 16;   // loads in flight at once: one L2 round trip per BATCH blocks, not per block
     for (int b0 = 0; b0 < nblk; b0 += BATCH) {
       int* c = p.blk_cnt + (i64)b0 * E + tid;
@@ -141,6 +146,7 @@ __device__ void plan(const MoeParams& p) {
   if (tid < E) {
     rb_off[tid] = rb_before;
     p.expert_off[tid] = rows_before;
+    if (row_off != nullptr) row_off[tid] = rows_before;
     for (int r = 0; r < nrb_e; ++r)   // meld/ir/work_table.py: ROW_BLOCKS
       store_rowblock(p.rb, 0, rb_before + r,
                      RowBlock{tid, rows_before + r * BLOCK_TOKENS, min(BLOCK_TOKENS, cnt - r * BLOCK_TOKENS), 0});
@@ -181,15 +187,26 @@ __device__ __forceinline__ void load_chunk(const uint4* src, int c, int vecs, in
     if (c + lane + 32 * u < vecs) row[u] = src[c + lane + 32 * u];
 }
 
+// No valid pair: nothing will combine the token, so its output row is NaN. (With absent pairs, a token that
+// had only absent ones is not this layer's to write: an expert-parallel owner's slot that another rank serves.)
+__device__ void nan_fill_unrouted(const MoeParams& p, int t, int lane, int need) {
+  if ((need & (POISON - 1)) == 0 && (!MELD_ABSENT_PAIRS || (need & POISON)))
+    for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
+}
+
+// `placed`: the pairs' rows, already recorded (the lone routing CTA's, in shared memory: [t * K + j]);
+// null: looked up in the planned tables and recorded by part 0.
 __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATTER_VECS], bool first_loaded,
-                         int part = 0, int parts = 1) {
+                         int part = 0, int parts = 1, const int* placed = nullptr) {
   const int E = p.num_experts, K = p.top_k, rblk = t / TOK_BLOCK, vecs = p.hidden / 8;
   constexpr int CHUNK = 32 * SCATTER_VECS;
   const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
   for (int j0 = 0; j0 < K; j0 += 32) {   // lane j resolves pair j0 + j
     const int j = j0 + lane;
     int pos = -1;
-    if (j < K) {
+    if (j < K && placed != nullptr) {
+      pos = placed[t * K + j];
+    } else if (j < K) {
       const int id = p.topk_ids[(i64)t * K + j];
       pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)rblk * E + id] + p.rank[(i64)t * K + j];
       if (part == 0) {
@@ -209,12 +226,7 @@ __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATT
       }
     }
   }
-  // No valid pair: nothing will combine it. (With absent pairs, a token that had only absent ones is not
-  // this layer's to write: an expert-parallel owner's slot that another rank serves.)
-  const int need = p.tok_need[t];
-  if (part == 0 && (need & (POISON - 1)) == 0 && (!MELD_ABSENT_PAIRS || (need & POISON))) {
-    for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
-  }
+  if (part == 0 && placed == nullptr) nan_fill_unrouted(p, t, lane, p.tok_need[t]);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
@@ -223,10 +235,14 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
   launch_dependents();   // the dispatch launch may start loading rows of x
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
   const int t = blockIdx.x * TOK_BLOCK + warp;
+  const bool lone_dispatch = gridDim.x == 1 && p.route_dispatches;
+  // A lone CTA that copies the rows itself asks for them in L2 now (x is the layer's input): its copies then
+  // wait on L2, not HBM.
+  if (lone_dispatch && lane == 0 && t < p.num_tokens) prefetch_l2(p.x + (i64)t * p.x_stride, p.hidden * 2);
   for (int e = threadIdx.x; e < E; e += blockDim.x) mask[e] = 0;
   __syncthreads();
   // This lane's pair when K <= 32 (pair j = lane): its expert stays in a register for the rank below.
-  int own = -1;
+  int own = -1, need = 0;
   if (t < p.num_tokens) {
     for (int c = lane; c < p.n2; c += 32) p.tok_cnt[(i64)t * p.n2 + c] = 0;
     int valid = 0, poison = 0;
@@ -304,7 +320,8 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       valid += __shfl_xor_sync(~0u, valid, o);
       poison |= __shfl_xor_sync(~0u, poison, o);
     }
-    if (lane == 0) p.tok_need[t] = valid | (poison ? POISON : 0);
+    need = valid | (poison ? POISON : 0);
+    if (lane == 0) p.tok_need[t] = need;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) p.blk_cnt[(i64)blockIdx.x * E + e] = __popc(mask[e]);
@@ -317,14 +334,28 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
   // The last routing CTA to finish plans (last arriver: no second launch, and no CTA ever waits). A lone
   // CTA (T <= 32) is last by construction and plans at once; when its rows are few (route_dispatches: one
   // SM copies only tens of GB/s) it dispatches them too, and a decode step runs two launches, not three.
+  // Its pairs' rows come from its own shared memory (the expert's first row + the token's rank among the
+  // block's tokens of that expert), not from a round trip through the tables it writes for the main kernel.
   if (gridDim.x == 1) {
+    __shared__ int row_off[MAX_EXPERTS], placed[TOK_BLOCK * 32];   // (route_dispatches: T * K <= TOK_BLOCK * 32)
     __syncthreads();
-    plan(p);
-    if (p.route_dispatches) {
-      __syncthreads();   // the plan's offsets, written by this CTA, are visible to all of it
+    plan(p, mask, row_off);
+    if (lone_dispatch) {
+      __syncthreads();   // row_off
+      if (t < p.num_tokens) {
+        for (int j = lane; j < K; j += 32) {
+          const int id = K <= 32 ? own : p.topk_ids[(i64)t * K + j];
+          const int pos = id < 0 ? -1 : row_off[id] + __popc(mask[id] & ((1u << warp) - 1));
+          placed[t * K + j] = pos;
+          p.pair_pos[(i64)t * K + j] = pos;
+          if (pos >= 0) p.row_token[pos] = t;
+        }
+        nan_fill_unrouted(p, t, lane, need);
+      }
+      __syncthreads();   // placed
       uint4 row[SCATTER_VECS];
       const int parts = max(1, TOK_BLOCK / p.num_tokens), tt = warp / parts;   // (this CTA's tokens: 0..T-1)
-      if (tt < p.num_tokens) dispatch(p, tt, lane, row, false, warp % parts, parts);
+      if (tt < p.num_tokens) dispatch(p, tt, lane, row, false, warp % parts, parts, placed);
     }
     return;
   }
@@ -335,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
   __syncthreads();
   if (last) {
     __threadfence();
-    plan(p);
+    plan(p, nullptr, nullptr);
   }
 }
 
