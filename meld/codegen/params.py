@@ -197,7 +197,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("tasks", "ptr", "int*"),               # tickets -> packed (row block, column block, kind)
     Field("counters", "ptr", "int*"),            # [0]: next ticket, [1]: tickets, [2]: routing CTAs done
     Field("rb_done", "ptr", "int*"),             # gemm1 tiles finished per row block
-    Field("tok_cnt", "ptr", "int*"),             # [T][n2]: rows of a token in y per column block
+    Field("tok_cnt", "ptr", "int*"),             # [T][n2]: rows of a token per column block not yet in y
     Field("tok_need", "ptr", "int*"),            # valid pairs per token (| POISON: one was invalid)
     Field("pair_pos", "ptr", "int*"),            # [T][k]: the row of each (token, choice); -1: invalid
     Field("row_token", "ptr", "int*"),           # the token of each row

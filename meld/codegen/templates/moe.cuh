@@ -244,7 +244,6 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
   // This lane's pair when K <= 32 (pair j = lane): its expert stays in a register for the rank below.
   int own = -1, need = 0;
   if (t < p.num_tokens) {
-    for (int c = lane; c < p.n2; c += 32) p.tok_cnt[(i64)t * p.n2 + c] = 0;
     int valid = 0, poison = 0;
     if (p.topk_ids_in != nullptr) {
       for (int j0 = 0; j0 < K; j0 += 32) {   // lane j checks pair j0 + j
@@ -322,6 +321,8 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
     }
     need = valid | (poison ? POISON : 0);
     if (lane == 0) p.tok_need[t] = need;
+    // Rows still to come per column block of out: the last gemm2 tile to count a token's row down combines it.
+    for (int c = lane; c < p.n2; c += 32) p.tok_cnt[(i64)t * p.n2 + c] = valid;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) p.blk_cnt[(i64)blockIdx.x * E + e] = __popc(mask[e]);
@@ -654,10 +655,9 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       if (ct == 0) combine_list[0] = 0;
       __threadfence();
       named_barrier(1, CONSUMERS);
-      if (ct < rows) {   // one thread per token row: count it; the last of a token's rows combines
+      if (ct < rows) {   // one thread per token row: count it down; the last of a token's rows combines
         const int t = p.row_token[row0 + ct];
-        const int need = p.tok_need[t] & (POISON - 1);
-        if (atomicAdd(p.tok_cnt + (i64)t * p.n2 + col, 1) == need - 1) {
+        if (atomicSub(p.tok_cnt + (i64)t * p.n2 + col, 1) == 1) {
           __threadfence();
           combine_list[1 + atomicAdd(combine_list, 1)] = t;
         }
