@@ -74,13 +74,14 @@ __device__ __forceinline__ u32 order_key(float v) {
 __device__ __forceinline__ float key_value(u32 k) {
   return k == 0xFFFFFFFFu ? __int_as_float(0x7fc00000) : __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
-// This lane's best remaining expert of a warp's key row (experts lane, lane + 32, ...): (key, expert).
-__device__ __forceinline__ void lane_best(const u32* keys, int E, int lane, u32& key, int& expert) {
+// This lane's best remaining expert of a warp's key row (experts lane, lane + 32, ...) other than `skip`:
+// (key, expert); key 0 and expert -1 when none is left.
+__device__ __forceinline__ void lane_best(const u32* keys, int E, int lane, int skip, u32& key, int& expert) {
   key = 0;
   expert = -1;
   for (int e = lane; e < E; e += 32) {
     const u32 k = keys[e];
-    if (k > key) { key = k; expert = e; }
+    if (k > key && e != skip) { key = k; expert = e; }
   }
 }
 
@@ -90,35 +91,38 @@ __device__ __forceinline__ float load_logit(const MoeParams& p, int t, int e) {
 }
 
 // --- planning -----------------------------------------------------------------------------------------
-// Exclusive scan of one int per thread over the block (blockDim.x = 1024); returns the total in *total.
-__device__ int block_exclusive_scan(int v, int* scratch, int* total) {
+// Exclusive scans of two ints per thread over the block (blockDim.x = 1024), in one pass; the totals come
+// back in *total_a and *total_b.
+__device__ int2 block_exclusive_scan2(int a, int b, int2* scratch, int* total_a, int* total_b) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int x = v;
+  int x = a, y = b;
   for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(~0u, x, o);
-    if (lane >= o) x += y;
+    const int xo = __shfl_up_sync(~0u, x, o), yo = __shfl_up_sync(~0u, y, o);
+    if (lane >= o) { x += xo; y += yo; }
   }
-  if (lane == 31) scratch[warp] = x;
+  if (lane == 31) scratch[warp] = make_int2(x, y);
   __syncthreads();
   if (warp == 0) {
-    int s = scratch[lane];
+    int2 v = scratch[lane];
     for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(~0u, s, o);
-      if (lane >= o) s += y;
+      const int xo = __shfl_up_sync(~0u, v.x, o), yo = __shfl_up_sync(~0u, v.y, o);
+      if (lane >= o) { v.x += xo; v.y += yo; }
     }
-    scratch[lane] = s;
+    scratch[lane] = v;
   }
   __syncthreads();
-  const int excl = x - v + (warp ? scratch[warp - 1] : 0);
-  *total = scratch[31];
+  const int2 before = warp ? scratch[warp - 1] : make_int2(0, 0);
+  *total_a = scratch[31].x;
+  *total_b = scratch[31].y;
   __syncthreads();
-  return excl;
+  return make_int2(x - a + before.x, y - b + before.y);
 }
 
 // `lone_mask`: the lone routing CTA's expert masks (its counts without a round trip through blk_cnt), and
 // `row_off` gets each expert's first row there too; both null when several routing CTAs wrote blk_cnt.
 __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
-  __shared__ int rb_off[MAX_EXPERTS + 1], scratch[32];
+  __shared__ int rb_off[MAX_EXPERTS + 1];
+  __shared__ int2 scratch[32];
   const int E = p.num_experts, tid = threadIdx.x;
   const int nblk = (p.num_tokens + TOK_BLOCK - 1) / TOK_BLOCK;
   int cnt = 0;
@@ -140,9 +144,9 @@ __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
     }
   }
   int total_rows, total_rb;
-  const int rows_before = block_exclusive_scan(cnt, scratch, &total_rows);
   const int nrb_e = (cnt + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
-  const int rb_before = block_exclusive_scan(nrb_e, scratch, &total_rb);
+  const int2 before = block_exclusive_scan2(cnt, nrb_e, scratch, &total_rows, &total_rb);
+  const int rows_before = before.x, rb_before = before.y;
   if (tid < E) {
     rb_off[tid] = rb_before;
     p.expert_off[tid] = rows_before;
@@ -173,13 +177,13 @@ __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
 }
 
 // --- dispatch -----------------------------------------------------------------------------------------
-// A token's row of x copied to its k expert-sorted rows of xs, by one warp or by `parts` warps (the lone
-// routing CTA spreads a few tokens' rows over all its warps: warp `part` copies chunks part, part + parts,
-// ...; one warp copying a 14 KB row's chunks one after another took 4-5 µs, bench/RESULTS.md 2026-12-01).
-// Part 0 also records the pairs' positions and NaN-fills a token with no valid pair. A lane keeps
-// SCATTER_VECS 16-byte vectors of the row in registers, so the stores of a chunk wait on one round of
-// loads, not on one load each; `row` may arrive holding the first chunk already (`first_loaded`).
+// A token's row of x copied to its k expert-sorted rows of xs by one warp, which also records the pairs'
+// positions and NaN-fills a token with no valid pair (the lone routing CTA does both its own way: see
+// meld_moe_route). A lane keeps SCATTER_VECS 16-byte vectors of the row in registers, so the stores of a
+// chunk wait on one round of loads, not on one load each; `row` may arrive holding the first chunk already
+// (`first_loaded`).
 constexpr int SCATTER_VECS = 8;
+constexpr int SCATTER_CHUNK = 32 * SCATTER_VECS;   // 16-byte vectors a warp moves per round
 
 __device__ __forceinline__ void load_chunk(const uint4* src, int c, int vecs, int lane, uint4 (&row)[SCATTER_VECS]) {
 #pragma unroll
@@ -194,39 +198,33 @@ __device__ void nan_fill_unrouted(const MoeParams& p, int t, int lane, int need)
     for (int h = lane; h < p.hidden; h += 32) p.out[(i64)t * p.out_stride + h] = 0x7fc0;   // NaN
 }
 
-// `placed`: the pairs' rows, already recorded (the lone routing CTA's, in shared memory: [t * K + j]);
-// null: looked up in the planned tables and recorded by part 0.
-__device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATTER_VECS], bool first_loaded,
-                         int part = 0, int parts = 1, const int* placed = nullptr) {
+__device__ __forceinline__ void store_chunk(uint4* dst, int c, int vecs, int lane, const uint4 (&row)[SCATTER_VECS]) {
+#pragma unroll
+  for (int u = 0; u < SCATTER_VECS; ++u)
+    if (c + lane + 32 * u < vecs) dst[c + lane + 32 * u] = row[u];
+}
+
+__device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATTER_VECS], bool first_loaded) {
   const int E = p.num_experts, K = p.top_k, rblk = t / TOK_BLOCK, vecs = p.hidden / 8;
-  constexpr int CHUNK = 32 * SCATTER_VECS;
   const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
   for (int j0 = 0; j0 < K; j0 += 32) {   // lane j resolves pair j0 + j
     const int j = j0 + lane;
     int pos = -1;
-    if (j < K && placed != nullptr) {
-      pos = placed[t * K + j];
-    } else if (j < K) {
+    if (j < K) {
       const int id = p.topk_ids[(i64)t * K + j];
       pos = id < 0 ? -1 : p.expert_off[id] + p.blk_cnt[(i64)rblk * E + id] + p.rank[(i64)t * K + j];
-      if (part == 0) {
-        p.pair_pos[(i64)t * K + j] = pos;
-        if (pos >= 0) p.row_token[pos] = t;
-      }
+      p.pair_pos[(i64)t * K + j] = pos;
+      if (pos >= 0) p.row_token[pos] = t;
     }
-    for (int c = part * CHUNK; c < vecs; c += parts * CHUNK) {
+    for (int c = 0; c < vecs; c += SCATTER_CHUNK) {
       if (c > 0 || j0 > 0 || !first_loaded) load_chunk(src, c, vecs, lane, row);
       for (int jj = 0; jj < min(32, K - j0); ++jj) {
         const int r = __shfl_sync(~0u, pos, jj);
-        if (r < 0) continue;
-        uint4* dst = (uint4*)(p.xs + (i64)r * p.hidden) + c;
-#pragma unroll
-        for (int u = 0; u < SCATTER_VECS; ++u)
-          if (c + lane + 32 * u < vecs) dst[lane + 32 * u] = row[u];
+        if (r >= 0) store_chunk((uint4*)(p.xs + (i64)r * p.hidden), c, vecs, lane, row);
       }
     }
   }
-  if (part == 0 && placed == nullptr) nan_fill_unrouted(p, t, lane, p.tok_need[t]);
+  nan_fill_unrouted(p, t, lane, p.tok_need[t]);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
@@ -282,9 +280,12 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       nan = __any_sync(~0u, nan);
       for (int e = lane; e < E; e += 32) sum += __expf(key_value(keys[e]) - mx);
       for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
-      u32 lane_key;
-      int lane_expert;
-      lane_best(keys, E, lane, lane_key, lane_expert);
+      // Each lane holds its best and its second best remaining expert: a round's winner moves up its second
+      // at once, and every lane (no divergence) rescans for its second while the next round's reductions run.
+      u32 lane_key, next_key;
+      int lane_expert, next_expert;
+      lane_best(keys, E, lane, -1, lane_key, lane_expert);
+      lane_best(keys, E, lane, lane_expert, next_key, next_expert);
       float picked_sum = 0.f;
       u32 my_key = 0;   // lane j's pair of the current chunk of 32: its key and expert
       int my_id = -1;
@@ -293,8 +294,10 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
         const int bi = (int)__reduce_min_sync(~0u, lane_key == top ? (u32)lane_expert : 0xFFFFFFFFu);
         if (bi % 32 == lane) {
           keys[bi] = 0;
-          lane_best(keys, E, lane, lane_key, lane_expert);
+          lane_key = next_key;
+          lane_expert = next_expert;
         }
+        lane_best(keys, E, lane, lane_expert, next_key, next_expert);
         if (j % 32 == lane) { my_key = top; my_id = bi; }
         if (j % 32 == 31 || j == K - 1) {   // lanes hold pairs j - j % 32 .. j: weigh and write them
           const int jj = j - j % 32 + lane;
@@ -354,9 +357,16 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
         nan_fill_unrouted(p, t, lane, need);
       }
       __syncthreads();   // placed
+      // One (pair, chunk of the row) per warp at a time, so all the copies of a few rows are in flight at once
+      // (one warp copying a 14 KB row's chunks one after another took 4-5 µs, bench/RESULTS.md 2026-12-01).
+      const int vecs = p.hidden / 8, chunks = (vecs + SCATTER_CHUNK - 1) / SCATTER_CHUNK;
       uint4 row[SCATTER_VECS];
-      const int parts = max(1, TOK_BLOCK / p.num_tokens), tt = warp / parts;   // (this CTA's tokens: 0..T-1)
-      if (tt < p.num_tokens) dispatch(p, tt, lane, row, false, warp % parts, parts, placed);
+      for (int u = warp; u < p.num_tokens * K * chunks; u += blockDim.x / 32) {
+        const int pair = u / chunks, c = u % chunks * SCATTER_CHUNK, r = placed[pair];
+        if (r < 0) continue;
+        load_chunk((const uint4*)(p.x + (i64)(pair / K) * p.x_stride), c, vecs, lane, row);
+        store_chunk((uint4*)(p.xs + (i64)r * p.hidden), c, vecs, lane, row);
+      }
     }
     return;
   }
