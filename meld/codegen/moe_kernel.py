@@ -19,6 +19,7 @@ BLOCK_TOKEN_CHOICES = (16, 32, 64, 128)
 MAX_EXPERTS = 1024        # the planner gives each expert one thread of its 1024
 MAIN_THREADS = 384        # one producer warpgroup, two consumer warpgroups
 SCATTER_WARPS = 2         # tokens per dispatch CTA (one warp each)
+ROUTE_BLOCK = 32          # tokens per routing CTA (one warp each; templates/moe.cuh: TOK_BLOCK)
 NARROW_MAX_TOKENS = 32    # token blocks up to this size run narrow tiles (templates/moe.cuh)
 
 
@@ -38,6 +39,13 @@ def tile_token_widths(block_tokens: int) -> tuple[int, ...]:
     every multiple of token_box_rows up to it."""
     box = token_box_rows(block_tokens)
     return tuple(range(box, block_tokens + 1, box))
+
+
+def route_smem_bytes(num_experts: int) -> int:
+    """Dynamic shared memory of the routing launch: per token of its block (one warp each), 32 lanes' key
+    slots, each lane's count rounded up to whole 16-byte loads (templates/moe.cuh: route_slots)."""
+    slots = (-(-num_experts // 32) + 3) // 4 * 4
+    return ROUTE_BLOCK * 32 * slots * 4
 
 
 def block_tokens_for(num_tokens: int, top_k: int, num_experts: int) -> int:

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from .. import config
-from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, SCATTER_WARPS, MoeKernelConfig,
-                                  block_tokens_for, tile_columns, token_box_rows)
+from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, ROUTE_BLOCK, SCATTER_WARPS,
+                                  MoeKernelConfig, block_tokens_for, route_smem_bytes, tile_columns, token_box_rows)
 from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
@@ -25,7 +25,6 @@ from .base import Operator
 from .checks import check_positive, expect, plain, resolve_device
 from .moe_graph import moe_graph
 
-_ROUTE_BLOCK = 32        # tokens per routing block (templates/moe.cuh: TOK_BLOCK)
 _PROFILE_CAP = 4096      # timed records per CTA in profiling builds
 # Rows a lone routing CTA copies itself rather than launch dispatch (templates/moe.cuh). One SM moves
 # ~35 GB/s: measured on the H200, copying in the routing CTA sped up deepseek-v3 T = 1 (115 KiB, 193.8 ->
@@ -107,7 +106,7 @@ class MoE(Operator):
         self._grid = info.sm_count   # one CTA of 384 threads and ~200 KiB per SM (checked at load)
         T, k, E, H, I = self.max_num_tokens, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size
         R = T * k
-        nblk = -(-T // _ROUTE_BLOCK)
+        nblk = -(-T // ROUTE_BLOCK)
         self._rb_cap = E + max(E, -(-R // BLOCK_TOKEN_CHOICES[-1]))
         if self._rb_cap >= MOE_TASK.limit("row_block"):
             raise ValueError(f"max_num_tokens={T}: {self._rb_cap} row blocks do not fit a task descriptor")
@@ -151,7 +150,7 @@ class MoE(Operator):
 
         base = self._kernel_config
         cfg = dataclasses.replace(base, block_tokens=block_tokens)
-        k = self._kernels(cfg, {"meld_moe_route": (1024, _ROUTE_BLOCK * 4 * self.num_experts), "meld_moe_scatter": (32 * SCATTER_WARPS, 0),
+        k = self._kernels(cfg, {"meld_moe_route": (1024, route_smem_bytes(self.num_experts)), "meld_moe_scatter": (32 * SCATTER_WARPS, 0),
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs
         params = MOE_PARAMS.ctype(
@@ -255,11 +254,11 @@ class MoE(Operator):
         p.w13_map = self._weight_maps.get(w13.view(-1, self.hidden_size))
         p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
         self._watchdog.check()
-        nblk = -(-T // _ROUTE_BLOCK)
+        nblk = -(-T // ROUTE_BLOCK)
         if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)
             self._prof.zero_()
         p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
-                                 and T * self.top_k <= _ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
+                                 and T * self.top_k <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
         v.route.launch(nblk, p)
         if not p.route_dispatches:
             v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)

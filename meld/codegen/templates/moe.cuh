@@ -74,14 +74,25 @@ __device__ __forceinline__ u32 order_key(float v) {
 __device__ __forceinline__ float key_value(u32 k) {
   return k == 0xFFFFFFFFu ? __int_as_float(0x7fc00000) : __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
-// This lane's best remaining expert of a warp's key row (experts lane, lane + 32, ...) other than `skip`:
-// (key, expert); key 0 and expert -1 when none is left.
-__device__ __forceinline__ void lane_best(const u32* keys, int E, int lane, int skip, u32& key, int& expert) {
+// A warp's keys are lane-major: lane l's `slots` keys (meld/codegen/moe_kernel.py: route_smem_bytes) hold
+// experts l, l + 32, ... (key 0 past E), so a lane scans its experts four to a 16-byte load, with no loop
+// over E (a generic strided loop made each of the K rounds ~530 cycles, most of the routing launch).
+__device__ __forceinline__ int route_slots(int E) { return ((E + 31) / 32 + 3) & ~3; }
+
+// This lane's best remaining expert other than `skip` from its slots `mine`: (key, expert); key 0 and
+// expert -1 when none is left.
+__device__ __forceinline__ void lane_best(const u32* mine, int slots, int lane, int skip, u32& key, int& expert) {
   key = 0;
   expert = -1;
-  for (int e = lane; e < E; e += 32) {
-    const u32 k = keys[e];
-    if (k > key && e != skip) { key = k; expert = e; }
+#pragma unroll 1
+  for (int i = 0; i < slots; i += 4) {
+    const uint4 v = *(const uint4*)(mine + i);
+    const u32 k[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int e = lane + 32 * (i + u);
+      if (k[u] > key && e != skip) { key = k[u]; expert = e; }
+    }
   }
 }
 
@@ -229,7 +240,7 @@ __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATT
 
 extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
   __shared__ u32 mask[MAX_EXPERTS];
-  extern __shared__ u32 route_keys[];   // [TOK_BLOCK][E]: one row of keys per warp
+  extern __shared__ __align__(16) u32 route_keys[];   // [TOK_BLOCK][32][slots]: a warp's keys, lane-major
   launch_dependents();   // the dispatch launch may start loading rows of x
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
   const int t = blockIdx.x * TOK_BLOCK + warp;
@@ -264,28 +275,29 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       }
     } else {
       // The token's logits are read from memory once, as keys in shared memory. Each of the K rounds is
-      // two warp reductions (the best key, then the smallest expert holding it); only the winner's lane
-      // looks at its experts again.
-      u32* keys = route_keys + warp * E;
+      // two warp reductions (the best key, then the smallest expert holding it).
+      const int slots = route_slots(E);
+      u32* mine = route_keys + (warp * 32 + lane) * slots;
       float mx = neg_inf(), sum = 0.f;
       int nan = 0;
 #pragma unroll 4
-      for (int e = lane; e < E; e += 32) {
-        const float v = load_logit(p, t, e);
-        keys[e] = order_key(v);
+      for (int i = 0; i < slots; ++i) {
+        const int e = lane + 32 * i;
+        const float v = e < E ? load_logit(p, t, e) : neg_inf();
+        mine[i] = e < E ? order_key(v) : 0u;
         nan |= v != v;
         mx = fmaxf(mx, v);
       }
       for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, o));
       nan = __any_sync(~0u, nan);
-      for (int e = lane; e < E; e += 32) sum += __expf(key_value(keys[e]) - mx);
+      for (int i = 0; i < slots && lane + 32 * i < E; ++i) sum += __expf(key_value(mine[i]) - mx);
       for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
       // Each lane holds its best and its second best remaining expert: a round's winner moves up its second
       // at once, and every lane (no divergence) rescans for its second while the next round's reductions run.
       u32 lane_key, next_key;
       int lane_expert, next_expert;
-      lane_best(keys, E, lane, -1, lane_key, lane_expert);
-      lane_best(keys, E, lane, lane_expert, next_key, next_expert);
+      lane_best(mine, slots, lane, -1, lane_key, lane_expert);
+      lane_best(mine, slots, lane, lane_expert, next_key, next_expert);
       float picked_sum = 0.f;
       u32 my_key = 0;   // lane j's pair of the current chunk of 32: its key and expert
       int my_id = -1;
@@ -293,11 +305,11 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
         const u32 top = __reduce_max_sync(~0u, lane_key);   // > 0: K <= E leaves an expert untaken
         const int bi = (int)__reduce_min_sync(~0u, lane_key == top ? (u32)lane_expert : 0xFFFFFFFFu);
         if (bi % 32 == lane) {
-          keys[bi] = 0;
+          mine[bi / 32] = 0;
           lane_key = next_key;
           lane_expert = next_expert;
         }
-        lane_best(keys, E, lane, lane_expert, next_key, next_expert);
+        lane_best(mine, slots, lane, lane_expert, next_key, next_expert);
         if (j % 32 == lane) { my_key = top; my_id = bi; }
         if (j % 32 == 31 || j == K - 1) {   // lanes hold pairs j - j % 32 .. j: weigh and write them
           const int jj = j - j % 32 + lane;
