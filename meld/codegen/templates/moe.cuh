@@ -76,7 +76,7 @@ __device__ __forceinline__ float key_value(u32 k) {
 }
 // A warp's keys are lane-major: lane l's `slots` keys (meld/codegen/moe_kernel.py: route_smem_bytes) hold
 // experts l, l + 32, ... (key 0 past E), so a lane scans its experts four to a 16-byte load, with no loop
-// over E (a generic strided loop made each of the K rounds ~530 cycles, most of the routing launch).
+// over E (clock64 stamps at E = 128: a round of the top-k took ~530 cycles with a strided loop, ~415 so).
 __device__ __forceinline__ int route_slots(int E) { return ((E + 31) / 32 + 3) & ~3; }
 
 // This lane's best remaining expert other than `skip` from its slots `mine`: (key, expert); key 0 and
@@ -306,12 +306,10 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       u32 my_key = 0;   // lane j's pair of the current chunk of 32: its key and expert
       int my_id = -1;
       for (int j = 0; j < K; ++j) {
-        // One butterfly over (key, complement of the expert): the best key, and the smallest expert among
-        // equal keys, in one chain of five shuffles (two dependent warp reductions took ~400 cycles a round).
-        unsigned long long best = (unsigned long long)lane_key << 32 | (u32)~lane_expert;
-        for (int o = 16; o; o >>= 1) best = max(best, __shfl_xor_sync(~0u, best, o));
-        const u32 top = (u32)(best >> 32);   // > 0: K <= E leaves an expert untaken
-        const int bi = (int)~(u32)best;
+        // Two warp reductions: the best key, then the smallest expert holding it (one butterfly of shuffles
+        // over (key, expert complement) instead measured slower: ~525 cycles a round against ~415).
+        const u32 top = __reduce_max_sync(~0u, lane_key);   // > 0: K <= E leaves an expert untaken
+        const int bi = (int)__reduce_min_sync(~0u, lane_key == top ? (u32)lane_expert : 0xFFFFFFFFu);
         if (bi % 32 == lane) {
           mine[bi / 32] = 0;
           lane_key = next_key;
