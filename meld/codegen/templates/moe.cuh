@@ -297,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       for (int i = 0; i < slots && lane + 32 * i < E; ++i) sum += __expf(key_value(mine[i]) - mx);
       for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(~0u, sum, o);
       // Each lane holds its best and its second best remaining expert: a round's winner moves up its second
-      // at once, and every lane (no divergence) rescans for its second while the next round's reductions run.
+      // at once, and every lane then rescans for its second (the same code for all: no divergent rescan).
       u32 lane_key, next_key;
       int lane_expert, next_expert;
       lane_best(mine, slots, lane, -1, lane_key, lane_expert);
