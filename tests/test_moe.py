@@ -1,13 +1,15 @@
 """Fused MoE: the CPU reference executor and the GPU kernels against a float64 dense reference, the GPU
 planner against the NumPy plan, and the layer's input checks."""
+import re
+
 import numpy as np
 import pytest
 import torch
 
 import meld
 from meld.codegen.compiler import compile_nvcc
-from meld.codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MoeKernelConfig, block_tokens_for, tile_token_widths,
-                                    token_box_rows)
+from meld.codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAX_EXPERTS, MoeKernelConfig, block_tokens_for,
+                                    route_smem_bytes, tile_token_widths, token_box_rows)
 from meld.runtime.moe_reference import route
 from meld.scheduler.moe_plan import GEMM1, GEMM2, plan_moe
 
@@ -99,6 +101,17 @@ def test_kernels_compile_for_sm90a(bt, profile, k_boxes):
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
     spills = [line for line in log.splitlines() if "spill stores" in line]
     assert spills and all(" 0 bytes spill stores" in line for line in spills), f"registers spill:\n{log}"
+    # The routing launch's static shared memory plus its key slots for the most experts fit one block.
+    route_static = int(re.search(r"meld_moe_route'.*?(\d+) bytes smem", log, re.S).group(1))
+    assert route_static + route_smem_bytes(MAX_EXPERTS) <= 227 * 1024
+
+
+def test_route_key_slots_are_whole_16_byte_loads():
+    """A lane's keys (templates/moe.cuh: route_slots) are read four at a time, so its slots round up to 4."""
+    assert route_smem_bytes(128) == 32 * 32 * 4 * 4        # 4 experts a lane
+    assert route_smem_bytes(129) == 32 * 32 * 8 * 4        # a fifth expert on lane 0: a second 16-byte load
+    assert route_smem_bytes(8) == 32 * 32 * 4 * 4          # one expert a lane, padded
+    assert route_smem_bytes(MAX_EXPERTS) == 32 * 32 * 32 * 4
 
 
 # --- the CPU reference executor -----------------------------------------------------------------------
