@@ -534,6 +534,35 @@ struct KLoop {
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
 
+// A consumer warp's part of an accumulator (weight rows 16 (warp % 4) + 0..15, every token: see the layout
+// in consume), as bf16, into the row-major matrix dst [rows][ld] at rows row0 + token (tokens below `rows`)
+// and columns c0 + 0..15 (those below `ncols`). A thread holds a weight row's values for two tokens, so the
+// stores cannot leave the registers 16 bytes at a time: stmatrix writes them transposed into the warp's
+// `stage` (BLOCK_TOKENS rows of 32 bytes: a token's 16 columns; the two 16-byte halves swap on every
+// other group of four rows, so the eight rows of a matrix hit distinct banks), and each token's 16
+// columns leave as two 16-byte stores, one 32-byte sector.
+// `v`: the accumulator's registers packed in pairs (pack_acc), which halves the registers an epilogue holds.
+__device__ __forceinline__ void pack_acc(const float (&a)[ACC], u32 (&v)[ACC / 2]) {
+#pragma unroll
+  for (int i = 0; i < ACC / 2; ++i) v[i] = pack2(a[2 * i], a[2 * i + 1]);
+}
+__device__ __forceinline__ void store_rows(const u32 (&v)[ACC / 2], u32 stage, u16* dst, int ld, int row0, int rows,
+                                           int c0, int ncols, int lane) {
+  const int m = lane / 8, j = lane % 8;   // this lane addresses row j of matrix m
+#pragma unroll
+  for (int g = 0; g < BLOCK_TOKENS / 8; g += 2)   // matrix m: tokens 8 (g + m / 2) + 0..7, columns 8 (m % 2) + 0..7
+    stmatrix_x4_trans(stage + (8 * (g + m / 2) + j) * 32 + 16 * ((m % 2) ^ (j / 4)), v[2 * g], v[2 * g + 1],
+                      v[2 * g + 2], v[2 * g + 3]);
+  __syncwarp();
+#pragma unroll 2
+  for (int c = lane; c < 2 * rows; c += 32) {   // 16-byte chunk c: token c / 2, columns 8 (c % 2) + 0..7
+    const int tok = c / 2, half = c % 2, col = c0 + 8 * half;
+    const uint4 q = ld_shared_v4(stage + tok * 32 + 16 * (half ^ ((tok / 4) % 2)));
+    if (col < ncols) *(uint4*)(dst + (i64)(row0 + tok) * ld + col) = q;
+  }
+  __syncwarp();   // the stage is read before the next call writes it
+}
+
 // A token's k rows for this column block of H are all in y: out = sum_j w_j y_j, in fixed j order.
 // One warp per token, 8 columns (16 bytes) per lane; the k (row, weight) pairs come from lane j by shuffle.
 // The loads of COMBINE_BATCH rows are issued before any of them is used, so a token costs one L2 round
@@ -645,9 +674,10 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     fence_regs(acc0);
     fence_regs(acc1);
     if (lane == 0) mbar_arrive(ring.empty + 8 * prev);
+    // this warp's output staging (store_rows), after the exchange area: [8 warps][BLOCK_TOKENS][32 bytes]
+    const u32 stage = ((smem_addr(xchg) + (MELD_NARROW ? 128 * (ACC + 1) * 4 : 0) + 15) & ~15u) + warp * BLOCK_TOKENS * 32;
     // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w of the warpgroup, lane l)
     // holds weight row 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
-    const int wrow = 16 * (warp % 4) + lane / 4;
     if (kind == 0) {
       if (NACC == 1) {   // warpgroup 1 holds the up rows: hand them to the same thread of warpgroup 0
         float* mine = xchg + (ct % 128) * (ACC + 1);
@@ -661,25 +691,22 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
           for (int r = 0; r < ACC; ++r) acc1[r] = mine[r];
         }
       }
-      const int f0 = col * G1_COLS + wg * 64;
+      if (NACC == 2 || wg == 0) {
+        u32 v[ACC / 2];
 #pragma unroll
-      for (int r = 0; r < ACC; ++r) {
-        const int f = f0 + wrow + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
-        if ((NACC == 2 || wg == 0) && f < p.inter && tok < rows)
-          p.act[(i64)(row0 + tok) * p.inter + f] = float_to_bf16(silu_mul(acc0[r], acc1[r]));
+        for (int i = 0; i < ACC / 2; ++i)
+          v[i] = pack2(silu_mul(acc0[2 * i], acc1[2 * i]), silu_mul(acc0[2 * i + 1], acc1[2 * i + 1]));
+        store_rows(v, stage, p.act, p.inter, row0, rows, col * G1_COLS + wg * 64 + 16 * (warp % 4), p.inter, lane);
       }
       post(0, rbi, ticket);
       prof.record(t0, PROF_GEMM1, ticket);
     } else {
-      const int h0 = col * G2_COLS;
-#pragma unroll
-      for (int r = 0; r < ACC; ++r) {
-        const int h = h0 + wg * 64 * NACC + wrow + 8 * ((r / 2) % 2), tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
-        if (tok < rows) {
-          if (h < p.hidden) p.y[(i64)(row0 + tok) * p.hidden + h] = float_to_bf16(acc0[r]);
-          if (NACC == 2 && h + 64 < p.hidden) p.y[(i64)(row0 + tok) * p.hidden + h + 64] = float_to_bf16(acc1[r]);
-        }
-      }
+      const int h0 = col * G2_COLS, hw = h0 + wg * 64 * NACC + 16 * (warp % 4);
+      u32 v0[ACC / 2], v1[ACC / 2];
+      pack_acc(acc0, v0);
+      if (NACC == 2) pack_acc(acc1, v1);
+      store_rows(v0, stage, p.y, p.hidden, row0, rows, hw, p.hidden, lane);
+      if (NACC == 2) store_rows(v1, stage, p.y, p.hidden, row0, rows, hw + 64, p.hidden, lane);
       if (ct == 0) combine_list[0] = 0;
       __threadfence();
       named_barrier(1, CONSUMERS);
