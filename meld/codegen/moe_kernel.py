@@ -106,7 +106,8 @@ class MoeKernelConfig:
     @property
     def _fixed_bytes(self) -> int:
         xchg = 128 * (self.block_tokens // 2 + 1) * 4 if self.narrow else 0   # narrow gemm1: up values
-        staging = 16 + 8 * self.block_tokens * 32   # (aligned) each consumer warp's output tile (moe.cuh: store_rows)
+        staging = 0 if self.narrow else 16 + 8 * self.block_tokens * 32   # (aligned) each consumer warp's output
+                                                                          # tile (moe.cuh: store_rows)
         # alignment, ring and task-slot mbarriers, mailbox mbarriers, task slots, mailbox, combine list
         return 1024 + 16 * 16 + 32 + 32 + 32 + 16 + 4 * (4 + self.block_tokens) + xchg + staging
 

@@ -537,10 +537,13 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 // A consumer warp's part of an accumulator (weight rows 16 (warp % 4) + 0..15, every token: see the layout
 // in consume), as bf16, into the row-major matrix dst [rows][ld] at rows row0 + token (tokens below `rows`)
 // and columns c0 + 0..15 (those below `ncols`). A thread holds a weight row's values for two tokens, so the
-// stores cannot leave the registers 16 bytes at a time: stmatrix writes them transposed into the warp's
-// `stage` (BLOCK_TOKENS rows of 32 bytes: a token's 16 columns; the two 16-byte halves swap on every
-// other group of four rows, so the eight rows of a matrix hit distinct banks), and each token's 16
-// columns leave as two 16-byte stores, one 32-byte sector.
+// stores cannot leave the registers 16 bytes at a time. Wide tiles: stmatrix writes them transposed into
+// the warp's `stage` (BLOCK_TOKENS rows of 32 bytes: a token's 16 columns; the two 16-byte halves swap on
+// every other group of four rows, so the eight rows of a matrix hit distinct banks), and each token's 16
+// columns leave as two 16-byte stores, one 32-byte sector (2-byte stores from the registers cost
+// deepseek-v3 T = 8192 5%: bench/RESULTS.md 2026-12-01). Narrow tiles (a few tokens, on the critical path
+// of a decode step) store 2 bytes at a time straight from the registers: through the stage, T = 1 took
+// 1-2% longer.
 // `v`: the accumulator's registers packed in pairs (pack_acc), which halves the registers an epilogue holds.
 __device__ __forceinline__ void pack_acc(const float (&a)[ACC], u32 (&v)[ACC / 2]) {
 #pragma unroll
@@ -548,6 +551,16 @@ __device__ __forceinline__ void pack_acc(const float (&a)[ACC], u32 (&v)[ACC / 2
 }
 __device__ __forceinline__ void store_rows(const u32 (&v)[ACC / 2], u32 stage, u16* dst, int ld, int row0, int rows,
                                            int c0, int ncols, int lane) {
+  if (MELD_NARROW) {   // v[i]: column c0 + lane / 4 + 8 (i % 2), tokens 8 (i / 2) + 2 (lane % 4) + 0, 1
+#pragma unroll
+    for (int i = 0; i < ACC / 2; ++i) {
+      const int col = c0 + lane / 4 + 8 * (i % 2), tok = 8 * (i / 2) + 2 * (lane % 4);
+      if (col >= ncols) continue;
+      if (tok < rows) dst[(i64)(row0 + tok) * ld + col] = (u16)(v[i] & 0xffffu);
+      if (tok + 1 < rows) dst[(i64)(row0 + tok + 1) * ld + col] = (u16)(v[i] >> 16);
+    }
+    return;
+  }
   const int m = lane / 8, j = lane % 8;   // this lane addresses row j of matrix m
 #pragma unroll
   for (int g = 0; g < BLOCK_TOKENS / 8; g += 2)   // matrix m: tokens 8 (g + m / 2) + 0..7, columns 8 (m % 2) + 0..7
@@ -674,7 +687,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     fence_regs(acc0);
     fence_regs(acc1);
     if (lane == 0) mbar_arrive(ring.empty + 8 * prev);
-    // this warp's output staging (store_rows), after the exchange area: [8 warps][BLOCK_TOKENS][32 bytes]
+    // this warp's output staging (store_rows, wide tiles), after the exchange area: [8 warps][BLOCK_TOKENS][32 bytes]
     const u32 stage = ((smem_addr(xchg) + (MELD_NARROW ? 128 * (ACC + 1) * 4 : 0) + 15) & ~15u) + warp * BLOCK_TOKENS * 32;
     // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w of the warpgroup, lane l)
     // holds weight row 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
