@@ -707,8 +707,9 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       if (NACC == 2 || wg == 0) {
         u32 v[ACC / 2];
 #pragma unroll
-        for (int i = 0; i < ACC / 2; ++i)
-          v[i] = pack2(silu_mul(acc0[2 * i], acc1[2 * i]), silu_mul(acc0[2 * i + 1], acc1[2 * i + 1]));
+        for (int i = 0; i < ACC / 2; ++i)   // (narrow tiles: only the tokens the row block has, as before the stage)
+          v[i] = MELD_NARROW && 8 * (i / 2) + 2 * (lane % 4) >= rows
+                     ? 0u : pack2(silu_mul(acc0[2 * i], acc1[2 * i]), silu_mul(acc0[2 * i + 1], acc1[2 * i + 1]));
         store_rows(v, stage, p.act, p.inter, row0, rows, col * G1_COLS + wg * 64 + 16 * (warp % 4), p.inter, lane);
       }
       post(0, rbi, ticket);
