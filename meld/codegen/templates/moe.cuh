@@ -540,10 +540,10 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 // stores cannot leave the registers 16 bytes at a time. Wide tiles: stmatrix writes them transposed into
 // the warp's `stage` (BLOCK_TOKENS rows of 32 bytes: a token's 16 columns; the two 16-byte halves swap on
 // every other group of four rows, so the eight rows of a matrix hit distinct banks), and each token's 16
-// columns leave as two 16-byte stores, one 32-byte sector (2-byte stores from the registers cost
-// deepseek-v3 T = 8192 5%: bench/RESULTS.md 2026-12-01). Narrow tiles (a few tokens, on the critical path
-// of a decode step) store 2 bytes at a time straight from the registers: through the stage, T = 1 took
-// 1-2% longer.
+// columns leave as two 16-byte stores, one 32-byte sector (deepseek-v3 T = 8192 took 2.5-4.9% less time
+// than with 2-byte stores from the registers: bench/RESULTS.md 2026-12-01). Narrow tiles (a few tokens, on
+// the critical path of a decode step) store 2 bytes at a time straight from the registers: through the
+// stage, T = 1 took 1-2% longer.
 // `v`: the accumulator's registers packed in pairs (pack_acc), which halves the registers an epilogue holds.
 __device__ __forceinline__ void pack_acc(const float (&a)[ACC], u32 (&v)[ACC / 2]) {
 #pragma unroll
