@@ -471,6 +471,16 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     }
     const int nk = ((kind ? p.inter : p.hidden) + BK * K_BOXES - 1) / (BK * K_BOXES);   // stages (a K box past
                                                                                      // the end: zeros, counted)
+    // A weight box whose first column (of I for gemm1, of H for gemm2) is past the end would read the next
+    // expert's rows (the last column block of an I or H that is not a multiple of the tile's): not loaded;
+    // the consumers multiply what its stage buffer held before and never store those rows.
+    int live = 0, nlive = 0;
+#pragma unroll
+    for (int q = 0; q < NBOX; ++q)
+      if ((kind ? col * G2_COLS + q * 64 < p.hidden : col * G1_COLS + (q / 2) * 64 < p.inter)) {
+        live |= 1 << q;
+        ++nlive;
+      }
     // A gemm2 tile's weights do not depend on gemm1: up to a ring of them is in flight before the wait
     // for its row block, and only the act boxes of those stages wait (their stages complete with them).
     const int early = kind ? min(nk, NUM_STAGES) : 0;
@@ -488,11 +498,12 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       if (kk == nk) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
-      mbar_arrive_expect_tx(full, K_BOXES * (NBOX * W_BOX + n * BK * 2));
+      mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + n * BK * 2));
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
 #pragma unroll
-        for (int q = 0; q < NBOX; ++q) tma_load_2d(dst + b * BOX_SET + q * W_BOX, wmap, (kk * K_BOXES + b) * BK, wrow[q], full);
+        for (int q = 0; q < NBOX; ++q)
+          if (live >> q & 1) tma_load_2d(dst + b * BOX_SET + q * W_BOX, wmap, (kk * K_BOXES + b) * BK, wrow[q], full);
         if (kk >= early)
           for (int i = 0; i < tboxes; ++i)
             tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * 2, tmap, (kk * K_BOXES + b) * BK,
