@@ -196,6 +196,7 @@ def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, kernel
     (64, 256, 128, 8, 1), (40, 128, 64, 6, 6), (1000, 256, 384, 32, 8), (2500, 512, 256, 4, 2),
     (20, 128, 64, 40, 36),     # top_k > 32: routing writes its pairs in chunks of 32 lanes
     (5, 2568, 64, 4, 2),       # rows of x longer than one dispatch chunk (2048 elements), one partial
+    (500, 264, 136, 4, 2),     # wide tiles whose last column blocks skip weight boxes past I and past H
 ])
 def test_gpu_matches_dense_reference(T, H, I, E, k):
     gpu_case(T, H, I, E, k)
