@@ -12,6 +12,7 @@ the pure-read ceiling, measured in each worker) puts each time against BENCH.md'
     PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base [--tokens 1 16 128] [--shapes ...]
     PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base --new-tree .ab/new    # two other trees
     PYTHONPATH=$PWD python3 bench/moe_ab.py --new k_boxes=2 [--base k_boxes=1]     # configs, this tree
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --new packed_weights=1    # weights packed by meld.pack_moe_weights
 """
 from __future__ import annotations
 
@@ -59,19 +60,21 @@ def worker(tree: Path, config: list[str], shapes: list[str], tokens: list[int], 
     res = {}
     for shape in (SHAPES[s] for s in shapes):
         w13, w2 = make_weights(shape, 0, "cuda")
+        # packed_weights=1: the layer gets its weights packed (meld.pack_moe_weights), the reference plain
+        wk13, wk2 = meld.pack_moe_weights(w13, w2) if getattr(cfg, "packed_weights", False) else (w13, w2)
         moe = meld.MoE(shape.hidden, shape.inter, shape.experts, shape.top_k, dtype=DTYPE, device="cuda",
                        max_num_tokens=max(tokens), kernel_config=cfg)
         for t in tokens:
             for routing in routings:
                 inp = make_inputs(Case(shape, t, routing), w13, w2, 0, "cuda")
                 if check:
-                    rel, worst = errors(moe(inp.x, inp.logits, w13, w2),
+                    rel, worst = errors(moe(inp.x, inp.logits, wk13, wk2),
                                         reference_moe(inp.x, w13, w2, inp.logits, shape.top_k, RENORMALIZE))
                     if not rel < 1e-2 or not worst < 2e-2:
                         raise SystemExit(f"{inp.case.name}: relative error {rel:.2e}, max {worst:.2e}")
-                us = graph_time_us(lambda: moe(inp.x, inp.logits, w13, w2), reps=reps).median_us
+                us = graph_time_us(lambda: moe(inp.x, inp.logits, wk13, wk2), reps=reps).median_us
                 res[inp.case.name] = {"us": us, "floor_us": inp.touched * shape.expert_bytes / (read_tbps * 1e6)}
-        moe = None
+        moe = wk13 = wk2 = None
         torch.cuda.empty_cache()
     Path(out).write_text(json.dumps(res))
 

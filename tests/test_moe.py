@@ -106,6 +106,54 @@ def test_kernels_compile_for_sm90a(bt, profile, k_boxes):
     assert route_static + route_smem_bytes(MAX_EXPERTS) <= 227 * 1024
 
 
+@pytest.mark.parametrize("bt", [16, 128])
+def test_packed_weight_kernels_compile_for_sm90a(bt):
+    """Weights packed by meld.pack_moe_weights: one bulk copy a stage (templates/moe.cuh, MELD_PACKED)."""
+    cfg = MoeKernelConfig(block_tokens=bt, packed_weights=True)
+    src = cfg.render()
+    assert "#define MELD_PACKED 1" in src and cfg.name.endswith("_pw")
+    cubin, log = compile_nvcc(src, cfg.name, "sm_90a")
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert len(cubin) > 0 and spills and all(" 0 bytes spill stores" in line for line in spills), log
+    with pytest.raises(ValueError, match="k_boxes=2"):
+        MoeKernelConfig(block_tokens=16, k_boxes=2, packed_weights=True)
+
+
+@pytest.mark.parametrize("E,H,I", [(3, 200, 136), (2, 128, 64)])
+def test_packed_weights_are_swizzled_boxes_that_unpack(E, H, I):
+    """Each 64 x 64 box as TMA's 128-byte swizzle leaves it in shared memory (row r's 16-byte chunk c at
+    c ^ (r % 8)), zeros past the matrix, and the packing inverts."""
+    from meld.ops.moe_weights import packed_shapes, unpack_moe_weights
+
+    w13, w2 = weights(E, H, I)
+    p13, p2 = meld.pack_moe_weights(w13, w2)
+    assert (tuple(p13.shape), tuple(p2.shape)) == packed_shapes(H, I, E)
+    for e, kb, cb, g in [(0, 0, 0, 0), (E - 1, p13.shape[1] - 1, p13.shape[2] - 1, 1)]:
+        box = p13[e, kb, cb, g]
+        for r in range(64):
+            for c in range(8):
+                row, k0 = cb * 64 + r, kb * 64 + (c ^ (r % 8)) * 8
+                want = w13[e, g * I + row, k0:k0 + 8] if row < I and k0 < H else torch.zeros(8, dtype=w13.dtype)
+                assert torch.equal(box[r, c * 8:c * 8 + 8], want), (e, kb, cb, g, r, c)
+    u13, u2 = unpack_moe_weights(p13, p2, H, I)
+    assert torch.equal(u13, w13) and torch.equal(u2, w2)
+    with pytest.raises(ValueError, match="w13 .* and w2 .* are not"):
+        meld.pack_moe_weights(w13, w2[:, :, :-8])
+
+
+def test_cpu_executor_takes_packed_weights_and_checks_them():
+    T, H, I, E, k = 9, 200, 136, 5, 2
+    w13, w2 = weights(E, H, I)
+    p13, p2 = meld.pack_moe_weights(w13, w2)
+    x, logits = torch.randn(T, H).to(torch.bfloat16), torch.randn(T, E)
+    moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=16)
+    assert torch.equal(moe(x, logits, p13, p2), moe(x, logits, w13, w2))
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        moe(x, logits, p13, w2)
+    with pytest.raises(ValueError, match="w13 must have shape"):
+        moe(x, logits, p13[:, :1], p2)
+
+
 def test_route_key_slots_are_whole_16_byte_loads():
     """A lane's keys (templates/moe.cuh: route_slots) are read four at a time, so its slots round up to 4."""
     assert route_smem_bytes(128) == 32 * 32 * 4 * 4        # 4 experts a lane
@@ -218,6 +266,16 @@ def test_gpu_all_tokens_to_one_expert_and_most_experts_empty():
     logits[:, 9] += 25.0
     gpu_case(T, 256, 128, E, 2, logits=logits)
     gpu_case(T, 256, 128, E, 1, logits=skewed_logits(T, E, hot=3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 256, 128, 8, 2), (40, 200, 136, 6, 3), (500, 264, 136, 4, 2),
+                                       (2500, 512, 256, 4, 2)])
+def test_gpu_packed_weights_give_the_same_bits(T, H, I, E, k):
+    """Packed weights land in shared memory as the 2-D tensor copies leave them: the same output bits."""
+    moe, x, logits, w13, w2, out = gpu_case(T, H, I, E, k)
+    p13, p2 = meld.pack_moe_weights(w13, w2)
+    assert torch.equal(moe(x, logits, p13, p2), out)
 
 
 @pytest.mark.gpu

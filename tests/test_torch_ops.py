@@ -111,10 +111,12 @@ def test_opcheck_decode_attention(kv_layout, with_lse, grad):
                           (q.requires_grad_(grad), kv, torch.empty_like(q), lse, attn.handle))
 
 
-@pytest.mark.parametrize("routing", ["logits", "topk"])
-def test_opcheck_moe(routing):
+@pytest.mark.parametrize("routing, packed", [("logits", False), ("topk", False), ("logits", True)])
+def test_opcheck_moe(routing, packed):
     layer, x, logits, ids, w = moe_inputs(9)
     w13, w2 = moe_weights()
+    if packed:   # meld.pack_moe_weights's layout goes through the op (and its fake) as plain tensors
+        w13, w2 = meld.pack_moe_weights(w13, w2)
     route = (logits, None, None) if routing == "logits" else (None, w, ids)
     torch.library.opcheck(torch.ops.meld.moe.default, (x, route[0], w13, w2, *route[1:], torch.empty_like(x),
                                                        layer.handle))

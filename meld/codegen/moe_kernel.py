@@ -70,6 +70,7 @@ class MoeKernelConfig:
     k_boxes: int = 1             # 64-wide K boxes per ring stage of narrow tiles (token blocks up to 32): 1 or 2
                                  # (each weight row read in runs of 256 bytes; on the MoE layers' A/B it was
                                  # mixed, 0.965-1.023: bench/RESULTS.md 2026-12-01, so 1 stays the default)
+    packed_weights: bool = False  # weights as meld.pack_moe_weights lays them out: one bulk copy per stage
     absent_pairs: bool = False   # a precomputed id outside the layer's experts (MoE first_expert..+num_experts)
                                  # is a pair another rank serves (expert parallelism): skipped, not an error;
                                  # a token with only such pairs keeps its output row unwritten
@@ -81,6 +82,8 @@ class MoeKernelConfig:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if self.k_boxes not in (1, 2):
             raise ValueError(f"k_boxes={self.k_boxes!r}: expected 1 or 2")
+        if self.packed_weights and self.boxes != 1:
+            raise ValueError(f"packed_weights with k_boxes={self.k_boxes}: packed weights run one K box a stage")
         if not 0 <= self.num_stages <= 16 or self.stages < 2:
             raise ValueError(f"num_stages={self.num_stages}: {self.stages} stages of {self.stage_bytes} bytes "
                              f"do not fit {SMEM_PER_CTA_MAX} bytes of shared memory")
@@ -118,7 +121,7 @@ class MoeKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_moe_bf16_n{self.block_tokens}_s{self.stages}" + (f"_k{self.boxes}" if self.boxes > 1 else "")
-                + ("_prof" if self.profile else "")
+                + ("_pw" if self.packed_weights else "") + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else ""))
 
@@ -137,6 +140,7 @@ class MoeKernelConfig:
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
+            f"#define MELD_PACKED {int(self.packed_weights)}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),
                           "namespace meld {\n" + "".join(map(wgmma_bf16, tile_token_widths(self.block_tokens)))

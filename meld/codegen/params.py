@@ -210,6 +210,8 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("prof_clock", "ptr", "unsigned*"),     # sampled profiles: [launch, exits] (common.cuh: Profiler)
     Field("watchdog", "ptr", "WatchdogRecord*"),
     Field("watchdog_claim", "ptr", "int*"),
+    Field("w13_packed", "ptr", "const u16*"),    # MELD_PACKED: meld/ops/moe_weights.py's layouts
+    Field("w2_packed", "ptr", "const u16*"),
     Field("w13_map", "tmap"),                    # [E * 2I, H]
     Field("w2_map", "tmap"),                     # [E * H, I]
     Field("xs_map", "tmap"),                     # [rows, H], boxes of a row block's rows

@@ -24,6 +24,7 @@ from ..scheduler.moe_plan import plan_moe_host
 from .base import Operator
 from .checks import check_positive, expect, plain, resolve_device
 from .moe_graph import moe_graph
+from .moe_weights import packed_shapes, unpack_moe_weights
 
 _PROFILE_CAP = 4096      # timed records per CTA in profiling builds
 # Rows a lone routing CTA copies itself rather than launch dispatch (templates/moe.cuh). One SM moves
@@ -38,7 +39,7 @@ def _describe_ticket(ticket: int) -> str:
 
 @dataclass
 class _Variant:
-    """The kernels of one token-block size, loaded, with their parameter struct."""
+    """The kernels of one token-block size and weight layout, loaded, with their parameter struct."""
 
     config: MoeKernelConfig
     route: object
@@ -65,6 +66,8 @@ class MoE(Operator):
         moe = meld.MoE(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8,
                        dtype=torch.bfloat16, device="cuda", max_num_tokens=8192)
         out = moe(x, router_logits, w13, w2)
+        w13p, w2p = meld.pack_moe_weights(w13, w2)   # once, at load: the kernel streams them in bulk runs
+        out = moe(x, router_logits, w13p, w2p)
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -93,7 +96,7 @@ class MoE(Operator):
             raise ValueError(f"first_expert={first_expert}, absent_pairs={self._kernel_config.absent_pairs}: a slice "
                              "of the experts runs on the GPU only")
         self.first_expert = first_expert
-        self._variants: dict[int, _Variant] = {}
+        self._variants: dict[tuple[int, bool], _Variant] = {}
         if self.device.type == "cuda":
             self._init_cuda()
         else:   # the CPU executor plans for the H200, as decode attention's does
@@ -142,14 +145,14 @@ class MoE(Operator):
         c1, c2 = tile_columns(block_tokens)
         return -(-self.intermediate_size // c1), -(-self.hidden_size // c2)
 
-    def _variant(self, block_tokens: int) -> _Variant:
-        v = self._variants.get(block_tokens)
+    def _variant(self, block_tokens: int, packed: bool = False) -> _Variant:
+        v = self._variants.get((block_tokens, packed))
         if v is not None:
             return v
         from ..runtime.tensor_map import tensor_map_2d
 
         base = self._kernel_config
-        cfg = dataclasses.replace(base, block_tokens=block_tokens)
+        cfg = dataclasses.replace(base, block_tokens=block_tokens, packed_weights=packed)
         k = self._kernels(cfg, {"meld_moe_route": (1024, route_smem_bytes(self.num_experts)), "meld_moe_scatter": (32 * SCATTER_WARPS, 0),
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs
@@ -169,7 +172,7 @@ class MoE(Operator):
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)
         if v.main.ctas_per_sm != 1:
             raise RuntimeError(f"{cfg.name}: expected one CTA per SM, occupancy says {v.main.ctas_per_sm}")
-        self._variants[block_tokens] = v
+        self._variants[block_tokens, packed] = v
         return v
 
     # --- the call -------------------------------------------------------------------------------------
@@ -179,7 +182,8 @@ class MoE(Operator):
         """out [T, H] = the MoE layer on x [T, H]. Route from `router_logits` [T, E] (float32 or the
         activation dtype), or pass `topk_weights` (float32) and `topk_ids` (int32/int64) [T, top_k]
         instead (vLLM's `fused_experts`); an id out of range or repeated in a row gives that token NaN
-        on the GPU (a ValueError on the CPU, where it is checked)."""
+        on the GPU (a ValueError on the CPU, where it is checked). w13 and w2 as laid out in the class
+        docstring, or both as `meld.pack_moe_weights` packs them."""
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
@@ -189,8 +193,7 @@ class MoE(Operator):
         T = x.shape[0]
         if T > self.max_num_tokens:
             raise ValueError(f"x has {T} tokens, more than max_num_tokens={self.max_num_tokens}")
-        expect("w13", w13, self.dtype, (E, 2 * I, H), "experts x 2*intermediate_size x hidden_size", dev, True)
-        expect("w2", w2, self.dtype, (E, H, I), "experts x hidden_size x intermediate_size", dev, True)
+        self._check_weights(w13, w2)
         if (router_logits is None) == (topk_ids is None):
             raise ValueError("pass either router_logits or (topk_weights, topk_ids), not both or neither")
         if router_logits is not None:
@@ -217,9 +220,26 @@ class MoE(Operator):
         if T == 0:
             return out
         if dev.type == "cpu":
+            if w13.dim() == 6:
+                w13, w2 = unpack_moe_weights(w13, w2, H, I)
             return self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, out)
         self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, out)
         return out
+
+    def _check_weights(self, w13: torch.Tensor, w2: torch.Tensor, contiguous: bool = True) -> None:
+        """ValueError unless w13 and w2 are this layer's weights: as laid out in the class docstring, or both
+        packed by meld.pack_moe_weights (a 6-D w13)."""
+        H, I, E, dev = self.hidden_size, self.intermediate_size, self.num_experts, self.device
+        if isinstance(w13, torch.Tensor) and w13.dim() == 6:
+            s13, s2 = packed_shapes(H, I, E)
+            expect("w13", w13, self.dtype, s13, "packed by meld.pack_moe_weights: experts x K boxes x 64-column "
+                   "blocks of I x (gate, up) x 64 x 64", dev, contiguous)
+            expect("w2", w2, self.dtype, s2, "packed by meld.pack_moe_weights: experts x K boxes x 64-row blocks "
+                   "of H x 64 x 64", dev, contiguous)
+        else:
+            expect("w13", w13, self.dtype, (E, 2 * I, H), "experts x 2*intermediate_size x hidden_size", dev,
+                   contiguous)
+            expect("w2", w2, self.dtype, (E, H, I), "experts x hidden_size x intermediate_size", dev, contiguous)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         bad = (ids < 0) | (ids >= self.num_experts)
@@ -243,7 +263,8 @@ class MoE(Operator):
             topk_w = topk_w.contiguous()
         elif logits.stride(1) != 1:
             logits = logits.contiguous()
-        v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts))
+        packed = w13.dim() == 6
+        v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts), packed)
         p = v.params
         p.x, p.x_stride, p.out, p.out_stride, p.num_tokens = x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), T
         if logits is not None:
@@ -251,8 +272,11 @@ class MoE(Operator):
             p.topk_ids_in = p.topk_w_in = 0
         else:
             p.logits, p.topk_ids_in, p.topk_w_in = 0, topk_ids.data_ptr(), topk_w.data_ptr()
-        p.w13_map = self._weight_maps.get(w13.view(-1, self.hidden_size))
-        p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
+        if packed:
+            p.w13_packed, p.w2_packed = w13.data_ptr(), w2.data_ptr()
+        else:
+            p.w13_map = self._weight_maps.get(w13.view(-1, self.hidden_size))
+            p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
         self._watchdog.check()
         nblk = -(-T // ROUTE_BLOCK)
         if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)

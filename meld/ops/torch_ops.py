@@ -102,12 +102,10 @@ def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
 
 def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
     layer = lookup(handle, MoE)
-    H, I, E, k, dt, dev = (layer.hidden_size, layer.intermediate_size, layer.num_experts, layer.top_k, layer.dtype,
-                           layer.device)
+    H, E, k, dt, dev = layer.hidden_size, layer.num_experts, layer.top_k, layer.dtype, layer.device
     expect("x", x, dt, (None, H), "tokens x hidden_size", dev)
     T = x.shape[0]
-    expect("w13", w13, dt, (E, 2 * I, H), "experts x 2*intermediate_size x hidden_size", dev)
-    expect("w2", w2, dt, (E, H, I), "experts x hidden_size x intermediate_size", dev)
+    layer._check_weights(w13, w2, contiguous=False)
     if (router_logits is None) == (topk_ids is None):
         raise ValueError("pass either router_logits or (topk_weights, topk_ids), not both or neither")
     if router_logits is not None:

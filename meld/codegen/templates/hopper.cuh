@@ -12,6 +12,13 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, in
                ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// A contiguous run of `bytes` (a multiple of 16, both ends 16-byte aligned) into this CTA's shared memory;
+// its bytes complete on `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // Ask for `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory in L2, without waiting.
 __device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");

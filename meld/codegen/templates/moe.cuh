@@ -501,9 +501,17 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + n * BK * 2));
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
+        if (MELD_PACKED) {   // the stage's live boxes: one run (meld/ops/moe_weights.py), K_BOXES 1
+          const int k = kk * K_BOXES + b, nkb = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
+          const int nb = ((kind ? p.hidden : p.inter) + W_ROWS - 1) / W_ROWS;   // 64-row blocks of the output
+          const u16* src = kind ? p.w2_packed + ((i64)(expert * nkb + k) * nb + col * NBOX) * (W_BOX / 2)
+                                : p.w13_packed + ((i64)(expert * nkb + k) * nb + col * NACC) * 2 * (W_BOX / 2);
+          bulk_load(dst + b * BOX_SET, src, nlive * W_BOX, full);
+        } else {
 #pragma unroll
-        for (int q = 0; q < NBOX; ++q)
-          if (live >> q & 1) tma_load_2d(dst + b * BOX_SET + q * W_BOX, wmap, (kk * K_BOXES + b) * BK, wrow[q], full);
+          for (int q = 0; q < NBOX; ++q)
+            if (live >> q & 1) tma_load_2d(dst + b * BOX_SET + q * W_BOX, wmap, (kk * K_BOXES + b) * BK, wrow[q], full);
+        }
         if (kk >= early)
           for (int i = 0; i < tboxes; ++i)
             tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * 2, tmap, (kk * K_BOXES + b) * BK,
