@@ -13,14 +13,16 @@ the first choice of half the tokens (ceil(T/2), seeded permutation) by raising i
 largest logit + SKEW_MARGIN: a fixed large constant would force it too, but would drive the other k-1
 softmax weights to ~e^-C, where no check could see them. Both implementations start from the logits:
 softmax top-k routing (renormalised) is inside every timed region.
-  meld:  `meld.MoE(...)(x, router_logits, w13, w2)`, one module per shape with max_num_tokens = the run's
-         largest T (construction time reported as init).
+  meld:  `meld.MoE(...)(x, router_logits, w13p, w2p)`, one module per shape with max_num_tokens = the run's
+         largest T (construction time reported as init), on the weights packed once per shape by
+         `meld.pack_moe_weights` (as an engine packs at load; `--weights plain` times w13 / w2 as given).
   torch: `torch_grouped_mm_moe` below: softmax, topk, renormalise -> sort the (token, expert) pairs by
          expert -> grouped_mm gate/up -> SiLU(gate)*up -> grouped_mm down -> weighted index_add_ (fp32).
 Correctness before timing: every output against a float64 reference (routing selected on float32 softmax,
 as both implementations do; weights and math in float64), ‖out − ref‖/‖ref‖ < 1e-2 and
 max|out − ref| / max|ref| < 2e-2, no NaN; meld also against the peer (both < 2e-2), on each of its call
-paths: logits, precomputed routing (topk_weights/topk_ids) and `meld.fused_moe` where it exists. (Its
+paths: logits, precomputed routing (topk_weights/topk_ids), the plain weights when timed on packed ones, and
+`meld.fused_moe` where it exists. (Its
 outputs are allocated by meld, so they cannot be poisoned first: the NaN check stands in.) Cases above
 --check-max-tokens (default: none) are checked against the peer only. Device time: median of CUDA-graph replays with a
 cold L2 (`bench.harness.graph_time_us`); meld's eager latency beside it. Ceilings measured in the same run.
@@ -158,15 +160,17 @@ class Inputs:
     w2: torch.Tensor
     touched: int  # distinct experts the routing selects
     max_load: int  # (token, expert) pairs on the busiest expert
+    meld_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) as meld is timed on them
 
 
-def make_inputs(case: Case, w13: torch.Tensor, w2: torch.Tensor, seed: int, device: str) -> Inputs:
+def make_inputs(case: Case, w13: torch.Tensor, w2: torch.Tensor, seed: int, device: str,
+                meld_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> Inputs:
     logits = router_logits(case.shape, case.tokens, case.routing, seed)
     _, ids = route(logits, case.shape.top_k, RENORMALIZE)
     load = torch.bincount(ids.flatten(), minlength=case.shape.experts)
     g = torch.Generator(device=device).manual_seed(seed + 1 + case.tokens)
     x = torch.randn(case.tokens, case.shape.hidden, generator=g, dtype=DTYPE, device=device)
-    return Inputs(case, x, logits.to(device), w13, w2, int((load > 0).sum()), int(load.max()))
+    return Inputs(case, x, logits.to(device), w13, w2, int((load > 0).sum()), int(load.max()), meld_weights)
 
 
 # ---------------------------------------------------------------------------------- the torch peer
@@ -236,17 +240,21 @@ def new_meld_moe(shape: Shape, max_tokens: int, device: str) -> Any:
 
 
 def build_meld(inp: Inputs, moe: Any) -> Impl:
-    """Times the module with logits (routing inside); checks that path, precomputed routing and fused_moe."""
+    """Times the module with logits (routing inside) on `inp.meld_weights` (packed unless --weights plain);
+    checks that path, the plain weights, precomputed routing and fused_moe."""
     import meld
 
     x, logits, w13, w2, k = inp.x, inp.logits, inp.w13, inp.w2, inp.case.shape.top_k
+    mw13, mw2 = inp.meld_weights or (w13, w2)
 
     weights, ids = route(logits, k, RENORMALIZE)
-    paths = [("moe(x, logits)", lambda: moe(x, logits, w13, w2)),  # ids as torch.topk makes them (int64)
-             ("moe(x, None, topk_weights=, topk_ids=)", lambda: moe(x, None, w13, w2, topk_weights=weights, topk_ids=ids))]
+    paths = [("moe(x, logits)", lambda: moe(x, logits, mw13, mw2)),  # ids as torch.topk makes them (int64)
+             ("moe(x, None, topk_weights=, topk_ids=)", lambda: moe(x, None, mw13, mw2, topk_weights=weights, topk_ids=ids))]
+    if mw13 is not w13:
+        paths.append(("moe(x, logits), plain weights", lambda: moe(x, logits, w13, w2)))
     if hasattr(meld, "fused_moe"):
         paths.append(("fused_moe", lambda: meld.fused_moe(x, w13, w2, logits, k, renormalize=RENORMALIZE)))
-    return Impl(lambda: moe(x, logits, w13, w2), paths)
+    return Impl(lambda: moe(x, logits, mw13, mw2), paths)
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -302,7 +310,7 @@ def write_trace(moe: Any, inp: Inputs, folder: Path, runs: int = 5) -> str:
     from meld.runtime.profile import render_png
 
     def run() -> Any:
-        return moe(inp.x, inp.logits, inp.w13, inp.w2)
+        return moe(inp.x, inp.logits, *(inp.meld_weights or (inp.w13, inp.w2)))
 
     graph, _ = capture(run)
     traces = []
@@ -401,6 +409,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="check against the float64 reference up to this T; above it, against the peer only")
     add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", choices=("packed", "plain"), default="packed",
+                   help="meld's weights: packed once per shape by meld.pack_moe_weights (default), or w13 / w2 as given")
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, metavar="PATH", help="write env, ceilings and every row here "
                    "(rewritten after each case)")
@@ -458,19 +468,23 @@ def run_shape(shape: Shape, args: argparse.Namespace, ceilings: dict[str, Any], 
     """Every case of one shape on one set of weights (freed on return, so only one shape's weights live)."""
     device, max_tokens = DEVICE, max(args.tokens)
     w13, w2 = make_weights(shape, args.seed, device)
-    moe, init_us, traced, trace_note = None, None, None, None
+    moe, init_us, traced, trace_note, meld_weights = None, None, None, None, None
     if "meld" in args.impls:
         try:
             t0 = time.perf_counter()
             moe = new_meld_moe(shape, max_tokens, device)
             init_us = (time.perf_counter() - t0) * 1e6
             print(f"{shape.name}: meld.MoE(max_num_tokens={max_tokens}) built in {init_us / 1e3:.0f} ms", flush=True)
+            if args.weights == "packed":   # once per shape, as an engine packs at load time
+                import meld
+
+                meld_weights = meld.pack_moe_weights(w13, w2)
         except Exception as e:  # noqa: BLE001 - the peer still runs on this shape
             traceback.print_exc(limit=-4)
             record_failure(failures, f"{shape.name} meld: constructor: {type(e).__name__}: {e}", indent="  ")
     for case in [c for c in cases_of(args) if c.shape == shape]:
         done[0] += 1
-        inp = make_inputs(case, w13, w2, args.seed, device)
+        inp = make_inputs(case, w13, w2, args.seed, device, meld_weights)
         print(f"[{done[0]}/{total}] {case.name}: {inp.touched} experts touched, busiest {inp.max_load} pairs",
               flush=True)
         ref = (reference_moe(inp.x, w13, w2, inp.logits, shape.top_k, RENORMALIZE)
@@ -495,7 +509,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, ceilings: dict[str, Any], 
         free_cuda()
         if args.json:
             table.dump_json(args.json, env=env, ceilings=ceilings, args=vars(args), failures=failures)
-    del w13, w2, moe, traced
+    del w13, w2, moe, traced, meld_weights
     free_cuda()
 
 
