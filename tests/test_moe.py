@@ -245,6 +245,7 @@ def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, kernel
     (20, 128, 64, 40, 36),     # top_k > 32: routing writes its pairs in chunks of 32 lanes
     (5, 2568, 64, 4, 2),       # rows of x longer than one dispatch chunk (2048 elements), one partial
     (500, 264, 136, 4, 2),     # wide tiles whose last column blocks skip weight boxes past I and past H
+    (1, 200, 136, 5, 3),       # one token whose row is not whole 64-element K boxes: copied, not read from x
 ])
 def test_gpu_matches_dense_reference(T, H, I, E, k):
     gpu_case(T, H, I, E, k)
@@ -252,9 +253,10 @@ def test_gpu_matches_dense_reference(T, H, I, E, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H,I,E,k", [(1, 256, 128, 8, 2), (7, 200, 136, 5, 3), (100, 512, 256, 16, 4),
-                                       (40, 128, 64, 6, 6), (5, 2568, 64, 4, 2)])
+                                       (40, 128, 64, 6, 6), (5, 2568, 64, 4, 2), (1, 320, 136, 5, 3)])
 def test_gpu_two_k_boxes_a_stage_match_dense_reference(T, H, I, E, k):
-    """Narrow tiles with two K boxes a ring stage (H and I not multiples of 128: a last box past K)."""
+    """Narrow tiles with two K boxes a ring stage (H and I not multiples of 128: a last box past K; one
+    token whose row ends inside a stage is copied, not read from x)."""
     gpu_case(T, H, I, E, k, kernel_config=MoeKernelConfig(k_boxes=2))
 
 

@@ -283,6 +283,8 @@ class MoE(Operator):
             self._prof.zero_()
         p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
                                  and T * self.top_k <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
+        # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied.
+        p.x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0)
         v.route.launch(nblk, p)
         if not p.route_dispatches:
             v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)

@@ -1,6 +1,6 @@
 // meld fused MoE: routing, planning from routing, dispatch and one persistent kernel of expert GEMM tiles
 // with just-in-time combines. Three launches in stream order (two for a few rows: the lone routing CTA
-// dispatches too), each after the first a programmatic dependent of the one before (it starts its prologue
+// dispatches too, or, for one token, the gemm1 tiles read its row of x themselves), each after the first a programmatic dependent of the one before (it starts its prologue
 // while the one before finishes); no host synchronisation anywhere, so the layer is CUDA-graph capturable
 // within the capacity the buffers were sized for.
 //
@@ -377,7 +377,8 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       __syncthreads();   // placed
       // One (pair, chunk of the row) per warp at a time, so all the copies of a few rows are in flight at once
       // (one warp copying a 14 KB row's chunks one after another took 4-5 µs, bench/RESULTS.md 2026-12-01).
-      const int vecs = p.hidden / 8, chunks = (vecs + SCATTER_CHUNK - 1) / SCATTER_CHUNK;
+      // A lone token (x_direct) is read from x by the gemm1 tiles themselves: nothing to copy.
+      const int vecs = p.hidden / 8, chunks = p.x_direct ? 0 : (vecs + SCATTER_CHUNK - 1) / SCATTER_CHUNK;
       uint4 row[SCATTER_VECS];
       for (int u = warp; u < p.num_tokens * K * chunks; u += blockDim.x / 32) {
         const int pair = u / chunks, c = u % chunks * SCATTER_CHUNK, r = placed[pair];
@@ -459,6 +460,10 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     const void* tmap = part ? (kind ? (const void*)&p.act_part_map : (const void*)&p.xs_part_map)
                             : (kind ? (const void*)&p.act_map : (const void*)&p.xs_map);
     const int tboxes = part ? n / T_ROWS : 1, trows = part ? T_ROWS : BLOCK_TOKENS;
+    // One token (x_direct: H a multiple of 64, so no K box runs past x's row): a gemm1 tile's token operand
+    // is x's row itself, 128 bytes a K box into the box's first row (unswizzled: row 0); its other rows
+    // keep whatever the stage held, which only feeds accumulator columns that are never stored.
+    const bool direct = p.x_direct && kind == 0;
     int wrow[NBOX];
     if (kind == 0) {
       const i64 e0 = (i64)expert * 2 * p.inter;
@@ -498,7 +503,7 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       if (kk == nk) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
-      mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + n * BK * 2));
+      mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + (direct ? BK * 2 : n * BK * 2)));
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
         if (MELD_PACKED) {   // the stage's live boxes: one run (meld/ops/moe_weights.py), K_BOXES 1
@@ -512,7 +517,9 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
           for (int q = 0; q < NBOX; ++q)
             if (live >> q & 1) tma_load_2d(dst + b * BOX_SET + q * W_BOX, wmap, (kk * K_BOXES + b) * BK, wrow[q], full);
         }
-        if (kk >= early)
+        if (direct)
+          bulk_load(dst + b * BOX_SET + NBOX * W_BOX, p.x + (kk * K_BOXES + b) * BK, BK * 2, full);
+        else if (kk >= early)
           for (int i = 0; i < tboxes; ++i)
             tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * 2, tmap, (kk * K_BOXES + b) * BK,
                         row0 + i * trows, full);
