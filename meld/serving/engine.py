@@ -150,7 +150,7 @@ class Engine:
                     seen.add(bt)
                     w = self.model.layers[0]
                     x = torch.zeros(t, c.hidden_size, dtype=c.dtype, device=self.device)
-                    moe(x, torch.zeros(t, c.num_experts, device=self.device), w.w13, w.w2)
+                    moe(x, torch.zeros(t, c.num_experts, device=self.device), *self.model.moe_weights(w))
         self._stage_padding()
         for rows in (self.buckets[0], self.buckets[-1]):
             self.backend.plan(self._padding_table(rows))

@@ -208,6 +208,7 @@ class LayerWeights:
     router: torch.Tensor | None = None    # MoE: [E, H]
     w13: torch.Tensor | None = None       # MoE: [E, 2 I, H]
     w2: torch.Tensor | None = None        # MoE: [E, H, I]
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None   # MoE on the GPU: meld.pack_moe_weights(w13, w2)
 
 
 class DecoderModel:
@@ -273,7 +274,17 @@ class DecoderModel:
         if impl not in self._moes:
             self._moes[impl] = (MeldMoE(self.config, self.device, self._moe_max_tokens) if impl == "meld"
                                 else TorchMoE(self.config.top_k))
+        if impl == "meld" and self.device.type == "cuda":   # meld's MoE runs on packed weights, packed at load
+            import meld
+
+            for w in self.layers:
+                if w.packed is None:
+                    w.packed = meld.pack_moe_weights(w.w13, w.w2)
         self.moe = self._moes[impl]
+
+    def moe_weights(self, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's expert weights as the current MoE takes them (meld's on the GPU: packed)."""
+        return w.packed if self.moe is self._moes.get("meld") and w.packed is not None else (w.w13, w.w2)
 
     @property
     def moe_name(self) -> str:
@@ -293,7 +304,7 @@ class DecoderModel:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if self.config.is_moe:
             logits = (x @ w.router.T).float()
-            return self.moe(x, logits, w.w13, w.w2, self.routing(logits) if self.routing is not None else None)
+            return self.moe(x, logits, *self.moe_weights(w), self.routing(logits) if self.routing is not None else None)
         gate, up = (x @ w.gate_up.T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ w.down.T
 
