@@ -152,6 +152,8 @@ def test_cpu_executor_takes_packed_weights_and_checks_them():
         moe(x, logits, p13, w2)
     with pytest.raises(ValueError, match="w13 must have shape"):
         moe(x, logits, p13[:, :1], p2)
+    with pytest.raises(ValueError, match="packed by meld.pack_moe_weights go to a meld.MoE"):
+        meld.fused_moe(x, p13, p2, logits, k)
 
 
 def test_route_key_slots_are_whole_16_byte_loads():
