@@ -283,6 +283,29 @@ def test_gpu_packed_weights_give_the_same_bits(T, H, I, E, k):
 
 
 @pytest.mark.gpu
+def test_gpu_routing_order_ties_and_nan():
+    """GPU routing's order: a NaN logit first, then larger logits, the smaller expert first among equal ones;
+    the same experts and weight bits whether the token's routing CTA plans alone (T = 4) or is one of two."""
+    H, I, E, k = 256, 128, 64, 6
+    rows = torch.randn(4, E)
+    rows[1, [17, 3, 9]] = rows[1].max() + 1.0    # a three-way tie at the top
+    rows[2] = 0.5
+    rows[2, 40] = 2.0                           # the rest all equal: the smallest ids fill the places
+    rows[3, 11] = float("nan")
+    w13, w2 = weights(E, H, I, "cuda")
+    picks = []
+    for T in (4, 40):    # one routing CTA; two
+        moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=T)
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        moe(x, rows.repeat(T // 4, 1).cuda(), w13, w2)
+        torch.cuda.synchronize()
+        picks.append((moe._bufs["topk_ids"][:4 * k].cpu(), moe._bufs["topk_w"][:4 * k].cpu().view(torch.int32)))
+    assert torch.equal(picks[0][0], picks[1][0]) and torch.equal(picks[0][1], picks[1][1])
+    ids = picks[0][0].view(4, k)
+    assert ids[1, :3].tolist() == [3, 9, 17] and ids[2].tolist() == [40, 0, 1, 2, 3, 4] and ids[3, 0] == 11
+
+
+@pytest.mark.gpu
 def test_gpu_plan_matches_numpy_plan():
     T, E, k = 700, 16, 4
     moe, *_ = gpu_case(T, 256, 200, E, k, logits=skewed_logits(T, E))
