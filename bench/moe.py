@@ -249,7 +249,8 @@ def build_meld(inp: Inputs, moe: Any) -> Impl:
 
     weights, ids = route(logits, k, RENORMALIZE)
     paths = [("moe(x, logits)", lambda: moe(x, logits, mw13, mw2)),  # ids as torch.topk makes them (int64)
-             ("moe(x, None, topk_weights=, topk_ids=)", lambda: moe(x, None, mw13, mw2, topk_weights=weights, topk_ids=ids))]
+             ("moe(x, None, topk_weights=, topk_ids=)",
+              lambda: moe(x, None, mw13, mw2, topk_weights=weights, topk_ids=ids))]
     if mw13 is not w13:
         paths.append(("moe(x, logits), plain weights", lambda: moe(x, logits, w13, w2)))
     if hasattr(meld, "fused_moe"):
@@ -410,7 +411,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights", choices=("packed", "plain"), default="packed",
-                   help="meld's weights: packed once per shape by meld.pack_moe_weights (default), or w13 / w2 as given")
+                   help="meld's weights: packed once per shape by meld.pack_moe_weights (default), or w13 / w2 "
+                        "as given")
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, metavar="PATH", help="write env, ceilings and every row here "
                    "(rewritten after each case)")

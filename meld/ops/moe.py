@@ -345,8 +345,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logit
     """
     if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
         packed = isinstance(w13, torch.Tensor) and w13.dim() == 6
-        raise ValueError(f"w13 must be a 3-D tensor [E, 2*I, H], got {getattr(w13, 'shape', type(w13).__name__)}"
-                         + ("; weights packed by meld.pack_moe_weights go to a meld.MoE (which knows I)" if packed else ""))
+        hint = "; weights packed by meld.pack_moe_weights go to a meld.MoE (which knows I)" if packed else ""
+        raise ValueError(f"w13 must be a 3-D tensor [E, 2*I, H], got {getattr(w13, 'shape', type(w13).__name__)}{hint}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [T, H], got {getattr(x, 'shape', type(x).__name__)}")
     E, I2, H = w13.shape

@@ -25,7 +25,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def packed_shapes(hidden_size: int, intermediate_size: int, num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def packed_shapes(hidden_size: int, intermediate_size: int,
+                  num_experts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the packed w13 and w2 of a layer."""
     H, I, E = hidden_size, intermediate_size, num_experts
     return (E, _cdiv(H, BOX), _cdiv(I, BOX), 2, BOX, BOX), (E, _cdiv(I, BOX), _cdiv(H, BOX), BOX, BOX)

@@ -1,8 +1,9 @@
 // meld fused MoE: routing, planning from routing, dispatch and one persistent kernel of expert GEMM tiles
 // with just-in-time combines. Three launches in stream order (two for a few rows: the lone routing CTA
-// dispatches too, or, for one token, the gemm1 tiles read its row of x themselves), each after the first a programmatic dependent of the one before (it starts its prologue
-// while the one before finishes); no host synchronisation anywhere, so the layer is CUDA-graph capturable
-// within the capacity the buffers were sized for.
+// dispatches too, or, for one token, the gemm1 tiles read its row of x themselves), each after the first a
+// programmatic dependent of the one before (it starts its prologue while the one before finishes); no host
+// synchronisation anywhere, so the layer is CUDA-graph capturable within the capacity the buffers were
+// sized for.
 //
 //   meld_moe_route    one warp per token: softmax over E logits, top-k, optional renormalisation (or the
 //                     caller's topk_ids / topk_weights, validated, less expert_base; MELD_ABSENT_PAIRS: an
@@ -460,7 +461,7 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     const void* tmap = part ? (kind ? (const void*)&p.act_part_map : (const void*)&p.xs_part_map)
                             : (kind ? (const void*)&p.act_map : (const void*)&p.xs_map);
     const int tboxes = part ? n / T_ROWS : 1, trows = part ? T_ROWS : BLOCK_TOKENS;
-    // One token (x_direct: H a multiple of 64, so no K box runs past x's row): a gemm1 tile's token operand
+    // One token (x_direct: H whole stages of K boxes, so none runs past x's row): a gemm1 tile's token operand
     // is x's row itself, 128 bytes a K box into the box's first row (unswizzled: row 0); its other rows
     // keep whatever the stage held, which only feeds accumulator columns that are never stored.
     const bool direct = p.x_direct && kind == 0;
