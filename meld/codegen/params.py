@@ -233,7 +233,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("n2", "i32"),                          # gemm2 column blocks: ceil(H / 256)
     Field("lag", "i32"),                         # tickets between an expert's last gemm1 and first gemm2 tile
     Field("route_dispatches", "i32"),            # 1: the (lone) routing CTA copies the rows, no dispatch launch
-    Field("x_direct", "i32"),                    # 1: one token and H % 64 == 0: gemm1 tiles read x's row, no copy
+    Field("x_direct", "i32"),                    # 1: one token, H whole stages: gemm1 tiles read x's row, no copy
     Field("prof_cap", "i32"),
     Field("prof_every", "i32"),                  # a profiled kernel records one launch in this many
     Field("watchdog_kernel", "i32"),

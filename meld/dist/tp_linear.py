@@ -12,9 +12,9 @@ launch. At decode sizes (every CTA one piece, token blocks of at most 64) the ke
 instead: each CTA stores its partial into every rank's window as words that carry the launch's tag, and
 sums its share of the tile once every part's words carry it (tp_linear.cuh, tp_direct). The proxy
 transport (`transport="proxy"`, the model of RDMA between nodes) carries the same as puts and signals into
-every rank's window. With
-`merge="owner"` each tile is summed at its owner rank by whichever partial arrives last and written into
-every rank's output: fewer bytes per rank in larger groups, slower on two H200s (bench/RESULTS.md).
+every rank's window. With `merge="owner"` each tile is summed at its owner rank by whichever partial
+arrives last and written into every rank's output: fewer bytes per rank in larger groups, slower on two
+H200s (bench/RESULTS.md).
 templates/tp_linear.cuh says how each works and why neither deadlocks.
 
 The output is a view of this rank's symmetric window (torch symmetric memory), complete when the launch
