@@ -1,7 +1,8 @@
-"""meld.dist on two GPUs of one node (the device tool's nvidia-h200-x2): sequence-parallel decode
-attention, the row-parallel linear and the expert-parallel MoE, checked on every rank against float64 on
-fresh random inputs, outputs poisoned before each run, repeated launches bit-identical, a CUDA graph
-replayed on new inputs."""
+"""meld.dist on two GPUs of one node (the device tool's nvidia-h200-x2), and as two ranks sharing one GPU
+(`spawn(share_gpu=True)`: CUDA IPC windows, the ranks' kernels time-sliced: the cross-rank protocols
+without a second GPU): sequence-parallel decode attention, the row-parallel linear and the expert-parallel
+MoE, checked on every rank against float64 on fresh random inputs, outputs poisoned before each run,
+repeated launches bit-identical, a CUDA graph replayed on new inputs."""
 import math
 
 import pytest
@@ -9,9 +10,26 @@ import torch
 
 from meld.workloads import lengths, paged
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs two CUDA GPUs in one node (the device tool's nvidia-h200-x2)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# Where the ranks run: one GPU each (skipped without two), or both on one GPU.
+GPUS = [pytest.param(False, id="two-gpus", marks=pytest.mark.skipif(
+            not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+            reason="needs two CUDA GPUs in one node (the device tool's nvidia-h200-x2)")),
+        pytest.param(True, id="one-gpu-shared")]
+
+
+def _device():
+    """This rank's GPU (spawn set it: GPU r, or GPU 0 for ranks sharing one)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _all_gather(t):
+    """Every rank's `t`, on this rank's device (through the host: a gloo group has no GPU collectives)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, t.cpu())
+    return [e.to(t.device) for e in every]
 
 HKV, GROUP, D, P = 8, 4, 128, 16
 # Lengths: BENCH's skewed batch, one request split over both ranks, empties and odd lengths, a lone short
@@ -41,19 +59,23 @@ def _check(op, pb, kv, q, out, lse, what):
         assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3, what
 
 
+def _failure(op, what) -> str:
+    """`what` went wrong on this rank: with the watchdog's record and the proxy's state."""
+    from meld.runtime import watchdog
+
+    proxy = op.proxy and f"; proxy landed {op.proxy.landed_ops} ops, error {op.proxy.error!r}"
+    wd = watchdog.for_device(op.device)
+    return f"rank {op.rank}: {what}; {wd.message() if wd.tripped() else 'no watchdog record'}{proxy or ''}"
+
+
 def _sync(op, fn=lambda: None):
     """Run fn and wait for the device; a failed kernel is reported with the watchdog's record and the proxy's
     state."""
-    from meld.runtime import watchdog
-
     try:
         fn()
         torch.cuda.synchronize(op.device)
     except Exception as e:   # (a fault surfaces in the next CUDA call: a module load raises CudaError)
-        proxy = op.proxy and f"; proxy landed {op.proxy.landed_ops} ops, error {op.proxy.error!r}"
-        wd = watchdog.for_device(op.device)
-        raise AssertionError(f"rank {op.rank}: {e}; {wd.message() if wd.tripped() else 'no watchdog record'}"
-                             f"{proxy or ''}") from None
+        raise AssertionError(_failure(op, e)) from None
 
 
 def _poisoned_run(op, q, kv):
@@ -74,7 +96,7 @@ def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
     from meld.dist import SeqParallelDecode
     from meld.runtime.cuda_graphs import capture
 
-    dev = torch.device("cuda", rank)
+    dev = _device()
     op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=16, max_num_pages=16384,
                            min_split_tokens=1024, cluster_size=cluster_size, transport=transport, ordered=ordered,
                            chunk_bytes=1000)   # (the proxy: puts cut into chunks that do not divide rows)
@@ -141,14 +163,15 @@ def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
     op.close()
 
 
+@pytest.mark.parametrize("share_gpu", GPUS)
 @pytest.mark.parametrize("cluster_size, transport, ordered", [(1, "peer", True), (4, "peer", True),
                                                              (1, "proxy", True), (1, "proxy", False)])
-def test_seq_parallel_decode_on_two_gpus_matches_float64(cluster_size, transport, ordered):
+def test_seq_parallel_decode_on_two_ranks_matches_float64(cluster_size, transport, ordered, share_gpu):
     """cluster_size 4: a mix of cluster grids, split units merging on chip before they cross ranks. The proxy
     transport as if the GPUs were two nodes, its chunks landing in issue order or shuffled."""
     from meld.dist import spawn
 
-    spawn(_seq_parallel_rank, 2, cluster_size, transport, ordered)
+    spawn(_seq_parallel_rank, 2, cluster_size, transport, ordered, share_gpu=share_gpu)
 
 
 def _watchdog_rank(rank, world):
@@ -162,7 +185,7 @@ def _watchdog_rank(rank, world):
     from meld.runtime import watchdog
 
     host = dist.new_group(backend="gloo")   # rank 0's CUDA context dies with its kernel: meet on the host
-    dev = torch.device("cuda", rank)
+    dev = _device()
     kc = dataclasses.replace(DecodeKernelConfig.default("bfloat16", D), xrank="peer", watchdog_ms=100)
     op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=4, max_num_pages=1024,
                            min_split_tokens=1024, kernel_config=kc)
@@ -178,6 +201,7 @@ def _watchdog_rank(rank, world):
     os._exit(0)   # no teardown through a dead context
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs in one node (the device tool's nvidia-h200-x2)")
 def test_seq_parallel_watchdog_names_a_rank_that_never_ran():
     from meld.dist import spawn
 
@@ -215,7 +239,7 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
     from meld.dist import RowParallelLinear
     from meld.runtime.cuda_graphs import capture
 
-    dev = torch.device("cuda", rank)
+    dev = _device()
     kc = TpKernelConfig(merge=merge, transport=transport, partials=partials)
     for i, (m, k, n) in enumerate(TP_CASES):
         xs, ws, ref = _tp_inputs(m, k, n, world, 300 + i, dev)
@@ -227,7 +251,8 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
         dist.barrier()
         y = op(x, w)
         if transport == "proxy":   # a host thread that waits for the GPU holding the GIL starves no proxy
-            assert _sync_holding_gil() == 0
+            rc = _sync_holding_gil()
+            assert rc == 0, _failure(op, f"cuCtxSynchronize returned {rc} at (M, K, N) = {(m, k, n)}")
         assert y.data_ptr() == out.data_ptr() and y.shape == (m, n)
         first = y.clone()
         for _ in range(3):
@@ -237,8 +262,7 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
         err = ((first.double().cpu() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"(M, K, N) = {(m, k, n)}: relative error {err:.2e} on rank {rank}"
         assert torch.equal(first, y), f"(M, K, N) = {(m, k, n)}: launches differ: a race"
-        every = [torch.empty_like(first) for _ in range(world)]
-        dist.all_gather(every, first)
+        every = _all_gather(first)
         assert all(torch.equal(e, first) for e in every), "ranks disagree"
         if i == 1:   # bad input: clear errors, nothing launched, the operator usable afterwards
             with pytest.raises(ValueError, match="x"):
@@ -252,17 +276,13 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
             # window whose rank still reads the layer before.
             layers = [(torch.randn(m, k, device=dev).to(torch.bfloat16), w) for _ in range(4)]
             outs = [op(xl, wl).clone() for xl, wl in layers]
-            got = [torch.empty_like(outs[0]) for _ in range(world)]
             for j, ((xl, wl), o) in enumerate(zip(layers, outs)):
-                parts = [torch.empty_like(xl) for _ in range(world)]
-                dist.all_gather(parts, xl)   # every rank's input of layer j
-                wfull = [torch.empty_like(wl) for _ in range(world)]
-                dist.all_gather(wfull, wl)
+                parts = _all_gather(xl)   # every rank's input of layer j
+                wfull = _all_gather(wl)
                 r = sum(p.double() @ q.double().T for p, q in zip(parts, wfull))
                 e = ((o.double() - r).norm() / r.norm()).item()
                 assert e < 1e-2, f"layer {j} of 4 back to back: relative error {e:.2e}"
-                dist.all_gather(got, o)
-                assert all(torch.equal(a, o) for a in got)
+                assert all(torch.equal(a, o) for a in _all_gather(o))
             # A captured call, replayed on new inputs.
             xg = x.clone()
             graph, _ = capture(lambda: op(xg, w), device=dev)
@@ -284,12 +304,16 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
 @pytest.mark.parametrize("merge, transport, ordered, partials", [
     ("owner", "peer", True, "bfloat16"), ("owner", "peer", True, "float32"), ("every_rank", "peer", True, "bfloat16"),
     ("every_rank", "proxy", True, "bfloat16"), ("every_rank", "proxy", False, "float32")])
-def test_row_parallel_linear_on_two_gpus_matches_float64(merge, transport, ordered, partials):
+@pytest.mark.parametrize("share_gpu", GPUS)
+def test_row_parallel_linear_on_two_ranks_matches_float64(merge, transport, ordered, partials, share_gpu):
     """Both merges through NVLink peer memory; every-rank merges through the proxy transport as if the GPUs
     were two nodes, its chunks (1000 bytes: not whole rows) landing in issue order or shuffled."""
     from meld.dist import spawn
 
-    spawn(_tp_rank, 2, merge, transport, ordered, partials)
+    if share_gpu and transport == "proxy":
+        pytest.skip("on one GPU the proxy's copy into the other rank's IPC mapping did not return while this "
+                    "rank's kernel ran (CUDA error 719 once the watchdog trapped it): the proxy needs two GPUs")
+    spawn(_tp_rank, 2, merge, transport, ordered, partials, share_gpu=share_gpu)
 
 
 # --- expert-parallel MoE -------------------------------------------------------------------------------
@@ -337,7 +361,7 @@ def _ep_rank(rank, world, transport, ordered):
     from meld.dist import ExpertParallelMoE
     from meld.runtime.cuda_graphs import capture
 
-    dev = torch.device("cuda", rank)
+    dev = _device()
     for i, (H, I, E, k, T, routing) in enumerate(EP_CASES):
         xs, ids, wts, w13, w2 = _ep_inputs(H, I, E, k, T, routing, world, 500 + i)
         op = ExpertParallelMoE(H, I, E, k, max_num_tokens=T + 3, kernel_config=EpKernelConfig(transport=transport),
@@ -411,10 +435,11 @@ def _ep_rank(rank, world, transport, ordered):
 
 
 @pytest.mark.parametrize("transport, ordered", [("peer", True), ("proxy", True), ("proxy", False)])
-def test_expert_parallel_moe_on_two_gpus_matches_float64(transport, ordered):
+@pytest.mark.parametrize("share_gpu", GPUS)
+def test_expert_parallel_moe_on_two_ranks_matches_float64(transport, ordered, share_gpu):
     """Each rank's tokens through experts split over both GPUs, against float64: through NVLink peer memory,
     and through the proxy transport as if the GPUs were two nodes, its chunks (1000 bytes: not whole rows)
     landing in issue order or shuffled."""
     from meld.dist import spawn
 
-    spawn(_ep_rank, 2, transport, ordered)
+    spawn(_ep_rank, 2, transport, ordered, share_gpu=share_gpu)

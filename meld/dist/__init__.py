@@ -8,12 +8,13 @@ from .ep_moe import expert_parallel_moe
 from .expert_parallel import ExpertParallelMoE
 from .reduce import LastArriverReduce, run_ranks
 from .seq_decode import rank_partials, ranked_decode_schedule, seq_parallel_decode
-from .seq_parallel import SeqParallelDecode, SymmetricWindow, WindowLayout
+from .seq_parallel import SeqParallelDecode, WindowLayout
 from .shard import ShardPlan, shard_batch
 from .spawn import spawn
 from .tp_linear import RowParallelLinear
 from .tp_matmul import row_parallel_matmul
 from .transport import EmulatedTransport
+from .window import SymmetricWindow
 
 __all__ = ["EmulatedTransport", "ExpertParallelMoE", "LastArriverReduce", "expert_parallel_moe", "SeqParallelDecode", "ShardPlan", "SymmetricWindow", "WindowLayout",
            "RowParallelLinear", "rank_partials", "ranked_decode_schedule", "row_parallel_matmul", "run_ranks", "seq_parallel_decode", "shard_batch", "spawn"]

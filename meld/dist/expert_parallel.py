@@ -28,7 +28,7 @@ from ..ops.base import Operator
 from ..ops.checks import check_positive, expect, plain, resolve_device
 from ..ops.moe import MoE
 from ..ops.moe_graph import moe_graph
-from .seq_parallel import SymmetricWindow, pack_regions
+from .window import SymmetricWindow, pack_regions
 
 MAX_TOP_K = 32            # a warp's lanes hold a token's pairs (templates/ep_moe.cuh)
 

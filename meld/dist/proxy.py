@@ -50,7 +50,7 @@ class GpuProxy:
         self._records_t = torch.zeros(capacity * COMMAND.itemsize, dtype=torch.uint8, pin_memory=True)
         self._head_t = torch.zeros(1, dtype=torch.int64, pin_memory=True)   # records taken (the kernel reads it)
         self._tail = torch.zeros(1, dtype=torch.int64, device=dev)          # slots claimed (the kernel's counter)
-        peers = list(window.handle.buffer_ptrs)
+        peers = window.ptrs
         self._peers = (ctypes.c_ulonglong * len(peers))(*peers)
         cfg = ProxyConfig(records=self._records_t.data_ptr(), head=self._head_t.data_ptr(), capacity=capacity,
                           peers=ctypes.cast(self._peers, ctypes.c_void_p), window_bytes=window.local.numel(),

@@ -4,7 +4,7 @@ process group, in one persistent kernel per GPU and no collective.
 Every rank holds the whole batch's q and runs its parts of the batch (`shard_batch`: a long request is
 cut into one contiguous token range per rank, a short one stays whole on one rank) as a batch of its own
 through `DecodeAttention`'s kernel built with `xrank=True` (templates/decode_attention.cuh, MELD_XRANK).
-Results travel through one symmetric window per rank (torch symmetric memory), by one of two transports:
+Results travel through one symmetric window per rank (`meld.dist.window`), by one of two transports:
 - `"peer"` (NVLink peer memory, the GPUs of a node): a part's partial goes straight into the owner's
   window, the part whose arrival completes a unit's count merges the parts and writes the output into
   every rank's window;
@@ -20,7 +20,6 @@ The page table is the batch's, the same on every rank; the pages of the tokens r
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,19 +28,7 @@ import torch
 from ..ops.checks import check_positive, expect
 from ..ops.page_table import check_page_table
 from .shard import ShardPlan, shard_batch
-
-_ALIGN = 256
-
-
-def pack_regions(sizes: dict[str, int]) -> dict[str, int]:
-    """Byte offsets of a symmetric window's regions, in order, each at a 256-byte boundary (16-byte vector
-    and TMA alignment, and no two regions' counters in one line); "nbytes": the window's size."""
-    offsets, at = {}, 0
-    for name, size in sizes.items():
-        offsets[name] = at
-        at += -(-size // _ALIGN) * _ALIGN
-    return {**offsets, "nbytes": at}
-
+from .window import SymmetricWindow, pack_regions
 
 @dataclass(frozen=True)
 class WindowLayout:
@@ -65,24 +52,6 @@ class WindowLayout:
             "out": max_batch * num_qo_heads * head_dim * 2, "lse": max_batch * num_qo_heads * 4,
             "part_o": max_batch * world * num_qo_heads * head_dim * 4, "part_lse": max_batch * world * num_qo_heads * 4,
             "counts": max_batch * units_per_request * 8, "landed": 8 * world, "started": 8 * world}))
-
-
-class SymmetricWindow:
-    """`nbytes` of device memory on every rank of `group`, each rank's addressable from every other
-    (torch symmetric memory, its CUDA backend). Allocation is collective."""
-
-    def __init__(self, nbytes: int, device: torch.device, group):
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-
-        with warnings.catch_warnings():   # older torch needs it per group; newer ones deprecate it
-            warnings.simplefilter("ignore")
-            if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(group.group_name)
-        self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.local, group)
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.peers = torch.tensor(list(self.handle.buffer_ptrs), dtype=torch.int64, device=device)
 
 
 class SeqParallelDecode:

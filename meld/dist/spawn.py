@@ -1,6 +1,8 @@
 """One process per GPU of this node, each with torch.distributed initialised (NCCL, a file rendezvous):
 how the tests and `bench/dist.py` start ranks. Engines start theirs with torchrun or their own launcher
-and hand meld the process group."""
+and hand meld the process group. `share_gpu=True` puts every rank on GPU 0 with a gloo group instead
+(NCCL refuses two ranks on one GPU): the cross-rank protocols run there through CUDA IPC windows
+(`meld.dist.window`), the ranks' kernels time-sliced, which tests them, not their speed."""
 from __future__ import annotations
 
 import os
@@ -12,25 +14,27 @@ from typing import Callable
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _rank_main(rank: int, world: int, store: str, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world: int, store: str, share_gpu: bool, fn: Callable, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(SAFE_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    dev = torch.device("cuda", 0 if share_gpu else rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo" if share_gpu else "nccl", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120),
+                            **({} if share_gpu else {"device_id": dev}))
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world: int, *args) -> None:
-    """Run `fn(rank, world, *args)` in `world` processes, rank r on GPU r; an exception in any rank is
-    raised here (torch.multiprocessing.spawn's)."""
+def spawn(fn: Callable, world: int, *args, share_gpu: bool = False) -> None:
+    """Run `fn(rank, world, *args)` in `world` processes, rank r on GPU r (every rank on GPU 0 with
+    `share_gpu`: module docstring); an exception in any rank is raised here (torch.multiprocessing.spawn's)."""
     import torch.multiprocessing as mp
 
     os.environ.update(SAFE_ENV)
     with tempfile.TemporaryDirectory(prefix="meld-dist-") as tmp:
-        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "store"), share_gpu, fn, args), nprocs=world, join=True)
