@@ -219,10 +219,10 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
             assert len(landed) == 2 * sched.pieces * world * world * sched.block_tokens * sched.cols
             assert all((tr.get(r, r, "y.ll", (launch % 2,))["tag"] == launch).all()
                        for r in range(world) for launch in (1, 2))
-        else:   # every partial on every rank; each CTA's stamp on every rank counts its pieces
+        else:   # every partial on every rank; each CTA's stamp on every rank counts its chunks
             assert len(landed) == sched.out_tiles * parts * world * sched.block_tokens * sched.cols
             G = max(1, (sched.pieces + 2) // 3)
-            sent = [len(range(c, sched.pieces, G)) for c in range(G)]
+            sent = [len(range(c, sched.pieces, G)) * sched.merge_chunks[1] for c in range(G)]
             assert all([int(tr.get(r, r, "y.stamp", (s, c))) for c in range(G)] == sent
                        for r in range(world) for s in range(world))
 

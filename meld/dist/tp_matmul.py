@@ -83,22 +83,22 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
 
 def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s: float = 1e-5) -> list[np.ndarray]:
     """CTA c of every rank computes pieces c, c + G, ... in order (the CTAs of a rank interleaved at random
-    within each round). After each piece it puts the partial into every rank's window (its own too) and
-    signals its stamp slot [rank][c] there (the pieces it has sent). A tile is summed in chunks of rows,
-    chunk q by the CTA of its split q % k_splits, in the order of that CTA's pieces: after each of its
-    pieces if the tile's stamps already cover it (the GPU's consumers), and every chunk left after its last
-    piece, waiting for them."""
+    within each round). After each piece it puts the partial chunk by chunk (`merge_chunks` rows) into every
+    rank's window (its own too), signalling its stamp slot [rank][c] there after each (the chunks it has
+    sent). A tile is summed chunk by chunk, chunk q by the CTA of its split q % k_splits, in the order of
+    that CTA's pieces, as soon as chunk q of every part is stamped: after each of its pieces if the stamps
+    already cover it (the GPU's consumers), and every chunk left after its last piece, waiting for them."""
     world, S = len(xs), sched.k_splits
     merge = _merge(sched, world)
     rows, chunks = sched.merge_chunks
-    transport.window("y.parts", (sched.out_tiles, world * S, sched.block_tokens, sched.cols), np.float64, np.nan)
+    transport.window("y.parts", (sched.out_tiles, world * S, chunks, rows, sched.cols), np.float64, np.nan)
     transport.window("y.stamp", (world, G), np.int64, 0)
     out = [np.full((sched.out_tiles, sched.block_tokens, sched.cols), np.nan) for _ in range(world)]
 
     def rank_main(r: int) -> None:
-        def covered(t: int) -> bool:   # every part of the tile of first piece t, (rank, split) k, stamped here
-            return all(transport.get(r, r, "y.stamp", (k // S, (t + k % S) % G)) >= (t + k % S) // G + 1
-                       for k in range(world * S))
+        def covered(t: int, q: int) -> bool:   # chunk q of every part, (rank, split) k, of tile t (its first
+            return all(transport.get(r, r, "y.stamp", (k // S, (t + k % S) % G))   # piece) stamped here
+                       >= (t + k % S) // G * chunks + q + 1 for k in range(world * S))
 
         claimed = [0] * G   # per CTA: the claims looked at (piece ordinal x chunks + chunk)
 
@@ -109,15 +109,14 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
                 if q % S == t % S:
                     t0 = t - t % S
                     deadline = time.monotonic() + transport.timeout
-                    while not covered(t0):
+                    while not covered(t0, q):
                         if not wait:
                             return False
                         if time.monotonic() > deadline:
                             raise TimeoutError(f"rank {r}: the parts of tile {t // S} did not arrive")
                         time.sleep(poll_s)
                     claimed[c] += 1
-                    rs = slice(q * rows, (q + 1) * rows)
-                    out[r][t // S][rs] = merge([p[rs] for p in transport.get(r, r, "y.parts", t // S)])
+                    out[r][t // S][q * rows:(q + 1) * rows] = merge([p[q] for p in transport.get(r, r, "y.parts", t // S)])
                     return True
                 claimed[c] += 1
             return False
@@ -130,9 +129,10 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
                 t = c + G * j
                 o, split = divmod(t, S)
                 part = _partial(sched, xs[r], ws[r], t)
-                for dst in range(world):
-                    transport.put(r, dst, "y.parts", (o, r * S + split), part)
-                    transport.signal(r, dst, "y.stamp", (r, c), 1)
+                for q in range(chunks):
+                    for dst in range(world):
+                        transport.put(r, dst, "y.parts", (o, r * S + split, q), part[q * rows:(q + 1) * rows])
+                        transport.signal(r, dst, "y.stamp", (r, c), 1)
                 merge_next(c, wait=False)
         for c in range(G):
             while merge_next(c, wait=True):
@@ -146,7 +146,7 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
 LL_WORD = np.dtype([("v", np.float64), ("tag", np.int64)])   # a direct-path word: a value and its launch's tag
 
 
-def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int, poll_s: float = 1e-5) -> list[np.ndarray]:
+def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int) -> list[np.ndarray]:
     """The kernel's direct path (templates/tp_linear.cuh, tp_direct): CTA c of every rank computes piece c
     (one piece a CTA) and puts its partial, every element tagged with the launch, into slot [launch % 2]
     [rank][c] of every rank's window (its own too). The k_splits CTAs of a tile each sum a share of its
@@ -173,15 +173,12 @@ def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int, poll
             for c in ctas:
                 o, split = divmod(c, S)
                 share = np.arange(shape[0] * shape[1]) % S == split
-                deadline = time.monotonic() + transport.timeout
-                while True:   # one snapshot of each part: its tags and values together
+
+                def landed(o=o, share=share):   # one snapshot of each part: its tags and values together
                     parts = [transport.get(r, r, "y.ll", (par, k // S, o * S + k % S)).reshape(-1)
                              for k in range(world * S)]
-                    if all((p["tag"][share] == launch).all() for p in parts):
-                        break
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"rank {r}: the parts of tile {o} did not arrive in launch {launch}")
-                    time.sleep(poll_s)
+                    return parts if all((p["tag"][share] == launch).all() for p in parts) else None
+                parts = transport.wait_for(r, landed, f"the parts of tile {o} in launch {launch}")
                 out[r][o].reshape(-1)[share] = merge([p["v"] for p in parts])[share]
         transport.quiet(r)
 

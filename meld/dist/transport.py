@@ -31,8 +31,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 PUT, ADD, SIGNAL = 1, 2, 3    # SIGNAL: an add with no reply (the GPU proxy's; meld/dist/proxy.py)
 COMMAND = np.dtype([("op", "<u4"), ("window", "<u4"), ("dst", "<u4"), ("pad", "<u4"), ("start", "<u8"),
@@ -200,6 +203,22 @@ class EmulatedTransport:
     def get(self, src: int, dst: int, window: str, index) -> np.ndarray:
         with self._cv:
             return self._at(window, dst, index)[1].copy()
+
+    def wait_for(self, src: int, ready: Callable[[], T | None], what: str) -> T:
+        """Rank `src` blocks until `ready()` returns something other than None, and gets it. `ready` runs under
+        the transport's lock (its gets see one snapshot), at the call and after each landing, so a rank that
+        waits for large parts does not poll them: copies under the lock, in a loop, kept the proxy thread
+        from landing anything for seconds (three ranks waiting on 256 x 128 parts)."""
+        out = None
+
+        def check() -> bool:
+            nonlocal out
+            out = ready()
+            return out is not None
+        with self._cv:
+            if not self._cv.wait_for(check, self.timeout):
+                raise TimeoutError(f"rank {src}: {what} did not arrive in {self.timeout} s")
+        return out
 
     def quiet(self, src: int) -> None:
         with self._cv:
