@@ -26,7 +26,7 @@ NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communi
     python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
     python3 bench/dist.py --op ep [--tokens 1 16 128 1024 4096]
     python3 bench/dist.py --op tp [--tokens 1 16 128 200 1024 4096] [--shapes llama70b-o ...]
-                                  [--merge owner every_rank] [--partials bfloat16 float32]
+                                  [--merge owner every_rank] [--partials bfloat16 float32] [--max-block 0 128]
 """
 from __future__ import annotations
 
@@ -248,18 +248,19 @@ def _warm_rank(dev: torch.device):
     return slowest
 
 
-def tp_weights(shape: str, rank: int, world: int, dev: torch.device):
+def tp_weights(shape: str, rank: int, world: int, dev: torch.device, slices: int | None = None):
     """A TP_SHAPES weight [N, K over all ranks] drawn the same on every rank (the reference is local), this
-    rank's K slice of it, and the generator to draw the inputs with: (k per rank, n, w_all, w, g)."""
+    rank's K slice of it (K cut into `slices`, default `world`), and the generator to draw the inputs with:
+    (k per rank, n, w_all, w, g)."""
     k_all, n = TP_SHAPES[shape]
-    k = k_all // world
+    k = k_all // (slices or world)
     g = torch.Generator(device=dev).manual_seed(7)
     w_all = (torch.randn(n, k_all, generator=g, device=dev) / math.sqrt(k_all)).to(torch.bfloat16)
     return k, n, w_all, w_all[:, rank * k:(rank + 1) * k].contiguous(), g
 
 
 def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str],
-             partials: list[str], shapes: list[str]) -> None:
+             partials: list[str], shapes: list[str], max_blocks: list[int]) -> None:
     import torch.distributed as dist
 
     from bench.harness import graph_time_us
@@ -274,9 +275,8 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     alone = [dist.new_group([r]) for r in range(world)]   # meld on a group of one rank: its GEMM, no exchange
     for shape in shapes:
         k, n, w_all, w, g = tp_weights(shape, rank, world, dev)
-        ops = {(mg, pt): RowParallelLinear(k, n, max_tokens=max(tokens),
-                                           kernel_config=TpKernelConfig(merge=mg, partials=pt))
-               for mg in merges for pt in partials}
+        ops = {(mg, pt, mb): RowParallelLinear(k, n, max_tokens=max(tokens), kernel_config=TpKernelConfig(
+                   merge=mg, partials=pt, max_block_tokens=mb)) for mg in merges for pt in partials for mb in max_blocks}
         solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
         for m in tokens:
             x_all = torch.randn(m, w_all.shape[1], generator=g, device=dev).to(torch.bfloat16)
@@ -312,21 +312,23 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
             # bytes of the M rows each rank sends over NVLink: owner merges, its partials of the tiles other ranks
             # own and the bf16 tiles it merged for them ((world - 1) / world of the output each); every-rank
             # merges, its partials of every tile to each other rank
-            for mg, pt in ops:
+            for mg, pt, mb in ops:
                 ps = 2 if pt == "bfloat16" else 4
                 sent = m * n * (ps + 2) * (world - 1) / world if mg == "owner" else m * n * ps * (world - 1)
-                t = t_meld[(mg, pt)]
-                rows.append(dict(shape=shape, M=m, K=k, N=n, merge=mg, partials=pt, err=max(errs), meld_us=t,
+                t = t_meld[(mg, pt, mb)]
+                rows.append(dict(shape=shape, M=m, K=k, N=n, merge=mg, partials=pt, max_block=mb,
+                                 block=ops[(mg, pt, mb)]._calls[m][0].block_tokens, err=max(errs), meld_us=t,
                                  unfused_us=t_unf, matmul_us=t_mm, solo_us=t_solo, comm_share=1 - t_mm / t_unf,
                                  vs_unfused=t_unf / t, nvlink_gbs=sent / t / 1e3))
             dist.barrier()
     if rank == 0:
         print(f"row-parallel linear + all-reduce, {world} GPUs, bf16; median µs of graph replays, slowest rank; "
               f"peer-copy ceiling {ceiling:.0f} GB/s per rank (256 MiB copies into the next rank, all ranks at once)")
-        print("shape | M | K per rank | N | merge | partials | max rel err | meld | meld 1 rank | matmul | matmul + all_reduce | "
-              "comm share | unfused/meld | meld NVLink GB/s per rank | of ceiling")
+        print("shape | M | K per rank | N | merge | partials | token block (cap) | max rel err | meld | meld 1 rank | matmul | "
+              "matmul + all_reduce | comm share | unfused/meld | meld NVLink GB/s per rank | of ceiling")
         for r in rows:
-            print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['merge']} | {r['partials']} | {r['err']:.1e} | "
+            print(f"{r['shape']} | {r['M']} | {r['K']} | {r['N']} | {r['merge']} | {r['partials']} | "
+                  f"{r['block']} ({r['max_block'] or 256}) | {r['err']:.1e} | "
                   f"{r['meld_us']:.1f} | "
                   f"{r['solo_us']:.1f} | "
                   f"{r['matmul_us']:.1f} | {r['unfused_us']:.1f} | {r['comm_share']:.0%} | {r['vs_unfused']:.2f} | "
@@ -518,6 +520,8 @@ def main() -> None:
                     help="--op tp: how tiles merge (TpKernelConfig.merge), each measured")
     ap.add_argument("--partials", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
                     help="--op tp: how partials travel (TpKernelConfig.partials), each measured")
+    ap.add_argument("--max-block", type=int, nargs="+", default=[0], choices=[0, 8, 16, 32, 64, 128, 256],
+                    help="--op tp: the widest token block (TpKernelConfig.max_block_tokens; 0: 256), each measured")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
@@ -526,7 +530,7 @@ def main() -> None:
     if a.op == "ep":
         spawn(_ep_rank, a.world, a.tokens, a.reps, a.json)
     elif a.op == "tp":
-        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials, a.shapes)
+        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials, a.shapes, a.max_block)
     else:
         spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
 

@@ -9,6 +9,9 @@ against float64 in the first round (relative error < 1e-2, no NaN).
 
     git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
     PYTHONPATH=$PWD python3 bench/tp_ab.py --base .ab/base [--shapes llama70b-o ...] [--tokens 1 16 ...]
+
+`--world 1 --slices 2` times one GPU's share of a two-GPU layer (K cut in two) on a group of one rank: the
+GEMM and the kernel's own merges without the link, where no second GPU is lent.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
 worker_tree_first(REPO)
 
 
-def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int, check: bool, out: str) -> None:
+def _rank(rank: int, world: int, slices: int, shapes: list[str], tokens: list[int], reps: int, check: bool,
+          out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -39,7 +43,7 @@ def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int
     alone = [dist.new_group([r]) for r in range(world)]   # the same kernel on a group of one rank
     times: dict[str, dict[str, float]] = {}
     for shape in shapes:
-        k, n, w_all, w, g = tp_weights(shape, rank, world, dev)
+        k, n, w_all, w, g = tp_weights(shape, rank, world, dev, slices)
         op = RowParallelLinear(k, n, max_tokens=max(tokens))
         solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
         for m in tokens:
@@ -50,7 +54,7 @@ def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int
                 torch.cuda.synchronize()
                 dist.barrier()
                 y = op(x, w).clone()
-                ref = x_all.double() @ w_all.double().T
+                ref = x_all[:, :world * k].double() @ w_all[:, :world * k].double().T
                 err = ((y.double() - ref).norm() / ref.norm()).item()
                 if math.isnan(err) or err > 1e-2:
                     raise AssertionError(f"{shape} M={m} rank {rank}: relative error {err}")
@@ -73,10 +77,11 @@ def _rank(rank: int, world: int, shapes: list[str], tokens: list[int], reps: int
         Path(out).write_text(json.dumps(times))
 
 
-def worker(tree: Path, world: int, shapes: list[str], tokens: list[int], reps: int, check: bool, out: str) -> None:
+def worker(tree: Path, world: int, slices: int, shapes: list[str], tokens: list[int], reps: int, check: bool,
+           out: str) -> None:
     from meld.dist import spawn
 
-    spawn(_rank, world, shapes, tokens, reps, check, out)
+    spawn(_rank, world, slices, shapes, tokens, reps, check, out)
 
 
 def main() -> int:
@@ -85,6 +90,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", type=Path, required=True, help="a tree holding the base commit's `meld` package")
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--slices", type=int, help="K cut into this many ranks' slices (default: --world)")
     p.add_argument("--shapes", nargs="+", default=list(TP_SHAPES), choices=list(TP_SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 200, 512, 1024])
     p.add_argument("--reps", type=int, default=30)
@@ -95,14 +101,16 @@ def main() -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.world, args.shapes, args.tokens, args.reps, args.check, args.out)
+        worker(args.worker, args.world, args.slices or args.world, args.shapes, args.tokens, args.reps, args.check,
+               args.out)
         return 0
     from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
 
     trees = {"base": args.base, "new": REPO}
     runs = run_rounds(list(trees), args.rounds, lambda side, r, out: [
         sys.executable, __file__, "--base", str(args.base), "--worker", str(trees[side]), "--out", out,
-        "--world", str(args.world), "--reps", str(args.reps), "--shapes", *args.shapes,
+        "--world", str(args.world), "--slices", str(args.slices or args.world), "--reps", str(args.reps),
+        "--shapes", *args.shapes,
         "--tokens", *map(str, args.tokens), *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1

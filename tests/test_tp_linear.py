@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from meld.codegen import compile_nvcc
-from meld.codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, tp_block_tokens
+from meld.codegen.tp_kernel import (TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, call_configs,
+                                    tp_block_tokens)
 from meld.dist.tp_linear import _window_layout
 
 
@@ -16,7 +17,8 @@ from meld.dist.tp_linear import _window_layout
 @pytest.mark.parametrize("k_boxes, ctas, merge, transport, partials, wgs", [
     (1, 0, "owner", "peer", "bfloat16", 0), (2, 1, "owner", "peer", "bfloat16", 0), (1, 2, "owner", "peer", "float32", 0),
     (0, 0, "every_rank", "peer", "bfloat16", 0), (1, 0, "every_rank", "proxy", "bfloat16", 0),
-    (1, 0, "every_rank", "proxy", "float32", 0), (1, 1, "owner", "peer", "bfloat16", 2)])
+    (1, 0, "every_rank", "proxy", "float32", 0), (1, 1, "owner", "peer", "bfloat16", 2),
+    (0, 0, "every_rank", "peer", "bfloat16", 2)])
 def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials, wgs):
     cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas, merge=merge, transport=transport,
                                       partials=partials, warpgroups=wgs), bt)
@@ -27,6 +29,15 @@ def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials
     assert spills and all(" 0 bytes spill stores" in line for line in spills), f"registers spill:\n{log}"
     wide_float_stage = merge == "every_rank" and partials == "float32" and bt == 256   # a 128 KiB staged tile
     assert cfg.stages >= (3 if cfg.boxes == 1 and not wide_float_stage else 2) and cfg.smem_bytes <= (112 << 10 if cfg.ctas == 2 else 227 << 10)
+
+
+@pytest.mark.parametrize("bt, merge", [(8, "every_rank"), (256, "every_rank"), (128, "owner")])
+def test_profiling_kernel_compiles_for_sm90a(bt, merge):
+    """Profiling builds record from several threads of a CTA (common.cuh: Profiler.join)."""
+    cfg = block_config(TpKernelConfig(profile=True, merge=merge), bt)
+    assert cfg.name.endswith("_prof") and "#define MELD_PROFILE 1" in cfg.render()
+    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    assert len(cubin) > 0 and "wgmma" not in log.lower()
 
 
 def test_block_tokens_cover_the_rows():
@@ -68,6 +79,41 @@ def test_schedule_gives_every_cta_slot_a_piece(m, n, k, ctas, splits):
     assert s.pieces <= max(slots, s.out_tiles) and (s.k_splits == 1 or -(-k // 64) >= 8 * s.k_splits)
 
 
+@pytest.mark.parametrize("m, n, k, ctas, block, splits", [
+    (128, 4096, 2048, 1, 64, 1), (65, 4096, 7168, 1, 64, 1), (512, 4096, 2048, 1, 128, 1), (300, 4096, 7168, 1, 128, 1),
+    (128, 8192, 4096, 1, 128, 1), (512, 8192, 4096, 1, 256, 1), (1024, 4096, 2048, 1, 256, 1),
+    (128, 4096, 2048, 2, 128, 2), (512, 1024, 4096, 1, 256, 8), (100, 4096, 512, 1, 128, 1)])
+def test_schedule_halves_a_block_that_would_split_k(m, n, k, ctas, block, splits):
+    """A token block whose tiles are too few for the CTA slots gives way to one half as wide when that one
+    fills them without a K split (not below 64 rows, and only with more token blocks)."""
+    s = TpSchedule.of(m, n, k, 132, TpKernelConfig(ctas_per_sm=ctas))
+    assert (s.block_tokens, s.k_splits) == (block, splits)
+    assert s.m_tiles == -(-m // block) and s.pieces == s.out_tiles * splits
+
+
+@pytest.mark.parametrize("m, n, k, cols, splits", [
+    (200, 8192, 4096, 128, 1), (512, 4096, 2048, 128, 1), (300, 4096, 7168, 128, 1),   # 128 x 128 tiles, K whole
+    (128, 8192, 4096, 64, 1), (200, 4096, 2048, 64, 1),   # 128 columns would split K: 64
+    (512, 8192, 4096, 128, 1), (1, 8192, 4096, 64, 1)])   # 256-token blocks: two warpgroups; decode: one
+def test_a_128_token_block_takes_128_columns_where_k_stays_whole(m, n, k, cols, splits):
+    s = TpSchedule.of(m, n, k, 132, TpKernelConfig())
+    assert (s.cols, s.k_splits) == (cols, splits) and s.config(TpKernelConfig()).cols == cols
+    assert s.config(TpKernelConfig()) in call_configs(TpKernelConfig())   # (loaded up front for the proxy)
+    one = TpSchedule.of(m, n, k, 132, TpKernelConfig(warpgroups=1))   # an explicit choice holds
+    assert one.cols == 64 and one.config(TpKernelConfig(warpgroups=1)).wgs == 1
+
+
+def test_max_block_tokens_caps_the_token_block():
+    """A cap on the token block: more, narrower tiles (pieces a CTA); a wrong cap is named."""
+    assert TpSchedule.of(512, 8192, 4096, 132, TpKernelConfig()).block_tokens == 256
+    s = TpSchedule.of(512, 8192, 4096, 132, TpKernelConfig(max_block_tokens=128))
+    assert (s.block_tokens, s.cols, s.m_tiles, s.out_tiles, s.k_splits) == (128, 128, 4, 256, 1)
+    assert TpSchedule.of(16, 8192, 4096, 132, TpKernelConfig(max_block_tokens=128)).block_tokens == 16
+    assert TpSchedule.of(100, 8192, 4096, 132, TpKernelConfig(max_block_tokens=64)).block_tokens == 64
+    with pytest.raises(ValueError, match="max_block_tokens=100"):
+        TpKernelConfig(max_block_tokens=100)
+
+
 def test_direct_path_takes_decode_sizes_only():
     """One piece a CTA (K split or not), token blocks of at most 64 at one CTA per SM, every-rank merges over
     peer memory, and room for both launches' slots of every rank and CTA slot: else the general path."""
@@ -87,6 +133,7 @@ def test_direct_path_takes_decode_sizes_only():
     assert direct(1) and direct(16) and direct(64) and direct(1, world=2, partials="float32")
     assert direct(1, n=4096) and direct(16, n=1024)   # K split: 64 tiles x 2, 16 tiles x 8
     assert not direct(65) and not direct(300)         # wider token blocks: their words would carry too many bytes
+    assert direct(128, n=4096) and not direct(129, n=4096)   # two 64-token blocks rather than a K split
     assert not direct(1, n=16384)                     # 256 tiles: two a CTA
     assert not direct(64, ctas_per_sm=2)              # the registers of its words: one CTA per SM
     assert not direct(1, merge="owner") and not direct(1, transport="proxy")
@@ -127,7 +174,8 @@ def _one_rank(rank, world):
                                      (37, 1000, 136, "every_rank", "bfloat16"), (1, 4096, 1024, "owner", "float32"),
                                      (37, 1000, 136, "every_rank", "float32"), (300, 1000, 200, "owner", "bfloat16"),
                                      (300, 520, 136, "every_rank", "bfloat16"), (520, 264, 8200, "every_rank", "bfloat16"),
-                                     (130, 1000, 8200, "every_rank", "float32")]:
+                                     (130, 1000, 8200, "every_rank", "float32"), (128, 2048, 4096, "every_rank", "bfloat16"),
+                                     (500, 2048, 4096, "every_rank", "bfloat16"), (250, 1000, 8192, "owner", "bfloat16")]:
         g = torch.Generator().manual_seed(m)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
@@ -149,6 +197,54 @@ def test_one_rank_matches_float64():
     from meld.dist import spawn
 
     spawn(_one_rank, 1)
+
+
+def _one_rank_trace(rank, world):
+    from meld.dist import RowParallelLinear
+
+    dev = torch.device("cuda", rank)
+    g = torch.Generator().manual_seed(3)
+    # the direct path; the general path with one piece a CTA, with two, and (blocks capped at 64) with eight
+    for m, k, n, cap in [(1, 2048, 4096, 0), (500, 2048, 4096, 0), (1000, 1000, 8200, 0), (500, 1000, 8200, 64)]:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+        ref = x.double() @ w.double().T
+        x, w = x.to(dev), w.to(dev)
+        plain = RowParallelLinear(k, n, max_tokens=m, kernel_config=TpKernelConfig(max_block_tokens=cap))
+        prof = RowParallelLinear(k, n, max_tokens=m, kernel_config=TpKernelConfig(profile=True, max_block_tokens=cap))
+        with pytest.raises(RuntimeError, match="needs a launch"):
+            prof.last_trace()
+        plain.output(m).fill_(math.nan)
+        y = plain(x, w).clone()
+        err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"(M, K, N, cap) = {(m, k, n, cap)}: relative error {err:.2e}"
+        assert torch.equal(prof(x, w), y), "profiling changed the output"
+        trace = prof.last_trace()
+        sched, _, _, grid, direct = prof._calls[m]
+        kinds = [t.kind for t in trace.tasks]
+        assert len(trace.cta_spans) == grid and trace.overflowed == 0
+        assert sorted(t.unit for t in trace.tasks if t.kind == "tp-gemm") == list(range(sched.pieces))
+        if direct:
+            assert kinds.count("tp-direct") == sched.pieces and "tp-send" not in kinds
+        else:
+            assert kinds.count("tp-send") == kinds.count("tp-stage") == sched.pieces
+            units = sched.merge_units[1]   # each unit of each tile merged once
+            merged = sorted((u // 8 // units, u // 8 % units + i) for t in trace.tasks if t.kind == "tp-merge"
+                            for u in [t.unit] for i in range(u % 8))
+            assert merged == [(o * sched.k_splits, q) for o in range(sched.out_tiles) for q in range(units)]
+        for t in trace.tasks:   # inside the CTA's span
+            span = trace.cta_spans[[s.cta for s in trace.cta_spans].index(t.cta)]
+            assert span.begin_ns <= t.start_ns <= t.end_ns <= span.end_ns, t
+
+
+@pytest.mark.gpu
+def test_one_rank_trace_records_every_piece():
+    """A profiling build gives the plain build's output bits (float64-checked, capped token blocks too) and a
+    trace: every piece's GEMM, and per path the direct exchange or each piece's stage and send and the
+    tiles' merges, inside their CTA's span."""
+    from meld.dist import spawn
+
+    spawn(_one_rank_trace, 1)
 
 
 def test_needs_a_process_group():

@@ -256,6 +256,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_started_off", "i64"),
     Field("x_signal_off", "i64"),                # every-rank merges: u64 stamps [world][x_grid_cap] (launch numbers)
     Field("x_ll_off", "i64"),                    # direct merges: tagged words [2][world][x_ll_cap][a tile's]
+    Field("prof", "ptr", "i64*"),                # MELD_PROFILE builds: [grid][1 + prof_cap][4] records (runtime/profile.py)
     *PROXY_RING,
     Field("m", "i32"),
     Field("n", "i32"),
@@ -270,6 +271,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_ll_cap", "i32"),                    # CTA slots of the direct region: the SMs (its kernels run one a SM)
     Field("xring_cap", "i32"),
     Field("watchdog_kernel", "i32"),
+    Field("prof_cap", "i32"),
 ])
 
 # Expert-parallel MoE: dispatch, return and combine around each rank's MoE launches (templates/ep_moe.cuh,

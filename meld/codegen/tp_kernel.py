@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .decode_kernel import SMEM_PER_CTA_MAX, _template
+from ..runtime.profile import kind_defines
 from .params import TP_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16
 
@@ -22,7 +23,7 @@ def tp_block_tokens(num_tokens: int) -> int:
     128-token blocks against 64-token ones (then two CTAs per SM, each weight box read once per block),
     Llama-70B's o and down projections: faster on two H200s at 128 rows (7-8%), and on one GPU at 200 and
     256 rows (up to 1.25x); on one GPU, slower only for the o projection at 96 and 128 rows (3-5%)
-    (bench/RESULTS.md, 2026-11-30, final session)."""
+    (bench/RESULTS.md, 2026-11-30, final session). `TpSchedule.of` halves it where that spares a K split."""
     if num_tokens > 256:
         return TP_BLOCK_TOKENS[-1]
     if num_tokens > 64:
@@ -48,13 +49,48 @@ class TpSchedule:
 
     @staticmethod
     def of(m: int, n: int, k: int, sm_count: int, base: "TpKernelConfig") -> "TpSchedule":
-        bt = tp_block_tokens(m)
-        cfg = block_config(base, bt)
+        """The schedule of an M x N x K call: tp_block_tokens(m) (at most base.max_block_tokens), or, where that
+        block's tiles are too few for the CTA slots and K would be split, a block half as wide (not below 64)
+        whose tiles fill them unsplit.
+        A split doubles the partials that cross to the other ranks and adds a merge per tile. On one H200 (a
+        group of one rank), N = 4096: K 2048 took 0.75x as long at M = 96 and 128, 0.80-0.86x at 300 and 512;
+        K 7168 0.94-0.96x, but 1.07x at M = 300 (three token blocks: 192 tiles on 132 SMs) (bench/RESULTS.md,
+        2026-12-01, fourth session). Not yet measured on two GPUs."""
+        cap = base.max_block_tokens or TP_BLOCK_TOKENS[-1]
+        s = TpSchedule._cut(m, n, k, sm_count, base, min(tp_block_tokens(m), cap))
+        if s.block_tokens > 64 and s.k_splits > 1:
+            half = TpSchedule._cut(m, n, k, sm_count, base, s.block_tokens // 2)
+            if half.k_splits == 1 and half.m_tiles > s.m_tiles:
+                return half
+        return s
+
+    @staticmethod
+    def _cut(m: int, n: int, k: int, sm_count: int, base: "TpKernelConfig", bt: int) -> "TpSchedule":
+        """The tiles of `bt`-token blocks: at 128 tokens (warpgroups automatic) two warpgroups' 128 columns where
+        they need no K split, else 64. A one-rank GEMM of 128 x 128 tiles against 128 x 64, GEMM only, on one
+        H200: llama70b o at M = 200 27.1 against 34.4 µs, down 81.5 against 108.5, llama8b o at M = 512 17.0
+        against 21.0 (each weight box feeds twice the columns per activation box: bench/RESULTS.md 2026-12-01,
+        fifth session)."""
+        if bt == 128 and base.warpgroups == 0:
+            wide = TpSchedule._cut_for(m, n, k, sm_count, block_config(_two_warpgroups(base), bt))
+            if wide.k_splits == 1:
+                return wide
+        return TpSchedule._cut_for(m, n, k, sm_count, block_config(base, bt))
+
+    @staticmethod
+    def _cut_for(m: int, n: int, k: int, sm_count: int, cfg: "TpKernelConfig") -> "TpSchedule":
+        bt = cfg.block_tokens
         m_tiles = -(-m // bt)
         out_tiles = -(-n // cfg.cols) * m_tiles
         slots = cfg.ctas * sm_count
         return TpSchedule(m, n, k, bt, m_tiles, out_tiles, max(1, min(slots // out_tiles, -(-k // 64) // 8, 8)),
                           cfg.cols, 64 * cfg.boxes)
+
+    def config(self, base: "TpKernelConfig") -> "TpKernelConfig":
+        """The kernel configuration that runs this schedule: `base` for its token block and columns (two
+        warpgroups where `_cut` widened a 128-token block's tiles)."""
+        cfg = block_config(base, self.block_tokens)
+        return cfg if cfg.cols == self.cols else block_config(_two_warpgroups(base), self.block_tokens)
 
     def piece(self, t: int) -> tuple[int, int, slice, slice, slice]:
         """Piece t as the kernel cuts it (templates/tp_linear.cuh, tp_piece): its output tile, its split
@@ -72,9 +108,18 @@ class TpSchedule:
 
     @property
     def merge_chunks(self) -> tuple[int, int]:
-        """Every-rank merges claim a tile in chunks: (rows a chunk, chunks a tile); chunk q of a tile is merged
-        by the CTA of its split q % k_splits (templates/tp_linear.cuh, MergeClaims)."""
+        """Every-rank merges move a partial tile in chunks: (rows a chunk, chunks a tile), each staged, sent,
+        stamped and merged on its own; chunk q of a tile is merged by the CTA of its split q % k_splits
+        (templates/tp_linear.cuh, MergeClaims)."""
         rows = min(self.block_tokens, 64)
+        return rows, self.block_tokens // rows
+
+    @property
+    def merge_units(self) -> tuple[int, int]:
+        """(rows a unit, units a tile): merge teams claim a chunk's rows a unit or more at a time (the merge
+        warps one, the consumers up to a chunk); a profile's merge record names its claim as first unit (tile's
+        first piece x units a tile + unit) x 8 + units claimed."""
+        rows = min(self.merge_chunks[0], 16)
         return rows, self.block_tokens // rows
 
     @staticmethod
@@ -96,7 +141,8 @@ class TpKernelConfig:
                               # 128 k_boxes bytes), or 0: two for token blocks of at most 64 at one CTA per SM,
                               # one otherwise (bench/RESULTS.md 2026-11-30, closing session)
     warpgroups: int = 0       # consumer warpgroups (64 weight rows each, sharing each stage's token box): 1, 2
-                              # (one CTA per SM), or 0: two for 256-token blocks of one K box, one otherwise
+                              # (one CTA per SM), or 0: two for 256-token blocks of one K box and for 128-token
+                              # blocks whose 128-column tiles keep K whole (TpSchedule), one otherwise
     ctas_per_sm: int = 0      # 1: one CTA per SM with the deepest ring that fits; 2 (token blocks up to 64,
                               # whose accumulators fit 128 registers a thread): two, each with half the memory
                               # (no direct path); 0: one (measured: bench/RESULTS.md 2026-11-30, closing session)
@@ -109,6 +155,10 @@ class TpKernelConfig:
     partials: str = "bfloat16"   # how partial tiles travel between ranks and splits of K: "bfloat16" (half the
                                  # bytes; the rounding of a bf16 NCCL all-reduce) or "float32"
     watchdog_ms: int = 2000   # a spin gives up after this long (cross-rank waits: ten times it)
+    profile: bool = False     # record each CTA's GEMMs, sends, waits and merges (RowParallelLinear.last_trace)
+    max_block_tokens: int = 0   # the widest token block a call takes (0: 256). Narrower tiles cost L2 traffic
+                                # but give a CTA more pieces, whose exchange overlaps its later GEMMs (one piece
+                                # a CTA exposes all of it: bench/RESULTS.md 2026-12-01, fourth session)
 
     def __post_init__(self) -> None:
         if self.block_tokens not in TP_BLOCK_TOKENS:
@@ -132,6 +182,8 @@ class TpKernelConfig:
             raise ValueError(f"{self.boxes} K boxes of {self.block_tokens}-token blocks leave room for {self.stages} stages")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
+        if self.max_block_tokens not in (0, *TP_BLOCK_TOKENS):
+            raise ValueError(f"max_block_tokens={self.max_block_tokens!r}: expected 0 (256) or one of {TP_BLOCK_TOKENS}")
 
     @property
     def ctas(self) -> int:
@@ -143,7 +195,8 @@ class TpKernelConfig:
     @property
     def wgs(self) -> int:
         """Consumer warpgroups, resolved: automatic (0) is two for 256-token blocks of one K box a stage
-        (their activation boxes are the largest traffic) and one otherwise."""
+        (their activation boxes are the largest traffic) and one otherwise (`TpSchedule.of` picks two for
+        128-token blocks where that keeps K whole)."""
         return self.warpgroups or (2 if self.block_tokens == 256 and self.boxes == 1 else 1)
 
     @property
@@ -176,10 +229,14 @@ class TpKernelConfig:
 
     @property
     def _fixed_bytes(self) -> int:
-        """Alignment, the staged tile (every-rank merges: a partial, as it travels; owner merges: the bf16
-        sum), its two mbarriers and four ints (the merge teams' claims, the last-arriver flag)."""
-        part = 4 if self.merge == "every_rank" and self.partials == "float32" else 2
-        return 1024 + self.block_tokens * self.cols * part + 32
+        """Alignment, the staging buffers (every-rank merges: two chunks of a partial, as it travels, at most
+        64 rows each; owner merges: the tile's bf16 sum), four mbarriers and eight ints (the merge teams'
+        claims, the last-arriver flag, the profile's record count)."""
+        if self.merge == "every_rank":
+            staged = min(self.block_tokens, 128) * self.cols * (4 if self.partials == "float32" else 2)
+        else:
+            staged = self.block_tokens * self.cols * 2
+        return 1024 + staged + 64
 
     @property
     def stages(self) -> int:
@@ -194,7 +251,7 @@ class TpKernelConfig:
     def name(self) -> str:
         return (f"meld_tp_linear_bf16_n{self.block_tokens}_k{self.boxes}_c{self.ctas}_s{self.stages}_w{self.wgs}"
                 + ("_ev" if self.merge == "every_rank" else "") + ("_xp" if self.transport == "proxy" else "")
-                + ("_pf32" if self.partials == "float32" else "")
+                + ("_pf32" if self.partials == "float32" else "") + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
 
     entry = "meld_tp_linear"
@@ -212,7 +269,8 @@ class TpKernelConfig:
             f"#define MELD_TP_BF16_PARTS {int(self.partials == 'bfloat16')}",
             f"#define MELD_TP_DIRECT {int(self.direct)}",
             '#define MELD_MMA_TYPE "bf16"',
-            "#define MELD_PROFILE 0",
+            f"#define MELD_PROFILE {int(self.profile)}",
+            kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("xrank.cuh"),
@@ -245,6 +303,18 @@ def direct_path(cfg: TpKernelConfig, sched: TpSchedule, grid: int, world: int, s
     it (`TpKernelConfig.direct`: decode-size token blocks), one piece a CTA, and `room` (bytes of the window's
     direct region) for its slots."""
     return cfg.direct and sched.pieces <= grid <= sm_count and direct_bytes(cfg, world, sm_count) <= room
+
+
+def call_configs(base: TpKernelConfig) -> list[TpKernelConfig]:
+    """Every kernel configuration a call with `base` may run (`TpSchedule.config`): one per token block, and at
+    128 tokens with warpgroups automatic, both widths."""
+    wide = [block_config(_two_warpgroups(base), 128)] if base.warpgroups == 0 else []
+    return [block_config(base, bt) for bt in TP_BLOCK_TOKENS] + wide
+
+
+def _two_warpgroups(base: TpKernelConfig) -> TpKernelConfig:
+    """`base` with two consumer warpgroups (one CTA per SM), for blocks wider than 64 tokens."""
+    return dataclasses.replace(base, warpgroups=2, ctas_per_sm=min(base.ctas_per_sm, 1))
 
 
 def block_config(base: TpKernelConfig, block_tokens: int) -> TpKernelConfig:

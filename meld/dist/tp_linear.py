@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
 from ..ops.base import Operator
 from ..ops.checks import check_positive, expect, resolve_device
 from ..ops.tp_linear_graph import tp_linear_graph
-from .seq_parallel import SymmetricWindow, pack_regions
+from .window import SymmetricWindow, pack_regions
 
 
 
@@ -58,6 +59,16 @@ def _describe_tile(shape: dict):
     return describe
 
 
+_PROFILE_CAP = 1024   # timed records per CTA in profiling builds
+
+
+def _x_block_maps(x: torch.Tensor, bt: int) -> tuple:
+    """x's tensor maps for token blocks of `bt` rows: full blocks, and the last block of its own rows only."""
+    from ..runtime.tensor_map import tensor_map_2d
+
+    return tensor_map_2d(x, bt), tensor_map_2d(x, x.shape[0] % bt or bt)
+
+
 class RowParallelLinear(Operator):
     """y = sum over ranks of x_r @ W_r.T, on every rank of a `torch.distributed` group (module docstring).
 
@@ -79,7 +90,7 @@ class RowParallelLinear(Operator):
                  chunk_bytes: int = 64 << 10):
         import torch.distributed as dist
 
-        from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, block_config, direct_room
+        from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, call_configs, direct_room
 
         if not dist.is_initialized():
             raise RuntimeError("RowParallelLinear: torch.distributed is not initialised (init_process_group first)")
@@ -92,11 +103,10 @@ class RowParallelLinear(Operator):
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
         if kernel_config is None:
-            kernel_config = TpKernelConfig()
+            kernel_config = TpKernelConfig(profile=config.profile())
         if not isinstance(kernel_config, TpKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.tp_kernel.TpKernelConfig, got {kernel_config!r}")
-        for bt in TP_BLOCK_TOKENS:   # every block's variant is valid (a call never fails on the config)
-            block_config(kernel_config, bt)
+        call_configs(kernel_config)   # every variant a call may run is valid (a call never fails on the config)
         device = resolve_device("cuda" if device is None else device)
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
@@ -119,6 +129,9 @@ class RowParallelLinear(Operator):
         self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)
         self.window.local.zero_()   # counters (and every byte) zero before any rank counts
         self._xexit = torch.zeros(2, dtype=torch.int32, device=device)
+        self._prof = torch.zeros(2 * self._sm_count, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=device) \
+            if kernel_config.profile else None
+        self._last_grid = 0
         self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
         self._shape: dict = {}
         self._register_watchdog("meld_tp_linear", _describe_tile(self._shape))
@@ -126,24 +139,23 @@ class RowParallelLinear(Operator):
         if kernel_config.transport == "proxy":
             from .proxy import GpuProxy
             self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
-        self._variants: dict[int, tuple] = {}   # per token block: (config, kernel, parameter struct)
-        self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid)
+        self._variants: dict[tuple, tuple] = {}   # per (token block, warpgroups): (config, kernel, parameter struct)
+        self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid, direct path)
         if self.proxy is not None:   # every variant loaded now: no module load while a kernel waits on the proxy
-            for bt in TP_BLOCK_TOKENS:
-                self._variant(block_config(kernel_config, bt))
+            for cfg in call_configs(kernel_config):
+                self._variant(cfg)
         self._last_m = 0
-        from ..codegen.tp_kernel import tp_block_tokens
         from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         self._weight_maps = TensorMapCache(lambda w: tensor_map_2d(w, 64))
-        # x's maps: token-block boxes, and the last block's, of its own rows only (tp_linear.cuh, tp_produce)
-        self._x_maps = TensorMapCache(lambda x: (tensor_map_2d(x, tp_block_tokens(x.shape[0])),
-                                                 tensor_map_2d(x, x.shape[0] % tp_block_tokens(x.shape[0])
-                                                               or tp_block_tokens(x.shape[0]))))
+        # x's maps: token-block boxes, and the last block's, of its own rows only (tp_linear.cuh, tp_produce);
+        # made in __call__, after the call's schedule
+        calls = self._calls
+        self._x_maps = TensorMapCache(lambda x: _x_block_maps(x, calls[x.shape[0]][0].block_tokens))
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
     def _variant(self, cfg):
-        v = self._variants.get(cfg.block_tokens)
+        v = self._variants.get((cfg.block_tokens, cfg.wgs))
         if v is None:
             from ..codegen.params import TP_PARAMS
 
@@ -155,8 +167,10 @@ class RowParallelLinear(Operator):
                 watchdog_kernel=self._watchdog_id, x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
                 x_landed_off=L["landed"], x_started_off=L["started"], x_signal_off=L["signal"], x_ll_off=L["ll"],
                 x_grid_cap=2 * self._sm_count, x_ll_cap=self._sm_count, n=self.out_features, k=self.in_features,
-                x_rank=self.rank, x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}))
-            v = self._variants[cfg.block_tokens] = (cfg, kernel, params)
+                x_rank=self.rank, x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}),
+                prof=self._prof.data_ptr() if self._prof is not None else 0,
+                prof_cap=_PROFILE_CAP if self._prof is not None else 0)
+            v = self._variants[(cfg.block_tokens, cfg.wgs)] = (cfg, kernel, params)
         return v
 
     def _direct(self, cfg, sched, grid: int) -> bool:
@@ -172,7 +186,7 @@ class RowParallelLinear(Operator):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """y [M, out_features] = sum over ranks of x_r @ weight_r.T, for this rank's x [M, in_features] and
         weight [out_features, in_features] (bf16, contiguous, on this rank's device)."""
-        from ..codegen.tp_kernel import TpSchedule, block_config
+        from ..codegen.tp_kernel import TpSchedule
 
         expect("x", x, self.dtype, (None, self.in_features), "tokens x in_features (this rank's slice)", self.device,
                contiguous=True)
@@ -190,7 +204,7 @@ class RowParallelLinear(Operator):
         call = self._calls.get(M)
         if call is None:   # the schedule, kernel and grid of M rows, worked out once
             sched = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count, self.kernel_config)
-            cfg, kernel, p = self._variant(block_config(self.kernel_config, sched.block_tokens))
+            cfg, kernel, p = self._variant(sched.config(self.kernel_config))
             # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
             grid = min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count)
             call = self._calls[M] = (sched, kernel, p, grid, self._direct(cfg, sched, grid))
@@ -203,7 +217,22 @@ class RowParallelLinear(Operator):
         p.w_map = self._weight_maps.get(weight)
         p.x_map, p.x_tail_map = self._x_maps.get(x)
         kernel.launch(grid, p)
+        self._last_grid = grid
         return self.output(M)
+
+    def last_trace(self):
+        """Each CTA's timed GEMMs, staged and sent partials, merge waits and merges in the last launch (waits
+        for it): a `meld.runtime.profile.Trace` of tp-* records named by piece (merges and their waits: by claim,
+        `TpSchedule.merge_units`).
+        Needs profiling (MELD_PROFILE=1 or kernel_config=TpKernelConfig(profile=True)); every launch records
+        (MELD_PROFILE_EVERY does not apply here). Raises RuntimeError otherwise or before the first launch."""
+        if self._prof is None or not self._last_grid:
+            raise RuntimeError("RowParallelLinear.last_trace: needs a launch of the kernel built with profiling "
+                               "(MELD_PROFILE=1 or kernel_config=TpKernelConfig(profile=True))")
+        from ..runtime.profile import Trace
+
+        torch.cuda.synchronize(self.device)
+        return Trace.from_buffer(self._prof[:self._last_grid].cpu().numpy(), 1, 1)
 
     def close(self) -> None:
         """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""

@@ -114,6 +114,7 @@ __device__ __forceinline__ int sm_id() {
 struct Profiler {
   i64* base = nullptr;
   unsigned* clock = nullptr;
+  int* shared = nullptr;   // several recording threads of a CTA (join): their record count, in shared memory
   int n = 0, cap = 0;
   __device__ __forceinline__ void begin(i64* buf, int capacity, int cta, bool recorder, unsigned* clk, int every) {
     if (!MELD_PROFILE || !recorder || buf == nullptr) return;
@@ -123,19 +124,26 @@ struct Profiler {
     cap = capacity;
     base[0] = global_timer_ns();
   }
+  // Another recording thread of a CTA whose header a begin() writes; all count on `count` (zeroed first).
+  __device__ __forceinline__ void join(i64* buf, int capacity, int cta, int* count) {
+    if (!MELD_PROFILE || buf == nullptr) return;
+    base = buf + (i64)cta * (1 + capacity) * 4;
+    cap = capacity;
+    shared = count;
+  }
   __device__ __forceinline__ i64 now() const { return MELD_PROFILE && base != nullptr ? global_timer_ns() : 0; }
   __device__ __forceinline__ void record(i64 t0, int kind, int unit) {
     if (!MELD_PROFILE || base == nullptr) return;
-    if (n < cap) {
-      i64* r = base + 4 * (1 + n);
+    const int i = shared != nullptr ? atomicAdd(shared, 1) : n++;
+    if (i < cap) {
+      i64* r = base + 4 * (1 + i);
       r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
     }
-    ++n;
   }
   __device__ __forceinline__ void end(int ctas) {
     if (!MELD_PROFILE) return;
     if (base != nullptr) {
-      base[1] = global_timer_ns(); base[2] = sm_id(); base[3] = n;
+      base[1] = global_timer_ns(); base[2] = sm_id(); base[3] = shared != nullptr ? *reinterpret_cast<volatile int*>(shared) : n;
     }
     if (clock == nullptr) return;
     __threadfence();   // this CTA's read of the launch number comes before its ticket

@@ -39,8 +39,15 @@ constexpr int STAGE_BYTES = K_BOXES * BOX_PAIR;  // K_BOXES boxes along K: each 
                                                  // 128 K_BOXES contiguous bytes (DRAM row locality)
 constexpr int ACC = BLOCK_TOKENS / 2;            // accumulators per consumer thread (64 x BLOCK_TOKENS)
 constexpr int TILE_ELEMS = COLS * BLOCK_TOKENS;
-constexpr int CHUNK_TOKENS = BLOCK_TOKENS < 64 ? BLOCK_TOKENS : 64;   // rows of a merge claim (MergeClaims)
+// Every-rank merges move a partial tile in chunks of CHUNK_TOKENS rows: staged, sent and stamped chunk by
+// chunk, and merged once that chunk of every part is stamped; merge teams claim UNIT_TOKENS rows at a time.
+constexpr int CHUNK_TOKENS = BLOCK_TOKENS < 64 ? BLOCK_TOKENS : 64;
 constexpr int CHUNKS = BLOCK_TOKENS / CHUNK_TOKENS;
+constexpr int CHUNK_ELEMS = CHUNK_TOKENS * 64 * TP_WGS;
+constexpr int UNIT_TOKENS = CHUNK_TOKENS < 16 ? CHUNK_TOKENS : 16;
+constexpr int CHUNK_UNITS = CHUNK_TOKENS / UNIT_TOKENS;
+constexpr int UNITS = BLOCK_TOKENS / UNIT_TOKENS;
+constexpr int STAGE_CHUNKS = CHUNKS < 2 ? CHUNKS : 2;   // staged chunks in shared memory (double-buffered)
 constexpr int CONSUMERS = 128 * TP_WGS;
 constexpr bool TP_EVERY = MELD_TP_EVERY != 0;          // every rank merges (else the owner: see below)
 constexpr bool TP_PROXY = MELD_TP_PROXY != 0;          // the proxy transport (every rank merges)
@@ -51,6 +58,15 @@ __device__ __forceinline__ WaitSite tp_site(const TpParams& p, int site, int war
 
 __device__ __forceinline__ XWindows tp_windows(const TpParams& p) {
   return XWindows{p.xpeers, p.x_rank, p.x_world, p.x_started_off, p.x_landed_off};
+}
+
+// Profiling (MELD_PROFILE builds): the CTA's recording threads (a consumer, the sender, the merge teams'
+// leaders) share its record count, the eighth int of the kernel's `team` ints (TEAM_RECORDS).
+constexpr int TEAM_RECORDS = 7;
+__device__ __forceinline__ Profiler tp_profiler(const TpParams& p, int* team, bool recorder) {
+  Profiler prof;
+  if (recorder) prof.join(p.prof, p.prof_cap, blockIdx.x, team + TEAM_RECORDS);
+  return prof;
 }
 
 // Piece t: output tile o = t / k_splits (column block, token block) and its K blocks [k0, k1).
@@ -121,8 +137,11 @@ __device__ __forceinline__ void part_store4(Part* d, const float* a) {
 __device__ __forceinline__ float4 part_value4(const float* a) { return make_float4(a[0], a[1], a[2], a[3]); }
 __device__ __forceinline__ float4 part_load4(const Part* s) { return ld_cg4(s); }
 #endif
-// The shared-memory tile: every-rank merges stage partials there (as they travel), owner merges the bf16 sum.
-constexpr int STAGED_BYTES = TILE_ELEMS * (TP_EVERY ? (int)sizeof(Part) : 2);
+// Shared memory for staging: every-rank merges stage partials there chunk by chunk, as they travel, in
+// STAGE_CHUNKS buffers (at 256-token blocks half a tile: 32 KB that the ring gets as a fourth stage, which
+// streamed a one-rank llama70b-o M = 512 GEMM 1.12x as fast: bench/RESULTS.md 2026-12-01, fifth session);
+// owner merges the tile's bf16 sum.
+constexpr int STAGED_BYTES = TP_EVERY ? STAGE_CHUNKS * CHUNK_ELEMS * (int)sizeof(Part) : TILE_ELEMS * 2;
 
 // Owner merges' partial tile in memory: consumer thread ct's accumulators i .. i + 3 at element i CONSUMERS + 4 ct, so
 // that each store (and load) instruction of a warp covers 32 contiguous runs of 4 elements: whole lines
@@ -132,15 +151,17 @@ __device__ __forceinline__ void tp_store_partial(Part* dst, const float (&acc)[A
   for (int i = 0; i < ACC; i += 4) part_store4(dst + i * CONSUMERS, acc + i);
 }
 
-// A tile's accumulators staged token-major in shared memory [BLOCK_TOKENS][COLS], as bf16 (or float
+// Tokens 2 r0 .. 2 (r0 + R) - 1 of a tile's accumulators (registers r0 .. r0 + R - 1; r0 a multiple of 4,
+// known once the callers' loops unroll) staged token-major in shared memory [2 R][COLS], as bf16 (or float
 // partials). Accumulator layout (wgmma m64nN, f32): register r of thread (warp w, lane l) holds weight row
 // (output column) 64 (w / 4) + 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
-template <class T>
-__device__ __forceinline__ void tp_stage(const float (&acc)[ACC], T* staged, int warp, int lane) {
+template <int R = ACC, class T>
+__device__ __forceinline__ void tp_stage(const float (&acc)[ACC], T* staged, int warp, int lane, int r0 = 0) {
 #pragma unroll
-  for (int r = 0; r < ACC; ++r) {
+  for (int i = 0; i < R; ++i) {
+    const int r = r0 + i;
     const int c = 64 * (warp / 4) + 16 * (warp % 4) + lane / 4 + 8 * ((r / 2) % 2);
-    const int tok = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
+    const int tok = 8 * (i / 4) + 2 * (lane % 4) + r % 2;
     if constexpr (sizeof(T) == 2)
       staged[tok * COLS + c] = float_to_bf16(acc[r]);
     else
@@ -203,7 +224,8 @@ __device__ __forceinline__ void tp_store_tile(const TpParams& p, const u16* stag
 }
 
 // The owner merges (MELD_TP_EVERY 0): the protocol at the top of this file.
-__device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last) {
+__device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* team) {
+  int* last = team + 3;
   const int ct = threadIdx.x - 128, warp = ct / 32, lane = ct % 32;
   const XWindows w = tp_windows(p);
   const unsigned long long launch = *reinterpret_cast<volatile unsigned long long*>(p.xlaunch) + 1;
@@ -211,11 +233,14 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
   const int nparts = p.x_world * p.k_splits;
   int finished = 0;          // tiles whose output this CTA wrote (into every rank's window)
   bool started = false;      // every rank has started this launch
+  Profiler prof = tp_profiler(p, team, ct == 0);
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
     const Piece x = tp_piece(p, t);
     const int mine = p.x_rank * p.k_splits + x.split;
     float acc[ACC];
+    const i64 t0 = prof.now();
     tp_gemm(p, ring, x, t, acc, warp, lane);
+    prof.record(t0, PROF_TP_GEMM, t);
     if (!started) {   // before this CTA's first write into another rank's window
       if (ct == 0) xrank_wait_started(w, launch, tp_site(p, 13, warp + 4, t, 0), XRANK_WAIT_NS);
       named_barrier(1, CONSUMERS);
@@ -232,9 +257,11 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
     if (ct == 0) *last = fetch_add_sys(count, 1ull) == (unsigned long long)(nparts - 1);
     named_barrier(1, CONSUMERS);
     if (!*last) continue;
+    const i64 t1 = prof.now();
     tp_sum([&](int k) { return parts + (i64)k * TILE_ELEMS; }, nparts, mine, acc, staged, warp, lane);
     named_barrier(1, CONSUMERS);
     tp_store_tile(p, staged, x, ct, 0, p.x_world);
+    prof.record(t1, PROF_TP_MERGE, t);
     if (ct == 0) *count = 0ull;   // every part has arrived: ready for the next launch
     ++finished;
     named_barrier(1, CONSUMERS);   // (staged is rewritten by the next tile)
@@ -244,6 +271,7 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
   __threadfence_system();
   named_barrier(1, CONSUMERS);
   if (ct != 0) return;
+  prof.end(gridDim.x);
   xrank_land(w, (unsigned long long)finished);
   if (atomicAdd(p.xexit, 1u) != gridDim.x - 1) return;
   p.xexit[0] = 0u;
@@ -253,26 +281,29 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* last)
 
 // Every rank merges (MELD_TP_EVERY 1; the proxy transport needs it): every rank reads every partial and
 // sums its own output. Three roles share a CTA's pieces, so that a piece's exchange and sum overlap the
-// GEMM of the next:
+// GEMM of the next, and the chunks of one piece overlap each other:
 // - the consumer warpgroups compute each piece and stage its partial, rounded as it travels, token-major in
-//   shared memory (one tile: they wait for the sender to have read the one before);
-// - the sender (warp 1) copies it with a TMA bulk store into this rank's window and stamps it on every
-//   rank (tp_send). Over peer memory the other ranks read it there (storing it into their windows instead
-//   cost the GEMM of the next pieces up to 20 µs each and was 3-4% slower overall: bench/RESULTS.md); the
-//   proxy puts it into theirs. A rank rewrites its window's partials only once every rank has started the
-//   launch, so every read of the launch before has finished;
-// - merge teams (warps 2 and 3 from the start; the consumer warpgroups between pieces when a tile is ready,
-//   and after their last piece) claim the CTA's tiles (those whose first piece it computed) in order, wait
-//   until every piece of the tile is stamped in this rank's window, sum the pieces where they lie in
-//   (rank, split) order and write this rank's output. Every rank computes the same sums in the same order:
-//   the outputs are bit-identical, and nothing but partials and stamps crosses ranks.
+//   shared memory, a chunk of CHUNK_TOKENS rows at a time into one of STAGE_CHUNKS buffers (waiting for the
+//   sender to have read the chunk there before);
+// - the sender (warp 1) copies each chunk with a TMA bulk store into this rank's window and stamps it on
+//   every rank (tp_send). Over peer memory the other ranks read it there (storing it into their windows
+//   instead cost the GEMM of the next pieces up to 20 µs each and was 3-4% slower overall: bench/RESULTS.md);
+//   the proxy puts it into theirs. A rank rewrites its window's partials only once every rank has started
+//   the launch, so every read of the launch before has finished;
+// - merge teams (warps 2 and 3 from the start; the consumer warpgroups between pieces when a chunk is
+//   ready, and after their last piece) claim the rows of the CTA's tiles (those whose first piece it
+//   computed) in order, UNIT_TOKENS rows at a time (warps 2 and 3 one unit a claim, the consumers a chunk's
+//   worth: a claim's work in step with the team's threads), wait until that chunk of every piece of the tile
+//   is stamped in this rank's window, sum the pieces where they lie in (rank, split) order and write this
+//   rank's output. Every rank computes the same sums in the same order: the outputs are bit-identical, and
+//   nothing but partials and stamps crosses ranks.
 //
-// Deadlock freedom: the consumers wait only for their ring and for the sender; the sender only for the
-// consumers and, once, for every rank to start the launch; merge teams wait for senders, and no sender
+// Deadlock freedom: the consumers wait only for their ring and for the sender's reads; the sender only for
+// the consumers and, once, for every rank to start the launch; merge teams wait for senders, and no sender
 // waits for a merge. The grid fits the GPU at once (RowParallelLinear sizes it by occupancy), so every
 // sender of every rank runs.
 
-constexpr int STAMP_SHIFT = 24;   // a stamp: launch << STAMP_SHIFT | pieces sent (fewer than 2^24 a CTA)
+constexpr int STAMP_SHIFT = 24;   // a stamp: launch << STAMP_SHIFT | chunks sent (fewer than 2^24 a CTA)
 
 __device__ __forceinline__ unsigned long long tp_stamp(unsigned long long launch, int sent) {
   return launch << STAMP_SHIFT | (unsigned long long)sent;
@@ -295,13 +326,19 @@ __device__ __forceinline__ unsigned long long tp_launch(const TpParams& p) {   /
   return *reinterpret_cast<volatile unsigned long long*>(p.xlaunch) + 1;
 }
 
-// The sender (one thread of warp 1): `staged` is the shared-memory tile, `bars` its full and empty
-// mbarriers. A TMA bulk store copies each partial into this rank's window: there the other ranks' merges
-// read it over NVLink (peer memory), or the proxy puts it into theirs at the CTA's end, all its pieces in
-// one put per destination (they lie contiguous). Once the copy has completed, the CTA's stamp slot
-// [rank][cta] on every rank gets (launch, pieces sent) after a system-scope fence (the proxy: a signal
-// behind its put, adding what the slot's running total before this launch lacks).
-__device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, u32 bars) {
+// The staging buffers' mbarriers: buffer b's chunk is staged (full, the consumers arrive) and has been read
+// (empty, the sender arrives).
+__device__ __forceinline__ u32 staged_full(u32 bars, int b) { return bars + 16 * b; }
+__device__ __forceinline__ u32 staged_empty(u32 bars, int b) { return bars + 16 * b + 8; }
+
+// The sender (one thread of warp 1): `staged` is the shared-memory staging buffers, `bars` their
+// mbarriers. A TMA bulk store copies each chunk into this rank's window: there the other ranks' merges read
+// it over NVLink (peer memory), or the proxy puts it into theirs at the CTA's end, all its pieces in one put
+// per destination (they lie contiguous). Once the copy has completed, the CTA's stamp slot [rank][cta] on
+// every rank gets (launch, chunks sent) after a system-scope fence (the proxy: a signal behind its put,
+// adding what the slot's running total before this launch lacks).
+__device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, u32 bars, int* team) {
+  constexpr u32 CHUNK_BYTES = CHUNK_ELEMS * sizeof(Part);
   const XWindows w = tp_windows(p);
   const XRing q{p.xring, p.xring_tail, p.xring_head, p.xring_cap};
   const EveryLayout L(p);
@@ -314,28 +351,36 @@ __device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, u32 bars)
   }
   const i64 slot = L.stamp(p.x_rank, blockIdx.x);
   const unsigned long long before = *w.word(p.x_rank, slot);   // the proxy's running total (only this CTA adds)
-  int sent = 0;
+  Profiler prof = tp_profiler(p, team, true);
+  int sent = 0;   // chunks
   for (int t = blockIdx.x; t < p.tiles; t += L.G) {
-    mbar_wait(bars, sent & 1, tp_site(p, 14, 1, t, sent), 2 * MELD_WATCHDOG_NS);
-    if (sent == 0)   // before this CTA's first write of this launch into its window (module docstring)
-      xrank_wait_started(w, launch, tp_site(p, 13, 1, t, 0), XRANK_WAIT_NS);
-    bulk_store(p.xpeers[p.x_rank] + sizeof(Part) * L.part(p.x_rank, t), staged, TILE_ELEMS * sizeof(Part));
-    bulk_commit();
-    bulk_wait_read();
-    mbar_arrive(bars + 8);   // the tile may be restaged
-    bulk_wait();
-    fence_proxy_async_global();
-    __threadfence_system();
-    ++sent;
-    for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
-      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(tp_stamp(launch, sent)) : "memory");
+    i64 t0 = 0;
+    for (int j = 0; j < CHUNKS; ++j, ++sent) {
+      const int b = sent % STAGE_CHUNKS;
+      mbar_wait(staged_full(bars, b), (sent / STAGE_CHUNKS) & 1, tp_site(p, 14, 1, t, sent), 2 * MELD_WATCHDOG_NS);
+      if (j == 0) t0 = prof.now();
+      if (sent == 0)   // before this CTA's first write of this launch into its window (module docstring)
+        xrank_wait_started(w, launch, tp_site(p, 13, 1, t, 0), XRANK_WAIT_NS);
+      bulk_store(p.xpeers[p.x_rank] + sizeof(Part) * (L.part(p.x_rank, t) + (i64)j * CHUNK_ELEMS),
+                 staged + b * CHUNK_BYTES, CHUNK_BYTES);
+      bulk_commit();
+      bulk_wait_read();
+      mbar_arrive(staged_empty(bars, b));   // the buffer may be restaged
+      bulk_wait();
+      fence_proxy_async_global();
+      asm volatile("fence.acq_rel.sys;" ::: "memory");   // one fence, then the stamps (each a release by it)
+      for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(tp_stamp(launch, sent + 1)) : "memory");
+    }
+    prof.record(t0, PROF_TP_SEND, t);
   }
   if (TP_PROXY) {
     const WaitSite s = tp_site(p, 12, 1, -1, 0);
+    const int pieces = sent / CHUNKS;
     for (int r = 0; r < p.x_world; ++r) {
       if (r == p.x_rank) continue;
-      if (sent)
-        q.push(PROXY_PUT, r, sizeof(Part) * L.part(p.x_rank, blockIdx.x), sent * TILE_ELEMS * sizeof(Part), 0, s);
+      if (pieces)
+        q.push(PROXY_PUT, r, sizeof(Part) * L.part(p.x_rank, blockIdx.x), pieces * TILE_ELEMS * sizeof(Part), 0, s);
       q.push(PROXY_SIGNAL, r, slot, 0, (long long)(tp_stamp(launch, sent) - before), s);
     }
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(p.x_rank, slot)), "l"(tp_stamp(launch, sent)) : "memory");
@@ -366,18 +411,18 @@ __device__ __forceinline__ void part_acc16(float (&s)[16 / sizeof(Part)], const 
   for (int j = 0; j < VEC; ++j) s[j] = first ? f[j] : s[j] + f[j];
 }
 
-// Rows row0 .. row0 + CHUNK_TOKENS - 1 of tile x: its partials (token-major tiles where they lie, `part(k)`
-// for k in (rank, split) order) summed in that order and written into this rank's output as bf16, 16 bytes
-// of each partial a thread and step (thread i of nt), U steps' first P partials loaded at once (the rest one
-// after another: with P = 2, a tile of 4 partials cost two serial round trips over NVLink a step); streaming
+// Rows row0 .. row0 + rows - 1 of tile x: its partials (token-major tiles where they lie, `part(k)` for k in
+// (rank, split) order) summed in that order and written into this rank's output as bf16, 16 bytes of each
+// partial a thread and step (thread i of nt), U steps' first P partials loaded at once (the rest one after
+// another: with P = 2, a tile of 4 partials cost two serial round trips over NVLink a step); streaming
 // stores (the output is not read here), so that they leave L2 to the GEMM's boxes.
 template <int U, int P, class PartAt>
-__device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, int row0, PartAt&& part, int nparts, int i,
-                                         int nt) {
+__device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, int row0, int rows, PartAt&& part, int nparts,
+                                         int i, int nt) {
   constexpr int VEC = 16 / sizeof(Part), ROW = COLS / VEC;   // elements a step; steps a token
-  const int total = min(CHUNK_TOKENS, p.m - x.tok0 - row0) * ROW, cols = min(COLS, p.n - x.col * COLS);
+  const int total = min(rows, p.m - x.tok0 - row0) * ROW, cols = min(COLS, p.n - x.col * COLS);
   u16* out = reinterpret_cast<u16*>(p.xpeers[p.x_rank] + p.x_out_off) + (i64)(x.tok0 + row0) * p.n + x.col * COLS;
-  const i64 at0 = (i64)row0 * COLS;   // the chunk's first element in a partial
+  const i64 at0 = (i64)row0 * COLS;   // the rows' first element in a partial
   for (int e0 = i; e0 < total; e0 += U * nt) {
     uint4 v[U][P];
 #pragma unroll
@@ -410,12 +455,18 @@ __device__ __forceinline__ void tp_merge(const TpParams& p, const Piece& x, int 
   }
 }
 
-// Merges: a team's leader claims chunks of CHUNK_TOKENS rows of the tiles of the CTA's pieces, in order on
-// `claim`, as `first piece of the tile x CHUNKS + chunk` (p.tiles x CHUNKS: none left). Chunk q of a tile is
-// merged by the CTA that computed its split q % k_splits (a tile split over K is merged by all of its
-// pieces' CTAs, not by the first alone); teams share a CTA's chunks, so the last tile's merge is spread over
-// every team instead of left to the slowest (one team of 64 threads merging the last 256 x 128 tile alone
-// took about 20 µs after the GEMM: measured).
+// A claim: `units` units of UNIT_TOKENS rows of one chunk of a tile from unit `code` (first piece of the
+// tile x UNITS + unit), or none (code = none()).
+struct Claim {
+  int code, units;
+};
+
+// Merges: a team's leader claims units of UNIT_TOKENS rows of the tiles of the CTA's pieces, in order on
+// `claim`, counted as `piece ordinal x UNITS + unit` (up to p.tiles x UNITS: none left), at most `want` of
+// them and never past their chunk. Chunk q of a tile is merged by the CTA that computed its split
+// q % k_splits (a tile split over K is merged by all of its pieces' CTAs, not by the first alone); teams
+// share a CTA's chunks, so the last tile's merge is spread over every team instead of left to the slowest
+// (a 64-thread team merging a 64-row chunk alone took 5-8 µs after the GEMM, the consumers ~2 µs: measured).
 struct MergeClaims {
   const TpParams& p;
   XWindows w;
@@ -423,51 +474,70 @@ struct MergeClaims {
   unsigned long long launch;
   int* claim;
   __device__ MergeClaims(const TpParams& p_, int* claim_) : p(p_), w(tp_windows(p_)), L(p_), launch(tp_launch(p_)), claim(claim_) {}
-  __device__ int none() const { return p.tiles * CHUNKS; }
-  // Claim c: piece blockIdx.x + G (c / CHUNKS), chunk c % CHUNKS of its tile: this CTA's to merge, or skipped.
-  __device__ int piece_of(int c) const { return blockIdx.x + L.G * (c / CHUNKS); }
-  __device__ bool mine(int t, int c) const { return (c % CHUNKS) % p.k_splits == t % p.k_splits; }
-  __device__ int code(int t, int c) const { return (t - t % p.k_splits) * CHUNKS + c % CHUNKS; }
-  // Piece k of tile t's parts in (rank, split) order: piece src = t + k % k_splits from rank k / k_splits.
+  __device__ int none() const { return p.tiles * UNITS; }
+  // Claim value c: piece blockIdx.x + G (c / UNITS), unit c % UNITS of its tile, in chunk (c % UNITS) / CHUNK_UNITS.
+  __device__ int piece_of(int c) const { return blockIdx.x + L.G * (c / UNITS); }
+  __device__ static int chunk_of(int c) { return (c % UNITS) / CHUNK_UNITS; }
+  __device__ bool mine(int t, int c) const { return chunk_of(c) % p.k_splits == t % p.k_splits; }
+  __device__ int code(int t, int c) const { return (t - t % p.k_splits) * UNITS + c % UNITS; }
+  // Piece k of tile t's parts in (rank, split) order: piece src = t + k % k_splits from rank k / k_splits;
+  // its chunk q has landed once the source CTA's stamp counts it.
   __device__ const unsigned long long* stamp(int t, int k) const {
     return w.word(p.x_rank, L.stamp(k / p.k_splits, (t + k % p.k_splits) % L.G));
   }
-  __device__ unsigned long long landed(int t, int k) const { return tp_stamp(launch, (t + k % p.k_splits) / L.G + 1); }
-  // The next chunk once all its tile's parts have landed (waiting for them), or none().
-  __device__ int next(int warp) const {
-    int c, t;
-    do t = piece_of(c = atomicAdd(claim, 1));
-    while (t < p.tiles && !mine(t, c));
-    if (t >= p.tiles) return none();
-    const int t0 = t - t % p.k_splits;   // the tile's first piece
-    for (int k = 0; k < p.x_world * p.k_splits; ++k)
-      signal_wait(stamp(t0, k), landed(t0, k), tp_site(p, 10, warp, t0, k / p.k_splits), 2 * XRANK_WAIT_NS);
-    return code(t, c);
+  __device__ unsigned long long landed(int t, int k, int q) const {
+    return tp_stamp(launch, (t + k % p.k_splits) / L.G * CHUNKS + q + 1);
   }
-  // The next chunk if all its tile's parts have landed already (claimed), else none() (nothing claimed).
-  __device__ int next_ready() const {
-    for (int c = *reinterpret_cast<volatile int*>(claim);;) {
-      const int t = piece_of(c), t0 = t - t % p.k_splits;
-      if (t >= p.tiles) return none();
-      if (mine(t, c))
-        for (int k = 0; k < p.x_world * p.k_splits; ++k)
-          if (load_acquire_sys(stamp(t0, k)) < landed(t0, k)) return none();
-      const int seen = atomicCAS(claim, c, c + 1);
-      if (seen == c && mine(t, c)) return code(t, c);
-      c = seen == c ? c + 1 : seen;
+  __device__ bool all_landed(int t0, int q) const {
+    for (int k = 0; k < p.x_world * p.k_splits; ++k)
+      if (load_acquire_sys(stamp(t0, k)) < landed(t0, k, q)) return false;
+    return true;
+  }
+  // Up to `want` units from claim value c on, within c's chunk: the claim if `ready` allows it (and the CAS
+  // on `claim` succeeds), else none() with c moved to what to try next.
+  template <class Ready>
+  __device__ Claim take(int& c, int want, Ready&& ready) const {
+    for (;;) {
+      const int t = piece_of(c);
+      if (t >= p.tiles) return Claim{none(), 0};
+      const int left = CHUNK_UNITS - c % CHUNK_UNITS, n = mine(t, c) ? min(want, left) : left;
+      if (mine(t, c) && !ready(t - t % p.k_splits, chunk_of(c))) return Claim{none(), 0};
+      const int seen = atomicCAS(claim, c, c + n);
+      if (seen != c) { c = seen; continue; }
+      if (mine(t, c)) return Claim{code(t, c), n};
+      c += n;
     }
+  }
+  // The next units (at most `want`) once their chunk of every part of their tile has landed (waiting for
+  // it), or none().
+  __device__ Claim next(int want, int warp) const {
+    int c = *reinterpret_cast<volatile int*>(claim);
+    const Claim k = take(c, want, [](int, int) { return true; });
+    if (k.code < none()) {
+      const int t0 = k.code / UNITS, q = (k.code % UNITS) / CHUNK_UNITS;
+      for (int j = 0; j < p.x_world * p.k_splits; ++j)
+        signal_wait(stamp(t0, j), landed(t0, j, q), tp_site(p, 10, warp, t0, j / p.k_splits), 2 * XRANK_WAIT_NS);
+    }
+    return k;
+  }
+  // The next units (at most `want`) if their chunk of every part has landed already (claimed), else none()
+  // (nothing claimed).
+  __device__ Claim next_ready(int want) const {
+    int c = *reinterpret_cast<volatile int*>(claim);
+    return take(c, want, [&](int t0, int q) { return all_landed(t0, q); });
   }
   // U steps of the first two parts in flight, or U4 steps of the first four (tiles of more than two parts).
   template <int U, int U4>
-  __device__ void merge(int chunk, int i, int nt) const {
-    const int t = chunk / CHUNKS, nparts = p.x_world * p.k_splits;
-    const auto part = [&](int k) {
-      return reinterpret_cast<const Part*>(p.xpeers[TP_PROXY ? p.x_rank : k / p.k_splits]) +   // where it lies
-             L.part(k / p.k_splits, t + k % p.k_splits); };
+  __device__ void merge(const Claim& k, int i, int nt) const {
+    const int t = k.code / UNITS, row0 = (k.code % UNITS) * UNIT_TOKENS, rows = k.units * UNIT_TOKENS;
+    const int nparts = p.x_world * p.k_splits;
+    const auto part = [&](int j) {
+      return reinterpret_cast<const Part*>(p.xpeers[TP_PROXY ? p.x_rank : j / p.k_splits]) +   // where it lies
+             L.part(j / p.k_splits, t + j % p.k_splits); };
     if (nparts <= 2)
-      tp_merge<U, 2>(p, tp_piece(p, t), (chunk % CHUNKS) * CHUNK_TOKENS, part, nparts, i, nt);
+      tp_merge<U, 2>(p, tp_piece(p, t), row0, rows, part, nparts, i, nt);
     else
-      tp_merge<U4, 4>(p, tp_piece(p, t), (chunk % CHUNKS) * CHUNK_TOKENS, part, nparts, i, nt);
+      tp_merge<U4, 4>(p, tp_piece(p, t), row0, rows, part, nparts, i, nt);
   }
 };
 
@@ -476,18 +546,29 @@ struct MergeClaims {
 constexpr int MERGER_U4 = TP_WGS == 2 || CTAS_PER_SM == 2 ? 1 : 2;
 constexpr int CONSUMER_U4 = CTAS_PER_SM == 2 || TP_WGS == 2 ? 1 : 2;
 
-// A merge team (threads i of nt, named barrier `bar`): merges claimed chunks, its leader waiting for each
-// one's parts and handing it on through `slot`, until none is left.
+// A merge team (threads i of nt, named barrier `bar`): merges claims of up to `want` units, its leader
+// waiting for each one's parts and handing it on through `slot` (two ints), until none is left. Profile
+// records name a merge by its first unit's code x 8 + its units.
 template <int U, int U4>
-__device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, int bar, int* claim, volatile int* slot, int warp) {
-  const MergeClaims mc(p, claim);
+__device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, int bar, int want, int* team,
+                                              volatile int* slot, int warp) {
+  const MergeClaims mc(p, team);
+  Profiler prof = tp_profiler(p, team, i == 0);
   for (;;) {
-    if (i == 0) *slot = mc.next(warp);
+    const i64 t0 = prof.now();
+    if (i == 0) {
+      const Claim k = mc.next(want, warp);
+      slot[0] = k.code;
+      slot[1] = k.units;
+    }
     named_barrier(bar, nt);
-    const int c = *slot;
+    const Claim k{slot[0], slot[1]};
     named_barrier(bar, nt);   // (the slot is rewritten by the next claim)
-    if (c >= mc.none()) return;
-    mc.merge<U, U4>(c, i, nt);
+    if (k.code >= mc.none()) return;
+    prof.record(t0, PROF_TP_WAIT, k.code * 8 + k.units);
+    const i64 t1 = prof.now();
+    mc.merge<U, U4>(k, i, nt);
+    prof.record(t1, PROF_TP_MERGE, k.code * 8 + k.units);
   }
 }
 
@@ -509,7 +590,10 @@ __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, 
 // serialises the wgmma pipeline.)
 constexpr int LL_WORDS = TILE_ELEMS * (int)sizeof(Part) / 4;    // words of a partial tile
 constexpr int LL_PER_THREAD = (LL_WORDS + CONSUMERS - 1) / CONSUMERS;
-constexpr int LL_GROUP = LL_PER_THREAD < 16 / TP_WGS ? LL_PER_THREAD : 16 / TP_WGS;   // words waited for at once
+// Words waited for at once: four, the groups one after another in a loop kept rolled. Sixteen, unrolled, took
+// 214 registers at 64-token blocks, and the CTA's exchange and sum 1.3-2.4 µs longer on one GPU (llama8b-o
+// M = 64 and 128, llama70b-o M = 64: bench/RESULTS.md 2026-12-01, fourth session).
+constexpr int LL_GROUP = LL_PER_THREAD < 4 ? LL_PER_THREAD : 4;
 static_assert(LL_PER_THREAD % LL_GROUP == 0, "whole groups of words");
 
 __device__ __forceinline__ unsigned long long* tp_ll_slot(const TpParams& p, char* window, u32 tag, int r, int cta) {
@@ -531,6 +615,7 @@ __device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int
     for (int i = ct; i < words; i += CONSUMERS) ll_put(dst + i, tag, mine[i]);
   }
   u16* out = reinterpret_cast<u16*>(p.xpeers[p.x_rank] + p.x_out_off) + (i64)x.tok0 * p.n + x.col * COLS;
+#pragma unroll 1
   for (int g = 0; g < LL_PER_THREAD; g += LL_GROUP) {   // a group of this thread's words at a time (registers)
     float s[LL_GROUP][VEC];
     for (int k = 0; k < p.x_world * ks; ++k) {   // (rank, split) order
@@ -570,42 +655,60 @@ __device__ __forceinline__ void tp_direct(const TpParams& p, const Piece& x, int
   }
 }
 
-// The consumer warpgroups: every piece's GEMM, its partial staged for the sender, and after each, the next
-// chunk to merge if all its tile's parts have landed already (the merge warps fall behind when tiles are
-// quick to compute); then a merge team.
+// The consumer warpgroups: every piece's GEMM, its partial staged chunk by chunk for the sender, and after
+// each, the next units to merge if their chunk of every part has landed already (the merge warps fall behind
+// when tiles are quick to compute); then a merge team.
 __device__ __forceinline__ void tp_consume_every(const TpParams& p, Ring ring, Part* staged, u32 bars, int* team) {
   const int ct = threadIdx.x - 128, warp = ct / 32, lane = ct % 32;
   const MergeClaims mc(p, team);
-  int sent = 0;
-  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x, ++sent) {
+  Profiler prof = tp_profiler(p, team, ct == 0);
+  int sent = 0;   // chunks staged
+  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
     const Piece x = tp_piece(p, t);
     float acc[ACC];
+    const i64 t0 = prof.now();
     tp_gemm(p, ring, x, t, acc, warp, lane);
+    prof.record(t0, PROF_TP_GEMM, t);
+    const i64 t1 = prof.now();
     if constexpr (!TP_PROXY && MELD_TP_DIRECT) {   // (token blocks the direct path may take)
       if (p.direct) {   // (its only piece)
         tp_direct(p, x, t, acc, staged, ct, warp, lane);
+        prof.record(t1, PROF_TP_DIRECT, t);
         return;
       }
     }
-    if (sent) mbar_wait(bars + 8, (sent - 1) & 1, tp_site(p, 15, warp + 4, t, sent - 1), 2 * XRANK_WAIT_NS);
-    tp_stage(acc, staged, warp, lane);
-    fence_proxy_async();   // (the sender's bulk copy reads it)
-    named_barrier(1, CONSUMERS);
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j, ++sent) {   // (unrolled: the registers of chunk j are known)
+      const int b = sent % STAGE_CHUNKS;
+      if (sent >= STAGE_CHUNKS)
+        mbar_wait(staged_empty(bars, b), (sent / STAGE_CHUNKS - 1) & 1, tp_site(p, 15, warp + 4, t, sent), 2 * XRANK_WAIT_NS);
+      tp_stage<ACC / CHUNKS>(acc, staged + b * CHUNK_ELEMS, warp, lane, j * (ACC / CHUNKS));
+      fence_proxy_async();   // (the sender's bulk copy reads it)
+      named_barrier(1, CONSUMERS);
+      if (ct == 0) mbar_arrive(staged_full(bars, b));
+    }
+    prof.record(t1, PROF_TP_STAGE, t);
     if (ct == 0) {
-      mbar_arrive(bars);
-      team[3] = mc.next_ready();
+      const Claim k = mc.next_ready(CHUNK_UNITS);
+      team[5] = k.code;
+      team[6] = k.units;
     }
     named_barrier(1, CONSUMERS);
-    const int ready = team[3];   // (rewritten after the next piece's first barrier)
-    if (ready < mc.none()) mc.merge<4, CONSUMER_U4>(ready, ct, CONSUMERS);
+    const Claim ready{team[5], team[6]};   // (rewritten after the next piece's staging barriers)
+    if (ready.code < mc.none()) {
+      const i64 t2 = prof.now();
+      mc.merge<4, CONSUMER_U4>(ready, ct, CONSUMERS);
+      prof.record(t2, PROF_TP_MERGE, ready.code * 8 + ready.units);
+    }
   }
-  tp_merge_team<4, CONSUMER_U4>(p, ct, CONSUMERS, 1, team, team + 1, warp + 4);
+  tp_merge_team<4, CONSUMER_U4>(p, ct, CONSUMERS, 1, CHUNK_UNITS, team, team + 1, warp + 4);
 }
 
 // The end of a CTA of every-rank merges (every thread but the producer warp's): the launch's last CTA
 // records the launch as finished (every CTA read the count at its start).
-__device__ __forceinline__ void tp_every_done(const TpParams& p) {
+__device__ __forceinline__ void tp_every_done(const TpParams& p, int* team) {
   named_barrier(3, 96 + CONSUMERS);
+  if (threadIdx.x == 32) tp_profiler(p, team, true).end(gridDim.x);
   if (threadIdx.x != 32 || atomicAdd(p.xexit, 1u) != gridDim.x - 1) return;
   p.xexit[0] = 0u;
   *p.xlaunch = tp_launch(p);
@@ -615,18 +718,25 @@ extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
   const Ring ring = Ring::at<STAGE_BYTES>(raw);
-  unsigned char* staged = smem_raw + (ring.end() - raw);   // the staged tile, then two mbarriers and four ints
+  unsigned char* staged = smem_raw + (ring.end() - raw);   // staging, then four mbarriers and eight ints
   const u32 bars = ring.end() + STAGED_BYTES;
-  int* team = reinterpret_cast<int*>(staged + STAGED_BYTES + 16);   // [claim, consumers' slot, mergers' slot,
-                                                                     // consumers' ready tile (owner merges: last)]
+  int* team = reinterpret_cast<int*>(staged + STAGED_BYTES + 32);   // [claim, consumers' claim (2), mergers'
+                                                                     // claim (2), consumers' ready claim (2; owner
+                                                                     // merges: last), profile records (TEAM_RECORDS)]
   if (threadIdx.x == 0) {
     ring.init(CONSUMERS / 32);
-    mbar_init(bars, 1);       // a staged partial is ready (the consumers)
-    mbar_init(bars + 8, 1);   // it has been read (the sender)
-    team[0] = 0;
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(staged_full(bars, b), 1);    // buffer b's chunk is staged (the consumers)
+      mbar_init(staged_empty(bars, b), 1);   // it has been read (the sender)
+    }
+    team[0] = team[TEAM_RECORDS] = 0;
     fence_mbar_init();
   }
   __syncthreads();
+  if (threadIdx.x == 0) {   // (the CTA's profile header: its records are the other threads')
+    Profiler head;
+    head.begin(p.prof, p.prof_cap, blockIdx.x, true, nullptr, 1);
+  }
   if (threadIdx.x < 128) {
     if (TP_WGS == 2) regs_dealloc<104>();   // (two consumer warpgroups: their accumulators take the registers)
     if (threadIdx.x == 0) tp_produce(p, ring);
@@ -634,21 +744,21 @@ extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_
     const bool direct = !TP_PROXY && p.direct;
     if (threadIdx.x == 32) {
       if (!direct)
-        tp_send(p, ring.end(), bars);
+        tp_send(p, ring.end(), bars, team);
       else if (blockIdx.x == 0)
         xrank_announce_peers(tp_windows(p), tp_launch(p));
     }
     __syncwarp();
-    if (threadIdx.x >= 64 && !direct) tp_merge_team<4, MERGER_U4>(p, threadIdx.x - 64, 64, 2, team, team + 2, threadIdx.x / 32);
-    tp_every_done(p);
+    if (threadIdx.x >= 64 && !direct) tp_merge_team<4, MERGER_U4>(p, threadIdx.x - 64, 64, 2, 1, team, team + 3, threadIdx.x / 32);
+    tp_every_done(p, team);
     return;
   }
   if (TP_WGS == 2) regs_alloc<200>();
   if (TP_EVERY) {
     tp_consume_every(p, ring, reinterpret_cast<Part*>(staged), bars, team);
-    tp_every_done(p);
+    tp_every_done(p, team);
   } else {
-    tp_consume(p, ring, reinterpret_cast<u16*>(staged), team + 3);
+    tp_consume(p, ring, reinterpret_cast<u16*>(staged), team);
   }
 }
 
