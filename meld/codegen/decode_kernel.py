@@ -125,7 +125,7 @@ class DecodeKernelConfig:
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("xrank.cuh"), DECODE_PARAMS.c_source(),
-                          CTA_TABLE.c_source(), _template("decode_attention.cuh")])
+                          CTA_TABLE.c_source(), _template("split_kv.cuh"), _template("decode_attention.cuh")])
 
 
 @dataclass(frozen=True)

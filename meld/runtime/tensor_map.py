@@ -51,21 +51,21 @@ def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
 
 
 class TensorMapCache(Generic[M]):
-    """Tensor maps per (address, shape, dtype) of the tensors a kernel reads, so run() encodes each one
-    once: a model passes the same per-layer caches and weights every step. (`encode` may return several
-    maps of one tensor: one lookup a call.)"""
+    """Tensor maps per (address, shape, strides, dtype) of the tensors a kernel reads, so run() encodes each
+    one once: a model passes the same per-layer caches and weights every step. (`encode` may return several
+    maps, of one tensor or of several read together: one lookup a call.)"""
 
-    def __init__(self, encode: Callable[[torch.Tensor], M], max_entries: int = 1024):
+    def __init__(self, encode: Callable[..., M], max_entries: int = 1024):
         self._maps: dict[tuple, M] = {}
         self._encode, self._max = encode, max_entries
 
-    def get(self, t: torch.Tensor) -> M:
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+    def get(self, *ts: torch.Tensor) -> M:
+        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in ts)
         m = self._maps.get(key)
         if m is None:
             if len(self._maps) >= self._max:
                 self._maps.clear()
-            m = self._maps[key] = self._encode(t)
+            m = self._maps[key] = self._encode(*ts)
         return m
 
 

@@ -97,22 +97,6 @@ __device__ __forceinline__ u32 tile_off(int r, int c) {
   return TMA ? (c >> 3) * BOX_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4) : r * (D * 2) + ((c ^ (r & 7)) << 4);
 }
 
-struct Segment {
-  int u_begin, s_begin, u_end, s_end, head_first, head_parts, tail_first, tail_parts;
-  int u_last;   // last unit the segment touches
-  bool empty;
-};
-
-__device__ __forceinline__ Segment load_segment(const DecodeParams& p, int cta) {
-  Segment g;
-  const CtaRow r = load_ctarow(p.cta_table, p.num_ctas, cta);   // meld/ir/work_table.py: CTA_TABLE
-  g.u_begin = r.u_begin; g.s_begin = r.s_begin; g.u_end = r.u_end; g.s_end = r.s_end;
-  g.head_first = r.head_first; g.head_parts = r.head_parts; g.tail_first = r.tail_first; g.tail_parts = r.tail_parts;
-  g.u_last = g.s_end > 0 ? g.u_end : g.u_end - 1;
-  g.empty = g.u_begin == g.u_end && g.s_begin == g.s_end;
-  return g;
-}
-
 // Where this CTA runs: its row of the CTA table and the rows of its cluster.
 struct Place {
   int cta, cluster_first, cluster_ctas;
@@ -158,16 +142,11 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
   x.q_head = x.kv_head * p.group_size + qb * HEADS;
   x.rows = min(HEADS, p.group_size - qb * HEADS);
   x.page_base = p.page_base[x.req];
-  const bool first = u == g.u_begin, last = u == g.u_last;
-  x.begin = first ? g.s_begin : 0;
-  x.end = (last && g.s_end > 0) ? g.s_end : p.kv_len[x.req];
-  const bool head = first && g.s_begin > 0;
-  const bool tail = !head && last && g.s_end > 0;
-  x.slot = (head || tail) ? u + cta : -1;
-  x.parts_begin = u + (head ? g.head_first : g.tail_first);
-  x.num_parts = head ? g.head_parts : g.tail_parts;
+  const Piece pc = segment_piece(g, u, cta, p.kv_len[x.req]);   // split_kv.cuh
+  x.begin = pc.begin; x.end = pc.end; x.slot = pc.slot;
+  x.parts_begin = pc.parts_begin; x.num_parts = pc.num_parts;
   x.first_cta = x.parts_begin - u;
-  x.head = head;
+  x.head = pc.head;
   x.onchip = ONCHIP && x.slot >= 0 && x.first_cta >= pl.cluster_first &&
              x.first_cta + x.num_parts <= pl.cluster_first + pl.cluster_ctas;
   if (CHUNKED) {
@@ -532,13 +511,11 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 }
 
 // The last arriver merges the unit's partials (k = 0: the piece that ends CTA first_cta's segment;
-// k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The loads are
-// latency-bound (L2 or a peer's shared memory), and the merge sits on the kernel's tail, so each thread
-// merges four outputs of one head on its own: it loads that head's lse of MERGE_CHUNK parts together
-// with the parts' four values (one round trip per chunk, no shared memory, no barrier), weighs them
-// exp2(lse_k - max) / sum and keeps a running max across chunks. Chunk sizes as measured on the H200
-// (bench/RESULTS.md): 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8 elsewhere, since
-// 16 made the head_dim-64 kernel 12-13% slower throughout (its registers went from 105 to 136).
+// k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The merge sits on the
+// kernel's tail, so each thread merges four outputs of one head on its own (split_kv.cuh, merge_lse4: no
+// shared memory, no barrier). Chunk sizes as measured on the H200 (bench/RESULTS.md): 16 parts (a unit over
+// the 132 SMs has ~17) for head_dim 128; 8 elsewhere, since 16 made the head_dim-64 kernel 12-13% slower
+// throughout (its registers went from 105 to 136).
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
 // `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4.
 template <class Load>
@@ -546,32 +523,10 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x
   constexpr int Q = D / 4;
   for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
     const int h = i / Q, d = (i - h * Q) * 4;
-    float m = neg_inf(), sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int k0 = 0; k0 < parts; k0 += MERGE_CHUNK) {
-      float lse[MERGE_CHUNK];
-      float4 v[MERGE_CHUNK];
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {   // past the last part: reload the last one, weighted 0
-        load(min(k0 + j, parts - 1), h, d, lse[j], v[j]);
-      }
-      float mc = m;
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) mc = k0 + j < parts ? fmaxf(mc, lse[j]) : mc;
-      const float m_use = mc == neg_inf() ? 0.f : mc;
-      const float r = exp2_approx(m - m_use);   // rescale the chunks before (0 for the first)
-      sum *= r; acc.x *= r; acc.y *= r; acc.z *= r; acc.w *= r;
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        const float wk = k0 + j < parts ? exp2_approx(lse[j] - m_use) : 0.f;
-        sum += wk;
-        acc.x += wk * v[j].x; acc.y += wk * v[j].y; acc.z += wk * v[j].z; acc.w += wk * v[j].w;
-      }
-      m = mc;
-    }
-    const float inv = 1.f / sum;   // every part holds tokens: sum >= 1, or NaN from a NaN part
-    const float lse2 = m + log2_approx(sum);
-    store_out4(p, x, h, d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv), lse2);
+    float lse2[1];
+    float4 v[1];
+    merge_lse4<MERGE_CHUNK, 1>(parts, [&](int k, int, float& lse, float4& o) { load(k, h, d, lse, o); }, v, lse2);
+    store_out4(p, x, h, d, v[0], lse2[0]);
   }
 }
 
@@ -771,7 +726,7 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     cluster_arrive();     // the counter is zero before any peer counts on it
     cluster_wait();
   }
-  const Segment g = load_segment(p, pl.cta);
+  const Segment g = load_segment(p.cta_table, p.num_ctas, pl.cta);   // split_kv.cuh
   const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
   const u32 bars = smem_addr(smem + MBAR_OFFSET) + warp * STAGES * 8;   // this warp's stage barriers (TMA)
   if (TMA) {
