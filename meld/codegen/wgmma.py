@@ -6,20 +6,24 @@ from __future__ import annotations
 WGMMA_N = tuple(range(8, 257, 8))   # the N a bf16 m64nNk16 instruction accepts
 
 
-def wgmma_bf16(n: int) -> str:
-    """`wgmma_bf16(acc, desc_a, desc_b)`: acc[n/2] += A (64 x 16, shared) * B (n x 16, shared, K-major),
-    bf16 inputs, fp32 accumulators, both operands K-major (no transpose)."""
+def wgmma_bf16(n: int, trans_b: bool = False) -> str:
+    """`wgmma_bf16(acc, desc_a, desc_b[, accumulate])`: acc[n/2] = A (64 x 16, shared, K-major) * B (n x 16,
+    shared) + (accumulate ? acc : 0), bf16 inputs, fp32 accumulators. B is K-major, or with `trans_b` MN-major
+    (its n channels contiguous, as the value rows of attention lie): that variant is named `wgmma_bf16_tb`.
+    accumulate = 0 starts a sum without zeroing the registers first (writes to an accumulator between
+    wgmmas serialise them)."""
     if n not in WGMMA_N:
         raise ValueError(f"wgmma N={n}: expected a multiple of 8 in 8..256")
     regs = n // 2
     acc = ", ".join(f"%{i}" for i in range(regs))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    name = "wgmma_bf16_tb" if trans_b else "wgmma_bf16"
     return (
-        f"__device__ __forceinline__ void wgmma_bf16(float (&d)[{regs}], unsigned long long a, "
-        "unsigned long long b) {\n"
+        f"__device__ __forceinline__ void {name}(float (&d)[{regs}], unsigned long long a, "
+        "unsigned long long b, int accumulate = 1) {\n"
         f'  asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{regs + 2}, 0; "\n'
         f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{acc}}}, %{regs}, %{regs + 1}, '
-        f'p, 1, 1, 0, 0; }}"\n'
+        f'p, 1, 1, 0, {int(trans_b)}; }}"\n'
         f'               : {outs}\n'
-        f'               : "l"(a), "l"(b), "r"(1));\n'
+        f'               : "l"(a), "l"(b), "r"(accumulate));\n'
         "}\n")

@@ -36,6 +36,15 @@ __device__ __forceinline__ unsigned long long wgmma_desc(u32 smem) {
          (1ull << 62);
 }
 
+// Descriptor of an MN-major operand (its MN elements contiguous, as attention's value rows lie: B of
+// P.V, wgmma_bf16_tb) stored as TMA's 128-byte swizzle writes boxes of [K rows][64 elements]: 8-row atoms
+// 1 KiB apart along K (stride byte offset) and `box_bytes` between the boxes of consecutive 64 elements
+// along MN (leading byte offset). A k16 step is two atoms: 2 KiB on.
+__device__ __forceinline__ unsigned long long wgmma_desc_mn(u32 smem, u32 box_bytes) {
+  return (unsigned long long)((smem & 0x3FFFF) >> 4) | ((unsigned long long)(box_bytes >> 4) << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
