@@ -15,7 +15,7 @@ from ..ir.task_graph import GraphError
 
 @dataclass(frozen=True)
 class Lowering:
-    family: str                          # "decode_attention" | "moe" | "tp_linear": the template and planner it runs
+    family: str                          # "decode_attention" | "mla_decode" | "moe" | "tp_linear": template, planner
     combiner: str                        # meld.ir.COMBINERS key: the device merge and the executor's merge
     waits: tuple[tuple[str, str, str], ...] = ()   # (src, dst, axis): tile edges that become dependency counters
 
@@ -31,9 +31,11 @@ def lower(graph: TaskGraph) -> Lowering:
     reductions = {t.reduction.combiner for t in g.tasks if t.reduction is not None}
     edges = [(s, d, data.get("depends")) for s, d, data in g.graph.edges(data=True)]
     if kinds == ["combine", "split_reduce"]:
-        # A split range of KV positions merges online-softmax states (attention); a split contraction
-        # dimension, plain sums (the row-parallel GEMM, its ranges spread over ranks).
-        families = {"online_softmax": "decode_attention", "sum": "tp_linear"}
+        # A split range of KV positions merges online-softmax states (attention: MLA's where it reads a latent
+        # cache, i.e. the graph has a rotary-key width); a split contraction dimension, plain sums (the
+        # row-parallel GEMM, its ranges spread over ranks).
+        attention = "mla_decode" if "head_dim_kpe" in g.attrs else "decode_attention"
+        families = {"online_softmax": attention, "sum": "tp_linear"}
         if len(reductions) != 1 or next(iter(reductions)) not in families:
             raise GraphError(f"graph {g.name!r}: a split-reduce family merges online-softmax states or sums; "
                              f"this graph reduces with {sorted(reductions)}")

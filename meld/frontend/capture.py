@@ -241,7 +241,7 @@ def find_range_reduction(func: tirx.PrimFunc) -> RangeReduction:
     return RangeReduction(block, axis, requests[0], recognise_combiner(block))
 
 
-# --- paged GQA attention ----------------------------------------------------------------------------
+# --- split-KV attention: its operands and its graph -------------------------------------------------
 
 def _static(buf: tirx.Var, dim: int) -> int:
     if not isinstance(buf.shape[dim], tirx.IntImm):
@@ -261,6 +261,56 @@ def _cone(blocks: list[SBlock], root: SBlock) -> list[SBlock]:
         todo += [b for b in blocks if any(s.same_as(r) for s in _stored(b) for r in read)]
     return cone
 
+
+@dataclass(frozen=True)
+class Operands:
+    """The buffers around the range reduction, each list in parameter order (the graph's reads and writes)."""
+
+    reduction: RangeReduction
+    outputs: list[tirx.Var]  # the parameters the function writes
+    reads: list[tirx.Var]  # the inputs the reduction's cone loads
+    loads: list[tuple[SBlock, tvm.ir.TensorLoad]]  # every load in that cone, with its block
+
+    @property
+    def floats(self) -> list[tirx.Var]:
+        return [p for p in self.reads if "float" in str(p.dtype)]
+
+    @property
+    def paged(self) -> list[tirx.Var]:
+        """The float inputs indexed through another load: the paged KV caches."""
+        return [p for p in self.floats if any(ld.source.same_as(p) and _uses(list(ld.indices), _is_load)
+                                              for _, ld in self.loads)]
+
+
+def find_operands(func: tirx.PrimFunc) -> Operands:
+    """The range reduction of `func` (`find_range_reduction`), what it reads and what the function writes."""
+    blocks = _blocks(func)
+    red = find_range_reduction(func)
+    written = [b for blk in blocks for b in _stored(blk)]
+    buffers = [p for p in func.params if tirx.is_buffer_var(p)]
+    outputs = [p for p in buffers if any(p.same_as(w) for w in written)]
+    inputs = [p for p in buffers if not any(p.same_as(o) for o in outputs)]
+    loads = [(blk, ld) for blk in _cone(blocks, red.block) for ld in _collect(blk.body, tvm.ir.TensorLoad)]
+    reads = [p for p in inputs if any(ld.source.same_as(p) for _, ld in loads)]
+    return Operands(red, outputs, reads, loads)
+
+
+def split_kv_graph(name: str, attrs: dict[str, object], domain: tuple[Axis, ...], ops: Operands) -> TaskGraph:
+    """attention_partial (a split-reduce over part of the KV range, per point of `domain`) -> merge."""
+    reduction = Reduction(ops.reduction.combiner, RANGE)
+    affinity = tuple(a.name for a in domain)
+    partials = tuple(f"partial_{p.name}" for p in ops.outputs)
+    g = TaskGraph(name, attrs)
+    g.add_task(TaskTemplate(
+        "attention_partial", "split_reduce", domain, range_axis=Axis(RANGE, RANGE_EXTENT, dynamic=True),
+        affinity=affinity, reduction=reduction, reads=tuple(p.name for p in ops.reads), writes=partials))
+    g.add_task(TaskTemplate("merge", "combine", domain, affinity=affinity, reduction=reduction,
+                            reads=partials, writes=tuple(p.name for p in ops.outputs)))
+    g.add_edge("attention_partial", "merge", reduction)
+    return g.validate()
+
+
+# --- paged GQA attention ----------------------------------------------------------------------------
 
 def _group_size(kv_loads: list, num_qo_heads: int) -> int:
     """G from the KV head index `h // G` (just `h` when G = 1) of every KV load, h a q-head axis."""
@@ -296,20 +346,8 @@ def capture(func: tirx.PrimFunc) -> TaskGraph:
         >>> capture(decode_attention_primfunc(32, 8, 128, 16)).attrs["group_size"]
         4
     """
-    blocks = _blocks(func)
-    red = find_range_reduction(func)
-    written = [b for blk in blocks for b in _stored(blk)]
-    buffers = [p for p in func.params if tirx.is_buffer_var(p)]
-    outputs = [p for p in buffers if any(p.same_as(w) for w in written)]
-    inputs = [p for p in buffers if not any(p.same_as(o) for o in outputs)]
-    loads = [(blk, ld) for blk in _cone(blocks, red.block) for ld in _collect(blk.body, tvm.ir.TensorLoad)]
-    reads = [p for p in inputs if any(ld.source.same_as(p) for _, ld in loads)]
-
-    def indirect(buf: tirx.Var) -> bool:  # indexed through another load: the paged KV cache
-        return any(ld.source.same_as(buf) and _uses(list(ld.indices), _is_load) for _, ld in loads)
-
-    floats = [p for p in reads if "float" in str(p.dtype)]
-    paged = [p for p in floats if indirect(p)]
+    ops = find_operands(func)
+    red, floats, paged = ops.reduction, ops.floats, ops.paged
     if len(floats) != 2 or len(paged) != 1:
         raise ValueError(f"expected a query and a paged KV cache among the float inputs, found "
                          f"{[p.name for p in floats]} ({[p.name for p in paged]} paged)")
@@ -323,21 +361,12 @@ def capture(func: tirx.PrimFunc) -> TaskGraph:
     if str(kv.dtype) != str(q.dtype) or _static(kv, 4) != _static(q, 2):
         raise ValueError(f"{q.name} and {kv.name} differ in dtype or head_dim")
     num_qo_heads, num_kv_heads = _static(q, 1), _static(kv, 3)
-    group = _group_size([(b, ld) for b, ld in loads if ld.source.same_as(kv)], num_qo_heads)
+    group = _group_size([(b, ld) for b, ld in ops.loads if ld.source.same_as(kv)], num_qo_heads)
     if group * num_kv_heads != num_qo_heads:
         raise ValueError(f"group size {group} x {num_kv_heads} kv heads != {num_qo_heads} q heads")
 
     domain = (Axis(REQUEST, red.request.dom.extent.name), Axis(KV_HEAD, num_kv_heads))
-    reduction = Reduction(red.combiner, RANGE)
-    partials = tuple(f"partial_{p.name}" for p in outputs)
-    g = TaskGraph("decode_attention", {
+    return split_kv_graph("decode_attention", {
         "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "group_size": group,
         "head_dim": _static(q, 2), "page_size": _static(kv, 2), "dtype": str(q.dtype),
-    })
-    g.add_task(TaskTemplate(
-        "attention_partial", "split_reduce", domain, range_axis=Axis(RANGE, RANGE_EXTENT, dynamic=True),
-        affinity=(REQUEST, KV_HEAD), reduction=reduction, reads=tuple(p.name for p in reads), writes=partials))
-    g.add_task(TaskTemplate("merge", "combine", domain, affinity=(REQUEST, KV_HEAD), reduction=reduction,
-                            reads=partials, writes=tuple(p.name for p in outputs)))
-    g.add_edge("attention_partial", "merge", reduction)
-    return g.validate()
+    }, domain, ops)
