@@ -77,15 +77,21 @@ PROXY_RING = [
     Field("xring_head", "ptr", "const unsigned long long*"),
 ]
 
-DECODE_PARAMS = ParamStruct("DecodeParams", [
-    Field("q", "ptr", "const u16*"),
-    Field("kv", "ptr", "const u16*"),
+# What every paged decode kernel reads first: its outputs and the split-KV work tables the decode planner
+# writes (meld/ops/paged_decode.py).
+PAGED_OUTPUTS_AND_TABLES = [
     Field("out", "ptr", "u16*"),
     Field("lse", "ptr", "float*"),
     Field("kv_indices", "ptr", "const int*"),
     Field("kv_len", "ptr", "const int*"),
     Field("page_base", "ptr", "const int*"),
     Field("cta_table", "ptr", "const int*"),
+]
+
+DECODE_PARAMS = ParamStruct("DecodeParams", [
+    Field("q", "ptr", "const u16*"),
+    Field("kv", "ptr", "const u16*"),
+    *PAGED_OUTPUTS_AND_TABLES,
     Field("slot_base", "ptr", "const int*"),   # batch-invariant kernels: each request's first partial slot
     Field("part_o", "ptr", "float*"),
     Field("part_lse", "ptr", "float*"),
@@ -138,6 +144,38 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
     Field("xring_cap", "i32"),
+])
+
+# MLA decode attention (templates/mla_decode.cuh): the latent cache as two TMA maps, one partial slot per
+# split piece of [64 heads][head_dim_ckv] floats; the split-KV tables are the decode planner's.
+MLA_PARAMS = ParamStruct("MlaParams", [
+    Field("q_nope", "ptr", "const u16*"),
+    Field("q_pe", "ptr", "const u16*"),
+    *PAGED_OUTPUTS_AND_TABLES,
+    Field("part_o", "ptr", "float*"),
+    Field("part_lse", "ptr", "float*"),
+    Field("counters", "ptr", "unsigned*"),
+    Field("prof", "ptr", "long long*"),
+    Field("prof_clock", "ptr", "unsigned*"),
+    Field("watchdog", "ptr", "WatchdogRecord*"),
+    Field("watchdog_claim", "ptr", "int*"),
+    Field("ckv_map", "tmap"),   # [rows = pages x page_size][head_dim_ckv], boxes of box_rows x 64 channels
+    Field("kpe_map", "tmap"),   # [rows][head_dim_kpe], the same boxes
+    Field("qn_stride_b", "i64"),   # q_nope / q_pe strides in elements (the last dim contiguous)
+    Field("qn_stride_h", "i64"),
+    Field("qp_stride_b", "i64"),
+    Field("qp_stride_h", "i64"),
+    Field("num_heads", "i32"),
+    Field("units_per_request", "i32"),   # 64-head blocks per request
+    Field("page_size", "i32"),
+    Field("box_rows", "i32"),      # token rows one TMA box holds: min(64, page_size)
+    Field("num_ctas", "i32"),
+    Field("cta_offset", "i32"),    # (PersistentLaunch: one grid here)
+    Field("wait_inputs", "i32"),
+    Field("prof_cap", "i32"),
+    Field("prof_every", "i32"),
+    Field("watchdog_kernel", "i32"),
+    Field("sm_scale_log2", "f32"),
 ])
 
 PLAN_PARAMS = ParamStruct("PlanParams", [

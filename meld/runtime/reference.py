@@ -22,11 +22,11 @@ _merge = COMBINERS["online_softmax"].merge
 
 
 def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, ...]:
-    """(m, l, acc) of softmax attention of q [H, D] over k, v [n, D] (n may be 0); l = NaN marks a row
-    that met a non-finite score or value."""
-    H, D = q.shape
+    """(m, l, acc) of softmax attention of q [H, D] over k [n, D], v [n, Dv] (n may be 0); l = NaN marks a
+    row that met a non-finite score or value."""
+    H = q.shape[0]
     if k.shape[0] == 0:
-        return np.full(H, -np.inf), np.zeros(H), np.zeros((H, D))
+        return np.full(H, -np.inf), np.zeros(H), np.zeros((H, v.shape[1]))
     with np.errstate(invalid="ignore", over="ignore"):
         s = (q @ k.T) * scale
         bad = ~np.isfinite(s).all(axis=1)
@@ -41,15 +41,39 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[n
 
 def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, kv_indices: torch.Tensor,
                    sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Execute `schedule` on CPU tensors. Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
-    B, Hq, D = q.shape
+    """Execute `schedule` on CPU tensors (kv_cache NHD). Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
     P = kv_cache.shape[2]
+    kv64 = kv_cache.double().numpy()
+
+    def kv(pages: np.ndarray, slots: np.ndarray, kv_head: int) -> tuple[np.ndarray, np.ndarray]:
+        return kv64[pages, 0, slots, kv_head], kv64[pages, 1, slots, kv_head]
+
+    return _execute(schedule, q.double().numpy(), kv, P, kv_cache.shape[-1], kv_indices, sm_scale)
+
+
+def execute_mla(schedule: Schedule, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+                kpe_cache: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Execute an MLA schedule (one latent kv head shared by every q head) on CPU tensors: keys are the
+    latent rows with their rope part, values the latent rows. Returns (out [B, H, Dc], lse [B, H]) float64."""
+    ckv64, kpe64 = ckv_cache.double().numpy(), kpe_cache.double().numpy()
+
+    def kv(pages: np.ndarray, slots: np.ndarray, kv_head: int) -> tuple[np.ndarray, np.ndarray]:
+        c = ckv64[pages, slots]
+        return np.concatenate([c, kpe64[pages, slots]], axis=1), c
+
+    q = torch.cat([q_nope, q_pe], dim=-1).double().numpy()
+    return _execute(schedule, q, kv, ckv_cache.shape[1], ckv_cache.shape[-1], kv_indices, sm_scale)
+
+
+def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, kv_indices: torch.Tensor,
+             sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walk both executors share: `kv(pages, slots, kv_head)` gives an item's keys and values."""
+    B, Hq, _ = q64.shape
     # NumPy, not torch: per-item matmuls are tiny and torch's CPU thread pool only adds overhead.
-    q64, kv64 = q.double().numpy(), kv_cache.double().numpy()
     indices = kv_indices.numpy()
-    out = torch.full((B, Hq, D), float("nan"), dtype=torch.float64)
+    out = torch.full((B, Hq, dv), float("nan"), dtype=torch.float64)
     lse = torch.full((B, Hq), float("nan"), dtype=torch.float64)
-    part_o = np.full((schedule.num_slots, schedule.heads_per_item, D), np.nan)
+    part_o = np.full((schedule.num_slots, schedule.heads_per_item, dv), np.nan)
     part_lse = np.full((schedule.num_slots, schedule.heads_per_item), np.nan)
     arrived = np.zeros(schedule.num_units, dtype=np.int64)
     it = schedule.items()
@@ -58,9 +82,7 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, 
         b, kvh, h0, rows = (int(it[k][i]) for k in ("req", "kv_head", "q_head", "rows"))
         beg, end, slot = int(it["kv_begin"][i]), int(it["kv_end"][i]), int(it["slot"][i])
         pos = np.arange(beg, end)
-        pages = indices[int(page_base[b]) + pos // P]
-        k = kv64[pages, 0, pos % P, kvh]
-        v = kv64[pages, 1, pos % P, kvh]
+        k, v = kv(indices[int(page_base[b]) + pos // page_size], pos % page_size, kvh)
         m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale)
         if slot < 0:
             _write(out, lse, b, h0, m, l, acc)
@@ -98,6 +120,15 @@ def _write(out, lse, b, h0, m, l, acc) -> None:
     out[b, h0:h0 + len(m)], lse[b, h0:h0 + len(m)] = torch.from_numpy(o), torch.from_numpy(ls)
 
 
+def _requests(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
+    """(request, its pages, its tokens) of every request with tokens, from FlashInfer's paged layout."""
+    indptr, last = kv_indptr.tolist(), kv_last_page_len.tolist()
+    for b in range(len(last)):
+        pages = kv_indices[indptr[b]:indptr[b + 1]].long()
+        if len(pages):
+            yield b, pages, (len(pages) - 1) * page_size + last[b]
+
+
 def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         kv_last_page_len: torch.Tensor, sm_scale: float | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,16 +139,29 @@ def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torc
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out = torch.zeros(B, Hq, D, dtype=torch.float64, device=q.device)
     lse = torch.full((B, Hq), -math.inf, dtype=torch.float64, device=q.device)
-    indptr, last = kv_indptr.tolist(), kv_last_page_len.tolist()
-    for b in range(B):
-        pages = kv_indices[indptr[b]:indptr[b + 1]].long()
-        if len(pages) == 0:
-            continue
-        n = (len(pages) - 1) * P + last[b]
+    for b, pages, n in _requests(kv_indptr, kv_indices, kv_last_page_len, P):
         k = kv_cache[pages, 0].reshape(-1, Hkv, D)[:n].double()       # [n, Hkv, D]
         v = kv_cache[pages, 1].reshape(-1, Hkv, D)[:n].double()
         qb = q[b].double().view(Hkv, G, D)
         s = torch.einsum("hgd,nhd->hgn", qb, k) * scale
         lse[b] = torch.logsumexp(s, dim=-1).reshape(Hq)
         out[b] = torch.einsum("hgn,nhd->hgd", torch.softmax(s, dim=-1), v).reshape(Hq, D)
+    return out, lse
+
+
+def mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, sm_scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain float64 paged MLA decode attention (the absorbed form: keys [ckv, kpe], values ckv, one latent
+    head shared by every q head), one request at a time: the ground truth. Returns (out [B, H, Dc], lse [B, H])."""
+    B, H, Dc = q_nope.shape
+    P = ckv_cache.shape[1]
+    out = torch.zeros(B, H, Dc, dtype=torch.float64, device=q_nope.device)
+    lse = torch.full((B, H), -math.inf, dtype=torch.float64, device=q_nope.device)
+    for b, pages, n in _requests(kv_indptr, kv_indices, kv_last_page_len, P):
+        c = ckv_cache[pages].reshape(-1, Dc)[:n].double()                       # [n, Dc]
+        r = kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])[:n].double()      # [n, Dr]
+        s = (q_nope[b].double() @ c.T + q_pe[b].double() @ r.T) * sm_scale     # [H, n]
+        lse[b] = torch.logsumexp(s, dim=-1)
+        out[b] = torch.softmax(s, dim=-1) @ c
     return out, lse

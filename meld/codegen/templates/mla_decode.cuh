@@ -1,0 +1,494 @@
+// meld: persistent split-KV MLA decode attention (DeepSeek's multi-head latent attention in its absorbed
+// form, over a paged latent cache).
+//
+// Every q head attends to one latent KV head: keys are the latent rows (DC = 512 channels) with their rope
+// part (DR = 64), values the latent rows alone. A unit is one (request, block of 64 q heads); the decode
+// planner (decode_plan.h) cuts the units' KV into one segment per CTA (split_kv.cuh), exactly as for GQA.
+// With 128 heads a token's 1152 bytes feed 128 x 1088 multiply-adds: the tensor cores, not the bytes,
+// bound the kernel, so everything here is laid out for wgmma:
+//   S [64 heads x B tokens]  = Q [64 x 576] . K^T        (m64nBk16, Q and K from shared memory)
+//   O [64 heads x 512]      += P [64 x B] . V [B x 512]   (m64n256k16, V MN-major: wgmma_bf16_tb)
+// One CTA per SM (the smem below) of three warpgroups:
+//   - warpgroup 0: warp 0 streams the KV blocks (B = BLOCK_TOKENS tokens, 9 TMA boxes of 64 channels) through
+//     a ring of NUM_STAGES stages, one box copy per page chunk; warps 1-3 load each unit's Q (cp.async, the
+//     128-byte swizzle written by hand) into the one Q buffer once the score warpgroup is done with the
+//     last unit's;
+//   - warpgroup 1 (the score warpgroup) computes S, the online softmax, writes P (bf16) and each row's
+//     rescale into shared memory, and accumulates O's latent channels 0-255;
+//   - warpgroup 2 accumulates channels 256-511 from the same P and V.
+// Each wait carries the watchdog: the ring's stages (sites 1, 5), Q (17, 18), P (19, 20), a merge's parts (21).
+//
+// A unit split across CTAs leaves one partial per piece ([64 heads][512] floats, normalised, and its lse).
+// Its partials are 32x a GQA unit's, too many for one CTA to merge on the kernel's tail, so up to
+// MERGE_SLICES of its pieces' CTAs merge it together, each a slice of the channels, in part order
+// (bit-identical whoever merges). Part k of n (the piece of CTA first + k) merges slice k when k < S, S the
+// largest power of two <= min(n - 1, MERGE_SLICES): it counts its arrival on the unit's counter, waits
+// until all n have, merges, and the last of the S mergers resets the counter. The last part never merges:
+// it starts its CTA's segment, and a CTA must not wait while its own later work waits on it. The others
+// end their segments (part 0) or are their segments (the middle parts), so a waiting CTA has nothing left
+// to do, and every part it waits for is computed without a wait before it (the last part is its CTA's
+// first piece): no cycle, and no chain of CTAs each held up by the one before. That wait needs every CTA
+// resident: one CTA per SM, a grid of at most the SMs (DecodeMLA launches no more).
+//
+// IEEE semantics as decode_attention.cuh: a non-finite score or P.V value makes that (request, head) row's
+// output and lse NaN; an empty unit gives zeros and lse -inf. KV rows past a piece's end (the rest of its
+// last page, stale rows of the stage) are masked in S and their V rows zeroed before P.V reads them.
+//
+// Defined by the including source: BLOCK_TOKENS, NUM_STAGES, MELD_PROFILE, MELD_WATCHDOG_NS, MlaParams, CtaRow,
+// split_kv.cuh, hopper.cuh, wgmma_bf16 (m64nBLOCK_TOKENS) and wgmma_bf16_tb (m64n256, B MN-major).
+
+namespace meld {
+
+constexpr int HB = 64;                         // q heads a unit computes: wgmma's M
+constexpr int DC = 512, DR = 64, DQK = DC + DR;
+constexpr int BLK = BLOCK_TOKENS;              // KV tokens a stage holds (32 or 64): S's N, P.V's K
+constexpr int NBOX = DQK / 64;                 // boxes of 64 channels (128 swizzled bytes a row): 8 latent, 1 rope
+constexpr int BOX = BLK * 128;                 // a box of the stage: BLK rows of 64 channels
+constexpr int STAGES = NUM_STAGES;
+constexpr int STAGE_BYTES = NBOX * BOX;
+constexpr int Q_BYTES = NBOX * HB * 128;
+constexpr int P_BYTES = HB * 128;              // P as wgmma's K-major A: 64 rows of 128 swizzled bytes (BLK
+                                               // tokens of them in use)
+constexpr int VH = DC / 2;                     // latent channels a consumer warpgroup accumulates
+constexpr int OACC = VH / 2;                   // its accumulators a thread (m64n256)
+constexpr int SACC = BLK / 2;                  // S's accumulators a thread (m64nBLK)
+constexpr int QCHUNKS = DQK / 8;               // 16-byte chunks of a q row
+constexpr int MERGE_SLICES = 8;                // the most CTAs that merge one split unit together
+constexpr int MERGE_CHUNK = 4;                 // parts a merging thread keeps in flight for each of
+constexpr int MERGE_OUTS = 4;                  // its groups of four outputs (the loads are latency-bound)
+
+// Shared memory: Q, the ring, P, then the rows' statistics and the mbarriers.
+constexpr int OFF_RING = Q_BYTES;
+constexpr int OFF_P = OFF_RING + STAGES * STAGE_BYTES;
+constexpr int OFF_STATS = OFF_P + P_BYTES;
+struct Stats {
+  float alpha[HB];     // the block's rescale of each row (score warpgroup -> warpgroup 2)
+  float l[HB], m[HB];  // the unit's final row sums and maxima (with its last block's P)
+  float bad[2][HB];    // each warpgroup's non-finite check of its channels (0 or NaN)
+};
+constexpr int OFF_BARS = (OFF_STATS + (int)sizeof(Stats) + 7) & ~7;
+constexpr int NUM_BARS = 2 * STAGES + 4;
+constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
+static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0, "128-byte swizzled buffers start on 1 KiB");
+static_assert(BLK == 32 || BLK == 64, "KV blocks of 32 or 64 tokens");
+
+struct Bars {   // mbarrier addresses
+  u32 full, empty, q_full, q_empty, p_full, p_empty;
+  __device__ Bars(u32 base) : full(base), empty(base + 8 * STAGES), q_full(base + 16 * STAGES),
+                              q_empty(base + 16 * STAGES + 8), p_full(base + 16 * STAGES + 16),
+                              p_empty(base + 16 * STAGES + 24) {}
+};
+
+__device__ __forceinline__ WaitSite mla_site(const MlaParams& p, int site, int cta, int unit, int detail) {
+  return WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, site, cta, (int)(threadIdx.x >> 5), unit, detail};
+}
+
+// The units of a segment in order, with each one's piece (what every role walks).
+struct UnitWalk {
+  const MlaParams& p;
+  Segment g;
+  int cta;
+  __device__ UnitWalk(const MlaParams& p_, int cta_) : p(p_), g(load_segment(p_.cta_table, p_.num_ctas, cta_)), cta(cta_) {}
+  __device__ int first() const { return g.empty ? 0 : g.u_begin; }
+  __device__ int last() const { return g.empty ? -1 : g.u_last; }
+  __device__ int req(int u) const { return u / p.units_per_request; }
+  __device__ Piece piece(int u) const { return segment_piece(g, u, cta, p.kv_len[req(u)]); }
+  __device__ static int blocks(const Piece& x) { return (x.end - x.begin + BLK - 1) / BLK; }
+};
+
+// Warp 0, one thread: every KV block of the segment into the ring. A block of `valid` tokens loads the page
+// chunks (box_rows rows each) that hold them; rows past them keep stale bytes, masked by the consumers.
+__device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, const Bars& b) {
+  int stage = 0;
+  u32 phase = 0;
+  const int R = p.box_rows;
+  for (int u = w.first(); u <= w.last(); ++u) {
+    const Piece x = w.piece(u);
+    const int base = p.page_base[w.req(u)];
+    for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
+      const int chunks = (min(BLK, x.end - t0) + R - 1) / R;
+      mbar_wait(b.empty + 8 * stage, phase ^ 1u, mla_site(p, 5, w.cta, u, stage));
+      const u32 full = b.full + 8 * stage, dst = ring + stage * STAGE_BYTES;
+      mbar_arrive_expect_tx(full, chunks * R * 128 * NBOX);
+      for (int c = 0; c < chunks; ++c) {
+        const int tok = t0 + c * R, pg = tok / p.page_size;
+        const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
+#pragma unroll
+        for (int k = 0; k < NBOX - 1; ++k) tma_load_2d(dst + k * BOX + c * R * 128, &p.ckv_map, 64 * k, row, full);
+        tma_load_2d(dst + (NBOX - 1) * BOX + c * R * 128, &p.kpe_map, 0, row, full);
+      }
+      if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+    }
+  }
+}
+
+// Warps 1-3: each unit's Q rows (q_nope then q_pe: 72 chunks of 16 bytes a head) into the Q buffer in the
+// 128-byte swizzle (chunk c of head h at box c / 8, row h, chunk (c % 8) ^ (h % 8)); heads past the unit's
+// rows are zeros. Empty pieces load nothing (the score warpgroup skips them too).
+__device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, const Bars& b) {
+  const int t = threadIdx.x - 32;
+  u32 phase = 0;
+  for (int u = w.first(); u <= w.last(); ++u) {
+    if (UnitWalk::blocks(w.piece(u)) == 0) continue;
+    const int req = w.req(u), h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
+    mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
+    for (int i = t; i < HB * QCHUNKS; i += 96) {
+      const int h = i / QCHUNKS, c = i - h * QCHUNKS, hh = min(h, rows - 1);
+      const u16* src = c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + hh) * p.qn_stride_h + 8 * c
+                                  : p.q_pe + req * p.qp_stride_b + (i64)(h0 + hh) * p.qp_stride_h + 8 * (c - DC / 8);
+      cp_async_16(qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4), src, h < rows ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();   // the copies' writes before the wgmmas (async proxy) read them
+    mbar_arrive(b.q_full);
+    phase ^= 1u;
+  }
+}
+
+// Row r of a thread's m64nN accumulators (register i): 16 (warp % 4) + lane / 4 + 8 ((i / 2) % 2); column
+// 8 (i / 4) + 2 (lane % 4) + i % 2. A thread holds two rows: half 0 and half 1.
+__device__ __forceinline__ int acc_row(int lane, int warp, int half) { return 16 * (warp & 3) + (lane >> 2) + 8 * half; }
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// O[:, 256 g .. 256 g + 255] += P . V of ring stage `st` (g: the warpgroup's channel half), issued and
+// committed.
+__device__ __forceinline__ void mla_issue_pv(float (&o)[OACC], u32 pbuf, u32 st, int g) {
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k)
+    wgmma_bf16_tb(o, wgmma_desc(pbuf + 32 * k), wgmma_desc_mn(st + 4 * g * BOX + 2048 * k, BOX));
+  wgmma_commit();
+}
+
+// The same, waited for.
+__device__ __forceinline__ void mla_pv(float (&o)[OACC], u32 pbuf, u32 st, int g) {
+  fence_regs(o);   // the rescale is done before the fence (or ptxas serialises the wgmmas)
+  wgmma_fence();
+  mla_issue_pv(o, pbuf, st, g);
+  wgmma_wait<0>();
+  fence_regs(o);
+}
+
+// The rows' rescale of one block: a thread's accumulators of half h times a[h].
+__device__ __forceinline__ void rescale(float (&o)[OACC], float a0, float a1) {
+#pragma unroll
+  for (int i = 0; i < OACC; ++i) o[i] *= (i >> 1) & 1 ? a1 : a0;
+}
+
+// Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
+// shared memory), then the output (whole unit) or this piece's partial. `l`, `m`: the thread's two rows'.
+__device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece& x, float (&o)[OACC], const float (&l)[2],
+                                          const float (&m)[2], Stats& sx, int g, int warp, int lane) {
+  float bad[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < OACC; ++i) bad[(i >> 1) & 1] += o[i] - o[i];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    bad[h] = quad_sum(bad[h]);
+    if ((lane & 3) == 0) sx.bad[g][acc_row(lane, warp, h)] = bad[h];
+  }
+  named_barrier(2, 256);
+  const int req = u / p.units_per_request, h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = acc_row(lane, warp, h);
+    const float lr = l[h] + sx.bad[0][r] + sx.bad[1][r];   // NaN when a row met a non-finite value anywhere
+    const float inv = lr == 0.f ? 0.f : 1.f / lr;           // 0: an empty unit; NaN stays NaN
+    const float lse2 = lr == 0.f ? neg_inf() : (m[h] == neg_inf() ? 0.f : m[h]) + log2_approx(lr);
+    if (r >= rows) continue;
+    const int c0 = VH * g + 2 * (lane & 3);
+    if (x.slot < 0) {
+      u16* out = p.out + ((i64)req * p.num_heads + h0 + r) * DC + c0;
+#pragma unroll
+      for (int i = 2 * h; i < OACC; i += 4)
+        *reinterpret_cast<u32*>(out + 8 * (i >> 2)) = pack2(o[i] * inv, o[i + 1] * inv);
+      if (g == 0 && (lane & 3) == 0 && p.lse != nullptr) p.lse[(i64)req * p.num_heads + h0 + r] = lse2 * kLn2;
+    } else {
+      float* part = p.part_o + ((i64)x.slot * HB + r) * DC + c0;
+#pragma unroll
+      for (int i = 2 * h; i < OACC; i += 4)
+        *reinterpret_cast<float2*>(part + 8 * (i >> 2)) = make_float2(o[i] * inv, o[i + 1] * inv);
+      if (g == 0 && (lane & 3) == 0) p.part_lse[x.slot * HB + r] = lse2;
+    }
+  }
+  named_barrier(2, 256);   // both have read sx.bad: the next unit's may overwrite it
+}
+
+// Spin until a device-scope counter reaches `n` (acquire), under the watchdog.
+__device__ __forceinline__ void count_wait(const int* counter, int n, WaitSite s) {
+  const i64 t0 = global_timer_ns();
+  while (ld_acquire(counter) < n)
+    if (global_timer_ns() - t0 > MELD_WATCHDOG_NS)
+      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, (u32)n, global_timer_ns() - t0);
+}
+
+// Both consumer warpgroups (256 threads, ct 0..255) after storing a split piece's partial: count its arrival;
+// parts 0 .. S - 1 wait for every part and merge their slice of the channels, in part order (module comment).
+__device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const Piece& x, int cta, int ct) {
+  __threadfence();   // this piece's partial before its count
+  named_barrier(2, 256);
+  const int n = x.num_parts, k = x.slot - x.parts_begin;
+  int slices = 1;
+  while (2 * slices <= n - 1 && 2 * slices <= MERGE_SLICES) slices *= 2;
+  unsigned* counter = p.counters + u;
+  if (ct == 0) atomicAdd(counter, 1u);
+  if (k >= slices) return;
+  if (ct == 0) count_wait(reinterpret_cast<const int*>(counter), n, mla_site(p, 21, cta, u, n));
+  named_barrier(2, 256);
+  const int req = u / p.units_per_request, h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
+  const int width = DC / slices, c0 = k * width, q4 = width / 4, outs = rows * q4;
+  for (int i0 = ct; i0 < outs; i0 += 256 * MERGE_OUTS) {   // MERGE_OUTS groups of four outputs a thread
+    int r[MERGE_OUTS], c[MERGE_OUTS];
+#pragma unroll
+    for (int g = 0; g < MERGE_OUTS; ++g) {
+      const int i = min(i0 + 256 * g, outs - 1);   // (past the end: a repeat, not stored)
+      r[g] = i / q4;
+      c[g] = c0 + 4 * (i - r[g] * q4);
+    }
+    float lse2[MERGE_OUTS];
+    float4 v[MERGE_OUTS];
+    merge_lse4<MERGE_CHUNK, MERGE_OUTS>(n, [&](int j, int g, float& lse, float4& o) {
+      lse = ld_cg(p.part_lse + (x.parts_begin + j) * HB + r[g]);
+      o = ld_cg4(p.part_o + ((i64)(x.parts_begin + j) * HB + r[g]) * DC + c[g]);
+    }, v, lse2);
+#pragma unroll
+    for (int g = 0; g < MERGE_OUTS; ++g) {
+      if (i0 + 256 * g >= outs) break;
+      u16* out = p.out + ((i64)req * p.num_heads + h0 + r[g]) * DC + c[g];
+      *reinterpret_cast<uint2*>(out) = make_uint2(pack2(v[g].x, v[g].y), pack2(v[g].z, v[g].w));
+      if (c[g] == 0 && p.lse != nullptr) p.lse[(i64)req * p.num_heads + h0 + r[g]] = lse2[g] * kLn2;
+    }
+  }
+  named_barrier(2, 256);   // every thread's loads of the parts are done before the counter can reset
+  if (ct == 0 && atomicAdd(counter, 1u) == (unsigned)(n + slices - 1)) *counter = 0u;   // ready for the next launch
+}
+
+// A descriptor `bytes` (a multiple of 16) past `d`, computed where it is used: an asm the compiler keeps in
+// order with the wgmmas, so it does not hoist 72 descriptors into registers ahead of them (that spilled).
+__device__ __forceinline__ unsigned long long desc_at(unsigned long long d, u32 bytes) {
+  unsigned long long r;
+  asm volatile("add.s64 %0, %1, %2;" : "=l"(r) : "l"(d), "l"((unsigned long long)(bytes >> 4)));
+  return r;
+}
+
+// S = Q . K^T of ring stage `st` into s (the first k step overwrites it), issued and committed: the caller
+// waits.
+__device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st) {
+  const unsigned long long dq = wgmma_desc(qbuf), dk = wgmma_desc(st);
+#pragma unroll
+  for (int k = 0; k < DQK / 16; ++k)
+    wgmma_bf16(s, desc_at(dq, (k >> 2) * (HB * 128) + 32 * (k & 3)), desc_at(dk, (k >> 2) * BOX + 32 * (k & 3)), k > 0);
+  wgmma_commit();
+}
+
+// The online softmax of one block's scores (log2 domain), in place: s becomes P; columns from `valid` on
+// (past the piece's end) are masked, Inf and NaN scores become NaN. Updates the thread's two rows' m and
+// (its share of) l; a gets the rows' rescale of O.
+__device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float scale_log2, float (&m)[2], float (&l)[2],
+                                            float (&a)[2], int lane) {
+  float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (int i = 0; i < SACC; ++i) {
+    const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    const float v = s[i] * scale_log2;
+    s[i] = col >= valid ? neg_inf() : v + 0.f * v;
+    mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  }
+  float sum[2] = {0.f, 0.f}, mu[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mn = fmaxf(m[h], quad_max(mx[h]));
+    mu[h] = mn == neg_inf() ? 0.f : mn;   // nothing seen yet: keep exp2 finite
+    a[h] = exp2_approx(m[h] - mu[h]);
+    m[h] = mn;
+  }
+#pragma unroll
+  for (int i = 0; i < SACC; ++i) {
+    s[i] = exp2_approx(s[i] - mu[(i >> 1) & 1]);
+    sum[(i >> 1) & 1] += s[i];
+  }
+  l[0] = l[0] * a[0] + sum[0];
+  l[1] = l[1] * a[1] + sum[1];
+}
+
+// Warpgroup 1: scores, online softmax and P, O's channels 0-255; then the unit's end with warpgroup 2. Once
+// block j's P is published, its P.V and block j + 1's scores go to the tensor cores together, the P.V first:
+// with two stages, the stage of block j must go back as soon as it can, since block j + 2 loads into it
+// (scores first left the load of each block exposed: 0.5-1.3 µs of every block waited for its stage, stamps
+// on the H200).
+__device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b,
+                          Profiler& prof) {
+  const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
+  int stage = 0;
+  u32 phase = 0, qphase = 0, pphase = 0;
+  for (int u = w.first(); u <= w.last(); ++u) {
+    const i64 t0 = prof.now();
+    const Piece x = w.piece(u);
+    const int nb = UnitWalk::blocks(x);
+    float o[OACC], s[SACC], a[2];
+#pragma unroll
+    for (int i = 0; i < OACC; ++i) o[i] = 0.f;
+    float l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
+    if (nb > 0) {   // the first block's scores
+      mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
+      qphase ^= 1u;
+      mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
+      wgmma_fence();
+      mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES);
+      wgmma_wait<0>();
+      fence_regs(s);
+      mla_softmax(s, min(BLK, x.end - x.begin), p.sm_scale_log2, m, l, a, lane);
+    }
+    for (int j = 0; j < nb; ++j) {   // s holds block j's P, a its rescale
+      const int valid = min(BLK, x.end - x.begin - j * BLK);
+      const u32 st = ring + stage * STAGE_BYTES;
+      const bool last = j == nb - 1;
+      if (valid < BLK)   // V rows past the piece's end: zeros, which P (0 there) must not turn into NaN
+        for (int i = ct; i < (BLK - valid) * 64; i += 128)   // row valid + i / 64, latent box (i / 8) % 8
+          st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
+      mbar_wait(b.p_empty, pphase ^ 1u, mla_site(p, 20, w.cta, u, j));
+#pragma unroll
+      for (int i = 0; i < SACC; i += 2) {
+        const int r = acc_row(lane, warp, (i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3);
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(pbuf + r * 128 + ((((col >> 3) ^ (r & 7))) << 4) + (col & 7) * 2),
+                     "r"(pack2(s[i], s[i + 1])) : "memory");
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float lt = last ? quad_sum(l[h]) : 0.f;
+        if ((lane & 3) == 0) {
+          const int r = acc_row(lane, warp, h);
+          sx.alpha[r] = a[h];
+          if (last) { sx.l[r] = lt; sx.m[r] = m[h]; }
+        }
+      }
+      fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
+      named_barrier(1, 128);
+      if (ct == 0) {
+        mbar_arrive(b.p_full);
+        if (last) mbar_arrive(b.q_empty);   // every Q.K^T of the unit has completed
+      }
+      const int ns = stage + 1 == STAGES ? 0 : stage + 1;
+      const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
+      if (!last) {   // (each branch a whole fence .. wait: a branch inside one serialises the wgmmas)
+        mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+        rescale(o, a[0], a[1]);
+        fence_regs(o);
+        wgmma_fence();
+        mla_issue_pv(o, pbuf, st, 0);
+        mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
+        wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
+        fence_regs(o);
+        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+        wgmma_wait<0>();
+        fence_regs(s);
+        mla_softmax(s, min(BLK, x.end - x.begin - (j + 1) * BLK), p.sm_scale_log2, m, l, a, lane);
+      } else {
+        rescale(o, a[0], a[1]);
+        mla_pv(o, pbuf, st, 0);
+        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+      }
+      pphase ^= 1u;
+      stage = ns;
+      phase = nphase;
+    }
+    if (nb > 0) {
+      l[0] = quad_sum(l[0]);
+      l[1] = quad_sum(l[1]);
+    }
+    mla_store(p, u, x, o, l, m, sx, 0, warp, lane);
+    prof.record(t0, PROF_PIECE, u);
+    if (x.slot >= 0) {
+      const i64 t1 = prof.now();
+      mla_arrive(p, u, x, w.cta, ct);
+      prof.record(t1, PROF_MERGE_HBM, u);
+    }
+  }
+}
+
+// Warpgroup 2: O's channels 256-511 from warpgroup 1's P; then the unit's end with it.
+__device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 pbuf, Stats& sx, const Bars& b) {
+  const int ct = threadIdx.x - 256, warp = ct >> 5, lane = ct & 31;
+  int stage = 0;
+  u32 phase = 0, pphase = 0;
+  for (int u = w.first(); u <= w.last(); ++u) {
+    const Piece x = w.piece(u);
+    const int nb = UnitWalk::blocks(x);
+    float o[OACC];
+#pragma unroll
+    for (int i = 0; i < OACC; ++i) o[i] = 0.f;
+    float l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
+    for (int j = 0; j < nb; ++j) {
+      mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));   // (the TMA bytes, visible here)
+      mbar_wait(b.p_full, pphase, mla_site(p, 19, w.cta, u, j));
+      const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
+      rescale(o, sx.alpha[r0], sx.alpha[r1]);
+      if (j == nb - 1) {
+        l[0] = sx.l[r0]; l[1] = sx.l[r1];
+        m[0] = sx.m[r0]; m[1] = sx.m[r1];
+      }
+      mla_pv(o, pbuf, ring + stage * STAGE_BYTES, 1);
+      if (lane == 0) {
+        mbar_arrive(b.p_empty);
+        mbar_arrive(b.empty + 8 * stage);
+      }
+      pphase ^= 1u;
+      if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+    }
+    mla_store(p, u, x, o, l, m, sx, 1, warp, lane);
+    if (x.slot >= 0) mla_arrive(p, u, x, w.cta, ct + 128);
+  }
+}
+
+}  // namespace meld
+
+extern "C" __global__ void __launch_bounds__(384, 1) meld_mla_decode(const __grid_constant__ MlaParams p) {
+  using namespace meld;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const u32 raw = smem_addr(smem), base = (raw + 1023) & ~1023u;   // (MlaKernelConfig asks 1 KiB more)
+  const Bars b(base + OFF_BARS);
+  Stats& sx = *reinterpret_cast<Stats*>(smem + (base - raw) + OFF_STATS);
+  const int cta = p.cta_offset + blockIdx.x;
+  if (!p.wait_inputs) launch_dependents();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(b.full + 8 * s, 1);
+      mbar_init(b.empty + 8 * s, 8);   // the consumer warps
+    }
+    mbar_init(b.q_full, 96);   // the loader threads
+    mbar_init(b.q_empty, 1);
+    mbar_init(b.p_full, 1);
+    mbar_init(b.p_empty, 4);   // warpgroup 2's warps
+    fence_mbar_init();
+  }
+  __syncthreads();
+  if (p.wait_inputs) {
+    grid_dependency_wait();
+    launch_dependents();
+  }
+  const UnitWalk w(p, cta);
+  if (threadIdx.x < 128) {
+    regs_dealloc<56>();
+    if (threadIdx.x == 0) mla_produce(p, w, base + OFF_RING, b);
+    else if (threadIdx.x >= 32) mla_load_q(p, w, base, b);
+  } else if (threadIdx.x < 256) {   // (224 registers each spilled the score warpgroup: it holds S and O)
+    regs_alloc<240>();
+    Profiler prof;
+    prof.begin(p.prof, p.prof_cap, cta, threadIdx.x == 128, p.prof_clock, p.prof_every);
+    mla_score(p, w, base, base + OFF_RING, base + OFF_P, sx, b, prof);
+    prof.end(p.num_ctas);
+  } else {
+    regs_alloc<208>();
+    mla_value(p, w, base + OFF_RING, base + OFF_P, sx, b);
+  }
+  grid_dependency_wait();
+}

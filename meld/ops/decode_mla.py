@@ -1,0 +1,263 @@
+"""`meld.DecodeMLA`: paged MLA decode attention (DeepSeek's multi-head latent attention, absorbed form) with
+FlashInfer's plan()/run() split.
+
+Every q head attends to one latent KV head: the keys are the cache's latent rows (head_dim_ckv channels)
+with their rope part (head_dim_kpe), the values the latent rows. plan() is `PagedDecode`'s (the decode
+planner, one unit per request and block of 64 q heads); run() launches the persistent kernel of
+templates/mla_decode.cuh, whose split units merge inside the same launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import torch
+
+from .. import config
+from ..codegen.mla_kernel import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_HEADS_PER_UNIT, MlaKernelConfig
+from ..codegen import DecodePlanKernelConfig, TensorMap
+from ..codegen.params import MLA_PARAMS
+from ..scheduler import DecodeCost, Topology
+from ..scheduler.decode_plan_host import plan_params
+from .checks import check_finite, check_positive, expect, is_int, plain
+from .mla_graph import mla_decode_graph
+from .paged_decode import PagedDecode, _Buffers, _Planned
+
+_LOG2E = 1.4426950408889634
+_FLOAT32_MAX = 3.4028234663852886e38
+_DEFAULT_CAPACITY = (64, 4096)   # tables allocated before the first plan() when no capacity is given
+
+
+def default_cost(block_tokens: int) -> DecodeCost:
+    """The planner's cost model for the MLA kernel: cuts on its KV blocks, and each piece charged for its
+    fixed cost (loading Q, storing 64 x 512 outputs or a partial, and for split units the merge)."""
+    return DecodeCost(item_overhead_tokens=128, min_split_tokens=256, min_cta_tokens=256,
+                      tile_tokens=block_tokens, round_tokens=block_tokens, cluster_snap_tokens=0)
+
+
+def _describe_unit(units_per_request: int, num_heads: int, unit: int) -> str:
+    req, hb = divmod(unit, units_per_request)
+    first = hb * MLA_HEADS_PER_UNIT
+    return f"request {req}, q heads {first}-{min(first + MLA_HEADS_PER_UNIT, num_heads) - 1}"
+
+
+def _latent_rows(t: torch.Tensor) -> torch.Tensor:
+    """A cache [pages, page_size, D] as rows [pages * page_size, D] (a view: contiguous rows, any row stride)."""
+    return t.flatten(0, 1)
+
+
+def _maps(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, box_rows: int) -> tuple[TensorMap, TensorMap]:
+    from ..runtime.tensor_map import tensor_map_2d
+
+    return tensor_map_2d(_latent_rows(ckv_cache), box_rows), tensor_map_2d(_latent_rows(kpe_cache), box_rows)
+
+
+class DecodeMLA(PagedDecode):
+    """MLA decode attention over a paged latent cache, for variable-length batches.
+
+    Args:
+        num_heads: q heads (any >= 1; they run in blocks of 64, the last one padded).
+        page_size: tokens per page: 8, 16, 32 or a multiple of 64.
+        dtype: torch.bfloat16 (q, caches and output).
+        device: "cuda[:i]" (Hopper) runs the generated kernel; "cpu" runs the same schedule on the CPU
+            reference executor (float64).
+        sm_scale: softmax scale, required (DeepSeek's absorbed attention takes 1/sqrt(qk_nope + qk_rope
+            head dims) times its YaRN factor, not 1/sqrt(576)).
+        head_dim_ckv, head_dim_kpe: latent and rope widths: 512 and 64 (DeepSeek-V2/V3's).
+        max_batch_size, max_num_pages: capacities of the work tables, as `DecodeAttention`'s (give both
+            when run() is captured in a CUDA graph).
+        topology, cost, kernel_config: override the grid, the planner's cost model (`default_cost`) and the
+            kernel's configuration.
+    MELD_PROFILE=1 builds the kernel with per-piece timestamps (`last_trace()`).
+
+    Example:
+        >>> mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5)
+        >>> mla.plan(kv_indptr, kv_indices, kv_last_page_len)
+        >>> out, lse = mla.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True)
+    """
+
+    def __init__(self, num_heads: int, page_size: int, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cuda", *, sm_scale: float, head_dim_ckv: int = MLA_HEAD_DIM_CKV,
+                 head_dim_kpe: int = MLA_HEAD_DIM_KPE, max_batch_size: int | None = None,
+                 max_num_pages: int | None = None, topology: Topology | None = None, cost: DecodeCost | None = None,
+                 kernel_config: MlaKernelConfig | None = None):
+        num_heads, page_size = check_positive("num_heads", num_heads), check_positive("page_size", page_size)
+        if page_size not in (8, 16, 32) and page_size % 64:
+            raise ValueError(f"page_size must be 8, 16, 32 or a multiple of 64, got {page_size}")
+        if (head_dim_ckv, head_dim_kpe) != (MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE) or not (
+                is_int(head_dim_ckv) and is_int(head_dim_kpe)):
+            raise ValueError(f"head_dim_ckv={head_dim_ckv!r}, head_dim_kpe={head_dim_kpe!r}: the MLA kernel runs "
+                             f"{MLA_HEAD_DIM_CKV} + {MLA_HEAD_DIM_KPE} (DeepSeek's)")
+        if dtype is not torch.bfloat16:
+            raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
+        if topology is not None and not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a meld.scheduler.Topology, got {type(topology).__name__}")
+        if kernel_config is not None and not isinstance(kernel_config, MlaKernelConfig):
+            raise ValueError(f"kernel_config must be a meld.codegen.mla_kernel.MlaKernelConfig, got "
+                             f"{type(kernel_config).__name__}")
+        bt = (kernel_config or MlaKernelConfig()).block_tokens
+        if cost is not None and (not isinstance(cost, DecodeCost) or cost.tile_tokens != bt or cost.round_tokens % bt):
+            raise ValueError(f"cost must be a meld.scheduler.DecodeCost cutting on the kernel's {bt}-token blocks "
+                             f"(tile_tokens {bt}, round_tokens a multiple of it), got {cost!r}")
+        self.num_heads, self.page_size, self.dtype = num_heads, page_size, dtype
+        self.head_dim_ckv, self.head_dim_kpe = head_dim_ckv, head_dim_kpe
+        # The kernel takes sm_scale * log2(e) as a float32: it must stay finite there.
+        self.sm_scale = check_finite("sm_scale", sm_scale, _FLOAT32_MAX / _LOG2E)
+        self.max_batch_size = None if max_batch_size is None else check_positive("max_batch_size", max_batch_size)
+        self.max_num_pages = None if max_num_pages is None else check_positive("max_num_pages", max_num_pages)
+        # The decode planner's terms: one latent kv head whose group is every q head, in 64-head units.
+        self.num_kv_heads, self.group_size, self.heads_per_unit = 1, num_heads, MLA_HEADS_PER_UNIT
+        self.units_per_request = self.head_blocks = -(-num_heads // MLA_HEADS_PER_UNIT)
+        self.kernel_config = kernel_config or MlaKernelConfig()
+        self.cost = cost or default_cost(self.kernel_config.block_tokens)
+        if config.profile() and not self.kernel_config.profile:
+            self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
+        self.profile_every = config.profile_every()
+        self._setup(mla_decode_graph(num_heads, head_dim_ckv, head_dim_kpe, page_size, "bfloat16"), device)
+        self._init_plan_state()
+        if self.device.type == "cuda":
+            self._init_cuda(topology)
+        else:
+            self.topology = self._servable(topology or Topology.h200())
+
+    @property
+    def shape_bucket(self) -> str:
+        return f"H{self.num_heads}/C{self.head_dim_ckv}/R{self.head_dim_kpe}/P{self.page_size}"
+
+    def _init_cuda(self, topology: Topology | None) -> None:
+        from ..runtime.tensor_map import TensorMapCache
+
+        self._require_hopper(exact=True)
+        kc = self.kernel_config
+        self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
+        # One CTA per SM, all resident: the split units' mergers wait for their parts (mla_decode.cuh).
+        self.topology = self._servable(topology or Topology.discover(self.kernel, sizes=(1,)))
+        if self.topology.num_ctas > self.topology.sm_count:
+            raise ValueError(f"topology={self.topology}: the MLA kernel runs one CTA per SM ({self.topology.sm_count})")
+        self._box_rows = min(self.kernel_config.block_tokens, self.page_size)
+        self._tensor_maps = TensorMapCache(functools.partial(_maps, box_rows=self._box_rows))
+        self._register_watchdog(kc.name, functools.partial(_describe_unit, self.units_per_request, self.num_heads))
+        pc = DecodePlanKernelConfig()
+        self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
+        self._buf = self._make_buffers(self.max_batch_size or _DEFAULT_CAPACITY[0],
+                                       self.max_num_pages or _DEFAULT_CAPACITY[1])
+
+    def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
+        from ..runtime.driver import PersistentLaunch
+        from ..runtime.tables import Capacity, WorkTables
+
+        W = self.topology.num_ctas
+        t = WorkTables(self.device, W, Capacity(max_batch, max_pages))
+        units = max_batch * self.units_per_request
+        slots = units + W   # a piece's slot is its unit + its CTA
+        f32 = dict(dtype=torch.float32, device=self.device)
+        part_o = torch.empty(slots * MLA_HEADS_PER_UNIT * self.head_dim_ckv, **f32)
+        part_lse = torch.empty(slots * MLA_HEADS_PER_UNIT, **f32)
+        counters = torch.zeros(units, dtype=torch.int32, device=self.device)
+        params = plan_params(
+            self.cost, self.page_size, self.units_per_request, W, 0, kv_indptr=0, last_page_len=0,
+            kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
+            line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
+            arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base), cluster_rows=0)
+        prof_cap = units + 3 if self.kernel_config.profile else 0   # every piece and merge a CTA runs, at most
+        prof = torch.zeros(W, 1 + prof_cap, 4, dtype=torch.int64, device=self.device) if prof_cap else None
+        clock = torch.zeros(2, dtype=torch.int32, device=self.device) if prof_cap and self.profile_every > 1 else None
+        launcher = PersistentLaunch(self.kernel, [(1, W)], MLA_PARAMS.pack(
+            q_nope=0, q_pe=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
+            page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), part_o=part_o.data_ptr(),
+            part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
+            prof=prof.data_ptr() if prof is not None else 0, prof_clock=clock.data_ptr() if clock is not None else 0,
+            watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
+            ckv_map=TensorMap(), kpe_map=TensorMap(),   # set by run()
+            qn_stride_b=0, qn_stride_h=0, qp_stride_b=0, qp_stride_h=0, num_heads=self.num_heads,
+            units_per_request=self.units_per_request, page_size=self.page_size, box_rows=self._box_rows,
+            num_ctas=W, cta_offset=0, wait_inputs=0, prof_cap=prof_cap, prof_every=self.profile_every,
+            watchdog_kernel=self._watchdog_id, sm_scale_log2=self.sm_scale * _LOG2E))
+        return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
+
+    def describe_unit(self, unit: int) -> str:
+        """A unit of work in the terms of the batch: "request 3, q heads 64-127"."""
+        return _describe_unit(self.units_per_request, self.num_heads, unit)
+
+    # --- run ------------------------------------------------------------------------------------
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, *,
+            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """Attention of the planned batch's queries over the latent cache.
+
+        Args:
+            q_nope: [B, num_heads, head_dim_ckv] (the absorbed query; last dim contiguous).
+            q_pe: [B, num_heads, head_dim_kpe] (its rope part).
+            ckv_cache: [num_pages, page_size, head_dim_ckv]; kpe_cache: [num_pages, page_size, head_dim_kpe]
+                (FlashInfer's MLA layout; views of one [num_pages, page_size, 576] cache work too: rows need
+                contiguous channels and 16-byte aligned strides).
+            return_lse: also return the log-sum-exp [B, num_heads] (float32, natural log).
+            out, lse: optional preallocated outputs (contiguous).
+        Returns:
+            out [B, num_heads, head_dim_ckv] (and lse). A request with no KV tokens gives zeros and lse -inf.
+        """
+        planned = self._planned
+        if planned is None:
+            raise RuntimeError("DecodeMLA.run: call plan() first")
+        if return_lse is not True and return_lse is not False:
+            raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
+        if self._watchdog is not None:
+            self._watchdog.check()
+        q_nope, q_pe, ckv_cache, kpe_cache = (plain(t) for t in (q_nope, q_pe, ckv_cache, kpe_cache))
+        B, H, Dc, Dr = planned.batch, self.num_heads, self.head_dim_ckv, self.head_dim_kpe
+        expect("q_nope", q_nope, self.dtype, (B, H, Dc), "batch of the last plan(), num_heads, head_dim_ckv", self.device)
+        expect("q_pe", q_pe, self.dtype, (B, H, Dr), "batch of the last plan(), num_heads, head_dim_kpe", self.device)
+        self._check_caches(ckv_cache, kpe_cache, planned)
+        if out is None:
+            out = torch.empty(B, H, Dc, dtype=self.dtype, device=self.device)
+        else:
+            out = plain(out)
+            expect("out", out, self.dtype, (B, H, Dc), "like q_nope", self.device, contiguous=True)
+        if return_lse or lse is not None:
+            lse = torch.empty(B, H, dtype=torch.float32, device=self.device) if lse is None else plain(lse)
+            expect("lse", lse, torch.float32, (B, H), "batch, num_heads", self.device, contiguous=True)
+        if self.device.type == "cpu":
+            self._run_cpu(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
+        elif B:
+            self._launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _check_caches(self, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, planned: _Planned) -> None:
+        """Both caches' dtype, shape, device and rows (contiguous channels, 16-byte aligned), one page count,
+        and pages enough for the plan's page indices."""
+        P = self.page_size
+        for name, t, d in (("ckv_cache", ckv_cache, self.head_dim_ckv), ("kpe_cache", kpe_cache, self.head_dim_kpe)):
+            expect(name, t, self.dtype, (None, P, d), f"num_pages, page_size, {name[:3]} channels", self.device)
+            if t.stride(2) != 1 or t.stride(0) != P * t.stride(1) or t.stride(1) % 8 or t.data_ptr() % 16:
+                raise ValueError(f"{name} must hold each token's channels contiguously in rows of 16-byte aligned "
+                                 f"stride, pages one after another; got strides {t.stride()}")
+        if kpe_cache.shape[0] != ckv_cache.shape[0]:
+            raise ValueError(f"ckv_cache has {ckv_cache.shape[0]} pages but kpe_cache {kpe_cache.shape[0]}")
+        num_pages = ckv_cache.shape[0]
+        if planned.max_page >= num_pages:
+            raise ValueError(f"kv_indices of the last plan() reference page {planned.max_page}, but the caches have "
+                             f"only {num_pages} pages")
+        if num_pages * P >= 2 ** 31:
+            raise ValueError(f"the caches hold {num_pages} pages of {P} tokens: more than 2**31 rows")
+
+    def _launch(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse) -> None:
+        qs = []
+        for q in (q_nope, q_pe):
+            if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+                q = q.contiguous()
+            qs.append(q)
+        q_nope, q_pe = qs
+        ckv_map, kpe_map = self._tensor_maps.get(ckv_cache, kpe_cache)
+        launcher = self._buf.launcher
+        launcher.set(q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), out=out.data_ptr(),
+                     lse=lse.data_ptr() if lse is not None else 0, qn_stride_b=q_nope.stride(0),
+                     qn_stride_h=q_nope.stride(1), qp_stride_b=q_pe.stride(0), qp_stride_h=q_pe.stride(1),
+                     ckv_map=ckv_map, kpe_map=kpe_map)
+        launcher.launch()
+        self._launched()
+
+    def _run_cpu(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse) -> None:
+        from ..runtime.reference import execute_mla
+
+        o, l = execute_mla(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, self._planned.kv_indices, self.sm_scale)
+        out.copy_(o.to(self.dtype))
+        if lse is not None:
+            lse.copy_(l.float())

@@ -1,0 +1,155 @@
+"""MLA decode attention without a GPU: the kernel compiled by nvcc (and NVRTC) for sm_90a without spills,
+the schedule the shared planner cuts for its 64-head units and 64-token blocks, the CPU reference executor
+running that schedule against float64 attention, non-finite inputs, and bad input."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import meld
+from meld import config
+from meld.codegen import compile_source
+from meld.codegen.compiler import compile_nvcc
+from meld.codegen.mla_kernel import MlaKernelConfig
+from meld.runtime.reference import mla_reference
+from meld.workloads import lengths, paged
+
+SCALE = 192 ** -0.5
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50)],
+                         ids=lambda c: c.name)
+def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
+    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores" in line for line in spills), log
+    assert cfg.smem_bytes <= 227 * 1024
+
+
+def test_kernel_compiles_with_nvrtc(tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    cfg = MlaKernelConfig()
+    with config.scope(MELD_COMPILER="nvrtc", MELD_CACHE_DIR=str(tmp_path)):
+        assert compile_source(cfg.render(), cfg.name).cubin[:4] == b"\x7fELF"
+
+
+def _inputs(lens, H, P, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pb = paged(lens, P, generator=g)
+    B = len(lens)
+    ckv = torch.randn(pb.num_pages, P, 512, generator=g).bfloat16()
+    kpe = torch.randn(pb.num_pages, P, 64, generator=g).bfloat16()
+    qn = (torch.randn(B, H, 512, generator=g) / 3 ** 0.5).bfloat16()
+    qp = (torch.randn(B, H, 64, generator=g) / 3 ** 0.5).bfloat16()
+    return pb, qn, qp, ckv, kpe
+
+
+@pytest.mark.parametrize("lens,H,P", [
+    ([0, 1, 63, 64, 65, 700, 3000, 20000], 128, 64),   # empties, block edges, split units
+    ([65536], 128, 64),                                 # one request over every CTA
+    ([5, 300, 2048, 9000], 100, 16),                    # a head count no multiple of 64, small pages
+    ([1, 40, 4097], 16, 128),                           # one padded unit, pages of two blocks
+])
+def test_cpu_executor_matches_float64(lens, H, P):
+    pb, qn, qp, ckv, kpe = _inputs(lens, H, P)
+    mla = meld.DecodeMLA(H, P, torch.bfloat16, "cpu", sm_scale=SCALE)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    out, lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
+    ref, ref_lse = mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, SCALE)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert (lse.double() - ref_lse)[finite].abs().max().item() < 1e-4
+
+
+def test_schedule_cuts_whole_blocks_and_covers_every_token():
+    """The shared planner on the MLA unit: one unit per request and 64 heads, every cut inside a unit on a
+    64-token block, every token of every unit in exactly one piece, split units' slots distinct."""
+    lens = lengths("skewed", 64)
+    pb = paged(lens, 64)
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    s = mla.schedule.validate()
+    it = s.items()
+    assert s.units_per_request == 2 and s.heads_per_item == 64
+    assert (it["kv_begin"] % 64 == 0).all()
+    assert ((it["kv_end"] % 64 == 0) | (it["kv_end"] == np.repeat(lens, 2)[it["unit"]])).all()
+    covered = np.zeros(len(lens) * 2, dtype=np.int64)
+    np.add.at(covered, it["unit"], it["kv_end"] - it["kv_begin"])
+    assert np.array_equal(covered, np.repeat(lens, 2))
+    slots = it["slot"][it["slot"] >= 0]
+    assert len(set(slots.tolist())) == len(slots)
+
+
+def test_non_finite_inputs_reach_exactly_their_rows():
+    pb, qn, qp, ckv, kpe = _inputs([300, 5000, 64], 128, 64)
+    qn[0, 3, 7] = float("nan")
+    page = int(pb.kv_indices[pb.kv_indptr[2]])
+    ckv[page, 5, 1] = float("inf")
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    out, lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
+    bad = torch.zeros(3, 128, dtype=torch.bool)
+    bad[0, 3] = True
+    bad[2] = True
+    assert torch.equal(torch.isnan(out).all(-1), bad) and torch.equal(torch.isnan(out).any(-1), bad)
+    assert torch.equal(torch.isnan(lse), bad)
+
+
+def test_describe_unit():
+    mla = meld.DecodeMLA(100, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
+    assert mla.describe_unit(3) == "request 1, q heads 64-99"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(page_size=48), "page_size must be 8, 16, 32 or a multiple of 64, got 48"),
+    (dict(page_size=0), "page_size"),
+    (dict(num_heads=0), "num_heads"),
+    (dict(dtype=torch.float16), "dtype must be torch.bfloat16"),
+    (dict(head_dim_ckv=256), "head_dim_ckv=256"),
+    (dict(sm_scale=float("nan")), "sm_scale"),
+    (dict(max_batch_size=0), "max_batch_size"),
+])
+def test_bad_construction(kwargs, match):
+    args = dict(num_heads=128, page_size=64, dtype=torch.bfloat16, device="cpu", sm_scale=SCALE) | kwargs
+    with pytest.raises(ValueError, match=match):
+        meld.DecodeMLA(**args)
+
+
+def test_sm_scale_is_required():
+    with pytest.raises(TypeError, match="sm_scale"):
+        meld.DecodeMLA(128, 64, torch.bfloat16, "cpu")
+
+
+def test_bad_run_inputs_name_the_argument():
+    pb, qn, qp, ckv, kpe = _inputs([100, 70], 128, 64)
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE, max_batch_size=4)
+    with pytest.raises(RuntimeError, match="call plan"):
+        mla.run(qn, qp, ckv, kpe)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    cases = [
+        ((qn[:1], qp, ckv, kpe), "q_nope must have shape"),
+        ((qn, qp.float(), ckv, kpe), "q_pe must have dtype"),
+        ((qn, qp, ckv[:, :32], kpe), "ckv_cache must have shape"),
+        ((qn, qp, ckv, kpe[:1]), "pages but kpe_cache"),
+        ((qn, qp, ckv[:1], kpe[:1]), "reference page"),
+        ((qn, qp, ckv.transpose(0, 1).contiguous().transpose(0, 1), kpe), "ckv_cache must hold"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            mla.run(*args)
+    with pytest.raises(ValueError, match="out must have shape"):
+        mla.run(qn, qp, ckv, kpe, out=torch.empty(2, 128, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="exceeds max_batch_size=4"):
+        big = paged([1] * 5, 64)
+        mla.plan(big.kv_indptr, big.kv_indices, big.kv_last_page_len)
+    # the plan that raised left the last one in place
+    assert mla.run(qn, qp, ckv, kpe).shape == (2, 128, 512)
+
+
+def test_graph_lowers_to_the_mla_family():
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
+    assert mla.lowering.family == "mla_decode" and mla.lowering.combiner == "online_softmax"
