@@ -43,9 +43,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and `meld` import as-is
 from meld import workloads  # noqa: E402
 from bench.harness import (  # noqa: E402
-    GIB, Column, Table, Timing, add_timing_args, ceilings_line, env_info, env_line, failure_head, failure_recorder,
-    free_cuda, host_time_us, keep_available, measure_ceilings, median_us, read_floor_us, result_cell, run_recorded,
-    speedup_span, time_impl, timed_reps, timing_parts, worst,
+    GIB, Column, Impl, Table, add_timing_args, ceilings_line, env_info, env_line, failure_head, free_cuda,
+    host_time_us, keep_available, measure, measure_ceilings, median_us, progress, read_floor_us, result_cell,
+    speedup_span, timed_reps,
 )
 
 PAGE_SIZE = 16
@@ -53,8 +53,6 @@ DTYPE = torch.bfloat16
 BATCHES = (1, 8, 64, 256)
 DISTS = ("uniform2k", "skewed", "one-long")
 IMPLS = ("meld", "fi-fa2", "fi-tc", "sdpa")
-REL_TOL = 1e-2
-LSE_TOL = 1e-3  # on |lse - ref| / max(1, |ref|)
 FI_WORKSPACE_BYTES = 128 << 20
 MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-size)
 KV_LAYOUT = ["NHD"]  # --kv-layout: the cache layout meld and FlashInfer read (the reference keeps NHD)
@@ -180,42 +178,9 @@ def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def check_output(out: torch.Tensor, ref: torch.Tensor, lse: Optional[torch.Tensor] = None,
-                 ref_lse: Optional[torch.Tensor] = None) -> tuple[float, Optional[float], list[str]]:
-    """Relative error of `out` (and of `lse`) against the float64 reference, and the problems found."""
-    problems: list[str] = []
-    if out.shape != ref.shape:
-        return math.nan, None, [f"out shape {tuple(out.shape)} != {tuple(ref.shape)}"]
-    nans = int(torch.isnan(out).sum())
-    if nans:
-        problems.append(f"{nans} NaN in out (unwritten or broken)")
-    err = float((out.double() - ref).norm() / ref.norm())
-    if not err < REL_TOL:
-        problems.append(f"rel err {err:.2e} >= {REL_TOL:.0e}")
-    lse_err = None
-    if lse is not None and ref_lse is not None:
-        if lse.shape != ref_lse.shape:
-            problems.append(f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}")
-        else:
-            lse_err = float(((lse.double() - ref_lse).abs() / ref_lse.abs().clamp(min=1)).max())
-            if not lse_err < LSE_TOL:
-                problems.append(f"lse err {lse_err:.2e} >= {LSE_TOL:.0e} (natural log expected)")
-    return err, lse_err, problems
 
 
 # ------------------------------------------------------------------------------------- implementations
-
-@dataclass
-class Impl:
-    """A planned implementation: `run` is launch-only (graph-capturable); `outputs` runs it for checking,
-    returning (label, out, lse or None) triples."""
-
-    run: Callable[[], Any]
-    outputs: Callable[[], list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]]
-    plan: Optional[Timing] = None
-    plan_first_us: Optional[float] = None
-    init_us: Optional[float] = None  # constructor wall time (meld compiles its kernel there)
-
 
 def build_meld(inp: Inputs) -> Impl:
     """meld.DecodeAttention with fixed table capacities: meld's docstring asks for them when run() is captured
@@ -331,38 +296,6 @@ def skip_reason(name: str, case: Case, table: PageTable, args: argparse.Namespac
         return f"B > --sdpa-max-batch {args.sdpa_max_batch}"
     gib = sdpa_padded_gib(case, table)
     return f"padded cache {gib:.1f} GiB > {args.sdpa_max_gib} GiB" if gib > args.sdpa_max_gib else None
-
-
-def check_impl(impl: Impl, ref: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, Optional[float], list[str]]:
-    """Worst relative errors over all of `impl`'s checked outputs, and every problem (outputs freed on return)."""
-    errs, lse_errs, problems = [], [], []
-    for label, out, lse in impl.outputs():
-        err, lse_err, probs = check_output(out, ref[0], lse, ref[1])
-        errs.append(err)
-        lse_errs += [] if lse_err is None else [lse_err]
-        problems += [f"{label}: {p}" for p in probs]
-    return worst(errs), max(lse_errs) if lse_errs else None, problems
-
-
-def measure(name: str, inp: Inputs, ref: tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
-            failures: list[str]) -> dict[str, Any]:
-    """Build, check, then time one implementation on one case; errors are recorded, never raised."""
-    res: dict[str, Any] = {}
-    fail = failure_recorder(f"{inp.case.name} {name}", res, failures)
-
-    def build_check_time() -> None:
-        impl = BUILDERS[name](inp)
-        res.update(plan=impl.plan, plan_first_us=impl.plan_first_us, init_us=impl.init_us)
-        rel_err, lse_err, problems = check_impl(impl, ref)
-        res.update(rel_err=rel_err, lse_err=lse_err)
-        if problems:
-            fail("correctness", "; ".join(problems))
-            return
-        time_impl(impl.run, res, fail, warmup=args.warmup, reps=args.reps, flush=not args.no_flush,
-                  eager=name == "meld")
-
-    run_recorded(build_check_time, res, fail)
-    return res
 
 
 def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, dict[str, Any]],
@@ -501,7 +434,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results: dict[str, dict[str, Any]] = {}
         for name in args.impls:
             skip = skip_reason(name, case, inp.table, args)
-            results[name] = {"skipped": skip} if skip else measure(name, inp, ref, args, failures)
+            results[name] = {"skipped": skip} if skip else measure(
+                partial(BUILDERS[name], inp), f"{inp.case.name} {name}", ref, args, failures,
+                eager=name == "meld")
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         floor_us = read_floor_us(inp.kv_bytes, args.warmup, args.reps, not args.no_flush)
         table.add(summarise(case, inp.kv_bytes, inp.table, results, ceilings["read_tbps"], floor_us))
@@ -517,18 +452,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "that reads them could show; times are CUDA-graph replay medians, plan µs is meld's host plan() median")
     print(summary_line(table.rows, failures))
     return 1 if failures else 0
-
-
-def progress(r: dict[str, Any]) -> str:
-    """One line per implementation while the run goes, so a run cut short still shows its numbers."""
-    if r.get("skipped"):
-        return f"skipped: {r['skipped']}"
-    parts = timing_parts(r)
-    parts += [f"rel err {r['rel_err']:.1e}"] if r.get("rel_err") is not None else []
-    parts += [f"lse err {r['lse_err']:.1e}"] if r.get("lse_err") is not None else []
-    parts += [f"plan {median_us(r, 'plan'):.0f} µs"] if median_us(r, "plan") is not None else []
-    parts += ["FAIL"] if r.get("errors") else []
-    return ", ".join(parts)
 
 
 def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str:

@@ -40,8 +40,8 @@ def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check:
     import torch
 
     import meld
-    from bench.decode import PAGE_SIZE, Case, check_output, make_inputs, reference
-    from bench.harness import graph_time_us
+    from bench.decode import PAGE_SIZE, Case, make_inputs, reference
+    from bench.harness import check_output, graph_time_us
 
     times: dict[str, dict[str, float]] = {}
     for b, dist in cases:

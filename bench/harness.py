@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -525,3 +525,89 @@ class Table:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**extra, "rows": self.rows}, indent=1, default=default) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ attention impls
+
+@dataclass
+class Impl:
+    """A planned implementation: `run` is launch-only (graph-capturable); `outputs` runs it for checking,
+    returning (label, out, lse or None) triples."""
+
+    run: Callable[[], Any]
+    outputs: Callable[[], list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]]
+    plan: Optional[Timing] = None
+    plan_first_us: Optional[float] = None
+    init_us: Optional[float] = None  # constructor wall time (meld compiles its kernel there)
+
+
+REL_TOL = 1e-2  # on ‖out − ref‖ / ‖ref‖ against float64 (BENCH.md)
+LSE_TOL = 1e-3  # on |lse - ref| / max(1, |ref|)
+
+
+def check_output(out: torch.Tensor, ref: torch.Tensor, lse: Optional[torch.Tensor] = None,
+                 ref_lse: Optional[torch.Tensor] = None) -> tuple[float, Optional[float], list[str]]:
+    """Relative error of `out` (and of `lse`) against the float64 reference, and the problems found."""
+    problems: list[str] = []
+    if out.shape != ref.shape:
+        return math.nan, None, [f"out shape {tuple(out.shape)} != {tuple(ref.shape)}"]
+    nans = int(torch.isnan(out).sum())
+    if nans:
+        problems.append(f"{nans} NaN in out (unwritten or broken)")
+    err = float((out.double() - ref).norm() / ref.norm())
+    if not err < REL_TOL:
+        problems.append(f"rel err {err:.2e} >= {REL_TOL:.0e}")
+    lse_err = None
+    if lse is not None and ref_lse is not None:
+        if lse.shape != ref_lse.shape:
+            problems.append(f"lse shape {tuple(lse.shape)} != {tuple(ref_lse.shape)}")
+        else:
+            lse_err = float(((lse.double() - ref_lse).abs() / ref_lse.abs().clamp(min=1)).max())
+            if not lse_err < LSE_TOL:  # NaN fails too
+                problems.append(f"lse err {lse_err:.2e} >= {LSE_TOL:.0e} (natural log expected)")
+    return err, lse_err, problems
+
+
+def check_impl(impl: Impl, ref: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, Optional[float], list[str]]:
+    """Worst relative errors over all of `impl`'s checked outputs, and every problem (outputs freed on return)."""
+    errs, lse_errs, problems = [], [], []
+    for label, out, lse in impl.outputs():
+        err, lse_err, probs = check_output(out, ref[0], lse, ref[1])
+        errs.append(err)
+        lse_errs += [] if lse_err is None else [lse_err]
+        problems += [f"{label}: {p}" for p in probs]
+    return worst(errs), max(lse_errs) if lse_errs else None, problems
+
+
+def measure(build: Callable[[], Impl], where: str, ref: tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace,
+            failures: list[str], eager: bool) -> dict[str, Any]:
+    """Build, check, then time one implementation on one case (`where` names both); errors are recorded, never
+    raised. `eager`: also time it launched eagerly."""
+    res: dict[str, Any] = {}
+    fail = failure_recorder(where, res, failures)
+
+    def build_check_time() -> None:
+        impl = build()
+        res.update(plan=impl.plan, plan_first_us=impl.plan_first_us, init_us=impl.init_us)
+        rel_err, lse_err, problems = check_impl(impl, ref)
+        res.update(rel_err=rel_err, lse_err=lse_err)
+        if problems:
+            fail("correctness", "; ".join(problems))
+            return
+        time_impl(impl.run, res, fail, warmup=args.warmup, reps=args.reps, flush=not args.no_flush, eager=eager)
+
+    run_recorded(build_check_time, res, fail)
+    return res
+
+
+def progress(r: dict[str, Any]) -> str:
+    """One line per implementation while the run goes, so a run cut short still shows its numbers."""
+    if r.get("skipped"):
+        return f"skipped: {r['skipped']}"
+    parts = timing_parts(r)
+    parts += [f"rel err {r['rel_err']:.1e}"] if r.get("rel_err") is not None else []
+    parts += [f"lse err {r['lse_err']:.1e}"] if r.get("lse_err") is not None else []
+    parts += [f"plan {median_us(r, 'plan'):.0f} µs"] if median_us(r, "plan") is not None else []
+    parts += [f"first plan {r['plan_first_us'] / 1e3:.1f} ms"] if r.get("plan_first_us") else []
+    parts += ["FAIL"] if r.get("errors") else []
+    return ", ".join(parts)

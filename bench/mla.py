@@ -1,0 +1,455 @@
+"""Paged MLA decode attention (DeepSeek-V3, absorbed form): meld against FlashInfer's MLA (fa2 and fa3), per BENCH.md.
+
+Setup on the GPU machine (it has no network; the peers travel as wheels in `.whl/`, see
+`../shared/tools/peer-wheels.sh`), from the repository root:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH FLASHINFER_CUDA_ARCH_LIST=9.0a
+    PYTHONUNBUFFERED=1 python3 bench/mla.py --quick --json $OUT/mla.json
+
+FlashInfer JIT-compiles each MLA backend with nvcc on its first plan() (`fa2` and the SM90 `fa3`: 27 s and
+24 s on the H200 machine's 16 cores, 2026-12-01), so a fresh machine spends about a minute compiling. This
+script sets FLASHINFER_CUDA_ARCH_LIST=9.0a itself when it is unset. `--dry-run` lists the cases, their sizes
+and what will run, without a GPU (and without FlashInfer or meld's DecodeMLA).
+
+Workloads (BENCH.md, "MLA decode workloads"): 128 heads, compressed KV 512 (`ckv`) + rope 64 (`kpe`), one
+latent KV row per token shared by every head, bf16, page_size 64, B in {16, 64, 128} x the GQA length
+distributions uniform2k / skewed / one-long (`meld.workloads.lengths`), pages of all requests drawn from one
+random permutation (`meld.workloads.paged`). sm_scale = 1/sqrt(128 + 64) (DeepSeek's head dim before
+absorption).
+
+Method (BENCH.md): every implementation gets the same random inputs (caches randn, q randn / sqrt(3), so a
+score has standard deviation ~1: softmax neither uniform nor one-hot) and is checked against the float64
+`meld.runtime.reference.mla_reference` before it is timed: ‖out − ref‖/‖ref‖ < 1e-2, no NaN, outputs poisoned
+with NaN first wherever the implementation writes into a given buffer (meld's out= and lse=, FlashInfer's
+out=); meld's lse (natural log) too; FlashInfer's lse is not checked (its timed call does not write one).
+Device time is the median of CUDA-graph replays with a cold L2 (`bench.harness.graph_time_us`); meld's eager
+latency and its host-side `plan()` are reported beside it. The read, copy and bf16 matmul ceilings are
+measured in the same run (`bench.harness.measure_ceilings`; 128-head MLA is compute-heavy: B=128 uniform2k
+takes ~94 µs at 774 TFLOP/s against ~66 µs of reading at 4.57 TB/s).
+
+Columns:
+  tokens       Σlen of the batch;   meld / fi-fa2 / fi-fa3 µs: CUDA-graph replay medians ("FAIL", "skip" or
+               "-" where there is no number);
+  speedup      best FlashInfer backend's time / meld time, per case (> 1: meld faster);
+  meld TB/s    Σlen·576·2 bytes / meld time (the KV read once, shared by all heads);
+  meld TFLOP/s Σlen·H·(576 + 512)·2 / meld time (QK over 576 dims, PV over 512);
+  %read        meld TB/s / the pure-read ceiling;   %mma: meld TFLOP/s / the bf16 matmul ceiling;
+  eager µs     meld's eager latency (host launch cost included);   plan µs: meld's host plan() median.
+The exit status is 1 if any check or any implementation failed (the run still goes through every case).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")  # read when flashinfer is imported (lazily below)
+
+import argparse
+import importlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and `meld` import as-is
+from meld import workloads  # noqa: E402
+from bench.harness import (  # noqa: E402
+    LSE_TOL, REL_TOL,
+    Column, Impl, Table, add_timing_args, ceilings_line, env_info, env_line, failure_head, free_cuda, host_time_us,
+    keep_available, measure, measure_ceilings, median_us, progress, result_cell, speedup_span,
+    timed_reps,
+)
+
+NUM_HEADS = 128
+HEAD_DIM_CKV = 512
+HEAD_DIM_KPE = 64
+PAGE_SIZE = 64
+DTYPE = torch.bfloat16
+SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek-V3: qk_nope_head_dim 128 + qk_rope_head_dim 64
+Q_SCALE = 1.0 / math.sqrt(3.0)  # score std = Q_SCALE * sqrt(576) * SM_SCALE = 1 with randn caches
+BATCHES = (16, 64, 128)
+QUICK_BATCHES = (16, 128)
+DISTS = ("uniform2k", "skewed", "one-long")
+IMPLS = ("meld", "fi-fa2", "fi-fa3")
+FI_BACKENDS = {"fi-fa2": "fa2", "fi-fa3": "fa3"}
+FI_WORKSPACE_BYTES = 128 << 20
+KV_ROW_BYTES = (HEAD_DIM_CKV + HEAD_DIM_KPE) * 2  # one token's latent row, bf16
+
+
+# ------------------------------------------------------------------------------------------- workloads
+
+@dataclass(frozen=True)
+class Case:
+    """One workload: batch size and length distribution (the head shape is fixed: DeepSeek-V3's)."""
+
+    batch: int
+    dist: str
+
+    @property
+    def name(self) -> str:
+        return f"B={self.batch} {self.dist}"
+
+
+def select_cases(batches: Sequence[int], dists: Sequence[str]) -> list[Case]:
+    return [Case(b, d) for b in batches for d in dists]
+
+
+def request_lengths(dist: str, batch: int) -> list[int]:
+    """KV lengths of the batch, exactly as BENCH.md defines them for GQA (`meld.workloads`)."""
+    if dist not in DISTS:
+        raise ValueError(f"unknown length distribution {dist!r}; expected one of {DISTS}")
+    return workloads.lengths(dist, batch)
+
+
+@dataclass
+class PageTable:
+    """FlashInfer's CSR page table on the host (int32): meld's plan() takes it as is, FlashInfer's MLA plan()
+    takes the lengths (`kv_len`) instead of the last-page lengths."""
+
+    lengths: list[int]
+    indptr: torch.Tensor  # [B + 1], in pages
+    indices: torch.Tensor  # [indptr[-1]]: page ids from one random permutation (scattered pages)
+    last_page_len: torch.Tensor  # [B], in 1..page_size
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.indptr[-1])
+
+    @property
+    def kv_len(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.int32)
+
+
+def page_table(lengths: Sequence[int], seed: int = 0) -> PageTable:
+    pb = workloads.paged(list(lengths), PAGE_SIZE, spare_pages=0, generator=torch.Generator().manual_seed(seed))
+    return PageTable(list(lengths), pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+
+
+def kv_bytes(table: PageTable) -> int:
+    """Bytes attention must read: Σlen x (512 + 64) x 2 (one latent row per token, shared by all heads)."""
+    return sum(table.lengths) * KV_ROW_BYTES
+
+
+def flops(table: PageTable) -> int:
+    """Σlen x H x (576 (QK) + 512 (PV)) x 2."""
+    return sum(table.lengths) * NUM_HEADS * (HEAD_DIM_CKV + HEAD_DIM_KPE + HEAD_DIM_CKV) * 2
+
+
+def cache_mib(table: PageTable) -> float:
+    return table.num_pages * PAGE_SIZE * KV_ROW_BYTES / (1 << 20)
+
+
+@dataclass
+class Inputs:
+    """One case's device inputs, shared by meld and every peer."""
+
+    case: Case
+    table: PageTable
+    q_nope: torch.Tensor  # [B, H, 512]
+    q_pe: torch.Tensor  # [B, H, 64]
+    ckv_cache: torch.Tensor  # [num_pages, page_size, 512]; exactly the pages the table uses
+    kpe_cache: torch.Tensor  # [num_pages, page_size, 64]
+
+    @property
+    def kv_bytes(self) -> int:
+        return kv_bytes(self.table)
+
+    @property
+    def flops(self) -> int:
+        return flops(self.table)
+
+
+def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
+    table = page_table(request_lengths(case.dist, case.batch), seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32, device=device)
+
+    q_nope = (randn(case.batch, NUM_HEADS, HEAD_DIM_CKV) * Q_SCALE).to(DTYPE)
+    q_pe = (randn(case.batch, NUM_HEADS, HEAD_DIM_KPE) * Q_SCALE).to(DTYPE)
+    ckv = torch.randn(table.num_pages, PAGE_SIZE, HEAD_DIM_CKV, generator=g, dtype=DTYPE, device=device)
+    kpe = torch.randn(table.num_pages, PAGE_SIZE, HEAD_DIM_KPE, generator=g, dtype=DTYPE, device=device)
+    return Inputs(case, table, q_nope, q_pe, ckv, kpe)
+
+
+# ------------------------------------------------------------------------------------------ correctness
+
+def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 out [B, H, 512] and lse [B, H] (natural log), one request at a time on the device."""
+    from meld.runtime.reference import mla_reference
+
+    t = inp.table
+    return mla_reference(inp.q_nope, inp.q_pe, inp.ckv_cache, inp.kpe_cache, t.indptr, t.indices,
+                         t.last_page_len, SM_SCALE)
+
+
+
+
+# ------------------------------------------------------------------------------------- implementations
+
+def build_meld(inp: Inputs) -> Impl:
+    """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans."""
+    import meld
+
+    c, t, dev = inp.case, inp.table, inp.q_nope.device
+    t0 = time.perf_counter()
+    mla = meld.DecodeMLA(NUM_HEADS, PAGE_SIZE, dtype=DTYPE, device=str(dev), sm_scale=SM_SCALE,
+                         head_dim_ckv=HEAD_DIM_CKV, head_dim_kpe=HEAD_DIM_KPE,
+                         max_batch_size=c.batch, max_num_pages=t.num_pages)
+    init_us = (time.perf_counter() - t0) * 1e6
+
+    def plan() -> None:
+        mla.plan(t.indptr, t.indices, t.last_page_len)
+
+    first = host_time_us(plan, reps=1, min_reps=1)  # may include compilation
+    timing = host_time_us(plan, reps=200)  # the last of these calls is the plan that is run and captured
+    args = (inp.q_nope, inp.q_pe, inp.ckv_cache, inp.kpe_cache)
+    out = torch.empty_like(inp.q_nope)  # like FlashInfer below: the timed call writes a preallocated output
+
+    def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        # Poisoned outputs: an element the kernel does not write stays NaN and fails the check.
+        alloc = mla.run(*args)  # the allocating paths, as a user calls them
+        alloc_o, alloc_lse = mla.run(*args, return_lse=True)
+        o1 = torch.full_like(inp.q_nope, math.nan)
+        mla.run(*args, out=o1)
+        o2 = torch.full_like(inp.q_nope, math.nan)
+        lse = torch.full((c.batch, NUM_HEADS), math.nan, dtype=torch.float32, device=dev)
+        mla.run(*args, return_lse=True, out=o2, lse=lse)
+        return [("run", alloc, None), ("run(return_lse=True)", alloc_o, alloc_lse), ("run(out=)", o1, None),
+                ("run(return_lse=True, out=, lse=)", o2, lse)]
+
+    return Impl(lambda: mla.run(*args, out=out), outputs, timing, first.median_us, init_us)
+
+
+def build_flashinfer(inp: Inputs, backend: str) -> Impl:
+    """FlashInfer 0.6.18 `flashinfer.mla.BatchMLAPagedAttentionWrapper` in CUDA-graph mode: plan() copies the
+    page table into the fixed device buffers given to the constructor, so captured pointers stay valid."""
+    import flashinfer.mla
+
+    c, t, dev = inp.case, inp.table, inp.q_nope.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        torch.empty(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), use_cuda_graph=True,
+        qo_indptr=torch.empty(c.batch + 1, **i32), kv_indptr=torch.empty(c.batch + 1, **i32),
+        kv_indices=torch.empty(t.num_pages, **i32), kv_len_arr=torch.empty(c.batch, **i32), backend=backend,
+    )
+    qo_indptr = torch.arange(c.batch + 1, dtype=torch.int32)  # decode: one query token per request
+    kv_len = t.kv_len
+
+    def plan() -> None:
+        wrapper.plan(qo_indptr, t.indptr, t.indices, kv_len, NUM_HEADS, HEAD_DIM_CKV, HEAD_DIM_KPE, PAGE_SIZE,
+                     False, SM_SCALE, DTYPE, DTYPE)  # causal=False, q_data_type, kv_data_type
+
+    first = host_time_us(plan, reps=1, min_reps=1)  # includes the JIT build on first use
+    timing = host_time_us(plan, reps=20, max_s=1.0)
+    args = (inp.q_nope, inp.q_pe, inp.ckv_cache, inp.kpe_cache)
+    out = torch.empty_like(inp.q_nope)
+
+    def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        out.fill_(math.nan)  # FlashInfer writes into `out`: every element must be overwritten
+        wrapper.run(*args, out=out)
+        return [("run(out=)", out.clone(), None)]
+
+    return Impl(lambda: wrapper.run(*args, out=out), outputs, timing, first.median_us)
+
+
+BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
+    "meld": build_meld,
+    "fi-fa2": lambda inp: build_flashinfer(inp, "fa2"),
+    "fi-fa3": lambda inp: build_flashinfer(inp, "fa3"),
+}
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+def skip_reason(name: str) -> Optional[str]:
+    """Why an implementation does not run here (None: it does): FlashInfer's fa3 MLA kernel is SM90-only."""
+    if name == "fi-fa3" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
+        major, minor = torch.cuda.get_device_capability()
+        return f"fa3 MLA needs SM90, this GPU is sm_{major}{minor}"
+    return None
+
+
+def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
+              ceilings: dict[str, Any]) -> dict[str, Any]:
+    """One table row: the headline numbers and ratios, plus every raw result for the JSON dump."""
+    nbytes, nflops = kv_bytes(table), flops(table)
+    cell = partial(result_cell, results)  # a time, or why there is none
+    m = results.get("meld", {})
+    meld_us = median_us(m) if not m.get("errors") else None
+    fi = {k: median_us(results[k]) for k in FI_BACKENDS if isinstance(cell(k), float)}
+    fi_best = min(fi, key=lambda k: fi[k]) if fi else None
+    fi_us = fi[fi_best] if fi_best else None
+    tbps = nbytes / (meld_us * 1e-6) / 1e12 if meld_us else None
+    tflops = nflops / (meld_us * 1e-6) / 1e12 if meld_us else None
+    return {
+        "case": case.name, "B": case.batch, "dist": case.dist,
+        "sum_len": sum(table.lengths), "max_len": max(table.lengths), "pages": table.num_pages,
+        "kv_bytes": nbytes, "flops": nflops, "cache_mib": cache_mib(table),
+        "meld_us": cell("meld"), "meld_eager_us": median_us(m, "eager"),
+        "fa2_us": cell("fi-fa2"), "fa3_us": cell("fi-fa3"), "fi_us": fi_us, "fi_backend": fi_best,
+        "fi_tbps": nbytes / (fi_us * 1e-6) / 1e12 if fi_us else None,
+        "speedup": fi_us / meld_us if fi_us and meld_us else None,
+        "meld_tbps": tbps, "meld_tflops": tflops,
+        "pct_read": 100 * tbps / ceilings["read_tbps"] if tbps else None,
+        "pct_mma": 100 * tflops / ceilings["matmul_bf16_tflops"] if tflops else None,
+        "plan_us": median_us(m, "plan"),
+        "rel_err": m.get("rel_err"),
+        "results": results,
+    }
+
+
+COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, errors) is in the JSON
+    Column("B", "B"), Column("dist", "dist", align="<"), Column("sum_len", "tokens", "d"),
+    Column("meld_us", "meld µs", ".1f"), Column("fa2_us", "fi-fa2 µs", ".1f"), Column("fa3_us", "fi-fa3 µs", ".1f"),
+    Column("speedup", "speedup", ".2f"),
+    Column("meld_tbps", "meld TB/s", ".2f"), Column("meld_tflops", "meld TFLOP/s", ".0f"),
+    Column("pct_read", "%read", ".0f"), Column("pct_mma", "%mma", ".0f"),
+    Column("meld_eager_us", "eager µs", ".1f"), Column("plan_us", "plan µs", ".0f"),
+    Column("rel_err", "rel err", ".1e"),
+]
+DRY_COLUMNS = [
+    Column("B", "B"), Column("dist", "dist", align="<"), Column("sum_len", "tokens", "d"),
+    Column("max_len", "max len", "d"), Column("pages", "pages", "d"), Column("kv_mib", "KV MiB", ".1f"),
+    Column("gflop", "GFLOP", ".1f"), Column("read_us", "read µs*", ".1f"), Column("mma_us", "mma µs*", ".1f"),
+    Column("impls", "runs", align="<"),
+]
+# BENCH.md's ceilings measured on the H200 (2026-11-29), for the dry run's rough bounds only.
+BENCH_READ_TBPS, BENCH_MMA_TFLOPS = 4.57, 774.0
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", "--batch", dest="batches", type=int, nargs="+",
+                   help=f"batch sizes (default {BATCHES})")
+    p.add_argument("--dists", "--dist", dest="dists", nargs="+", choices=DISTS,
+                   help=f"length distributions (default {DISTS})")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
+    p.add_argument("--quick", action="store_true", help=f"B in {QUICK_BATCHES} (unless --batches), 30 replays")
+    add_timing_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
+    p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
+    p.add_argument("--dry-run", action="store_true", help="list the cases and their sizes; no GPU needed")
+    args = p.parse_args(argv)
+    if args.batches and any(b < 1 for b in args.batches):
+        p.error("--batches: every batch size must be >= 1")
+    if args.quick:
+        args.batches = args.batches or list(QUICK_BATCHES)
+    args.batches = args.batches or list(BATCHES)
+    args.dists = args.dists or list(DISTS)
+    args.impls = list(dict.fromkeys(args.impls))
+    args.reps = timed_reps(args.reps, args.quick)
+    return args
+
+
+def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) -> list[str]:
+    """Import meld's DecodeMLA and FlashInfer's MLA wrapper once: one that fails is reported once (not once
+    per case) and dropped."""
+    imports = {"meld": ("meld", "DecodeMLA"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
+               "fi-fa3": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper")}
+
+    def probe(name: str) -> None:
+        module, attr = imports[name]
+        env[module] = "import failed"  # until the imports below succeed
+        mod = importlib.import_module(module)
+        owner = importlib.import_module(f"{module}.mla") if attr.startswith("mla.") else mod
+        getattr(owner, attr.rsplit(".", 1)[-1])
+        env[module] = getattr(mod, "__version__", "?")
+
+    return keep_available(impls, probe, failures,
+                          why=lambda name: f"import {'.'.join(imports[name])} failed")
+
+
+def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
+    print(f"MLA decode: H={NUM_HEADS}, ckv {HEAD_DIM_CKV} + kpe {HEAD_DIM_KPE}, bf16, page_size {PAGE_SIZE}, "
+          f"sm_scale 1/sqrt(192) = {SM_SCALE:.5f}; q randn x {Q_SCALE:.3f}, caches randn; pages shuffled "
+          f"(seed {args.seed})")
+    print(f"bytes = tokens x {KV_ROW_BYTES}; FLOPs = tokens x {NUM_HEADS} x "
+          f"{2 * HEAD_DIM_CKV + HEAD_DIM_KPE} x 2")
+    t = Table(DRY_COLUMNS)
+    for c in cases:
+        pt = page_table(request_lengths(c.dist, c.batch), args.seed)
+        t.add({"B": c.batch, "dist": c.dist, "sum_len": sum(pt.lengths), "max_len": max(pt.lengths),
+               "pages": pt.num_pages, "kv_mib": kv_bytes(pt) / (1 << 20), "gflop": flops(pt) / 1e9,
+               "read_us": kv_bytes(pt) / (BENCH_READ_TBPS * 1e12) * 1e6,
+               "mma_us": flops(pt) / (BENCH_MMA_TFLOPS * 1e12) * 1e6, "impls": ", ".join(args.impls)})
+    t.print()
+    print(f"* the KV read at {BENCH_READ_TBPS} TB/s and the FLOPs at {BENCH_MMA_TFLOPS:.0f} TFLOP/s (BENCH.md's "
+          "H200 ceilings of 2026-11-29; a real run measures its own)")
+    print(f"would run: ceilings (pure read, copy, bf16 matmul 8192^3); then per case and implementation: "
+          f"build, plan() host-timed, check against the float64 mla_reference (rel err < {REL_TOL:.0e}, no NaN, "
+          f"outputs poisoned; meld's lse < {LSE_TOL:.0e}), CUDA-graph replay x {args.reps} with "
+          f"{'a warm' if args.no_flush else 'a cold'} L2 (+ meld eager)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    cases = select_cases(args.batches, args.dists)
+    if args.dry_run:
+        dry_run(cases, args)
+        return 0
+    if not torch.cuda.is_available():
+        print("mla.py needs a CUDA GPU (use --dry-run to list the cases)", file=sys.stderr)
+        return 2
+
+    env = env_info()
+    env["commit"] = args.commit or env["commit"]
+    failures: list[str] = []
+    args.impls = preflight(args.impls, env, failures)
+    print(env_line(env), flush=True)
+
+    ceilings = measure_ceilings()
+    print(ceilings_line(ceilings, matmul="bf16 matmul 8192^3"), flush=True)
+
+    table = Table(COLUMNS)
+    for i, case in enumerate(cases, 1):
+        torch.manual_seed(args.seed)
+        inp = make_inputs(case, args.seed)
+        print(f"[{i}/{len(cases)}] {case.name}: Σlen {sum(inp.table.lengths)}, max {max(inp.table.lengths)}, "
+              f"{inp.table.num_pages} pages, KV {inp.kv_bytes / (1 << 20):.0f} MiB, "
+              f"{inp.flops / 1e9:.1f} GFLOP", flush=True)
+        ref = reference(inp)
+        results: dict[str, dict[str, Any]] = {}
+        for name in args.impls:
+            skip = skip_reason(name)
+            results[name] = {"skipped": skip} if skip else measure(
+                partial(BUILDERS[name], inp), f"{inp.case.name} {name}", ref, args, failures,
+                eager=name == "meld")
+            print(f"  {name:7s} {progress(results[name])}", flush=True)
+        table.add(summarise(case, inp.table, results, ceilings))
+        del inp, ref
+        free_cuda()
+        if args.json:
+            table.dump_json(args.json, env=env, ceilings=ceilings, args=vars(args), failures=failures)
+
+    print()
+    table.print()
+    print("speedup = best FlashInfer backend µs / meld µs (> 1: meld faster); TB/s = Σlen·576·2 bytes / time; "
+          "TFLOP/s = Σlen·H·1088·2 / time; %read = of the pure-read ceiling, %mma = of the bf16 matmul ceiling; "
+          "times are CUDA-graph replay medians (cold L2), plan µs is meld's host plan() median")
+    print(summary_line(table.rows, failures))
+    return 1 if failures else 0
+
+
+def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str:
+    head, span = failure_head(failures), speedup_span(rows)
+    if span is None:
+        return f"summary: {head}; no meld-vs-FlashInfer ratio measured"
+
+    def peak(key: str) -> tuple[float, str]:
+        return max(((r[key], r["case"]) for r in rows if isinstance(r.get(key), float)), default=(math.nan, "-"))
+
+    (rd, rd_case), (mm, mm_case) = peak("pct_read"), peak("pct_mma")
+    return (f"summary: meld vs best FlashInfer {span}; meld peaks at {rd:.0f}% of the read ceiling ({rd_case}) "
+            f"and {mm:.0f}% of the matmul ceiling ({mm_case}); {head}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
