@@ -51,9 +51,19 @@ def _show_graph(capture, built) -> None:
     print("   " + str(graph).replace("\n", "\n   "))
 
 
+def _compiled(kc, device: str) -> str:
+    """Compile a kernel config for sm_90a (the run-time compiler on a GPU, nvcc elsewhere) and say what came out."""
+    from meld.codegen import compile_nvcc, compile_source
+
+    t0 = time.perf_counter()
+    cubin = (compile_source(kc.render(), kc.name).cubin if device != "cpu"
+             else compile_nvcc(kc.render(), kc.name, "sm_90a")[0])
+    return (f"{kc.name} ({kc.smem_bytes} B shared memory), compiled for sm_90a: {len(cubin)} B cubin "
+            f"({time.perf_counter() - t0:.1f} s)")
+
+
 def demo(batch: int, device: str) -> int:
     import meld
-    from meld.codegen import compile_nvcc, compile_source
     from meld.ops import decode_attention_graph
     from meld.runtime.reference import attention_reference
     from meld.workloads import lengths, paged
@@ -73,12 +83,7 @@ def demo(batch: int, device: str) -> int:
     print(f"2. batch: {batch} requests, log-normal lengths {min(lens)}..{max(lens)}, sum {sum(lens)} tokens")
 
     attn = meld.DecodeAttention(Hq, Hkv, D, P, dtype, device)
-    kc = attn.kernel_config
-    t0 = time.perf_counter()
-    cubin = (compile_source(kc.render(), kc.name).cubin if device != "cpu"
-             else compile_nvcc(kc.render(), kc.name, "sm_90a")[0])
-    print(f"3. generated {kc.name} ({kc.smem_bytes} B shared memory), compiled for sm_90a: "
-          f"{len(cubin)} B cubin ({time.perf_counter() - t0:.1f} s)")
+    print(f"3. generated {_compiled(attn.kernel_config, device)}")
 
     attn.plan(indptr, indices, last)                  # first call warms NumPy and the staging buffers
     t0 = time.perf_counter()
@@ -175,7 +180,6 @@ def demo_mla(device: str) -> int:
     """A third operator through the same pipeline: MLA decode attention (DeepSeek's absorbed form) on a
     skewed batch, planned by the same planner."""
     import meld
-    from meld.codegen import compile_nvcc, compile_source
     from meld.ops import mla_decode_graph
     from meld.runtime.reference import mla_reference
     from meld.workloads import lengths, paged
@@ -191,12 +195,7 @@ def demo_mla(device: str) -> int:
 
     _show_graph(captured, mla_decode_graph(H, 512, 64, P))
     mla = meld.DecodeMLA(H, P, torch.bfloat16, device, sm_scale=scale)
-    kc = mla.kernel_config
-    t0 = time.perf_counter()
-    cubin = (compile_source(kc.render(), kc.name).cubin if device != "cpu"
-             else compile_nvcc(kc.render(), kc.name, "sm_90a")[0])
-    print(f"2. lowered to the {mla.lowering.family} family; generated {kc.name} ({kc.smem_bytes} B shared memory), "
-          f"compiled for sm_90a: {len(cubin)} B cubin ({time.perf_counter() - t0:.1f} s)")
+    print(f"2. lowered to the {mla.lowering.family} family; generated {_compiled(mla.kernel_config, device)}")
     pb = paged(lens, P, spare_pages=0)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     it = mla.schedule.items()

@@ -99,6 +99,18 @@ def test_non_finite_inputs_reach_exactly_their_rows():
     assert torch.equal(torch.isnan(lse), bad)
 
 
+def test_inputs_that_require_grad_run_and_backward_says_there_is_none():
+    pb, qn, qp, ckv, kpe = _inputs([100, 3000], 128, 64)
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    want = mla.run(qn, qp, ckv, kpe)
+    qg = torch.nn.Parameter(qn.clone())
+    out = mla.run(qg, qp, ckv, kpe)
+    assert torch.equal(out, want) and out.requires_grad
+    with pytest.raises(NotImplementedError, match="no backward"):
+        out.float().sum().backward()
+
+
 def test_describe_unit():
     mla = meld.DecodeMLA(100, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
     assert mla.describe_unit(3) == "request 1, q heads 64-99"

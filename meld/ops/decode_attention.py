@@ -20,7 +20,7 @@ from ..scheduler import DecodeCost, Topology, cluster_rows
 from ..scheduler.decode_plan_host import plan_params
 from .checks import check_finite, check_positive, expect, is_int, plain
 from .decode_graph import decode_attention_graph
-from .paged_decode import PagedDecode, _Buffers, _Planned
+from .paged_decode import PagedDecode, _Buffers, _Planned, grad_inputs
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -40,20 +40,6 @@ def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, he
     first = kv * group_size + qb * heads_per_unit
     last = min(first + heads_per_unit, (kv + 1) * group_size) - 1
     return f"request {req}, kv head {kv}, q heads {first}-{last}"
-
-
-class _NoBackward(torch.autograd.Function):
-    """Ties run()'s outputs to inputs that require grad, so that asking for a gradient reaches meld and
-    gets a clear answer (meld computes attention for inference only)."""
-
-    @staticmethod
-    def forward(ctx, q, kv_cache, *outs):
-        return tuple(o.view_as(o) for o in outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError("meld.DecodeAttention has no backward: it is an inference kernel (run it under "
-                                  "torch.no_grad(), or use a differentiable attention for training)")
 
 
 class DecodeAttention(PagedDecode):
@@ -304,40 +290,21 @@ class DecodeAttention(PagedDecode):
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import decode_attention
             return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse)
-        planned = self._planned
-        if planned is None:
-            raise RuntimeError("DecodeAttention.run: call plan() first")
-        if return_lse is not True and return_lse is not False:
-            raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-        if self._watchdog is not None:
-            self._watchdog.check()
-        grad_inputs = None   # (the usual case, plain tensors that need no grad, tested first: run() is hot)
+        planned = self._run_start(return_lse)
+        grads = None   # (the usual case, plain tensors that need no grad, tested first: run() is hot)
         if type(q) is not torch.Tensor or type(kv_cache) is not torch.Tensor or q.requires_grad or kv_cache.requires_grad:
-            if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, kv_cache)):
-                grad_inputs = (q, kv_cache)
+            grads = grad_inputs(q, kv_cache)
             q, kv_cache = plain(q), plain(kv_cache)
         B = planned.batch
         Hq, D = self.num_qo_heads, self.head_dim
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         self._check_kv_cache(kv_cache, planned)
-        if out is None:
-            out = torch.empty(B, Hq, D, dtype=self.dtype, device=self.device)
-        else:
-            out = plain(out)
-            expect("out", out, self.dtype, (B, Hq, D), "like q", self.device, contiguous=True)
-        if return_lse or lse is not None:
-            if lse is None:
-                lse = torch.empty(B, Hq, dtype=torch.float32, device=self.device)
-            else:
-                lse = plain(lse)
-            expect("lse", lse, torch.float32, (B, Hq), "batch, num_qo_heads", self.device, contiguous=True)
+        out, lse = self._run_outputs(out, lse, (B, Hq, D), return_lse, "like q", "batch, num_qo_heads")
         if self.device.type == "cpu":
             self._run_cpu(q, kv_cache, out, lse)
         elif B:
             self._launch(q, kv_cache, out, lse)
-        if grad_inputs:
-            out, *rest = _NoBackward.apply(*grad_inputs, out, *([lse] if lse is not None else []))
-            lse = rest[0] if rest else None
+        out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
 
     def _check_kv_cache(self, kv_cache: torch.Tensor, planned: _Planned) -> None:

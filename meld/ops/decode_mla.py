@@ -20,7 +20,7 @@ from ..scheduler import DecodeCost, Topology
 from ..scheduler.decode_plan_host import plan_params
 from .checks import check_finite, check_positive, expect, is_int, plain
 from .mla_graph import mla_decode_graph
-from .paged_decode import PagedDecode, _Buffers, _Planned
+from .paged_decode import PagedDecode, _Buffers, _Planned, grad_inputs
 
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -193,31 +193,21 @@ class DecodeMLA(PagedDecode):
             out, lse: optional preallocated outputs (contiguous).
         Returns:
             out [B, num_heads, head_dim_ckv] (and lse). A request with no KV tokens gives zeros and lse -inf.
+        Inputs that require grad are read as plain tensors; meld has no backward (NotImplementedError).
         """
-        planned = self._planned
-        if planned is None:
-            raise RuntimeError("DecodeMLA.run: call plan() first")
-        if return_lse is not True and return_lse is not False:
-            raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-        if self._watchdog is not None:
-            self._watchdog.check()
+        planned = self._run_start(return_lse)
+        grads = grad_inputs(q_nope, q_pe, ckv_cache, kpe_cache)
         q_nope, q_pe, ckv_cache, kpe_cache = (plain(t) for t in (q_nope, q_pe, ckv_cache, kpe_cache))
         B, H, Dc, Dr = planned.batch, self.num_heads, self.head_dim_ckv, self.head_dim_kpe
         expect("q_nope", q_nope, self.dtype, (B, H, Dc), "batch of the last plan(), num_heads, head_dim_ckv", self.device)
         expect("q_pe", q_pe, self.dtype, (B, H, Dr), "batch of the last plan(), num_heads, head_dim_kpe", self.device)
         self._check_caches(ckv_cache, kpe_cache, planned)
-        if out is None:
-            out = torch.empty(B, H, Dc, dtype=self.dtype, device=self.device)
-        else:
-            out = plain(out)
-            expect("out", out, self.dtype, (B, H, Dc), "like q_nope", self.device, contiguous=True)
-        if return_lse or lse is not None:
-            lse = torch.empty(B, H, dtype=torch.float32, device=self.device) if lse is None else plain(lse)
-            expect("lse", lse, torch.float32, (B, H), "batch, num_heads", self.device, contiguous=True)
+        out, lse = self._run_outputs(out, lse, (B, H, Dc), return_lse, "like q_nope", "batch, num_heads")
         if self.device.type == "cpu":
             self._run_cpu(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
         elif B:
             self._launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
+        out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
 
     def _check_caches(self, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, planned: _Planned) -> None:
