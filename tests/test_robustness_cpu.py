@@ -121,7 +121,11 @@ def test_nan_and_inf_give_nan_in_exactly_the_rows_they_reach(kind, b):
     hit = torch.zeros(4, 8, dtype=torch.bool)
     for r in rows:
         hit[r] = True
-    assert out[hit].isnan().all() and lse[hit].isnan().all()
+    assert out[hit].isnan().all()
+    if kind.startswith("v"):   # lse depends on the scores alone (IEEE): V reaches the output only
+        assert torch.allclose(lse[hit].double(), ref_lse[hit].double(), rtol=1e-5, atol=1e-5)
+    else:
+        assert lse[hit].isnan().all()
     assert not out[~hit].isnan().any() and not lse[~hit].isnan().any()
     assert _err(out[~hit], ref[~hit]) < 1e-2
     assert (out[2] == 0).all() and (lse[2] == -math.inf).all(), "an empty request stays zeros, lse -inf"

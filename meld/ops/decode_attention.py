@@ -87,8 +87,9 @@ class DecodeAttention(PagedDecode):
             every eager run() writes a Chrome/Perfetto trace to MELD_PROFILE_DIR.
 
     Inputs that require grad, and tensor subclasses (nn.Parameter), are read as plain tensors; meld has
-    no backward, and asking for one raises NotImplementedError. NaN or Inf in q, K or V gives NaN in out
-    and lse for exactly the (request, q head) rows they reach; other rows are unaffected.
+    no backward, and asking for one raises NotImplementedError. NaN or Inf in q or K gives NaN in out
+    and lse for exactly the (request, q head) rows they reach; in V, NaN in out only (lse depends on the
+    scores alone); other rows are unaffected.
 
     Example:
         >>> attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda")

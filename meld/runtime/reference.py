@@ -6,8 +6,9 @@ the piece that completes a unit merge its slots — so a wrong range, slot, part
 schedule gives a wrong (or NaN-poisoned) answer here, without a GPU.
 
 Non-finite inputs follow the kernel's IEEE rule: a row (request, q head) with a non-finite score (NaN or
-Inf in q or K) or a non-finite P.V value (in V) gets l = NaN, so its output and lse are NaN, split or
-not; an empty row (l == 0) gives zeros and lse = -inf.
+Inf in q or K) gets l = NaN, so its output and lse are NaN; a non-finite P.V value (in V) makes the row's
+output NaN and leaves its lse, a function of the scores alone, finite; split or not. An empty row
+(l == 0) gives zeros and lse = -inf.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ _merge = COMBINERS["online_softmax"].merge
 
 def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, ...]:
     """(m, l, acc) of softmax attention of q [H, D] over k [n, D], v [n, Dv] (n may be 0); l = NaN marks a
-    row that met a non-finite score or value."""
+    row that met a non-finite score, a NaN acc row one that met a non-finite value."""
     H = q.shape[0]
     if k.shape[0] == 0:
         return np.full(H, -np.inf), np.zeros(H), np.zeros((H, v.shape[1]))
@@ -35,7 +36,8 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[n
         p = np.exp(s - m[:, None])
         acc = p @ v
     l = p.sum(axis=1)
-    l[bad | ~np.isfinite(acc).all(axis=1)] = np.nan
+    l[bad] = np.nan
+    acc[~np.isfinite(acc).all(axis=1)] = np.nan
     return m, l, acc
 
 

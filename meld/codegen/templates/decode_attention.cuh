@@ -27,10 +27,11 @@
 // rings, each stage completed by an mbarrier (expect-tx bytes). A tile must then lie in one page:
 // page_size % 16 == 0 (DecodeAttention checks it).
 //
-// IEEE semantics: a non-finite score (NaN or Inf in q or K) or a non-finite P.V accumulator (in V) makes
-// that (request, q head) row's output and lse NaN, split or not; an empty unit gives zeros and lse -inf.
-// Scores are poisoned as they are made (x + 0 * x is NaN exactly for Inf and NaN), the accumulators are
-// folded into l once per piece, and every normalisation tells empty (l == 0) from NaN.
+// IEEE semantics: a non-finite score (NaN or Inf in q or K) makes that (request, q head) row's output and
+// lse NaN; a non-finite P.V accumulator (in V) makes its output NaN while its lse, a function of the scores
+// alone, stays finite; split or not. An empty unit gives zeros and lse -inf. Scores are poisoned as they
+// are made (x + 0 * x is NaN exactly for Inf and NaN) and so reach l; the accumulators' check is folded
+// into every channel of the row's output once per piece; every normalisation tells empty (l == 0) from NaN.
 //
 // MELD_CHUNKED (batch-invariant) builds walk each unit of a segment as its chunks of p.chunk tokens, every
 // chunk a piece of its own whenever the unit has more than one (meld/ir/schedule.py): its slot is
@@ -428,7 +429,8 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     // o - o is 0, or NaN for an Inf or NaN accumulator: summed over a head's channels (this lane's, then
-    // the 8 lanes of the same t) and added to l, it turns the head's whole row NaN (IEEE semantics, above).
+    // the 8 lanes of the same t) and added to each of them, it turns the head's whole output row NaN and
+    // leaves l, and so lse, to the scores (IEEE semantics, above).
     float bad_lo = 0.f, bad_hi = 0.f;   // heads 8 i + 2 t and 8 i + 2 t + 1
 #pragma unroll
     for (int mt = 0; mt < KSTEPS; ++mt) {
@@ -441,18 +443,16 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
       bad_lo += __shfl_xor_sync(0xffffffffu, bad_lo, d);
       bad_hi += __shfl_xor_sync(0xffffffffu, bad_hi, d);
     }
-    const float lo = __shfl_sync(0xffffffffu, bad_lo, g >> 1), hi = __shfl_sync(0xffffffffu, bad_hi, g >> 1);
     float l = st.l[i] + __shfl_xor_sync(0xffffffffu, st.l[i], 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    l += (g & 1) ? hi : lo;   // head 8 i + g
     if (t == 0) { mg.m[warp][8 * i + g] = st.m[i]; mg.l[warp][8 * i + g] = l; }
     const int h = 8 * i + 2 * t;
 #pragma unroll
     for (int mt = 0; mt < KSTEPS; ++mt) {
-      mg.o[warp][h][16 * mt + g] = st.o[i][mt][0];
-      mg.o[warp][h + 1][16 * mt + g] = st.o[i][mt][1];
-      mg.o[warp][h][16 * mt + 8 + g] = st.o[i][mt][2];
-      mg.o[warp][h + 1][16 * mt + 8 + g] = st.o[i][mt][3];
+      mg.o[warp][h][16 * mt + g] = st.o[i][mt][0] + bad_lo;
+      mg.o[warp][h + 1][16 * mt + g] = st.o[i][mt][1] + bad_hi;
+      mg.o[warp][h][16 * mt + 8 + g] = st.o[i][mt][2] + bad_lo;
+      mg.o[warp][h + 1][16 * mt + 8 + g] = st.o[i][mt][3] + bad_hi;
     }
   }
   __syncthreads();
