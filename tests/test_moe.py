@@ -309,16 +309,18 @@ def test_gpu_routing_order_ties_and_nan():
 def test_gpu_plan_matches_numpy_plan():
     T, E, k = 700, 16, 4
     moe, *_ = gpu_case(T, 256, 200, E, k, logits=skewed_logits(T, E))
-    b = {n: t.cpu().numpy() for n, t in moe._bufs.items() if t.dtype != torch.bfloat16}
-    ids = b["topk_ids"][: T * k].reshape(T, k)
+    # Only what the launch wrote is read back (the tables' tails past this call's work hold bytes nothing
+    # wrote: compute-sanitizer's initcheck reports a copy of them).
+    b = moe._bufs
+    ids = b["topk_ids"][: T * k].cpu().numpy().reshape(T, k)
     host = moe.plan_for(ids, T)
     n1, n2 = (-(-moe.intermediate_size // host.columns[0]), -(-moe.hidden_size // host.columns[1]))
     p = plan_moe(ids, E, block_tokens_for(T, k, E), n1, n2, moe._sm_count, host.columns)   # the NumPy oracle
     n = len(p.tasks)
     assert int(b["counters"][1]) == n
-    assert np.array_equal(b["tasks"][:n], p.packed_tasks)
-    assert np.array_equal(b["pair_pos"][: T * k].reshape(T, k), p.pair_pos)
-    assert np.array_equal(b["expert_off"], p.expert_off)
+    assert np.array_equal(b["tasks"][:n].cpu().numpy(), p.packed_tasks)
+    assert np.array_equal(b["pair_pos"][: T * k].cpu().numpy().reshape(T, k), p.pair_pos)
+    assert np.array_equal(b["expert_off"][:len(p.expert_off)].cpu().numpy(), p.expert_off)
 
 
 @pytest.mark.gpu
