@@ -364,7 +364,7 @@ def run_shards(shards: list[Shard], jobs: int, timeout: float, deadline: float) 
                 continue
             if p.poll() is None:
                 s.timed_out = True
-                _kill_group(p)
+                kill_group(p)
             fh.close()
             del running[pid]
             s.rc, s.wall_s = p.returncode, time.monotonic() - s.start
@@ -378,7 +378,7 @@ def run_shards(shards: list[Shard], jobs: int, timeout: float, deadline: float) 
                   f"{'FAIL: ' + '; '.join(s.problems) if s.problems else 'ok'}", flush=True)
 
 
-def _kill_group(p: subprocess.Popen) -> None:
+def kill_group(p: subprocess.Popen) -> None:
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         try:
             os.killpg(p.pid, sig)

@@ -1,0 +1,63 @@
+"""tools/gpu_suite.py on the CPU: longest-first dealing, the parsers of pytest's duration and skip reports,
+and main() end to end over a few CPU tests standing in for the GPU suite (a pass, a skip, a failure)."""
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+_TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(_TOOLS))          # gpu_suite imports its neighbour sanitize, as when run as a script
+_spec = importlib.util.spec_from_file_location("meld_tools_gpu_suite", _TOOLS / "gpu_suite.py")
+suite = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = suite
+_spec.loader.exec_module(suite)
+
+
+def test_longest_first_onto_the_least_loaded_worker_in_collection_order():
+    ids = [f"t{i}" for i in range(6)]
+    seconds = {"t0": 1, "t1": 9, "t2": 4, "t3": 4, "t4": 1, "t5": 3}
+    w = suite.deal_lpt(ids, seconds, 2)
+    assert sorted(i for x in w for i in x.ids) == ids
+    assert [x.expected_s for x in w] == [11, 11]
+    for x in w:
+        assert x.ids == sorted(x.ids, key=ids.index), "a worker keeps collection order"
+    unknown = suite.deal_lpt(["a", "b", "c"], {}, 5)
+    assert len(unknown) == 3 and all(len(x.ids) == 1 for x in unknown), "never more workers than tests"
+
+
+def test_parsers_read_pytest_reports():
+    text = textwrap.dedent("""\
+        ============================= slowest durations ==============================
+        2.50s call     tests/test_a.py::test_x[1-2]
+        0.25s setup    tests/test_a.py::test_x[1-2]
+        0.01s teardown tests/test_b.py::test_y
+        =========================== short test summary info ============================
+        SKIPPED [2] tests/test_c.py:15: needs two CUDA GPUs in one node
+        SKIPPED [1] tests/test_d.py:3: one-long needs B >= 2
+        """)
+    assert suite.parse_durations(text) == {"tests/test_a.py::test_x[1-2]": 2.75, "tests/test_b.py::test_y": 0.01}
+    assert suite.parse_skips(text) == {"needs two CUDA GPUs in one node": 2, "one-long needs B >= 2": 1}
+
+
+def test_main_reports_every_test_and_fails_on_a_failure(tmp_path, monkeypatch, capsys):
+    f = tmp_path / "test_stand_in.py"
+    f.write_text(textwrap.dedent("""\
+        import pytest
+        def test_ok(): pass
+        def test_skip(): pytest.skip("not here")
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_param(x): assert x == 1
+        """))
+    ids = [f"{f}::test_ok", f"{f}::test_skip", f"{f}::test_param[1]", f"{f}::test_param[2]"]
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {"gpu": (ids, "")})
+    rc = suite.main(["--workers", "3", "--out", str(tmp_path / "out"), "--durations", str(tmp_path / "none.json")])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAIL -- 4 collected, 2 passed, 1 failed, 1 skipped" in out
+    assert "skipped 1: not here" in out and "test_param[2]" in out
+    timed = json.loads((tmp_path / "out" / "gpu_durations.json").read_text())
+    assert {Path(i).name for i in timed} == {Path(i).name for i in ids}, "every test's seconds are recorded"
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {"gpu": (ids[:3], "")})
+    assert suite.main(["--workers", "2", "--out", str(tmp_path / "out2")]) == 0
+    assert "PASS -- 3 collected, 2 passed, 0 failed, 1 skipped" in capsys.readouterr().out

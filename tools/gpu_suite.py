@@ -1,0 +1,170 @@
+"""Run meld's whole GPU suite on one GPU in parallel pytest workers; print one summary line.
+
+    python tools/gpu_suite.py [--workers N] [--budget S] [--out DIR] [--durations FILE] [-- extra pytest args]
+
+On the GPU machine, from the repository root (children get PYTHONPATH=<root>). Every `gpu` test is
+collected (the `trap` tests included: nothing is left out) and dealt to N worker processes that share the
+GPU, longest first onto the least loaded worker, by the per-test seconds in --durations (default
+tools/gpu_durations.json; a test not listed counts as the median). Each worker is one pytest process, so
+CUDA initialisation and kernel loading are paid once per worker, not per test. The run writes each test's
+measured seconds to DIR/gpu_durations.json; copy it over tools/gpu_durations.json to rebalance.
+
+Exit 0 only when every collected test ran and none failed or errored; a worker still running when the
+--budget ends is killed (its process group) and the test it was in is named. Skips are counted and their
+reasons listed (on one GPU the two-GPU tests skip, saying so), so a skip is never silent.
+
+Why not pytest-xdist: the GPU machine has no network and no xdist, and static LPT shards over measured
+durations balance as well for a suite whose tests last seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sanitize import ROOT, child_env, collect, kill_group, parse_pytest   # tools/ is this script's path[0]
+
+DURATIONS = ROOT / "tools" / "gpu_durations.json"
+_DURATION_LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+::\S.*?)\s*$")
+_SKIP_LINE = re.compile(r"^SKIPPED \[(\d+)\] ([^:]+:\d+): (.*)$")
+
+
+@dataclass
+class Worker:
+    index: int
+    ids: list[str] = field(default_factory=list)
+    expected_s: float = 0.0
+    out: str = ""
+    rc: int | None = None
+    wall_s: float = 0.0
+    timed_out: bool = False
+
+
+def deal_lpt(ids: list[str], seconds: dict[str, float], workers: int) -> list[Worker]:
+    """Longest processing time first: each test to the worker with the least expected time so far (unknown
+    tests count as the median), keeping collection order inside a worker (module-scoped fixtures stay shared)."""
+    default = statistics.median(seconds.values()) if seconds else 1.0
+    cost = {i: seconds.get(i, default) for i in ids}
+    pool = [Worker(k) for k in range(max(1, min(workers, len(ids))))]
+    heap = [(0.0, w.index) for w in pool]
+    for i in sorted(ids, key=lambda i: -cost[i]):
+        load, k = heapq.heappop(heap)
+        pool[k].ids.append(i)
+        pool[k].expected_s = load + cost[i]
+        heapq.heappush(heap, (pool[k].expected_s, k))
+    order = {i: n for n, i in enumerate(ids)}
+    for w in pool:
+        w.ids.sort(key=order.__getitem__)
+    return pool
+
+
+def parse_durations(text: str) -> dict[str, float]:
+    """Seconds per test (setup + call + teardown) from pytest's `--durations=0 --durations-min=0` report."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := _DURATION_LINE.match(line):
+            out[m.group(3)] = out.get(m.group(3), 0.0) + float(m.group(1))
+    return out
+
+
+def parse_skips(text: str) -> dict[str, int]:
+    """Skip reasons with their counts from pytest's `-rs` short summary."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if m := _SKIP_LINE.match(line):
+            out[m.group(3)] = out.get(m.group(3), 0) + int(m.group(1))
+    return out
+
+
+def run(workers: list[Worker], extra: list[str], outdir: Path, budget: float) -> None:
+    procs = {}
+    for w in workers:
+        w.out = str(outdir / f"worker{w.index}.out")
+        fh = open(w.out, "w")   # noqa: SIM115 -- the worker's stdout; closed when it ends
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "--durations=0",
+               "--durations-min=0", *extra, *w.ids]
+        fh.write("$ " + " ".join(cmd[:12]) + f" ... ({len(w.ids)} tests)\n\n")
+        fh.flush()
+        procs[w.index] = (subprocess.Popen(cmd, cwd=ROOT, env=child_env(None), stdout=fh, stderr=subprocess.STDOUT,
+                                           start_new_session=True), fh, time.monotonic())
+    deadline = time.monotonic() + budget
+    while procs:
+        time.sleep(0.5)
+        for k, (p, fh, t0) in list(procs.items()):
+            w = workers[k]
+            if p.poll() is None and time.monotonic() < deadline:
+                continue
+            if p.poll() is None:
+                w.timed_out = True
+                kill_group(p)
+            fh.close()
+            w.rc, w.wall_s = p.returncode, time.monotonic() - t0
+            del procs[k]
+            print(f"worker {k}: {len(w.ids)} tests, {w.wall_s:.0f} s (expected {w.expected_s:.0f} s)"
+                  f"{', timed out' if w.timed_out else ''}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=6, help="pytest processes sharing the GPU (default 6)")
+    ap.add_argument("--budget", type=float, default=530, help="seconds for the whole run (default 530)")
+    ap.add_argument("--out", default=str(Path(os.environ["OUT"]) / "gpu_suite") if os.environ.get("OUT")
+                    else str(ROOT / "build" / "gpu_suite"), help="worker logs and gpu_durations.json")
+    ap.add_argument("--durations", type=Path, default=DURATIONS, help="per-test seconds used to balance workers")
+    args = ap.parse_args(argv)
+    if args.workers < 1 or args.budget <= 0:
+        ap.error(f"--workers and --budget must be positive, got {args.workers} and {args.budget}")
+    t0 = time.monotonic()
+    outdir = Path(args.out).resolve()
+    outdir.mkdir(parents=True, exist_ok=True)
+    ids, error = collect({"gpu"}, extra)["gpu"]
+    if error or not ids:
+        print(f"gpu suite: FAIL -- collection {'failed: ' + error if error else 'selected no tests'}", flush=True)
+        return 1
+    seconds = json.loads(args.durations.read_text()) if args.durations.is_file() else {}
+    workers = deal_lpt(ids, seconds, args.workers)
+    print(f"gpu suite: {len(ids)} tests on {len(workers)} workers ...", flush=True)
+    run(workers, extra, outdir, args.budget - (time.monotonic() - t0))
+    passed = failed = skipped = 0
+    problems, skips, measured = [], {}, {}
+    for w in workers:
+        text = Path(w.out).read_text(errors="replace")
+        c = parse_pytest(text)
+        passed, failed, skipped = passed + c.passed, failed + c.failed + c.errors, skipped + c.skipped
+        measured.update(parse_durations(text))
+        for reason, n in parse_skips(text).items():
+            skips[reason] = skips.get(reason, 0) + n
+        if w.timed_out:
+            problems.append(f"worker {w.index} killed at the budget" + (f" in {c.last_started}" if c.last_started else ""))
+        elif c.summary_line is None:
+            problems.append(f"worker {w.index} printed no pytest summary (exit {w.rc}; {w.out})")
+        problems += [f"failed: {i}" for i in c.failed_ids]
+    ran = passed + failed + skipped
+    if ran != len(ids) and not problems:
+        problems.append(f"{len(ids) - ran} collected tests did not report")
+    if passed == 0:
+        problems.append("no test passed (is the GPU visible?)")
+    (outdir / "gpu_durations.json").write_text(json.dumps(dict(sorted(measured.items())), indent=0))
+    for reason, n in sorted(skips.items(), key=lambda kv: -kv[1]):
+        print(f"  skipped {n}: {reason}")
+    for p in problems:
+        print(f"  FAIL {p}")
+    ok = not problems and failed == 0
+    print(f"gpu suite: {'PASS' if ok else 'FAIL'} -- {len(ids)} collected, {passed} passed, {failed} failed, "
+          f"{skipped} skipped in {time.monotonic() - t0:.0f} s on {len(workers)} workers", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
