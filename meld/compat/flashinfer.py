@@ -303,13 +303,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not (type(kv) is torch.Tensor and kv.dtype == op.dtype and kv.shape[1:] == self._kv_shape
                 and kv.is_contiguous() and kv.device == op.device):   # the common case: one test, no diagnosis
             kv = self._cache(kv)
-        if lse is not None:
-            lse = plain(lse)   # scaled to base 2 in place below: the tensor meld writes, not a graph node
-        elif return_lse:
+        if lse is None and return_lse:
             lse = torch.empty(self._batch, op.num_qo_heads, dtype=torch.float32, device=op.device)
         result = op.run(q, kv, return_lse=return_lse, out=out, lse=lse)
         if lse is not None:
-            lse.mul_(_LOG2E)
+            plain(lse).mul_(_LOG2E)   # the memory meld wrote: run() tied lse itself to meld's no-backward node
         if v_scale is not None and not (isinstance(v_scale, float) and v_scale == 1.0):   # FlashInfer's rule
             plain(result[0] if return_lse else result).mul_(v_scale)
         return result

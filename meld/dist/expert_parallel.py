@@ -25,7 +25,7 @@ from ..codegen.ep_kernel import EP_ENTRIES, EP_WARPS, EpKernelConfig
 from ..codegen.moe_kernel import BLOCK_TOKEN_CHOICES, MAX_EXPERTS, MoeKernelConfig, block_tokens_for
 from ..codegen.params import EP_PARAMS
 from ..ops.base import Operator
-from ..ops.checks import check_positive, expect, plain, resolve_device
+from ..ops.checks import check_output, check_positive, expect, grad_inputs, no_backward, plain, resolve_device
 from ..ops.moe import MoE
 from ..ops.moe_graph import moe_graph
 from .window import SymmetricWindow, pack_regions
@@ -182,6 +182,7 @@ class ExpertParallelMoE(Operator):
         """out [T, H] for this rank's x [T, H] routed to `topk_ids` [T, top_k] (global expert ids, int32 or
         int64) with `topk_weights` [T, top_k] (float32), this rank's experts' w13 [E / world, 2I, H] and
         w2 [E / world, H, I]. An id out of range or repeated in a row gives its token NaN (see `errors`)."""
+        grads = grad_inputs(x, topk_weights, w13, w2)
         x, w13, w2 = plain(x), plain(w13), plain(w2)
         H, I, k, El, dev = self.hidden_size, self.intermediate_size, self.top_k, self.experts_per_rank, self.device
         expect("x", x, self.dtype, (None, H), "tokens x hidden_size", dev)
@@ -198,14 +199,14 @@ class ExpertParallelMoE(Operator):
         if out is None:
             out = torch.empty(T, H, dtype=self.dtype, device=dev)
         else:
-            out = plain(out)
             expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev, True)
+            check_output("out", out, {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2})
         if self.kernel_config.transport == "proxy" and (self.proxy is None or self.proxy.error is not None):
             raise RuntimeError(f"ExpertParallelMoE: the proxy thread is "
                                f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
         self._check_count(T)
         if T == 0:
-            return out
+            return no_backward("meld.dist.ExpertParallelMoE", grads, (out,))[0]
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
         ids = topk_ids.to(torch.int32).contiguous()
@@ -219,7 +220,7 @@ class ExpertParallelMoE(Operator):
         self.experts._launch(c.rows, None, w13, w2, c.weights, c.ids, c.served, block_tokens=c.block_tokens)
         self._k["meld_ep_return"].launch(c.grid_return, p)
         self._k["meld_ep_combine"].launch(c.grid_combine, p)
-        return out
+        return no_backward("meld.dist.ExpertParallelMoE", grads, (out,))[0]
 
     def _call(self, T: int) -> "_Call":
         """What a call of T tokens launches over, worked out once per T: the grids, and the MoE's inputs as

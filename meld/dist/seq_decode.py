@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..ir.ranked import RankedSchedule
+from ..ops.checks import grad_inputs, no_backward, plain
 from ..runtime.reference import execute_decode, merge_partials
 from .reduce import LastArriverReduce, run_ranks
 from .shard import ShardPlan
@@ -39,7 +40,9 @@ def ranked_decode_schedule(plan: ShardPlan, kv_indptr: torch.Tensor, kv_indices:
 
 def rank_partials(rs: RankedSchedule, indices: list[torch.Tensor], rank: int, q: torch.Tensor, kv_cache: torch.Tensor,
                   sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(o [n, Hq, D], lse [n, Hq]) in float64 of rank `rank`'s n local items, by the CPU reference executor."""
+    """(o [n, Hq, D], lse [n, Hq]) in float64 of rank `rank`'s n local items, by the CPU reference executor
+    (NumPy arrays: q and kv_cache are read as plain tensors)."""
+    q, kv_cache = plain(q), plain(kv_cache)
     B, Hq, D = q.shape
     key = rs.key[rank]
     if not len(key):
@@ -59,7 +62,10 @@ def seq_parallel_decode(plan: ShardPlan, transport, q: torch.Tensor, kv_cache: t
                         kv_indices: torch.Tensor, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `plan` with one thread per rank over `transport`; the merged result goes to every rank's output
     window, as the GPU kernel's does. Returns (out [B, Hq, D], lse [B, Hq]) float64 from rank 0's window;
-    ValueError if any rank's differs."""
+    ValueError if any rank's differs. Inputs that require grad give outputs whose backward raises
+    NotImplementedError (meld has none)."""
+    grads = grad_inputs(q, kv_cache)
+    q, kv_cache = plain(q), plain(kv_cache)
     B, Hq, D = q.shape
     rs, indices = ranked_decode_schedule(plan, kv_indptr, kv_indices, Hq, kv_cache.shape[3], D, kv_cache.shape[2],
                                          q.dtype)
@@ -79,4 +85,5 @@ def seq_parallel_decode(plan: ShardPlan, transport, q: torch.Tensor, kv_cache: t
     for r in range(1, plan.world):
         if not np.array_equal(out_w[r][:B], res, equal_nan=True):
             raise ValueError(f"rank {r}'s output window differs from rank 0's")
-    return torch.from_numpy(res[:, :, :D].copy()), torch.from_numpy(res[:, :, D].copy())
+    return no_backward("meld.dist.seq_parallel_decode", grads,
+                       (torch.from_numpy(res[:, :, :D].copy()), torch.from_numpy(res[:, :, D].copy())))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ops.checks import check_positive, expect
+from ..ops.checks import check_positive, expect, grad_inputs, no_backward, plain
 from ..ops.page_table import check_page_table
 from .shard import ShardPlan, shard_batch
 from .window import SymmetricWindow, pack_regions
@@ -181,10 +181,14 @@ class SeqParallelDecode:
             raise RuntimeError(f"SeqParallelDecode.run: the proxy thread is "
                                f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
         B, Hq, D = len(self.shard.kv_len), self.num_qo_heads, self.head_dim
+        grads = grad_inputs(q, kv_cache)
+        q, kv_cache = plain(q), plain(kv_cache)
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         self.attn._check_kv_cache(kv_cache, self.attn._planned)
         out, lse = self._views
         self.attn._launch(q, kv_cache, out, lse)
+        # (the window's views stay untied: new views of them carry the tie)
+        out, lse = no_backward("meld.dist.SeqParallelDecode.run", grads, (out, lse), in_place=False)
         return (out, lse) if return_lse else out
 
     def close(self) -> None:

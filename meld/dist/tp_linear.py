@@ -27,7 +27,7 @@ import torch
 
 from .. import config
 from ..ops.base import Operator
-from ..ops.checks import check_positive, expect, resolve_device
+from ..ops.checks import check_positive, expect, grad_inputs, no_backward, plain, resolve_device
 from ..ops.tp_linear_graph import tp_linear_graph
 from .window import SymmetricWindow, pack_regions
 
@@ -188,6 +188,8 @@ class RowParallelLinear(Operator):
         weight [out_features, in_features] (bf16, contiguous, on this rank's device)."""
         from ..codegen.tp_kernel import TpSchedule
 
+        grads = grad_inputs(x, weight)
+        x, weight = plain(x), plain(weight)
         expect("x", x, self.dtype, (None, self.in_features), "tokens x in_features (this rank's slice)", self.device,
                contiguous=True)
         expect("weight", weight, self.dtype, (self.out_features, self.in_features), "out_features x in_features",
@@ -199,7 +201,7 @@ class RowParallelLinear(Operator):
             raise RuntimeError(f"RowParallelLinear: the proxy thread is "
                                f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
         if M == 0:
-            return self.output(0)
+            return self._tied(grads, self.output(0))
         self._watchdog.check()
         call = self._calls.get(M)
         if call is None:   # the schedule, kernel and grid of M rows, worked out once
@@ -218,7 +220,12 @@ class RowParallelLinear(Operator):
         p.x_map, p.x_tail_map = self._x_maps.get(x)
         kernel.launch(grid, p)
         self._last_grid = grid
-        return self.output(M)
+        return self._tied(grads, self.output(M))
+
+    @staticmethod
+    def _tied(grads: tuple | None, y: torch.Tensor) -> torch.Tensor:
+        """y (a view of the window, which stays untied) as a view tied to the inputs that require grad."""
+        return no_backward("meld.dist.RowParallelLinear", grads, (y,), in_place=False)[0]
 
     def last_trace(self):
         """Each CTA's timed GEMMs, staged and sent partials, merge waits and merges in the last launch (waits

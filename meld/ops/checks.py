@@ -111,3 +111,90 @@ def resolve_device(device: object) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r} does not exist; available: {_available()}")
     return torch.device("cuda", index)
+
+
+def check_pair(a: str, va: object, b: str, vb: object) -> None:
+    """Arguments that only mean something together: both given or neither."""
+    if (va is None) != (vb is None):
+        given, missing = (a, b) if vb is None else (b, a)
+        raise ValueError(f"{a} and {b} go together: got {given} without {missing}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) from t's first element to the end of its last (torch's strides are >= 0)."""
+    last = sum(s * (n - 1) for s, n in zip(t.stride(), t.shape))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of t may share memory (zero strides, or strides that do not step past the
+    dimensions below them: `expand`, `as_strided`); conservative for exotic interleavings."""
+    if t.numel() <= 1 or t.is_contiguous():
+        return False
+    reach = 0   # the elements the smaller strides span: the next stride must step past them
+    for stride, n in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (n - 1)
+    return False
+
+
+def check_output(name: str, t: torch.Tensor, reads: dict[str, object]) -> None:
+    """A preallocated output (already of the right dtype, shape and device) that a kernel may write: every
+    element its own memory, none of it shared with `reads` (the tensors the kernel reads while it writes
+    `name`; None and non-tensors skipped), and nothing autograd forbids writing in place (a leaf that
+    requires grad, or a view of one)."""
+    if _overlaps_itself(t):
+        raise ValueError(f"{name} has elements that share memory (shape {tuple(t.shape)}, strides {t.stride()}): "
+                         "the kernel writes every element, so each needs its own")
+    if t.numel():
+        lo, hi = _span(t)
+        for other, r in reads.items():
+            if isinstance(r, torch.Tensor) and r.numel():
+                rlo, rhi = _span(r)
+                if lo < rhi and rlo < hi:
+                    raise ValueError(f"{name} (strides {t.stride()}) shares memory with {other} (strides "
+                                     f"{r.stride()}): the kernel would overwrite what it reads; pass a separate "
+                                     f"{name}")
+    if t.requires_grad and torch.is_grad_enabled() and (t if t._base is None else t._base).is_leaf:
+        raise ValueError(f"{name} is a leaf tensor that requires grad (or a view of one): meld writes it in place, "
+                         "which autograd forbids; pass a buffer that does not require grad")
+
+
+# --- autograd: meld's kernels are for inference ---------------------------------------------------------
+def grad_inputs(*ts: object) -> tuple | None:
+    """The inputs that require grad, when grad mode is on and any does (else None: the usual case)."""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in ts):
+        return tuple(t for t in ts if getattr(t, "requires_grad", False))
+    return None
+
+
+class _NoBackward(torch.autograd.Function):
+    """Ties an op's outputs to its inputs that require grad, so that asking for a gradient through them
+    reaches meld and gets a clear answer instead of a gradient that silently leaves the op out."""
+
+    @staticmethod
+    def forward(ctx, op, n_inputs, in_place, *tensors):   # the inputs that require grad, then the outputs
+        ctx.op = op
+        outs = tensors[n_inputs:]
+        if in_place:
+            ctx.mark_dirty(*outs)
+            return outs
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"{ctx.op} has no backward: meld's kernels are for inference (run it under "
+                                  "torch.no_grad(), or use a differentiable implementation for training)")
+
+
+def no_backward(op: str, grads: tuple | None, outputs: tuple[torch.Tensor, ...],
+                in_place: bool = True) -> tuple[torch.Tensor, ...]:
+    """`outputs` of `op` tied to `grads` (`grad_inputs` of its inputs), so a backward through them raises
+    NotImplementedError naming `op`. In place, the caller's tensors themselves carry the tie (an out= buffer
+    used later must not pass a gradient around the op; an output that required grad loses its old history);
+    otherwise new views carry it (outputs that are views of an operator's own memory, which stays untied)."""
+    if not torch.is_grad_enabled() or not (grads or any(o.requires_grad for o in outputs)):
+        return outputs
+    grads = grads or ()
+    return _NoBackward.apply(op, len(grads), in_place, *grads, *outputs)

@@ -18,9 +18,9 @@ from .. import config
 from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, DecodePlanKernelConfig, TensorMap
 from ..scheduler import DecodeCost, Topology, cluster_rows
 from ..scheduler.decode_plan_host import plan_params
-from .checks import check_finite, check_positive, expect, is_int, plain
+from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
 from .decode_graph import decode_attention_graph
-from .paged_decode import PagedDecode, _Buffers, _Planned, grad_inputs
+from .paged_decode import PagedDecode, _Buffers, _Planned
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -300,11 +300,12 @@ class DecodeAttention(PagedDecode):
         Hq, D = self.num_qo_heads, self.head_dim
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         self._check_kv_cache(kv_cache, planned)
-        out, lse = self._run_outputs(out, lse, (B, Hq, D), return_lse, "like q", "batch, num_qo_heads")
+        out, lse = self._run_outputs(out, lse, (B, Hq, D), return_lse, "like q", "batch, num_qo_heads",
+                                     {"q": q, "kv_cache": kv_cache})
         if self.device.type == "cpu":
-            self._run_cpu(q, kv_cache, out, lse)
+            self._run_cpu(q, kv_cache, plain(out), plain(lse))
         elif B:
-            self._launch(q, kv_cache, out, lse)
+            self._launch(q, kv_cache, plain(out), plain(lse))
         out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
 

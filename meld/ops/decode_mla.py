@@ -18,9 +18,9 @@ from ..codegen import DecodePlanKernelConfig, TensorMap
 from ..codegen.params import MLA_PARAMS
 from ..scheduler import DecodeCost, Topology
 from ..scheduler.decode_plan_host import plan_params
-from .checks import check_finite, check_positive, expect, is_int, plain
+from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
 from .mla_graph import mla_decode_graph
-from .paged_decode import PagedDecode, _Buffers, _Planned, grad_inputs
+from .paged_decode import PagedDecode, _Buffers, _Planned
 
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -117,7 +117,15 @@ class DecodeMLA(PagedDecode):
         if self.device.type == "cuda":
             self._init_cuda(topology)
         else:
-            self.topology = self._servable(topology or Topology.h200())
+            self.topology = self._one_cta_per_sm(topology or Topology.h200())
+
+    def _one_cta_per_sm(self, topology: Topology) -> Topology:
+        """A grid the kernel can run, checked on every device: one CTA per SM, all resident (the split units'
+        mergers wait for their parts: mla_decode.cuh)."""
+        self._servable(topology)
+        if topology.num_ctas > topology.sm_count:
+            raise ValueError(f"topology={topology}: the MLA kernel runs one CTA per SM ({topology.sm_count})")
+        return topology
 
     @property
     def shape_bucket(self) -> str:
@@ -129,10 +137,7 @@ class DecodeMLA(PagedDecode):
         self._require_hopper(exact=True)
         kc = self.kernel_config
         self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
-        # One CTA per SM, all resident: the split units' mergers wait for their parts (mla_decode.cuh).
-        self.topology = self._servable(topology or Topology.discover(self.kernel, sizes=(1,)))
-        if self.topology.num_ctas > self.topology.sm_count:
-            raise ValueError(f"topology={self.topology}: the MLA kernel runs one CTA per SM ({self.topology.sm_count})")
+        self.topology = self._one_cta_per_sm(topology or Topology.discover(self.kernel, sizes=(1,)))
         self._box_rows = min(self.kernel_config.block_tokens, self.page_size)
         self._tensor_maps = TensorMapCache(functools.partial(_maps, box_rows=self._box_rows))
         self._register_watchdog(kc.name, functools.partial(_describe_unit, self.units_per_request, self.num_heads))
@@ -202,11 +207,12 @@ class DecodeMLA(PagedDecode):
         expect("q_nope", q_nope, self.dtype, (B, H, Dc), "batch of the last plan(), num_heads, head_dim_ckv", self.device)
         expect("q_pe", q_pe, self.dtype, (B, H, Dr), "batch of the last plan(), num_heads, head_dim_kpe", self.device)
         self._check_caches(ckv_cache, kpe_cache, planned)
-        out, lse = self._run_outputs(out, lse, (B, H, Dc), return_lse, "like q_nope", "batch, num_heads")
+        out, lse = self._run_outputs(out, lse, (B, H, Dc), return_lse, "like q_nope", "batch, num_heads",
+                                     {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache})
         if self.device.type == "cpu":
-            self._run_cpu(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
+            self._run_cpu(q_nope, q_pe, ckv_cache, kpe_cache, plain(out), plain(lse))
         elif B:
-            self._launch(q_nope, q_pe, ckv_cache, kpe_cache, out, lse)
+            self._launch(q_nope, q_pe, ckv_cache, kpe_cache, plain(out), plain(lse))
         out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
 

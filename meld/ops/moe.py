@@ -22,7 +22,8 @@ from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
 from ..scheduler.moe_plan import plan_moe_host
 from .base import Operator
-from .checks import check_positive, expect, plain, resolve_device
+from .checks import (check_output, check_pair, check_positive, expect, grad_inputs, no_backward, plain,
+                     resolve_device)
 from .moe_graph import moe_graph
 from .moe_weights import packed_shapes, unpack_moe_weights
 
@@ -86,7 +87,14 @@ class MoE(Operator):
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
         if not isinstance(renormalize, bool):
             raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
-        self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, (2 ** 31 - 1) // (self.top_k * 4096))
+        self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, _max_num_tokens(self.top_k))
+        # The GPU kernel's task descriptor limits, on every device: a CPU layer takes no shape the GPU refuses.
+        self._rb_cap = E + max(E, -(-self.max_num_tokens * self.top_k // BLOCK_TOKEN_CHOICES[-1]))
+        if self._rb_cap >= MOE_TASK.limit("row_block"):
+            raise ValueError(f"max_num_tokens={self.max_num_tokens}: {self._rb_cap} row blocks do not fit a task "
+                             "descriptor")
+        if max(self._column_blocks(BLOCK_TOKEN_CHOICES[0])) >= MOE_TASK.limit("col"):
+            raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         self.dtype, self.renormalize = dtype, renormalize
         self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
         self._kernel_config = kernel_config or MoeKernelConfig(profile=config.profile())
@@ -110,11 +118,6 @@ class MoE(Operator):
         T, k, E, H, I = self.max_num_tokens, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size
         R = T * k
         nblk = -(-T // ROUTE_BLOCK)
-        self._rb_cap = E + max(E, -(-R // BLOCK_TOKEN_CHOICES[-1]))
-        if self._rb_cap >= MOE_TASK.limit("row_block"):
-            raise ValueError(f"max_num_tokens={T}: {self._rb_cap} row blocks do not fit a task descriptor")
-        if max(self._column_blocks(BLOCK_TOKEN_CHOICES[0])) >= MOE_TASK.limit("col"):
-            raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         i32 = dict(dtype=torch.int32, device=self.device)
         b = self._bufs = {
             "topk_ids": torch.empty(R, **i32), "topk_w": torch.empty(R, dtype=torch.float32, device=self.device),
@@ -187,44 +190,51 @@ class MoE(Operator):
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+        grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
         x, w13, w2 = plain(x), plain(w13), plain(w2)
-        H, I, E, k, dev = self.hidden_size, self.intermediate_size, self.num_experts, self.top_k, self.device
+        H, dev = self.hidden_size, self.device
         expect("x", x, self.dtype, (None, H), "tokens x hidden_size", dev)
         T = x.shape[0]
         if T > self.max_num_tokens:
             raise ValueError(f"x has {T} tokens, more than max_num_tokens={self.max_num_tokens}")
         self._check_weights(w13, w2)
-        if (router_logits is None) == (topk_ids is None):
-            raise ValueError("pass either router_logits or (topk_weights, topk_ids), not both or neither")
-        if router_logits is not None:
-            router_logits = plain(router_logits)
-            dt = router_logits.dtype if isinstance(router_logits, torch.Tensor) else None
-            expect("router_logits", router_logits, dt if dt in (torch.float32, self.dtype) else torch.float32,
-                   (T, E), "tokens x num_experts", dev)
-        else:
-            topk_ids, topk_weights = plain(topk_ids), plain(topk_weights)
-            dt = topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else None
-            expect("topk_ids", topk_ids, dt if dt in (torch.int32, torch.int64) else torch.int32, (T, k),
-                   "tokens x top_k", dev)
-            expect("topk_weights", topk_weights, torch.float32, (T, k), "tokens x top_k", dev)
-            if dev.type == "cpu":
-                self._check_ids(topk_ids)
+        router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
+        self._check_routing(router_logits, topk_weights, topk_ids, T)
+        if topk_ids is not None and dev.type == "cpu":
+            self._check_ids(topk_ids)
         if out is None:
             out = torch.empty(T, H, dtype=self.dtype, device=dev)
         else:
-            out = plain(out)
             expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev)
             if out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16:
                 raise ValueError(f"out must have 16-byte aligned rows of unit stride (the kernel writes 16 bytes "
                                  f"at a time), got strides {out.stride()} at address {out.data_ptr():#x}")
-        if T == 0:
-            return out
-        if dev.type == "cpu":
-            if w13.dim() == 6:
-                w13, w2 = unpack_moe_weights(w13, w2, H, I)
-            return self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, out)
-        self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, out)
-        return out
+            check_output("out", out, {"x": x, "router_logits": router_logits, "w13": w13, "w2": w2,
+                                      "topk_weights": topk_weights, "topk_ids": topk_ids})
+        if T:
+            if dev.type == "cpu":
+                if w13.dim() == 6:
+                    w13, w2 = unpack_moe_weights(w13, w2, H, self.intermediate_size)
+                self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
+            else:
+                self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
+        return no_backward("meld.MoE", grads, (out,))[0]
+
+    def _check_routing(self, router_logits, topk_weights, topk_ids, T: int) -> None:
+        """ValueError unless the routing is router_logits [T, E] (float32 or the activation dtype) or the pair
+        topk_weights (float32), topk_ids (int32/int64) [T, top_k]."""
+        check_pair("topk_weights", topk_weights, "topk_ids", topk_ids)
+        if (router_logits is None) == (topk_ids is None):
+            raise ValueError("pass either router_logits or (topk_weights, topk_ids), not both or neither")
+        if router_logits is not None:
+            dt = router_logits.dtype if isinstance(router_logits, torch.Tensor) else None
+            expect("router_logits", router_logits, dt if dt in (torch.float32, self.dtype) else torch.float32,
+                   (T, self.num_experts), "tokens x num_experts", self.device)
+        else:
+            dt = topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else None
+            expect("topk_ids", topk_ids, dt if dt in (torch.int32, torch.int64) else torch.int32, (T, self.top_k),
+                   "tokens x top_k", self.device)
+            expect("topk_weights", topk_weights, torch.float32, (T, self.top_k), "tokens x top_k", self.device)
 
     def _check_weights(self, w13: torch.Tensor, w2: torch.Tensor, contiguous: bool = True) -> None:
         """ValueError unless w13 and w2 are this layer's weights: as laid out in the class docstring, or both
@@ -318,7 +328,7 @@ class MoE(Operator):
         return plan_moe_host(topk_ids, self.num_experts, bt, *self._column_blocks(bt), self._sm_count,
                              tile_columns(bt))
 
-    def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> torch.Tensor:
+    def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
         from ..runtime.moe_reference import execute_moe, route
 
         if logits is not None:
@@ -327,7 +337,11 @@ class MoE(Operator):
             ids, w = topk_ids.long(), topk_w
         plan = self.plan_for(ids.numpy(), x.shape[0])
         out.copy_(execute_moe(plan, x, w13, w2, w, self.lowering.combiner))
-        return out
+
+
+def _max_num_tokens(top_k: int) -> int:
+    """The largest max_num_tokens of a layer of `top_k` (its routed rows times 4096 fit an int32)."""
+    return (2 ** 31 - 1) // (top_k * 4096)
 
 
 @functools.lru_cache(maxsize=16)
@@ -338,7 +352,8 @@ def _cached(H: int, I: int, E: int, k: int, device: torch.device, renormalize: b
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor | None, top_k: int,
               renormalize: bool = True, *, topk_weights: torch.Tensor | None = None,
               topk_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE layer as one call (a cached `MoE` per shape and device, capacity the next power of two).
+    """The MoE layer as one call (a cached `MoE` per shape and device, capacity the next power of two up
+    to the most a layer holds).
 
     Example:
         out = meld.fused_moe(x, w13, w2, router_logits, top_k=8, renormalize=True)
@@ -349,7 +364,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logit
         raise ValueError(f"w13 must be a 3-D tensor [E, 2*I, H], got {getattr(w13, 'shape', type(w13).__name__)}{hint}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [T, H], got {getattr(x, 'shape', type(x).__name__)}")
+    # Checked before the cache lookup: its key must be hashable, and its errors name this function's arguments.
+    top_k = check_positive("top_k", top_k)
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
     E, I2, H = w13.shape
-    capacity = max(256, 1 << max(0, x.shape[0] - 1).bit_length())
-    moe = _cached(H, I2 // 2, E, top_k, resolve_device(x.device), renormalize, capacity)
+    T, limit = x.shape[0], _max_num_tokens(top_k)
+    if T > limit:
+        raise ValueError(f"x has {T} tokens: fused_moe with top_k={top_k} serves at most {limit}")
+    capacity = min(limit, max(256, 1 << max(0, T - 1).bit_length()))
+    try:
+        moe = _cached(H, I2 // 2, E, top_k, resolve_device(x.device), renormalize, capacity)
+    except ValueError as e:   # named by the layer's terms: say where they come from
+        raise ValueError(f"fused_moe: w13 of shape {tuple(w13.shape)} ([E, 2*I, H]), top_k={top_k}: {e}") from None
     return moe(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids)

@@ -23,7 +23,7 @@ from ..runtime import host_helper
 from ..scheduler import Topology, plan_decode_host
 from ..tuning.recorder import kv_lens, recorder
 from .base import Operator
-from .checks import expect, plain, same_device
+from .checks import check_output, expect, no_backward, plain, same_device
 from .page_table import check_page_table, max_page, page_table_error
 
 _trace_seq = itertools.count()
@@ -62,27 +62,6 @@ class _Buffers:
     plan_params: ctypes.Structure
     launcher: object                    # meld.runtime.driver.PersistentLaunch
 
-class _NoBackward(torch.autograd.Function):
-    """Ties run()'s outputs to inputs that require grad, so that asking for a gradient reaches meld and
-    gets a clear answer (meld computes attention for inference only)."""
-
-    @staticmethod
-    def forward(ctx, n_inputs, *tensors):   # the inputs that require grad, then the outputs
-        return tuple(o.view_as(o) for o in tensors[n_inputs:])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError("meld's decode attention has no backward: it is an inference kernel (run it under "
-                                  "torch.no_grad(), or use a differentiable attention for training)")
-
-
-def grad_inputs(*ts: object) -> tuple | None:
-    """The run() inputs that require grad, when grad mode is on and any does (else None: the usual case)."""
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in ts):
-        return tuple(t for t in ts if getattr(t, "requires_grad", False))
-    return None
-
-
 class PagedDecode(Operator):
     """Base of the paged decode operators. A subclass sets `page_size`, `units_per_request`, `head_blocks`,
     `num_kv_heads`, `group_size`, `heads_per_unit`, `cost`, `topology`, `profile_every`, the capacities and
@@ -113,25 +92,25 @@ class PagedDecode(Operator):
         return planned
 
     def _run_outputs(self, out, lse, shape: tuple[int, int, int], want_lse: bool, out_meaning: str,
-                     lse_meaning: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """run()'s outputs, given (checked: dtype, shape, device, contiguous) or allocated: out [B, H, D] and, when
-        asked for or given, lse [B, H] float32."""
+                     lse_meaning: str, reads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """run()'s outputs as given (checked: dtype, shape, device, contiguous, no memory shared with `reads`, the
+        inputs, or with each other) or allocated: out [B, H, D] and, when asked for or given, lse [B, H] float32."""
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         else:
-            out = plain(out)
             expect("out", out, self.dtype, shape, out_meaning, self.device, contiguous=True)
-        if want_lse or lse is not None:
-            lse = torch.empty(shape[:2], dtype=torch.float32, device=self.device) if lse is None else plain(lse)
+            check_output("out", out, reads)
+        if lse is not None:
             expect("lse", lse, torch.float32, shape[:2], lse_meaning, self.device, contiguous=True)
+            check_output("lse", lse, {**reads, "out": out})
+        elif want_lse:
+            lse = torch.empty(shape[:2], dtype=torch.float32, device=self.device)
         return out, lse
 
-    @staticmethod
-    def _tied(grads: tuple | None, out: torch.Tensor, lse: torch.Tensor | None):
-        """out and lse tied to the inputs that require grad (`grad_inputs`), so a backward says meld has none."""
-        if not grads:
-            return out, lse
-        out, *rest = _NoBackward.apply(len(grads), *grads, out, *([lse] if lse is not None else []))
+    def _tied(self, grads: tuple | None, out: torch.Tensor, lse: torch.Tensor | None):
+        """out and lse (the caller's tensors, in place) tied to the inputs that require grad (`grad_inputs`),
+        so a backward says meld has none."""
+        out, *rest = no_backward(f"meld.{type(self).__name__}.run", grads, (out, *([lse] if lse is not None else [])))
         return out, rest[0] if rest else None
 
     def _launched(self) -> None:

@@ -14,8 +14,9 @@ handle them, as for vLLM's `unified_attention_with_output`), and return nothing;
 implementations check dtypes and shapes against the operator when a graph is traced. Like vLLM's
 `direct_register_custom_op`, they are defined with `torch.library.Library` rather than
 `torch.library.custom_op`, whose Python-side dispatch costs several times more per call;
-tools/torch_op_overhead.py times the op path against the direct call. meld has no backward: the ops'
-outputs carry no autograd history.
+tools/torch_op_overhead.py times the op path against the direct call. meld has no backward: an autograd
+kernel ties each op's outputs to its inputs that require grad, so a backward through them raises
+NotImplementedError naming the op (never a gradient that silently leaves the op out).
 
 `DecodeAttention.run` and `MoE.__call__` emit these ops by themselves while Dynamo traces, so model code
 needs no change; `decode_attention()` and `moe()` below take the op path always (eager included). plan()
@@ -38,7 +39,7 @@ from typing import TypeVar
 import torch
 
 from .base import Operator
-from .checks import expect
+from .checks import expect, grad_inputs, no_backward
 from .decode_attention import DecodeAttention
 from .moe import MoE
 
@@ -74,18 +75,39 @@ def lookup(handle: int, kind: type[_T]) -> _T:
 _lib = torch.library.Library("meld", "FRAGMENT")
 
 
-def _define(name: str, schema: str, impl, fake) -> None:
+def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> None:
+    """Op `name` of `schema`, its kernel `impl` (CPU and CUDA), its `fake`, and an autograd kernel: the
+    arguments at `written` (the mutated outputs) are tied to the inputs that require grad, so that a
+    backward through them raises NotImplementedError naming the op (meld has no backward)."""
     _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
     for key in ("CPU", "CUDA"):
         _lib.impl(name, impl, key)
     torch.library.register_fake(f"meld::{name}", fake, lib=_lib)
+    op = getattr(torch.ops.meld, name).default
+
+    def autograd(keyset, *args):
+        grads = grad_inputs(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        no_backward(f"torch.ops.meld.{name}", grads, tuple(args[i] for i in written if args[i] is not None))
+
+    _lib.impl(name, autograd, "Autograd", with_keyset=True)
+
+
+def _required_out(op: str, out: object) -> None:
+    """The op writes `out` and returns nothing: without one its result would be lost."""
+    if out is None:
+        raise ValueError(f"out must be a preallocated tensor: torch.ops.meld.{op} writes its result there and "
+                         "returns nothing, got None")
 
 
 def _decode_attention_impl(q, kv_cache, out, lse, handle) -> None:
+    _required_out("decode_attention", out)
     lookup(handle, DecodeAttention).run(q, kv_cache, out=out, lse=lse)
 
 
 def _decode_attention_fake(q, kv_cache, out, lse, handle) -> None:
+    _required_out("decode_attention", out)
     attn = lookup(handle, DecodeAttention)
     Hq, D, P, Hkv, dt, dev = attn.num_qo_heads, attn.head_dim, attn.page_size, attn.num_kv_heads, attn.dtype, attn.device
     expect("q", q, dt, (None, Hq, D), "batch, num_qo_heads, head_dim", dev)
@@ -97,31 +119,25 @@ def _decode_attention_fake(q, kv_cache, out, lse, handle) -> None:
 
 
 def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
+    _required_out("moe", out)
     lookup(handle, MoE)(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
 
 
 def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
+    _required_out("moe", out)
     layer = lookup(handle, MoE)
-    H, E, k, dt, dev = layer.hidden_size, layer.num_experts, layer.top_k, layer.dtype, layer.device
+    H, dt, dev = layer.hidden_size, layer.dtype, layer.device
     expect("x", x, dt, (None, H), "tokens x hidden_size", dev)
     T = x.shape[0]
     layer._check_weights(w13, w2, contiguous=False)
-    if (router_logits is None) == (topk_ids is None):
-        raise ValueError("pass either router_logits or (topk_weights, topk_ids), not both or neither")
-    if router_logits is not None:
-        expect("router_logits", router_logits, router_logits.dtype if router_logits.dtype == dt else torch.float32,
-               (T, E), "tokens x num_experts", dev)
-    else:
-        expect("topk_ids", topk_ids, topk_ids.dtype if topk_ids.dtype == torch.int64 else torch.int32, (T, k),
-               "tokens x top_k", dev)
-        expect("topk_weights", topk_weights, torch.float32, (T, k), "tokens x top_k", dev)
+    layer._check_routing(router_logits, topk_weights, topk_ids, T)
     expect("out", out, dt, (T, H), "tokens x hidden_size", dev)
 
 
 _define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle) -> ()",
-        _decode_attention_impl, _decode_attention_fake)
+        _decode_attention_impl, _decode_attention_fake, written=(2, 3))
 _define("moe", "(Tensor x, Tensor? router_logits, Tensor w13, Tensor w2, Tensor? topk_weights, Tensor? topk_ids, "
-        "Tensor(a!) out, int handle) -> ()", _moe_impl, _moe_fake)
+        "Tensor(a!) out, int handle) -> ()", _moe_impl, _moe_fake, written=(6,))
 _decode_attention_op = torch.ops.meld.decode_attention.default   # the overload: no resolution per call
 _moe_op = torch.ops.meld.moe.default
 
