@@ -92,3 +92,64 @@ def test_timeline_refuses_to_overwrite_its_trace(trace_file, tmp_path, capsys):
     as_png.write_bytes(before)
     _fails(["timeline", str(as_png)], capsys, "argument -o/--output", "is the trace file")
     assert trace_file.read_bytes() == before == as_png.read_bytes()
+
+
+# --- B. outputs and pool sizes, checked before the work ------------------------------------------------------
+UNWRITABLE = "/sys/meld-out.json"   # creating a file in /sys fails even for root, whom os.access lets through
+
+
+@pytest.fixture
+def no_bench(monkeypatch):
+    """serve-bench's work replaced by a recorder: a refused argument must stop it before the first model."""
+    from meld.serving import bench, cli as serving_cli
+
+    seen = []
+    monkeypatch.setattr(serving_cli, "run", lambda cfg: seen.append(cfg) or (0, []))
+    monkeypatch.setattr(bench, "DecoderModel", lambda *a, **k: pytest.fail("built a model for a refused run"))
+    return seen
+
+
+@pytest.mark.parametrize("where,why", [("dir", "Is a directory"), ("missing", "does not exist"),
+                                       ("unwritable", "Permission denied")])
+def test_serve_bench_checks_json_before_the_benchmark(where, why, tmp_path, no_bench, capsys):
+    path = {"dir": str(tmp_path), "missing": str(tmp_path / "no" / "rows.json"), "unwritable": UNWRITABLE}[where]
+    _fails(["serve-bench", "--device", "cpu", "--size", "tiny", "--json", path], capsys, "argument --json", why)
+    assert no_bench == []
+
+
+@pytest.mark.parametrize("pages", [5_000_000, 2 ** 31 - 1])
+def test_serve_bench_refuses_a_pool_beyond_memory_on_the_cpu(pages, monkeypatch, capsys):
+    """Before, the check ran on CUDA only and the CPU run died in torch's allocator."""
+    from meld.serving import bench
+
+    monkeypatch.setattr(bench, "available_bytes", lambda device: 22 << 30)
+    monkeypatch.setattr(bench, "DecoderModel", lambda *a, **k: pytest.fail("built a model for a refused pool"))
+    need = 2 * pages * 2 * 16 * 2 * 64 * 2   # tiny: 2 layers, K and V, 16-token pages, 2 kv heads of 64, bf16
+    _fails(["serve-bench", "--device", "cpu", "--size", "tiny", "--kv-pages", str(pages)], capsys,
+           "--kv-pages", f"{pages} pages needs {need} bytes", "22.0 GiB available on cpu")
+
+
+def test_serve_bench_checks_every_pool_before_the_first_run(monkeypatch, capsys):
+    """A too-small pool for the second max batch's trace is refused before the first max batch runs."""
+    from meld.serving import bench
+
+    monkeypatch.setattr(bench, "DecoderModel", lambda *a, **k: pytest.fail("built a model for a refused run"))
+    _fails(["serve-bench", "--device", "cpu", "--size", "tiny", "--max-batch", "2,3", "--kv-pages", "4"], capsys,
+           "KV pages", "give the pool more pages")
+
+
+def test_available_memory_is_the_hosts_on_the_cpu():
+    from meld.serving.bench import available_bytes
+
+    assert 0 < available_bytes(torch.device("cpu")) < 1 << 50
+
+
+def test_tune_checks_its_db_writable_before_measuring(capsys):
+    _fails(["tune", "--workload", "bench", "--db", UNWRITABLE], capsys, "argument --db", "Permission denied")
+
+
+@pytest.mark.parametrize("where,why", [("dir", "Is a directory"), ("unwritable", "Permission denied")])
+def test_timeline_checks_its_output_before_rendering(where, why, trace_file, tmp_path, capsys):
+    out = {"dir": str(tmp_path), "unwritable": "/sys/meld-out.png"}[where]
+    assert _fails(["timeline", str(trace_file), "-o", out], capsys, "argument -o/--output", why) == ""
+
