@@ -9,6 +9,7 @@ one line on stderr, exit status 2), found before the work starts, never a traceb
   D. a FlashInfer-compat (k_cache, v_cache) tuple of one cache's halves in the wrong order or layout;
   E. an int32 kv_indptr that wrapped, named as kv_indptr with its index and values.
 """
+import re
 import types
 
 import numpy as np
@@ -186,3 +187,46 @@ def test_other_one_allocation_tuples_say_what_is_off(planned):
         w.run(q, (longer[:n, 0], longer[1:, 0]))
     with pytest.raises(NotImplementedError, match="in separate allocations is not supported"):
         w.run(q, (kv[:, 0].clone(), kv[:, 1].clone()))
+
+
+# --- E. an int32 kv_indptr that wrapped ---------------------------------------------------------------------
+def _wrapped_cumsum(pages):
+    """kv_indptr as an engine that sums page counts in int32 builds it: past 2**31 - 1 it wraps."""
+    return np.r_[0, np.cumsum(pages)].astype(np.int64).astype(np.int32)
+
+
+WRAPS = {   # kv_indptr, page_size, the message (NumPy's and the C helper's)
+    "sum-wraps-long-request": (_wrapped_cumsum([2 ** 30, 2 ** 30, 5]), 16,
+                               r"kv_indptr\[0:2\]=\[0, 1073741824\]: request 0 has 1073741824 pages of page_size=16 "
+                               r"\(kv_last_page_len\[0\]=16\), more than 2147483647 KV tokens"),
+    "sum-wraps-negative": (_wrapped_cumsum([2 ** 30, 2 ** 30, 5]), 1,
+                           r"kv_indptr must never decrease, got kv_indptr\[1:3\]=\[1073741824, -2147483648\] "
+                           r"\(an int32 offset past 2147483647 wraps negative\)"),
+    "2**31-tokens": (np.array([0, 3, 2 ** 27 + 3], np.int32), 16,
+                     r"kv_indptr\[1:3\]=\[3, 134217731\]: request 1 has 134217728 pages"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRAPS))
+def test_a_wrapped_kv_indptr_is_named(case):
+    import meld
+
+    indptr, P, message = WRAPS[case]
+    last = torch.full((len(indptr) - 1,), P, dtype=torch.int32)
+    attn = meld.DecodeAttention(8, 2, 64, P, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=message):
+        attn.plan(torch.from_numpy(indptr), torch.zeros(4, dtype=torch.int32), last)
+
+
+@pytest.mark.parametrize("case", list(WRAPS))
+def test_the_c_helper_says_the_same(case):
+    from tests.test_host_helper import _c_message, _numpy_message, _stage, lib
+
+    if lib is None:
+        pytest.skip("no C compiler: plan() uses its NumPy path")
+    indptr, P, message = WRAPS[case]
+    last, indices = np.full(len(indptr) - 1, P, dtype=np.int32), np.zeros(4, dtype=np.int32)
+    err, where, *_ = _stage(indptr, last, indices, P)
+    said = _c_message(err, where, indptr, last, indices, P)
+    assert said == _numpy_message(indptr, last, indices, P)
+    assert re.search(message, said), said
