@@ -23,9 +23,12 @@ Bad arguments (checked before any work) and bad files end in one line on stderr 
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -220,14 +223,13 @@ def timeline(parser: argparse.ArgumentParser, trace_path: Path, out: Path | None
              row_height: int) -> int:
     """Print a trace's summary and busy table and render its PNG; a bad file is a parser error."""
     out = out or trace_path.with_suffix(".png")
+    _check_output(parser, "argument -o/--output", out, trace=trace_path)
     try:
         trace = Trace.from_chrome(trace_path)
     except OSError as e:
         parser.error(f"argument TRACE: cannot read {trace_path}: {e.strerror or e}")
     except ValueError as e:
         parser.error(f"argument TRACE: {trace_path}: {e}")
-    if not out.parent.is_dir():
-        parser.error(f"argument -o/--output: folder {out.parent} does not exist")
     print(trace.summary())
     print(trace.busy_table())
     try:
@@ -235,6 +237,39 @@ def timeline(parser: argparse.ArgumentParser, trace_path: Path, out: Path | None
     except OSError as e:
         parser.error(f"argument -o/--output: cannot write {out}: {e.strerror or e}")
     return 0
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:   # one of them does not exist (yet): not the same file
+        return False
+
+
+def _check_output(parser: argparse.ArgumentParser, option: str, path: Path, make_folders: bool = False,
+                 **inputs: Path) -> None:
+    """A parser error naming `option`, before any work, for an output path the work's end could not write:
+    a directory, a folder that does not exist (unless the writer makes it: `make_folders`) or cannot be
+    written in, a file that cannot be written, or the same file (symlinks and hard links followed) as one
+    of the command's `inputs` ({name: path}), which writing would destroy."""
+    if path.is_dir():
+        parser.error(f"{option}: cannot write {path}: Is a directory")
+    for name, source in inputs.items():
+        if _same_file(path, source):
+            parser.error(f"{option}: {path} is the {name} file {source} itself; writing it would overwrite the input")
+    folder = path.parent
+    while make_folders and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        parser.error(f"{option}: folder {path.parent} does not exist")
+    try:
+        if path.exists():
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        else:   # creating a file is what is asked of the folder; root passes os.access even where it fails
+            tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        parser.error(f"{option}: cannot write {path}: {e.strerror or e}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -257,13 +292,23 @@ def _int_in(low: int, high: int):
     return parse
 
 
-def _db_path(parser: argparse.ArgumentParser, db: Path | None) -> Path:
+def _tuning_db(parser: argparse.ArgumentParser, db: Path | None, write: bool = False):
+    """The tuning database --db (else MELD_TUNING_DB) names, loaded; one that cannot be read, is no
+    database or (`write`) could not be saved at the end is a parser error naming where its path came from."""
     from meld import config
+    from meld.tuning.db import TuningDB
 
     path = db or config.tuning_db()
     if path is None:
         parser.error("argument --db: no database given and MELD_TUNING_DB is not set")
-    return path
+    source = "argument --db" if db else "MELD_TUNING_DB"
+    try:
+        loaded = TuningDB.load(path)
+    except ValueError as e:
+        parser.error(f"{source}: {e}")
+    if write:
+        _check_output(parser, source, path, make_folders=True)   # TuningDB.save makes missing folders
+    return loaded
 
 
 def _workload(text: str) -> str:
@@ -277,15 +322,17 @@ def _workload(text: str) -> str:
 
 def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, rounds: int,
              device: str | None, fit_path: Path | None = None, keep: int = 2, sweep: bool = False) -> int:
-    from meld.tuning.db import TuningDB
     from meld.tuning.tune import bench_batches, load_fit, recorded_batches, sweep_report, table, tune
     from meld.tuning.tune import sweep as sweep_compare
 
     if sweep and fit_path is None:
         parser.error("argument --sweep: needs --fit (the sweep is compared with the search a fitted model prunes)")
-    path = None if sweep else _db_path(parser, db)   # a sweep records nothing
+    # A damaged or unwritable database fails before any measurement; a sweep records nothing.
+    path = None if sweep else _tuning_db(parser, db, write=True).path
     try:
         batches = bench_batches() if workload == "bench" else recorded_batches(workload[len("recorded:"):])
+    except OSError as e:
+        parser.error(f"argument --workload: cannot read {workload[len('recorded:'):]}: {e.strerror or e}")
     except ValueError as e:
         parser.error(f"argument --workload: {e}")
     fit = None
@@ -304,10 +351,6 @@ def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, ro
         print(table(compared.pruned))
         print(sweep_report(compared))
         return 0
-    try:
-        TuningDB.load(path)   # a damaged database fails before any measurement
-    except ValueError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
     result = tune(path, batches, workload, rounds=rounds, device=device, fit=fit, keep=keep)
     print(table(result))
     print(f"recorded in {path}" if result.adopted else f"nothing recorded in {path}")
@@ -315,13 +358,9 @@ def tune_run(parser: argparse.ArgumentParser, db: Path | None, workload: str, ro
 
 
 def tune_show(parser: argparse.ArgumentParser, db: Path | None) -> int:
-    from meld.tuning.db import TuningDB, describe
+    from meld.tuning.db import describe
 
-    path = _db_path(parser, db)
-    try:
-        loaded = TuningDB.load(path)
-    except ValueError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    loaded = _tuning_db(parser, db)
     gpu = torch.device("cuda") if torch.cuda.is_available() else None
     print(describe(loaded, gpu))
     return 0

@@ -113,7 +113,8 @@ def test_tuple_and_single_tensor_caches(layout):
     assert torch.equal(w.run(q, (kv[:, 0], kv[:, 1])), out)
     with pytest.raises(NotImplementedError, match=r"paged_kv_cache=\(k_cache, v_cache\) in separate allocations"):
         w.run(q, (k.clone(), v.clone()))
-    with pytest.raises(NotImplementedError, match=r"paged_kv_cache=\(k_cache, v_cache\) in separate allocations"):
+    with pytest.raises(NotImplementedError, match=r"paged_kv_cache=\(k_cache, v_cache\) are one cache's halves in the "
+                                                  r"wrong order"):
         w.run(q, (v, k))
     strided = torch.cat([kv, kv], dim=0)[::2]   # a page stride twice the page: valid for FlashInfer
     with pytest.raises(NotImplementedError, match="paged_kv_cache that is not contiguous"):

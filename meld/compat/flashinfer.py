@@ -79,16 +79,34 @@ def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
     return all(s == e for s, e, n in zip(t.stride(), strides, t.shape) if n > 1)
 
 
-def _join(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """k and v as the one [num_pages, 2, ...] tensor whose halves [:, 0] and [:, 1] they are (a view), or
-    None when they are not: meld finds a page's V at a fixed offset from its K."""
+def _join(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k and v as the one [num_pages, 2, ...] tensor whose halves [:, 0] and [:, 1] they are (a view).
+    meld finds a page's V at a fixed offset from its K, so any other pair is a NotImplementedError that
+    says how it is not those halves: separate allocations, strides of another layout, V before K (the
+    halves swapped), or another offset."""
     n, a, b, d = k.shape
     size = a * b * d
-    strides = (2 * size, b * d, d, 1)
-    if n and (k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
-              or v.data_ptr() - k.data_ptr() != size * k.element_size()
-              or not _strides_match(k, strides) or not _strides_match(v, strides)):
-        return None
+    half = (2 * size, b * d, d, 1)   # the strides of kv[:, 0] and kv[:, 1] of a contiguous kv
+
+    def refuse(why: str) -> NotImplementedError:
+        return NotImplementedError(f"meld.compat.flashinfer: paged_kv_cache=(k_cache, v_cache) {why}: meld reads a "
+                                   "page's K and V from one [num_pages, 2, ...] tensor; pass that tensor, or k_cache "
+                                   "and v_cache as its halves [:, 0] and [:, 1]")
+
+    if n:
+        if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+            raise refuse("in separate allocations is not supported")
+        for name, t in (("k_cache", k), ("v_cache", v)):
+            if not _strides_match(t, half):
+                raise refuse(f"share one allocation, but {name} has strides {t.stride()}, not {half} (a half of a "
+                             "contiguous [num_pages, 2, ...] cache)")
+        offset = (v.data_ptr() - k.data_ptr()) // k.element_size()
+        if offset == -size:
+            raise refuse("are one cache's halves in the wrong order: v_cache is [:, 0] and k_cache [:, 1] (V passed "
+                         "as K, K as V)")
+        if offset != size:
+            raise refuse(f"share one allocation, but v_cache starts {offset} elements after k_cache, not {size} "
+                         "(one page's K)")
     return k.as_strided((n, 2, a, b, d), (2 * size, size, b * d, d, 1), k.storage_offset())
 
 
@@ -273,7 +291,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         paged_kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD; HND swaps
         page_size and num_kv_heads; 4-D without the page_size axis when page_size is 1), or a tuple
         (k_cache, v_cache) of the two halves [:, 0] and [:, 1] of such a tensor. meld reads it in place:
-        a cache that is not contiguous, or K and V in separate allocations, raise NotImplementedError.
+        a cache that is not contiguous, or a tuple that is not those halves in that order (separate
+        allocations, K and V swapped, another layout), raise NotImplementedError saying which.
         q_scale and k_scale must be None or 1 (fold them into plan()'s sm_scale); v_scale multiplies the
         output in place, as FlashInfer does. Returns out, or (out, lse) with lse base 2.
         """
@@ -333,11 +352,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                        meaning.replace("K/V, ", ""), op.device)
                 halves.append(t)
             kv = _join(*halves)
-            if kv is None:
-                raise NotImplementedError(
-                    "meld.compat.flashinfer: paged_kv_cache=(k_cache, v_cache) in separate allocations is not "
-                    "supported: meld reads a page's K and V from one [num_pages, 2, ...] tensor; pass that tensor, "
-                    "or k_cache and v_cache as its halves [:, 0] and [:, 1]")
         else:
             kv = plain(paged_kv_cache)
             if not isinstance(kv, torch.Tensor):

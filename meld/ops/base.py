@@ -60,13 +60,19 @@ class Operator:
     def _tuned(self, dtype: str, shape: str):
         """The tuning database's entry (`meld.tuning.db.TuningEntry`) for this operator, dtype and shape
         bucket on this GPU with these kernel sources, or None: MELD_TUNING_DB unset, the CPU executor, or no
-        such entry (entries recorded elsewhere are ignored with a warning)."""
+        such entry (entries recorded elsewhere are ignored with a warning). A file that cannot be read or is
+        no database (a directory, JSON nested too deeply to parse) is a ValueError naming MELD_TUNING_DB, as
+        an entry whose configuration does not fit the operator is: the database asked for cannot be used."""
         path = config.tuning_db()
         if path is None or self.device.type != "cuda":
             return None
         from ..tuning.db import TuningDB, TuningKey
 
-        return TuningDB.load(path).lookup(TuningKey.here(self.graph.name, dtype, shape, self.device), warn=True)
+        try:
+            db = TuningDB.load(path)
+        except ValueError as e:
+            raise ValueError(f"MELD_TUNING_DB: {e}") from None
+        return db.lookup(TuningKey.here(self.graph.name, dtype, shape, self.device), warn=True)
 
     def _register_watchdog(self, name: str, describe: Callable[[int], str]) -> None:
         """This operator's kernels report to the device's record under one id (`describe` names a task from

@@ -16,17 +16,21 @@ def page_table_error(code: int, where: int, indptr, last, num_indices: int, indi
     """Raise the ValueError for problem `code` (as numbered in stage_page_table.c) found at entry `where`."""
     if code == 1:
         raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={int(indptr[0])}")
+    def bounds() -> str:   # request `where`'s two offsets
+        return f"kv_indptr[{where}:{where + 2}]={np.asarray(indptr[where:where + 2]).tolist()}"
+
     if code == 2:
-        shown = np.asarray(indptr[where:where + 2]).tolist()
-        raise ValueError(f"kv_indptr must never decrease, got kv_indptr[{where}:{where + 2}]={shown}")
+        wrapped = int(indptr[where]) >= 0 > int(indptr[where + 1])
+        raise ValueError(f"kv_indptr must never decrease, got {bounds()}"
+                         + (f" (an int32 offset past {INT32_MAX} wraps negative)" if wrapped else ""))
     if code == 3:
         raise ValueError(f"kv_indptr[-1]={int(indptr[-1])} exceeds len(kv_indices)={num_indices}")
     if code == 4:
         raise ValueError(f"kv_last_page_len[{where}]={int(last[where])} is outside [1, page_size={page_size}]")
-    if code == 6:
+    if code == 6:   # named by kv_indptr's entries: an int32 sum of page counts that wrapped ends here too
         pages = int(indptr[where + 1]) - int(indptr[where])
-        raise ValueError(f"request {where} has {pages} pages of page_size={page_size} (kv_last_page_len[{where}]="
-                         f"{int(last[where])}): more than {INT32_MAX} KV tokens")
+        raise ValueError(f"{bounds()}: request {where} has {pages} pages of page_size={page_size} (kv_last_page_len"
+                         f"[{where}]={int(last[where])}), more than {INT32_MAX} KV tokens")
     raise ValueError(f"kv_indices[{where}]={int(indices[where])} is a negative page index")
 
 

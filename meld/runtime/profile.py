@@ -23,6 +23,8 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from .. import jsonfile
+
 # Task kinds of every operator's kernels (a record's kind is its index here): decode attention's, then
 # the fused MoE's. Generated kernels take their ids from this tuple (codegen passes them in).
 DECODE_KINDS = ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")
@@ -209,7 +211,7 @@ class Trace:
     def from_chrome(obj_or_path: Union[dict, str, os.PathLike]) -> "Trace":
         """Inverse of to_chrome. A file that is not JSON, not a meld trace, or has a missing or mistyped
         field or an unknown task kind raises ValueError naming the field, not an error deep in rendering."""
-        obj = obj_or_path if isinstance(obj_or_path, dict) else _read_json(Path(obj_or_path))
+        obj = obj_or_path if isinstance(obj_or_path, dict) else jsonfile.read(obj_or_path)
         if not isinstance(obj, dict) or not isinstance(obj.get("meld"), dict):
             raise ValueError("not a meld trace: no top-level 'meld' object (write it with Trace.write_chrome)")
         meld = obj["meld"]
@@ -240,15 +242,6 @@ def _get(obj: dict, where: str, kind: type = int):
     if key not in obj:
         raise ValueError(f"{where} is missing")
     return _typed(where, obj[key], kind)
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_bytes())
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError; an unreadable file stays an OSError
-        raise ValueError(f"not JSON ({e})") from None
-    except RecursionError:
-        raise ValueError("not a meld trace: JSON nested too deeply to read") from None
 
 
 def _cta_span(where: str, row, base: int) -> CtaSpan:

@@ -14,12 +14,13 @@ models: of an eager run that replays the reference run's routing, `RoutingTape`)
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .backends import BackendUnavailable, make_backend, unavailable
-from .engine import Engine, RunResult, buckets_for
+from .engine import Engine, RunResult, buckets_for, check_fits
 from .kv_cache import PagedKVCache
 from .models import MODELS, PREFILL_CHUNK, DecoderModel, ModelConfig, RoutingTape, tiny_config
 from .trace import TraceConfig, make_trace
@@ -73,15 +74,29 @@ def pool_pages(cfg: BenchConfig, max_batch: int, trace_cfg: TraceConfig) -> int:
     return -(-max(max_batch * per_request, longest) // cfg.page_size) + 1 + max_batch
 
 
+def available_bytes(device: torch.device) -> int:
+    """Memory a pool on `device` can take: the GPU's free memory, or on the CPU the host's available memory
+    (Linux's MemAvailable: free plus what the kernel can reclaim)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def check_pool_fits(mc: ModelConfig, pages: int, page_size: int, device: torch.device) -> None:
-    """ValueError, before allocating, when the pool would not fit in the GPU's free memory."""
-    if device.type != "cuda":
-        return
+    """ValueError, before allocating, when the pool would not fit in 80% of its device's available memory
+    (on the CPU too: there an allocation that cannot be met dies in the allocator, or in the OOM killer)."""
     need = mc.num_layers * pages * 2 * page_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
-    free = torch.cuda.mem_get_info(device)[0]
+    free = available_bytes(device)
     if need > 0.8 * free:
-        raise ValueError(f"a KV pool of {pages} pages needs {need / 2**30:.1f} GiB, more than 80% of the "
-                         f"{free / 2**30:.1f} GiB free on {device}: pass a smaller --kv-pages")
+        raise ValueError(f"--kv-pages: a KV pool of {pages} pages needs {need} bytes ({need / 2**30:.1f} GiB), more "
+                         f"than 80% of the {free / 2**30:.1f} GiB available on {device}: pass a smaller --kv-pages")
 
 
 def compare(run: RunResult, ref: RunResult) -> dict:
@@ -131,17 +146,21 @@ def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
             raise BackendUnavailable(why)
     if cfg.moe not in ("auto", "meld", "torch"):
         raise ValueError(f"moe must be auto, meld or torch, got {cfg.moe!r}")
+    runs = []   # (max batch, trace config, trace, pool pages): every pool and trace checked before any is built
+    for max_batch in cfg.max_batches:
+        tc = trace_config(cfg, max_batch)
+        pages = pool_pages(cfg, max_batch, tc)
+        check_pool_fits(mc, pages, cfg.page_size, device)
+        trace = make_trace(tc)
+        check_fits(trace, mc.max_position, cfg.page_size, pages - 1)   # every page but the null page
+        runs.append((max_batch, tc, trace, pages))
     graphs = cfg.graphs and device.type == "cuda"
     model = DecoderModel(mc, device, moe="torch", moe_max_tokens=max(PREFILL_CHUNK, *cfg.max_batches))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU reference executor"
     echo(f"{mc.describe()}; bf16 on {device} ({where}); page size {cfg.page_size}; "
          f"{'CUDA graphs per batch bucket' if graphs else 'eager'}")
     rows, status = [], 0
-    for max_batch in cfg.max_batches:
-        tc = trace_config(cfg, max_batch)
-        trace = make_trace(tc)
-        pages = pool_pages(cfg, max_batch, tc)
-        check_pool_fits(mc, pages, cfg.page_size, device)
+    for max_batch, tc, trace, pages in runs:
         cache = PagedKVCache(mc.num_layers, pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, mc.dtype, device,
                              seed=cfg.seed)
         echo(f"max batch {max_batch}: trace of {tc.num_requests} requests, {tc.arrival_rate:g} arriving per step, "

@@ -91,8 +91,10 @@ def serve_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, devic
         why = unavailable(name, device)
         if why:
             parser.error(f"argument --backend: {why}")
-    if args.json is not None and not args.json.parent.is_dir():
-        parser.error(f"argument --json: folder {args.json.parent} does not exist")
+    if args.json is not None:
+        from meld.cli import _check_output
+
+        _check_output(parser, "argument --json", args.json)
     cfg = BenchConfig(model=args.model, size=size, layers=args.layers, backends=args.backend,
                       max_batches=args.max_batch or [64 if device != "cpu" else 4], requests=args.requests,
                       steps=args.steps, arrival_rate=args.arrival_rate, kv_pages=args.kv_pages, graphs=not args.eager,
@@ -103,6 +105,9 @@ def serve_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, devic
     except (BackendUnavailable, ValueError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if args.json is not None:
-        write_json(args.json, cfg, rows)
+        try:
+            write_json(args.json, cfg, rows)
+        except OSError as e:   # checked up front; this is what changed since (a full disk, a folder removed)
+            parser.error(f"argument --json: cannot write {args.json}: {e.strerror or e}")
         print(f"wrote {args.json}")
     return status

@@ -83,6 +83,19 @@ class _Live:
     generated: int = 0
 
 
+def check_fits(trace: list[Request], max_position: int, page_size: int, usable_pages: int) -> None:
+    """ValueError naming the first request that could never run (too long for the pool or RoPE): what a
+    run checks first, and `meld serve-bench` before it builds anything."""
+    for r in trace:
+        if r.max_tokens > max_position:
+            raise ValueError(f"request {r.rid} reaches {r.max_tokens} tokens, beyond the model's max_position="
+                             f"{max_position}")
+        pages = -(-r.max_tokens // page_size)
+        if pages > usable_pages:
+            raise ValueError(f"request {r.rid} needs {pages} KV pages ({r.max_tokens} tokens) but the pool has "
+                             f"{usable_pages}: give the pool more pages")
+
+
 class Engine:
     """Runs traces through `model` with one attention `backend` over one KV pool.
 
@@ -170,17 +183,6 @@ class Engine:
         return next(b for b in self.buckets if b >= batch)
 
     # --- the loop ------------------------------------------------------------------------------------
-    def check_fits(self, trace: list[Request]) -> None:
-        """ValueError naming the first request that could never run (too long for the pool or RoPE)."""
-        limit = self.model.config.max_position
-        for r in trace:
-            if r.max_tokens > limit:
-                raise ValueError(f"request {r.rid} reaches {r.max_tokens} tokens, beyond the model's max_position="
-                                 f"{limit}")
-            if self.cache.pages_for(r.max_tokens) > self.cache.usable_pages:
-                raise ValueError(f"request {r.rid} needs {self.cache.pages_for(r.max_tokens)} KV pages ({r.max_tokens} "
-                                 f"tokens) but the pool has {self.cache.usable_pages}: give the pool more pages")
-
     def run(self, trace: list[Request], max_steps: int, record_logits: int = 0, samples: int = 0) -> RunResult:
         """Decode `trace` until `max_steps` decode steps ran or every request finished.
 
@@ -188,7 +190,7 @@ class Engine:
             record_logits: keep the logits of the first this many steps (for cross-backend checks).
             samples: keep the page tables of this many steps spread over the run (for `time_attention`).
         """
-        self.check_fits(trace)
+        check_fits(trace, self.model.config.max_position, self.cache.page_size, self.cache.usable_pages)
         for rid in self.cache.requests:
             self.cache.release(rid)
         res = RunResult(self.backend.name, self.model.moe_name, self.graphs, self.max_batch)

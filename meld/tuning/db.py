@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from .. import __version__, jsonfile
 
 DB_VERSION = 1
 MACHINE_FIELDS = ("gpu", "sm_count", "driver", "cuda", "source_hash")   # what makes an entry stale
@@ -86,11 +86,14 @@ class TuningDB:
 
     @staticmethod
     def load(path: str | os.PathLike) -> "TuningDB":
+        """The file's entries; ValueError naming the file for one that cannot be read (a directory, no
+        permission) or is not a database: operators read it at construction, where an OSError or a
+        RecursionError from deep inside would say nothing of MELD_TUNING_DB."""
         path = Path(path)
         if not path.exists():
             return TuningDB(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = jsonfile.read(path)
             if raw.get("version") != DB_VERSION:
                 raise ValueError(f"version {raw.get('version')!r}, this meld reads version {DB_VERSION}")
             names = {f.name for f in fields(TuningKey)}
@@ -99,6 +102,8 @@ class TuningDB:
                 if set(e["key"]) != names:
                     raise ValueError(f"an entry's key has fields {sorted(e['key'])}, expected {sorted(names)}")
                 entries.append(TuningEntry(TuningKey(**e["key"]), dict(e["config"]), dict(e.get("evidence", {}))))
+        except OSError as e:
+            raise ValueError(f"tuning database {path} is not readable: {e.strerror or e}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"tuning database {path} is not readable: {e}") from None
         return TuningDB(path, entries)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import config
+from .. import config, jsonfile
 
 
 class WorkloadRecorder:
@@ -71,7 +71,7 @@ def load(path: str | Path, operator: str, shape: str) -> list[list[int]]:
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         try:
-            r = json.loads(line)
+            r = jsonfile.parse(line)
             if (r["operator"], r["shape"]) == (operator, shape):
                 out.append([int(n) for n in r["kv_lens"]])
         except (ValueError, KeyError, TypeError) as e:

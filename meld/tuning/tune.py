@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import jsonfile
 from ..codegen import DecodeKernelConfig
 from ..runtime.cuda_graphs import capture
 from ..scheduler import DecodeCost, Topology, plan_decode_host
@@ -158,9 +159,7 @@ def prune(cands: dict[str, Candidate], fit: CostFit, batches: list[tuple[str, li
 def load_fit(path) -> CostFit:
     """A fitted model from a JSON file: `bench/cost_fit.py --json`'s (its "fit+mix", else its "fit"), or one
     `CostFit` as a dict."""
-    import json
-
-    d = json.loads(Path(path).read_text())
+    d = jsonfile.read(path)
     if "fits" in d:
         fits = d["fits"]
         d = fits.get("fit+mix") or fits.get("fit")
