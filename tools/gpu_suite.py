@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=6, help="pytest processes sharing the GPU (default 6)")
+    ap.add_argument("--workers", type=int, default=8, help="pytest processes sharing the GPU (default 8)")
     ap.add_argument("--budget", type=float, default=530, help="seconds for the whole run (default 530)")
     ap.add_argument("--out", default=str(Path(os.environ["OUT"]) / "gpu_suite") if os.environ.get("OUT")
                     else str(ROOT / "build" / "gpu_suite"), help="worker logs and gpu_durations.json")
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"{len(ids) - ran} collected tests did not report")
     if passed == 0:
         problems.append("no test passed (is the GPU visible?)")
-    (outdir / "gpu_durations.json").write_text(json.dumps(dict(sorted(measured.items())), indent=0))
+    (outdir / "gpu_durations.json").write_text(json.dumps({k: round(v, 1) for k, v in sorted(measured.items())},
+                                                          indent=0))
     for reason, n in sorted(skips.items(), key=lambda kv: -kv[1]):
         print(f"  skipped {n}: {reason}")
     for p in problems:
