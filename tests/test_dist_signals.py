@@ -9,7 +9,7 @@ import torch
 
 from meld.codegen import compile_nvcc
 from meld.codegen.params import WATCHDOG_RECORD
-from meld.codegen.decode_kernel import _template
+from meld.codegen.source import template
 
 HEAD = "\n".join(["#define MELD_PROFILE 0", "#define MELD_WATCHDOG_NS 2000000000ll", '#define MELD_MMA_TYPE "bf16"'])
 KERNEL = r"""
@@ -46,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(256) meld_signal_pingpong(const __g
 
 
 def source() -> str:
-    return "\n".join([HEAD, WATCHDOG_RECORD.c_source(), _template("common.cuh"), KERNEL])
+    return "\n".join([HEAD, WATCHDOG_RECORD.c_source(), template("common.cuh"), KERNEL])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

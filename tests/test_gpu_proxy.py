@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meld.codegen.compiler import compile_source
-from meld.codegen.decode_kernel import _template
+from meld.codegen.source import template
 from meld.codegen.params import WATCHDOG_RECORD, Field, ParamStruct
 
 PUTS, PUT_BYTES, SLOT = 48, 3000, 1 << 20   # puts of 3000 bytes (not whole chunks); the signal slot's byte
@@ -39,7 +39,7 @@ extern "C" __global__ void proxy_echo(const __grid_constant__ EchoParams p) {
 def _echo_source() -> str:
     return "\n".join([f"#define PUTS {PUTS}\n#define PUT_BYTES {PUT_BYTES}\n#define SLOT {SLOT}ull",
                       '#define MELD_MMA_TYPE "bf16"', "#define MELD_PROFILE 0", "#define MELD_WATCHDOG_NS 2000000000ll",
-                      WATCHDOG_RECORD.c_source(), _template("common.cuh"), ECHO_PARAMS.c_source(), ECHO])
+                      WATCHDOG_RECORD.c_source(), template("common.cuh"), ECHO_PARAMS.c_source(), ECHO])
 
 
 def test_echo_kernel_compiles_for_sm90a():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .decode_kernel import _template
+from .source import template
 from .params import EP_PARAMS, WATCHDOG_RECORD
 
 EP_WARPS = 4           # tokens (dispatch, combine) or slots (return) per CTA: one warp each
@@ -43,5 +43,5 @@ class EpKernelConfig:
             "#define MELD_PROFILE 0",
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("xrank.cuh"),
-                          EP_PARAMS.c_source(), _template("ep_moe.cuh")])
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("xrank.cuh"),
+                          EP_PARAMS.c_source(), template("ep_moe.cuh")])

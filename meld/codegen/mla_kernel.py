@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..ir.work_table import CTA_TABLE
 from ..runtime.profile import kind_defines
-from .decode_kernel import SMEM_PER_CTA_MAX, _template
+from .source import SMEM_PER_CTA_MAX, template
 from .params import MLA_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16
 
@@ -83,6 +83,6 @@ class MlaKernelConfig:
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
         mma = "namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}"
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"), mma,
-                          MLA_PARAMS.c_source(), CTA_TABLE.c_source(), _template("split_kv.cuh"),
-                          _template("mla_decode.cuh")])
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("hopper.cuh"), mma,
+                          MLA_PARAMS.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),
+                          template("mla_decode.cuh")])

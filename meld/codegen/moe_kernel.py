@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .decode_kernel import SMEM_PER_CTA_MAX, _template
+from .source import SMEM_PER_CTA_MAX, template
 from ..runtime.profile import kind_defines
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from .params import MOE_PARAMS, WATCHDOG_RECORD
@@ -142,8 +142,8 @@ class MoeKernelConfig:
             f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
             f"#define MELD_PACKED {int(self.packed_weights)}",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("hopper.cuh"),
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("hopper.cuh"),
                           "namespace meld {\n" + "".join(map(wgmma_bf16, tile_token_widths(self.block_tokens)))
                           + "}  // namespace meld",
-                          MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), _template("moe_plan.h"),
-                          _template("moe.cuh")])
+                          MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), template("moe_plan.h"),
+                          template("moe.cuh")])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .decode_kernel import SMEM_PER_CTA_MAX, _template
+from .source import SMEM_PER_CTA_MAX, template
 from ..runtime.profile import kind_defines
 from .params import TP_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16
@@ -273,9 +273,9 @@ class TpKernelConfig:
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), _template("common.cuh"), _template("xrank.cuh"),
-                          _template("hopper.cuh"), "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
-                          TP_PARAMS.c_source(), _template("tp_linear.cuh")])
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("xrank.cuh"),
+                          template("hopper.cuh"), "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
+                          TP_PARAMS.c_source(), template("tp_linear.cuh")])
 
 
 LL_MAX_TOKENS = 64   # the largest token block of the direct path (its words carry twice a partial's bytes)

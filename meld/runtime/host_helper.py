@@ -106,7 +106,8 @@ def load_decode_plan() -> ctypes.CDLL:
     """Decode's host planner; RuntimeError where no C++ compiler works (the CPU executor and `schedule` need it)."""
     global _decode_lib
     if _decode_lib is None:
-        from ..codegen.decode_kernel import SMEM_PER_CTA_MAX, plan_source
+        from ..codegen.decode_kernel import plan_source
+        from ..codegen.source import SMEM_PER_CTA_MAX
 
         lib = _build("decode_plan", [_read("meld.runtime", "host/one_thread.h"), plan_source(1),
                                      f"#define PLAN_SMEM_BYTES {SMEM_PER_CTA_MAX}",
