@@ -135,3 +135,100 @@ def test_numpy_ints_are_ints_to_the_constructors():
         meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=4, first_expert=np.int64(-1))
     mla = meld.DecodeMLA(16, 16, BF16, "cpu", sm_scale=0.1, head_dim_ckv=np.int64(512), head_dim_kpe=np.int32(64))
     assert (type(mla.head_dim_ckv), type(mla.head_dim_kpe)) == (int, int)
+
+
+# =====================================================================================================
+# 3. meld.ir JSON readers
+# =====================================================================================================
+
+def _schedule_dict():
+    attn, _, _, _ = _attention([40, 7, 300, 0])
+    return attn, json.loads(attn.schedule.to_json())
+
+
+def _with(d, **changes):
+    d = json.loads(json.dumps(d))
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k)
+        else:
+            d[k] = v
+    return json.dumps(d)
+
+
+SCHEDULE_TEXTS = {   # (what a reader met) -> the message it must give
+    "empty": (lambda d: "", r"a Schedule: not JSON"),
+    "deep": (lambda d: "[" * 100000 + "]" * 100000, r"nested too deeply"),
+    "not-text": (lambda d: None, r"a Schedule JSON must be str or bytes, got NoneType"),
+    "a-list": (lambda d: "[]", r"a Schedule must be a JSON object, got list"),
+    "no-cta": (lambda d: _with(d, cta=None), r"a Schedule has no 'cta'"),
+    "no-meta": (lambda d: _with(d, meta=None), r"a Schedule has no 'meta'"),
+    "unknown-key": (lambda d: _with(d, bogus=1), r"unknown keys \['bogus'\]"),
+    "heads-per-item-0": (lambda d: _with(d, heads_per_item=0), r"heads_per_item must be an integer in \[1, "),
+    "num-kv-heads-str": (lambda d: _with(d, num_kv_heads="2"), r"num_kv_heads must be an integer .*got '2'"),
+    "meta-list": (lambda d: _with(d, meta=[]), r"meta must be a JSON object, got list"),
+    "kv-len-beyond-int32": (lambda d: _with(d, kv_len=[2 ** 40, 7, 300, 0]), r"kv_len must be a list of int32"),
+    "kv-len-negative": (lambda d: _with(d, kv_len=[-40, 7, 300, 0]), r"kv_len must not be negative, got -40"),
+    "cta-ragged": (lambda d: _with(d, cta=[[0, 1], [2]]), r"cta must have rows of one length"),
+    "cta-no-ctas": (lambda d: _with(d, cta=[[]] * len(d["cta"])), r"cta must have 8 rows .* got shape \(8, 0\)"),
+    "chunk-negative": (lambda d: _with(d, chunk_tokens=-1), r"chunk_tokens must be an integer in \[0, "),
+    "kv-len-short": (lambda d: _with(d, kv_len=[40]), r"table shapes"),
+    "kv-len-below-a-cut": (lambda d: _with(d, kv_len=[40, 7, 100, 0]), r"outside \[0, kv_len\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULE_TEXTS))
+def test_schedule_from_malformed_json_is_a_schedule_error(case):
+    """Used to end in KeyError, ZeroDivisionError, AttributeError, OverflowError, RecursionError or json's own
+    errors; a schedule whose tables do not fit its lengths was read back without validation."""
+    from meld.ir import Schedule, ScheduleError
+
+    attn, d = _schedule_dict()
+    make, match = SCHEDULE_TEXTS[case]
+    with pytest.raises(ScheduleError, match=match):
+        Schedule.from_json(make(d))
+    assert Schedule.from_json(attn.schedule.to_json()) == attn.schedule
+
+
+GRAPH_TEXTS = {
+    "empty": (lambda d: "", r"a TaskGraph: not JSON"),
+    "deep": (lambda d: '{"a":' * 100000 + "1" + "}" * 100000, r"nested too deeply"),
+    "no-tasks": (lambda d: _with(d, tasks=None), r"a TaskGraph has no 'tasks'"),
+    "tasks-none": (lambda d: _with(d, tasks=False), r"tasks must be a list, got bool"),
+    "attrs-list": (lambda d: _with(d, attrs=[1]), r"attrs must be a JSON object, got list"),
+    "task-no-kind": (lambda d: _with(d, tasks=[{k: v for k, v in d["tasks"][0].items() if k != "kind"}]),
+                     r"tasks\[0\] has no 'kind'"),
+    "task-name-list": (lambda d: _with(d, tasks=[{**d["tasks"][0], "name": [1]}]), r"tasks\[0\]\.name must be a string"),
+    "axis-extent-float": (lambda d: _with(d, tasks=[{**d["tasks"][0], "domain": [{"name": "b", "extent": 1.5}]}]),
+                          r"tasks\[0\]\.domain\[0\]\.extent must be a symbol or an int, got 1\.5"),
+    "edge-no-dst": (lambda d: _with(d, edges=[{"src": "a"}]), r"edges\[0\] has no 'dst', 'reduction'"),
+    "graph-name-int": (lambda d: _with(d, name=5), r"name must be a string, got 5"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAPH_TEXTS))
+def test_task_graph_from_malformed_json_is_a_graph_error(case):
+    from meld.ir import GraphError, TaskGraph
+
+    attn, _, _, _ = _attention()
+    make, match = GRAPH_TEXTS[case]
+    with pytest.raises(GraphError, match=match):
+        TaskGraph.from_json(make(json.loads(attn.graph.to_json())))
+    assert TaskGraph.from_json(attn.graph.to_json()) == attn.graph
+
+
+@pytest.mark.parametrize("text,match", [
+    ("", r"a RankedSchedule: not JSON"),
+    (json.dumps({"schedules": []}), r"a RankedSchedule has no 'world'"),
+    (json.dumps({"world": "2", "num_items": 0, "combiner": "online_softmax", "schedules": [], "key": [], "part": []}),
+     r"world must be an integer .*got '2'"),
+    (json.dumps({"world": 2, "num_items": 0, "combiner": "online_softmax", "schedules": 5, "key": [], "part": []}),
+     r"schedules must be a list of one entry per rank \(world 2\)"),
+    (json.dumps({"world": 1, "num_items": 0, "combiner": "online_softmax", "schedules": [{}], "key": [[]],
+                 "part": [[]]}), r"schedules\[0\]: a Schedule has no"),
+], ids=["empty", "no-world", "world-str", "schedules-int", "schedule-empty"])
+def test_ranked_schedule_from_malformed_json_is_a_schedule_error(text, match):
+    from meld.ir import RankedSchedule, ScheduleError
+
+    with pytest.raises(ScheduleError, match=match):
+        RankedSchedule.from_json(text)
