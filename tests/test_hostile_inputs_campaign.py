@@ -232,3 +232,65 @@ def test_ranked_schedule_from_malformed_json_is_a_schedule_error(text, match):
 
     with pytest.raises(ScheduleError, match=match):
         RankedSchedule.from_json(text)
+
+
+# =====================================================================================================
+# 4. the torch custom ops' callers and fake implementations
+# =====================================================================================================
+
+def _layer():
+    from tests.test_moe import weights
+
+    layer = meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=16)
+    w13, w2 = weights(8, 64, 32)
+    g = torch.Generator().manual_seed(3)
+    return layer, torch.randn(4, 64, generator=g).to(BF16), torch.randn(4, 8, generator=g), w13, w2
+
+
+def test_decode_attention_caller_names_its_arguments():
+    """torch_ops.decode_attention took any attn (AttributeError on None) and handed lists to torch's dispatcher
+    (a RuntimeError from its schema check)."""
+    from meld.ops import torch_ops
+
+    attn, pb, q, kv = _attention()
+    for args, kw, match in [
+        ((None, q, kv), {}, r"attn must be a meld\.DecodeAttention, got NoneType"),
+        ((meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=4), q, kv), {}, r"attn must be a meld\.DecodeAttention, got MoE"),
+        ((attn, q, kv.tolist()), {}, r"kv_cache must be a torch\.Tensor, got list"),
+        ((attn, q, kv), dict(out=[0.0]), r"out must be a torch\.Tensor or None, got list"),
+        ((attn, q, kv), dict(lse=np.zeros((2, 8), np.float32), return_lse=True), r"lse must be a torch\.Tensor or None, got ndarray"),
+        ((attn, q[0, 0], kv), dict(return_lse=True), r"q must have shape \('\*', 8, 64\).*got \(64,\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            torch_ops.decode_attention(*args, **kw)
+    _close_to_reference(torch_ops.decode_attention(attn, q, kv), q, kv, pb)
+
+
+def test_moe_caller_names_its_arguments():
+    from meld.ops import torch_ops
+
+    layer, x, logits, w13, w2 = _layer()
+    for args, kw, match in [
+        ((None, x, logits, w13, w2), {}, r"layer must be a meld\.MoE, got NoneType"),
+        ((layer, x[0, 0], logits, w13, w2), {}, r"x must have shape \('\*', 64\).*got \(\)"),   # was IndexError
+        ((layer, x, logits.tolist(), w13, w2), {}, r"router_logits must be a torch\.Tensor or None, got list"),
+        ((layer, x, logits, w13, None), {}, r"w2 must be a torch\.Tensor, got NoneType"),
+        ((layer, x, None, w13, w2), dict(topk_weights=torch.rand(4, 2), topk_ids=[[0, 1]] * 4),
+         r"topk_ids must be a torch\.Tensor or None, got list"),
+        ((layer, x, logits, w13, w2), dict(out=[0]), r"out must be a torch\.Tensor or None, got list"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            torch_ops.moe(*args, **kw)
+    assert torch.equal(torch_ops.moe(layer, x, logits, w13, w2), layer(x, logits, w13, w2))
+
+
+def test_moe_fake_refuses_more_tokens_than_the_layer_holds():
+    """The fake implementation traced a call of more than max_num_tokens tokens that the kernel then refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer, _, _, w13, w2 = _layer()
+    x, logits, out = torch.randn(17, 64).to(BF16), torch.randn(17, 8), torch.empty(17, 64, dtype=BF16)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(t) for t in (x, logits, w13, w2)]
+        with pytest.raises(ValueError, match=r"x has 17 tokens, more than max_num_tokens=16"):
+            torch.ops.meld.moe(*args, None, None, mode.from_tensor(out), layer.handle)

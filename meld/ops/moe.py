@@ -197,10 +197,7 @@ class MoE(Operator):
         grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
         x, w13, w2 = plain(x), plain(w13), plain(w2)
         H, dev = self.hidden_size, self.device
-        expect("x", x, self.dtype, (None, H), "tokens x hidden_size", dev)
-        T = x.shape[0]
-        if T > self.max_num_tokens:
-            raise ValueError(f"x has {T} tokens, more than max_num_tokens={self.max_num_tokens}")
+        T = self._check_x(x)
         self._check_weights(w13, w2)
         router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
         self._check_routing(router_logits, topk_weights, topk_ids, T)
@@ -223,6 +220,14 @@ class MoE(Operator):
             else:
                 self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
         return no_backward("meld.MoE", grads, (out,))[0]
+
+    def _check_x(self, x: torch.Tensor) -> int:
+        """ValueError unless x is [T, hidden_size] of this layer's dtype and device with T <= max_num_tokens; T."""
+        expect("x", x, self.dtype, (None, self.hidden_size), "tokens x hidden_size", self.device)
+        T = x.shape[0]
+        if T > self.max_num_tokens:
+            raise ValueError(f"x has {T} tokens, more than max_num_tokens={self.max_num_tokens}")
+        return T
 
     def _check_routing(self, router_logits, topk_weights, topk_ids, T: int) -> None:
         """ValueError unless the routing is router_logits [T, E] (float32 or the activation dtype) or the pair
