@@ -294,3 +294,50 @@ def test_moe_fake_refuses_more_tokens_than_the_layer_holds():
         args = [mode.from_tensor(t) for t in (x, logits, w13, w2)]
         with pytest.raises(ValueError, match=r"x has 17 tokens, more than max_num_tokens=16"):
             torch.ops.meld.moe(*args, None, None, mode.from_tensor(out), layer.handle)
+
+
+# =====================================================================================================
+# 5. the FlashInfer wrapper
+# =====================================================================================================
+
+def _wrapper(lens=(40, 300)):
+    from meld.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    _, pb, q, kv = _attention(lens)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(8, dtype=torch.uint8))
+    w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, HQ, HKV, D, P, q_data_type=BF16)
+    return w, pb, q, kv
+
+
+@pytest.mark.parametrize("v_scale,match", [
+    (torch.ones(3), r"one-element real tensor on cpu, got a tensor of shape \(3,\)"),       # was a RuntimeError after the run
+    (torch.full((1,), 2.0, device="meta"), r"got a tensor of shape \(1,\), dtype torch\.float32 on meta"),   # scaled nothing
+    (torch.tensor([True]), r"dtype torch\.bool"),
+    (torch.tensor(2j), r"dtype torch\.complex64"),
+])
+def test_flashinfer_v_scale_is_checked_before_the_kernel(v_scale, match):
+    w, pb, q, kv = _wrapper()
+    out, lse = torch.full((2, HQ, D), 7.0, dtype=BF16), torch.full((2, HQ), 7.0)
+    with pytest.raises(ValueError, match=match):
+        w.run(q, kv, v_scale=v_scale, out=out, lse=lse, return_lse=True)
+    assert (out == 7).all() and (lse == 7).all(), "a run() that raises must not write out= or lse="
+    half = w.run(q, kv, v_scale=torch.tensor(0.5))     # a 0-d tensor (and a one-element one) still scale
+    assert torch.equal(half, w.run(q, kv, v_scale=torch.full((1,), 0.5)))
+    _close_to_reference(half.double() * 2, q, kv, pb)
+
+
+def test_flashinfer_cuda_graph_buffers_must_not_overlap():
+    """plan() copies the table into these buffers: overlapping ones corrupted each other silently."""
+    from meld.compat.flashinfer import CUDAGraphBatchDecodeWithPagedKVCacheWrapper
+
+    ws = torch.empty(8, dtype=torch.uint8)
+    b = torch.zeros(100, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"paged_kv_last_page_len_buffer .*shares memory with paged_kv_indptr_buffer"):
+        CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, b[:3], b[10:], b[:2])
+    with pytest.raises(ValueError, match=r"paged_kv_indices_buffer .*shares memory with paged_kv_indptr_buffer"):
+        CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, b[:3], b, b[3:5])
+    _, pb, q, kv = _attention()
+    w = CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, b[:3], b[10:], b[3:5])
+    w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, HQ, HKV, D, P, q_data_type=BF16)
+    assert b[:3].tolist() == pb.kv_indptr.tolist() and b[3:5].tolist() == pb.kv_last_page_len.tolist()
+    _close_to_reference(w.run(q, kv), q, kv, pb)
