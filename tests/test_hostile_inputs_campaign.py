@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import meld
+import meld.cli
 from meld import config
 from meld.runtime.reference import attention_reference
 from meld.workloads import paged
@@ -341,3 +342,21 @@ def test_flashinfer_cuda_graph_buffers_must_not_overlap():
     w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, HQ, HKV, D, P, q_data_type=BF16)
     assert b[:3].tolist() == pb.kv_indptr.tolist() and b[3:5].tolist() == pb.kv_last_page_len.tolist()
     _close_to_reference(w.run(q, kv), q, kv, pb)
+
+
+# =====================================================================================================
+# 6. the CLI
+# =====================================================================================================
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", str(2 ** 64 - 1), str(-2 ** 63 - 1)])
+def test_serve_bench_refuses_a_seed_no_generator_takes(seed, monkeypatch, capsys):
+    """Was "error: Overflow when unpacking long long", from torch, once the trace was built: one line that did
+    not name --seed. Now argparse's check, before any work."""
+    from meld.serving import cli as serving_cli
+
+    monkeypatch.setattr(serving_cli, "run", lambda cfg: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as e:
+        meld.cli.main(["serve-bench", "--size", "tiny", "--seed", seed])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"argument --seed: '{seed}' must be" in err
