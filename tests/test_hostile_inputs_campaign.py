@@ -360,3 +360,23 @@ def test_serve_bench_refuses_a_seed_no_generator_takes(seed, monkeypatch, capsys
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert f"argument --seed: '{seed}' must be" in err
+
+
+# =====================================================================================================
+# 7. meld.dist's CPU-reachable planning
+# =====================================================================================================
+
+@pytest.mark.parametrize("args,match", [
+    (([10.7, 20], 16, 2), r"kv_len must be a 1-D list of integer lengths >= 0, got \[10\.7, 20\]"),   # was cut to 10
+    (([10], 16.5, 2), r"page_size must be a positive int, got 16\.5"),                           # was used as a float
+    (([10], 16, 2, 1.5), r"min_split_tokens must be a positive int, got 1\.5"),
+    (([2 ** 70], 16, 2), r"kv_len must be a 1-D list of integer lengths"),                       # was an OverflowError
+    (([10], 16, True), r"world must be a positive int, got True"),
+])
+def test_shard_batch_refuses_lengths_and_sizes_that_are_not_ints(args, match):
+    from meld.dist import shard_batch
+
+    with pytest.raises(ValueError, match=match):
+        shard_batch(*args)
+    plan = shard_batch(np.array([10, 20000], dtype=np.int32), np.int64(16), 2, 4096)
+    assert plan.num_parts.tolist() == [1, 2]
