@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -44,18 +45,44 @@ def cache_dir() -> Path:
     return Path(get("MELD_CACHE_DIR")).expanduser()
 
 
+def made_dir(name: str, path: Path) -> Path:
+    """`path`, the directory setting `name` (MELD_CACHE_DIR, MELD_DUMP_DIR) names, created if missing; a
+    ValueError naming the setting where it cannot be (a file there, a folder that cannot be written)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:   # mkdir(exist_ok=True) says this only when something other than a directory is there
+        raise ValueError(f"{name}={str(path)!r} is not a directory (a file is there)") from None
+    except OSError as e:
+        raise ValueError(f"{name}={str(path)!r}: cannot create the directory: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}={str(path)!r}: the directory cannot be written")
+    return path
+
+
 def dump_dir() -> Path | None:
     d = os.environ.get("MELD_DUMP_DIR")   # read directly: plan() asks on every call
     return Path(d).expanduser() if d else None
 
 
+_ARCH = re.compile(r"sm_(\d+)a?")
+
+
 def arch() -> str:
-    return get("MELD_ARCH")
+    """MELD_ARCH, an architecture meld's kernels can be built for: sm_90a (Hopper's wgmma), or sm_90 or newer."""
+    a = get("MELD_ARCH")
+    m = _ARCH.fullmatch(a)
+    if m is None or int(m[1]) < 90:
+        raise ValueError(f"MELD_ARCH={a!r}: expected sm_90a (meld's kernels need Hopper, sm_90 or newer)")
+    return a
 
 
 def profile() -> bool:
-    """MELD_PROFILE=1: build kernels that record per-task start/end times (meld/runtime/profile.py)."""
-    return get("MELD_PROFILE") not in ("", "0")
+    """MELD_PROFILE=1: build kernels that record per-task start/end times (meld/runtime/profile.py);
+    0 or empty: do not. Anything else ("yes", "false") is a ValueError rather than a guess."""
+    v = get("MELD_PROFILE")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"MELD_PROFILE={v!r}: expected 1 (profile) or 0 (do not)")
+    return v == "1"
 
 
 def profile_every() -> int:
@@ -110,5 +137,8 @@ def dump(name: str, content: str | bytes) -> None:
     d = dump_dir()
     if d is None:
         return
-    d.mkdir(parents=True, exist_ok=True)
-    (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    made_dir("MELD_DUMP_DIR", d)
+    try:
+        (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    except OSError as e:
+        raise ValueError(f"MELD_DUMP_DIR={str(d)!r}: cannot write {name}: {e.strerror or e}") from None

@@ -50,7 +50,7 @@ def test_shard_plans_cover_every_request_and_split_the_long_ones():
         assert sorted(plan.rank[idx].tolist()) == [0, 1, 2] and all(plan.begin[i] % P == 0 for i in idx)
     assert np.bincount(plan.rank, weights=plan.end - plan.begin, minlength=3).max() <= 120
     assert shard_batch(LENS, P, 1).num_parts.tolist() == [1] * len(LENS)
-    with pytest.raises(ValueError, match="must be >= 1"):
+    with pytest.raises(ValueError, match="world must be a positive int, got 0"):
         shard_batch(LENS, P, 0)
     with pytest.raises(ValueError, match="lengths >= 0"):
         shard_batch([3, -1], P, 2)

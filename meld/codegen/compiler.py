@@ -132,7 +132,7 @@ def compile_source(source: str, name: str, arch: str | None = None) -> Compiled:
         cubin, log = cubin_path.read_bytes(), ""
     else:
         cubin, log = _compile_nvrtc(source, name, arch) if nvrtc_ver else compile_nvcc(source, name, arch, nvcc)
-        cache.mkdir(parents=True, exist_ok=True)
+        config.made_dir("MELD_CACHE_DIR", cache)
         _atomic_write(cache / f"{name}_{key}.cu", source.encode())
         _atomic_write(cubin_path, cubin)
     config.dump(f"{name}.cu", source)

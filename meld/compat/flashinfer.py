@@ -31,7 +31,7 @@ import numbers
 
 import torch
 
-from ..ops.checks import check_finite, check_positive, expect, is_int, plain
+from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
 from ..ops.decode_attention import DecodeAttention
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper"]
@@ -73,6 +73,20 @@ def _check_options(pos_encoding_mode: object, window_left: object, logits_soft_c
             raise ValueError(f"logits_soft_cap must be None, 0 or positive, got {logits_soft_cap!r}")
         if cap > 0:
             raise _unsupported("logits_soft_cap", logits_soft_cap, "meld does not cap logits")
+
+
+def _check_v_scale(v_scale: object, device: torch.device) -> None:
+    """v_scale multiplies the output in place after the kernel (FlashInfer's `out *= v_scale`): a real number, or a
+    tensor of one real element on the output's device (or a 0-d CPU tensor, which torch reads as a number).
+    Checked before the kernel, so that no output is written when the scaling would fail (a tensor of another
+    shape) or do nothing (a meta tensor)."""
+    if isinstance(v_scale, torch.Tensor):
+        on_device = v_scale.device.type == "cpu" and v_scale.dim() == 0 or same_device(v_scale.device, device)
+        if v_scale.numel() != 1 or v_scale.is_complex() or v_scale.dtype == torch.bool or not on_device:
+            raise ValueError(f"v_scale must be a number or a one-element real tensor on {device}, got a tensor of shape "
+                             f"{tuple(v_scale.shape)}, dtype {v_scale.dtype} on {v_scale.device}")
+    elif not isinstance(v_scale, numbers.Real):
+        raise ValueError(f"v_scale must be a number, got {v_scale!r}")
 
 
 def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
@@ -153,6 +167,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if not isinstance(buf, torch.Tensor):
                     raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode, got {type(buf).__name__}")
                 expect(name, buf, torch.int32, (None,), "a 1-D int32 buffer", self.device, contiguous=True)
+            # plan() writes each buffer: none may share memory with another (or its elements with each other).
+            check_output("paged_kv_indptr_buffer", paged_kv_indptr_buffer, {})
+            check_output("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer,
+                         {"paged_kv_indptr_buffer": paged_kv_indptr_buffer})
+            check_output("paged_kv_indices_buffer", paged_kv_indices_buffer,
+                         {"paged_kv_indptr_buffer": paged_kv_indptr_buffer,
+                          "paged_kv_last_page_len_buffer": paged_kv_last_page_len_buffer})
             self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
             if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
                 raise ValueError(f"paged_kv_indptr_buffer must have batch_size + 1 = {self._fixed_batch_size + 1} "
@@ -316,8 +337,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if scale is not None and (type(scale) is not float or scale != 1.0) and check_finite(name, scale) != 1:
                 raise _unsupported(name, scale, f"meld fixes the softmax scale at plan(): plan with sm_scale="
                                    f"{op.sm_scale!r} * {name} instead")
-        if type(v_scale) not in (float, type(None)) and not isinstance(v_scale, (numbers.Real, torch.Tensor)):
-            raise ValueError(f"v_scale must be a number, got {v_scale!r}")
+        if type(v_scale) not in (float, type(None)):
+            _check_v_scale(v_scale, op.device)
         kv = paged_kv_cache
         if not (type(kv) is torch.Tensor and kv.dtype == op.dtype and kv.shape[1:] == self._kv_shape
                 and kv.is_contiguous() and kv.device == op.device):   # the common case: one test, no diagnosis

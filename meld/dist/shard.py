@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from ..ops.checks import check_positive
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,18 @@ class ShardPlan:
 def shard_batch(kv_len, page_size: int, world: int, min_split_tokens: int = 4096) -> ShardPlan:
     """The plan for requests of `kv_len` tokens over `world` ranks (module docstring); every request,
     empty ones too, gets at least one part."""
-    if world < 1 or page_size < 1 or min_split_tokens < 1:
-        raise ValueError(f"world, page_size and min_split_tokens must be >= 1, got {world}, {page_size}, "
-                         f"{min_split_tokens}")
-    L = np.asarray(kv_len, dtype=np.int64)
-    if L.ndim != 1 or np.any(L < 0):
-        raise ValueError(f"kv_len must be a list of lengths >= 0, got {kv_len!r}")
+    world, page_size, min_split_tokens = (check_positive(name, v) for name, v in (
+        ("world", world), ("page_size", page_size), ("min_split_tokens", min_split_tokens)))
+    if isinstance(kv_len, torch.Tensor):
+        kv_len = kv_len.cpu().numpy()
+    try:
+        given = np.asarray(kv_len)
+    except (TypeError, ValueError):   # ragged
+        given = np.asarray(None)
+    if given.ndim != 1 or not (given.dtype.kind in "iu" or given.size == 0) or np.any(given < 0) or \
+            np.any(given > np.iinfo(np.int64).max // 2):
+        raise ValueError(f"kv_len must be a 1-D list of integer lengths >= 0, got {kv_len!r:.120}")   # (no float cut)
+    L = given.astype(np.int64)
     load = [0] * world                                   # Python ints: this loop runs per plan()
     ranks = range(world)
     parts: list[tuple[int, int, int, int, int]] = []   # (req, part, rank, begin, end)

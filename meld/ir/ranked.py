@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import serial
 from .combiners import COMBINERS
 from .schedule import Schedule, ScheduleError
 
@@ -100,11 +101,26 @@ class RankedSchedule:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> "RankedSchedule":
-        d = json.loads(text)
-        return RankedSchedule(d["world"], [Schedule.from_json(json.dumps(s)) for s in d["schedules"]],
-                              [np.asarray(k, dtype=np.int32) for k in d["key"]],
-                              [np.asarray(p, dtype=np.int32) for p in d["part"]], d["num_items"], d["combiner"])
+    def from_json(text: str | bytes) -> "RankedSchedule":
+        """The ranked schedule `to_json` wrote, validated; ScheduleError for anything else."""
+        d = serial.document(text, "a RankedSchedule", ScheduleError,
+                            ("world", "num_items", "combiner", "schedules", "key", "part"))
+        world = serial.integer(d["world"], "world", ScheduleError, 1)
+        lists = {}
+        for name in ("schedules", "key", "part"):
+            if not isinstance(d[name], list) or len(d[name]) != world:
+                raise ScheduleError(f"{name} must be a list of one entry per rank (world {world}), got {d[name]!r:.80}")
+        for name in ("key", "part"):
+            lists[name] = [serial.int32_array(v, f"{name}[{r}]", ScheduleError) for r, v in enumerate(d[name])]
+        schedules = []
+        for r, s in enumerate(d["schedules"]):
+            try:
+                schedules.append(Schedule.from_dict(s))
+            except ScheduleError as e:
+                raise ScheduleError(f"schedules[{r}]: {e}") from None
+        return RankedSchedule(world, schedules, lists["key"], lists["part"],
+                              serial.integer(d["num_items"], "num_items", ScheduleError, 0),
+                              serial.text(d["combiner"], "combiner", ScheduleError)).validate()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RankedSchedule) and self.to_dict() == other.to_dict()

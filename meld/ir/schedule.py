@@ -26,9 +26,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import serial
 from .work_table import CTA_TABLE
 
 CTA_FIELDS = CTA_TABLE.fields   # one row per field, one column per CTA (meld/ir/work_table.py)
+_KEYS = ("num_kv_heads", "group_size", "heads_per_item", "kv_len", "page_base", "cta", "meta")   # + chunk_tokens
 
 
 class ScheduleError(ValueError):
@@ -221,12 +223,28 @@ class Schedule:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> "Schedule":
-        d = json.loads(text)
-        i32 = lambda k: np.asarray(d[k], dtype=np.int32)  # noqa: E731
-        return Schedule(d["num_kv_heads"], d["group_size"], d["heads_per_item"], i32("kv_len"),
-                        i32("page_base"), i32("cta").reshape(len(CTA_FIELDS), -1), d["meta"],
-                        d.get("chunk_tokens", 0))
+    def from_json(text: str | bytes) -> "Schedule":
+        """The schedule `to_json` wrote, validated; ScheduleError for anything else."""
+        return Schedule.from_dict(serial.document(text, "a Schedule", ScheduleError, _KEYS, ("chunk_tokens",)))
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Schedule":
+        """The schedule `to_dict` gave, validated; ScheduleError for anything else."""
+        d = serial.fields(d, "a Schedule", ScheduleError, _KEYS, ("chunk_tokens",))
+        heads = {k: serial.integer(d[k], k, ScheduleError, 1) for k in ("num_kv_heads", "group_size", "heads_per_item")}
+        if not isinstance(d["meta"], dict):
+            raise ScheduleError(f"meta must be a JSON object, got {type(d['meta']).__name__}")
+        cta = serial.int32_array(d["cta"], "cta", ScheduleError, ndim=2)
+        if cta.shape[0] != len(CTA_FIELDS) or cta.shape[1] == 0:
+            raise ScheduleError(f"cta must have {len(CTA_FIELDS)} rows ({', '.join(CTA_FIELDS)}) of one entry per "
+                                f"CTA, got shape {cta.shape}")
+        kv_len = serial.int32_array(d["kv_len"], "kv_len", ScheduleError)
+        if np.any(kv_len < 0):
+            raise ScheduleError(f"kv_len must not be negative, got {int(kv_len.min())}")
+        return Schedule(**heads, kv_len=kv_len, page_base=serial.int32_array(d["page_base"], "page_base", ScheduleError),
+                        cta=cta, meta=d["meta"],
+                        chunk_tokens=serial.integer(d.get("chunk_tokens", 0), "chunk_tokens", ScheduleError, 0)
+                        ).validate()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Schedule) and self.to_dict() == other.to_dict()

@@ -21,6 +21,7 @@ from typing import Any
 
 import networkx as nx
 
+from . import serial
 from .combiners import COMBINERS
 
 
@@ -80,6 +81,45 @@ class TaskTemplate:
             reads=tuple(d["reads"]),
             writes=tuple(d["writes"]),
         )
+
+
+def _axis(d: object, where: str) -> Axis:
+    d = serial.fields(d, where, GraphError, ("name", "extent"), ("dynamic",))
+    extent = d["extent"]
+    if not isinstance(extent, str) and (not isinstance(extent, int) or isinstance(extent, bool)):
+        raise GraphError(f"{where}.extent must be a symbol or an int, got {extent!r}")
+    dynamic = d.get("dynamic", False)
+    if not isinstance(dynamic, bool):
+        raise GraphError(f"{where}.dynamic must be true or false, got {dynamic!r}")
+    return Axis(serial.text(d["name"], f"{where}.name", GraphError), extent, dynamic)
+
+
+def _reduction(d: object, where: str) -> Reduction | None:
+    if d is None:
+        return None
+    d = serial.fields(d, where, GraphError, ("combiner", "axis"))
+    return Reduction(serial.text(d["combiner"], f"{where}.combiner", GraphError),
+                     serial.text(d["axis"], f"{where}.axis", GraphError))
+
+
+def _names(v: object, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list):
+        raise GraphError(f"{where} must be a list of names, got {v!r}")
+    return tuple(serial.text(x, f"{where}[{i}]", GraphError) for i, x in enumerate(v))
+
+
+def _task(d: object, where: str) -> TaskTemplate:
+    """A task template from JSON (`TaskTemplate.to_dict`), its fields checked by type."""
+    d = serial.fields(d, where, GraphError, ("name", "kind", "domain", "range_axis", "affinity", "reduction", "reads",
+                                             "writes"))
+    if not isinstance(d["domain"], list):
+        raise GraphError(f"{where}.domain must be a list of axes, got {d['domain']!r}")
+    return TaskTemplate(
+        name=serial.text(d["name"], f"{where}.name", GraphError), kind=serial.text(d["kind"], f"{where}.kind", GraphError),
+        domain=tuple(_axis(a, f"{where}.domain[{i}]") for i, a in enumerate(d["domain"])),
+        range_axis=None if d["range_axis"] is None else _axis(d["range_axis"], f"{where}.range_axis"),
+        affinity=_names(d["affinity"], f"{where}.affinity"), reduction=_reduction(d["reduction"], f"{where}.reduction"),
+        reads=_names(d["reads"], f"{where}.reads"), writes=_names(d["writes"], f"{where}.writes"))
 
 
 # "split_reduce": a partial over a sub-range of its range axis; "combine": merges the partials of one domain
@@ -184,14 +224,24 @@ class TaskGraph:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> TaskGraph:
-        d = json.loads(text)
-        g = TaskGraph(d["name"], dict(d["attrs"]))
-        for t in d["tasks"]:
-            g.add_task(TaskTemplate.from_dict(t))
-        for e in d["edges"]:
-            g.add_edge(e["src"], e["dst"], Reduction(**e["reduction"]) if e["reduction"] else None,
-                       e.get("depends"))
+    def from_json(text: str | bytes) -> TaskGraph:
+        """The graph `to_json` wrote, validated; GraphError for anything else."""
+        d = serial.document(text, "a TaskGraph", GraphError, ("name", "attrs", "tasks", "edges"))
+        if not isinstance(d["attrs"], dict):
+            raise GraphError(f"attrs must be a JSON object, got {type(d['attrs']).__name__}")
+        g = TaskGraph(serial.text(d["name"], "name", GraphError), dict(d["attrs"]))
+        for name in ("tasks", "edges"):
+            if not isinstance(d[name], list):
+                raise GraphError(f"{name} must be a list, got {type(d[name]).__name__}")
+        for i, t in enumerate(d["tasks"]):
+            g.add_task(_task(t, f"tasks[{i}]"))
+        for i, e in enumerate(d["edges"]):
+            where = f"edges[{i}]"
+            e = serial.fields(e, where, GraphError, ("src", "dst", "reduction"), ("depends",))
+            depends = e.get("depends")
+            g.add_edge(serial.text(e["src"], f"{where}.src", GraphError), serial.text(e["dst"], f"{where}.dst", GraphError),
+                       _reduction(e["reduction"], f"{where}.reduction"),
+                       None if depends is None else serial.text(depends, f"{where}.depends", GraphError))
         return g.validate()
 
     def __eq__(self, other: object) -> bool:

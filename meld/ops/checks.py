@@ -113,6 +113,17 @@ def resolve_device(device: object) -> torch.device:
     return torch.device("cuda", index)
 
 
+def check_tensors(tensors: dict[str, object], optional: dict[str, object] | None = None) -> None:
+    """Arguments that must be tensors (`tensors`) or tensors or None (`optional`), checked before they reach a
+    torch custom op, whose schema check would refuse them with a RuntimeError from torch's dispatcher."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (optional or {}).items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+
+
 def check_pair(a: str, va: object, b: str, vb: object) -> None:
     """Arguments that only mean something together: both given or neither."""
     if (va is None) != (vb is None):

@@ -87,6 +87,7 @@ class DecodeMLA(PagedDecode):
                 is_int(head_dim_ckv) and is_int(head_dim_kpe)):
             raise ValueError(f"head_dim_ckv={head_dim_ckv!r}, head_dim_kpe={head_dim_kpe!r}: the MLA kernel runs "
                              f"{MLA_HEAD_DIM_CKV} + {MLA_HEAD_DIM_KPE} (DeepSeek's)")
+        head_dim_ckv, head_dim_kpe = int(head_dim_ckv), int(head_dim_kpe)   # (NumPy ints as Python's)
         if dtype is not torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
         if topology is not None and not isinstance(topology, Topology):

@@ -22,7 +22,7 @@ from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
 from ..scheduler.moe_plan import plan_moe_host
 from .base import Operator
-from .checks import (check_output, check_pair, check_positive, expect, grad_inputs, no_backward, plain,
+from .checks import (check_output, check_pair, check_positive, expect, grad_inputs, is_int, no_backward, plain,
                      resolve_device)
 from .moe_graph import moe_graph
 from .moe_weights import packed_shapes, unpack_moe_weights
@@ -97,9 +97,14 @@ class MoE(Operator):
             raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         self.dtype, self.renormalize = dtype, renormalize
         self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
+        if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
+            raise ValueError(f"kernel_config must be a meld.codegen.moe_kernel.MoeKernelConfig, got "
+                             f"{type(kernel_config).__name__}")
         self._kernel_config = kernel_config or MoeKernelConfig(profile=config.profile())
-        if isinstance(first_expert, bool) or not isinstance(first_expert, int) or first_expert < 0:
+        self.profile_every = config.profile_every()   # (read on every device: the CPU takes no setting the GPU refuses)
+        if not is_int(first_expert) or first_expert < 0:
             raise ValueError(f"first_expert must be a non-negative int, got {first_expert!r}")
+        first_expert = int(first_expert)
         if (first_expert or self._kernel_config.absent_pairs) and self.device.type != "cuda":
             raise ValueError(f"first_expert={first_expert}, absent_pairs={self._kernel_config.absent_pairs}: a slice "
                              "of the experts runs on the GPU only")
@@ -136,7 +141,6 @@ class MoE(Operator):
         self._register_watchdog("meld_moe_main", _describe_ticket)
         self._prof = torch.zeros(self._grid, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=self.device) \
             if self._kernel_config.profile else None
-        self.profile_every = config.profile_every()
         self._prof_clock = torch.zeros(2, dtype=torch.int32, device=self.device) \
             if self._prof is not None and self.profile_every > 1 else None
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
@@ -193,10 +197,7 @@ class MoE(Operator):
         grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
         x, w13, w2 = plain(x), plain(w13), plain(w2)
         H, dev = self.hidden_size, self.device
-        expect("x", x, self.dtype, (None, H), "tokens x hidden_size", dev)
-        T = x.shape[0]
-        if T > self.max_num_tokens:
-            raise ValueError(f"x has {T} tokens, more than max_num_tokens={self.max_num_tokens}")
+        T = self._check_x(x)
         self._check_weights(w13, w2)
         router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
         self._check_routing(router_logits, topk_weights, topk_ids, T)
@@ -219,6 +220,14 @@ class MoE(Operator):
             else:
                 self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
         return no_backward("meld.MoE", grads, (out,))[0]
+
+    def _check_x(self, x: torch.Tensor) -> int:
+        """ValueError unless x is [T, hidden_size] of this layer's dtype and device with T <= max_num_tokens; T."""
+        expect("x", x, self.dtype, (None, self.hidden_size), "tokens x hidden_size", self.device)
+        T = x.shape[0]
+        if T > self.max_num_tokens:
+            raise ValueError(f"x has {T} tokens, more than max_num_tokens={self.max_num_tokens}")
+        return T
 
     def _check_routing(self, router_logits, topk_weights, topk_ids, T: int) -> None:
         """ValueError unless the routing is router_logits [T, E] (float32 or the activation dtype) or the pair

@@ -76,6 +76,7 @@ class PagedDecode(Operator):
         self._watchdog = None
         self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))   # the C helper's max page and error index
         self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
+        self._recorder = None   # MELD_RECORD's recorder, read by each plan() before it changes anything
 
     def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
         raise NotImplementedError
@@ -218,6 +219,12 @@ class PagedDecode(Operator):
         """
         if self._watchdog is not None:
             self._watchdog.check()
+        # The settings plan() acts on are read before it changes anything, so that a bad one (MELD_RECORD_EVERY=0,
+        # a MELD_DUMP_DIR that is a file) fails the plan() whole instead of after the tables were rewritten.
+        self._recorder = recorder()
+        dump = config.dump_dir()
+        if dump is not None:
+            config.made_dir("MELD_DUMP_DIR", dump)
         kv_indptr, kv_indices, kv_last_page_len = plain(kv_indptr), plain(kv_indices), plain(kv_last_page_len)
         expect("kv_indptr", kv_indptr, torch.int32, (None,), "B + 1 offsets", contiguous=True)
         B = kv_indptr.shape[0] - 1
@@ -240,13 +247,13 @@ class PagedDecode(Operator):
             self._plan_host(B, kv_indptr, kv_indices, kv_last_page_len)
         else:
             self._plan_device(B, kv_indptr, kv_indices, kv_last_page_len, check)
-        if config.dump_dir():
+        if dump is not None:
             config.dump(f"{self.graph.name}.schedule.json", self.schedule.to_json())
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
         """Install a validated plan (and grown buffers): the only place plan() changes the operator;
         and record the batch when MELD_RECORD samples it."""
-        rec = recorder()
+        rec = self._recorder   # (resolved when plan() started)
         if rec is not None and rec.due() and not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
                                                      for t in (planned.indptr, planned.last)):
             rec.record(self.graph.name, self.shape_bucket, kv_lens(_host(planned.indptr), _host(planned.last),

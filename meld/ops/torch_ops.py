@@ -39,7 +39,7 @@ from typing import TypeVar
 import torch
 
 from .base import Operator
-from .checks import expect, grad_inputs, no_backward
+from .checks import check_tensors, expect, grad_inputs, no_backward
 from .decode_attention import DecodeAttention
 from .moe import MoE
 
@@ -129,8 +129,7 @@ def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
     _required_out("moe", out)
     layer = lookup(handle, MoE)
     H, dt, dev = layer.hidden_size, layer.dtype, layer.device
-    expect("x", x, dt, (None, H), "tokens x hidden_size", dev)
-    T = x.shape[0]
+    T = layer._check_x(x)
     layer._check_weights(w13, w2, contiguous=False)
     layer._check_routing(router_logits, topk_weights, topk_ids, T)
     expect("out", out, dt, (T, H), "tokens x hidden_size", dev)
@@ -148,10 +147,13 @@ _moe_op = torch.ops.meld.moe.default
 def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """`attn.run(q, kv_cache, ...)` (same arguments and results) through torch.ops.meld.decode_attention."""
+    if not isinstance(attn, DecodeAttention):
+        raise ValueError(f"attn must be a meld.DecodeAttention, got {type(attn).__name__}")
     if return_lse is not True and return_lse is not False:
         raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-    if not isinstance(q, torch.Tensor):
-        raise ValueError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    check_tensors({"q": q, "kv_cache": kv_cache}, {"out": out, "lse": lse})
+    if q.dim() != 3:
+        expect("q", q, attn.dtype, (None, attn.num_qo_heads, attn.head_dim), "batch, num_qo_heads, head_dim")
     if out is None:
         out = torch.empty(q.shape, dtype=attn.dtype, device=q.device)
     if return_lse and lse is None:
@@ -164,8 +166,12 @@ def moe(layer: MoE, x: torch.Tensor, router_logits: torch.Tensor | None, w13: to
         topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
         out: torch.Tensor | None = None) -> torch.Tensor:
     """`layer(x, router_logits, w13, w2, ...)` (same arguments and result) through torch.ops.meld.moe."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(layer, MoE):
+        raise ValueError(f"layer must be a meld.MoE, got {type(layer).__name__}")
+    check_tensors({"x": x, "w13": w13, "w2": w2},
+                  {"router_logits": router_logits, "topk_weights": topk_weights, "topk_ids": topk_ids, "out": out})
+    if x.dim() != 2:
+        expect("x", x, layer.dtype, (None, layer.hidden_size), "tokens x hidden_size")
     if out is None:
         out = torch.empty(x.shape[0], layer.hidden_size, dtype=layer.dtype, device=x.device)
     _moe_op(x, router_logits, w13, w2, topk_weights, topk_ids, out, layer.handle)

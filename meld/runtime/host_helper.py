@@ -51,7 +51,7 @@ def _build(name: str, sources: list[str], lang: str = "c") -> ctypes.CDLL | None
     key = hashlib.sha256((src + version).encode()).hexdigest()[:16]
     out = config.cache_dir() / f"{name}_{key}.so"
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
+        config.made_dir("MELD_CACHE_DIR", out.parent)
         with tempfile.TemporaryDirectory(prefix="meld-cc-") as tmp:
             c, so = os.path.join(tmp, f"{name}.{'cpp' if lang == 'c++' else 'c'}"), os.path.join(tmp, "lib.so")
             with open(c, "w") as f:

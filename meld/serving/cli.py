@@ -74,7 +74,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--check-tol", type=_positive_float, default=CHECK_TOL,
                    help=f"largest relative L2 error of a step's logits (default {CHECK_TOL:g})")
     s.add_argument("--samples", type=_int_in(-1, 100000), default=16, help="steps whose attention is timed alone")
-    s.add_argument("--seed", type=int, default=1, help="trace seed (1: prompts are BENCH.md's skewed batch)")
+    s.add_argument("--seed", type=_int_in(-2 ** 63 - 1, 2 ** 64 - 2), default=1,   # seed and seed + 1 seed torch generators
+                   help="trace seed (1: prompts are BENCH.md's skewed batch)")
     s.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if a Hopper GPU is present)")
     s.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
     return s
