@@ -61,10 +61,10 @@ class DecodeKernelConfig:
     @staticmethod
     def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
                 batch_invariant: bool = False) -> "DecodeKernelConfig":
-        """Chosen by measurement on the H200 (bench/decode_sweep.py, bench/RESULTS.md): one CTA of eight
-        warps with two-stage rings per SM is best or within 1% at every batch size, and the fastest at
-        small batches. head_dim 256 (not swept) takes four warps and three stages to fit 227 KiB, which
-        leaves no room for the on-chip merge area: its split units merge through global memory.
+        """Chosen by bench/decode_sweep.py (bench/RESULTS.md, "kernel configs and cost models"): one CTA
+        of eight warps with two-stage rings per SM is the best, or close to it, at every batch size, and
+        the fastest at small batches. head_dim 256 (not swept) takes four warps and three stages to fit
+        227 KiB, which leaves no room for the on-chip merge area: its split units merge through global memory.
         `onchip_merge=True` adds it (for clusters of more than one CTA) where it fits. Groups of more
         than 8 q heads per kv head get 16-head units (head_dim 64 and 128; 256 has no room for their
         merge area), so a group of 16 reads its KV once instead of twice. Batch-invariant kernels merge

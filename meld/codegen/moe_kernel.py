@@ -68,8 +68,9 @@ class MoeKernelConfig:
     watchdog_ms: int = 2000      # a spin gives up after this long: record what it waited for, and trap
     debug_withhold_signal: bool = False   # debug build: row block 0's gemm1 tiles never signal (tests the watchdog)
     k_boxes: int = 1             # 64-wide K boxes per ring stage of narrow tiles (token blocks up to 32): 1 or 2
-                                 # (each weight row read in runs of 256 bytes; on the MoE layers' A/B it was
-                                 # mixed, 0.965-1.023: bench/RESULTS.md 2026-12-01, so 1 stays the default)
+                                 # (each weight row read in runs of 256 bytes; on the MoE layers' A/B it won
+                                 # some cases and lost others, so 1 stays the default: bench/RESULTS.md,
+                                 # "the combine's row loads in flight together")
     packed_weights: bool = False  # weights as meld.pack_moe_weights lays them out: one bulk copy per stage
     absent_pairs: bool = False   # a precomputed id outside the layer's experts (MoE first_expert..+num_experts)
                                  # is a pair another rank serves (expert parallelism): skipped, not an error;

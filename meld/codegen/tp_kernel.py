@@ -20,10 +20,11 @@ MAX_STAGES = 32
 
 def tp_block_tokens(num_tokens: int) -> int:
     """The smallest token block that holds `num_tokens` up to 64; 128 up to 256 rows; the widest beyond.
-    128-token blocks against 64-token ones (then two CTAs per SM, each weight box read once per block),
-    Llama-70B's o and down projections: faster on two H200s at 128 rows (7-8%), and on one GPU at 200 and
-    256 rows (up to 1.25x); on one GPU, slower only for the o projection at 96 and 128 rows (3-5%)
-    (bench/RESULTS.md, 2026-11-30, final session). `TpSchedule.of` halves it where that spares a K split."""
+    128-token blocks against 64-token ones (then two CTAs per SM, each weight box read once per block): a
+    wider block reads each weight box for more tokens, and on Llama-70B's o and down projections it was
+    faster on two H200s at 128 rows and on one GPU at 200 and 256, slower only for the o projection at 96
+    and 128 rows on one GPU (bench/RESULTS.md, "the last token block in bounds, 128-token blocks").
+    `TpSchedule.of` halves it where that spares a K split."""
     if num_tokens > 256:
         return TP_BLOCK_TOKENS[-1]
     if num_tokens > 64:
@@ -52,10 +53,10 @@ class TpSchedule:
         """The schedule of an M x N x K call: tp_block_tokens(m) (at most base.max_block_tokens), or, where that
         block's tiles are too few for the CTA slots and K would be split, a block half as wide (not below 64)
         whose tiles fill them unsplit.
-        A split doubles the partials that cross to the other ranks and adds a merge per tile. On one H200 (a
-        group of one rank), N = 4096: K 2048 took 0.75x as long at M = 96 and 128, 0.80-0.86x at 300 and 512;
-        K 7168 0.94-0.96x, but 1.07x at M = 300 (three token blocks: 192 tiles on 132 SMs) (bench/RESULTS.md,
-        2026-12-01, fourth session). Not yet measured on two GPUs."""
+        A split doubles the partials that cross to the other ranks and adds a merge per tile. On one GPU (a
+        group of one rank) the half-width block was faster at N = 4096 except where its tiles overflow one
+        wave (M = 300 at K 7168: three token blocks, 192 tiles on 132 SMs) (bench/RESULTS.md, "a token block
+        that would split K gives way to one half as wide"). Not yet measured on two GPUs."""
         cap = base.max_block_tokens or TP_BLOCK_TOKENS[-1]
         s = TpSchedule._cut(m, n, k, sm_count, base, min(tp_block_tokens(m), cap))
         if s.block_tokens > 64 and s.k_splits > 1:
@@ -67,10 +68,9 @@ class TpSchedule:
     @staticmethod
     def _cut(m: int, n: int, k: int, sm_count: int, base: "TpKernelConfig", bt: int) -> "TpSchedule":
         """The tiles of `bt`-token blocks: at 128 tokens (warpgroups automatic) two warpgroups' 128 columns where
-        they need no K split, else 64. A one-rank GEMM of 128 x 128 tiles against 128 x 64, GEMM only, on one
-        H200: llama70b o at M = 200 27.1 against 34.4 µs, down 81.5 against 108.5, llama8b o at M = 512 17.0
-        against 21.0 (each weight box feeds twice the columns per activation box: bench/RESULTS.md 2026-12-01,
-        fifth session)."""
+        they need no K split, else 64. Each activation box then feeds twice the weight columns, and a one-rank
+        GEMM of 128 x 128 tiles ran faster than of 128 x 64 (bench/RESULTS.md, "Figures moved from code
+        comments")."""
         if bt == 128 and base.warpgroups == 0:
             wide = TpSchedule._cut_for(m, n, k, sm_count, block_config(_two_warpgroups(base), bt))
             if wide.k_splits == 1:
@@ -139,17 +139,17 @@ class TpKernelConfig:
     block_tokens: int = 64
     k_boxes: int = 0          # 64-wide K boxes per ring stage: 1, 2 or 4 (each weight row read in runs of
                               # 128 k_boxes bytes), or 0: two for token blocks of at most 64 at one CTA per SM,
-                              # one otherwise (bench/RESULTS.md 2026-11-30, closing session)
+                              # one otherwise (bench/RESULTS.md, "two K boxes a stage, one CTA per SM")
     warpgroups: int = 0       # consumer warpgroups (64 weight rows each, sharing each stage's token box): 1, 2
                               # (one CTA per SM), or 0: two for 256-token blocks of one K box and for 128-token
                               # blocks whose 128-column tiles keep K whole (TpSchedule), one otherwise
     ctas_per_sm: int = 0      # 1: one CTA per SM with the deepest ring that fits; 2 (token blocks up to 64,
                               # whose accumulators fit 128 registers a thread): two, each with half the memory
-                              # (no direct path); 0: one (measured: bench/RESULTS.md 2026-11-30, closing session)
+                              # (no direct path); 0: one (bench/RESULTS.md, "two K boxes a stage, one CTA per SM")
     merge: str = "every_rank"   # "every_rank": every rank gets every partial and sums its own output (faster on
-                                # two H200s: bench/RESULTS.md 2026-11-30); "owner": a tile's last arriving partial
-                                # sums it at its owner rank and writes every rank's output (fewer bytes per rank
-                                # when the group is larger)
+                                # two H200s: bench/RESULTS.md, "owner against every-rank merges"); "owner": a
+                                # tile's last arriving partial sums it at its owner rank and writes every rank's
+                                # output (fewer bytes per rank when the group is larger)
     transport: str = "peer"   # "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy
                               # thread, the model of RDMA: meld/dist/proxy.py; needs merge="every_rank")
     partials: str = "bfloat16"   # how partial tiles travel between ranks and splits of K: "bfloat16" (half the
@@ -158,7 +158,7 @@ class TpKernelConfig:
     profile: bool = False     # record each CTA's GEMMs, sends, waits and merges (RowParallelLinear.last_trace)
     max_block_tokens: int = 0   # the widest token block a call takes (0: 256). Narrower tiles cost L2 traffic
                                 # but give a CTA more pieces, whose exchange overlaps its later GEMMs (one piece
-                                # a CTA exposes all of it: bench/RESULTS.md 2026-12-01, fourth session)
+                                # a CTA exposes all of it: bench/RESULTS.md, "the row-parallel linear on one GPU")
 
     def __post_init__(self) -> None:
         if self.block_tokens not in TP_BLOCK_TOKENS:
@@ -188,8 +188,8 @@ class TpKernelConfig:
     @property
     def ctas(self) -> int:
         """CTAs per SM, resolved: automatic (0) is one (the deepest ring streams a few tokens' weights fastest;
-        64-token blocks two to an SM, once faster on one GPU, took 1.2-1.4x as long on two H200s as one CTA
-        per SM with the direct path: bench/RESULTS.md 2026-11-30, closing session)."""
+        64-token blocks two to an SM, once faster on one GPU, were slower on two H200s than one CTA per SM
+        with the direct path: bench/RESULTS.md, "two K boxes a stage, one CTA per SM")."""
         return self.ctas_per_sm or 1
 
     @property
@@ -202,8 +202,8 @@ class TpKernelConfig:
     @property
     def boxes(self) -> int:
         """K boxes per ring stage, resolved: automatic (0) is two for token blocks of at most 64 at one CTA per
-        SM (the GEMM of a decode step ended 0.5-2.8 µs sooner on two H200s) and one otherwise (more stages
-        fit)."""
+        SM (a decode step's GEMM ends sooner: bench/RESULTS.md, "two K boxes a stage, one CTA per SM") and one
+        otherwise (more stages fit)."""
         return self.k_boxes or (2 if self.block_tokens <= 64 and self.ctas == 1 else 1)
 
     @property

@@ -27,9 +27,9 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 KV_LAYOUTS = ("NHD", "HND")
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
-# Measured on the H200 (bench/decode_ablation.py, bench/RESULTS.md): no cluster variant beats clusters of
-# one by more than 0.4 us below B = 64 or 0.3% above (none at all since the grids are PDL-ordered,
-# 280e7d9), and those with on-chip merges are 0.3-3 us slower at B <= 8.
+# No clusters: no cluster size or merge path beats clusters of one beyond the noise, and merging on chip
+# costs time at small batches (bench/decode_ablation.py; bench/RESULTS.md, "cluster sizes and merge paths",
+# and "Figures moved from code comments").
 DEFAULT_CLUSTER_SIZE = 1
 _DEFAULT_CAPACITY = (64, 4096)   # tables allocated before the first plan() when no capacity is given
 
@@ -81,8 +81,9 @@ class DecodeAttention(PagedDecode):
             persistent CTAs start and read their work tables while that kernel ends, and wait for it
             before reading q and the KV cache. The first run() after a plan() is launched plainly, since
             the plan's own kernel writes those tables. Off by default: inside a captured Llama decode
-            step at B <= 8 (bench/serve_layer.py) it changed attention's per-layer cost by -0.7 to
-            +1.1 µs over two runs: no gain (the kernel before it there, the KV append, is a tiny copy).
+            step (bench/serve_layer.py) the kernel before attention, the KV append, is a tiny copy that
+            leaves nothing to overlap, and the change stayed within the noise (bench/RESULTS.md, "the
+            decode loop end to end; attention inside a captured step; dependent-launch overlap").
         MELD_PROFILE=1 builds the kernel with per-task timestamps; `last_trace()` returns them, and
             every eager run() writes a Chrome/Perfetto trace to MELD_PROFILE_DIR.
 

@@ -28,9 +28,9 @@ from .moe_graph import moe_graph
 from .moe_weights import packed_shapes, unpack_moe_weights
 
 _PROFILE_CAP = 4096      # timed records per CTA in profiling builds
-# Rows a lone routing CTA copies itself rather than launch dispatch (templates/moe.cuh). One SM moves
-# ~35 GB/s: measured on the H200, copying in the routing CTA sped up deepseek-v3 T = 1 (115 KiB, 193.8 ->
-# 191.6 µs) and slowed qwen T = 16 (512 KiB, 209.6 -> 214.4 µs).
+# Rows a lone routing CTA copies itself rather than launch dispatch (templates/moe.cuh). One SM copies far
+# slower than a launch of many: below this size the lone routing CTA copying the rows beats launching
+# dispatch, above it the launch wins (bench/RESULTS.md, "Figures moved from code comments").
 _ROUTE_DISPATCH_BYTES = 128 * 1024
 
 

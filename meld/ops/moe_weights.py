@@ -9,10 +9,10 @@ boxes one ring stage of a tile needs lie next to each other:
     w2 packed  [E, ceil(I / 64), ceil(H / 64), 64, 64]:    (expert, K box, 64 rows of H)
 
 so a stage of a gemm1 tile (its columns' gate and up boxes) or of a gemm2 tile (its rows of H) is one run
-of bytes. Rows and K past the matrix are zeros. (A throwaway streaming test on the H200 moved qwen3 T = 1's
-50 MB of gemm1 weights on 96 CTAs in 15.0 µs as contiguous bulk copies against 16.5 µs as 2-D boxes:
-bench/RESULTS.md 2026-12-01 night.) Pack once, when the weights are loaded; the packed tensors are ordinary
-tensors (CUDA graphs, torch.compile and the custom op take them as they take w13 and w2).
+of bytes. Rows and K past the matrix are zeros. (Contiguous bulk copies stream the same weights faster than
+2-D boxes: bench/RESULTS.md, "What a T = 1 layer's bytes cost to stream".) Pack once, when the weights are
+loaded; the packed tensors are ordinary tensors (CUDA graphs, torch.compile and the custom op take them as
+they take w13 and w2).
 """
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> Non
     def autograd(keyset, *args):
         grads = grad_inputs(*args)
         if grads is None and type(args[0]) is torch.Tensor:   # eager, nothing to tie: the kernel itself (a
-            return impl(*args)                                # redispatch costs ~5 us of host time a call)
+            return impl(*args)                                # redispatch adds host time to every call)
         with torch._C._AutoDispatchBelowAutograd():
             op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
         no_backward(f"torch.ops.meld.{name}", grads, tuple(args[i] for i in written if args[i] is not None))

@@ -3,15 +3,15 @@
 Decode attention is bound by reading the KV cache, so a CTA's time is close to the bytes it reads over
 its share of bandwidth. Each item (every piece of a split unit too) also pays a fixed cost (loading q,
 the end-of-item merge of the warps, writing a partial), expressed here in KV tokens so the planner can
-cut one line of cost into equal segments. On the H200, per-SM traces (bench/decode_trace.py) put it at
-1.5-2 µs per piece, about 100-140 tokens at the per-SM streaming rate; bench/decode_sweep.py chose 128
-(8-head units; 16-head units merge twice the state and take 192, see `DecodeCost.default`).
+cut one line of cost into equal segments. Per-SM traces (bench/decode_trace.py) put it at about a hundred
+tokens' streaming time per piece, and bench/decode_sweep.py chose 128 (bench/RESULTS.md, "why the per-piece
+cost model"; 8-head units; 16-head units merge twice the state and take 192, see `DecodeCost.default`).
 
 Cuts inside a unit land on tile boundaries. Where segments are short (a few tiles per warp, as at
 B = 1), they land on whole rounds of the CTA's warps instead (8 warps x 16-token tiles = 128 tokens):
 every warp then gets the same number of tiles, and none idles through a partial last round before the
-piece's end-of-unit barrier (bench/RESULTS.md: 0.3-1.0 µs faster at B = 1; round cuts everywhere were
-no faster at B = 8, so longer segments keep tile cuts).
+piece's end-of-unit barrier (bench/RESULTS.md, "short segments cut on whole warp rounds": faster at B = 1;
+longer segments gain nothing from round cuts, so they keep tile cuts).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class DecodeCost:
 
     @staticmethod
     def default(heads_per_unit: int = 8) -> "DecodeCost":
-        """The model for the kernel's unit size, as measured on the H200 (bench/RESULTS.md): 16-head units
-        merge twice the warp state at each unit's end, and an overhead of 192 tokens balanced them best
-        (4% faster than 128 at B = 64 skewed, group 16)."""
+        """The model for the kernel's unit size: 16-head units merge twice the warp state at each unit's
+        end, so their pieces cost more, and an overhead of 192 tokens balanced them best (bench/RESULTS.md,
+        "item overhead for 16-head units")."""
         return DecodeCost(item_overhead_tokens=192) if heads_per_unit == 16 else DecodeCost()

@@ -125,11 +125,11 @@ class RoutingTape:
 
     Two attention backends differ in the last bits of their outputs; where a token's router logits hold a
     near-tie at the top-k boundary that flips its experts, and its logits end far from the other run's
-    however right both backends are. Measured on the H200 against SDPA with torch's MoE: on the tiny
-    Qwen3-MoE (8 experts, top 2) one token in 152 rows flipped (row error 0.39); on the full-size one (128
-    experts, top 8) meld and FlashInfer both agreed on only 96% of the argmaxes. A check that replays the
-    reference run's routing compares the attention backends alone: the replaying run takes the recorded
-    experts of each call, weighted by the softmax of its own router logits.
+    however right both backends are: against SDPA with torch's MoE, logits compared directly failed for
+    meld and FlashInfer alike, from a few such flips (bench/RESULTS.md, "Checking an MoE model across
+    backends", and "Figures moved from code comments"). A check that replays the reference run's routing
+    compares the attention backends alone: the replaying run takes the recorded experts of each call,
+    weighted by the softmax of its own router logits.
     """
 
     def __init__(self, top_k: int, renormalize: bool = True):

@@ -12,10 +12,9 @@ by robust regression (Huber weights, iteratively reweighted least squares: a CTA
 model cannot see, a preemption or a cold TLB, must not drag the fit), where `merges` counts the merges the
 CTA ran as the last arriver, `speed` is an optional factor per SM, and the `mix_*` terms (optional) weigh
 the launch's mean work per CTA: the CTAs share the GPU's memory bandwidth, so a CTA streams faster when
-the others spend more of their time in per-item work (bench/RESULTS.md 2026-11-30: a CTA streaming one
-long piece among CTAs of ~22 short items each ran at 13.8 ns per token, at 14.7-15.0 where every CTA
-streams). `today()` is the shipped model with
-only its time scale fitted, so the two can be compared on the same samples: `errors()` gives
+the others spend more of their time in per-item work (bench/RESULTS.md, "the first launch after a free,
+and the cost model on launches that do not follow one"). `today()` is the shipped model with only its
+time scale fitted, so the two can be compared on the same samples: `errors()` gives
 |predicted - measured| / measured per CTA.
 
     samples = concat([cta_samples(schedule, trace, launch=i) for i, (schedule, trace) in enumerate(runs)])

@@ -287,8 +287,8 @@ __device__ __forceinline__ unsigned long long ll_load(const unsigned long long* 
   return v;
 }
 // The data of words a[off[u]] for the u in `pending` (a bit each), once each carries `tag`: every pending
-// word's load in flight at once, round after round (a word at a time cost a round trip each: ~1 µs a word
-// at 64 rows, measured), under the watchdog.
+// word's load in flight at once, round after round (a word at a time cost a round trip each: bench/RESULTS.md,
+// "the direct path waits for a tile's words a round at a time"), under the watchdog.
 template <int N>
 __device__ __forceinline__ void ll_wait(const unsigned long long* a, const int (&off)[N], unsigned pending, u32 tag,
                                         u32 (&d)[N], const WaitSite& s, i64 limit_ns) {

@@ -513,9 +513,9 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // The last arriver merges the unit's partials (k = 0: the piece that ends CTA first_cta's segment;
 // k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The merge sits on the
 // kernel's tail, so each thread merges four outputs of one head on its own (split_kv.cuh, merge_lse4: no
-// shared memory, no barrier). Chunk sizes as measured on the H200 (bench/RESULTS.md): 16 parts (a unit over
-// the 132 SMs has ~17) for head_dim 128; 8 elsewhere, since 16 made the head_dim-64 kernel 12-13% slower
-// throughout (its registers went from 105 to 136).
+// shared memory, no barrier). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8
+// elsewhere, since 16 cost the head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md,
+// "one-round-trip merges").
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
 // `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4.
 template <class Load>

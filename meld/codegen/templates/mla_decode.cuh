@@ -323,8 +323,8 @@ __device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float s
 // Warpgroup 1: scores, online softmax and P, O's channels 0-255; then the unit's end with warpgroup 2. Once
 // block j's P is published, its P.V and block j + 1's scores go to the tensor cores together, the P.V first:
 // with two stages, the stage of block j must go back as soon as it can, since block j + 2 loads into it
-// (scores first left the load of each block exposed: 0.5-1.3 µs of every block waited for its stage, stamps
-// on the H200).
+// (scores first left the load of each block exposed, waiting for its stage: bench/RESULTS.md, "MLA decode
+// attention", and "Figures moved from code comments").
 __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b,
                           Profiler& prof) {
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;

@@ -77,7 +77,7 @@ __device__ __forceinline__ float key_value(u32 k) {
 }
 // A warp's keys are lane-major: lane l's `slots` keys (meld/codegen/moe_kernel.py: route_smem_bytes) hold
 // experts l, l + 32, ... (key 0 past E), so a lane scans its experts four to a 16-byte load, with no loop
-// over E (clock64 stamps at E = 128: a round of the top-k took ~530 cycles with a strided loop, ~415 so).
+// over E, which shortens each round of the top-k (bench/RESULTS.md, "the small-batch routing launch").
 __device__ __forceinline__ int route_slots(int E) { return ((E + 31) / 32 + 3) & ~3; }
 
 // This lane's best remaining expert other than `skip` from its slots `mine`: (key, expert); key 0 and
@@ -308,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       int my_id = -1;
       for (int j = 0; j < K; ++j) {
         // Two warp reductions: the best key, then the smallest expert holding it (one butterfly of shuffles
-        // over (key, expert complement) instead measured slower: ~525 cycles a round against ~415).
+        // over (key, expert complement) was slower: bench/RESULTS.md, "the small-batch routing launch").
         const u32 top = __reduce_max_sync(~0u, lane_key);   // > 0: K <= E leaves an expert untaken
         const int bi = (int)__reduce_min_sync(~0u, lane_key == top ? (u32)lane_expert : 0xFFFFFFFFu);
         if (bi % 32 == lane) {
@@ -377,7 +377,8 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
       }
       __syncthreads();   // placed
       // One (pair, chunk of the row) per warp at a time, so all the copies of a few rows are in flight at once
-      // (one warp copying a 14 KB row's chunks one after another took 4-5 µs, bench/RESULTS.md 2026-12-01).
+      // (one warp copying a row's chunks one after another left the copies in series: bench/RESULTS.md,
+      // "Inside the routing launch").
       // A lone token (x_direct) is read from x by the gemm1 tiles themselves: nothing to copy.
       const int vecs = p.hidden / 8, chunks = p.x_direct ? 0 : (vecs + SCATTER_CHUNK - 1) / SCATTER_CHUNK;
       uint4 row[SCATTER_VECS];
@@ -567,10 +568,10 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + 
 // stores cannot leave the registers 16 bytes at a time. Wide tiles: stmatrix writes them transposed into
 // the warp's `stage` (BLOCK_TOKENS rows of 32 bytes: a token's 16 columns; the two 16-byte halves swap on
 // every other group of four rows, so the eight rows of a matrix hit distinct banks), and each token's 16
-// columns leave as two 16-byte stores, one 32-byte sector (deepseek-v3 T = 8192 took 2.5-4.9% less time
-// than with 2-byte stores from the registers: bench/RESULTS.md 2026-12-01). Narrow tiles (a few tokens, on
-// the critical path of a decode step) store 2 bytes at a time straight from the registers: through the
-// stage, T = 1 took 1-2% longer.
+// columns leave as two 16-byte stores, one 32-byte sector, which large batches write faster than 2-byte
+// stores from the registers. Narrow tiles (a few tokens, on the critical path of a decode step) store 2
+// bytes at a time straight from the registers: the trip through the stage costs them more than it saves
+// (bench/RESULTS.md, "tile outputs leave 16 bytes a store").
 // `v`: the accumulator's registers packed in pairs (pack_acc), which halves the registers an epilogue holds.
 __device__ __forceinline__ void pack_acc(const float (&a)[ACC], u32 (&v)[ACC / 2]) {
 #pragma unroll
@@ -652,8 +653,9 @@ __device__ void combine(const MoeParams& p, int t, int h0, int lane) {
 // A finished gemm1 tile is handed to the epilogue warp through a two-slot mailbox (mbarriers: `full` when
 // every consumer thread has stored its part and arrived, `empty` when the epilogue warp is done with the
 // slot), which makes the stores visible at gpu scope and signals the row block, while the consumers go on:
-// the fence after a tile's stores measured 1-2.6 µs. (gemm2 tiles keep their fence: their combines read
-// what it publishes, and moved to the epilogue warps they ran slower than the tensor cores.)
+// they no longer wait out the gpu-scope fence after each tile's stores (bench/RESULTS.md, "the gemm1
+// epilogue"). (gemm2 tiles keep their fence: their combines read what it publishes, and moved to the
+// epilogue warps they ran slower than the tensor cores.)
 struct Mailbox {
   u32 full, empty;   // two mbarriers each (8 bytes apart)
   int* box;          // [2][2]: kind (0: a gemm1 tile; -1: no more tiles), row block

@@ -86,10 +86,9 @@ __device__ __forceinline__ Piece tp_piece(const TpParams& p, int t) {
 }
 
 // The last token block, when M is not a multiple of BLOCK_TOKENS, is loaded with boxes of its M % BLOCK_TOKENS
-// rows (p.x_tail_map) rather than full boxes that run past the input: TMA boxes with out-of-bounds rows
-// made a call up to 1.7x slower (o projection, M = 200, one GPU: 75.3 µs, 50.1 µs with the rows in bounds;
-// measured). The stage's rows past the block keep stale bytes: they feed only accumulators of tokens >= M,
-// which no merge reads and no store writes.
+// rows (p.x_tail_map) rather than full boxes that run past the input: TMA boxes with out-of-bounds rows are
+// slow (bench/RESULTS.md, "the last token block in bounds"). The stage's rows past the block keep stale
+// bytes: they feed only accumulators of tokens >= M, which no merge reads and no store writes.
 __device__ void tp_produce(const TpParams& p, Ring ring) {
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
     const Piece x = tp_piece(p, t);
@@ -139,8 +138,8 @@ __device__ __forceinline__ float4 part_load4(const Part* s) { return ld_cg4(s); 
 #endif
 // Shared memory for staging: every-rank merges stage partials there chunk by chunk, as they travel, in
 // STAGE_CHUNKS buffers (at 256-token blocks half a tile: 32 KB that the ring gets as a fourth stage, which
-// streamed a one-rank llama70b-o M = 512 GEMM 1.12x as fast: bench/RESULTS.md 2026-12-01, fifth session);
-// owner merges the tile's bf16 sum.
+// streams the weights faster: bench/RESULTS.md, "Figures moved from code comments"); owner merges the
+// tile's bf16 sum.
 constexpr int STAGED_BYTES = TP_EVERY ? STAGE_CHUNKS * CHUNK_ELEMS * (int)sizeof(Part) : TILE_ELEMS * 2;
 
 // Owner merges' partial tile in memory: consumer thread ct's accumulators i .. i + 3 at element i CONSUMERS + 4 ct, so
@@ -287,7 +286,7 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* team)
 //   sender to have read the chunk there before);
 // - the sender (warp 1) copies each chunk with a TMA bulk store into this rank's window and stamps it on
 //   every rank (tp_send). Over peer memory the other ranks read it there (storing it into their windows
-//   instead cost the GEMM of the next pieces up to 20 µs each and was 3-4% slower overall: bench/RESULTS.md);
+//   instead slowed the GEMM of the next pieces and the call overall: bench/RESULTS.md);
 //   the proxy puts it into theirs. A rank rewrites its window's partials only once every rank has started
 //   the launch, so every read of the launch before has finished;
 // - merge teams (warps 2 and 3 from the start; the consumer warpgroups between pieces when a chunk is
@@ -466,7 +465,8 @@ struct Claim {
 // them and never past their chunk. Chunk q of a tile is merged by the CTA that computed its split
 // q % k_splits (a tile split over K is merged by all of its pieces' CTAs, not by the first alone); teams
 // share a CTA's chunks, so the last tile's merge is spread over every team instead of left to the slowest
-// (a 64-thread team merging a 64-row chunk alone took 5-8 µs after the GEMM, the consumers ~2 µs: measured).
+// (a 64-thread team merging a chunk alone takes several times as long as the consumers: bench/RESULTS.md,
+// "Figures moved from code comments").
 struct MergeClaims {
   const TpParams& p;
   XWindows w;
@@ -574,9 +574,10 @@ __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, 
 
 // Direct merges (p.direct: RowParallelLinear sets it at decode sizes — every CTA one piece, token blocks of
 // at most LL_MAX_TOKENS (MELD_TP_DIRECT: compiled for those only), over peer memory). The general path
-// spent ~7 µs of a one-GPU call after the GEMM at M = 1 (bulk copy, fences, stamp, claim, merge: measured),
-// and its machinery has nothing to overlap when a CTA has one piece. Here the partial travels as
-// low-latency words (common.cuh: ll_put): 4 bytes of it and the launch's tag in each 8-byte store, into slot
+// spends a large share of a small call after the GEMM (bulk copy, fences, stamp, claim, merge:
+// bench/RESULTS.md, "Where the time goes" under "the last token block in bounds"), and its machinery has
+// nothing to overlap when a CTA has one piece. Here the partial travels as low-latency words (common.cuh:
+// ll_put): 4 bytes of it and the launch's tag in each 8-byte store, into slot
 // [launch parity][this rank][CTA] of every other rank's window (and of this rank's when K is split, for the
 // tile's other CTAs): no fence, no stamp, no wait for the other ranks to start. The k_splits CTAs of a tile each sum a share of its words (word i: split
 // i % k_splits) in (rank, split) order once every part's word carries the tag — the sums of the general
@@ -590,9 +591,9 @@ __device__ __forceinline__ void tp_merge_team(const TpParams& p, int i, int nt, 
 // serialises the wgmma pipeline.)
 constexpr int LL_WORDS = TILE_ELEMS * (int)sizeof(Part) / 4;    // words of a partial tile
 constexpr int LL_PER_THREAD = (LL_WORDS + CONSUMERS - 1) / CONSUMERS;
-// Words waited for at once: four, the groups one after another in a loop kept rolled. Sixteen, unrolled, took
-// 214 registers at 64-token blocks, and the CTA's exchange and sum 1.3-2.4 µs longer on one GPU (llama8b-o
-// M = 64 and 128, llama70b-o M = 64: bench/RESULTS.md 2026-12-01, fourth session).
+// Words waited for at once: four, the groups one after another in a loop kept rolled. Sixteen, unrolled, held
+// over 200 registers at 64-token blocks and made the CTA's exchange and sum slower (bench/RESULTS.md, "the
+// direct path waits for its words four at a time").
 constexpr int LL_GROUP = LL_PER_THREAD < 4 ? LL_PER_THREAD : 4;
 static_assert(LL_PER_THREAD % LL_GROUP == 0, "whole groups of words");
 
