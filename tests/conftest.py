@@ -1,6 +1,9 @@
 """Test setup: fixed seeds, the `gpu` marker (skipped with a reason where no Hopper GPU is present),
-and the `perf` marker (off unless asked for with `-m perf`)."""
+the `perf` marker (off unless asked for with `-m perf`), and one compile cache for the run."""
+import os
 import random
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -14,6 +17,29 @@ def _gpu_reason() -> str | None:
     if major < 9:
         return f"GPU is sm_{major}{minor}; meld's kernels need sm_90 or newer"
     return None
+
+
+_made_cache_dir: str | None = None
+
+
+def pytest_configure(config):
+    """Kernels compile into one cache for the run (MELD_CACHE_DIR, unless it is set already): pytest's own
+    cache folder (.pytest_cache/d/meld, git-ignored; `--cache-clear` empties it), so a rerun compiles only
+    what changed, or a temporary folder removed at the end where the cache plugin is off. Not the user's
+    ~/.cache/meld, which runs of other checkouts share. Set before any worker or child process starts,
+    which inherit it, so all of them share the cache (its entries are written atomically)."""
+    global _made_cache_dir
+    if "MELD_CACHE_DIR" in os.environ:
+        return
+    if getattr(config, "cache", None) is not None:
+        os.environ["MELD_CACHE_DIR"] = str(config.cache.mkdir("meld"))
+    else:
+        os.environ["MELD_CACHE_DIR"] = _made_cache_dir = tempfile.mkdtemp(prefix="meld-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if _made_cache_dir is not None:
+        shutil.rmtree(_made_cache_dir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
