@@ -1,5 +1,6 @@
 """Test setup: fixed seeds, the `gpu` marker (skipped with a reason where no Hopper GPU is present),
-the `perf` marker (off unless asked for with `-m perf`), and one compile cache for the run."""
+the `perf` and `full_matrix` markers (off unless asked for with `-m perf`, `-m full_matrix`), and one
+compile cache for the run."""
 import os
 import random
 import shutil
@@ -45,11 +46,14 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_reason()
     perf_asked = "perf" in (config.getoption("-m") or "")
+    full_asked = "full_matrix" in (config.getoption("-m") or "")
     for item in items:
         if reason and "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
         if "perf" in item.keywords and not perf_asked:
             item.add_marker(pytest.mark.skip(reason="performance test: run with -m perf"))
+        if "full_matrix" in item.keywords and not full_asked:
+            item.add_marker(pytest.mark.skip(reason="a case the pairwise default leaves out: run with -m full_matrix"))
 
 
 @pytest.fixture(autouse=True)

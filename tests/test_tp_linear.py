@@ -10,15 +10,20 @@ import torch
 from meld.codegen.tp_kernel import (TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, call_configs,
                                     tp_block_tokens)
 from meld.dist.tp_linear import _window_layout
-from tests.kernel_matrix import nvcc
+from tests.kernel_matrix import nvcc, pairwise
 
 
-@pytest.mark.parametrize("bt", TP_BLOCK_TOKENS)
-@pytest.mark.parametrize("k_boxes, ctas, merge, transport, partials, wgs", [
-    (1, 0, "owner", "peer", "bfloat16", 0), (2, 1, "owner", "peer", "bfloat16", 0), (1, 2, "owner", "peer", "float32", 0),
-    (0, 0, "every_rank", "peer", "bfloat16", 0), (1, 0, "every_rank", "proxy", "bfloat16", 0),
-    (1, 0, "every_rank", "proxy", "float32", 0), (1, 1, "owner", "peer", "bfloat16", 2),
-    (0, 0, "every_rank", "peer", "bfloat16", 2)])
+VARIANTS = [(1, 0, "owner", "peer", "bfloat16", 0), (2, 1, "owner", "peer", "bfloat16", 0),
+            (1, 2, "owner", "peer", "float32", 0), (0, 0, "every_rank", "peer", "bfloat16", 0),
+            (1, 0, "every_rank", "proxy", "bfloat16", 0), (1, 0, "every_rank", "proxy", "float32", 0),
+            (1, 1, "owner", "peer", "bfloat16", 2), (0, 0, "every_rank", "peer", "bfloat16", 2)]
+DEFAULT = (0, 0, "every_rank", "peer", "bfloat16", 0)   # TpKernelConfig()'s
+
+
+# Every token block with every variant is 48 compiles: by default the default build at every block and
+# every pair of values (block and variant fields) at least once, 31 of them; -m full_matrix the other 17.
+@pytest.mark.parametrize("bt, k_boxes, ctas, merge, transport, partials, wgs",
+                         pairwise([(bt, *v) for bt in TP_BLOCK_TOKENS for v in VARIANTS], keep=lambda c: c[1:] == DEFAULT))
 def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials, wgs):
     cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas, merge=merge, transport=transport,
                                       partials=partials, warpgroups=wgs), bt)
