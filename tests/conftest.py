@@ -20,6 +20,14 @@ def _gpu_reason() -> str | None:
     return None
 
 
+# One thread for torch's CPU ops. With its default (one per core) every op on a tiny tensor is an OpenMP
+# region that waits for all of its threads, and on a busy machine (CI's two cores, two test workers, or
+# anything else running) each wait is a scheduler time slice: 3000 one-token requests' float64 reference
+# took 19 s beside one busy process, against 1 s on one thread. The tests' tensors are small; the
+# results do not depend on it (every comparison is to a float64 reference, or bit for bit between meld's
+# own runs in one process).
+torch.set_num_threads(1)
+
 _made_cache_dir: str | None = None
 
 
