@@ -72,7 +72,8 @@ def test_a_fetch_add_lands_behind_the_puts_before_it(ordered):
         assert tr.fetch_add(0, 1, "n", 2, 1) == 5
         tr.quiet(0)
         assert np.array_equal(w[1], w[0]) and np.array_equal(w[1][3], np.arange(30, 40))   # w[0]: the staging
-        assert all(v == 1 for v in tr.landed_elements.values()) and len(tr.landed_elements) == 40
+        landed = tr.landed()
+        assert landed["w"].max() == 1 and np.count_nonzero(landed["w"]) == 40 and not landed["n"].any()
         assert tr.rings[0].tail == tr.rings[0].head == 9 and tr.rings[1].tail == 0   # 4 puts, 5 adds; the ring wrapped
     finally:
         tr.close()
@@ -107,9 +108,9 @@ def test_seq_parallel_equals_single_rank_under_any_landing_order(world, ordered)
                                                                         ref_lse[ref_lse > -np.inf], atol=1e-12)
         counts = [int(tr.get(0, int(plan.owner[b]), "attn.count", b)) for b in range(len(LENS))]
         assert counts == plan.num_parts.tolist()                             # every part counted once
-        assert all(v == 1 for v in tr.landed_elements.values())              # nothing landed twice
+        assert all(c.max() <= 1 for c in tr.landed().values())               # nothing landed twice
         most = int(plan.num_parts.max())
-        landed = {(k[0], k[2]) for k in tr.landed_elements if k[1] == "attn.parts"}
+        landed = set(zip(*map(np.ndarray.tolist, np.nonzero(tr.landed()["attn.parts"]))))
         want = {(int(plan.owner[b]), (b * most + p) * HQ * (D + 1) + e)      # every partial whole at its owner
                 for b, p in zip(plan.req.tolist(), plan.part.tolist()) for e in range(HQ * (D + 1))}
         assert landed == want
@@ -209,18 +210,18 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
             assert np.array_equal(y, want), f"rank {r}, seed {seed}: differs from the single-rank sum"
             np.testing.assert_allclose(y, exact, rtol=1e-10, atol=1e-10)
         parts = world * sched.k_splits
-        assert all(v == 1 for v in tr.landed_elements.values())
-        landed = {e for e in tr.landed_elements if e[1] == "y.parts"}
+        counts = tr.landed()
+        assert all(c.max() <= 1 for c in counts.values())
+        landed = np.count_nonzero(counts["y.ll" if merge == "direct" else "y.parts"])
         if merge == "owner":
             assert [int(tr.get(0, o % world, "y.count", o)) for o in range(sched.out_tiles)] == [parts] * sched.out_tiles
-            assert len(landed) == sched.out_tiles * parts * sched.block_tokens * sched.cols
+            assert landed == sched.out_tiles * parts * sched.block_tokens * sched.cols
         elif merge == "direct":   # every piece's partial in every rank's window, in both launches' slots
-            landed = {e for e in tr.landed_elements if e[1] == "y.ll"}
-            assert len(landed) == 2 * sched.pieces * world * world * sched.block_tokens * sched.cols
+            assert landed == 2 * sched.pieces * world * world * sched.block_tokens * sched.cols
             assert all((tr.get(r, r, "y.ll", (launch % 2,))["tag"] == launch).all()
                        for r in range(world) for launch in (1, 2))
         else:   # every partial on every rank; each CTA's stamp on every rank counts its chunks
-            assert len(landed) == sched.out_tiles * parts * world * sched.block_tokens * sched.cols
+            assert landed == sched.out_tiles * parts * world * sched.block_tokens * sched.cols
             G = max(1, (sched.pieces + 2) // 3)
             sent = [len(range(c, sched.pieces, G)) * sched.merge_chunks[1] for c in range(G)]
             assert all([int(tr.get(r, r, "y.stamp", (s, c))) for c in range(G)] == sent
@@ -330,7 +331,8 @@ def test_expert_parallel_moe_equals_single_rank_under_any_landing_order(world, o
         for name in ("ep.sent", "ep.back"):
             counts = np.array([[int(tr.get(0, r, name, s)) for s in range(world)] for r in range(world)])
             assert np.array_equal(counts, 1 - np.eye(world, dtype=np.int64)), (name, counts)
-        assert tr.landed_elements and all(v == 1 for v in tr.landed_elements.values())
+        counts = tr.landed()
+        assert any(c.any() for c in counts.values()) and all(c.max() <= 1 for c in counts.values())
 
 
 def test_expert_parallel_moe_catches_a_count_that_overtakes_its_rows():

@@ -20,9 +20,9 @@ models inter-node RDMA, where a GPU kernel writes the records into pinned memory
 it with ranks as threads of one process, copies between NumPy windows, random delays, and landing order
 either in issue order per (src, dst) pair (`ordered`, as reliable connections deliver) or shuffled (as
 SRD-like transports deliver). `fence=False` lets a fetch-add overtake the puts before it: a broken
-transport, for the test that must catch one. It counts every element each put lands, so a test can
-check that nothing was lost or written twice. Every wait gives up after `timeout` seconds with an error
-that names the operation (the emulation's watchdog).
+transport, for the test that must catch one. It counts every element each put lands (`landed()`), so a
+test can check that nothing was lost or written twice. Every wait gives up after `timeout` seconds with an
+error that names the operation (the emulation's watchdog).
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ class EmulatedTransport:
         self._unlanded: Counter = Counter()          # per src: issued, not landed yet
         self._tickets: dict[tuple[int, int], _Ticket] = {}
         self._next_ticket: Counter = Counter()
-        self.landed_elements: Counter = Counter()    # (dst, window name, flat element) -> times a put landed it
+        self._landed: list[list[np.ndarray]] = []    # [window][dst]: times a put landed each flat element
         self._cv = threading.Condition()             # the doorbell, and the lock of everything above
         self._closed = False
         self._proxy = threading.Thread(target=self._run_proxy, name="meld-emulated-proxy", daemon=True)
@@ -167,7 +167,13 @@ class EmulatedTransport:
                 raise ValueError(f"window {name!r} exists already")
             self._names.append(name)
             self._windows.append([np.full(shape, fill, dtype=dtype) for _ in range(self.world)])
+            self._landed.append([np.zeros(self._windows[-1][0].size, dtype=np.int64) for _ in range(self.world)])
             return self._windows[-1]
+
+    def landed(self) -> dict[str, np.ndarray]:
+        """Every window's count of puts landed on each element: name -> [dst rank, flat element] (a copy)."""
+        with self._cv:
+            return {name: np.stack(counts) for name, counts in zip(self._names, self._landed)}
 
     def _at(self, window: str, rank: int, index) -> tuple[int, np.ndarray, int]:
         """(window id, rank's window[index] as a view, its first flat element)."""
@@ -276,6 +282,5 @@ class EmulatedTransport:
             t.old = old
             return t
         dst[op.start:op.start + op.count] = self._windows[op.window][op.src].reshape(-1)[op.start:op.start + op.count]
-        for e in range(op.start, op.start + op.count):
-            self.landed_elements[(op.dst, self._names[op.window], e)] += 1
+        self._landed[op.window][op.dst][op.start:op.start + op.count] += 1
         return None
