@@ -9,11 +9,17 @@ import torch
 
 from meld.dist import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, seq_parallel_decode,
                        shard_batch)
+from meld.dist.transport import FakeClock
 from meld.runtime.reference import attention_reference, merge_partials
 from meld.workloads import paged
 
 P, HQ, HKV, D = 4, 4, 2, 64
 LENS = [0, 5, 50, 130, 7, 64, 1, 33]
+
+
+def _transport(world, **kw):
+    """An emulated transport whose random delays cost no wall-clock time (the landing order stays random)."""
+    return EmulatedTransport(world, clock=FakeClock(), **kw)
 
 
 def _inputs(lens, seed=0):
@@ -61,7 +67,7 @@ def test_shard_plans_cover_every_request_and_split_the_long_ones():
 def test_a_fetch_add_lands_behind_the_puts_before_it(ordered):
     """Puts staged in the sender's own window travel as 3-element chunks through its command ring; each
     fetch-add finds the row before it whole, in either landing order."""
-    tr = EmulatedTransport(2, ordered=ordered, seed=3, max_delay=1e-5, chunk=3, ring_capacity=4)
+    tr = _transport(2, ordered=ordered, seed=3, max_delay=1e-5, chunk=3, ring_capacity=4)
     try:
         w = tr.window("w", (4, 10), np.float64, np.nan)
         tr.window("n", (4,), np.int64, 0)
@@ -80,7 +86,7 @@ def test_a_fetch_add_lands_behind_the_puts_before_it(ordered):
 
 
 def test_a_stuck_operation_names_itself():
-    tr = EmulatedTransport(2, timeout=0.2)
+    tr = _transport(2, timeout=0.2)
     tr.window("n", (1,), np.int64, 0)
     tr.close()   # no proxy: nothing lands
     with pytest.raises(TimeoutError, match=r"rank 1: fetch_add on rank 0's n\[0\] did not land in 0.2 s"):
@@ -98,7 +104,7 @@ def test_seq_parallel_equals_single_rank_under_any_landing_order(world, ordered)
     want_o, want_lse = _single_rank(plan, t, q, kv)
     ref_o, ref_lse = attention_reference(q, kv, t.kv_indptr, t.kv_indices, t.kv_last_page_len)
     for seed in range(3):
-        tr = EmulatedTransport(world, ordered=ordered, seed=seed, max_delay=2e-5, chunk=64)
+        tr = _transport(world, ordered=ordered, seed=seed, max_delay=2e-5, chunk=64)
         try:
             out, lse = seq_parallel_decode(plan, tr, q, kv, t.kv_indptr, t.kv_indices)
         finally:
@@ -124,7 +130,7 @@ def test_a_count_that_overtakes_its_data_is_caught():
     want_o, _ = _single_rank(plan, t, q, kv)
     caught = 0
     for seed in range(8):   # caught in 28 of 30 runs measured; 4 of 8 leaves about a 1-in-16000 chance of a false alarm
-        tr = EmulatedTransport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=16, fence=False)
+        tr = _transport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=16, fence=False)
         try:
             out, _ = seq_parallel_decode(plan, tr, q, kv, t.kv_indptr, t.kv_indices)
         finally:
@@ -201,7 +207,7 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
     want = single_rank_reference(xs_last, ws, sched)
     exact = sum(x @ w.T for x, w in zip(xs_last, ws))
     for seed in range(2):
-        tr = EmulatedTransport(world, ordered=ordered, seed=seed, max_delay=1e-5, chunk=500)
+        tr = _transport(world, ordered=ordered, seed=seed, max_delay=1e-5, chunk=500)
         try:
             ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge=merge, launches=launches)
         finally:
@@ -245,7 +251,7 @@ def test_direct_path_ranks_a_launch_apart_read_only_their_launch(world, m, n, k,
     xs, ws, sched = _tp_case(world, m, n, k, sm_count, seed=7)
     want = single_rank_reference([x * 5 for x in xs], ws, sched)
     for seed in range(3):
-        tr = EmulatedTransport(world, ordered=False, seed=seed, max_delay=2e-5, chunk=64)
+        tr = _transport(world, ordered=False, seed=seed, max_delay=2e-5, chunk=64)
         try:
             ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge="direct", launches=5)
         finally:
@@ -263,7 +269,7 @@ def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts(merge):
     want = single_rank_reference(xs, ws, sched)
     caught = 0
     for seed in range(6):   # caught in 30 of 30 runs measured, each merge
-        tr = EmulatedTransport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=64, fence=False)
+        tr = _transport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=64, fence=False)
         try:
             ys = row_parallel_matmul(tr, xs, ws, sched, seed=seed, merge=merge)
         finally:
@@ -321,7 +327,7 @@ def test_expert_parallel_moe_equals_single_rank_under_any_landing_order(world, o
     tokens = [7, 3] if world == 2 else [5, 0, 9]
     xs, ids, wts, w13, w2 = _moe_inputs(world, tokens)
     for seed in range(2):
-        tr = EmulatedTransport(world, ordered=ordered, seed=seed, max_delay=1e-5, chunk=10)
+        tr = _transport(world, ordered=ordered, seed=seed, max_delay=1e-5, chunk=10)
         try:
             ys = expert_parallel_moe(tr, xs, ids, wts, w13, w2)
         finally:
@@ -343,7 +349,7 @@ def test_expert_parallel_moe_catches_a_count_that_overtakes_its_rows():
     xs, ids, wts, w13, w2 = _moe_inputs(2, [8, 8], seed=1)
     caught = 0
     for seed in range(4):   # caught in 30 of 30 runs measured (by the outputs; no wait timed out)
-        tr = EmulatedTransport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=4, fence=False, timeout=2.0)
+        tr = _transport(2, ordered=False, seed=seed, max_delay=2e-5, chunk=4, fence=False, timeout=2.0)
         try:
             ys = expert_parallel_moe(tr, xs, ids, wts, w13, w2)
             caught += any(not np.array_equal(ys[r], single_rank_reference(xs[r], ids[r], wts[r], w13, w2))
