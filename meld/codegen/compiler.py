@@ -5,8 +5,10 @@ nvcc stays as the fallback (and as a second opinion in the CPU tests). The cache
 sorted JSON of everything that changes the binary — source, options, arch, compiler and its version,
 meld's version — and entries are written atomically (temporary file + os.replace) so concurrent
 processes never read a half-written cubin. The `.cu` is kept next to the `.cubin` for debugging, and the
-compiler's log (with nvcc, ptxas's registers and spills: what the CPU tests check) as `.log`, so a cache
-hit returns the same `Compiled` as the compile that filled it.
+compiler's log (with nvcc, ptxas's registers and spills: what the CPU tests check) as `.log`, written
+before the cubin, so a cache hit returns the `Compiled` of the compile that filled it (two processes
+compiling one source at once may leave one's log beside the other's cubin: the same compile, nvcc's
+timings aside).
 """
 from __future__ import annotations
 
