@@ -2,7 +2,7 @@
 
 | variable          | default          | meaning                                                        |
 | ----------------- | ---------------- | -------------------------------------------------------------- |
-| MELD_CACHE_DIR    | ~/.cache/meld    | compiled kernels (cubin + source), keyed by content hash       |
+| MELD_CACHE_DIR    | ~/.cache/meld    | compiled kernels (cubin, source, log), keyed by content hash   |
 | MELD_DUMP_DIR     | (unset)          | write every stage (task graph, schedule, .cu, cubin) here      |
 | MELD_COMPILER     | auto             | `nvrtc`, `nvcc`, or `auto` (NVRTC, falling back to nvcc)       |
 | MELD_ARCH         | sm_90a           | target architecture of generated kernels                       |

@@ -1,6 +1,10 @@
 """Test setup: fixed seeds, the `gpu` marker (skipped with a reason where no Hopper GPU is present),
-and the `perf` marker (off unless asked for with `-m perf`)."""
+the `perf` and `full_matrix` markers (off unless asked for with `-m perf`, `-m full_matrix`), and one
+compile cache for the run."""
+import os
 import random
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -16,14 +20,48 @@ def _gpu_reason() -> str | None:
     return None
 
 
+# One thread for torch's CPU ops. With its default (one per core) every op on a tiny tensor is an OpenMP
+# region that waits for all of its threads, and on a busy machine (CI's two cores, two test workers, or
+# anything else running) each wait is a scheduler time slice: 3000 one-token requests' float64 reference
+# took 19 s beside one busy process, against 1 s on one thread. The tests' tensors are small; the
+# results do not depend on it (every comparison is to a float64 reference, or bit for bit between meld's
+# own runs in one process).
+torch.set_num_threads(1)
+
+_made_cache_dir: str | None = None
+
+
+def pytest_configure(config):
+    """Kernels compile into one cache for the run (MELD_CACHE_DIR, unless it is set already): pytest's own
+    cache folder (.pytest_cache/d/meld, git-ignored; `--cache-clear` empties it), so a rerun compiles only
+    what changed, or a temporary folder removed at the end where the cache plugin is off. Not the user's
+    ~/.cache/meld, which runs of other checkouts share. Set before any worker or child process starts,
+    which inherit it, so all of them share the cache (its entries are written atomically)."""
+    global _made_cache_dir
+    if "MELD_CACHE_DIR" in os.environ:
+        return
+    if getattr(config, "cache", None) is not None:
+        os.environ["MELD_CACHE_DIR"] = str(config.cache.mkdir("meld"))
+    else:
+        os.environ["MELD_CACHE_DIR"] = _made_cache_dir = tempfile.mkdtemp(prefix="meld-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if _made_cache_dir is not None:
+        shutil.rmtree(_made_cache_dir, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_reason()
     perf_asked = "perf" in (config.getoption("-m") or "")
+    full_asked = "full_matrix" in (config.getoption("-m") or "")
     for item in items:
         if reason and "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
         if "perf" in item.keywords and not perf_asked:
             item.add_marker(pytest.mark.skip(reason="performance test: run with -m perf"))
+        if "full_matrix" in item.keywords and not full_asked:
+            item.add_marker(pytest.mark.skip(reason="a case the pairwise default leaves out: run with -m full_matrix"))
 
 
 @pytest.fixture(autouse=True)

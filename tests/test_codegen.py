@@ -7,8 +7,10 @@ import shutil
 import pytest
 
 from meld import config
+from meld.codegen import compiler
 from meld.codegen import (DECODE_PARAMS, CompileError, DecodeKernelConfig, DecodePlanKernelConfig, compile_nvcc,
                           compile_source)
+from tests.kernel_matrix import nvcc
 
 CONFIGS = [DecodeKernelConfig.default(dt, d) for dt in ("bfloat16", "float16") for d in (64, 128, 256)]
 # The variants the GPU tests, MELD_PROFILE and bench/decode_ablation.py build.
@@ -41,32 +43,32 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 @needs_nvcc
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a(cfg):
-    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    cubin, log = nvcc(cfg.render(), cfg.name)
     assert cubin[:4] == b"\x7fELF"
     assert "0 bytes spill stores" in log, log       # registers must not spill to local memory
     assert cfg.smem_bytes <= 227 * 1024
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: c.name)
-def test_kernel_compiles_with_nvrtc(cfg, tmp_path):
+def test_kernel_compiles_with_nvrtc(cfg):
     pytest.importorskip("cuda.bindings.nvrtc")
-    with config.scope(MELD_COMPILER="nvrtc", MELD_CACHE_DIR=str(tmp_path)):
+    with config.scope(MELD_COMPILER="nvrtc"):
         c = compile_source(cfg.render(), cfg.name)
     assert c.cubin[:4] == b"\x7fELF" and c.compiler.startswith("nvrtc")
 
 
 @pytest.mark.parametrize("compiler", ["nvcc", "nvrtc"])
-def test_planner_compiles(compiler, tmp_path):
+def test_planner_compiles(compiler):
     """The GPU planner, with both compilers: NVRTC (what run time uses) rejects some C++ nvcc accepts."""
     pc = DecodePlanKernelConfig()
     if compiler == "nvcc":
         if shutil.which("nvcc") is None:
             pytest.skip("nvcc is not on PATH")
-        cubin, log = compile_nvcc(pc.render(), pc.name, "sm_90a")
+        cubin, log = nvcc(pc.render(), pc.name)
         assert "0 bytes spill stores" in log, log
     else:
         pytest.importorskip("cuda.bindings.nvrtc")
-        with config.scope(MELD_COMPILER="nvrtc", MELD_CACHE_DIR=str(tmp_path)):
+        with config.scope(MELD_COMPILER="nvrtc"):
             cubin = compile_source(pc.render(), pc.name).cubin
     assert cubin[:4] == b"\x7fELF"
 
@@ -92,17 +94,35 @@ def test_layout_mismatch_fails_to_compile():
         compile_nvcc(bad, cfg.name, "sm_90a")
 
 
-def test_cache_hits_and_keys_on_content(tmp_path):
+def test_cache_hits_and_keys_on_content(tmp_path, monkeypatch):
     cfg = CONFIGS[1]
     with config.scope(MELD_CACHE_DIR=str(tmp_path)):
         first = compile_source(cfg.render(), cfg.name)
-        again = compile_source(cfg.render(), cfg.name)
         other = compile_source(cfg.render() + "\n// changed\n", cfg.name)
-    assert again.cubin == first.cubin and again.log == ""            # served from the cache
+        monkeypatch.setattr(compiler, "_compile_nvrtc", None)       # a hit must not compile
+        monkeypatch.setattr(compiler, "compile_nvcc", None)
+        again = compile_source(cfg.render(), cfg.name)
+    assert again == first                                            # the same cubin, source and log
     cubins = sorted(p.name for p in tmp_path.glob("*.cubin"))
     assert len(cubins) == 2 and all(n.startswith(cfg.name) for n in cubins)
-    assert len(list(tmp_path.glob("*.cu"))) == 2                     # source kept beside each cubin
+    assert len(list(tmp_path.glob("*.cu"))) == 2 and len(list(tmp_path.glob("*.log"))) == 2   # kept beside each
     assert other.cubin[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+def test_cache_keeps_the_nvcc_log(tmp_path, monkeypatch):
+    """A hit returns ptxas's log as the compile left it (the CPU tests check its spills); an entry without
+    a log (written before logs were kept) compiles again."""
+    src = 'extern "C" __global__ void meld_empty() {}'
+    with config.scope(MELD_COMPILER="nvcc", MELD_CACHE_DIR=str(tmp_path)):
+        first = compile_source(src, "meld_empty")
+        (log,) = tmp_path.glob("*.log")
+        log.unlink()
+        again = compile_source(src, "meld_empty")
+        monkeypatch.setattr(compiler, "compile_nvcc", None)
+        hit = compile_source(src, "meld_empty")
+    assert "0 bytes spill stores" in first.log and first.compiler.startswith("nvcc")
+    assert log.exists() and hit == again and "0 bytes spill stores" in hit.log   # (nvcc's logs carry timings)
 
 
 def test_config_rejects_unsupported():
@@ -126,13 +146,14 @@ def test_params_pack_checks_fields():
 
 
 def test_dump_dir_gets_every_stage(tmp_path):
+    """(On a cache hit too: the run's cache may hold this kernel already.)"""
     import torch
 
     import meld
     from meld.workloads import paged
 
     dump = tmp_path / "dump"
-    with config.scope(MELD_DUMP_DIR=str(dump), MELD_CACHE_DIR=str(tmp_path / "cache")):
+    with config.scope(MELD_DUMP_DIR=str(dump)):
         attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu")
         pb = paged([100, 7], 16)
         attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from meld.codegen import compile_nvcc
 from meld.codegen.params import WATCHDOG_RECORD
 from meld.codegen.source import template
+from tests.kernel_matrix import nvcc
 
 HEAD = "\n".join(["#define MELD_PROFILE 0", "#define MELD_WATCHDOG_NS 2000000000ll", '#define MELD_MMA_TYPE "bf16"'])
 KERNEL = r"""
@@ -51,7 +51,7 @@ def source() -> str:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_signal_primitives_compile_for_sm_90a():
-    cubin, _ = compile_nvcc(source(), "meld_signal_pingpong", "sm_90a")
+    cubin, _ = nvcc(source(), "meld_signal_pingpong")
     assert cubin[:4] == b"\x7fELF"
 
 

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from meld.codegen import compile_nvcc
 from meld.codegen.ep_kernel import EP_ENTRIES, EpKernelConfig
 from meld.codegen.moe_kernel import MoeKernelConfig
 from meld.dist.expert_parallel import window_layout
+from tests.kernel_matrix import nvcc
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
@@ -17,7 +17,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 @pytest.mark.parametrize("cfg", [EpKernelConfig(), EpKernelConfig(transport="proxy"), EpKernelConfig(watchdog_ms=100)],
                          ids=lambda c: c.name)
 def test_ep_kernels_compile_for_sm90a_without_spills(cfg):
-    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    cubin, log = nvcc(cfg.render(), cfg.name)
     assert cubin[:4] == b"\x7fELF"
     for entry in EP_ENTRIES:
         assert f"Compiling entry function '{entry}'" in log
@@ -30,7 +30,7 @@ def test_ep_kernels_compile_for_sm90a_without_spills(cfg):
 def test_owner_moe_build_with_absent_pairs_compiles(bt):
     cfg = MoeKernelConfig(block_tokens=bt, absent_pairs=True)
     assert cfg.name.endswith("_absent") and "#define MELD_ABSENT_PAIRS 1" in cfg.render()
-    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    cubin, log = nvcc(cfg.render(), cfg.name)
     assert cubin[:4] == b"\x7fELF"
     assert "#define MELD_ABSENT_PAIRS 0" in MoeKernelConfig(block_tokens=bt).render()
 

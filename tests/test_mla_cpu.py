@@ -10,10 +10,10 @@ import torch
 import meld
 from meld import config
 from meld.codegen import compile_source
-from meld.codegen.compiler import compile_nvcc
 from meld.codegen.mla_kernel import MlaKernelConfig
 from meld.runtime.reference import mla_reference
 from meld.workloads import lengths, paged
+from tests.kernel_matrix import nvcc
 
 SCALE = 192 ** -0.5
 
@@ -22,7 +22,7 @@ SCALE = 192 ** -0.5
 @pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
-    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    cubin, log = nvcc(cfg.render(), cfg.name)
     assert cubin[:4] == b"\x7fELF"
     spills = [line for line in log.splitlines() if "spill stores" in line]
     assert spills and all(" 0 bytes spill stores" in line for line in spills), log

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import meld
-from meld.codegen.compiler import compile_nvcc
 from meld.codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAX_EXPERTS, MoeKernelConfig, block_tokens_for,
                                     route_smem_bytes, tile_token_widths, token_box_rows)
 from meld.runtime.moe_reference import route
 from meld.scheduler.moe_plan import GEMM1, GEMM2, plan_moe
+from tests.kernel_matrix import nvcc
 
 
 def weights(E, H, I, device="cpu", seed=1):
@@ -95,7 +95,7 @@ def test_wide_tiles_run_the_token_widths_their_row_blocks_fill():
 def test_kernels_compile_for_sm90a(bt, profile, k_boxes):
     cfg = MoeKernelConfig(block_tokens=bt, profile=profile, k_boxes=k_boxes)
     assert cfg.boxes == (k_boxes if cfg.narrow else 1) and cfg.stages >= 4
-    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    cubin, log = nvcc(cfg.render(), cfg.name)
     assert len(cubin) > 0
     assert "C7508" not in log, "ptxas ignored setmaxnreg: the consumer warpgroups would run on 168 registers"
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
@@ -112,7 +112,7 @@ def test_packed_weight_kernels_compile_for_sm90a(bt):
     cfg = MoeKernelConfig(block_tokens=bt, packed_weights=True)
     src = cfg.render()
     assert "#define MELD_PACKED 1" in src and cfg.name.endswith("_pw")
-    cubin, log = compile_nvcc(src, cfg.name, "sm_90a")
+    cubin, log = nvcc(src, cfg.name)
     spills = [line for line in log.splitlines() if "spill stores" in line]
     assert len(cubin) > 0 and spills and all(" 0 bytes spill stores" in line for line in spills), log
     with pytest.raises(ValueError, match="k_boxes=2"):

@@ -7,22 +7,27 @@ import math
 import pytest
 import torch
 
-from meld.codegen import compile_nvcc
 from meld.codegen.tp_kernel import (TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, call_configs,
                                     tp_block_tokens)
 from meld.dist.tp_linear import _window_layout
+from tests.kernel_matrix import nvcc, pairwise
 
 
-@pytest.mark.parametrize("bt", TP_BLOCK_TOKENS)
-@pytest.mark.parametrize("k_boxes, ctas, merge, transport, partials, wgs", [
-    (1, 0, "owner", "peer", "bfloat16", 0), (2, 1, "owner", "peer", "bfloat16", 0), (1, 2, "owner", "peer", "float32", 0),
-    (0, 0, "every_rank", "peer", "bfloat16", 0), (1, 0, "every_rank", "proxy", "bfloat16", 0),
-    (1, 0, "every_rank", "proxy", "float32", 0), (1, 1, "owner", "peer", "bfloat16", 2),
-    (0, 0, "every_rank", "peer", "bfloat16", 2)])
+VARIANTS = [(1, 0, "owner", "peer", "bfloat16", 0), (2, 1, "owner", "peer", "bfloat16", 0),
+            (1, 2, "owner", "peer", "float32", 0), (0, 0, "every_rank", "peer", "bfloat16", 0),
+            (1, 0, "every_rank", "proxy", "bfloat16", 0), (1, 0, "every_rank", "proxy", "float32", 0),
+            (1, 1, "owner", "peer", "bfloat16", 2), (0, 0, "every_rank", "peer", "bfloat16", 2)]
+DEFAULT = (0, 0, "every_rank", "peer", "bfloat16", 0)   # TpKernelConfig()'s
+
+
+# Every token block with every variant is 48 compiles: by default the default build at every block and
+# every pair of values (block and variant fields) at least once, 31 of them; -m full_matrix the other 17.
+@pytest.mark.parametrize("bt, k_boxes, ctas, merge, transport, partials, wgs",
+                         pairwise([(bt, *v) for bt in TP_BLOCK_TOKENS for v in VARIANTS], keep=lambda c: c[1:] == DEFAULT))
 def test_kernel_compiles_for_sm90a(bt, k_boxes, ctas, merge, transport, partials, wgs):
     cfg = block_config(TpKernelConfig(k_boxes=k_boxes, ctas_per_sm=ctas, merge=merge, transport=transport,
                                       partials=partials, warpgroups=wgs), bt)
-    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    cubin, log = nvcc(cfg.render(), cfg.name)
     assert len(cubin) > 0
     assert "wgmma" not in log.lower(), f"ptxas serialised the wgmma pipeline:\n{log}"
     spills = [line for line in log.splitlines() if "spill stores" in line]
@@ -36,7 +41,7 @@ def test_profiling_kernel_compiles_for_sm90a(bt, merge):
     """Profiling builds record from several threads of a CTA (common.cuh: Profiler.join)."""
     cfg = block_config(TpKernelConfig(profile=True, merge=merge), bt)
     assert cfg.name.endswith("_prof") and "#define MELD_PROFILE 1" in cfg.render()
-    cubin, log = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
+    cubin, log = nvcc(cfg.render(), cfg.name)
     assert len(cubin) > 0 and "wgmma" not in log.lower()
 
 

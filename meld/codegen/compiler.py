@@ -4,10 +4,15 @@ Why NVRTC: it ships as a pip wheel, needs no toolkit on the serving machine and 
 nvcc stays as the fallback (and as a second opinion in the CPU tests). The cache key is the sha256 of
 sorted JSON of everything that changes the binary — source, options, arch, compiler and its version,
 meld's version — and entries are written atomically (temporary file + os.replace) so concurrent
-processes never read a half-written cubin. The `.cu` is kept next to the `.cubin` for debugging.
+processes never read a half-written cubin. The `.cu` is kept next to the `.cubin` for debugging, and the
+compiler's log (with nvcc, ptxas's registers and spills: what the CPU tests check) as `.log`, written
+before the cubin, so a cache hit returns the `Compiled` of the compile that filled it (two processes
+compiling one source at once may leave one's log beside the other's cubin: the same compile, nvcc's
+timings aside).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +25,7 @@ from pathlib import Path
 from .. import config
 
 COMMON_OPTIONS = ("-std=c++17", "-lineinfo")
+NVCC_OPTIONS = ("-cubin", "-Xptxas=-v")   # -v: ptxas logs each kernel's registers, spills and shared memory
 
 
 class CompileError(RuntimeError):
@@ -48,6 +54,7 @@ def _nvcc_path() -> str | None:
     return shutil.which("nvcc") or (str(p) if (p := Path("/usr/local/cuda/bin/nvcc")).exists() else None)
 
 
+@functools.lru_cache(maxsize=None)   # one `nvcc --version` a process, not one a compile
 def _nvcc_version(nvcc: str) -> str:
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     return "nvcc-" + out.strip().splitlines()[-1].split()[-1]
@@ -95,8 +102,8 @@ def compile_nvcc(source: str, name: str, arch: str, nvcc: str | None = None) -> 
     with tempfile.TemporaryDirectory(prefix="meld-nvcc-") as tmp:
         src, out = Path(tmp) / f"{name}.cu", Path(tmp) / f"{name}.cubin"
         src.write_text(source)
-        cmd = [nvcc, f"-gencode=arch=compute_{num},code=sm_{num}", "-cubin", *COMMON_OPTIONS,
-               "-Xptxas=-v", "-o", str(out), str(src)]
+        cmd = [nvcc, f"-gencode=arch=compute_{num},code=sm_{num}", *NVCC_OPTIONS, *COMMON_OPTIONS,
+               "-o", str(out), str(src)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise CompileError(f"nvcc failed for {name}:\n{res.stderr}")
@@ -123,17 +130,19 @@ def compile_source(source: str, name: str, arch: str | None = None) -> Compiled:
     if nvrtc_ver is None and nvcc is None:
         raise CompileError("no CUDA compiler: install cuda-python + nvidia-cuda-nvrtc, or put nvcc on PATH")
     compiler = nvrtc_ver or _nvcc_version(nvcc)
+    options = COMMON_OPTIONS if nvrtc_ver else NVCC_OPTIONS + COMMON_OPTIONS
     key = hashlib.sha256(json.dumps(
-        {"source": source, "options": COMMON_OPTIONS, "arch": arch, "compiler": compiler, "meld": __version__},
+        {"source": source, "options": options, "arch": arch, "compiler": compiler, "meld": __version__},
         sort_keys=True).encode()).hexdigest()[:24]
     cache = config.cache_dir()
-    cubin_path = cache / f"{name}_{key}.cubin"
-    if cubin_path.exists():
-        cubin, log = cubin_path.read_bytes(), ""
+    cubin_path, log_path = cache / f"{name}_{key}.cubin", cache / f"{name}_{key}.log"
+    if cubin_path.exists() and log_path.exists():   # the cubin is written last: its log is there (or an old entry)
+        cubin, log = cubin_path.read_bytes(), log_path.read_text()
     else:
         cubin, log = _compile_nvrtc(source, name, arch) if nvrtc_ver else compile_nvcc(source, name, arch, nvcc)
         config.made_dir("MELD_CACHE_DIR", cache)
         _atomic_write(cache / f"{name}_{key}.cu", source.encode())
+        _atomic_write(log_path, log.encode())
         _atomic_write(cubin_path, cubin)
     config.dump(f"{name}.cu", source)
     config.dump(f"{name}.cubin", cubin)

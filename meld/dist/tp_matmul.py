@@ -175,9 +175,13 @@ def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int) -> l
                 share = np.arange(shape[0] * shape[1]) % S == split
 
                 def landed(o=o, share=share):   # one snapshot of each part: its tags and values together
-                    parts = [transport.get(r, r, "y.ll", (par, k // S, o * S + k % S)).reshape(-1)
-                             for k in range(world * S)]
-                    return parts if all((p["tag"][share] == launch).all() for p in parts) else None
+                    parts = []
+                    for k in range(world * S):   # (the first part still in flight ends the look)
+                        part = transport.get(r, r, "y.ll", (par, k // S, o * S + k % S)).reshape(-1)
+                        if not (part["tag"][share] == launch).all():
+                            return None
+                        parts.append(part)
+                    return parts
                 parts = transport.wait_for(r, landed, f"the parts of tile {o} in launch {launch}")
                 out[r][o].reshape(-1)[share] = merge([p["v"] for p in parts])[share]
         transport.quiet(r)

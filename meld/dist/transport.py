@@ -20,9 +20,10 @@ models inter-node RDMA, where a GPU kernel writes the records into pinned memory
 it with ranks as threads of one process, copies between NumPy windows, random delays, and landing order
 either in issue order per (src, dst) pair (`ordered`, as reliable connections deliver) or shuffled (as
 SRD-like transports deliver). `fence=False` lets a fetch-add overtake the puts before it: a broken
-transport, for the test that must catch one. It counts every element each put lands, so a test can
-check that nothing was lost or written twice. Every wait gives up after `timeout` seconds with an error
-that names the operation (the emulation's watchdog).
+transport, for the test that must catch one. It counts every element each put lands (`landed()`), so a
+test can check that nothing was lost or written twice. Every wait gives up after `timeout` seconds with an
+error that names the operation (the emulation's watchdog). The delays are slept on `clock`: the `time`
+module, or a `FakeClock` that draws them without the wait (tests).
 """
 from __future__ import annotations
 
@@ -131,6 +132,20 @@ class ProxySchedule:
         self._pending[(op.src, op.dst)].remove(op)
 
 
+class FakeClock:
+    """The emulation's delays without the wait: `sleep(s)` moves `now` on by s and only yields the CPU (a
+    zero sleep), so the ranks' threads still run while the proxy "waits" and operations still pile up for
+    it to land in random order. Landing without the yield reorders almost nothing: a count overtaking its
+    data (tests/test_dist_emulation.py) was caught in 0 of 30 runs, against 27 of 30 with either clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds    # (only the proxy thread sleeps on it)
+        time.sleep(0)
+
+
 @dataclass
 class _Ticket:
     landed: threading.Event = field(default_factory=threading.Event)
@@ -141,19 +156,19 @@ class EmulatedTransport:
     """Ranks as threads, one command ring each, a proxy thread landing their operations (module docstring)."""
 
     def __init__(self, world: int, ordered: bool = True, seed: int = 0, max_delay: float = 1e-4, chunk: int = 64,
-                 fence: bool = True, timeout: float = 30.0, ring_capacity: int = 1024):
+                 fence: bool = True, timeout: float = 30.0, ring_capacity: int = 1024, clock=time):
         if world < 1 or chunk < 1:
             raise ValueError(f"world and chunk must be >= 1, got {world}, {chunk}")
         self.world, self.ordered, self.fence, self.chunk, self.timeout = world, ordered, fence, chunk, timeout
         self.rings = [CommandRing(r, ring_capacity, timeout) for r in range(world)]
-        self._rng, self._max_delay = random.Random(seed), max_delay
+        self._rng, self._max_delay, self._clock = random.Random(seed), max_delay, clock
         self._names: list[str] = []
         self._windows: list[list[np.ndarray]] = []
         self._schedule = ProxySchedule(ordered, chunk, fence)
         self._unlanded: Counter = Counter()          # per src: issued, not landed yet
         self._tickets: dict[tuple[int, int], _Ticket] = {}
         self._next_ticket: Counter = Counter()
-        self.landed_elements: Counter = Counter()    # (dst, window name, flat element) -> times a put landed it
+        self._landed: list[list[np.ndarray]] = []    # [window][dst]: times a put landed each flat element
         self._cv = threading.Condition()             # the doorbell, and the lock of everything above
         self._closed = False
         self._proxy = threading.Thread(target=self._run_proxy, name="meld-emulated-proxy", daemon=True)
@@ -167,7 +182,13 @@ class EmulatedTransport:
                 raise ValueError(f"window {name!r} exists already")
             self._names.append(name)
             self._windows.append([np.full(shape, fill, dtype=dtype) for _ in range(self.world)])
+            self._landed.append([np.zeros(self._windows[-1][0].size, dtype=np.int64) for _ in range(self.world)])
             return self._windows[-1]
+
+    def landed(self) -> dict[str, np.ndarray]:
+        """Every window's count of puts landed on each element: name -> [dst rank, flat element] (a copy)."""
+        with self._cv:
+            return {name: np.stack(counts) for name, counts in zip(self._names, self._landed)}
 
     def _at(self, window: str, rank: int, index) -> tuple[int, np.ndarray, int]:
         """(window id, rank's window[index] as a view, its first flat element)."""
@@ -256,7 +277,7 @@ class EmulatedTransport:
                     return
                 op = self._rng.choice(self._schedule.landable())
                 delay = self._rng.random() * self._max_delay
-            time.sleep(delay)
+            self._clock.sleep(delay)
             with self._cv:
                 ticket = self._land(op)
                 self._schedule.done(op)
@@ -276,6 +297,5 @@ class EmulatedTransport:
             t.old = old
             return t
         dst[op.start:op.start + op.count] = self._windows[op.window][op.src].reshape(-1)[op.start:op.start + op.count]
-        for e in range(op.start, op.start + op.count):
-            self.landed_elements[(op.dst, self._names[op.window], e)] += 1
+        self._landed[op.window][op.dst][op.start:op.start + op.count] += 1
         return None

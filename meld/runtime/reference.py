@@ -57,14 +57,15 @@ def execute_mla(schedule: Schedule, q_nope: torch.Tensor, q_pe: torch.Tensor, ck
                 kpe_cache: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Execute an MLA schedule (one latent kv head shared by every q head) on CPU tensors: keys are the
     latent rows with their rope part, values the latent rows. Returns (out [B, H, Dc], lse [B, H]) float64."""
-    ckv64, kpe64 = ckv_cache.double().numpy(), kpe_cache.double().numpy()
+    dc = ckv_cache.shape[-1]
+    k64 = torch.cat([ckv_cache, kpe_cache], dim=-1).double().numpy()   # a key row; its first dc: the value
 
     def kv(pages: np.ndarray, slots: np.ndarray, kv_head: int) -> tuple[np.ndarray, np.ndarray]:
-        c = ckv64[pages, slots]
-        return np.concatenate([c, kpe64[pages, slots]], axis=1), c
+        k = k64[pages, slots]
+        return k, k[:, :dc]
 
     q = torch.cat([q_nope, q_pe], dim=-1).double().numpy()
-    return _execute(schedule, q, kv, ckv_cache.shape[1], ckv_cache.shape[-1], kv_indices, sm_scale)
+    return _execute(schedule, q, kv, ckv_cache.shape[1], dc, kv_indices, sm_scale)
 
 
 def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, kv_indices: torch.Tensor,
