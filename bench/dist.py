@@ -1,4 +1,4 @@
-"""Multi-GPU operators (meld.dist) against their unfused torch + NCCL baselines, on the GPUs of one node.
+"""Multi-GPU operators (meld.distributed) against their unfused torch + NCCL baselines, on the GPUs of one node.
 
 (a) Sequence-parallel decode attention (`SeqParallelDecode`): the KV of long requests sharded across the
 GPUs, partials merged by the last arriving piece through NVLink peer memory, every rank's output complete
@@ -103,7 +103,7 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
 
     import meld
     from bench.harness import graph_time_us
-    from meld.dist import SeqParallelDecode
+    from meld.distributed import SeqParallelDecode
     from meld.runtime.reference import attention_reference
     from meld.workloads import paged
 
@@ -209,7 +209,7 @@ def peer_copy_gbs(dev: torch.device, nbytes: int = 256 << 20, reps: int = 10) ->
     NVLink, both directions loaded as meld's exchange loads them): GB/s per rank, the slowest rank's."""
     import torch.distributed as dist
 
-    from meld.dist.seq_parallel import SymmetricWindow
+    from meld.distributed.seq_parallel import SymmetricWindow
 
     win = SymmetricWindow(nbytes, dev, dist.group.WORLD)
     peer = win.handle.get_buffer((win.rank + 1) % win.world, (nbytes,), torch.uint8, 0)
@@ -265,7 +265,7 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
 
     from bench.harness import graph_time_us
     from meld.codegen.tp_kernel import TpKernelConfig
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
 
     dev = torch.device("cuda", rank)
     slowest = _warm_rank(dev)
@@ -428,7 +428,7 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     from bench.moe import SHAPES, make_weights, reference_moe, router_logits
     from meld.codegen.ep_kernel import EpKernelConfig
     from meld.codegen.moe_kernel import MoeKernelConfig
-    from meld.dist import ExpertParallelMoE
+    from meld.distributed import ExpertParallelMoE
     from meld.serving.torch_moe import topk_route
 
     dev = torch.device("cuda", rank)
@@ -502,7 +502,7 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
 
 
 def main() -> None:
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)

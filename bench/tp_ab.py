@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, slices: int, shapes: list[str], tokens: list[in
 
     from bench.dist import _warm_rank, tp_weights
     from bench.harness import graph_time_us
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
 
     dev = torch.device("cuda", rank)
     slowest = _warm_rank(dev)
@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, slices: int, shapes: list[str], tokens: list[in
 
 def worker(tree: Path, world: int, slices: int, shapes: list[str], tokens: list[int], reps: int, check: bool,
            out: str) -> None:
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     spawn(_rank, world, slices, shapes, tokens, reps, check, out)
 

@@ -27,7 +27,7 @@ def _rank(rank: int, world: int, slices: int, shape: str, tokens: list[int], run
     from bench.dist import _warm_rank, tp_weights
     from bench.harness import flush_l2, print_aligned
     from meld.codegen.tp_kernel import TpKernelConfig
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
     from meld.runtime.profile import render_png
 
     dev = torch.device("cuda", rank)
@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, slices: int, shape: str, tokens: list[int], run
 
 def main() -> int:
     from bench.dist import TP_SHAPES
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama70b-o", choices=list(TP_SHAPES))

@@ -30,7 +30,7 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", d, group_size=g, batch_invari
             for d, g in ((64, 4), (128, 4), (256, 4), (128, 16))]
 CONFIGS += [dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, batch_invariant=True), tma=True, profile=True),
             dataclasses.replace(CONFIGS[1], tma=True, debug_withhold_signal=True, watchdog_ms=200)]
-# Sequence-parallel ranks (meld.dist): the default builds, with clusters and TMA, 16-head units.
+# Sequence-parallel ranks (meld.distributed): the default builds, with clusters and TMA, 16-head units.
 CONFIGS += [dataclasses.replace(CONFIGS[1], xrank="peer"), dataclasses.replace(CONFIGS[1], xrank="peer", onchip_merge=True),
             dataclasses.replace(CONFIGS[0], xrank="peer", tma=True),
             dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=16), xrank="peer"),

@@ -1,4 +1,4 @@
-"""meld.dist on the CPU: sharding plans, the emulated transport, the ranked schedule, and the three
+"""meld.distributed on the CPU: sharding plans, the emulated transport, the ranked schedule, and the three
 cross-rank operators over emulated ranks (sequence-parallel decode, the row-parallel GEMM's per-tile
 all-reduce, expert-parallel MoE). Under random landing order and delays each result equals the
 single-rank execution bit for bit and loses nothing; a transport that lets a count overtake its data is
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from meld.dist import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, seq_parallel_decode,
+from meld.distributed import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, seq_parallel_decode,
                        shard_batch)
-from meld.dist.transport import FakeClock
+from meld.distributed.transport import FakeClock
 from meld.runtime.reference import attention_reference, merge_partials
 from meld.workloads import paged
 
@@ -140,7 +140,7 @@ def test_a_count_that_overtakes_its_data_is_caught():
 
 
 def test_window_layout_places_do_not_overlap_and_are_aligned():
-    from meld.dist import WindowLayout
+    from meld.distributed import WindowLayout
 
     L = WindowLayout.of(max_batch=5, world=3, num_qo_heads=12, head_dim=64, units_per_request=6)
     places = [(L.out, 5 * 12 * 64 * 2), (L.lse, 5 * 12 * 4), (L.part_o, 5 * 3 * 12 * 64 * 4), (L.part_lse, 5 * 3 * 12 * 4),
@@ -153,7 +153,7 @@ def test_window_layout_places_do_not_overlap_and_are_aligned():
 def test_seq_parallel_decode_needs_a_process_group():
     import torch.distributed as dist
 
-    from meld.dist import SeqParallelDecode
+    from meld.distributed import SeqParallelDecode
 
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group exists in this process")
@@ -199,7 +199,7 @@ def test_row_parallel_matmul_reduces_every_tile_once_in_order(world, ordered, m,
     rank; every rank's y bit-identical to the single-rank sum in (rank, split) order and close to the
     product; each tile counted once per part and every element of every partial landed once. (The direct
     path runs two launches, the second on 2 x: one in each parity slot.)"""
-    from meld.dist.tp_matmul import single_rank_reference
+    from meld.distributed.tp_matmul import single_rank_reference
 
     xs, ws, sched = _tp_case(world, m, n, k, sm_count, seed=world)
     launches = 2 if merge == "direct" else 1
@@ -246,7 +246,7 @@ def test_direct_path_ranks_a_launch_apart_read_only_their_launch(world, m, n, k,
     deliveries delayed and reordered: a rank a launch ahead writes the other parity's slots, and a word is
     summed only once it carries its launch's tag (a stale word of launch l - 2 in the same slot would make
     the last launch's y differ from the single-rank sum)."""
-    from meld.dist.tp_matmul import single_rank_reference
+    from meld.distributed.tp_matmul import single_rank_reference
 
     xs, ws, sched = _tp_case(world, m, n, k, sm_count, seed=7)
     want = single_rank_reference([x * 5 for x in xs], ws, sched)
@@ -263,7 +263,7 @@ def test_direct_path_ranks_a_launch_apart_read_only_their_launch(world, m, n, k,
 def test_row_parallel_matmul_catches_a_sum_that_overtakes_its_parts(merge):
     """With fence=False a count or signal can land before its partial: the merge then sums a NaN-poisoned
     slot."""
-    from meld.dist.tp_matmul import single_rank_reference
+    from meld.distributed.tp_matmul import single_rank_reference
 
     xs, ws, sched = _tp_case(2, 64, 128, 96, 132)
     want = single_rank_reference(xs, ws, sched)
@@ -322,7 +322,7 @@ def test_expert_parallel_moe_equals_single_rank_under_any_landing_order(world, o
     """Uneven tokens per rank (one rank with none at 3 ranks), a hot expert: every rank's output is bit-identical
     to the single-rank MoE of its tokens; every rank's dispatch and return counted once on every other; nothing
     landed twice."""
-    from meld.dist.ep_moe import expert_parallel_moe, single_rank_reference
+    from meld.distributed.ep_moe import expert_parallel_moe, single_rank_reference
 
     tokens = [7, 3] if world == 2 else [5, 0, 9]
     xs, ids, wts, w13, w2 = _moe_inputs(world, tokens)
@@ -344,7 +344,7 @@ def test_expert_parallel_moe_equals_single_rank_under_any_landing_order(world, o
 def test_expert_parallel_moe_catches_a_count_that_overtakes_its_rows():
     """fence=False: a count can land before the block it follows; the expert rank then reads rows still in
     flight (NaN), or a source sums expert rows still in flight: its outputs are wrong or NaN: caught."""
-    from meld.dist.ep_moe import expert_parallel_moe, single_rank_reference
+    from meld.distributed.ep_moe import expert_parallel_moe, single_rank_reference
 
     xs, ids, wts, w13, w2 = _moe_inputs(2, [8, 8], seed=1)
     caught = 0

@@ -1,4 +1,4 @@
-"""meld.dist on two GPUs of one node (the device tool's nvidia-h200-x2), and as two ranks sharing one GPU
+"""meld.distributed on two GPUs of one node (the device tool's nvidia-h200-x2), and as two ranks sharing one GPU
 (`spawn(share_gpu=True)`: CUDA IPC windows, the ranks' kernels time-sliced: the cross-rank protocols
 without a second GPU): sequence-parallel decode attention, the row-parallel linear and the expert-parallel
 MoE, checked on every rank against float64 on fresh random inputs, outputs poisoned before each run,
@@ -93,7 +93,7 @@ def _poisoned_run(op, q, kv):
 def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
     import torch.distributed as dist
 
-    from meld.dist import SeqParallelDecode
+    from meld.distributed import SeqParallelDecode
     from meld.runtime.cuda_graphs import capture
 
     dev = _device()
@@ -169,7 +169,7 @@ def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
 def test_seq_parallel_decode_on_two_ranks_matches_float64(cluster_size, transport, ordered, share_gpu):
     """cluster_size 4: a mix of cluster grids, split units merging on chip before they cross ranks. The proxy
     transport as if the GPUs were two nodes, its chunks landing in issue order or shuffled."""
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     spawn(_seq_parallel_rank, 2, cluster_size, transport, ordered, share_gpu=share_gpu)
 
@@ -181,7 +181,7 @@ def _watchdog_rank(rank, world):
     import torch.distributed as dist
 
     from meld.codegen import DecodeKernelConfig
-    from meld.dist import SeqParallelDecode
+    from meld.distributed import SeqParallelDecode
     from meld.runtime import watchdog
 
     host = dist.new_group(backend="gloo")   # rank 0's CUDA context dies with its kernel: meet on the host
@@ -203,7 +203,7 @@ def _watchdog_rank(rank, world):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs in one node (the device tool's nvidia-h200-x2)")
 def test_seq_parallel_watchdog_names_a_rank_that_never_ran():
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     spawn(_watchdog_rank, 2)
 
@@ -236,7 +236,7 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
     import torch.distributed as dist
 
     from meld.codegen.tp_kernel import TpKernelConfig
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
     from meld.runtime.cuda_graphs import capture
 
     dev = _device()
@@ -308,7 +308,7 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
 def test_row_parallel_linear_on_two_ranks_matches_float64(merge, transport, ordered, partials, share_gpu):
     """Both merges through NVLink peer memory; every-rank merges through the proxy transport as if the GPUs
     were two nodes, its chunks (1000 bytes: not whole rows) landing in issue order or shuffled."""
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     if share_gpu and transport == "proxy":
         pytest.skip("on one GPU the proxy's copy into the other rank's IPC mapping did not return while this "
@@ -358,7 +358,7 @@ def _ep_rank(rank, world, transport, ordered):
     import torch.distributed as dist
 
     from meld.codegen.ep_kernel import EpKernelConfig
-    from meld.dist import ExpertParallelMoE
+    from meld.distributed import ExpertParallelMoE
     from meld.runtime.cuda_graphs import capture
 
     dev = _device()
@@ -440,6 +440,6 @@ def test_expert_parallel_moe_on_two_ranks_matches_float64(transport, ordered, sh
     """Each rank's tokens through experts split over both GPUs, against float64: through NVLink peer memory,
     and through the proxy transport as if the GPUs were two nodes, its chunks (1000 bytes: not whole rows)
     landing in issue order or shuffled."""
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     spawn(_ep_rank, 2, transport, ordered, share_gpu=share_gpu)

@@ -7,7 +7,7 @@ import pytest
 
 from meld.codegen.ep_kernel import EP_ENTRIES, EpKernelConfig
 from meld.codegen.moe_kernel import MoeKernelConfig
-from meld.dist.expert_parallel import window_layout
+from meld.distributed.expert_parallel import window_layout
 from tests.kernel_matrix import nvcc
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -75,7 +75,7 @@ def test_expert_parallel_construction_names_the_argument(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from meld.dist import ExpertParallelMoE
+    from meld.distributed import ExpertParallelMoE
 
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")

@@ -51,7 +51,7 @@ def test_echo_kernel_compiles_for_sm90a():
 def test_proxy_lands_puts_and_signals_while_the_launching_thread_holds_the_gil(ordered):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from meld.dist.proxy import GpuProxy
+    from meld.distributed.proxy import GpuProxy
     from meld.runtime import watchdog
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -92,7 +92,7 @@ def test_a_proxy_dropped_without_close_stops_its_thread():
     import gc
     import weakref
 
-    from meld.dist.proxy import GpuProxy
+    from meld.distributed.proxy import GpuProxy
 
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = torch.zeros(4096, dtype=torch.uint8, device=dev)

@@ -4,7 +4,7 @@ ordered, and when unordered a shuffle in which no signal overtakes a put issued 
 import numpy as np
 import pytest
 
-from meld.dist.transport import ADD, COMMAND, PUT, SIGNAL, ProxySchedule
+from meld.distributed.transport import ADD, COMMAND, PUT, SIGNAL, ProxySchedule
 from meld.runtime import host_helper
 
 WINDOW = 1 << 16
@@ -95,7 +95,7 @@ def test_gpu_proxy_refuses_a_chunk_or_ring_it_cannot_use(chunk, capacity):
     """Checked before anything touches the GPU (a zero chunk would never finish a put)."""
     import types
 
-    from meld.dist.proxy import GpuProxy
+    from meld.distributed.proxy import GpuProxy
 
     window = types.SimpleNamespace(local=None, rank=0, world=2, handle=None)
     with pytest.raises(ValueError, match="chunk_bytes and capacity"):

@@ -363,7 +363,7 @@ def test_serve_bench_refuses_a_seed_no_generator_takes(seed, monkeypatch, capsys
 
 
 # =====================================================================================================
-# 7. meld.dist's CPU-reachable planning
+# 7. meld.distributed's CPU-reachable planning
 # =====================================================================================================
 
 @pytest.mark.parametrize("args,match", [
@@ -374,7 +374,7 @@ def test_serve_bench_refuses_a_seed_no_generator_takes(seed, monkeypatch, capsys
     (([10], 16, True), r"world must be a positive int, got True"),
 ])
 def test_shard_batch_refuses_lengths_and_sizes_that_are_not_ints(args, match):
-    from meld.dist import shard_batch
+    from meld.distributed import shard_batch
 
     with pytest.raises(ValueError, match=match):
         shard_batch(*args)

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import meld
 from meld.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
-from meld.dist import EmulatedTransport, seq_parallel_decode, shard_batch
+from meld.distributed import EmulatedTransport, seq_parallel_decode, shard_batch
 from meld.ops import moe as moe_module
 from meld.scheduler import Topology
 from meld.workloads import paged
@@ -176,7 +176,7 @@ def test_emulated_seq_parallel_decode_backward_raises():
         out, lse = seq_parallel_decode(plan, tr, q, kv, pb.kv_indptr, pb.kv_indices)
     finally:
         tr.close()
-    with pytest.raises(NotImplementedError, match="meld.dist.seq_parallel_decode " + NO_BACKWARD):
+    with pytest.raises(NotImplementedError, match="meld.distributed.seq_parallel_decode " + NO_BACKWARD):
         (out.sum() + q.float().sum()).backward()
 
 

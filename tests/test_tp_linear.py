@@ -1,4 +1,4 @@
-"""meld.dist.RowParallelLinear (templates/tp_linear.cuh): every token-block variant compiles for sm_90a,
+"""meld.distributed.RowParallelLinear (templates/tp_linear.cuh): every token-block variant compiles for sm_90a,
 the window layout holds the largest call, the token block covers the rows; on one GPU (a process group of
 one rank: the GEMM and the tile protocol without a peer) it matches float64 on fresh random inputs, with
 the output poisoned first and repeated launches bit-identical. Two GPUs: tests/test_dist_gpu.py."""
@@ -9,7 +9,7 @@ import torch
 
 from meld.codegen.tp_kernel import (TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, call_configs,
                                     tp_block_tokens)
-from meld.dist.tp_linear import _window_layout
+from meld.distributed.tp_linear import _window_layout
 from tests.kernel_matrix import nvcc, pairwise
 
 
@@ -171,7 +171,7 @@ def test_window_holds_the_largest_call(max_tokens, n, world, own_parts_only):
 
 
 def _one_rank(rank, world):
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
 
     dev = torch.device("cuda", rank)
     for m, k, n, merge, partials in [(1, 4096, 1024, "owner", "bfloat16"), (37, 1000, 136, "owner", "bfloat16"),
@@ -199,13 +199,13 @@ def _one_rank(rank, world):
 
 @pytest.mark.gpu
 def test_one_rank_matches_float64():
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     spawn(_one_rank, 1)
 
 
 def _one_rank_trace(rank, world):
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
 
     dev = torch.device("cuda", rank)
     g = torch.Generator().manual_seed(3)
@@ -247,7 +247,7 @@ def test_one_rank_trace_records_every_piece():
     """A profiling build gives the plain build's output bits (float64-checked, capped token blocks too) and a
     trace: every piece's GEMM, and per path the direct exchange or each piece's stage and send and the
     tiles' merges, inside their CTA's span."""
-    from meld.dist import spawn
+    from meld.distributed import spawn
 
     spawn(_one_rank_trace, 1)
 
@@ -255,7 +255,7 @@ def test_one_rank_trace_records_every_piece():
 def test_needs_a_process_group():
     import torch.distributed as dist
 
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
 
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
@@ -333,7 +333,7 @@ def test_bad_construction_names_the_argument(tmp_path):
     """In a process group of one (gloo, CPU): every check before a window is allocated."""
     import torch.distributed as dist
 
-    from meld.dist import RowParallelLinear
+    from meld.distributed import RowParallelLinear
 
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")

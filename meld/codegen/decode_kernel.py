@@ -32,7 +32,7 @@ class DecodeKernelConfig:
     batch_invariant: bool = False   # walk split units as fixed chunks (meld/ir/schedule.py): no on-chip merges
     watchdog_ms: int = 2000     # a spin (TMA ring waits) gives up after this long: record and trap
     debug_withhold_signal: bool = False   # debug build: unit 0's first tile is never issued (tests the watchdog)
-    xrank: str = ""             # one rank's share of a sequence-parallel batch (meld/dist/seq_parallel.py), its
+    xrank: str = ""             # one rank's share of a sequence-parallel batch (meld/distributed/seq_parallel.py), its
                                 # results crossing to the other ranks through "peer" memory or a "proxy"
 
     def __post_init__(self) -> None:

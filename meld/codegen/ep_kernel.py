@@ -1,5 +1,5 @@
 """Emit the expert-parallel MoE's cross-rank kernels (templates/ep_moe.cuh): dispatch, return and combine
-around each rank's MoE launches (meld/dist/expert_parallel.py). Shapes, ranks and routing are run-time
+around each rank's MoE launches (meld/distributed/expert_parallel.py). Shapes, ranks and routing are run-time
 values; the transport and the watchdog's limit change the code."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class EpKernelConfig:
     """Static configuration of the expert-parallel kernels."""
 
     transport: str = "peer"   # "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy
-                              # thread, the model of RDMA: meld/dist/proxy.py)
+                              # thread, the model of RDMA: meld/distributed/proxy.py)
     watchdog_ms: int = 2000   # a spin gives up after this long (waits for other ranks: ten times it)
 
     def __post_init__(self) -> None:

@@ -68,7 +68,7 @@ class ParamStruct:
         return self.ctype(**values)
 
 
-# The proxy transport's command ring as a kernel addresses it (meld/dist/proxy.py; templates/common.cuh,
+# The proxy transport's command ring as a kernel addresses it (meld/distributed/proxy.py; templates/common.cuh,
 # proxy_push): the pinned host records, the device's claim counter, the proxy's head. Its capacity is an
 # i32 field "xring_cap" among each struct's scalars.
 PROXY_RING = [
@@ -122,7 +122,7 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("watchdog_kernel", "i32"),  # this kernel's id in the watchdog's registry
     Field("wait_inputs", "i32"),      # 1: the first grid of an overlapped launch (decode_attention.cuh's entry)
     Field("sm_scale_log2", "f32"),
-    # MELD_XRANK builds (meld/dist/seq_parallel.py; zero otherwise): each local request's (batch request,
+    # MELD_XRANK builds (meld/distributed/seq_parallel.py; zero otherwise): each local request's (batch request,
     # part, parts, owner rank); every rank's symmetric window as this rank addresses it; the launch's exit
     # counter, the landings it waits for and the batch's split requests; the places in a window, in bytes.
     # Proxy builds also: the split requests (batch request, parts), per source rank the units expected
@@ -277,7 +277,7 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("watchdog_kernel", "i32"),
 ])
 
-# The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/dist/tp_linear.py).
+# The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/distributed/tp_linear.py).
 TP_PARAMS = ParamStruct("TpParams", [
     Field("w_map", "tmap"),                      # this rank's weight [N, K] (64-row boxes)
     Field("x_map", "tmap"),                      # this rank's input [M, K] (BLOCK_TOKENS-row boxes)
@@ -313,7 +313,7 @@ TP_PARAMS = ParamStruct("TpParams", [
 ])
 
 # Expert-parallel MoE: dispatch, return and combine around each rank's MoE launches (templates/ep_moe.cuh,
-# meld/dist/expert_parallel.py).
+# meld/distributed/expert_parallel.py).
 EP_PARAMS = ParamStruct("EpParams", [
     Field("xpeers", "ptr", "char* const*"),      # every rank's symmetric window, as this rank addresses it
     Field("xexit", "ptr", "unsigned*"),          # the kernel's exit counter (each kernel leaves it at 0)

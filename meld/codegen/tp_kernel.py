@@ -151,7 +151,7 @@ class TpKernelConfig:
                                 # tile's last arriving partial sums it at its owner rank and writes every rank's
                                 # output (fewer bytes per rank when the group is larger)
     transport: str = "peer"   # "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy
-                              # thread, the model of RDMA: meld/dist/proxy.py; needs merge="every_rank")
+                              # thread, the model of RDMA: meld/distributed/proxy.py; needs merge="every_rank")
     partials: str = "bfloat16"   # how partial tiles travel between ranks and splits of K: "bfloat16" (half the
                                  # bytes; the rounding of a bf16 NCCL all-reduce) or "float32"
     watchdog_ms: int = 2000   # a spin gives up after this long (cross-rank waits: ten times it)

@@ -5,7 +5,7 @@ of the batch's requests, each planned as a request of its own). Item i of rank r
 `part[r][i]` of batch item `key[r][i]`; a batch item of more than one part is reduced with `combiner` at
 its owner, the rank of its part 0. Each such part is one `RankEdge`: a put of the partial and a signal
 (fetch-add) on the owner's counter, and the part whose signal completes the count merges the parts in
-part order. An edge whose src is its dst stays on its rank. meld.dist builds these from a `ShardPlan`
+part order. An edge whose src is its dst stays on its rank. meld.distributed builds these from a `ShardPlan`
 and runs them: on emulated ranks (the CPU reference executor) or on GPUs (templates/decode_attention.cuh,
 MELD_XRANK).
 """

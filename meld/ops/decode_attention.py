@@ -248,7 +248,7 @@ class DecodeAttention(PagedDecode):
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             num_ctas=W, cta_offset=0, prof_cap=prof_cap, wait_inputs=0, sm_scale_log2=self.sm_scale * _LOG2E,
-            **{f.name: 0 for f in DECODE_PARAMS.fields if f.name.startswith("x")}))   # set by meld.dist
+            **{f.name: 0 for f in DECODE_PARAMS.fields if f.name.startswith("x")}))   # set by meld.distributed
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 
     @property

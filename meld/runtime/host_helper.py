@@ -8,7 +8,7 @@ into MELD_CACHE_DIR, keyed by the source and compiler, and loaded with ctypes:
   (templates/moe_plan.h), for the CPU reference executor;
 - decode's host planner (`load_decode_plan()`): the GPU planner's own source (templates/decode_plan.h)
   compiled as C++ for a block of one thread, for the CPU reference executor and `DecodeAttention.schedule`;
-- the GPU proxy thread of meld.dist's proxy transport (`load_proxy()`), which must run without the GIL.
+- the GPU proxy thread of meld.distributed's proxy transport (`load_proxy()`), which must run without the GIL.
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def load_proxy() -> ctypes.CDLL:
     if _proxy_lib is None:
         lib = _build("gpu_proxy", [_read("meld.runtime", "host/gpu_proxy.cpp")], "c++")
         if lib is None:
-            raise RuntimeError("meld.dist's proxy transport compiles its host thread with the system C++ compiler "
+            raise RuntimeError("meld.distributed's proxy transport compiles its host thread with the system C++ compiler "
                                "(c++ or g++, or $CXX), and none worked")
         lib.meld_proxy_start.argtypes = [ctypes.POINTER(ProxyConfig), ctypes.c_char_p, ctypes.c_int]
         lib.meld_proxy_start.restype = ctypes.c_void_p
@@ -163,7 +163,7 @@ def proxy_plan(records: np.ndarray, world: int, window_bytes: int, ordered: bool
                seed: int = 0) -> np.ndarray:
     """The operations the GPU proxy issues for `records` (transport.COMMAND), in its order (`PROXY_OP`):
     its schedule without CUDA, for the tests."""
-    from ..dist.transport import PUT
+    from ..distributed.transport import PUT
 
     lib = load_proxy()
     recs = np.ascontiguousarray(records)

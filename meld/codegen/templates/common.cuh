@@ -245,7 +245,7 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const WaitSite& s
       watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, parity, waited);
   }
 }
-// --- cross-rank signals (meld/dist) -----------------------------------------------------------------
+// --- cross-rank signals (meld/distributed) -----------------------------------------------------------------
 // A put is plain stores into a peer's symmetric buffer (NVLink peer memory, or pinned host memory for
 // the proxy). signal_add makes every store this thread issued before it visible at system scope, then
 // adds to the flag (release); fetch_add_sys does the same and returns the old count (the last arriver
@@ -311,9 +311,9 @@ __device__ __forceinline__ void ll_wait(const unsigned long long* a, const int (
   }
 }
 
-// --- the proxy transport's command ring (meld/dist/proxy.py) ------------------------------------------
+// --- the proxy transport's command ring (meld/distributed/proxy.py) ------------------------------------------
 // A GPU that cannot store into a peer (RDMA between nodes) hands its puts and signals to a host proxy as
-// fixed-size records in pinned host memory (meld/dist/transport.py's COMMAND). A thread claims a slot on
+// fixed-size records in pinned host memory (meld/distributed/transport.py's COMMAND). A thread claims a slot on
 // the device's tail counter, waits (under the watchdog) until the proxy's head leaves that slot free,
 // writes the record and then, after a system-scope fence, its ticket (slot + 1): the proxy takes a record
 // only once its ticket is there.
@@ -323,7 +323,7 @@ struct ProxyCommand {
   long long addend;
   unsigned long long ticket;
 };
-static_assert(sizeof(ProxyCommand) == 48, "ProxyCommand must match meld.dist.transport.COMMAND");
+static_assert(sizeof(ProxyCommand) == 48, "ProxyCommand must match meld.distributed.transport.COMMAND");
 constexpr u32 PROXY_PUT = 1, PROXY_SIGNAL = 3;
 __device__ __forceinline__ void proxy_push(ProxyCommand* ring, unsigned long long* tail, const unsigned long long* head,
                                            int capacity, u32 op, u32 dst, unsigned long long start,

@@ -39,7 +39,7 @@
 // chunk order, so a request's result does not depend on where in the batch, or beside what, it runs.
 // These builds merge through global memory only.
 //
-// MELD_XRANK builds run one rank's share of a sequence-parallel batch (meld/dist/seq_parallel.py): each
+// MELD_XRANK builds run one rank's share of a sequence-parallel batch (meld/distributed/seq_parallel.py): each
 // local request is part `part` of `parts` of batch request `b` (p.xreq), its q row is q[b], and a unit's
 // result on this rank (whole here, or merged from this rank's pieces as above) goes to the ranks'
 // symmetric windows (p.xpeers: NVLink peer memory) instead of p.out: a request whole on this rank writes

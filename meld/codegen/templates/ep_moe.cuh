@@ -1,4 +1,4 @@
-// meld expert-parallel MoE: the cross-rank launches around each rank's MoE (meld/dist/expert_parallel.py).
+// meld expert-parallel MoE: the cross-rank launches around each rank's MoE (meld/distributed/expert_parallel.py).
 // The experts are split into contiguous blocks, one per rank; every rank holds T tokens and their routing
 // (the same T on every rank). Windows are laid out by (source rank, pair) slots, slot = t k + j of
 // slots = T k: every rank's window holds, per source, each pair's global expert id (-1: invalid) and

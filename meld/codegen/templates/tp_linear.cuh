@@ -1,5 +1,5 @@
 // meld row-parallel linear, all-reduced tile by tile across the ranks of a process group
-// (meld/dist/tp_linear.py): y = sum_r x_r W_r^T on every rank, where x_r [M, K] and W_r [N, K] are rank
+// (meld/distributed/tp_linear.py): y = sum_r x_r W_r^T on every rank, where x_r [M, K] and W_r [N, K] are rank
 // r's slices of the contraction dimension. One persistent kernel per GPU, no collective afterwards.
 //
 // An output tile is COLS = 64 TP_WGS columns of N (weight rows: wgmma's A, 64 for each consumer warpgroup)

@@ -1,4 +1,4 @@
-// meld: the cross-rank protocol that every operator over a process group shares (meld/dist): each rank's
+// meld: the cross-rank protocol that every operator over a process group shares (meld/distributed): each rank's
 // symmetric window as this rank addresses it, the start handshake and the landing count.
 //
 // Nothing is written into another rank's window before that rank has started the same launch (its
@@ -31,7 +31,7 @@ __device__ __forceinline__ void xrank_announce_peers(const XWindows& w, unsigned
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, w.started_off + 8 * w.rank)), "l"(n) : "memory");
 }
 
-// The proxy transport's command ring (meld/dist/proxy.py) as a kernel addresses it (common.cuh: proxy_push).
+// The proxy transport's command ring (meld/distributed/proxy.py) as a kernel addresses it (common.cuh: proxy_push).
 struct XRing {
   ProxyCommand* ring;
   unsigned long long* tail;

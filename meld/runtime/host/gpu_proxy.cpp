@@ -1,4 +1,4 @@
-// meld's GPU proxy (meld/dist/proxy.py): the host thread that lands the puts and signals a kernel writes into
+// meld's GPU proxy (meld/distributed/proxy.py): the host thread that lands the puts and signals a kernel writes into
 // its command ring, the model of an RDMA NIC's proxy on the GPUs of one node.
 //
 // Written in C++ and holding no Python lock, because its progress must not depend on the Python thread that

@@ -4,11 +4,11 @@ process group, in one persistent kernel per GPU and no collective.
 Every rank holds the whole batch's q and runs its parts of the batch (`shard_batch`: a long request is
 cut into one contiguous token range per rank, a short one stays whole on one rank) as a batch of its own
 through `DecodeAttention`'s kernel built with `xrank=True` (templates/decode_attention.cuh, MELD_XRANK).
-Results travel through one symmetric window per rank (`meld.dist.window`), by one of two transports:
+Results travel through one symmetric window per rank (`meld.distributed.window`), by one of two transports:
 - `"peer"` (NVLink peer memory, the GPUs of a node): a part's partial goes straight into the owner's
   window, the part whose arrival completes a unit's count merges the parts and writes the output into
   every rank's window;
-- `"proxy"` (the model of RDMA between nodes, `meld.dist.proxy`): every unit's rows go from this rank's
+- `"proxy"` (the model of RDMA between nodes, `meld.distributed.proxy`): every unit's rows go from this rank's
   window to the others' as puts handed to a host proxy thread, with one signal per CTA and destination;
   every rank merges the split requests itself once their parts have landed, at the end of its launch.
 Either way each launch ends once every unit of the batch is in its own rank's window: each rank's
@@ -67,7 +67,7 @@ class SeqParallelDecode:
         group: the process group (default: the default group); device: this rank's GPU (default: current).
         transport: "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy thread, as
             RDMA between nodes would carry them); ordered, chunk_bytes: the proxy's delivery (in issue
-            order, or shuffled) and network chunk (`meld.dist.proxy.GpuProxy`).
+            order, or shuffled) and network chunk (`meld.distributed.proxy.GpuProxy`).
         kernel_config: the kernel (default: DecodeKernelConfig.default for the shape, with xrank set to
             the transport). A launch waits at most 10 x its watchdog_ms for the other ranks' results, then
             the watchdog names the wait and the kernel traps.
@@ -188,7 +188,7 @@ class SeqParallelDecode:
         out, lse = self._views
         self.attn._launch(q, kv_cache, out, lse)
         # (the window's views stay untied: new views of them carry the tie)
-        out, lse = no_backward("meld.dist.SeqParallelDecode.run", grads, (out, lse), in_place=False)
+        out, lse = no_backward("meld.distributed.SeqParallelDecode.run", grads, (out, lse), in_place=False)
         return (out, lse) if return_lse else out
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ pages each, up to one), one per rank; a shorter request stays whole on the rank 
 far. Part 0's rank owns the request: every part's partial (output and log-sum-exp) crosses to the owner,
 one arrival counter per request counts them, and the part that completes the count merges them, in part
 order (so the result does not depend on the order they arrive in). Each cross-rank edge of this plan is
-one put of a partial and one fetch-add of the owner's counter (meld.dist.transport).
+one put of a partial and one fetch-add of the owner's counter (meld.distributed.transport).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Expert-parallel MoE over emulated ranks: the protocol of the GPU operator's proxy transport
-(`meld.dist.ExpertParallelMoE`, templates/ep_moe.cuh), run with the CPU reference's float64 FFN.
+(`meld.distributed.ExpertParallelMoE`, templates/ep_moe.cuh), run with the CPU reference's float64 FFN.
 
 Every rank holds its own tokens and their routing; the experts are split into contiguous blocks, one per
 rank. Windows are laid out by (source rank, pair) slots, slot = t k + j. Dispatch: a rank writes only its

@@ -38,7 +38,7 @@ import numpy as np
 
 T = TypeVar("T")
 
-PUT, ADD, SIGNAL = 1, 2, 3    # SIGNAL: an add with no reply (the GPU proxy's; meld/dist/proxy.py)
+PUT, ADD, SIGNAL = 1, 2, 3    # SIGNAL: an add with no reply (the GPU proxy's; meld/distributed/proxy.py)
 COMMAND = np.dtype([("op", "<u4"), ("window", "<u4"), ("dst", "<u4"), ("pad", "<u4"), ("start", "<u8"),
                     ("count", "<u8"), ("addend", "<i8"), ("ticket", "<u8")])   # 48 bytes, 8-byte aligned fields
 

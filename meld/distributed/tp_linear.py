@@ -82,7 +82,7 @@ class RowParallelLinear(Operator):
             call). A wait inside the kernel gives up after its watchdog_ms (waits for other ranks: ten times
             it), names what it waited for and traps.
         ordered, chunk_bytes: the proxy transport's delivery (in issue order, or shuffled) and network chunk
-            (`meld.dist.proxy.GpuProxy`).
+            (`meld.distributed.proxy.GpuProxy`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
@@ -225,7 +225,7 @@ class RowParallelLinear(Operator):
     @staticmethod
     def _tied(grads: tuple | None, y: torch.Tensor) -> torch.Tensor:
         """y (a view of the window, which stays untied) as a view tied to the inputs that require grad."""
-        return no_backward("meld.dist.RowParallelLinear", grads, (y,), in_place=False)[0]
+        return no_backward("meld.distributed.RowParallelLinear", grads, (y,), in_place=False)[0]
 
     def last_trace(self):
         """Each CTA's timed GEMMs, staged and sent partials, merge waits and merges in the last launch (waits

@@ -2,9 +2,9 @@
 keeping its own tokens: dispatch, this rank's experts on its MoE kernels, and the weighted expert rows back
 to their tokens' ranks, combined in choice order — a stream of launches on every GPU with no host
 synchronisation and no collective (templates/ep_moe.cuh), CUDA-graph capturable. The rows cross through
-NVLink peer memory, or through the proxy transport (the model of RDMA between nodes: meld/dist/proxy.py).
+NVLink peer memory, or through the proxy transport (the model of RDMA between nodes: meld/distributed/proxy.py).
 
-Rank r serves experts [r E/W, (r+1) E/W) (`meld.dist.ep_moe.expert_owner`; `meld.dist.ep_moe` runs the
+Rank r serves experts [r E/W, (r+1) E/W) (`meld.distributed.ep_moe.expert_owner`; `meld.distributed.ep_moe` runs the
 same protocol on emulated ranks). Its window receives every rank's rows at fixed slots (source rank, token,
 choice), which its `meld.MoE` (top_k 1, first_expert r E/W, a pair of another rank's expert skipped) runs
 as tokens: each served slot's row through its expert, times its weight. The result is deterministic: each
@@ -78,7 +78,7 @@ class ExpertParallelMoE(Operator):
         moe_kernel_config: this rank's MoE kernels (`meld.codegen.moe_kernel.MoeKernelConfig`; absent pairs
             are always on).
         ordered, chunk_bytes: the proxy transport's delivery (in issue order, or shuffled) and network chunk
-            (`meld.dist.proxy.GpuProxy`).
+            (`meld.distributed.proxy.GpuProxy`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -206,7 +206,7 @@ class ExpertParallelMoE(Operator):
                                f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
         self._check_count(T)
         if T == 0:
-            return no_backward("meld.dist.ExpertParallelMoE", grads, (out,))[0]
+            return no_backward("meld.distributed.ExpertParallelMoE", grads, (out,))[0]
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
         ids = topk_ids.to(torch.int32).contiguous()
@@ -220,7 +220,7 @@ class ExpertParallelMoE(Operator):
         self.experts._launch(c.rows, None, w13, w2, c.weights, c.ids, c.served, block_tokens=c.block_tokens)
         self._k["meld_ep_return"].launch(c.grid_return, p)
         self._k["meld_ep_combine"].launch(c.grid_combine, p)
-        return no_backward("meld.dist.ExpertParallelMoE", grads, (out,))[0]
+        return no_backward("meld.distributed.ExpertParallelMoE", grads, (out,))[0]
 
     def _call(self, T: int) -> "_Call":
         """What a call of T tokens launches over, worked out once per T: the grids, and the MoE's inputs as

@@ -2,7 +2,7 @@
 how the tests and `bench/dist.py` start ranks. Engines start theirs with torchrun or their own launcher
 and hand meld the process group. `share_gpu=True` puts every rank on GPU 0 with a gloo group instead
 (NCCL refuses two ranks on one GPU): the cross-rank protocols run there through CUDA IPC windows
-(`meld.dist.window`), the ranks' kernels time-sliced, which tests them, not their speed."""
+(`meld.distributed.window`), the ranks' kernels time-sliced, which tests them, not their speed."""
 from __future__ import annotations
 
 import os

@@ -85,5 +85,5 @@ def seq_parallel_decode(plan: ShardPlan, transport, q: torch.Tensor, kv_cache: t
     for r in range(1, plan.world):
         if not np.array_equal(out_w[r][:B], res, equal_nan=True):
             raise ValueError(f"rank {r}'s output window differs from rank 0's")
-    return no_backward("meld.dist.seq_parallel_decode", grads,
+    return no_backward("meld.distributed.seq_parallel_decode", grads,
                        (torch.from_numpy(res[:, :, :D].copy()), torch.from_numpy(res[:, :, D].copy())))

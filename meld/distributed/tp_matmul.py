@@ -1,5 +1,5 @@
 """The row-parallel linear's per-tile all-reduce over emulated ranks, with the GPU kernel's schedule
-(`meld.codegen.tp_kernel.TpSchedule`; the GPU operator is `meld.dist.RowParallelLinear`).
+(`meld.codegen.tp_kernel.TpSchedule`; the GPU operator is `meld.distributed.RowParallelLinear`).
 
 Rank r holds x_r [M, K] and w_r [N, K] (its slices of the contraction dimension) and every rank gets
 y = sum_r x_r w_r^T. Each output tile (`cols` columns x a token block) is computed as world x k_splits
