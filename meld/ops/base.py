@@ -12,6 +12,7 @@ from ..codegen import compile_source
 from ..codegen.lowering import Lowering, lower
 from ..ir import TaskGraph
 from .checks import resolve_device
+from .registry import register
 
 
 class Operator:
@@ -23,8 +24,6 @@ class Operator:
     handle: int   # names this operator to its torch custom op (meld.ops.torch_ops)
 
     def _setup(self, graph: TaskGraph, device: object) -> None:
-        from .torch_ops import register
-
         self.handle = register(self)
         self.graph = graph
         self.lowering = lower(graph)
@@ -33,8 +32,6 @@ class Operator:
 
     def __setstate__(self, state: dict) -> None:
         """A copy (copy, deepcopy, unpickling) is another operator: it gets its own handle."""
-        from .torch_ops import register
-
         self.__dict__.update(state)
         self.handle = register(self)
 

@@ -2,9 +2,7 @@
 traces it as one opaque node instead of breaking the graph.
 
 A custom op takes tensors and scalars, not Python objects, so each operator is named by an int, its
-`handle` (given at construction), which this registry maps back to it, as vLLM names an attention layer
-by a string looked up in its forward context. The registry holds operators weakly: registering keeps
-nothing alive, and a handle whose operator is gone raises ValueError naming it.
+`handle` (given at construction), which `meld.ops.registry` maps back to it.
 
     torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle) -> ()       # DecodeAttention.run
     torch.ops.meld.moe(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> ()   # MoE()
@@ -31,45 +29,12 @@ Example:
 """
 from __future__ import annotations
 
-import functools
-import itertools
-import weakref
-from typing import TypeVar
-
 import torch
 
-from .base import Operator
 from .checks import check_tensors, expect, grad_inputs, no_backward
 from .decode_attention import DecodeAttention
 from .moe import MoE
-
-_T = TypeVar("_T", bound=Operator)
-_live: dict[int, weakref.ref] = {}
-_handles = itertools.count()
-
-
-def _forget(handle: int, _ref: weakref.ref) -> None:
-    _live.pop(handle, None)
-
-
-def register(op: Operator) -> int:
-    """A new handle naming `op` (held weakly: the handle is forgotten when `op` is collected)."""
-    handle = next(_handles)
-    _live[handle] = weakref.ref(op, functools.partial(_forget, handle))
-    return handle
-
-
-def lookup(handle: int, kind: type[_T]) -> _T:
-    """The live operator `handle` names, which must be a `kind`."""
-    ref = _live.get(handle)
-    op = None if ref is None else ref()
-    if isinstance(op, kind):
-        return op
-    if op is None:
-        raise ValueError(f"handle={handle!r} names no live meld operator (never registered, or its operator "
-                         "was garbage-collected)")
-    raise ValueError(f"handle={handle!r} names a {type(op).__name__}, not a {kind.__name__}")
-
+from .registry import lookup
 
 # --- the ops --------------------------------------------------------------------------------------------
 _lib = torch.library.Library("meld", "FRAGMENT")
