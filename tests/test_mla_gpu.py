@@ -78,6 +78,16 @@ def test_one_long_request_merged_by_many_ctas():
     assert it["num_parts"].max() >= 8
 
 
+@pytest.mark.racecheck
+@pytest.mark.parametrize("lens,H", [([5, 70, 300], 100), ([3000, 5], 64)])
+def test_small_batches(lens, H):
+    """A padded second unit, and one request split over many CTAs and merged in the launch, at sizes
+    compute-sanitizer's racecheck runs in seconds."""
+    mla, _, _ = _check(lens, H=H)
+    if H == 64:
+        assert mla.schedule.items()["num_parts"].max() > 1, "the long request must be split"
+
+
 @pytest.mark.parametrize("H", [16, 100, 192])
 def test_head_counts(H):
     """Fewer than 64 heads (one padded unit), a count no multiple of 64, three units a request."""

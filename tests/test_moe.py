@@ -254,6 +254,16 @@ def test_gpu_matches_dense_reference(T, H, I, E, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.racecheck
+@pytest.mark.parametrize("T,H,I,E,k,cfg", [(1, 256, 128, 8, 2, {}), (5, 2568, 64, 4, 2, {}),
+                                           (500, 264, 136, 4, 2, {}), (40, 128, 64, 6, 6, {"k_boxes": 2})])
+def test_gpu_small_cases(T, H, I, E, k, cfg):
+    """Narrow and wide tiles, the dispatch launch and two K boxes a stage at sizes compute-sanitizer's
+    racecheck runs in seconds."""
+    gpu_case(T, H, I, E, k, kernel_config=MoeKernelConfig(**cfg))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,H,I,E,k", [(1, 256, 128, 8, 2), (7, 200, 136, 5, 3), (100, 512, 256, 16, 4),
                                        (40, 128, 64, 6, 6), (5, 2568, 64, 4, 2), (1, 320, 136, 5, 3)])
 def test_gpu_two_k_boxes_a_stage_match_dense_reference(T, H, I, E, k):

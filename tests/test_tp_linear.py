@@ -2,6 +2,7 @@
 the window layout holds the largest call, the token block covers the rows; on one GPU (a process group of
 one rank: the GEMM and the tile protocol without a peer) it matches float64 on fresh random inputs, with
 the output poisoned first and repeated launches bit-identical. Two GPUs: tests/test_dist_gpu.py."""
+import functools
 import math
 
 import pytest
@@ -170,17 +171,24 @@ def test_window_holds_the_largest_call(max_tokens, n, world, own_parts_only):
             assert L["landed"] - L["count"] >= s.out_tiles * 8
 
 
-def _one_rank(rank, world):
+ONE_RANK_CASES = [(1, 4096, 1024, "owner", "bfloat16"), (37, 1000, 136, "owner", "bfloat16"),
+                  (200, 264, 520, "owner", "bfloat16"), (1, 4096, 1024, "every_rank", "bfloat16"),
+                  (37, 1000, 136, "every_rank", "bfloat16"), (1, 4096, 1024, "owner", "float32"),
+                  (37, 1000, 136, "every_rank", "float32"), (300, 1000, 200, "owner", "bfloat16"),
+                  (300, 520, 136, "every_rank", "bfloat16"), (520, 264, 8200, "every_rank", "bfloat16"),
+                  (130, 1000, 8200, "every_rank", "float32"), (128, 2048, 4096, "every_rank", "bfloat16"),
+                  (500, 2048, 4096, "every_rank", "bfloat16"), (250, 1000, 8192, "owner", "bfloat16")]
+# Small enough for compute-sanitizer's racecheck: the direct path (M = 1, every rank), the general path with
+# its sender and merge teams (M = 37, 300), and the owner merge.
+RACECHECK_CASES = [(1, 1024, 256, "every_rank", "bfloat16"), (37, 264, 136, "every_rank", "bfloat16"),
+                   (300, 264, 136, "every_rank", "float32"), (37, 264, 136, "owner", "bfloat16")]
+
+
+def _one_rank(rank, world, cases=ONE_RANK_CASES):
     from meld.distributed import RowParallelLinear
 
     dev = torch.device("cuda", rank)
-    for m, k, n, merge, partials in [(1, 4096, 1024, "owner", "bfloat16"), (37, 1000, 136, "owner", "bfloat16"),
-                                     (200, 264, 520, "owner", "bfloat16"), (1, 4096, 1024, "every_rank", "bfloat16"),
-                                     (37, 1000, 136, "every_rank", "bfloat16"), (1, 4096, 1024, "owner", "float32"),
-                                     (37, 1000, 136, "every_rank", "float32"), (300, 1000, 200, "owner", "bfloat16"),
-                                     (300, 520, 136, "every_rank", "bfloat16"), (520, 264, 8200, "every_rank", "bfloat16"),
-                                     (130, 1000, 8200, "every_rank", "float32"), (128, 2048, 4096, "every_rank", "bfloat16"),
-                                     (500, 2048, 4096, "every_rank", "bfloat16"), (250, 1000, 8192, "owner", "bfloat16")]:
+    for m, k, n, merge, partials in cases:
         g = torch.Generator().manual_seed(m)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
@@ -202,6 +210,15 @@ def test_one_rank_matches_float64():
     from meld.distributed import spawn
 
     spawn(_one_rank, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.racecheck
+def test_one_rank_small_cases():
+    """Every path of the kernel at sizes compute-sanitizer's racecheck runs in seconds."""
+    from meld.distributed import spawn
+
+    spawn(functools.partial(_one_rank, cases=RACECHECK_CASES), 1)
 
 
 def _one_rank_trace(rank, world):
