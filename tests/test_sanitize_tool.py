@@ -124,6 +124,19 @@ def test_a_racecheck_hazard_in_a_meld_kernel_fails():
     assert verdict(s) == 1
 
 
+def test_a_racecheck_hazard_between_meld_device_functions_fails():
+    """Reports of warp-specialised kernels name namespaced device functions, not the meld_ kernel (the MLA
+    kernel's races were filed as other errors and passed)."""
+    race = RACE.replace("at meld_decode_attention+0x3f0", "at meld::mla_value(const MlaParams &, const meld::"
+                        "UnitWalk &, unsigned int)+0x14c0").replace(
+        "at meld_decode_attention+0x5c0", "at meld::mla_score(const MlaParams &, meld::Stats &)+0x910")
+    s = shard("racecheck", log_text=race)
+    [b] = s.report.blocks
+    assert b.category == "meld" and b.kernel.startswith("meld::mla_value")
+    assert verdict(s) == 1
+    assert not san.is_meld("at::native::vectorized_elementwise_kernel<4>") and not san.is_meld("meldx::f()")
+
+
 def test_a_racecheck_hazard_in_the_older_format_is_attributed_too():
     old = RACE.replace("at meld_decode_attention+0x3f0 in meld_decode_attention_bf16_d128.cu:220",
                        "at 0x000003f0 in /tmp/meld_decode_attention.cu:220:meld_decode_attention")

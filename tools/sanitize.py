@@ -70,7 +70,11 @@ SECONDS_PER_TEST = {"memcheck": 1.5, "synccheck": 0.4, "initcheck": 0.4, "racech
 STARTUP_S = 15.0          # python + torch + CUDA init under the sanitizer, kernels from the compile cache
 TARGET_SHARD_S = 45.0     # shorter shards balance better; each one pays STARTUP_S again
 # Caching allocator pools hide out-of-bounds accesses (and initcheck's view of fresh memory) inside blocks.
+# Tests marked `caching_allocator` allocate inside CUDA-graph capture, which only the caching allocator can
+# serve (a cudaMalloc while capturing fails, and the failed capture breaks the process's later tests): they
+# run in shards of their own with it.
 TOOL_ENV = {"memcheck": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "initcheck": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}}
+CACHING = "caching_allocator"
 
 # --- log parsing ------------------------------------------------------------------------------------
 PREFIX = re.compile(r"^={8,}(.*)$")
@@ -123,9 +127,11 @@ class LogReport:
 
 
 def is_meld(function: str) -> bool:
-    """meld's kernels are extern "C" meld_*; C++ names may carry a return type and arguments."""
-    name = re.sub(r"^(?:void|static|__global__)\s+", "", function.strip())
-    return re.split(r"[\s(<]", name, maxsplit=1)[0].startswith("meld_")
+    """meld's kernels are extern "C" meld_*, its device functions live in namespace meld (meld::mla_store(...),
+    which a race report may name instead of the kernel); C++ names may carry a return type and arguments."""
+    name = re.sub(r"^(?:void|static|__global__|__device__)\s+", "", function.strip())
+    first = re.split(r"[\s(<]", name, maxsplit=1)[0]
+    return first.startswith("meld_") or first.startswith("meld::")
 
 
 def _function(text: str) -> str | None:
@@ -230,6 +236,7 @@ class Shard:
     ids: list[str]
     log: str
     out: str
+    caching: bool = False        # run with torch's caching allocator (TOOL_ENV not applied)
     cmd: list[str] = field(default_factory=list)
     rc: int | None = None
     start: float | None = None
@@ -308,8 +315,8 @@ def supported(flags: list[str], help_text: str) -> tuple[list[str], list[str]]:
     return kept, dropped
 
 
-def child_env(tool: str | None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(TOOL_ENV.get(tool, {}) if tool else {}))
+def child_env(tool: str | None, caching: bool = False) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(TOOL_ENV.get(tool, {}) if tool and not caching else {}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
@@ -355,7 +362,7 @@ def run_shards(shards: list[Shard], jobs: int, timeout: float, deadline: float) 
             fh.write("$ " + " ".join(s.cmd) + "\n\n")
             fh.flush()
             s.start = time.monotonic()
-            p = subprocess.Popen(s.cmd, cwd=ROOT, env=child_env(s.tool), stdout=fh, stderr=subprocess.STDOUT,
+            p = subprocess.Popen(s.cmd, cwd=ROOT, env=child_env(s.tool, s.caching), stdout=fh, stderr=subprocess.STDOUT,
                                  start_new_session=True)
             running[p.pid] = (s, p, fh, s.start + limit)
         time.sleep(0.5)
@@ -488,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                              check=False).stdout.strip().splitlines()
     help_text = subprocess.run([sanitizer, "--help"], capture_output=True, text=True, check=False).stdout
     print(f"{sanitizer}: {version[-1] if version else '?'}; collecting ...", flush=True)
-    selections = collect({MARKERS[t] for t in args.tools}, extra)
+    selections = collect({MARKERS[t] for t in args.tools} | {CACHING}, extra)
+    cached = set(selections[CACHING][0])
     results, shards = [], []
     for tool in args.tools:
         ids, error = selections[MARKERS[tool]]
@@ -500,10 +508,13 @@ def main(argv: list[str] | None = None) -> int:
             r.problems.append(f"collection failed: {error}")
         elif not ids:
             r.problems.append(f"no tests selected by -m {MARKERS[tool]!r} {' '.join(extra)}".rstrip())
-        groups = deal(ids, shard_count(tool, len(ids), args.jobs))
-        for k, group in enumerate(groups, 1):
-            s = Shard(tool, k, len(groups), group, str(outdir / f"{tool}-shard{k}.log"),
-                      str(outdir / f"{tool}-shard{k}.out"))
+        own_env = tool in TOOL_ENV and cached.intersection(ids)
+        plain = [i for i in ids if i not in cached] if own_env else ids
+        groups = [(g, False) for g in deal(plain, shard_count(tool, len(plain), args.jobs))]
+        groups += [([i for i in ids if i in cached], True)] if own_env else []
+        for k, (group, caching) in enumerate(groups, 1):
+            name = f"{tool}-shard{k}" + ("-caching" if caching else "")
+            s = Shard(tool, k, len(groups), group, str(outdir / f"{name}.log"), str(outdir / f"{name}.out"), caching)
             s.cmd = [sanitizer, "--tool", tool, "--log-file", s.log, *flags,
                      sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *group]
             r.shards.append(s)

@@ -62,13 +62,15 @@ __device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sy
 template <int REGS>
 __device__ __forceinline__ void regs_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS)); }
 
-// Named barrier over `threads` threads (ids 1..15; 0 is __syncthreads). Not `.aligned` (bar.sync is
-// barrier.sync.aligned): callers reach it from per-thread loops and branches (a row past the unit's end,
-// a merge loop of uneven trip counts), where a warp need not be converged, and an aligned barrier reached
-// by a diverged warp is undefined behaviour (compute-sanitizer's synccheck reports it). The unaligned form
-// lets the compiler reconverge the warp first.
+// Named barrier over `threads` threads (ids 1..15; 0 is __syncthreads), every warp whole. bar.sync is
+// `.aligned`: a warp must reach it converged, and callers come from per-thread loops and branches (a row
+// past the unit's end, merge loops of uneven trip counts) where nothing reconverges it: synccheck reports
+// such a warp as divergent threads, undefined behaviour that may hang or release the barrier early. The
+// __syncwarp reconverges the warp first and orders its lanes' shared-memory accesses before the barrier.
+// Every lane of every participating warp must call it (none may have returned).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  __syncwarp();
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Orders this thread's generic-proxy and async-proxy (TMA) accesses to global memory: generic writes it

@@ -437,6 +437,7 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
         m[0] = sx.m[r0]; m[1] = sx.m[r1];
       }
       mla_pv(o, pbuf, ring + stage * STAGE_BYTES, 1);
+      __syncwarp();   // every lane's reads of sx before lane 0 releases P's slot (and sx) for the next block
       if (lane == 0) {
         mbar_arrive(b.p_empty);
         mbar_arrive(b.empty + 8 * stage);
