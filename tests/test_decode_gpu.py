@@ -356,6 +356,7 @@ def test_plan_errors_on_gpu_op(helper, monkeypatch):
         attn.run(torch.randn(4, 8, 64, device="cuda").bfloat16(), kv[:3])
 
 
+@pytest.mark.caching_allocator
 def test_sampled_profile_records_one_launch_in_n():
     """MELD_PROFILE_EVERY=3: the launches numbered 0, 3, 6, ... on the GPU write the trace and the others
     leave it as it was, eager launches and graph replays alike (production pays for one launch in N)."""

@@ -225,6 +225,7 @@ def test_gpu_compiled_block_matches_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.caching_allocator
 def test_gpu_cuda_graph_replays_after_replans():
     """mode="reduce-overhead": one CUDA graph for the batch size, replayed after each plan()."""
     batches = ([5, 40, 17], [300, 1, 64], [0, 999, 2])
