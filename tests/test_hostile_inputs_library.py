@@ -1,0 +1,34 @@
+"""Hostile inputs, round 3: meld's library surfaces beyond the operators' main entry points (serving's KV pool
+and traces, workloads, tuning, profiles, the scheduler, the IR builders, MoE weight packing, copies, threads,
+the torch-op registry) and round 2's leftovers. CPU only, small shapes, no compiles."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import meld
+from meld.workloads import paged
+
+
+# --- describe_unit: out-of-range numbers are answered, never raised (they feed the watchdog's message) -----
+def test_describe_unit_out_of_range_says_so():
+    a = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, device="cpu")
+    for u in (-1, 10 ** 9, 0, "x", 2.5, None):
+        assert "out of range" in a.describe_unit(u) or "not a unit number" in a.describe_unit(u)
+    pb = paged([3, 20], 16)
+    a.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    assert a.describe_unit(15) == "request 1, kv head 7, q heads 28-31"
+    for u in (-1, 16, 10 ** 9, 2 ** 64):
+        assert a.describe_unit(u) == f"unit {u} is out of range: the plans so far have units 0-15"
+
+
+def test_watchdog_message_survives_a_failing_describer():
+    from meld.runtime.watchdog import Watchdog, _Kernel
+
+    w = Watchdog.__new__(Watchdog)
+    w.device = torch.device("cuda", 0)
+    w.record = types.SimpleNamespace(kernel=0, unit=7, site=0, detail=0, cta=1, sm=2, warp=3, waited_ns=2e9, parity=0)
+    w._kernels = [_Kernel("k", lambda u: 1 // 0)]
+    assert "unit 7 (not described: ZeroDivisionError" in w.message()
