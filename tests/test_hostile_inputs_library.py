@@ -32,3 +32,13 @@ def test_watchdog_message_survives_a_failing_describer():
     w.record = types.SimpleNamespace(kernel=0, unit=7, site=0, detail=0, cta=1, sm=2, warp=3, waited_ns=2e9, parity=0)
     w._kernels = [_Kernel("k", lambda u: 1 // 0)]
     assert "unit 7 (not described: ZeroDivisionError" in w.message()
+
+
+# --- meld tune --workload recorded:FILE on a binary file names the file ------------------------------------
+def test_tune_recorded_binary_file_is_named(tmp_path, capsys):
+    from tests.test_cli import _fails
+
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b"\xff\xfe\x00bad\n")
+    _fails(["tune", "--workload", f"recorded:{path}", "--db", str(tmp_path / "t.json")], capsys,
+           "argument --workload", f"{path} is not a workload file", "not UTF-8")
