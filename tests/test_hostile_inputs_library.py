@@ -42,3 +42,13 @@ def test_tune_recorded_binary_file_is_named(tmp_path, capsys):
     path.write_bytes(b"\xff\xfe\x00bad\n")
     _fails(["tune", "--workload", f"recorded:{path}", "--db", str(tmp_path / "t.json")], capsys,
            "argument --workload", f"{path} is not a workload file", "not UTF-8")
+
+
+# --- meld.dist.shard_batch caps the world it places over -------------------------------------------------
+def test_shard_batch_caps_world():
+    from meld.dist.shard import MAX_WORLD, shard_batch
+
+    for world in (10 ** 9, MAX_WORLD + 1):
+        with pytest.raises(ValueError, match=f"world must be at most {MAX_WORLD}, got {world}"):
+            shard_batch([5, 100], 16, world)
+    assert shard_batch([5, 100], 16, MAX_WORLD).world == MAX_WORLD
