@@ -52,3 +52,11 @@ def test_shard_batch_caps_world():
         with pytest.raises(ValueError, match=f"world must be at most {MAX_WORLD}, got {world}"):
             shard_batch([5, 100], 16, world)
     assert shard_batch([5, 100], 16, MAX_WORLD).world == MAX_WORLD
+
+
+# --- meld serve-bench's lists refuse empty items ------------------------------------------------------------
+@pytest.mark.parametrize("option,text", [("--max-batch", "1,,2"), ("--max-batch", "4,"), ("--backend", "meld,,sdpa")])
+def test_serve_bench_list_with_an_empty_item(option, text, capsys):
+    from tests.test_cli import _fails
+
+    _fails(["serve-bench", option, text], capsys, f"argument {option}", repr(text), "empty item")
