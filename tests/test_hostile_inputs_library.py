@@ -60,3 +60,27 @@ def test_serve_bench_list_with_an_empty_item(option, text, capsys):
     from tests.test_cli import _fails
 
     _fails(["serve-bench", option, text], capsys, f"argument {option}", repr(text), "empty item")
+
+
+# --- MELD_DUMP_DIR that fails after plan() installed the plan: a warning, the plan kept -------------------
+def test_dump_failure_after_the_plan_warns(tmp_path, monkeypatch):
+    import pathlib
+
+    from meld import config
+
+    a = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, device="cpu")
+    first, second = paged([3, 20], 16), paged([40], 16)
+    a.plan(first.kv_indptr, first.kv_indices, first.kv_last_page_len)
+    real = pathlib.Path.write_bytes
+
+    def full_disk(self, data):
+        if self.name.endswith(".schedule.json"):
+            raise OSError(28, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full_disk)
+    with config.scope(MELD_DUMP_DIR=str(tmp_path / "dump")):
+        with pytest.warns(RuntimeWarning, match=r"MELD_DUMP_DIR=.*cannot write .*schedule.json: No space left on "
+                                                r"device; the plan was installed"):
+            a.plan(second.kv_indptr, second.kv_indices, second.kv_last_page_len)
+    assert a.schedule.kv_len.tolist() == [40]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -241,7 +242,8 @@ class PagedDecode(Operator):
                 and never synchronise with the device. GPU inputs are planned on the GPU; checking them
                 reads them on the host (a synchronisation) — pass check=False to plan with no host
                 involvement at all (then plan() can itself be captured in a CUDA graph).
-        The schedule is at `self.schedule`. A plan() that raises changes nothing. Like FlashInfer's, the
+        The schedule is at `self.schedule`. A plan() that raises changes nothing (MELD_DUMP_DIR is checked
+        first; writing the schedule there after the plan is installed can only warn). Like FlashInfer's, the
         plan is written on torch's current stream: a run() on another stream must wait for it.
         """
         if self._watchdog is not None:
@@ -274,8 +276,11 @@ class PagedDecode(Operator):
             self._plan_host(B, kv_indptr, kv_indices, kv_last_page_len)
         else:
             self._plan_device(B, kv_indptr, kv_indices, kv_last_page_len, check)
-        if dump is not None:
-            config.dump(f"{self.graph.name}.schedule.json", self.schedule.to_json())
+        if dump is not None:   # the plan is installed: a dump that fails now (a full disk) only warns
+            try:
+                config.dump(f"{self.graph.name}.schedule.json", self.schedule.to_json())
+            except ValueError as e:
+                warnings.warn(f"{e}; the plan was installed, its schedule not dumped", RuntimeWarning, stacklevel=2)
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
         """Install a validated plan (and grown buffers): the only place plan() changes the operator;
