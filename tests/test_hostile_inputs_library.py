@@ -84,3 +84,174 @@ def test_dump_failure_after_the_plan_warns(tmp_path, monkeypatch):
                                                 r"device; the plan was installed"):
             a.plan(second.kv_indptr, second.kv_indices, second.kv_last_page_len)
     assert a.schedule.kv_len.tolist() == [40]
+
+
+# --- meld.serving's KV pool: the block allocator and the page lists ---------------------------------------
+def _kv():
+    from meld.serving.kv_cache import PagedKVCache
+
+    return PagedKVCache(1, 16, 4, 1, 8, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("n", [-1, 2.5, "2", True, 10 ** 9])
+def test_allocator_refuses_bad_counts(n):
+    from meld.serving.kv_cache import BlockAllocator
+
+    a = BlockAllocator(8)
+    with pytest.raises(ValueError, match=r"^n must be"):
+        a.alloc(n)
+    assert a.num_free == 7
+
+
+@pytest.mark.parametrize("pages,match", [
+    ([10 ** 30], "outside 0..7"), ([2.5], "integer page indices"), ("12", "a list of page indices"),
+    (None, "a list of page indices"), ([[1, 2]], "integer page indices")])
+def test_allocator_free_refuses_what_is_no_page_list(pages, match):
+    from meld.serving.kv_cache import BlockAllocator
+
+    a = BlockAllocator(8)
+    got = a.alloc(2)
+    with pytest.raises(ValueError, match=match):
+        a.free(pages)
+    assert a.num_free == 5
+    a.free(got)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(got)
+    assert a.num_free == 7
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_pages=8.5), "num_pages must be a positive int, got 8.5"),
+    (dict(num_pages=10 ** 12), "num_pages must be at most"),
+    (dict(num_pages=8, first=-3), "first must be a non-negative int, got -3"),   # handed out pages -3..-1
+    (dict(num_pages=8, seed=2 ** 70), "seed must be an int in")])
+def test_allocator_constructor(kwargs, match):
+    from meld.serving.kv_cache import BlockAllocator
+
+    with pytest.raises(ValueError, match=match):
+        BlockAllocator(**kwargs)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((-1, 16, 4, 1, 8), "num_layers must be a positive int, got -1"),
+    ((1, 16, 4, 0, 8), "num_kv_heads must be a positive int, got 0"),
+    ((1, 16, 2.5, 1, 8), "page_size must be a positive int, got 2.5"),
+    ((1, 10 ** 6, 4096, 64, 4096), r"the KV pool \(1, 1000000, 2, 4096, 64, 4096\) .* cannot be allocated on cpu"),
+    ((1, 16, 4, 1, 8, "bf16"), "dtype must be a floating-point torch.dtype, got 'bf16'"),
+    ((1, 16, 4, 1, 8, torch.float32, "cuda:7"), "device='cuda:7'")])
+def test_kv_cache_constructor(args, match):
+    from meld.serving.kv_cache import PagedKVCache
+
+    with pytest.raises(ValueError, match=match):
+        PagedKVCache(*args)
+
+
+def test_kv_cache_requests_that_are_not_there():
+    kv = _kv()
+    kv.add(1, 8)
+    kv.release(1)
+    for call in (lambda: kv.release(1), lambda: kv.extend(9, 1), lambda: kv.append([9]), lambda: kv.length(9),
+                 lambda: kv.pages(9), lambda: kv.page_table([9]), lambda: kv.release([1])):
+        with pytest.raises(ValueError, match=r"request .* is not in the KV cache"):
+            call()
+    assert kv.allocator.num_free == 15 and kv._unallocated == 0
+
+
+def test_kv_cache_counts():
+    kv = _kv()
+    for call, match in ((lambda: kv.add(1, -5), "max_tokens must be a non-negative int, got -5"),
+                        (lambda: kv.add(1, 2.5), "max_tokens must be a non-negative int, got 2.5"),
+                        (lambda: kv.add("a", 5), "rid must be an int, got 'a'"),
+                        (lambda: kv.can_admit(-100), "max_tokens must be a non-negative int, got -100")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    kv.add(1, 8)
+    with pytest.raises(ValueError, match="n must be a non-negative int, got -3"):
+        kv.extend(1, -3)   # the length became -3
+    assert kv.length(1) == 0 and kv._unallocated == 2
+
+
+def test_kv_cache_append_is_all_or_nothing():
+    kv = _kv()
+    kv.add(1, 8), kv.add(2, 4)
+    kv.extend(2, 4)
+    for rids, match in (([1, 99], "request 99 is not in the KV cache"), ([1, 2], "request 2 would hold 5 tokens"),
+                        ([1, 1], "name a request twice")):
+        with pytest.raises(ValueError, match=match):
+            kv.append(rids)
+        assert kv.length(1) == 0 and kv.pages(1).size == 0   # request 1 had grown before the error
+    assert kv.append([1]).shape == (1,)
+
+
+def test_kv_cache_page_table_and_pool_access():
+    kv = _kv()
+    for kwargs, match in ((dict(pad_to=10 ** 12), "pad_to must be at most"),
+                          (dict(pad_to=2, pad_page=999), r"pad_page must be a page of the pool \(0..15\)"),
+                          (dict(pad_to=2, pad_page=-1), "pad_page must be a page of the pool")):
+        with pytest.raises(ValueError, match=match):
+            kv.page_table([], **kwargs)
+    with pytest.raises(ValueError, match=r"layer must be 0..0, got 5"):
+        kv.layer(5)
+    z = torch.zeros(1, 1, 8)
+    for slots, k, match in ((torch.tensor([10 ** 6]), z, r"slots must be token slots of the pool \(0..63\)"),
+                            (torch.tensor([-1]), z, "slots must be token slots"),
+                            (torch.tensor([1]), torch.zeros(1, 2, 8), r"k must have shape \(1, 1, 8\)"),
+                            (torch.tensor([1], dtype=torch.int32), z, "slots must have dtype torch.int64")):
+        with pytest.raises(ValueError, match=match):
+            kv.write(0, slots, k, z)
+    with pytest.raises(ValueError, match="layer must be"):
+        kv.write(3, torch.tensor([1]), z, z)
+
+
+# --- meld.serving's traces ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(arrival_rate=float("inf")), "arrival_rate must be a finite number, got inf"),
+    (dict(arrival_rate="2"), "arrival_rate must be a finite number, got '2'"),
+    (dict(num_requests=10 ** 12), "num_requests must be at most"),   # a hang
+    (dict(num_requests=2.5), "num_requests must be a positive int, got 2.5"),
+    (dict(prompt=(float("nan"), 1.0, 4, 100)), "prompt's ln-mean must be a finite number, got nan"),  # all min
+    (dict(prompt=(1.0, float("nan"), 4, 100)), "prompt's ln-sd must be a finite number, got nan"),
+    (dict(prompt=(1.0, 1.0, 4.5, 100.7)), "prompt lengths: need int 1 <= min <= max"),
+    (dict(output=(1.0, 1.0, 4, 10 ** 30)), "output lengths: need int 1 <= min <= max"),
+    (dict(prompt=(1.0, 1.0, 4)), r"prompt must be \(ln-mean, ln-sd, min, max\)"),
+    (dict(seed=2 ** 64 - 1), "seed must be an int in"),
+    (dict(seed=1.5), "seed must be an int in")])
+def test_trace_config_refused(kwargs, match):
+    from meld.serving.trace import TraceConfig, make_trace
+
+    with pytest.raises(ValueError, match=match):
+        make_trace(TraceConfig(**{"num_requests": 4, "arrival_rate": 2.0, **kwargs}))
+
+
+def test_requests_and_their_tokens():
+    from meld.serving.trace import Request, request_tokens
+
+    with pytest.raises(ValueError, match="Request.prompt_len must be an int >= 1, got -3"):
+        Request(0, 0, -3, 2)
+    with pytest.raises(ValueError, match="vocab_size must be a positive int, got 0"):
+        request_tokens(Request(0, 0, 3, 2), 0, 1)
+    with pytest.raises(ValueError, match=r"seed must be an int with seed \* 1_000_003 \+ rid"):
+        request_tokens(Request(0, 0, 3, 2), 10, 2 ** 70)
+
+
+# --- meld.workloads -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dist,batch,match", [
+    ("uniform2k", -3, "batch must be a non-negative int, got -3"),   # []
+    ("one-long", 0, "batch must be >= 1 for one-long"),              # a batch of one
+    ("ragged", -1, "batch must be a non-negative int"), ("skewed", "3", "batch must be a non-negative int")])
+def test_lengths_refused(dist, batch, match):
+    from meld.workloads import lengths
+
+    with pytest.raises(ValueError, match=match):
+        lengths(dist, batch)
+
+
+@pytest.mark.parametrize("args,match", [
+    (([-5, 3], 16), "lens must be integer KV lengths >= 0"), (([2.5], 16), "lens must be integer KV lengths"),
+    (([5], 0), "page_size must be a positive int, got 0"), (([5], -4), "page_size must be a positive int"),
+    (([5, 40], 16, -3), "spare_pages must be a non-negative int, got -3"),
+    (([2 ** 40], 16), "page indices are int32"), (("abc", 16), "lens must be a list of KV lengths")])
+def test_paged_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        paged(*args)
+    assert paged(torch.tensor([5, 9]), 4).kv_indptr.tolist() == [0, 2, 5]
