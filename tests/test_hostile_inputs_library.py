@@ -255,3 +255,27 @@ def test_paged_refused(args, match):
     with pytest.raises(ValueError, match=match):
         paged(*args)
     assert paged(torch.tensor([5, 9]), 4).kv_indptr.tolist() == [0, 2, 5]
+
+
+# --- meld.scheduler's public planners -------------------------------------------------------------------------
+def test_plan_decode_refuses_what_it_silently_planned():
+    import numpy as np
+
+    from meld.scheduler import DecodeCost, Topology, plan_decode, plan_decode_host
+
+    topo, cost, L, pb = Topology.h200(), DecodeCost.default(4), np.array([5, 100]), np.array([0, 1])
+    for args, match in (((np.array([-5]), np.array([0]), 8, 4), "kv_len must be a 1-D array of integers"),
+                        ((np.array([2 ** 40]), np.array([0]), 8, 4), "kv_len must be"),
+                        ((np.array([5.5]), np.array([0]), 8, 4), "kv_len must be"),
+                        ((L, pb, 0, 4), "num_kv_heads must be a positive int, got 0"),
+                        ((L, pb, 8, 0), "group_size must be a positive int, got 0"),
+                        ((L, pb[:1], 8, 4), "kv_len and page_base must have one entry per request, got 2 and 1")):
+        with pytest.raises(ValueError, match=match):
+            plan_decode(*args, topo, cost)
+    assert plan_decode(np.zeros(0, np.int32), np.zeros(0, np.int32), 8, 4, topo, cost).num_units == 0
+    for args, match in (((np.array([0, -1]), np.array([3]), 16, 8, 4), "kv_indptr must never decrease"),
+                        ((np.array([0, 1]), np.array([3]), 0, 8, 4), "page_size must be a positive int, got 0"),
+                        ((np.array([0, 1]), np.array([3, 3]), 16, 8, 4), "expected B \\+ 1 and B"),
+                        ((np.array([0, 1]), np.array([3]), 16, 8, 0), "group_size must be a positive int")):
+        with pytest.raises(ValueError, match=match):
+            plan_decode_host(*args, topo, cost)
