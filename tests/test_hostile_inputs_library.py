@@ -279,3 +279,38 @@ def test_plan_decode_refuses_what_it_silently_planned():
                         ((np.array([0, 1]), np.array([3]), 16, 8, 0), "group_size must be a positive int")):
         with pytest.raises(ValueError, match=match):
             plan_decode_host(*args, topo, cost)
+
+
+# --- copies of the paged decode operators, and the torch-op registry ---------------------------------------
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_decode_operator_runs_and_replans(how):
+    import copy
+    import pickle
+
+    from meld.ops import torch_ops
+
+    a = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, device="cpu")
+    pb = paged([3, 40], 16)
+    a.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    q = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    kv = torch.randn(pb.num_pages, 2, 16, 2, 64, dtype=torch.bfloat16)
+    want = a.run(q, kv)
+    b = copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))   # TypeError: CArgObject before
+    assert b.handle != a.handle and torch_ops.lookup(b.handle, meld.DecodeAttention) is b
+    assert torch.equal(b.run(q, kv), want)
+    b.plan(pb.kv_indptr[:2], pb.kv_indices, pb.kv_last_page_len[:1])
+    assert torch.equal(a.run(q, kv), want)   # the original keeps its plan
+
+
+def test_operators_built_and_dropped_leave_no_handle():
+    import gc
+
+    from meld.ops import torch_ops
+
+    gc.collect()
+    before = len(torch_ops._live)
+    for _ in range(10):
+        a = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, device="cpu")
+        del a
+    gc.collect()
+    assert len(torch_ops._live) == before

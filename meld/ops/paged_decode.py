@@ -104,6 +104,21 @@ class PagedDecode(Operator):
     def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
         raise NotImplementedError
 
+    def __getstate__(self) -> dict:
+        """copy / deepcopy / pickle: an operator on the CPU executor copies whole (its plan too); one on a GPU
+        cannot be copied (its launch parameters point at its own device buffers): a TypeError says so."""
+        if self._buf is not None:
+            raise TypeError(f"{type(self).__name__} on {self.device} cannot be copied or pickled: its kernel's "
+                            "parameters point at its own device buffers; build another with the same arguments")
+        state = dict(self.__dict__)
+        del state["_helper_out"], state["_helper_out_ptrs"]   # ctypes pointers: made anew for the copy
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))
+        self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
+
     def describe_unit(self, unit: int) -> str:
         """A unit of work in the terms of the batch ("request 3, kv head 1, q heads 4-7"); a number outside
         the units of the plans so far is answered as out of range (never an exception)."""
