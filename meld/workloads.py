@@ -9,8 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops.checks import INT32_MAX, check_count, check_positive, is_int
+
 
 def lengths(dist: str, batch: int) -> list[int]:
+    """The KV lengths of a batch of `batch` requests of BENCH.md's distribution `dist`."""
+    batch = check_count("batch", batch, 1 << 24)
+    if dist == "one-long" and batch < 1:
+        raise ValueError("batch must be >= 1 for one-long (it holds the long request), got 0")
     if dist == "uniform2k":
         return [2048] * batch
     if dist == "skewed":   # exactly as BENCH.md
@@ -38,7 +44,18 @@ class PagedBatch:
 
 def paged(lens: list[int], page_size: int, spare_pages: int = 3, generator: torch.Generator | None = None) -> PagedBatch:
     """FlashInfer's paged layout for `lens`, page indices shuffled over a cache with a few spare pages."""
+    page_size, spare_pages = check_positive("page_size", page_size), check_count("spare_pages", spare_pages)
+    if hasattr(lens, "tolist"):   # a tensor or an array
+        lens = lens.tolist()
+    if isinstance(lens, (str, bytes)) or not hasattr(lens, "__iter__"):
+        raise ValueError(f"lens must be a list of KV lengths, got {lens!r:.80}")
+    lens = list(lens)
+    if not all(is_int(n) and n >= 0 for n in lens):
+        raise ValueError(f"lens must be integer KV lengths >= 0, got {lens!r:.120}")
     pages = [-(-n // page_size) for n in lens]
+    if sum(pages) + spare_pages > INT32_MAX:
+        raise ValueError(f"lens of {sum(lens)} tokens need {sum(pages)} pages of {page_size} (+ {spare_pages} spare): "
+                         f"page indices are int32 (at most {INT32_MAX} pages)")
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
     indptr[1:] = torch.tensor(pages, dtype=torch.int32).cumsum(0) if lens else indptr[1:]
     nnz = int(indptr[-1])

@@ -113,7 +113,11 @@ def test_inputs_that_require_grad_run_and_backward_says_there_is_none():
 
 def test_describe_unit():
     mla = meld.DecodeMLA(100, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
+    assert mla.describe_unit(3) == "unit 3 is out of range: the plans so far have no units (no plan so far)"
+    pb = paged([5, 70], 64)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     assert mla.describe_unit(3) == "request 1, q heads 64-99"
+    assert "out of range" in mla.describe_unit(4) and "units 0-3" in mla.describe_unit(-1)
 
 
 @pytest.mark.parametrize("kwargs,match", [

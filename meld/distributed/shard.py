@@ -17,6 +17,8 @@ import torch
 
 from ..ops.checks import check_positive
 
+MAX_WORLD = 1 << 16   # ranks a plan places over: the placement keeps a load per rank and scans it per request
+
 
 @dataclass(frozen=True)
 class ShardPlan:
@@ -89,10 +91,11 @@ class ShardPlan:
 
 
 def shard_batch(kv_len, page_size: int, world: int, min_split_tokens: int = 4096) -> ShardPlan:
-    """The plan for requests of `kv_len` tokens over `world` ranks (module docstring); every request,
-    empty ones too, gets at least one part."""
-    world, page_size, min_split_tokens = (check_positive(name, v) for name, v in (
-        ("world", world), ("page_size", page_size), ("min_split_tokens", min_split_tokens)))
+    """The plan for requests of `kv_len` tokens over `world` ranks (at most MAX_WORLD; module docstring);
+    every request, empty ones too, gets at least one part."""
+    world = check_positive("world", world, MAX_WORLD)
+    page_size, min_split_tokens = (check_positive(name, v) for name, v in (
+        ("page_size", page_size), ("min_split_tokens", min_split_tokens)))
     if isinstance(kv_len, torch.Tensor):
         kv_len = kv_len.cpu().numpy()
     try:

@@ -75,6 +75,27 @@ def check_positive(name: str, value: object, high: int = INT32_MAX) -> int:
     return int(value)
 
 
+def check_count(name: str, value: object, high: int = INT32_MAX) -> int:
+    """A non-negative integer (Python or NumPy, not bool) of at most `high`, as a Python int."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if value > high:
+        raise ValueError(f"{name} must be at most {high}, got {value!r}")
+    return int(value)
+
+
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)   # the seeds torch.Generator.manual_seed takes
+
+
+def check_seed(name: str, value: object, span: int = 1) -> int:
+    """An int that seeds torch generators: value, ..., value + span - 1 all in SEED_RANGE."""
+    low, high = SEED_RANGE
+    if not is_int(value) or not low <= value <= high - (span - 1):
+        raise ValueError(f"{name} must be an int in [{low}, {high - (span - 1)}] (it seeds torch generators"
+                         f"{'' if span == 1 else f' with {name} .. {name} + {span - 1}'}), got {value!r}")
+    return int(value)
+
+
 def check_finite(name: str, value: object, limit: float = math.inf) -> float:
     """A finite real number (int, float, NumPy scalar; not bool) of magnitude below `limit`."""
     try:

@@ -163,7 +163,8 @@ class DecodeAttention(PagedDecode):
         if self.kernel_config.tma and page_size % TILE_TOKENS:
             raise ValueError(f"page_size={page_size}: a kernel with TMA rings needs pages that hold whole "
                              f"{TILE_TOKENS}-token tiles (a multiple of {TILE_TOKENS})")
-        self._init_plan_state()
+        self._init_plan_state(functools.partial(_describe_unit, self.units_per_request, self.head_blocks,
+                                                self.group_size, self.heads_per_unit))
         if self.device.type == "cuda":
             self._init_cuda(topology)
         else:
@@ -200,8 +201,7 @@ class DecodeAttention(PagedDecode):
         self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
             if self._plan_clusters else None
         self._tensor_maps = TensorMapCache(functools.partial(kv_tensor_map, layout=self.kv_layout)) if kc.tma else None
-        self._register_watchdog(kc.name, functools.partial(
-            _describe_unit, self.units_per_request, self.head_blocks, self.group_size, self.heads_per_unit))
+        self._register_watchdog(kc.name, self._unit_names)
         pc = DecodePlanKernelConfig()
         self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
         self._buf = self._make_buffers(self.max_batch_size or _DEFAULT_CAPACITY[0],
@@ -269,10 +269,6 @@ class DecodeAttention(PagedDecode):
     def _plan_clusters(self) -> list[tuple[int, int]]:
         """The cluster mix the planner places for: only where pieces in one cluster merge on chip."""
         return self.cluster_mix if self.kernel_config.onchip_merge and self.cluster_size > 1 else []
-
-    def describe_unit(self, unit: int) -> str:
-        """A unit of work in the terms of the batch: "request 3, kv head 1, q heads 4-7"."""
-        return _describe_unit(self.units_per_request, self.head_blocks, self.group_size, self.heads_per_unit, unit)
 
     # --- run ------------------------------------------------------------------------------------
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,

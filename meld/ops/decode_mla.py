@@ -114,7 +114,7 @@ class DecodeMLA(PagedDecode):
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
         self.profile_every = config.profile_every()
         self._setup(mla_decode_graph(num_heads, head_dim_ckv, head_dim_kpe, page_size, "bfloat16"), device)
-        self._init_plan_state()
+        self._init_plan_state(functools.partial(_describe_unit, self.units_per_request, self.num_heads))
         if self.device.type == "cuda":
             self._init_cuda(topology)
         else:
@@ -141,7 +141,7 @@ class DecodeMLA(PagedDecode):
         self.topology = self._one_cta_per_sm(topology or Topology.discover(self.kernel, sizes=(1,)))
         self._box_rows = min(self.kernel_config.block_tokens, self.page_size)
         self._tensor_maps = TensorMapCache(functools.partial(_maps, box_rows=self._box_rows))
-        self._register_watchdog(kc.name, functools.partial(_describe_unit, self.units_per_request, self.num_heads))
+        self._register_watchdog(kc.name, self._unit_names)
         pc = DecodePlanKernelConfig()
         self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
         self._buf = self._make_buffers(self.max_batch_size or _DEFAULT_CAPACITY[0],
@@ -179,10 +179,6 @@ class DecodeMLA(PagedDecode):
             num_ctas=W, cta_offset=0, wait_inputs=0, prof_cap=prof_cap, prof_every=self.profile_every,
             watchdog_kernel=self._watchdog_id, sm_scale_log2=self.sm_scale * _LOG2E))
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
-
-    def describe_unit(self, unit: int) -> str:
-        """A unit of work in the terms of the batch: "request 3, q heads 64-127"."""
-        return _describe_unit(self.units_per_request, self.num_heads, unit)
 
     # --- run ------------------------------------------------------------------------------------
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ from ..runtime import host_helper
 from ..scheduler import Topology, plan_decode_host
 from ..tuning.recorder import kv_lens, recorder
 from .base import Operator
-from .checks import check_output, expect, no_backward, plain, same_device
+from .checks import check_output, expect, is_int, no_backward, plain, same_device
 from .page_table import check_page_table, max_page, page_table_error
 
 _trace_seq = itertools.count()
@@ -62,13 +63,35 @@ class _Buffers:
     plan_params: ctypes.Structure
     launcher: object                    # meld.runtime.driver.PersistentLaunch
 
+class UnitNames:
+    """Names a unit of a paged decode plan in the terms of the batch (`describe(unit)`), for `describe_unit` and
+    the watchdog's message. Never raises (it runs inside error reporting): a number no plan so far has had (the
+    kernel that tripped may run an older plan than the last) is answered as out of range. Holds no operator."""
+
+    def __init__(self, describe):
+        self.describe = describe
+        self.units = 0   # the most units any plan so far had
+
+    def __call__(self, unit: object) -> str:
+        if not is_int(unit):
+            return f"unit {unit!r} is not a unit number (an int)"
+        if not 0 <= unit < self.units:
+            have = f"units 0-{self.units - 1}" if self.units else "no units (no plan so far)"
+            return f"unit {unit!r} is out of range: the plans so far have {have}"
+        try:
+            return self.describe(int(unit))
+        except Exception as e:   # (a describe that fails must not hide the report it is part of)
+            return f"unit {unit} (not described: {type(e).__name__}: {e})"
+
+
 class PagedDecode(Operator):
     """Base of the paged decode operators. A subclass sets `page_size`, `units_per_request`, `head_blocks`,
     `num_kv_heads`, `group_size`, `heads_per_unit`, `cost`, `topology`, `profile_every`, the capacities and
-    `graph`, calls `_init_plan_state()`, on a GPU loads `planner` and makes `_buf` (`_make_buffers`), and calls
-    `_launched()` after each run() launch."""
+    `graph`, calls `_init_plan_state(describe)` (describe names a unit: `UnitNames`), on a GPU loads `planner`
+    and makes `_buf` (`_make_buffers`), and calls `_launched()` after each run() launch."""
 
-    def _init_plan_state(self) -> None:
+    def _init_plan_state(self, describe) -> None:
+        self._unit_names = UnitNames(describe)   # what the watchdog registers (it must not hold the operator)
         self._planned: _Planned | None = None
         self._plan_kernel_last = False   # the last kernel this op put on a stream was plan()'s
         self._schedule: Schedule | None = None   # of `_planned`, computed on first use
@@ -80,6 +103,26 @@ class PagedDecode(Operator):
 
     def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
         raise NotImplementedError
+
+    def __getstate__(self) -> dict:
+        """copy / deepcopy / pickle: an operator on the CPU executor copies whole (its plan too); one on a GPU
+        cannot be copied (its launch parameters point at its own device buffers): a TypeError says so."""
+        if self._buf is not None:
+            raise TypeError(f"{type(self).__name__} on {self.device} cannot be copied or pickled: its kernel's "
+                            "parameters point at its own device buffers; build another with the same arguments")
+        state = dict(self.__dict__)
+        del state["_helper_out"], state["_helper_out_ptrs"]   # ctypes pointers: made anew for the copy
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))
+        self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
+
+    def describe_unit(self, unit: int) -> str:
+        """A unit of work in the terms of the batch ("request 3, kv head 1, q heads 4-7"); a number outside
+        the units of the plans so far is answered as out of range (never an exception)."""
+        return self._unit_names(unit)
 
     def _run_start(self, return_lse: object) -> _Planned:
         """run()'s first checks: a plan, a bool return_lse, no watchdog trip pending. Returns the plan."""
@@ -214,7 +257,8 @@ class PagedDecode(Operator):
                 and never synchronise with the device. GPU inputs are planned on the GPU; checking them
                 reads them on the host (a synchronisation) — pass check=False to plan with no host
                 involvement at all (then plan() can itself be captured in a CUDA graph).
-        The schedule is at `self.schedule`. A plan() that raises changes nothing. Like FlashInfer's, the
+        The schedule is at `self.schedule`. A plan() that raises changes nothing (MELD_DUMP_DIR is checked
+        first; writing the schedule there after the plan is installed can only warn). Like FlashInfer's, the
         plan is written on torch's current stream: a run() on another stream must wait for it.
         """
         if self._watchdog is not None:
@@ -247,8 +291,11 @@ class PagedDecode(Operator):
             self._plan_host(B, kv_indptr, kv_indices, kv_last_page_len)
         else:
             self._plan_device(B, kv_indptr, kv_indices, kv_last_page_len, check)
-        if dump is not None:
-            config.dump(f"{self.graph.name}.schedule.json", self.schedule.to_json())
+        if dump is not None:   # the plan is installed: a dump that fails now (a full disk) only warns
+            try:
+                config.dump(f"{self.graph.name}.schedule.json", self.schedule.to_json())
+            except ValueError as e:
+                warnings.warn(f"{e}; the plan was installed, its schedule not dumped", RuntimeWarning, stacklevel=2)
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
         """Install a validated plan (and grown buffers): the only place plan() changes the operator;
@@ -259,6 +306,7 @@ class PagedDecode(Operator):
             rec.record(self.graph.name, self.shape_bucket, kv_lens(_host(planned.indptr), _host(planned.last),
                                                                    self.page_size))
         self._planned, self._schedule = planned, None
+        self._unit_names.units = max(self._unit_names.units, planned.batch * self.units_per_request)
         self._plan_kernel_last = True
         if buf is not None:
             self._buf = buf

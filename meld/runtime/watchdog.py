@@ -91,7 +91,10 @@ class Watchdog:
     def message(self) -> str:
         r = self.record
         k = self._kernels[r.kernel] if 0 <= r.kernel < len(self._kernels) else _Kernel(f"kernel {r.kernel}", str)
-        task = f"unit {r.unit} ({k.describe_unit(r.unit)})" if r.unit >= 0 else "no task"
+        try:   # (a describer that fails must not hide the report)
+            task = f"unit {r.unit} ({k.describe_unit(r.unit)})" if r.unit >= 0 else "no task"
+        except Exception as e:
+            task = f"unit {r.unit} (not described: {type(e).__name__}: {e})"
         what = SITES.get(r.site, "site {site}").format(detail=r.detail, site=r.site)
         return (f"meld watchdog on {self.device}: {k.name}, CTA {r.cta} (SM {r.sm}) warp {r.warp}, working on {task}, "
                 f"waited {r.waited_ns / 1e6:.0f} ms for {what}, phase parity {r.parity}; the kernel trapped and "

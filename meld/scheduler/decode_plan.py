@@ -34,6 +34,14 @@ _ARANGE = np.arange(1 << 16, dtype=np.int64)   # sliced, not rebuilt, per plan
 _FAR = np.int64(1) << 62
 
 
+def check_plan_shape(num_kv_heads: object, group_size: object, heads_per_item: object) -> None:
+    """The attention shape the public planners take: positive ints (a 0 planned a batch of no units)."""
+    from ..ops.checks import check_positive
+
+    for name, v in (("num_kv_heads", num_kv_heads), ("group_size", group_size), ("heads_per_item", heads_per_item)):
+        check_positive(name, v)
+
+
 def _cuts(active: int) -> np.ndarray:
     """The cut numbers 1..active-1."""
     return _ARANGE[1:active] if active <= len(_ARANGE) else np.arange(1, active, dtype=np.int64)
@@ -57,7 +65,17 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     Returns:
         A `Schedule`; `Schedule.validate()` checks that it covers every KV token exactly once.
     """
-    L = np.asarray(kv_len, dtype=np.int64)
+    check_plan_shape(num_kv_heads, group_size, heads_per_item)
+    given = [np.asarray(kv_len), np.asarray(page_base)]
+    for name, a in zip(("kv_len", "page_base"), given):
+        if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0) or (
+                a.size and not 0 <= a.min() <= a.max() <= 2 ** 31 - 1):
+            raise ValueError(f"{name} must be a 1-D array of integers in [0, 2**31 - 1] (int32 on the device), got "
+                             f"{a!r:.120}")
+    if given[0].shape != given[1].shape:
+        raise ValueError(f"kv_len and page_base must have one entry per request, got {len(given[0])} and "
+                         f"{len(given[1])}")
+    L = given[0].astype(np.int64)
     nh = num_kv_heads * -(-group_size // heads_per_item)
     U, W = len(L) * nh, topology.num_ctas
     if clusters and sum(size * n for size, n in clusters) != W:

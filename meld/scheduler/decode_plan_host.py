@@ -81,7 +81,21 @@ def plan_decode_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size
                      clusters: Sequence[tuple[int, int]] = (), chunk_tokens: int = 0) -> Schedule:
     """The `Schedule` of one batch from its raw page table, as the GPU planner makes it: the same
     arguments as `plan_decode`, but the page table (kv_indptr, kv_last_page_len, page_size) in place of
-    kv_len and page_base."""
+    kv_len and page_base. The page table is validated (meld.ops.page_table: a ValueError naming the entry)."""
+    from ..ops.checks import check_positive
+    from ..ops.page_table import check_page_table
+    from .decode_plan import check_plan_shape
+
+    check_plan_shape(num_kv_heads, group_size, heads_per_item)
+    page_size = check_positive("page_size", page_size)
+    indptr, last = np.asarray(kv_indptr), np.asarray(last_page_len)
+    for name, a in (("kv_indptr", indptr), ("kv_last_page_len", last)):
+        if a.ndim != 1 or not (a.dtype.kind in "iu" or a.size == 0) or (
+                a.size and not -2 ** 31 <= a.min() <= a.max() < 2 ** 31):
+            raise ValueError(f"{name} must be a 1-D array of int32 values, got {a!r:.120}")
+    if len(indptr) < 1 or last.shape != (len(indptr) - 1,):
+        raise ValueError(f"kv_indptr has {len(indptr)} entries and kv_last_page_len {len(last)}: expected B + 1 and B")
+    check_page_table(indptr.astype(np.int32), last.astype(np.int32), int(indptr[-1]), page_size)
     units = num_kv_heads * -(-group_size // heads_per_item)
     t = plan_tables_host(kv_indptr, last_page_len, page_size, units, topology, cost, clusters, chunk_tokens)
     meta = {"active_ctas": t.active_ctas, "item_overhead_tokens": cost.item_overhead_tokens}

@@ -24,9 +24,12 @@ def _int_in(low: int, high: int):
 def _list_of(parse, what: str):
     """argparse type: a comma-separated list, each item through `parse`."""
     def parse_list(text: str) -> list:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
+        items = [t.strip() for t in text.split(",")]
+        if not any(items):
             raise argparse.ArgumentTypeError(f"{text!r} names no {what}")
+        if not all(items):   # ('1,,2' is not read as [1, 2]: an empty item is a typo, not nothing)
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty item (item {items.index('') + 1}); "
+                                             f"give one {what} between each two commas")
         return [parse(t) for t in items]
     return parse_list
 

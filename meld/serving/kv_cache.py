@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..ops.checks import INT32_MAX, check_count, check_positive, check_seed, expect, is_int, resolve_device
+
 NULL_PAGE = 0
+_MAX_TOKENS = 1 << 40   # a request's tokens: far beyond any pool, small enough for int64 slot arithmetic
 NULL_SLOT = NULL_PAGE   # token slot 0: page 0, offset 0
 
 
@@ -26,10 +29,14 @@ class BlockAllocator:
     so page indices are scattered as in a long-running server.
 
     Invariants: a page is either free or owned, never both and never owned twice; freeing a page that is
-    not owned is a ValueError (a double free would corrupt another request's KV).
+    not owned is a ValueError (a double free would corrupt another request's KV). Page indices are int32, as
+    page tables hold them. A call that raises changes nothing.
     """
 
     def __init__(self, num_pages: int, first: int = NULL_PAGE + 1, seed: int = 0):
+        num_pages = check_positive("num_pages", num_pages)
+        first = check_count("first", first)
+        seed = check_seed("seed", seed)
         if num_pages <= first:
             raise ValueError(f"num_pages={num_pages}: need more than the {first} reserved page(s)")
         self.num_pages = num_pages
@@ -44,6 +51,7 @@ class BlockAllocator:
 
     def alloc(self, n: int) -> list[int]:
         """n pages off the free list; ValueError when fewer are free."""
+        n = check_count("n", n, self.num_pages)
         if n > len(self._free):
             raise ValueError(f"KV cache out of pages: asked for {n}, {len(self._free)} of {self.num_pages} free")
         pages = [self._free.popleft() for _ in range(n)]
@@ -52,7 +60,14 @@ class BlockAllocator:
 
     def free(self, pages) -> None:
         """Return pages to the free list; ValueError (and nothing freed) if one is not owned or repeated."""
+        if isinstance(pages, (str, bytes)) or not hasattr(pages, "__iter__"):
+            raise ValueError(f"pages must be a list of page indices, got {pages!r:.80}")
+        pages = list(pages.tolist() if isinstance(pages, (np.ndarray, torch.Tensor)) else pages)
+        if not all(is_int(p) for p in pages):
+            raise ValueError(f"pages must be integer page indices, got {pages!r:.120}")
         pages = [int(p) for p in pages]
+        if len(pages) and (min(pages) < 0 or max(pages) >= self.num_pages):
+            raise ValueError(f"cannot free pages outside 0..{self.num_pages - 1}: {pages!r:.120}")
         arr = np.asarray(pages, dtype=np.int64)
         if len(arr):
             if arr.min() < 0 or arr.max() >= self.num_pages:
@@ -108,13 +123,21 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0):
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        num_layers, page_size, num_kv_heads, head_dim = (check_positive(name, v) for name, v in (
+            ("num_layers", num_layers), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim)))
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        device = resolve_device(device)
         self.page_size, self.num_kv_heads, self.head_dim = page_size, num_kv_heads, head_dim
         self.allocator = BlockAllocator(num_pages, seed=seed)
-        # Zeros, not empty: a padded row that reads the null page must read finite values.
-        self.pool = torch.zeros(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype,
-                                device=device)
+        shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
+        try:   # Zeros, not empty: a padded row that reads the null page must read finite values.
+            self.pool = torch.zeros(shape, dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as e:   # (torch.OutOfMemoryError is a RuntimeError)
+            size = dtype.itemsize * int(np.prod(shape, dtype=object))
+            raise ValueError(f"the KV pool {shape} ({size / 2 ** 30:.1f} GiB of {dtype}) cannot be allocated on "
+                             f"{device}: {str(e).splitlines()[0]:.160}") from None
         self._seqs: dict[int, _Seq] = {}
         self._unallocated = 0   # pages reserved by admitted requests but not yet allocated
 
@@ -130,13 +153,22 @@ class PagedKVCache:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def _seq(self, rid: int) -> _Seq:
+        try:
+            return self._seqs[rid]
+        except (KeyError, TypeError):   # (TypeError: an unhashable rid)
+            raise ValueError(f"request {rid!r} is not in the KV cache (never added, or released)") from None
+
     def can_admit(self, max_tokens: int) -> bool:
         """Whether a request of up to `max_tokens` tokens can be reserved now."""
-        return self.pages_for(max_tokens) <= self.allocator.num_free - self._unallocated
+        return self.pages_for(check_count("max_tokens", max_tokens, _MAX_TOKENS)) <= \
+            self.allocator.num_free - self._unallocated
 
     def add(self, rid: int, max_tokens: int) -> None:
-        """Admit request `rid`, reserving pages for `max_tokens` tokens (allocated as they arrive)."""
-        need = self.pages_for(max_tokens)
+        """Admit request `rid` (an int), reserving pages for `max_tokens` tokens (allocated as they arrive)."""
+        if not is_int(rid):
+            raise ValueError(f"rid must be an int, got {rid!r}")
+        need = self.pages_for(check_count("max_tokens", max_tokens, _MAX_TOKENS))
         if rid in self._seqs:
             raise ValueError(f"request {rid} is already in the KV cache")
         if need > self.usable_pages:
@@ -150,7 +182,8 @@ class PagedKVCache:
 
     def extend(self, rid: int, n: int) -> np.ndarray:
         """Append n tokens to request `rid`: their token slots (page * page_size + offset, int64)."""
-        s = self._seqs[rid]
+        s = self._seq(rid)
+        n = check_count("n", n, _MAX_TOKENS)
         P = self.page_size
         end = s.length + n
         if end > s.reserved * P:
@@ -166,16 +199,20 @@ class PagedKVCache:
 
     def append(self, rids: list[int]) -> np.ndarray:
         """One token appended to each of `rids` (a decode step): their token slots (int64). The per-step
-        path: plain integer work, a page allocated only when a request crosses into a new one."""
+        path: plain integer work, a page allocated only when a request crosses into a new one. Every request
+        is checked before any grows: a call that raises appends nothing."""
         P = self.page_size
+        seqs = [self._seq(rid) for rid in rids]
+        for rid, s in zip(rids, seqs):
+            if s.length == s.reserved * P:
+                raise ValueError(f"request {rid} would hold {s.length + 1} tokens, more than the {s.reserved * P} it "
+                                 "reserved")
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError(f"rids name a request twice (one token per request and step): {list(rids)!r:.120}")
         out = np.empty(len(rids), dtype=np.int64)
-        for i, rid in enumerate(rids):
-            s = self._seqs[rid]
+        for i, s in enumerate(seqs):
             n = s.length
             if n % P == 0:   # pages are allocated lazily: exactly ceil(n / P) are held, so a new one is due
-                if s.num_pages == s.reserved:
-                    raise ValueError(f"request {rid} would hold {n + 1} tokens, more than the {s.reserved * P} it "
-                                     "reserved")
                 s.pages[s.num_pages] = self.allocator.alloc(1)[0]
                 s.num_pages += 1
                 self._unallocated -= 1
@@ -184,16 +221,18 @@ class PagedKVCache:
         return out
 
     def length(self, rid: int) -> int:
-        return self._seqs[rid].length
+        return self._seq(rid).length
 
     def pages(self, rid: int) -> np.ndarray:
-        s = self._seqs[rid]
+        s = self._seq(rid)
         return s.pages[:s.num_pages].copy()
 
     def release(self, rid: int) -> None:
-        """Free a finished request's pages and its unused reservation."""
-        s = self._seqs.pop(rid)
+        """Free a finished request's pages and its unused reservation (a request released twice, or never
+        added, is a ValueError)."""
+        s = self._seq(rid)
         self.allocator.free(s.pages[:s.num_pages])
+        del self._seqs[rid]
         self._unallocated -= s.reserved - s.num_pages
 
     @property
@@ -204,10 +243,12 @@ class PagedKVCache:
     def page_table(self, rids: list[int], pad_to: int | None = None, pad_page: int | None = None) -> PageTable:
         """The page table of `rids` in order, padded to `pad_to` rows: padded rows hold no pages
         (pad_page None: an empty request) or the one page `pad_page` with one token."""
-        seqs = [self._seqs[r] for r in rids]
-        rows = len(seqs) if pad_to is None else pad_to
+        seqs = [self._seq(r) for r in rids]
+        rows = len(seqs) if pad_to is None else check_count("pad_to", pad_to, INT32_MAX - 1)
         if rows < len(seqs):
             raise ValueError(f"pad_to={pad_to} is smaller than the batch of {len(seqs)}")
+        if pad_page is not None and not (is_int(pad_page) and 0 <= pad_page < self.num_pages):
+            raise ValueError(f"pad_page must be a page of the pool (0..{self.num_pages - 1}) or None, got {pad_page!r}")
         lens = np.zeros(rows, dtype=np.int64)
         counts = np.zeros(rows, dtype=np.int64)
         lens[:len(seqs)] = [s.length for s in seqs]
@@ -225,13 +266,29 @@ class PagedKVCache:
                          torch.from_numpy(last), lens, len(seqs), self.page_size)
 
     # --- the pool ------------------------------------------------------------------------------------
+    def _layer_index(self, i: object) -> int:
+        if not is_int(i) or not 0 <= i < self.pool.shape[0]:
+            raise ValueError(f"layer must be 0..{self.pool.shape[0] - 1}, got {i!r}")
+        return int(i)
+
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's cache [pages, 2, page_size, num_kv_heads, head_dim] (FlashInfer NHD, contiguous)."""
-        return self.pool[i]
+        return self.pool[self._layer_index(i)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [n, num_kv_heads, head_dim] into token slots [n] (int64, on the pool's device). Launch-only:
-        capturable in a CUDA graph."""
+        capturable in a CUDA graph, so on a GPU the slots' values are not read back (slots come from `extend` /
+        `append`; on the CPU they are checked, outside torch.compile); shapes, dtypes and devices are checked."""
+        layer = self._layer_index(layer)
+        expect("slots", slots, torch.int64, (None,), "token slots", self.pool.device)
+        shape = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        expect("k", k, self.pool.dtype, shape, "n slots, num_kv_heads, head_dim", self.pool.device)
+        expect("v", v, self.pool.dtype, shape, "n slots, num_kv_heads, head_dim", self.pool.device)
+        end = self.num_pages * self.page_size   # values read on the CPU only, and not in a compiled graph
+        if slots.is_cpu and len(slots) and not torch.compiler.is_compiling() and \
+                not 0 <= int(slots.min()) <= int(slots.max()) < end:
+            raise ValueError(f"slots must be token slots of the pool (0..{end - 1}), got "
+                             f"{int(slots.min())}..{int(slots.max())}")
         P = self.page_size
         rows = slots // P * (2 * P) + slots % P   # K row of each slot in the layer seen as [pages*2*P, H, D]
         flat = self.pool[layer].view(-1, self.num_kv_heads, self.head_dim)

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.checks import INT32_MAX, SEED_RANGE, check_finite, check_positive, check_seed, is_int
+
+MAX_REQUESTS = 1 << 20   # requests in one trace (each is drawn in Python: a few microseconds)
+
 
 @dataclass(frozen=True)
 class Request:
@@ -26,6 +30,12 @@ class Request:
     arrival: int
     prompt_len: int
     output_len: int
+
+    def __post_init__(self):
+        for name, low in (("rid", 0), ("arrival", 0), ("prompt_len", 1), ("output_len", 1)):
+            v = getattr(self, name)
+            if not is_int(v) or v < low:
+                raise ValueError(f"Request.{name} must be an int >= {low}, got {v!r}")
 
     @property
     def max_tokens(self) -> int:
@@ -71,13 +81,19 @@ def make_trace(cfg: TraceConfig) -> list[Request]:
         >>> trace = make_trace(TraceConfig(num_requests=128, arrival_rate=8))
         >>> trace[0]   # Request(rid=0, arrival=0, prompt_len=..., output_len=...)
     """
-    if cfg.num_requests < 1:
-        raise ValueError(f"num_requests must be >= 1, got {cfg.num_requests}")
-    if not cfg.arrival_rate > 0:
+    check_positive("num_requests", cfg.num_requests, MAX_REQUESTS)
+    if not check_finite("arrival_rate", cfg.arrival_rate) > 0:
         raise ValueError(f"arrival_rate must be > 0 requests per step, got {cfg.arrival_rate}")
-    for name, (_, sd, low, high) in (("prompt", cfg.prompt), ("output", cfg.output)):
-        if not 1 <= low <= high or sd < 0:
-            raise ValueError(f"{name} lengths: need 1 <= min <= max and ln-sd >= 0, got {getattr(cfg, name)}")
+    check_seed("seed", cfg.seed, span=2)
+    for name in ("prompt", "output"):
+        d = getattr(cfg, name)
+        if not isinstance(d, (tuple, list)) or len(d) != 4:
+            raise ValueError(f"{name} must be (ln-mean, ln-sd, min, max), got {d!r}")
+        mean, sd, low, high = d
+        check_finite(f"{name}'s ln-mean", mean, 700)   # (exp overflows a float beyond ~709)
+        check_finite(f"{name}'s ln-sd", sd)
+        if not (is_int(low) and is_int(high) and 1 <= low <= high <= INT32_MAX) or sd < 0:
+            raise ValueError(f"{name} lengths: need int 1 <= min <= max <= {INT32_MAX} and ln-sd >= 0, got {d}")
     n = cfg.num_requests
     prompts = lognormal(n, *cfg.prompt, seed=cfg.seed)
     outputs = lognormal(n, *cfg.output, seed=cfg.seed + 1)
@@ -86,5 +102,10 @@ def make_trace(cfg: TraceConfig) -> list[Request]:
 
 def request_tokens(req: Request, vocab_size: int, seed: int) -> torch.Tensor:
     """The request's tokens (prompt, then the outputs fed back), int64 on the CPU, its own seeded stream."""
+    check_positive("vocab_size", vocab_size)
+    low, high = SEED_RANGE
+    if not is_int(seed) or not low <= seed * 1_000_003 + req.rid <= high:
+        raise ValueError(f"seed must be an int with seed * 1_000_003 + rid in [{low}, {high}] (it seeds the request's "
+                         f"generator), got seed={seed!r} for rid {req.rid}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + req.rid)
     return torch.randint(vocab_size, (req.prompt_len + req.output_len,), generator=g)

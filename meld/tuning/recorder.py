@@ -68,8 +68,12 @@ def kv_lens(indptr: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np
 def load(path: str | Path, operator: str, shape: str) -> list[list[int]]:
     """The recorded batches of one operator and shape bucket, in order; ValueError naming the file and
     line for a line that is not a record."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a workload file (JSON lines): byte {e.start} is not UTF-8 text") from None
     out = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         try:
             r = jsonfile.parse(line)
             if (r["operator"], r["shape"]) == (operator, shape):
