@@ -19,6 +19,10 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+MAX_SMS = 1 << 20          # far beyond any GPU (an H200 has 132): a larger count is a mistake, and the planners
+MAX_CTA_SLOTS = 1 << 20    # allocate arrays per CTA slot, so 10**12 would ask for terabytes
+
+
 @dataclass(frozen=True)
 class Topology:
     """The persistent grid a kernel can keep resident.
@@ -36,12 +40,17 @@ class Topology:
     def __post_init__(self) -> None:
         if not _is_int(self.sm_count) or self.sm_count < 1:
             raise ValueError(f"Topology.sm_count must be a positive int, got {self.sm_count!r}")
+        if self.sm_count > MAX_SMS:
+            raise ValueError(f"Topology.sm_count must be at most {MAX_SMS}, got {self.sm_count!r}")
         if not isinstance(self.max_active_clusters, Mapping):
             raise ValueError(f"Topology.max_active_clusters must be a mapping, got {self.max_active_clusters!r}")
         table = dict(self.max_active_clusters) or {1: self.sm_count}
         for size, n in table.items():
             if not (_is_int(size) and _is_int(n)) or size < 1 or size & (size - 1) or n < 0:
                 raise ValueError(f"max_active_clusters must map powers of two to counts >= 0, got {size!r}: {n!r}")
+            if size * n > MAX_CTA_SLOTS or size > MAX_CTA_SLOTS:
+                raise ValueError(f"max_active_clusters[{size!r}] = {n!r} clusters of {size!r} CTAs: more than the "
+                                 f"{MAX_CTA_SLOTS} CTA slots a Topology may have")
         if table.get(1, 0) < 1:
             raise ValueError(f"Topology needs max_active_clusters[1] >= 1, got {self}")
         object.__setattr__(self, "sm_count", int(self.sm_count))
@@ -69,8 +78,8 @@ class Topology:
         >>> Topology(132, {1: 132, 2: 66, 4: 30, 8: 15, 16: 7}).cluster_mix(4)
         [(4, 30), (2, 6)]
         """
-        if preferred < 1 or preferred & (preferred - 1):
-            raise ValueError(f"preferred cluster size must be a power of two, got {preferred}")
+        if not _is_int(preferred) or preferred < 1 or preferred & (preferred - 1):
+            raise ValueError(f"preferred cluster size must be a power of two, got {preferred!r}")
         left, taken, mix = self.num_ctas, {}, []
         for size in sorted((s for s in self.max_active_clusters if s <= preferred), reverse=True):
             fits = self.max_active_clusters[size] - sum(s // size * n for s, n in taken.items())
