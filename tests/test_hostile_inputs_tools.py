@@ -35,3 +35,49 @@ def test_cluster_mix_names_a_preferred_size_that_is_no_power_of_two(preferred):
     """cluster_mix(3.5), ('4'), (None) raised TypeError from inside its bit test; True was taken as 1."""
     with pytest.raises(ValueError, match=r"preferred cluster size must be a power of two, got " + repr(preferred)):
         Topology.h200().cluster_mix(preferred)
+
+
+# --- the tuning database --------------------------------------------------------------------------------
+
+KEY = dict(operator="decode_attention", dtype="bfloat16", shape="Hq32/Hkv8/D128/P16", gpu="NVIDIA H200",
+           sm_count=132, driver="12.8", cuda="12.8", source_hash="0123456789abcdef")
+
+
+@pytest.mark.parametrize("raw, match", [
+    ([1, 2], r"expected a JSON object, got list"),
+    ({"version": True, "entries": []}, r"version True"),
+    ({"version": 1, "entries": 5}, r"'entries' must be a list, got 5"),
+    ({"version": 1, "entries": {"a": 1}}, r"'entries' must be a list"),
+    ({"version": 1, "entries": [5]}, r"entry 0 must be an object"),
+    ({"version": 1, "entries": [{"key": {**KEY, "sm_count": "132"}, "config": {}}]}, r"sm_count must be an int, got '132'"),
+    ({"version": 1, "entries": [{"key": {**KEY, "sm_count": True}, "config": {}}]}, r"sm_count must be an int, got True"),
+    ({"version": 1, "entries": [{"key": {**KEY, "operator": [1]}, "config": {}}]}, r"operator must be a str, got \[1\]"),
+    ({"version": 1, "entries": [{"key": KEY, "config": [["a", 1]]}]}, r"config must be an object, got \[\['a', 1\]\]"),
+    ({"version": 1, "entries": [{"key": KEY, "config": {}, "evidence": []}]}, r"evidence must be an object, got \[\]"),
+    ({"version": 1, "entries": [{"key": KEY, "config": {}, "evidence": None}]}, r"evidence must be an object, got None"),
+])
+def test_tuning_db_load_refuses_entries_of_the_wrong_types(tmp_path, raw, match):
+    """A key with sm_count '132' or operator [1] (unhashable), a config that is a list of pairs, an evidence
+    list, version True: each was loaded as an entry (that never matched, or broke lookup) or failed with a
+    message from dict() that named no field."""
+    from meld.tuning.db import TuningDB
+
+    path = tmp_path / "db.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=rf"tuning database .*db.json is not readable: .*{match}"):
+        TuningDB.load(path)
+
+
+def test_tuning_db_round_trip_and_a_save_that_cannot_be_written(tmp_path):
+    from meld.tuning.db import TuningDB, TuningEntry, TuningKey
+
+    db = TuningDB(tmp_path / "db.json", [TuningEntry(TuningKey(**KEY), {"cost": {"item_overhead_tokens": 68}},
+                                                     {"default_us": 232.1})])
+    db.save()
+    assert TuningDB.load(db.path).entries == db.entries
+    before = db.path.read_text()
+    db.put(TuningEntry(TuningKey(**{**KEY, "shape": "other"}), {"cost": {1, 2}}))
+    with pytest.raises(ValueError, match=r"cannot save the entry .*'other'.*set is not JSON serializable"):
+        db.save()
+    assert db.path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["db.json"]

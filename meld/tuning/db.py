@@ -94,13 +94,27 @@ class TuningDB:
             return TuningDB(path)
         try:
             raw = jsonfile.read(path)
-            if raw.get("version") != DB_VERSION:
+            if not isinstance(raw, dict):
+                raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+            if type(raw.get("version")) is not int or raw["version"] != DB_VERSION:
                 raise ValueError(f"version {raw.get('version')!r}, this meld reads version {DB_VERSION}")
-            names = {f.name for f in fields(TuningKey)}
+            if not isinstance(raw.get("entries"), list):
+                raise ValueError(f"'entries' must be a list, got {raw.get('entries')!r:.80}")
+            names = {f.name: f.type for f in fields(TuningKey)}
             entries = []
-            for e in raw["entries"]:
-                if set(e["key"]) != names:
+            for i, e in enumerate(raw["entries"]):
+                if not isinstance(e, dict) or not isinstance(e.get("key"), dict):
+                    raise ValueError(f"entry {i} must be an object with a 'key' object, got {e!r:.80}")
+                if set(e["key"]) != set(names):
                     raise ValueError(f"an entry's key has fields {sorted(e['key'])}, expected {sorted(names)}")
+                for name, kind in names.items():   # sm_count an int (not bool), every other field a str
+                    v = e["key"][name]
+                    if not (type(v) is int if kind in (int, "int") else isinstance(v, str)):
+                        raise ValueError(f"entry {i}: key field {name} must be {'an int' if kind in (int, 'int') else 'a str'}, "
+                                         f"got {v!r:.80}")
+                for part in ("config", "evidence"):
+                    if not isinstance(e.get(part, {}), dict):
+                        raise ValueError(f"entry {i}: {part} must be an object, got {e[part]!r:.80}")
                 entries.append(TuningEntry(TuningKey(**e["key"]), dict(e["config"]), dict(e.get("evidence", {}))))
         except OSError as e:
             raise ValueError(f"tuning database {path} is not readable: {e.strerror or e}") from None
@@ -111,8 +125,13 @@ class TuningDB:
     def save(self) -> None:
         """Write the file atomically (a temporary file renamed over it)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"version": DB_VERSION, "entries": [
-            {"key": asdict(e.key), "config": e.config, "evidence": e.evidence} for e in self.entries]}, indent=1)
+        rows = [{"key": asdict(e.key), "config": e.config, "evidence": e.evidence} for e in self.entries]
+        for row in rows:   # before anything is written: the file keeps what it held
+            try:
+                json.dumps(row)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"tuning database {self.path}: cannot save the entry {row!r:.200}: {e}") from None
+        text = json.dumps({"version": DB_VERSION, "entries": rows}, indent=1)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
