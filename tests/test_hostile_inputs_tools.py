@@ -3,6 +3,7 @@ Every bad input is a ValueError that names the argument and the value; valid inp
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -81,3 +82,62 @@ def test_tuning_db_round_trip_and_a_save_that_cannot_be_written(tmp_path):
         db.save()
     assert db.path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["db.json"]
+
+
+# --- the cost fit -----------------------------------------------------------------------------------------
+
+def _samples(n, times, tokens=None):
+    from meld.tuning.cost_fit import CtaSamples
+
+    z = np.zeros(n)
+    tokens = np.arange(n) * 100.0 + 1 if tokens is None else tokens
+    return CtaSamples(tokens, 1.0 + np.arange(n) % 3, z, np.arange(n), np.asarray(times, dtype=float),
+                      np.zeros(n, dtype=np.int64), z, z, z)
+
+
+def test_cost_fit_refuses_what_it_cannot_fit():
+    from meld.scheduler.cost_model import DecodeCost
+    from meld.tuning.cost_fit import CostFit, fit_cost, today
+
+    ok = _samples(10, np.arange(10) * 50.0 + 100)
+    with pytest.raises(ValueError, match=r"rounds must be a positive int, got 0"):   # was UnboundLocalError
+        fit_cost(ok, per_sm=True, rounds=0)
+    with pytest.raises(ValueError, match=r"expected CtaSamples .*got list"):        # was "need at least 8 CTA samples"
+        fit_cost([1.0] * 10)
+    idle = replace(_samples(10, np.ones(10), tokens=np.zeros(10)), items=np.zeros(10))
+    with pytest.raises(ValueError, match=r"needs planned work .*got 0\.0"):       # was a fit of per_token_ns=inf
+        today(idle, DecodeCost())
+    with pytest.raises(ValueError, match=r"positive per_token_ns, got 0\.0"):      # was ZeroDivisionError
+        CostFit(0.0, 1.0, 0.0, 0.0).item_overhead_tokens
+    assert fit_cost(ok).per_token_ns > 0 and today(ok, DecodeCost()).item_overhead_tokens == DecodeCost().item_overhead_tokens
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"per_token_ns": "a", "per_item_ns": 1, "per_merge_ns": 1, "fixed_ns": 1}, r"CostFit.per_token_ns must be a finite number, got 'a'"),
+    ({"per_token_ns": 1, "per_item_ns": float("nan"), "per_merge_ns": 1, "fixed_ns": 1}, r"CostFit.per_item_ns .*nan"),
+    ({"per_token_ns": 1}, r"missing fields \['per_item_ns', 'per_merge_ns', 'fixed_ns'\]"),
+    ({"per_token_ns": 1, "per_item_ns": 1, "per_merge_ns": 1, "fixed_ns": 1, "sm_speed": [1]}, r"sm_speed must be a dict"),
+    ({"per_token_ns": 1, "per_item_ns": 1, "per_merge_ns": 1, "fixed_ns": 1, "sm_speed": {"x": 1}}, r"sm_speed must map"),
+    ([1], r"expected a dict, got list"),
+])
+def test_cost_fit_from_dict_and_load_fit_name_a_bad_field(tmp_path, d, match):
+    """from_dict took per_token_ns='a' (every prediction then a TypeError), and raised TypeError or
+    AttributeError for a missing field or a list of speeds."""
+    from meld.tuning.cost_fit import CostFit
+    from meld.tuning.tune import load_fit
+
+    with pytest.raises(ValueError, match=match):
+        CostFit.from_dict(d)
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"fit.json: "):
+        load_fit(path)
+
+
+def test_cost_fit_from_dict_round_trip():
+    from dataclasses import asdict
+
+    from meld.tuning.cost_fit import CostFit
+
+    fit = CostFit(2.5, 900.0, 1500.0, 4000.0, {0: 1.0, 7: 1.25}, 0.5)
+    assert CostFit.from_dict(json.loads(json.dumps(asdict(fit)))) == fit

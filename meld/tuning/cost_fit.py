@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..ir import Schedule
+from ..ops.checks import check_finite, check_positive
 from ..runtime.profile import Trace
 from ..scheduler.cost_model import DecodeCost
 
@@ -129,16 +130,31 @@ class CostFit:
     @staticmethod
     def from_dict(d: dict) -> "CostFit":
         """A fit as `dataclasses.asdict` wrote it (JSON: SM ids as strings)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"not a CostFit: expected a dict, got {type(d).__name__}")
         names = {f.name for f in fields(CostFit)}
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"not a CostFit: unknown fields {sorted(unknown)}")
+        required = [f.name for f in fields(CostFit) if f.name not in ("sm_speed", "mix_token_ns", "mix_item_ns",
+                                                                       "mix_merge_ns")]
+        if missing := [n for n in required if n not in d]:
+            raise ValueError(f"not a CostFit: missing fields {missing}")
+        numbers = {n: check_finite(f"CostFit.{n}", v) for n, v in d.items() if n != "sm_speed"}
         sm = d.get("sm_speed")
-        return CostFit(**{**d, "sm_speed": {int(k): float(v) for k, v in sm.items()} if sm else None})
+        if sm is not None and not isinstance(sm, dict):
+            raise ValueError(f"CostFit.sm_speed must be a dict of SM -> factor, got {sm!r:.80}")
+        try:
+            speeds = {int(k): check_finite(f"CostFit.sm_speed[{k!r}]", v) for k, v in sm.items()} if sm else None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"CostFit.sm_speed must map SM ids to finite factors: {e}") from None
+        return CostFit(**numbers, sm_speed=speeds)
 
     @property
     def item_overhead_tokens(self) -> float:
         """The item cost in KV-token equivalents: what `DecodeCost.item_overhead_tokens` holds."""
+        if not self.per_token_ns > 0:
+            raise ValueError(f"item_overhead_tokens needs a positive per_token_ns, got {self.per_token_ns!r}")
         return self.per_item_ns / self.per_token_ns
 
 
@@ -166,6 +182,8 @@ def _huber_lstsq(X: np.ndarray, y: np.ndarray, k: float = 1.345, iters: int = 50
 
 
 def _check(s: CtaSamples, need: int) -> None:
+    if not isinstance(s, CtaSamples):
+        raise ValueError(f"expected CtaSamples (cta_samples, concat), got {type(s).__name__}")
     if len(s) < need:
         raise ValueError(f"need at least {need} CTA samples to fit, got {len(s)}")
     if not np.all(np.isfinite(s.time_ns)) or np.any(s.time_ns <= 0):
@@ -177,6 +195,7 @@ def fit_cost(s: CtaSamples, per_sm: bool = False, mix: bool = False, rounds: int
     come from launches of at least four different mixes), and with `per_sm` one speed factor per SM
     (median 1), alternating: the constants on times divided by the speeds, then each SM's median ratio of
     measured to predicted time."""
+    check_positive("rounds", rounds)
     _check(s, 8)
     cols = [s.tokens, s.items, s.merges, np.ones(len(s))]
     if mix:
@@ -205,5 +224,8 @@ def today(s: CtaSamples, cost: DecodeCost) -> CostFit:
     scale fitted (the median ratio of measured time to predicted cost)."""
     _check(s, 1)
     units = s.tokens + cost.item_overhead_tokens * s.items
+    if not np.all(units > 0):
+        raise ValueError(f"every CTA sample needs planned work (tokens + item_overhead_tokens * items > 0) to "
+                         f"scale the shipped model, got {float(units.min())!r}")
     scale = float(np.median(s.time_ns / units))
     return CostFit(scale, scale * cost.item_overhead_tokens, 0.0, 0.0)

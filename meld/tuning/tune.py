@@ -160,12 +160,15 @@ def load_fit(path) -> CostFit:
     """A fitted model from a JSON file: `bench/cost_fit.py --json`'s (its "fit+mix", else its "fit"), or one
     `CostFit` as a dict."""
     d = jsonfile.read(path)
-    if "fits" in d:
+    if isinstance(d, dict) and "fits" in d:
         fits = d["fits"]
-        d = fits.get("fit+mix") or fits.get("fit")
+        d = fits.get("fit+mix") or fits.get("fit") if isinstance(fits, dict) else None
         if d is None:
             raise ValueError(f"{path}: its fits hold neither 'fit+mix' nor 'fit'")
-    return CostFit.from_dict(d)
+    try:
+        return CostFit.from_dict(d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def compile_all(cands: dict[str, Candidate], workers: int = 8) -> None:
