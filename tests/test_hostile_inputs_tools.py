@@ -141,3 +141,38 @@ def test_cost_fit_from_dict_round_trip():
 
     fit = CostFit(2.5, 900.0, 1500.0, 4000.0, {0: 1.0, 7: 1.25}, 0.5)
     assert CostFit.from_dict(json.loads(json.dumps(asdict(fit)))) == fit
+
+
+# --- profile traces ---------------------------------------------------------------------------------------
+
+def _raw():
+    raw = np.zeros((2, 3, 4), dtype=np.int64)
+    raw[0, 0], raw[0, 1] = [100, 200, 3, 1], [120, 150, 0, 0]
+    raw[1, 0], raw[1, 1] = [100, 300, 5, 1], [110, 290, 0, 0]
+    return raw
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda T: T.from_buffer(_raw().astype(np.float64) + 0.5, 1, 1), r"must hold integers .*got dtype float64"),
+    (lambda T: T.from_buffer(np.full((2, 3, 4), "a"), 1, 1), r"must hold integers .*got dtype <U1"),
+    (lambda T: T.from_buffer(_raw(), 1, 1, cluster=["a", "b"]), r"cluster must hold one int per CTA, got \['a', 'b'\]"),
+    (lambda T: T.from_buffer(_raw(), 1, 1, grid=[0.5, 1]), r"grid must hold one int per CTA, got \[0\.5, 1\]"),
+    (lambda T: T([], [], 0, "a", 1), r"units_per_request must be an int, got 'a'"),
+    (lambda T: T([], [], 0, 2.0, 1), r"units_per_request must be an int, got 2\.0"),
+    (lambda T: T([], [], None, 1, 1), r"overflowed must be an int, got None"),
+])
+def test_trace_names_a_buffer_or_count_of_the_wrong_type(make, match):
+    """A float buffer raised 'slice indices must be integers' (a string one, str - int), cluster=['a', ...]
+    int()'s message, Trace(units_per_request='a') '<' between str and int."""
+    from meld.runtime.profile import Trace
+
+    with pytest.raises(ValueError, match=match):
+        make(Trace)
+
+
+def test_trace_from_buffer_still_decodes_int_buffers():
+    from meld.runtime.profile import Trace
+
+    t = Trace.from_buffer(_raw().astype(np.int32), 1, 1, cluster=np.array([0, 0]), grid=(0, 0))
+    assert [(s.cta, s.sm, s.cluster) for s in t.cta_spans] == [(0, 3, 0), (1, 5, 0)]
+    assert Trace.from_chrome(t.to_chrome()).tasks == t.tasks

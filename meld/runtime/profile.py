@@ -12,6 +12,7 @@ trace-event JSON (one track per SM) and back, and renders to a PNG with no plott
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import reprlib
 import struct
@@ -88,6 +89,10 @@ class Trace:
     head_blocks: int
 
     def __post_init__(self) -> None:
+        for name in ("units_per_request", "head_blocks", "overflowed"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an int, got {reprlib.repr(v)}")
         if self.head_blocks < 1 or self.units_per_request < 1 or self.units_per_request % self.head_blocks:
             raise ValueError(f"units_per_request={self.units_per_request} is not a positive multiple of "
                              f"head_blocks={self.head_blocks}")
@@ -99,7 +104,12 @@ class Trace:
         raw = np.asarray(raw)
         if raw.ndim != 3 or raw.shape[1] < 1 or raw.shape[2] != 4:
             raise ValueError(f"profile buffer must be [num_ctas, 1 + cap, 4], got {raw.shape}")
+        if not np.issubdtype(raw.dtype, np.integer):
+            raise ValueError(f"profile buffer must hold integers (the kernel writes int64), got dtype {raw.dtype}")
         n_ctas, cap = raw.shape[0], raw.shape[1] - 1
+        for name, ids in (("cluster", cluster), ("grid", grid)):
+            if ids is not None and not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+                raise ValueError(f"{name} must hold one int per CTA, got {reprlib.repr(ids)}")
         cluster = list(range(n_ctas)) if cluster is None else [int(c) for c in cluster]
         grid = [0] * n_ctas if grid is None else [int(g) for g in grid]
         if len(cluster) != n_ctas or len(grid) != n_ctas:
