@@ -176,3 +176,55 @@ def test_trace_from_buffer_still_decodes_int_buffers():
     t = Trace.from_buffer(_raw().astype(np.int32), 1, 1, cluster=np.array([0, 0]), grid=(0, 0))
     assert [(s.cta, s.sm, s.cluster) for s in t.cta_spans] == [(0, 3, 0), (1, 5, 0)]
     assert Trace.from_chrome(t.to_chrome()).tasks == t.tasks
+
+
+# --- MoE weight packing -----------------------------------------------------------------------------------
+
+def _weights(E=2, H=72, I=100):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16),
+            torch.randn(E, H, I, generator=g).to(torch.bfloat16))
+
+
+def test_pack_unpack_round_trip_is_exact():
+    import torch
+
+    from meld.ops.moe_weights import pack_moe_weights, unpack_moe_weights
+
+    w13, w2 = _weights()
+    for a, b in zip(unpack_moe_weights(*pack_moe_weights(w13.transpose(1, 2).contiguous().transpose(1, 2), w2),
+                                       72, 100), (w13, w2)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("args, match", [
+    (lambda p13, p2, w13, w2: (w13, w2, 72, 100), r"w13p \(2, 200, 72\) and w2p \(2, 72, 100\) are not the packed"),
+    (lambda p13, p2, w13, w2: (p2, p13, 72, 100), r"w13p \(2, 2, 2, 64, 64\) .* are not the packed"),
+    (lambda p13, p2, w13, w2: (p13, p2, 200, 100), r"hidden_size=200, intermediate_size=100"),
+    (lambda p13, p2, w13, w2: (p13, p2, "72", 100), r"hidden_size must be a positive int, got '72'"),
+    (lambda p13, p2, w13, w2: (p13, p2, 72, 0), r"intermediate_size must be a positive int, got 0"),
+    (lambda p13, p2, w13, w2: ([1], p2, 72, 100), r"w13p must be a packed tensor .*got list"),
+    (lambda p13, p2, w13, w2: (p13, p2.float(), 72, 100), r"w13p and w2p must share dtype"),
+])
+def test_unpack_moe_weights_names_what_is_not_packed(args, match):
+    """Plain weights raised IndexError, swapped ones a RuntimeError from view, hidden_size '72' a TypeError
+    from slicing, and hidden_size 200 for weights packed at 72 returned tensors of 72 columns."""
+    from meld.ops.moe_weights import pack_moe_weights, unpack_moe_weights
+
+    w13, w2 = _weights()
+    p13, p2 = pack_moe_weights(w13, w2)
+    with pytest.raises(ValueError, match=match):
+        unpack_moe_weights(*args(p13, p2, w13, w2))
+
+
+@pytest.mark.parametrize("cut", [lambda t: t[:0], lambda t: t[..., :0]])
+def test_pack_moe_weights_refuses_empty_layers(cut):
+    """E = 0 or H = 0 was packed into an empty tensor."""
+    from meld.ops.moe_weights import pack_moe_weights
+
+    w13, w2 = _weights()
+    w2 = w2[:0] if w13.shape[0] != cut(w13).shape[0] else w2[:, :0]
+    with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, H\] with E, I, H >= 1"):
+        pack_moe_weights(cut(w13), w2)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_positive
+
 BOX = 64   # rows and K elements of a box (templates/moe.cuh: W_ROWS, BK)
 
 
@@ -70,6 +72,8 @@ def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor,
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
     E, I2, H = w13.shape
+    if min(E, I2, H) < 1:
+        raise ValueError(f"w13 must be [E, 2I, H] with E, I, H >= 1, got {tuple(w13.shape)}")
     if I2 % 2 or tuple(w2.shape) != (E, H, I2 // 2):
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} are not [E, 2I, H] and [E, H, I]")
     if w2.dtype != w13.dtype or w2.device != w13.device:
@@ -83,6 +87,17 @@ def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor,
 def unpack_moe_weights(w13p: torch.Tensor, w2p: torch.Tensor, hidden_size: int,
                        intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13, w2) back from their packed forms (the CPU reference executor runs on these)."""
-    H, I = hidden_size, intermediate_size
+    H, I = check_positive("hidden_size", hidden_size), check_positive("intermediate_size", intermediate_size)
+    for name, t in (("w13p", w13p), ("w2p", w2p)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1:
+            raise ValueError(f"{name} must be a packed tensor (pack_moe_weights), got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    want13, want2 = packed_shapes(H, I, w13p.shape[0])
+    if tuple(w13p.shape) != want13 or tuple(w2p.shape) != want2:
+        raise ValueError(f"w13p {tuple(w13p.shape)} and w2p {tuple(w2p.shape)} are not the packed weights of "
+                         f"hidden_size={H}, intermediate_size={I} ({want13} and {want2})")
+    if w2p.dtype != w13p.dtype or w2p.device != w13p.device:
+        raise ValueError(f"w13p and w2p must share dtype and device, got {w13p.dtype} on {w13p.device} and "
+                         f"{w2p.dtype} on {w2p.device}")
     w13 = torch.cat([_from_boxes(w13p[:, :, :, 0], I, H), _from_boxes(w13p[:, :, :, 1], I, H)], dim=1)
     return w13, _from_boxes(w2p, H, I)
