@@ -228,3 +228,31 @@ def test_pack_moe_weights_refuses_empty_layers(cut):
     w2 = w2[:0] if w13.shape[0] != cut(w13).shape[0] else w2[:, :0]
     with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, H\] with E, I, H >= 1"):
         pack_moe_weights(cut(w13), w2)
+
+
+# --- task graph builders ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, match", [
+    ((32, 0, 128, 16), r"num_kv_heads must be a positive int, got 0"),           # was ZeroDivisionError
+    (("32", 8, 128, 16), r"num_qo_heads must be a positive int, got '32'"),      # was TypeError from %
+    ((32.0, 8, 128, 16), r"num_qo_heads must be a positive int, got 32\.0"),     # was a graph of group_size 4.0
+    ((0, 8, 128, 16), r"num_qo_heads must be a positive int, got 0"),            # was a graph of group_size 0
+    ((True, 1, 128, 16), r"num_qo_heads must be a positive int, got True"),
+    ((32, 8, -1, 16), r"head_dim must be a positive int, got -1"),
+    ((32, 8, 128, 0), r"page_size must be a positive int, got 0"),
+    ((2 ** 40, 8, 128, 16), r"num_qo_heads must be at most 2147483647"),
+    ((32, 8, 128, 16, 5), r"dtype must be a str such as 'bfloat16', got 5"),
+])
+def test_decode_attention_graph_checks_its_sizes(args, match):
+    """mla_decode_graph and moe_graph checked their sizes; decode_attention_graph took 0, -1, 32.0 and
+    True, and raised ZeroDivisionError or a TypeError from '%' on the rest."""
+    from meld.ops import decode_attention_graph
+
+    with pytest.raises(ValueError, match=match):
+        decode_attention_graph(*args)
+
+
+def test_decode_attention_graph_takes_numpy_sizes_as_before():
+    from meld.ops import decode_attention_graph
+
+    assert decode_attention_graph(np.int64(32), 8, 128, 16) == decode_attention_graph(32, 8, 128, 16)
