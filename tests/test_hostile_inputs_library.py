@@ -44,9 +44,9 @@ def test_tune_recorded_binary_file_is_named(tmp_path, capsys):
            "argument --workload", f"{path} is not a workload file", "not UTF-8")
 
 
-# --- meld.dist.shard_batch caps the world it places over -------------------------------------------------
+# --- meld.distributed.shard_batch caps the world it places over -------------------------------------------------
 def test_shard_batch_caps_world():
-    from meld.dist.shard import MAX_WORLD, shard_batch
+    from meld.distributed.shard import MAX_WORLD, shard_batch
 
     for world in (10 ** 9, MAX_WORLD + 1):
         with pytest.raises(ValueError, match=f"world must be at most {MAX_WORLD}, got {world}"):
@@ -305,12 +305,12 @@ def test_a_copied_decode_operator_runs_and_replans(how):
 def test_operators_built_and_dropped_leave_no_handle():
     import gc
 
-    from meld.ops import torch_ops
+    from meld.ops import registry
 
     gc.collect()
-    before = len(torch_ops._live)
+    before = len(registry._live)
     for _ in range(10):
         a = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, device="cpu")
         del a
     gc.collect()
-    assert len(torch_ops._live) == before
+    assert len(registry._live) == before

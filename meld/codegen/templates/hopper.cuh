@@ -62,15 +62,15 @@ __device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sy
 template <int REGS>
 __device__ __forceinline__ void regs_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS)); }
 
-// Named barrier over `threads` threads (ids 1..15; 0 is __syncthreads), every warp whole. bar.sync is
-// `.aligned`: a warp must reach it converged, and callers come from per-thread loops and branches (a row
-// past the unit's end, merge loops of uneven trip counts) where nothing reconverges it: synccheck reports
-// such a warp as divergent threads, undefined behaviour that may hang or release the barrier early. The
-// __syncwarp reconverges the warp first and orders its lanes' shared-memory accesses before the barrier.
-// Every lane of every participating warp must call it (none may have returned).
+// Named barrier over `threads` threads (ids 1..15; 0 is __syncthreads), every lane of every participating
+// warp. Callers come from per-thread loops and branches (a row past the unit's end, merge loops of uneven
+// trip counts) that leave a warp diverged, and `bar.sync` is barrier.sync.aligned: a diverged warp reaching
+// it is undefined behaviour (synccheck: divergent threads). __syncwarp does not reconverge the warp for the
+// instruction after it, so the barrier is the unaligned form, which diverged threads may reach; __syncwarp
+// first orders the warp's lanes' shared-memory accesses before any of them arrives.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   __syncwarp();
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Orders this thread's generic-proxy and async-proxy (TMA) accesses to global memory: generic writes it
