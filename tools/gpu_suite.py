@@ -108,8 +108,9 @@ def run(workers: list[Worker], extra: list[str], outdir: Path, budget: float) ->
             fh.close()
             w.rc, w.wall_s = p.returncode, time.monotonic() - t0
             del procs[k]
+            summary = parse_pytest(Path(w.out).read_text(errors="replace")).summary_line
             print(f"worker {k}: {len(w.ids)} tests, {w.wall_s:.0f} s (expected {w.expected_s:.0f} s)"
-                  f"{', timed out' if w.timed_out else ''}", flush=True)
+                  f"{', timed out' if w.timed_out else ''}: {summary or 'no pytest summary'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
