@@ -63,11 +63,12 @@ template <int REGS>
 __device__ __forceinline__ void regs_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS)); }
 
 // Named barrier over `threads` threads (ids 1..15; 0 is __syncthreads), every lane of every participating
-// warp. Callers come from per-thread loops and branches (a row past the unit's end, merge loops of uneven
-// trip counts) that leave a warp diverged, and `bar.sync` is barrier.sync.aligned: a diverged warp reaching
-// it is undefined behaviour (synccheck: divergent threads). __syncwarp does not reconverge the warp for the
-// instruction after it, so the barrier is the unaligned form, which diverged threads may reach; __syncwarp
-// first orders the warp's lanes' shared-memory accesses before any of them arrives.
+// warp. `bar.sync` is barrier.sync.aligned: every participating thread must execute the same barrier
+// instruction, converged. Neither holds here: the two warpgroups of a warp-specialised kernel reach one
+// barrier from different inlined copies of a function (MLA's mla_store, the TP kernel's tp_every_done), and
+// callers come from per-thread loops and branches that leave a warp diverged (__syncwarp does not reconverge
+// it for the next instruction); synccheck reports either as divergent threads. The unaligned form allows
+// both; __syncwarp first orders the warp's lanes' shared-memory accesses before any of them arrives.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   __syncwarp();
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
