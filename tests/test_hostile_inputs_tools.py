@@ -241,7 +241,7 @@ def test_pack_moe_weights_refuses_empty_layers(cut):
     ((32, 8, -1, 16), r"head_dim must be a positive int, got -1"),
     ((32, 8, 128, 0), r"page_size must be a positive int, got 0"),
     ((2 ** 40, 8, 128, 16), r"num_qo_heads must be at most 2147483647"),
-    ((32, 8, 128, 16, 5), r"dtype must be a str such as 'bfloat16', got 5"),
+    ((32, 8, 128, 16, 5), r"dtype must be a name such as 'bfloat16', got 5"),
 ])
 def test_decode_attention_graph_checks_its_sizes(args, match):
     """mla_decode_graph and moe_graph checked their sizes; decode_attention_graph took 0, -1, 32.0 and
@@ -256,3 +256,14 @@ def test_decode_attention_graph_takes_numpy_sizes_as_before():
     from meld.ops import decode_attention_graph
 
     assert decode_attention_graph(np.int64(32), 8, 128, 16) == decode_attention_graph(32, 8, 128, 16)
+
+
+def test_tuning_db_put_and_lookup_name_a_wrong_type(tmp_path):
+    from meld.tuning.db import TuningDB
+
+    db = TuningDB(tmp_path / "db.json")
+    with pytest.raises(TypeError, match="entry must be a TuningEntry, got int"):
+        db.put(5)
+    with pytest.raises(TypeError, match="key must be a TuningKey, got str"):
+        db.lookup("x")
+    assert db.entries == []

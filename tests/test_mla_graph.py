@@ -43,8 +43,14 @@ def test_json_round_trip(cfg):
 
 
 @pytest.mark.parametrize("args, message", [
-    ((0, 512, 64, 64), "num_heads=0"), ((16, -1, 64, 64), "head_dim_ckv=-1"),
-    ((16, 512, 0, 64), "head_dim_kpe=0"), ((16, 512, 64, 0), "page_size=0"), ((16, 512, 64, True), "page_size=True"),
+    ((0, 512, 64, 64), "num_heads must be a positive int, got 0"),
+    ((16, -1, 64, 64), "head_dim_ckv must be a positive int, got -1"),
+    ((16, 512, 0, 64), "head_dim_kpe must be a positive int, got 0"),
+    ((16, 512, 64, 0), "page_size must be a positive int, got 0"),
+    ((16, 512, 64, True), "page_size must be a positive int, got True"),
+    ((16, 1 << 40, 64, 64), "head_dim_ckv must be at most 2147483647"),
+    ((16, 512, 64, 16.0), "page_size must be a positive int, got 16.0"),
+    ((16, 512, 64, 64, None), "dtype must be a name such as 'bfloat16', got None"),
 ])
 def test_bad_sizes_are_rejected(args, message):
     with pytest.raises(ValueError, match=message):
@@ -226,3 +232,4 @@ def test_definition_matches_reference(fe, cfg, dtype, sm_scale):
     tol = 1e-5 if dtype == "float32" else 1e-2  # out is rounded to dtype; the math is float32
     torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+

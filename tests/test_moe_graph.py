@@ -84,10 +84,13 @@ def test_validate_checks_the_new_kinds(task, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    ((0, 32, 8, 2), "hidden_size=0 must be a positive"),
-    ((64, -32, 8, 2), "intermediate_size=-32 must be a positive"),
-    ((64, 32.0, 8, 2), "intermediate_size=32.0 must be a positive integer"),
-    ((64, 32, 0, 1), "num_experts=0 must be a positive"),
+    ((0, 32, 8, 2), "hidden_size must be a positive int, got 0"),
+    ((64, -32, 8, 2), "intermediate_size must be a positive int, got -32"),
+    ((64, 32.0, 8, 2), "intermediate_size must be a positive int, got 32.0"),
+    ((64, 32, 0, 1), "num_experts must be a positive int, got 0"),
+    ((64, 1 << 40, 8, 1), "intermediate_size must be at most 2147483647"),
+    ((64, 32, 8, 2, "yes"), "renormalize must be True or False, got 'yes'"),
+    ((64, 32, 8, 2, True, None), "dtype must be a name such as 'bfloat16', got None"),
     ((64, 32, 8, 0), r"top_k=0 must be an integer in 1\.\.num_experts=8"),
     ((64, 32, 8, 9), r"top_k=9 must be an integer in 1\.\.num_experts=8"),
 ])

@@ -75,6 +75,13 @@ def check_positive(name: str, value: object, high: int = INT32_MAX) -> int:
     return int(value)
 
 
+def check_dtype_name(dtype: object) -> str:
+    """A task graph's dtype attribute: a name such as 'bfloat16' (graphs are JSON: no torch dtypes)."""
+    if not isinstance(dtype, str) or not dtype:
+        raise ValueError(f"dtype must be a name such as 'bfloat16', got {dtype!r}")
+    return dtype
+
+
 def check_count(name: str, value: object, high: int = INT32_MAX) -> int:
     """A non-negative integer (Python or NumPy, not bool) of at most `high`, as a Python int."""
     if not is_int(value) or value < 0:

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..ir import Axis, Reduction, TaskGraph, TaskTemplate
-from .checks import check_positive
+from .checks import check_dtype_name, check_positive
 
 
 def decode_attention_graph(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -19,8 +19,7 @@ def decode_attention_graph(num_qo_heads: int, num_kv_heads: int, head_dim: int, 
     for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("page_size", page_size)):
         check_positive(name, v)
-    if not isinstance(dtype, str):
-        raise ValueError(f"dtype must be a str such as 'bfloat16', got {dtype!r}")
+    check_dtype_name(dtype)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     domain = (Axis("request", "batch_size"), Axis("kv_head", num_kv_heads))

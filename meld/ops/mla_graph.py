@@ -6,6 +6,7 @@ a test asserts the two are equal.
 from __future__ import annotations
 
 from ..ir import Axis, Reduction, TaskGraph, TaskTemplate
+from .checks import check_dtype_name, check_positive
 
 
 def mla_decode_graph(num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
@@ -18,9 +19,8 @@ def mla_decode_graph(num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_
     """
     sizes = {"num_heads": num_heads, "head_dim_ckv": head_dim_ckv, "head_dim_kpe": head_dim_kpe,
              "page_size": page_size}
-    for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
+    sizes = {name: check_positive(name, v) for name, v in sizes.items()}
+    check_dtype_name(dtype)
     domain = (Axis("request", "batch_size"),)
     red = Reduction("online_softmax", "kv")
     g = TaskGraph("mla_decode", sizes | {"dtype": dtype})

@@ -6,15 +6,19 @@ test asserts the two are equal.
 from __future__ import annotations
 
 from ..ir import Axis, Reduction, TaskGraph, TaskTemplate
+from .checks import check_dtype_name, check_positive, is_int
 
 
-def _check(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
-    sizes = {"hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_experts": num_experts}
-    for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+def _check(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
+           dtype: str) -> None:
+    for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                    ("num_experts", num_experts)):
+        check_positive(name, v)
+    if isinstance(top_k, bool) or not is_int(top_k) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k!r} must be an integer in 1..num_experts={num_experts}")
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be True or False, got {renormalize!r}")
+    check_dtype_name(dtype)
 
 
 def moe_graph(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -39,7 +43,7 @@ def moe_graph(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
     Raises:
         ValueError: a non-positive size or top_k outside 1..num_experts; the message names the argument.
     """
-    _check(hidden_size, intermediate_size, num_experts, top_k)
+    _check(hidden_size, intermediate_size, num_experts, top_k, renormalize, dtype)
     token, expert = Axis("token", "num_tokens"), Axis("expert", num_experts)
     rows = Axis("row_block", "expert_tokens", dynamic=True)
     red = Reduction("weighted_sum", "k")

@@ -139,11 +139,15 @@ class TuningDB:
 
     def put(self, entry: TuningEntry) -> None:
         """Add `entry`, replacing any entry of the same key."""
+        if not isinstance(entry, TuningEntry):
+            raise TypeError(f"entry must be a TuningEntry, got {type(entry).__name__}")
         self.entries = [e for e in self.entries if e.key != entry.key] + [entry]
 
     def lookup(self, key: TuningKey, warn: bool = True) -> TuningEntry | None:
         """The entry for `key`; with `warn`, a warning for each entry of the same operator, dtype and shape
         that another machine or kernel source recorded (ignored)."""
+        if not isinstance(key, TuningKey):
+            raise TypeError(f"key must be a TuningKey, got {type(key).__name__}")
         for e in self.entries:
             if e.key == key:
                 return e
