@@ -161,8 +161,11 @@ def check_pair(a: str, va: object, b: str, vb: object) -> None:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The bytes [start, end) from t's first element to the end of its last (torch's strides are >= 0)."""
+    lo = t.data_ptr()
+    if t.is_contiguous():   # (run()'s tensors: the cheap case first)
+        return lo, lo + t.nbytes
     last = sum(s * (n - 1) for s, n in zip(t.stride(), t.shape))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    return lo, lo + (last + 1) * t.element_size()
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
@@ -179,25 +182,34 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
 
 
 def check_output(name: str, t: torch.Tensor, reads: dict[str, object]) -> None:
-    """A preallocated output (already of the right dtype, shape and device) that a kernel may write: every
-    element its own memory, none of it shared with `reads` (the tensors the kernel reads while it writes
-    `name`; None and non-tensors skipped), and nothing autograd forbids writing in place (a leaf that
-    requires grad, or a view of one)."""
-    if _overlaps_itself(t):
-        raise ValueError(f"{name} has elements that share memory (shape {tuple(t.shape)}, strides {t.stride()}): "
-                         "the kernel writes every element, so each needs its own")
-    if t.numel():
+    """One preallocated output: `check_outputs({name: t}, reads)`."""
+    check_outputs({name: t}, reads)
+
+
+def check_outputs(outputs: dict[str, torch.Tensor | None], reads: dict[str, object]) -> None:
+    """Preallocated outputs (already of the right dtype, shape and device; None skipped) that a kernel may
+    write: every element its own memory, none of it shared with `reads` (the tensors the kernel reads while
+    it writes them; None and non-tensors skipped) or with an earlier output, and nothing autograd forbids
+    writing in place (a leaf that requires grad, or a view of one). Each span is computed once: run() calls
+    this on every launch."""
+    spans = [(n, r, *_span(r)) for n, r in reads.items() if isinstance(r, torch.Tensor) and r.numel()]
+    for name, t in outputs.items():
+        if t is None:
+            continue
+        if _overlaps_itself(t):
+            raise ValueError(f"{name} has elements that share memory (shape {tuple(t.shape)}, strides {t.stride()}): "
+                             "the kernel writes every element, so each needs its own")
+        if t.requires_grad and torch.is_grad_enabled() and (t if t._base is None else t._base).is_leaf:
+            raise ValueError(f"{name} is a leaf tensor that requires grad (or a view of one): meld writes it in "
+                             "place, which autograd forbids; pass a buffer that does not require grad")
+        if not t.numel():
+            continue
         lo, hi = _span(t)
-        for other, r in reads.items():
-            if isinstance(r, torch.Tensor) and r.numel():
-                rlo, rhi = _span(r)
-                if lo < rhi and rlo < hi:
-                    raise ValueError(f"{name} (strides {t.stride()}) shares memory with {other} (strides "
-                                     f"{r.stride()}): the kernel would overwrite what it reads; pass a separate "
-                                     f"{name}")
-    if t.requires_grad and torch.is_grad_enabled() and (t if t._base is None else t._base).is_leaf:
-        raise ValueError(f"{name} is a leaf tensor that requires grad (or a view of one): meld writes it in place, "
-                         "which autograd forbids; pass a buffer that does not require grad")
+        for other, r, rlo, rhi in spans:
+            if lo < rhi and rlo < hi:
+                raise ValueError(f"{name} (strides {t.stride()}) shares memory with {other} (strides {r.stride()}): "
+                                 f"the kernel would overwrite what it reads; pass a separate {name}")
+        spans.append((name, t, lo, hi))
 
 
 # --- autograd: meld's kernels are for inference ---------------------------------------------------------

@@ -24,7 +24,7 @@ from ..runtime import host_helper
 from ..scheduler import Topology, plan_decode_host
 from ..tuning.recorder import kv_lens, recorder
 from .base import Operator
-from .checks import check_output, expect, is_int, no_backward, plain, same_device
+from .checks import check_outputs, expect, is_int, no_backward, plain, same_device
 from .page_table import check_page_table, max_page, page_table_error
 
 _trace_seq = itertools.count()
@@ -139,15 +139,15 @@ class PagedDecode(Operator):
                      lse_meaning: str, reads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """run()'s outputs as given (checked: dtype, shape, device, contiguous, no memory shared with `reads`, the
         inputs, or with each other) or allocated: out [B, H, D] and, when asked for or given, lse [B, H] float32."""
-        if out is None:
-            out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        else:
+        if out is not None:
             expect("out", out, self.dtype, shape, out_meaning, self.device, contiguous=True)
-            check_output("out", out, reads)
         if lse is not None:
             expect("lse", lse, torch.float32, shape[:2], lse_meaning, self.device, contiguous=True)
-            check_output("lse", lse, {**reads, "out": out})
-        elif want_lse:
+        if out is not None or lse is not None:   # (what run() allocates needs no check)
+            check_outputs({"out": out, "lse": lse}, reads)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if lse is None and want_lse:
             lse = torch.empty(shape[:2], dtype=torch.float32, device=self.device)
         return out, lse
 
