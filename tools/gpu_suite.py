@@ -13,8 +13,8 @@ Exit 0 only when every collected test ran and none failed or errored; a worker s
 --budget ends is killed (its process group) and the test it was in is named. Skips are counted and their
 reasons listed (on one GPU the two-GPU tests skip, saying so), so a skip is never silent.
 
-Why not pytest-xdist: the GPU machine has no network and no xdist, and static LPT shards over measured
-durations balance as well for a suite whose tests last seconds.
+Why not pytest-xdist alone: its scheduling knows nothing of durations, and a few two-rank tests take minutes
+while most take seconds; dealt by measured seconds, those start first and the workers end together.
 """
 from __future__ import annotations
 

@@ -66,13 +66,22 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_positive(name: str, value: object, high: int = INT32_MAX) -> int:
-    """A positive integer (Python or NumPy, not bool) of at most `high`, as a Python int."""
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _check_int(name: str, value: object, low: int, high: int, what: str) -> int:
+    if not is_int(value) or value < low:
+        raise ValueError(f"{name} must be a {what} int, got {value!r}")
     if value > high:
         raise ValueError(f"{name} must be at most {high}, got {value!r}")
     return int(value)
+
+
+def check_positive(name: str, value: object, high: int = INT32_MAX) -> int:
+    """A positive integer (Python or NumPy, not bool) of at most `high`, as a Python int."""
+    return _check_int(name, value, 1, high, "positive")
+
+
+def check_count(name: str, value: object, high: int = INT32_MAX) -> int:
+    """A non-negative integer (Python or NumPy, not bool) of at most `high`, as a Python int."""
+    return _check_int(name, value, 0, high, "non-negative")
 
 
 def check_dtype_name(dtype: object) -> str:
@@ -80,15 +89,6 @@ def check_dtype_name(dtype: object) -> str:
     if not isinstance(dtype, str) or not dtype:
         raise ValueError(f"dtype must be a name such as 'bfloat16', got {dtype!r}")
     return dtype
-
-
-def check_count(name: str, value: object, high: int = INT32_MAX) -> int:
-    """A non-negative integer (Python or NumPy, not bool) of at most `high`, as a Python int."""
-    if not is_int(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if value > high:
-        raise ValueError(f"{name} must be at most {high}, got {value!r}")
-    return int(value)
 
 
 SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)   # the seeds torch.Generator.manual_seed takes
