@@ -3,6 +3,8 @@ formats compute-sanitizer prints, the verdict per shard and for the run, shard d
 main() end to end with a fake compute-sanitizer wrapping CPU tests (no GPU, no real sanitizer)."""
 import importlib.util
 import json
+import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -304,3 +306,17 @@ def test_main_end_to_end_with_a_fake_sanitizer(tmp_path, monkeypatch, mode, stat
     if mode == "hang":
         assert all(s["timed_out"] and s["report"]["error_summary"] is None for s in shards)
         assert "timed out after" in md
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_racecheck_probe_compiles_for_sm90a(tmp_path):
+    """The probes behind tools/SANITIZE.md's notes on what racecheck models stay buildable."""
+    src = _PATH.parent / "probes" / "racecheck_probe.cu"
+    run = subprocess.run(["nvcc", "-arch=sm_90a", "-O3", "-o", str(tmp_path / "probe"), str(src)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_initcheck_leaves_out_tests_that_feed_meld_a_cublas_output():
+    assert "not cublas_output" in san.MARKERS["initcheck"]
+    assert all("cublas_output" not in m for t, m in san.MARKERS.items() if t != "initcheck")

@@ -350,6 +350,7 @@ def test_decode_compiles_fullgraph_with_meld():
 
 
 @pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
 @pytest.mark.parametrize("kind,backend", [("llama", "inductor"), ("qwen3-moe", "aot_eager")])
 def test_gpu_decode_compiles_fullgraph_with_meld(kind, backend):
     """The same on the GPU: Inductor compiles the Llama step around meld's attention op (its own fused
@@ -408,6 +409,7 @@ def _gpu_trace():
 
 
 @pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
 @pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
 @pytest.mark.parametrize("backend", ["meld", "flashinfer"])
 def test_gpu_graph_replay_after_replans_equals_eager(kind, backend):
@@ -434,6 +436,7 @@ def test_gpu_graph_replay_after_replans_equals_eager(kind, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
 @pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
 def test_gpu_meld_matches_sdpa(kind):
     """meld (its MoE too) against SDPA (and torch's MoE), graphs on; the MoE model eager, on the SDPA run's
@@ -448,6 +451,7 @@ def test_gpu_meld_matches_sdpa(kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
 @pytest.mark.parametrize("backend", ["flashinfer", "flashinfer-tc"])
 def test_gpu_flashinfer_matches_meld(backend):
     pytest.importorskip("flashinfer")
@@ -458,6 +462,7 @@ def test_gpu_flashinfer_matches_meld(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
 def test_gpu_serve_bench_full_size_smoke(capsys):
     """The full-size models for a few steps through the CLI, graphs on, checked against SDPA."""
     for model in ("llama", "qwen3-moe"):

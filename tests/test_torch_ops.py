@@ -220,12 +220,14 @@ def test_gpu_opcheck():
 
 
 @pytest.mark.gpu
+@pytest.mark.cublas_output
 def test_gpu_compiled_block_matches_eager():
     check_compiled_matches_eager("cuda", "inductor")
 
 
 @pytest.mark.gpu
 @pytest.mark.caching_allocator
+@pytest.mark.cublas_output
 def test_gpu_cuda_graph_replays_after_replans():
     """mode="reduce-overhead": one CUDA graph for the batch size, replayed after each plan()."""
     batches = ([5, 40, 17], [300, 1, 64], [0, 999, 2])

@@ -45,8 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("memcheck", "synccheck", "initcheck", "racecheck")
-MARKERS = {"memcheck": "gpu and not trap", "synccheck": "gpu and not trap", "initcheck": "gpu and not trap",
-           "racecheck": "racecheck and not trap"}
+# initcheck does not see the stores of cuBLAS's Hopper GEMMs (TMA): a torch kernel reading a GEMM's output
+# is reported as reading uninitialised memory (tools/probes/init_probe.py), so would a meld kernel be.
+MARKERS = {"memcheck": "gpu and not trap", "synccheck": "gpu and not trap",
+           "initcheck": "gpu and not trap and not cublas_output", "racecheck": "racecheck and not trap"}
 # Per-tool flags. A flag the installed compute-sanitizer's --help does not list is dropped (with a warning)
 # rather than failing every shard.
 COMMON_FLAGS = ["--target-processes", "all",   # follow pytest's children (compilers, subprocess tests)

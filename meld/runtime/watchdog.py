@@ -43,8 +43,6 @@ SITES = {
         "number; a rank that never launched, or died)",
     17: "the unit's query tile to be loaded into shared memory by the loader warps",
     18: "the score warpgroup to release the query buffer (its last Q.K^T of the unit before)",
-    19: "the probabilities of the unit's KV block {detail} from the score warpgroup",
-    20: "the second warpgroup to finish with the probabilities before KV block {detail}",
     21: "every part of the split unit ({detail} of them) to arrive for its merge",
 }
 

@@ -16,7 +16,12 @@
 //   - warpgroup 1 (the score warpgroup) computes S, the online softmax, writes P (bf16) and each row's
 //     rescale into shared memory, and accumulates O's latent channels 0-255;
 //   - warpgroup 2 accumulates channels 256-511 from the same P and V.
-// Each wait carries the watchdog: the ring's stages (sites 1, 5), Q (17, 18), P (19, 20), a merge's parts (21).
+// The score warpgroup hands each block's P and row rescale to warpgroup 2 through two named barriers that
+// both sync on (P_FULL: P is written; P_EMPTY: warpgroup 2 is done with it). compute-sanitizer's racecheck
+// models neither an mbarrier hand-off of generic stores nor barrier.arrive (tools/SANITIZE.md), and
+// neither costs anything here: each side reaches the other's barrier right after its own. Every mbarrier
+// wait carries the watchdog: the ring's stages (sites 1, 5), Q (17, 18), a merge's parts (21); a named
+// barrier needs none, since the other warpgroup reaches it unless it is stuck in one of those.
 //
 // A unit split across CTAs leaves one partial per piece ([64 heads][512] floats, normalised, and its lse).
 // Its partials are 32x a GQA unit's, too many for one CTA to merge on the kernel's tail, so up to
@@ -67,17 +72,17 @@ struct Stats {
   float bad[2][HB];    // each warpgroup's non-finite check of its channels (0 or NaN)
 };
 constexpr int OFF_BARS = (OFF_STATS + (int)sizeof(Stats) + 7) & ~7;
-constexpr int NUM_BARS = 2 * STAGES + 4;
+constexpr int NUM_BARS = 2 * STAGES + 2;
+constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (1: warpgroup 1's, 2: the unit's end)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
 static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0, "128-byte swizzled buffers start on 1 KiB");
 static_assert(BLK == 32 || BLK == 64, "KV blocks of 32 or 64 tokens");
 
 struct Bars {   // mbarrier addresses
-  u32 full, empty, q_full, q_empty, p_full, p_empty;
+  u32 full, empty, q_full, q_empty;
   __device__ Bars(u32 base) : full(base), empty(base + 8 * STAGES), q_full(base + 16 * STAGES),
-                              q_empty(base + 16 * STAGES + 8), p_full(base + 16 * STAGES + 16),
-                              p_empty(base + 16 * STAGES + 24) {}
+                              q_empty(base + 16 * STAGES + 8) {}
 };
 
 __device__ __forceinline__ WaitSite mla_site(const MlaParams& p, int site, int cta, int unit, int detail) {
@@ -197,11 +202,16 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece
     if ((lane & 3) == 0) sx.bad[g][acc_row(lane, warp, h)] = bad[h];
   }
   named_barrier(2, 256);
+  float lrow[2];   // NaN when a row met a non-finite value anywhere
+#pragma unroll
+  for (int h = 0; h < 2; ++h) lrow[h] = l[h] + sx.bad[0][acc_row(lane, warp, h)] + sx.bad[1][acc_row(lane, warp, h)];
+  named_barrier(2, 256);   // both have read sx.bad (every lane, before any diverges): the next unit's may
+                           // overwrite it
   const int req = u / p.units_per_request, h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = acc_row(lane, warp, h);
-    const float lr = l[h] + sx.bad[0][r] + sx.bad[1][r];   // NaN when a row met a non-finite value anywhere
+    const float lr = lrow[h];
     const float inv = lr == 0.f ? 0.f : 1.f / lr;           // 0: an empty unit; NaN stays NaN
     const float lse2 = lr == 0.f ? neg_inf() : (m[h] == neg_inf() ? 0.f : m[h]) + log2_approx(lr);
     if (r >= rows) continue;
@@ -220,7 +230,6 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece
       if (g == 0 && (lane & 3) == 0) p.part_lse[x.slot * HB + r] = lse2;
     }
   }
-  named_barrier(2, 256);   // both have read sx.bad: the next unit's may overwrite it
 }
 
 // Spin until a device-scope counter reaches `n` (acquire), under the watchdog.
@@ -329,7 +338,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
                           Profiler& prof) {
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
   int stage = 0;
-  u32 phase = 0, qphase = 0, pphase = 0;
+  u32 phase = 0, qphase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
@@ -355,7 +364,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       if (valid < BLK)   // V rows past the piece's end: zeros, which P (0 there) must not turn into NaN
         for (int i = ct; i < (BLK - valid) * 64; i += 128)   // row valid + i / 64, latent box (i / 8) % 8
           st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
-      mbar_wait(b.p_empty, pphase ^ 1u, mla_site(p, 20, w.cta, u, j));
+      if (j > 0) named_barrier(P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
 #pragma unroll
       for (int i = 0; i < SACC; i += 2) {
         const int r = acc_row(lane, warp, (i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3);
@@ -372,10 +381,10 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
         }
       }
       fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
-      named_barrier(1, 128);
-      if (ct == 0) {
-        mbar_arrive(b.p_full);
-        if (last) mbar_arrive(b.q_empty);   // every Q.K^T of the unit has completed
+      named_barrier(P_FULL, 256);
+      if (last) {
+        named_barrier(1, 128);
+        if (ct == 0) mbar_arrive(b.q_empty);   // every Q.K^T of the unit has completed
       }
       const int ns = stage + 1 == STAGES ? 0 : stage + 1;
       const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
@@ -397,7 +406,6 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
         mla_pv(o, pbuf, st, 0);
         if (lane == 0) mbar_arrive(b.empty + 8 * stage);
       }
-      pphase ^= 1u;
       stage = ns;
       phase = nphase;
     }
@@ -419,7 +427,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
 __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 pbuf, Stats& sx, const Bars& b) {
   const int ct = threadIdx.x - 256, warp = ct >> 5, lane = ct & 31;
   int stage = 0;
-  u32 phase = 0, pphase = 0;
+  u32 phase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
@@ -429,7 +437,7 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
     float l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
     for (int j = 0; j < nb; ++j) {
       mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));   // (the TMA bytes, visible here)
-      mbar_wait(b.p_full, pphase, mla_site(p, 19, w.cta, u, j));
+      named_barrier(P_FULL, 256);
       const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
       rescale(o, sx.alpha[r0], sx.alpha[r1]);
       if (j == nb - 1) {
@@ -437,12 +445,8 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
         m[0] = sx.m[r0]; m[1] = sx.m[r1];
       }
       mla_pv(o, pbuf, ring + stage * STAGE_BYTES, 1);
-      __syncwarp();   // every lane's reads of sx before lane 0 releases P's slot (and sx) for the next block
-      if (lane == 0) {
-        mbar_arrive(b.p_empty);
-        mbar_arrive(b.empty + 8 * stage);
-      }
-      pphase ^= 1u;
+      if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+      if (j < nb - 1) named_barrier(P_EMPTY, 256);   // (the unit's last: mla_store's barriers order it)
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
     mla_store(p, u, x, o, l, m, sx, 1, warp, lane);
@@ -467,8 +471,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_mla_decode(const __gri
     }
     mbar_init(b.q_full, 96);   // the loader threads
     mbar_init(b.q_empty, 1);
-    mbar_init(b.p_full, 1);
-    mbar_init(b.p_empty, 4);   // warpgroup 2's warps
     fence_mbar_init();
   }
   __syncthreads();
