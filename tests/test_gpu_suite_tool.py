@@ -55,7 +55,8 @@ def test_main_reports_every_test_and_fails_on_a_failure(tmp_path, monkeypatch, c
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAIL -- 4 collected, 2 passed, 1 failed, 1 skipped" in out
-    assert "skipped 1: not here" in out and "test_param[2]" in out
+    assert "skipped 1: not here" in out
+    assert "FAILED " in out and "test_param[2] - assert 2 == 1" in out, "the failure's message reaches the caller"
     timed = json.loads((tmp_path / "out" / "gpu_durations.json").read_text())
     assert {Path(i).name for i in timed} == {Path(i).name for i in ids}, "every test's seconds are recorded"
     monkeypatch.setattr(suite, "collect", lambda markers, extra: {"gpu": (ids[:3], "")})

@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"worker {w.index} killed at the budget" + (f" in {c.last_started}" if c.last_started else ""))
         elif c.summary_line is None:
             problems.append(f"worker {w.index} printed no pytest summary (exit {w.rc}; {w.out})")
-        problems += [f"failed: {i}" for i in c.failed_ids]
+        # pytest's short summary line of each failure (-rfE): its id and the first line of its message, which
+        # is all that reaches the caller when the device returns only a few of the workers' logs
+        problems += [line[:600] for line in text.splitlines() if re.match(r"^(FAILED|ERROR) \S+::", line)]
     ran = passed + failed + skipped
     if ran != len(ids) and not problems:
         problems.append(f"{len(ids) - ran} collected tests did not report")
