@@ -91,9 +91,10 @@ def run(workers: list[Worker], extra: list[str], outdir: Path, budget: float) ->
         fh = open(w.out, "w")   # noqa: SIM115 -- the worker's stdout; closed when it ends
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "--durations=0",
                "--durations-min=0", *extra, *w.ids]
+        # COLUMNS: pytest cuts each short-summary line to the terminal's width, message first
         fh.write("$ " + " ".join(cmd[:12]) + f" ... ({len(w.ids)} tests)\n\n")
         fh.flush()
-        procs[w.index] = (subprocess.Popen(cmd, cwd=ROOT, env=child_env(None), stdout=fh, stderr=subprocess.STDOUT,
+        procs[w.index] = (subprocess.Popen(cmd, cwd=ROOT, env={**child_env(None), "COLUMNS": "400"}, stdout=fh, stderr=subprocess.STDOUT,
                                            start_new_session=True), fh, time.monotonic())
     deadline = time.monotonic() + budget
     while procs:
