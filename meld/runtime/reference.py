@@ -17,9 +17,16 @@ import math
 import numpy as np
 import torch
 
-from ..ir import COMBINERS, Schedule
+from typing import TYPE_CHECKING
 
-_merge = COMBINERS["online_softmax"].merge
+from ..ir import COMBINERS, Schedule, TaskGraph
+from ..ir.combiners import Combiner
+from ..ir.task_graph import GraphError
+
+if TYPE_CHECKING:
+    from ..scheduler.split_reduce_plan import GroupTable, SplitReducePlan
+
+_SOFTMAX = COMBINERS["online_softmax"]
 
 
 def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, ...]:
@@ -42,19 +49,21 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[n
 
 
 def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, kv_indices: torch.Tensor,
-                   sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Execute `schedule` on CPU tensors (kv_cache NHD). Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
+                   sm_scale: float, combiner: str = "online_softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Execute `schedule` on CPU tensors (kv_cache NHD), merging split units with `combiner` (the graph's).
+    Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
     P = kv_cache.shape[2]
     kv64 = kv_cache.double().numpy()
 
     def kv(pages: np.ndarray, slots: np.ndarray, kv_head: int) -> tuple[np.ndarray, np.ndarray]:
         return kv64[pages, 0, slots, kv_head], kv64[pages, 1, slots, kv_head]
 
-    return _execute(schedule, q.double().numpy(), kv, P, kv_cache.shape[-1], kv_indices, sm_scale)
+    return _execute(schedule, q.double().numpy(), kv, P, kv_cache.shape[-1], kv_indices, sm_scale, _softmax(combiner))
 
 
 def execute_mla(schedule: Schedule, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
-                kpe_cache: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                kpe_cache: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
+                combiner: str = "online_softmax") -> tuple[torch.Tensor, torch.Tensor]:
     """Execute an MLA schedule (one latent kv head shared by every q head) on CPU tensors: keys are the
     latent rows with their rope part, values the latent rows. Returns (out [B, H, Dc], lse [B, H]) float64."""
     dc = ckv_cache.shape[-1]
@@ -65,11 +74,19 @@ def execute_mla(schedule: Schedule, q_nope: torch.Tensor, q_pe: torch.Tensor, ck
         return k, k[:, :dc]
 
     q = torch.cat([q_nope, q_pe], dim=-1).double().numpy()
-    return _execute(schedule, q, kv, ckv_cache.shape[1], dc, kv_indices, sm_scale)
+    return _execute(schedule, q, kv, ckv_cache.shape[1], dc, kv_indices, sm_scale, _softmax(combiner))
+
+
+def _softmax(name: str) -> Combiner:
+    """The combiner an attention piece's partials merge with: the graph names it; attention pieces produce
+    online-softmax states, so a graph asking for another merge of them is refused."""
+    if name != "online_softmax":
+        raise GraphError(f"attention partials are online-softmax states: they cannot merge with combiner {name!r}")
+    return COMBINERS[name]
 
 
 def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, kv_indices: torch.Tensor,
-             sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+             sm_scale: float, combiner: Combiner) -> tuple[torch.Tensor, torch.Tensor]:
     """The walk both executors share: `kv(pages, slots, kv_head)` gives an item's keys and values."""
     B, Hq, _ = q64.shape
     # NumPy, not torch: per-item matmuls are tiny and torch's CPU thread pool only adds overhead.
@@ -96,19 +113,80 @@ def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, k
         arrived[u] += 1
         if arrived[u] == it["num_parts"][i]:      # last arriver merges the unit's slots
             s0, n = int(it["parts_begin"][i]), int(it["num_parts"][i])
-            o, ls = merge_partials(part_lse[s0:s0 + n, :rows], part_o[s0:s0 + n, :rows])
+            o, ls = merge_partials(part_lse[s0:s0 + n, :rows], part_o[s0:s0 + n, :rows], combiner)
             out[b, h0:h0 + rows], lse[b, h0:h0 + rows] = torch.from_numpy(o), torch.from_numpy(ls)
     return out, lse
 
 
-def merge_partials(part_lse: np.ndarray, part_o: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def merge_partials(part_lse: np.ndarray, part_o: np.ndarray, combiner: Combiner = _SOFTMAX
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Merge n partial results of the same rows, in order, as a last arriver does: lse [n, H] and o [n, H, D]
     (a part with no tokens: lse -inf) -> (o [H, D], lse [H])."""
     H, D = part_o.shape[1:]
     m, l, acc = np.full(H, -np.inf), np.zeros(H), np.zeros((H, D))
     for s in range(len(part_lse)):
-        m, l, acc = _merge(m, l, acc, part_lse[s], np.ones(H), part_o[s])
+        m, l, acc = combiner.merge(m, l, acc, part_lse[s], np.ones(H), part_o[s])
     return _normalised(m, l, acc)
+
+
+def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[str, GroupTable], q: torch.Tensor,
+                         kv_cache: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a paged-attention split-reduce graph whose combine merges the partials of several tasks (a
+    cascade's levels): `plan` from `meld.scheduler.plan_split_reduce` over the graph's split-reduce tasks
+    in graph order, `tables` their `GroupTable`s by task name, kv_cache NHD on the CPU. The CTAs' pieces
+    run in order; each piece counts its arrival at every (request, kv head) it covers, and the arrival
+    that completes a point merges its parts in task and range order with the graph's combiner — the
+    count-fired combine of the kernels. Returns (out [B, Hq, D], lse [B, Hq]) float64."""
+    producers, combiner = split_reduce_tasks(graph)
+    merge = _softmax(combiner)
+    missing = [t for t in producers if t not in tables]
+    if missing:
+        raise ValueError(f"graph {graph.name!r}: no group table for task(s) {missing}")
+    order = [tables[t] for t in producers]
+    B, Hq, D = q.shape
+    P, Hkv = kv_cache.shape[2], kv_cache.shape[3]
+    G = Hq // Hkv
+    q64, kv64 = q.double().numpy(), kv_cache.double().numpy()
+    out = torch.full((B, Hq, D), float("nan"), dtype=torch.float64)
+    lse = torch.full((B, Hq), float("nan"), dtype=torch.float64)
+    part_o, part_lse = np.full((plan.num_slots, D), np.nan), np.full(plan.num_slots, np.nan)
+    arrived = np.zeros((B, Hkv), dtype=np.int64)
+    parts: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}
+    for i in range(plan.num_pieces):
+        t, g, h = order[int(plan.task[i])], int(plan.group[i]), int(plan.kv_head[i])
+        q0, q1 = int(t.qo_indptr[g]), int(t.qo_indptr[g + 1])
+        pos = np.arange(int(plan.kv_begin[i]), int(plan.kv_end[i]))
+        pages = t.kv_indices[int(t.kv_indptr[g]) + pos // P]
+        m, l, acc = _state(q64[q0:q1, h * G:(h + 1) * G].reshape(-1, D), kv64[pages, 0, pos % P, h],
+                           kv64[pages, 1, pos % P, h], sm_scale)
+        s0 = int(plan.slot[i])
+        part_o[s0:s0 + len(m)] = acc / l[:, None]   # a piece holds tokens: l >= 1, or NaN
+        part_lse[s0:s0 + len(m)] = m + np.log(l)
+        for b in range(q0, q1):
+            arrived[b, h] += 1
+            parts.setdefault((b, h), []).append(((int(plan.task[i]), int(plan.kv_begin[i])), s0 + (b - q0) * G))
+            if arrived[b, h] == plan.parts[b, h]:   # the last part in: merge them all, in their order
+                slots = np.array([s for _, s in sorted(parts.pop((b, h)))])
+                o, ls = merge_partials(part_lse[slots[:, None] + np.arange(G)], part_o[slots[:, None] + np.arange(G)],
+                                       merge)
+                out[b, h * G:(h + 1) * G], lse[b, h * G:(h + 1) * G] = torch.from_numpy(o), torch.from_numpy(ls)
+    for b, h in zip(*np.nonzero(plan.parts == 0)):   # nothing to attend to: zeros, lse -inf
+        out[b, h * G:(h + 1) * G], lse[b, h * G:(h + 1) * G] = 0.0, -math.inf
+    return out, lse
+
+
+def split_reduce_tasks(graph: TaskGraph) -> tuple[list[str], str]:
+    """The split-reduce tasks feeding `graph`'s one combine task, in the order they were added (the order
+    their parts merge in), and the combine's combiner. GraphError for any other shape of graph."""
+    combines = [t for t in graph.tasks if t.kind == "combine"]
+    if len(combines) != 1:
+        raise GraphError(f"graph {graph.name!r}: expected one combine task, got {[t.name for t in combines]}")
+    feeding = {s for s, _ in graph.graph.in_edges(combines[0].name)}
+    producers = [n for n in graph.graph.nodes if n in feeding and graph.task(n).kind == "split_reduce"]
+    if not producers or feeding != set(producers):
+        raise GraphError(f"graph {graph.name!r}: the combine task must be fed by split-reduce tasks only, got "
+                         f"{sorted(feeding)}")
+    return producers, combines[0].reduction.combiner
 
 
 def _normalised(m, l, acc) -> tuple[np.ndarray, np.ndarray]:
@@ -167,4 +245,31 @@ def mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Ten
         s = (q_nope[b].double() @ c.T + q_pe[b].double() @ r.T) * sm_scale     # [H, n]
         lse[b] = torch.logsumexp(s, dim=-1)
         out[b] = torch.softmax(s, dim=-1) @ c
+    return out, lse
+
+
+def cascade_reference(q: torch.Tensor, kv_cache: torch.Tensor, levels: list[tuple[torch.Tensor, ...]],
+                      sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain float64 cascade decode attention: request b attends to the tokens of its group at every level
+    (levels: (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) each, FlashInfer's layout; kv_cache NHD),
+    as one sequence, one request at a time: the ground truth."""
+    B, Hq, D = q.shape
+    _, _, P, Hkv, _ = kv_cache.shape
+    G = Hq // Hkv
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq), -math.inf, dtype=torch.float64)
+    for b in range(B):
+        ks, vs = [], []
+        for qo, indptr, indices, last in levels:
+            g = int(np.searchsorted(qo.numpy(), b, side="right")) - 1
+            for _, pages, n in _requests(indptr[g:g + 2] - indptr[g], indices[int(indptr[g]):], last[g:g + 1], P):
+                ks.append(kv_cache[pages, 0].reshape(-1, Hkv, D)[:n].double())
+                vs.append(kv_cache[pages, 1].reshape(-1, Hkv, D)[:n].double())
+        if not ks:
+            continue
+        k, v = torch.cat(ks), torch.cat(vs)
+        s = torch.einsum("hgd,nhd->hgn", q[b].double().view(Hkv, G, D), k) * scale
+        lse[b] = torch.logsumexp(s, dim=-1).reshape(Hq)
+        out[b] = torch.einsum("hgn,nhd->hgd", torch.softmax(s, dim=-1), v).reshape(Hq, D)
     return out, lse

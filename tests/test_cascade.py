@@ -1,0 +1,196 @@
+"""Shared-prefix (cascade) decode on the CPU: the graph composed from decode attention's parts, the planner
+that balances every level's pieces together, and the reference executor that runs any such graph, against
+float64 attention over each request's whole sequence."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import meld
+from meld.codegen.lowering import lower
+from meld.ir import Axis, Reduction, TaskGraph, TaskTemplate
+from meld.ir.task_graph import GraphError
+from meld.ops.cascade_graph import level_task
+from meld.runtime.reference import cascade_reference, execute_split_reduce
+from meld.scheduler import GroupTable, plan_split_reduce
+
+HQ, HKV, D, P = 8, 2, 64, 16
+BF16 = torch.bfloat16
+
+
+def level(group_sizes, lens, first_page, page_size=P):
+    """One level: groups of `group_sizes` requests, group g with lens[g] tokens on fresh pages from first_page.
+    Returns (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) int32 and the next free page."""
+    pages = [-(-n // page_size) for n in lens]
+    qo = torch.tensor([0, *np.cumsum(group_sizes)], dtype=torch.int32)
+    indptr = torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32)
+    rng = np.random.default_rng(first_page)
+    indices = torch.from_numpy(first_page + rng.permutation(sum(pages))).int()
+    last = torch.tensor([n - (p - 1) * page_size if p else 1 for n, p in zip(lens, pages)], dtype=torch.int32)
+    return (qo, indptr, indices, last), first_page + sum(pages)
+
+
+def batch(prefix_groups, prefix_lens, suffix_lens, seed=0, extra_levels=()):
+    """A two-level batch (shared prefixes, then one suffix per request), plus `extra_levels` of
+    (group_sizes, lens) in between; q and an NHD cache of fresh random values."""
+    torch.manual_seed(seed)
+    levels, nxt = [], 0
+    for sizes, lens in [(prefix_groups, prefix_lens), *extra_levels, ([1] * len(suffix_lens), suffix_lens)]:
+        lv, nxt = level(sizes, lens, nxt)
+        levels.append(lv)
+    B = len(suffix_lens)
+    q = torch.randn(B, HQ, D).to(BF16)
+    kv = torch.randn(nxt + 3, 2, P, HKV, D).to(BF16)
+    return levels, q, kv
+
+
+def run_op(levels, q, kv, **kw):
+    op = meld.CascadeDecode(HQ, HKV, D, P, len(levels), BF16, "cpu", **kw)
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    return op, op.run(q, kv, return_lse=True)
+
+
+def check(levels, q, kv, **kw):
+    op, (out, lse) = run_op(levels, q, kv, **kw)
+    want_o, want_l = cascade_reference(q, kv, levels)
+    batch_, tables, plan = op.plan_tables
+    got_o, got_l = execute_split_reduce(op.graph, plan, tables, q, kv, 1 / math.sqrt(D))
+    torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9, equal_nan=True)   # the executor, exact
+    torch.testing.assert_close(got_l, want_l, rtol=1e-9, atol=1e-9, equal_nan=True)
+    torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)   # run(): bf16 out
+    torch.testing.assert_close(lse.double(), want_l, rtol=1e-5, atol=1e-5, equal_nan=True)
+    return op, plan
+
+
+def test_graph_is_decode_attention_with_one_producer_per_level():
+    g = meld.ops.cascade_decode_graph(HQ, HKV, D, P, 3)
+    low = lower(g)
+    assert (low.family, low.combiner) == ("decode_attention", "online_softmax")
+    assert [t.name for t in g.tasks if t.kind == "split_reduce"] == [level_task(i) for i in range(3)]
+    assert TaskGraph.from_json(g.to_json()) == g
+
+
+@pytest.mark.parametrize("groups,prefix,suffix", [
+    ([4], [300], [5, 0, 64, 17]),                     # one group, one empty suffix
+    ([3, 1, 4], [129, 16, 1000], [1, 2, 3, 4, 5, 6, 7, 70]),   # several groups, partial last prefix pages
+    ([2, 2], [0, 40], [0, 9, 0, 33]),                 # an empty prefix; a request with nothing at all
+])
+def test_two_levels_match_float64(groups, prefix, suffix):
+    check(*batch(groups, prefix, suffix), num_ctas=8)
+
+
+def test_three_levels_and_a_plan_per_batch():
+    levels, q, kv = batch([6], [500], [3, 60, 0, 7, 100, 1], extra_levels=[([2, 4], [33, 250])])
+    op, plan = check(levels, q, kv, num_ctas=16)
+    levels2, q2, kv2 = batch([2, 1], [64, 65], [1, 1, 1], seed=3)
+    assert len(levels2) == 2 and op.num_levels == 3
+    with pytest.raises(ValueError, match="list of num_levels=3 tensors, got list of 2"):
+        op.plan(*[[lv[i] for lv in levels2] for i in range(4)])
+    assert op.plan_tables[2] is plan, "a plan() that raises changes nothing"
+
+
+def test_pieces_cover_every_range_once_and_the_counts_match():
+    levels, q, kv = batch([16, 16], [4000, 2000], list(range(1, 33)))
+    op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", num_ctas=32)
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    _, tables, plan = op.plan_tables
+    order = [tables[level_task(i)] for i in range(2)]
+    covered, parts = {}, np.zeros((32, HKV), dtype=int)
+    for i in range(plan.num_pieces):
+        key = (int(plan.task[i]), int(plan.group[i]), int(plan.kv_head[i]))
+        covered.setdefault(key, []).append((int(plan.kv_begin[i]), int(plan.kv_end[i])))
+        t = order[key[0]]
+        parts[int(t.qo_indptr[key[1]]):int(t.qo_indptr[key[1] + 1]), key[2]] += 1
+    for (ti, g, h), ranges in covered.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert ranges[-1][1] == order[ti].kv_len(P)[g]
+    assert (parts == plan.parts).all()
+    cost = plan.cta_cost(order)
+    assert cost.max() <= 1.5 * cost.mean(), "prefix and suffix pieces are balanced together"
+    slots = np.sort(plan.slot)
+    assert (np.diff(slots) > 0).all() and plan.num_slots >= slots[-1]
+
+
+def test_non_finite_inputs_reach_exactly_their_rows():
+    levels, q, kv = batch([2, 2], [100, 100], [20, 20, 20, 20])
+    prefix_idx, sfx = levels[0][2], levels[1]
+    kv[int(sfx[2][int(sfx[1][3])]), 1, 0, 1, 5] = float("nan")    # V of request 3's suffix, kv head 1
+    kv[int(prefix_idx[0]), 0, 2, 0, 7] = float("inf")              # K of group 0's prefix (requests 0, 1), kv head 0
+    _, (out, lse) = run_op(levels, q, kv, num_ctas=4)
+    G = HQ // HKV
+    assert out[3, G:].isnan().any(dim=-1).all() and lse[3, G:].isfinite().all()
+    assert out[0:2, :G].isnan().all() and lse[0:2, :G].isnan().all()
+    assert out[2].isfinite().all() and out[0:2, G:].isfinite().all() and out[3, :G].isfinite().all()
+
+
+def test_a_graph_the_library_does_not_ship_runs_with_no_operator_class():
+    """Three producers of partials with names of its own (a system prompt shared by all, few-shot examples
+    shared by pairs, each request's own tokens): it lowers to the decode-attention family and the planner
+    and executor run it from the graph alone."""
+    red = Reduction("online_softmax", "kv")
+    g = TaskGraph("three_sources", {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D, "page_size": P})
+    names = ("system_prompt", "few_shot", "own")
+    for n in names:
+        g.add_task(TaskTemplate(n, "split_reduce", (Axis("group", f"groups_{n}"), Axis("kv_head", HKV)),
+                                range_axis=Axis("kv", f"len_{n}", dynamic=True), reduction=red))
+    g.add_task(TaskTemplate("merge", "combine", (Axis("request", "B"), Axis("kv_head", HKV)), reduction=red))
+    for n in names:
+        g.add_edge(n, "merge", red)
+    assert lower(g.validate()).family == "decode_attention"
+    levels, q, kv = batch([6], [200], [1, 50, 0, 3, 17, 80], extra_levels=[([2, 2, 2], [31, 0, 64])])
+    tables = {n: GroupTable(*(t.numpy().astype(np.int64) for t in lv)) for n, lv in zip(names, levels)}
+    plan = plan_split_reduce([tables[n] for n in names], 6, HKV, HQ // HKV, P, num_ctas=5)
+    got_o, got_l = execute_split_reduce(g, plan, tables, q, kv, 0.125)
+    want_o, want_l = cascade_reference(q, kv, levels, 0.125)
+    torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got_l, want_l, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match=r"no group table for task\(s\) \['own'\]"):
+        execute_split_reduce(g, plan, {n: tables[n] for n in names[:2]}, q, kv, 0.125)
+
+
+def test_the_graphs_combiner_selects_the_merge():
+    """Attention pieces make online-softmax states: a graph that merges them as sums is refused, naming it."""
+    red = Reduction("sum", "kv")
+    g = TaskGraph("summed", {})
+    g.add_task(TaskTemplate("part", "split_reduce", (Axis("group", "G"), Axis("kv_head", HKV)),
+                            range_axis=Axis("kv", "n", dynamic=True), reduction=red))
+    g.add_task(TaskTemplate("merge", "combine", (Axis("request", "B"), Axis("kv_head", HKV)), reduction=red))
+    g.add_edge("part", "merge", red)
+    levels, q, kv = batch([2], [20], [1, 2])
+    t = GroupTable(*(x.numpy().astype(np.int64) for x in levels[0]))
+    plan = plan_split_reduce([t], 2, HKV, HQ // HKV, P, num_ctas=2)
+    with pytest.raises(GraphError, match="cannot merge with combiner 'sum'"):
+        execute_split_reduce(g.validate(), plan, {"part": t}, q, kv, 0.1)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda L: L[0].__setitem__(0, torch.tensor([0, 2, 1], dtype=torch.int32)), "must start at 0 and never decrease"),
+    (lambda L: L[0].__setitem__(1, torch.tensor([0, 1, 2, 4], dtype=torch.int32)),
+     r"qo_indptr_arr\[1\]\[-1\]=4, but level 0 has 3 requests"),
+    (lambda L: L[3].__setitem__(1, torch.tensor([1, 17, 1], dtype=torch.int32)), r"level 1: kv_last_page_len\[1\]=17"),
+    (lambda L: L[1].__setitem__(0, torch.tensor([0, 1], dtype=torch.int32)), r"kv_indptr_arr\[0\] has 2 entries"),
+    (lambda L: L[2].__setitem__(0, L[2][0].long()), r"kv_indices_arr\[0\] must have dtype torch.int32"),
+])
+def test_bad_plans_name_the_argument_and_change_nothing(change, match):
+    levels, q, kv = batch([2, 1], [30, 40], [3, 4, 5])
+    op, (out, _) = run_op(levels, q, kv, num_ctas=3)
+    args = [[lv[i] for lv in levels] for i in range(4)]
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        op.plan(*args)
+    assert torch.equal(op.run(q, kv), out)
+
+
+def test_bad_runs_name_the_argument():
+    levels, q, kv = batch([2], [30], [3, 4])
+    op, _ = run_op(levels, q, kv)
+    with pytest.raises(ValueError, match="references page .*, but kv_cache has only 2 pages"):
+        op.run(q, kv[:2])
+    with pytest.raises(ValueError, match=r"q must have shape \(2, 8, 64\)"):
+        op.run(q[:1], kv)
+    with pytest.raises(ValueError, match="out .* shares memory with q"):
+        op.run(q, kv, out=q)
+    with pytest.raises(RuntimeError, match="call plan"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2).run(q, kv)
