@@ -194,3 +194,38 @@ def test_bad_runs_name_the_argument():
         op.run(q, kv, out=q)
     with pytest.raises(RuntimeError, match="call plan"):
         meld.CascadeDecode(HQ, HKV, D, P, 2).run(q, kv)
+
+
+# --- FlashInfer's MultiLevelCascadeAttentionWrapper -------------------------------------------------------
+from meld.compat.flashinfer import MultiLevelCascadeAttentionWrapper   # noqa: E402
+
+
+@pytest.mark.parametrize("layout,as_tuple", [("NHD", False), ("HND", False), ("NHD", True)])
+def test_flashinfer_wrapper_matches_float64(layout, as_tuple):
+    levels, q, kv = batch([3, 2], [100, 37], [4, 0, 9, 65, 2])
+    w = MultiLevelCascadeAttentionWrapper(2, torch.empty(16, dtype=torch.uint8), layout)
+    w.plan(*[[lv[i] for lv in levels] for i in range(4)], HQ, HKV, D, P, q_data_type=BF16)
+    cache = kv if layout == "NHD" else kv.transpose(2, 3).contiguous()
+    out = w.run(q, (cache[:, 0], cache[:, 1]) if as_tuple else cache)
+    want, _ = cascade_reference(q, kv, levels)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kw,err", [
+    (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError), (dict(logits_soft_cap=30.0), NotImplementedError),
+    (dict(use_fp16_qk_reduction=True), NotImplementedError), (dict(kv_data_type=torch.float16), NotImplementedError),
+    (dict(q_data_type=torch.float32), NotImplementedError), (dict(sm_scale=float("nan")), ValueError),
+])
+def test_flashinfer_wrapper_refuses_what_meld_does_not_compute(kw, err):
+    levels, q, kv = batch([2], [20], [1, 2])
+    w = MultiLevelCascadeAttentionWrapper(2, torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(err):
+        w.plan(*[[lv[i] for lv in levels] for i in range(4)], HQ, HKV, D, P, **({"q_data_type": BF16} | kw))
+    with pytest.raises(RuntimeError, match="call plan"):
+        w.run(q, kv)
+    prefill = [lv for lv in levels]
+    prefill[-1] = (torch.tensor([0, 2], dtype=torch.int32), *levels[-1][1:])   # two query rows in one last-level group
+    with pytest.raises(NotImplementedError, match="causal=True"):
+        w.plan(*[[lv[i] for lv in prefill] for i in range(4)], HQ, HKV, D, P, causal=True, q_data_type=BF16)
+    with pytest.raises(NotImplementedError, match="use_cuda_graph"):
+        MultiLevelCascadeAttentionWrapper(2, torch.empty(16, dtype=torch.uint8), use_cuda_graph=True)

@@ -1,4 +1,5 @@
-"""FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on `meld.DecodeAttention`: an engine switches by
+"""FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on `meld.DecodeAttention` (and its
+`MultiLevelCascadeAttentionWrapper` for decode on `meld.CascadeDecode`, at the end): an engine switches by
 changing one import,
 
     from meld.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
@@ -34,7 +35,8 @@ import torch
 from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
 from ..ops.decode_attention import DecodeAttention
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+           "MultiLevelCascadeAttentionWrapper"]
 
 _LOG2E = 1.4426950408889634
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
@@ -425,3 +427,117 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
         super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
                          paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
                          paged_kv_last_page_len_buffer=last_page_len_buffer)
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """FlashInfer's multi-level cascade attention for decode (one query row per request), on `meld.CascadeDecode`.
+
+    Example (FlashInfer's own, with meld's import): two levels, a prefix shared by a group of requests, then
+    each request's own pages:
+        >>> wrapper = MultiLevelCascadeAttentionWrapper(2, workspace, "NHD")
+        >>> wrapper.plan([shared_qo_indptr, unique_qo_indptr], [shared_kv_indptr, unique_kv_indptr],
+        ...              [shared_kv_indices, unique_kv_indices], [shared_last_page_len, unique_last_page_len],
+        ...              num_qo_heads, num_kv_heads, head_dim, page_size)
+        >>> out = wrapper.run(q, paged_kv_cache)
+
+    Where it stands: meld's reference executor runs it on CPU tensors (a CPU workspace buffer); the GPU
+    kernel has no shared-prefix task body yet, so a CUDA workspace is refused at plan() with
+    NotImplementedError, as are use_cuda_graph, the attention variants meld does not compute
+    (pos_encoding_mode, window_left, logits_soft_cap, use_fp16_qk_reduction) and causal=True where a
+    last-level group holds more than one query row (prefill). The workspace is accepted and unused.
+    """
+
+    def __init__(self, num_levels: int, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf_arr: list | None = None,
+                 paged_kv_indptr_buf_arr: list | None = None, paged_kv_indices_buf_arr: list | None = None,
+                 paged_kv_last_page_len_buf_arr: list | None = None) -> None:
+        self._num_levels = check_positive("num_levels", num_levels, 64)
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise ValueError("float_workspace_buffer must be a torch.Tensor, got "
+                             f"{type(float_workspace_buffer).__name__}")
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        if use_cuda_graph is not False:
+            raise _unsupported("use_cuda_graph", use_cuda_graph, "meld's cascade runs on the CPU executor for now")
+        for name, buf in (("qo_indptr_buf_arr", qo_indptr_buf_arr), ("paged_kv_indptr_buf_arr", paged_kv_indptr_buf_arr),
+                          ("paged_kv_indices_buf_arr", paged_kv_indices_buf_arr),
+                          ("paged_kv_last_page_len_buf_arr", paged_kv_last_page_len_buf_arr)):
+            if buf is not None:
+                raise ValueError(f"{name} is for use_cuda_graph=True only, got a {type(buf).__name__}")
+        self._float_workspace_buffer = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self._kv_layout = kv_layout
+        self._ops: dict[tuple, object] = {}
+        self._op = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return False
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffers: list) -> None:
+        """Accepted for FlashInfer's API; meld's operators use their own buffers."""
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise ValueError("float_workspace_buffer must be a torch.Tensor, got "
+                             f"{type(float_workspace_buffer).__name__}")
+        self._float_workspace_buffer = float_workspace_buffer
+
+    def plan(self, qo_indptr_arr: list, paged_kv_indptr_arr: list, paged_kv_indices_arr: list,
+             paged_kv_last_page_len: list, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             causal: bool = False, pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
+             rope_scale: float | None = None, rope_theta: float | None = None,
+             q_data_type: str | torch.dtype = "float16", kv_data_type: str | torch.dtype | None = None) -> None:
+        """Plan every level (int32 CPU tensors, one per level in each list). A plan() that raises changes nothing."""
+        from ..ops.cascade_decode import CascadeDecode
+
+        _check_options(pos_encoding_mode, window_left, logits_soft_cap)
+        if use_fp16_qk_reduction is not False:
+            raise _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, "meld accumulates scores in float32")
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be True or False, got {causal!r}")
+        if causal and isinstance(qo_indptr_arr, (list, tuple)) and qo_indptr_arr and \
+                isinstance(qo_indptr_arr[-1], torch.Tensor) and (qo_indptr_arr[-1].diff() > 1).any():
+            raise _unsupported("causal", causal, "a last-level group of several query rows is prefill; meld decodes "
+                               "one query row per request (where causal changes nothing)")
+        q = _dtype("q_data_type", q_data_type)
+        kv = q if kv_data_type is None else _dtype("kv_data_type", kv_data_type)
+        if q not in _DTYPES:
+            raise _unsupported("q_data_type", q, "meld computes in torch.bfloat16 or torch.float16")
+        if kv != q:
+            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q}")
+        if sm_scale is not None:
+            sm_scale = check_finite("sm_scale", sm_scale)
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, q, sm_scale)
+        op = self._ops.get(key)
+        if op is None:
+            op = CascadeDecode(num_qo_heads, num_kv_heads, head_dim, page_size, self._num_levels, q, self.device,
+                               sm_scale=sm_scale)
+        op.plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
+        self._ops[key] = self._op = op
+
+    begin_forward = plan
+
+    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The output [total query rows, num_qo_heads, head_dim] over every level of the last plan."""
+        if self._op is None:
+            raise RuntimeError("MultiLevelCascadeAttentionWrapper.run: call plan() first")
+        if isinstance(paged_kv_cache, tuple):
+            if len(paged_kv_cache) != 2 or not all(isinstance(t, torch.Tensor) for t in paged_kv_cache):
+                raise ValueError("paged_kv_cache as a tuple must be (k_cache, v_cache) tensors")
+            if paged_kv_cache[0].shape != paged_kv_cache[1].shape:
+                raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(paged_kv_cache[0].shape)} and "
+                                 f"{tuple(paged_kv_cache[1].shape)}")
+            paged_kv_cache = torch.stack(paged_kv_cache, dim=1)   # (the CPU executor reads a copy in float64 anyway)
+        elif not isinstance(paged_kv_cache, torch.Tensor):
+            raise ValueError(f"paged_kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got "
+                             f"{type(paged_kv_cache).__name__}")
+        if self._kv_layout == "HND" and paged_kv_cache.dim() == 5:
+            paged_kv_cache = paged_kv_cache.transpose(2, 3)
+        return self._op.run(q, paged_kv_cache)
+
+    def forward(self, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
+        """FlashInfer's deprecated name of run()."""
+        return self.run(q, paged_kv_cache)
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated no-op."""
