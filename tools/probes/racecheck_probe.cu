@@ -1,9 +1,9 @@
-// What compute-sanitizer's racecheck models: eight small kernels, each race-free by the PTX memory model
+// What compute-sanitizer's racecheck models: seven small kernels, each race-free by the PTX memory model
 // except the positive control. tools/SANITIZE.md records what racecheck reported for each; meld's kernels
 // hand generic shared-memory data between warpgroups only through barriers racecheck models (probe 2, 3, 6).
 //
 //   nvcc -arch=sm_90a -O3 -lineinfo -o /tmp/racecheck_probe tools/probes/racecheck_probe.cu
-//   for i in 1 2 3 4 5 6 7 8; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $i | grep SUMMARY; done
+//   for i in 1 2 3 4 5 6 7; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $i | grep SUMMARY; done
 //
 //   1  a warpgroup's stores handed to another through mbarriers (arrive / try_wait.parity): correct
 //   2  two warpgroups exchange through one buffer around barrier.sync 2, 256 reached from different
@@ -15,8 +15,6 @@
 //   6  probe 2 with each warp diverged around the read and before the second barrier: correct
 //   7  probe 2 in a CTA of 384 threads whose first warpgroup exits at once (as MLA's loaders end before
 //      its consumers): correct
-//   8  probe 7 with the first warpgroup syncing among itself on barrier 1 (128) until the others are done:
-//      correct
 #include <cstdio>
 #include <cstdlib>
 
@@ -143,20 +141,12 @@ __global__ void bar_diverged(float* out, int iters, int rows) {
   sink(out, acc);
 }
 
-// Warpgroups 1 and 2 of `bar_split`, with warpgroup 0 gone (7) or busy on barrier 1 (8) meanwhile.
-__global__ void bar_split_partial(float* out, int iters, int stay) {
+// Warpgroups 1 and 2 of `bar_split` in a CTA of 384 threads, warpgroup 0 gone.
+__global__ void bar_split_partial(float* out, int iters) {
   __shared__ float x[256];
-  __shared__ volatile int done;
-  if (threadIdx.x == 0) done = 0;
-  __syncthreads();
-  float acc = 0.f;
-  if (threadIdx.x < 128) {
-    if (!stay) return;
-    while (done < 2) bar_sync(1, 128);
-    sink(out, acc);
-    return;
-  }
+  if (threadIdx.x < 128) return;
   const int t = threadIdx.x - 128;
+  float acc = 0.f;
   for (int i = 0; i < iters; ++i) {
     if (t < 128) {
       x[t] = i * 2.f;
@@ -170,7 +160,6 @@ __global__ void bar_split_partial(float* out, int iters, int stay) {
       bar_sync(2, 256);
     }
   }
-  if (t == 0 || t == 128) atomicAdd((int*)&done, 1);
   out[512 + threadIdx.x] = acc;
 }
 
@@ -185,9 +174,8 @@ int main(int argc, char** argv) {
     case 4: real_race<<<1, 256>>>(out, 8); break;
     case 5: bar_handoff<<<1, 256>>>(out, 8); break;
     case 6: bar_diverged<<<1, 256>>>(out, 8, 20); break;
-    case 7: bar_split_partial<<<1, 384>>>(out, 8, 0); break;
-    case 8: bar_split_partial<<<1, 384>>>(out, 8, 1); break;
-    default: fprintf(stderr, "usage: %s 1..8\n", argv[0]); return 2;
+    case 7: bar_split_partial<<<1, 384>>>(out, 8); break;
+    default: fprintf(stderr, "usage: %s 1..7\n", argv[0]); return 2;
   }
   const cudaError_t e = cudaDeviceSynchronize();
   printf("probe %d: %s\n", which, cudaGetErrorString(e));
