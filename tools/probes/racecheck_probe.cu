@@ -144,6 +144,9 @@ __global__ void bar_diverged(float* out, int iters, int rows) {
 // Warpgroups 1 and 2 of `bar_split` in a CTA of 384 threads, warpgroup 0 gone.
 __global__ void bar_split_partial(float* out, int iters) {
   __shared__ float x[256];
+  __shared__ int done;
+  if (threadIdx.x == 0) done = 0;
+  __syncthreads();
   if (threadIdx.x < 128) return;
   const int t = threadIdx.x - 128;
   float acc = 0.f;
@@ -160,6 +163,7 @@ __global__ void bar_split_partial(float* out, int iters) {
       bar_sync(2, 256);
     }
   }
+  if (t == 0 || t == 128) atomicAdd(&done, 1);
   out[512 + threadIdx.x] = acc;
 }
 
