@@ -90,27 +90,30 @@ def test_three_levels_and_a_plan_per_batch():
     assert op.plan_tables[2] is plan, "a plan() that raises changes nothing"
 
 
-def test_pieces_cover_every_range_once_and_the_counts_match():
+def test_pieces_cover_every_range_once_and_the_events_count_them():
     levels, q, kv = batch([16, 16], [4000, 2000], list(range(1, 33)))
     op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", num_ctas=32)
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     _, tables, plan = op.plan_tables
     order = [tables[level_task(i)] for i in range(2)]
-    covered, parts = {}, np.zeros((32, HKV), dtype=int)
-    for i in range(plan.num_pieces):
-        key = (int(plan.task[i]), int(plan.group[i]), int(plan.kv_head[i]))
-        covered.setdefault(key, []).append((int(plan.kv_begin[i]), int(plan.kv_end[i])))
-        t = order[key[0]]
-        parts[int(t.qo_indptr[key[1]]):int(t.qo_indptr[key[1] + 1]), key[2]] += 1
+    t, ev = plan.task_columns(), plan.event_columns()
+    covered, parts = {}, np.zeros(32 * HKV, dtype=int)
+    for i in range(plan.num_tasks):
+        key = (int(t["producer"][i]), int(t["group"][i]), int(t["kv_head"][i]))
+        covered.setdefault(key, []).append((int(t["kv_begin"][i]), int(t["kv_end"][i])))
+        grp = order[key[0]]
+        q0, q1 = int(grp.qo_indptr[key[1]]), int(grp.qo_indptr[key[1] + 1])
+        assert (t["event_first"][i], t["event_count"][i]) == (key[2] * 32 + q0, q1 - q0)
+        parts[t["event_first"][i]:t["event_first"][i] + t["event_count"][i]] += 1
     for (ti, g, h), ranges in covered.items():
         ranges.sort()
         assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         assert ranges[-1][1] == order[ti].kv_len(P)[g]
-    assert (parts == plan.parts).all()
+    assert (parts == ev["parts"]).all() and (np.diff(ev["part_first"]) == ev["parts"][:-1]).all()
+    assert sorted(plan.part_slot.tolist()) == sorted(set(plan.part_slot.tolist())), "every part has its own slot"
+    assert (np.diff(t["cta"]) >= 0).all(), "tasks in CTA order"
     cost = plan.cta_cost(order)
     assert cost.max() <= 1.5 * cost.mean(), "prefix and suffix pieces are balanced together"
-    slots = np.sort(plan.slot)
-    assert (np.diff(slots) > 0).all() and plan.num_slots >= slots[-1]
 
 
 def test_non_finite_inputs_reach_exactly_their_rows():

@@ -102,3 +102,13 @@ CTA_TABLE = Table("CtaRow", ("u_begin", "s_begin", "u_end", "s_end", "head_first
 # Fused MoE (templates/moe.cuh): row blocks of one expert's rows, and the tiles in ticket order.
 ROW_BLOCKS = Table("RowBlock", ("expert", "first_row", "rows", "pad"), field_major=False)
 MOE_TASK = PackedWord("MoeTask", (("kind", 1), ("col", 11), ("row_block", 19)))
+
+# Split-reduce graphs with several producers of partials (templates to come; today the CPU executor,
+# meld/runtime/reference.py): one row per task (a piece of a producer's range for one group of requests and
+# one kv head), in the order the CTAs walk them, and one row per event (a combine point: a request and kv
+# head) with the parts it waits for and where their slots are listed (part_slot[part_first ..], in merge
+# order). A task counts its arrival at events event_first .. event_first + event_count - 1; the arrival
+# that reaches an event's `parts` fires its combine.
+SPLIT_TASK = Table("SplitTask", ("cta", "producer", "group", "kv_head", "kv_begin", "kv_end", "slot", "event_first",
+                                 "event_count"))
+EVENT = Table("Event", ("parts", "part_first"))

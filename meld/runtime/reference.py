@@ -132,11 +132,12 @@ def merge_partials(part_lse: np.ndarray, part_o: np.ndarray, combiner: Combiner 
 def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[str, GroupTable], q: torch.Tensor,
                          kv_cache: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a paged-attention split-reduce graph whose combine merges the partials of several tasks (a
-    cascade's levels): `plan` from `meld.scheduler.plan_split_reduce` over the graph's split-reduce tasks
-    in graph order, `tables` their `GroupTable`s by task name, kv_cache NHD on the CPU. The CTAs' pieces
-    run in order; each piece counts its arrival at every (request, kv head) it covers, and the arrival
-    that completes a point merges its parts in task and range order with the graph's combiner — the
-    count-fired combine of the kernels. Returns (out [B, Hq, D], lse [B, Hq]) float64."""
+    cascade's levels) from the plan's task and event tables (`meld.scheduler.plan_split_reduce` over the
+    graph's split-reduce tasks in graph order), `tables` their `GroupTable`s by task name, kv_cache NHD on
+    the CPU. Tasks run in table order (CTA after CTA); each counts its arrival at its events, and the
+    arrival that reaches an event's part count merges the event's parts, in the order its slot list gives,
+    with the graph's combiner — the count-fired combine of the kernels. Returns (out [B, Hq, D], lse
+    [B, Hq]) float64."""
     producers, combiner = split_reduce_tasks(graph)
     merge = _softmax(combiner)
     missing = [t for t in producers if t not in tables]
@@ -144,34 +145,42 @@ def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[s
         raise ValueError(f"graph {graph.name!r}: no group table for task(s) {missing}")
     order = [tables[t] for t in producers]
     B, Hq, D = q.shape
-    P, Hkv = kv_cache.shape[2], kv_cache.shape[3]
-    G = Hq // Hkv
+    P = kv_cache.shape[2]
+    G = plan.group_size
     q64, kv64 = q.double().numpy(), kv_cache.double().numpy()
     out = torch.full((B, Hq, D), float("nan"), dtype=torch.float64)
     lse = torch.full((B, Hq), float("nan"), dtype=torch.float64)
     part_o, part_lse = np.full((plan.num_slots, D), np.nan), np.full(plan.num_slots, np.nan)
-    arrived = np.zeros((B, Hkv), dtype=np.int64)
-    parts: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}
-    for i in range(plan.num_pieces):
-        t, g, h = order[int(plan.task[i])], int(plan.group[i]), int(plan.kv_head[i])
-        q0, q1 = int(t.qo_indptr[g]), int(t.qo_indptr[g + 1])
-        pos = np.arange(int(plan.kv_begin[i]), int(plan.kv_end[i]))
+    task, event = plan.task_columns(), plan.event_columns()
+    arrived = np.zeros(B * plan.num_kv_heads, dtype=np.int64)
+    heads = np.arange(G)
+
+    def fire(e: int) -> None:
+        h, b = divmod(e, B)
+        first = int(event["part_first"][e])
+        slots = plan.part_slot[first:first + int(event["parts"][e])].astype(np.int64)[:, None] + heads
+        if len(slots):
+            o, ls = merge_partials(part_lse[slots], part_o[slots], merge)
+        else:   # nothing to attend to: zeros, lse -inf
+            o, ls = np.zeros((G, D)), np.full(G, -np.inf)
+        out[b, h * G:(h + 1) * G], lse[b, h * G:(h + 1) * G] = torch.from_numpy(o), torch.from_numpy(ls)
+
+    for i in range(plan.num_tasks):
+        t, g, h = order[int(task["producer"][i])], int(task["group"][i]), int(task["kv_head"][i])
+        q0 = int(t.qo_indptr[g])
+        pos = np.arange(int(task["kv_begin"][i]), int(task["kv_end"][i]))
         pages = t.kv_indices[int(t.kv_indptr[g]) + pos // P]
-        m, l, acc = _state(q64[q0:q1, h * G:(h + 1) * G].reshape(-1, D), kv64[pages, 0, pos % P, h],
-                           kv64[pages, 1, pos % P, h], sm_scale)
-        s0 = int(plan.slot[i])
+        rows = q64[q0:q0 + int(task["event_count"][i]), h * G:(h + 1) * G].reshape(-1, D)
+        m, l, acc = _state(rows, kv64[pages, 0, pos % P, h], kv64[pages, 1, pos % P, h], sm_scale)
+        s0 = int(task["slot"][i])
         part_o[s0:s0 + len(m)] = acc / l[:, None]   # a piece holds tokens: l >= 1, or NaN
         part_lse[s0:s0 + len(m)] = m + np.log(l)
-        for b in range(q0, q1):
-            arrived[b, h] += 1
-            parts.setdefault((b, h), []).append(((int(plan.task[i]), int(plan.kv_begin[i])), s0 + (b - q0) * G))
-            if arrived[b, h] == plan.parts[b, h]:   # the last part in: merge them all, in their order
-                slots = np.array([s for _, s in sorted(parts.pop((b, h)))])
-                o, ls = merge_partials(part_lse[slots[:, None] + np.arange(G)], part_o[slots[:, None] + np.arange(G)],
-                                       merge)
-                out[b, h * G:(h + 1) * G], lse[b, h * G:(h + 1) * G] = torch.from_numpy(o), torch.from_numpy(ls)
-    for b, h in zip(*np.nonzero(plan.parts == 0)):   # nothing to attend to: zeros, lse -inf
-        out[b, h * G:(h + 1) * G], lse[b, h * G:(h + 1) * G] = 0.0, -math.inf
+        for e in range(int(task["event_first"][i]), int(task["event_first"][i] + task["event_count"][i])):
+            arrived[e] += 1
+            if arrived[e] == event["parts"][e]:
+                fire(e)
+    for e in np.flatnonzero(event["parts"] == 0):
+        fire(int(e))
     return out, lse
 
 
