@@ -1,9 +1,9 @@
-// What compute-sanitizer's racecheck models: seven small kernels, each race-free by the PTX memory model
+// What compute-sanitizer's racecheck models: eight small kernels, each race-free by the PTX memory model
 // except the positive control. tools/SANITIZE.md records what racecheck reported for each; meld's kernels
 // hand generic shared-memory data between warpgroups only through barriers racecheck models (probe 2, 3, 6).
 //
 //   nvcc -arch=sm_90a -O3 -lineinfo -o /tmp/racecheck_probe tools/probes/racecheck_probe.cu
-//   for i in 1 2 3 4 5 6 7; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $i | grep SUMMARY; done
+//   for i in 1 2 3 4 5 6 7 8; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $i | grep SUMMARY; done
 //
 //   1  a warpgroup's stores handed to another through mbarriers (arrive / try_wait.parity): correct
 //   2  two warpgroups exchange through one buffer around barrier.sync 2, 256 reached from different
@@ -15,6 +15,10 @@
 //   6  probe 2 with each warp diverged around the read and before the second barrier: correct
 //   7  probe 2 in a CTA of 384 threads whose first warpgroup exits at once (as MLA's loaders end before
 //      its consumers): correct
+//   8  MLA's hand-offs in miniature (templates/mla_decode.cuh): per block, warpgroup 1 writes a row
+//      statistic and both sync on P_FULL (3), warpgroup 2 reads it and both sync on P_EMPTY (4) but after the
+//      unit's last block; warpgroup 1 alone syncs on barrier 1 at the unit's last block; at the unit's end
+//      both exchange through barrier 2 from their own copies of the code: correct
 #include <cstdio>
 #include <cstdlib>
 
@@ -167,6 +171,33 @@ __global__ void bar_split_partial(float* out, int iters) {
   out[512 + threadIdx.x] = acc;
 }
 
+__global__ void mini_mla(float* out, int units, int blocks) {
+  __shared__ float alpha[64], bad[2][64];
+  if (threadIdx.x < 128) return;
+  const int g = threadIdx.x < 256 ? 0 : 1, t = threadIdx.x & 127, r = (t >> 5) * 16 + ((t & 31) >> 2);
+  float acc = 0.f;
+  for (int u = 0; u < units; ++u) {
+    for (int j = 0; j < blocks; ++j) {
+      if (g == 0) {
+        if (j > 0) bar_sync(4, 256);
+        if ((t & 3) == 0) alpha[r] = u + j + 0.5f * r;
+        bar_sync(3, 256);
+        if (j == blocks - 1) bar_sync(1, 128);
+        acc += 1.f;
+      } else {
+        bar_sync(3, 256);
+        acc += alpha[r];
+        if (j < blocks - 1) bar_sync(4, 256);
+      }
+    }
+    if ((t & 3) == 0) bad[g][r] = acc - acc;
+    bar_sync(2, 256);
+    acc += bad[0][r] + bad[1][r];
+    bar_sync(2, 256);
+  }
+  out[512 + threadIdx.x] = acc;
+}
+
 int main(int argc, char** argv) {
   const int which = argc > 1 ? atoi(argv[1]) : 0;
   float* out;
@@ -179,7 +210,8 @@ int main(int argc, char** argv) {
     case 5: bar_handoff<<<1, 256>>>(out, 8); break;
     case 6: bar_diverged<<<1, 256>>>(out, 8, 20); break;
     case 7: bar_split_partial<<<1, 384>>>(out, 8); break;
-    default: fprintf(stderr, "usage: %s 1..7\n", argv[0]); return 2;
+    case 8: mini_mla<<<1, 384>>>(out, 4, 3); break;
+    default: fprintf(stderr, "usage: %s 1..8\n", argv[0]); return 2;
   }
   const cudaError_t e = cudaDeviceSynchronize();
   printf("probe %d: %s\n", which, cudaGetErrorString(e));
