@@ -1,9 +1,9 @@
-// What compute-sanitizer's racecheck models: eight small kernels, each race-free by the PTX memory model
+// What compute-sanitizer's racecheck models: ten small kernels, each race-free by the PTX memory model
 // except the positive control. tools/SANITIZE.md records what racecheck reported for each; meld's kernels
 // hand generic shared-memory data between warpgroups only through barriers racecheck models (probe 2, 3, 6).
 //
 //   nvcc -arch=sm_90a -O3 -lineinfo -o /tmp/racecheck_probe tools/probes/racecheck_probe.cu
-//   for i in 1 2 3 4 5 6 7 8; do compute-sanitizer --tool racecheck /tmp/racecheck_probe $i | grep SUMMARY; done
+//   for i in $(seq 10); do compute-sanitizer --tool racecheck /tmp/racecheck_probe $i | grep SUMMARY; done
 //
 //   1  a warpgroup's stores handed to another through mbarriers (arrive / try_wait.parity): correct
 //   2  two warpgroups exchange through one buffer around barrier.sync 2, 256 reached from different
@@ -19,6 +19,8 @@
 //      statistic and both sync on P_FULL (3), warpgroup 2 reads it and both sync on P_EMPTY (4) but after the
 //      unit's last block; warpgroup 1 alone syncs on barrier 1 at the unit's last block; at the unit's end
 //      both exchange through barrier 2 from their own copies of the code: correct
+//   9  probe 8 without warpgroup 1's barrier 1: correct
+//  10  probe 8 with barrier 1 and barrier 2's exchange only (no P_FULL / P_EMPTY): correct
 #include <cstdio>
 #include <cstdlib>
 
@@ -198,6 +200,53 @@ __global__ void mini_mla(float* out, int units, int blocks) {
   out[512 + threadIdx.x] = acc;
 }
 
+__global__ void mini_mla_no_bar1(float* out, int units, int blocks) {
+  __shared__ float alpha[64], bad[2][64];
+  if (threadIdx.x < 128) return;
+  const int g = threadIdx.x < 256 ? 0 : 1, t = threadIdx.x & 127, r = (t >> 5) * 16 + ((t & 31) >> 2);
+  float acc = 0.f;
+  for (int u = 0; u < units; ++u) {
+    for (int j = 0; j < blocks; ++j) {
+      if (g == 0) {
+        if (j > 0) bar_sync(4, 256);
+        if ((t & 3) == 0) alpha[r] = u + j + 0.5f * r;
+        bar_sync(3, 256);
+        acc += 1.f;
+      } else {
+        bar_sync(3, 256);
+        acc += alpha[r];
+        if (j < blocks - 1) bar_sync(4, 256);
+      }
+    }
+    if ((t & 3) == 0) bad[g][r] = acc - acc;
+    bar_sync(2, 256);
+    acc += bad[0][r] + bad[1][r];
+    bar_sync(2, 256);
+  }
+  out[512 + threadIdx.x] = acc;
+}
+
+__global__ void mini_mla_bar1_only(float* out, int units, int blocks) {
+  __shared__ float alpha[64], bad[2][64];   // (alpha unused: as measured)
+  if (threadIdx.x < 128) return;
+  const int g = threadIdx.x < 256 ? 0 : 1, t = threadIdx.x & 127, r = (t >> 5) * 16 + ((t & 31) >> 2);
+  float acc = 0.f;
+  for (int u = 0; u < units; ++u) {
+    for (int j = 0; j < blocks; ++j) {
+      if (g == 0) {
+        if (j == blocks - 1) bar_sync(1, 128);
+        acc += 1.f;
+      } else {
+      }
+    }
+    if ((t & 3) == 0) bad[g][r] = acc - acc;
+    bar_sync(2, 256);
+    acc += bad[0][r] + bad[1][r];
+    bar_sync(2, 256);
+  }
+  out[512 + threadIdx.x] = acc;
+}
+
 int main(int argc, char** argv) {
   const int which = argc > 1 ? atoi(argv[1]) : 0;
   float* out;
@@ -211,7 +260,9 @@ int main(int argc, char** argv) {
     case 6: bar_diverged<<<1, 256>>>(out, 8, 20); break;
     case 7: bar_split_partial<<<1, 384>>>(out, 8); break;
     case 8: mini_mla<<<1, 384>>>(out, 4, 3); break;
-    default: fprintf(stderr, "usage: %s 1..8\n", argv[0]); return 2;
+    case 9: mini_mla_no_bar1<<<1, 384>>>(out, 4, 3); break;
+    case 10: mini_mla_bar1_only<<<1, 384>>>(out, 4, 3); break;
+    default: fprintf(stderr, "usage: %s 1..10\n", argv[0]); return 2;
   }
   const cudaError_t e = cudaDeviceSynchronize();
   printf("probe %d: %s\n", which, cudaGetErrorString(e));
