@@ -66,7 +66,12 @@ def check(levels, q, kv, **kw):
 def test_graph_is_decode_attention_with_one_producer_per_level():
     g = meld.ops.cascade_decode_graph(HQ, HKV, D, P, 3)
     low = lower(g)
-    assert (low.family, low.combiner) == ("decode_attention", "online_softmax")
+    assert (low.family, low.combiner, low.kernel) == ("grouped_attention", "online_softmax", None)
+    assert low.producers == tuple(level_task(i) for i in range(3))
+    assert lower(meld.ops.cascade_decode_graph(HQ, HKV, D, P, 1)).family == "grouped_attention", (
+        "one level over groups of requests still reads a group's KV once for all of them")
+    plain = meld.ops.decode_attention_graph(HQ, HKV, D, P)
+    assert (lower(plain).family, lower(plain).producers) == ("decode_attention", ("attention_partial",))
     assert [t.name for t in g.tasks if t.kind == "split_reduce"] == [level_task(i) for i in range(3)]
     assert TaskGraph.from_json(g.to_json()) == g
 
@@ -141,7 +146,7 @@ def test_a_graph_the_library_does_not_ship_runs_with_no_operator_class():
     g.add_task(TaskTemplate("merge", "combine", (Axis("request", "B"), Axis("kv_head", HKV)), reduction=red))
     for n in names:
         g.add_edge(n, "merge", red)
-    assert lower(g.validate()).family == "decode_attention"
+    assert lower(g.validate()).family == "grouped_attention"
     levels, q, kv = batch([6], [200], [1, 50, 0, 3, 17, 80], extra_levels=[([2, 2, 2], [31, 0, 64])])
     tables = {n: GroupTable(*(t.numpy().astype(np.int64) for t in lv)) for n, lv in zip(names, levels)}
     plan = plan_split_reduce([tables[n] for n in names], 6, HKV, HQ // HKV, P, num_ctas=5)
@@ -153,19 +158,21 @@ def test_a_graph_the_library_does_not_ship_runs_with_no_operator_class():
         execute_split_reduce(g, plan, {n: tables[n] for n in names[:2]}, q, kv, 0.125)
 
 
-def test_the_graphs_combiner_selects_the_merge():
-    """Attention pieces make online-softmax states: a graph that merges them as sums is refused, naming it."""
+def test_the_graphs_combiner_selects_the_family_and_merge():
+    """The same tasks merged as sums are the row-parallel GEMM's family, not attention's: the executor of
+    grouped attention refuses the graph, naming the family it lowers to."""
     red = Reduction("sum", "kv")
     g = TaskGraph("summed", {})
     g.add_task(TaskTemplate("part", "split_reduce", (Axis("group", "G"), Axis("kv_head", HKV)),
                             range_axis=Axis("kv", "n", dynamic=True), reduction=red))
     g.add_task(TaskTemplate("merge", "combine", (Axis("request", "B"), Axis("kv_head", HKV)), reduction=red))
     g.add_edge("part", "merge", red)
+    assert lower(g.validate()).family == "tp_linear"
     levels, q, kv = batch([2], [20], [1, 2])
     t = GroupTable(*(x.numpy().astype(np.int64) for x in levels[0]))
     plan = plan_split_reduce([t], 2, HKV, HQ // HKV, P, num_ctas=2)
-    with pytest.raises(GraphError, match="cannot merge with combiner 'sum'"):
-        execute_split_reduce(g.validate(), plan, {"part": t}, q, kv, 0.1)
+    with pytest.raises(GraphError, match="lowers to the tp_linear family, not grouped attention"):
+        execute_split_reduce(g, plan, {"part": t}, q, kv, 0.1)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -13,11 +13,22 @@ from ..ir import TaskGraph
 from ..ir.task_graph import GraphError
 
 
+# Each family's kernel template; None: no GPU kernel yet, the CPU reference executor runs it.
+KERNELS = {"decode_attention": "decode_attention.cuh", "mla_decode": "mla_decode.cuh", "moe": "moe.cuh",
+           "tp_linear": "tp_linear.cuh", "grouped_attention": None}
+
+
 @dataclass(frozen=True)
 class Lowering:
-    family: str                          # "decode_attention" | "mla_decode" | "moe" | "tp_linear": template, planner
+    family: str                          # a KERNELS key: template, planner, executor
     combiner: str                        # meld.ir.COMBINERS key: the device merge and the executor's merge
     waits: tuple[tuple[str, str, str], ...] = ()   # (src, dst, axis): tile edges that become dependency counters
+    producers: tuple[str, ...] = ()      # the split-reduce tasks whose partials the combine merges, in merge order
+
+    @property
+    def kernel(self) -> str | None:
+        """The family's kernel template, or None where only the CPU reference executor runs it."""
+        return KERNELS[self.family]
 
 
 def _kinds(g: TaskGraph) -> dict[str, str]:
@@ -33,14 +44,23 @@ def lower(graph: TaskGraph) -> Lowering:
     if kinds == ["combine", "split_reduce"]:
         # A split range of KV positions merges online-softmax states (attention: MLA's where it reads a latent
         # cache, i.e. the graph has a rotary-key width); a split contraction dimension, plain sums (the
-        # row-parallel GEMM, its ranges spread over ranks).
-        attention = "mla_decode" if "head_dim_kpe" in g.attrs else "decode_attention"
-        families = {"online_softmax": attention, "sum": "tp_linear"}
-        if len(reductions) != 1 or next(iter(reductions)) not in families:
+        # row-parallel GEMM, its ranges spread over ranks). Attention whose partials come from several tasks,
+        # or from a task over groups of the combine's points (a shared prefix read once for a group of
+        # requests), is the grouped family: its plan is a task and event table (meld.ir.work_table).
+        if len(reductions) != 1 or next(iter(reductions)) not in ("online_softmax", "sum"):
             raise GraphError(f"graph {g.name!r}: a split-reduce family merges online-softmax states or sums; "
                              f"this graph reduces with {sorted(reductions)}")
         combiner = next(iter(reductions))
-        return Lowering(families[combiner], combiner)
+        combines = [t for t in g.tasks if t.kind == "combine"]
+        producers = tuple(t.name for t in g.producers(combines[0].name)) if len(combines) == 1 else ()
+        if combiner == "sum":
+            return Lowering("tp_linear", combiner, producers=producers)
+        if len(combines) != 1:
+            raise GraphError(f"graph {g.name!r}: attention merges its partials in one combine task, got "
+                             f"{[t.name for t in combines]}")
+        grouped = len(producers) > 1 or g.task(producers[0]).domain != combines[0].domain
+        attention = "mla_decode" if "head_dim_kpe" in g.attrs else "decode_attention"
+        return Lowering("grouped_attention" if grouped else attention, combiner, producers=producers)
     if kinds == ["combine", "map", "tile"]:
         waits = tuple((s, d, dep) for s, d, dep in edges if dep is not None and _kinds(g)[s] == "tile")
         if reductions != {"weighted_sum"} or len(waits) != 1 or waits[0][2] != "row_block":

@@ -156,6 +156,12 @@ class TaskGraph:
     def task(self, name: str) -> TaskTemplate:
         return self.graph.nodes[name]["task"]
 
+    def producers(self, name: str) -> list[TaskTemplate]:
+        """The tasks whose partials task `name` merges (edges carrying its reduction), in the order they were
+        added to the graph: the order their parts merge in."""
+        feeding = {s for s, _, r in self.graph.in_edges(name, data="reduction") if r is not None}
+        return [self.task(n) for n in self.graph.nodes if n in feeding]
+
     def validate(self) -> TaskGraph:
         if not nx.is_directed_acyclic_graph(self.graph):
             raise GraphError(f"graph {self.name!r} has a cycle")

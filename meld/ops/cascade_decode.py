@@ -2,7 +2,7 @@
 
 Requests of a group share a prefix of KV pages; each level of the cascade is a page table per group of
 requests (FlashInfer's multi-level cascade layout). The graph (`cascade_decode_graph`) has one split-reduce
-task per level and decode attention's online-softmax combine; `lower()` gives it decode attention's family,
+task per level and decode attention's online-softmax combine; `lower()` gives it the grouped-attention family,
 the planner (`meld.scheduler.plan_split_reduce`) balances every level's pieces together, and the reference
 executor runs the plan from the graph: a level's group is read once for all its requests, and each
 (request, kv head) merges its parts as soon as the last one arrives.
@@ -47,9 +47,10 @@ class CascadeDecode(Operator):
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self._setup(graph, device)
-        if self.device.type != "cpu":
-            raise NotImplementedError(f"CascadeDecode on {self.device}: the GPU kernel has no shared-prefix task "
-                                      "body yet; use device='cpu' (the reference executor)")
+        if self.device.type != "cpu" and self.lowering.kernel is None:
+            raise NotImplementedError(f"CascadeDecode on {self.device}: its graph lowers to the {self.lowering.family} "
+                                      "family, which has no GPU kernel yet (no shared-prefix task body); use "
+                                      "device='cpu' (the reference executor)")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.num_levels, self.dtype = page_size, num_levels, dtype
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)

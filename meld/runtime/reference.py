@@ -138,8 +138,12 @@ def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[s
     arrival that reaches an event's part count merges the event's parts, in the order its slot list gives,
     with the graph's combiner — the count-fired combine of the kernels. Returns (out [B, Hq, D], lse
     [B, Hq]) float64."""
-    producers, combiner = split_reduce_tasks(graph)
-    merge = _softmax(combiner)
+    from ..codegen.lowering import lower
+
+    low = lower(graph)
+    if low.family != "grouped_attention":
+        raise GraphError(f"graph {graph.name!r} lowers to the {low.family} family, not grouped attention")
+    producers, merge = low.producers, _softmax(low.combiner)
     missing = [t for t in producers if t not in tables]
     if missing:
         raise ValueError(f"graph {graph.name!r}: no group table for task(s) {missing}")
@@ -182,20 +186,6 @@ def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[s
     for e in np.flatnonzero(event["parts"] == 0):
         fire(int(e))
     return out, lse
-
-
-def split_reduce_tasks(graph: TaskGraph) -> tuple[list[str], str]:
-    """The split-reduce tasks feeding `graph`'s one combine task, in the order they were added (the order
-    their parts merge in), and the combine's combiner. GraphError for any other shape of graph."""
-    combines = [t for t in graph.tasks if t.kind == "combine"]
-    if len(combines) != 1:
-        raise GraphError(f"graph {graph.name!r}: expected one combine task, got {[t.name for t in combines]}")
-    feeding = {s for s, _ in graph.graph.in_edges(combines[0].name)}
-    producers = [n for n in graph.graph.nodes if n in feeding and graph.task(n).kind == "split_reduce"]
-    if not producers or feeding != set(producers):
-        raise GraphError(f"graph {graph.name!r}: the combine task must be fed by split-reduce tasks only, got "
-                         f"{sorted(feeding)}")
-    return producers, combines[0].reduction.combiner
 
 
 def _normalised(m, l, acc) -> tuple[np.ndarray, np.ndarray]:
