@@ -50,15 +50,17 @@ def test_main_reports_every_test_and_fails_on_a_failure(tmp_path, monkeypatch, c
         def test_param(x): assert x == 1
         """))
     ids = [f"{f}::test_ok", f"{f}::test_skip", f"{f}::test_param[1]", f"{f}::test_param[2]"]
-    monkeypatch.setattr(suite, "collect", lambda markers, extra: {"gpu": (ids, "")})
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids[1:], ""), suite.ALONE: (ids[:1], "")})
     rc = suite.main(["--workers", "3", "--out", str(tmp_path / "out"), "--durations", str(tmp_path / "none.json")])
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAIL -- 4 collected, 2 passed, 1 failed, 1 skipped" in out
+    assert "4 tests on 3 workers, then 1 alone" in out and out.index("worker 3: 1 tests") > out.index("worker 2:"), (
+        "the trap tests run after the others")
     assert "skipped 1: not here" in out
     assert "FAILED " in out and "test_param[2] - assert 2 == 1" in out, "the failure's message reaches the caller"
     timed = json.loads((tmp_path / "out" / "gpu_durations.json").read_text())
     assert {Path(i).name for i in timed} == {Path(i).name for i in ids}, "every test's seconds are recorded"
-    monkeypatch.setattr(suite, "collect", lambda markers, extra: {"gpu": (ids[:3], "")})
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids[:3], ""), suite.ALONE: ([], "")})
     assert suite.main(["--workers", "2", "--out", str(tmp_path / "out2")]) == 0
     assert "PASS -- 3 collected, 2 passed, 0 failed, 1 skipped" in capsys.readouterr().out

@@ -9,6 +9,9 @@ tools/gpu_durations.json; a test not listed counts as the median). Each worker i
 CUDA initialisation and kernel loading are paid once per worker, not per test. The run writes each test's
 measured seconds to DIR/gpu_durations.json; copy it over tools/gpu_durations.json to rebalance.
 
+The `trap` tests run last, alone on the GPU: each bounds how long its child's watchdog takes to trip, a
+bound that time-slicing with the other workers' kernels broke (6.2 s against 3.2 s, 2026-12-02).
+
 Exit 0 only when every collected test ran and none failed or errored; a worker still running when the
 --budget ends is killed (its process group) and the test it was in is named. Skips are counted and their
 reasons listed (on one GPU the two-GPU tests skip, saying so), so a skip is never silent.
@@ -46,6 +49,9 @@ class Worker:
     rc: int | None = None
     wall_s: float = 0.0
     timed_out: bool = False
+
+
+SHARED, ALONE = "gpu and not trap", "gpu and trap"   # (marker expressions: dealt to workers / run alone)
 
 
 def deal_lpt(ids: list[str], seconds: dict[str, float], workers: int) -> list[Worker]:
@@ -94,13 +100,14 @@ def run(workers: list[Worker], extra: list[str], outdir: Path, budget: float) ->
         # COLUMNS: pytest cuts each short-summary line to the terminal's width, message first
         fh.write("$ " + " ".join(cmd[:12]) + f" ... ({len(w.ids)} tests)\n\n")
         fh.flush()
-        procs[w.index] = (subprocess.Popen(cmd, cwd=ROOT, env={**child_env(None), "COLUMNS": "400"}, stdout=fh, stderr=subprocess.STDOUT,
-                                           start_new_session=True), fh, time.monotonic())
+        procs[w.index] = (subprocess.Popen(cmd, cwd=ROOT, env={**child_env(None), "COLUMNS": "400"}, stdout=fh,
+                                           stderr=subprocess.STDOUT, start_new_session=True), fh, time.monotonic())
     deadline = time.monotonic() + budget
+    by_index = {w.index: w for w in workers}
     while procs:
         time.sleep(0.5)
         for k, (p, fh, t0) in list(procs.items()):
-            w = workers[k]
+            w = by_index[k]
             if p.poll() is None and time.monotonic() < deadline:
                 continue
             if p.poll() is None:
@@ -130,14 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     outdir = Path(args.out).resolve()
     outdir.mkdir(parents=True, exist_ok=True)
-    ids, error = collect({"gpu"}, extra)["gpu"]
-    if error or not ids:
-        print(f"gpu suite: FAIL -- collection {'failed: ' + error if error else 'selected no tests'}", flush=True)
+    selected = collect({SHARED, ALONE}, extra)
+    (shared, error), (alone, error_alone) = selected[SHARED], selected[ALONE]
+    ids = shared + alone
+    if error or error_alone or not ids:
+        why = error or error_alone
+        print(f"gpu suite: FAIL -- collection {'failed: ' + why if why else 'selected no tests'}", flush=True)
         return 1
     seconds = json.loads(args.durations.read_text()) if args.durations.is_file() else {}
-    workers = deal_lpt(ids, seconds, args.workers)
-    print(f"gpu suite: {len(ids)} tests on {len(workers)} workers ...", flush=True)
+    workers = deal_lpt(shared, seconds, args.workers) if shared else []
+    print(f"gpu suite: {len(ids)} tests on {len(workers)} workers, then {len(alone)} alone ...", flush=True)
     run(workers, extra, outdir, args.budget - (time.monotonic() - t0))
+    if alone:   # (after the others: the GPU to themselves)
+        workers.append(Worker(len(workers), alone, sum(seconds.get(i, 1.0) for i in alone)))
+        run(workers[-1:], extra, outdir, args.budget - (time.monotonic() - t0))
     passed = failed = skipped = 0
     problems, skips, measured = [], {}, {}
     for w in workers:
