@@ -11,7 +11,7 @@ from .. import config
 from ..codegen import compile_source
 from ..codegen.lowering import Lowering, lower
 from ..ir import TaskGraph
-from .checks import resolve_device
+from .checks import check_outputs, expect, no_backward, resolve_device
 from .registry import register
 
 
@@ -34,6 +34,28 @@ class Operator:
         """A copy (copy, deepcopy, unpickling) is another operator: it gets its own handle."""
         self.__dict__.update(state)
         self.handle = register(self)
+
+    def _run_outputs(self, out, lse, shape: tuple[int, int, int], want_lse: bool, out_meaning: str,
+                     lse_meaning: str, reads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """run()'s outputs as given (checked: dtype, shape, device, contiguous, no memory shared with `reads`, the
+        inputs, or with each other) or allocated: out [B, H, D] and, when asked for or given, lse [B, H] float32."""
+        if out is not None:
+            expect("out", out, self.dtype, shape, out_meaning, self.device, contiguous=True)
+        if lse is not None:
+            expect("lse", lse, torch.float32, shape[:2], lse_meaning, self.device, contiguous=True)
+        if out is not None or lse is not None:   # (what run() allocates needs no check)
+            check_outputs({"out": out, "lse": lse}, reads)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if lse is None and want_lse:
+            lse = torch.empty(shape[:2], dtype=torch.float32, device=self.device)
+        return out, lse
+
+    def _tied(self, grads: tuple | None, out: torch.Tensor, lse: torch.Tensor | None):
+        """out and lse (the caller's tensors, in place) tied to the inputs that require grad (`grad_inputs`),
+        so a backward says meld has none."""
+        out, *rest = no_backward(f"meld.{type(self).__name__}.run", grads, (out, *([lse] if lse is not None else [])))
+        return out, rest[0] if rest else None
 
     def _require_hopper(self, exact: bool = False):
         """The device's properties; ValueError where meld's kernels cannot run (sm_90 needed; `exact`:

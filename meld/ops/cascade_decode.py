@@ -20,7 +20,7 @@ import torch
 from ..scheduler.split_reduce_plan import GroupTable, plan_split_reduce
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
-from .checks import check_finite, check_outputs, check_positive, expect, grad_inputs, no_backward, plain
+from .checks import check_finite, check_positive, expect, grad_inputs, plain
 from .page_table import check_page_table, max_page
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -125,17 +125,13 @@ class CascadeDecode(Operator):
                "num_pages, K/V, page_size, num_kv_heads, head_dim", self.device)
         if top >= kv_cache.shape[0]:
             raise ValueError(f"the last plan() references page {top}, but kv_cache has only {kv_cache.shape[0]} pages")
-        if out is not None:
-            expect("out", out, self.dtype, (batch, Hq, D), "like q", self.device)
-        if lse is not None:
-            expect("lse", lse, torch.float32, (batch, Hq), "batch, num_qo_heads", self.device)
-        if out is not None or lse is not None:
-            check_outputs({"out": out, "lse": lse}, {"q": q, "kv_cache": kv_cache})
+        out, lse = self._run_outputs(out, lse, (batch, Hq, D), return_lse, "like q", "batch, num_qo_heads",
+                                     {"q": q, "kv_cache": kv_cache})
         from ..runtime.reference import execute_split_reduce
 
         o, l = execute_split_reduce(self.graph, plan, tables, q, kv_cache, self.sm_scale)
-        out = o.to(self.dtype) if out is None else plain(out).copy_(o)
-        if lse is not None or return_lse:
-            lse = l.float() if lse is None else plain(lse).copy_(l)
-        outs = no_backward("meld.CascadeDecode.run", grads, (out, lse) if return_lse or lse is not None else (out,))
-        return tuple(outs) if return_lse else outs[0]
+        plain(out).copy_(o)
+        if lse is not None:
+            plain(lse).copy_(l)
+        out, lse = self._tied(grads, out, lse)
+        return (out, lse) if return_lse else out

@@ -24,7 +24,7 @@ from ..runtime import host_helper
 from ..scheduler import Topology, plan_decode_host
 from ..tuning.recorder import kv_lens, recorder
 from .base import Operator
-from .checks import check_outputs, expect, is_int, no_backward, plain, same_device
+from .checks import expect, is_int, plain, same_device
 from .page_table import check_page_table, max_page, page_table_error
 
 _trace_seq = itertools.count()
@@ -134,28 +134,6 @@ class PagedDecode(Operator):
         if self._watchdog is not None:
             self._watchdog.check()
         return planned
-
-    def _run_outputs(self, out, lse, shape: tuple[int, int, int], want_lse: bool, out_meaning: str,
-                     lse_meaning: str, reads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """run()'s outputs as given (checked: dtype, shape, device, contiguous, no memory shared with `reads`, the
-        inputs, or with each other) or allocated: out [B, H, D] and, when asked for or given, lse [B, H] float32."""
-        if out is not None:
-            expect("out", out, self.dtype, shape, out_meaning, self.device, contiguous=True)
-        if lse is not None:
-            expect("lse", lse, torch.float32, shape[:2], lse_meaning, self.device, contiguous=True)
-        if out is not None or lse is not None:   # (what run() allocates needs no check)
-            check_outputs({"out": out, "lse": lse}, reads)
-        if out is None:
-            out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if lse is None and want_lse:
-            lse = torch.empty(shape[:2], dtype=torch.float32, device=self.device)
-        return out, lse
-
-    def _tied(self, grads: tuple | None, out: torch.Tensor, lse: torch.Tensor | None):
-        """out and lse (the caller's tensors, in place) tied to the inputs that require grad (`grad_inputs`),
-        so a backward says meld has none."""
-        out, *rest = no_backward(f"meld.{type(self).__name__}.run", grads, (out, *([lse] if lse is not None else [])))
-        return out, rest[0] if rest else None
 
     def _launched(self) -> None:
         """After every run() launch: the next one may overlap the stream's previous kernel, and an eager run of a
