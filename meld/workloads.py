@@ -4,6 +4,7 @@ One definition for the demo, the tests and the benchmarks, so they all run the s
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -75,3 +76,52 @@ def with_request(others: list[int], pos: int, length: int, pages: torch.Tensor, 
     first = int(pb.kv_indptr[pos])
     indices[first:first + len(pages)] = pages
     return PagedBatch(pb.kv_indptr, indices, pb.kv_last_page_len, num_pages)
+
+
+@dataclass
+class SharedPrefixBatch:
+    """A two-level cascade batch (BENCH.md, "Shared-prefix (cascade) decode"): `levels` in FlashInfer's
+    multi-level layout (qo_indptr, kv_indptr, kv_indices, kv_last_page_len per level: the groups' shared
+    prefixes, then one suffix per request), and `flat`, the same KV as one page table per request (its
+    group's prefix pages, then its own), for non-cascade decode of the same batch."""
+
+    levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    flat: PagedBatch
+    lengths: list[int]        # each request's whole KV length (prefix + suffix)
+    unique_tokens: int        # tokens stored once: every group's prefix + every suffix
+    num_pages: int
+
+
+def shared_prefix(batch: int, prefix: int, suffix: int, groups: int, page_size: int,
+                  generator: torch.Generator | None = None) -> SharedPrefixBatch:
+    """`batch` requests in `groups` equal groups; a group shares `prefix` tokens (a multiple of page_size, so
+    the flat page tables hold whole prefix pages), each request has `suffix` tokens of its own. Page indices
+    are one random permutation of the cache's pages."""
+    batch, groups = check_positive("batch", batch), check_positive("groups", groups)
+    prefix, suffix = check_count("prefix", prefix), check_count("suffix", suffix)
+    page_size = check_positive("page_size", page_size)
+    if batch % groups:
+        raise ValueError(f"groups={groups} does not divide batch={batch}")
+    if prefix % page_size:
+        raise ValueError(f"prefix={prefix} is not a multiple of page_size={page_size}: the flat page tables "
+                         "need whole prefix pages")
+    per_group, pp, sp = batch // groups, prefix // page_size, -(-suffix // page_size)
+    num_pages = groups * pp + batch * sp
+    if num_pages > INT32_MAX:
+        raise ValueError(f"{num_pages} pages: page indices are int32")
+    perm = torch.randperm(num_pages, generator=generator).to(torch.int32)
+    prefix_pages, suffix_pages = perm[:groups * pp].view(groups, pp), perm[groups * pp:].view(batch, sp)
+    i32 = functools.partial(torch.tensor, dtype=torch.int32)
+    last_sfx = suffix - (sp - 1) * page_size if sp else 1
+    levels = [
+        (i32([g * per_group for g in range(groups + 1)]), i32([g * pp for g in range(groups + 1)]),
+         prefix_pages.reshape(-1).clone(), i32([page_size if pp else 1] * groups)),
+        (i32(list(range(batch + 1))), i32([b * sp for b in range(batch + 1)]), suffix_pages.reshape(-1).clone(),
+         i32([last_sfx] * batch)),
+    ]
+    rows = [torch.cat([prefix_pages[b // per_group], suffix_pages[b]]) for b in range(batch)]
+    n = pp + sp
+    last = (last_sfx if sp else page_size) if n else 0
+    flat = PagedBatch(i32([b * n for b in range(batch + 1)]), torch.cat(rows) if rows else i32([]),
+                      i32([last] * batch), num_pages)
+    return SharedPrefixBatch(levels, flat, [prefix + suffix] * batch, groups * prefix + batch * suffix, num_pages)
