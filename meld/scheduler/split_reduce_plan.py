@@ -11,13 +11,17 @@ one plan, balanced together instead of one level after another.
 The plan is two int32 tables declared in `meld.ir.work_table` (SPLIT_TASK, EVENT) plus the slot list of
 each event's parts: what a kernel would read, and all the CPU executor reads besides the page tables.
 
-Cost model (a piece of t tokens and r query rows): t * ceil(r / 64), the tensor-core tiles of 64 rows a
-token's key row feeds; a group's range is cut into pieces of about the total cost / the CTAs, never
-below MIN_PIECE_TOKENS, and the pieces are dealt longest first onto the least loaded CTA.
+Cost model and cut (decode's, on a line): a work item (producer, group, kv head) of t tokens and r query
+rows costs t * ceil(r / 64), the tensor-core tiles of 64 rows each of its key rows feeds. Items lie on one
+line in graph order (producer, group, kv head) and the line is cut into `num_ctas` segments of equal cost;
+a cut inside an item becomes a piece boundary, at a multiple of CUT_TOKENS, and is dropped where it would
+leave a piece shorter than MIN_PIECE_TOKENS (the piece stays with the CTA before). So a CTA's pieces are
+consecutive on the line (one level's groups together: their KV shared in L2), an item is split only where
+a CTA boundary falls in it (at most num_ctas - 1 splits in all), and the table is in CTA order by
+construction.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +29,7 @@ import numpy as np
 from ..ir.work_table import EVENT, SPLIT_TASK
 
 MIN_PIECE_TOKENS = 64
+CUT_TOKENS = 16
 ROWS_PER_TILE = 64
 
 
@@ -80,45 +85,44 @@ def _cost(tokens: int, rows: int) -> float:
 
 def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int, page_size: int,
                       num_ctas: int) -> SplitReducePlan:
-    """Cut every task's group ranges into pieces, deal them to `num_ctas` CTAs and list each event's parts
-    (module docstring). `tables` are the producers in the graph's order: the order their parts merge in."""
-    work = []   # (producer, group, kv_head, tokens, requests)
+    """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
+    parts (module docstring). `tables` are the producers in the graph's order: the order their parts merge in."""
+    items = []   # (producer, group, kv_head, tokens, requests, tiles) in line order
     for ti, t in enumerate(tables):
         lens = t.kv_len(page_size)
         for g in range(len(lens)):
             n_req = int(t.qo_indptr[g + 1] - t.qo_indptr[g])
             if lens[g] > 0 and n_req > 0:
-                work += [(ti, g, h, int(lens[g]), n_req) for h in range(num_kv_heads)]
-    total = sum(_cost(n, r * group_size) for *_, n, r in work)
-    target = max(1.0, total / max(1, num_ctas))
-    pieces = []   # (cost, producer, group, kv_head, begin, end)
-    for ti, g, h, n, r in work:
-        k = max(1, min(-(-n // MIN_PIECE_TOKENS), round(_cost(n, r * group_size) / target)))
-        bounds = [n * i // k for i in range(k + 1)]
-        pieces += [(_cost(e - b, r * group_size), ti, g, h, b, e) for b, e in zip(bounds, bounds[1:])]
-    load = [(0.0, c) for c in range(num_ctas)]
-    placed = []
-    for p in sorted(range(len(pieces)), key=lambda i: (-pieces[i][0], i)):
-        c_load, c = heapq.heappop(load)
-        placed.append((c, p))
-        heapq.heappush(load, (c_load + pieces[p][0], c))
-    placed.sort(key=lambda cp: (cp[0], pieces[cp[1]][1:]))   # per CTA: producer, group, kv head, range
-    cols = {f: np.zeros(len(placed), dtype=np.int64) for f in SPLIT_TASK.fields}
-    parts: dict[int, list[tuple[tuple[int, int], int]]] = {}   # event -> ((producer, begin), slot)
-    slot = 0
-    for i, (c, p) in enumerate(placed):
-        _, ti, g, h, b, e = pieces[p]
-        q0, q1 = int(tables[ti].qo_indptr[g]), int(tables[ti].qo_indptr[g + 1])
-        row = dict(cta=c, producer=ti, group=g, kv_head=h, kv_begin=b, kv_end=e, slot=slot,
-                   event_first=h * batch + q0, event_count=q1 - q0)
-        for f, v in row.items():
-            cols[f][i] = v
-        for r in range(q1 - q0):
-            parts.setdefault(h * batch + q0 + r, []).append(((ti, b), slot + r * group_size))
-        slot += (q1 - q0) * group_size
+                tiles = -(-n_req * group_size // ROWS_PER_TILE)
+                items += [(ti, g, h, int(lens[g]), n_req, tiles) for h in range(num_kv_heads)]
+    total = sum(n * tiles for *_, n, _, tiles in items)
+    bounds = [c * total // num_ctas for c in range(num_ctas + 1)]   # the segments' first costs
+    cols = {f: [] for f in SPLIT_TASK.fields}
+    parts: dict[int, list[int]] = {}   # event -> its parts' first slots, in line order
+    start, cta, slot = 0, 0, 0
+    for ti, g, h, n, n_req, tiles in items:
+        while cta + 1 < num_ctas and bounds[cta + 1] <= start:   # the CTA whose segment holds the item's start
+            cta += 1
+        cuts = [(0, cta)]
+        c = cta + 1
+        while c < num_ctas and bounds[c] < start + n * tiles:   # CTA boundaries inside the item
+            pos = ((bounds[c] - start) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
+            if pos - cuts[-1][0] >= MIN_PIECE_TOKENS and n - pos >= MIN_PIECE_TOKENS:
+                cuts.append((pos, c))
+            c += 1
+        q0 = int(tables[ti].qo_indptr[g])
+        for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):
+            for f, v in zip(SPLIT_TASK.fields, (owner, ti, g, h, b, e, slot, h * batch + q0, n_req)):
+                cols[f].append(v)
+            for r in range(n_req):
+                parts.setdefault(h * batch + q0 + r, []).append(slot + r * group_size)
+            slot += n_req * group_size
+        cta = cuts[-1][1]
+        start += n * tiles
     n_events = batch * num_kv_heads
     counts = np.array([len(parts.get(ev, ())) for ev in range(n_events)], dtype=np.int64)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]]) if n_events else counts
-    part_slot = np.array([s for ev in range(n_events) for _, s in sorted(parts.get(ev, ()))], dtype=np.int32)
-    return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas, SPLIT_TASK.pack(len(placed), **cols), len(placed),
+    part_slot = np.array([s for ev in range(n_events) for s in parts.get(ev, ())], dtype=np.int32)
+    num_tasks = len(cols["cta"])
+    return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas, SPLIT_TASK.pack(num_tasks, **cols), num_tasks,
                            EVENT.pack(n_events, parts=counts, part_first=first), part_slot, slot)
