@@ -117,6 +117,8 @@ def test_pieces_cover_every_range_once_and_the_events_count_them():
     assert (parts == ev["parts"]).all() and (np.diff(ev["part_first"]) == ev["parts"][:-1]).all()
     assert sorted(plan.part_slot.tolist()) == sorted(set(plan.part_slot.tolist())), "every part has its own slot"
     assert (np.diff(t["cta"]) >= 0).all(), "tasks in CTA order"
+    assert plan.num_tasks <= len(covered) + plan.num_ctas - 1, "an item splits only where a CTA boundary falls in it"
+    assert all(b - a >= 64 for r in covered.values() for a, b in r if len(r) > 1), "no piece of a split item is short"
     cost = plan.cta_cost(order)
     assert cost.max() <= 1.5 * cost.mean(), "prefix and suffix pieces are balanced together"
 
