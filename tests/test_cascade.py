@@ -241,3 +241,13 @@ def test_flashinfer_wrapper_refuses_what_meld_does_not_compute(kw, err):
         w.plan(*[[lv[i] for lv in prefill] for i in range(4)], HQ, HKV, D, P, causal=True, q_data_type=BF16)
     with pytest.raises(NotImplementedError, match="use_cuda_graph"):
         MultiLevelCascadeAttentionWrapper(2, torch.empty(16, dtype=torch.uint8), use_cuda_graph=True)
+
+
+def test_lowering_names_every_familys_kernel_and_executor():
+    from meld.codegen.lowering import EXECUTORS, KERNELS, Lowering
+    from meld.runtime.reference import execute_split_reduce as grouped
+
+    assert set(KERNELS) == set(EXECUTORS)
+    for family in KERNELS:
+        assert callable(Lowering(family, "online_softmax").executor), family
+    assert lower(meld.ops.cascade_decode_graph(HQ, HKV, D, P, 2)).executor is grouped

@@ -2,20 +2,29 @@
 
 The task kinds and their edges select the family (its planner policy and device task bodies); the
 combiner recorded on the graph's reduction selects the merge — the device merge the family compiles and
-the merge the CPU reference executor applies. A graph that asks for something no family implements is
+the merge the CPU reference executor applies; the family names its kernel template (none yet for grouped
+attention) and its reference executor, which the operators run on the CPU. A graph that asks for something no family implements is
 refused here, with the reason, before anything is compiled.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 from ..ir import TaskGraph
 from ..ir.task_graph import GraphError
 
 
-# Each family's kernel template; None: no GPU kernel yet, the CPU reference executor runs it.
+# Each family's kernel template (None: no GPU kernel yet) and its CPU reference executor, as module:function
+# (imported when asked for: the executors import torch and NumPy, lowering only the IR).
 KERNELS = {"decode_attention": "decode_attention.cuh", "mla_decode": "mla_decode.cuh", "moe": "moe.cuh",
            "tp_linear": "tp_linear.cuh", "grouped_attention": None}
+EXECUTORS = {"decode_attention": "meld.runtime.reference:execute_decode",
+             "mla_decode": "meld.runtime.reference:execute_mla",
+             "moe": "meld.runtime.moe_reference:execute_moe",
+             "tp_linear": "meld.distributed.tp_matmul:row_parallel_matmul",
+             "grouped_attention": "meld.runtime.reference:execute_split_reduce"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,12 @@ class Lowering:
     def kernel(self) -> str | None:
         """The family's kernel template, or None where only the CPU reference executor runs it."""
         return KERNELS[self.family]
+
+    @property
+    def executor(self) -> Callable:
+        """The family's CPU reference executor (the walk of its work tables the kernel makes)."""
+        module, name = EXECUTORS[self.family].split(":")
+        return getattr(importlib.import_module(module), name)
 
 
 def _kinds(g: TaskGraph) -> dict[str, str]:

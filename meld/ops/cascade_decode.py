@@ -127,9 +127,7 @@ class CascadeDecode(Operator):
             raise ValueError(f"the last plan() references page {top}, but kv_cache has only {kv_cache.shape[0]} pages")
         out, lse = self._run_outputs(out, lse, (batch, Hq, D), return_lse, "like q", "batch, num_qo_heads",
                                      {"q": q, "kv_cache": kv_cache})
-        from ..runtime.reference import execute_split_reduce
-
-        o, l = execute_split_reduce(self.graph, plan, tables, q, kv_cache, self.sm_scale)
+        o, l = self.lowering.executor(self.graph, plan, tables, q, kv_cache, self.sm_scale)
         plain(out).copy_(o)
         if lse is not None:
             plain(lse).copy_(l)

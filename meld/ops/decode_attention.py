@@ -337,11 +337,9 @@ class DecodeAttention(PagedDecode):
         self._launched()
 
     def _run_cpu(self, q, kv_cache, out, lse) -> None:
-        from ..runtime.reference import execute_decode
-
         nhd = kv_cache if self.kv_layout == "NHD" else kv_cache.transpose(2, 3)
-        o, l = execute_decode(self.schedule, q, nhd, self._planned.kv_indices, self.sm_scale,
-                              self.lowering.combiner)
+        o, l = self.lowering.executor(self.schedule, q, nhd, self._planned.kv_indices, self.sm_scale,
+                                      self.lowering.combiner)
         out.copy_(o.to(self.dtype))
         if lse is not None:
             lse.copy_(l.float())

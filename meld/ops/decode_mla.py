@@ -248,10 +248,8 @@ class DecodeMLA(PagedDecode):
         self._launched()
 
     def _run_cpu(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse) -> None:
-        from ..runtime.reference import execute_mla
-
-        o, l = execute_mla(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, self._planned.kv_indices, self.sm_scale,
-                           self.lowering.combiner)
+        o, l = self.lowering.executor(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, self._planned.kv_indices,
+                                      self.sm_scale, self.lowering.combiner)
         out.copy_(o.to(self.dtype))
         if lse is not None:
             lse.copy_(l.float())

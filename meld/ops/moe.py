@@ -338,14 +338,14 @@ class MoE(Operator):
                              tile_columns(bt))
 
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
-        from ..runtime.moe_reference import execute_moe, route
+        from ..runtime.moe_reference import route
 
         if logits is not None:
             ids, w = route(logits, self.top_k, self.renormalize)
         else:
             ids, w = topk_ids.long(), topk_w
         plan = self.plan_for(ids.numpy(), x.shape[0])
-        out.copy_(execute_moe(plan, x, w13, w2, w, self.lowering.combiner))
+        out.copy_(self.lowering.executor(plan, x, w13, w2, w, self.lowering.combiner))
 
 
 def _max_num_tokens(top_k: int) -> int:
