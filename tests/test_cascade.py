@@ -2,18 +2,23 @@
 that balances every level's pieces together, and the reference executor that runs any such graph, against
 float64 attention over each request's whole sequence."""
 import math
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import meld
 from meld.codegen.lowering import lower
+from meld.compat.flashinfer import MultiLevelCascadeAttentionWrapper
 from meld.ir import Axis, Reduction, TaskGraph, TaskTemplate
 from meld.ir.task_graph import GraphError
 from meld.ops.cascade_graph import level_task
 from meld.runtime.reference import cascade_reference, execute_split_reduce
 from meld.scheduler import GroupTable, plan_split_reduce
+from meld.scheduler.split_reduce_plan import plan_split_reduce_numpy
 
 HQ, HKV, D, P = 8, 2, 64, 16
 BF16 = torch.bfloat16
@@ -209,7 +214,6 @@ def test_bad_runs_name_the_argument():
 
 
 # --- FlashInfer's MultiLevelCascadeAttentionWrapper -------------------------------------------------------
-from meld.compat.flashinfer import MultiLevelCascadeAttentionWrapper   # noqa: E402
 
 
 @pytest.mark.parametrize("layout,as_tuple", [("NHD", False), ("HND", False), ("NHD", True)])
@@ -251,3 +255,53 @@ def test_lowering_names_every_familys_kernel_and_executor():
     for family in KERNELS:
         assert callable(Lowering(family, "online_softmax").executor), family
     assert lower(meld.ops.cascade_decode_graph(HQ, HKV, D, P, 2)).executor is grouped
+
+
+# --- the planner's C source (host build) against its NumPy oracle ------------------------------------------
+
+
+
+def _same_plan(a, b) -> bool:
+    return (a.num_tasks, a.num_slots) == (b.num_tasks, b.num_slots) and np.array_equal(a.tasks, b.tasks) and \
+        np.array_equal(a.events, b.events) and np.array_equal(a.part_slot, b.part_slot)
+
+
+@st.composite
+def _levels(draw):
+    batch = draw(st.integers(0, 12))
+    levels = []
+    for _ in range(draw(st.integers(1, 3))):
+        cuts = sorted(draw(st.lists(st.integers(0, batch), max_size=4)))
+        qo = np.array([0, *cuts, batch], dtype=np.int64)
+        lens = draw(st.lists(st.integers(0, 700), min_size=len(qo) - 1, max_size=len(qo) - 1))
+        pages = [-(-n // P) for n in lens]
+        indptr = np.array([0, *np.cumsum(pages)], dtype=np.int64)
+        last = np.array([n - (p - 1) * P if p else 1 for n, p in zip(lens, pages)], dtype=np.int64)
+        levels.append(GroupTable(qo, indptr, np.arange(indptr[-1], dtype=np.int64), last))
+    return batch, levels, draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 4, 8]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_levels())
+def test_host_planner_is_its_numpy_oracle(case):
+    batch, levels, ctas, heads = case
+    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas),
+                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_planner_source_compiles_for_sm90a(tmp_path):
+    """The same text as a GPU block's (1024 threads; thread 0 walks the line)."""
+    from importlib import resources
+
+    from meld.codegen.params import SPLIT_PLAN_PARAMS
+    from meld.ir.work_table import EVENT, SPLIT_TASK
+
+    src = "\n".join(["#define PLAN_THREADS 1024", SPLIT_PLAN_PARAMS.c_source(), SPLIT_TASK.c_source(), EVENT.c_source(),
+                     resources.files("meld.codegen").joinpath("templates/split_reduce_plan.h").read_text(),
+                     'extern "C" __global__ void __launch_bounds__(1024) plan(const __grid_constant__ SplitPlanParams p)'
+                     " { meld::plan_split_reduce(p); }"])
+    (tmp_path / "plan.cu").write_text(src)
+    run = subprocess.run(["nvcc", "-arch=sm_90a", "-c", "-o", str(tmp_path / "plan.o"), str(tmp_path / "plan.cu")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

@@ -205,6 +205,31 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("done_seq", "i32"),
 ])
 
+# The grouped-attention planner (templates/split_reduce_plan.h): the work items' groups, producer after
+# producer, and the tables it writes (meld/ir/work_table.py SPLIT_TASK and EVENT, the parts' slot list).
+SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
+    Field("group_producer", "ptr", "const int*"),   # [num_groups] its producer (the graph's order)
+    Field("group_index", "ptr", "const int*"),      # [num_groups] its index among the producer's groups
+    Field("group_q0", "ptr", "const int*"),         # [num_groups] its first request
+    Field("group_requests", "ptr", "const int*"),   # [num_groups] its requests
+    Field("group_tokens", "ptr", "const int*"),     # [num_groups] its KV tokens
+    Field("tasks", "ptr", "int*"),                  # SPLIT_TASK, field-major, task_capacity entries
+    Field("events", "ptr", "int*"),                 # EVENT, field-major, batch * num_kv_heads entries
+    Field("part_slot", "ptr", "int*"),              # slot_capacity entries
+    Field("cursor", "ptr", "int*"),                 # [batch * num_kv_heads] scratch
+    Field("out", "ptr", "int*"),                    # [2]: the tasks and slots written (-1: a capacity too small)
+    Field("num_groups", "i32"),
+    Field("batch", "i32"),
+    Field("num_kv_heads", "i32"),
+    Field("group_size", "i32"),
+    Field("num_ctas", "i32"),
+    Field("min_piece", "i32"),
+    Field("cut", "i32"),
+    Field("rows_per_tile", "i32"),
+    Field("task_capacity", "i32"),
+    Field("slot_capacity", "i32"),
+])
+
 # What a kernel writes before it traps when a wait gives up (meld/runtime/watchdog.py reads it).
 WATCHDOG_RECORD = ParamStruct("WatchdogRecord", [
     Field("tripped", "i32"),   # written last: 1 once the rest is valid

@@ -8,6 +8,7 @@ into MELD_CACHE_DIR, keyed by the source and compiler, and loaded with ctypes:
   (templates/moe_plan.h), for the CPU reference executor;
 - decode's host planner (`load_decode_plan()`): the GPU planner's own source (templates/decode_plan.h)
   compiled as C++ for a block of one thread, for the CPU reference executor and `DecodeAttention.schedule`;
+  grouped attention's likewise (`load_split_reduce_plan()`, templates/split_reduce_plan.h);
 - the GPU proxy thread of meld.distributed's proxy transport (`load_proxy()`), which must run without the GIL.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ _SOURCE = "stage_page_table.c"
 _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 _moe_lib: ctypes.CDLL | None = None
 _decode_lib: ctypes.CDLL | None = None
+_split_lib: ctypes.CDLL | None = None
 _proxy_lib: ctypes.CDLL | None = None
 _COMPILERS = {"c": ("CC", "cc", "gcc"), "c++": ("CXX", "c++", "g++")}   # the variable, then the names tried
 
@@ -121,6 +123,27 @@ def load_decode_plan() -> ctypes.CDLL:
         fn.restype = None
         _decode_lib = lib
     return _decode_lib
+
+
+def load_split_reduce_plan() -> ctypes.CDLL:
+    """Grouped attention's host planner; RuntimeError where no C++ compiler works (the CPU executor needs it)."""
+    global _split_lib
+    if _split_lib is None:
+        from ..codegen.params import SPLIT_PLAN_PARAMS
+        from ..ir.work_table import EVENT, SPLIT_TASK
+
+        lib = _build("split_reduce_plan", [_read("meld.runtime", "host/one_thread.h"), "#define PLAN_THREADS 1",
+                                           SPLIT_PLAN_PARAMS.c_source(), SPLIT_TASK.c_source(), EVENT.c_source(),
+                                           _read("meld.codegen", "templates/split_reduce_plan.h"),
+                                           _read("meld.runtime", "host/split_reduce_plan.cpp")], "c++")
+        if lib is None:
+            raise RuntimeError("meld's grouped attention (CascadeDecode) plans on the host with the GPU planner's "
+                               "source compiled by the system C++ compiler (c++ or g++, or $CXX), and none worked")
+        fn = lib.meld_split_reduce_plan_host
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = None
+        _split_lib = lib
+    return _split_lib
 
 
 class ProxyConfig(ctypes.Structure):

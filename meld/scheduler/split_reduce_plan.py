@@ -9,7 +9,9 @@ shared prefix (one group of many requests) and the requests' own suffixes (one g
 one plan, balanced together instead of one level after another.
 
 The plan is two int32 tables declared in `meld.ir.work_table` (SPLIT_TASK, EVENT) plus the slot list of
-each event's parts: what a kernel would read, and all the CPU executor reads besides the page tables.
+each event's parts: what a kernel would read, and all the CPU executor reads besides the page tables. It is
+made by one C source for the GPU and the host (templates/split_reduce_plan.h; `plan_split_reduce` runs its
+host build), with `plan_split_reduce_numpy` as its oracle.
 
 Cost model and cut (decode's, on a line): a work item (producer, group, kv head) of t tokens and r query
 rows costs t * ceil(r / 64), the tensor-core tiles of 64 rows each of its key rows feeds. Items lie on one
@@ -22,6 +24,7 @@ construction.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,10 +86,10 @@ def _cost(tokens: int, rows: int) -> float:
     return tokens * -(-rows // ROWS_PER_TILE)
 
 
-def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int, page_size: int,
-                      num_ctas: int) -> SplitReducePlan:
-    """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
-    parts (module docstring). `tables` are the producers in the graph's order: the order their parts merge in."""
+def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int,
+                            page_size: int, num_ctas: int) -> SplitReducePlan:
+    """The cut in NumPy, written from the module docstring: the test oracle of `plan_split_reduce` (the
+    planner's C source, templates/split_reduce_plan.h, the GPU's and the host's)."""
     items = []   # (producer, group, kv_head, tokens, requests, tiles) in line order
     for ti, t in enumerate(tables):
         lens = t.kv_len(page_size)
@@ -126,3 +129,46 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     num_tasks = len(cols["cta"])
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas, SPLIT_TASK.pack(num_tasks, **cols), num_tasks,
                            EVENT.pack(n_events, parts=counts, part_first=first), part_slot, slot)
+
+
+def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int, page_size: int,
+                      num_ctas: int) -> SplitReducePlan:
+    """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
+    parts (module docstring), with the planner's C source built for the host. `tables` are the producers
+    in the graph's order: the order their parts merge in."""
+    from ..codegen.params import SPLIT_PLAN_PARAMS
+    from ..runtime.host_helper import load_split_reduce_plan
+
+    i32 = lambda parts: np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=np.int32)  # noqa: E731
+    producer = i32([np.full(len(t.kv_last_page_len), i) for i, t in enumerate(tables)])
+    index = i32([np.arange(len(t.kv_last_page_len)) for t in tables])
+    q0 = i32([t.qo_indptr[:-1] for t in tables])
+    requests = i32([np.diff(t.qo_indptr) for t in tables])
+    tokens = i32([t.kv_len(page_size) for t in tables])
+    busy = (tokens > 0) & (requests > 0)
+    items = int(busy.sum()) * num_kv_heads
+    task_cap = items + num_ctas
+    part_cap = int(requests[busy].sum()) * num_kv_heads + num_ctas * int(requests.max(initial=0))
+    n_events = batch * num_kv_heads
+    tasks = np.zeros(task_cap * SPLIT_TASK.width, dtype=np.int32)
+    events = np.zeros(max(1, n_events) * EVENT.width, dtype=np.int32)
+    part_slot = np.zeros(max(1, part_cap), dtype=np.int32)
+    cursor = np.zeros(max(1, n_events), dtype=np.int32)
+    out = np.zeros(2, dtype=np.int32)
+    ptr = lambda a: a.ctypes.data  # noqa: E731
+    params = SPLIT_PLAN_PARAMS.pack(
+        group_producer=ptr(producer), group_index=ptr(index), group_q0=ptr(q0), group_requests=ptr(requests),
+        group_tokens=ptr(tokens), tasks=ptr(tasks), events=ptr(events), part_slot=ptr(part_slot), cursor=ptr(cursor),
+        out=ptr(out), num_groups=len(tokens), batch=batch, num_kv_heads=num_kv_heads, group_size=group_size,
+        num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS, rows_per_tile=ROWS_PER_TILE,
+        task_capacity=task_cap, slot_capacity=part_cap)
+    load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
+    num_tasks, num_slots = int(out[0]), int(out[1])
+    if num_tasks < 0:   # the capacities above bound every cut: this is a planner bug, not an input error
+        raise RuntimeError(f"split-reduce planner: capacities {task_cap} tasks / {part_cap} parts were too small")
+    ev = EVENT.unpack(events, n_events)
+    parts = int(ev["parts"].sum()) if n_events else 0
+    cols = SPLIT_TASK.unpack(tasks, task_cap)
+    return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
+                           SPLIT_TASK.pack(num_tasks, **{f: c[:num_tasks] for f, c in cols.items()}), num_tasks,
+                           EVENT.pack(n_events, **ev), part_slot[:parts].copy(), num_slots)

@@ -1,0 +1,95 @@
+// meld: the grouped-attention planner (a split-reduce graph whose partials come from several tasks, or from
+// tasks over groups of requests: meld/scheduler/split_reduce_plan.py explains the cut, and its NumPy
+// `plan_split_reduce_numpy` is this file's test oracle). Written once for the GPU and the host: the host
+// build (meld/runtime/host/split_reduce_plan.cpp) compiles it for a block of one thread under
+// one_thread.h. The line is walked in order by thread 0 (work items number the groups times the kv heads:
+// thousands, not millions); the other threads of a GPU block only wait at the barrier.
+//
+// Work item i = (group g = i / H, kv head h = i % H), groups producer after producer, each of t tokens and
+// r = requests x group_size query rows, costing t * ceil(r / rows_per_tile). The line of their costs is cut
+// into num_ctas segments of equal cost; a cut inside an item is a piece boundary at the nearest multiple of
+// `cut` tokens, dropped where it would leave a piece shorter than `min_piece` tokens. Each piece is one
+// SPLIT_TASK row (in line order, hence in CTA order) and counts towards its requests' events (h * batch + b);
+// each event lists its parts' first slots in line order (the merge order).
+//
+// Defined by the including source: PLAN_THREADS, SplitPlanParams, SplitTask / store_splittask, Event /
+// store_event.
+
+namespace meld {
+
+__device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
+  if (threadIdx.x == 0) {
+    const int H = p.num_kv_heads, W = p.num_ctas, E = p.batch * p.num_kv_heads;
+    long long total = 0;
+    for (int g = 0; g < p.num_groups; ++g)
+      if (p.group_tokens[g] > 0 && p.group_requests[g] > 0)
+        total += (long long)H * p.group_tokens[g] * ((p.group_requests[g] * p.group_size + p.rows_per_tile - 1) /
+                                                     p.rows_per_tile);
+    for (int e = 0; e < E; ++e) p.cursor[e] = 0;
+    // Pass 0 writes the tasks and counts each event's parts; pass 1 lists the parts' slots.
+    int tasks = 0, slots = 0;
+    bool fits = true;
+    for (int pass = 0; pass < 2 && fits; ++pass) {
+      if (pass == 1) {   // each event's first part: the exclusive scan of the counts
+        int first = 0;
+        for (int e = 0; e < E; ++e) {
+          store_event(p.events, E, e, Event{p.cursor[e], first});
+          first += p.cursor[e];
+          p.cursor[e] = first - p.cursor[e];
+        }
+        fits = first <= p.slot_capacity;
+        if (!fits) break;
+      }
+      long long start = 0;
+      int cta = 0, task = 0, slot = 0;
+      for (int g = 0; g < p.num_groups; ++g) {
+        const int n = p.group_tokens[g], req = p.group_requests[g];
+        if (n <= 0 || req <= 0) continue;
+        const int tiles = (req * p.group_size + p.rows_per_tile - 1) / p.rows_per_tile;
+        for (int h = 0; h < H; ++h) {
+          const long long cost = (long long)n * tiles;
+          while (cta + 1 < W && (cta + 1) * total / W <= start) ++cta;   // the CTA whose segment holds the start
+          int begin = 0, owner = cta;
+          for (int c = cta + 1;; ++c) {   // the pieces: cut where a CTA boundary falls inside, if not too short
+            int end = n, next = owner;
+            for (; c < W && c * total / W < start + cost; ++c) {
+              const long long at = (c * total / W - start) / tiles;
+              const int pos = (int)((at + p.cut / 2) / p.cut * p.cut);
+              if (pos - begin >= p.min_piece && n - pos >= p.min_piece) {
+                end = pos;
+                next = c;
+                break;
+              }
+            }
+            if (pass == 0) {
+              if (task < p.task_capacity)
+                store_splittask(p.tasks, p.task_capacity, task,
+                                SplitTask{owner, p.group_producer[g], p.group_index[g], h, begin, end, slot,
+                                          h * p.batch + p.group_q0[g], req});
+              for (int r = 0; r < req; ++r) ++p.cursor[h * p.batch + p.group_q0[g] + r];
+            } else {
+              for (int r = 0; r < req; ++r) p.part_slot[p.cursor[h * p.batch + p.group_q0[g] + r]++] = slot + r * p.group_size;
+            }
+            ++task;
+            slot += req * p.group_size;
+            if (end == n) {
+              cta = owner;
+              break;
+            }
+            begin = end;
+            owner = next;
+          }
+          start += cost;
+        }
+      }
+      tasks = task;
+      slots = slot;
+      fits = fits && tasks <= p.task_capacity;
+    }
+    p.out[0] = fits ? tasks : -1;
+    p.out[1] = slots;
+  }
+  __syncthreads();
+}
+
+}  // namespace meld
