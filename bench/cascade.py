@@ -13,10 +13,10 @@ the repository root:
 
 Workloads: Hq 32 / Hkv 8 / D 128, bf16, page_size 16, two levels (`meld.workloads.shared_prefix`): B requests
 in G equal groups, each group sharing `prefix` tokens, each request `suffix` tokens of its own, pages from one
-random permutation. BENCH.md's four one-group cases, then several groups (4, 16 and 64 requests each). Every implementation is
-checked against float64 attention over each request's whole sequence before it is timed (‖out − ref‖/‖ref‖
-< 1e-2, no NaN, outputs poisoned first where it writes into a given buffer); device time is the median of
-CUDA-graph replays with a cold L2 (`bench.harness`).
+random permutation. BENCH.md's four one-group cases, then several groups (4, 16 and 64 requests each).
+Every implementation is checked against float64 attention over each request's whole sequence before it is
+timed (‖out − ref‖/‖ref‖ < 1e-2, no NaN, outputs poisoned first where it writes into a given buffer); device
+time is the median of CUDA-graph replays with a cold L2 (`bench.harness`).
 
 Columns: unique MiB = (G·prefix + B·suffix)·Hkv·D·2·2 bytes; floor µs = a pure read of those bytes;
 speedup = FlashInfer cascade / meld cascade; vs flat = meld non-cascade / meld cascade (>= 1 is the issue's

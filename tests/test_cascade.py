@@ -299,8 +299,8 @@ def test_planner_source_compiles_for_sm90a(tmp_path):
 
     src = "\n".join(["#define PLAN_THREADS 1024", SPLIT_PLAN_PARAMS.c_source(), SPLIT_TASK.c_source(), EVENT.c_source(),
                      resources.files("meld.codegen").joinpath("templates/split_reduce_plan.h").read_text(),
-                     'extern "C" __global__ void __launch_bounds__(1024) plan(const __grid_constant__ SplitPlanParams p)'
-                     " { meld::plan_split_reduce(p); }"])
+                     'extern "C" __global__ void __launch_bounds__(1024) plan('
+                     "const __grid_constant__ SplitPlanParams p) { meld::plan_split_reduce(p); }"])
     (tmp_path / "plan.cu").write_text(src)
     run = subprocess.run(["nvcc", "-arch=sm_90a", "-c", "-o", str(tmp_path / "plan.o"), str(tmp_path / "plan.cu")],
                          capture_output=True, text=True)

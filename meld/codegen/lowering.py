@@ -3,8 +3,8 @@
 The task kinds and their edges select the family (its planner policy and device task bodies); the
 combiner recorded on the graph's reduction selects the merge — the device merge the family compiles and
 the merge the CPU reference executor applies; the family names its kernel template (none yet for grouped
-attention) and its reference executor, which the operators run on the CPU. A graph that asks for something no family implements is
-refused here, with the reason, before anything is compiled.
+attention) and its reference executor, which the operators run on the CPU. A graph that asks for something
+no family implements is refused here, with the reason, before anything is compiled.
 """
 from __future__ import annotations
 

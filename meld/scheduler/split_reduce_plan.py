@@ -78,7 +78,8 @@ class SplitReducePlan:
         """Each CTA's cost under the planner's model (for tests and printing)."""
         t, out = self.task_columns(), np.zeros(self.num_ctas)
         for i in range(self.num_tasks):
-            out[t["cta"][i]] += _cost(int(t["kv_end"][i] - t["kv_begin"][i]), int(t["event_count"][i]) * self.group_size)
+            rows = int(t["event_count"][i]) * self.group_size
+            out[t["cta"][i]] += _cost(int(t["kv_end"][i] - t["kv_begin"][i]), rows)
         return out
 
 
@@ -139,7 +140,9 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     from ..codegen.params import SPLIT_PLAN_PARAMS
     from ..runtime.host_helper import load_split_reduce_plan
 
-    i32 = lambda parts: np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=np.int32)  # noqa: E731
+    def i32(parts: list[np.ndarray]) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=np.int32)
+
     producer = i32([np.full(len(t.kv_last_page_len), i) for i, t in enumerate(tables)])
     index = i32([np.arange(len(t.kv_last_page_len)) for t in tables])
     q0 = i32([t.qo_indptr[:-1] for t in tables])

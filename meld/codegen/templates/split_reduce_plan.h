@@ -68,7 +68,8 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
                                           h * p.batch + p.group_q0[g], req});
               for (int r = 0; r < req; ++r) ++p.cursor[h * p.batch + p.group_q0[g] + r];
             } else {
-              for (int r = 0; r < req; ++r) p.part_slot[p.cursor[h * p.batch + p.group_q0[g] + r]++] = slot + r * p.group_size;
+              for (int r = 0; r < req; ++r)
+                p.part_slot[p.cursor[h * p.batch + p.group_q0[g] + r]++] = slot + r * p.group_size;
             }
             ++task;
             slot += req * p.group_size;
