@@ -11,7 +11,7 @@ split-reduce and combine with more than one producer of partials.
 from __future__ import annotations
 
 from ..ir import Axis, Reduction, TaskGraph, TaskTemplate
-from .checks import check_count, check_dtype_name, check_positive
+from .checks import check_dtype_name, check_positive
 
 
 def level_task(level: int) -> str:
@@ -23,9 +23,9 @@ def cascade_decode_graph(num_qo_heads: int, num_kv_heads: int, head_dim: int, pa
                          dtype: str = "bfloat16") -> TaskGraph:
     """Paged GQA decode over `num_levels` levels of KV, each a page table per group of requests."""
     for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("page_size", page_size), ("num_levels", num_levels)):
+                    ("page_size", page_size)):
         check_positive(name, v)
-    check_count("num_levels", num_levels, 64)
+    check_positive("num_levels", num_levels, 64)
     check_dtype_name(dtype)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
