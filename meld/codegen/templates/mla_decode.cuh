@@ -73,7 +73,7 @@ struct Stats {
 };
 constexpr int OFF_BARS = (OFF_STATS + (int)sizeof(Stats) + 7) & ~7;
 constexpr int NUM_BARS = 2 * STAGES + 2;
-constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (1: warpgroup 1's, 2: the unit's end)
+constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
 static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0, "128-byte swizzled buffers start on 1 KiB");
@@ -382,10 +382,8 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       }
       fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
       named_barrier(P_FULL, 256);
-      if (last) {
-        named_barrier(1, 128);
-        if (ct == 0) mbar_arrive(b.q_empty);   // every Q.K^T of the unit has completed
-      }
+      if (last && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed (waited
+                                                        // for above); the loaders wait for all four warps
       const int ns = stage + 1 == STAGES ? 0 : stage + 1;
       const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
       if (!last) {   // (each branch a whole fence .. wait: a branch inside one serialises the wgmmas)
@@ -470,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) meld_mla_decode(const __gri
       mbar_init(b.empty + 8 * s, 8);   // the consumer warps
     }
     mbar_init(b.q_full, 96);   // the loader threads
-    mbar_init(b.q_empty, 1);
+    mbar_init(b.q_empty, 4);   // the score warpgroup's warps
     fence_mbar_init();
   }
   __syncthreads();
