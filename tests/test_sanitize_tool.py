@@ -246,7 +246,10 @@ def test_shards_are_dealt_round_robin():
 
 def test_shard_counts_follow_cost_and_jobs():
     assert san.shard_count("memcheck", 141, 12) == 5      # 141 x 1.5 s / 45 s
-    assert san.shard_count("memcheck", 141, 3) == 3       # never more than --jobs
+    assert san.shard_count("synccheck", 300, 3) == 3      # never more than --jobs by cost ...
+    assert san.shard_count("initcheck", 295, 3) == 8      # ... but at most 40 tests in an initcheck process
+    assert san.shard_count("memcheck", 141, 3) == 4
+    assert san.shard_count("initcheck", 0, 3) == 1
     assert san.shard_count("racecheck", 2, 12) == 1 or san.SECONDS_PER_TEST["racecheck"] > 22.5
     assert san.shard_count("synccheck", 1, 12) == 1
 

@@ -76,6 +76,10 @@ TARGET_SHARD_S = 45.0     # shorter shards balance better; each one pays STARTUP
 # serve (a cudaMalloc while capturing fails, and the failed capture breaks the process's later tests): they
 # run in shards of their own with it.
 TOOL_ENV = {"memcheck": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "initcheck": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}}
+# Tests per process at most: an initcheck process keeps growing with every test it runs (on the H200,
+# 2026-12-02, three shards of ~98 tests each ran out of device memory from about their 60th test on, 76
+# failures, none with an error reported), and a fresh process starts small again. Shards beyond --jobs wait.
+MAX_TESTS_PER_SHARD = {"memcheck": 40, "initcheck": 40}
 CACHING = "caching_allocator"
 
 # --- log parsing ------------------------------------------------------------------------------------
@@ -261,7 +265,11 @@ def deal(ids: list[str], n: int) -> list[list[str]]:
 
 
 def shard_count(tool: str, n_tests: int, jobs: int) -> int:
-    return max(1, min(jobs, n_tests, math.ceil(n_tests * SECONDS_PER_TEST[tool] / TARGET_SHARD_S)))
+    """As many shards as --jobs runs at once when the work fills them, more when a tool's processes may
+    not run more than MAX_TESTS_PER_SHARD tests each."""
+    by_cost = min(jobs, n_tests, math.ceil(n_tests * SECONDS_PER_TEST[tool] / TARGET_SHARD_S))
+    by_size = math.ceil(n_tests / MAX_TESTS_PER_SHARD.get(tool, n_tests or 1))
+    return max(1, by_cost, by_size)
 
 
 def judge(shard: Shard, log_text: str, out_text: str) -> Shard:
