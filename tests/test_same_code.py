@@ -1,0 +1,47 @@
+"""tools/same_code.py: the PTX comparison sees a changed instruction and forgives a moved parameter field."""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import same_code  # noqa: E402
+
+from meld.codegen.params import Field, ParamStruct  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+def _ptx(tmp_path: Path, fields: list[Field], body: str) -> list[str]:
+    struct = ParamStruct("P", fields)
+    source = f"typedef unsigned short u16;\n{struct.c_source()}\n" \
+             f'extern "C" __global__ void meld_k(const __grid_constant__ P p) {{ {body} }}\n'
+    return same_code.ptx(source, f"k{len(list(tmp_path.iterdir()))}", tmp_path)
+
+
+OUT, A, B = Field("out", "ptr", "float*"), Field("a", "f32"), Field("b", "f32")
+
+
+def test_a_reordered_or_grown_struct_is_the_same_code(tmp_path):
+    base = _ptx(tmp_path, [OUT, A, B], "p.out[threadIdx.x] = p.a - p.b;")
+    moved = _ptx(tmp_path, [Field("unused", "i64"), A, B, OUT], "p.out[threadIdx.x] = p.a - p.b;")
+    assert base == moved
+
+
+def test_a_changed_instruction_differs(tmp_path):
+    assert _ptx(tmp_path, [OUT, A, B], "p.out[threadIdx.x] = p.a - p.b;") != \
+        _ptx(tmp_path, [OUT, A, B], "p.out[threadIdx.x] = p.a * p.b;")
+
+
+def test_reading_another_field_differs_though_the_offsets_match(tmp_path):
+    # b - a with b where a was: by offsets alone the same PTX as a - b
+    assert _ptx(tmp_path, [OUT, A, B], "p.out[threadIdx.x] = p.a - p.b;") != \
+        _ptx(tmp_path, [OUT, B, A], "p.out[threadIdx.x] = p.b - p.a;")
+
+
+def test_every_variant_renders_here():
+    out = same_code.render(same_code.ROOT, same_code.VARIANTS)
+    assert all(isinstance(src, str) and "__global__" in src for src in out.values()), \
+        [k for k, v in out.items() if v is None]

@@ -1,0 +1,171 @@
+"""Did a change move any kernel's code? Compare every kernel variant's PTX at a base commit and here.
+
+    python tools/same_code.py BASE [--keep DIR] [--only SUBSTRING ...]
+
+Renders each variant in VARIANTS (every kernel family and the build options that change their code) from
+BASE's `meld` package and from this tree's, compiles both to PTX with nvcc for sm_90a, and compares them
+after normalising what a pure reorganisation may change: comments, debug-line markers and the size of the
+parameter struct, and each parameter access's byte offset, written instead as the field it falls in (read
+from the static_asserts ParamStruct writes beside the struct): a field moved or removed is the same code,
+reading a different field is not. Prints one line per variant --
+`same`, `DIFFERS` (with the first differing line) or `missing` where a side cannot render it -- and exits
+1 if any differs.
+
+Why: structural work on the kernels (shared headers, one skeleton, a moved struct) should not change what
+the GPU runs. Identical PTX means identical SASS from the same ptxas, so same-code variants need no GPU
+time to show they are neither slower nor wrong; a variant that differs is what the same-run A/B on the
+GPU must cover. No GPU needed: nvcc only.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> Python expression that evaluates to a kernel config (with .render() and .name) in either tree.
+VARIANTS = {
+    "decode": "DecodeKernelConfig.default('bfloat16', 128)",
+    "decode-d64-fp16": "DecodeKernelConfig.default('float16', 64)",
+    "decode-d256": "DecodeKernelConfig.default('bfloat16', 256)",
+    "decode-h16-dsm": "DecodeKernelConfig.default('bfloat16', 128, onchip_merge=True, group_size=16)",
+    "decode-tma": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128), tma=True)",
+    "decode-tma-withhold": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128), tma=True, "
+                           "debug_withhold_signal=True)",
+    "decode-invariant": "DecodeKernelConfig.default('bfloat16', 128, batch_invariant=True)",
+    "decode-profile": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128), profile=True)",
+    "decode-xrank-peer": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128), xrank='peer')",
+    "decode-xrank-proxy": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, onchip_merge=True), "
+                          "xrank='proxy')",
+    "decode-plan": "DecodePlanKernelConfig()",
+    "mla": "MlaKernelConfig()",
+    "mla-32-profile": "MlaKernelConfig(block_tokens=32, profile=True)",
+    "moe": "MoeKernelConfig()",
+    "moe-packed": "MoeKernelConfig(packed_weights=True, absent_pairs=True)",
+    "tp": "TpKernelConfig()",
+    "tp-proxy-profile": "TpKernelConfig(transport='proxy', profile=True)",
+    "tp-owner-w2": "TpKernelConfig(merge='owner', warpgroups=2)",
+    "ep": "EpKernelConfig()",
+    "ep-proxy": "EpKernelConfig(transport='proxy')",
+}
+
+_RENDER = """
+import dataclasses, json, sys
+from meld.codegen.decode_kernel import DecodeKernelConfig, DecodePlanKernelConfig
+from meld.codegen.mla_kernel import MlaKernelConfig
+from meld.codegen.moe_kernel import MoeKernelConfig
+from meld.codegen.tp_kernel import TpKernelConfig
+from meld.codegen.ep_kernel import EpKernelConfig
+out = {}
+for key, expr in json.loads(sys.argv[1]).items():
+    try:
+        out[key] = eval(expr).render()
+    except Exception as e:
+        out[key] = None
+        print(f"{key}: {type(e).__name__}: {e}", file=sys.stderr)
+json.dump(out, sys.stdout)
+"""
+
+_ACCESS = re.compile(r"\[(\w+)_param_0(?:\+(\d+))?\]")   # [k_param_0+48], [k_param_0]
+_PARAM_SIZE = re.compile(r"(\.b8 \w+_param_0)\[\d+\]")    # .param .b8 k_param_0[1344]
+_DROP = re.compile(r"^\s*(//|\.loc\s|\.file\s)")            # comments, debug line and file markers
+_ENTRY = re.compile(r"__global__[^(]*?\b(meld_\w+)\s*\(\s*const __grid_constant__ (\w+)")
+_OFFSET = re.compile(r"__builtin_offsetof\((\w+), (\w+)\) == (\d+)")
+
+
+def render(meld_parent: Path, variants: dict[str, str]) -> dict[str, str | None]:
+    """Each variant's source as the `meld` package under meld_parent renders it (None: it cannot)."""
+    env = dict(os.environ, PYTHONPATH=str(meld_parent))
+    res = subprocess.run([sys.executable, "-c", _RENDER, json.dumps(variants)], capture_output=True, text=True,
+                         env=env, cwd=meld_parent, check=False)
+    if res.returncode:
+        raise SystemExit(f"rendering at {meld_parent} failed:\n{res.stderr[-2000:]}")
+    if res.stderr:
+        print(res.stderr.strip(), file=sys.stderr)
+    return json.loads(res.stdout)
+
+
+def field_maps(source: str) -> dict[str, list[tuple[int, str]]]:
+    """Per kernel entry, its parameter struct's (offset, field) list, read from the static_asserts that
+    ParamStruct.c_source writes beside each struct."""
+    fields: dict[str, list[tuple[int, str]]] = {}
+    for struct, name, off in _OFFSET.findall(source):
+        fields.setdefault(struct, []).append((int(off), name))
+    return {entry: sorted(fields.get(struct, [])) for entry, struct in _ENTRY.findall(source)}
+
+
+def _named(maps: dict[str, list[tuple[int, str]]], m: re.Match) -> str:
+    """[k_param_0+off] as [k.field+delta]: a field moved is the same access, a different field is not."""
+    entry, off = m.group(1), int(m.group(2) or 0)
+    at = [(o, f) for o, f in maps.get(entry, []) if o <= off]
+    if not at:
+        return m.group(0)
+    o, f = at[-1]
+    return f"[{entry}.{f}+{off - o}]"
+
+
+def ptx(source: str, name: str, workdir: Path) -> list[str]:
+    from meld.codegen.compiler import COMMON_OPTIONS, _nvcc_path
+    cu, out = workdir / f"{name}.cu", workdir / f"{name}.ptx"
+    cu.write_text(source)
+    nvcc = _nvcc_path()
+    if nvcc is None:
+        raise SystemExit("nvcc not found")
+    opts = [o for o in COMMON_OPTIONS if o != "-lineinfo"]
+    res = subprocess.run([nvcc, "-arch=sm_90a", "-ptx", *opts, "-o", str(out), str(cu)], capture_output=True,
+                         text=True, check=False)
+    if res.returncode:
+        raise SystemExit(f"nvcc -ptx failed for {name}:\n{res.stderr[-2000:]}")
+    maps = field_maps(source)
+    return [_PARAM_SIZE.sub(r"\1[SIZE]", _ACCESS.sub(lambda m: _named(maps, m), line))
+            for line in out.read_text().splitlines() if not _DROP.match(line)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("base", help="git commit to compare against")
+    ap.add_argument("--keep", type=Path, help="write both sides' sources and PTX here")
+    ap.add_argument("--only", nargs="+", default=[], help="variants whose name contains one of these")
+    args = ap.parse_args()
+    variants = {k: v for k, v in VARIANTS.items() if not args.only or any(s in k for s in args.only)}
+    sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory(prefix="meld-same-code-") as tmp:
+        work = args.keep or Path(tmp)
+        base_dir = work / "base"
+        base_dir.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", args.base, "meld"], cwd=ROOT, capture_output=True, check=True)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(base_dir, filter="data")
+        sides = {"base": render(base_dir, variants), "here": render(ROOT, variants)}
+        differs = 0
+        for key in variants:
+            a, b = sides["base"][key], sides["here"][key]
+            if a is None or b is None:
+                print(f"{key:22s} missing at {'base' if a is None else 'here'}")
+                differs += 1
+                continue
+            dirs = {s: work / s for s in sides}
+            for d in dirs.values():
+                d.mkdir(exist_ok=True)
+            pa, pb = ptx(a, key, dirs["base"]), ptx(b, key, dirs["here"])
+            if pa == pb:
+                print(f"{key:22s} same ({len(pa)} PTX lines)")
+                continue
+            differs += 1
+            diff = [d for d in difflib.unified_diff(pa, pb, lineterm="", n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]
+            print(f"{key:22s} DIFFERS: {len(diff)} lines changed; first: {diff[0][:140] if diff else '?'}")
+    print(f"{len(variants) - differs} of {len(variants)} variants compile to the same PTX as {args.base}")
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
