@@ -188,3 +188,17 @@ def test_no_generic_lambdas_in_the_templates():
     hits = [f"{f.name}: {m.group(0)}" for f in resources.files("meld.codegen").joinpath("templates").iterdir()
             if f.name.endswith((".cuh", ".h")) for m in re.finditer(r"\]\s*\([^)]*\bauto\b[^)]*\)", f.read_text())]
     assert not hits, hits
+
+
+def test_every_kernel_struct_carries_the_kernel_header_once():
+    from meld.codegen import params as P
+
+    structs = [P.DECODE_PARAMS, P.MLA_PARAMS, P.MOE_PARAMS, P.TP_PARAMS, P.EP_PARAMS]
+    for s in structs:
+        names = [f.name for f in s.fields]
+        assert all(names.count(n) == 1 for n in P.KERNEL_HEADER), s.name
+        assert all(f is P.KERNEL_HEADER[f.name] for f in s.fields if f.name in P.KERNEL_HEADER), s.name
+    with pytest.raises(ValueError, match="KERNEL_HEADER"):   # a header field declared a second time, elsewhere
+        P._with_header("Bad", [P.Field("watchdog", "ptr", "void*")])
+    with pytest.raises(ValueError, match="KERNEL_HEADER"):
+        P._with_header("Bad", [*P.header("prof"), *P.header("prof")])

@@ -14,7 +14,6 @@ test_robustness_cpu.py) left open.
   * meld serve-bench refuses a --seed no generator takes, as a one-line error.
 """
 import json
-import math
 
 import numpy as np
 import pytest

@@ -68,6 +68,37 @@ class ParamStruct:
         return self.ctype(**values)
 
 
+# What every meld kernel's parameter struct carries, declared once (meld.ops.base.Operator._header fills
+# it): where a wait that gives up reports (templates/common.cuh, WaitSite), the profiler's buffers
+# (Profiler) and the grid's place in a persistent launch (meld/runtime/driver.py, PersistentLaunch). Each
+# struct names them where its kernel has long read them (moving a field changes the generated code:
+# tools/same_code.py); those a struct lacks come last.
+KERNEL_HEADER = {f.name: f for f in [
+    Field("watchdog", "ptr", "WatchdogRecord*"),   # pinned host memory: meld/runtime/watchdog.py
+    Field("watchdog_claim", "ptr", "int*"),        # device word: the first CTA to give up claims it
+    Field("prof", "ptr", "long long*"),            # MELD_PROFILE builds: [grid][1 + prof_cap][4] records
+    Field("prof_clock", "ptr", "unsigned*"),       # sampled profiles: [launch, exits] (common.cuh: Profiler)
+    Field("watchdog_kernel", "i32"),               # this kernel's id in the watchdog's registry
+    Field("prof_cap", "i32"),
+    Field("prof_every", "i32"),                    # a profiled kernel records one launch in this many
+    Field("num_ctas", "i32"),                      # persistent launches: the CTAs of every grid of the mix,
+    Field("cta_offset", "i32"),                    # this grid's first among them,
+    Field("wait_inputs", "i32"),                   # 1: the first grid of an overlapped launch (its entry waits)
+]}
+
+
+def header(*names: str) -> list[Field]:
+    return [KERNEL_HEADER[n] for n in names]
+
+
+def _with_header(name: str, fields: list[Field]) -> ParamStruct:
+    """A kernel's struct: its fields, then the KERNEL_HEADER fields it does not place itself."""
+    placed = [f for f in fields if f.name in KERNEL_HEADER]
+    if any(f is not KERNEL_HEADER[f.name] for f in placed) or len(placed) != len({f.name for f in placed}):
+        raise ValueError(f"{name}: a KERNEL_HEADER field declared again or twice: use header()")
+    return ParamStruct(name, [*fields, *(f for n, f in KERNEL_HEADER.items() if n not in {f.name for f in placed})])
+
+
 # The proxy transport's command ring as a kernel addresses it (meld/distributed/proxy.py; templates/common.cuh,
 # proxy_push): the pinned host records, the device's claim counter, the proxy's head. Its capacity is an
 # i32 field "xring_cap" among each struct's scalars.
@@ -88,7 +119,7 @@ PAGED_OUTPUTS_AND_TABLES = [
     Field("cta_table", "ptr", "const int*"),
 ]
 
-DECODE_PARAMS = ParamStruct("DecodeParams", [
+DECODE_PARAMS = _with_header("DecodeParams", [
     Field("q", "ptr", "const u16*"),
     Field("kv", "ptr", "const u16*"),
     *PAGED_OUTPUTS_AND_TABLES,
@@ -96,10 +127,10 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("part_o", "ptr", "float*"),
     Field("part_lse", "ptr", "float*"),
     Field("counters", "ptr", "unsigned*"),
-    Field("prof", "ptr", "long long*"),
-    Field("prof_clock", "ptr", "unsigned*"),     # sampled profiles: [launch, exits] (common.cuh: Profiler)
-    Field("watchdog", "ptr", "WatchdogRecord*"),   # pinned host memory: meld/runtime/watchdog.py
-    Field("watchdog_claim", "ptr", "int*"),        # device word: the first CTA to give up claims it
+    *header("prof"),
+    *header("prof_clock"),
+    *header("watchdog"),
+    *header("watchdog_claim"),
     Field("kv_map", "tmap"),   # the KV cache as a TMA tensor map (MELD_TMA builds; zero otherwise)
     Field("q_stride_b", "i64"),
     Field("q_stride_h", "i64"),
@@ -114,13 +145,13 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
     Field("head_blocks", "i32"),
     Field("units_per_request", "i32"),
     Field("page_size", "i32"),
-    Field("num_ctas", "i32"),
-    Field("cta_offset", "i32"),
-    Field("prof_cap", "i32"),
-    Field("prof_every", "i32"),                  # a profiled kernel records one launch in this many
+    *header("num_ctas"),
+    *header("cta_offset"),
+    *header("prof_cap"),
+    *header("prof_every"),
     Field("chunk", "i32"),            # batch-invariant kernels: tokens per chunk (meld/ir/schedule.py)
-    Field("watchdog_kernel", "i32"),  # this kernel's id in the watchdog's registry
-    Field("wait_inputs", "i32"),      # 1: the first grid of an overlapped launch (decode_attention.cuh's entry)
+    *header("watchdog_kernel"),
+    *header("wait_inputs"),
     Field("sm_scale_log2", "f32"),
     # MELD_XRANK builds (meld/distributed/seq_parallel.py; zero otherwise): each local request's (batch request,
     # part, parts, owner rank); every rank's symmetric window as this rank addresses it; the launch's exit
@@ -148,17 +179,17 @@ DECODE_PARAMS = ParamStruct("DecodeParams", [
 
 # MLA decode attention (templates/mla_decode.cuh): the latent cache as two TMA maps, one partial slot per
 # split piece of [64 heads][head_dim_ckv] floats; the split-KV tables are the decode planner's.
-MLA_PARAMS = ParamStruct("MlaParams", [
+MLA_PARAMS = _with_header("MlaParams", [
     Field("q_nope", "ptr", "const u16*"),
     Field("q_pe", "ptr", "const u16*"),
     *PAGED_OUTPUTS_AND_TABLES,
     Field("part_o", "ptr", "float*"),
     Field("part_lse", "ptr", "float*"),
     Field("counters", "ptr", "unsigned*"),
-    Field("prof", "ptr", "long long*"),
-    Field("prof_clock", "ptr", "unsigned*"),
-    Field("watchdog", "ptr", "WatchdogRecord*"),
-    Field("watchdog_claim", "ptr", "int*"),
+    *header("prof"),
+    *header("prof_clock"),
+    *header("watchdog"),
+    *header("watchdog_claim"),
     Field("ckv_map", "tmap"),   # [rows = pages x page_size][head_dim_ckv], boxes of box_rows x 64 channels
     Field("kpe_map", "tmap"),   # [rows][head_dim_kpe], the same boxes
     Field("qn_stride_b", "i64"),   # q_nope / q_pe strides in elements (the last dim contiguous)
@@ -169,12 +200,12 @@ MLA_PARAMS = ParamStruct("MlaParams", [
     Field("units_per_request", "i32"),   # 64-head blocks per request
     Field("page_size", "i32"),
     Field("box_rows", "i32"),      # token rows one TMA box holds: min(64, page_size)
-    Field("num_ctas", "i32"),
-    Field("cta_offset", "i32"),    # (PersistentLaunch: one grid here)
-    Field("wait_inputs", "i32"),
-    Field("prof_cap", "i32"),
-    Field("prof_every", "i32"),
-    Field("watchdog_kernel", "i32"),
+    *header("num_ctas"),
+    *header("cta_offset"),
+    *header("wait_inputs"),
+    *header("prof_cap"),
+    *header("prof_every"),
+    *header("watchdog_kernel"),
     Field("sm_scale_log2", "f32"),
 ])
 
@@ -246,7 +277,7 @@ WATCHDOG_RECORD = ParamStruct("WatchdogRecord", [
 
 # The fused MoE kernels (templates/moe.cuh) share one parameter struct: routing, planning, dispatch and
 # the persistent GEMM kernel read the same buffers.
-MOE_PARAMS = ParamStruct("MoeParams", [
+MOE_PARAMS = _with_header("MoeParams", [
     Field("x", "ptr", "const u16*"),
     Field("logits", "ptr", "const void*"),       # router logits, float32 or bf16 (logits_bf16)
     Field("topk_ids_in", "ptr", "const int*"),   # precomputed routing (null: route from logits)
@@ -269,10 +300,10 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("y", "ptr", "u16*"),                   # down projection, per row
     Field("out", "ptr", "u16*"),
     Field("error", "ptr", "int*"),               # set when a precomputed id was out of range or repeated
-    Field("prof", "ptr", "long long*"),
-    Field("prof_clock", "ptr", "unsigned*"),     # sampled profiles: [launch, exits] (common.cuh: Profiler)
-    Field("watchdog", "ptr", "WatchdogRecord*"),
-    Field("watchdog_claim", "ptr", "int*"),
+    *header("prof"),
+    *header("prof_clock"),
+    *header("watchdog"),
+    *header("watchdog_claim"),
     Field("w13_packed", "ptr", "const u16*"),    # MELD_PACKED: meld/ops/moe_weights.py's layouts
     Field("w2_packed", "ptr", "const u16*"),
     Field("w13_map", "tmap"),                    # [E * 2I, H]
@@ -297,21 +328,21 @@ MOE_PARAMS = ParamStruct("MoeParams", [
     Field("lag", "i32"),                         # tickets between an expert's last gemm1 and first gemm2 tile
     Field("route_dispatches", "i32"),            # 1: the (lone) routing CTA copies the rows, no dispatch launch
     Field("x_direct", "i32"),                    # 1: one token, H whole stages: gemm1 tiles read x's row, no copy
-    Field("prof_cap", "i32"),
-    Field("prof_every", "i32"),                  # a profiled kernel records one launch in this many
-    Field("watchdog_kernel", "i32"),
+    *header("prof_cap"),
+    *header("prof_every"),
+    *header("watchdog_kernel"),
 ])
 
 # The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/distributed/tp_linear.py).
-TP_PARAMS = ParamStruct("TpParams", [
+TP_PARAMS = _with_header("TpParams", [
     Field("w_map", "tmap"),                      # this rank's weight [N, K] (64-row boxes)
     Field("x_map", "tmap"),                      # this rank's input [M, K] (BLOCK_TOKENS-row boxes)
     Field("x_tail_map", "tmap"),                 # the same, M % BLOCK_TOKENS-row boxes (the last token block's)
     Field("xpeers", "ptr", "char* const*"),      # every rank's symmetric window, as this rank addresses it
     Field("xexit", "ptr", "unsigned*"),          # the launch's exit counter
     Field("xlaunch", "ptr", "unsigned long long*"),   # launches this rank has finished
-    Field("watchdog", "ptr", "WatchdogRecord*"),
-    Field("watchdog_claim", "ptr", "int*"),
+    *header("watchdog"),
+    *header("watchdog_claim"),
     Field("x_out_off", "i64"),                   # places in a window, in bytes: the output [M, N] bf16,
     Field("x_part_off", "i64"),                  # the float partials [tiles][world][tile], one counter per
     Field("x_count_off", "i64"),                 # tile, the landing counter and the launches started
@@ -319,7 +350,7 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_started_off", "i64"),
     Field("x_signal_off", "i64"),                # every-rank merges: u64 stamps [world][x_grid_cap] (launch numbers)
     Field("x_ll_off", "i64"),                    # direct merges: tagged words [2][world][x_ll_cap][a tile's]
-    Field("prof", "ptr", "i64*"),                # MELD_PROFILE builds: [grid][1 + prof_cap][4] records (runtime/profile.py)
+    *header("prof"),
     *PROXY_RING,
     Field("m", "i32"),
     Field("n", "i32"),
@@ -333,18 +364,18 @@ TP_PARAMS = ParamStruct("TpParams", [
     Field("x_grid_cap", "i32"),
     Field("x_ll_cap", "i32"),                    # CTA slots of the direct region: the SMs (its kernels run one a SM)
     Field("xring_cap", "i32"),
-    Field("watchdog_kernel", "i32"),
-    Field("prof_cap", "i32"),
+    *header("watchdog_kernel"),
+    *header("prof_cap"),
 ])
 
 # Expert-parallel MoE: dispatch, return and combine around each rank's MoE launches (templates/ep_moe.cuh,
 # meld/distributed/expert_parallel.py).
-EP_PARAMS = ParamStruct("EpParams", [
+EP_PARAMS = _with_header("EpParams", [
     Field("xpeers", "ptr", "char* const*"),      # every rank's symmetric window, as this rank addresses it
     Field("xexit", "ptr", "unsigned*"),          # the kernel's exit counter (each kernel leaves it at 0)
     Field("xlaunch", "ptr", "unsigned long long*"),   # calls this rank has finished
-    Field("watchdog", "ptr", "WatchdogRecord*"),
-    Field("watchdog_claim", "ptr", "int*"),
+    *header("watchdog"),
+    *header("watchdog_claim"),
     Field("x", "ptr", "const u16*"),             # this rank's tokens [T, H]
     Field("topk_ids", "ptr", "const int*"),      # [T, k], global expert ids
     Field("topk_w", "ptr", "const float*"),      # [T, k]
@@ -368,5 +399,5 @@ EP_PARAMS = ParamStruct("EpParams", [
     Field("experts_per_rank", "i32"),
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
-    Field("watchdog_kernel", "i32"),
+    *header("watchdog_kernel"),
 ])

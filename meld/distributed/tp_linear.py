@@ -163,13 +163,10 @@ class RowParallelLinear(Operator):
             L = self.layout
             params = TP_PARAMS.ctype(
                 xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),
-                watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
-                watchdog_kernel=self._watchdog_id, x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
+                **self._header(self._prof, None, _PROFILE_CAP if self._prof is not None else 0), x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
                 x_landed_off=L["landed"], x_started_off=L["started"], x_signal_off=L["signal"], x_ll_off=L["ll"],
                 x_grid_cap=2 * self._sm_count, x_ll_cap=self._sm_count, n=self.out_features, k=self.in_features,
-                x_rank=self.rank, x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}),
-                prof=self._prof.data_ptr() if self._prof is not None else 0,
-                prof_cap=_PROFILE_CAP if self._prof is not None else 0)
+                x_rank=self.rank, x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}))
             v = self._variants[(cfg.block_tokens, cfg.wgs)] = (cfg, kernel, params)
         return v
 

@@ -93,6 +93,15 @@ class Operator:
             raise ValueError(f"MELD_TUNING_DB: {e}") from None
         return db.lookup(TuningKey.here(self.graph.name, dtype, shape, self.device), warn=True)
 
+    def _header(self, prof: torch.Tensor | None = None, prof_clock: torch.Tensor | None = None, prof_cap: int = 0,
+                prof_every: int = 1, num_ctas: int = 0) -> dict[str, int]:
+        """The KERNEL_HEADER fields (meld/codegen/params.py) of this operator's kernels: its watchdog id and
+        the profiler's buffers; a persistent launch's grids then set cta_offset and wait_inputs."""
+        return dict(watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
+                    watchdog_kernel=self._watchdog_id, prof=prof.data_ptr() if prof is not None else 0,
+                    prof_clock=prof_clock.data_ptr() if prof_clock is not None else 0, prof_cap=prof_cap,
+                    prof_every=prof_every, num_ctas=num_ctas, cta_offset=0, wait_inputs=0)
+
     def _register_watchdog(self, name: str, describe: Callable[[int], str]) -> None:
         """This operator's kernels report to the device's record under one id (`describe` names a task from
         its number and must not hold the operator)."""

@@ -239,15 +239,12 @@ class DecodeAttention(PagedDecode):
         launcher = PersistentLaunch(self.kernel, self.cluster_mix, DECODE_PARAMS.pack(
             q=0, kv=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), slot_base=t.ptr(t.off_slot_base),
-            chunk=self._chunk, part_o=part_o.data_ptr(),
-            part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
-            prof=prof.data_ptr() if prof is not None else 0, kv_map=TensorMap(),   # set by run()
-            prof_clock=clock.data_ptr() if clock is not None else 0, prof_every=self.profile_every,
-            watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
-            watchdog_kernel=self._watchdog_id, q_stride_b=0, q_stride_h=0, **self._kv_strides(),
+            chunk=self._chunk, part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
+            kv_map=TensorMap(), q_stride_b=0, q_stride_h=0, **self._kv_strides(),   # (set by run())
+            **self._header(prof, clock, prof_cap, self.profile_every, W),
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
-            num_ctas=W, cta_offset=0, prof_cap=prof_cap, wait_inputs=0, sm_scale_log2=self.sm_scale * _LOG2E,
+            sm_scale_log2=self.sm_scale * _LOG2E,
             **{f.name: 0 for f in DECODE_PARAMS.fields if f.name.startswith("x")}))   # set by meld.distributed
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 

@@ -171,13 +171,10 @@ class DecodeMLA(PagedDecode):
             q_nope=0, q_pe=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), part_o=part_o.data_ptr(),
             part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
-            prof=prof.data_ptr() if prof is not None else 0, prof_clock=clock.data_ptr() if clock is not None else 0,
-            watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
             ckv_map=TensorMap(), kpe_map=TensorMap(),   # set by run()
             qn_stride_b=0, qn_stride_h=0, qp_stride_b=0, qp_stride_h=0, num_heads=self.num_heads,
             units_per_request=self.units_per_request, page_size=self.page_size, box_rows=self._box_rows,
-            num_ctas=W, cta_offset=0, wait_inputs=0, prof_cap=prof_cap, prof_every=self.profile_every,
-            watchdog_kernel=self._watchdog_id, sm_scale_log2=self.sm_scale * _LOG2E))
+            **self._header(prof, clock, prof_cap, self.profile_every, W), sm_scale_log2=self.sm_scale * _LOG2E))
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 
     # --- run ------------------------------------------------------------------------------------

@@ -164,12 +164,9 @@ class MoE(Operator):
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs
         params = MOE_PARAMS.ctype(
-            **self._ptrs,
-            watchdog=self._watchdog.record_ptr, watchdog_claim=self._watchdog.claim_ptr,
-            watchdog_kernel=self._watchdog_id, hidden=self.hidden_size,
-            prof=self._prof.data_ptr() if self._prof is not None else 0, prof_every=self.profile_every,
-            prof_clock=self._prof_clock.data_ptr() if self._prof_clock is not None else 0,
-            prof_cap=_PROFILE_CAP if self._prof is not None else 0, inter=self.intermediate_size,
+            **self._ptrs, **self._header(self._prof, self._prof_clock, _PROFILE_CAP if self._prof is not None else 0,
+                                         self.profile_every),
+            hidden=self.hidden_size, inter=self.intermediate_size,
             num_experts=self.num_experts, expert_base=self.first_expert, top_k=self.top_k,
             renormalize=int(self.renormalize),
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
