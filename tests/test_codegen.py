@@ -202,3 +202,14 @@ def test_every_kernel_struct_carries_the_kernel_header_once():
         P._with_header("Bad", [P.Field("watchdog", "ptr", "void*")])
     with pytest.raises(ValueError, match="KERNEL_HEADER"):
         P._with_header("Bad", [*P.header("prof"), *P.header("prof")])
+
+
+def test_single_gpu_decode_builds_carry_no_rank_fields():
+    from meld.codegen import params as P
+
+    assert not [f.name for f in P.DECODE_PARAMS.fields if f.name.startswith("x")]
+    assert {"xreq", "xpeers", "x_rank", "x_world", "xring"} <= {f.name for f in P.SEQ_PARALLEL_DECODE_PARAMS.fields}
+    single, ranked = DecodeKernelConfig(), dataclasses.replace(DecodeKernelConfig(), xrank="proxy")
+    assert single.params is P.DECODE_PARAMS and ranked.params is P.SEQ_PARALLEL_DECODE_PARAMS
+    assert "xrank_store4" not in single.render() and "xreq" not in single.render()
+    assert "xrank_store4(const DecodeParams& p" in ranked.render()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..ir.work_table import CTA_TABLE
 from ..runtime.profile import kind_defines
-from .params import DECODE_PARAMS, PLAN_PARAMS, WATCHDOG_RECORD
+from .params import DECODE_PARAMS, PLAN_PARAMS, SEQ_PARALLEL_DECODE_PARAMS, WATCHDOG_RECORD, ParamStruct
 from .source import SMEM_PER_CTA_MAX, template
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
@@ -119,8 +119,14 @@ class DecodeKernelConfig:
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("xrank.cuh"), DECODE_PARAMS.c_source(),
-                          CTA_TABLE.c_source(), template("split_kv.cuh"), template("decode_attention.cuh")])
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("xrank.cuh"),
+                          self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),
+                          template("decode_attention.cuh"), *([template("decode_xrank.cuh")] if self.xrank else [])])
+
+    @property
+    def params(self) -> ParamStruct:
+        """The kernel's parameter struct: the cross-rank edge's fields only in sequence-parallel builds."""
+        return SEQ_PARALLEL_DECODE_PARAMS if self.xrank else DECODE_PARAMS
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,8 @@ PAGED_OUTPUTS_AND_TABLES = [
     Field("cta_table", "ptr", "const int*"),
 ]
 
-DECODE_PARAMS = _with_header("DecodeParams", [
+# The decode kernel (templates/decode_attention.cuh): what a single-GPU build reads.
+DECODE_FIELDS = [
     Field("q", "ptr", "const u16*"),
     Field("kv", "ptr", "const u16*"),
     *PAGED_OUTPUTS_AND_TABLES,
@@ -153,9 +154,15 @@ DECODE_PARAMS = _with_header("DecodeParams", [
     *header("watchdog_kernel"),
     *header("wait_inputs"),
     Field("sm_scale_log2", "f32"),
-    # MELD_XRANK builds (meld/distributed/seq_parallel.py; zero otherwise): each local request's (batch request,
-    # part, parts, owner rank); every rank's symmetric window as this rank addresses it; the launch's exit
-    # counter, the landings it waits for and the batch's split requests; the places in a window, in bytes.
+]
+DECODE_PARAMS = _with_header("DecodeParams", DECODE_FIELDS)
+
+# Sequence-parallel builds (MELD_XRANK) read the same struct with the cross-rank edge's fields after it
+# (templates/decode_xrank.cuh).
+SEQ_PARALLEL_DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS,
+    # meld/distributed/seq_parallel.py: each local request's (batch request, part, parts, owner rank); every
+    # rank's symmetric window as this rank addresses it; the launch's exit counter, the landings it waits
+    # for and the batch's split requests; the places in a window, in bytes.
     # Proxy builds also: the split requests (batch request, parts), per source rank the units expected
     # from it and those taken so far, and the command ring (pinned host records, the device's claim
     # counter, the proxy's head).

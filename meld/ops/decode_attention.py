@@ -236,7 +236,8 @@ class DecodeAttention(PagedDecode):
         prof_cap = units + (slots if self.batch_invariant else 0) + 3 if self.kernel_config.profile else 0
         prof = torch.zeros(W, 1 + prof_cap, 4, dtype=torch.int64, device=self.device) if prof_cap else None
         clock = torch.zeros(2, dtype=torch.int32, device=self.device) if prof_cap and self.profile_every > 1 else None
-        launcher = PersistentLaunch(self.kernel, self.cluster_mix, DECODE_PARAMS.pack(
+        params_struct = self.kernel_config.params
+        launcher = PersistentLaunch(self.kernel, self.cluster_mix, params_struct.pack(
             q=0, kv=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), slot_base=t.ptr(t.off_slot_base),
             chunk=self._chunk, part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
@@ -245,7 +246,7 @@ class DecodeAttention(PagedDecode):
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             sm_scale_log2=self.sm_scale * _LOG2E,
-            **{f.name: 0 for f in DECODE_PARAMS.fields if f.name.startswith("x")}))   # set by meld.distributed
+            **{f.name: 0 for f in params_struct.fields if f not in DECODE_PARAMS.fields}))   # (meld.distributed sets them)
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 
     @property

@@ -87,8 +87,6 @@ static_assert(HEADS == 8 || HEADS == 16, "a unit computes 8 or 16 q heads");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool CHUNKED = MELD_CHUNKED;
-constexpr bool XRANK = MELD_XRANK != 0;   // 1: peer memory, 2: the proxy transport
-constexpr bool PROXY = MELD_XRANK == 2;
 static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through global memory");
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
@@ -115,6 +113,17 @@ struct Unit {
   __device__ __forceinline__ int num_tiles() const { return (end - begin + TILE - 1) / TILE; }
 };
 
+struct MergeArea;
+#if MELD_XRANK   // the cross-rank combine edge of sequence-parallel builds: decode_xrank.cuh, rendered after this file
+__device__ __forceinline__ void xrank_unit(const DecodeParams& p, Unit& x);
+__device__ __forceinline__ void xrank_store4(const DecodeParams& p, const Unit& x, i64 row, int h, int d, float4 v,
+                                             float lse2);
+__device__ __forceinline__ void xrank_announce(const DecodeParams& p, int cta);
+__device__ __forceinline__ void xrank_await_started(const DecodeParams& p, int cta);
+__device__ __forceinline__ int xrank_finish(const DecodeParams& p, const Unit& x, int u, int cta, MergeArea& mg);
+__device__ __forceinline__ void xrank_exit(const DecodeParams& p, int cta, int finished, MergeArea& mg);
+#endif
+
 // MELD_CHUNKED: make x (a unit of this segment) its chunk k, [k chunk, min(seg_end, (k + 1) chunk)).
 // Segments start and end on chunk boundaries, so every piece is one whole chunk (or a unit's last).
 __device__ __forceinline__ void enter_chunk(const DecodeParams& p, Unit& x, int u, int k) {
@@ -132,12 +141,11 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
   Unit x;
   x.req = u / p.units_per_request;
   const int hb = u - x.req * p.units_per_request;
-  if (XRANK) {
-    const int4 r = p.xreq[x.req];
-    x.xb = r.x; x.xpart = r.y; x.xparts = r.z; x.xowner = r.w;
-  } else {
-    x.xb = x.req;
-  }
+#if MELD_XRANK
+  xrank_unit(p, x);
+#else
+  x.xb = x.req;
+#endif
   x.kv_head = hb / p.head_blocks;
   const int qb = hb - x.kv_head * p.head_blocks;
   x.q_head = x.kv_head * p.group_size + qb * HEADS;
@@ -375,16 +383,6 @@ constexpr int MBAR_OFFSET = (PART_OFFSET + PART_BYTES + 7) & ~7;
 constexpr int MBAR_BYTES = TMA ? WARPS * STAGES * 8 : 0;
 static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
-// MELD_XRANK: rank r's symmetric window as this rank addresses it, and places in it (offsets: p.x_*_off).
-__device__ __forceinline__ char* xwin(const DecodeParams& p, int r) { return p.xpeers[r]; }
-__device__ __forceinline__ XWindows xwindows(const DecodeParams& p) {
-  return XWindows{p.xpeers, p.x_rank, p.x_world, p.x_started_off, p.x_landed_off};
-}
-__device__ __forceinline__ unsigned long long* xcounter(const DecodeParams& p, const Unit& x, int u) {
-  const int gu = x.xb * p.units_per_request + (u - x.req * p.units_per_request);
-  return reinterpret_cast<unsigned long long*>(xwin(p, x.xowner) + p.x_count_off) + gu;
-}
-
 // Four final outputs (h, d..d+3) of the batch row `row` into out/lse (lse when d == 0).
 __device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int d, float4 v, float lse2) {
   uint2 packed;
@@ -394,31 +392,14 @@ __device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int 
   if (d == 0 && lse != nullptr) lse[row] = lse2 * kLn2;
 }
 
-// Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0. MELD_XRANK: a request whole on
-// this rank writes every rank's window; a part of a split one puts its float partial into the owner's.
+// Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0 (MELD_XRANK: into the ranks' windows).
 __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x, int h, int d, float4 v, float lse2) {
   const i64 row = (i64)x.xb * p.num_qo_heads + x.q_head + h;
-  if (!XRANK) {
-    store_final4(p.out, p.lse, row, d, v, lse2);
-  } else if (PROXY) {   // into this rank's own window; the proxy copies it to the others
-    char* w = xwin(p, p.x_rank);
-    if (x.xparts == 1) {
-      store_final4(reinterpret_cast<u16*>(w + p.x_out_off), reinterpret_cast<float*>(w + p.x_lse_off), row, d, v, lse2);
-    } else {
-      const i64 prow = ((i64)x.xb * p.x_world + x.xpart) * p.num_qo_heads + x.q_head + h;
-      *reinterpret_cast<float4*>(reinterpret_cast<float*>(w + p.x_po_off) + prow * D + d) = v;
-      if (d == 0) reinterpret_cast<float*>(w + p.x_plse_off)[prow] = lse2;
-    }
-  } else if (x.xparts == 1) {
-    for (int r = 0; r < p.x_world; ++r)
-      store_final4(reinterpret_cast<u16*>(xwin(p, r) + p.x_out_off), reinterpret_cast<float*>(xwin(p, r) + p.x_lse_off),
-                   row, d, v, lse2);
-  } else {
-    char* w = xwin(p, x.xowner);
-    const i64 prow = ((i64)x.xb * p.x_world + x.xpart) * p.num_qo_heads + x.q_head + h;
-    *reinterpret_cast<float4*>(reinterpret_cast<float*>(w + p.x_po_off) + prow * D + d) = v;
-    if (d == 0) reinterpret_cast<float*>(w + p.x_plse_off)[prow] = lse2;
-  }
+#if MELD_XRANK
+  xrank_store4(p, x, row, h, d, v, lse2);
+#else
+  store_final4(p.out, p.lse, row, d, v, lse2);
+#endif
 }
 
 // End of a piece: merge the warps' states, then write the output (whole unit) or this piece's partial
@@ -546,161 +527,6 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
   if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
 }
 
-// MELD_XRANK, after a unit's result on this rank is stored (store_out4, every thread). A final result
-// (a request whole on this rank) only adds to the CTA's tally of units it wrote; a part of a split request
-// counts on the owner's unit counter (after a system-scope fence, so the count covers its partial), and
-// the part that completes the count merges the parts from the owner's window (remote loads over NVLink
-// when this rank is not the owner), writes every rank's output, resets the counter and adds to the tally.
-// Returns the units this call finished.
-//
-// Nothing is written into another rank's window before that rank has started the same launch: its
-// stream has then finished with the previous launch's output (which the next layer reads) and partials.
-// CTA 0 announces each launch to every rank at entry (the proxy: a signal through the ring); a CTA waits
-// for the others' announcements once, before the end of its first piece, so its first tiles load meanwhile.
-__device__ __forceinline__ unsigned long long xrank_launch(const DecodeParams& p) { return p.xsrc[2 * p.x_world] + 1; }
-__device__ __forceinline__ void xrank_announce(const DecodeParams& p, int cta) {
-  const unsigned long long n = xrank_launch(p);
-  if (PROXY)
-    xrank_announce_proxy(xwindows(p), XRing{p.xring, p.xring_tail, p.xring_head, p.xring_cap}, n,
-                         WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 12, cta, 0, -1, 0});
-  else
-    xrank_announce_peers(xwindows(p), n);
-}
-__device__ __forceinline__ void xrank_await_started(const DecodeParams& p, int cta) {
-  if (threadIdx.x == 0)
-    xrank_wait_started(xwindows(p), xrank_launch(p), WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 13, cta, 0, -1, 0},
-                       XRANK_WAIT_NS);
-  __syncthreads();
-}
-
-// The proxy transport instead: the unit's rows (its output, or its part's partial) are in this rank's own
-// window; after one system-scope fence thread 0 hands the proxy one put of the rows and one of their lse
-// per other rank, and the unit counts as sent. Split requests are merged at the end of the launch, on
-// every rank (xrank_exit): a result crosses the network once.
-__device__ __forceinline__ int proxy_send_unit(const DecodeParams& p, const Unit& x, int u, int cta) {
-  if (p.x_world == 1) return 1;
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const WaitSite s{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 12, cta, 0, u, 0};
-    const bool part = x.xparts > 1;
-    const i64 row = part ? ((i64)x.xb * p.x_world + x.xpart) * p.num_qo_heads + x.q_head
-                         : (i64)x.xb * p.num_qo_heads + x.q_head;
-    const i64 o_off = part ? p.x_po_off + row * D * 4 : p.x_out_off + row * D * 2;
-    const i64 l_off = (part ? p.x_plse_off : p.x_lse_off) + row * 4;
-    for (int r = 0; r < p.x_world; ++r) {
-      if (r == p.x_rank) continue;
-      proxy_push(p.xring, p.xring_tail, p.xring_head, p.xring_cap, PROXY_PUT, r, o_off, x.rows * D * (part ? 4 : 2), 0, s);
-      proxy_push(p.xring, p.xring_tail, p.xring_head, p.xring_cap, PROXY_PUT, r, l_off, x.rows * 4, 0, s);
-    }
-  }
-  return 1;
-}
-
-__device__ __forceinline__ int xrank_finish(const DecodeParams& p, const Unit& x, int u, int cta, MergeArea& mg) {
-  if (PROXY) return proxy_send_unit(p, x, u, cta);
-  if (x.xparts == 1) return 1;
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0)
-    mg.last = fetch_add_sys(xcounter(p, x, u), 1ull) == (unsigned long long)(x.xparts - 1);
-  __syncthreads();
-  if (!mg.last) return 0;
-  const char* w = xwin(p, x.xowner);
-  Unit f = x;
-  f.xparts = 1;   // the merged result is final: store_out4 writes every rank's output
-  merge_parts(p, f, x.xparts, [&](int k, int h, int d, float& lse, float4& v) {
-    const i64 prow = ((i64)x.xb * p.x_world + k) * p.num_qo_heads + x.q_head + h;
-    lse = ld_cg(reinterpret_cast<const float*>(w + p.x_plse_off) + prow);
-    v = ld_cg4(reinterpret_cast<const float*>(w + p.x_po_off) + prow * D + d);
-  });
-  if (threadIdx.x == 0) *xcounter(p, x, u) = 0ull;   // every part has arrived: ready for the next launch
-  __syncthreads();   // (mg.last is rewritten by the next unit)
-  return 1;
-}
-
-// MELD_XRANK, at the end of every CTA: one system-scope fence covers every final write and counter reset
-// of the CTA, then its tally lands on every rank's landing counter (one fence per CTA, not per unit).
-// The last CTA of the launch (all grids) then waits until every unit of the batch has landed in this
-// rank's window (p.xexit[1] of them) and takes that count back.
-//
-// Proxy transport: the CTA's tally goes to each other rank as one signal, after its puts (the proxy lands
-// a signal only after every put before it to that rank: one fence per destination). The proxy writes the
-// running total from this rank into the destination's landing slot for this rank. The last CTA waits
-// until each source's slot holds every unit expected from it (p.xsrc[src]) past those taken before
-// (p.xsrc[world + src]), then, with all its threads, merges the split requests' parts from its own
-// window, in part order.
-__device__ __forceinline__ Unit split_unit(const DecodeParams& p, int xb, int hb) {
-  Unit f = {};
-  f.xb = xb;
-  f.kv_head = hb / p.head_blocks;
-  const int qb = hb - f.kv_head * p.head_blocks;
-  f.q_head = f.kv_head * p.group_size + qb * HEADS;
-  f.rows = min(HEADS, p.group_size - qb * HEADS);
-  f.xparts = 1;   // merged here: final
-  return f;
-}
-
-__device__ __forceinline__ void proxy_exit(const DecodeParams& p, int cta, int sent, MergeArea& mg) {
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const WaitSite s{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 12, cta, 0, -1, 0};
-    if (sent)
-      for (int r = 0; r < p.x_world; ++r)
-        if (r != p.x_rank)
-          proxy_push(p.xring, p.xring_tail, p.xring_head, p.xring_cap, PROXY_SIGNAL, r, p.x_landed_off + 8 * p.x_rank,
-                     0, sent, s);
-    mg.last = atomicAdd(p.xexit, 1u) == (unsigned)p.num_ctas - 1;
-  }
-  __syncthreads();
-  if (!mg.last) return;
-  if (threadIdx.x == 0) {
-    p.xexit[0] = 0u;
-    __threadfence();
-    unsigned long long* landed = reinterpret_cast<unsigned long long*>(xwin(p, p.x_rank) + p.x_landed_off);
-    for (int src = 0; src < p.x_world; ++src) {
-      if (src == p.x_rank) continue;
-      const unsigned long long want = p.xsrc[p.x_world + src] + p.xsrc[src];
-      signal_wait(landed + src, want,
-                  WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, (int)p.xsrc[src]}, XRANK_WAIT_NS);
-      p.xsrc[p.x_world + src] = want;
-    }
-    p.xsrc[2 * p.x_world] += 1;   // launches done (every CTA read the count at its start)
-  }
-  __syncthreads();
-  const char* w = xwin(p, p.x_rank);
-  const int n_split = *reinterpret_cast<volatile unsigned*>(p.xexit + 2);
-  for (int i = 0; i < n_split; ++i) {
-    const int2 sp = p.xsplit[i];
-    for (int hb = 0; hb < p.units_per_request; ++hb) {
-      const Unit f = split_unit(p, sp.x, hb);
-      merge_parts(p, f, sp.y, [&](int k, int h, int d, float& lse, float4& v) {
-        const i64 prow = ((i64)f.xb * p.x_world + k) * p.num_qo_heads + f.q_head + h;
-        lse = ld_cg(reinterpret_cast<const float*>(w + p.x_plse_off) + prow);
-        v = ld_cg4(reinterpret_cast<const float*>(w + p.x_po_off) + prow * D + d);
-      });
-    }
-  }
-}
-
-__device__ __forceinline__ void xrank_exit(const DecodeParams& p, int cta, int finished, MergeArea& mg) {
-  if (PROXY) {
-    proxy_exit(p, cta, finished, mg);
-    return;
-  }
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  xrank_land(xwindows(p), (unsigned long long)finished);
-  if (atomicAdd(p.xexit, 1u) != (unsigned)p.num_ctas - 1) return;
-  p.xexit[0] = 0u;
-  const unsigned long long expected = *reinterpret_cast<volatile unsigned*>(p.xexit + 1);   // plan() writes it
-  xrank_take_landed(xwindows(p), expected, WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, 0},
-                    XRANK_WAIT_NS);
-  p.xsrc[2 * p.x_world] += 1;   // launches done (every CTA read the count at its start)
-}
-
 }  // namespace meld
 
 extern "C" __global__ void __launch_bounds__(meld::THREADS, 1)   // one CTA per SM: its shared memory decides
@@ -736,7 +562,10 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     __syncwarp();
   }
   LoadCursor lc;
-  int finished = 0;   // MELD_XRANK: units whose final output this CTA wrote (to every rank)
+#if MELD_XRANK
+  int finished = 0;       // units whose final output this CTA wrote (to every rank)
+  bool started = false;   // every rank has started this launch
+#endif
   if (!g.empty) {   // the prologue reads only plan() tables: the op before has not written them
     lc.u = g.u_begin;
     lc.x = load_unit(p, g, lc.u, pl);
@@ -748,8 +577,9 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     grid_dependency_wait();
     launch_dependents();
   }
-  if (XRANK && pl.cta == 0 && threadIdx.x == 0) xrank_announce(p, pl.cta);
-  bool started = false;   // MELD_XRANK: every rank has started this launch
+#if MELD_XRANK
+  if (pl.cta == 0 && threadIdx.x == 0) xrank_announce(p, pl.cta);
+#endif
   if (!g.empty) {
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring, bars, s, pl, warp, lane);
@@ -770,10 +600,12 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
           compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
           cs = cs + 1 == STAGES ? 0 : cs + 1;
         }
-        if (XRANK && !started) {
+#if MELD_XRANK
+        if (!started) {
           xrank_await_started(p, pl.cta);
           started = true;
         }
+#endif
         const bool merge = finish_piece(p, x, u, pl, st, mg, pa, warp, lane);
         prof.record(t0, PROF_PIECE, u);
         if (merge) {
@@ -781,7 +613,9 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
           merge_unit(p, x, u, pl, pa);
           prof.record(t1, x.onchip ? PROF_MERGE_DSMEM : PROF_MERGE_HBM, u);
         }
-        if (XRANK && (merge || x.slot < 0)) finished += xrank_finish(p, x, u, pl.cta, mg);
+#if MELD_XRANK
+        if (merge || x.slot < 0) finished += xrank_finish(p, x, u, pl.cta, mg);
+#endif
         if (!CHUNKED || x.k >= x.k_last) break;
         enter_chunk(p, x, u, x.k + 1);
         reset_state(st);
@@ -795,7 +629,9 @@ meld_decode_attention(const __grid_constant__ DecodeParams p) {
     cluster_wait();
     prof.record(t0, PROF_CLUSTER_WAIT, -1);
   }
-  if (XRANK) xrank_exit(p, pl.cta, finished, mg);
+#if MELD_XRANK
+  xrank_exit(p, pl.cta, finished, mg);
+#endif
   prof.end(p.num_ctas);
   // A later grid of a mixed launch (a programmatic dependent launch) ends only after the grid before
   // it, so the stream's next work sees every grid's output. A plain launch returns at once.
