@@ -108,3 +108,38 @@ def test_batch_invariant_schedule_keeps_pieces_on_chunks():
     s.cta[1, c + 1] += 16
     with pytest.raises(ScheduleError, match="part count differs"):
         s.validate()
+
+
+def test_a_combine_edge_carries_how_partials_cross_ranks():
+    import dataclasses
+
+    import meld
+    from meld.codegen.lowering import lower
+    from meld.codegen.params import SEQ_PARALLEL_DECODE_PARAMS
+    from meld.ops import mla_decode_graph
+    from meld.ops.tp_linear_graph import tp_linear_graph
+
+    g = decode_attention_graph(32, 8, 128, 16, transport="proxy")
+    assert TaskGraph.from_json(g.to_json()) == g and "transport=proxy" in str(g)
+    assert lower(g).transport == "proxy" and lower(g).family == "decode_attention"
+    assert lower(decode_attention_graph(32, 8, 128, 16)).transport is None
+    assert "transport" not in decode_attention_graph(32, 8, 128, 16).to_json()   # old JSON unchanged
+    assert lower(tp_linear_graph(64, 64, 2, transport="peer")).transport == "peer"
+    with pytest.raises(GraphError, match="transport 'rdma'"):
+        decode_attention_graph(32, 8, 128, 16, transport="rdma")
+    m = mla_decode_graph(128, 512, 64, 64)
+    m.graph.edges["attention_partial", "merge"]["transport"] = "peer"
+    with pytest.raises(GraphError, match="only in the decode_attention"):
+        lower(m)
+
+    class Ranked(meld.DecodeAttention):   # a composer puts its rank dimension in the graph; the kernel follows
+        def _graph(self, dtype):
+            return decode_attention_graph(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                                          dtype, transport="peer")
+
+    op = Ranked(32, 8, 128, 16, device="cpu")
+    assert op.kernel_config.xrank == "peer" and op.kernel_config.params is SEQ_PARALLEL_DECODE_PARAMS
+    plain = meld.DecodeAttention(32, 8, 128, 16, device="cpu")
+    with pytest.raises(ValueError, match="stay on one GPU"):
+        meld.DecodeAttention(32, 8, 128, 16, device="cpu",
+                             kernel_config=dataclasses.replace(plain.kernel_config, xrank="peer"))

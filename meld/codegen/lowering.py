@@ -33,6 +33,7 @@ class Lowering:
     combiner: str                        # meld.ir.COMBINERS key: the device merge and the executor's merge
     waits: tuple[tuple[str, str, str], ...] = ()   # (src, dst, axis): tile edges that become dependency counters
     producers: tuple[str, ...] = ()      # the split-reduce tasks whose partials the combine merges, in merge order
+    transport: str | None = None         # how those partials cross ranks (meld.ir.TRANSPORTS; None: one GPU)
 
     @property
     def kernel(self) -> str | None:
@@ -68,14 +69,19 @@ def lower(graph: TaskGraph) -> Lowering:
         combiner = next(iter(reductions))
         combines = [t for t in g.tasks if t.kind == "combine"]
         producers = tuple(t.name for t in g.producers(combines[0].name)) if len(combines) == 1 else ()
+        transport = g.transport(combines[0].name) if len(combines) == 1 else None
         if combiner == "sum":
-            return Lowering("tp_linear", combiner, producers=producers)
+            return Lowering("tp_linear", combiner, producers=producers, transport=transport)
         if len(combines) != 1:
             raise GraphError(f"graph {g.name!r}: attention merges its partials in one combine task, got "
                              f"{[t.name for t in combines]}")
         grouped = len(producers) > 1 or g.task(producers[0]).domain != combines[0].domain
         attention = "mla_decode" if "head_dim_kpe" in g.attrs else "decode_attention"
-        return Lowering("grouped_attention" if grouped else attention, combiner, producers=producers)
+        family = "grouped_attention" if grouped else attention
+        if transport is not None and family != "decode_attention":
+            raise GraphError(f"graph {g.name!r}: partials cross ranks ({transport!r}) only in the decode_attention "
+                             f"and tp_linear families, not {family}")
+        return Lowering(family, combiner, producers=producers, transport=transport)
     if kinds == ["combine", "map", "tile"]:
         waits = tuple((s, d, dep) for s, d, dep in edges if dep is not None and _kinds(g)[s] == "tile")
         if reductions != {"weighted_sum"} or len(waits) != 1 or waits[0][2] != "row_block":

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from ..codegen.ep_kernel import EP_ENTRIES, EP_WARPS, EpKernelConfig
-from ..codegen.moe_kernel import BLOCK_TOKEN_CHOICES, MAX_EXPERTS, MoeKernelConfig, block_tokens_for
+from ..codegen.moe_kernel import MAX_EXPERTS, MoeKernelConfig, block_tokens_for
 from ..codegen.params import EP_PARAMS
 from ..ops.base import Operator
 from ..ops.checks import check_output, check_positive, expect, grad_inputs, no_backward, plain, resolve_device
@@ -125,8 +125,7 @@ class ExpertParallelMoE(Operator):
                            kernel_config=dataclasses.replace(base, absent_pairs=True), first_expert=self.first_expert)
         # Every row-block variant loaded now: a module load inside a call would wait for the device while the
         # dispatch kernel waits for the other ranks, whose proxy threads' copies wait for that load's lock.
-        for bt in BLOCK_TOKEN_CHOICES:
-            self.experts._variant(bt)
+        self.experts.load_kernels()
         self.layout = window_layout(self.max_num_tokens, self.top_k, H, self.world)
         self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)
         self.window.local.zero_()   # counts (and every byte) zero before any rank counts
@@ -216,7 +215,8 @@ class ExpertParallelMoE(Operator):
                                                                        wts.data_ptr(), out.data_ptr(), T)
         c = self._calls.get(T) or self._call(T)
         self._k["meld_ep_dispatch"].launch(c.grid_dispatch, p)
-        self.experts._launch(c.rows, None, w13, w2, c.weights, c.ids, c.served, block_tokens=c.block_tokens)
+        self.experts(c.rows, None, w13, w2, topk_weights=c.weights, topk_ids=c.ids, out=c.served,
+                     block_tokens=c.block_tokens)
         self._k["meld_ep_return"].launch(c.grid_return, p)
         self._k["meld_ep_combine"].launch(c.grid_combine, p)
         return no_backward("meld.distributed.ExpertParallelMoE", grads, (out,))[0]

@@ -3,7 +3,8 @@ process group, in one persistent kernel per GPU and no collective.
 
 Every rank holds the whole batch's q and runs its parts of the batch (`shard_batch`: a long request is
 cut into one contiguous token range per rank, a short one stays whole on one rank) as a batch of its own
-through `DecodeAttention`'s kernel built with `xrank=True` (templates/decode_attention.cuh, MELD_XRANK).
+as the `DecodeAttention` it is, with the kernel's cross-rank combine edge built in (`xrank`: MELD_XRANK,
+templates/decode_xrank.cuh).
 Results travel through one symmetric window per rank (`meld.distributed.window`), by one of two transports:
 - `"peer"` (NVLink peer memory, the GPUs of a node): a part's partial goes straight into the owner's
   window, the part whose arrival completes a unit's count merges the parts and writes the output into
@@ -19,13 +20,15 @@ The page table is the batch's, the same on every rank; the pages of the tokens r
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..ir import TRANSPORTS
 from ..ops.checks import check_positive, expect, grad_inputs, no_backward, plain
+from ..ops.decode_attention import DecodeAttention
+from ..ops.decode_graph import decode_attention_graph
 from ..ops.page_table import check_page_table
 from .shard import ShardPlan, shard_batch
 from .window import SymmetricWindow, pack_regions
@@ -54,9 +57,10 @@ class WindowLayout:
             "counts": max_batch * units_per_request * 8, "landed": 8 * world, "started": 8 * world}))
 
 
-class SeqParallelDecode:
+class SeqParallelDecode(DecodeAttention):
     """Sequence-parallel paged decode attention over the ranks of a `torch.distributed` process group
-    (one process per GPU; module docstring).
+    (one process per GPU; module docstring): `DecodeAttention` over this rank's parts of the batch, whose
+    plan() shards the batch first and whose run() writes every rank's output.
 
     Args:
         num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sm_scale, kv_layout, cluster_size: as
@@ -68,8 +72,8 @@ class SeqParallelDecode:
         transport: "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy thread, as
             RDMA between nodes would carry them); ordered, chunk_bytes: the proxy's delivery (in issue
             order, or shuffled) and network chunk (`meld.distributed.proxy.GpuProxy`).
-        kernel_config: the kernel (default: DecodeKernelConfig.default for the shape, with xrank set to
-            the transport). A launch waits at most 10 x its watchdog_ms for the other ranks' results, then
+        kernel_config: the kernel (default: DecodeAttention's, with xrank the transport, as the graph's
+            combine edge says). A launch waits at most 10 x its watchdog_ms for the other ranks' results, then
             the watchdog names the wait and the kernel traps.
     """
 
@@ -80,36 +84,24 @@ class SeqParallelDecode:
                  transport: str = "peer", ordered: bool = True, chunk_bytes: int = 64 << 10, kernel_config=None):
         import torch.distributed as dist
 
-        import meld
-        from ..codegen import DecodeKernelConfig
-
         if not dist.is_initialized():
             raise RuntimeError("SeqParallelDecode: torch.distributed is not initialised (init_process_group first)")
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.max_batch_size = check_positive("max_batch_size", max_batch_size)
+        check_positive("max_batch_size", max_batch_size)
         self.min_split_tokens = check_positive("min_split_tokens", min_split_tokens)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if transport not in ("peer", "proxy"):
-            raise ValueError(f"transport must be 'peer' or 'proxy', got {transport!r}")
-        if kernel_config is None:
-            kernel_config = dataclasses.replace(DecodeKernelConfig.default(
-                {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, str(dtype)), head_dim,
-                onchip_merge=cluster_size > 1, group_size=num_qo_heads // max(1, num_kv_heads)), xrank=transport)
-        if not isinstance(kernel_config, DecodeKernelConfig) or kernel_config.xrank != transport:
-            raise ValueError(f"kernel_config must be a DecodeKernelConfig with xrank={transport!r}, got {kernel_config!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
-        self.attn = meld.DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, device,
-                                         kv_layout=kv_layout, sm_scale=sm_scale, max_batch_size=max_batch_size,
-                                         max_num_pages=max_num_pages, cluster_size=cluster_size,
-                                         kernel_config=kernel_config)
-        self.device, self.dtype = device, dtype
-        self.num_qo_heads, self.head_dim, self.page_size = num_qo_heads, head_dim, page_size
-        self.layout = WindowLayout.of(max_batch_size, self.world, num_qo_heads, head_dim, self.attn.units_per_request)
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, device, kv_layout=kv_layout,
+                         sm_scale=sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages,
+                         cluster_size=cluster_size, kernel_config=kernel_config)
+        self.layout = WindowLayout.of(max_batch_size, self.world, num_qo_heads, head_dim, self.units_per_request)
         self.window = SymmetricWindow(self.layout.nbytes, device, self.group)
         self.window.local.zero_()                    # counters (and every byte) zero before any rank counts
         # The kernel's int32 tables, written by plan() in one copy: per local request (batch request, part,
@@ -127,22 +119,29 @@ class SeqParallelDecode:
             self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         self.shard: ShardPlan | None = None
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None   # run()'s outputs for the planned batch
-        self._set_params()
+        self._bind_edge()
         torch.cuda.synchronize(device)
         dist.barrier(self.group)
 
-    def _set_params(self) -> None:
-        """The kernel's cross-rank parameters: fixed for the operator's life (the capacities are given)."""
+    def _graph(self, dtype: str):
+        """DecodeAttention's graph with its rank dimension: partials cross ranks by the transport."""
+        return decode_attention_graph(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, dtype,
+                                      transport=self.transport)
+
+    def _bind_edge(self) -> None:
+        """The kernel's cross-rank edge parameters: fixed for the operator's life (the capacities are given,
+        so plan() never replaces the buffers that hold them)."""
         L = self.layout
-        self.attn._buf.launcher.set(
+        self._buf.launcher.set(
             xreq=self._xreq.data_ptr(), xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(),
             x_out_off=L.out, x_lse_off=L.lse, x_po_off=L.part_o, x_plse_off=L.part_lse, x_count_off=L.counts,
             x_landed_off=L.landed, x_started_off=L.started, x_rank=self.rank, x_world=self.world, xsplit=self._xsplit.data_ptr(),
             xsrc=self._xsrc.data_ptr(), **(self.proxy.ring_params() if self.proxy else {}))
 
-    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor) -> None:
-        """Plan a batch (FlashInfer's paged layout, int32 CPU tensors, the same on every rank). A plan()
-        that raises changes nothing."""
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *,
+             check: bool = True) -> None:
+        """Plan a batch (FlashInfer's paged layout, int32 CPU tensors, the same on every rank): this rank's
+        parts of it as DecodeAttention's plan, then the edge's tables. A plan() that raises changes nothing."""
         for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             expect(name, t, torch.int32, (None,), "int32 on the CPU", torch.device("cpu"), contiguous=True)
         indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
@@ -156,10 +155,10 @@ class SeqParallelDecode:
         kv_len = np.where(pages > 0, (pages - 1) * self.page_size + last, 0)
         shard = shard_batch(kv_len, self.page_size, self.world, self.min_split_tokens)
         idx, l_indptr, l_indices, l_last = shard.local_tables(self.rank, indptr, kv_indices.numpy(), self.page_size)
-        self.attn.plan(torch.from_numpy(l_indptr), torch.from_numpy(l_indices), torch.from_numpy(l_last))
+        super().plan(torch.from_numpy(l_indptr), torch.from_numpy(l_indices), torch.from_numpy(l_last), check=check)
         rows = np.stack([shard.req[idx], shard.part[idx], shard.num_parts[shard.req[idx]], shard.owner[shard.req[idx]]],
                         axis=1).astype(np.int32).reshape(-1, 4)
-        U, nb = self.attn.units_per_request, self.max_batch_size
+        U, nb = self.units_per_request, self.max_batch_size
         split = np.flatnonzero(shard.num_parts > 1)
         host = np.zeros(self._xint.numel(), dtype=np.int32)
         host[:rows.size] = rows.reshape(-1)
@@ -171,7 +170,7 @@ class SeqParallelDecode:
         self._xsrc[:self.world].copy_(torch.from_numpy(from_src.astype(np.int64)))
         self.shard, self._views = shard, self.outputs(B)
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False):
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False):   # type: ignore[override]
         """out [B, num_qo_heads, head_dim] (and lse [B, num_qo_heads], float32, natural log), the same on
         every rank once this launch ends. They are views of this rank's window, rewritten by the next run():
         clone them to keep them. Every rank must run each plan."""
@@ -184,9 +183,9 @@ class SeqParallelDecode:
         grads = grad_inputs(q, kv_cache)
         q, kv_cache = plain(q), plain(kv_cache)
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
-        self.attn._check_kv_cache(kv_cache, self.attn._planned)
+        self._check_kv_cache(kv_cache, self._planned)
         out, lse = self._views
-        self.attn._launch(q, kv_cache, out, lse)
+        self._launch(q, kv_cache, out, lse)
         # (the window's views stay untied: new views of them carry the tie)
         out, lse = no_backward("meld.distributed.SeqParallelDecode.run", grads, (out, lse), in_place=False)
         return (out, lse) if return_lse else out

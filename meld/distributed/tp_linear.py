@@ -113,9 +113,8 @@ class RowParallelLinear(Operator):
         self.kernel_config = kernel_config
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self._setup(tp_linear_graph(self.in_features, self.out_features, self.world), device)
-        if self.lowering.family != "tp_linear" or self.lowering.combiner != "sum":
-            raise ValueError(f"graph {self.graph.name!r} lowers to {self.lowering}, not the row-parallel kernel's sum")
+        self._setup(tp_linear_graph(self.in_features, self.out_features, self.world,
+                                    transport=kernel_config.transport), device)
         self._require_hopper(exact=True)
         self.dtype = dtype
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count

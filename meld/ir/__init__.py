@@ -3,7 +3,7 @@
 from .combiners import COMBINERS, Combiner
 from .ranked import RankedSchedule, RankEdge
 from .schedule import CTA_FIELDS, Schedule, ScheduleError
-from .task_graph import Axis, GraphError, Reduction, TaskGraph, TaskTemplate
+from .task_graph import TRANSPORTS, Axis, GraphError, Reduction, TaskGraph, TaskTemplate
 
 __all__ = ["Axis", "COMBINERS", "CTA_FIELDS", "Combiner", "GraphError", "RankEdge", "RankedSchedule", "Reduction",
-           "Schedule", "ScheduleError", "TaskGraph", "TaskTemplate"]
+           "Schedule", "ScheduleError", "TRANSPORTS", "TaskGraph", "TaskTemplate"]

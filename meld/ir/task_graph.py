@@ -11,7 +11,8 @@ instance. `depends="axis"` makes the dependency tile-level: a dst instance waits
 instances that agree with it on the domain axes up to and including that axis (both domains start with
 the same axes up to it), e.g. a down-projection tile of (expert, row_block) waits for the gate/up tiles of
 that (expert, row_block) across all their column blocks. An edge carrying a reduction feeds partials to
-the combine task that merges them.
+the combine task that merges them; `transport` on such an edge says the partials cross ranks on their way
+(the operator runs over a process group: the graph's rank dimension), and by which of TRANSPORTS.
 """
 from __future__ import annotations
 
@@ -126,6 +127,9 @@ def _task(d: object, where: str) -> TaskTemplate:
 # point; "map": independent work per domain point (MoE routing, dispatch); "tile": one output tile of a
 # GEMM-like task, whole along its contraction (which stays inside the tile).
 TASK_KINDS = ("split_reduce", "combine", "map", "tile")
+# How partials cross ranks on a combine edge: "peer", NVLink peer memory between the GPUs of a node;
+# "proxy", puts and signals through a host proxy thread (the model of RDMA between nodes).
+TRANSPORTS = ("peer", "proxy")
 
 
 @dataclass
@@ -142,12 +146,21 @@ class TaskGraph:
         self.graph.add_node(task.name, task=task)
         return task
 
-    def add_edge(self, src: str, dst: str, reduction: Reduction | None = None, depends: str | None = None) -> None:
-        """dst reads src's output; `depends` names the axis of a tile-level dependency (module docstring)."""
+    def add_edge(self, src: str, dst: str, reduction: Reduction | None = None, depends: str | None = None,
+                 transport: str | None = None) -> None:
+        """dst reads src's output; `depends` names the axis of a tile-level dependency, `transport` how a
+        reduction edge's partials cross ranks (module docstring)."""
         for n in (src, dst):
             if n not in self.graph:
                 raise GraphError(f"edge {src!r} -> {dst!r}: no task named {n!r}")
-        self.graph.add_edge(src, dst, reduction=reduction, depends=depends)
+        self.graph.add_edge(src, dst, reduction=reduction, depends=depends, transport=transport)
+
+    def transport(self, name: str) -> str | None:
+        """How the partials that task `name` merges cross ranks (None: they stay on one GPU)."""
+        kinds = {t for _, _, t in self.graph.in_edges(name, data="transport") if t is not None}
+        if len(kinds) > 1:
+            raise GraphError(f"task {name!r}: its partials arrive by several transports {sorted(kinds)}")
+        return next(iter(kinds), None)
 
     @property
     def tasks(self) -> list[TaskTemplate]:
@@ -186,16 +199,19 @@ class TaskGraph:
             if t.kind in ("map", "tile") and (t.reduction is not None or t.range_axis is not None):
                 raise GraphError(f"task {t.name!r}: a {t.kind} task has no range axis and no reduction")
         for src, dst, data in self.graph.edges(data=True):
-            self._check_edge(src, dst, data["reduction"], data["depends"])
+            self._check_edge(src, dst, data["reduction"], data["depends"], data["transport"])
         for t in self.tasks:
             if t.kind == "combine" and not any(d["reduction"] == t.reduction
                                                for _, _, d in self.graph.in_edges(t.name, data=True)):
                 raise GraphError(f"task {t.name!r}: no incoming edge brings the partials it merges")
         return self
 
-    def _check_edge(self, src: str, dst: str, red: Reduction | None, depends: str | None) -> None:
+    def _check_edge(self, src: str, dst: str, red: Reduction | None, depends: str | None,
+                    transport: str | None) -> None:
         s, d = self.task(src), self.task(dst)
         where = f"edge {src!r} -> {dst!r}"
+        if transport is not None and (red is None or transport not in TRANSPORTS):
+            raise GraphError(f"{where}: transport {transport!r} needs a reduction edge and one of {TRANSPORTS}")
         if red is not None and (d.kind != "combine" or d.reduction != red):
             raise GraphError(f"{where}: reduction {red} is not the one {dst!r} merges ({d.reduction})")
         if red is not None and s.reduction not in (None, red):
@@ -221,10 +237,10 @@ class TaskGraph:
 
     @staticmethod
     def _edge_dict(src: str, dst: str, data: dict[str, Any]) -> dict[str, Any]:
-        """`depends` is written only when set, so graphs without tile dependencies keep their old JSON."""
+        """`depends` and `transport` are written only when set, so graphs without them keep their old JSON."""
         red = data["reduction"]
         edge = {"src": src, "dst": dst, "reduction": asdict(red) if red else None}
-        return edge | ({"depends": data["depends"]} if data["depends"] is not None else {})
+        return edge | {k: data[k] for k in ("depends", "transport") if data[k] is not None}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -243,11 +259,12 @@ class TaskGraph:
             g.add_task(_task(t, f"tasks[{i}]"))
         for i, e in enumerate(d["edges"]):
             where = f"edges[{i}]"
-            e = serial.fields(e, where, GraphError, ("src", "dst", "reduction"), ("depends",))
-            depends = e.get("depends")
+            e = serial.fields(e, where, GraphError, ("src", "dst", "reduction"), ("depends", "transport"))
+            depends, transport = e.get("depends"), e.get("transport")
             g.add_edge(serial.text(e["src"], f"{where}.src", GraphError), serial.text(e["dst"], f"{where}.dst", GraphError),
                        _reduction(e["reduction"], f"{where}.reduction"),
-                       None if depends is None else serial.text(depends, f"{where}.depends", GraphError))
+                       None if depends is None else serial.text(depends, f"{where}.depends", GraphError),
+                       None if transport is None else serial.text(transport, f"{where}.transport", GraphError))
         return g.validate()
 
     def __eq__(self, other: object) -> bool:
@@ -260,6 +277,7 @@ class TaskGraph:
             rng = f" over {t.range_axis.name}<{t.range_axis.extent}>" if t.range_axis else ""
             red = f" reduce {t.reduction.combiner}" if t.reduction else ""
             lines.append(f"  {t.name}: {t.kind} [{dom}]{rng}{red} affinity={list(t.affinity)}")
-        for s, d, dep in self.graph.edges(data="depends"):
-            lines.append(f"  {s} -> {d}" + (f" depends={dep}" if dep is not None else ""))
+        for s, d, data in self.graph.edges(data=True):
+            lines.append(f"  {s} -> {d}" + "".join(f" {k}={data[k]}" for k in ("depends", "transport")
+                                                   if data[k] is not None))
         return "\n".join(lines)

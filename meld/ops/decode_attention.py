@@ -138,17 +138,19 @@ class DecodeAttention(PagedDecode):
         # The kernel takes sm_scale * log2(e) as a float32: it must stay finite there.
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else \
             check_finite("sm_scale", sm_scale, _FLOAT32_MAX / _LOG2E)
-        self._setup(decode_attention_graph(num_qo_heads, num_kv_heads, head_dim, page_size, _DTYPES[dtype]), device)
+        self._setup(self._graph(_DTYPES[dtype]), device)
         # The tuning database's entry for this shape on this GPU (MELD_TUNING_DB), unless cost or kernel is given.
         self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket) if cost is None and kernel_config is None else None
-        self.kernel_config = kernel_config or self._tuned_config("kernel", DecodeKernelConfig.default(
-            _DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1, group_size=self.group_size,
-            batch_invariant=batch_invariant))
+        xrank = self.lowering.transport or ""   # the graph's combine edge: partials crossing ranks, and how
+        self.kernel_config = kernel_config or self._tuned_config("kernel", dataclasses.replace(
+            DecodeKernelConfig.default(_DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1,
+                                       group_size=self.group_size, batch_invariant=batch_invariant), xrank=xrank))
         kc = self.kernel_config
-        if (kc.dtype, kc.head_dim, kc.batch_invariant) != (_DTYPES[dtype], head_dim, batch_invariant):
+        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank) != (_DTYPES[dtype], head_dim, batch_invariant, xrank):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, "
-                             f"batch_invariant={batch_invariant}")
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}; the operator is {_DTYPES[dtype]}, head_dim "
+                             f"{head_dim}, batch_invariant={batch_invariant}, and its graph's partials "
+                             + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
         if cost is None:
             cost = self._tuned_config("cost", DecodeCost.default(self.heads_per_unit))
@@ -172,6 +174,10 @@ class DecodeAttention(PagedDecode):
             self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
 
     # --- setup ----------------------------------------------------------------------------------
+    def _graph(self, dtype: str):
+        """The task graph this operator runs (a composer over ranks puts its rank dimension in it)."""
+        return decode_attention_graph(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, dtype)
+
     @property
     def shape_bucket(self) -> str:
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""

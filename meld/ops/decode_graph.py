@@ -10,11 +10,13 @@ from .checks import check_dtype_name, check_positive
 
 
 def decode_attention_graph(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                           dtype: str = "bfloat16") -> TaskGraph:
+                           dtype: str = "bfloat16", transport: str | None = None) -> TaskGraph:
     """Paged GQA decode attention: one split-reduce task per (request, kv head) over its KV positions.
 
     The partial task covers a sub-range of a request's KV tokens for all q heads of one kv head and
     produces an online-softmax state; the merge task combines the partials of one (request, kv head).
+    `transport` (one of meld.ir.TRANSPORTS): the KV is sharded over a process group, and partials cross
+    ranks on their way to the merge (meld.distributed.SeqParallelDecode).
     """
     for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("page_size", page_size)):
@@ -39,5 +41,5 @@ def decode_attention_graph(num_qo_heads: int, num_kv_heads: int, head_dim: int, 
         "merge", "combine", domain, affinity=("request", "kv_head"), reduction=red,
         reads=("partial_out", "partial_lse"), writes=("out", "lse"),
     ))
-    g.add_edge("attention_partial", "merge", red)
+    g.add_edge("attention_partial", "merge", red, transport=transport)
     return g.validate()

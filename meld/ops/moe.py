@@ -180,15 +180,26 @@ class MoE(Operator):
         return v
 
     # --- the call -------------------------------------------------------------------------------------
+    def load_kernels(self) -> None:
+        """Load every row-block variant's kernels now (CUDA), so that no call loads a module: a composer
+        whose launches wait on other ranks must not wait on a module load in between."""
+        if self.device.type == "cuda":
+            for bt in BLOCK_TOKEN_CHOICES:
+                self._variant(bt)
+
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                  *, topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block_tokens: int | None = None) -> torch.Tensor:
         """out [T, H] = the MoE layer on x [T, H]. Route from `router_logits` [T, E] (float32 or the
         activation dtype), or pass `topk_weights` (float32) and `topk_ids` (int32/int64) [T, top_k]
         instead (vLLM's `fused_experts`); an id out of range or repeated in a row gives that token NaN
         on the GPU (a ValueError on the CPU, where it is checked). w13 and w2 as laid out in the class
-        docstring, or both as `meld.pack_moe_weights` packs them."""
-        if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
+        docstring, or both as `meld.pack_moe_weights` packs them. `block_tokens`: the GEMMs' row block, one
+        of BLOCK_TOKEN_CHOICES (default: chosen for T tokens routed uniformly; a caller that knows its rows
+        per expert, as an expert-parallel owner does, may choose better)."""
+        if block_tokens is not None and block_tokens not in BLOCK_TOKEN_CHOICES:
+            raise ValueError(f"block_tokens must be one of {BLOCK_TOKEN_CHOICES} or None, got {block_tokens!r}")
+        if torch.compiler.is_dynamo_compiling() and block_tokens is None:   # one custom op, no graph break
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
         grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
@@ -215,7 +226,7 @@ class MoE(Operator):
                     w13, w2 = unpack_moe_weights(w13, w2, H, self.intermediate_size)
                 self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
             else:
-                self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
+                self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out), block_tokens)
         return no_backward("meld.MoE", grads, (out,))[0]
 
     def _check_x(self, x: torch.Tensor) -> int:
@@ -269,8 +280,7 @@ class MoE(Operator):
             raise ValueError(f"topk_ids[{t}] = {ids[t].tolist()} names an expert twice")
 
     def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out, block_tokens: int | None = None) -> None:
-        """The launches of checked inputs; `block_tokens`: the row block (default: chosen for T tokens routed
-        uniformly; an expert-parallel owner knows its rows better)."""
+        """The launches of checked inputs; `block_tokens` as __call__'s."""
         T = x.shape[0]
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()

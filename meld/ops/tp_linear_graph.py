@@ -10,9 +10,10 @@ from __future__ import annotations
 from ..ir import Axis, Reduction, TaskGraph, TaskTemplate
 
 
-def tp_linear_graph(in_features: int, out_features: int, world: int, dtype: str = "bfloat16") -> TaskGraph:
+def tp_linear_graph(in_features: int, out_features: int, world: int, dtype: str = "bfloat16",
+                    transport: str = "peer") -> TaskGraph:
     """y [num_tokens, out_features] = sum over k < world x in_features of x[:, k] w[:, k], each rank holding
-    `in_features` of k."""
+    `in_features` of k; partials cross ranks by `transport` (one of meld.ir.TRANSPORTS)."""
     for name, v in (("in_features", in_features), ("out_features", out_features), ("world", world)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be a positive integer")
@@ -24,5 +25,5 @@ def tp_linear_graph(in_features: int, out_features: int, world: int, dtype: str 
                             affinity=("column",), reduction=red, reads=("x", "weight"), writes=("partial",)))
     g.add_task(TaskTemplate("sum", "combine", domain, affinity=("column",), reduction=red, reads=("partial",),
                             writes=("out",)))
-    g.add_edge("gemm_partial", "sum", red)
+    g.add_edge("gemm_partial", "sum", red, transport=transport)
     return g.validate()
