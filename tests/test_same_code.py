@@ -45,3 +45,19 @@ def test_every_variant_renders_here():
     out = same_code.render(same_code.ROOT, same_code.VARIANTS)
     assert all(isinstance(src, str) and "__global__" in src for src in out.values()), \
         [k for k, v in out.items() if v is None]
+
+
+def test_machine_code_is_each_kernels_sass(tmp_path):
+    src = 'extern "C" __global__ void meld_a(float* x) { x[threadIdx.x] *= 2.f; }\n' \
+          'extern "C" __global__ void meld_b(float* x) { x[threadIdx.x] += 2.f; }\n'
+    same_code.ptx(src, "two", tmp_path)
+    code = same_code.machine_code(tmp_path / "two.ptx")
+    assert set(code) == {"meld_a", "meld_b"} and code["meld_a"] != code["meld_b"]
+    assert all(len(c) % 16 == 0 and c for c in code.values())   # sm_90 instructions are 16 bytes
+
+
+def test_the_shared_arrays_name_is_not_code(tmp_path):
+    body = "{name}[threadIdx.x] = 1; __syncthreads(); out[threadIdx.x] = {name}[threadIdx.x ^ 1];"
+    a, b = (same_code.ptx(f'extern "C" __global__ void meld_k(unsigned char* out) {{ extern __shared__ unsigned char '
+                          f'{n}[]; {body.format(name=n)} }}\n', n, tmp_path) for n in ("smem", "smem_raw"))
+    assert a == b

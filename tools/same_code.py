@@ -7,9 +7,11 @@ BASE's `meld` package and from this tree's, compiles both to PTX with nvcc for s
 after normalising what a pure reorganisation may change: comments, debug-line markers and the size of the
 parameter struct, and each parameter access's byte offset, written instead as the field it falls in (read
 from the static_asserts ParamStruct writes beside the struct): a field moved or removed is the same code,
-reading a different field is not. Prints one line per variant --
-`same`, `DIFFERS` (with the first differing line) or `missing` where a side cannot render it -- and exits
-1 if any differs.
+reading a different field is not; and the name of the dynamic shared-memory array. Where the PTX differs, ptxas
+compiles both sides and their kernels' machine code (the cubin's .text sections) is compared instead (the
+front end may number or order things differently and ptxas still emit the same SASS). Prints one line per
+variant -- `same`, `same machine code`, `DIFFERS` (with the first differing line and both sides' registers,
+stack and spills) or `missing` where a side cannot render it -- and exits 1 if any differs.
 
 Why: structural work on the kernels (shared headers, one skeleton, a moved struct) should not change what
 the GPU runs. Identical PTX means identical SASS from the same ptxas, so same-code variants need no GPU
@@ -24,6 +26,7 @@ import io
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tarfile
@@ -77,6 +80,7 @@ json.dump(out, sys.stdout)
 
 _ACCESS = re.compile(r"\[(\w+)_param_0(?:\+(\d+))?\]")   # [k_param_0+48], [k_param_0]
 _PARAM_SIZE = re.compile(r"(\.b8 \w+_param_0)\[\d+\]")    # .param .b8 k_param_0[1344]
+_EXTERN_SHARED = re.compile(r"^\.extern \.shared .*?\.b8 (\w+)\[\];", re.M)   # the dynamic shared array's name
 _DROP = re.compile(r"^\s*(//|\.loc\s|\.file\s)")            # comments, debug line and file markers
 _ENTRY = re.compile(r"__global__[^(]*?\b(meld_\w+)\s*\(\s*const __grid_constant__ (\w+)")
 _OFFSET = re.compile(r"__builtin_offsetof\((\w+), (\w+)\) == (\d+)")
@@ -125,9 +129,41 @@ def ptx(source: str, name: str, workdir: Path) -> list[str]:
                          text=True, check=False)
     if res.returncode:
         raise SystemExit(f"nvcc -ptx failed for {name}:\n{res.stderr[-2000:]}")
-    maps = field_maps(source)
+    maps, text = field_maps(source), out.read_text()
+    for name in set(_EXTERN_SHARED.findall(text)):   # (a name, not code: a namespace mangles it)
+        text = re.sub(rf"\b{name}\b", "SMEM", text)
     return [_PARAM_SIZE.sub(r"\1[SIZE]", _ACCESS.sub(lambda m: _named(maps, m), line))
-            for line in out.read_text().splitlines() if not _DROP.match(line)]
+            for line in text.splitlines() if not _DROP.match(line)]
+
+
+def machine_code(ptx_file: Path) -> dict[str, bytes]:
+    """Each kernel's SASS (the cubin's .text.<kernel> section bytes) that ptxas makes of a PTX file."""
+    from meld.codegen.compiler import _nvcc_path
+    ptxas = Path(_nvcc_path() or "nvcc").with_name("ptxas")
+    cubin = ptx_file.with_suffix(".cubin")
+    subprocess.run([str(ptxas), "-arch=sm_90a", str(ptx_file), "-o", str(cubin)], capture_output=True, check=True)
+    elf = cubin.read_bytes()
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+    out = {}
+    for name_off, _type, _flags, _addr, off, size, *_ in headers:
+        name = elf[names_at + name_off:elf.index(b"\0", names_at + name_off)].decode()
+        if name.startswith(".text."):
+            out[name[len(".text."):]] = elf[off:off + size]
+    return out
+
+
+def resources(ptx_file: Path) -> str:
+    """ptxas's registers, stack frame and spills per kernel of a PTX file (what a difference costs)."""
+    from meld.codegen.compiler import _nvcc_path
+    ptxas = Path(_nvcc_path() or "nvcc").with_name("ptxas")
+    res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx_file), "-o", os.devnull], capture_output=True,
+                         text=True, check=False)
+    found = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes stack frame, (\d+) bytes spill stores.*?"
+                       r"Used (\d+) registers", res.stderr, re.S)
+    return "; ".join(f"{k}: {r} registers, {st} B stack, {sp} B spilled" for k, st, sp, r in found) or res.stderr[-200:]
 
 
 def main() -> int:
@@ -160,9 +196,14 @@ def main() -> int:
             if pa == pb:
                 print(f"{key:22s} same ({len(pa)} PTX lines)")
                 continue
+            if machine_code(dirs["base"] / f"{key}.ptx") == machine_code(dirs["here"] / f"{key}.ptx"):
+                print(f"{key:22s} same machine code (the PTX differs, ptxas's SASS does not)")
+                continue
             differs += 1
             diff = [d for d in difflib.unified_diff(pa, pb, lineterm="", n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]
             print(f"{key:22s} DIFFERS: {len(diff)} lines changed; first: {diff[0][:140] if diff else '?'}")
+            for side in sides:
+                print(f"{'':22s}   {side}: {resources(dirs[side] / f'{key}.ptx')}")
     print(f"{len(variants) - differs} of {len(variants)} variants compile to the same PTX as {args.base}")
     return 1 if differs else 0
 
