@@ -28,7 +28,8 @@ from ..ops.base import Operator
 from ..ops.checks import check_output, check_positive, expect, grad_inputs, no_backward, plain, resolve_device
 from ..ops.moe import MoE
 from ..ops.moe_graph import moe_graph
-from .window import SymmetricWindow, pack_regions
+from .member import GroupMember
+from .window import pack_regions
 
 MAX_TOP_K = 32            # a warp's lanes hold a token's pairs (templates/ep_moe.cuh)
 
@@ -62,7 +63,7 @@ def _describe(unit: int) -> str:
             -2: "the return (every rank's expert rows for this rank's tokens)"}.get(unit, f"token {unit}")
 
 
-class ExpertParallelMoE(Operator):
+class ExpertParallelMoE(GroupMember, Operator):
     """out = the MoE layer on this rank's tokens, its experts spread over a `torch.distributed` group
     (module docstring).
 
@@ -86,10 +87,7 @@ class ExpertParallelMoE(Operator):
                  device: str | torch.device | None = None, kernel_config: EpKernelConfig | None = None,
                  moe_kernel_config: MoeKernelConfig | None = None, ordered: bool = True,
                  chunk_bytes: int = 64 << 10):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError("ExpertParallelMoE: torch.distributed is not initialised (init_process_group first)")
+        self._join(group)
         self.hidden_size = H = check_positive("hidden_size", hidden_size)
         self.intermediate_size = I = check_positive("intermediate_size", intermediate_size)
         for name, v in (("hidden_size", H), ("intermediate_size", I)):
@@ -105,8 +103,6 @@ class ExpertParallelMoE(Operator):
         self.kernel_config = kernel_config or EpKernelConfig()
         if not isinstance(self.kernel_config, EpKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.ep_kernel.EpKernelConfig, got {kernel_config!r}")
-        self.group = group or dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         if E % self.world:
             raise ValueError(f"num_experts={E} does not divide over the group's {self.world} ranks")
         self.experts_per_rank = E // self.world
@@ -127,17 +123,12 @@ class ExpertParallelMoE(Operator):
         # dispatch kernel waits for the other ranks, whose proxy threads' copies wait for that load's lock.
         self.experts.load_kernels()
         self.layout = window_layout(self.max_num_tokens, self.top_k, H, self.world)
-        self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)
-        self.window.local.zero_()   # counts (and every byte) zero before any rank counts
+        self._open_window(self.layout["nbytes"], device, self.kernel_config.transport, ordered, chunk_bytes)
         self._served = torch.empty(slots, H, dtype=dtype, device=device)
         self._error = torch.zeros(1, dtype=torch.int32, device=device)
         self._xexit = torch.zeros(1, dtype=torch.int32, device=device)
         self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
         self._register_watchdog("meld_ep_moe", _describe)
-        self.proxy = None
-        if self.kernel_config.transport == "proxy":
-            from .proxy import GpuProxy
-            self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         cfg = self.kernel_config
         self._k = self._kernels(cfg, {e: (cfg.threads, 0) for e in EP_ENTRIES})
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -151,8 +142,7 @@ class ExpertParallelMoE(Operator):
             **(self.proxy.ring_params() if self.proxy else {}))
         self._checked_counts: set[int] = set()
         self._calls: dict[int, _Call] = {}
-        torch.cuda.synchronize(device)
-        dist.barrier(self.group)
+        self._joined(device)
 
     def _grid(self, entry: str, items: int) -> int:
         """CTAs of one warp per item, at most as many as are resident at once (the dispatch's handshake
@@ -199,9 +189,7 @@ class ExpertParallelMoE(Operator):
         else:
             expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev, True)
             check_output("out", out, {"x": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "w13": w13, "w2": w2})
-        if self.kernel_config.transport == "proxy" and (self.proxy is None or self.proxy.error is not None):
-            raise RuntimeError(f"ExpertParallelMoE: the proxy thread is "
-                               f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
+        self._check_proxy()
         self._check_count(T)
         if T == 0:
             return no_backward("meld.distributed.ExpertParallelMoE", grads, (out,))[0]
@@ -234,12 +222,6 @@ class ExpertParallelMoE(Operator):
             # this rank's rows per expert average world T k / E: the row block the MoE picks for them
             block_tokens=block_tokens_for(self.world * T, self.top_k, self.num_experts))
         return c
-
-    def close(self) -> None:
-        """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
-        if self.proxy is not None:
-            self.proxy.close()
-            self.proxy = None
 
     def errors(self) -> int:
         """Nonzero once a call met an invalid topk id (waits for the GPU); clears it."""

@@ -31,7 +31,8 @@ from ..ops.decode_attention import DecodeAttention
 from ..ops.decode_graph import decode_attention_graph
 from ..ops.page_table import check_page_table
 from .shard import ShardPlan, shard_batch
-from .window import SymmetricWindow, pack_regions
+from .member import GroupMember
+from .window import pack_regions
 
 @dataclass(frozen=True)
 class WindowLayout:
@@ -57,7 +58,7 @@ class WindowLayout:
             "counts": max_batch * units_per_request * 8, "landed": 8 * world, "started": 8 * world}))
 
 
-class SeqParallelDecode(DecodeAttention):
+class SeqParallelDecode(GroupMember, DecodeAttention):
     """Sequence-parallel paged decode attention over the ranks of a `torch.distributed` process group
     (one process per GPU; module docstring): `DecodeAttention` over this rank's parts of the batch, whose
     plan() shards the batch first and whose run() writes every rank's output.
@@ -82,12 +83,7 @@ class SeqParallelDecode(DecodeAttention):
                  min_split_tokens: int = 4096, group=None, device: str | torch.device | None = None,
                  sm_scale: float | None = None, kv_layout: str = "NHD", cluster_size: int = 1,
                  transport: str = "peer", ordered: bool = True, chunk_bytes: int = 64 << 10, kernel_config=None):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError("SeqParallelDecode: torch.distributed is not initialised (init_process_group first)")
-        self.group = group or dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self._join(group)
         check_positive("max_batch_size", max_batch_size)
         self.min_split_tokens = check_positive("min_split_tokens", min_split_tokens)
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -102,8 +98,7 @@ class SeqParallelDecode(DecodeAttention):
                          sm_scale=sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages,
                          cluster_size=cluster_size, kernel_config=kernel_config)
         self.layout = WindowLayout.of(max_batch_size, self.world, num_qo_heads, head_dim, self.units_per_request)
-        self.window = SymmetricWindow(self.layout.nbytes, device, self.group)
-        self.window.local.zero_()                    # counters (and every byte) zero before any rank counts
+        self._open_window(self.layout.nbytes, device, transport, ordered, chunk_bytes)
         # The kernel's int32 tables, written by plan() in one copy: per local request (batch request, part,
         # parts, owner); the split requests (batch request, parts; the proxy); exit count, landings per
         # launch, split requests, 0.
@@ -113,15 +108,10 @@ class SeqParallelDecode(DecodeAttention):
         self._xexit = self._xint[6 * nb:]
         # Per source rank the units expected from it and those taken (the proxy), then this rank's launches.
         self._xsrc = torch.zeros(2 * self.world + 1, dtype=torch.int64, device=device)
-        self.proxy = None
-        if transport == "proxy":
-            from .proxy import GpuProxy
-            self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         self.shard: ShardPlan | None = None
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None   # run()'s outputs for the planned batch
         self._bind_edge()
-        torch.cuda.synchronize(device)
-        dist.barrier(self.group)
+        self._joined(device)
 
     def _graph(self, dtype: str):
         """DecodeAttention's graph with its rank dimension: partials cross ranks by the transport."""
@@ -176,9 +166,7 @@ class SeqParallelDecode(DecodeAttention):
         clone them to keep them. Every rank must run each plan."""
         if self.shard is None:
             raise RuntimeError("SeqParallelDecode.run: call plan() first")
-        if self.transport == "proxy" and (self.proxy is None or self.proxy.error is not None):
-            raise RuntimeError(f"SeqParallelDecode.run: the proxy thread is "
-                               f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
+        self._check_proxy()
         B, Hq, D = len(self.shard.kv_len), self.num_qo_heads, self.head_dim
         grads = grad_inputs(q, kv_cache)
         q, kv_cache = plain(q), plain(kv_cache)
@@ -189,12 +177,6 @@ class SeqParallelDecode(DecodeAttention):
         # (the window's views stay untied: new views of them carry the tie)
         out, lse = no_backward("meld.distributed.SeqParallelDecode.run", grads, (out, lse), in_place=False)
         return (out, lse) if return_lse else out
-
-    def close(self) -> None:
-        """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
-        if self.proxy is not None:
-            self.proxy.close()
-            self.proxy = None
 
     def outputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's output and lse views of its window for a batch of `batch` requests."""

@@ -29,7 +29,8 @@ from .. import config
 from ..ops.base import Operator
 from ..ops.checks import check_positive, expect, grad_inputs, no_backward, plain, resolve_device
 from ..ops.tp_linear_graph import tp_linear_graph
-from .window import SymmetricWindow, pack_regions
+from .member import GroupMember
+from .window import pack_regions
 
 
 
@@ -69,7 +70,7 @@ def _x_block_maps(x: torch.Tensor, bt: int) -> tuple:
     return tensor_map_2d(x, bt), tensor_map_2d(x, x.shape[0] % bt or bt)
 
 
-class RowParallelLinear(Operator):
+class RowParallelLinear(GroupMember, Operator):
     """y = sum over ranks of x_r @ W_r.T, on every rank of a `torch.distributed` group (module docstring).
 
     Args:
@@ -88,12 +89,9 @@ class RowParallelLinear(Operator):
     def __init__(self, in_features: int, out_features: int, *, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
                  group=None, device: str | torch.device | None = None, kernel_config=None, ordered: bool = True,
                  chunk_bytes: int = 64 << 10):
-        import torch.distributed as dist
-
         from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, call_configs, direct_room
 
-        if not dist.is_initialized():
-            raise RuntimeError("RowParallelLinear: torch.distributed is not initialised (init_process_group first)")
+        self._join(group)
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
         self.max_tokens = check_positive("max_tokens", max_tokens)
@@ -111,8 +109,6 @@ class RowParallelLinear(Operator):
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
         self.kernel_config = kernel_config
-        self.group = group or dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._setup(tp_linear_graph(self.in_features, self.out_features, self.world,
                                     transport=kernel_config.transport), device)
         self._require_hopper(exact=True)
@@ -125,8 +121,7 @@ class RowParallelLinear(Operator):
                                      if own_parts_only else 0)
         if max(-(-out_features // 64) * -(-max_tokens // b) for b in TP_BLOCK_TOKENS) >= 1 << 31:
             raise ValueError(f"out_features={out_features}, max_tokens={max_tokens}: too many output tiles")
-        self.window = SymmetricWindow(self.layout["nbytes"], device, self.group)
-        self.window.local.zero_()   # counters (and every byte) zero before any rank counts
+        self._open_window(self.layout["nbytes"], device, kernel_config.transport, ordered, chunk_bytes)
         self._xexit = torch.zeros(2, dtype=torch.int32, device=device)
         self._prof = torch.zeros(2 * self._sm_count, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=device) \
             if kernel_config.profile else None
@@ -134,10 +129,6 @@ class RowParallelLinear(Operator):
         self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
         self._shape: dict = {}
         self._register_watchdog("meld_tp_linear", _describe_tile(self._shape))
-        self.proxy = None
-        if kernel_config.transport == "proxy":
-            from .proxy import GpuProxy
-            self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
         self._variants: dict[tuple, tuple] = {}   # per (token block, warpgroups): (config, kernel, parameter struct)
         self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid, direct path)
         if self.proxy is not None:   # every variant loaded now: no module load while a kernel waits on the proxy
@@ -150,8 +141,7 @@ class RowParallelLinear(Operator):
         # made in __call__, after the call's schedule
         calls = self._calls
         self._x_maps = TensorMapCache(lambda x: _x_block_maps(x, calls[x.shape[0]][0].block_tokens))
-        torch.cuda.synchronize(device)
-        dist.barrier(self.group)
+        self._joined(device)
 
     def _variant(self, cfg):
         v = self._variants.get((cfg.block_tokens, cfg.wgs))
@@ -193,9 +183,7 @@ class RowParallelLinear(Operator):
         M = x.shape[0]
         if M > self.max_tokens:
             raise ValueError(f"x has {M} rows, more than max_tokens={self.max_tokens}")
-        if self.kernel_config.transport == "proxy" and (self.proxy is None or self.proxy.error is not None):
-            raise RuntimeError(f"RowParallelLinear: the proxy thread is "
-                               f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
+        self._check_proxy()
         if M == 0:
             return self._tied(grads, self.output(0))
         self._watchdog.check()
@@ -237,8 +225,3 @@ class RowParallelLinear(Operator):
         torch.cuda.synchronize(self.device)
         return Trace.from_buffer(self._prof[:self._last_grid].cpu().numpy(), 1, 1)
 
-    def close(self) -> None:
-        """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
-        if self.proxy is not None:
-            self.proxy.close()
-            self.proxy = None
