@@ -211,17 +211,8 @@ class RowParallelLinear(GroupMember, Operator):
         """y (a view of the window, which stays untied) as a view tied to the inputs that require grad."""
         return no_backward("meld.distributed.RowParallelLinear", grads, (y,), in_place=False)[0]
 
-    def last_trace(self):
-        """Each CTA's timed GEMMs, staged and sent partials, merge waits and merges in the last launch (waits
-        for it): a `meld.runtime.profile.Trace` of tp-* records named by piece (merges and their waits: by claim,
-        `TpSchedule.merge_units`).
-        Needs profiling (MELD_PROFILE=1 or kernel_config=TpKernelConfig(profile=True)); every launch records
-        (MELD_PROFILE_EVERY does not apply here). Raises RuntimeError otherwise or before the first launch."""
-        if self._prof is None or not self._last_grid:
-            raise RuntimeError("RowParallelLinear.last_trace: needs a launch of the kernel built with profiling "
-                               "(MELD_PROFILE=1 or kernel_config=TpKernelConfig(profile=True))")
-        from ..runtime.profile import Trace
-
-        torch.cuda.synchronize(self.device)
-        return Trace.from_buffer(self._prof[:self._last_grid].cpu().numpy(), 1, 1)
-
+    def _profile_records(self):
+        """Each CTA's GEMMs, staged and sent partials, merge waits and merges, named by piece (merges and
+        their waits: by claim, `TpSchedule.merge_units`); every launch records (MELD_PROFILE_EVERY does not
+        apply here)."""
+        return None if self._prof is None or not self._last_grid else (self._prof[:self._last_grid], (1, 1), {})

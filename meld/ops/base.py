@@ -102,6 +102,30 @@ class Operator:
                     prof_clock=prof_clock.data_ptr() if prof_clock is not None else 0, prof_cap=prof_cap,
                     prof_every=prof_every, num_ctas=num_ctas, cta_offset=0, wait_inputs=0)
 
+    def last_trace(self):
+        """Per-task timestamps of the last launch of this operator's persistent kernel (waits for it; with
+        MELD_PROFILE_EVERY=N, of the last launch sampled): a `meld.runtime.profile.Trace`. Needs a launch of
+        the kernel built with profiling (MELD_PROFILE=1 or a kernel_config with profile=True); raises
+        RuntimeError otherwise, and on the CPU reference executor, which records no trace."""
+        name = type(self).__name__
+        if self.device.type == "cpu":
+            raise RuntimeError(f"{name}.last_trace: the CPU reference executor records no trace "
+                               "(profiles come from the GPU kernel)")
+        records = self._profile_records()
+        if records is None:
+            raise RuntimeError(f"{name}.last_trace: needs a launch of the kernel built with profiling "
+                               "(MELD_PROFILE=1 or a kernel_config with profile=True)")
+        from ..runtime.profile import Trace
+
+        buf, names, places = records
+        torch.cuda.synchronize(self.device)
+        return Trace.from_buffer(buf.cpu().numpy(), *names, **places)
+
+    def _profile_records(self) -> tuple[torch.Tensor, tuple[int, int], dict] | None:
+        """The profile buffer last_trace reads ([CTAs][1 + cap][4]), Trace.from_buffer's unit naming (units per
+        request, head blocks) and the CTAs' places (clusters, grids); None: nothing recorded."""
+        return None
+
     def _register_watchdog(self, name: str, describe: Callable[[int], str]) -> None:
         """This operator's kernels report to the device's record under one id (`describe` names a task from
         its number and must not hold the operator)."""

@@ -316,18 +316,8 @@ class MoE(Operator):
             v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)
         v.main.launch(self._grid, p, programmatic=True)
 
-    def last_trace(self):
-        """Per-tile timestamps of the last launch's (MELD_PROFILE_EVERY=N: the last sampled launch's)
-        persistent kernel (waits for it): a
-        `meld.runtime.profile.Trace` of gemm1 / gemm2 / combine records named by ticket. Needs profiling
-        (MELD_PROFILE=1 or a kernel_config with profile=True); raises RuntimeError otherwise and on the CPU."""
-        if self.device.type == "cpu" or self._prof is None:
-            raise RuntimeError("MoE.last_trace: needs the GPU kernel built with profiling (MELD_PROFILE=1 or "
-                               "kernel_config=MoeKernelConfig(profile=True))")
-        from ..runtime.profile import Trace
-
-        torch.cuda.synchronize(self.device)
-        return Trace.from_buffer(self._prof.cpu().numpy(), 1, 1)
+    def _profile_records(self):   # gemm1 / gemm2 / combine records named by ticket
+        return None if self._prof is None else (self._prof, (1, 1), {})
 
     def errors(self) -> int:
         """Nonzero once a launch met an invalid precomputed topk id (waits for the GPU); clears it."""

@@ -144,24 +144,12 @@ class PagedDecode(Operator):
             d.mkdir(parents=True, exist_ok=True)
             self.last_trace().write_chrome(d / f"{self.graph.name}-{next(_trace_seq):04d}.trace.json")
 
-    def last_trace(self):
-        """Per-task timestamps of the last launch (waits for it): a `meld.runtime.profile.Trace`; with
-        MELD_PROFILE_EVERY=N, of the last launch sampled (the launch numbered 0, N, 2N, ... on the GPU).
-        Needs a kernel built with profiling (MELD_PROFILE=1 or kernel_config.profile); raises RuntimeError
-        otherwise, and on the CPU executor, which records no trace."""
-        name = type(self).__name__
-        if self._buf is None:
-            raise RuntimeError(f"{name}.last_trace: the CPU reference executor records no trace "
-                               "(profiles come from the GPU kernel)")
-        if self._buf.prof is None:
-            raise RuntimeError(f"{name}.last_trace: the kernel was built without profiling "
-                               "(set MELD_PROFILE=1 or pass a kernel_config with profile=True)")
-        from ..runtime.profile import Trace
-
-        torch.cuda.synchronize(self.device)
+    def _profile_records(self):
+        if self._buf is None or self._buf.prof is None:
+            return None
         launcher = self._buf.launcher
-        return Trace.from_buffer(self._buf.prof.cpu().numpy(), self.units_per_request, self.head_blocks,
-                                 cluster=launcher.cluster_of_cta(), grid=launcher.grid_of_cta())
+        return (self._buf.prof, (self.units_per_request, self.head_blocks),
+                dict(cluster=launcher.cluster_of_cta(), grid=launcher.grid_of_cta()))
 
     @staticmethod
     def _servable(topology: Topology) -> Topology:
