@@ -156,6 +156,18 @@ def test_cpu_executor_takes_packed_weights_and_checks_them():
         meld.fused_moe(x, p13, p2, logits, k)
 
 
+def test_block_tokens_is_one_of_the_row_blocks():
+    T, H, I, E, k = 9, 64, 32, 4, 2
+    w13, w2 = weights(E, H, I)
+    x, logits = torch.randn(T, H).to(torch.bfloat16), torch.randn(T, E)
+    moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=16)
+    assert torch.equal(moe(x, logits, w13, w2, block_tokens=32), moe(x, logits, w13, w2))   # a GPU tiling choice
+    moe.load_kernels()   # (nothing to load on the CPU)
+    for bad in (48, 64.0, True, "64"):
+        with pytest.raises(ValueError, match=f"block_tokens must be one of .*got {bad!r}"):
+            moe(x, logits, w13, w2, block_tokens=bad)
+
+
 def test_route_key_slots_are_whole_16_byte_loads():
     """A lane's keys (templates/moe.cuh: route_slots) are read four at a time, so its slots round up to 4."""
     assert route_smem_bytes(128) == 32 * 32 * 4 * 4        # 4 experts a lane

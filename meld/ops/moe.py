@@ -197,7 +197,7 @@ class MoE(Operator):
         docstring, or both as `meld.pack_moe_weights` packs them. `block_tokens`: the GEMMs' row block, one
         of BLOCK_TOKEN_CHOICES (default: chosen for T tokens routed uniformly; a caller that knows its rows
         per expert, as an expert-parallel owner does, may choose better)."""
-        if block_tokens is not None and block_tokens not in BLOCK_TOKEN_CHOICES:
+        if block_tokens is not None and (not is_int(block_tokens) or block_tokens not in BLOCK_TOKEN_CHOICES):
             raise ValueError(f"block_tokens must be one of {BLOCK_TOKEN_CHOICES} or None, got {block_tokens!r}")
         if torch.compiler.is_dynamo_compiling() and block_tokens is None:   # one custom op, no graph break
             from .torch_ops import moe
@@ -226,7 +226,8 @@ class MoE(Operator):
                     w13, w2 = unpack_moe_weights(w13, w2, H, self.intermediate_size)
                 self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
             else:
-                self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out), block_tokens)
+                self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out),
+                             None if block_tokens is None else int(block_tokens))
         return no_backward("meld.MoE", grads, (out,))[0]
 
     def _check_x(self, x: torch.Tensor) -> int:
