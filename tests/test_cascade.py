@@ -247,6 +247,32 @@ def test_flashinfer_wrapper_refuses_what_meld_does_not_compute(kw, err):
         MultiLevelCascadeAttentionWrapper(2, torch.empty(16, dtype=torch.uint8), use_cuda_graph=True)
 
 
+def test_flashinfer_wrapper_errors_name_its_own_arguments():
+    levels, q, kv = batch([3, 2], [100, 37], [4, 0, 9, 65, 2])
+    args = [[lv[i] for lv in levels] for i in range(4)]
+    w = MultiLevelCascadeAttentionWrapper(2, torch.empty(16, dtype=torch.uint8), "HND")
+    w.plan(*args, HQ, HKV, D, P, q_data_type=BF16)
+    with pytest.raises(ValueError, match=r"paged_kv_cache must have shape .*kv_layout='HND'.*got \(\d+, 2, 16, 2, 64\)"):
+        w.run(q, kv)   # an NHD cache given to an HND wrapper: the shape it was given, in HND's terms
+    with pytest.raises(ValueError, match="paged_kv_cache .* pages"):
+        w.run(q, kv.transpose(2, 3).contiguous()[:3])
+    bad = [list(a) for a in args]
+    bad[3][1] = bad[3][1][:-1]
+    with pytest.raises(ValueError, match=r"^paged_kv_last_page_len\[1\]"):
+        w.plan(*bad, HQ, HKV, D, P, q_data_type=BF16)
+    bad = [list(a) for a in args]
+    bad[2][1] = bad[2][1].clone()
+    bad[2][1][0] = -1
+    with pytest.raises(ValueError, match="level 1: .*negative"):
+        w.plan(*bad, HQ, HKV, D, P, q_data_type=BF16)
+    zero_d = [list(a) for a in args]
+    zero_d[0][1] = torch.tensor(5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"qo_indptr_arr\[1\]"):
+        w.plan(*zero_d, HQ, HKV, D, P, causal=True, q_data_type=BF16)
+    with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256, got 7"):
+        meld.CascadeDecode(HQ, HKV, 7, P, 2)
+
+
 def test_lowering_names_every_familys_kernel_and_executor():
     from meld.codegen.lowering import EXECUTORS, KERNELS, Lowering
     from meld.runtime.reference import execute_split_reduce as grouped

@@ -143,3 +143,30 @@ def test_a_combine_edge_carries_how_partials_cross_ranks():
     with pytest.raises(ValueError, match="stay on one GPU"):
         meld.DecodeAttention(32, 8, 128, 16, device="cpu",
                              kernel_config=dataclasses.replace(plain.kernel_config, xrank="peer"))
+
+
+def test_numpy_integer_sizes_make_json_graphs():
+    import meld
+    from meld.ops import cascade_decode_graph, mla_decode_graph, moe_graph
+
+    n = np.int64
+    for g in (decode_attention_graph(n(8), n(2), n(64), n(16)), cascade_decode_graph(n(8), n(2), n(64), n(16), n(2)),
+              moe_graph(n(64), n(32), n(4), n(2)), mla_decode_graph(n(16), n(512), n(64), n(64))):
+        assert TaskGraph.from_json(g.to_json()) == g
+    assert meld.CascadeDecode(n(8), n(2), n(64), n(16), n(2)).graph.attrs["num_levels"] == 2
+
+
+def test_a_second_edge_between_two_tasks_is_refused_and_lower_needs_a_graph():
+    from meld.codegen.lowering import lower
+
+    g = decode_attention_graph(8, 2, 128, 16, transport="peer")
+    with pytest.raises(GraphError, match="already in graph"):
+        g.add_edge("attention_partial", "merge", Reduction("online_softmax", "kv"))
+    assert lower(g).transport == "peer", "the first edge stays"
+    doc = g.to_dict()
+    doc["edges"].append({**doc["edges"][0], "transport": "proxy"})
+    with pytest.raises(GraphError, match="already in graph"):
+        TaskGraph.from_json(__import__("json").dumps(doc))
+    for bad in ("x", None, g.to_dict()):
+        with pytest.raises(TypeError, match="graph must be a meld.ir.TaskGraph"):
+            lower(bad)

@@ -441,3 +441,17 @@ def test_host_planner_equals_the_numpy_oracle(seed):
     a, b = plan_moe(ids, E, bt, n1, n2, lag), plan_moe_host(ids, E, bt, n1, n2, lag)
     for f in ("expert_off", "pair_pos", "row_token", "row_blocks", "tasks"):
         assert np.array_equal(getattr(a, f), getattr(b, f)), f
+
+
+@pytest.mark.parametrize("T,E,k", [(8192, 128, 8), (1024, 32, 1), (16, 256, 8), (300, 7, 3)])
+def test_row_block_capacity_holds_every_block_size_and_routing(T, E, k):
+    """The row-block buffers (MoE._rb_cap) hold a plan at every block_tokens a call may choose, for uniform
+    routing and for routing skewed onto few experts (an expert-parallel owner's rows: top_k = 1 over slots)."""
+    moe = meld.MoE(64, 32, E, k, device="cpu", max_num_tokens=T)
+    rng = np.random.default_rng(T)
+    uniform = np.stack([rng.permutation(E)[:k] for _ in range(T)])
+    skewed = np.stack([np.arange(k) + rng.integers(0, 2) * k for _ in range(T)]) % E
+    for ids in (uniform, skewed):
+        for bt in BLOCK_TOKEN_CHOICES:
+            blocks = plan_moe(ids, E, bt, 1, 1, 0).row_blocks.shape[0]
+            assert blocks <= moe._rb_cap, (bt, blocks, moe._rb_cap)

@@ -102,9 +102,9 @@ def field_maps(source: str) -> dict[str, list[tuple[int, str]]]:
     """Per kernel entry, its parameter struct's (offset, field) list, read from the static_asserts that
     ParamStruct.c_source writes beside each struct."""
     fields: dict[str, list[tuple[int, str]]] = {}
-    for struct, name, off in _OFFSET.findall(source):
-        fields.setdefault(struct, []).append((int(off), name))
-    return {entry: sorted(fields.get(struct, [])) for entry, struct in _ENTRY.findall(source)}
+    for owner, name, off in _OFFSET.findall(source):
+        fields.setdefault(owner, []).append((int(off), name))
+    return {entry: sorted(fields.get(owner, [])) for entry, owner in _ENTRY.findall(source)}
 
 
 def _named(maps: dict[str, list[tuple[int, str]]], m: re.Match) -> str:

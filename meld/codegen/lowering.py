@@ -53,6 +53,8 @@ def _kinds(g: TaskGraph) -> dict[str, str]:
 
 def lower(graph: TaskGraph) -> Lowering:
     """The family that runs `graph` (validated first); GraphError says why none does."""
+    if not isinstance(graph, TaskGraph):
+        raise TypeError(f"graph must be a meld.ir.TaskGraph, got {type(graph).__name__}")
     g = graph.validate()
     kinds = sorted(set(_kinds(g).values()))
     reductions = {t.reduction.combiner for t in g.tasks if t.reduction is not None}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import re
 
 import torch
 
@@ -429,6 +430,14 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
                          paged_kv_last_page_len_buffer=last_page_len_buffer)
 
 
+def _plan_names(message: str) -> str:
+    """A CascadeDecode.plan message in the wrapper's argument names."""
+    for ours, theirs in (("kv_indptr_arr", "paged_kv_indptr_arr"), ("kv_indices_arr", "paged_kv_indices_arr"),
+                         ("kv_last_page_len_arr", "paged_kv_last_page_len")):
+        message = re.sub(rf"(?<!paged_)\b{ours}\b", theirs, message)
+    return message
+
+
 class MultiLevelCascadeAttentionWrapper:
     """FlashInfer's multi-level cascade attention for decode (one query row per request), on `meld.CascadeDecode`.
 
@@ -496,7 +505,8 @@ class MultiLevelCascadeAttentionWrapper:
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be True or False, got {causal!r}")
         if causal and isinstance(qo_indptr_arr, (list, tuple)) and qo_indptr_arr and \
-                isinstance(qo_indptr_arr[-1], torch.Tensor) and (qo_indptr_arr[-1].diff() > 1).any():
+                isinstance(qo_indptr_arr[-1], torch.Tensor) and qo_indptr_arr[-1].dim() == 1 and \
+                (qo_indptr_arr[-1].diff() > 1).any():
             raise _unsupported("causal", causal, "a last-level group of several query rows is prefill; meld decodes "
                                "one query row per request (where causal changes nothing)")
         q = _dtype("q_data_type", q_data_type)
@@ -512,7 +522,10 @@ class MultiLevelCascadeAttentionWrapper:
         if op is None:
             op = CascadeDecode(num_qo_heads, num_kv_heads, head_dim, page_size, self._num_levels, q, self.device,
                                sm_scale=sm_scale)
-        op.plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
+        try:
+            op.plan(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
+        except ValueError as e:
+            raise ValueError(_plan_names(str(e))) from None
         self._ops[key] = self._op = op
 
     begin_forward = plan
@@ -531,9 +544,15 @@ class MultiLevelCascadeAttentionWrapper:
         elif not isinstance(paged_kv_cache, torch.Tensor):
             raise ValueError(f"paged_kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got "
                              f"{type(paged_kv_cache).__name__}")
-        if self._kv_layout == "HND" and paged_kv_cache.dim() == 5:
+        if self._kv_layout == "HND":
+            op = self._op
+            expect("paged_kv_cache", paged_kv_cache, op.dtype, (None, 2, op.num_kv_heads, op.page_size, op.head_dim),
+                   "num_pages, K/V, num_kv_heads, page_size, head_dim: kv_layout='HND'")
             paged_kv_cache = paged_kv_cache.transpose(2, 3)
-        return self._op.run(q, paged_kv_cache)
+        try:
+            return self._op.run(q, paged_kv_cache)
+        except ValueError as e:
+            raise ValueError(re.sub(r"(?<!paged_)\bkv_cache\b", "paged_kv_cache", str(e))) from None
 
     def forward(self, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
         """FlashInfer's deprecated name of run()."""

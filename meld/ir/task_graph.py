@@ -153,6 +153,8 @@ class TaskGraph:
         for n in (src, dst):
             if n not in self.graph:
                 raise GraphError(f"edge {src!r} -> {dst!r}: no task named {n!r}")
+        if self.graph.has_edge(src, dst):
+            raise GraphError(f"edge {src!r} -> {dst!r} is already in graph {self.name!r} (one edge per pair of tasks)")
         self.graph.add_edge(src, dst, reduction=reduction, depends=depends, transport=transport)
 
     def transport(self, name: str) -> str | None:

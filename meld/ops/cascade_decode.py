@@ -20,7 +20,7 @@ import torch
 from ..scheduler.split_reduce_plan import GroupTable, plan_split_reduce
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
-from .checks import check_finite, check_positive, expect, grad_inputs, plain
+from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
 from .page_table import check_page_table, max_page
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -31,7 +31,7 @@ class CascadeDecode(Operator):
     """Decode attention over `num_levels` levels of paged KV, each a page table per group of requests.
 
     Args:
-        num_qo_heads, num_kv_heads, head_dim, page_size: as `meld.DecodeAttention`.
+        num_qo_heads, num_kv_heads, head_dim, page_size: as `meld.DecodeAttention` (head_dim 64, 128 or 256).
         num_levels: levels of the cascade (>= 1; one level is plain decode).
         dtype: torch.bfloat16 or torch.float16 (q, KV cache and output).
         device: "cpu" (the reference executor); the GPU kernel has no cascade task body yet.
@@ -44,6 +44,8 @@ class CascadeDecode(Operator):
                  num_ctas: int = H200_SMS):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+        if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim!r}")
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self._setup(graph, device)
@@ -98,9 +100,9 @@ class CascadeDecode(Operator):
                                  "level covers the same batch")
             try:
                 nnz = check_page_table(ip.numpy(), last.numpy(), ix.numel(), self.page_size)
+                top = max(top, max_page(ix.numpy()[:nnz]))
             except ValueError as e:
                 raise ValueError(f"level {lv}: {e}") from None
-            top = max(top, max_page(ix.numpy()[:nnz]))
             tables[level_task(lv)] = GroupTable(q, ip.numpy().astype(np.int64), ix.numpy()[:nnz].astype(np.int64),
                                                 last.numpy().astype(np.int64))
         plan = plan_split_reduce([tables[level_task(lv)] for lv in range(self.num_levels)], batch, self.num_kv_heads,

@@ -22,10 +22,10 @@ def level_task(level: int) -> str:
 def cascade_decode_graph(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, num_levels: int,
                          dtype: str = "bfloat16") -> TaskGraph:
     """Paged GQA decode over `num_levels` levels of KV, each a page table per group of requests."""
-    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("page_size", page_size)):
-        check_positive(name, v)
-    check_positive("num_levels", num_levels, 64)
+    num_qo_heads, num_kv_heads, head_dim, page_size = (check_positive(name, v) for name, v in (   # (Python ints:
+        ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),  # attrs are JSON)
+        ("page_size", page_size)))
+    num_levels = check_positive("num_levels", num_levels, 64)
     check_dtype_name(dtype)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")

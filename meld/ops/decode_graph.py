@@ -18,9 +18,9 @@ def decode_attention_graph(num_qo_heads: int, num_kv_heads: int, head_dim: int, 
     `transport` (one of meld.ir.TRANSPORTS): the KV is sharded over a process group, and partials cross
     ranks on their way to the merge (meld.distributed.SeqParallelDecode).
     """
-    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("page_size", page_size)):
-        check_positive(name, v)
+    num_qo_heads, num_kv_heads, head_dim, page_size = (check_positive(name, v) for name, v in (   # (Python ints:
+        ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),  # attrs are JSON)
+        ("page_size", page_size)))
     check_dtype_name(dtype)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")

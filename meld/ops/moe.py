@@ -89,7 +89,9 @@ class MoE(Operator):
             raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, _max_num_tokens(self.top_k))
         # The GPU kernel's task descriptor limits, on every device: a CPU layer takes no shape the GPU refuses.
-        self._rb_cap = E + max(E, -(-self.max_num_tokens * self.top_k // BLOCK_TOKEN_CHOICES[-1]))
+        # Row blocks a plan can make: every expert's rows in blocks of the smallest size a call may choose
+        # (block_tokens, or an expert-parallel owner's choice), one partial block per expert.
+        self._rb_cap = E + max(E, -(-self.max_num_tokens * self.top_k // BLOCK_TOKEN_CHOICES[0]))
         if self._rb_cap >= MOE_TASK.limit("row_block"):
             raise ValueError(f"max_num_tokens={self.max_num_tokens}: {self._rb_cap} row blocks do not fit a task "
                              "descriptor")
@@ -180,12 +182,15 @@ class MoE(Operator):
         return v
 
     # --- the call -------------------------------------------------------------------------------------
-    def load_kernels(self) -> None:
-        """Load every row-block variant's kernels now (CUDA), so that no call loads a module: a composer
-        whose launches wait on other ranks must not wait on a module load in between."""
+    def load_kernels(self, packed: bool = False) -> None:
+        """Load every row-block variant's kernels now (CUDA) for weights in the plain layout, or as
+        meld.pack_moe_weights packs them, so that no call with such weights loads a module: a composer whose
+        launches wait on other ranks must not wait on a module load in between."""
+        if not isinstance(packed, bool):
+            raise ValueError(f"packed must be True or False, got {packed!r}")
         if self.device.type == "cuda":
             for bt in BLOCK_TOKEN_CHOICES:
-                self._variant(bt)
+                self._variant(bt, packed)
 
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                  *, topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
@@ -199,7 +204,10 @@ class MoE(Operator):
         per expert, as an expert-parallel owner does, may choose better)."""
         if block_tokens is not None and (not is_int(block_tokens) or block_tokens not in BLOCK_TOKEN_CHOICES):
             raise ValueError(f"block_tokens must be one of {BLOCK_TOKEN_CHOICES} or None, got {block_tokens!r}")
-        if torch.compiler.is_dynamo_compiling() and block_tokens is None:   # one custom op, no graph break
+        if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
+            if block_tokens is not None:
+                raise NotImplementedError("MoE(block_tokens=...) under torch.compile: the traced call is the op "
+                                          "torch.ops.meld.moe, which chooses the row block itself")
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
         grads = grad_inputs(x, router_logits, w13, w2, topk_weights)

@@ -44,6 +44,8 @@ def moe_graph(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
         ValueError: a non-positive size or top_k outside 1..num_experts; the message names the argument.
     """
     _check(hidden_size, intermediate_size, num_experts, top_k, renormalize, dtype)
+    hidden_size, intermediate_size, num_experts, top_k = map(int, (hidden_size, intermediate_size, num_experts,
+                                                                   top_k))   # (attrs are JSON: Python ints)
     token, expert = Axis("token", "num_tokens"), Axis("expert", num_experts)
     rows = Axis("row_block", "expert_tokens", dynamic=True)
     red = Reduction("weighted_sum", "k")
