@@ -331,3 +331,16 @@ def test_planner_source_compiles_for_sm90a(tmp_path):
     run = subprocess.run(["nvcc", "-arch=sm_90a", "-c", "-o", str(tmp_path / "plan.o"), str(tmp_path / "plan.cu")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_reference_makes_every_row_with_a_non_finite_score_nan():
+    """+Inf and -Inf scores alike (Inf in K against q of either sign): NaN out and lse, as the executor gives."""
+    levels, q, kv = batch([2], [40], [3, 5])
+    kv[int(levels[0][2][0]), 0, 1, 0, 7] = float("inf")
+    q[0, 0, 7], q[0, 1, 7] = 1.0, -1.0   # +Inf and -Inf scores for request 0, heads 0 and 1
+    want_o, want_l = cascade_reference(q, kv, levels)
+    assert want_o[0, :2].isnan().all() and want_l[0, :2].isnan().all()
+    assert want_o[0, 4:].isfinite().all() and want_l[0, 4:].isfinite().all()   # kv head 1 is untouched
+    _, (out, lse) = run_op(levels, q, kv, num_ctas=4)
+    torch.testing.assert_close(lse.double(), want_l, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)

@@ -251,7 +251,8 @@ def cascade_reference(q: torch.Tensor, kv_cache: torch.Tensor, levels: list[tupl
                       sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float64 cascade decode attention: request b attends to the tokens of its group at every level
     (levels: (qo_indptr, kv_indptr, kv_indices, kv_last_page_len) each, FlashInfer's layout; kv_cache NHD),
-    as one sequence, one request at a time: the ground truth."""
+    as one sequence, one request at a time: the ground truth. A row that meets a non-finite score is NaN
+    (out and lse); NaN or Inf in V reaches out only."""
     B, Hq, D = q.shape
     _, _, P, Hkv, _ = kv_cache.shape
     G = Hq // Hkv
@@ -269,6 +270,9 @@ def cascade_reference(q: torch.Tensor, kv_cache: torch.Tensor, levels: list[tupl
             continue
         k, v = torch.cat(ks), torch.cat(vs)
         s = torch.einsum("hgd,nhd->hgn", q[b].double().view(Hkv, G, D), k) * scale
-        lse[b] = torch.logsumexp(s, dim=-1).reshape(Hq)
-        out[b] = torch.einsum("hgn,nhd->hgd", torch.softmax(s, dim=-1), v).reshape(Hq, D)
+        bad = ~s.isfinite().all(dim=-1)   # a non-finite score (NaN or Inf in q or K) makes its row NaN,
+        s = s.masked_fill(bad[..., None], 0.0)   # out and lse, as meld's kernels and executors give it
+        lse[b] = torch.logsumexp(s, dim=-1).masked_fill(bad, math.nan).reshape(Hq)
+        out[b] = torch.einsum("hgn,nhd->hgd", torch.softmax(s, dim=-1), v).masked_fill(bad[..., None], math.nan) \
+            .reshape(Hq, D)
     return out, lse
