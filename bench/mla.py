@@ -1,4 +1,4 @@
-"""Paged MLA decode attention (DeepSeek-V3, absorbed form): meld against FlashInfer's MLA (fa2 and fa3), per BENCH.md.
+"""Paged MLA decode attention (DeepSeek-V3, absorbed form): meld against FlashInfer's MLA (fa2, fa3) and FlashMLA.
 
 Setup on the GPU machine (it has no network; the peers travel as wheels in `.whl/`, see
 `../shared/tools/peer-wheels.sh`), from the repository root:
@@ -22,16 +22,18 @@ Method (BENCH.md): every implementation gets the same random inputs (caches rand
 score has standard deviation ~1: softmax neither uniform nor one-hot) and is checked against the float64
 `meld.runtime.reference.mla_reference` before it is timed: ‖out − ref‖/‖ref‖ < 1e-2, no NaN, outputs poisoned
 with NaN first wherever the implementation writes into a given buffer (meld's out= and lse=, FlashInfer's
-out=); meld's lse (natural log) too; FlashInfer's lse is not checked (its timed call does not write one).
+out=); meld's lse (natural log) too; FlashInfer's lse is not checked (its timed call does not write one), nor
+FlashMLA's (`sgl-flash-mla`'s SM90 dense path, which allocates its output; its lse's base is not documented).
 Device time is the median of CUDA-graph replays with a cold L2 (`bench.harness.graph_time_us`); meld's eager
 latency and its host-side `plan()` are reported beside it. The read, copy and bf16 matmul ceilings are
 measured in the same run (`bench.harness.measure_ceilings`; 128-head MLA is compute-heavy: B=128 uniform2k
 takes ~94 µs at 774 TFLOP/s against ~66 µs of reading at 4.57 TB/s).
 
 Columns:
-  tokens       Σlen of the batch;   meld / fi-fa2 / fi-fa3 µs: CUDA-graph replay medians ("FAIL", "skip" or
-               "-" where there is no number);
+  tokens       Σlen of the batch;   meld / fi-fa2 / fi-fa3 / FlashMLA µs: CUDA-graph replay medians ("FAIL",
+               "skip" or "-" where there is no number);
   speedup      best FlashInfer backend's time / meld time, per case (> 1: meld faster);
+  vs FlashMLA  FlashMLA's time / meld time (> 1: meld faster);
   meld TB/s    Σlen·576·2 bytes / meld time (the KV read once, shared by all heads);
   meld TFLOP/s Σlen·H·(576 + 512)·2 / meld time (QK over 576 dims, PV over 512);
   %read        meld TB/s / the pure-read ceiling;   %mma: meld TFLOP/s / the bf16 matmul ceiling;
@@ -75,7 +77,7 @@ Q_SCALE = 1.0 / math.sqrt(3.0)  # score std = Q_SCALE * sqrt(576) * SM_SCALE = 1
 BATCHES = (16, 64, 128)
 QUICK_BATCHES = (16, 128)
 DISTS = ("uniform2k", "skewed", "one-long")
-IMPLS = ("meld", "fi-fa2", "fi-fa3")
+IMPLS = ("meld", "fi-fa2", "fi-fa3", "flashmla")
 FI_BACKENDS = {"fi-fa2": "fa2", "fi-fa3": "fa3"}
 FI_WORKSPACE_BYTES = 128 << 20
 KV_ROW_BYTES = (HEAD_DIM_CKV + HEAD_DIM_KPE) * 2  # one token's latent row, bf16
@@ -259,20 +261,51 @@ def build_flashinfer(inp: Inputs, backend: str) -> Impl:
     return Impl(lambda: wrapper.run(*args, out=out), outputs, timing, first.median_us)
 
 
+def build_flashmla(inp: Inputs) -> Impl:
+    """FlashMLA (the `sgl-flash-mla` 1.0.0 wheel's SM90 dense path, `use_legacy=True`), as BENCH.md calls it:
+    q [B, 1, H, 576], the cache as one [pages, 64, 1, 576] tensor (meld's two caches side by side, a copy),
+    a block table padded to the longest request. Its scheduling metadata is filled by the first call and
+    kept for this batch (the "plan"; a FlashMLASchedMeta serves one batch shape)."""
+    import flash_mla
+
+    c, t, dev = inp.case, inp.table, inp.q_nope.device
+    q = torch.cat([inp.q_nope, inp.q_pe], dim=-1).unsqueeze(1).contiguous()
+    cache = torch.cat([inp.ckv_cache, inp.kpe_cache], dim=-1).unsqueeze(2).contiguous()
+    pages = torch.diff(t.indptr)
+    table = torch.zeros(c.batch, max(1, int(pages.max())), dtype=torch.int32)
+    for b in range(c.batch):
+        table[b, :int(pages[b])] = t.indices[int(t.indptr[b]):int(t.indptr[b + 1])]
+    table, seqlens = table.to(dev), t.kv_len.to(dev)
+    meta, _ = flash_mla.get_mla_metadata()
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return flash_mla.flash_mla_with_kvcache(q, cache, table, seqlens, HEAD_DIM_CKV, meta, softmax_scale=SM_SCALE,
+                                                use_legacy=True)
+
+    first = host_time_us(call, reps=1, min_reps=1)   # fills the metadata (and loads the kernels)
+
+    def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        return [("flash_mla_with_kvcache", call()[0][:, 0], None)]   # (its lse is not compared: base unstated)
+
+    return Impl(call, outputs, None, first.median_us)
+
+
 BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     "meld": build_meld,
     "fi-fa2": lambda inp: build_flashinfer(inp, "fa2"),
     "fi-fa3": lambda inp: build_flashinfer(inp, "fa3"),
+    "flashmla": build_flashmla,
 }
 
 
 # ------------------------------------------------------------------------------------------------ run
 
 def skip_reason(name: str) -> Optional[str]:
-    """Why an implementation does not run here (None: it does): FlashInfer's fa3 MLA kernel is SM90-only."""
-    if name == "fi-fa3" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
+    """Why an implementation does not run here (None: it does): FlashInfer's fa3 MLA kernel and FlashMLA's
+    dense path are SM90-only."""
+    if name in ("fi-fa3", "flashmla") and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         major, minor = torch.cuda.get_device_capability()
-        return f"fa3 MLA needs SM90, this GPU is sm_{major}{minor}"
+        return f"{name} needs SM90, this GPU is sm_{major}{minor}"
     return None
 
 
@@ -296,6 +329,9 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
         "fa2_us": cell("fi-fa2"), "fa3_us": cell("fi-fa3"), "fi_us": fi_us, "fi_backend": fi_best,
         "fi_tbps": nbytes / (fi_us * 1e-6) / 1e12 if fi_us else None,
         "speedup": fi_us / meld_us if fi_us and meld_us else None,
+        "flashmla_us": cell("flashmla"),
+        "vs_flashmla": median_us(results["flashmla"]) / meld_us
+        if meld_us and isinstance(cell("flashmla"), float) else None,
         "meld_tbps": tbps, "meld_tflops": tflops,
         "pct_read": 100 * tbps / ceilings["read_tbps"] if tbps else None,
         "pct_mma": 100 * tflops / ceilings["matmul_bf16_tflops"] if tflops else None,
@@ -309,6 +345,7 @@ COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, err
     Column("B", "B"), Column("dist", "dist", align="<"), Column("sum_len", "tokens", "d"),
     Column("meld_us", "meld µs", ".1f"), Column("fa2_us", "fi-fa2 µs", ".1f"), Column("fa3_us", "fi-fa3 µs", ".1f"),
     Column("speedup", "speedup", ".2f"),
+    Column("flashmla_us", "FlashMLA µs", ".1f"), Column("vs_flashmla", "vs FlashMLA", ".2f"),
     Column("meld_tbps", "meld TB/s", ".2f"), Column("meld_tflops", "meld TFLOP/s", ".0f"),
     Column("pct_read", "%read", ".0f"), Column("pct_mma", "%mma", ".0f"),
     Column("meld_eager_us", "eager µs", ".1f"), Column("plan_us", "plan µs", ".0f"),
@@ -353,7 +390,8 @@ def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) ->
     """Import meld's DecodeMLA and FlashInfer's MLA wrapper once: one that fails is reported once (not once
     per case) and dropped."""
     imports = {"meld": ("meld", "DecodeMLA"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
-               "fi-fa3": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper")}
+               "fi-fa3": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
+               "flashmla": ("flash_mla", "flash_mla_with_kvcache")}
 
     def probe(name: str) -> None:
         module, attr = imports[name]
