@@ -232,3 +232,41 @@ def test_gpu_cuda_graph_replays_after_replans():
     """mode="reduce-overhead": one CUDA graph for the batch size, replayed after each plan()."""
     batches = ([5, 40, 17], [300, 1, 64], [0, 999, 2])
     check_compiled_matches_eager("cuda", "inductor", batches, mode="reduce-overhead")
+
+
+# --- DecodeMLA ----------------------------------------------------------------------------------------------
+def mla_inputs(lens, device="cpu"):
+    mla = meld.DecodeMLA(64, P, BF16, device, sm_scale=192 ** -0.5)
+    pb = paged(lens, P)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    g = torch.Generator().manual_seed(3)
+    qn, qp = (torch.randn(len(lens), 64, d, generator=g).to(BF16).to(device) for d in (512, 64))
+    ckv, kpe = (torch.randn(pb.num_pages, P, d, generator=g).to(BF16).to(device) for d in (512, 64))
+    return mla, qn, qp, ckv, kpe
+
+
+@pytest.mark.parametrize("with_lse,grad", [(True, False), (False, False), (True, True)])
+def test_opcheck_decode_mla(with_lse, grad):
+    mla, qn, qp, ckv, kpe = mla_inputs([5, 40, 0, 17])
+    lse = torch.empty(4, 64) if with_lse else None
+    torch.library.opcheck(torch.ops.meld.decode_mla.default,
+                          (qn.requires_grad_(grad), qp, ckv, kpe, torch.empty_like(qn), lse, mla.handle))
+
+
+def test_decode_mla_compiles_to_one_op_and_matches_eager():
+    mla, qn, qp, ckv, kpe = mla_inputs([7, 0, 70])
+    out, lse = torch_ops.decode_mla(mla, qn, qp, ckv, kpe, return_lse=True)
+    want, want_lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda *a: mla.run(*a, return_lse=True), fullgraph=True, backend=counter)
+    with torch.no_grad():
+        got, got_lse = step(qn, qp, ckv, kpe)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    assert torch.ops.meld.decode_mla.default in {n.target for gm in counter.graphs for n in gm.graph.nodes}
+    with pytest.raises(ValueError, match="mla must be a meld.DecodeMLA"):
+        torch_ops.decode_mla(object(), qn, qp, ckv, kpe)
+    narrow, empty = kpe[:, :, :32].contiguous(), torch.empty_like(qn)
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="kpe_cache must have shape"):
+        f = mode.from_tensor
+        torch.ops.meld.decode_mla(f(qn), f(qp), f(ckv), f(narrow), f(empty), None, mla.handle)

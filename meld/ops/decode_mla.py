@@ -194,6 +194,9 @@ class DecodeMLA(PagedDecode):
             out [B, num_heads, head_dim_ckv] (and lse). A request with no KV tokens gives zeros and lse -inf.
         Inputs that require grad are read as plain tensors; meld has no backward (NotImplementedError).
         """
+        if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
+            from .torch_ops import decode_mla
+            return decode_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse=return_lse, out=out, lse=lse)
         planned = self._run_start(return_lse)
         grads = grad_inputs(q_nope, q_pe, ckv_cache, kpe_cache)
         q_nope, q_pe, ckv_cache, kpe_cache = (plain(t) for t in (q_nope, q_pe, ckv_cache, kpe_cache))

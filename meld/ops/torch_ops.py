@@ -5,9 +5,10 @@ A custom op takes tensors and scalars, not Python objects, so each operator is n
 `handle` (given at construction), which `meld.ops.registry` maps back to it.
 
     torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle) -> ()       # DecodeAttention.run
+    torch.ops.meld.decode_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> ()   # DecodeMLA.run
     torch.ops.meld.moe(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> ()   # MoE()
 
-Both write their preallocated outputs, declared mutated (functionalisation and Inductor's re-inplacing
+All write their preallocated outputs, declared mutated (functionalisation and Inductor's re-inplacing
 handle them, as for vLLM's `unified_attention_with_output`), and return nothing; their fake
 implementations check dtypes and shapes against the operator when a graph is traced. Like vLLM's
 `direct_register_custom_op`, they are defined with `torch.library.Library` rather than
@@ -16,8 +17,9 @@ tools/torch_op_overhead.py times the op path against the direct call. meld has n
 kernel ties each op's outputs to its inputs that require grad, so a backward through them raises
 NotImplementedError naming the op (never a gradient that silently leaves the op out).
 
-`DecodeAttention.run` and `MoE.__call__` emit these ops by themselves while Dynamo traces, so model code
-needs no change; `decode_attention()` and `moe()` below take the op path always (eager included). plan()
+`DecodeAttention.run`, `DecodeMLA.run` and `MoE.__call__` emit these ops by themselves while Dynamo traces,
+so model code needs no change; `decode_attention()`, `decode_mla()` and `moe()` below take the op path always
+(eager included). plan()
 stays outside the graph, once per step, as engines build their attention metadata.
 
 Example:
@@ -33,6 +35,7 @@ import torch
 
 from .checks import check_tensors, expect, grad_inputs, no_backward
 from .decode_attention import DecodeAttention
+from .decode_mla import DecodeMLA
 from .moe import MoE
 from .registry import lookup
 
@@ -85,6 +88,24 @@ def _decode_attention_fake(q, kv_cache, out, lse, handle) -> None:
         expect("lse", lse, torch.float32, (q.shape[0], Hq), "batch, num_qo_heads", dev)
 
 
+def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
+    _required_out("decode_mla", out)
+    lookup(handle, DecodeMLA).run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse)
+
+
+def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
+    _required_out("decode_mla", out)
+    mla = lookup(handle, DecodeMLA)
+    H, Dc, Dr, P, dt, dev = mla.num_heads, mla.head_dim_ckv, mla.head_dim_kpe, mla.page_size, mla.dtype, mla.device
+    expect("q_nope", q_nope, dt, (None, H, Dc), "batch, num_heads, head_dim_ckv", dev)
+    expect("q_pe", q_pe, dt, (q_nope.shape[0], H, Dr), "batch, num_heads, head_dim_kpe", dev)
+    expect("ckv_cache", ckv_cache, dt, (None, P, Dc), "num_pages, page_size, head_dim_ckv", dev)
+    expect("kpe_cache", kpe_cache, dt, (ckv_cache.shape[0], P, Dr), "num_pages, page_size, head_dim_kpe", dev)
+    expect("out", out, dt, (q_nope.shape[0], H, Dc), "like q_nope", dev)
+    if lse is not None:
+        expect("lse", lse, torch.float32, (q_nope.shape[0], H), "batch, num_heads", dev)
+
+
 def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
     _required_out("moe", out)
     lookup(handle, MoE)(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
@@ -102,9 +123,12 @@ def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
 
 _define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle) -> ()",
         _decode_attention_impl, _decode_attention_fake, written=(2, 3))
+_define("decode_mla", "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor(a!) out, "
+        "Tensor(b!)? lse, int handle) -> ()", _decode_mla_impl, _decode_mla_fake, written=(4, 5))
 _define("moe", "(Tensor x, Tensor? router_logits, Tensor w13, Tensor w2, Tensor? topk_weights, Tensor? topk_ids, "
         "Tensor(a!) out, int handle) -> ()", _moe_impl, _moe_fake, written=(6,))
 _decode_attention_op = torch.ops.meld.decode_attention.default   # the overload: no resolution per call
+_decode_mla_op = torch.ops.meld.decode_mla.default
 _moe_op = torch.ops.meld.moe.default
 
 
@@ -124,6 +148,27 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
     if return_lse and lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     _decode_attention_op(q, kv_cache, out, lse, attn.handle)
+    return (out, lse) if return_lse else out
+
+
+def decode_mla(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+               kpe_cache: torch.Tensor, *, return_lse: bool = False, out: torch.Tensor | None = None,
+               lse: torch.Tensor | None = None):
+    """`mla.run(q_nope, q_pe, ckv_cache, kpe_cache, ...)` (same arguments and results) through
+    torch.ops.meld.decode_mla."""
+    if not isinstance(mla, DecodeMLA):
+        raise ValueError(f"mla must be a meld.DecodeMLA, got {type(mla).__name__}")
+    if return_lse is not True and return_lse is not False:
+        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
+    check_tensors({"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache},
+                  {"out": out, "lse": lse})
+    if q_nope.dim() != 3:
+        expect("q_nope", q_nope, mla.dtype, (None, mla.num_heads, mla.head_dim_ckv), "batch, num_heads, head_dim_ckv")
+    if out is None:
+        out = torch.empty(q_nope.shape, dtype=mla.dtype, device=q_nope.device)
+    if return_lse and lse is None:
+        lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+    _decode_mla_op(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, mla.handle)
     return (out, lse) if return_lse else out
 
 
