@@ -448,3 +448,67 @@ def test_cuda_graph_replay_across_replans_matches_flashinfer():
         graphs[ours].replay()
         torch.cuda.synchronize()
         assert torch.equal(outs[ours], eager_out), "plan(check=False) from device tensors plans the same batch"
+
+
+# --- BatchMLAPagedAttentionWrapper (FlashInfer's MLA, decode) on meld.DecodeMLA ---------------------------------
+def _mla_batch(lens, page_size=16, heads=64, seed=0):
+    from meld.workloads import paged as paged_
+
+    pb = paged_(lens, page_size)
+    g = torch.Generator().manual_seed(seed)
+    qn, qp = ((torch.randn(len(lens), heads, d, generator=g) / 3 ** 0.5).bfloat16() for d in (512, 64))
+    ckv, kpe = (torch.randn(pb.num_pages, page_size, d, generator=g).bfloat16() for d in (512, 64))
+    return pb, torch.tensor(lens, dtype=torch.int32), qn, qp, ckv, kpe
+
+
+def test_mla_wrapper_matches_float64_with_flashinfers_lse_base():
+    from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
+    from meld.runtime.reference import mla_reference
+
+    lens, scale = [5, 0, 70, 33], 192 ** -0.5
+    pb, kv_len, qn, qp, ckv, kpe = _mla_batch(lens)
+    w = BatchMLAPagedAttentionWrapper(torch.empty(16, dtype=torch.uint8))
+    w.plan(torch.arange(5, dtype=torch.int32), pb.kv_indptr, pb.kv_indices, kv_len, 64, 512, 64, 16, False, scale,
+           torch.bfloat16, "bfloat16")
+    out, lse2 = w.run(qn, qp, ckv, kpe, return_lse=True)
+    o, lse_e = w.run(qn, qp, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+    want_o, want_l = mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, scale)
+    torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse_e.double(), want_l, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2.double(), want_l * (1 / math.log(2)), rtol=1e-5, atol=1e-5)
+    buf = torch.full_like(qn, float("nan"))
+    assert w.run(qn, qp, ckv, kpe, out=buf) is buf and torch.equal(buf, out)
+
+
+@pytest.mark.parametrize("where,kw,err,match", [
+    ("plan", dict(head_dim_ckv=256), NotImplementedError, "head_dim_ckv=256"),
+    ("plan", dict(q_data_type=torch.float16), NotImplementedError, "q_data_type"),
+    ("plan", dict(kv_data_type=torch.float8_e4m3fn), NotImplementedError, "kv_data_type"),
+    ("plan", dict(use_profiler=True), NotImplementedError, "use_profiler"),
+    ("plan", dict(qo_indptr=torch.tensor([0, 2, 3, 4, 5], dtype=torch.int32)), NotImplementedError, "qo_indptr"),
+    ("plan", dict(kv_len_arr=torch.tensor([5, 0, 200, 33], dtype=torch.int32)), ValueError, r"kv_len_arr\[2\]=200"),
+    ("plan", dict(kv_len_arr=torch.tensor([5, 3, 70, 33], dtype=torch.int32)), ValueError, r"kv_len_arr\[1\]=3"),
+    ("plan", dict(causal=1), ValueError, "causal"),
+    ("run", dict(o_scale=1.0), NotImplementedError, "o_scale"),
+    ("run", dict(ckv_scale=1.0), NotImplementedError, "ckv_scale"),
+    ("run", dict(profiler_buffer=torch.empty(1)), NotImplementedError, "profiler_buffer"),
+    ("run", dict(return_lse=1), ValueError, "return_lse"),
+])
+def test_mla_wrapper_names_what_it_does_not_take(where, kw, err, match):
+    from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
+
+    lens = [5, 0, 70, 33]
+    pb, kv_len, qn, qp, ckv, kpe = _mla_batch(lens)
+    w = BatchMLAPagedAttentionWrapper(torch.empty(16, dtype=torch.uint8))
+    args = dict(qo_indptr=torch.arange(5, dtype=torch.int32), kv_indptr=pb.kv_indptr, kv_indices=pb.kv_indices,
+                kv_len_arr=kv_len, num_heads=64, head_dim_ckv=512, head_dim_kpe=64, page_size=16, causal=False,
+                sm_scale=0.07, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    if where == "plan":
+        with pytest.raises(err, match=match):
+            w.plan(**{**args, **kw})
+        with pytest.raises(RuntimeError, match="call plan"):
+            w.run(qn, qp, ckv, kpe)
+        return
+    w.plan(**args)
+    with pytest.raises(err, match=match):
+        w.run(qn, qp, ckv, kpe, **kw)
