@@ -512,3 +512,42 @@ def test_mla_wrapper_names_what_it_does_not_take(where, kw, err, match):
     w.plan(**args)
     with pytest.raises(err, match=match):
         w.run(qn, qp, ckv, kpe, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[2048] * 16, [1, 900, 4000, 64, 0, 65]])
+def test_mla_wrapper_matches_flashinfers_mla(lens):
+    """meld's BatchMLAPagedAttentionWrapper and FlashInfer's own (fa2) on one batch: the same plan() and run()
+    arguments, out and base-2 lse against each other and float64."""
+    flashinfer = _flashinfer()
+    import flashinfer.mla   # noqa: F401
+    from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
+    from meld.runtime.reference import mla_reference
+
+    pb, kv_len, qn, qp, ckv, kpe = _mla_batch(lens, page_size=64, heads=128)
+    qn, qp, ckv, kpe = (t.cuda() for t in (qn, qp, ckv, kpe))
+    scale, B = 192 ** -0.5, len(lens)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    args = (torch.arange(B + 1, dtype=torch.int32).cuda(), pb.kv_indptr.cuda(), pb.kv_indices.cuda(), kv_len.cuda(),
+            128, 512, 64, 64, False, scale, torch.bfloat16, torch.bfloat16)
+    outs = []
+    for w in (flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa2"), BatchMLAPagedAttentionWrapper(ws)):
+        w.plan(*args)
+        outs.append(w.run(qn, qp, ckv, kpe, return_lse=True))
+    (fi_o, fi_l), (o, l) = outs
+    ref, _ = mla_reference(qn, qp, ckv, kpe, pb.kv_indptr.cuda(), pb.kv_indices.cuda(), pb.kv_last_page_len.cuda(),
+                           scale)
+    rows = kv_len.cuda() > 0   # (an empty request: meld gives zeros and lse -inf, FlashInfer its own fill)
+    for got in (o, fi_o):
+        assert ((got[rows].double() - ref[rows]).norm() / ref[rows].norm()).item() < 1e-2
+    assert (l[rows] - fi_l[rows]).abs().max().item() < 1e-2, "lse must be FlashInfer's (base 2)"
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_decode_mla():
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5)
+    pb, _, qn, qp, ckv, kpe = _mla_batch([100, 0, 3000], page_size=64, heads=128)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    qn, qp, ckv, kpe = (t.cuda() for t in (qn, qp, ckv, kpe))
+    torch.library.opcheck(torch.ops.meld.decode_mla.default,
+                          (qn, qp, ckv, kpe, torch.empty_like(qn), torch.empty(3, 128, device="cuda"), mla.handle))
