@@ -551,3 +551,21 @@ def test_gpu_opcheck_decode_mla():
     qn, qp, ckv, kpe = (t.cuda() for t in (qn, qp, ckv, kpe))
     torch.library.opcheck(torch.ops.meld.decode_mla.default,
                           (qn, qp, ckv, kpe, torch.empty_like(qn), torch.empty(3, 128, device="cuda"), mla.handle))
+
+
+def test_mla_wrapper_checks_plan_arguments_before_reusing_an_operator():
+    """128.0 == 128 and True == 1 in Python: the operator cache must not let a bad value in once a good one
+    has planned (a campaign's find)."""
+    from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
+
+    pb, kv_len, *_ = _mla_batch([5, 0, 70, 33])
+    w = BatchMLAPagedAttentionWrapper(torch.empty(16, dtype=torch.uint8))
+    args = [torch.arange(5, dtype=torch.int32), pb.kv_indptr, pb.kv_indices, kv_len, 64, 512, 64, 16, False, 1.0,
+            torch.bfloat16, torch.bfloat16]
+    w.plan(*args)
+    for i, bad, match in ((4, 64.0, "num_heads"), (4, [64], "num_heads"), (9, True, "sm_scale"),
+                          (9, [1.0], "sm_scale"), (7, 16.0, "page_size")):
+        with pytest.raises(ValueError, match=match):
+            w.plan(*args[:i], bad, *args[i + 1:])
+    with pytest.raises(ValueError, match="kv_len_arr must be on the CPU or a CUDA device, got meta"):
+        w.plan(*args[:3], kv_len.to("meta"), *args[4:])

@@ -574,7 +574,9 @@ class BatchMLAPagedAttentionWrapper:
     unless return_lse_base_on_e=True; the workspace is held and unused; the kernel choice (backend) is meld's;
     kv_len and page_table (FlashInfer's cutlass backend's) are accepted and unused. With use_cuda_graph=True
     the operator's capacities are the given buffers' (qo_indptr: the batch, kv_indices: the pages), so a
-    captured run() stays valid across plans that fit them.
+    captured run() stays valid across plans that fit them. One operator per (num_heads, page_size, sm_scale)
+    is made on first plan() and kept, as the decode wrapper keeps its: a captured run() replays the operator
+    it was captured with, which must outlive the graph.
 
     Example (FlashInfer's own; `flashinfer.mla.` becomes `meld.compat.flashinfer.`):
         >>> wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
@@ -634,12 +636,20 @@ class BatchMLAPagedAttentionWrapper:
         for name, value, want in (("head_dim_ckv", head_dim_ckv, 512), ("head_dim_kpe", head_dim_kpe, 64)):
             if not is_int(value) or value != want:
                 raise _unsupported(name, value, "meld's MLA kernel is DeepSeek's: head_dim_ckv 512, head_dim_kpe 64")
-        page_size = check_positive("page_size", page_size)
+        num_heads, page_size = check_positive("num_heads", num_heads), check_positive("page_size", page_size)
+        sm_scale = float(check_finite("sm_scale", sm_scale))   # (the operator key: validated values only)
         host = {}
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
                         ("kv_len_arr", kv_len_arr)):
             expect(name, t, torch.int32, (None,), "a 1-D int32 tensor")
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
             host[name] = plain(t).cpu()
+        key = (num_heads, page_size, sm_scale)
+        op = self._ops.get(key)
+        if op is None:   # (its constructor checks num_heads and page_size against the kernel's)
+            capacity = dict(zip(("max_batch_size", "max_num_pages"), self._capacity)) if self._capacity else {}
+            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, **capacity)
         B = len(host["kv_len_arr"])
         if len(host["qo_indptr"]) != B + 1 or len(host["kv_indptr"]) != B + 1:
             raise ValueError(f"qo_indptr and kv_indptr must have len(kv_len_arr) + 1 = {B + 1} entries, got "
@@ -655,11 +665,6 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError(f"kv_len_arr[{b}]={int(lens[b])} does not fit its {int(pages[b])} pages of {page_size} "
                              f"tokens (kv_indptr)")
         last = torch.where(pages > 0, lens - (pages - 1) * page_size, 1).to(torch.int32)
-        key = (num_heads, page_size, sm_scale)
-        op = self._ops.get(key)
-        if op is None:
-            capacity = dict(zip(("max_batch_size", "max_num_pages"), self._capacity)) if self._capacity else {}
-            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, **capacity)
         op.plan(host["kv_indptr"], host["kv_indices"], last)
         self._ops[key] = self._op = op
 

@@ -219,9 +219,12 @@ class DecodeMLA(PagedDecode):
         P = self.page_size
         for name, t, d in (("ckv_cache", ckv_cache, self.head_dim_ckv), ("kpe_cache", kpe_cache, self.head_dim_kpe)):
             expect(name, t, self.dtype, (None, P, d), f"num_pages, page_size, {name[:3]} channels", self.device)
-            if t.stride(2) != 1 or t.stride(0) != P * t.stride(1) or t.stride(1) % 8 or t.data_ptr() % 16:
+            if t.stride(2) != 1 or t.stride(0) != P * t.stride(1) or t.stride(1) % 8:
                 raise ValueError(f"{name} must hold each token's channels contiguously in rows of 16-byte aligned "
                                  f"stride, pages one after another; got strides {t.stride()}")
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name} must start on a 16-byte boundary, got address {t.data_ptr():#x} (a view "
+                                 f"at element offset {t.storage_offset()})")
         if kpe_cache.shape[0] != ckv_cache.shape[0]:
             raise ValueError(f"ckv_cache has {ckv_cache.shape[0]} pages but kpe_cache {kpe_cache.shape[0]}")
         num_pages = ckv_cache.shape[0]
