@@ -469,7 +469,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     print()
     table.print()
-    print("speedup = best FlashInfer backend µs / meld µs (> 1: meld faster); TB/s = Σlen·576·2 bytes / time; "
+    print("speedup = best FlashInfer backend µs / meld µs, vs FlashMLA = FlashMLA µs / meld µs (> 1: meld faster); TB/s = Σlen·576·2 bytes / time; "
           "TFLOP/s = Σlen·H·1088·2 / time; %read = of the pure-read ceiling, %mma = of the bf16 matmul ceiling; "
           "times are CUDA-graph replay medians (cold L2), plan µs is meld's host plan() median")
     print(summary_line(table.rows, failures))
@@ -477,16 +477,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str:
-    head, span = failure_head(failures), speedup_span(rows)
+    head, span, fmla = failure_head(failures), speedup_span(rows), speedup_span(rows, "vs_flashmla")
+    vs_fmla = f"; meld vs FlashMLA {fmla}" if fmla else ""
     if span is None:
-        return f"summary: {head}; no meld-vs-FlashInfer ratio measured"
+        return f"summary: {head}; no meld-vs-FlashInfer ratio measured{vs_fmla}"
 
     def peak(key: str) -> tuple[float, str]:
         return max(((r[key], r["case"]) for r in rows if isinstance(r.get(key), float)), default=(math.nan, "-"))
 
     (rd, rd_case), (mm, mm_case) = peak("pct_read"), peak("pct_mma")
-    return (f"summary: meld vs best FlashInfer {span}; meld peaks at {rd:.0f}% of the read ceiling ({rd_case}) "
-            f"and {mm:.0f}% of the matmul ceiling ({mm_case}); {head}")
+    return (f"summary: meld vs best FlashInfer {span}{vs_fmla}; meld peaks at {rd:.0f}% of the read ceiling "
+            f"({rd_case}) and {mm:.0f}% of the matmul ceiling ({mm_case}); {head}")
 
 
 if __name__ == "__main__":

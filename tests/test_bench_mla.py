@@ -43,3 +43,12 @@ def test_check_against_reference_on_cpu():
     bad[1, 3, 7] = math.nan  # an unwritten element of a poisoned output
     _, _, problems = harness.check_output(bad, out, (lse / math.log(2)).float(), lse)  # and a base-2 lse
     assert any("NaN" in p for p in problems) and any("lse err" in p for p in problems)
+
+
+def test_summary_line_gives_both_peers_ratios():
+    from bench.mla import summary_line
+
+    rows = [{"case": "B=16 a", "speedup": 1.2, "vs_flashmla": 0.7, "pct_read": 20.0, "pct_mma": 30.0},
+            {"case": "B=128 b", "speedup": 1.4, "vs_flashmla": None, "pct_read": 30.0, "pct_mma": 45.0}]
+    line = summary_line(rows, [])
+    assert "meld vs best FlashInfer over 2 cases" in line and "meld vs FlashMLA over 1 cases: geomean 0.70x" in line
