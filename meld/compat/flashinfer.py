@@ -92,6 +92,15 @@ def _check_v_scale(v_scale: object, device: torch.device) -> None:
         raise ValueError(f"v_scale must be a number, got {v_scale!r}")
 
 
+def _check_workspace(buf: object) -> None:
+    """FlashInfer's float workspace: a tensor on the device the wrapper runs on (meld holds it, never reads it)."""
+    if not isinstance(buf, torch.Tensor):
+        raise ValueError(f"float_workspace_buffer must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"float_workspace_buffer must be on a CUDA device (or the CPU, for meld's CPU executor), "
+                         f"got {buf.device}")
+
+
 def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
     return all(s == e for s, e, n in zip(t.stride(), strides, t.shape) if n > 1)
 
@@ -142,12 +151,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                  paged_kv_indices_buffer: torch.Tensor | None = None,
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto",
                  jit_args: list | None = None) -> None:
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise ValueError("float_workspace_buffer must be a torch.Tensor, got "
-                             f"{type(float_workspace_buffer).__name__}")
-        if float_workspace_buffer.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"float_workspace_buffer must be on a CUDA device (or the CPU, for meld's CPU executor), "
-                             f"got {float_workspace_buffer.device}")
+        _check_workspace(float_workspace_buffer)
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         for name, flag in (("use_cuda_graph", use_cuda_graph), ("use_tensor_cores", use_tensor_cores)):
@@ -461,9 +465,7 @@ class MultiLevelCascadeAttentionWrapper:
                  paged_kv_indptr_buf_arr: list | None = None, paged_kv_indices_buf_arr: list | None = None,
                  paged_kv_last_page_len_buf_arr: list | None = None) -> None:
         self._num_levels = check_positive("num_levels", num_levels, 64)
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise ValueError("float_workspace_buffer must be a torch.Tensor, got "
-                             f"{type(float_workspace_buffer).__name__}")
+        _check_workspace(float_workspace_buffer)
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if use_cuda_graph is not False:
@@ -589,12 +591,7 @@ class BatchMLAPagedAttentionWrapper:
                  qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
                  kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
                  backend: str = "auto") -> None:
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise ValueError("float_workspace_buffer must be a torch.Tensor, got "
-                             f"{type(float_workspace_buffer).__name__}")
-        if float_workspace_buffer.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"float_workspace_buffer must be on a CUDA device (or the CPU, for meld's CPU executor), "
-                             f"got {float_workspace_buffer.device}")
+        _check_workspace(float_workspace_buffer)
         if not isinstance(use_cuda_graph, bool):
             raise ValueError(f"use_cuda_graph must be True or False, got {use_cuda_graph!r}")
         if backend not in _MLA_BACKENDS:
