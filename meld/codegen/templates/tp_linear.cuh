@@ -720,6 +720,7 @@ __device__ __forceinline__ void tp_every_done(const TpParams& p, int* team) {
 struct TpFamily {
   using Params = TpParams;
   static constexpr LaunchKind LAUNCH = LAUNCH_PLAIN;
+  static_assert(LAUNCH == LAUNCH_PLAIN, "run()'s roles return early: only a plain launch has nothing after run()");
   static constexpr int SMEM_ALIGN = 16;
   struct State {
     u32 raw;
