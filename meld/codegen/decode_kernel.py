@@ -119,7 +119,7 @@ class DecodeKernelConfig:
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("xrank.cuh"),
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),
                           template("decode_attention.cuh"), *([template("decode_xrank.cuh")] if self.xrank else [])])
 

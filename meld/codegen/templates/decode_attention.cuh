@@ -527,113 +527,127 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
   if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
 }
 
+// The family's persistent main (persistent.cuh): one CTA per SM (its shared memory decides), every warp
+// loading and computing its own tiles of the segment's units.
+struct DecodeFamily {
+  using Params = DecodeParams;
+  static constexpr LaunchKind LAUNCH = LAUNCH_OVERLAPPABLE;
+  static constexpr int SMEM_ALIGN = 1024;   // TMA 128-byte-swizzled boxes
+  struct State {
+    unsigned char* smem;
+    int warp, lane;
+    Place pl;
+    Profiler prof;
+    MergeArea& mg;
+    PartArea& pa;
+    Segment g;
+    u32 ring, bars;   // this warp's ring stages and their barriers (TMA)
+    LoadCursor lc;
+#if MELD_XRANK
+    int finished = 0;       // units whose final output this CTA wrote (to every rank)
+    bool started = false;   // every rank has started this launch
+#endif
+    __device__ __forceinline__ State(const DecodeParams& p, unsigned char* smem_)
+        : smem(smem_), warp(threadIdx.x >> 5), lane(threadIdx.x & 31),
+          mg(*reinterpret_cast<MergeArea*>(smem_ + RING_BYTES)), pa(*reinterpret_cast<PartArea*>(smem_ + PART_OFFSET)) {
+      pl.cta = p.cta_offset + blockIdx.x;
+      pl.cluster_first = pl.cta - (ONCHIP ? cluster_rank() : 0);
+      pl.cluster_ctas = ONCHIP ? cluster_size() : 1;
+    }
+  };
+
+  // The segment, the barriers and the first tiles' addresses: only plan() tables, which the op before
+  // (an overlapped launch's) has not written.
+  static __device__ __forceinline__ void setup(const DecodeParams& p, State& s) {
+    s.prof.begin(p.prof, p.prof_cap, s.pl.cta, threadIdx.x == 0, p.prof_clock, p.prof_every);
+    if (ONCHIP) {
+      if (threadIdx.x == 0) s.pa.counter = 0u;
+      cluster_arrive();     // the counter is zero before any peer counts on it
+      cluster_wait();
+    }
+    s.g = load_segment(p.cta_table, p.num_ctas, s.pl.cta);   // split_kv.cuh
+    s.ring = smem_addr(s.smem) + s.warp * STAGES * STAGE_BYTES;
+    s.bars = smem_addr(s.smem + MBAR_OFFSET) + s.warp * STAGES * 8;
+    if (TMA) {
+      if (s.lane == 0)
+        for (int st = 0; st < STAGES; ++st) mbar_init(s.bars + 8 * st, 1);
+      fence_mbar_init();
+      __syncwarp();
+    }
+    if (!s.g.empty) {
+      s.lc.u = s.g.u_begin;
+      s.lc.x = load_unit(p, s.g, s.lc.u, s.pl);
+      s.lc.j = s.warp;
+      s.lc.live = true;
+      cursor_seek(p, s.g, s.lc, s.pl, s.warp, s.lane);
+    }
+  }
+
+  static __device__ __forceinline__ void run(const DecodeParams& p, State& s) {
+    const Segment& g = s.g;
+    const Place& pl = s.pl;
+    const int warp = s.warp, lane = s.lane;
+    LoadCursor& lc = s.lc;
+    Profiler& prof = s.prof;
+#if MELD_XRANK
+    if (pl.cta == 0 && threadIdx.x == 0) xrank_announce(p, pl.cta);
+#endif
+    if (!g.empty) {
+#pragma unroll
+      for (int st = 0; st < STAGES - 1; ++st) issue_tile(p, g, lc, s.ring, s.bars, st, pl, warp, lane);
+
+      WarpState ws;
+      int cs = 0;
+      u32 phases = 0;
+      for (int u = g.u_begin; u <= g.u_last; ++u) {
+        Unit x = load_unit(p, g, u, pl);
+        load_q(p, x, ws, lane);
+        for (;;) {   // the unit's piece here (MELD_CHUNKED: each of its chunks here)
+          const i64 t0 = prof.now();
+          const int nt = x.num_tiles();
+          for (int j = warp; j < nt; j += WARPS) {
+            wait_tile(p, s.bars, cs, phases, pl.cta, warp, u);
+            const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
+            issue_tile(p, g, lc, s.ring, s.bars, ns, pl, warp, lane);
+            compute_tile(p, ws, s.ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
+            cs = cs + 1 == STAGES ? 0 : cs + 1;
+          }
+#if MELD_XRANK
+          if (!s.started) {
+            xrank_await_started(p, pl.cta);
+            s.started = true;
+          }
+#endif
+          const bool merge = finish_piece(p, x, u, pl, ws, s.mg, s.pa, warp, lane);
+          prof.record(t0, PROF_PIECE, u);
+          if (merge) {
+            const i64 t1 = prof.now();
+            merge_unit(p, x, u, pl, s.pa);
+            prof.record(t1, x.onchip ? PROF_MERGE_DSMEM : PROF_MERGE_HBM, u);
+          }
+#if MELD_XRANK
+          if (merge || x.slot < 0) s.finished += xrank_finish(p, x, u, pl.cta, s.mg);
+#endif
+          if (!CHUNKED || x.k >= x.k_last) break;
+          enter_chunk(p, x, u, x.k + 1);
+          reset_state(ws);
+        }
+      }
+      if (!TMA) cp_async_wait<0>();   // (TMA: every issued tile was waited for)
+    }
+    if (ONCHIP) {           // peers may still read this CTA's partials: leave together
+      const i64 t0 = prof.now();
+      cluster_arrive();
+      cluster_wait();
+      prof.record(t0, PROF_CLUSTER_WAIT, -1);
+    }
+#if MELD_XRANK
+    xrank_exit(p, pl.cta, s.finished, s.mg);
+#endif
+    prof.end(p.num_ctas);
+  }
+};
+
 }  // namespace meld
 
-extern "C" __global__ void __launch_bounds__(meld::THREADS, 1)   // one CTA per SM: its shared memory decides
-meld_decode_attention(const __grid_constant__ DecodeParams p) {
-  using namespace meld;
-  extern __shared__ __align__(1024) unsigned char smem[];   // 1024: TMA 128-byte-swizzled boxes
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  Place pl;
-  pl.cta = p.cta_offset + blockIdx.x;
-  pl.cluster_first = pl.cta - (ONCHIP ? cluster_rank() : 0);
-  pl.cluster_ctas = ONCHIP ? cluster_size() : 1;
-  // Plain launch: the next grid of the mix may start once every CTA runs. Overlapped launch (wait_inputs,
-  // the first grid only): a programmatic dependent of the op before it, whose output (q, the KV cache)
-  // is read only after grid_dependency_wait below; the later grids start after that wait, so they never
-  // see that op's output unfinished either.
-  if (!p.wait_inputs) launch_dependents();
-  Profiler prof;
-  prof.begin(p.prof, p.prof_cap, pl.cta, threadIdx.x == 0, p.prof_clock, p.prof_every);
-  MergeArea& mg = *reinterpret_cast<MergeArea*>(smem + RING_BYTES);
-  PartArea& pa = *reinterpret_cast<PartArea*>(smem + PART_OFFSET);
-  if (ONCHIP) {
-    if (threadIdx.x == 0) pa.counter = 0u;
-    cluster_arrive();     // the counter is zero before any peer counts on it
-    cluster_wait();
-  }
-  const Segment g = load_segment(p.cta_table, p.num_ctas, pl.cta);   // split_kv.cuh
-  const u32 ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
-  const u32 bars = smem_addr(smem + MBAR_OFFSET) + warp * STAGES * 8;   // this warp's stage barriers (TMA)
-  if (TMA) {
-    if (lane == 0)
-      for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1);
-    fence_mbar_init();
-    __syncwarp();
-  }
-  LoadCursor lc;
-#if MELD_XRANK
-  int finished = 0;       // units whose final output this CTA wrote (to every rank)
-  bool started = false;   // every rank has started this launch
-#endif
-  if (!g.empty) {   // the prologue reads only plan() tables: the op before has not written them
-    lc.u = g.u_begin;
-    lc.x = load_unit(p, g, lc.u, pl);
-    lc.j = warp;
-    lc.live = true;
-    cursor_seek(p, g, lc, pl, warp, lane);
-  }
-  if (p.wait_inputs) {
-    grid_dependency_wait();
-    launch_dependents();
-  }
-#if MELD_XRANK
-  if (pl.cta == 0 && threadIdx.x == 0) xrank_announce(p, pl.cta);
-#endif
-  if (!g.empty) {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue_tile(p, g, lc, ring, bars, s, pl, warp, lane);
-
-    WarpState st;
-    int cs = 0;
-    u32 phases = 0;
-    for (int u = g.u_begin; u <= g.u_last; ++u) {
-      Unit x = load_unit(p, g, u, pl);
-      load_q(p, x, st, lane);
-      for (;;) {   // the unit's piece here (MELD_CHUNKED: each of its chunks here)
-        const i64 t0 = prof.now();
-        const int nt = x.num_tiles();
-        for (int j = warp; j < nt; j += WARPS) {
-          wait_tile(p, bars, cs, phases, pl.cta, warp, u);
-          const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
-          issue_tile(p, g, lc, ring, bars, ns, pl, warp, lane);
-          compute_tile(p, st, ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
-          cs = cs + 1 == STAGES ? 0 : cs + 1;
-        }
-#if MELD_XRANK
-        if (!started) {
-          xrank_await_started(p, pl.cta);
-          started = true;
-        }
-#endif
-        const bool merge = finish_piece(p, x, u, pl, st, mg, pa, warp, lane);
-        prof.record(t0, PROF_PIECE, u);
-        if (merge) {
-          const i64 t1 = prof.now();
-          merge_unit(p, x, u, pl, pa);
-          prof.record(t1, x.onchip ? PROF_MERGE_DSMEM : PROF_MERGE_HBM, u);
-        }
-#if MELD_XRANK
-        if (merge || x.slot < 0) finished += xrank_finish(p, x, u, pl.cta, mg);
-#endif
-        if (!CHUNKED || x.k >= x.k_last) break;
-        enter_chunk(p, x, u, x.k + 1);
-        reset_state(st);
-      }
-    }
-    if (!TMA) cp_async_wait<0>();   // (TMA: every issued tile was waited for)
-  }
-  if (ONCHIP) {           // peers may still read this CTA's partials: leave together
-    const i64 t0 = prof.now();
-    cluster_arrive();
-    cluster_wait();
-    prof.record(t0, PROF_CLUSTER_WAIT, -1);
-  }
-#if MELD_XRANK
-  xrank_exit(p, pl.cta, finished, mg);
-#endif
-  prof.end(p.num_ctas);
-  // A later grid of a mixed launch (a programmatic dependent launch) ends only after the grid before
-  // it, so the stream's next work sees every grid's output. A plain launch returns at once.
-  grid_dependency_wait();
-}
+MELD_PERSISTENT_KERNEL(meld_decode_attention, meld::DecodeFamily, meld::THREADS, 1)

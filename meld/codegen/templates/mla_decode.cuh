@@ -452,44 +452,57 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
   }
 }
 
+// The family's persistent main (persistent.cuh): the shared-memory places, the barriers, the three roles.
+struct MlaFamily {
+  using Params = MlaParams;
+  static constexpr LaunchKind LAUNCH = LAUNCH_OVERLAPPABLE;
+  static constexpr int SMEM_ALIGN = 1024;
+  struct State {
+    u32 raw, base;   // (MlaKernelConfig asks 1 KiB more: base is the first 1 KiB boundary)
+    Bars b;
+    Stats& sx;
+    int cta;
+    __device__ __forceinline__ State(const MlaParams& p, unsigned char* smem)
+        : raw(smem_addr(smem)), base((raw + 1023) & ~1023u), b(base + OFF_BARS),
+          sx(*reinterpret_cast<Stats*>(smem + (base - raw) + OFF_STATS)), cta(p.cta_offset + blockIdx.x) {}
+  };
+
+  static __device__ __forceinline__ void setup(const MlaParams& p, const State& s) {
+    if (threadIdx.x == 0) {
+      for (int st = 0; st < STAGES; ++st) {
+        mbar_init(s.b.full + 8 * st, 1);
+        mbar_init(s.b.empty + 8 * st, 8);   // the consumer warps
+      }
+      mbar_init(s.b.q_full, 96);   // the loader threads
+      mbar_init(s.b.q_empty, 4);   // the score warpgroup's warps
+      fence_mbar_init();
+    }
+    __syncthreads();
+  }
+
+  static __device__ __forceinline__ void score_role(const MlaParams& p, const UnitWalk& w, const State& s) {
+    Profiler prof;
+    prof.begin(p.prof, p.prof_cap, s.cta, threadIdx.x == 128, p.prof_clock, p.prof_every);
+    mla_score(p, w, s.base, s.base + OFF_RING, s.base + OFF_P, s.sx, s.b, prof);
+    prof.end(p.num_ctas);
+  }
+
+  static __device__ __forceinline__ void run(const MlaParams& p, const State& s) {
+    const UnitWalk w(p, s.cta);
+    if (threadIdx.x < 128) {
+      regs_dealloc<56>();
+      if (threadIdx.x == 0) mla_produce(p, w, s.base + OFF_RING, s.b);
+      else if (threadIdx.x >= 32) mla_load_q(p, w, s.base, s.b);
+    } else if (threadIdx.x < 256) {   // (224 registers each spilled the score warpgroup: it holds S and O)
+      regs_alloc<240>();
+      score_role(p, w, s);
+    } else {
+      regs_alloc<208>();
+      mla_value(p, w, s.base + OFF_RING, s.base + OFF_P, s.sx, s.b);
+    }
+  }
+};
+
 }  // namespace meld
 
-extern "C" __global__ void __launch_bounds__(384, 1) meld_mla_decode(const __grid_constant__ MlaParams p) {
-  using namespace meld;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const u32 raw = smem_addr(smem), base = (raw + 1023) & ~1023u;   // (MlaKernelConfig asks 1 KiB more)
-  const Bars b(base + OFF_BARS);
-  Stats& sx = *reinterpret_cast<Stats*>(smem + (base - raw) + OFF_STATS);
-  const int cta = p.cta_offset + blockIdx.x;
-  if (!p.wait_inputs) launch_dependents();
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(b.full + 8 * s, 1);
-      mbar_init(b.empty + 8 * s, 8);   // the consumer warps
-    }
-    mbar_init(b.q_full, 96);   // the loader threads
-    mbar_init(b.q_empty, 4);   // the score warpgroup's warps
-    fence_mbar_init();
-  }
-  __syncthreads();
-  if (p.wait_inputs) {
-    grid_dependency_wait();
-    launch_dependents();
-  }
-  const UnitWalk w(p, cta);
-  if (threadIdx.x < 128) {
-    regs_dealloc<56>();
-    if (threadIdx.x == 0) mla_produce(p, w, base + OFF_RING, b);
-    else if (threadIdx.x >= 32) mla_load_q(p, w, base, b);
-  } else if (threadIdx.x < 256) {   // (224 registers each spilled the score warpgroup: it holds S and O)
-    regs_alloc<240>();
-    Profiler prof;
-    prof.begin(p.prof, p.prof_cap, cta, threadIdx.x == 128, p.prof_clock, p.prof_every);
-    mla_score(p, w, base, base + OFF_RING, base + OFF_P, sx, b, prof);
-    prof.end(p.num_ctas);
-  } else {
-    regs_alloc<208>();
-    mla_value(p, w, base + OFF_RING, base + OFF_P, sx, b);
-  }
-  grid_dependency_wait();
-}
+MELD_PERSISTENT_KERNEL(meld_mla_decode, meld::MlaFamily, 384, 1)

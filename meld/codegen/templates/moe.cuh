@@ -793,39 +793,62 @@ __device__ void epilogue(const MoeParams& p, Mailbox mb) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) meld_moe_main(const __grid_constant__ MoeParams p) {
-  extern __shared__ unsigned char smem_raw[];
-  const u32 raw = smem_addr(smem_raw);
-  const Ring ring = Ring::at<STAGE_BYTES>(raw);
-  const u32 task_full = ring.end(), task_empty = task_full + 16;
-  Mailbox mb;
-  mb.full = task_empty + 16;
-  mb.empty = mb.full + 16;
-  int* slots = (int*)(smem_raw + (mb.empty + 16 - raw));
-  mb.box = slots + 8;
-  int* combine_list = mb.box + 4;   // [count, tokens...]: at most BLOCK_TOKENS tokens
-  float* xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);   // narrow gemm1 tiles: [128][ACC + 1] up values
-  if (threadIdx.x == 0) {
-    ring.init(CONSUMERS / 32);
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(task_full + 8 * s, 1);
-      mbar_init(task_empty + 8 * s, CONSUMERS / 32);
-      mbar_init(mb.full + 8 * s, CONSUMERS);
-      mbar_init(mb.empty + 8 * s, 1);
+// The family's persistent main (persistent.cuh): the ring, the task and epilogue mailboxes, the roles. A
+// programmatic dependent of dispatch: the setup overlaps its tail.
+struct MoeFamily {
+  using Params = MoeParams;
+  static constexpr LaunchKind LAUNCH = LAUNCH_DEPENDENT;
+  static constexpr int SMEM_ALIGN = 16;
+  struct State {
+    u32 raw;
+    Ring ring;
+    u32 task_full, task_empty;
+    Mailbox mb;
+    int* slots;
+    int* combine_list;   // [count, tokens...]: at most BLOCK_TOKENS tokens
+    float* xchg;         // narrow gemm1 tiles: [128][ACC + 1] up values
+    __device__ __forceinline__ State(const MoeParams&, unsigned char* smem)
+        : raw(smem_addr(smem)), ring(Ring::at<STAGE_BYTES>(raw)), task_full(ring.end()), task_empty(task_full + 16) {
+      mb.full = task_empty + 16;
+      mb.empty = mb.full + 16;
+      slots = (int*)(smem + (mb.empty + 16 - raw));
+      mb.box = slots + 8;
+      combine_list = mb.box + 4;
+      xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);
     }
-    fence_mbar_init();
+  };
+
+  static __device__ __forceinline__ void setup(const MoeParams&, const State& s) {
+    if (threadIdx.x == 0) {
+      s.ring.init(CONSUMERS / 32);
+      for (int st = 0; st < 2; ++st) {
+        mbar_init(s.task_full + 8 * st, 1);
+        mbar_init(s.task_empty + 8 * st, CONSUMERS / 32);
+        mbar_init(s.mb.full + 8 * st, CONSUMERS);
+        mbar_init(s.mb.empty + 8 * st, 1);
+      }
+      fence_mbar_init();
+    }
+    __syncthreads();
   }
-  __syncthreads();
-  grid_dependency_wait();   // a programmatic dependent of dispatch: the prologue above overlapped its tail
-  if (threadIdx.x < 128) {
-    regs_dealloc<56>();   // (the producer spilled at 40; the consumers fit 224 without spilling: 56 x 128 + 224 x 256
-                          //  threads' registers = the 168 x 384 the CTA starts with)
-    if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);
-    else if (threadIdx.x / 32 == 1) epilogue(p, mb);
-  } else {
-    regs_alloc<224>();
-    consume(p, ring, task_full, task_empty, slots, mb, combine_list, xchg);
+
+  static __device__ __forceinline__ void run(const MoeParams& p, const State& s) {
+    const Ring ring = s.ring;
+    const u32 task_full = s.task_full, task_empty = s.task_empty;
+    const Mailbox mb = s.mb;
+    int* slots = s.slots;
+    if (threadIdx.x < 128) {
+      regs_dealloc<56>();   // (the producer spilled at 40; the consumers fit 224 without spilling: 56 x 128 + 224 x 256
+                            //  threads' registers = the 168 x 384 the CTA starts with)
+      if (threadIdx.x == 0) produce(p, ring, task_full, task_empty, slots);
+      else if (threadIdx.x / 32 == 1) epilogue(p, mb);
+    } else {
+      regs_alloc<224>();
+      consume(p, ring, task_full, task_empty, slots, mb, s.combine_list, s.xchg);
+    }
   }
-}
+};
 
 }  // namespace meld
+
+MELD_PERSISTENT_KERNEL(meld_moe_main, meld::MoeFamily, 384, 1)

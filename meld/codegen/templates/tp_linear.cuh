@@ -715,52 +715,69 @@ __device__ __forceinline__ void tp_every_done(const TpParams& p, int* team) {
   *p.xlaunch = tp_launch(p);
 }
 
-extern "C" __global__ void __launch_bounds__(128 + CONSUMERS, CTAS_PER_SM) meld_tp_linear(const __grid_constant__ TpParams p) {
-  extern __shared__ unsigned char smem_raw[];
-  const u32 raw = smem_addr(smem_raw);
-  const Ring ring = Ring::at<STAGE_BYTES>(raw);
-  unsigned char* staged = smem_raw + (ring.end() - raw);   // staging, then four mbarriers and eight ints
-  const u32 bars = ring.end() + STAGED_BYTES;
-  int* team = reinterpret_cast<int*>(staged + STAGED_BYTES + 32);   // [claim, consumers' claim (2), mergers'
-                                                                     // claim (2), consumers' ready claim (2; owner
-                                                                     // merges: last), profile records (TEAM_RECORDS)]
-  if (threadIdx.x == 0) {
-    ring.init(CONSUMERS / 32);
-    for (int b = 0; b < 2; ++b) {
-      mbar_init(staged_full(bars, b), 1);    // buffer b's chunk is staged (the consumers)
-      mbar_init(staged_empty(bars, b), 1);   // it has been read (the sender)
+// The family's persistent main (persistent.cuh): the ring, the staging buffers and their barriers, the team
+// words; a plain launch.
+struct TpFamily {
+  using Params = TpParams;
+  static constexpr LaunchKind LAUNCH = LAUNCH_PLAIN;
+  static_assert(LAUNCH == LAUNCH_PLAIN, "run()'s roles return early: only a plain launch has nothing after run()");
+  static constexpr int SMEM_ALIGN = 16;
+  struct State {
+    u32 raw;
+    Ring ring;
+    unsigned char* staged;   // staging, then four mbarriers and eight ints
+    u32 bars;
+    int* team;               // [claim, consumers' claim (2), mergers' claim (2), consumers' ready claim (2; owner
+                             //  merges: last), profile records (TEAM_RECORDS)]
+    __device__ __forceinline__ State(const TpParams&, unsigned char* smem)
+        : raw(smem_addr(smem)), ring(Ring::at<STAGE_BYTES>(raw)), staged(smem + (ring.end() - raw)),
+          bars(ring.end() + STAGED_BYTES), team(reinterpret_cast<int*>(staged + STAGED_BYTES + 32)) {}
+  };
+
+  static __device__ __forceinline__ void setup(const TpParams& p, const State& s) {
+    if (threadIdx.x == 0) {
+      s.ring.init(CONSUMERS / 32);
+      for (int b = 0; b < 2; ++b) {
+        mbar_init(staged_full(s.bars, b), 1);    // buffer b's chunk is staged (the consumers)
+        mbar_init(staged_empty(s.bars, b), 1);   // it has been read (the sender)
+      }
+      s.team[0] = s.team[TEAM_RECORDS] = 0;
+      fence_mbar_init();
     }
-    team[0] = team[TEAM_RECORDS] = 0;
-    fence_mbar_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {   // (the CTA's profile header: its records are the other threads')
-    Profiler head;
-    head.begin(p.prof, p.prof_cap, blockIdx.x, true, nullptr, 1);
-  }
-  if (threadIdx.x < 128) {
-    if (TP_WGS == 2) regs_dealloc<104>();   // (two consumer warpgroups: their accumulators take the registers)
-    if (threadIdx.x == 0) tp_produce(p, ring);
-    if (!TP_EVERY || threadIdx.x < 32) return;
-    const bool direct = !TP_PROXY && p.direct;
-    if (threadIdx.x == 32) {
-      if (!direct)
-        tp_send(p, ring.end(), bars, team);
-      else if (blockIdx.x == 0)
-        xrank_announce_peers(tp_windows(p), tp_launch(p));
+    __syncthreads();
+    if (threadIdx.x == 0) {   // (the CTA's profile header: its records are the other threads')
+      Profiler head;
+      head.begin(p.prof, p.prof_cap, blockIdx.x, true, nullptr, 1);
     }
-    __syncwarp();
-    if (threadIdx.x >= 64 && !direct) tp_merge_team<4, MERGER_U4>(p, threadIdx.x - 64, 64, 2, 1, team, team + 3, threadIdx.x / 32);
-    tp_every_done(p, team);
-    return;
   }
-  if (TP_WGS == 2) regs_alloc<200>();
-  if (TP_EVERY) {
-    tp_consume_every(p, ring, reinterpret_cast<Part*>(staged), bars, team);
-    tp_every_done(p, team);
-  } else {
-    tp_consume(p, ring, reinterpret_cast<u16*>(staged), team);
+
+  static __device__ __forceinline__ void run(const TpParams& p, const State& s) {
+    if (threadIdx.x < 128) {
+      if (TP_WGS == 2) regs_dealloc<104>();   // (two consumer warpgroups: their accumulators take the registers)
+      if (threadIdx.x == 0) tp_produce(p, s.ring);
+      if (!TP_EVERY || threadIdx.x < 32) return;
+      const bool direct = !TP_PROXY && p.direct;
+      if (threadIdx.x == 32) {
+        if (!direct)
+          tp_send(p, s.ring.end(), s.bars, s.team);
+        else if (blockIdx.x == 0)
+          xrank_announce_peers(tp_windows(p), tp_launch(p));
+      }
+      __syncwarp();
+      if (threadIdx.x >= 64 && !direct) tp_merge_team<4, MERGER_U4>(p, threadIdx.x - 64, 64, 2, 1, s.team, s.team + 3, threadIdx.x / 32);
+      tp_every_done(p, s.team);
+      return;
+    }
+    if (TP_WGS == 2) regs_alloc<200>();
+    if (TP_EVERY) {
+      tp_consume_every(p, s.ring, reinterpret_cast<Part*>(s.staged), s.bars, s.team);
+      tp_every_done(p, s.team);
+    } else {
+      tp_consume(p, s.ring, reinterpret_cast<u16*>(s.staged), s.team);
+    }
   }
-}
+};
 
 }  // namespace meld
+
+MELD_PERSISTENT_KERNEL(meld_tp_linear, meld::TpFamily, 128 + meld::CONSUMERS, CTAS_PER_SM)
