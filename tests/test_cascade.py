@@ -71,7 +71,7 @@ def check(levels, q, kv, **kw):
 def test_graph_is_decode_attention_with_one_producer_per_level():
     g = meld.ops.cascade_decode_graph(HQ, HKV, D, P, 3)
     low = lower(g)
-    assert (low.family, low.combiner, low.kernel) == ("grouped_attention", "online_softmax", None)
+    assert (low.family, low.combiner, low.kernel) == ("grouped_attention", "online_softmax", "grouped_attention.cuh")
     assert low.producers == tuple(level_task(i) for i in range(3))
     assert lower(meld.ops.cascade_decode_graph(HQ, HKV, D, P, 1)).family == "grouped_attention", (
         "one level over groups of requests still reads a group's KV once for all of them")
@@ -344,3 +344,82 @@ def test_the_reference_makes_every_row_with_a_non_finite_score_nan():
     _, (out, lse) = run_op(levels, q, kv, num_ctas=4)
     torch.testing.assert_close(lse.double(), want_l, rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def _kernel_walk(plan, order, q, kv, sm_scale):
+    """templates/grouped_attention.cuh's indexing in float64 NumPy: the launch tables as the kernel reads them
+    (each CTA's tasks, a task's group through producer_groups, its rows r = request * G + head in 16-row
+    blocks, row slots slot + r), the count-fired merge through part_slot, and the events with no part."""
+    from meld.scheduler.split_reduce_plan import launch_tables
+
+    lt, t, ev = launch_tables(plan, order), plan.task_columns(), plan.event_columns()
+    B, Hq, Dh = q.shape
+    G, Pg = plan.group_size, kv.shape[2]
+    q64, kv64 = q.double().numpy(), kv.double().numpy()
+    part_o, part_lse = np.full((plan.num_slots, Dh), np.nan), np.full(plan.num_slots, np.nan)
+    out, lse = np.full((B, Hq, Dh), np.nan), np.full((B, Hq), np.nan)
+    counters = np.zeros(B * plan.num_kv_heads, dtype=np.int64)
+
+    def merge(e):
+        b, h = e % B, e // B
+        slots = plan.part_slot[ev["part_first"][e]:ev["part_first"][e] + ev["parts"][e]]
+        for j in range(G):
+            ls = part_lse[slots + j]
+            if len(slots) == 0:
+                out[b, h * G + j], lse[b, h * G + j] = 0.0, -np.inf
+                continue
+            m = np.max(ls)
+            w = np.exp2(ls - m)
+            out[b, h * G + j] = (w[:, None] * part_o[slots + j]).sum(0) / w.sum()
+            lse[b, h * G + j] = (m + np.log2(w.sum())) * math.log(2)
+
+    for e in np.flatnonzero(ev["parts"] == 0):
+        merge(int(e))
+    for cta in range(plan.num_ctas):
+        for i in range(lt["cta_first"][cta], lt["cta_first"][cta + 1]):
+            assert t["cta"][i] == cta
+            gid = lt["producer_groups"][t["producer"][i]] + t["group"][i]
+            q0, pages = lt["group_q0"][gid], lt["kv_indices"][lt["group_pages"][gid]:]
+            rows, h = t["event_count"][i] * G, t["kv_head"][i]
+            pos = np.arange(t["kv_begin"][i], t["kv_end"][i])
+            page = pages[pos // Pg]
+            k, v = kv64[page, 0, pos % Pg, h], kv64[page, 1, pos % Pg, h]
+            for r in range(rows):
+                s = (q64[q0 + r // G, h * G + r % G] @ k.T) * sm_scale * math.log2(math.e)
+                m = np.max(s)
+                p = np.exp2(s - m)
+                part_o[t["slot"][i] + r] = p @ v / p.sum()
+                part_lse[t["slot"][i] + r] = m + np.log2(p.sum())
+            for e in range(t["event_first"][i], t["event_first"][i] + t["event_count"][i]):
+                counters[e] += 1
+                if counters[e] == ev["parts"][e]:
+                    merge(e)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+@pytest.mark.parametrize("groups,prefix,suffix,ctas", [
+    ([4], [300], [5, 0, 17, 64], 8),
+    ([3, 1, 4], [129, 16, 1000], [1, 2, 3, 4, 5, 6, 7, 70], 16),
+    ([2, 2], [0, 40], [0, 9, 0, 33], 3),
+])
+def test_the_kernels_walk_of_its_launch_tables_is_the_reference(groups, prefix, suffix, ctas):
+    levels, q, kv = batch(groups, prefix, suffix)
+    op, _ = run_op(levels, q, kv, num_ctas=ctas)
+    _, tables, plan = op.plan_tables
+    order = [tables[level_task(lv)] for lv in range(len(levels))]
+    got_o, got_l = _kernel_walk(plan, order, q, kv, 1 / math.sqrt(D))
+    want_o, want_l = cascade_reference(q, kv, levels)
+    torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9, equal_nan=True)
+    torch.testing.assert_close(got_l, want_l, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_grouped_kernel_compiles_for_sm90a(head_dim):
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+    from tests.kernel_matrix import nvcc
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cfg = GroupedKernelConfig("bfloat16", head_dim)
+    _, log = nvcc(cfg.render(), cfg.name)
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log

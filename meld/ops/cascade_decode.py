@@ -7,8 +7,9 @@ the planner (`meld.scheduler.plan_split_reduce`) balances every level's pieces t
 executor runs the plan from the graph: a level's group is read once for all its requests, and each
 (request, kv head) merges its parts as soon as the last one arrives.
 
-Where it stands: the CPU reference executor runs it. The GPU kernel has no prefix task body yet (a piece
-whose query rows are a whole group's requests), so a CUDA device is refused at construction.
+On a GPU the grouped-attention kernel (templates/grouped_attention.cuh) walks the same tables: a CTA's
+warps take the task's 16-row blocks of the group's query rows, and the arrival that completes an event's
+count merges it in the same launch. NOT YET RUN ON A GPU (written 2026-12-02 without device time).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from ..scheduler.split_reduce_plan import GroupTable, plan_split_reduce
+from ..scheduler.split_reduce_plan import GroupTable, launch_tables, plan_split_reduce
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -27,6 +28,10 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 H200_SMS = 132
 
 
+def _describe_task(unit: int) -> str:
+    return f"split-reduce task {unit}"
+
+
 class CascadeDecode(Operator):
     """Decode attention over `num_levels` levels of paged KV, each a page table per group of requests.
 
@@ -34,7 +39,7 @@ class CascadeDecode(Operator):
         num_qo_heads, num_kv_heads, head_dim, page_size: as `meld.DecodeAttention` (head_dim 64, 128 or 256).
         num_levels: levels of the cascade (>= 1; one level is plain decode).
         dtype: torch.bfloat16 or torch.float16 (q, KV cache and output).
-        device: "cpu" (the reference executor); the GPU kernel has no cascade task body yet.
+        device: "cuda[:i]" (the grouped-attention kernel) or "cpu" (the reference executor).
         sm_scale: softmax scale, a finite number; default 1/sqrt(head_dim).
         num_ctas: CTAs the planner balances the pieces over (default: the H200's SMs).
     """
@@ -49,14 +54,18 @@ class CascadeDecode(Operator):
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self._setup(graph, device)
-        if self.device.type != "cpu" and self.lowering.kernel is None:
-            raise NotImplementedError(f"CascadeDecode on {self.device}: its graph lowers to the {self.lowering.family} "
-                                      "family, which has no GPU kernel yet (no shared-prefix task body); use "
-                                      "device='cpu' (the reference executor)")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.num_levels, self.dtype = page_size, num_levels, dtype
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
         self._planned = None   # (batch, {task: GroupTable}, SplitReducePlan, largest page index)
+        self._launch_state = None   # CUDA: the planned batch's device tables and the kernel's parameters
+        if self.device.type == "cuda":
+            from ..codegen.grouped_kernel import GroupedKernelConfig
+
+            self._require_hopper()
+            kc = self.kernel_config = GroupedKernelConfig(_DTYPES[dtype], head_dim)
+            self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
+            self._register_watchdog(kc.name, _describe_task)   # (the kernel never waits: the id names it)
 
     @property
     def plan_tables(self):
@@ -105,9 +114,31 @@ class CascadeDecode(Operator):
                 raise ValueError(f"level {lv}: {e}") from None
             tables[level_task(lv)] = GroupTable(q, ip.numpy().astype(np.int64), ix.numpy()[:nnz].astype(np.int64),
                                                 last.numpy().astype(np.int64))
-        plan = plan_split_reduce([tables[level_task(lv)] for lv in range(self.num_levels)], batch, self.num_kv_heads,
-                                 self.num_qo_heads // self.num_kv_heads, self.page_size, self.num_ctas)
-        self._planned = (batch, tables, plan, top)
+        order = [tables[level_task(lv)] for lv in range(self.num_levels)]
+        plan = plan_split_reduce(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
+                                 self.page_size, self.num_ctas)
+        state = self._device_tables(plan, order) if self.device.type == "cuda" else None
+        self._planned, self._launch_state = (batch, tables, plan, top), state
+
+    def _device_tables(self, plan, order: list[GroupTable]):
+        """The kernel's tables for a plan on the device, its partial slots and zeroed counters, and its
+        parameter struct (q, kv and the outputs are set per run)."""
+        from ..codegen.params import GROUPED_PARAMS
+
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(self.device)   # noqa: E731
+        t = {name: dev(a) for name, a in launch_tables(plan, order).items()}
+        t.update(tasks=dev(plan.tasks), events=dev(plan.events), part_slot=dev(np.r_[plan.part_slot, 0]))
+        n_events = plan.batch * plan.num_kv_heads
+        f32 = dict(dtype=torch.float32, device=self.device)
+        t.update(counters=torch.zeros(max(1, n_events), dtype=torch.int32, device=self.device),
+                 part_o=torch.empty(max(1, plan.num_slots) * self.head_dim, **f32),
+                 part_lse=torch.empty(max(1, plan.num_slots), **f32))
+        params = GROUPED_PARAMS.ctype(**self._header(), **{k: v.data_ptr() for k, v in t.items()},
+                                      num_tasks=plan.num_tasks, num_events=n_events, batch=plan.batch,
+                                      num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                      group_size=plan.group_size, page_size=self.page_size,
+                                      sm_scale_log2=self.sm_scale * math.log2(math.e))
+        return t, params
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
@@ -124,14 +155,25 @@ class CascadeDecode(Operator):
         Hq, Hkv, D, P = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
         expect("q", q, self.dtype, (batch, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         expect("kv_cache", kv_cache, self.dtype, (None, 2, P, Hkv, D),
-               "num_pages, K/V, page_size, num_kv_heads, head_dim", self.device)
+               "num_pages, K/V, page_size, num_kv_heads, head_dim", self.device,
+               contiguous=self.device.type == "cuda")
         if top >= kv_cache.shape[0]:
             raise ValueError(f"the last plan() references page {top}, but kv_cache has only {kv_cache.shape[0]} pages")
         out, lse = self._run_outputs(out, lse, (batch, Hq, D), return_lse, "like q", "batch, num_qo_heads",
                                      {"q": q, "kv_cache": kv_cache})
-        o, l = self.lowering.executor(self.graph, plan, tables, q, kv_cache, self.sm_scale)
-        plain(out).copy_(o)
-        if lse is not None:
-            plain(lse).copy_(l)
+        if self.device.type == "cuda":
+            self._launch(q, kv_cache, plain(out), None if lse is None else plain(lse))
+        else:
+            o, l = self.lowering.executor(self.graph, plan, tables, q, kv_cache, self.sm_scale)
+            plain(out).copy_(o)
+            if lse is not None:
+                plain(lse).copy_(l)
         out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
+
+    def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        tables, params = self._launch_state
+        q = q.contiguous()
+        params.q, params.kv, params.out = q.data_ptr(), kv_cache.data_ptr(), out.data_ptr()
+        params.lse = lse.data_ptr() if lse is not None else 0
+        self.kernel.launch(self.num_ctas, params)

@@ -175,3 +175,20 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
                            SPLIT_TASK.pack(num_tasks, **{f: c[:num_tasks] for f, c in cols.items()}), num_tasks,
                            EVENT.pack(n_events, **ev), part_slot[:parts].copy(), num_slots)
+
+
+def launch_tables(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, np.ndarray]:
+    """What the grouped-attention kernel reads besides the plan's tables (int32): each CTA's first task, and
+    where each task's group starts -- its first request and its page list in the producers' page lists laid
+    one after another (templates/grouped_attention.cuh; a group's global id is producer_groups[producer] +
+    group)."""
+    counts = [len(t.qo_indptr) - 1 for t in tables]
+    pages = np.cumsum([0] + [len(t.kv_indices) for t in tables])
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)   # noqa: E731
+    return {
+        "cta_first": i32(np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1), side="left")),
+        "producer_groups": i32(np.cumsum([0] + counts[:-1])),
+        "group_q0": i32(np.concatenate([t.qo_indptr[:-1] for t in tables])),
+        "group_pages": i32(np.concatenate([t.kv_indptr[:-1] + off for t, off in zip(tables, pages)])),
+        "kv_indices": i32(np.concatenate([t.kv_indices for t in tables] + [np.zeros(1)])),   # (never empty)
+    }
