@@ -174,6 +174,9 @@ class CascadeDecode(Operator):
     def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         tables, params = self._launch_state
         q = q.contiguous()
+        for name, t in (("kv_cache", kv_cache), ("out", out)):   # (the kernel's 16-byte loads and 8-byte stores)
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name} must start on a 16-byte boundary, got address {t.data_ptr():#x}")
         params.q, params.kv, params.out = q.data_ptr(), kv_cache.data_ptr(), out.data_ptr()
         params.lse = lse.data_ptr() if lse is not None else 0
         self.kernel.launch(self.num_ctas, params)

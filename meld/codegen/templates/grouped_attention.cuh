@@ -80,7 +80,8 @@ __device__ __forceinline__ void attend_tile(const GroupedParams& p, RowBlock& rb
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int tok = j * 8 + 2 * t + (c & 1);
-      s[j][c] = tok < valid ? s[j][c] * p.sm_scale_log2 : neg_inf();
+      const float x = s[j][c] * p.sm_scale_log2;   // a non-finite score (Inf or NaN in q or K) makes the row NaN
+      s[j][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
       mx[c >> 1] = fmaxf(mx[c >> 1], s[j][c]);
     }
   float alpha[2], sum[2] = {0.f, 0.f};
