@@ -6,7 +6,8 @@
 // rows r = request * GROUP + head. The CTA's warps take the task's 16-row blocks round-robin; a warp streams
 // the piece's KV in 16-token tiles through its own shared memory (K as stored, V transposed) and keeps its
 // rows' online-softmax state in registers (m16n8k16 tensor-core tiles), so a level's KV is read once per
-// 16 rows of the group, not once per request. Each row's normalised partial goes to slot + r (float) with
+// 16 rows of the group, not once per request. A task of one row block (a request's own suffix) has the warps
+// split its tiles instead and merge their states through shared memory. Each row's normalised partial goes to slot + r (float) with
 // its log2-sum-exp.
 //
 // The combine is fired by a count: after a task's partials are stored, one thread fences and counts the
@@ -16,8 +17,8 @@
 // no part (a request with no KV at any level) write zeros and lse = -inf.
 //
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
-// enters. Defined by the including source: HEAD_DIM, NUM_WARPS, MELD_MMA_TYPE, GroupedParams, SplitTask,
-// Event (meld.ir.work_table).
+// enters. Defined by the including source: HEAD_DIM, NUM_WARPS, SMEM_BYTES, MELD_MMA_TYPE, GroupedParams,
+// SplitTask, Event (meld.ir.work_table).
 
 namespace meld {
 
@@ -114,9 +115,11 @@ __device__ __forceinline__ void attend_tile(const GroupedParams& p, RowBlock& rb
   }
 }
 
-// One warp: rows row0 .. row0 + 15 of task `tk` (rows past `rows` are padding: zero q, not stored).
-__device__ __forceinline__ void run_row_block(const GroupedParams& p, const SplitTask& tk, int q0, const int* pages,
-                                              int row0, int rows, u16* ks, u16* vt, int lane) {
+// One warp: rows row0 .. row0 + 15 of task `tk` (rows past `rows` are padding: zero q, not stored) over the
+// piece's tiles at pos_first, pos_first + pos_step, ...: the rows' state, O unnormalised and l this thread's.
+__device__ __forceinline__ RowBlock attend_rows(const GroupedParams& p, const SplitTask& tk, int q0, const int* pages,
+                                                int row0, int rows, int pos_first, int pos_step, u16* ks, u16* vt,
+                                                int lane) {
   const int g = lane >> 2, t = lane & 3;
   u32 qf[GKSTEPS][4];
 #pragma unroll
@@ -136,17 +139,27 @@ __device__ __forceinline__ void run_row_block(const GroupedParams& p, const Spli
   for (int n = 0; n < GNT; ++n) rb.o[n][0] = rb.o[n][1] = rb.o[n][2] = rb.o[n][3] = 0.f;
   rb.m[0] = rb.m[1] = neg_inf();
   rb.l[0] = rb.l[1] = 0.f;
-  for (int pos = tk.kv_begin; pos < tk.kv_end; pos += GT) {
+  for (int pos = pos_first; pos < tk.kv_end; pos += pos_step) {
     __syncwarp();   // the last tile's reads are done
     load_kv_tile(p, pages, tk.kv_head, pos, tk.kv_end, ks, vt, lane);
     __syncwarp();
     attend_tile(p, rb, qf, ks, vt, tk.kv_end - pos, lane);
   }
+  return rb;
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The warp's rows normalised into their partial slots (slot + r) with their log2-sum-exp.
+__device__ __forceinline__ void store_rows(const GroupedParams& p, const SplitTask& tk, const RowBlock& rb, int row0,
+                                           int rows, int lane) {
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float l = rb.l[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float l = quad_sum(rb.l[h]);
     const int r = row0 + g + 8 * h;
     if (r >= rows) continue;
     const float inv = 1.f / l;   // a piece has tokens: l >= 1, or NaN
@@ -155,6 +168,55 @@ __device__ __forceinline__ void run_row_block(const GroupedParams& p, const Spli
     for (int n = 0; n < GNT; ++n)
       *reinterpret_cast<float2*>(o + n * 8 + 2 * t) = make_float2(rb.o[n][2 * h] * inv, rb.o[n][2 * h + 1] * inv);
     if (t == 0) p.part_lse[tk.slot + r] = rb.m[h] + log2_approx(l);
+  }
+}
+
+// Tasks of at most 16 rows (a request's own suffix: one request's q heads) leave the CTA's other warps no
+// rows: the warps split the piece's tiles instead and merge their states through shared memory.
+struct WarpMerge {
+  float o[GWARPS][GT][GD];   // each warp's O, unnormalised
+  float m[GWARPS][GT], l[GWARPS][GT];
+};
+
+static_assert(GWARPS * WARP_SMEM + (int)sizeof(WarpMerge) <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+
+__device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpMerge& wm, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(rb.l[h]);
+    const int r = g + 8 * h;
+#pragma unroll
+    for (int n = 0; n < GNT; ++n)
+      *reinterpret_cast<float2*>(&wm.o[warp][r][n * 8 + 2 * t]) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
+    if (t == 0) {
+      wm.m[warp][r] = rb.m[h];
+      wm.l[warp][r] = l;
+    }
+  }
+}
+
+// Every thread of the CTA, after the warps' stash_rows: rows r < rows merged across the warps into their slots.
+__device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows, const WarpMerge& wm) {
+  for (int i = threadIdx.x; i < rows * (GD / 4); i += GWARPS * 32) {
+    const int r = i / (GD / 4), d = (i - r * (GD / 4)) * 4;
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < GWARPS; ++w) mx = fmaxf(mx, wm.m[w][r]);
+    const float base = mx == neg_inf() ? 0.f : mx;   // (every score NaN: the l's carry it)
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < GWARPS; ++w) {   // a warp with no tile: m = -inf, l = 0, O = 0, weight 0
+      const float c = exp2_approx(wm.m[w][r] - base);
+      const float4 v = *reinterpret_cast<const float4*>(&wm.o[w][r][d]);
+      l += c * wm.l[w][r];
+      acc.x += c * v.x; acc.y += c * v.y; acc.z += c * v.z; acc.w += c * v.w;
+    }
+    const float inv = 1.f / l;
+    *reinterpret_cast<float4*>(p.part_o + (i64)(tk.slot + r) * GD + d) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (d == 0) p.part_lse[tk.slot + r] = base + log2_approx(l);
   }
 }
 
@@ -198,6 +260,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, 1) meld_grouped_att
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   u16* ks = reinterpret_cast<u16*>(smem + warp * WARP_SMEM);
   u16* vt = ks + GT * K_STRIDE;
+  WarpMerge& wm = *reinterpret_cast<WarpMerge*>(smem + GWARPS * WARP_SMEM);
   for (int e = blockIdx.x; e < p.num_events; e += gridDim.x)
     if (load_event(p.events, p.num_events, e).parts == 0) merge_event(p, e);
   const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
@@ -207,8 +270,16 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, 1) meld_grouped_att
     const int q0 = p.group_q0[gid];
     const int* pages = p.kv_indices + p.group_pages[gid];
     const int rows = tk.event_count * p.group_size;
-    for (int row0 = warp * GT; row0 < rows; row0 += GWARPS * GT) run_row_block(p, tk, q0, pages, row0, rows, ks, vt, lane);
-    __syncthreads();   // every row of the task is stored
+    if (rows <= GT) {   // one row block: the warps split its tiles
+      stash_rows(attend_rows(p, tk, q0, pages, 0, rows, tk.kv_begin + warp * GT, GWARPS * GT, ks, vt, lane), wm, warp,
+                 lane);
+      __syncthreads();
+      merge_warps(p, tk, rows, wm);
+    } else {            // row blocks round-robin over the warps, each over every tile
+      for (int row0 = warp * GT; row0 < rows; row0 += GWARPS * GT)
+        store_rows(p, tk, attend_rows(p, tk, q0, pages, row0, rows, tk.kv_begin, GT, ks, vt, lane), row0, rows, lane);
+    }
+    __syncthreads();   // every row of the task is stored (and wm read)
     const int end = tk.event_first + tk.event_count;
     for (int e0 = tk.event_first; e0 < end; e0 += FIRED) {
       if (threadIdx.x == 0) {
