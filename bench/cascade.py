@@ -1,5 +1,5 @@
 """Shared-prefix (cascade) decode attention: FlashInfer's MultiLevelCascadeAttentionWrapper, meld's non-cascade
-decode of the same batch, meld's cascade where it has a GPU kernel, and the read floor of the unique bytes,
+decode of the same batch, meld's cascade (the grouped-attention kernel), and the read floor of the unique bytes,
 per BENCH.md ("Shared-prefix (cascade) decode").
 
 Setup on the GPU machine (the peers travel as wheels in `.whl/`, see `../shared/tools/peer-wheels.sh`), from

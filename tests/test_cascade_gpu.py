@@ -80,3 +80,30 @@ def test_non_finite_inputs_reach_exactly_their_rows():
     assert out[3, G:].isnan().any(dim=-1).all() and lse[3, G:].isfinite().all()
     assert out[2, 0].isnan().all() and out[2, 1:].isfinite().all()
     assert math.isfinite(float(lse[2, 1]))
+
+
+def test_a_captured_run_replays_later_plans_that_fit():
+    """plan() rewrites the kernel's tables in place while the plan fits them, so a CUDA graph captured after
+    one plan replays the next (same batch size; other groups, lengths and pages)."""
+    B, Hq, D = 8, HKV * 4, 128
+    first, pages1 = _levels([8], [900], [40] * B, seed=1)
+    second, pages2 = _levels([3, 5], [64, 300], [0, 17, 5, 80, 1, 2, 3, 4], seed=2)
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(max(pages1, pages2) + 1, 2, P, HKV, D, generator=g).bfloat16()
+    q1, q2 = (torch.randn(B, Hq, D, generator=g).bfloat16() for _ in range(2))
+    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda")
+    q_buf, kv_gpu = q1.cuda(), kv.cuda()
+    out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
+    op.plan(*[[lv[i] for lv in first] for i in range(4)])
+    op.run(q_buf, kv_gpu, out=out)   # (warm: the kernel is loaded)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.run(q_buf, kv_gpu, out=out)
+    for levels, q in ((first, q1), (second, q2)):
+        op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+        q_buf.copy_(q.cuda())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = cascade_reference(q, kv, levels)
+        torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)

@@ -40,10 +40,9 @@ class GroupedKernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Each warp's K tile [16][D + 8] and transposed V tile [D][16 + 8], 16-bit, then the warps' merge area
-        (WarpMerge: each warp's O [16][D], m and l [16], float)."""
-        tiles = self.num_warps * (GROUPED_TILE * (self.head_dim + 8) + self.head_dim * (GROUPED_TILE + 8)) * 2
-        return tiles + self.num_warps * GROUPED_TILE * (self.head_dim + 2) * 4
+        """Each warp's K tile [16][D + 8] and transposed V tile [D][16 + 8], 16-bit (a warp's stash of its
+        rows' state, where the warps split a task's tiles, reuses its area)."""
+        return self.num_warps * (GROUPED_TILE * (self.head_dim + 8) + self.head_dim * (GROUPED_TILE + 8)) * 2
 
     def render(self) -> str:
         head = "\n".join([

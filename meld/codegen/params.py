@@ -275,8 +275,9 @@ GROUPED_PARAMS = _with_header("GroupedParams", [
     Field("kv", "ptr", "const u16*"),               # NHD [pages, 2, page_size, num_kv_heads, head_dim]
     Field("out", "ptr", "u16*"),
     Field("lse", "ptr", "float*"),                  # null: not asked for
-    Field("tasks", "ptr", "const int*"),            # SPLIT_TASK, field-major, num_tasks entries, CTA after CTA
-    Field("events", "ptr", "const int*"),           # EVENT, field-major, num_events = num_kv_heads x batch entries
+    Field("plan_info", "ptr", "const int*"),        # [batch]: written by plan(), so a captured launch sees it
+    Field("tasks", "ptr", "const int*"),            # SPLIT_TASK, field-major over task_capacity entries, CTA after CTA
+    Field("events", "ptr", "const int*"),           # EVENT, field-major over event_capacity (num_kv_heads x batch used)
     Field("part_slot", "ptr", "const int*"),        # each event's parts' first row slots, in merge order
     Field("cta_first", "ptr", "const int*"),        # [grid + 1]: each CTA's first task
     Field("producer_groups", "ptr", "const int*"),  # [producers]: the first global group id of each producer
@@ -286,9 +287,8 @@ GROUPED_PARAMS = _with_header("GroupedParams", [
     Field("counters", "ptr", "unsigned*"),          # per event: parts arrived (zero between launches)
     Field("part_o", "ptr", "float*"),               # [slots][head_dim]: each row's normalised partial
     Field("part_lse", "ptr", "float*"),             # [slots]: its log2-sum-exp
-    Field("num_tasks", "i32"),
-    Field("num_events", "i32"),
-    Field("batch", "i32"),
+    Field("task_capacity", "i32"),
+    Field("event_capacity", "i32"),
     Field("num_qo_heads", "i32"),
     Field("num_kv_heads", "i32"),
     Field("group_size", "i32"),

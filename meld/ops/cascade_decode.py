@@ -121,24 +121,39 @@ class CascadeDecode(Operator):
         self._planned, self._launch_state = (batch, tables, plan, top), state
 
     def _device_tables(self, plan, order: list[GroupTable]):
-        """The kernel's tables for a plan on the device, its partial slots and zeroed counters, and its
-        parameter struct (q, kv and the outputs are set per run)."""
+        """The plan's tables written into the kernel's device buffers, which are reused while the plan fits
+        them, so a CUDA graph captured after one plan() replays any later plan that fits (the batch is read
+        from the device, plan_info); a larger plan grows them (twice what it needs), and graphs captured
+        before then must be captured again. Returns (buffers, capacities, the kernel's parameter struct)."""
         from ..codegen.params import GROUPED_PARAMS
+        from ..ir.work_table import EVENT, SPLIT_TASK
 
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(self.device)   # noqa: E731
-        t = {name: dev(a) for name, a in launch_tables(plan, order).items()}
-        t.update(tasks=dev(plan.tasks), events=dev(plan.events), part_slot=dev(np.r_[plan.part_slot, 0]))
+        host = launch_tables(plan, order)
         n_events = plan.batch * plan.num_kv_heads
-        f32 = dict(dtype=torch.float32, device=self.device)
-        t.update(counters=torch.zeros(max(1, n_events), dtype=torch.int32, device=self.device),
-                 part_o=torch.empty(max(1, plan.num_slots) * self.head_dim, **f32),
-                 part_lse=torch.empty(max(1, plan.num_slots), **f32))
-        params = GROUPED_PARAMS.ctype(**self._header(), **{k: v.data_ptr() for k, v in t.items()},
-                                      num_tasks=plan.num_tasks, num_events=n_events, batch=plan.batch,
-                                      num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                                      group_size=plan.group_size, page_size=self.page_size,
-                                      sm_scale_log2=self.sm_scale * math.log2(math.e))
-        return t, params
+        need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": n_events,
+                "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1}
+        buf, caps, params = self._launch_state or ({}, {}, None)
+        if any(n > caps.get(k, 0) for k, n in need.items()):   # new buffers; the old ones stay the last plan's
+            caps = {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
+            i32 = dict(dtype=torch.int32, device=self.device)
+            f32 = dict(dtype=torch.float32, device=self.device)
+            buf = {k: torch.zeros(caps[k] * (SPLIT_TASK.width if k == "tasks" else EVENT.width if k == "events" else 1),
+                                  **i32) for k in (*host, "tasks", "events", "part_slot", "plan_info")}
+            buf.update(counters=torch.zeros(caps["events"], **i32), part_o=torch.empty(caps["slots"] * self.head_dim, **f32),
+                       part_lse=torch.empty(caps["slots"], **f32))
+            params = GROUPED_PARAMS.ctype(**self._header(), **{k: v.data_ptr() for k, v in buf.items() if k != "slots"},
+                                          task_capacity=caps["tasks"], event_capacity=caps["events"],
+                                          num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                          group_size=plan.group_size, page_size=self.page_size,
+                                          sm_scale_log2=self.sm_scale * math.log2(math.e))
+        task, event = plan.task_columns(), plan.event_columns()
+        pad = lambda a, n: np.r_[a, np.zeros(n - len(a), dtype=np.int64)]   # noqa: E731
+        rows = {**host, "plan_info": np.array([plan.batch]), "part_slot": plan.part_slot,
+                "tasks": SPLIT_TASK.pack(caps["tasks"], **{f: pad(c, caps["tasks"]) for f, c in task.items()}),
+                "events": EVENT.pack(caps["events"], **{f: pad(c, caps["events"]) for f, c in event.items()})}
+        for k, a in rows.items():
+            buf[k][:len(a)].copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)))
+        return buf, caps, params
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
@@ -172,7 +187,7 @@ class CascadeDecode(Operator):
         return (out, lse) if return_lse else out
 
     def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        tables, params = self._launch_state
+        _, _, params = self._launch_state
         q = q.contiguous()
         for name, t in (("kv_cache", kv_cache), ("out", out)):   # (the kernel's 16-byte loads and 8-byte stores)
             if t.data_ptr() % 16:

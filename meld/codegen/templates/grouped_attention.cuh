@@ -31,6 +31,7 @@ constexpr int K_STRIDE = GD + 8;       // u16 per K row in shared memory (+8: fe
 constexpr int V_STRIDE = GT + 8;       // u16 per transposed V row (one head-dim column, 16 tokens)
 constexpr int WARP_SMEM = (GT * K_STRIDE + GD * V_STRIDE) * 2;
 static_assert(GD % 64 == 0 && GD <= 256, "head_dim must be 64, 128 or 256");
+static_assert(GWARPS * WARP_SMEM <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
 __device__ __forceinline__ u32 lds32(const u16* s) { return *reinterpret_cast<const u32*>(s); }
 
@@ -172,45 +173,52 @@ __device__ __forceinline__ void store_rows(const GroupedParams& p, const SplitTa
 }
 
 // Tasks of at most 16 rows (a request's own suffix: one request's q heads) leave the CTA's other warps no
-// rows: the warps split the piece's tiles instead and merge their states through shared memory.
-struct WarpMerge {
-  float o[GWARPS][GT][GD];   // each warp's O, unnormalised
-  float m[GWARPS][GT], l[GWARPS][GT];
+// rows: the warps split the piece's tiles instead and merge their states through shared memory, each warp's
+// state in its own tile area once its last tile is read (rows padded by 4 floats: fewer bank conflicts).
+struct WarpStash {
+  float o[GT][GD + 4];   // O, unnormalised
+  float m[GT], l[GT];
 };
+static_assert((int)sizeof(WarpStash) <= WARP_SMEM, "a warp's stash must fit its tile area");
 
-static_assert(GWARPS * WARP_SMEM + (int)sizeof(WarpMerge) <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+__device__ __forceinline__ const WarpStash& stash_of(const unsigned char* smem, int warp) {
+  return *reinterpret_cast<const WarpStash*>(smem + warp * WARP_SMEM);
+}
 
-__device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpMerge& wm, int warp, int lane) {
+__device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, int lane) {
   const int g = lane >> 2, t = lane & 3;
+  __syncwarp();   // every lane's reads of the warp's last tile are done: the area is the stash's now
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(rb.l[h]);
     const int r = g + 8 * h;
 #pragma unroll
     for (int n = 0; n < GNT; ++n)
-      *reinterpret_cast<float2*>(&wm.o[warp][r][n * 8 + 2 * t]) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
+      *reinterpret_cast<float2*>(&ws.o[r][n * 8 + 2 * t]) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
     if (t == 0) {
-      wm.m[warp][r] = rb.m[h];
-      wm.l[warp][r] = l;
+      ws.m[r] = rb.m[h];
+      ws.l[r] = l;
     }
   }
 }
 
 // Every thread of the CTA, after the warps' stash_rows: rows r < rows merged across the warps into their slots.
-__device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows, const WarpMerge& wm) {
+__device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows,
+                                            const unsigned char* smem) {
   for (int i = threadIdx.x; i < rows * (GD / 4); i += GWARPS * 32) {
     const int r = i / (GD / 4), d = (i - r * (GD / 4)) * 4;
     float mx = neg_inf();
 #pragma unroll
-    for (int w = 0; w < GWARPS; ++w) mx = fmaxf(mx, wm.m[w][r]);
+    for (int w = 0; w < GWARPS; ++w) mx = fmaxf(mx, stash_of(smem, w).m[r]);
     const float base = mx == neg_inf() ? 0.f : mx;   // (every score NaN: the l's carry it)
     float l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < GWARPS; ++w) {   // a warp with no tile: m = -inf, l = 0, O = 0, weight 0
-      const float c = exp2_approx(wm.m[w][r] - base);
-      const float4 v = *reinterpret_cast<const float4*>(&wm.o[w][r][d]);
-      l += c * wm.l[w][r];
+      const WarpStash& ws = stash_of(smem, w);
+      const float c = exp2_approx(ws.m[r] - base);
+      const float4 v = *reinterpret_cast<const float4*>(&ws.o[r][d]);
+      l += c * ws.l[r];
       acc.x += c * v.x; acc.y += c * v.y; acc.z += c * v.z; acc.w += c * v.w;
     }
     const float inv = 1.f / l;
@@ -222,8 +230,8 @@ __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitT
 
 // Event e's parts merged into out and lse (every thread of the CTA), its counter reset for the next launch.
 __device__ __forceinline__ void merge_event(const GroupedParams& p, int e) {
-  const Event ev = load_event(p.events, p.num_events, e);
-  const int b = e % p.batch, kv_head = e / p.batch;
+  const Event ev = load_event(p.events, p.event_capacity, e);
+  const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
   for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GWARPS * 32) {
     const int h = i / (GD / 4), d = (i - h * (GD / 4)) * 4;
     float mx = neg_inf();
@@ -260,33 +268,33 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, 1) meld_grouped_att
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   u16* ks = reinterpret_cast<u16*>(smem + warp * WARP_SMEM);
   u16* vt = ks + GT * K_STRIDE;
-  WarpMerge& wm = *reinterpret_cast<WarpMerge*>(smem + GWARPS * WARP_SMEM);
-  for (int e = blockIdx.x; e < p.num_events; e += gridDim.x)
-    if (load_event(p.events, p.num_events, e).parts == 0) merge_event(p, e);
+  const int num_events = p.plan_info[0] * p.num_kv_heads;   // (plan() writes the batch: graph replays see it)
+  for (int e = blockIdx.x; e < num_events; e += gridDim.x)
+    if (load_event(p.events, p.event_capacity, e).parts == 0) merge_event(p, e);
   const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
   for (int i = first; i < last; ++i) {
-    const SplitTask tk = load_splittask(p.tasks, p.num_tasks, i);
+    const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
     const int gid = p.producer_groups[tk.producer] + tk.group;
     const int q0 = p.group_q0[gid];
     const int* pages = p.kv_indices + p.group_pages[gid];
     const int rows = tk.event_count * p.group_size;
     if (rows <= GT) {   // one row block: the warps split its tiles
-      stash_rows(attend_rows(p, tk, q0, pages, 0, rows, tk.kv_begin + warp * GT, GWARPS * GT, ks, vt, lane), wm, warp,
-                 lane);
+      stash_rows(attend_rows(p, tk, q0, pages, 0, rows, tk.kv_begin + warp * GT, GWARPS * GT, ks, vt, lane),
+                 *reinterpret_cast<WarpStash*>(ks), lane);
       __syncthreads();
-      merge_warps(p, tk, rows, wm);
+      merge_warps(p, tk, rows, smem);
     } else {            // row blocks round-robin over the warps, each over every tile
       for (int row0 = warp * GT; row0 < rows; row0 += GWARPS * GT)
         store_rows(p, tk, attend_rows(p, tk, q0, pages, row0, rows, tk.kv_begin, GT, ks, vt, lane), row0, rows, lane);
     }
-    __syncthreads();   // every row of the task is stored (and wm read)
+    __syncthreads();   // every row of the task is stored (and the stashes read: the next task's tiles overwrite them)
     const int end = tk.event_first + tk.event_count;
     for (int e0 = tk.event_first; e0 < end; e0 += FIRED) {
       if (threadIdx.x == 0) {
         __threadfence();   // the CTA's partials before its counts
         int n = 0;
         for (int e = e0; e < min(end, e0 + FIRED); ++e)
-          if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.num_events, e).parts - 1u) fired[n++] = e;
+          if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.event_capacity, e).parts - 1u) fired[n++] = e;
         n_fired = n;
         __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
       }
