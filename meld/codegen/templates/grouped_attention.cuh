@@ -1,14 +1,18 @@
 // meld: grouped (shared-prefix, cascade) decode attention: the split-reduce task and event tables of
-// meld.scheduler.plan_split_reduce, walked by persistent CTAs.
+// meld.scheduler.plan_split_reduce, walked by persistent CTAs (the persistent skeleton, persistent.cuh).
 //
 // A task is a piece [kv_begin, kv_end) of one producer's (a cascade level's) page table for one group of
 // requests and one kv head, for every query row of the group: its event_count requests x GROUP q heads,
-// rows r = request * GROUP + head. The CTA's warps take the task's 16-row blocks round-robin; a warp streams
-// the piece's KV in 16-token tiles through its own shared memory (K as stored, V transposed) and keeps its
-// rows' online-softmax state in registers (m16n8k16 tensor-core tiles), so a level's KV is read once per
-// 16 rows of the group, not once per request. A task of one row block (a request's own suffix) has the warps
-// split its tiles instead and merge their states through shared memory. Each row's normalised partial goes to slot + r (float) with
-// its log2-sum-exp.
+// rows r = request * GROUP + head. The CTA streams the piece's KV through one shared ring of STAGES chunks
+// of CHUNK tokens (cp.async, K and V as stored, 16-byte chunks XOR-swizzled for ldmatrix), every thread
+// issuing its share of the chunk STAGES - 1 ahead, so the loads of the whole CTA stay in flight while the
+// warps compute. Scores and P.V run on the tensor cores (m16n8k16, 16 query rows per warp):
+//   - a task of more than 16 rows (a shared level): each warp owns a 16-row block and attends every token of
+//     every chunk, so a level's KV is read from memory once per NUM_WARPS x 16 rows of the group (a group of
+//     more rows streams the piece again, from L2, once per such pass);
+//   - a task of at most 16 rows (a request's own suffix): the warps split each chunk's 16-token tiles and
+//     merge their online-softmax states through shared memory at the end of the piece (the drained ring).
+// Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
 //
 // The combine is fired by a count: after a task's partials are stored, one thread fences and counts the
 // task's arrival at each of its events (a request and kv head); the arrival that reaches an event's `parts`
@@ -17,74 +21,117 @@
 // no part (a request with no KV at any level) write zeros and lse = -inf.
 //
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
-// enters. Defined by the including source: HEAD_DIM, NUM_WARPS, SMEM_BYTES, MELD_MMA_TYPE, GroupedParams,
-// SplitTask, Event (meld.ir.work_table).
+// enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
+// value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
+// SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table).
 
 namespace meld {
 
 constexpr int GD = HEAD_DIM;
 constexpr int GWARPS = NUM_WARPS;
-constexpr int GT = 16;                 // KV tokens per tile; query rows per row block
-constexpr int GKSTEPS = GD / 16;       // k-steps of Q.K^T
-constexpr int GNT = GD / 8;            // n8 tiles of P.V (O's columns)
-constexpr int K_STRIDE = GD + 8;       // u16 per K row in shared memory (+8: fewer bank conflicts)
-constexpr int V_STRIDE = GT + 8;       // u16 per transposed V row (one head-dim column, 16 tokens)
-constexpr int WARP_SMEM = (GT * K_STRIDE + GD * V_STRIDE) * 2;
+constexpr int GTHREADS = GWARPS * 32;
+constexpr int GSTAGES = NUM_STAGES;
+constexpr int GT = 16;                  // tokens per tile; query rows per warp's row block
+constexpr int CHUNK = 64;               // tokens per ring stage
+constexpr int TILES = CHUNK / GT;       // tiles per chunk
+constexpr int WARP_SETS = GWARPS / TILES;   // split tasks: chunk c's tiles go to warps [c % WARP_SETS]
+constexpr int GKSTEPS = GD / 16;        // k-steps of Q.K^T
+constexpr int GNT = GD / 8;             // n8 tiles of P.V (O's columns)
+constexpr int CPR = GD / 8;             // 16-byte chunks per token row
+constexpr int KV_BYTES = CHUNK * GD * 2;    // one chunk of K (or V)
+constexpr int STAGE_BYTES = 2 * KV_BYTES;
+constexpr int ROW_TILES = GD <= 128 ? TILES : 1;   // tiles a row block attends per softmax step (registers)
 static_assert(GD % 64 == 0 && GD <= 256, "head_dim must be 64, 128 or 256");
-static_assert(GWARPS * WARP_SMEM <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+static_assert(GWARPS % TILES == 0, "a CTA's warps split a chunk's tiles evenly");
+static_assert((CHUNK * CPR) % GTHREADS == 0, "every thread issues the same number of a chunk's copies");
+static_assert(GSTAGES >= 2 && GSTAGES * STAGE_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
-__device__ __forceinline__ u32 lds32(const u16* s) { return *reinterpret_cast<const u32*>(s); }
+// Byte offset of 16-byte chunk c of token row r in a K or V chunk: XOR swizzle, so ldmatrix's eight rows
+// at one chunk column hit eight different bank groups.
+__device__ __forceinline__ u32 kv_off(int r, int c) { return r * (GD * 2) + ((c ^ (r & 7)) << 4); }
 
-// One warp's 16 query rows of a task: the rows' online-softmax state over the piece's tokens.
+// One warp's 16 query rows of a task: the rows' online-softmax state over the tokens it attended.
 struct RowBlock {
   float o[GNT][4];   // O: n8 tile j, (row g, cols 2t, 2t+1), (row g + 8, ...)
-  float m[2], l[2];  // rows g and g + 8 (log2 domain)
+  float m[2], l[2];  // rows g and g + 8 (log2 domain; l this thread's columns, reduced at the end)
 };
 
-// The K tile [16 tokens][D] as stored, and the V tile transposed [D][16 tokens], of tokens pos0 .. pos0 + 15
-// of the task's piece (tokens at or past `end` load as zeros and are masked out of the scores).
-__device__ __forceinline__ void load_kv_tile(const GroupedParams& p, const int* pages, int kv_head, int pos0, int end,
-                                             u16* ks, u16* vt, int lane) {
-  constexpr int CHUNKS = GD / 8;   // 16-byte chunks per token row
-  for (int c = lane; c < GT * CHUNKS; c += 32) {
-    const int tok = c / CHUNKS, d = (c - tok * CHUNKS) * 8, pos = pos0 + tok;
-    uint4 k = make_uint4(0, 0, 0, 0), v = k;
-    if (pos < end) {
-      const i64 page = pages[pos / p.page_size];
-      const i64 row = ((page * 2) * p.page_size + pos % p.page_size) * p.num_kv_heads + kv_head;
-      k = *reinterpret_cast<const uint4*>(p.kv + row * GD + d);
-      v = *reinterpret_cast<const uint4*>(p.kv + (row + (i64)p.page_size * p.num_kv_heads) * GD + d);
-    }
-    *reinterpret_cast<uint4*>(ks + tok * K_STRIDE + d) = k;
-    const u16* vv = reinterpret_cast<const u16*>(&v);
+__device__ __forceinline__ void reset_rows(RowBlock& rb) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) vt[(d + i) * V_STRIDE + tok] = vv[i];
+  for (int n = 0; n < GNT; ++n) rb.o[n][0] = rb.o[n][1] = rb.o[n][2] = rb.o[n][3] = 0.f;
+  rb.m[0] = rb.m[1] = neg_inf();
+  rb.l[0] = rb.l[1] = 0.f;
+}
+
+// Q's A fragments of rows row0 .. row0 + 15 of the task (rows past `rows` are padding: zero).
+__device__ __forceinline__ void load_q_rows(const GroupedParams& p, int kv_head, int q0, int row0, int rows,
+                                           u32 (&qf)[GKSTEPS][4], int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {   // rows g and g + 8: A fragment registers (0, 2) and (1, 3)
+    const int r = row0 + g + 8 * h;
+    const u16* q = r < rows ? p.q + ((i64)(q0 + r / p.group_size) * p.num_qo_heads + kv_head * p.group_size +
+                                     r % p.group_size) * GD
+                            : nullptr;
+#pragma unroll
+    for (int k = 0; k < GKSTEPS; ++k) {
+      qf[k][h] = q ? *reinterpret_cast<const u32*>(q + k * 16 + 2 * t) : 0u;
+      qf[k][h + 2] = q ? *reinterpret_cast<const u32*>(q + k * 16 + 8 + 2 * t) : 0u;
+    }
   }
 }
 
-// Q.K^T, online softmax and P.V of one KV tile for the warp's 16 rows (qf: Q's A fragments).
-__device__ __forceinline__ void attend_tile(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
-                                            const u16* ks, const u16* vt, int valid, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  float s[2][4];   // S: n8 tiles of tokens 0-7 and 8-15
+// Every thread's share of chunk c of a piece into ring stage `dst` (tokens at or past `end`: zeros).
+__device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* pages, int kv_head, int pos0, int end,
+                                           u32 dst) {
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  for (int it = 0; it < CHUNK * CPR / GTHREADS; ++it) {
+    const int i = threadIdx.x + it * GTHREADS, tok = i / CPR, c = i - tok * CPR, pos = pos0 + tok;
+    const u16* k = p.kv;
+    const u16* v = p.kv;
+    int bytes = 0;
+    if (pos < end) {
+      const i64 page = pages[pos / p.page_size];
+      const i64 row = ((page * 2) * p.page_size + pos % p.page_size) * p.num_kv_heads + kv_head;
+      k = p.kv + row * GD + c * 8;
+      v = k + (i64)p.page_size * p.num_kv_heads * GD;
+      bytes = 16;
+    }
+    cp_async_16(dst + kv_off(tok, c), k, bytes);
+    cp_async_16(dst + KV_BYTES + kv_off(tok, c), v, bytes);
+  }
+}
+
+// One online-softmax step of a warp's 16 rows over NS tiles of a staged chunk, from tile `tile0` on; tokens at
+// or past `valid` (counted from the step's first) are masked out.
+template <int NS>
+__device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4], u32 stage,
+                                       int tile0, int valid, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int krow = (lane & 7) + ((lane >> 4) << 3), kch = (lane >> 3) & 1;   // ldmatrix: K as B (n = tokens)
+  const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vch = lane >> 4;   // .trans: V as B (k = tokens)
+  float s[2 * NS][4];
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    s[2 * j][0] = s[2 * j][1] = s[2 * j][2] = s[2 * j][3] = 0.f;
+    s[2 * j + 1][0] = s[2 * j + 1][1] = s[2 * j + 1][2] = s[2 * j + 1][3] = 0.f;
 #pragma unroll
     for (int k = 0; k < GKSTEPS; ++k) {
-      const u16* kr = ks + (j * 8 + g) * K_STRIDE + k * 16 + 2 * t;
-      mma_16816(s[j], qf[k][0], qf[k][1], qf[k][2], qf[k][3], lds32(kr), lds32(kr + 8));
+      u32 b[4];
+      ldmatrix_x4(b, stage + kv_off((tile0 + j) * GT + krow, 2 * k + kch));
+      mma_16816(s[2 * j], qf[k][0], qf[k][1], qf[k][2], qf[k][3], b[0], b[1]);
+      mma_16816(s[2 * j + 1], qf[k][0], qf[k][1], qf[k][2], qf[k][3], b[2], b[3]);
     }
   }
   float mx[2] = {rb.m[0], rb.m[1]};
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int n = 0; n < 2 * NS; ++n)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int tok = j * 8 + 2 * t + (c & 1);
-      const float x = s[j][c] * p.sm_scale_log2;   // a non-finite score (Inf or NaN in q or K) makes the row NaN
-      s[j][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
-      mx[c >> 1] = fmaxf(mx[c >> 1], s[j][c]);
+      const int tok = n * 8 + 2 * t + (c & 1);
+      const float x = s[n][c] * p.sm_scale_log2;   // a non-finite score (Inf or NaN in q or K) makes the row NaN
+      s[n][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
+      mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
     }
   float alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -97,56 +144,31 @@ __device__ __forceinline__ void attend_tile(const GroupedParams& p, RowBlock& rb
     mx[r] = base;
   }
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int n = 0; n < 2 * NS; ++n)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      s[j][c] = exp2_approx(s[j][c] - mx[c >> 1]);
-      sum[c >> 1] += s[j][c];
+      s[n][c] = exp2_approx(s[n][c] - mx[c >> 1]);
+      sum[c >> 1] += s[n][c];
     }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) rb.l[r] = rb.l[r] * alpha[r] + sum[r];   // (this thread's columns; reduced at the end)
-  const u32 a0 = pack2(s[0][0], s[0][1]), a1 = pack2(s[0][2], s[0][3]), a2 = pack2(s[1][0], s[1][1]),
-            a3 = pack2(s[1][2], s[1][3]);
+  for (int r = 0; r < 2; ++r) rb.l[r] = rb.l[r] * alpha[r] + sum[r];
 #pragma unroll
   for (int n = 0; n < GNT; ++n) {
     rb.o[n][0] *= alpha[0]; rb.o[n][1] *= alpha[0];
     rb.o[n][2] *= alpha[1]; rb.o[n][3] *= alpha[1];
-    const u16* vr = vt + (n * 8 + g) * V_STRIDE + 2 * t;
-    mma_16816(rb.o[n], a0, a1, a2, a3, lds32(vr), lds32(vr + 8));
   }
-}
-
-// One warp: rows row0 .. row0 + 15 of task `tk` (rows past `rows` are padding: zero q, not stored) over the
-// piece's tiles at pos_first, pos_first + pos_step, ...: the rows' state, O unnormalised and l this thread's.
-__device__ __forceinline__ RowBlock attend_rows(const GroupedParams& p, const SplitTask& tk, int q0, const int* pages,
-                                                int row0, int rows, int pos_first, int pos_step, u16* ks, u16* vt,
-                                                int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  u32 qf[GKSTEPS][4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {   // rows g and g + 8: A fragment registers (0, 2) and (1, 3)
-    const int r = row0 + g + 8 * h;
-    const u16* q = r < rows ? p.q + ((i64)(q0 + r / p.group_size) * p.num_qo_heads + tk.kv_head * p.group_size +
-                                     r % p.group_size) * GD
-                            : nullptr;
+  for (int j = 0; j < NS; ++j) {
+    const u32 a0 = pack2(s[2 * j][0], s[2 * j][1]), a1 = pack2(s[2 * j][2], s[2 * j][3]),
+              a2 = pack2(s[2 * j + 1][0], s[2 * j + 1][1]), a3 = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
 #pragma unroll
-    for (int k = 0; k < GKSTEPS; ++k) {
-      qf[k][h] = q ? *reinterpret_cast<const u32*>(q + k * 16 + 2 * t) : 0u;
-      qf[k][h + 2] = q ? *reinterpret_cast<const u32*>(q + k * 16 + 8 + 2 * t) : 0u;
+    for (int n = 0; n < GNT; n += 2) {
+      u32 b[4];
+      ldmatrix_x4_trans(b, stage + KV_BYTES + kv_off((tile0 + j) * GT + vrow, n + vch));
+      mma_16816(rb.o[n], a0, a1, a2, a3, b[0], b[1]);
+      mma_16816(rb.o[n + 1], a0, a1, a2, a3, b[2], b[3]);
     }
   }
-  RowBlock rb;
-#pragma unroll
-  for (int n = 0; n < GNT; ++n) rb.o[n][0] = rb.o[n][1] = rb.o[n][2] = rb.o[n][3] = 0.f;
-  rb.m[0] = rb.m[1] = neg_inf();
-  rb.l[0] = rb.l[1] = 0.f;
-  for (int pos = pos_first; pos < tk.kv_end; pos += pos_step) {
-    __syncwarp();   // the last tile's reads are done
-    load_kv_tile(p, pages, tk.kv_head, pos, tk.kv_end, ks, vt, lane);
-    __syncwarp();
-    attend_tile(p, rb, qf, ks, vt, tk.kv_end - pos, lane);
-  }
-  return rb;
 }
 
 __device__ __forceinline__ float quad_sum(float x) {
@@ -173,21 +195,20 @@ __device__ __forceinline__ void store_rows(const GroupedParams& p, const SplitTa
 }
 
 // Tasks of at most 16 rows (a request's own suffix: one request's q heads) leave the CTA's other warps no
-// rows: the warps split the piece's tiles instead and merge their states through shared memory, each warp's
-// state in its own tile area once its last tile is read (rows padded by 4 floats: fewer bank conflicts).
+// rows: the warps split the piece's tiles instead and merge their states through shared memory, laid over
+// the drained ring (rows padded by 4 floats: fewer bank conflicts).
 struct WarpStash {
   float o[GT][GD + 4];   // O, unnormalised
   float m[GT], l[GT];
 };
-static_assert((int)sizeof(WarpStash) <= WARP_SMEM, "a warp's stash must fit its tile area");
+static_assert(GWARPS * (int)sizeof(WarpStash) <= SMEM_BYTES, "the warps' stashes must fit the ring");
 
 __device__ __forceinline__ const WarpStash& stash_of(const unsigned char* smem, int warp) {
-  return *reinterpret_cast<const WarpStash*>(smem + warp * WARP_SMEM);
+  return reinterpret_cast<const WarpStash*>(smem)[warp];
 }
 
 __device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  __syncwarp();   // every lane's reads of the warp's last tile are done: the area is the stash's now
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(rb.l[h]);
@@ -257,50 +278,104 @@ __device__ __forceinline__ void merge_event(const GroupedParams& p, int e) {
   if (threadIdx.x == 0) p.counters[e] = 0u;
 }
 
-}  // namespace meld
 
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32, 1) meld_grouped_attention(const __grid_constant__ GroupedParams p) {
-  using namespace meld;
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int FIRED = 64;
-  __shared__ int fired[FIRED];   // events one count of this CTA completed (merged by the whole CTA)
-  __shared__ int n_fired;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  u16* ks = reinterpret_cast<u16*>(smem + warp * WARP_SMEM);
-  u16* vt = ks + GT * K_STRIDE;
-  const int num_events = p.plan_info[0] * p.num_kv_heads;   // (plan() writes the batch: graph replays see it)
-  for (int e = blockIdx.x; e < num_events; e += gridDim.x)
-    if (load_event(p.events, p.event_capacity, e).parts == 0) merge_event(p, e);
-  const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
-  for (int i = first; i < last; ++i) {
-    const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
-    const int gid = p.producer_groups[tk.producer] + tk.group;
-    const int q0 = p.group_q0[gid];
-    const int* pages = p.kv_indices + p.group_pages[gid];
-    const int rows = tk.event_count * p.group_size;
-    if (rows <= GT) {   // one row block: the warps split its tiles
-      stash_rows(attend_rows(p, tk, q0, pages, 0, rows, tk.kv_begin + warp * GT, GWARPS * GT, ks, vt, lane),
-                 *reinterpret_cast<WarpStash*>(ks), lane);
-      __syncthreads();
-      merge_warps(p, tk, rows, smem);
-    } else {            // row blocks round-robin over the warps, each over every tile
-      for (int row0 = warp * GT; row0 < rows; row0 += GWARPS * GT)
-        store_rows(p, tk, attend_rows(p, tk, q0, pages, row0, rows, tk.kv_begin, GT, ks, vt, lane), row0, rows, lane);
+// The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
+struct GroupedFamily {
+  using Params = GroupedParams;
+  static constexpr LaunchKind LAUNCH = LAUNCH_PLAIN;
+  static constexpr int SMEM_ALIGN = 128;
+  struct State {
+    unsigned char* smem;   // the ring; a split task's warp stashes once it is drained
+    __device__ __forceinline__ State(const GroupedParams&, unsigned char* s) : smem(s) {}
+  };
+
+  static __device__ __forceinline__ void setup(const GroupedParams&, const State&) {}
+
+  // One pass of a task: its piece streamed through the ring, attended by the warp's rows (row0 ..; a split
+  // task: the warp's tiles of every chunk), the ring drained at the end.
+  static __device__ __forceinline__ void stream(const GroupedParams& p, const SplitTask& tk, const int* pages,
+                                                bool split, bool active, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
+                                                u32 ring, int warp, int lane) {
+    const int chunks = (tk.kv_end - tk.kv_begin + CHUNK - 1) / CHUNK;
+#pragma unroll
+    for (int c = 0; c < GSTAGES - 1; ++c) {
+      if (c < chunks) issue_chunk(p, pages, tk.kv_head, tk.kv_begin + c * CHUNK, tk.kv_end, ring + c * STAGE_BYTES);
+      cp_async_commit();
     }
-    __syncthreads();   // every row of the task is stored (and the stashes read: the next task's tiles overwrite them)
-    const int end = tk.event_first + tk.event_count;
-    for (int e0 = tk.event_first; e0 < end; e0 += FIRED) {
-      if (threadIdx.x == 0) {
-        __threadfence();   // the CTA's partials before its counts
-        int n = 0;
-        for (int e = e0; e < min(end, e0 + FIRED); ++e)
-          if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.event_capacity, e).parts - 1u) fired[n++] = e;
-        n_fired = n;
-        __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+    for (int c = 0; c < chunks; ++c) {
+      cp_async_wait<GSTAGES - 2>();
+      __syncthreads();   // chunk c has landed for every thread, and chunk c - 1 is read: its stage is free
+      const int next = c + GSTAGES - 1;
+      if (next < chunks)
+        issue_chunk(p, pages, tk.kv_head, tk.kv_begin + next * CHUNK, tk.kv_end, ring + (next % GSTAGES) * STAGE_BYTES);
+      cp_async_commit();
+      const u32 stage = ring + (c % GSTAGES) * STAGE_BYTES;
+      const int valid = tk.kv_end - (tk.kv_begin + c * CHUNK);
+      if (split) {
+        const int tile = warp % TILES;
+        if (c % WARP_SETS == warp / TILES && valid > tile * GT) attend<1>(p, rb, qf, stage, tile, valid - tile * GT, lane);
+      } else if (active) {
+#pragma unroll
+        for (int j = 0; j < TILES; j += ROW_TILES)
+          if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, j, valid - j * GT, lane);
       }
-      __syncthreads();
-      for (int k = 0; k < n_fired; ++k) merge_event(p, fired[k]);
-      __syncthreads();   // (fired and n_fired are rewritten next)
+    }
+    cp_async_wait<0>();
+    __syncthreads();   // the ring is drained and read: the next pass (or a stash) may overwrite it
+  }
+
+  static __device__ __forceinline__ void run(const GroupedParams& p, const State& s) {
+    constexpr int FIRED = 64;
+    __shared__ int fired[FIRED];   // events one count of this CTA completed (merged by the whole CTA)
+    __shared__ int n_fired;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 ring = smem_addr(s.smem);
+    const int num_events = p.plan_info[0] * p.num_kv_heads;   // (plan() writes the batch: graph replays see it)
+    for (int e = blockIdx.x; e < num_events; e += gridDim.x)
+      if (load_event(p.events, p.event_capacity, e).parts == 0) merge_event(p, e);
+    const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
+    for (int i = first; i < last; ++i) {
+      const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+      const int gid = p.producer_groups[tk.producer] + tk.group;
+      const int q0 = p.group_q0[gid];
+      const int* pages = p.kv_indices + p.group_pages[gid];
+      const int rows = tk.event_count * p.group_size;
+      const bool split = rows <= GT;
+      u32 qf[GKSTEPS][4];
+      RowBlock rb;
+      for (int row0 = split ? 0 : warp * GT; row0 - warp * GT < rows; row0 += GWARPS * GT) {   // passes
+        const bool active = row0 < rows;
+        load_q_rows(p, tk.kv_head, q0, row0, rows, qf, lane);
+        reset_rows(rb);
+        stream(p, tk, pages, split, active, rb, qf, ring, warp, lane);
+        if (split) break;
+        if (active) store_rows(p, tk, rb, row0, rows, lane);
+      }
+      if (split) {
+        stash_rows(rb, reinterpret_cast<WarpStash*>(s.smem)[warp], lane);
+        __syncthreads();
+        merge_warps(p, tk, rows, s.smem);
+      }
+      __syncthreads();   // every row of the task is stored (and the stashes read: the next task's chunks overwrite them)
+      const int end = tk.event_first + tk.event_count;
+      for (int e0 = tk.event_first; e0 < end; e0 += FIRED) {
+        if (threadIdx.x == 0) {
+          __threadfence();   // the CTA's partials before its counts
+          int n = 0;
+          for (int e = e0; e < min(end, e0 + FIRED); ++e)
+            if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.event_capacity, e).parts - 1u)
+              fired[n++] = e;
+          n_fired = n;
+          __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+        }
+        __syncthreads();
+        for (int k = 0; k < n_fired; ++k) merge_event(p, fired[k]);
+        __syncthreads();   // (fired and n_fired are rewritten next)
+      }
     }
   }
-}
+};
+
+}  // namespace meld
+
+MELD_PERSISTENT_KERNEL(meld_grouped_attention, meld::GroupedFamily, NUM_WARPS * 32, 1)
