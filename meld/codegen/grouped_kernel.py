@@ -38,6 +38,11 @@ class GroupedKernelConfig:
         return f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}_w{self.num_warps}"
 
     @property
+    def row_blocks(self) -> int:
+        """16-row blocks a task attends at once (a warp each): the planner slices larger groups to fit."""
+        return self.num_warps
+
+    @property
     def threads(self) -> int:
         return 32 * self.num_warps
 

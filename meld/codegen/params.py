@@ -264,6 +264,7 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
     Field("min_piece", "i32"),
     Field("cut", "i32"),
     Field("rows_per_tile", "i32"),
+    Field("slice_rows", "i32"),                     # query rows a task holds at most (whole requests; at least one)
     Field("task_capacity", "i32"),
     Field("slot_capacity", "i32"),
 ])
@@ -281,7 +282,6 @@ GROUPED_PARAMS = _with_header("GroupedParams", [
     Field("part_slot", "ptr", "const int*"),        # each event's parts' first row slots, in merge order
     Field("cta_first", "ptr", "const int*"),        # [grid + 1]: each CTA's first task
     Field("producer_groups", "ptr", "const int*"),  # [producers]: the first global group id of each producer
-    Field("group_q0", "ptr", "const int*"),         # per global group: its first request
     Field("group_pages", "ptr", "const int*"),      # per global group: its page list's offset in kv_indices
     Field("kv_indices", "ptr", "const int*"),       # every producer's page lists, one after another
     Field("counters", "ptr", "unsigned*"),          # per event: parts arrived (zero between launches)

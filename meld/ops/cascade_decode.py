@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from ..scheduler.split_reduce_plan import GroupTable, launch_tables, plan_split_reduce
+from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables, plan_split_reduce
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -59,11 +59,13 @@ class CascadeDecode(Operator):
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
         self._planned = None   # (batch, {task: GroupTable}, SplitReducePlan, largest page index)
         self._launch_state = None   # CUDA: the planned batch's device tables and the kernel's parameters
+        self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
         if self.device.type == "cuda":
             from ..codegen.grouped_kernel import GroupedKernelConfig
 
             self._require_hopper()
             kc = self.kernel_config = GroupedKernelConfig(_DTYPES[dtype], head_dim)
+            self._slice_rows = kc.row_blocks * 16
             self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
             self._register_watchdog(kc.name, _describe_task)   # (the kernel never waits: the id names it)
 
@@ -116,7 +118,7 @@ class CascadeDecode(Operator):
                                                 last.numpy().astype(np.int64))
         order = [tables[level_task(lv)] for lv in range(self.num_levels)]
         plan = plan_split_reduce(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
-                                 self.page_size, self.num_ctas)
+                                 self.page_size, self.num_ctas, self._slice_rows)
         state = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._planned, self._launch_state = (batch, tables, plan, top), state
 

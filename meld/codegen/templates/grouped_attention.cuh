@@ -8,16 +8,16 @@
 // issuing its share of the chunk STAGES - 1 ahead, so the loads of the whole CTA stay in flight while the
 // warps compute. Scores and P.V run on the tensor cores (m16n8k16, 16 query rows per warp):
 //   - a task of more than 16 rows (a shared level): each warp owns a 16-row block and attends every token of
-//     every chunk, so a level's KV is read from memory once per NUM_WARPS x 16 rows of the group (a group of
-//     more rows streams the piece again, from L2, once per such pass);
+//     every chunk. The planner slices a group's rows into tasks of at most NUM_WARPS x 16 rows, so a level's
+//     KV is read once per slice (its slices' tasks are neighbours: mostly from L2);
 //   - a task of at most 16 rows (a request's own suffix): the warps split each chunk's 16-token tiles and
 //     merge their online-softmax states through shared memory at the end of the piece (the drained ring).
 // Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
 //
-// The combine is fired by a count: after a task's partials are stored, one thread fences and counts the
-// task's arrival at each of its events (a request and kv head); the arrival that reaches an event's `parts`
-// merges the event's parts (part_slot, in the planner's order) into the output and resets the counter for
-// the next launch. No CTA waits for another's work: any grid, any residency, is deadlock-free. Events with
+// The combine is fired by a count: after a task's partials are stored, a thread per event fences and counts
+// the task's arrival at it (a request and kv head); the CTA whose arrival reaches an event's `parts` merges
+// the event's parts (part_slot, in the planner's order) into the output, every event it completed at once,
+// and resets their counters for the next launch. No CTA waits for another's work: any grid, any residency, is deadlock-free. Events with
 // no part (a request with no KV at any level) write zeros and lse = -inf.
 //
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
@@ -249,35 +249,41 @@ __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitT
   }
 }
 
-// Event e's parts merged into out and lse (every thread of the CTA), its counter reset for the next launch.
-__device__ __forceinline__ void merge_event(const GroupedParams& p, int e) {
+// Channels d .. d + 3 of head h of event e: its parts merged (in part_slot order) into out, and lse when d == 0.
+__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h, int d) {
   const Event ev = load_event(p.events, p.event_capacity, e);
   const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
-  for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GWARPS * 32) {
-    const int h = i / (GD / 4), d = (i - h * (GD / 4)) * 4;
-    float mx = neg_inf();
-    for (int k = 0; k < ev.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[ev.part_first + k] + h));
-    const float base = mx == neg_inf() ? 0.f : mx;
-    float sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int k = 0; k < ev.parts; ++k) {
-      const int slot = p.part_slot[ev.part_first + k] + h;
-      const float w = exp2_approx(ld_cg(p.part_lse + slot) - base);
-      const float4 v = ld_cg4(p.part_o + (i64)slot * GD + d);
-      sum += w;
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-    }
-    const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
-    const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
-    uint2 packed;
-    packed.x = pack2(acc.x * inv, acc.y * inv);
-    packed.y = pack2(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(p.out + row * GD + d) = packed;
-    if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (base + log2_approx(sum)) * kLn2 : neg_inf();
+  float mx = neg_inf();
+  for (int k = 0; k < ev.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[ev.part_first + k] + h));
+  const float base = mx == neg_inf() ? 0.f : mx;
+  float sum = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k = 0; k < ev.parts; ++k) {
+    const int slot = p.part_slot[ev.part_first + k] + h;
+    const float w = exp2_approx(ld_cg(p.part_lse + slot) - base);
+    const float4 v = ld_cg4(p.part_o + (i64)slot * GD + d);
+    sum += w;
+    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
   }
-  if (threadIdx.x == 0) p.counters[e] = 0u;
+  const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
+  const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
+  uint2 packed;
+  packed.x = pack2(acc.x * inv, acc.y * inv);
+  packed.y = pack2(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(p.out + row * GD + d) = packed;
+  if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (base + log2_approx(sum)) * kLn2 : neg_inf();
 }
 
+// The n events of `list` merged by the CTA's threads together (one head's 4 channels each), their counters
+// reset for the next launch: a task that completes a whole slice of events merges them all at once.
+__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, int n) {
+  const int per = p.group_size * (GD / 4);
+  for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
+    const int k = i / per, j = i - k * per;
+    merge_row4(p, list[k], j / (GD / 4), (j % (GD / 4)) * 4);
+  }
+  for (int k = threadIdx.x; k < n; k += GTHREADS) p.counters[list[k]] = 0u;
+}
 
 // The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
 struct GroupedFamily {
@@ -291,8 +297,8 @@ struct GroupedFamily {
 
   static __device__ __forceinline__ void setup(const GroupedParams&, const State&) {}
 
-  // One pass of a task: its piece streamed through the ring, attended by the warp's rows (row0 ..; a split
-  // task: the warp's tiles of every chunk), the ring drained at the end.
+  // A task's piece streamed through the ring, attended by the warp's 16 rows (a split task: the warp's tiles
+  // of every chunk), the ring drained at the end.
   static __device__ __forceinline__ void stream(const GroupedParams& p, const SplitTask& tk, const int* pages,
                                                 bool split, bool active, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
                                                 u32 ring, int warp, int lane) {
@@ -325,52 +331,48 @@ struct GroupedFamily {
   }
 
   static __device__ __forceinline__ void run(const GroupedParams& p, const State& s) {
-    constexpr int FIRED = 64;
-    __shared__ int fired[FIRED];   // events one count of this CTA completed (merged by the whole CTA)
+    __shared__ int fired[GTHREADS];   // events this CTA's counts completed (merged by the whole CTA)
     __shared__ int n_fired;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = smem_addr(s.smem);
-    const int num_events = p.plan_info[0] * p.num_kv_heads;   // (plan() writes the batch: graph replays see it)
-    for (int e = blockIdx.x; e < num_events; e += gridDim.x)
-      if (load_event(p.events, p.event_capacity, e).parts == 0) merge_event(p, e);
+    const int batch = p.plan_info[0];   // (plan() writes it: graph replays see the batch)
+    for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x)   // events no task counts towards
+      if (load_event(p.events, p.event_capacity, e).parts == 0)
+        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, i / (GD / 4), (i % (GD / 4)) * 4);
     const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     for (int i = first; i < last; ++i) {
       const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
-      const int gid = p.producer_groups[tk.producer] + tk.group;
-      const int q0 = p.group_q0[gid];
-      const int* pages = p.kv_indices + p.group_pages[gid];
-      const int rows = tk.event_count * p.group_size;
+      const int* pages = p.kv_indices + p.group_pages[p.producer_groups[tk.producer] + tk.group];
+      const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
       const bool split = rows <= GT;
+      const int row0 = split ? 0 : warp * GT;
       u32 qf[GKSTEPS][4];
       RowBlock rb;
-      for (int row0 = split ? 0 : warp * GT; row0 - warp * GT < rows; row0 += GWARPS * GT) {   // passes
-        const bool active = row0 < rows;
-        load_q_rows(p, tk.kv_head, q0, row0, rows, qf, lane);
-        reset_rows(rb);
-        stream(p, tk, pages, split, active, rb, qf, ring, warp, lane);
-        if (split) break;
-        if (active) store_rows(p, tk, rb, row0, rows, lane);
-      }
+      load_q_rows(p, tk.kv_head, tk.event_first - tk.kv_head * batch, row0, rows, qf, lane);
+      reset_rows(rb);
+      stream(p, tk, pages, split, row0 < rows, rb, qf, ring, warp, lane);
       if (split) {
         stash_rows(rb, reinterpret_cast<WarpStash*>(s.smem)[warp], lane);
         __syncthreads();
         merge_warps(p, tk, rows, s.smem);
+      } else if (row0 < rows) {
+        store_rows(p, tk, rb, row0, rows, lane);
       }
-      __syncthreads();   // every row of the task is stored (and the stashes read: the next task's chunks overwrite them)
       const int end = tk.event_first + tk.event_count;
-      for (int e0 = tk.event_first; e0 < end; e0 += FIRED) {
-        if (threadIdx.x == 0) {
-          __threadfence();   // the CTA's partials before its counts
-          int n = 0;
-          for (int e = e0; e < min(end, e0 + FIRED); ++e)
-            if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.event_capacity, e).parts - 1u)
-              fired[n++] = e;
-          n_fired = n;
-          __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+      for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS) {   // count the task's arrival, a thread an event
+        if (threadIdx.x == 0) n_fired = 0;
+        __syncthreads();   // every row of the task is stored (and the stashes read: the next chunks overwrite them)
+        const int e = e0 + threadIdx.x;
+        if (e < end) {
+          __threadfence();   // the CTA's partials, stored before the barrier, before this count
+          if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.event_capacity, e).parts - 1u) {
+            __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+            fired[atomicAdd(&n_fired, 1)] = e;
+          }
         }
         __syncthreads();
-        for (int k = 0; k < n_fired; ++k) merge_event(p, fired[k]);
-        __syncthreads();   // (fired and n_fired are rewritten next)
+        merge_events(p, fired, n_fired);
+        __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
       }
     }
   }
