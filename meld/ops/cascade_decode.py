@@ -7,9 +7,10 @@ the planner (`meld.scheduler.plan_split_reduce`) balances every level's pieces t
 executor runs the plan from the graph: a level's group is read once for all its requests, and each
 (request, kv head) merges its parts as soon as the last one arrives.
 
-On a GPU the grouped-attention kernel (templates/grouped_attention.cuh) walks the same tables: a CTA's
-warps take the task's 16-row blocks of the group's query rows, and the arrival that completes an event's
-count merges it in the same launch. NOT YET RUN ON A GPU (written 2026-12-02 without device time).
+On a GPU the grouped-attention kernel (templates/grouped_attention.cuh, a family of the persistent skeleton)
+walks the same tables: a CTA streams a task's KV once through a shared ring for every query row of the task
+(a slice of the group's rows, a 16-row block per warp), and the arrival that completes an event's count
+merges it in the same launch.
 """
 from __future__ import annotations
 
