@@ -18,7 +18,7 @@ from meld.ir.task_graph import GraphError
 from meld.ops.cascade_graph import level_task
 from meld.runtime.reference import cascade_reference, execute_split_reduce
 from meld.scheduler import GroupTable, plan_split_reduce
-from meld.scheduler.split_reduce_plan import plan_split_reduce_numpy
+from meld.scheduler.split_reduce_plan import SLICE_ROWS, plan_split_reduce_numpy
 
 HQ, HKV, D, P = 8, 2, 64, 16
 BF16 = torch.bfloat16
@@ -71,7 +71,7 @@ def check(levels, q, kv, **kw):
 def test_graph_is_decode_attention_with_one_producer_per_level():
     g = meld.ops.cascade_decode_graph(HQ, HKV, D, P, 3)
     low = lower(g)
-    assert (low.family, low.combiner, low.kernel) == ("grouped_attention", "online_softmax", None)
+    assert (low.family, low.combiner, low.kernel) == ("grouped_attention", "online_softmax", "grouped_attention.cuh")
     assert low.producers == tuple(level_task(i) for i in range(3))
     assert lower(meld.ops.cascade_decode_graph(HQ, HKV, D, P, 1)).family == "grouped_attention", (
         "one level over groups of requests still reads a group's KV once for all of them")
@@ -101,21 +101,24 @@ def test_three_levels_and_a_plan_per_batch():
 
 
 def test_pieces_cover_every_range_once_and_the_events_count_them():
-    levels, q, kv = batch([16, 16], [4000, 2000], list(range(1, 33)))
+    levels, q, kv = batch([40, 24], [4000, 2000], list(range(1, 65)))   # 160 rows: a group of two slices
     op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", num_ctas=32)
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     _, tables, plan = op.plan_tables
     order = [tables[level_task(i)] for i in range(2)]
     t, ev = plan.task_columns(), plan.event_columns()
-    covered, parts = {}, np.zeros(32 * HKV, dtype=int)
+    covered, parts = {}, np.zeros(64 * HKV, dtype=int)
+    slice_requests = SLICE_ROWS // (HQ // HKV)
     for i in range(plan.num_tasks):
-        key = (int(t["producer"][i]), int(t["group"][i]), int(t["kv_head"][i]))
+        first, count = int(t["event_first"][i]), int(t["event_count"][i])
+        key = (int(t["producer"][i]), int(t["group"][i]), int(t["kv_head"][i]), first)
         covered.setdefault(key, []).append((int(t["kv_begin"][i]), int(t["kv_end"][i])))
         grp = order[key[0]]
         q0, q1 = int(grp.qo_indptr[key[1]]), int(grp.qo_indptr[key[1] + 1])
-        assert (t["event_first"][i], t["event_count"][i]) == (key[2] * 32 + q0, q1 - q0)
-        parts[t["event_first"][i]:t["event_first"][i] + t["event_count"][i]] += 1
-    for (ti, g, h), ranges in covered.items():
+        s0 = first - key[2] * 64   # the slice's first request: slices of whole requests cut from the group's first
+        assert (s0 - q0) % slice_requests == 0 and count == min(slice_requests, q1 - s0) and count >= 1
+        parts[first:first + count] += 1
+    for (ti, g, h, _), ranges in covered.items():
         ranges.sort()
         assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         assert ranges[-1][1] == order[ti].kv_len(P)[g]
@@ -304,15 +307,15 @@ def _levels(draw):
         indptr = np.array([0, *np.cumsum(pages)], dtype=np.int64)
         last = np.array([n - (p - 1) * P if p else 1 for n, p in zip(lens, pages)], dtype=np.int64)
         levels.append(GroupTable(qo, indptr, np.arange(indptr[-1], dtype=np.int64), last))
-    return batch, levels, draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 4, 8]))
+    return batch, levels, draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 6, 128]))
 
 
 @settings(max_examples=150, deadline=None)
 @given(_levels())
 def test_host_planner_is_its_numpy_oracle(case):
-    batch, levels, ctas, heads = case
-    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas),
-                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas))
+    batch, levels, ctas, heads, slice_rows = case   # (slice_rows 1 and 6: slices of one and of three requests)
+    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows),
+                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -344,3 +347,83 @@ def test_the_reference_makes_every_row_with_a_non_finite_score_nan():
     _, (out, lse) = run_op(levels, q, kv, num_ctas=4)
     torch.testing.assert_close(lse.double(), want_l, rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def _kernel_walk(plan, order, q, kv, sm_scale):
+    """templates/grouped_attention.cuh's indexing in float64 NumPy: the launch tables as the kernel reads them
+    (each CTA's tasks, a task's group through producer_groups, its rows r = request * G + head in 16-row
+    blocks, row slots slot + r), the count-fired merge through part_slot, and the events with no part."""
+    from meld.scheduler.split_reduce_plan import launch_tables
+
+    lt, t, ev = launch_tables(plan, order), plan.task_columns(), plan.event_columns()
+    B, Hq, Dh = q.shape
+    G, Pg = plan.group_size, kv.shape[2]
+    q64, kv64 = q.double().numpy(), kv.double().numpy()
+    part_o, part_lse = np.full((plan.num_slots, Dh), np.nan), np.full(plan.num_slots, np.nan)
+    out, lse = np.full((B, Hq, Dh), np.nan), np.full((B, Hq), np.nan)
+    counters = np.zeros(B * plan.num_kv_heads, dtype=np.int64)
+
+    def merge(e):
+        b, h = e % B, e // B
+        slots = plan.part_slot[ev["part_first"][e]:ev["part_first"][e] + ev["parts"][e]]
+        for j in range(G):
+            ls = part_lse[slots + j]
+            if len(slots) == 0:
+                out[b, h * G + j], lse[b, h * G + j] = 0.0, -np.inf
+                continue
+            m = np.max(ls)
+            w = np.exp2(ls - m)
+            out[b, h * G + j] = (w[:, None] * part_o[slots + j]).sum(0) / w.sum()
+            lse[b, h * G + j] = (m + np.log2(w.sum())) * math.log(2)
+
+    for e in np.flatnonzero(ev["parts"] == 0):
+        merge(int(e))
+    for cta in range(plan.num_ctas):
+        for i in range(lt["cta_first"][cta], lt["cta_first"][cta + 1]):
+            assert t["cta"][i] == cta
+            gid = lt["producer_groups"][t["producer"][i]] + t["group"][i]
+            rows, h = t["event_count"][i] * G, t["kv_head"][i]
+            q0, pages = t["event_first"][i] - h * B, lt["kv_indices"][lt["group_pages"][gid]:]
+            pos = np.arange(t["kv_begin"][i], t["kv_end"][i])
+            page = pages[pos // Pg]
+            k, v = kv64[page, 0, pos % Pg, h], kv64[page, 1, pos % Pg, h]
+            for r in range(rows):
+                s = (q64[q0 + r // G, h * G + r % G] @ k.T) * sm_scale * math.log2(math.e)
+                m = np.max(s)
+                p = np.exp2(s - m)
+                part_o[t["slot"][i] + r] = p @ v / p.sum()
+                part_lse[t["slot"][i] + r] = m + np.log2(p.sum())
+            for e in range(t["event_first"][i], t["event_first"][i] + t["event_count"][i]):
+                counters[e] += 1
+                if counters[e] == ev["parts"][e]:
+                    merge(e)
+    return torch.from_numpy(out), torch.from_numpy(lse)
+
+
+@pytest.mark.parametrize("groups,prefix,suffix,ctas", [
+    ([4], [300], [5, 0, 17, 64], 8),
+    ([3, 1, 4], [129, 16, 1000], [1, 2, 3, 4, 5, 6, 7, 70], 16),
+    ([2, 2], [0, 40], [0, 9, 0, 33], 3),
+    ([40, 2], [300, 70], [int(n) for n in np.random.default_rng(3).integers(0, 90, 42)], 12),   # sliced: 160 rows
+])
+def test_the_kernels_walk_of_its_launch_tables_is_the_reference(groups, prefix, suffix, ctas):
+    levels, q, kv = batch(groups, prefix, suffix)
+    op, _ = run_op(levels, q, kv, num_ctas=ctas)
+    _, tables, plan = op.plan_tables
+    order = [tables[level_task(lv)] for lv in range(len(levels))]
+    got_o, got_l = _kernel_walk(plan, order, q, kv, 1 / math.sqrt(D))
+    want_o, want_l = cascade_reference(q, kv, levels)
+    torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9, equal_nan=True)
+    torch.testing.assert_close(got_l, want_l, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_grouped_kernel_compiles_for_sm90a(head_dim):
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+    from tests.kernel_matrix import nvcc
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cfg = GroupedKernelConfig("bfloat16", head_dim)
+    _, log = nvcc(cfg.render(), cfg.name)
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log

@@ -2,8 +2,8 @@
 
 The task kinds and their edges select the family (its planner policy and device task bodies); the
 combiner recorded on the graph's reduction selects the merge — the device merge the family compiles and
-the merge the CPU reference executor applies; the family names its kernel template (none yet for grouped
-attention) and its reference executor, which the operators run on the CPU. A graph that asks for something
+the merge the CPU reference executor applies; the family names its kernel template and its reference
+executor, which the operators run on the CPU. A graph that asks for something
 no family implements is refused here, with the reason, before anything is compiled.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ from ..ir import TaskGraph
 from ..ir.task_graph import GraphError
 
 
-# Each family's kernel template (None: no GPU kernel yet) and its CPU reference executor, as module:function
+# Each family's kernel template and its CPU reference executor, as module:function
 # (imported when asked for: the executors import torch and NumPy, lowering only the IR).
 KERNELS = {"decode_attention": "decode_attention.cuh", "mla_decode": "mla_decode.cuh", "moe": "moe.cuh",
-           "tp_linear": "tp_linear.cuh", "grouped_attention": None}
+           "tp_linear": "tp_linear.cuh", "grouped_attention": "grouped_attention.cuh"}
 EXECUTORS = {"decode_attention": "meld.runtime.reference:execute_decode",
              "mla_decode": "meld.runtime.reference:execute_mla",
              "moe": "meld.runtime.moe_reference:execute_moe",
@@ -36,8 +36,8 @@ class Lowering:
     transport: str | None = None         # how those partials cross ranks (meld.ir.TRANSPORTS; None: one GPU)
 
     @property
-    def kernel(self) -> str | None:
-        """The family's kernel template, or None where only the CPU reference executor runs it."""
+    def kernel(self) -> str:
+        """The family's kernel template."""
         return KERNELS[self.family]
 
     @property

@@ -264,8 +264,36 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
     Field("min_piece", "i32"),
     Field("cut", "i32"),
     Field("rows_per_tile", "i32"),
+    Field("slice_rows", "i32"),                     # query rows a task holds at most (whole requests; at least one)
     Field("task_capacity", "i32"),
     Field("slot_capacity", "i32"),
+])
+
+# Grouped (shared-prefix, cascade) decode attention (templates/grouped_attention.cuh): the split-reduce task
+# and event tables (meld.ir.work_table SPLIT_TASK, EVENT) and where each task's group starts.
+GROUPED_PARAMS = _with_header("GroupedParams", [
+    Field("q", "ptr", "const u16*"),
+    Field("kv", "ptr", "const u16*"),               # NHD [pages, 2, page_size, num_kv_heads, head_dim]
+    Field("out", "ptr", "u16*"),
+    Field("lse", "ptr", "float*"),                  # null: not asked for
+    Field("plan_info", "ptr", "const int*"),        # [batch]: written by plan(), so a captured launch sees it
+    Field("tasks", "ptr", "const int*"),            # SPLIT_TASK, field-major over task_capacity entries, CTA after CTA
+    Field("events", "ptr", "const int*"),           # EVENT, field-major over event_capacity (num_kv_heads x batch used)
+    Field("part_slot", "ptr", "const int*"),        # each event's parts' first row slots, in merge order
+    Field("cta_first", "ptr", "const int*"),        # [grid + 1]: each CTA's first task
+    Field("producer_groups", "ptr", "const int*"),  # [producers]: the first global group id of each producer
+    Field("group_pages", "ptr", "const int*"),      # per global group: its page list's offset in kv_indices
+    Field("kv_indices", "ptr", "const int*"),       # every producer's page lists, one after another
+    Field("counters", "ptr", "unsigned*"),          # per event: parts arrived (zero between launches)
+    Field("part_o", "ptr", "float*"),               # [slots][head_dim]: each row's normalised partial
+    Field("part_lse", "ptr", "float*"),             # [slots]: its log2-sum-exp
+    Field("task_capacity", "i32"),
+    Field("event_capacity", "i32"),
+    Field("num_qo_heads", "i32"),
+    Field("num_kv_heads", "i32"),
+    Field("group_size", "i32"),
+    Field("page_size", "i32"),
+    Field("sm_scale_log2", "f32"),
 ])
 
 # What a kernel writes before it traps when a wait gives up (meld/runtime/watchdog.py reads it).

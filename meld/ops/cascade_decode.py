@@ -7,8 +7,10 @@ the planner (`meld.scheduler.plan_split_reduce`) balances every level's pieces t
 executor runs the plan from the graph: a level's group is read once for all its requests, and each
 (request, kv head) merges its parts as soon as the last one arrives.
 
-Where it stands: the CPU reference executor runs it. The GPU kernel has no prefix task body yet (a piece
-whose query rows are a whole group's requests), so a CUDA device is refused at construction.
+On a GPU the grouped-attention kernel (templates/grouped_attention.cuh, a family of the persistent skeleton)
+walks the same tables: a CTA streams a task's KV once through a shared ring for every query row of the task
+(a slice of the group's rows, a 16-row block per warp), and the arrival that completes an event's count
+merges it in the same launch.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from ..scheduler.split_reduce_plan import GroupTable, plan_split_reduce
+from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables, plan_split_reduce
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -27,6 +29,10 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 H200_SMS = 132
 
 
+def _describe_task(unit: int) -> str:
+    return f"split-reduce task {unit}"
+
+
 class CascadeDecode(Operator):
     """Decode attention over `num_levels` levels of paged KV, each a page table per group of requests.
 
@@ -34,7 +40,7 @@ class CascadeDecode(Operator):
         num_qo_heads, num_kv_heads, head_dim, page_size: as `meld.DecodeAttention` (head_dim 64, 128 or 256).
         num_levels: levels of the cascade (>= 1; one level is plain decode).
         dtype: torch.bfloat16 or torch.float16 (q, KV cache and output).
-        device: "cpu" (the reference executor); the GPU kernel has no cascade task body yet.
+        device: "cuda[:i]" (the grouped-attention kernel) or "cpu" (the reference executor).
         sm_scale: softmax scale, a finite number; default 1/sqrt(head_dim).
         num_ctas: CTAs the planner balances the pieces over (default: the H200's SMs).
     """
@@ -49,14 +55,20 @@ class CascadeDecode(Operator):
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self._setup(graph, device)
-        if self.device.type != "cpu" and self.lowering.kernel is None:
-            raise NotImplementedError(f"CascadeDecode on {self.device}: its graph lowers to the {self.lowering.family} "
-                                      "family, which has no GPU kernel yet (no shared-prefix task body); use "
-                                      "device='cpu' (the reference executor)")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.num_levels, self.dtype = page_size, num_levels, dtype
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
         self._planned = None   # (batch, {task: GroupTable}, SplitReducePlan, largest page index)
+        self._launch_state = None   # CUDA: the planned batch's device tables and the kernel's parameters
+        self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
+        if self.device.type == "cuda":
+            from ..codegen.grouped_kernel import GroupedKernelConfig
+
+            self._require_hopper()
+            kc = self.kernel_config = GroupedKernelConfig(_DTYPES[dtype], head_dim)
+            self._slice_rows = kc.row_blocks * 16
+            self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
+            self._register_watchdog(kc.name, _describe_task)   # (the kernel never waits: the id names it)
 
     @property
     def plan_tables(self):
@@ -105,9 +117,46 @@ class CascadeDecode(Operator):
                 raise ValueError(f"level {lv}: {e}") from None
             tables[level_task(lv)] = GroupTable(q, ip.numpy().astype(np.int64), ix.numpy()[:nnz].astype(np.int64),
                                                 last.numpy().astype(np.int64))
-        plan = plan_split_reduce([tables[level_task(lv)] for lv in range(self.num_levels)], batch, self.num_kv_heads,
-                                 self.num_qo_heads // self.num_kv_heads, self.page_size, self.num_ctas)
-        self._planned = (batch, tables, plan, top)
+        order = [tables[level_task(lv)] for lv in range(self.num_levels)]
+        plan = plan_split_reduce(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
+                                 self.page_size, self.num_ctas, self._slice_rows)
+        state = self._device_tables(plan, order) if self.device.type == "cuda" else None
+        self._planned, self._launch_state = (batch, tables, plan, top), state
+
+    def _device_tables(self, plan, order: list[GroupTable]):
+        """The plan's tables written into the kernel's device buffers, which are reused while the plan fits
+        them, so a CUDA graph captured after one plan() replays any later plan that fits (the batch is read
+        from the device, plan_info); a larger plan grows them (twice what it needs), and graphs captured
+        before then must be captured again. Returns (buffers, capacities, the kernel's parameter struct)."""
+        from ..codegen.params import GROUPED_PARAMS
+        from ..ir.work_table import EVENT, SPLIT_TASK
+
+        host = launch_tables(plan, order)
+        n_events = plan.batch * plan.num_kv_heads
+        need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": n_events,
+                "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1}
+        buf, caps, params = self._launch_state or ({}, {}, None)
+        if any(n > caps.get(k, 0) for k, n in need.items()):   # new buffers; the old ones stay the last plan's
+            caps = {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
+            i32 = dict(dtype=torch.int32, device=self.device)
+            f32 = dict(dtype=torch.float32, device=self.device)
+            buf = {k: torch.zeros(caps[k] * (SPLIT_TASK.width if k == "tasks" else EVENT.width if k == "events" else 1),
+                                  **i32) for k in (*host, "tasks", "events", "part_slot", "plan_info")}
+            buf.update(counters=torch.zeros(caps["events"], **i32), part_o=torch.empty(caps["slots"] * self.head_dim, **f32),
+                       part_lse=torch.empty(caps["slots"], **f32))
+            params = GROUPED_PARAMS.ctype(**self._header(), **{k: v.data_ptr() for k, v in buf.items() if k != "slots"},
+                                          task_capacity=caps["tasks"], event_capacity=caps["events"],
+                                          num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                          group_size=plan.group_size, page_size=self.page_size,
+                                          sm_scale_log2=self.sm_scale * math.log2(math.e))
+        task, event = plan.task_columns(), plan.event_columns()
+        pad = lambda a, n: np.r_[a, np.zeros(n - len(a), dtype=np.int64)]   # noqa: E731
+        rows = {**host, "plan_info": np.array([plan.batch]), "part_slot": plan.part_slot,
+                "tasks": SPLIT_TASK.pack(caps["tasks"], **{f: pad(c, caps["tasks"]) for f, c in task.items()}),
+                "events": EVENT.pack(caps["events"], **{f: pad(c, caps["events"]) for f, c in event.items()})}
+        for k, a in rows.items():
+            buf[k][:len(a)].copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)))
+        return buf, caps, params
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
@@ -124,14 +173,28 @@ class CascadeDecode(Operator):
         Hq, Hkv, D, P = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
         expect("q", q, self.dtype, (batch, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         expect("kv_cache", kv_cache, self.dtype, (None, 2, P, Hkv, D),
-               "num_pages, K/V, page_size, num_kv_heads, head_dim", self.device)
+               "num_pages, K/V, page_size, num_kv_heads, head_dim", self.device,
+               contiguous=self.device.type == "cuda")
         if top >= kv_cache.shape[0]:
             raise ValueError(f"the last plan() references page {top}, but kv_cache has only {kv_cache.shape[0]} pages")
         out, lse = self._run_outputs(out, lse, (batch, Hq, D), return_lse, "like q", "batch, num_qo_heads",
                                      {"q": q, "kv_cache": kv_cache})
-        o, l = self.lowering.executor(self.graph, plan, tables, q, kv_cache, self.sm_scale)
-        plain(out).copy_(o)
-        if lse is not None:
-            plain(lse).copy_(l)
+        if self.device.type == "cuda":
+            self._launch(q, kv_cache, plain(out), None if lse is None else plain(lse))
+        else:
+            o, l = self.lowering.executor(self.graph, plan, tables, q, kv_cache, self.sm_scale)
+            plain(out).copy_(o)
+            if lse is not None:
+                plain(lse).copy_(l)
         out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
+
+    def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        _, _, params = self._launch_state
+        q = q.contiguous()
+        for name, t in (("kv_cache", kv_cache), ("out", out)):   # (the kernel's 16-byte loads and 8-byte stores)
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name} must start on a 16-byte boundary, got address {t.data_ptr():#x}")
+        params.q, params.kv, params.out = q.data_ptr(), kv_cache.data_ptr(), out.data_ptr()
+        params.lse = lse.data_ptr() if lse is not None else 0
+        self.kernel.launch(self.num_ctas, params)

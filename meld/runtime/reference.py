@@ -171,7 +171,7 @@ def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[s
 
     for i in range(plan.num_tasks):
         t, g, h = order[int(task["producer"][i])], int(task["group"][i]), int(task["kv_head"][i])
-        q0 = int(t.qo_indptr[g])
+        q0 = int(task["event_first"][i]) - h * B   # the task's first request (a slice of the group's)
         pos = np.arange(int(task["kv_begin"][i]), int(task["kv_end"][i]))
         pages = t.kv_indices[int(t.kv_indptr[g]) + pos // P]
         rows = q64[q0:q0 + int(task["event_count"][i]), h * G:(h + 1) * G].reshape(-1, D)

@@ -13,9 +13,12 @@ each event's parts: what a kernel would read, and all the CPU executor reads bes
 made by one C source for the GPU and the host (templates/split_reduce_plan.h; `plan_split_reduce` runs its
 host build), with `plan_split_reduce_numpy` as its oracle.
 
-Cost model and cut (decode's, on a line): a work item (producer, group, kv head) of t tokens and r query
-rows costs t * ceil(r / 64), the tensor-core tiles of 64 rows each of its key rows feeds. Items lie on one
-line in graph order (producer, group, kv head) and the line is cut into `num_ctas` segments of equal cost;
+Cost model and cut (decode's, on a line): a work item (producer, group, kv head, slice) of t tokens and r
+query rows costs t * ceil(r / 64), the tensor-core tiles of 64 rows each of its key rows feeds. A slice is
+up to `slice_rows` of the group's query rows (whole requests, at least one): the rows a kernel task attends
+at once, so a large group's shared KV is read once per slice (mostly from L2: its slices are neighbours on
+the line) and no task carries more than a slice's events. Items lie on one line in graph order (producer,
+group, kv head, slice) and the line is cut into `num_ctas` segments of equal cost;
 a cut inside an item becomes a piece boundary, at a multiple of CUT_TOKENS, and is dropped where it would
 leave a piece shorter than MIN_PIECE_TOKENS (the piece stays with the CTA before). So a CTA's pieces are
 consecutive on the line (one level's groups together: their KV shared in L2), an item is split only where
@@ -34,6 +37,7 @@ from ..ir.work_table import EVENT, SPLIT_TASK
 MIN_PIECE_TOKENS = 64
 CUT_TOKENS = 16
 ROWS_PER_TILE = 64
+SLICE_ROWS = 128   # query rows a task holds at most: the grouped kernel's warps x 16 (one pass over the KV)
 
 
 @dataclass(frozen=True)
@@ -88,23 +92,24 @@ def _cost(tokens: int, rows: int) -> float:
 
 
 def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int,
-                            page_size: int, num_ctas: int) -> SplitReducePlan:
+                            page_size: int, num_ctas: int, slice_rows: int = SLICE_ROWS) -> SplitReducePlan:
     """The cut in NumPy, written from the module docstring: the test oracle of `plan_split_reduce` (the
     planner's C source, templates/split_reduce_plan.h, the GPU's and the host's)."""
-    items = []   # (producer, group, kv_head, tokens, requests, tiles) in line order
+    per = max(1, slice_rows // group_size)   # requests of a slice
+    items = []   # (producer, group, kv_head, first request, tokens, requests, tiles) in line order
     for ti, t in enumerate(tables):
         lens = t.kv_len(page_size)
         for g in range(len(lens)):
-            n_req = int(t.qo_indptr[g + 1] - t.qo_indptr[g])
-            if lens[g] > 0 and n_req > 0:
-                tiles = -(-n_req * group_size // ROWS_PER_TILE)
-                items += [(ti, g, h, int(lens[g]), n_req, tiles) for h in range(num_kv_heads)]
+            q0, q1 = int(t.qo_indptr[g]), int(t.qo_indptr[g + 1])
+            if lens[g] > 0:
+                items += [(ti, g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // ROWS_PER_TILE))
+                          for h in range(num_kv_heads) for s in range(q0, q1, per)]
     total = sum(n * tiles for *_, n, _, tiles in items)
     bounds = [c * total // num_ctas for c in range(num_ctas + 1)]   # the segments' first costs
     cols = {f: [] for f in SPLIT_TASK.fields}
     parts: dict[int, list[int]] = {}   # event -> its parts' first slots, in line order
     start, cta, slot = 0, 0, 0
-    for ti, g, h, n, n_req, tiles in items:
+    for ti, g, h, q0, n, n_req, tiles in items:
         while cta + 1 < num_ctas and bounds[cta + 1] <= start:   # the CTA whose segment holds the item's start
             cta += 1
         cuts = [(0, cta)]
@@ -114,7 +119,6 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
             if pos - cuts[-1][0] >= MIN_PIECE_TOKENS and n - pos >= MIN_PIECE_TOKENS:
                 cuts.append((pos, c))
             c += 1
-        q0 = int(tables[ti].qo_indptr[g])
         for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):
             for f, v in zip(SPLIT_TASK.fields, (owner, ti, g, h, b, e, slot, h * batch + q0, n_req)):
                 cols[f].append(v)
@@ -133,7 +137,7 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
 
 
 def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int, page_size: int,
-                      num_ctas: int) -> SplitReducePlan:
+                      num_ctas: int, slice_rows: int = SLICE_ROWS) -> SplitReducePlan:
     """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
     parts (module docstring), with the planner's C source built for the host. `tables` are the producers
     in the graph's order: the order their parts merge in."""
@@ -149,7 +153,7 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     requests = i32([np.diff(t.qo_indptr) for t in tables])
     tokens = i32([t.kv_len(page_size) for t in tables])
     busy = (tokens > 0) & (requests > 0)
-    items = int(busy.sum()) * num_kv_heads
+    items = int(-(-requests[busy] // max(1, slice_rows // group_size)).sum()) * num_kv_heads
     task_cap = items + num_ctas
     part_cap = int(requests[busy].sum()) * num_kv_heads + num_ctas * int(requests.max(initial=0))
     n_events = batch * num_kv_heads
@@ -163,7 +167,7 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
         group_producer=ptr(producer), group_index=ptr(index), group_q0=ptr(q0), group_requests=ptr(requests),
         group_tokens=ptr(tokens), tasks=ptr(tasks), events=ptr(events), part_slot=ptr(part_slot), cursor=ptr(cursor),
         out=ptr(out), num_groups=len(tokens), batch=batch, num_kv_heads=num_kv_heads, group_size=group_size,
-        num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS, rows_per_tile=ROWS_PER_TILE,
+        num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS, rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows,
         task_capacity=task_cap, slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
     num_tasks, num_slots = int(out[0]), int(out[1])
@@ -175,3 +179,19 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
                            SPLIT_TASK.pack(num_tasks, **{f: c[:num_tasks] for f, c in cols.items()}), num_tasks,
                            EVENT.pack(n_events, **ev), part_slot[:parts].copy(), num_slots)
+
+
+def launch_tables(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, np.ndarray]:
+    """What the grouped-attention kernel reads besides the plan's tables (int32): each CTA's first task, and
+    where each task's group's page list starts in the producers' page lists laid one after another
+    (templates/grouped_attention.cuh; a group's global id is producer_groups[producer] + group; a task's
+    first request is its first event's, event_first - kv_head * batch)."""
+    counts = [len(t.qo_indptr) - 1 for t in tables]
+    pages = np.cumsum([0] + [len(t.kv_indices) for t in tables])
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)   # noqa: E731
+    return {
+        "cta_first": i32(np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1), side="left")),
+        "producer_groups": i32(np.cumsum([0] + counts[:-1])),
+        "group_pages": i32(np.concatenate([t.kv_indptr[:-1] + off for t, off in zip(tables, pages)])),
+        "kv_indices": i32(np.concatenate([t.kv_indices for t in tables] + [np.zeros(1)])),   # (never empty)
+    }

@@ -5,8 +5,9 @@
 // one_thread.h. The line is walked in order by thread 0 (work items number the groups times the kv heads:
 // thousands, not millions); the other threads of a GPU block only wait at the barrier.
 //
-// Work item i = (group g = i / H, kv head h = i % H), groups producer after producer, each of t tokens and
-// r = requests x group_size query rows, costing t * ceil(r / rows_per_tile). The line of their costs is cut
+// Work items are (group g, kv head h, slice s), groups producer after producer: slice s holds the group's
+// requests s * S .. (S = slice_rows / group_size, at least 1: the rows one task's CTA attends at once), each
+// item of the group's t tokens and r = its requests x group_size query rows, costing t * ceil(r / rows_per_tile). The line of their costs is cut
 // into num_ctas segments of equal cost; a cut inside an item is a piece boundary at the nearest multiple of
 // `cut` tokens, dropped where it would leave a piece shorter than `min_piece` tokens. Each piece is one
 // SPLIT_TASK row (in line order, hence in CTA order) and counts towards its requests' events (h * batch + b);
@@ -21,10 +22,11 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
   if (threadIdx.x == 0) {
     const int H = p.num_kv_heads, W = p.num_ctas, E = p.batch * p.num_kv_heads;
     long long total = 0;
+    const int slice = max(1, p.slice_rows / p.group_size);   // requests of a slice
     for (int g = 0; g < p.num_groups; ++g)
-      if (p.group_tokens[g] > 0 && p.group_requests[g] > 0)
-        total += (long long)H * p.group_tokens[g] * ((p.group_requests[g] * p.group_size + p.rows_per_tile - 1) /
-                                                     p.rows_per_tile);
+      for (int s0 = 0; p.group_tokens[g] > 0 && s0 < p.group_requests[g]; s0 += slice)
+        total += (long long)H * p.group_tokens[g] *
+                 ((min(slice, p.group_requests[g] - s0) * p.group_size + p.rows_per_tile - 1) / p.rows_per_tile);
     for (int e = 0; e < E; ++e) p.cursor[e] = 0;
     // Pass 0 writes the tasks and counts each event's parts; pass 1 lists the parts' slots.
     int tasks = 0, slots = 0;
@@ -43,10 +45,12 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
       long long start = 0;
       int cta = 0, task = 0, slot = 0;
       for (int g = 0; g < p.num_groups; ++g) {
-        const int n = p.group_tokens[g], req = p.group_requests[g];
-        if (n <= 0 || req <= 0) continue;
-        const int tiles = (req * p.group_size + p.rows_per_tile - 1) / p.rows_per_tile;
-        for (int h = 0; h < H; ++h) {
+        const int n = p.group_tokens[g], slices = (p.group_requests[g] + slice - 1) / slice;
+        if (n <= 0) continue;
+        for (int i = 0; i < H * slices; ++i) {   // kv head after kv head, its slices together (their KV shared in L2)
+          const int h = i / slices, s0 = (i - h * slices) * slice;
+          const int req = min(slice, p.group_requests[g] - s0), q0 = p.group_q0[g] + s0;
+          const int tiles = (req * p.group_size + p.rows_per_tile - 1) / p.rows_per_tile;
           const long long cost = (long long)n * tiles;
           while (cta + 1 < W && (cta + 1) * total / W <= start) ++cta;   // the CTA whose segment holds the start
           int begin = 0, owner = cta;
@@ -65,11 +69,10 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
               if (task < p.task_capacity)
                 store_splittask(p.tasks, p.task_capacity, task,
                                 SplitTask{owner, p.group_producer[g], p.group_index[g], h, begin, end, slot,
-                                          h * p.batch + p.group_q0[g], req});
-              for (int r = 0; r < req; ++r) ++p.cursor[h * p.batch + p.group_q0[g] + r];
+                                          h * p.batch + q0, req});
+              for (int r = 0; r < req; ++r) ++p.cursor[h * p.batch + q0 + r];
             } else {
-              for (int r = 0; r < req; ++r)
-                p.part_slot[p.cursor[h * p.batch + p.group_q0[g] + r]++] = slot + r * p.group_size;
+              for (int r = 0; r < req; ++r) p.part_slot[p.cursor[h * p.batch + q0 + r]++] = slot + r * p.group_size;
             }
             ++task;
             slot += req * p.group_size;

@@ -1,0 +1,383 @@
+// meld: grouped (shared-prefix, cascade) decode attention: the split-reduce task and event tables of
+// meld.scheduler.plan_split_reduce, walked by persistent CTAs (the persistent skeleton, persistent.cuh).
+//
+// A task is a piece [kv_begin, kv_end) of one producer's (a cascade level's) page table for one group of
+// requests and one kv head, for every query row of the group: its event_count requests x GROUP q heads,
+// rows r = request * GROUP + head. The CTA streams the piece's KV through one shared ring of STAGES chunks
+// of CHUNK tokens (cp.async, K and V as stored, 16-byte chunks XOR-swizzled for ldmatrix), every thread
+// issuing its share of the chunk STAGES - 1 ahead, so the loads of the whole CTA stay in flight while the
+// warps compute. Scores and P.V run on the tensor cores (m16n8k16, 16 query rows per warp):
+//   - a task of more than 16 rows (a shared level): each warp owns a 16-row block and attends every token of
+//     every chunk. The planner slices a group's rows into tasks of at most NUM_WARPS x 16 rows, so a level's
+//     KV is read once per slice (its slices' tasks are neighbours: mostly from L2);
+//   - a task of at most 16 rows (a request's own suffix): the warps split each chunk's 16-token tiles and
+//     merge their online-softmax states through shared memory at the end of the piece (the drained ring).
+// Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
+//
+// The combine is fired by a count: after a task's partials are stored, a thread per event fences and counts
+// the task's arrival at it (a request and kv head); the CTA whose arrival reaches an event's `parts` merges
+// the event's parts (part_slot, in the planner's order) into the output, every event it completed at once,
+// and resets their counters for the next launch. No CTA waits for another's work: any grid, any residency, is deadlock-free. Events with
+// no part (a request with no KV at any level) write zeros and lse = -inf.
+//
+// NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
+// enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
+// value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
+// SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table).
+
+namespace meld {
+
+constexpr int GD = HEAD_DIM;
+constexpr int GWARPS = NUM_WARPS;
+constexpr int GTHREADS = GWARPS * 32;
+constexpr int GSTAGES = NUM_STAGES;
+constexpr int GT = 16;                  // tokens per tile; query rows per warp's row block
+constexpr int CHUNK = 64;               // tokens per ring stage
+constexpr int TILES = CHUNK / GT;       // tiles per chunk
+constexpr int WARP_SETS = GWARPS / TILES;   // split tasks: chunk c's tiles go to warps [c % WARP_SETS]
+constexpr int GKSTEPS = GD / 16;        // k-steps of Q.K^T
+constexpr int GNT = GD / 8;             // n8 tiles of P.V (O's columns)
+constexpr int CPR = GD / 8;             // 16-byte chunks per token row
+constexpr int KV_BYTES = CHUNK * GD * 2;    // one chunk of K (or V)
+constexpr int STAGE_BYTES = 2 * KV_BYTES;
+constexpr int ROW_TILES = GD <= 128 ? TILES : 1;   // tiles a row block attends per softmax step (registers)
+static_assert(GD % 64 == 0 && GD <= 256, "head_dim must be 64, 128 or 256");
+static_assert(GWARPS % TILES == 0, "a CTA's warps split a chunk's tiles evenly");
+static_assert((CHUNK * CPR) % GTHREADS == 0, "every thread issues the same number of a chunk's copies");
+static_assert(GSTAGES >= 2 && GSTAGES * STAGE_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+
+// Byte offset of 16-byte chunk c of token row r in a K or V chunk: XOR swizzle, so ldmatrix's eight rows
+// at one chunk column hit eight different bank groups.
+__device__ __forceinline__ u32 kv_off(int r, int c) { return r * (GD * 2) + ((c ^ (r & 7)) << 4); }
+
+// One warp's 16 query rows of a task: the rows' online-softmax state over the tokens it attended.
+struct RowBlock {
+  float o[GNT][4];   // O: n8 tile j, (row g, cols 2t, 2t+1), (row g + 8, ...)
+  float m[2], l[2];  // rows g and g + 8 (log2 domain; l this thread's columns, reduced at the end)
+};
+
+__device__ __forceinline__ void reset_rows(RowBlock& rb) {
+#pragma unroll
+  for (int n = 0; n < GNT; ++n) rb.o[n][0] = rb.o[n][1] = rb.o[n][2] = rb.o[n][3] = 0.f;
+  rb.m[0] = rb.m[1] = neg_inf();
+  rb.l[0] = rb.l[1] = 0.f;
+}
+
+// Q's A fragments of rows row0 .. row0 + 15 of the task (rows past `rows` are padding: zero).
+__device__ __forceinline__ void load_q_rows(const GroupedParams& p, int kv_head, int q0, int row0, int rows,
+                                           u32 (&qf)[GKSTEPS][4], int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {   // rows g and g + 8: A fragment registers (0, 2) and (1, 3)
+    const int r = row0 + g + 8 * h;
+    const u16* q = r < rows ? p.q + ((i64)(q0 + r / p.group_size) * p.num_qo_heads + kv_head * p.group_size +
+                                     r % p.group_size) * GD
+                            : nullptr;
+#pragma unroll
+    for (int k = 0; k < GKSTEPS; ++k) {
+      qf[k][h] = q ? *reinterpret_cast<const u32*>(q + k * 16 + 2 * t) : 0u;
+      qf[k][h + 2] = q ? *reinterpret_cast<const u32*>(q + k * 16 + 8 + 2 * t) : 0u;
+    }
+  }
+}
+
+// Every thread's share of chunk c of a piece into ring stage `dst` (tokens at or past `end`: zeros).
+__device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* pages, int kv_head, int pos0, int end,
+                                           u32 dst) {
+#pragma unroll
+  for (int it = 0; it < CHUNK * CPR / GTHREADS; ++it) {
+    const int i = threadIdx.x + it * GTHREADS, tok = i / CPR, c = i - tok * CPR, pos = pos0 + tok;
+    const u16* k = p.kv;
+    const u16* v = p.kv;
+    int bytes = 0;
+    if (pos < end) {
+      const i64 page = pages[pos / p.page_size];
+      const i64 row = ((page * 2) * p.page_size + pos % p.page_size) * p.num_kv_heads + kv_head;
+      k = p.kv + row * GD + c * 8;
+      v = k + (i64)p.page_size * p.num_kv_heads * GD;
+      bytes = 16;
+    }
+    cp_async_16(dst + kv_off(tok, c), k, bytes);
+    cp_async_16(dst + KV_BYTES + kv_off(tok, c), v, bytes);
+  }
+}
+
+// One online-softmax step of a warp's 16 rows over NS tiles of a staged chunk, from tile `tile0` on; tokens at
+// or past `valid` (counted from the step's first) are masked out.
+template <int NS>
+__device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4], u32 stage,
+                                       int tile0, int valid, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int krow = (lane & 7) + ((lane >> 4) << 3), kch = (lane >> 3) & 1;   // ldmatrix: K as B (n = tokens)
+  const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vch = lane >> 4;   // .trans: V as B (k = tokens)
+  float s[2 * NS][4];
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    s[2 * j][0] = s[2 * j][1] = s[2 * j][2] = s[2 * j][3] = 0.f;
+    s[2 * j + 1][0] = s[2 * j + 1][1] = s[2 * j + 1][2] = s[2 * j + 1][3] = 0.f;
+#pragma unroll
+    for (int k = 0; k < GKSTEPS; ++k) {
+      u32 b[4];
+      ldmatrix_x4(b, stage + kv_off((tile0 + j) * GT + krow, 2 * k + kch));
+      mma_16816(s[2 * j], qf[k][0], qf[k][1], qf[k][2], qf[k][3], b[0], b[1]);
+      mma_16816(s[2 * j + 1], qf[k][0], qf[k][1], qf[k][2], qf[k][3], b[2], b[3]);
+    }
+  }
+  float mx[2] = {rb.m[0], rb.m[1]};
+#pragma unroll
+  for (int n = 0; n < 2 * NS; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int tok = n * 8 + 2 * t + (c & 1);
+      const float x = s[n][c] * p.sm_scale_log2;   // a non-finite score (Inf or NaN in q or K) makes the row NaN
+      s[n][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
+      mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
+    }
+  float alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float base = mx[r] == neg_inf() ? 0.f : mx[r];   // a row with no finite score yet
+    alpha[r] = exp2_approx(rb.m[r] - base);
+    rb.m[r] = mx[r];
+    mx[r] = base;
+  }
+#pragma unroll
+  for (int n = 0; n < 2 * NS; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      s[n][c] = exp2_approx(s[n][c] - mx[c >> 1]);
+      sum[c >> 1] += s[n][c];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) rb.l[r] = rb.l[r] * alpha[r] + sum[r];
+#pragma unroll
+  for (int n = 0; n < GNT; ++n) {
+    rb.o[n][0] *= alpha[0]; rb.o[n][1] *= alpha[0];
+    rb.o[n][2] *= alpha[1]; rb.o[n][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    const u32 a0 = pack2(s[2 * j][0], s[2 * j][1]), a1 = pack2(s[2 * j][2], s[2 * j][3]),
+              a2 = pack2(s[2 * j + 1][0], s[2 * j + 1][1]), a3 = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
+#pragma unroll
+    for (int n = 0; n < GNT; n += 2) {
+      u32 b[4];
+      ldmatrix_x4_trans(b, stage + KV_BYTES + kv_off((tile0 + j) * GT + vrow, n + vch));
+      mma_16816(rb.o[n], a0, a1, a2, a3, b[0], b[1]);
+      mma_16816(rb.o[n + 1], a0, a1, a2, a3, b[2], b[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The warp's rows normalised into their partial slots (slot + r) with their log2-sum-exp.
+__device__ __forceinline__ void store_rows(const GroupedParams& p, const SplitTask& tk, const RowBlock& rb, int row0,
+                                           int rows, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(rb.l[h]);
+    const int r = row0 + g + 8 * h;
+    if (r >= rows) continue;
+    const float inv = 1.f / l;   // a piece has tokens: l >= 1, or NaN
+    float* o = p.part_o + (i64)(tk.slot + r) * GD;
+#pragma unroll
+    for (int n = 0; n < GNT; ++n)
+      *reinterpret_cast<float2*>(o + n * 8 + 2 * t) = make_float2(rb.o[n][2 * h] * inv, rb.o[n][2 * h + 1] * inv);
+    if (t == 0) p.part_lse[tk.slot + r] = rb.m[h] + log2_approx(l);
+  }
+}
+
+// Tasks of at most 16 rows (a request's own suffix: one request's q heads) leave the CTA's other warps no
+// rows: the warps split the piece's tiles instead and merge their states through shared memory, laid over
+// the drained ring (rows padded by 4 floats: fewer bank conflicts).
+struct WarpStash {
+  float o[GT][GD + 4];   // O, unnormalised
+  float m[GT], l[GT];
+};
+static_assert(GWARPS * (int)sizeof(WarpStash) <= SMEM_BYTES, "the warps' stashes must fit the ring");
+
+__device__ __forceinline__ const WarpStash& stash_of(const unsigned char* smem, int warp) {
+  return reinterpret_cast<const WarpStash*>(smem)[warp];
+}
+
+__device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = quad_sum(rb.l[h]);
+    const int r = g + 8 * h;
+#pragma unroll
+    for (int n = 0; n < GNT; ++n)
+      *reinterpret_cast<float2*>(&ws.o[r][n * 8 + 2 * t]) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
+    if (t == 0) {
+      ws.m[r] = rb.m[h];
+      ws.l[r] = l;
+    }
+  }
+}
+
+// Every thread of the CTA, after the warps' stash_rows: rows r < rows merged across the warps into their slots.
+__device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows,
+                                            const unsigned char* smem) {
+  for (int i = threadIdx.x; i < rows * (GD / 4); i += GWARPS * 32) {
+    const int r = i / (GD / 4), d = (i - r * (GD / 4)) * 4;
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < GWARPS; ++w) mx = fmaxf(mx, stash_of(smem, w).m[r]);
+    const float base = mx == neg_inf() ? 0.f : mx;   // (every score NaN: the l's carry it)
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < GWARPS; ++w) {   // a warp with no tile: m = -inf, l = 0, O = 0, weight 0
+      const WarpStash& ws = stash_of(smem, w);
+      const float c = exp2_approx(ws.m[r] - base);
+      const float4 v = *reinterpret_cast<const float4*>(&ws.o[r][d]);
+      l += c * ws.l[r];
+      acc.x += c * v.x; acc.y += c * v.y; acc.z += c * v.z; acc.w += c * v.w;
+    }
+    const float inv = 1.f / l;
+    *reinterpret_cast<float4*>(p.part_o + (i64)(tk.slot + r) * GD + d) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (d == 0) p.part_lse[tk.slot + r] = base + log2_approx(l);
+  }
+}
+
+// Channels d .. d + 3 of head h of event e: its parts merged (in part_slot order) into out, and lse when d == 0.
+__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h, int d) {
+  const Event ev = load_event(p.events, p.event_capacity, e);
+  const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
+  float mx = neg_inf();
+  for (int k = 0; k < ev.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[ev.part_first + k] + h));
+  const float base = mx == neg_inf() ? 0.f : mx;
+  float sum = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k = 0; k < ev.parts; ++k) {
+    const int slot = p.part_slot[ev.part_first + k] + h;
+    const float w = exp2_approx(ld_cg(p.part_lse + slot) - base);
+    const float4 v = ld_cg4(p.part_o + (i64)slot * GD + d);
+    sum += w;
+    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+  }
+  const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
+  const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
+  uint2 packed;
+  packed.x = pack2(acc.x * inv, acc.y * inv);
+  packed.y = pack2(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(p.out + row * GD + d) = packed;
+  if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (base + log2_approx(sum)) * kLn2 : neg_inf();
+}
+
+// The n events of `list` merged by the CTA's threads together (one head's 4 channels each), their counters
+// reset for the next launch: a task that completes a whole slice of events merges them all at once.
+__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, int n) {
+  const int per = p.group_size * (GD / 4);
+  for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
+    const int k = i / per, j = i - k * per;
+    merge_row4(p, list[k], j / (GD / 4), (j % (GD / 4)) * 4);
+  }
+  for (int k = threadIdx.x; k < n; k += GTHREADS) p.counters[list[k]] = 0u;
+}
+
+// The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
+struct GroupedFamily {
+  using Params = GroupedParams;
+  static constexpr LaunchKind LAUNCH = LAUNCH_PLAIN;
+  static constexpr int SMEM_ALIGN = 128;
+  struct State {
+    unsigned char* smem;   // the ring; a split task's warp stashes once it is drained
+    __device__ __forceinline__ State(const GroupedParams&, unsigned char* s) : smem(s) {}
+  };
+
+  static __device__ __forceinline__ void setup(const GroupedParams&, const State&) {}
+
+  // A task's piece streamed through the ring, attended by the warp's 16 rows (a split task: the warp's tiles
+  // of every chunk), the ring drained at the end.
+  static __device__ __forceinline__ void stream(const GroupedParams& p, const SplitTask& tk, const int* pages,
+                                                bool split, bool active, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
+                                                u32 ring, int warp, int lane) {
+    const int chunks = (tk.kv_end - tk.kv_begin + CHUNK - 1) / CHUNK;
+#pragma unroll
+    for (int c = 0; c < GSTAGES - 1; ++c) {
+      if (c < chunks) issue_chunk(p, pages, tk.kv_head, tk.kv_begin + c * CHUNK, tk.kv_end, ring + c * STAGE_BYTES);
+      cp_async_commit();
+    }
+    for (int c = 0; c < chunks; ++c) {
+      cp_async_wait<GSTAGES - 2>();
+      __syncthreads();   // chunk c has landed for every thread, and chunk c - 1 is read: its stage is free
+      const int next = c + GSTAGES - 1;
+      if (next < chunks)
+        issue_chunk(p, pages, tk.kv_head, tk.kv_begin + next * CHUNK, tk.kv_end, ring + (next % GSTAGES) * STAGE_BYTES);
+      cp_async_commit();
+      const u32 stage = ring + (c % GSTAGES) * STAGE_BYTES;
+      const int valid = tk.kv_end - (tk.kv_begin + c * CHUNK);
+      if (split) {
+        const int tile = warp % TILES;
+        if (c % WARP_SETS == warp / TILES && valid > tile * GT) attend<1>(p, rb, qf, stage, tile, valid - tile * GT, lane);
+      } else if (active) {
+#pragma unroll
+        for (int j = 0; j < TILES; j += ROW_TILES)
+          if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, j, valid - j * GT, lane);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();   // the ring is drained and read: the next pass (or a stash) may overwrite it
+  }
+
+  static __device__ __forceinline__ void run(const GroupedParams& p, const State& s) {
+    __shared__ int fired[GTHREADS];   // events this CTA's counts completed (merged by the whole CTA)
+    __shared__ int n_fired;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 ring = smem_addr(s.smem);
+    const int batch = p.plan_info[0];   // (plan() writes it: graph replays see the batch)
+    for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x)   // events no task counts towards
+      if (load_event(p.events, p.event_capacity, e).parts == 0)
+        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, i / (GD / 4), (i % (GD / 4)) * 4);
+    const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
+    for (int i = first; i < last; ++i) {
+      const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+      const int* pages = p.kv_indices + p.group_pages[p.producer_groups[tk.producer] + tk.group];
+      const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
+      const bool split = rows <= GT;
+      const int row0 = split ? 0 : warp * GT;
+      u32 qf[GKSTEPS][4];
+      RowBlock rb;
+      load_q_rows(p, tk.kv_head, tk.event_first - tk.kv_head * batch, row0, rows, qf, lane);
+      reset_rows(rb);
+      stream(p, tk, pages, split, row0 < rows, rb, qf, ring, warp, lane);
+      if (split) {
+        stash_rows(rb, reinterpret_cast<WarpStash*>(s.smem)[warp], lane);
+        __syncthreads();
+        merge_warps(p, tk, rows, s.smem);
+      } else if (row0 < rows) {
+        store_rows(p, tk, rb, row0, rows, lane);
+      }
+      const int end = tk.event_first + tk.event_count;
+      for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS) {   // count the task's arrival, a thread an event
+        if (threadIdx.x == 0) n_fired = 0;
+        __syncthreads();   // every row of the task is stored (and the stashes read: the next chunks overwrite them)
+        const int e = e0 + threadIdx.x;
+        if (e < end) {
+          __threadfence();   // the CTA's partials, stored before the barrier, before this count
+          if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.event_capacity, e).parts - 1u) {
+            __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+            fired[atomicAdd(&n_fired, 1)] = e;
+          }
+        }
+        __syncthreads();
+        merge_events(p, fired, n_fired);
+        __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
+      }
+    }
+  }
+};
+
+}  // namespace meld
+
+MELD_PERSISTENT_KERNEL(meld_grouped_attention, meld::GroupedFamily, NUM_WARPS * 32, 1)

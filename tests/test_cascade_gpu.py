@@ -1,0 +1,109 @@
+"""The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import meld
+from meld.runtime.reference import cascade_reference
+
+pytestmark = pytest.mark.gpu
+
+HKV, P = 2, 16
+
+
+def _levels(prefix_groups, prefix_lens, suffix_lens, seed):
+    """Two levels (a prefix per group, a suffix per request) on shuffled fresh pages, FlashInfer's layout."""
+    rng = np.random.default_rng(seed)
+    out, nxt = [], 0
+    for sizes, lens in [(prefix_groups, prefix_lens), ([1] * len(suffix_lens), suffix_lens)]:
+        pages = [-(-n // P) for n in lens]
+        out.append((torch.tensor([0, *np.cumsum(sizes)], dtype=torch.int32),
+                    torch.tensor([0, *np.cumsum(pages)], dtype=torch.int32),
+                    torch.from_numpy(nxt + rng.permutation(sum(pages))).int(),
+                    torch.tensor([n - (k - 1) * P if k else 1 for n, k in zip(lens, pages)], dtype=torch.int32)))
+        nxt += sum(pages)
+    return out, nxt
+
+
+def _check(prefix_groups, prefix_lens, suffix_lens, head_dim=128, group=4, seed=0, poison=None):
+    levels, pages = _levels(prefix_groups, prefix_lens, suffix_lens, seed)
+    g = torch.Generator().manual_seed(seed)
+    B, Hq = len(suffix_lens), HKV * group
+    q = torch.randn(B, Hq, head_dim, generator=g).bfloat16()
+    kv = torch.randn(pages + 1, 2, P, HKV, head_dim, generator=g).bfloat16()
+    if poison is not None:
+        poison(q, kv, levels)
+    op = meld.CascadeDecode(Hq, HKV, head_dim, P, 2, torch.bfloat16, "cuda")
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    out = torch.full((B, Hq, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((B, Hq), float("nan"), device="cuda")
+    op.run(q.cuda(), kv.cuda(), out=out, lse=lse)
+    again = op.run(q.cuda(), kv.cuda())   # the counters were reset: the same answer, bit for bit
+    torch.cuda.synchronize()
+    want_o, want_l = cascade_reference(q, kv, levels)
+    torch.testing.assert_close(out.double().cpu(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse.double().cpu(), want_l, rtol=1e-3, atol=1e-3, equal_nan=True)
+    assert torch.equal(again.isnan(), out.isnan()) and torch.equal(again.nan_to_num(), out.nan_to_num())
+    return out, lse
+
+
+@pytest.mark.parametrize("groups,prefix,suffix", [
+    ([4], [300], [5, 0, 17, 64]),                              # one group, an empty suffix
+    ([3, 1, 4], [129, 16, 1000], [1, 2, 3, 4, 5, 6, 7, 70]),   # several groups, partial last pages
+    ([2, 2], [0, 40], [0, 9, 0, 33]),                          # an empty prefix; a request with no KV
+    ([64], [4099], [int(n) for n in np.random.default_rng(1).integers(1, 700, 64)]),   # 256 rows a kv head
+    ([5, 7, 20], [2000, 1, 333], [int(n) for n in np.random.default_rng(2).integers(0, 300, 32)]),
+])
+def test_two_levels_match_float64(groups, prefix, suffix):
+    _check(groups, prefix, suffix)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 8), (256, 4), (128, 16)])
+def test_head_dims_and_groups(head_dim, group):
+    _check([3, 5], [500, 77], [int(n) for n in np.random.default_rng(3).integers(0, 200, 8)], head_dim, group)
+
+
+def test_non_finite_inputs_reach_exactly_their_rows():
+    def poison(q, kv, levels):
+        prefix, suffix = levels
+        kv[int(prefix[2][0]), 0, 2, 0, 7] = float("inf")                  # K of group 0's prefix, kv head 0
+        kv[int(suffix[2][int(suffix[1][3])]), 1, 0, 1, 5] = float("nan")   # V of request 3's suffix, kv head 1
+        q[2, 0, 3] = float("nan")                                          # request 2, q head 0
+
+    out, lse = _check([2, 2], [100, 100], [20, 20, 20, 20], poison=poison)
+    G = 4
+    assert out[0:2, :G].isnan().all() and lse[0:2, :G].isnan().all()
+    assert out[3, G:].isnan().any(dim=-1).all() and lse[3, G:].isfinite().all()
+    assert out[2, 0].isnan().all() and out[2, 1:].isfinite().all()
+    assert math.isfinite(float(lse[2, 1]))
+
+
+def test_a_captured_run_replays_later_plans_that_fit():
+    """plan() rewrites the kernel's tables in place while the plan fits them, so a CUDA graph captured after
+    one plan replays the next (same batch size; other groups, lengths and pages)."""
+    B, Hq, D = 8, HKV * 4, 128
+    first, pages1 = _levels([8], [900], [40] * B, seed=1)
+    second, pages2 = _levels([3, 5], [64, 300], [0, 17, 5, 80, 1, 2, 3, 4], seed=2)
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(max(pages1, pages2) + 1, 2, P, HKV, D, generator=g).bfloat16()
+    q1, q2 = (torch.randn(B, Hq, D, generator=g).bfloat16() for _ in range(2))
+    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda")
+    q_buf, kv_gpu = q1.cuda(), kv.cuda()
+    out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
+    op.plan(*[[lv[i] for lv in first] for i in range(4)])
+    op.run(q_buf, kv_gpu, out=out)   # (warm: the kernel is loaded)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.run(q_buf, kv_gpu, out=out)
+    for levels, q in ((first, q1), (second, q2)):
+        op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+        q_buf.copy_(q.cuda())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = cascade_reference(q, kv, levels)
+        torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
