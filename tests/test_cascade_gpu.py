@@ -29,7 +29,7 @@ def _levels(prefix_groups, prefix_lens, suffix_lens, seed):
     return out, nxt
 
 
-def _check(prefix_groups, prefix_lens, suffix_lens, head_dim=128, group=4, seed=0, poison=None):
+def _check(prefix_groups, prefix_lens, suffix_lens, head_dim=128, group=4, seed=0, poison=None, **kw):
     levels, pages = _levels(prefix_groups, prefix_lens, suffix_lens, seed)
     g = torch.Generator().manual_seed(seed)
     B, Hq = len(suffix_lens), HKV * group
@@ -37,7 +37,7 @@ def _check(prefix_groups, prefix_lens, suffix_lens, head_dim=128, group=4, seed=
     kv = torch.randn(pages + 1, 2, P, HKV, head_dim, generator=g).bfloat16()
     if poison is not None:
         poison(q, kv, levels)
-    op = meld.CascadeDecode(Hq, HKV, head_dim, P, 2, torch.bfloat16, "cuda")
+    op = meld.CascadeDecode(Hq, HKV, head_dim, P, 2, torch.bfloat16, "cuda", **kw)
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     out = torch.full((B, Hq, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, Hq), float("nan"), device="cuda")
@@ -60,6 +60,14 @@ def _check(prefix_groups, prefix_lens, suffix_lens, head_dim=128, group=4, seed=
 ])
 def test_two_levels_match_float64(groups, prefix, suffix):
     _check(groups, prefix, suffix)
+
+
+@pytest.mark.racecheck
+def test_both_task_shapes_in_one_small_launch():
+    """A group of 40 requests (160 rows: two slices, one of 32 requests with 8 warps of rows, one of 8 with
+    2) and one-request suffixes (the warps split the chunks, then merge through the drained ring), on few
+    CTAs so tasks follow each other in a CTA: small enough for racecheck."""
+    _check([40, 2], [150, 70], [int(n) for n in np.random.default_rng(4).integers(0, 140, 42)], seed=4, num_ctas=6)
 
 
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 8), (256, 4), (128, 16)])
