@@ -3,9 +3,9 @@
 Requests of a group share a prefix of KV pages; each level of the cascade is a page table per group of
 requests (FlashInfer's multi-level cascade layout). The graph (`cascade_decode_graph`) has one split-reduce
 task per level and decode attention's online-softmax combine; `lower()` gives it the grouped-attention family,
-the planner (`meld.scheduler.plan_split_reduce`) balances every level's pieces together, and the reference
-executor runs the plan from the graph: a level's group is read once for all its requests, and each
-(request, kv head) merges its parts as soon as the last one arrives.
+whose planner (`meld.scheduler.plan_split_reduce`, asked of the lowering) balances every level's pieces
+together, and whose reference executor runs the plan from the graph: a level's group is read once for all its
+requests, and each (request, kv head) merges its parts as soon as the last one arrives.
 
 Where it stands: the CPU reference executor runs it. The GPU kernel has no prefix task body yet (a piece
 whose query rows are a whole group's requests), so a CUDA device is refused at construction.
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import torch
 
-from ..scheduler.split_reduce_plan import GroupTable, plan_split_reduce
+from ..scheduler.split_reduce_plan import GroupTable
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -105,8 +105,8 @@ class CascadeDecode(Operator):
                 raise ValueError(f"level {lv}: {e}") from None
             tables[level_task(lv)] = GroupTable(q, ip.numpy().astype(np.int64), ix.numpy()[:nnz].astype(np.int64),
                                                 last.numpy().astype(np.int64))
-        plan = plan_split_reduce([tables[level_task(lv)] for lv in range(self.num_levels)], batch, self.num_kv_heads,
-                                 self.num_qo_heads // self.num_kv_heads, self.page_size, self.num_ctas)
+        plan = self.lowering.planner([tables[t] for t in self.lowering.producers], batch, self.num_kv_heads,
+                                     self.num_qo_heads // self.num_kv_heads, self.page_size, self.num_ctas)
         self._planned = (batch, tables, plan, top)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
