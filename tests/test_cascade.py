@@ -178,7 +178,7 @@ def test_the_graphs_combiner_selects_the_family_and_merge():
     levels, q, kv = batch([2], [20], [1, 2])
     t = GroupTable(*(x.numpy().astype(np.int64) for x in levels[0]))
     plan = plan_split_reduce([t], 2, HKV, HQ // HKV, P, num_ctas=2)
-    with pytest.raises(GraphError, match="lowers to the tp_linear family, not grouped attention"):
+    with pytest.raises(GraphError, match="lowers to the tp_linear family, not paged attention"):
         execute_split_reduce(g, plan, {"part": t}, q, kv, 0.1)
 
 

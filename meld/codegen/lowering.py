@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..ir import TaskGraph
-from ..ir.task_graph import GraphError
+from ..ir.task_graph import GraphError, TaskTemplate
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Lowering:
     family: str                          # a FAMILIES key: template, planner, executor
     combiner: str                        # meld.ir.COMBINERS key: the device merge and the executor's merge
     waits: tuple[tuple[str, str, str], ...] = ()   # (src, dst, axis): tile edges that become dependency counters
-    producers: tuple[str, ...] = ()      # the split-reduce tasks whose partials the combine merges, in merge order
+    producers: tuple[str, ...] = ()      # the split-reduce tasks whose partials the combines merge, in merge order
     transport: str | None = None         # how those partials cross ranks (meld.ir.TRANSPORTS; None: one GPU)
 
     @property
@@ -78,28 +78,59 @@ def _split_reduce(g: TaskGraph) -> Lowering:
     """Split-reduce and combine tasks. A split range of KV positions merges online-softmax states (attention:
     MLA's where it reads a latent cache, i.e. the graph has a rotary-key width); a split contraction
     dimension, plain sums (the row-parallel GEMM, its ranges spread over ranks). Attention whose partials
-    come from several tasks, or from a task over groups of the combine's points (a shared prefix read once
-    for a group of requests), is the grouped family: its plan is a task and event table (meld.ir.work_table)."""
+    come from several tasks, from a task over groups of the combine's points (a shared prefix read once for
+    a group of requests), or through more than one level of combines, is the grouped family: its plan is a
+    task and event table (meld.ir.work_table)."""
     reductions = {t.reduction.combiner for t in g.tasks if t.reduction is not None}
     if len(reductions) != 1 or next(iter(reductions)) not in ("online_softmax", "sum"):
         raise GraphError(f"graph {g.name!r}: a split-reduce family merges online-softmax states or sums; "
                          f"this graph reduces with {sorted(reductions)}")
     combiner = next(iter(reductions))
     combines = [t for t in g.tasks if t.kind == "combine"]
-    producers = tuple(t.name for t in g.producers(combines[0].name)) if len(combines) == 1 else ()
-    transport = g.transport(combines[0].name) if len(combines) == 1 else None
     if combiner == "sum":
+        producers = tuple(t.name for t in g.producers(combines[0].name)) if len(combines) == 1 else ()
+        transport = g.transport(combines[0].name) if len(combines) == 1 else None
         return Lowering("tp_linear", combiner, producers=producers, transport=transport)
-    if len(combines) != 1:
-        raise GraphError(f"graph {g.name!r}: attention merges its partials in one combine task, got "
-                         f"{[t.name for t in combines]}")
-    grouped = len(producers) > 1 or g.task(producers[0]).domain != combines[0].domain
+    sink = _sink(g, combines)
+    producers = _leaves(g, sink)
+    grouped = len(combines) > 1 or len(producers) > 1 or g.task(producers[0]).domain != sink.domain
     attention = "mla_decode" if "head_dim_kpe" in g.attrs else "decode_attention"
     family = "grouped_attention" if grouped else attention
-    if transport is not None and family != "decode_attention":
-        raise GraphError(f"graph {g.name!r}: partials cross ranks ({transport!r}) only in the decode_attention "
-                         f"and tp_linear families, not {family}")
-    return Lowering(family, combiner, producers=producers, transport=transport)
+    crossing = sorted({t for t in map(g.transport, (c.name for c in combines)) if t is not None})
+    if crossing and family != "decode_attention":
+        raise GraphError(f"graph {g.name!r}: partials cross ranks ({', '.join(map(repr, crossing))}) only in the "
+                         f"decode_attention and tp_linear families, not {family}")
+    return Lowering(family, combiner, producers=producers, transport=g.transport(sink.name))
+
+
+def _sink(g: TaskGraph, combines: list[TaskTemplate]) -> TaskTemplate:
+    """The combine that writes attention's output: the one whose merged state no other combine reads. The
+    others are levels of a merge tree (each merges per combine point, like the sink, and feeds one combine)."""
+    feeds = {c.name: [d for _, d, r in g.graph.out_edges(c.name, data="reduction") if r is not None]
+             for c in combines}
+    sinks = [c for c in combines if not feeds[c.name]]
+    if len(sinks) != 1 or any(len(d) > 1 for d in feeds.values()):
+        raise GraphError(f"graph {g.name!r}: attention's combines must form one tree that merges into one output; "
+                         f"combines {[c.name for c in combines]} feed {feeds}")
+    inner = [c.name for c in combines if c.domain != sinks[0].domain]
+    if inner:
+        raise GraphError(f"graph {g.name!r}: combine(s) {inner} merge over another domain than the output's "
+                         f"{sinks[0].name!r}: every level of attention's merge is per (request, kv head)")
+    return sinks[0]
+
+
+def _leaves(g: TaskGraph, combine: TaskTemplate) -> tuple[str, ...]:
+    """The split-reduce tasks under `combine`, depth first through its inputs in merge order: the order the
+    planner lays their pieces on its line and an event lists its parts in."""
+    out: list[str] = []
+    for t in g.producers(combine.name):
+        if t.kind == "combine":
+            out += _leaves(g, t)
+        elif sum(r is not None for _, _, r in g.graph.out_edges(t.name, data="reduction")) > 1:
+            raise GraphError(f"graph {g.name!r}: task {t.name!r} feeds its partials to several combines")
+        else:
+            out.append(t.name)
+    return tuple(out)
 
 
 def _tiles(g: TaskGraph) -> Lowering:
