@@ -181,7 +181,7 @@ def test_the_graphs_combiner_selects_the_family_and_merge():
     levels, q, kv = batch([2], [20], [1, 2])
     t = GroupTable(*(x.numpy().astype(np.int64) for x in levels[0]))
     plan = plan_split_reduce([t], 2, HKV, HQ // HKV, P, num_ctas=2)
-    with pytest.raises(GraphError, match="lowers to the tp_linear family, not grouped attention"):
+    with pytest.raises(GraphError, match="lowers to the tp_linear family, not paged attention"):
         execute_split_reduce(g, plan, {"part": t}, q, kv, 0.1)
 
 
@@ -276,14 +276,17 @@ def test_flashinfer_wrapper_errors_name_its_own_arguments():
         meld.CascadeDecode(HQ, HKV, 7, P, 2)
 
 
-def test_lowering_names_every_familys_kernel_and_executor():
-    from meld.codegen.lowering import EXECUTORS, KERNELS, Lowering
+def test_lowering_names_every_familys_kernel_planner_and_executor():
+    from meld.codegen.lowering import FAMILIES, Lowering
+    from meld.codegen.tp_kernel import TpSchedule
     from meld.runtime.reference import execute_split_reduce as grouped
 
-    assert set(KERNELS) == set(EXECUTORS)
-    for family in KERNELS:
-        assert callable(Lowering(family, "online_softmax").executor), family
-    assert lower(meld.ops.cascade_decode_graph(HQ, HKV, D, P, 2)).executor is grouped
+    for family in FAMILIES:
+        low = Lowering(family, "online_softmax")
+        assert callable(low.planner) and callable(low.executor), family
+    low = lower(meld.ops.cascade_decode_graph(HQ, HKV, D, P, 2))
+    assert (low.planner, low.executor) == (plan_split_reduce, grouped)
+    assert Lowering("tp_linear", "sum").planner == TpSchedule.of
 
 
 # --- the planner's C source (host build) against its NumPy oracle ------------------------------------------

@@ -172,8 +172,6 @@ class RowParallelLinear(GroupMember, Operator):
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """y [M, out_features] = sum over ranks of x_r @ weight_r.T, for this rank's x [M, in_features] and
         weight [out_features, in_features] (bf16, contiguous, on this rank's device)."""
-        from ..codegen.tp_kernel import TpSchedule
-
         grads = grad_inputs(x, weight)
         x, weight = plain(x), plain(weight)
         expect("x", x, self.dtype, (None, self.in_features), "tokens x in_features (this rank's slice)", self.device,
@@ -189,7 +187,7 @@ class RowParallelLinear(GroupMember, Operator):
         self._watchdog.check()
         call = self._calls.get(M)
         if call is None:   # the schedule, kernel and grid of M rows, worked out once
-            sched = TpSchedule.of(M, self.out_features, self.in_features, self._sm_count, self.kernel_config)
+            sched = self.lowering.planner(M, self.out_features, self.in_features, self._sm_count, self.kernel_config)
             cfg, kernel, p = self._variant(sched.config(self.kernel_config))
             # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
             grid = min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count)

@@ -3,9 +3,9 @@
 Requests of a group share a prefix of KV pages; each level of the cascade is a page table per group of
 requests (FlashInfer's multi-level cascade layout). The graph (`cascade_decode_graph`) has one split-reduce
 task per level and decode attention's online-softmax combine; `lower()` gives it the grouped-attention family,
-the planner (`meld.scheduler.plan_split_reduce`) balances every level's pieces together, and the reference
-executor runs the plan from the graph: a level's group is read once for all its requests, and each
-(request, kv head) merges its parts as soon as the last one arrives.
+whose planner (`meld.scheduler.plan_split_reduce`, asked of the lowering) balances every level's pieces
+together, and whose reference executor runs the plan from the graph: a level's group is read once for all its
+requests, and each (request, kv head) merges its parts as soon as the last one arrives.
 
 On a GPU the grouped-attention kernel (templates/grouped_attention.cuh, a family of the persistent skeleton)
 walks the same tables: a CTA streams a task's KV once through a shared ring for every query row of the task
@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables, plan_split_reduce
+from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -117,9 +117,9 @@ class CascadeDecode(Operator):
                 raise ValueError(f"level {lv}: {e}") from None
             tables[level_task(lv)] = GroupTable(q, ip.numpy().astype(np.int64), ix.numpy()[:nnz].astype(np.int64),
                                                 last.numpy().astype(np.int64))
-        order = [tables[level_task(lv)] for lv in range(self.num_levels)]
-        plan = plan_split_reduce(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
-                                 self.page_size, self.num_ctas, self._slice_rows)
+        order = [tables[t] for t in self.lowering.producers]
+        plan = self.lowering.planner(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
+                                     self.page_size, self.num_ctas, self._slice_rows)
         state = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._planned, self._launch_state = (batch, tables, plan, top), state
 

@@ -20,7 +20,6 @@ from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS
 from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
-from ..scheduler.moe_plan import plan_moe_host
 from .base import Operator
 from .checks import (check_output, check_pair, check_positive, expect, grad_inputs, is_int, no_backward, plain,
                      resolve_device)
@@ -340,8 +339,8 @@ class MoE(Operator):
     def plan_for(self, topk_ids: np.ndarray, num_tokens: int):
         """The `MoePlan` this layer runs for a routing (the GPU planner builds the same on the device)."""
         bt = block_tokens_for(num_tokens, self.top_k, self.num_experts)
-        return plan_moe_host(topk_ids, self.num_experts, bt, *self._column_blocks(bt), self._sm_count,
-                             tile_columns(bt))
+        return self.lowering.planner(topk_ids, self.num_experts, bt, *self._column_blocks(bt), self._sm_count,
+                                     tile_columns(bt))
 
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
         from ..runtime.moe_reference import route

@@ -21,7 +21,7 @@ from .. import config
 from ..codegen import DecodePlanKernelConfig
 from ..ir import Schedule
 from ..runtime import host_helper
-from ..scheduler import Topology, plan_decode_host
+from ..scheduler import Topology
 from ..tuning.recorder import kv_lens, recorder
 from .base import Operator
 from .checks import expect, is_int, plain, same_device
@@ -206,9 +206,10 @@ class PagedDecode(Operator):
         if self._schedule is None:
             if self._planned is None:
                 raise RuntimeError(f"{type(self).__name__}.schedule: call plan() first")
-            self._schedule = plan_decode_host(_host(self._planned.indptr), _host(self._planned.last), self.page_size,
-                                              self.num_kv_heads, self.group_size, self.topology, self.cost,
-                                              self.heads_per_unit, self._plan_clusters, self._chunk)
+            # (the lowering's planner: plan_decode_host, the host build of the GPU planner's source)
+            self._schedule = self.lowering.planner(_host(self._planned.indptr), _host(self._planned.last),
+                                                   self.page_size, self.num_kv_heads, self.group_size, self.topology,
+                                                   self.cost, self.heads_per_unit, self._plan_clusters, self._chunk)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,

@@ -131,18 +131,23 @@ def merge_partials(part_lse: np.ndarray, part_o: np.ndarray, combiner: Combiner 
 
 def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[str, GroupTable], q: torch.Tensor,
                          kv_cache: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run a paged-attention split-reduce graph whose combine merges the partials of several tasks (a
-    cascade's levels) from the plan's task and event tables (`meld.scheduler.plan_split_reduce` over the
-    graph's split-reduce tasks in graph order), `tables` their `GroupTable`s by task name, kv_cache NHD on
-    the CPU. Tasks run in table order (CTA after CTA); each counts its arrival at its events, and the
-    arrival that reaches an event's part count merges the event's parts, in the order its slot list gives,
-    with the graph's combiner — the count-fired combine of the kernels. Returns (out [B, Hq, D], lse
-    [B, Hq]) float64."""
+    """Run a paged-attention split-reduce graph on one device from the plan's task and event tables
+    (`meld.scheduler.plan_split_reduce` over the lowering's producers, in its order), `tables` their
+    `GroupTable`s by task name, kv_cache NHD on the CPU. Any such graph: decode's (one task over the
+    requests, each its own group), a cascade's (a task per level over groups of requests), or one whose
+    partials merge through a tree of combines. Tasks run in table order (CTA after CTA); each counts its
+    arrival at its events, and at each combine of the tree an event fires when its count reaches the parts
+    listed for it there (its producers' parts in the event's slot list, plus one per lower combine with
+    any): the count-fired combine of the kernels, one counter per level. A combine merges its inputs in the
+    graph's order with the graph's combiner, a lower combine's merged state taking its place as one part.
+    Returns (out [B, Hq, D], lse [B, Hq]) float64."""
     from ..codegen.lowering import lower
 
     low = lower(graph)
-    if low.family != "grouped_attention":
-        raise GraphError(f"graph {graph.name!r} lowers to the {low.family} family, not grouped attention")
+    if low.family not in ("decode_attention", "grouped_attention") or low.transport is not None:
+        crossing = f" (partials crossing ranks by {low.transport!r})" if low.transport else ""
+        raise GraphError(f"graph {graph.name!r} lowers to the {low.family} family{crossing}, not paged attention "
+                         "on one device (decode_attention or grouped_attention)")
     producers, merge = low.producers, _softmax(low.combiner)
     missing = [t for t in producers if t not in tables]
     if missing:
@@ -156,21 +161,61 @@ def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[s
     lse = torch.full((B, Hq), float("nan"), dtype=torch.float64)
     part_o, part_lse = np.full((plan.num_slots, D), np.nan), np.full(plan.num_slots, np.nan)
     task, event = plan.task_columns(), plan.event_columns()
-    arrived = np.zeros(B * plan.num_kv_heads, dtype=np.int64)
+    n_events = B * plan.num_kv_heads
     heads = np.arange(G)
 
-    def fire(e: int) -> None:
+    # The merge tree from the graph: each combine's inputs in merge order; graph.tasks is topological, so a
+    # combine comes after the ones it reads and the output's comes last.
+    combines = [t.name for t in graph.tasks if t.kind == "combine"]
+    inputs = {c: [t.name for t in graph.producers(c)] for c in combines}
+    parent = {i: c for c in combines for i in inputs[c]}
+    slot_producer = np.full(plan.num_slots, -1)
+    for i in range(plan.num_tasks):
+        s0, n = int(task["slot"][i]), int(task["event_count"][i])
+        slot_producer[s0:s0 + n * G] = task["producer"][i]
+
+    listed = [plan.part_slot[f:f + n].astype(np.int64) for f, n in zip(event["part_first"], event["parts"])]
+    if any((slot_producer[s] < 0).any() for s in listed):
+        raise ValueError(f"graph {graph.name!r}: the plan lists a part slot that no task writes")
+    by_producer = np.array([np.bincount(slot_producer[s], minlength=len(producers)) for s in listed],
+                           dtype=np.int64).reshape(n_events, len(producers)).T
+    need: dict[str, np.ndarray] = {}   # parts each combine's event waits for
+    for c in combines:
+        need[c] = sum((by_producer[producers.index(i)] if i in producers else need[i] > 0 for i in inputs[c]),
+                      np.zeros(n_events, dtype=np.int64))
+    arrived = {c: np.zeros(n_events, dtype=np.int64) for c in combines}
+    merged: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}   # a lower combine's (lse [G], o [G, D])
+
+    def fire(c: str, e: int) -> None:
         h, b = divmod(e, B)
-        first = int(event["part_first"][e])
-        slots = plan.part_slot[first:first + int(event["parts"][e])].astype(np.int64)[:, None] + heads
-        if len(slots):
-            o, ls = merge_partials(part_lse[slots], part_o[slots], merge)
+        slots, lses, os = listed[e], [], []
+        for i in inputs[c]:
+            if i in producers:
+                s = slots[slot_producer[slots] == producers.index(i)][:, None] + heads
+                lses.append(part_lse[s])
+                os.append(part_o[s])
+            elif need[i][e]:
+                ls, o = merged.pop((i, e))
+                lses.append(ls[None])
+                os.append(o[None])
+        if lses:
+            o, ls = merge_partials(np.concatenate(lses), np.concatenate(os), merge)
         else:   # nothing to attend to: zeros, lse -inf
             o, ls = np.zeros((G, D)), np.full(G, -np.inf)
-        out[b, h * G:(h + 1) * G], lse[b, h * G:(h + 1) * G] = torch.from_numpy(o), torch.from_numpy(ls)
+        if c in parent:
+            merged[c, e] = ls, o
+            arrive(parent[c], e)
+        else:
+            out[b, h * G:(h + 1) * G], lse[b, h * G:(h + 1) * G] = torch.from_numpy(o), torch.from_numpy(ls)
+
+    def arrive(c: str, e: int) -> None:
+        arrived[c][e] += 1
+        if arrived[c][e] == need[c][e]:
+            fire(c, e)
 
     for i in range(plan.num_tasks):
-        t, g, h = order[int(task["producer"][i])], int(task["group"][i]), int(task["kv_head"][i])
+        p, g, h = int(task["producer"][i]), int(task["group"][i]), int(task["kv_head"][i])
+        t = order[p]
         q0 = int(task["event_first"][i]) - h * B   # the task's first request (a slice of the group's)
         pos = np.arange(int(task["kv_begin"][i]), int(task["kv_end"][i]))
         pages = t.kv_indices[int(t.kv_indptr[g]) + pos // P]
@@ -180,11 +225,9 @@ def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[s
         part_o[s0:s0 + len(m)] = acc / l[:, None]   # a piece holds tokens: l >= 1, or NaN
         part_lse[s0:s0 + len(m)] = m + np.log(l)
         for e in range(int(task["event_first"][i]), int(task["event_first"][i] + task["event_count"][i])):
-            arrived[e] += 1
-            if arrived[e] == event["parts"][e]:
-                fire(e)
-    for e in np.flatnonzero(event["parts"] == 0):
-        fire(int(e))
+            arrive(parent[producers[p]], e)
+    for e in np.flatnonzero(need[combines[-1]] == 0):
+        fire(combines[-1], int(e))
     return out, lse
 
 
