@@ -9,10 +9,11 @@ On the GPU machine, from the repository root:
 Method (BENCH.md): per shape one set of bf16 weights, w13 [E, 2I, H] (gate rows, then up rows) and
 w2 [E, H, I], scaled so activations stay O(1); per case x [T, H] bf16 and router logits [T, E] float32 drawn
 from a seeded torch.Generator. `skewed` routing takes the same logits and forces one expert (seeded) to be
-the first choice of half the tokens (ceil(T/2), seeded permutation) by raising its logit to that token's
+the first choice of half the tokens (ceil(T/2), seeded permutation; `hot`: 70%) by raising its logit to that token's
 largest logit + SKEW_MARGIN: a fixed large constant would force it too, but would drive the other k-1
 softmax weights to ~e^-C, where no check could see them. Both implementations start from the logits:
-softmax top-k routing (renormalised) is inside every timed region.
+softmax top-k routing (renormalised) is inside every timed region. `power-law` and `few` concentrate the
+routing as production routers do (router_logits says how).
   meld:  `meld.MoE(...)(x, router_logits, w13p, w2p)`, one module per shape with max_num_tokens = the run's
          largest T (construction time reported as init), on the weights packed once per shape by
          `meld.pack_moe_weights` (as an engine packs at load; `--weights plain` times w13 / w2 as given).
@@ -28,7 +29,8 @@ outputs are allocated by meld, so they cannot be poisoned first: the NaN check s
 cold L2 (`bench.harness.graph_time_us`); meld's eager latency beside it. Ceilings measured in the same run.
   FLOPs = 2·T·k·(H·2I + I·H);  speedup = torch µs / meld µs (> 1: meld faster);  %mma = meld TFLOP/s /
   the bf16 matmul ceiling;  floor = experts touched × 3·H·I·2 bytes / the pure-read ceiling (the weights
-  any implementation must read once);  meld/floor = meld µs / floor (1.0 is the bound).
+  any implementation must read once);  meld/floor = meld µs / floor (1.0 is the bound);  roofline =
+  max(floor, FLOPs / the bf16 matmul ceiling), meld/roofline likewise.
 `--trace DIR` also writes a per-SM timeline (Chrome trace + PNG, as `meld timeline` renders) of each case
 when the operator exposes `last_trace()`, from a second module built with MELD_PROFILE=1.
 The exit status is 1 if any check or any implementation failed (the run still goes through every case).
@@ -79,7 +81,10 @@ from meld.serving.torch_moe import topk_route as route
 DTYPE = torch.bfloat16
 TOKENS = (1, 16, 128, 1024, 8192)
 QUICK_TOKENS = (1, 128, 8192)  # one decode step, the middle, a prefill chunk
-ROUTINGS = ("uniform", "skewed")
+ROUTINGS = ("uniform", "skewed", "hot", "power-law", "few")
+HOT_SHARE = 0.7  # `hot`: the share of tokens whose first choice is the one hot expert
+POWER_S = 1.2  # `power-law`: expert popularity ∝ rank^-s (the top 10% of experts: 55% of first choices at E = 32, 71% at 128)
+FEW = 3  # `few`: the experts that take every first choice
 IMPLS = ("meld", "torch")
 SKEW_MARGIN = 2.0  # the forced expert's logit = the token's largest logit + this
 REL_TOL = 1e-2  # ‖out − ref‖ / ‖ref‖ against float64
@@ -130,15 +135,29 @@ class Case:
 
 def router_logits(shape: Shape, tokens: int, routing: str, seed: int = 0) -> torch.Tensor:
     """[T, E] float32 on the host, from a seeded generator: the same for every run, GPU and implementation.
-    `skewed` is `uniform` with one expert forced first for ceil(T/2) tokens (module docstring: why a margin)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + tokens)
-    logits = torch.randn(tokens, shape.experts, generator=g, dtype=torch.float32)
-    if routing == "skewed":
-        hot = int(torch.randint(shape.experts, (1,), generator=g))
-        rows = torch.randperm(tokens, generator=g)[:(tokens + 1) // 2]
-        logits[rows, hot] = logits[rows].amax(dim=1) + SKEW_MARGIN
-    elif routing != "uniform":
+    `uniform`: N(0, 1). `skewed` / `hot`: `uniform` with one expert forced first for ceil(T/2) / ceil(0.7 T)
+    tokens (module docstring: why a margin). `power-law`: log p_e plus Gumbel noise, p_e ∝ rank_e^-POWER_S over
+    a seeded ranking of the experts, so each token's top-k is drawn from p without replacement (the Gumbel
+    top-k trick): popularity falls off as a power of the rank for every choice, not only the first. `few`:
+    `uniform` with each token's first choice forced to one of FEW seeded experts, drawn uniformly."""
+    if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; expected one of {ROUTINGS}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + tokens)
+    E = shape.experts
+    logits = torch.randn(tokens, E, generator=g, dtype=torch.float32)
+    if routing in ("skewed", "hot"):
+        hot = int(torch.randint(E, (1,), generator=g))
+        rows = torch.randperm(tokens, generator=g)[:math.ceil(tokens * (0.5 if routing == "skewed" else HOT_SHARE))]
+        logits[rows, hot] = logits[rows].amax(dim=1) + SKEW_MARGIN
+    elif routing == "power-law":
+        rank = torch.empty(E, dtype=torch.float32)
+        rank[torch.randperm(E, generator=g)] = torch.arange(1, E + 1, dtype=torch.float32)
+        gumbel = -torch.log(-torch.log(torch.rand(tokens, E, generator=g).clamp_min(1e-20)))
+        logits = -POWER_S * torch.log(rank) + gumbel
+    elif routing == "few":
+        chosen = torch.randperm(E, generator=g)[:FEW]
+        first = chosen[torch.randint(FEW, (tokens,), generator=g)]
+        logits[torch.arange(tokens), first] = logits.amax(dim=1) + SKEW_MARGIN
     return logits
 
 
@@ -344,6 +363,7 @@ def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[st
     peer_us = cell("torch") if isinstance(cell("torch"), float) else None
     flops = s.flops(c.tokens)
     floor_us = inp.touched * s.expert_bytes / (ceilings["read_tbps"] * 1e12) * 1e6
+    roofline_us = max(floor_us, flops / (ceilings["matmul_bf16_tflops"] * 1e12) * 1e6)
     m = results.get("meld", {})
 
     def worst_err(key: str) -> float | None:
@@ -359,6 +379,7 @@ def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[st
         "meld_tflops": tflops, "torch_tflops": flops / (peer_us * 1e-6) / 1e12 if peer_us else None,
         "pct_mma": 100 * tflops / ceilings["matmul_bf16_tflops"] if tflops else None,
         "floor_us": floor_us, "floor_ratio": meld_us / floor_us if meld_us else None,
+        "roofline_us": roofline_us, "roofline_ratio": meld_us / roofline_us if meld_us else None,
         "rel_err": worst_err("rel_err_ref"), "agree": worst_err("rel_err_torch"), "meld_init_us": init_us,
         "results": results,
     }
@@ -371,13 +392,14 @@ COLUMNS = [  # the headline table; spreads, every error measure and init times a
     Column("torch_us", "torch µs", ".1f"), Column("speedup", "speedup", ".2f"),
     Column("meld_tflops", "meld TFLOP/s", ".1f"), Column("pct_mma", "%mma", ".0f"),
     Column("floor_us", "floor µs", ".1f"), Column("floor_ratio", "meld/floor", ".2f"),
+    Column("roofline_us", "roofline µs", ".1f"), Column("roofline_ratio", "meld/roofline", ".2f"),
     Column("rel_err", "rel err", ".1e"), Column("agree", "vs torch", ".1e"),
 ]
 DRY_COLUMNS = [
     Column("shape", "shape", align="<"), Column("T", "T"), Column("routing", "routing", align="<"),
     Column("touched", "experts"), Column("max_load", "max load"), Column("weights_mib", "weights MiB", ".0f"),
     Column("touched_mib", "touched MiB", ".0f"), Column("gflop", "GFLOP", ".2f"),
-    Column("floor_us", "floor µs @4.57 TB/s", ".1f"),
+    Column("floor_us", "floor µs @4.57 TB/s", ".1f"), Column("roofline_us", "roofline µs @4.57 TB/s, 774 TFLOP/s", ".1f"),
 ]
 
 
@@ -461,7 +483,8 @@ def dry_run(args: argparse.Namespace) -> None:
         t.add({"shape": s.name, "T": c.tokens, "routing": c.routing, "touched": touched,
                "max_load": int(load.max()), "weights_mib": s.experts * s.expert_bytes / (1 << 20),
                "touched_mib": touched * s.expert_bytes / (1 << 20), "gflop": s.flops(c.tokens) / 1e9,
-               "floor_us": touched * s.expert_bytes / 4.57e12 * 1e6})
+               "floor_us": touched * s.expert_bytes / 4.57e12 * 1e6,
+               "roofline_us": max(touched * s.expert_bytes / 4.57e12, s.flops(c.tokens) / 774e12) * 1e6})
     t.print()
 
 
