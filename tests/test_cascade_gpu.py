@@ -62,6 +62,27 @@ def test_two_levels_match_float64(groups, prefix, suffix):
     _check(groups, prefix, suffix)
 
 
+def test_groups_larger_than_the_kernels_row_blocks_are_refused():
+    with pytest.raises(ValueError, match=r"num_qo_heads=144 over num_kv_heads=1: groups of 144 q heads"):
+        meld.CascadeDecode(144, 1, 128, P, 2, torch.bfloat16, "cuda")
+    meld.CascadeDecode(128, 1, 128, P, 2, torch.bfloat16, "cuda")   # 128 rows: one task's row blocks
+
+
+def test_an_unaligned_q_view_is_copied_not_misread():
+    B, Hq, D = 3, HKV * 4, 128
+    levels, pages = _levels([3], [70], [5, 9, 33], seed=6)
+    g = torch.Generator().manual_seed(6)
+    kv = torch.randn(pages + 1, 2, P, HKV, D, generator=g).bfloat16()
+    flat = torch.randn(B * Hq * D + 1, generator=g).bfloat16().cuda()
+    q = flat[1:].view(B, Hq, D)   # contiguous, 2 bytes past a 16-byte boundary
+    assert q.data_ptr() % 16 == 2
+    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda")
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    out = op.run(q, kv.cuda())
+    want, _ = cascade_reference(q.cpu(), kv, levels)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.racecheck
 def test_both_task_shapes_in_one_small_launch():
     """A group of 40 requests (160 rows: two slices, one of 32 requests with 8 warps of rows, one of 8 with

@@ -67,6 +67,10 @@ class CascadeDecode(Operator):
             self._require_hopper()
             kc = self.kernel_config = GroupedKernelConfig(_DTYPES[dtype], head_dim)
             self._slice_rows = kc.row_blocks * 16
+            if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
+                raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "
+                                 f"{num_qo_heads // num_kv_heads} q heads, but the GPU kernel attends at most "
+                                 f"{self._slice_rows} query rows of a kv head at once")
             self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
             self._register_watchdog(kc.name, _describe_task)   # (the kernel never waits: the id names it)
 
@@ -191,7 +195,7 @@ class CascadeDecode(Operator):
 
     def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         _, _, params = self._launch_state
-        q = q.contiguous()
+        q = q.contiguous() if q.data_ptr() % 16 == 0 else q.clone(memory_format=torch.contiguous_format)
         for name, t in (("kv_cache", kv_cache), ("out", out)):   # (the kernel's 16-byte loads and 8-byte stores)
             if t.data_ptr() % 16:
                 raise ValueError(f"{name} must start on a 16-byte boundary, got address {t.data_ptr():#x}")

@@ -355,13 +355,14 @@ struct GroupedFamily {
         stash_rows(rb, reinterpret_cast<WarpStash*>(s.smem)[warp], lane);
         __syncthreads();
         merge_warps(p, tk, rows, s.smem);
+        __syncthreads();   // the stashes are read: the next task's chunks may land on them
       } else if (row0 < rows) {
         store_rows(p, tk, rb, row0, rows, lane);
       }
       const int end = tk.event_first + tk.event_count;
       for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS) {   // count the task's arrival, a thread an event
         if (threadIdx.x == 0) n_fired = 0;
-        __syncthreads();   // every row of the task is stored (and the stashes read: the next chunks overwrite them)
+        __syncthreads();   // every row of the task is stored
         const int e = e0 + threadIdx.x;
         if (e < end) {
           __threadfence();   // the CTA's partials, stored before the barrier, before this count
