@@ -20,8 +20,8 @@ time is the median of CUDA-graph replays with a cold L2 (`bench.harness`).
 
 Columns: unique MiB = (G·prefix + B·suffix)·Hkv·D·2·2 bytes; floor µs = a pure read of those bytes;
 speedup = FlashInfer cascade / meld cascade; vs flat = meld non-cascade / meld cascade (>= 1 is the issue's
-bar); /floor = meld cascade / floor. meld's cascade runs on the CPU executor only until the decode kernel has
-its shared-prefix task body: its column says so.
+bar); /floor = meld cascade / floor. `--trace DIR` also writes meld's cascade kernel's per-SM timeline of each
+case (a task's attention as "piece", the merges it fired as "merge-hbm"; Chrome JSON + PNG).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from meld import workloads  # noqa: E402
 from bench.harness import (  # noqa: E402
     Column, Impl, Table, add_timing_args, ceilings_line, env_info, env_line, failure_head, free_cuda,
     host_time_us, keep_available, measure, measure_ceilings, median_us, progress, read_floor_us, result_cell,
-    timed_reps,
+    timed_reps, write_trace,
 )
 
 HQ, HKV, D, PAGE_SIZE = 32, 8, 128, 16
@@ -126,13 +126,17 @@ def build_meld_flat(inp: Inputs) -> Impl:
     return Impl(lambda: attn.run(inp.q, inp.kv_cache, out=out), outputs, timing, first.median_us, init_us)
 
 
-def build_meld_cascade(inp: Inputs) -> Impl:
-    """meld.CascadeDecode: the grouped-attention kernel over the plan's task and event tables."""
+def meld_cascade(inp: Inputs) -> tuple[Any, list]:
+    """meld.CascadeDecode for the case's two levels, and its plan() arguments."""
     import meld
 
     lv = inp.batch.levels
-    op = meld.CascadeDecode(HQ, HKV, D, PAGE_SIZE, 2, DTYPE, "cuda")
-    args = [[level[i] for level in lv] for i in range(4)]
+    return meld.CascadeDecode(HQ, HKV, D, PAGE_SIZE, 2, DTYPE, "cuda"), [[level[i] for level in lv] for i in range(4)]
+
+
+def build_meld_cascade(inp: Inputs) -> Impl:
+    """meld.CascadeDecode: the grouped-attention kernel over the plan's task and event tables."""
+    op, args = meld_cascade(inp)
     first = host_time_us(lambda: op.plan(*args), reps=1, min_reps=1)
     timing = host_time_us(lambda: op.plan(*args), reps=50)
     out = torch.empty_like(inp.q)
@@ -209,11 +213,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their sizes; no GPU needed")
+    p.add_argument("--trace", type=Path, metavar="DIR", help="also write meld's cascade timeline per case here")
     args = p.parse_args(argv)
     if args.cases is not None and not all(0 <= i < len(CASES) for i in args.cases):
         p.error(f"--cases must be indices in 0..{len(CASES) - 1}, got {args.cases}")
     args.reps = timed_reps(args.reps, args.quick)
     return args
+
+
+def trace_case(inp: Inputs, folder: Path) -> str:
+    """meld's cascade timeline of one case from a profiled operator (bench.harness.write_trace), or why not."""
+    from meld import config
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with config.scope(MELD_PROFILE="1"):
+            op, args = meld_cascade(inp)
+        op.plan(*args)
+        out = torch.empty_like(inp.q)
+        return write_trace(lambda: op.run(inp.q, inp.kv_cache, out=out), op, folder / f"cascade-B{inp.case.batch}-p{inp.case.prefix}-s{inp.case.suffix}-g{inp.case.groups}")
+    except Exception as e:  # noqa: BLE001 - a trace is an extra; the numbers stand without it
+        return f"no per-SM timeline: {type(e).__name__}: {e}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -253,6 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name in args.impls:
             results[name] = measure(partial(BUILDERS[name], inp), f"{case.name} {name}", ref, args, failures, eager=False)
             print(f"  {name:12s} {progress(results[name])}", flush=True)
+        if args.trace and "meld-cascade" in args.impls:
+            print("  trace: " + trace_case(inp, args.trace).replace("\n", "\n         "), flush=True)
         floor_us = read_floor_us(unique_bytes(case), args.warmup, args.reps, not args.no_flush)
         table.add(summarise(case, results, floor_us))
         del inp, ref

@@ -298,6 +298,30 @@ Fail = Callable[[str, str], None]
 """`fail(what, detail)`: record one failure of the implementation being measured (`failure_recorder`)."""
 
 
+def write_trace(run: Callable[[], Any], op: Any, stem: Path, runs: int = 5) -> str:
+    """Per-SM timeline of `op` (built with MELD_PROFILE=1) running `run`, replayed in a CUDA graph with a cold
+    L2 (as it is timed): the launch with the median span goes to stem.trace.json (Chrome) and stem.png, as
+    `meld timeline` renders them. Returns the trace's summary and what was written."""
+    from meld.runtime.profile import render_png
+
+    graph, _ = capture(run)
+    traces = []
+    for _ in range(runs):
+        flush_l2()
+        graph.replay()
+        traces.append(op.last_trace())
+    graph.reset()
+    traces.sort(key=lambda tr: tr.span_ns)
+    tr = traces[len(traces) // 2]
+    lines = [tr.summary(), tr.busy_table()]
+    written = [str(tr.write_chrome(stem.with_suffix(".trace.json")))]
+    try:
+        written.append(str(render_png(tr, stem.with_suffix(".png"))))
+    except Exception as e:  # noqa: BLE001 - the JSON is still worth having
+        lines.append(f"no PNG: {type(e).__name__}: {e}")
+    return "\n".join(lines + ["wrote " + " and ".join(written)])
+
+
 def free_cuda() -> None:
     """Collect garbage, then hand the allocator's cached blocks back to the driver.
 

@@ -61,7 +61,7 @@ from bench.harness import (
     env_line,
     failure_head,
     failure_recorder,
-    flush_l2,
+    write_trace as harness_write_trace,
     free_cuda,
     keep_available,
     measure_ceilings,
@@ -323,34 +323,10 @@ def measure(name: str, impl_of: Callable[[], Impl], ref: torch.Tensor | None, pe
     return res, first
 
 
-def write_trace(moe: Any, inp: Inputs, folder: Path, runs: int = 5) -> str:
-    """Per-SM timeline of the profiled module on this case, replayed in a CUDA graph with a cold L2 (as it is
-    timed); the launch with the median span is written as Chrome JSON + PNG, as `meld timeline` renders it."""
-    from meld.runtime.cuda_graphs import capture
-    from meld.runtime.profile import render_png
-
-    def run() -> Any:
-        return moe(inp.x, inp.logits, *(inp.meld_weights or (inp.w13, inp.w2)))
-
-    graph, _ = capture(run)
-    traces = []
-    for _ in range(runs):
-        flush_l2()
-        graph.replay()
-        traces.append(moe.last_trace())
-    graph.reset()
-    if hasattr(traces[0], "span_ns"):
-        traces.sort(key=lambda tr: tr.span_ns)
-    tr = traces[len(traces) // 2]
-    stem = folder / f"moe-{inp.case.shape.name}-T{inp.case.tokens}-{inp.case.routing}"
-    lines = [tr.summary()] if hasattr(tr, "summary") else []
-    lines += [tr.busy_table()] if hasattr(tr, "busy_table") else []
-    written = [str(tr.write_chrome(stem.with_suffix(".trace.json")))]
-    try:
-        written.append(str(render_png(tr, stem.with_suffix(".png"))))
-    except Exception as e:  # noqa: BLE001 - the JSON is still worth having
-        lines.append(f"no PNG: {type(e).__name__}: {e}")
-    return "\n".join(lines + ["wrote " + " and ".join(written)])
+def write_trace(moe: Any, inp: Inputs, folder: Path) -> str:
+    """Per-SM timeline of the profiled module on this case (bench.harness.write_trace)."""
+    return harness_write_trace(lambda: moe(inp.x, inp.logits, *(inp.meld_weights or (inp.w13, inp.w2))), moe,
+                               folder / f"moe-{inp.case.shape.name}-T{inp.case.tokens}-{inp.case.routing}")
 
 
 def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[str, Any], init_us: float | None

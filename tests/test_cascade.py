@@ -430,3 +430,6 @@ def test_grouped_kernel_compiles_for_sm90a(head_dim):
     cfg = GroupedKernelConfig("bfloat16", head_dim)
     _, log = nvcc(cfg.render(), cfg.name)
     assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    prof = GroupedKernelConfig("bfloat16", head_dim, profile=True)   # (a diagnostic build: it may spill)
+    assert "MELD_PROFILE 1" in prof.render() and prof.name != cfg.name
+    nvcc(prof.render(), prof.name)

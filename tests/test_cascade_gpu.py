@@ -136,3 +136,26 @@ def test_a_captured_run_replays_later_plans_that_fit():
         torch.cuda.synchronize()
         want, _ = cascade_reference(q, kv, levels)
         torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_profiled_launch_records_every_task_and_its_merges():
+    from meld import config
+
+    levels, pages = _levels([5, 3], [700, 90], [int(n) for n in np.random.default_rng(7).integers(0, 300, 8)], seed=7)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(8, HKV * 4, 128, generator=g).bfloat16().cuda()
+    kv = torch.randn(pages + 1, 2, P, HKV, 128, generator=g).bfloat16().cuda()
+    with config.scope(MELD_PROFILE="1"):
+        op = meld.CascadeDecode(HKV * 4, HKV, 128, P, 2, torch.bfloat16, "cuda", num_ctas=10)
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    op.run(q, kv)
+    tr = op.last_trace()
+    _, _, plan = op.plan_tables
+    pieces = sorted(r.unit for r in tr.tasks if r.kind == "piece")
+    assert pieces == list(range(plan.num_tasks)), "one attention record per task"
+    merges = [r for r in tr.tasks if r.kind == "merge-hbm"]
+    assert merges and all(r.end_ns >= r.start_ns for r in merges)
+    cta = plan.task_columns()["cta"]
+    assert tr.overflowed == 0
+    assert all(r.cta == cta[r.unit] for r in tr.tasks), "each record on the CTA the plan gave its task"
+

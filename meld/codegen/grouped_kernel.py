@@ -22,6 +22,7 @@ class GroupedKernelConfig:
 
     dtype: str = "bfloat16"
     head_dim: int = 128
+    profile: bool = False   # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -33,7 +34,7 @@ class GroupedKernelConfig:
 
     @property
     def name(self) -> str:
-        return f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}_w{GROUPED_WARPS}"
+        return f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}" + ("_prof" if self.profile else "")
 
     @property
     def row_blocks(self) -> int:
@@ -64,7 +65,7 @@ class GroupedKernelConfig:
             f"#define NUM_STAGES {self.stages}",
             f"#define SMEM_BYTES {self.smem_bytes}",
             f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
-            "#define MELD_PROFILE 0",
+            f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),
             "#define MELD_WATCHDOG_NS 2000000000ll",
         ])

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables
+from .. import config
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -60,12 +61,13 @@ class CascadeDecode(Operator):
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
         self._planned = None   # (batch, {task: GroupTable}, SplitReducePlan, largest page index)
         self._launch_state = None   # CUDA: the planned batch's device tables and the kernel's parameters
+        self._prof = None           # CUDA, MELD_PROFILE: the kernel's per-CTA records (last_trace)
         self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
         if self.device.type == "cuda":
             from ..codegen.grouped_kernel import GroupedKernelConfig
 
             self._require_hopper()
-            kc = self.kernel_config = GroupedKernelConfig(_DTYPES[dtype], head_dim)
+            kc = self.kernel_config = GroupedKernelConfig(_DTYPES[dtype], head_dim, profile=config.profile())
             self._slice_rows = kc.row_blocks * 16
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "
@@ -138,7 +140,8 @@ class CascadeDecode(Operator):
         host = launch_tables(plan, order)
         n_events = plan.batch * plan.num_kv_heads
         need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": n_events,
-                "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1}
+                "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1,
+                "records": 2 * int(np.diff(host["cta_first"]).max(initial=0)) if self.kernel_config.profile else 0}
         buf, caps, params = self._launch_state or ({}, {}, None)
         if any(n > caps.get(k, 0) for k, n in need.items()):   # new buffers; the old ones stay the last plan's
             caps = {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
@@ -148,7 +151,12 @@ class CascadeDecode(Operator):
                                   **i32) for k in (*host, "tasks", "events", "part_slot", "plan_info")}
             buf.update(counters=torch.zeros(caps["events"], **i32), part_o=torch.empty(caps["slots"] * self.head_dim, **f32),
                        part_lse=torch.empty(caps["slots"], **f32))
-            params = GROUPED_PARAMS.ctype(**self._header(), **{k: v.data_ptr() for k, v in buf.items() if k != "slots"},
+            # MELD_PROFILE builds: a record per task and per merging of the events it completed, a CTA
+            self._prof = torch.zeros(self.num_ctas, 1 + caps["records"], 4, dtype=torch.int64, device=self.device) \
+                if self.kernel_config.profile else None
+            params = GROUPED_PARAMS.ctype(**self._header(self._prof, None, caps["records"] if self._prof is not None else 0,
+                                                         1, self.num_ctas),
+                                          **{k: v.data_ptr() for k, v in buf.items() if k != "slots"},
                                           task_capacity=caps["tasks"], event_capacity=caps["events"],
                                           num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                           group_size=plan.group_size, page_size=self.page_size,
@@ -192,6 +200,9 @@ class CascadeDecode(Operator):
                 plain(lse).copy_(l)
         out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
+
+    def _profile_records(self):   # a task's attention as "piece", its events' merging as "merge-hbm", by task
+        return None if self._prof is None else (self._prof, (1, 1), {})
 
     def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         _, _, params = self._launch_state

@@ -335,6 +335,8 @@ struct GroupedFamily {
     __shared__ int n_fired;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = smem_addr(s.smem);
+    Profiler prof;   // (MELD_PROFILE builds; thread 0 records: a task's attention, then its merges)
+    prof.begin(p.prof, p.prof_cap, blockIdx.x, threadIdx.x == 0, p.prof_clock, p.prof_every);
     const int batch = p.plan_info[0];   // (plan() writes it: graph replays see the batch)
     for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x)   // events no task counts towards
       if (load_event(p.events, p.event_capacity, e).parts == 0)
@@ -342,6 +344,7 @@ struct GroupedFamily {
     const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     for (int i = first; i < last; ++i) {
       const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+      const i64 t0 = prof.now();
       const int* pages = p.kv_indices + p.group_pages[p.producer_groups[tk.producer] + tk.group];
       const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
       const bool split = rows <= GT;
@@ -359,6 +362,7 @@ struct GroupedFamily {
       } else if (row0 < rows) {
         store_rows(p, tk, rb, row0, rows, lane);
       }
+      prof.record(t0, PROF_PIECE, i);
       const int end = tk.event_first + tk.event_count;
       for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS) {   // count the task's arrival, a thread an event
         if (threadIdx.x == 0) n_fired = 0;
@@ -372,10 +376,13 @@ struct GroupedFamily {
           }
         }
         __syncthreads();
+        const i64 t1 = prof.now();
         merge_events(p, fired, n_fired);
+        if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, i);
         __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
       }
     }
+    prof.end(gridDim.x);
   }
 };
 
