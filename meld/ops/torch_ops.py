@@ -133,6 +133,17 @@ _moe_op = torch.ops.meld.moe.default
 
 
 # --- callers ----------------------------------------------------------------------------------------------
+def _outputs(q: torch.Tensor, dtype: torch.dtype, return_lse: bool, out: torch.Tensor | None,
+             lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An attention op's outputs, allocated where not given: out like q [batch, heads, width] in dtype, and lse
+    [batch, heads] float32 when asked for (the ops write into them: their schemas return nothing)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if return_lse and lse is None:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
 def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """`attn.run(q, kv_cache, ...)` (same arguments and results) through torch.ops.meld.decode_attention."""
@@ -143,10 +154,7 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
     check_tensors({"q": q, "kv_cache": kv_cache}, {"out": out, "lse": lse})
     if q.dim() != 3:
         expect("q", q, attn.dtype, (None, attn.num_qo_heads, attn.head_dim), "batch, num_qo_heads, head_dim")
-    if out is None:
-        out = torch.empty(q.shape, dtype=attn.dtype, device=q.device)
-    if return_lse and lse is None:
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out, lse = _outputs(q, attn.dtype, return_lse, out, lse)
     _decode_attention_op(q, kv_cache, out, lse, attn.handle)
     return (out, lse) if return_lse else out
 
@@ -164,10 +172,7 @@ def decode_mla(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cac
                   {"out": out, "lse": lse})
     if q_nope.dim() != 3:
         expect("q_nope", q_nope, mla.dtype, (None, mla.num_heads, mla.head_dim_ckv), "batch, num_heads, head_dim_ckv")
-    if out is None:
-        out = torch.empty(q_nope.shape, dtype=mla.dtype, device=q_nope.device)
-    if return_lse and lse is None:
-        lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+    out, lse = _outputs(q_nope, mla.dtype, return_lse, out, lse)
     _decode_mla_op(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, mla.handle)
     return (out, lse) if return_lse else out
 
