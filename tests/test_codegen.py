@@ -87,8 +87,8 @@ def test_nvrtc_leaves_python_objects_alone(tmp_path):
 @needs_nvcc
 def test_layout_mismatch_fails_to_compile():
     cfg = CONFIGS[1]
-    off = DECODE_PARAMS.ctype.kv.offset
-    bad = cfg.render().replace(f"kv) == {off},", f"kv) == {off + 8},")
+    off = DECODE_PARAMS.ctype.v.offset
+    bad = cfg.render().replace(f"DecodeParams, v) == {off},", f"DecodeParams, v) == {off + 8},")
     assert bad != cfg.render()
     with pytest.raises(CompileError, match="host and device layouts differ"):
         compile_nvcc(bad, cfg.name, "sm_90a")

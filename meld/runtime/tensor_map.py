@@ -1,10 +1,11 @@
 """TMA tensor maps: of the paged KV cache (kernels built with `DecodeKernelConfig.tma`) and of the MoE
 GEMM operands (2-D row-major matrices, `tensor_map_2d`).
 
-The KV map describes the cache, NHD `[num_pages, 2, page_size, num_kv_heads, head_dim]` or HND
-`[num_pages, 2, num_kv_heads, page_size, head_dim]`, as a 5-D tensor in its own dimension order, whose box
-is 16 token rows x 64 channels of one (page, K or V, kv head): one copy fills one 128-byte-swizzled 2 KiB
-block of a ring stage, the same block in either layout (the kernel orders the coordinates by kv_hnd).
+The KV maps describe the K and V caches, each NHD `[num_pages, page_size, num_kv_heads, head_dim]` or HND
+`[num_pages, num_kv_heads, page_size, head_dim]` with its own address and strides, as a 4-D tensor in its
+own dimension order, whose box is 16 token rows x 64 channels of one (page, kv head): one copy fills one
+128-byte-swizzled 2 KiB block of a ring stage, the same block in either layout (the kernel orders the
+coordinates by kv_hnd).
 Encoding is a host call; `TensorMapCache` keeps the maps.
 """
 from __future__ import annotations
@@ -40,14 +41,24 @@ def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int]
     return out
 
 
-def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
-    """The tensor map of a contiguous bf16/fp16 cache in `layout` (NHD or HND)."""
-    pages, two, mid, inner, dim = kv_cache.shape      # mid, inner: page_size, heads (NHD) or heads, page_size
-    es = kv_cache.element_size()
-    dims = [dim, inner, mid, two, pages]                              # innermost first
-    strides = [dim * es, inner * dim * es, mid * inner * dim * es, two * mid * inner * dim * es]
-    box = [BOX_COLS, 1, BOX_ROWS, 1, 1] if layout == "NHD" else [BOX_COLS, BOX_ROWS, 1, 1, 1]
-    return _encode(kv_cache, dims, strides, box)
+def _kv_map(cache: torch.Tensor, layout: str) -> TensorMap:
+    """The tensor map of one bf16/fp16 K or V cache [pages, mid, inner, head_dim] in `layout` (NHD: mid is
+    page_size, inner the kv heads; HND the other way round), read through its strides (the last dim
+    contiguous, the others multiples of 16 bytes; a dimension of extent 1 is never stepped over, so it
+    takes a stride of one row)."""
+    pages, mid, inner, dim = cache.shape
+    es = cache.element_size()
+    dims = [dim, inner, mid, pages]                                   # innermost first
+    strides = [(s if n > 1 else dim) * es for s, n in zip(cache.stride()[2::-1], dims[1:])]
+    box = [BOX_COLS, 1, BOX_ROWS, 1] if layout == "NHD" else [BOX_COLS, BOX_ROWS, 1, 1]
+    return _encode(cache, dims, strides, box)
+
+
+def kv_tensor_maps(*caches: torch.Tensor, layout: str = "NHD") -> tuple[TensorMap, TensorMap]:
+    """The K and V caches' tensor maps, of one cache `[num_pages, 2, ...]` (its halves [:, 0] and [:, 1]) or of
+    two, (k_cache, v_cache), in `layout` (NHD or HND)."""
+    k, v = caches[0].unbind(1) if len(caches) == 1 else caches
+    return _kv_map(k, layout), _kv_map(v, layout)
 
 
 class TensorMapCache(Generic[M]):

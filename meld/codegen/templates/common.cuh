@@ -345,13 +345,12 @@ __device__ __forceinline__ void proxy_push(ProxyCommand* ring, unsigned long lon
   c->ticket = slot + 1;
 }
 
-// One TMA tensor copy (a box of a 5-D tensor map, coordinates innermost first) global -> this CTA's
+// One TMA tensor copy (a box of a 4-D tensor map, coordinates innermost first) global -> this CTA's
 // shared memory; its bytes complete on `bar`. `map` is the generic address of a __grid_constant__ map.
-__device__ __forceinline__ void tma_load_5d(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4,
-                                            u32 bar) {
-  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
-               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+__device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
 
 }  // namespace meld

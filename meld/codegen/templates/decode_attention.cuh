@@ -22,10 +22,10 @@
 // after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a peer
 // reads it; and at exit, for the grid launched before this one (which never waits on this one).
 //
-// MELD_TMA builds load each tile with TMA tensor copies instead (cp.async.bulk.tensor over a 5-D map of
-// the cache, p.kv_map: one 16-row x 64-channel box per copy, 128-byte swizzled) into the same per-warp
-// rings, each stage completed by an mbarrier (expect-tx bytes). A tile must then lie in one page:
-// page_size % 16 == 0 (DecodeAttention checks it).
+// MELD_TMA builds load each tile with TMA tensor copies instead (cp.async.bulk.tensor over 4-D maps of
+// the K and V caches, p.k_map and p.v_map: one 16-row x 64-channel box per copy, 128-byte swizzled) into
+// the same per-warp rings, each stage completed by an mbarrier (expect-tx bytes). A tile must then lie in
+// one page: page_size % 16 == 0 (DecodeAttention checks it).
 //
 // IEEE semantics: a non-finite score (NaN or Inf in q or K) makes that (request, q head) row's output and
 // lse NaN; a non-finite P.V accumulator (in V) makes its output NaN while its lse, a function of the scores
@@ -52,9 +52,11 @@
 // every unit of the batch, so the launch ends with the whole output in this rank's window, and takes
 // that count back for the next launch.
 //
-// The cache is NHD [pages, 2, page_size, Hkv, D] or HND [pages, 2, Hkv, page_size, D]: the cp.async
-// loads address rows of D elements through run-time strides (kv_page_stride, ...), the TMA map is
-// encoded for the layout and its box coordinates follow kv_hnd.
+// K and V are two caches, NHD [pages, page_size, Hkv, D] or HND [pages, Hkv, page_size, D], at their own
+// addresses (p.k, p.v: two tensors, or the halves [:, 0] and [:, 1] of one [pages, 2, ...] cache) with one
+// set of strides: the cp.async loads address a token's K and V rows, D elements each, at the same row
+// offset from each (run-time strides kv_page_stride, ... in rows); the TMA maps are encoded for the
+// layout and their box coordinates follow kv_hnd.
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
@@ -172,8 +174,8 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
 struct LoadCursor {
   int u, j;
   Unit x;
-  int row;      // this lane's token row (lane & 15) of the next tile, or -1: with TMA page * 2 * page_size +
-                // slot, else the index of its K row of D elements in the cache
+  int row;      // this lane's token row (lane & 15) of the next tile, or -1: with TMA page * page_size +
+                // slot, else the index of its K (and V) row of D elements from p.k (p.v)
   bool live;
 };
 
@@ -184,7 +186,7 @@ __device__ __forceinline__ void cursor_fetch_row(const DecodeParams& p, LoadCurs
     const int pg = pos / p.page_size;
     const int page = p.kv_indices[c.x.page_base + pg];
     const int slot = pos - pg * p.page_size;
-    c.row = TMA ? page * 2 * p.page_size + slot
+    c.row = TMA ? page * p.page_size + slot
                 : page * p.kv_page_stride + slot * p.kv_slot_stride + c.x.kv_head * p.kv_head_stride;
   }
 }
@@ -222,22 +224,24 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
     __syncwarp();
     const int row = __shfl_sync(0xffffffffu, c.row, 0);   // the tile's first token row (always valid)
     if (lane < 2 * BOXES) {   // lane: K or V (lane / BOXES), channel block (lane % BOXES)
-      const int page = row / (2 * p.page_size), slot = row - page * 2 * p.page_size;
+      const int page = row / p.page_size, slot = row - page * p.page_size;
       const int kv = lane / BOXES, b = lane % BOXES;
       const int c1 = p.kv_hnd ? slot : c.x.kv_head, c2 = p.kv_hnd ? c.x.kv_head : slot;   // the map's dim order
-      tma_load_5d(dst + kv * TILE_BYTES + b * BOX_BYTES, &p.kv_map, b * BOX_COLS, c1, c2, kv, page, bar);
+      const void* map = kv ? (const void*)&p.v_map : (const void*)&p.k_map;
+      tma_load_4d(dst + kv * TILE_BYTES + b * BOX_BYTES, map, b * BOX_COLS, c1, c2, page, bar);
     }
   } else {
     if (c.live) {
-      const u16* base = p.kv + (lane % CPR) * 8;
+      const u16* kbase = p.k + (lane % CPR) * 8;
+      const u16* vbase = p.v + (lane % CPR) * 8;
 #pragma unroll
       for (int k = 0; k < PASSES; ++k) {
         const int r = lane / CPR + k * RPP;
         const int ro = __shfl_sync(0xffffffffu, c.row, r);
-        const u16* src = base + (i64)max(ro, 0) * D;
+        const i64 off = (i64)max(ro, 0) * D;
         const int bytes = ro >= 0 ? 16 : 0;
-        cp_async_16(dst + tile_off(r, lane % CPR), src, bytes);
-        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), src + (i64)p.kv_v_rows * D, bytes);
+        cp_async_16(dst + tile_off(r, lane % CPR), kbase + off, bytes);
+        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), vbase + off, bytes);
       }
     }
     cp_async_commit();
