@@ -101,39 +101,10 @@ def _check_workspace(buf: object) -> None:
                          f"got {buf.device}")
 
 
-def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
-    return all(s == e for s, e, n in zip(t.stride(), strides, t.shape) if n > 1)
-
-
-def _join(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k and v as the one [num_pages, 2, ...] tensor whose halves [:, 0] and [:, 1] they are (a view).
-    meld finds a page's V at a fixed offset from its K, so any other pair is a NotImplementedError that
-    says how it is not those halves: separate allocations, strides of another layout, V before K (the
-    halves swapped), or another offset."""
-    n, a, b, d = k.shape
-    size = a * b * d
-    half = (2 * size, b * d, d, 1)   # the strides of kv[:, 0] and kv[:, 1] of a contiguous kv
-
-    def refuse(why: str) -> NotImplementedError:
-        return NotImplementedError(f"meld.compat.flashinfer: paged_kv_cache=(k_cache, v_cache) {why}: meld reads a "
-                                   "page's K and V from one [num_pages, 2, ...] tensor; pass that tensor, or k_cache "
-                                   "and v_cache as its halves [:, 0] and [:, 1]")
-
-    if n:
-        if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
-            raise refuse("in separate allocations is not supported")
-        for name, t in (("k_cache", k), ("v_cache", v)):
-            if not _strides_match(t, half):
-                raise refuse(f"share one allocation, but {name} has strides {t.stride()}, not {half} (a half of a "
-                             "contiguous [num_pages, 2, ...] cache)")
-        offset = (v.data_ptr() - k.data_ptr()) // k.element_size()
-        if offset == -size:
-            raise refuse("are one cache's halves in the wrong order: v_cache is [:, 0] and k_cache [:, 1] (V passed "
-                         "as K, K as V)")
-        if offset != size:
-            raise refuse(f"share one allocation, but v_cache starts {offset} elements after k_cache, not {size} "
-                         "(one page's K)")
-    return k.as_strided((n, 2, a, b, d), (2 * size, size, b * d, d, 1), k.storage_offset())
+def _cache_names(message: str) -> str:
+    """A run() message of a meld operator in the wrappers' argument names: its kv_cache is their paged_kv_cache
+    (k_cache and v_cache, the tuple's parts, are FlashInfer's names too)."""
+    return re.sub(r"(?<!paged_)\bkv_cache\b", "paged_kv_cache", message)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -192,7 +163,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._ops: dict[tuple, DecodeAttention] = {}
         self._op: DecodeAttention | None = None   # the operator of the last plan() that succeeded
         self._batch = 0
-        self._kv_shape: tuple[int, ...] = ()      # a page of the cache as meld reads it: [2, ...]
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -269,8 +239,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._paged_kv_indices_buf[:len(indices)].copy_(
                 indices, non_blocking=indices.device == self.device and non_blocking)
         self._op, self._batch = op, len(last_page_len)
-        P, H, D = op.page_size, op.num_kv_heads, op.head_dim
-        self._kv_shape = (2, P, H, D) if self._kv_layout == "NHD" else (2, H, P, D)
 
     begin_forward = plan
 
@@ -318,9 +286,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         paged_kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD; HND swaps
         page_size and num_kv_heads; 4-D without the page_size axis when page_size is 1), or a tuple
-        (k_cache, v_cache) of the two halves [:, 0] and [:, 1] of such a tensor. meld reads it in place:
-        a cache that is not contiguous, or a tuple that is not those halves in that order (separate
-        allocations, K and V swapped, another layout), raise NotImplementedError saying which.
+        (k_cache, v_cache) of two tensors [num_pages, page_size, num_kv_heads, head_dim] (3-D when page_size
+        is 1): separate allocations, or views of any. meld reads them in place, never copied, through their
+        strides (`meld.DecodeAttention.run`: the last dim contiguous, the page, token and head strides
+        multiples of head_dim, K's the same as V's as FlashInfer requires, 16-byte aligned starts).
         q_scale and k_scale must be None or 1 (fold them into plan()'s sm_scale); v_scale multiplies the
         output in place, as FlashInfer does. Returns out, or (out, lse) with lse base 2.
         """
@@ -346,13 +315,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    f"{op.sm_scale!r} * {name} instead")
         if type(v_scale) not in (float, type(None)):
             _check_v_scale(v_scale, op.device)
-        kv = paged_kv_cache
-        if not (type(kv) is torch.Tensor and kv.dtype == op.dtype and kv.shape[1:] == self._kv_shape
-                and kv.is_contiguous() and kv.device == op.device):   # the common case: one test, no diagnosis
-            kv = self._cache(kv)
         if lse is None and return_lse:
             lse = torch.empty(self._batch, op.num_qo_heads, dtype=torch.float32, device=op.device)
-        result = op.run(q, kv, return_lse=return_lse, out=out, lse=lse)
+        try:
+            result = op.run(q, self._cache(paged_kv_cache), return_lse=return_lse, out=out, lse=lse)
+        except ValueError as e:
+            raise ValueError(_cache_names(str(e))) from None
         if lse is not None:
             plain(lse).mul_(_LOG2E)   # the memory meld wrote: run() tied lse itself to meld's no-backward node
         if v_scale is not None and not (isinstance(v_scale, float) and v_scale == 1.0):   # FlashInfer's rule
@@ -361,37 +329,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
-    def _cache(self, paged_kv_cache) -> torch.Tensor:
-        """FlashInfer's cache forms as the one contiguous [num_pages, 2, ...] tensor meld reads, by views only."""
-        op = self._op
-        meaning = ("num_pages, K/V, page_size, num_kv_heads, head_dim" if self._kv_layout == "NHD" else
-                   "num_pages, K/V, num_kv_heads, page_size, head_dim") + f": kv_layout={self._kv_layout!r}"
-        page_axis = -3 if self._kv_layout == "NHD" else -2
-        if isinstance(paged_kv_cache, tuple):
-            if len(paged_kv_cache) != 2:
-                raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} "
-                                 "items")
-            halves = []
-            for i, t in enumerate(paged_kv_cache):
-                t = plain(t)
-                if isinstance(t, torch.Tensor) and t.dim() == 3 and op.page_size == 1:
-                    t = t.unsqueeze(page_axis)
-                expect(f"paged_kv_cache[{i}]", t, op.dtype, (None, *self._kv_shape[1:]),
-                       meaning.replace("K/V, ", ""), op.device)
-                halves.append(t)
-            kv = _join(*halves)
-        else:
-            kv = plain(paged_kv_cache)
-            if not isinstance(kv, torch.Tensor):
-                raise ValueError(f"paged_kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got "
-                                 f"{type(paged_kv_cache).__name__}")
-            if kv.dim() == 4 and op.page_size == 1:
-                kv = kv.unsqueeze(page_axis)
-            expect("paged_kv_cache", kv, op.dtype, (None, *self._kv_shape), meaning, op.device)
-        if not kv.is_contiguous():
-            raise NotImplementedError(f"meld.compat.flashinfer: a paged_kv_cache that is not contiguous (strides "
-                                      f"{kv.stride()}) is not supported: meld reads a contiguous cache")
-        return kv
+    def _cache(self, paged_kv_cache):
+        """paged_kv_cache as meld's run() takes it: FlashInfer's page_size-1 forms without the page axis get it
+        back as a view; anything else goes as given (run() checks it)."""
+        if self._op.page_size != 1:
+            return paged_kv_cache
+        axis = -3 if self._kv_layout == "NHD" else -2
+        if isinstance(paged_kv_cache, tuple):   # (k_cache, v_cache), each [num_pages, num_kv_heads, head_dim]
+            return tuple(t.unsqueeze(axis) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+                         for t in paged_kv_cache)
+        if isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 4:   # [num_pages, 2, Hkv, D]
+            return paged_kv_cache.unsqueeze(axis)
+        return paged_kv_cache
 
     # --- FlashInfer's deprecated spellings --------------------------------------------------------
     def forward(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale: float | None = None,
@@ -554,7 +503,7 @@ class MultiLevelCascadeAttentionWrapper:
         try:
             return self._op.run(q, paged_kv_cache)
         except ValueError as e:
-            raise ValueError(re.sub(r"(?<!paged_)\bkv_cache\b", "paged_kv_cache", str(e))) from None
+            raise ValueError(_cache_names(str(e))) from None
 
     def forward(self, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
         """FlashInfer's deprecated name of run()."""
