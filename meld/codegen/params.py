@@ -154,9 +154,12 @@ DECODE_FIELDS = [
     Field("chunk", "i32"),            # batch-invariant kernels: tokens per chunk (meld/ir/schedule.py)
     *header("watchdog_kernel"),
     *header("wait_inputs"),
-    Field("sm_scale_log2", "f32"),
+    Field("sm_scale_log2", "f32"),    # sm_scale * log2(e), times k_scale for an FP8 cache (set by run())
 ]
-DECODE_PARAMS = _with_header("DecodeParams", DECODE_FIELDS)
+# FP8 caches: V's scale, on the output (MELD_KV_FP8 builds read it). Last in each struct, where it moves no
+# other field (tools/same_code.py: the 16-bit builds' code stays the same).
+V_SCALE = Field("v_scale", "f32")
+DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS, V_SCALE])
 
 # Sequence-parallel builds (MELD_XRANK) read the same struct with the cross-rank edge's fields after it
 # (templates/decode_xrank.cuh).
@@ -183,6 +186,7 @@ SEQ_PARALLEL_DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS,
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
     Field("xring_cap", "i32"),
+    V_SCALE,
 ])
 
 # MLA decode attention (templates/mla_decode.cuh): the latent cache as two TMA maps, one partial slot per

@@ -275,7 +275,7 @@ class DecodeAttention(PagedDecode):
             **self._header(prof, clock, prof_cap, self.profile_every, W),
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
-            sm_scale_log2=self.sm_scale * _LOG2E,
+            sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)
             **{f.name: 0 for f in params_struct.fields if f not in DECODE_PARAMS.fields}))   # (meld.distributed sets them)
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 
