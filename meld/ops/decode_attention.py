@@ -17,6 +17,7 @@ import torch
 
 from .. import config
 from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, DecodePlanKernelConfig, TensorMap
+from ..codegen.decode_kernel import KV_FP8
 from ..scheduler import DecodeCost, Topology, cluster_rows
 from ..scheduler.decode_plan_host import plan_params
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -25,6 +26,7 @@ from .paged_decode import PagedDecode, _Buffers, _Planned
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FP8 = torch.float8_e4m3fn   # the FP8 cache meld reads (kv_dtype): FlashInfer's and vLLM's e4m3 KV cache
 KV_LAYOUTS = ("NHD", "HND")
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -58,6 +60,8 @@ class _KV(NamedTuple):
     k: int                             # K's and V's addresses
     v: int
     rows: tuple[int, int, int]         # their page, token and head strides, in rows of head_dim elements
+    k_scale: float                     # an FP8 cache's dequantisation scales (1.0 for 16-bit caches)
+    v_scale: float
 
 
 def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, unit: int) -> str:
@@ -75,7 +79,10 @@ class DecodeAttention(PagedDecode):
         num_qo_heads, num_kv_heads: query and KV heads (num_qo_heads % num_kv_heads == 0).
         head_dim: 64, 128 or 256.
         page_size: tokens per KV page (any >= 1).
-        dtype: torch.bfloat16 or torch.float16 (q, KV cache and output).
+        dtype: torch.bfloat16 or torch.float16 (q and output; the KV cache too unless kv_dtype says otherwise).
+        kv_dtype: the KV cache's dtype: None or dtype, or torch.float8_e4m3fn: e4m3 values read at one byte each
+            and dequantised on chip with run()'s per-tensor k_scale and v_scale (FlashInfer's FP8 KV cache:
+            a cache element x stands for x * k_scale in K, x * v_scale in V).
         device: "cuda[:i]" runs the generated kernel; "cpu" runs the same schedule on the CPU reference
             executor (float64), for machines without a GPU.
         kv_layout: "NHD" (default): kv_cache is [num_pages, 2, page_size, num_kv_heads, head_dim], or K and V
@@ -124,11 +131,13 @@ class DecodeAttention(PagedDecode):
         >>> attn.plan(kv_indptr, kv_indices, kv_last_page_len)   # int32, CPU tensors: no device sync
         >>> out, lse = attn.run(q, kv_cache, return_lse=True)
         >>> out = attn.run(q, (k_cache, v_cache))   # K and V in two tensors: read in place, no copy
+        >>> fp8 = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda", kv_dtype=torch.float8_e4m3fn)
+        >>> out = fp8.run(q, kv_cache_e4m3, k_scale=0.02, v_scale=0.03)   # after fp8.plan(...)
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", *,
-                 kv_layout: str = "NHD", sm_scale: float | None = None, max_batch_size: int | None = None,
+                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD", sm_scale: float | None = None, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, topology: Topology | None = None,
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
                  cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False):
@@ -141,6 +150,8 @@ class DecodeAttention(PagedDecode):
         head_dim = int(head_dim)
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if kv_dtype is not None and kv_dtype is not dtype and kv_dtype is not FP8:
+            raise ValueError(f"kv_dtype must be None (the dtype, {dtype}) or {FP8}, got {kv_dtype!r}")
         if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if not is_int(cluster_size) or cluster_size not in (1, 2, 4, 8, 16):
@@ -163,6 +174,8 @@ class DecodeAttention(PagedDecode):
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.group_size = num_qo_heads // num_kv_heads
         self.dtype, self.kv_layout, self.batch_invariant = dtype, kv_layout, batch_invariant
+        self.kv_dtype = kv_dtype or dtype
+        kv_build = KV_FP8 if self.kv_dtype is FP8 else ""   # the kernel's kv_dtype
         self._rows_seen: dict[tuple, tuple] = {}   # caches' strides as the kernel's (_kv_rows)
         # The kernel takes sm_scale * log2(e) as a float32: it must stay finite there.
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else \
@@ -173,12 +186,15 @@ class DecodeAttention(PagedDecode):
         xrank = self.lowering.transport or ""   # the graph's combine edge: partials crossing ranks, and how
         self.kernel_config = kernel_config or self._tuned_config("kernel", dataclasses.replace(
             DecodeKernelConfig.default(_DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1,
-                                       group_size=self.group_size, batch_invariant=batch_invariant), xrank=xrank))
+                                       group_size=self.group_size, batch_invariant=batch_invariant,
+                                       kv_dtype=kv_build), xrank=xrank))
         kc = self.kernel_config
-        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank) != (_DTYPES[dtype], head_dim, batch_invariant, xrank):
+        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype) != (
+                _DTYPES[dtype], head_dim, batch_invariant, xrank, kv_build):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}, xrank={kc.xrank!r}; the operator is {_DTYPES[dtype]}, head_dim "
-                             f"{head_dim}, batch_invariant={batch_invariant}, and its graph's partials "
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, kv_dtype={kc.kv_dtype!r}; the operator is "
+                             f"{_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, kv_dtype="
+                             f"{kv_build!r}, and its graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
         if cost is None:
@@ -211,7 +227,7 @@ class DecodeAttention(PagedDecode):
     def shape_bucket(self) -> str:
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
-                + ("/invariant" if self.batch_invariant else ""))
+                + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else ""))
 
     def _tuned_config(self, part: str, default):
         """`default` (a DecodeCost or DecodeKernelConfig) with the fields the tuning entry sets for `part`
@@ -300,7 +316,8 @@ class DecodeAttention(PagedDecode):
 
     # --- run ------------------------------------------------------------------------------------
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
-            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            k_scale: float = 1.0, v_scale: float = 1.0):
         """Attention of q over the planned batch.
 
         Args:
@@ -314,13 +331,18 @@ class DecodeAttention(PagedDecode):
                 multiples of head_dim (and K's the same as V's), K and V starting on 16-byte boundaries.
             return_lse: also return the log-sum-exp [B, num_qo_heads] (float32, natural log).
             out, lse: optional preallocated outputs.
+            k_scale, v_scale: an FP8 cache's per-tensor scales (FlashInfer's): positive finite numbers, K = cache
+                x k_scale, V = cache x v_scale. k_scale multiplies the scores (folded into sm_scale: lse includes
+                it), v_scale the output, both on chip. A 16-bit cache takes none (1.0). A run() captured in a
+                CUDA graph replays with the scales it was captured with, as with its tensors.
         Returns:
             out [B, num_qo_heads, head_dim] (and lse if return_lse). A request with no KV tokens gives
             zeros and lse = -inf.
         """
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import decode_attention
-            return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse)
+            return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse, k_scale=k_scale,
+                                    v_scale=v_scale)
         planned = self._run_start(return_lse)
         grads = None   # (the usual case, plain tensors that need no grad, tested first: run() is hot)
         if type(q) is not torch.Tensor or type(kv_cache) is not torch.Tensor or q.requires_grad or kv_cache.requires_grad:
@@ -329,7 +351,7 @@ class DecodeAttention(PagedDecode):
         B = planned.batch
         Hq, D = self.num_qo_heads, self.head_dim
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
-        kv = self._check_kv_cache(kv_cache, planned)
+        kv = self._check_kv_cache(kv_cache, planned, k_scale, v_scale)
         out, lse = self._run_outputs(out, lse, (B, Hq, D), return_lse, "like q", "batch, num_qo_heads",
                                      {"q": q, **kv.tensors})
         if self.device.type == "cpu":
@@ -353,7 +375,7 @@ class DecodeAttention(PagedDecode):
         """The tensors of a kv_cache (`kv_parts`): dtype, device, and the shape kv_layout says, K's and V's one
         page count (what a fake implementation can check too)."""
         for name, t in parts.items():
-            expect(name, t, self.dtype, *self._kv_shapes[name], self.device)
+            expect(name, t, self.kv_dtype, *self._kv_shapes[name], self.device)
         if len(parts) == 1:
             return
         k, v = parts.values()
@@ -361,10 +383,13 @@ class DecodeAttention(PagedDecode):
             raise ValueError(f"k_cache has {k.shape[0]} pages but v_cache {v.shape[0]}: K and V must have one page "
                              "count")
 
-    def _check_kv_cache(self, kv_cache: object, planned: _Planned) -> _KV:
+    def _check_kv_cache(self, kv_cache: object, planned: _Planned, k_scale: object = 1.0,
+                        v_scale: object = 1.0) -> _KV:
         """kv_cache (one tensor, or a (k_cache, v_cache) tuple) as the kernel reads it: its tensors' dtype,
         device and shape, pages enough for the plan's page indices, strides the kernel's row offsets can
-        express (K's and V's the same) and addresses its 16-byte copies can read."""
+        express (K's and V's the same), addresses its 16-byte copies can read, and its scales
+        (`_check_scales`)."""
+        k_scale, v_scale = self._check_scales(k_scale, v_scale)
         if type(kv_cache) is torch.Tensor and not kv_cache.requires_grad:   # (one plain cache, the usual case:
             parts = {"kv_cache": kv_cache}                                  # tested first, run() is hot)
         else:
@@ -390,7 +415,27 @@ class DecodeAttention(PagedDecode):
             what, address = (names[0], k) if k % _ALIGN else (names[1], v)
             raise ValueError(f"{what} must start on a {_ALIGN}-byte boundary (the kernel's copies read "
                              f"{_ALIGN}-byte chunks), got address {address:#x}")
-        return _KV(parts, k, v, rows)
+        return _KV(parts, k, v, rows, k_scale, v_scale)
+
+    def _check_scales(self, k_scale: object, v_scale: object) -> tuple[float, float]:
+        """run()'s k_scale and v_scale as floats: an FP8 cache's are positive finite numbers whose products with
+        the softmax scale (k_scale) and the output (v_scale) stay finite in the kernel's float32; a 16-bit cache
+        takes 1.0 only (it is read as it is: a key scale belongs in sm_scale)."""
+        if type(k_scale) is float and type(v_scale) is float and k_scale == 1.0 and v_scale == 1.0:
+            return k_scale, v_scale   # (the usual call, tested first: run() is hot)
+        limits = {"k_scale": _FLOAT32_MAX / (_LOG2E * abs(self.sm_scale)) if self.sm_scale else math.inf,
+                  "v_scale": _FLOAT32_MAX}
+        scales = []
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            x = check_finite(name, value, limits[name])
+            if not x > 0:
+                raise ValueError(f"{name} must be positive (a dequantisation scale), got {value!r}")
+            scales.append(x)
+        if self.kv_dtype is not FP8 and scales != [1.0, 1.0]:
+            raise ValueError(f"k_scale={k_scale!r} and v_scale={v_scale!r}: the scales dequantise an FP8 cache "
+                             f"(kv_dtype={FP8}), but this operator reads a {self.kv_dtype} cache as it is (fold a "
+                             "key scale into sm_scale)")
+        return scales[0], scales[1]
 
     def _kv_rows(self, name: str, t: torch.Tensor) -> tuple[tuple[int, int, int], int]:
         """The page, token and head strides, in rows of head_dim elements, of the K or V cache `t` (named `name`:
@@ -435,6 +480,8 @@ class DecodeAttention(PagedDecode):
         page, token, head = kv.rows
         launcher.set(q=q.data_ptr(), k=kv.k, v=kv.v, out=out.data_ptr(), lse=lse.data_ptr() if lse is not None else 0,
                      q_stride_b=sb, q_stride_h=sh, kv_page_stride=page, kv_slot_stride=token, kv_head_stride=head)
+        if self.kv_dtype is FP8:
+            launcher.set(sm_scale_log2=self.sm_scale * kv.k_scale * _LOG2E, v_scale=kv.v_scale)
         launcher.launch(overlap=self.overlap and not self._plan_kernel_last)
         self._launched()
 
@@ -443,7 +490,7 @@ class DecodeAttention(PagedDecode):
         if self.kv_layout == "HND":
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         o, l = self.lowering.executor(self.schedule, q, k, v, self._planned.kv_indices, self.sm_scale,
-                                      self.lowering.combiner)
+                                      self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale)
         out.copy_(o.to(self.dtype))
         if lse is not None:
             lse.copy_(l.float())

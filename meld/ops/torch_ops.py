@@ -4,7 +4,8 @@ traces it as one opaque node instead of breaking the graph.
 A custom op takes tensors and scalars, not Python objects, so each operator is named by an int, its
 `handle` (given at construction), which `meld.ops.registry` maps back to it.
 
-    torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle, v_cache=None) -> ()   # DecodeAttention.run
+    torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> ()
+                                                                                      # DecodeAttention.run
     torch.ops.meld.decode_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> ()   # DecodeMLA.run
     torch.ops.meld.moe(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> ()   # MoE()
 
@@ -29,6 +30,7 @@ Example:
     logits = step(tokens)                                # one meld::decode_attention node per layer
     torch.ops.meld.decode_attention(q, kv_cache, out, None, attn.handle)   # or the op itself
     torch.ops.meld.decode_attention(q, k_cache, out, None, attn.handle, v_cache)   # K and V in two tensors
+    torch.ops.meld.decode_attention(q, kv_e4m3, out, None, fp8.handle, None, 0.02, 0.03)   # an FP8 cache's scales
 """
 from __future__ import annotations
 
@@ -77,17 +79,19 @@ def _kv_cache(kv_cache, v_cache):
     return kv_cache if v_cache is None else (kv_cache, v_cache)
 
 
-def _decode_attention_impl(q, kv_cache, out, lse, handle, v_cache=None) -> None:
+def _decode_attention_impl(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
     _required_out("decode_attention", out)
-    lookup(handle, DecodeAttention).run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse)
+    lookup(handle, DecodeAttention).run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale,
+                                        v_scale=v_scale)
 
 
-def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None) -> None:
+def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
     _required_out("decode_attention", out)
     attn = lookup(handle, DecodeAttention)
     Hq, D, dt, dev = attn.num_qo_heads, attn.head_dim, attn.dtype, attn.device
     expect("q", q, dt, (None, Hq, D), "batch, num_qo_heads, head_dim", dev)
     attn._check_kv_shapes(kv_parts(_kv_cache(kv_cache, v_cache)))
+    attn._check_scales(k_scale, v_scale)
     expect("out", out, dt, (q.shape[0], Hq, D), "like q", dev)
     if lse is not None:
         expect("lse", lse, torch.float32, (q.shape[0], Hq), "batch, num_qo_heads", dev)
@@ -126,10 +130,11 @@ def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
     expect("out", out, dt, (T, H), "tokens x hidden_size", dev)
 
 
-# v_cache (K and V in two tensors, kv_cache then K) comes last, with a default: calls of the one-cache form as
-# they were written before it stay valid.
+# v_cache (K and V in two tensors, kv_cache then K) and an FP8 cache's scales come last, with defaults: calls
+# written before them stay valid.
 _define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle, "
-        "Tensor? v_cache=None) -> ()", _decode_attention_impl, _decode_attention_fake, written=(2, 3))
+        "Tensor? v_cache=None, float k_scale=1.0, float v_scale=1.0) -> ()", _decode_attention_impl,
+        _decode_attention_fake, written=(2, 3))
 _define("decode_mla", "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor(a!) out, "
         "Tensor(b!)? lse, int handle) -> ()", _decode_mla_impl, _decode_mla_fake, written=(4, 5))
 _define("moe", "(Tensor x, Tensor? router_logits, Tensor w13, Tensor w2, Tensor? topk_weights, Tensor? topk_ids, "
@@ -141,7 +146,8 @@ _moe_op = torch.ops.meld.moe.default
 
 # --- callers ----------------------------------------------------------------------------------------------
 def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                     *, return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+                     *, return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0):
     """`attn.run(q, kv_cache, ...)` (same arguments and results; kv_cache one tensor or (k_cache, v_cache)) through
     torch.ops.meld.decode_attention."""
     if not isinstance(attn, DecodeAttention):
@@ -157,7 +163,8 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
     if return_lse and lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     k, v = caches.values() if len(caches) == 2 else (kv_cache, None)
-    _decode_attention_op(q, k, out, lse, attn.handle, v)
+    k_scale, v_scale = attn._check_scales(k_scale, v_scale)   # (floats: the schema's check would be a RuntimeError)
+    _decode_attention_op(q, k, out, lse, attn.handle, v, k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 
