@@ -1,14 +1,14 @@
 """FP8 KV caches (issue 41, items 1 and 4): `DecodeAttention(kv_dtype=torch.float8_e4m3fn)` reads e4m3 K and V at one
 byte a value with FlashInfer's per-tensor scales (`run(..., k_scale=, v_scale=)`: K = cache x k_scale, V = cache x
-v_scale), through the operator and the torch op.
+v_scale), through the operator, the torch op and the FlashInfer wrapper (plan(kv_data_type=torch.float8_e4m3fn)).
 
 The reference is float64 attention over the dequantised cache, computed independently of meld's executor; the
 kernel and the executor apply the scales where the template says (k_scale on the scores, v_scale on the output),
 so each is compared with it as tightly as its own arithmetic allows, never as loosely as e4m3 quantisation would.
 CPU: the executor and the operator on fresh random e4m3 data (both layouts, page sizes off the tile, K and V apart),
-every e4m3 code through K and V, NaN codes, the op (opcheck, torch.compile, fake), and bad inputs named. GPU
-(`gpu`): the kernel (cp.async and TMA rings, head_dim 64/128/256, both MMA types) against the same references,
-every code bit for bit, and replayed from a CUDA graph."""
+every e4m3 code through K and V, NaN codes, the op (opcheck, torch.compile, fake), the wrapper, and bad inputs
+named. GPU (`gpu`): the kernel (cp.async and TMA rings, head_dim 64/128/256, both MMA types) against the same
+references, every code bit for bit, against FlashInfer's FP8 decode, and replayed from a CUDA graph."""
 import dataclasses
 import math
 
@@ -17,6 +17,7 @@ import torch
 
 import meld
 from meld.codegen import DecodeKernelConfig
+from meld.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
 from meld.ops import torch_ops
 from meld.runtime.reference import attention_reference, execute_decode
 from meld.scheduler import Topology
@@ -210,6 +211,33 @@ def test_fake_implementation_checks_the_cache_dtype_and_scales():
             torch.ops.meld.decode_attention(q, k, torch.empty_like(q), None, attn.handle, v, math.inf)
 
 
+# --- the FlashInfer wrapper -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("P,apart", [(16, False), (16, True), (1, True)])
+def test_wrapper_takes_fp8_plans_and_scales(layout, P, apart):
+    """plan(kv_data_type=torch.float8_e4m3fn) and run(k_scale=, v_scale=) as FlashInfer takes them (lse base 2;
+    page_size 1 as FlashInfer's 3-D parts); scales left None are 1."""
+    pb = paged(LENS, P)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), layout)
+    w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 64, P, q_data_type=BF16, kv_data_type=FP8)
+    assert w._op.kv_dtype is FP8
+    k, v = (_e4m3(pb.num_pages, P, 2, 64) for _ in range(2))
+    lk, lv = _layout(k, layout), _layout(v, layout)
+    if apart:
+        cache = (lk.squeeze(-3 if layout == "NHD" else -2), lv.squeeze(-3 if layout == "NHD" else -2)) if P == 1 \
+            else (lk, lv)
+    else:
+        cache = torch.stack([lk, lv], dim=1)
+    q = torch.randn(len(LENS), 8, 64).to(BF16)
+    out, lse = w.run(q, cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True)
+    _assert_rounded(out, lse / math.log2(math.e), *_reference(q, k, v, pb))
+    assert torch.equal(w.run(q, cache), w.run(q, cache, k_scale=1.0, v_scale=None))
+    with pytest.raises(NotImplementedError, match="q_scale=2.0 is not supported"):
+        w.run(q, cache, q_scale=2.0)
+    with pytest.raises(ValueError, match="paged_kv_cache must have dtype torch.float8_e4m3fn, got torch.bfloat16"):
+        w.run(q, torch.stack([lk, lv], dim=1).to(BF16))
+
+
 # --- bad inputs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     (dict(kv_dtype=torch.float8_e5m2), r"kv_dtype must be None \(the dtype, torch.bfloat16\) or torch.float8_e4m3fn, "
@@ -345,7 +373,8 @@ def test_gpu_every_code(dtype, tma):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_nan_codes(tma):
-    out, lse, ref, ref_lse, nan_out, nan_lse = _nan_case("cuda", **(dict(kernel_config=_tma(head_dim=64)) if tma else {}))
+    kw = dict(kernel_config=_tma(head_dim=64)) if tma else {}
+    out, lse, ref, ref_lse, nan_out, nan_lse = _nan_case("cuda", **kw)
     err = ((out[~nan_out].double() - ref[~nan_out]).norm() / ref[~nan_out].norm()).item()
     assert err < 5e-3 and (lse[~nan_lse].double() - ref_lse[~nan_lse]).abs().max().item() < 2e-3
 
@@ -358,6 +387,34 @@ def test_gpu_k_and_v_apart_bit_for_bit(form, tma):
     cache, one = _forms(form, k, v, "HND")
     want = attn.run(q, one, k_scale=K_SCALE, v_scale=V_SCALE)
     assert torch.equal(attn.run(q, cache, k_scale=K_SCALE, v_scale=V_SCALE), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_gpu_against_flashinfer(layout, tensor_cores):
+    """FlashInfer 0.6.18's FP8 decode on the same cache and scales: both close to float64 over the dequantised
+    cache, and to each other (FlashInfer rounds its output before `out *= v_scale`, meld after: one rounding
+    apart)."""
+    flashinfer = pytest.importorskip("flashinfer", reason="flashinfer is not installed: the comparison needs its "
+                                                           "FP8 decode (bench/decode.py's peer wheels)")
+    pb = paged(GPU_LENS, 16)
+    k, v = (_e4m3(pb.num_pages, 16, 8, 128, device="cuda") for _ in range(2))
+    cache = torch.stack([_layout(k, layout), _layout(v, layout)], dim=1)
+    q = torch.randn(len(GPU_LENS), 32, 128, device="cuda").to(BF16)
+    outs = []
+    for w in (BatchDecodeWithPagedKVCacheWrapper(torch.empty(1, dtype=torch.uint8, device="cuda"), layout),
+              flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                                                            layout, use_tensor_cores=tensor_cores)):
+        w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 32, 8, 128, 16, q_data_type=BF16, kv_data_type=FP8)
+        outs.append(w.run(q, cache, k_scale=K_SCALE, v_scale=V_SCALE, return_lse=True))
+    ref, ref_lse = _reference(q, k, v, pb)
+    (meld_out, meld_lse), (fi_out, fi_lse) = outs
+    for out in (meld_out, fi_out):
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert ((meld_out.double() - fi_out.double()).norm() / fi_out.double().norm()).item() < 1e-2
+    finite = ref_lse.isfinite()
+    assert (meld_lse.double() - fi_lse.double())[finite].abs().max().item() < 5e-3
 
 
 @pytest.mark.gpu

@@ -23,6 +23,9 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 - fixed_split_size (> 0) and disable_split_kv=True, FlashInfer's knobs for batch-invariant outputs,
   select meld's batch-invariant mode (its own chunk size, not fixed_split_size pages).
 - The kernel choice (use_tensor_cores, backend, enable_pdl) is meld's: accepted, it changes nothing.
+- An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn)): run()'s k_scale and v_scale are applied inside meld's
+  kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
+  where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import re
 import torch
 
 from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
-from ..ops.decode_attention import DecodeAttention
+from ..ops.decode_attention import FP8, DecodeAttention
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
            "MultiLevelCascadeAttentionWrapper"]
@@ -79,8 +82,9 @@ def _check_options(pos_encoding_mode: object, window_left: object, logits_soft_c
 
 
 def _check_v_scale(v_scale: object, device: torch.device) -> None:
-    """v_scale multiplies the output in place after the kernel (FlashInfer's `out *= v_scale`): a real number, or a
-    tensor of one real element on the output's device (or a 0-d CPU tensor, which torch reads as a number).
+    """A 16-bit cache's v_scale multiplies the output in place after the kernel (FlashInfer's `out *= v_scale`): a
+    real number, or a tensor of one real element on the output's device (or a 0-d CPU tensor, which torch reads as a
+    number).
     Checked before the kernel, so that no output is written when the scaling would fail (a tensor of another
     shape) or do nothing (a meta tensor)."""
     if isinstance(v_scale, torch.Tensor):
@@ -195,8 +199,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         until the next plan(). A plan() that raises changes nothing.
 
         Supported: pos_encoding_mode="NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer),
-        window_left=-1, window_right=0, logits_soft_cap None or 0, q/kv/o data types one of bfloat16 and
-        float16, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale (default 1/sqrt(head_dim)).
+        window_left=-1, window_right=0, logits_soft_cap None or 0, q and o data types one of bfloat16 and
+        float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale
+        (default 1/sqrt(head_dim)).
         The rest raises NotImplementedError. `check` is meld's (see the module docstring).
         """
         _check_options(pos_encoding_mode, window_left, logits_soft_cap)
@@ -219,11 +224,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if head_dim not in _HEAD_DIMS:
             raise _unsupported("head_dim", head_dim, f"meld's kernels are built for head_dim {_HEAD_DIMS}")
-        dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
+        dtype, kv_dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
         if sm_scale is not None:
             sm_scale = check_finite("sm_scale", sm_scale)
         batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)
-        op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, sm_scale, batch_invariant)
+        op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, kv_dtype, sm_scale,
+                            batch_invariant)
         if self._use_cuda_graph and isinstance(indices, torch.Tensor) and isinstance(last_page_len, torch.Tensor):
             if len(last_page_len) != self._fixed_batch_size:
                 raise ValueError(f"The batch size should be fixed in cudagraph mode: len(last_page_len)="
@@ -242,8 +248,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     begin_forward = plan
 
-    def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> torch.dtype:
-        """The one dtype meld computes in, resolved as FlashInfer resolves its three."""
+    def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> tuple[torch.dtype, torch.dtype]:
+        """The dtype meld computes in and the cache's (that one, or e4m3), resolved as FlashInfer resolves its three."""
         if data_type is not None:   # FlashInfer's deprecated alias: it only fills the types left as None
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -252,24 +258,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
         o = q if o_data_type is None else _dtype("o_data_type", o_data_type)
         if q not in _DTYPES:
             raise _unsupported("q_data_type", q, "meld computes in torch.bfloat16 or torch.float16")
-        if kv != q:
-            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} (q_data_type defaults "
-                               "to 'float16', and data_type= does not override a q_data_type given, as in FlashInfer)")
+        if kv != q and kv != FP8:
+            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} or as {FP8} (q_data_type "
+                               "defaults to 'float16', and data_type= does not override a q_data_type given, as in "
+                               "FlashInfer)")
         if o != q:
             raise _unsupported("o_data_type", o, f"meld writes the output in q's dtype {q}")
-        return q
+        return q, kv
 
-    def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sm_scale, batch_invariant):
+    def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, sm_scale, batch_invariant):
         """The meld operator of these shapes, made once per wrapper."""
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, scale, batch_invariant)
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant)
         op = self._ops.get(key)
         if op is None:
             graph = self._use_cuda_graph
             op = DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, self.device,
-                                 kv_layout=self._kv_layout, sm_scale=sm_scale, batch_invariant=batch_invariant,
+                                 kv_dtype=kv_dtype, kv_layout=self._kv_layout, sm_scale=sm_scale,
+                                 batch_invariant=batch_invariant,
                                  max_batch_size=self._fixed_batch_size if graph else None,
                                  max_num_pages=max(1, len(self._paged_kv_indices_buf)) if graph else None)
             self._ops[key] = op
@@ -290,8 +298,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         is 1): separate allocations, or views of any. meld reads them in place, never copied, through their
         strides (`meld.DecodeAttention.run`: the last dim contiguous, the page, token and head strides
         multiples of head_dim, K's the same as V's as FlashInfer requires, 16-byte aligned starts).
-        q_scale and k_scale must be None or 1 (fold them into plan()'s sm_scale); v_scale multiplies the
-        output in place, as FlashInfer does. Returns out, or (out, lse) with lse base 2.
+        q_scale must be None or 1 (fold it into plan()'s sm_scale). An FP8 cache's k_scale and v_scale (numbers;
+        None: 1) dequantise it inside the kernel (module docstring). A 16-bit cache's k_scale must be None or 1
+        (fold it into sm_scale), and its v_scale multiplies the output in place, as FlashInfer does. Returns
+        out, or (out, lse) with lse base 2.
         """
         op = self._op
         if op is None:
@@ -302,28 +312,33 @@ class BatchDecodeWithPagedKVCacheWrapper:
             for name, value in (("sinks", sinks), ("kv_cache_sf", kv_cache_sf),
                                 ("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor)):
                 if value is not None:
-                    raise _unsupported(name, value, "meld computes plain softmax attention over a bf16/fp16 cache")
+                    raise _unsupported(name, value, "meld computes plain softmax attention over a bf16, fp16 or "
+                                       "e4m3 cache")
         if window_left is not None and window_left != -1:
             raise ValueError(f"window_left must be None or plan()'s window_left=-1, got {window_left!r}")
         if q_len_per_req is not None and q_len_per_req != 1:
             raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
         if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
             raise ValueError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")
-        for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        fp8 = op.kv_dtype is FP8
+        folded = {"q_scale": q_scale} if fp8 else {"q_scale": q_scale, "k_scale": k_scale}   # (FP8: the kernel's)
+        for name, scale in folded.items():
             if scale is not None and (type(scale) is not float or scale != 1.0) and check_finite(name, scale) != 1:
                 raise _unsupported(name, scale, f"meld fixes the softmax scale at plan(): plan with sm_scale="
                                    f"{op.sm_scale!r} * {name} instead")
-        if type(v_scale) not in (float, type(None)):
+        scales = dict(k_scale=1.0 if k_scale is None else k_scale, v_scale=1.0 if v_scale is None else v_scale) \
+            if fp8 else {}
+        if not fp8 and type(v_scale) not in (float, type(None)):
             _check_v_scale(v_scale, op.device)
         if lse is None and return_lse:
             lse = torch.empty(self._batch, op.num_qo_heads, dtype=torch.float32, device=op.device)
         try:
-            result = op.run(q, self._cache(paged_kv_cache), return_lse=return_lse, out=out, lse=lse)
+            result = op.run(q, self._cache(paged_kv_cache), return_lse=return_lse, out=out, lse=lse, **scales)
         except ValueError as e:
             raise ValueError(_cache_names(str(e))) from None
         if lse is not None:
             plain(lse).mul_(_LOG2E)   # the memory meld wrote: run() tied lse itself to meld's no-backward node
-        if v_scale is not None and not (isinstance(v_scale, float) and v_scale == 1.0):   # FlashInfer's rule
+        if not fp8 and v_scale is not None and not (isinstance(v_scale, float) and v_scale == 1.0):   # FlashInfer's rule
             plain(result[0] if return_lse else result).mul_(v_scale)
         return result
 
