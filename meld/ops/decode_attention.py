@@ -137,8 +137,8 @@ class DecodeAttention(PagedDecode):
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", *,
-                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD", sm_scale: float | None = None, max_batch_size: int | None = None,
-                 max_num_pages: int | None = None, topology: Topology | None = None,
+                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD", sm_scale: float | None = None,
+                 max_batch_size: int | None = None, max_num_pages: int | None = None, topology: Topology | None = None,
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
                  cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
