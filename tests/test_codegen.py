@@ -2,6 +2,7 @@
 (and NVRTC where it is installed), the parameter struct's host/device layouts agree (static_asserts
 in the generated source), and the compile cache is keyed by content."""
 import dataclasses
+import re
 import shutil
 
 import pytest
@@ -37,6 +38,15 @@ CONFIGS += [dataclasses.replace(CONFIGS[1], xrank="peer"), dataclasses.replace(C
             dataclasses.replace(CONFIGS[1], xrank="peer", watchdog_ms=100)]
 CONFIGS += [dataclasses.replace(CONFIGS[1], xrank="proxy"), dataclasses.replace(CONFIGS[1], xrank="proxy", onchip_merge=True),
             dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=16), xrank="proxy")]
+# FP8 caches: every head dim and MMA type, TMA rings at every head dim (head_dim 64: 64-byte rows and swizzle),
+# 16-head units with clusters, a profiled TMA build and a batch-invariant one.
+FP8 = "float8_e4m3fn"
+CONFIGS += [DecodeKernelConfig.default(dt, d, kv_dtype=FP8) for dt in ("bfloat16", "float16") for d in (64, 128, 256)]
+CONFIGS += [dataclasses.replace(DecodeKernelConfig.default("bfloat16", d, kv_dtype=FP8), tma=True) for d in (64, 128, 256)]
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=16, kv_dtype=FP8),
+            dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, kv_dtype=FP8), tma=True,
+                                profile=True),
+            DecodeKernelConfig.default("bfloat16", 128, batch_invariant=True, kv_dtype=FP8)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 
@@ -46,10 +56,12 @@ def test_kernel_compiles_with_nvcc_for_sm90a(cfg):
     cubin, log = nvcc(cfg.render(), cfg.name)
     assert cubin[:4] == b"\x7fELF"
     assert "0 bytes spill stores" in log, log       # registers must not spill to local memory
+    assert set(re.findall(r"(\d+) bytes stack frame", log)) == {"0"}, log   # nor keep arrays in local memory
     assert cfg.smem_bytes <= 227 * 1024
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: c.name)
+@pytest.mark.parametrize("cfg", CONFIGS[:3] + [c for c in CONFIGS if c.kv_dtype and c.head_dim == 64 and c.tma][:1] +
+                         [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8)], ids=lambda c: c.name)
 def test_kernel_compiles_with_nvrtc(cfg):
     pytest.importorskip("cuda.bindings.nvrtc")
     with config.scope(MELD_COMPILER="nvrtc"):
@@ -87,8 +99,8 @@ def test_nvrtc_leaves_python_objects_alone(tmp_path):
 @needs_nvcc
 def test_layout_mismatch_fails_to_compile():
     cfg = CONFIGS[1]
-    off = DECODE_PARAMS.ctype.kv.offset
-    bad = cfg.render().replace(f"kv) == {off},", f"kv) == {off + 8},")
+    off = DECODE_PARAMS.ctype.v.offset
+    bad = cfg.render().replace(f"DecodeParams, v) == {off},", f"DecodeParams, v) == {off + 8},")
     assert bad != cfg.render()
     with pytest.raises(CompileError, match="host and device layouts differ"):
         compile_nvcc(bad, cfg.name, "sm_90a")
@@ -138,6 +150,10 @@ def test_config_rejects_unsupported():
         DecodeKernelConfig("bfloat16", 128, debug_withhold_signal=True)
     with pytest.raises(ValueError, match="watchdog_ms=0"):
         DecodeKernelConfig("bfloat16", 128, watchdog_ms=0)
+    with pytest.raises(ValueError, match="kv_dtype='float8_e5m2': expected '' .* or 'float8_e4m3fn'"):
+        DecodeKernelConfig("bfloat16", 128, kv_dtype="float8_e5m2")
+    with pytest.raises(ValueError, match="xrank kernels read 16-bit caches"):
+        DecodeKernelConfig("bfloat16", 128, kv_dtype=FP8, xrank="peer")
 
 
 def test_params_pack_checks_fields():

@@ -106,19 +106,20 @@ def test_deprecated_spellings():
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_tuple_and_single_tensor_caches(layout):
+    """FlashInfer's cache forms, read in place: one tensor (contiguous or a strided view), or (k_cache, v_cache)
+    as its halves or as two allocations, all give the same output; a tuple is read as the K and V it names
+    (V's values as keys when swapped)."""
     w, table, kv, _, q = _planned(layout)
     out = w.run(q, kv)
     k, v = kv.unbind(1)
     assert torch.equal(w.run(q, (k, v)), out)
     assert torch.equal(w.run(q, (kv[:, 0], kv[:, 1])), out)
-    with pytest.raises(NotImplementedError, match=r"paged_kv_cache=\(k_cache, v_cache\) in separate allocations"):
-        w.run(q, (k.clone(), v.clone()))
-    with pytest.raises(NotImplementedError, match=r"paged_kv_cache=\(k_cache, v_cache\) are one cache's halves in the "
-                                                  r"wrong order"):
-        w.run(q, (v, k))
-    strided = torch.cat([kv, kv], dim=0)[::2]   # a page stride twice the page: valid for FlashInfer
-    with pytest.raises(NotImplementedError, match="paged_kv_cache that is not contiguous"):
-        w.run(q, strided)
+    assert torch.equal(w.run(q, (k.clone(), v.clone())), out)
+    strided = torch.stack([kv, torch.randn_like(kv)], dim=1).flatten(0, 1)[::2]   # a page stride of two pages
+    assert not strided.is_contiguous() and torch.equal(w.run(q, strided), out)
+    assert torch.equal(w.run(q, (strided[:, 0], strided[:, 1])), out)
+    swapped = w.run(q, (v, k))
+    assert torch.equal(swapped, w.run(q, torch.stack([v, k], dim=1))) and not torch.equal(swapped, out)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -212,7 +213,7 @@ def test_plan_that_raises_changes_nothing():
     ("plan", dict(window_right=-1), "window_right=-1 is not supported"),
     ("plan", dict(logits_soft_cap=30.0), "logits_soft_cap=30.0 is not supported"),
     ("plan", dict(q_data_type=torch.float32), "q_data_type=torch.float32 is not supported"),
-    ("plan", dict(kv_data_type=torch.float8_e4m3fn), "kv_data_type=torch.float8_e4m3fn is not supported"),
+    ("plan", dict(kv_data_type=torch.float8_e5m2), "kv_data_type=torch.float8_e5m2 is not supported"),
     ("plan", dict(o_data_type=torch.float32), "o_data_type=torch.float32 is not supported"),
     ("plan", dict(q_data_type="float16", data_type=torch.bfloat16), "kv_data_type=torch.bfloat16 is not supported"),
     ("plan", dict(head_dim=96), "head_dim=96 is not supported"),
@@ -288,8 +289,13 @@ def test_run_errors_name_the_argument():
         (dict(paged_kv_cache=kv[:, :, :8]), r"paged_kv_cache must have shape \('\*', 2, 16, 2, 64\)"),
         (dict(paged_kv_cache=[kv[:, 0], kv[:, 1]]), r"paged_kv_cache must be a torch.Tensor or a \(k_cache, v_c"),
         (dict(paged_kv_cache=(kv[:, 0],)), "paged_kv_cache as a tuple must be \\(k_cache, v_cache\\)"),
-        (dict(paged_kv_cache=(kv[:, 0], kv[:, 1, :, :1])), r"paged_kv_cache\[1\] must have shape \('\*', 16, 2, 64\)"),
-        (dict(paged_kv_cache=kv[:2]), "reference page .* but kv_cache has only 2 pages"),
+        (dict(paged_kv_cache=(kv[:, 0], kv[:, 1, :, :1])), r"v_cache must have shape \('\*', 16, 2, 64\)"),
+        (dict(paged_kv_cache=(kv[:, 0], kv[:, 1].half())), "v_cache must have dtype torch.bfloat16, got torch.float16"),
+        (dict(paged_kv_cache=(kv[:, 0], kv[:-1, 1])), "k_cache has 133 pages but v_cache 132"),
+        (dict(paged_kv_cache=(kv[:, 0], kv[:, 1].clone())), r"k_cache and v_cache must have the same strides .*got "
+                                                             r"\(4096, 128, 64, 1\) and \(2048, 128, 64, 1\)"),
+        (dict(paged_kv_cache=kv[..., :32]), r"paged_kv_cache must have shape"),
+        (dict(paged_kv_cache=kv[:2]), "reference page .* but paged_kv_cache has only 2 pages"),
         (dict(out=torch.empty(7, 8, 64)), "out must have dtype torch.bfloat16"),
         (dict(lse=torch.empty(7, 8, dtype=torch.float64)), "lse must have dtype torch.float32"),
         (dict(return_lse=1), "return_lse must be True or False"),
@@ -403,7 +409,7 @@ def test_matches_flashinfer(B, dist, tensor_cores):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_matches_flashinfer_layouts_and_tuple_caches(layout):
     """Odd lengths (FlashInfer documents last_page_len >= 1: no empty requests), both layouts, and the
-    cache as a (k_cache, v_cache) tuple of its halves."""
+    cache as a (k_cache, v_cache) tuple of its halves and of two separate allocations."""
     flashinfer = _flashinfer()
     pb, kv, nhd, q = _gpu_batch([n + 1 for n in lengths("ragged", 9)], layout)
     fi, ours = _wrapper(flashinfer, layout), _wrapper(compat, layout)
@@ -412,6 +418,11 @@ def test_matches_flashinfer_layouts_and_tuple_caches(layout):
     out, lse = ours.run(q, (kv[:, 0], kv[:, 1]), return_lse=True)
     _assert_close(out, lse, fi_out, fi_lse, _reference(q, nhd, pb))
     assert torch.equal(ours.run(q, kv), out)
+    apart = (kv[:, 0].clone(), kv[:, 1].clone())
+    fi_out, fi_lse = fi.run(q, apart, return_lse=True)
+    out2, lse2 = ours.run(q, apart, return_lse=True)
+    _assert_close(out2, lse2, fi_out, fi_lse, _reference(q, nhd, pb))
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
 
 
 @pytest.mark.gpu

@@ -64,11 +64,11 @@ def test_cpu_executor_detects_a_wrong_schedule():
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     s = attn.schedule
     ref, _ = attention_reference(q, kv, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
-    good, _ = execute_decode(s, q, kv, pb.kv_indices, attn.sm_scale)
+    good, _ = execute_decode(s, q, kv[:, 0], kv[:, 1], pb.kv_indices, attn.sm_scale)
     assert ((good - ref).norm() / ref.norm()).item() < 1e-6
     col = int((s.cta[3] > 0).nonzero()[0][0])
     s.cta[3, col] += 16                       # end one segment a tile later: tokens counted twice
-    bad, _ = execute_decode(s, q, kv, pb.kv_indices, attn.sm_scale)
+    bad, _ = execute_decode(s, q, kv[:, 0], kv[:, 1], pb.kv_indices, attn.sm_scale)
     assert bad.isnan().any() or ((bad - ref).norm() / ref.norm()).item() > 1e-3
 
 
@@ -128,7 +128,7 @@ def test_run_errors():
         attn.run(q, kv[:, :1])
     with pytest.raises(ValueError, match=r"reference page \d+, but kv_cache has only 2 pages"):
         attn.run(q, kv[:2])
-    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+    with pytest.raises(ValueError, match=r"kv_cache must have a contiguous last dim \(head_dim\), got strides"):
         attn.run(q, kv.transpose(3, 4).contiguous().transpose(3, 4))
     fresh = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu")
     with pytest.raises(RuntimeError, match="call plan\\(\\) first"):

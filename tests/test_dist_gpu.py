@@ -124,6 +124,9 @@ def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
             again = op.run(q, kv).clone()
             _sync(op)
             assert torch.equal(again, first[0]), "a call that raised changed the operator"
+            apart = op.run(q, (kv[:, 0].clone(), kv[:, 1].clone())).clone()   # K and V in two allocations
+            _sync(op)
+            assert torch.equal(apart, first[0]), "K and V apart differ from the same values in one cache"
     # Layers back to back, each output read by the stream's next work and no host sync between: no rank may
     # write a layer's results into a window whose rank still reads the layer before (outputs or partials).
     pb = paged(CASES[4], P, generator=torch.Generator().manual_seed(50))

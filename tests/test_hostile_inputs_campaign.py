@@ -256,7 +256,7 @@ def test_decode_attention_caller_names_its_arguments():
     for args, kw, match in [
         ((None, q, kv), {}, r"attn must be a meld\.DecodeAttention, got NoneType"),
         ((meld.MoE(64, 32, 8, 2, BF16, "cpu", max_num_tokens=4), q, kv), {}, r"attn must be a meld\.DecodeAttention, got MoE"),
-        ((attn, q, kv.tolist()), {}, r"kv_cache must be a torch\.Tensor, got list"),
+        ((attn, q, kv.tolist()), {}, r"kv_cache must be a torch\.Tensor or a \(k_cache, v_cache\) tuple, got list"),
         ((attn, q, kv), dict(out=[0.0]), r"out must be a torch\.Tensor or None, got list"),
         ((attn, q, kv), dict(lse=np.zeros((2, 8), np.float32), return_lse=True), r"lse must be a torch\.Tensor or None, got ndarray"),
         ((attn, q[0, 0], kv), dict(return_lse=True), r"q must have shape \('\*', 8, 64\).*got \(64,\)"),

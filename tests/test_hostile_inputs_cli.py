@@ -6,7 +6,8 @@ one line on stderr, exit status 2), found before the work starts, never a traceb
      directory or JSON nested too deeply to parse, as `meld timeline` already refused such traces;
   B. outputs (`serve-bench --json`, `tune --db`, `timeline -o`) and KV pool sizes checked up front;
   C. `meld timeline T.json -o T.json` would overwrite its input;
-  D. a FlashInfer-compat (k_cache, v_cache) tuple of one cache's halves in the wrong order or layout;
+  D. (gone: a FlashInfer-compat (k_cache, v_cache) tuple that is not one cache's halves in order, refused
+     before meld read K and V through two addresses, is read as the K and V it names: tests/test_separate_kv.py);
   E. an int32 kv_indptr that wrapped, named as kv_indptr with its index and values.
 """
 import re
@@ -153,40 +154,6 @@ def test_tune_checks_its_db_writable_before_measuring(capsys):
 def test_timeline_checks_its_output_before_rendering(where, why, trace_file, tmp_path, capsys):
     out = {"dir": str(tmp_path), "unwritable": "/sys/meld-out.png"}[where]
     assert _fails(["timeline", str(trace_file), "-o", out], capsys, "argument -o/--output", why) == ""
-
-
-# --- D. a (k_cache, v_cache) tuple that is not one cache's halves in order ----------------------------------
-@pytest.fixture(params=["NHD", "HND"])
-def planned(request):
-    from tests.test_compat_flashinfer import _planned
-
-    w, _, kv, _, q = _planned(request.param)
-    return w, kv, q
-
-
-def test_a_swapped_tuple_is_named_as_swapped(planned):
-    """kv[:, 1] passed as K and kv[:, 0] as V: one allocation, so not 'separate allocations'."""
-    w, kv, q = planned
-    with pytest.raises(NotImplementedError, match=r"paged_kv_cache=\(k_cache, v_cache\) are one cache's halves in "
-                                                  r"the wrong order: v_cache is \[:, 0\] and k_cache \[:, 1\]") as e:
-        w.run(q, (kv[:, 1], kv[:, 0]))
-    assert "separate allocations" not in str(e.value)
-
-
-def test_other_one_allocation_tuples_say_what_is_off(planned):
-    w, kv, q = planned
-    n, size = kv.shape[0], kv[0, 0].numel()
-    blocks = kv.transpose(0, 1).contiguous()   # [2, num_pages, ...]: all K, then all V
-    with pytest.raises(NotImplementedError, match=rf"share one allocation, but k_cache has strides "
-                                                  rf"\({size}, .*\), not \({2 * size}, "):
-        w.run(q, (blocks[0], blocks[1]))
-    with pytest.raises(NotImplementedError, match=rf"v_cache starts 0 elements after k_cache, not {size} "):
-        w.run(q, (kv[:, 0], kv[:, 0]))
-    longer = torch.cat([kv, kv[:1]])           # one page more: V read one page (2 halves) after K
-    with pytest.raises(NotImplementedError, match=rf"v_cache starts {2 * size} elements after k_cache"):
-        w.run(q, (longer[:n, 0], longer[1:, 0]))
-    with pytest.raises(NotImplementedError, match="in separate allocations is not supported"):
-        w.run(q, (kv[:, 0].clone(), kv[:, 1].clone()))
 
 
 # --- E. an int32 kv_indptr that wrapped ---------------------------------------------------------------------

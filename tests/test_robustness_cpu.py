@@ -239,7 +239,7 @@ def _in_batches(attn, target_len, D=64, P=16, Hkv=2, Hq=8):
             attn.plan(pb.kv_indptr, idx, pb.kv_last_page_len)
             out, lse = attn.run(q, kv, return_lse=True)
             it = attn.schedule.items()
-            exact, _ = execute_decode(attn.schedule, q, kv, idx, attn.sm_scale)
+            exact, _ = execute_decode(attn.schedule, q, kv[:, 0], kv[:, 1], idx, attn.sm_scale)
             outs.append((out[pos], lse[pos], exact[pos], tuple(it["cta"][it["req"] == pos])))
     return outs
 

@@ -134,8 +134,8 @@ def test_decode_attentions_graph_runs_on_the_split_reduce_executor_too():
     t = tables["attention_partial"]
     plan = plan_split_reduce([t], len(lens), HKV, G, P, num_ctas=6)
     for o, l in (execute_split_reduce(g, plan, tables, q, kv, SCALE),
-                 low.executor(low.planner(t.kv_indptr, t.kv_last_page_len, P, HKV, G, Topology(6)), q, kv,
-                              torch.from_numpy(t.kv_indices), SCALE)):
+                 low.executor(low.planner(t.kv_indptr, t.kv_last_page_len, P, HKV, G, Topology(6)), q, kv[:, 0],
+                              kv[:, 1], torch.from_numpy(t.kv_indices), SCALE)):
         torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(l, want_l, rtol=1e-10, atol=1e-10)
 

@@ -49,6 +49,9 @@ VARIANTS = {
     "decode-xrank-peer": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128), xrank='peer')",
     "decode-xrank-proxy": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, onchip_merge=True), "
                           "xrank='proxy')",
+    "decode-fp8": "DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e4m3fn')",
+    "decode-fp8-d64-fp16-tma": "dataclasses.replace(DecodeKernelConfig.default('float16', 64, "
+                               "kv_dtype='float8_e4m3fn'), tma=True)",
     "decode-plan": "DecodePlanKernelConfig()",
     "mla": "MlaKernelConfig()",
     "mla-32-profile": "MlaKernelConfig(block_tokens=32, profile=True)",

@@ -14,6 +14,7 @@ from .params import DECODE_PARAMS, PLAN_PARAMS, SEQ_PARALLEL_DECODE_PARAMS, WATC
 from .source import SMEM_PER_CTA_MAX, template
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
+KV_FP8 = "float8_e4m3fn"   # DecodeKernelConfig.kv_dtype of an FP8 cache (torch's name of the type)
 TILE_TOKENS = 16     # KV tokens per warp step
 
 
@@ -34,6 +35,8 @@ class DecodeKernelConfig:
     debug_withhold_signal: bool = False   # debug build: unit 0's first tile is never issued (tests the watchdog)
     xrank: str = ""             # one rank's share of a sequence-parallel batch (meld/distributed/seq_parallel.py), its
                                 # results crossing to the other ranks through "peer" memory or a "proxy"
+    kv_dtype: str = ""          # "": K and V in `dtype`; "float8_e4m3fn": e4m3 bytes, dequantised on chip
+                                # (MELD_KV_FP8; the template's header says how and where the scales apply)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -52,6 +55,10 @@ class DecodeKernelConfig:
             raise ValueError(f"xrank={self.xrank!r}: expected '', 'peer' or 'proxy'")
         if self.xrank and self.batch_invariant:
             raise ValueError("xrank kernels merge across ranks in part order; batch_invariant is not supported")
+        if self.kv_dtype not in ("", KV_FP8):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected '' (the dtype's) or {KV_FP8!r}")
+        if self.kv_dtype and self.xrank:
+            raise ValueError("xrank kernels read 16-bit caches: SeqParallelDecode takes no FP8 cache (kv_dtype='')")
         if self.debug_withhold_signal and not self.tma:
             raise ValueError("debug_withhold_signal needs tma=True: only the TMA rings wait on a signal")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -60,7 +67,7 @@ class DecodeKernelConfig:
 
     @staticmethod
     def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
-                batch_invariant: bool = False) -> "DecodeKernelConfig":
+                batch_invariant: bool = False, kv_dtype: str = "") -> "DecodeKernelConfig":
         """Chosen by bench/decode_sweep.py (bench/RESULTS.md, "kernel configs and cost models"): one CTA
         of eight warps with two-stage rings per SM is the best, or close to it, at every batch size, and
         the fastest at small batches. head_dim 256 (not swept) takes four warps and three stages to fit
@@ -68,15 +75,21 @@ class DecodeKernelConfig:
         `onchip_merge=True` adds it (for clusters of more than one CTA) where it fits. Groups of more
         than 8 q heads per kv head get 16-head units (head_dim 64 and 128; 256 has no room for their
         merge area), so a group of 16 reads its KV once instead of twice. Batch-invariant kernels merge
-        through global memory only."""
+        through global memory only. An FP8 cache's tiles are half the bytes: its rings take 2 (s - 1) + 1
+        stages for the 16-bit build's s, so each warp keeps as many bytes in flight (not yet swept)."""
+        warps, stages = (4, 3) if head_dim == 256 else (8, 2)
+        if kv_dtype:
+            stages = 2 * (stages - 1) + 1
         if head_dim == 256:
-            return DecodeKernelConfig(dtype, head_dim, 4, 3, onchip_merge=False, batch_invariant=batch_invariant)
-        return DecodeKernelConfig(dtype, head_dim, 8, 2, onchip_merge=onchip_merge and not batch_invariant,
-                                  heads_per_unit=16 if group_size > 8 else 8, batch_invariant=batch_invariant)
+            return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
+                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype)
+        return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
+                                  heads_per_unit=16 if group_size > 8 else 8, batch_invariant=batch_invariant,
+                                  kv_dtype=kv_dtype)
 
     @property
     def name(self) -> str:
-        return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}"
+        return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}{'_e4m3' if self.kv_dtype else ''}_d{self.head_dim}"
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
@@ -95,7 +108,7 @@ class DecodeKernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
         merges, the two partials kept for cluster peers (see the template)."""
-        ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * 2
+        ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * (1 if self.kv_dtype else 2)
         merge = self.num_warps * self.heads_per_unit * (self.head_dim + 4 + 2) * 4 + 16
         parts = 2 * self.heads_per_unit * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
         bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0
@@ -118,6 +131,7 @@ class DecodeKernelConfig:
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
+            f"#define MELD_KV_FP8 {int(bool(self.kv_dtype))}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

@@ -122,7 +122,8 @@ PAGED_OUTPUTS_AND_TABLES = [
 # The decode kernel (templates/decode_attention.cuh): what a single-GPU build reads.
 DECODE_FIELDS = [
     Field("q", "ptr", "const u16*"),
-    Field("kv", "ptr", "const u16*"),
+    Field("k", "ptr", "const u16*"),   # the K and V caches (one cache's halves, or two tensors)
+    Field("v", "ptr", "const u16*"),
     *PAGED_OUTPUTS_AND_TABLES,
     Field("slot_base", "ptr", "const int*"),   # batch-invariant kernels: each request's first partial slot
     Field("part_o", "ptr", "float*"),
@@ -132,14 +133,14 @@ DECODE_FIELDS = [
     *header("prof_clock"),
     *header("watchdog"),
     *header("watchdog_claim"),
-    Field("kv_map", "tmap"),   # the KV cache as a TMA tensor map (MELD_TMA builds; zero otherwise)
+    Field("k_map", "tmap"),    # the K and V caches as TMA tensor maps (MELD_TMA builds; zero otherwise)
+    Field("v_map", "tmap"),
     Field("q_stride_b", "i64"),
     Field("q_stride_h", "i64"),
-    Field("kv_page_stride", "i32"),   # KV cache strides in rows of head_dim elements (NHD or HND layout):
-    Field("kv_slot_stride", "i32"),   # a page, a token of a page, a kv head; V lies kv_v_rows rows after K
+    Field("kv_page_stride", "i32"),   # the K and V caches' (shared) strides in rows of head_dim elements:
+    Field("kv_slot_stride", "i32"),   # a page, a token of a page, a kv head
     Field("kv_head_stride", "i32"),
-    Field("kv_v_rows", "i32"),
-    Field("kv_hnd", "i32"),           # 1: HND ([pages, 2, Hkv, page_size, D]), for the TMA box coordinates
+    Field("kv_hnd", "i32"),           # 1: HND ([pages, Hkv, page_size, D]), for the TMA box coordinates
     Field("num_qo_heads", "i32"),
     Field("num_kv_heads", "i32"),
     Field("group_size", "i32"),
@@ -153,9 +154,12 @@ DECODE_FIELDS = [
     Field("chunk", "i32"),            # batch-invariant kernels: tokens per chunk (meld/ir/schedule.py)
     *header("watchdog_kernel"),
     *header("wait_inputs"),
-    Field("sm_scale_log2", "f32"),
+    Field("sm_scale_log2", "f32"),    # sm_scale * log2(e), times k_scale for an FP8 cache (set by run())
 ]
-DECODE_PARAMS = _with_header("DecodeParams", DECODE_FIELDS)
+# FP8 caches: V's scale, on the output (MELD_KV_FP8 builds read it). Last in each struct, where it moves no
+# other field (tools/same_code.py: the 16-bit builds' code stays the same).
+V_SCALE = Field("v_scale", "f32")
+DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS, V_SCALE])
 
 # Sequence-parallel builds (MELD_XRANK) read the same struct with the cross-rank edge's fields after it
 # (templates/decode_xrank.cuh).
@@ -182,6 +186,7 @@ SEQ_PARALLEL_DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS,
     Field("x_rank", "i32"),
     Field("x_world", "i32"),
     Field("xring_cap", "i32"),
+    V_SCALE,
 ])
 
 # MLA decode attention (templates/mla_decode.cuh): the latent cache as two TMA maps, one partial slot per

@@ -23,6 +23,9 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 - fixed_split_size (> 0) and disable_split_kv=True, FlashInfer's knobs for batch-invariant outputs,
   select meld's batch-invariant mode (its own chunk size, not fixed_split_size pages).
 - The kernel choice (use_tensor_cores, backend, enable_pdl) is meld's: accepted, it changes nothing.
+- An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn)): run()'s k_scale and v_scale are applied inside meld's
+  kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
+  where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import re
 import torch
 
 from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
-from ..ops.decode_attention import DecodeAttention
+from ..ops.decode_attention import FP8, DecodeAttention
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
            "MultiLevelCascadeAttentionWrapper"]
@@ -79,8 +82,9 @@ def _check_options(pos_encoding_mode: object, window_left: object, logits_soft_c
 
 
 def _check_v_scale(v_scale: object, device: torch.device) -> None:
-    """v_scale multiplies the output in place after the kernel (FlashInfer's `out *= v_scale`): a real number, or a
-    tensor of one real element on the output's device (or a 0-d CPU tensor, which torch reads as a number).
+    """A 16-bit cache's v_scale multiplies the output in place after the kernel (FlashInfer's `out *= v_scale`): a
+    real number, or a tensor of one real element on the output's device (or a 0-d CPU tensor, which torch reads as a
+    number).
     Checked before the kernel, so that no output is written when the scaling would fail (a tensor of another
     shape) or do nothing (a meta tensor)."""
     if isinstance(v_scale, torch.Tensor):
@@ -101,39 +105,10 @@ def _check_workspace(buf: object) -> None:
                          f"got {buf.device}")
 
 
-def _strides_match(t: torch.Tensor, strides: tuple[int, ...]) -> bool:
-    return all(s == e for s, e, n in zip(t.stride(), strides, t.shape) if n > 1)
-
-
-def _join(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k and v as the one [num_pages, 2, ...] tensor whose halves [:, 0] and [:, 1] they are (a view).
-    meld finds a page's V at a fixed offset from its K, so any other pair is a NotImplementedError that
-    says how it is not those halves: separate allocations, strides of another layout, V before K (the
-    halves swapped), or another offset."""
-    n, a, b, d = k.shape
-    size = a * b * d
-    half = (2 * size, b * d, d, 1)   # the strides of kv[:, 0] and kv[:, 1] of a contiguous kv
-
-    def refuse(why: str) -> NotImplementedError:
-        return NotImplementedError(f"meld.compat.flashinfer: paged_kv_cache=(k_cache, v_cache) {why}: meld reads a "
-                                   "page's K and V from one [num_pages, 2, ...] tensor; pass that tensor, or k_cache "
-                                   "and v_cache as its halves [:, 0] and [:, 1]")
-
-    if n:
-        if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
-            raise refuse("in separate allocations is not supported")
-        for name, t in (("k_cache", k), ("v_cache", v)):
-            if not _strides_match(t, half):
-                raise refuse(f"share one allocation, but {name} has strides {t.stride()}, not {half} (a half of a "
-                             "contiguous [num_pages, 2, ...] cache)")
-        offset = (v.data_ptr() - k.data_ptr()) // k.element_size()
-        if offset == -size:
-            raise refuse("are one cache's halves in the wrong order: v_cache is [:, 0] and k_cache [:, 1] (V passed "
-                         "as K, K as V)")
-        if offset != size:
-            raise refuse(f"share one allocation, but v_cache starts {offset} elements after k_cache, not {size} "
-                         "(one page's K)")
-    return k.as_strided((n, 2, a, b, d), (2 * size, size, b * d, d, 1), k.storage_offset())
+def _cache_names(message: str) -> str:
+    """A run() message of a meld operator in the wrappers' argument names: its kv_cache is their paged_kv_cache
+    (k_cache and v_cache, the tuple's parts, are FlashInfer's names too)."""
+    return re.sub(r"(?<!paged_)\bkv_cache\b", "paged_kv_cache", message)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -192,7 +167,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._ops: dict[tuple, DecodeAttention] = {}
         self._op: DecodeAttention | None = None   # the operator of the last plan() that succeeded
         self._batch = 0
-        self._kv_shape: tuple[int, ...] = ()      # a page of the cache as meld reads it: [2, ...]
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -225,8 +199,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         until the next plan(). A plan() that raises changes nothing.
 
         Supported: pos_encoding_mode="NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer),
-        window_left=-1, window_right=0, logits_soft_cap None or 0, q/kv/o data types one of bfloat16 and
-        float16, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale (default 1/sqrt(head_dim)).
+        window_left=-1, window_right=0, logits_soft_cap None or 0, q and o data types one of bfloat16 and
+        float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale
+        (default 1/sqrt(head_dim)).
         The rest raises NotImplementedError. `check` is meld's (see the module docstring).
         """
         _check_options(pos_encoding_mode, window_left, logits_soft_cap)
@@ -249,11 +224,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if head_dim not in _HEAD_DIMS:
             raise _unsupported("head_dim", head_dim, f"meld's kernels are built for head_dim {_HEAD_DIMS}")
-        dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
+        dtype, kv_dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
         if sm_scale is not None:
             sm_scale = check_finite("sm_scale", sm_scale)
         batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)
-        op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, sm_scale, batch_invariant)
+        op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, kv_dtype, sm_scale,
+                            batch_invariant)
         if self._use_cuda_graph and isinstance(indices, torch.Tensor) and isinstance(last_page_len, torch.Tensor):
             if len(last_page_len) != self._fixed_batch_size:
                 raise ValueError(f"The batch size should be fixed in cudagraph mode: len(last_page_len)="
@@ -269,13 +245,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._paged_kv_indices_buf[:len(indices)].copy_(
                 indices, non_blocking=indices.device == self.device and non_blocking)
         self._op, self._batch = op, len(last_page_len)
-        P, H, D = op.page_size, op.num_kv_heads, op.head_dim
-        self._kv_shape = (2, P, H, D) if self._kv_layout == "NHD" else (2, H, P, D)
 
     begin_forward = plan
 
-    def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> torch.dtype:
-        """The one dtype meld computes in, resolved as FlashInfer resolves its three."""
+    def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> tuple[torch.dtype, torch.dtype]:
+        """The dtype meld computes in and the cache's (that one, or e4m3), resolved as FlashInfer resolves its three."""
         if data_type is not None:   # FlashInfer's deprecated alias: it only fills the types left as None
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -284,24 +258,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
         o = q if o_data_type is None else _dtype("o_data_type", o_data_type)
         if q not in _DTYPES:
             raise _unsupported("q_data_type", q, "meld computes in torch.bfloat16 or torch.float16")
-        if kv != q:
-            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} (q_data_type defaults "
-                               "to 'float16', and data_type= does not override a q_data_type given, as in FlashInfer)")
+        if kv != q and kv != FP8:
+            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} or as {FP8} (q_data_type "
+                               "defaults to 'float16', and data_type= does not override a q_data_type given, as in "
+                               "FlashInfer)")
         if o != q:
             raise _unsupported("o_data_type", o, f"meld writes the output in q's dtype {q}")
-        return q
+        return q, kv
 
-    def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sm_scale, batch_invariant):
+    def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, sm_scale, batch_invariant):
         """The meld operator of these shapes, made once per wrapper."""
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, scale, batch_invariant)
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant)
         op = self._ops.get(key)
         if op is None:
             graph = self._use_cuda_graph
             op = DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, self.device,
-                                 kv_layout=self._kv_layout, sm_scale=sm_scale, batch_invariant=batch_invariant,
+                                 kv_dtype=kv_dtype, kv_layout=self._kv_layout, sm_scale=sm_scale,
+                                 batch_invariant=batch_invariant,
                                  max_batch_size=self._fixed_batch_size if graph else None,
                                  max_num_pages=max(1, len(self._paged_kv_indices_buf)) if graph else None)
             self._ops[key] = op
@@ -318,11 +294,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         paged_kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD; HND swaps
         page_size and num_kv_heads; 4-D without the page_size axis when page_size is 1), or a tuple
-        (k_cache, v_cache) of the two halves [:, 0] and [:, 1] of such a tensor. meld reads it in place:
-        a cache that is not contiguous, or a tuple that is not those halves in that order (separate
-        allocations, K and V swapped, another layout), raise NotImplementedError saying which.
-        q_scale and k_scale must be None or 1 (fold them into plan()'s sm_scale); v_scale multiplies the
-        output in place, as FlashInfer does. Returns out, or (out, lse) with lse base 2.
+        (k_cache, v_cache) of two tensors [num_pages, page_size, num_kv_heads, head_dim] (3-D when page_size
+        is 1): separate allocations, or views of any. meld reads them in place, never copied, through their
+        strides (`meld.DecodeAttention.run`: the last dim contiguous, the page, token and head strides
+        multiples of head_dim, K's the same as V's as FlashInfer requires, 16-byte aligned starts).
+        q_scale must be None or 1 (fold it into plan()'s sm_scale). An FP8 cache's k_scale and v_scale (numbers;
+        None: 1) dequantise it inside the kernel (module docstring). A 16-bit cache's k_scale must be None or 1
+        (fold it into sm_scale), and its v_scale multiplies the output in place, as FlashInfer does. Returns
+        out, or (out, lse) with lse base 2.
         """
         op = self._op
         if op is None:
@@ -333,65 +312,50 @@ class BatchDecodeWithPagedKVCacheWrapper:
             for name, value in (("sinks", sinks), ("kv_cache_sf", kv_cache_sf),
                                 ("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor)):
                 if value is not None:
-                    raise _unsupported(name, value, "meld computes plain softmax attention over a bf16/fp16 cache")
+                    raise _unsupported(name, value, "meld computes plain softmax attention over a bf16, fp16 or "
+                                       "e4m3 cache")
         if window_left is not None and window_left != -1:
             raise ValueError(f"window_left must be None or plan()'s window_left=-1, got {window_left!r}")
         if q_len_per_req is not None and q_len_per_req != 1:
             raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
         if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
             raise ValueError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")
-        for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        fp8 = op.kv_dtype is FP8
+        folded = {"q_scale": q_scale} if fp8 else {"q_scale": q_scale, "k_scale": k_scale}   # (FP8: the kernel's)
+        for name, scale in folded.items():
             if scale is not None and (type(scale) is not float or scale != 1.0) and check_finite(name, scale) != 1:
                 raise _unsupported(name, scale, f"meld fixes the softmax scale at plan(): plan with sm_scale="
                                    f"{op.sm_scale!r} * {name} instead")
-        if type(v_scale) not in (float, type(None)):
+        scales = dict(k_scale=1.0 if k_scale is None else k_scale, v_scale=1.0 if v_scale is None else v_scale) \
+            if fp8 else {}
+        if not fp8 and type(v_scale) not in (float, type(None)):
             _check_v_scale(v_scale, op.device)
-        kv = paged_kv_cache
-        if not (type(kv) is torch.Tensor and kv.dtype == op.dtype and kv.shape[1:] == self._kv_shape
-                and kv.is_contiguous() and kv.device == op.device):   # the common case: one test, no diagnosis
-            kv = self._cache(kv)
         if lse is None and return_lse:
             lse = torch.empty(self._batch, op.num_qo_heads, dtype=torch.float32, device=op.device)
-        result = op.run(q, kv, return_lse=return_lse, out=out, lse=lse)
+        try:
+            result = op.run(q, self._cache(paged_kv_cache), return_lse=return_lse, out=out, lse=lse, **scales)
+        except ValueError as e:
+            raise ValueError(_cache_names(str(e))) from None
         if lse is not None:
             plain(lse).mul_(_LOG2E)   # the memory meld wrote: run() tied lse itself to meld's no-backward node
-        if v_scale is not None and not (isinstance(v_scale, float) and v_scale == 1.0):   # FlashInfer's rule
+        if not fp8 and v_scale is not None and not (isinstance(v_scale, float) and v_scale == 1.0):   # FlashInfer's rule
             plain(result[0] if return_lse else result).mul_(v_scale)
         return result
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
-    def _cache(self, paged_kv_cache) -> torch.Tensor:
-        """FlashInfer's cache forms as the one contiguous [num_pages, 2, ...] tensor meld reads, by views only."""
-        op = self._op
-        meaning = ("num_pages, K/V, page_size, num_kv_heads, head_dim" if self._kv_layout == "NHD" else
-                   "num_pages, K/V, num_kv_heads, page_size, head_dim") + f": kv_layout={self._kv_layout!r}"
-        page_axis = -3 if self._kv_layout == "NHD" else -2
-        if isinstance(paged_kv_cache, tuple):
-            if len(paged_kv_cache) != 2:
-                raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), got {len(paged_kv_cache)} "
-                                 "items")
-            halves = []
-            for i, t in enumerate(paged_kv_cache):
-                t = plain(t)
-                if isinstance(t, torch.Tensor) and t.dim() == 3 and op.page_size == 1:
-                    t = t.unsqueeze(page_axis)
-                expect(f"paged_kv_cache[{i}]", t, op.dtype, (None, *self._kv_shape[1:]),
-                       meaning.replace("K/V, ", ""), op.device)
-                halves.append(t)
-            kv = _join(*halves)
-        else:
-            kv = plain(paged_kv_cache)
-            if not isinstance(kv, torch.Tensor):
-                raise ValueError(f"paged_kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got "
-                                 f"{type(paged_kv_cache).__name__}")
-            if kv.dim() == 4 and op.page_size == 1:
-                kv = kv.unsqueeze(page_axis)
-            expect("paged_kv_cache", kv, op.dtype, (None, *self._kv_shape), meaning, op.device)
-        if not kv.is_contiguous():
-            raise NotImplementedError(f"meld.compat.flashinfer: a paged_kv_cache that is not contiguous (strides "
-                                      f"{kv.stride()}) is not supported: meld reads a contiguous cache")
-        return kv
+    def _cache(self, paged_kv_cache):
+        """paged_kv_cache as meld's run() takes it: FlashInfer's page_size-1 forms without the page axis get it
+        back as a view; anything else goes as given (run() checks it)."""
+        if self._op.page_size != 1:
+            return paged_kv_cache
+        axis = -3 if self._kv_layout == "NHD" else -2
+        if isinstance(paged_kv_cache, tuple):   # (k_cache, v_cache), each [num_pages, num_kv_heads, head_dim]
+            return tuple(t.unsqueeze(axis) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+                         for t in paged_kv_cache)
+        if isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 4:   # [num_pages, 2, Hkv, D]
+            return paged_kv_cache.unsqueeze(axis)
+        return paged_kv_cache
 
     # --- FlashInfer's deprecated spellings --------------------------------------------------------
     def forward(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale: float | None = None,
@@ -554,7 +518,7 @@ class MultiLevelCascadeAttentionWrapper:
         try:
             return self._op.run(q, paged_kv_cache)
         except ValueError as e:
-            raise ValueError(re.sub(r"(?<!paged_)\bkv_cache\b", "paged_kv_cache", str(e))) from None
+            raise ValueError(_cache_names(str(e))) from None
 
     def forward(self, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
         """FlashInfer's deprecated name of run()."""

@@ -48,7 +48,8 @@ def rank_partials(rs: RankedSchedule, indices: list[torch.Tensor], rank: int, q:
     if not len(key):
         return np.zeros((0, Hq, D)), np.zeros((0, Hq))
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    o, lse = execute_decode(rs.schedules[rank], q[torch.from_numpy(key).long()], kv_cache, indices[rank], scale)
+    o, lse = execute_decode(rs.schedules[rank], q[torch.from_numpy(key).long()], kv_cache[:, 0], kv_cache[:, 1],
+                            indices[rank], scale)
     return o.numpy(), lse.numpy()
 
 

@@ -160,20 +160,22 @@ class SeqParallelDecode(GroupMember, DecodeAttention):
         self._xsrc[:self.world].copy_(torch.from_numpy(from_src.astype(np.int64)))
         self.shard, self._views = shard, self.outputs(B)
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False):   # type: ignore[override]
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,   # type: ignore[override]
+            return_lse: bool = False):
         """out [B, num_qo_heads, head_dim] (and lse [B, num_qo_heads], float32, natural log), the same on
-        every rank once this launch ends. They are views of this rank's window, rewritten by the next run():
-        clone them to keep them. Every rank must run each plan."""
+        every rank once this launch ends; kv_cache as `DecodeAttention.run`'s (one tensor, or (k_cache,
+        v_cache)). They are views of this rank's window, rewritten by the next run(): clone them to keep them.
+        Every rank must run each plan."""
         if self.shard is None:
             raise RuntimeError("SeqParallelDecode.run: call plan() first")
         self._check_proxy()
         B, Hq, D = len(self.shard.kv_len), self.num_qo_heads, self.head_dim
-        grads = grad_inputs(q, kv_cache)
-        q, kv_cache = plain(q), plain(kv_cache)
+        grads = grad_inputs(q, *(kv_cache if isinstance(kv_cache, tuple) else (kv_cache,)))
+        q = plain(q)
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
-        self._check_kv_cache(kv_cache, self._planned)
+        kv = self._check_kv_cache(kv_cache, self._planned)
         out, lse = self._views
-        self._launch(q, kv_cache, out, lse)
+        self._launch(q, kv, out, lse)
         # (the window's views stay untied: new views of them carry the tie)
         out, lse = no_backward("meld.distributed.SeqParallelDecode.run", grads, (out, lse), in_place=False)
         return (out, lse) if return_lse else out

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from .. import config
 from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, DecodePlanKernelConfig, TensorMap
+from ..codegen.decode_kernel import KV_FP8
 from ..scheduler import DecodeCost, Topology, cluster_rows
 from ..scheduler.decode_plan_host import plan_params
 from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
@@ -24,6 +26,7 @@ from .paged_decode import PagedDecode, _Buffers, _Planned
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FP8 = torch.float8_e4m3fn   # the FP8 cache meld reads (kv_dtype): FlashInfer's and vLLM's e4m3 KV cache
 KV_LAYOUTS = ("NHD", "HND")
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -32,6 +35,33 @@ _FLOAT32_MAX = 3.4028234663852886e38
 # and "Figures moved from code comments").
 DEFAULT_CLUSTER_SIZE = 1
 _DEFAULT_CAPACITY = (64, 4096)   # tables allocated before the first plan() when no capacity is given
+_ALIGN = 16                      # bytes: the kernel's cp.async and TMA copies read 16-byte aligned chunks
+
+
+def kv_parts(kv_cache: object) -> dict[str, object]:
+    """The tensors a run()'s kv_cache names, by argument name: {"kv_cache": kv} for one cache, {"k_cache": k,
+    "v_cache": v} for a (k_cache, v_cache) tuple (FlashInfer's two paged_kv_cache forms); anything else is a
+    ValueError. (Not checked further: `DecodeAttention._check_kv_shapes`.)"""
+    if isinstance(kv_cache, tuple):
+        if len(kv_cache) != 2:
+            raise ValueError(f"kv_cache as a tuple must be (k_cache, v_cache), got {len(kv_cache)} items")
+        return {"k_cache": kv_cache[0], "v_cache": kv_cache[1]}
+    if not isinstance(kv_cache, torch.Tensor):
+        raise ValueError(f"kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got "
+                         f"{type(kv_cache).__name__}")
+    return {"kv_cache": kv_cache}
+
+
+class _KV(NamedTuple):
+    """A KV cache as run() checked it and the kernel reads it: K and V at their own addresses, with one set of
+    strides."""
+
+    tensors: dict[str, torch.Tensor]   # what run() reads, by argument name (`kv_parts`), plain
+    k: int                             # K's and V's addresses
+    v: int
+    rows: tuple[int, int, int]         # their page, token and head strides, in rows of head_dim elements
+    k_scale: float                     # an FP8 cache's dequantisation scales (1.0 for 16-bit caches)
+    v_scale: float
 
 
 def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, unit: int) -> str:
@@ -49,12 +79,16 @@ class DecodeAttention(PagedDecode):
         num_qo_heads, num_kv_heads: query and KV heads (num_qo_heads % num_kv_heads == 0).
         head_dim: 64, 128 or 256.
         page_size: tokens per KV page (any >= 1).
-        dtype: torch.bfloat16 or torch.float16 (q, KV cache and output).
+        dtype: torch.bfloat16 or torch.float16 (q and output; the KV cache too unless kv_dtype says otherwise).
+        kv_dtype: the KV cache's dtype: None or dtype, or torch.float8_e4m3fn: e4m3 values read at one byte each
+            and dequantised on chip with run()'s per-tensor k_scale and v_scale (FlashInfer's FP8 KV cache:
+            a cache element x stands for x * k_scale in K, x * v_scale in V).
         device: "cuda[:i]" runs the generated kernel; "cpu" runs the same schedule on the CPU reference
             executor (float64), for machines without a GPU.
-        kv_layout: "NHD" (default): kv_cache is [num_pages, 2, page_size, num_kv_heads, head_dim]; "HND":
-            [num_pages, 2, num_kv_heads, page_size, head_dim], as FlashInfer's. When num_kv_heads ==
-            page_size the two shapes are the same: the cache is read as kv_layout says.
+        kv_layout: "NHD" (default): kv_cache is [num_pages, 2, page_size, num_kv_heads, head_dim], or K and V
+            [num_pages, page_size, num_kv_heads, head_dim] each; "HND": [num_pages, 2, num_kv_heads, page_size,
+            head_dim], or [num_pages, num_kv_heads, page_size, head_dim] each, as FlashInfer's. When
+            num_kv_heads == page_size the two shapes are the same: the cache is read as kv_layout says.
         sm_scale: softmax scale, a finite number; default 1/sqrt(head_dim).
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
@@ -96,12 +130,15 @@ class DecodeAttention(PagedDecode):
         >>> attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda")
         >>> attn.plan(kv_indptr, kv_indices, kv_last_page_len)   # int32, CPU tensors: no device sync
         >>> out, lse = attn.run(q, kv_cache, return_lse=True)
+        >>> out = attn.run(q, (k_cache, v_cache))   # K and V in two tensors: read in place, no copy
+        >>> fp8 = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cuda", kv_dtype=torch.float8_e4m3fn)
+        >>> out = fp8.run(q, kv_cache_e4m3, k_scale=0.02, v_scale=0.03)   # after fp8.plan(...)
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", *,
-                 kv_layout: str = "NHD", sm_scale: float | None = None, max_batch_size: int | None = None,
-                 max_num_pages: int | None = None, topology: Topology | None = None,
+                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD", sm_scale: float | None = None,
+                 max_batch_size: int | None = None, max_num_pages: int | None = None, topology: Topology | None = None,
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
                  cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
@@ -113,6 +150,8 @@ class DecodeAttention(PagedDecode):
         head_dim = int(head_dim)
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if kv_dtype is not None and kv_dtype is not dtype and kv_dtype is not FP8:
+            raise ValueError(f"kv_dtype must be None (the dtype, {dtype}) or {FP8}, got {kv_dtype!r}")
         if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if not is_int(cluster_size) or cluster_size not in (1, 2, 4, 8, 16):
@@ -135,6 +174,9 @@ class DecodeAttention(PagedDecode):
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.group_size = num_qo_heads // num_kv_heads
         self.dtype, self.kv_layout, self.batch_invariant = dtype, kv_layout, batch_invariant
+        self.kv_dtype = kv_dtype or dtype
+        kv_build = KV_FP8 if self.kv_dtype is FP8 else ""   # the kernel's kv_dtype
+        self._rows_seen: dict[tuple, tuple] = {}   # caches' strides as the kernel's (_kv_rows)
         # The kernel takes sm_scale * log2(e) as a float32: it must stay finite there.
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else \
             check_finite("sm_scale", sm_scale, _FLOAT32_MAX / _LOG2E)
@@ -144,12 +186,15 @@ class DecodeAttention(PagedDecode):
         xrank = self.lowering.transport or ""   # the graph's combine edge: partials crossing ranks, and how
         self.kernel_config = kernel_config or self._tuned_config("kernel", dataclasses.replace(
             DecodeKernelConfig.default(_DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1,
-                                       group_size=self.group_size, batch_invariant=batch_invariant), xrank=xrank))
+                                       group_size=self.group_size, batch_invariant=batch_invariant,
+                                       kv_dtype=kv_build), xrank=xrank))
         kc = self.kernel_config
-        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank) != (_DTYPES[dtype], head_dim, batch_invariant, xrank):
+        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype) != (
+                _DTYPES[dtype], head_dim, batch_invariant, xrank, kv_build):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}, xrank={kc.xrank!r}; the operator is {_DTYPES[dtype]}, head_dim "
-                             f"{head_dim}, batch_invariant={batch_invariant}, and its graph's partials "
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, kv_dtype={kc.kv_dtype!r}; the operator is "
+                             f"{_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, kv_dtype="
+                             f"{kv_build!r}, and its graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
         if cost is None:
@@ -182,7 +227,7 @@ class DecodeAttention(PagedDecode):
     def shape_bucket(self) -> str:
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
-                + ("/invariant" if self.batch_invariant else ""))
+                + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else ""))
 
     def _tuned_config(self, part: str, default):
         """`default` (a DecodeCost or DecodeKernelConfig) with the fields the tuning entry sets for `part`
@@ -197,7 +242,7 @@ class DecodeAttention(PagedDecode):
                              f"{fields_set!r} is not a {type(default).__name__}: {e}") from None
 
     def _init_cuda(self, topology: Topology | None) -> None:
-        from ..runtime.tensor_map import TensorMapCache, kv_tensor_map
+        from ..runtime.tensor_map import TensorMapCache, kv_tensor_maps
 
         self._require_hopper()
         kc = self.kernel_config
@@ -206,19 +251,12 @@ class DecodeAttention(PagedDecode):
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
         self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
             if self._plan_clusters else None
-        self._tensor_maps = TensorMapCache(functools.partial(kv_tensor_map, layout=self.kv_layout)) if kc.tma else None
+        self._tensor_maps = TensorMapCache(functools.partial(kv_tensor_maps, layout=self.kv_layout)) if kc.tma else None
         self._register_watchdog(kc.name, self._unit_names)
         pc = DecodePlanKernelConfig()
         self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
         self._buf = self._make_buffers(self.max_batch_size or _DEFAULT_CAPACITY[0],
                                        self.max_num_pages or _DEFAULT_CAPACITY[1])
-
-    def _kv_strides(self) -> dict[str, int]:
-        """The cache's strides in rows of head_dim elements, for the kernel's loads."""
-        P, H = self.page_size, self.num_kv_heads
-        slot, head = (H, 1) if self.kv_layout == "NHD" else (1, P)
-        return dict(kv_page_stride=2 * P * H, kv_slot_stride=slot, kv_head_stride=head, kv_v_rows=P * H,
-                    kv_hnd=int(self.kv_layout == "HND"))
 
     def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
         from ..runtime.driver import PersistentLaunch
@@ -244,14 +282,16 @@ class DecodeAttention(PagedDecode):
         clock = torch.zeros(2, dtype=torch.int32, device=self.device) if prof_cap and self.profile_every > 1 else None
         params_struct = self.kernel_config.params
         launcher = PersistentLaunch(self.kernel, self.cluster_mix, params_struct.pack(
-            q=0, kv=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
+            q=0, k=0, v=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
             page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), slot_base=t.ptr(t.off_slot_base),
             chunk=self._chunk, part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
-            kv_map=TensorMap(), q_stride_b=0, q_stride_h=0, **self._kv_strides(),   # (set by run())
+            k_map=TensorMap(), v_map=TensorMap(), q_stride_b=0, q_stride_h=0, kv_page_stride=0, kv_slot_stride=0,
+            kv_head_stride=0,   # (q, the caches, their maps and strides, out and lse: set by run())
+            kv_hnd=int(self.kv_layout == "HND"),
             **self._header(prof, clock, prof_cap, self.profile_every, W),
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
-            sm_scale_log2=self.sm_scale * _LOG2E,
+            sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)
             **{f.name: 0 for f in params_struct.fields if f not in DECODE_PARAMS.fields}))   # (meld.distributed sets them)
         return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 
@@ -275,75 +315,182 @@ class DecodeAttention(PagedDecode):
         return self.cluster_mix if self.kernel_config.onchip_merge and self.cluster_size > 1 else []
 
     # --- run ------------------------------------------------------------------------------------
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
+            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            k_scale: float = 1.0, v_scale: float = 1.0):
         """Attention of q over the planned batch.
 
         Args:
             q: [B, num_qo_heads, head_dim] (last dim contiguous).
-            kv_cache: [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD) or [num_pages, 2, num_kv_heads,
-                page_size, head_dim] (HND), as kv_layout says; contiguous; [:, 0] is K, [:, 1] is V.
+            kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD) or [num_pages, 2,
+                num_kv_heads, page_size, head_dim] (HND), as kv_layout says, whose [:, 0] is K and [:, 1] V;
+                or a tuple (k_cache, v_cache) of two tensors of one shape, [num_pages, page_size, num_kv_heads,
+                head_dim] (NHD) or [num_pages, num_kv_heads, page_size, head_dim] (HND): two allocations, or
+                views of any (FlashInfer's tuple form, SGLang's per-layer K and V buffers). Read in place,
+                never copied, through its strides: the last dim contiguous, the page, token and head strides
+                multiples of head_dim (and K's the same as V's), K and V starting on 16-byte boundaries.
             return_lse: also return the log-sum-exp [B, num_qo_heads] (float32, natural log).
             out, lse: optional preallocated outputs.
+            k_scale, v_scale: an FP8 cache's per-tensor scales (FlashInfer's): positive finite numbers, K = cache
+                x k_scale, V = cache x v_scale. k_scale multiplies the scores (folded into sm_scale: lse includes
+                it), v_scale the output, both on chip. A 16-bit cache takes none (1.0). A run() captured in a
+                CUDA graph replays with the scales it was captured with, as with its tensors.
         Returns:
             out [B, num_qo_heads, head_dim] (and lse if return_lse). A request with no KV tokens gives
             zeros and lse = -inf.
         """
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import decode_attention
-            return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse)
+            return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse, k_scale=k_scale,
+                                    v_scale=v_scale)
         planned = self._run_start(return_lse)
         grads = None   # (the usual case, plain tensors that need no grad, tested first: run() is hot)
         if type(q) is not torch.Tensor or type(kv_cache) is not torch.Tensor or q.requires_grad or kv_cache.requires_grad:
-            grads = grad_inputs(q, kv_cache)
-            q, kv_cache = plain(q), plain(kv_cache)
+            grads = grad_inputs(q, *(kv_cache if isinstance(kv_cache, tuple) else (kv_cache,)))
+            q = plain(q)
         B = planned.batch
         Hq, D = self.num_qo_heads, self.head_dim
         expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
-        self._check_kv_cache(kv_cache, planned)
+        kv = self._check_kv_cache(kv_cache, planned, k_scale, v_scale)
         out, lse = self._run_outputs(out, lse, (B, Hq, D), return_lse, "like q", "batch, num_qo_heads",
-                                     {"q": q, "kv_cache": kv_cache})
+                                     {"q": q, **kv.tensors})
         if self.device.type == "cpu":
-            self._run_cpu(q, kv_cache, plain(out), plain(lse))
+            self._run_cpu(q, kv, plain(out), plain(lse))
         elif B:
-            self._launch(q, kv_cache, plain(out), plain(lse))
+            self._launch(q, kv, plain(out), plain(lse))
         out, lse = self._tied(grads, out, lse)
         return (out, lse) if return_lse else out
 
-    def _check_kv_cache(self, kv_cache: torch.Tensor, planned: _Planned) -> None:
-        """kv_cache's dtype, layout, device, and pages enough for the plan's page indices."""
-        D, P, Hkv = self.head_dim, self.page_size, self.num_kv_heads
-        if self.kv_layout == "NHD":
-            expect("kv_cache", kv_cache, self.dtype, (None, 2, P, Hkv, D),
-                   "num_pages, K/V, page_size, num_kv_heads, head_dim: kv_layout='NHD'", self.device, contiguous=True)
-        else:
-            expect("kv_cache", kv_cache, self.dtype, (None, 2, Hkv, P, D),
-                   "num_pages, K/V, num_kv_heads, page_size, head_dim: kv_layout='HND'", self.device, contiguous=True)
-        num_pages = kv_cache.shape[0]
-        if planned.max_page >= num_pages:
-            raise ValueError(f"kv_indices of the last plan() reference page {planned.max_page}, but kv_cache has "
-                             f"only {num_pages} pages")
-        if num_pages * 2 * P * Hkv >= 2 ** 31:
-            raise ValueError(f"kv_cache has {num_pages} pages of {P} tokens x {Hkv} kv heads: more than 2**31 rows "
-                             "of head_dim elements")
+    @functools.cached_property
+    def _kv_shapes(self) -> dict[str, tuple[tuple, str]]:
+        """The shape of each tensor a kv_cache names (`kv_parts`), and what it means, for `expect`."""
+        P, Hkv, D = self.page_size, self.num_kv_heads, self.head_dim
+        dims, meaning = ((P, Hkv, D), "page_size, num_kv_heads, head_dim") if self.kv_layout == "NHD" else \
+            ((Hkv, P, D), "num_kv_heads, page_size, head_dim")
+        part = (None, *dims), f"num_pages, {meaning}: kv_layout={self.kv_layout!r}"
+        return {"kv_cache": ((None, 2, *dims), f"num_pages, K/V, {meaning}: kv_layout={self.kv_layout!r}"),
+                "k_cache": part, "v_cache": part}
 
-    def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    def _check_kv_shapes(self, parts: dict[str, object]) -> None:
+        """The tensors of a kv_cache (`kv_parts`): dtype, device, and the shape kv_layout says, K's and V's one
+        page count (what a fake implementation can check too)."""
+        for name, t in parts.items():
+            expect(name, t, self.kv_dtype, *self._kv_shapes[name], self.device)
+        if len(parts) == 1:
+            return
+        k, v = parts.values()
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k_cache has {k.shape[0]} pages but v_cache {v.shape[0]}: K and V must have one page "
+                             "count")
+
+    def _check_kv_cache(self, kv_cache: object, planned: _Planned, k_scale: object = 1.0,
+                        v_scale: object = 1.0) -> _KV:
+        """kv_cache (one tensor, or a (k_cache, v_cache) tuple) as the kernel reads it: its tensors' dtype,
+        device and shape, pages enough for the plan's page indices, strides the kernel's row offsets can
+        express (K's and V's the same), addresses its 16-byte copies can read, and its scales
+        (`_check_scales`)."""
+        k_scale, v_scale = self._check_scales(k_scale, v_scale)
+        if type(kv_cache) is torch.Tensor and not kv_cache.requires_grad:   # (one plain cache, the usual case:
+            parts = {"kv_cache": kv_cache}                                  # tested first, run() is hot)
+        else:
+            parts = {name: plain(t) for name, t in kv_parts(kv_cache).items()}
+        self._check_kv_shapes(parts)
+        name, first = next(iter(parts.items()))
+        if planned.max_page >= first.shape[0]:
+            raise ValueError(f"kv_indices of the last plan() reference page {planned.max_page}, but {name} has only "
+                             f"{first.shape[0]} pages")
+        rows, v_offset = self._kv_rows(name, first)
+        if name == "kv_cache":   # one cache: K and V are its halves [:, 0] and [:, 1]
+            k = first.data_ptr()
+            v = k + v_offset
+            names = (name, "kv_cache[:, 1] (V)")
+        else:
+            kt, vt = parts.values()
+            if self._kv_rows("v_cache", vt)[0] != rows:
+                raise ValueError(f"k_cache and v_cache must have the same strides (the kernel reads both through one "
+                                 f"set, as FlashInfer's), got {kt.stride()} and {vt.stride()}")
+            k, v = kt.data_ptr(), vt.data_ptr()
+            names = ("k_cache", "v_cache")
+        if k % _ALIGN or v % _ALIGN:
+            what, address = (names[0], k) if k % _ALIGN else (names[1], v)
+            raise ValueError(f"{what} must start on a {_ALIGN}-byte boundary (the kernel's copies read "
+                             f"{_ALIGN}-byte chunks), got address {address:#x}")
+        return _KV(parts, k, v, rows, k_scale, v_scale)
+
+    def _check_scales(self, k_scale: object, v_scale: object) -> tuple[float, float]:
+        """run()'s k_scale and v_scale as floats: an FP8 cache's are positive finite numbers whose products with
+        the softmax scale (k_scale) and the output (v_scale) stay finite in the kernel's float32; a 16-bit cache
+        takes 1.0 only (it is read as it is: a key scale belongs in sm_scale)."""
+        if type(k_scale) is float and type(v_scale) is float and k_scale == 1.0 and v_scale == 1.0:
+            return k_scale, v_scale   # (the usual call, tested first: run() is hot)
+        limits = {"k_scale": _FLOAT32_MAX / (_LOG2E * abs(self.sm_scale)) if self.sm_scale else math.inf,
+                  "v_scale": _FLOAT32_MAX}
+        scales = []
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            x = check_finite(name, value, limits[name])
+            if not x > 0:
+                raise ValueError(f"{name} must be positive (a dequantisation scale), got {value!r}")
+            scales.append(x)
+        if self.kv_dtype is not FP8 and scales != [1.0, 1.0]:
+            raise ValueError(f"k_scale={k_scale!r} and v_scale={v_scale!r}: the scales dequantise an FP8 cache "
+                             f"(kv_dtype={FP8}), but this operator reads a {self.kv_dtype} cache as it is (fold a "
+                             "key scale into sm_scale)")
+        return scales[0], scales[1]
+
+    def _kv_rows(self, name: str, t: torch.Tensor) -> tuple[tuple[int, int, int], int]:
+        """The page, token and head strides, in rows of head_dim elements, of the K or V cache `t` (named `name`:
+        [num_pages, mid, inner, head_dim]; or one cache [num_pages, 2, mid, inner, head_dim], of its halves),
+        and V's offset from K in bytes (one cache; else 0): the last dim contiguous, the others (those of extent
+        above 1: the rest are never stepped over) multiples of head_dim, and every row and token of the cache
+        within the kernel's int32 indices. Remembered by strides and page count: run() sees the same few
+        caches every step."""
+        strides, num_pages = t.stride(), t.shape[0]
+        seen = self._rows_seen.get((strides, num_pages))
+        if seen is not None:
+            return seen
+        D, P, Hkv = self.head_dim, self.page_size, self.num_kv_heads
+        if strides[-1] != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (head_dim), got strides {strides}")
+        used = [st if n > 1 else 0 for st, n in zip((strides[0], *strides[-3:-1]), (num_pages, *t.shape[-3:-1]))]
+        if any(st % D for st in used):
+            raise ValueError(f"{name} must have page, token and head strides that are multiples of head_dim={D} (the "
+                             f"kernel addresses rows of head_dim elements), got strides {strides}")
+        page, mid, inner = (st // D for st in used)
+        token, head = (mid, inner) if self.kv_layout == "NHD" else (inner, mid)
+        last = (num_pages - 1) * page + (P - 1) * token + (Hkv - 1) * head
+        if max(last, num_pages * P - 1) >= 2 ** 31:
+            raise ValueError(f"{name} ({num_pages} pages of {P} tokens, strides {strides}) reaches row {last} of "
+                             f"head_dim elements and token {num_pages * P - 1}: the kernel indexes both in int32 "
+                             "(below 2**31)")
+        if len(self._rows_seen) >= 1024:
+            self._rows_seen.clear()
+        v_offset = strides[1] * t.element_size() if t.dim() == 5 else 0   # one cache: V's half after K's
+        seen = self._rows_seen[strides, num_pages] = (page, token, head), v_offset
+        return seen
+
+    def _launch(self, q: torch.Tensor, kv: _KV, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         sb, sh, sd = q.stride()
         if sd != 1 or sb % 8 or sh % 8 or q.data_ptr() % 16:
             q = q.contiguous()
             sb, sh, _ = q.stride()
         launcher = self._buf.launcher
         if self._tensor_maps is not None:
-            launcher.set(kv_map=self._tensor_maps.get(kv_cache))
-        launcher.set(q=q.data_ptr(), kv=kv_cache.data_ptr(), out=out.data_ptr(),
-                     lse=lse.data_ptr() if lse is not None else 0, q_stride_b=sb, q_stride_h=sh)
+            k_map, v_map = self._tensor_maps.get(*kv.tensors.values())
+            launcher.set(k_map=k_map, v_map=v_map)
+        page, token, head = kv.rows
+        launcher.set(q=q.data_ptr(), k=kv.k, v=kv.v, out=out.data_ptr(), lse=lse.data_ptr() if lse is not None else 0,
+                     q_stride_b=sb, q_stride_h=sh, kv_page_stride=page, kv_slot_stride=token, kv_head_stride=head)
+        if self.kv_dtype is FP8:
+            launcher.set(sm_scale_log2=self.sm_scale * kv.k_scale * _LOG2E, v_scale=kv.v_scale)
         launcher.launch(overlap=self.overlap and not self._plan_kernel_last)
         self._launched()
 
-    def _run_cpu(self, q, kv_cache, out, lse) -> None:
-        nhd = kv_cache if self.kv_layout == "NHD" else kv_cache.transpose(2, 3)
-        o, l = self.lowering.executor(self.schedule, q, nhd, self._planned.kv_indices, self.sm_scale,
-                                      self.lowering.combiner)
+    def _run_cpu(self, q, kv: _KV, out, lse) -> None:
+        k, v = kv.tensors["kv_cache"].unbind(1) if "kv_cache" in kv.tensors else kv.tensors.values()
+        if self.kv_layout == "HND":
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        o, l = self.lowering.executor(self.schedule, q, k, v, self._planned.kv_indices, self.sm_scale,
+                                      self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale)
         out.copy_(o.to(self.dtype))
         if lse is not None:
             lse.copy_(l.float())

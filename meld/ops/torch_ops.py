@@ -4,7 +4,8 @@ traces it as one opaque node instead of breaking the graph.
 A custom op takes tensors and scalars, not Python objects, so each operator is named by an int, its
 `handle` (given at construction), which `meld.ops.registry` maps back to it.
 
-    torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle) -> ()       # DecodeAttention.run
+    torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> ()
+                                                                                      # DecodeAttention.run
     torch.ops.meld.decode_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> ()   # DecodeMLA.run
     torch.ops.meld.moe(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> ()   # MoE()
 
@@ -28,13 +29,15 @@ Example:
     attn.plan(kv_indptr, kv_indices, kv_last_page_len)   # once per step, outside the compiled region
     logits = step(tokens)                                # one meld::decode_attention node per layer
     torch.ops.meld.decode_attention(q, kv_cache, out, None, attn.handle)   # or the op itself
+    torch.ops.meld.decode_attention(q, k_cache, out, None, attn.handle, v_cache)   # K and V in two tensors
+    torch.ops.meld.decode_attention(q, kv_e4m3, out, None, fp8.handle, None, 0.02, 0.03)   # an FP8 cache's scales
 """
 from __future__ import annotations
 
 import torch
 
 from .checks import check_tensors, expect, grad_inputs, no_backward
-from .decode_attention import DecodeAttention
+from .decode_attention import DecodeAttention, kv_parts
 from .decode_mla import DecodeMLA
 from .moe import MoE
 from .registry import lookup
@@ -71,18 +74,24 @@ def _required_out(op: str, out: object) -> None:
                          "returns nothing, got None")
 
 
-def _decode_attention_impl(q, kv_cache, out, lse, handle) -> None:
+def _kv_cache(kv_cache, v_cache):
+    """The op's cache arguments as DecodeAttention.run's kv_cache: one cache, or with v_cache (k_cache, v_cache)."""
+    return kv_cache if v_cache is None else (kv_cache, v_cache)
+
+
+def _decode_attention_impl(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
     _required_out("decode_attention", out)
-    lookup(handle, DecodeAttention).run(q, kv_cache, out=out, lse=lse)
+    lookup(handle, DecodeAttention).run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale,
+                                        v_scale=v_scale)
 
 
-def _decode_attention_fake(q, kv_cache, out, lse, handle) -> None:
+def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
     _required_out("decode_attention", out)
     attn = lookup(handle, DecodeAttention)
-    Hq, D, P, Hkv, dt, dev = attn.num_qo_heads, attn.head_dim, attn.page_size, attn.num_kv_heads, attn.dtype, attn.device
+    Hq, D, dt, dev = attn.num_qo_heads, attn.head_dim, attn.dtype, attn.device
     expect("q", q, dt, (None, Hq, D), "batch, num_qo_heads, head_dim", dev)
-    page = (P, Hkv) if attn.kv_layout == "NHD" else (Hkv, P)
-    expect("kv_cache", kv_cache, dt, (None, 2, *page, D), f"num_pages, K/V, kv_layout={attn.kv_layout!r}", dev)
+    attn._check_kv_shapes(kv_parts(_kv_cache(kv_cache, v_cache)))
+    attn._check_scales(k_scale, v_scale)
     expect("out", out, dt, (q.shape[0], Hq, D), "like q", dev)
     if lse is not None:
         expect("lse", lse, torch.float32, (q.shape[0], Hq), "batch, num_qo_heads", dev)
@@ -121,8 +130,11 @@ def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
     expect("out", out, dt, (T, H), "tokens x hidden_size", dev)
 
 
-_define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle) -> ()",
-        _decode_attention_impl, _decode_attention_fake, written=(2, 3))
+# v_cache (K and V in two tensors, kv_cache then K) and an FP8 cache's scales come last, with defaults: calls
+# written before them stay valid.
+_define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle, "
+        "Tensor? v_cache=None, float k_scale=1.0, float v_scale=1.0) -> ()", _decode_attention_impl,
+        _decode_attention_fake, written=(2, 3))
 _define("decode_mla", "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor(a!) out, "
         "Tensor(b!)? lse, int handle) -> ()", _decode_mla_impl, _decode_mla_fake, written=(4, 5))
 _define("moe", "(Tensor x, Tensor? router_logits, Tensor w13, Tensor w2, Tensor? topk_weights, Tensor? topk_ids, "
@@ -144,18 +156,23 @@ def _outputs(q: torch.Tensor, dtype: torch.dtype, return_lse: bool, out: torch.T
     return out, lse
 
 
-def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
-                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-    """`attn.run(q, kv_cache, ...)` (same arguments and results) through torch.ops.meld.decode_attention."""
+def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                     *, return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0):
+    """`attn.run(q, kv_cache, ...)` (same arguments and results; kv_cache one tensor or (k_cache, v_cache)) through
+    torch.ops.meld.decode_attention."""
     if not isinstance(attn, DecodeAttention):
         raise ValueError(f"attn must be a meld.DecodeAttention, got {type(attn).__name__}")
     if return_lse is not True and return_lse is not False:
         raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-    check_tensors({"q": q, "kv_cache": kv_cache}, {"out": out, "lse": lse})
+    caches = kv_parts(kv_cache)
+    check_tensors({"q": q, **caches}, {"out": out, "lse": lse})
     if q.dim() != 3:
         expect("q", q, attn.dtype, (None, attn.num_qo_heads, attn.head_dim), "batch, num_qo_heads, head_dim")
     out, lse = _outputs(q, attn.dtype, return_lse, out, lse)
-    _decode_attention_op(q, kv_cache, out, lse, attn.handle)
+    k, v = caches.values() if len(caches) == 2 else (kv_cache, None)
+    k_scale, v_scale = attn._check_scales(k_scale, v_scale)   # (floats: the schema's check would be a RuntimeError)
+    _decode_attention_op(q, k, out, lse, attn.handle, v, k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 

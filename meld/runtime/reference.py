@@ -48,17 +48,23 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[n
     return m, l, acc
 
 
-def execute_decode(schedule: Schedule, q: torch.Tensor, kv_cache: torch.Tensor, kv_indices: torch.Tensor,
-                   sm_scale: float, combiner: str = "online_softmax") -> tuple[torch.Tensor, torch.Tensor]:
-    """Execute `schedule` on CPU tensors (kv_cache NHD), merging split units with `combiner` (the graph's).
+def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kv_indices: torch.Tensor, sm_scale: float, combiner: str = "online_softmax", *,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Execute `schedule` on CPU tensors (k_cache and v_cache NHD [pages, page_size, Hkv, D], any strides: one
+    cache's halves or two tensors), merging split units with `combiner` (the graph's). An FP8 cache is read as
+    its exact values and dequantised where the kernel does it: k_scale multiplies the scores (with sm_scale)
+    and v_scale the output (templates/decode_attention.cuh, MELD_KV_FP8).
     Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
-    P = kv_cache.shape[2]
-    kv64 = kv_cache.double().numpy()
+    P = k_cache.shape[1]
+    k64, v64 = k_cache.double().numpy(), v_cache.double().numpy()
 
     def kv(pages: np.ndarray, slots: np.ndarray, kv_head: int) -> tuple[np.ndarray, np.ndarray]:
-        return kv64[pages, 0, slots, kv_head], kv64[pages, 1, slots, kv_head]
+        return k64[pages, slots, kv_head], v64[pages, slots, kv_head]
 
-    return _execute(schedule, q.double().numpy(), kv, P, kv_cache.shape[-1], kv_indices, sm_scale, _softmax(combiner))
+    out, lse = _execute(schedule, q.double().numpy(), kv, P, k_cache.shape[-1], kv_indices, sm_scale * k_scale,
+                        _softmax(combiner))
+    return (out if v_scale == 1.0 else out * v_scale), lse
 
 
 def execute_mla(schedule: Schedule, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,

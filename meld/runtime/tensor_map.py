@@ -1,10 +1,11 @@
 """TMA tensor maps: of the paged KV cache (kernels built with `DecodeKernelConfig.tma`) and of the MoE
 GEMM operands (2-D row-major matrices, `tensor_map_2d`).
 
-The KV map describes the cache, NHD `[num_pages, 2, page_size, num_kv_heads, head_dim]` or HND
-`[num_pages, 2, num_kv_heads, page_size, head_dim]`, as a 5-D tensor in its own dimension order, whose box
-is 16 token rows x 64 channels of one (page, K or V, kv head): one copy fills one 128-byte-swizzled 2 KiB
-block of a ring stage, the same block in either layout (the kernel orders the coordinates by kv_hnd).
+The KV maps describe the K and V caches, each NHD `[num_pages, page_size, num_kv_heads, head_dim]` or HND
+`[num_pages, num_kv_heads, page_size, head_dim]` with its own address and strides, as a 4-D tensor in its
+own dimension order, whose box is 16 token rows x 128 bytes of channels of one (page, kv head) (64 bf16/fp16
+or 128 e4m3 channels; FP8 head_dim 64: its 64 bytes, in 64-byte swizzle): one copy fills one swizzled 2 KiB
+(1 KiB) block of a ring stage, the same block in either layout (the kernel orders the coordinates by kv_hnd).
 Encoding is a host call; `TensorMapCache` keeps the maps.
 """
 from __future__ import annotations
@@ -20,19 +21,24 @@ from .driver import check, drv
 M = TypeVar("M")   # what a cache keeps per tensor: a map, or a tuple of maps
 
 BOX_ROWS, BOX_COLS = 16, 64   # token rows x channels per copy (64 bf16 = the 128-byte swizzle span)
+SWIZZLE_BYTES = 128           # a box row's bytes (at most): the swizzle span
 
 
 def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int]) -> TensorMap:
-    """cuTensorMapEncodeTiled over `t` (bf16/fp16), dimensions innermost first, byte strides of the outer
-    ones, 128-byte swizzle, zero fill out of bounds: the 128 opaque bytes a kernel takes by value."""
+    """cuTensorMapEncodeTiled over `t` (bf16/fp16, or e4m3 as bytes), dimensions innermost first, byte strides
+    of the outer ones, swizzled over the box's rows (128 bytes; 64 where the row is 64 bytes), zero fill out of
+    bounds: the 128 opaque bytes a kernel takes by value."""
     d = drv()
     dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[t.dtype]
+             torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             torch.float8_e4m3fn: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[t.dtype]
+    swizzle = d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if box[0] * t.element_size() == SWIZZLE_BYTES \
+        else d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B
     u64, u32 = d.cuuint64_t, d.cuuint32_t
     m = check(d.cuTensorMapEncodeTiled(
         dtype, len(dims), t.data_ptr(), [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in box],
         [u32(1)] * len(dims),
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
     out = TensorMap()
@@ -40,14 +46,25 @@ def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int]
     return out
 
 
-def kv_tensor_map(kv_cache: torch.Tensor, layout: str = "NHD") -> TensorMap:
-    """The tensor map of a contiguous bf16/fp16 cache in `layout` (NHD or HND)."""
-    pages, two, mid, inner, dim = kv_cache.shape      # mid, inner: page_size, heads (NHD) or heads, page_size
-    es = kv_cache.element_size()
-    dims = [dim, inner, mid, two, pages]                              # innermost first
-    strides = [dim * es, inner * dim * es, mid * inner * dim * es, two * mid * inner * dim * es]
-    box = [BOX_COLS, 1, BOX_ROWS, 1, 1] if layout == "NHD" else [BOX_COLS, BOX_ROWS, 1, 1, 1]
-    return _encode(kv_cache, dims, strides, box)
+def _kv_map(cache: torch.Tensor, layout: str) -> TensorMap:
+    """The tensor map of one bf16/fp16/e4m3 K or V cache [pages, mid, inner, head_dim] in `layout` (NHD: mid is
+    page_size, inner the kv heads; HND the other way round), read through its strides (the last dim
+    contiguous, the others multiples of 16 bytes; a dimension of extent 1 is never stepped over, so it
+    takes a stride of one row)."""
+    pages, mid, inner, dim = cache.shape
+    es = cache.element_size()
+    dims = [dim, inner, mid, pages]                                   # innermost first
+    strides = [(s if n > 1 else dim) * es for s, n in zip(cache.stride()[2::-1], dims[1:])]
+    cols = min(dim, SWIZZLE_BYTES // es)
+    box = [cols, 1, BOX_ROWS, 1] if layout == "NHD" else [cols, BOX_ROWS, 1, 1]
+    return _encode(cache, dims, strides, box)
+
+
+def kv_tensor_maps(*caches: torch.Tensor, layout: str = "NHD") -> tuple[TensorMap, TensorMap]:
+    """The K and V caches' tensor maps, of one cache `[num_pages, 2, ...]` (its halves [:, 0] and [:, 1]) or of
+    two, (k_cache, v_cache), in `layout` (NHD or HND)."""
+    k, v = caches[0].unbind(1) if len(caches) == 1 else caches
+    return _kv_map(k, layout), _kv_map(v, layout)
 
 
 class TensorMapCache(Generic[M]):

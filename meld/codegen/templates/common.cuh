@@ -49,6 +49,28 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return r;
 }
 
+// Four e4m3 bytes x (byte 0 lowest) as two registers of 16-bit MMA values (low half first): lo = bytes 0 and
+// 1, hi = bytes 2 and 3. Exact (every e4m3 value is an f16 and a bf16), NaN stays NaN: sm_90 converts e4m3
+// pairs to f16 pairs; bf16 pairs come from those through f32.
+__device__ __forceinline__ void e4m3x4_to_mma(u32 x, u32& lo, u32& hi) {
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+      : "=r"(lo), "=r"(hi) : "r"(x));
+  if (MELD_MMA_TYPE[0] == 'b') {
+    float f[4];
+    asm("{ .reg .b16 a, b, c, d; mov.b32 {a, b}, %4; mov.b32 {c, d}, %5; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;"
+        " cvt.f32.f16 %2, c; cvt.f32.f16 %3, d; }" : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "r"(lo), "r"(hi));
+    lo = pack2(f[0], f[1]);
+    hi = pack2(f[2], f[3]);
+  }
+}
+// The bytes of x that SEL's nibbles name (0-3), lowest result byte first (prmt).
+template <u32 SEL>
+__device__ __forceinline__ u32 byte_perm(u32 x) {
+  u32 r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(x), "n"(SEL));
+  return r;
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -345,13 +367,12 @@ __device__ __forceinline__ void proxy_push(ProxyCommand* ring, unsigned long lon
   c->ticket = slot + 1;
 }
 
-// One TMA tensor copy (a box of a 5-D tensor map, coordinates innermost first) global -> this CTA's
+// One TMA tensor copy (a box of a 4-D tensor map, coordinates innermost first) global -> this CTA's
 // shared memory; its bytes complete on `bar`. `map` is the generic address of a __grid_constant__ map.
-__device__ __forceinline__ void tma_load_5d(u32 dst, const void* map, int c0, int c1, int c2, int c3, int c4,
-                                            u32 bar) {
-  asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
-               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+__device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
 
 }  // namespace meld

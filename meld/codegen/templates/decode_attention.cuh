@@ -22,10 +22,10 @@
 // after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a peer
 // reads it; and at exit, for the grid launched before this one (which never waits on this one).
 //
-// MELD_TMA builds load each tile with TMA tensor copies instead (cp.async.bulk.tensor over a 5-D map of
-// the cache, p.kv_map: one 16-row x 64-channel box per copy, 128-byte swizzled) into the same per-warp
-// rings, each stage completed by an mbarrier (expect-tx bytes). A tile must then lie in one page:
-// page_size % 16 == 0 (DecodeAttention checks it).
+// MELD_TMA builds load each tile with TMA tensor copies instead (cp.async.bulk.tensor over 4-D maps of
+// the K and V caches, p.k_map and p.v_map: one 16-row x 64-channel box per copy, 128-byte swizzled) into
+// the same per-warp rings, each stage completed by an mbarrier (expect-tx bytes). A tile must then lie in
+// one page: page_size % 16 == 0 (DecodeAttention checks it).
 //
 // IEEE semantics: a non-finite score (NaN or Inf in q or K) makes that (request, q head) row's output and
 // lse NaN; a non-finite P.V accumulator (in V) makes its output NaN while its lse, a function of the scores
@@ -52,13 +52,29 @@
 // every unit of the batch, so the launch ends with the whole output in this rank's window, and takes
 // that count back for the next launch.
 //
-// The cache is NHD [pages, 2, page_size, Hkv, D] or HND [pages, 2, Hkv, page_size, D]: the cp.async
-// loads address rows of D elements through run-time strides (kv_page_stride, ...), the TMA map is
-// encoded for the layout and its box coordinates follow kv_hnd.
+// K and V are two caches, NHD [pages, page_size, Hkv, D] or HND [pages, Hkv, page_size, D], at their own
+// addresses (p.k, p.v: two tensors, or the halves [:, 0] and [:, 1] of one [pages, 2, ...] cache) with one
+// set of strides: the cp.async loads address a token's K and V rows, D elements each, at the same row
+// offset from each (run-time strides kv_page_stride, ... in rows); the TMA maps are encoded for the
+// layout and their box coordinates follow kv_hnd.
+//
+// MELD_KV_FP8 builds read K and V as e4m3 bytes (q and out stay bf16/fp16): a tile row is D bytes, copied
+// to shared memory as it is (cp.async or TMA: half the bytes of a 16-bit tile), loaded with the same
+// ldmatrix addressing and converted to the MMA type in registers (kv_pair: exact, NaN stays NaN). An 8x8
+// b16 ldmatrix of e4m3 bytes hands lane (g, t) four consecutive bytes of its row, so
+//   Q.K^T: one non-transposed matrix is a whole B fragment (token g, 16 channels): b0 = channels 4t, 4t+1,
+//          b1 = 4t+2, 4t+3. The reduction order inside each 16 channels is permuted, and Q's A fragments
+//          (loaded once per unit) follow it: MMA k index 2t + j <-> channel 4t + j, 2t + 8 + j <-> 4t + 2 + j.
+//   P.V:   one transposed matrix gives lane (g, t) tokens 2t, 2t+1 of channels 2g, 2g+1; a byte permute
+//          pairs them per channel, so the O^T rows g and g + 8 of an m16 tile are channels 2g and 2g + 1
+//          (finish_piece reads them so); tokens, the reduction, keep their order, and so does P.
+// The scales are FlashInfer's per-tensor k_scale and v_scale: k_scale is folded into sm_scale_log2 on the
+// host (the scores, and so lse, include it), v_scale multiplies each piece's normalised output (a merge is
+// a convex combination of pieces, so a merged output carries it once).
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
-// MELD_DEBUG_WITHHOLD, MELD_XRANK, DecodeParams.
+// MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, DecodeParams.
 
 namespace meld {
 
@@ -70,15 +86,25 @@ constexpr int TILE = 16;                   // KV tokens per warp step
 constexpr int HEADS = HEADS_PER_UNIT;      // q heads per unit: 8, or 16 for groups of 9-16 (read KV once)
 constexpr int NT = HEADS / 8;              // head rows of Q.K^T in use (8 or 16 of the m16 tile), and
                                            // n8 tiles of P.V
-constexpr int CPR = D / 8;                 // 16-byte chunks per token row
+constexpr bool KV_FP8 = MELD_KV_FP8;
+constexpr int KV_BYTES = KV_FP8 ? 1 : 2;   // bytes per K or V element, in memory and in shared memory
+#if MELD_KV_FP8
+typedef unsigned char kv_t;                // a K or V element as the cp.async loads address it
+#else
+typedef u16 kv_t;
+#endif
+constexpr int ROW_BYTES = D * KV_BYTES;    // one token row of K or V
+constexpr int CPR = ROW_BYTES / 16;        // 16-byte chunks per token row
 constexpr int RPP = 32 / CPR;              // token rows one warp-wide cp.async pass covers
 constexpr int PASSES = TILE / RPP;
 constexpr int KSTEPS = D / 16;
 constexpr bool TMA = MELD_TMA;
-constexpr int TILE_BYTES = TILE * D * 2;   // one K or V tile
-constexpr int BOX_COLS = 64;               // channels per TMA box: 128 bytes, the swizzle span
+constexpr int TILE_BYTES = TILE * ROW_BYTES;   // one K or V tile
+constexpr int BOX_ROW = ROW_BYTES < 128 ? ROW_BYTES : 128;   // bytes of a TMA box row: the swizzle span (128,
+                                           // or the 64-byte rows of FP8 head_dim 64, in 64-byte swizzle)
+constexpr int BOX_COLS = BOX_ROW / KV_BYTES;   // channels per TMA box
 constexpr int BOXES = D / BOX_COLS;        // boxes per K or V tile
-constexpr int BOX_BYTES = TILE * BOX_COLS * 2;
+constexpr int BOX_BYTES = TILE * BOX_ROW;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
@@ -90,10 +116,15 @@ constexpr bool CHUNKED = MELD_CHUNKED;
 static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through global memory");
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
-// rows at one chunk column hit eight different bank groups. TMA tiles are BOXES blocks of [16 rows][128
-// bytes] in the hardware's 128-byte swizzle (chunk ^ row % 8 inside each block).
+// rows at one chunk column hit eight different bank groups. TMA tiles are BOXES blocks of [16 rows][BOX_ROW
+// bytes] in the hardware's swizzle of that span (128 bytes: chunk ^ row % 8 inside each block). Rows of
+// 64 bytes (FP8, head_dim 64) pair up in 128-byte lines: chunk ^ (row / 2) % 4, which is the 64-byte TMA
+// swizzle too.
+constexpr int CPB = BOX_ROW / 16;          // chunks per TMA box row: 8, or 4
+__device__ __forceinline__ int swizzle(int r, int c) { return ROW_BYTES < 128 ? c ^ ((r >> 1) & 3) : c ^ (r & 7); }
 __device__ __forceinline__ u32 tile_off(int r, int c) {
-  return TMA ? (c >> 3) * BOX_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4) : r * (D * 2) + ((c ^ (r & 7)) << 4);
+  return TMA ? (c >> (CPB == 8 ? 3 : 2)) * BOX_BYTES + r * BOX_ROW + (swizzle(r, c & (CPB - 1)) << 4)
+             : r * ROW_BYTES + (swizzle(r, c) << 4);
 }
 
 // Where this CTA runs: its row of the CTA table and the rows of its cluster.
@@ -172,8 +203,8 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
 struct LoadCursor {
   int u, j;
   Unit x;
-  int row;      // this lane's token row (lane & 15) of the next tile, or -1: with TMA page * 2 * page_size +
-                // slot, else the index of its K row of D elements in the cache
+  int row;      // this lane's token row (lane & 15) of the next tile, or -1: with TMA page * page_size +
+                // slot, else the index of its K (and V) row of D elements from p.k (p.v)
   bool live;
 };
 
@@ -184,7 +215,7 @@ __device__ __forceinline__ void cursor_fetch_row(const DecodeParams& p, LoadCurs
     const int pg = pos / p.page_size;
     const int page = p.kv_indices[c.x.page_base + pg];
     const int slot = pos - pg * p.page_size;
-    c.row = TMA ? page * 2 * p.page_size + slot
+    c.row = TMA ? page * p.page_size + slot
                 : page * p.kv_page_stride + slot * p.kv_slot_stride + c.x.kv_head * p.kv_head_stride;
   }
 }
@@ -222,22 +253,24 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
     __syncwarp();
     const int row = __shfl_sync(0xffffffffu, c.row, 0);   // the tile's first token row (always valid)
     if (lane < 2 * BOXES) {   // lane: K or V (lane / BOXES), channel block (lane % BOXES)
-      const int page = row / (2 * p.page_size), slot = row - page * 2 * p.page_size;
+      const int page = row / p.page_size, slot = row - page * p.page_size;
       const int kv = lane / BOXES, b = lane % BOXES;
       const int c1 = p.kv_hnd ? slot : c.x.kv_head, c2 = p.kv_hnd ? c.x.kv_head : slot;   // the map's dim order
-      tma_load_5d(dst + kv * TILE_BYTES + b * BOX_BYTES, &p.kv_map, b * BOX_COLS, c1, c2, kv, page, bar);
+      const void* map = kv ? (const void*)&p.v_map : (const void*)&p.k_map;
+      tma_load_4d(dst + kv * TILE_BYTES + b * BOX_BYTES, map, b * BOX_COLS, c1, c2, page, bar);
     }
   } else {
     if (c.live) {
-      const u16* base = p.kv + (lane % CPR) * 8;
+      const kv_t* kbase = reinterpret_cast<const kv_t*>(p.k) + (lane % CPR) * (16 / KV_BYTES);
+      const kv_t* vbase = reinterpret_cast<const kv_t*>(p.v) + (lane % CPR) * (16 / KV_BYTES);
 #pragma unroll
       for (int k = 0; k < PASSES; ++k) {
         const int r = lane / CPR + k * RPP;
         const int ro = __shfl_sync(0xffffffffu, c.row, r);
-        const u16* src = base + (i64)max(ro, 0) * D;
+        const i64 off = (i64)max(ro, 0) * D;
         const int bytes = ro >= 0 ? 16 : 0;
-        cp_async_16(dst + tile_off(r, lane % CPR), src, bytes);
-        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), src + (i64)p.kv_v_rows * D, bytes);
+        cp_async_16(dst + tile_off(r, lane % CPR), kbase + off, bytes);
+        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), vbase + off, bytes);
       }
     }
     cp_async_commit();
@@ -265,12 +298,12 @@ __device__ __forceinline__ void wait_tile(const DecodeParams& p, u32 bars, int s
 // Per-warp online-softmax state for the current unit. Lane (g = lane / 4, t = lane % 4) holds, for each
 // block i < NT of 8 heads:
 //   m[i], l[i]  for head 8 i + g (l is this lane's share; the 4 lanes of a head sum at the end);
-//   o[i][mt]    = O^T[16 mt + g (+8)][heads 8 i + 2t, 8 i + 2t + 1].
+//   o[i][mt]    = O^T[16 mt + g (+8)][heads 8 i + 2t, 8 i + 2t + 1] (MELD_KV_FP8: rows 16 mt + 2g (+1)).
 struct WarpState {
   float m[NT], l[NT];
   float o[NT][KSTEPS][4];
-  u32 qa[KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8); with 8 heads the
-                           // m16 tile's rows 8..15 are zero
+  u32 qa[KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8: 16 ks +
+                           // 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
 };
 
 // A fresh online-softmax state for the next piece.
@@ -292,11 +325,11 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const int h = 8 * i + g;
-    const u16* q = p.q + x.xb * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + 2 * t;
+    const u16* q = p.q + x.xb * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + (KV_FP8 ? 4 : 2) * t;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       st.qa[ks][i][0] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
-      st.qa[ks][i][1] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + 8) : 0u;
+      st.qa[ks][i][1] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + (KV_FP8 ? 2 : 8)) : 0u;
     }
   }
   reset_state(st);
@@ -312,13 +345,31 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lch = (lane >> 3) & 1;
   float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+  if (KV_FP8) {   // one ldmatrix: tokens 0-7 (b[j]) and 8-15 (b[2 + j]) of channel blocks ks = 2 kp + j
 #pragma unroll
-  for (int ks = 0; ks < KSTEPS; ++ks) {
-    u32 b[4];
-    ldmatrix_x4(b, kbase + tile_off(lrow, 2 * ks + lch));
-    const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;   // heads 8..15
-    mma_16816(s0, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[0], b[1]);
-    mma_16816(s1, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[2], b[3]);
+    for (int kp = 0; kp < KSTEPS / 2; ++kp) {
+      u32 b[4];
+      ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int ks = 2 * kp + j;
+        u32 b0, b1, b2, b3;
+        e4m3x4_to_mma(b[j], b0, b1);
+        e4m3x4_to_mma(b[2 + j], b2, b3);
+        const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;
+        mma_16816(s0, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b0, b1);
+        mma_16816(s1, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b2, b3);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      u32 b[4];
+      ldmatrix_x4(b, kbase + tile_off(lrow, 2 * ks + lch));
+      const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;   // heads 8..15
+      mma_16816(s0, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[0], b[1]);
+      mma_16816(s1, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[2], b[3]);
+    }
   }
   // Head block i: scores of head 8 i + g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain), from the
   // accumulator rows g (i = 0) and g + 8 (i = 1).
@@ -349,15 +400,35 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     a_hi[i] = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 8i + 2t + 1
   }
   const u32 vbase = kbase + TILE_BYTES;
+  if (KV_FP8) {   // one ldmatrix: tokens 0-7 (a[j]) and 8-15 (a[2 + j]) of channel blocks mt = 2 mp + j;
+#pragma unroll    // byte k of a register: token 2t + k / 2, channel 2g + k % 2: regrouped by channel
+    for (int mp = 0; mp < KSTEPS / 2; ++mp) {
+      u32 a[4];
+      ldmatrix_x4_trans(a, vbase + tile_off(lrow, 2 * mp + lch));
 #pragma unroll
-  for (int mt = 0; mt < KSTEPS; ++mt) {
-    u32 a[4];
-    ldmatrix_x4_trans(a, vbase + tile_off(lrow, 2 * mt + lch));
+      for (int j = 0; j < 2; ++j) {
+        u32 a0, a1, a2, a3;   // rows g (channel 2g) and g + 8 (channel 2g + 1), tokens 2t, 2t+1 (+8)
+        e4m3x4_to_mma(byte_perm<0x3120u>(a[j]), a0, a1);
+        e4m3x4_to_mma(byte_perm<0x3120u>(a[2 + j]), a2, a3);
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      float (&o)[4] = st.o[i][mt];
-      o[0] *= a_lo[i]; o[1] *= a_hi[i]; o[2] *= a_lo[i]; o[3] *= a_hi[i];
-      mma_16816(o, a[0], a[1], a[2], a[3], pb0[i], pb1[i]);
+        for (int i = 0; i < NT; ++i) {
+          float (&o)[4] = st.o[i][2 * mp + j];
+          o[0] *= a_lo[i]; o[1] *= a_hi[i]; o[2] *= a_lo[i]; o[3] *= a_hi[i];
+          mma_16816(o, a0, a1, a2, a3, pb0[i], pb1[i]);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < KSTEPS; ++mt) {
+      u32 a[4];
+      ldmatrix_x4_trans(a, vbase + tile_off(lrow, 2 * mt + lch));
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        float (&o)[4] = st.o[i][mt];
+        o[0] *= a_lo[i]; o[1] *= a_hi[i]; o[2] *= a_lo[i]; o[3] *= a_hi[i];
+        mma_16816(o, a[0], a[1], a[2], a[3], pb0[i], pb1[i]);
+      }
     }
   }
 }
@@ -430,10 +501,11 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
     const int h = 8 * i + 2 * t;
 #pragma unroll
     for (int mt = 0; mt < KSTEPS; ++mt) {
-      mg.o[warp][h][16 * mt + g] = st.o[i][mt][0] + bad_lo;
-      mg.o[warp][h + 1][16 * mt + g] = st.o[i][mt][1] + bad_hi;
-      mg.o[warp][h][16 * mt + 8 + g] = st.o[i][mt][2] + bad_lo;
-      mg.o[warp][h + 1][16 * mt + 8 + g] = st.o[i][mt][3] + bad_hi;
+      const int lo = KV_FP8 ? 16 * mt + 2 * g : 16 * mt + g, hi = KV_FP8 ? lo + 1 : lo + 8;   // rows g, g + 8
+      mg.o[warp][h][lo] = st.o[i][mt][0] + bad_lo;
+      mg.o[warp][h + 1][lo] = st.o[i][mt][1] + bad_hi;
+      mg.o[warp][h][hi] = st.o[i][mt][2] + bad_lo;
+      mg.o[warp][h + 1][hi] = st.o[i][mt][3] + bad_hi;
     }
   }
   __syncthreads();
@@ -454,7 +526,7 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
       lsum += mg.l[w][h] * sc;
       acc.x += o.x * sc; acc.y += o.y * sc; acc.z += o.z * sc; acc.w += o.w * sc;
     }
-    const float inv = lsum == 0.f ? 0.f : 1.f / lsum;   // 0: an empty unit; NaN stays NaN
+    const float inv = lsum == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / lsum;   // 0: an empty unit; NaN stays NaN
     const float4 val = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     const float lse2 = lsum == 0.f ? neg_inf() : m_use + log2_approx(lsum);
     if (x.slot < 0) {
