@@ -20,7 +20,8 @@ from meld.serving import (NULL_PAGE, BlockAllocator, DecoderModel, Engine, Paged
 from meld.serving.backends import BackendUnavailable, unavailable
 from meld.serving.bench import compare, run_with_routing
 from meld.serving.kv_cache import PagedLatentCache
-from meld.serving.models import MeldMoE, RoutingTape, TorchMoE, apply_rope, make_cache, rms_norm
+from meld.serving.models import (MeldMoE, RoutingTape, TorchMoE, apply_rope, causal_latent_attention, make_cache,
+                                 rms_norm)
 from meld.serving.torch_moe import topk_route
 from meld.serving.trace import Request
 from meld.workloads import lengths
@@ -263,6 +264,18 @@ def test_mla_absorbed_equals_unabsorbed_attention():
     want = torch.einsum("hnm,mhv->nhv", s.softmax(-1), v).reshape(L, -1) @ w.o.T
     assert rel(got, want) < 1e-10
     assert torch.equal(cache.layer(0)[cache.pages(0)[0], 3, :c.kv_lora_rank], ckv[3])   # the latent row cached
+
+
+@pytest.mark.parametrize("budget", [1, 5 * 37, 6 * 37 * 37, 1 << 28])
+def test_prefill_attention_in_query_blocks_is_causal_attention(budget):
+    """The absorbed prefill in query blocks (one row a block at the smallest budget, ragged blocks, one block)
+    equals causal attention over the latent rows with V their first channels, in float64."""
+    g = torch.Generator().manual_seed(3)
+    N, H, D, C = 37, 6, 24, 16
+    q, latent = torch.randn(N, H, D, generator=g, dtype=torch.float64), torch.randn(N, D, generator=g, dtype=torch.float64)
+    got = causal_latent_attention(q, latent, C, 0.3, budget=budget)
+    s = (torch.einsum("nhd,md->hnm", q, latent) * 0.3).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -torch.inf)
+    assert rel(got, torch.einsum("hnm,mc->nhc", s.softmax(-1), latent[:, :C])) < 1e-12
 
 
 def test_latent_cache_writes_rows_and_checks():

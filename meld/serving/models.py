@@ -197,6 +197,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # --- MoE implementations ---------------------------------------------------------------------------------
+def causal_latent_attention(q: torch.Tensor, latent: torch.Tensor, width: int, scale: float,
+                            budget: int = 1 << 28) -> torch.Tensor:
+    """MLA prefill in the absorbed form: q [N, H, D] over the latent rows [N, D] (one latent head for every q head,
+    V the rows' first `width` channels), causal; [N, H, width]. SDPA has no fused kernel for D = 576, so its
+    math path holds [H, n, N] scores: the queries go in blocks of n rows, n sized so the scores stay within
+    `budget` elements (an 8K-token prompt at 128 heads would otherwise need 32 GiB in float32)."""
+    N, H, _ = q.shape
+    block = max(1, min(N, budget // max(1, H * N)))
+    out = q.new_empty(N, H, width)
+    for s in range(0, N, block):
+        e = min(N, s + block)
+        keys = latent[None, None, :e].expand(1, H, e, -1)
+        mask = torch.arange(e, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], keys, keys[..., :width], attn_mask=mask,
+                                           scale=scale)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
 class RoutingTape:
     """Every MoE routing decision of one run, in call order, to replay in another run of the same trace.
 
@@ -435,11 +454,7 @@ class DecoderModel:
         if backend is not None:
             o = backend.run(i, q, cache.layer(i))   # [N, Hq, C]
         else:
-            # One latent head for every q head; values the whole row (then cut to c) so that q, k and v share
-            # a head dim, which torch's memory-efficient kernel needs to avoid the math path's [Hq, N, N] scores.
-            kv = latent[None, None].expand(1, Hq, N, -1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv, kv, is_causal=True,
-                                               scale=c.sm_scale)[0, ..., :C].transpose(0, 1)
+            o = causal_latent_attention(q, latent, C, c.sm_scale)
         return torch.einsum("nhc,hcv->nhv", o, m.w_uv).reshape(N, -1) @ w.o.T
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
