@@ -15,7 +15,7 @@ import meld
 from meld import cli
 from meld.ops.page_table import check_page_table
 from meld.runtime.reference import attention_reference, mla_reference
-from meld.serving import (NULL_PAGE, BlockAllocator, DecoderModel, Engine, PagedKVCache, TraceConfig,
+from meld.serving import (NULL_PAGE, BlockAllocator, DecoderModel, Engine, TraceConfig,
                           make_backend, make_trace, request_tokens, tiny_config)
 from meld.serving.backends import BackendUnavailable, unavailable
 from meld.serving.bench import compare, run_with_routing
