@@ -1,8 +1,10 @@
 """meld.serving, the decode loop: the block allocator's and the KV cache's invariants, page tables that
 meld's plan() accepts, backends against a float64 reference, decode steps against a dense forward,
 meld (CPU executor) against the SDPA reference over steps where requests join and leave, meld's MoE
-against the torch pipeline, seeded traces, and `meld serve-bench` on the CPU. The `gpu` tests: graph
-replay after re-plans against eager, meld against SDPA, FlashInfer against meld."""
+against the torch pipeline, seeded traces, and `meld serve-bench` on the CPU; the DeepSeek model's MLA
+(absorbed against unabsorbed attention, its latent cache, meld.DecodeMLA against a float64 model). The `gpu`
+tests: graph replay after re-plans against eager, meld against SDPA, FlashInfer against meld."""
+import dataclasses
 import json
 import random
 
@@ -12,12 +14,14 @@ import torch
 import meld
 from meld import cli
 from meld.ops.page_table import check_page_table
-from meld.runtime.reference import attention_reference
-from meld.serving import (NULL_PAGE, BlockAllocator, DecoderModel, Engine, PagedKVCache, TraceConfig,
+from meld.runtime.reference import attention_reference, mla_reference
+from meld.serving import (NULL_PAGE, BlockAllocator, DecoderModel, Engine, TraceConfig,
                           make_backend, make_trace, request_tokens, tiny_config)
 from meld.serving.backends import BackendUnavailable, unavailable
 from meld.serving.bench import compare, run_with_routing
-from meld.serving.models import MeldMoE, RoutingTape, TorchMoE
+from meld.serving.kv_cache import PagedLatentCache
+from meld.serving.models import (MeldMoE, RoutingTape, TorchMoE, apply_rope, causal_latent_attention, make_cache,
+                                 rms_norm)
 from meld.serving.torch_moe import topk_route
 from meld.serving.trace import Request
 from meld.workloads import lengths
@@ -34,8 +38,7 @@ def rel(a, b) -> float:
 def setup(kind="llama", pages=96, device="cpu", **over):
     cfg = tiny_config(kind, **over)
     model = DecoderModel(cfg, device, moe="torch", moe_max_tokens=256)
-    cache = PagedKVCache(cfg.num_layers, pages, P, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device, seed=3)
-    return cfg, model, cache
+    return cfg, model, make_cache(cfg, pages, P, device, seed=3)
 
 
 def engine(model, cache, backend, max_batch=4, graphs=False, moe=None):
@@ -199,7 +202,7 @@ def test_flashinfer_unavailable_is_clear():
 
 
 # --- the model ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "deepseek"])
 def test_decode_steps_equal_a_dense_forward(kind):
     """Prefill, then decode steps through the paged cache: each step's logits are those of a dense
     forward over the whole sequence (positions, RoPE, cache writes and page lookups all agree)."""
@@ -212,10 +215,141 @@ def test_decode_steps_equal_a_dense_forward(kind):
         slots = torch.from_numpy(kv.append([0]))
         be.plan(kv.page_table([0]))
         step = model.decode(tokens[n:n + 1], torch.tensor([n]), slots, be, kv)
-        scratch = PagedKVCache(cfg.num_layers, 8, P, cfg.num_kv_heads, cfg.head_dim)
+        scratch = make_cache(cfg, 8, P)
         scratch.add(0, n + 1)
         dense = model.prefill(tokens[:n + 1], torch.from_numpy(scratch.extend(0, n + 1)), scratch)
         assert rel(step, dense) < TOL
+
+
+# --- DeepSeek: MLA ------------------------------------------------------------------------------------------
+def _float64(x):
+    """x (a tensor, or a dataclass of them) in float64: the same weights, for a float64 reference model."""
+    if isinstance(x, torch.Tensor):
+        return x.double()
+    if dataclasses.is_dataclass(x):
+        return type(x)(**{f.name: _float64(getattr(x, f.name)) for f in dataclasses.fields(x)})
+    return x
+
+
+def float64_model(model: DecoderModel) -> DecoderModel:
+    ref = DecoderModel(dataclasses.replace(model.config, dtype=torch.float64), "cpu", moe="torch",
+                       moe_max_tokens=model.prefill_chunk)
+    ref.embed, ref.final_norm, ref.lm_head = (_float64(t) for t in (model.embed, model.final_norm, model.lm_head))
+    ref.layers = [_float64(w) for w in model.layers]
+    return ref
+
+
+def test_mla_absorbed_equals_unabsorbed_attention():
+    """The model's MLA (absorbed: W_UK folded into the query, W_UV applied to the latent output) is DeepSeek's
+    attention written out per head: K = [c W_UK^T, k_pe], V = c W_UV, causal softmax at 1/sqrt(nope + rope)."""
+    cfg, model, _ = setup("deepseek")
+    ref = float64_model(model)
+    w, m, c = ref.layers[0], ref.layers[0].mla, ref.config
+    L, Hq = 23, cfg.num_qo_heads
+    x = torch.randn(L, cfg.hidden_size, dtype=torch.float64)
+    cache = make_cache(c, 4, P)
+    cache.add(0, L)
+    pos = torch.arange(L)
+    got = ref._attention(0, w, x, pos, torch.from_numpy(cache.extend(0, L)), cache, None)
+
+    cos, sin = ref.cos[pos], ref.sin[pos]
+    q = (rms_norm(x @ m.q_a.T, m.q_a_norm, c.rms_eps) @ m.q_b.T).view(L, Hq, -1)
+    q = torch.cat([q[..., :c.qk_nope_head_dim], apply_rope(q[..., c.qk_nope_head_dim:], cos, sin)], dim=-1)
+    ckv = rms_norm((x @ m.kv_a.T)[:, :c.kv_lora_rank], m.kv_norm, c.rms_eps)
+    k_pe = apply_rope((x @ m.kv_a.T)[:, None, c.kv_lora_rank:], cos, sin).expand(L, Hq, -1)
+    k = torch.cat([torch.einsum("nc,hdc->nhd", ckv, m.w_uk), k_pe], dim=-1)
+    v = torch.einsum("nc,hcv->nhv", ckv, m.w_uv)
+    s = torch.einsum("nhd,mhd->hnm", q, k) / (c.qk_nope_head_dim + c.qk_rope_head_dim) ** 0.5
+    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -torch.inf)
+    want = torch.einsum("hnm,mhv->nhv", s.softmax(-1), v).reshape(L, -1) @ w.o.T
+    assert rel(got, want) < 1e-10
+    assert torch.equal(cache.layer(0)[cache.pages(0)[0], 3, :c.kv_lora_rank], ckv[3])   # the latent row cached
+
+
+@pytest.mark.parametrize("budget", [1, 5 * 37, 6 * 37 * 37, 1 << 28])
+def test_prefill_attention_in_query_blocks_is_causal_attention(budget):
+    """The absorbed prefill in query blocks (one row a block at the smallest budget, ragged blocks, one block)
+    equals causal attention over the latent rows with V their first channels, in float64."""
+    g = torch.Generator().manual_seed(3)
+    N, H, D, C = 37, 6, 24, 16
+    q, latent = torch.randn(N, H, D, generator=g, dtype=torch.float64), torch.randn(N, D, generator=g, dtype=torch.float64)
+    got = causal_latent_attention(q, latent, C, 0.3, budget=budget)
+    s = (torch.einsum("nhd,md->hnm", q, latent) * 0.3).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -torch.inf)
+    assert rel(got, torch.einsum("hnm,mc->nhc", s.softmax(-1), latent[:, :C])) < 1e-12
+
+
+def test_latent_cache_writes_rows_and_checks():
+    cfg, _, kv = setup("deepseek", pages=12)
+    assert isinstance(kv, PagedLatentCache) and kv.layer(1).shape == (12, P, 576)
+    kv.add(0, 40)
+    slots = kv.extend(0, 40)
+    rows = torch.randn(40, 576).bfloat16()
+    kv.write(1, torch.from_numpy(slots), rows)
+    pages = kv.pages(0)
+    assert all(torch.equal(kv.layer(1)[pages[t // P], t % P], rows[t]) for t in (0, 15, 16, 39))
+    assert kv.layer(0).abs().sum() == 0
+    with pytest.raises(ValueError, match="latent"):
+        kv.write(0, torch.from_numpy(slots), rows[:, :512])
+    with pytest.raises(ValueError, match="slots must be token slots of the pool"):
+        kv.write(0, torch.tensor([12 * P]), rows[:1])
+
+
+@pytest.mark.parametrize("backend", ["meld", "sdpa"])
+def test_mla_backend_attention_matches_float64(backend):
+    cfg, _, kv = setup("deepseek", pages=60)
+    lens = [5, 0, 200, 16, 1, 77]
+    for rid, n in enumerate(lens):
+        kv.add(rid, max(n, 1))
+        kv.extend(rid, n)
+    kv.pool.normal_()
+    be = make_backend(backend, cfg, P, "cpu", 8, kv.num_pages + 8)
+    q = torch.randn(len(lens), cfg.num_qo_heads, cfg.head_dim).bfloat16()
+    t = kv.page_table(list(range(len(lens))))
+    be.plan(t)
+    C = cfg.kv_lora_rank
+    for layer in range(cfg.num_layers):
+        cache = kv.layer(layer)
+        out = be.run(layer, q, cache)
+        ref, _ = mla_reference(q[..., :C], q[..., C:], cache[..., :C], cache[..., C:], t.kv_indptr, t.kv_indices,
+                               t.kv_last_page_len, cfg.sm_scale)
+        assert out.shape == (len(lens), cfg.num_qo_heads, C) and out.dtype == q.dtype
+        assert rel(out, ref) < 1e-2 and (out[1] == 0).all()
+
+
+def test_deepseek_meld_decode_matches_a_float64_model():
+    """The DeepSeek model on the meld backend (meld.DecodeMLA, meld's MoE; bf16) against the same weights in
+    float64 on the SDPA backend with torch's MoE, over decode steps where requests join and leave. The
+    reference's routing is replayed (RoutingTape): a near-tie would flip a token's experts otherwise."""
+    cfg, model, kv = setup("deepseek", pages=80)
+    ref_model = float64_model(model)
+    trace = make_trace(TraceConfig.tiny(10, 2.0, seed=4))
+    tape = RoutingTape(cfg.top_k)
+    ref = run_with_routing(ref_model, engine(ref_model, make_cache(ref_model.config, 80, P), "sdpa"), trace, 8, tape)
+    got = run_with_routing(model, engine(model, kv, "meld"), trace, 8, tape.replay())
+    batches = [set(rids) for rids, _ in got.logits]
+    assert any(b - a for a, b in zip(batches, batches[1:])) and any(a - b for a, b in zip(batches, batches[1:]))
+    assert ref.logits[0][1].dtype == torch.float32 and got.moe == "meld" and ref.backend == "sdpa"
+    c = compare(got, ref)
+    assert c["check_steps"] == 8 and c["check_rel_err"] < TOL and c["check_argmax_agree"] >= 0.9
+
+
+def test_deepseek_backends_refused_clearly():
+    cfg, llama = tiny_config("deepseek"), tiny_config("llama")
+    with pytest.raises(ValueError, match="the flashinfer-tc backend has no MLA attention, which model 'deepseek'"):
+        make_backend("flashinfer-tc", cfg, P, "cpu", 4, 64)
+    with pytest.raises(ValueError, match="flashmla backend runs MLA only .* model 'llama'"):
+        make_backend("flashmla", llama, 64, "cpu", 4, 64)
+    with pytest.raises(ValueError, match="flashmla backend runs page size 64 only, got 16"):
+        make_backend("flashmla", cfg, 16, "cpu", 4, 64)
+    for name in ("flashinfer", "flashmla"):
+        assert "CUDA GPUs only" in unavailable(name, "cpu", cfg, 64)
+        with pytest.raises(BackendUnavailable, match="CUDA GPUs only"):
+            make_backend(name, cfg, 64, "cpu", 4, 64)
+    assert unavailable("meld", "cpu", cfg, P) is None and unavailable("sdpa", "cpu", cfg, P) is None
+    with pytest.raises(ValueError, match="need num_kv_heads=1 and head_dim=576"):
+        tiny_config("deepseek", head_dim=128)
+    with pytest.raises(ValueError, match="MLA .* needs positive"):
+        tiny_config("deepseek", v_head_dim=0)
 
 
 def test_moe_meld_cpu_matches_torch_pipeline():
@@ -379,6 +513,21 @@ def test_cli_serve_bench_on_the_cpu(model, capsys, tmp_path):
     assert all(r["steps"] == 5 and r["check_ok"] and 0 < r["attn_share"] < 1 for r in rows)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the defaults are the full-size model")
+def test_cli_serve_bench_deepseek_on_the_cpu(capsys, tmp_path):
+    """The DeepSeek model (MLA + MoE) through the loop on the CPU executor, meld and SDPA, each checked."""
+    out = tmp_path / "rows.json"
+    argv = ["serve-bench", "--model", "deepseek", "--backend", "meld,sdpa", "--max-batch", "2", "--steps", "4",
+            "--check", "--check-steps", "3", "--samples", "2", "--json", str(out)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "deepseek: 2 layers" in text and "MLA 64 heads, latent 512 + rope 64" in text
+    assert text.count("| OK rel err") == 2
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["moe"]) for r in rows] == [("meld", "meld"), ("sdpa", "torch")]
+    assert all(r["steps"] == 4 and r["check_ok"] and 0 < r["attn_share"] < 1 and r["tokens_per_s"] > 0 for r in rows)
+
+
 def _fails(argv, capsys, *named):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
@@ -396,6 +545,14 @@ def test_cli_serve_bench_fails_clearly(capsys):
     _fails(["serve-bench", "--backend", "meld,vllm"], capsys, "'vllm' is not a backend")
     _fails(["serve-bench", "--max-batch", "4,0"], capsys, "--max-batch")
     _fails(["serve-bench", "--arrival-rate", "-1"], capsys, "--arrival-rate")
+    _fails(["serve-bench", "--model", "deepseek", "--backend", "flashmla"], capsys, "--backend",
+           "flashmla backend runs on CUDA GPUs")
+    _fails(["serve-bench", "--model", "deepseek", "--backend", "meld,flashinfer-tc"], capsys, "--backend",
+           "flashinfer-tc backend has no MLA attention")
+    _fails(["serve-bench", "--backend", "flashmla"], capsys, "--backend", "runs MLA only")
+    _fails(["serve-bench", "--model", "deepseek", "--backend", "flashmla", "--page-size", "16"], capsys,
+           "--backend", "page size 64 only, got 16")
+    _fails(["serve-bench", "--page-size", "0"], capsys, "--page-size")
 
 
 def test_cli_serve_bench_reports_pool_errors(capsys):

@@ -1,8 +1,9 @@
 """A decode loop that a serving engine would recognise, to measure what meld gives a whole model.
 
-`models` (Llama-style and Qwen3-MoE-style decoders with random weights), `kv_cache` (one preallocated
-pool, a block allocator, FlashInfer-layout page tables), `trace` (log-normal request traces as BENCH.md's
-`skewed`), `backends` (meld, FlashInfer, torch SDPA behind plan-once-per-step / run-per-layer), `engine`
+`models` (Llama-style, Qwen3-MoE-style and DeepSeek-V3-style (MLA) decoders with random weights), `kv_cache`
+(one preallocated pool, K/V or MLA latent pages, a block allocator, FlashInfer-layout page tables), `trace`
+(log-normal request traces as BENCH.md's `skewed`), `backends` (meld, FlashInfer, FlashMLA, torch SDPA behind
+plan-once-per-step / run-per-layer), `engine`
 (continuous batching, CUDA graphs per batch bucket) and `bench` (`meld serve-bench`). Not imported by
 `import meld`; it imports no TVM.
 
@@ -17,11 +18,11 @@ Example:
 """
 from .backends import BACKENDS, AttentionBackend, BackendUnavailable, make_backend
 from .engine import Engine, RunResult, buckets_for
-from .kv_cache import NULL_PAGE, BlockAllocator, PagedKVCache, PageTable
-from .models import DecoderModel, ModelConfig, llama_config, qwen3_moe_config, tiny_config
+from .kv_cache import NULL_PAGE, BlockAllocator, PagedKVCache, PagedLatentCache, PageTable
+from .models import DecoderModel, ModelConfig, deepseek_config, llama_config, make_cache, qwen3_moe_config, tiny_config
 from .trace import Request, TraceConfig, make_trace, request_tokens
 
 __all__ = ["BACKENDS", "AttentionBackend", "BackendUnavailable", "BlockAllocator", "DecoderModel", "Engine",
-           "ModelConfig", "NULL_PAGE", "PageTable", "PagedKVCache", "Request", "RunResult", "TraceConfig",
-           "buckets_for", "llama_config", "make_backend", "make_trace", "qwen3_moe_config", "request_tokens",
-           "tiny_config"]
+           "ModelConfig", "NULL_PAGE", "PageTable", "PagedKVCache", "PagedLatentCache", "Request", "RunResult",
+           "TraceConfig", "buckets_for", "deepseek_config", "llama_config", "make_backend", "make_cache", "make_trace",
+           "qwen3_moe_config", "request_tokens", "tiny_config"]

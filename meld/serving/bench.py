@@ -21,8 +21,7 @@ import torch
 
 from .backends import BackendUnavailable, make_backend, unavailable
 from .engine import Engine, RunResult, buckets_for, check_fits
-from .kv_cache import PagedKVCache
-from .models import MODELS, PREFILL_CHUNK, DecoderModel, ModelConfig, RoutingTape, tiny_config
+from .models import MODELS, PREFILL_CHUNK, DecoderModel, ModelConfig, RoutingTape, make_cache, tiny_config
 from .trace import TraceConfig, make_trace
 
 CHECK_TOL = 2e-2     # relative L2 error of a step's logits, bf16 end to end: a few bf16 ulps through the layers
@@ -41,7 +40,7 @@ class BenchConfig:
     steps: int | None = None            # measured decode steps; default 200 (full), 12 (tiny)
     arrival_rate: float | None = None   # requests per step; default max batch / 4 (full), 2 (tiny)
     kv_pages: int | None = None         # pool pages; default 8192 tokens per request slot (full), 256 (tiny)
-    page_size: int = 16
+    page_size: int = 16                 # the flashmla backend runs 64 only
     graphs: bool = True
     moe: str = "auto"                   # auto: meld's MoE on the meld backend, torch's on the others
     check: bool = False
@@ -92,7 +91,7 @@ def available_bytes(device: torch.device) -> int:
 def check_pool_fits(mc: ModelConfig, pages: int, page_size: int, device: torch.device) -> None:
     """ValueError, before allocating, when the pool would not fit in 80% of its device's available memory
     (on the CPU too: there an allocation that cannot be met dies in the allocator, or in the OOM killer)."""
-    need = mc.num_layers * pages * 2 * page_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    need = mc.num_layers * pages * page_size * mc.cache_bytes_per_token
     free = available_bytes(device)
     if need > 0.8 * free:
         raise ValueError(f"--kv-pages: a KV pool of {pages} pages needs {need} bytes ({need / 2**30:.1f} GiB), more "
@@ -141,7 +140,7 @@ def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
     device = torch.device(cfg.device)
     mc = model_config(cfg)
     for name in cfg.backends:
-        why = unavailable(name, device)
+        why = unavailable(name, device, mc, cfg.page_size)
         if why:
             raise BackendUnavailable(why)
     if cfg.moe not in ("auto", "meld", "torch"):
@@ -161,8 +160,7 @@ def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
          f"{'CUDA graphs per batch bucket' if graphs else 'eager'}")
     rows, status = [], 0
     for max_batch, tc, trace, pages in runs:
-        cache = PagedKVCache(mc.num_layers, pages, cfg.page_size, mc.num_kv_heads, mc.head_dim, mc.dtype, device,
-                             seed=cfg.seed)
+        cache = make_cache(mc, pages, cfg.page_size, device, seed=cfg.seed)
         echo(f"max batch {max_batch}: trace of {tc.num_requests} requests, {tc.arrival_rate:g} arriving per step, "
              f"prompts log-normal{tc.prompt[:2]} in [{tc.prompt[2]}, {tc.prompt[3]}], outputs log-normal"
              f"{tc.output[:2]} in [{tc.output[2]}, {tc.output[3]}] (seed {tc.seed}); KV pool {pages} pages")

@@ -9,8 +9,9 @@ import argparse
 import math
 from pathlib import Path
 
-from .backends import BACKENDS, BackendUnavailable, unavailable
-from .bench import CHECK_TOL, BenchConfig, serve_bench as run, write_json
+from .backends import BACKENDS, FLASHMLA_PAGE_SIZE, BackendUnavailable, unavailable
+from .bench import CHECK_TOL, BenchConfig, model_config, serve_bench as run, write_json
+from .models import MODELS
 
 MAX_BATCH = 1024
 
@@ -53,14 +54,19 @@ def _positive_float(text: str) -> float:
 def add_parser(sub) -> argparse.ArgumentParser:
     """The serve-bench subcommand on meld's subparsers."""
     s = sub.add_parser("serve-bench", help="continuous-batching decode loop on a request trace, per attention backend",
-                       description="A decode loop as serving engines run it (meld.serving): a Llama- or "
-                                   "Qwen3-MoE-style model with random weights, a paged KV pool, continuous batching "
+                       description="A decode loop as serving engines run it (meld.serving): a Llama-, "
+                                   "Qwen3-MoE- or DeepSeek-V3-style (MLA + MoE) model with random weights, a paged "
+                                   "KV pool, continuous batching "
                                    "of a log-normal trace, plan() once per step, run() per layer, one CUDA graph "
                                    "per batch bucket. Prints tokens/s, step latency p50/p99 and attention's share "
                                    "of the step for each backend and max batch.")
-    s.add_argument("--model", choices=["llama", "qwen3-moe"], default="llama")
+    s.add_argument("--model", choices=list(MODELS), default="llama",
+                   help="deepseek: MLA attention (backends meld, flashinfer, flashmla, sdpa) and MoE")
     s.add_argument("--backend", type=_list_of(_backend_name, "backend"), default=["meld"],
-                   help="comma-separated: meld, flashinfer, flashinfer-tc (its tensor-core decode), sdpa")
+                   help="comma-separated: meld, flashinfer, flashinfer-tc (its tensor-core decode; not MLA), sdpa, "
+                        "flashmla (MLA only)")
+    s.add_argument("--page-size", type=_int_in(0, 4096),
+                   help=f"KV page size in tokens (default 16; {FLASHMLA_PAGE_SIZE} with flashmla, which runs no other)")
     s.add_argument("--max-batch", type=_list_of(_int_in(0, MAX_BATCH), "batch size"),
                    help="comma-separated max batch sizes (default 64 on a GPU, 4 on the CPU)")
     s.add_argument("--requests", type=_int_in(0, 1 << 20), help="requests in the trace (default 2 x max batch)")
@@ -91,19 +97,21 @@ def serve_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, devic
     if size == "full" and device == "cpu":
         parser.error("argument --size: 'full' needs a GPU (the CPU executor computes in float64, for tiny models); "
                      "use --size tiny")
+    page_size = args.page_size or (FLASHMLA_PAGE_SIZE if "flashmla" in args.backend else 16)
+    cfg = BenchConfig(model=args.model, size=size, layers=args.layers, backends=args.backend,
+                      max_batches=args.max_batch or [64 if device != "cpu" else 4], requests=args.requests,
+                      steps=args.steps, arrival_rate=args.arrival_rate, kv_pages=args.kv_pages, page_size=page_size,
+                      graphs=not args.eager, moe=args.moe, check=args.check, check_steps=args.check_steps,
+                      check_tol=args.check_tol, samples=args.samples, seed=args.seed, device=device)
+    mc = model_config(cfg)
     for name in args.backend:
-        why = unavailable(name, device)
+        why = unavailable(name, device, mc, page_size)
         if why:
             parser.error(f"argument --backend: {why}")
     if args.json is not None:
         from meld.cli import _check_output
 
         _check_output(parser, "argument --json", args.json)
-    cfg = BenchConfig(model=args.model, size=size, layers=args.layers, backends=args.backend,
-                      max_batches=args.max_batch or [64 if device != "cpu" else 4], requests=args.requests,
-                      steps=args.steps, arrival_rate=args.arrival_rate, kv_pages=args.kv_pages, graphs=not args.eager,
-                      moe=args.moe, check=args.check, check_steps=args.check_steps, check_tol=args.check_tol,
-                      samples=args.samples, seed=args.seed, device=device)
     try:
         status, rows = run(cfg)
     except (BackendUnavailable, ValueError) as e:

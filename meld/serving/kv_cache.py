@@ -3,8 +3,10 @@ handed out by a block allocator, a page list per request, and FlashInfer-layout 
 
 The pool is one tensor [layers, pages, 2, page_size, num_kv_heads, head_dim]: `pool[layer]` is a contiguous
 FlashInfer NHD cache, what meld, FlashInfer and the SDPA reference all read, so every backend sees the same
-bytes. Page 0 is never handed out: padded rows of a CUDA-graph batch write their K/V there
-(`NULL_SLOT`), and backends that want no empty requests give padded rows that page to read.
+bytes. MLA's `PagedLatentCache` holds one latent row per token instead, [layers, pages, page_size, head_dim],
+with the same allocator, slots and page tables. Page 0 is never handed out: padded rows of a CUDA-graph batch
+write their K/V there (`NULL_SLOT`), and backends that want no empty requests give padded rows that page to
+read.
 
 Admission reserves a request's pages for its whole life (prompt + output) but allocates them as tokens
 arrive, so a running request never fails for want of a page and no request is ever preempted.
@@ -131,7 +133,7 @@ class PagedKVCache:
         device = resolve_device(device)
         self.page_size, self.num_kv_heads, self.head_dim = page_size, num_kv_heads, head_dim
         self.allocator = BlockAllocator(num_pages, seed=seed)
-        shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages, *self._page_shape())
         try:   # Zeros, not empty: a padded row that reads the null page must read finite values.
             self.pool = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as e:   # (torch.OutOfMemoryError is a RuntimeError)
@@ -140,6 +142,10 @@ class PagedKVCache:
                              f"{device}: {str(e).splitlines()[0]:.160}") from None
         self._seqs: dict[int, _Seq] = {}
         self._unallocated = 0   # pages reserved by admitted requests but not yet allocated
+
+    def _page_shape(self) -> tuple[int, ...]:
+        """One layer's page: K and V planes of page_size tokens (FlashInfer NHD)."""
+        return (2, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def num_pages(self) -> int:
@@ -275,22 +281,54 @@ class PagedKVCache:
         """Layer i's cache [pages, 2, page_size, num_kv_heads, head_dim] (FlashInfer NHD, contiguous)."""
         return self.pool[self._layer_index(i)]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [n, num_kv_heads, head_dim] into token slots [n] (int64, on the pool's device). Launch-only:
-        capturable in a CUDA graph, so on a GPU the slots' values are not read back (slots come from `extend` /
-        `append`; on the CPU they are checked, outside torch.compile); shapes, dtypes and devices are checked."""
+    def _check_write(self, layer: object, slots: torch.Tensor) -> int:
+        """The layer index, after checking it and the slots (int64 on the pool's device; their values on the
+        CPU only, outside torch.compile: on a GPU reading them back would break graph capture)."""
         layer = self._layer_index(layer)
         expect("slots", slots, torch.int64, (None,), "token slots", self.pool.device)
-        shape = (slots.shape[0], self.num_kv_heads, self.head_dim)
-        expect("k", k, self.pool.dtype, shape, "n slots, num_kv_heads, head_dim", self.pool.device)
-        expect("v", v, self.pool.dtype, shape, "n slots, num_kv_heads, head_dim", self.pool.device)
-        end = self.num_pages * self.page_size   # values read on the CPU only, and not in a compiled graph
+        end = self.num_pages * self.page_size
         if slots.is_cpu and len(slots) and not torch.compiler.is_compiling() and \
                 not 0 <= int(slots.min()) <= int(slots.max()) < end:
             raise ValueError(f"slots must be token slots of the pool (0..{end - 1}), got "
                              f"{int(slots.min())}..{int(slots.max())}")
+        return layer
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, num_kv_heads, head_dim] into token slots [n] (int64, on the pool's device). Launch-only:
+        capturable in a CUDA graph, so on a GPU the slots' values are not read back (slots come from `extend` /
+        `append`; on the CPU they are checked, outside torch.compile); shapes, dtypes and devices are checked."""
+        layer = self._check_write(layer, slots)
+        shape = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        expect("k", k, self.pool.dtype, shape, "n slots, num_kv_heads, head_dim", self.pool.device)
+        expect("v", v, self.pool.dtype, shape, "n slots, num_kv_heads, head_dim", self.pool.device)
         P = self.page_size
         rows = slots // P * (2 * P) + slots % P   # K row of each slot in the layer seen as [pages*2*P, H, D]
         flat = self.pool[layer].view(-1, self.num_kv_heads, self.head_dim)
         flat.index_copy_(0, rows, k)
         flat.index_copy_(0, rows + P, v)
+
+
+class PagedLatentCache(PagedKVCache):
+    """MLA's paged cache: one latent row of `head_dim` channels per token (DeepSeek's [c, k_pe], 512 + 64),
+    shared by every q head. `layer(i)` is [pages, page_size, head_dim], the layout meld.DecodeMLA and
+    FlashInfer's MLA wrapper read through [..., :512] and [..., 512:] views, and FlashMLA as
+    [pages, page_size, 1, head_dim]. Allocation, slots and page tables are PagedKVCache's.
+
+    Example:
+        >>> kv = PagedLatentCache(2, 4096, 64, 576, torch.bfloat16, "cuda")
+        >>> kv.add(rid=7, max_tokens=900); kv.write(0, torch.from_numpy(kv.extend(7, 300)).cuda(), latent)
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0):
+        super().__init__(num_layers, num_pages, page_size, 1, head_dim, dtype, device, seed)
+
+    def _page_shape(self) -> tuple[int, ...]:
+        return (self.page_size, self.head_dim)
+
+    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """latent [n, head_dim] into token slots [n]; launch-only, checked as `PagedKVCache.write`."""
+        layer = self._check_write(layer, slots)
+        expect("latent", latent, self.pool.dtype, (slots.shape[0], self.head_dim), "n slots, head_dim",
+               self.pool.device)
+        self.pool[layer].view(-1, self.head_dim).index_copy_(0, slots, latent)

@@ -1,15 +1,17 @@
-"""Decoder models with random weights for the decode loop: a Llama-style dense decoder and a
-Qwen3-MoE-style one, built from a config and a seed.
+"""Decoder models with random weights for the decode loop: a Llama-style dense decoder, a Qwen3-MoE-style
+one and a DeepSeek-V3-style one (MLA attention, MoE), built from a config and a seed.
 
 What matters to attention is exact (GQA heads, head_dim, RoPE applied to q and k before the cache write,
-since meld's attention has no positional encoding inside), and the rest is what a step spends its time
-on besides attention (RMSNorm, the QKV/O projections, a SwiGLU MLP or a routed MoE, the LM head), at the
-published sizes of Llama-3-8B and Qwen3-30B-A3B with fewer layers. Weights are N(0, 1/fan_in), so
-activations stay O(1) and logits are comparable across attention backends.
+since meld's attention has no positional encoding inside; for MLA the latent cache [c, k_pe] and the
+absorbed query), and the rest is what a step spends its time on besides attention (RMSNorm, the
+projections, a SwiGLU MLP or a routed MoE, the LM head), at the published sizes of Llama-3-8B,
+Qwen3-30B-A3B and DeepSeek-V3 with fewer layers. Weights are N(0, 1/fan_in), so activations stay O(1) and
+logits are comparable across attention backends.
 
 Model code is backend-agnostic: attention goes through `backend.run(layer, q, kv_cache)` (see
-`backends.py`), the KV write through `PagedKVCache.write`, the MoE through `self.moe` (meld's fused MoE or
-torch's grouped-GEMM pipeline). `decode()` only launches work, so it can be captured in a CUDA graph.
+`backends.py`), the KV write through `PagedKVCache.write` (`PagedLatentCache.write` for MLA), the MoE
+through `self.moe` (meld's fused MoE or torch's grouped-GEMM pipeline). `decode()` only launches work, so
+it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, PagedLatentCache
 from .torch_moe import topk_route, torch_grouped_mm_moe
 
 PREFILL_CHUNK = 8192   # default tokens per MLP/MoE call in prefill: bounds activations and meld.MoE's capacity
@@ -27,7 +29,11 @@ PREFILL_CHUNK = 8192   # default tokens per MLP/MoE call in prefill: bounds acti
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder's shapes. `intermediate_size` for a dense SwiGLU MLP, or `num_experts` > 0 for MoE layers
-    (`top_k` experts of `moe_intermediate_size` each, softmax routing renormalised over the top k)."""
+    (`top_k` experts of `moe_intermediate_size` each, softmax routing renormalised over the top k).
+
+    `kv_lora_rank` > 0 makes attention DeepSeek's MLA: what the attention backends see is then one latent
+    kv head (num_kv_heads 1) of head_dim = kv_lora_rank + qk_rope_head_dim (the cached [c, k_pe] row and
+    the absorbed query); values are its first kv_lora_rank channels."""
 
     name: str
     num_layers: int
@@ -46,12 +52,28 @@ class ModelConfig:
     max_position: int = 131072
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
+    q_lora_rank: int = 0           # MLA: the query's low-rank projection (DeepSeek-V3: 1536)
+    kv_lora_rank: int = 0          # MLA: the latent c cached per token (DeepSeek-V3: 512)
+    qk_nope_head_dim: int = 0      # MLA: per-head q/k channels without RoPE (128)
+    qk_rope_head_dim: int = 0      # MLA: channels with RoPE, k_pe shared by every head (64)
+    v_head_dim: int = 0            # MLA: per-head value channels after the up-projection (128)
 
     def __post_init__(self):
+        if self.is_mla:
+            dims = dict(q_lora_rank=self.q_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+                        qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim)
+            if min(dims.values()) <= 0:
+                raise ValueError(f"MLA (kv_lora_rank={self.kv_lora_rank}) needs positive {dims}")
+            if (self.num_kv_heads, self.head_dim) != (1, self.kv_lora_rank + self.qk_rope_head_dim):
+                raise ValueError(f"MLA attention is one latent kv head of kv_lora_rank + qk_rope_head_dim = "
+                                 f"{self.kv_lora_rank + self.qk_rope_head_dim} channels: need num_kv_heads=1 and "
+                                 f"head_dim={self.kv_lora_rank + self.qk_rope_head_dim}, got {self.num_kv_heads} "
+                                 f"and {self.head_dim}")
         if self.num_qo_heads % self.num_kv_heads:
             raise ValueError(f"num_qo_heads={self.num_qo_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_dim % 2:
+            raise ValueError(f"the RoPE width ({'qk_rope_head_dim' if self.is_mla else 'head_dim'}) must be even, "
+                             f"got {self.rope_dim}")
         if (self.num_experts > 0) == (self.intermediate_size > 0):
             raise ValueError("give intermediate_size (dense MLP) or num_experts (MoE), exactly one")
         if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.moe_intermediate_size > 0):
@@ -63,11 +85,34 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates: a head's (GQA) or k_pe's (MLA)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def sm_scale(self) -> float:
+        """Attention's softmax scale: 1/sqrt(head_dim), or for MLA 1/sqrt(qk_nope + qk_rope head dims), the
+        head dim of the unabsorbed q.k (DeepSeek-V3's YaRN factor left out: no long context here)."""
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim) ** -0.5
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """KV cache bytes of one token in one layer: K and V rows (GQA), or one latent row (MLA)."""
+        return (1 if self.is_mla else 2) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
     def describe(self) -> str:
         mlp = (f"MoE {self.num_experts} experts top-{self.top_k} I={self.moe_intermediate_size}" if self.is_moe
                else f"SwiGLU I={self.intermediate_size}")
-        return (f"{self.name}: {self.num_layers} layers, hidden {self.hidden_size}, GQA {self.num_qo_heads}/"
-                f"{self.num_kv_heads}/{self.head_dim}, {mlp}, vocab {self.vocab_size}")
+        attn = (f"MLA {self.num_qo_heads} heads, latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}, q rank "
+                f"{self.q_lora_rank}" if self.is_mla else
+                f"GQA {self.num_qo_heads}/{self.num_kv_heads}/{self.head_dim}")
+        return (f"{self.name}: {self.num_layers} layers, hidden {self.hidden_size}, {attn}, {mlp}, "
+                f"vocab {self.vocab_size}")
 
 
 def llama_config(num_layers: int = 4, **over) -> ModelConfig:
@@ -85,23 +130,55 @@ def qwen3_moe_config(num_layers: int = 4, **over) -> ModelConfig:
                                  moe_intermediate_size=768, qk_norm=True, rope_theta=1e6, rms_eps=1e-6), **over})
 
 
+def deepseek_config(num_layers: int = 2, **over) -> ModelConfig:
+    """DeepSeek-V3's attention and routed experts (MLA with 128 heads, q rank 1536, latent 512 + rope 64,
+    nope/v head dims 128; hidden 7168; 256 experts top-8 of I=2048; vocab 129280), `num_layers` layers, every
+    one MoE. Left out: the shared expert, the first three layers' dense MLP, sigmoid group-limited routing
+    (meld's MoE routes by softmax top-k) and YaRN. Two layers by default: one layer's experts are 21 GiB
+    in bf16, and meld's MoE keeps a packed copy beside them on the GPU."""
+    return ModelConfig(**{**dict(name="deepseek", num_layers=num_layers, hidden_size=7168, num_qo_heads=128,
+                                 num_kv_heads=1, head_dim=576, vocab_size=129280, num_experts=256, top_k=8,
+                                 moe_intermediate_size=2048, q_lora_rank=1536, kv_lora_rank=512,
+                                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0,
+                                 rms_eps=1e-6), **over})
+
+
 def tiny_config(kind: str, **over) -> ModelConfig:
-    """The same architecture small enough for the CPU executor: 2 layers, hidden 256, GQA 4/2/64."""
+    """The same architecture small enough for the CPU executor: 2 layers, hidden 256, GQA 4/2/64 (DeepSeek:
+    MLA at 64 heads, the fewest meld.DecodeMLA runs, with the kernel's 512 + 64 latent)."""
     small = dict(num_layers=2, hidden_size=256, num_qo_heads=4, num_kv_heads=2, head_dim=64, vocab_size=512,
                  max_position=4096)
+    moe = dict(num_experts=8, top_k=2, moe_intermediate_size=128)
     if kind == "llama":
         return llama_config(**{**small, "intermediate_size": 512, **over})
     if kind == "qwen3-moe":
-        return qwen3_moe_config(**{**small, "num_experts": 8, "top_k": 2, "moe_intermediate_size": 128, **over})
+        return qwen3_moe_config(**{**small, **moe, **over})
+    if kind == "deepseek":
+        return deepseek_config(**{**small, **moe, "num_qo_heads": 64, "num_kv_heads": 1, "head_dim": 576,
+                                  "q_lora_rank": 128, **over})
     raise ValueError(f"unknown model {kind!r}; expected one of {sorted(MODELS)}")
 
 
-MODELS = {"llama": llama_config, "qwen3-moe": qwen3_moe_config}
+MODELS = {"llama": llama_config, "qwen3-moe": qwen3_moe_config, "deepseek": deepseek_config}
+
+
+def make_cache(config: ModelConfig, num_pages: int, page_size: int, device: str | torch.device = "cpu",
+               seed: int = 0) -> PagedKVCache:
+    """The paged cache `config`'s attention reads: K/V pages (GQA) or latent pages (MLA)."""
+    if config.is_mla:
+        return PagedLatentCache(config.num_layers, num_pages, page_size, config.head_dim, config.dtype, device, seed)
+    return PagedKVCache(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, config.dtype,
+                        device, seed)
 
 
 # --- building blocks ---------------------------------------------------------------------------------------
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 if it is (a float64 model stays a float64 reference)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+    xf = _wide(x)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
@@ -114,12 +191,31 @@ def rope_tables(head_dim: int, max_position: int, theta: float, device) -> tuple
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, D] rotated by the angles of its token (cos, sin [N, D/2]), Llama's rotate-half form."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = _wide(x).chunk(2, dim=-1)
     c, s = cos[:, None], sin[:, None]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 # --- MoE implementations ---------------------------------------------------------------------------------
+def causal_latent_attention(q: torch.Tensor, latent: torch.Tensor, width: int, scale: float,
+                            budget: int = 1 << 28) -> torch.Tensor:
+    """MLA prefill in the absorbed form: q [N, H, D] over the latent rows [N, D] (one latent head for every q head,
+    V the rows' first `width` channels), causal; [N, H, width]. SDPA has no fused kernel for D = 576, so its
+    math path holds [H, n, N] scores: the queries go in blocks of n rows, n sized so the scores stay within
+    `budget` elements (an 8K-token prompt at 128 heads would otherwise need 32 GiB in float32)."""
+    N, H, _ = q.shape
+    block = max(1, min(N, budget // max(1, H * N)))
+    out = q.new_empty(N, H, width)
+    for s in range(0, N, block):
+        e = min(N, s + block)
+        keys = latent[None, None, :e].expand(1, H, e, -1)
+        mask = torch.arange(e, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], keys, keys[..., :width], attn_mask=mask,
+                                           scale=scale)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
 class RoutingTape:
     """Every MoE routing decision of one run, in call order, to replay in another run of the same trace.
 
@@ -196,11 +292,25 @@ class MeldMoE:
 
 # --- the model ---------------------------------------------------------------------------------------------
 @dataclass
+class MLAWeights:
+    """DeepSeek's MLA projections, the up-projections of the latent split per head for the absorbed form."""
+
+    q_a: torch.Tensor        # [q_lora_rank, H]
+    q_a_norm: torch.Tensor   # [q_lora_rank]
+    q_b: torch.Tensor        # [Hq (nope + rope), q_lora_rank]
+    kv_a: torch.Tensor       # [kv_lora_rank + rope, H]: c, then k_pe
+    kv_norm: torch.Tensor    # [kv_lora_rank]
+    w_uk: torch.Tensor       # [Hq, nope, kv_lora_rank]: k_nope = c @ w_uk[h].T; absorbed into q
+    w_uv: torch.Tensor       # [Hq, kv_lora_rank, v_head_dim]: v = c @ w_uv[h]; applied to the latent output
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor                 # [(Hq + 2 Hkv) D, H]
-    o: torch.Tensor                   # [H, Hq D]
+    o: torch.Tensor                   # [H, Hq D] (MLA: [H, Hq v_head_dim])
     post_norm: torch.Tensor
+    qkv: torch.Tensor | None = None   # GQA: [(Hq + 2 Hkv) D, H]
+    mla: MLAWeights | None = None     # MLA
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     gate_up: torch.Tensor | None = None   # dense: [2 I, H] (gate rows, then up rows)
@@ -215,7 +325,7 @@ class DecoderModel:
     """A decoder with random weights (seeded) on `device`.
 
     Args:
-        config: a ModelConfig (`llama_config()`, `qwen3_moe_config()`, `tiny_config(kind)`).
+        config: a ModelConfig (`llama_config()`, `qwen3_moe_config()`, `deepseek_config()`, `tiny_config(kind)`).
         device: where weights and activations live.
         moe: "torch" or "meld": the MoE implementation (MoE models only; `use_moe` switches later).
         moe_max_tokens: capacity of meld's MoE, at least the largest decode batch; prefill runs its MLP/MoE
@@ -244,7 +354,15 @@ class DecoderModel:
         self.embed = randn(c.vocab_size, H)
         self.layers: list[LayerWeights] = []
         for _ in range(c.num_layers):
-            w = LayerWeights(ones(H), randn((Hq + 2 * Hkv) * D, H, fan_in=H), randn(H, Hq * D, fan_in=Hq * D), ones(H))
+            if c.is_mla:
+                R, C, qk = c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim + c.qk_rope_head_dim
+                mla = MLAWeights(randn(R, H, fan_in=H), ones(R), randn(Hq * qk, R, fan_in=R),
+                                 randn(C + c.qk_rope_head_dim, H, fan_in=H), ones(C),
+                                 randn(Hq, c.qk_nope_head_dim, C, fan_in=C), randn(Hq, C, c.v_head_dim, fan_in=C))
+                w = LayerWeights(ones(H), randn(H, Hq * c.v_head_dim, fan_in=Hq * c.v_head_dim), ones(H), mla=mla)
+            else:
+                w = LayerWeights(ones(H), randn(H, Hq * D, fan_in=Hq * D), ones(H),
+                                 qkv=randn((Hq + 2 * Hkv) * D, H, fan_in=H))
             if c.qk_norm:
                 w.q_norm, w.k_norm = ones(D), ones(D)
             if c.is_moe:
@@ -257,7 +375,7 @@ class DecoderModel:
             self.layers.append(w)
         self.final_norm = ones(H)
         self.lm_head = randn(c.vocab_size, H, fan_in=H)
-        self.cos, self.sin = rope_tables(D, c.max_position, c.rope_theta, self.device)
+        self.cos, self.sin = rope_tables(c.rope_dim, c.max_position, c.rope_theta, self.device)
         self._moe_max_tokens = self.prefill_chunk = moe_max_tokens
         self._moes: dict[str, object] = {}
         self.moe = None
@@ -301,6 +419,44 @@ class DecoderModel:
         cos, sin = self.cos[positions], self.sin[positions]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def _attention(self, i: int, w: LayerWeights, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   cache: PagedKVCache, backend) -> torch.Tensor:
+        """Layer i's attention block on the normed hidden states x [N, H]: K/V written to `slots`, then
+        attention through `backend` (decode: one token per request), or with backend None causal over the
+        N tokens themselves (the prefill of one request). Returns the o projection's output [N, H]."""
+        if self.config.is_mla:
+            return self._mla(i, w, x, positions, slots, cache, backend)
+        c = self.config
+        q, k, v = self._qkv(w, x, positions)
+        cache.write(i, slots, k, v)
+        if backend is not None:
+            o = backend.run(i, q, cache.layer(i))
+        else:
+            G = c.num_qo_heads // c.num_kv_heads
+            q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)   # [N, Hq, D]
+        return o.reshape(o.shape[0], -1) @ w.o.T
+
+    def _mla(self, i: int, w: LayerWeights, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             cache: PagedLatentCache, backend) -> torch.Tensor:
+        """`_attention` as DeepSeek's MLA in the absorbed form, prefill too (causal over the latent rows, the
+        same math, so decode and prefill agree): the cache row is [RMSNorm(c), RoPE(k_pe)], the query
+        [q_nope @ W_UK, RoPE(q_pe)] per head, and the latent output goes through W_UV per head."""
+        c, m = self.config, w.mla
+        N, Hq, C = x.shape[0], c.num_qo_heads, c.kv_lora_rank
+        cos, sin = self.cos[positions], self.sin[positions]
+        q = (rms_norm(x @ m.q_a.T, m.q_a_norm, c.rms_eps) @ m.q_b.T).view(N, Hq, -1)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        ckv, k_pe = (x @ m.kv_a.T).split([C, c.qk_rope_head_dim], dim=-1)
+        latent = torch.cat([rms_norm(ckv, m.kv_norm, c.rms_eps), apply_rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)
+        cache.write(i, slots, latent)
+        q = torch.cat([torch.einsum("nhd,hdc->nhc", q_nope, m.w_uk), apply_rope(q_pe, cos, sin)], dim=-1)
+        if backend is not None:
+            o = backend.run(i, q, cache.layer(i))   # [N, Hq, C]
+        else:
+            o = causal_latent_attention(q, latent, C, c.sm_scale)
+        return torch.einsum("nhc,hcv->nhv", o, m.w_uv).reshape(N, -1) @ w.o.T
+
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if self.config.is_moe:
             logits = (x @ w.router.T).float()
@@ -320,10 +476,7 @@ class DecoderModel:
         c = self.config
         h = self.embed[tokens]
         for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(w, rms_norm(h, w.input_norm, c.rms_eps), positions)
-            cache.write(i, slots, k, v)
-            o = backend.run(i, q, cache.layer(i))
-            h = h + o.reshape(o.shape[0], -1) @ w.o.T
+            h = h + self._attention(i, w, rms_norm(h, w.input_norm, c.rms_eps), positions, slots, cache, backend)
             h = h + self._mlp(w, rms_norm(h, w.post_norm, c.rms_eps))
         return self._logits(h)
 
@@ -331,15 +484,11 @@ class DecoderModel:
         """The dense prefill of one request: tokens [L] (positions 0..L-1) with causal SDPA over the prompt,
         K/V written to `slots` [L]. Returns the last position's logits [1, vocab]."""
         c = self.config
-        L, G = tokens.shape[0], c.num_qo_heads // c.num_kv_heads
+        L = tokens.shape[0]
         positions = torch.arange(L, device=tokens.device)
         h = self.embed[tokens]
         for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(w, rms_norm(h, w.input_norm, c.rms_eps), positions)
-            cache.write(i, slots, k, v)
-            q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)))
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)   # [L, Hq, D]
-            h = h + o.reshape(L, -1) @ w.o.T
+            h = h + self._attention(i, w, rms_norm(h, w.input_norm, c.rms_eps), positions, slots, cache, None)
             n = self.prefill_chunk
             for s in range(0, L, n):
                 h[s:s + n] += self._mlp(w, rms_norm(h[s:s + n], w.post_norm, c.rms_eps))
