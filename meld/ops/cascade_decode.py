@@ -170,6 +170,8 @@ class CascadeDecode(Operator):
             buf[k][:len(a)].copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)))
         return buf, caps, params
 
+    _run_inputs, _lse_meaning = ("q", "kv_cache"), "batch, num_qo_heads"
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """Attention of q [B, num_qo_heads, head_dim] over every level of the planned batch; kv_cache NHD
@@ -189,8 +191,7 @@ class CascadeDecode(Operator):
                contiguous=self.device.type == "cuda")
         if top >= kv_cache.shape[0]:
             raise ValueError(f"the last plan() references page {top}, but kv_cache has only {kv_cache.shape[0]} pages")
-        out, lse = self._run_outputs(out, lse, (batch, Hq, D), return_lse, "like q", "batch, num_qo_heads",
-                                     {"q": q, "kv_cache": kv_cache})
+        out, lse = self._run_outputs(out, lse, (batch, Hq, D), return_lse, {"q": q, "kv_cache": kv_cache})
         if self.device.type == "cuda":
             self._launch(q, kv_cache, plain(out), None if lse is None else plain(lse))
         else:
