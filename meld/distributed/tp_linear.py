@@ -150,7 +150,8 @@ class RowParallelLinear(GroupMember, Operator):
             kernel = self._kernels(cfg, {cfg.entry: (cfg.threads, cfg.smem_bytes)})[cfg.entry]
             L = self.layout
             params = TP_PARAMS.ctype(
-                **self._edge_params(xexit=self._xexit, xlaunch=self._xlaunch), **self._header(self._prof, None, _PROFILE_CAP),
+                **self._edge_params(xexit=self._xexit, xlaunch=self._xlaunch),
+                **self._header(self._prof, None, _PROFILE_CAP),
                 x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"], x_landed_off=L["landed"],
                 x_started_off=L["started"], x_signal_off=L["signal"], x_ll_off=L["ll"], x_grid_cap=2 * self._sm_count,
                 x_ll_cap=self._sm_count, n=self.out_features, k=self.in_features)

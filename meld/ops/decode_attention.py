@@ -224,8 +224,8 @@ class DecodeAttention(PagedDecode):
             kv_map=TensorMap(), q_stride_b=0, q_stride_h=0, **self._kv_strides(), **fields,   # (set by run())
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
-            sm_scale_log2=self.sm_scale * _LOG2E,
-            **{f.name: 0 for f in params_struct.fields if f not in DECODE_PARAMS.fields}))   # (meld.distributed sets them)
+            sm_scale_log2=self.sm_scale * _LOG2E,   # (meld.distributed sets the fields DECODE_PARAMS lacks)
+            **{f.name: 0 for f in params_struct.fields if f not in DECODE_PARAMS.fields}))
 
     @property
     def _chunk(self) -> int:

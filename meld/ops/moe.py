@@ -140,8 +140,9 @@ class MoE(Operator):
             "y": torch.empty(R, H, dtype=self.dtype, device=self.device),
         }
         self._register_watchdog("meld_moe_main", _describe_ticket)
+        # (gemm1, gemm2 and combine records, named by ticket)
         self._prof, self._prof_clock = self._profile_buffers(self._kernel_config.profile, self._grid, _PROFILE_CAP,
-                                                             self.profile_every)   # (gemm1/gemm2/combine records, by ticket)
+                                                             self.profile_every)
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
         from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         self._weight_maps = TensorMapCache(functools.partial(tensor_map_2d, box_rows=64))   # 64 weight rows per box
