@@ -1,6 +1,7 @@
 """The operator shell (meld/ops/base.py): capacity-sized buffers (reused at the same addresses while a plan
 fits them, grown otherwise, installed only with the plan that needs them) and transactional plan(): a plan()
 that raises leaves every operator exactly as it was, on the CPU executor and on the GPU."""
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -23,8 +24,8 @@ def test_grown_keeps_the_capacities_a_plan_fits_and_gives_the_others_twice_its_n
 class _Shell(Operator):
     """The shell alone: one buffer of `rows` entries, on the CPU."""
 
-    def __init__(self):
-        self.device = torch.device("cpu")
+    def __init__(self, device: str = "cpu"):
+        self.device = torch.device(device)
 
     def _make_buffers(self, caps):
         return SimpleNamespace(caps=caps, rows=torch.zeros(caps["rows"]))
@@ -43,6 +44,15 @@ def test_buffers_are_reused_while_a_plan_fits_and_replaced_only_by_a_commit():
     assert larger.caps == {"rows": 14} and op._buf is first, "a plan() that raises now keeps the old buffers"
     op._commit("plan 3", larger)
     assert op._buf is larger
+
+
+def test_an_operator_copies_on_the_cpu_but_not_on_a_gpu():
+    op = _Shell()
+    op._commit("plan", op._buffers_for({"rows": 2}))
+    twin = copy.deepcopy(op)
+    assert twin._planned == "plan" and twin._buf.rows is not op._buf.rows
+    with pytest.raises(TypeError, match="cannot be copied or pickled: its kernel's parameters point at its own"):
+        copy.deepcopy(_Shell("cuda"))   # (its kernels' parameters would point at the original's buffers)
 
 
 # --- a plan() that raises changes nothing ---------------------------------------------------------------
