@@ -27,7 +27,9 @@ def grown(caps: Mapping[str, int], need: Mapping[str, int]) -> dict[str, int] | 
 
 
 class Operator:
-    """Base of meld's operators. Subclasses call `_setup` first, then `_kernels` for each module."""
+    """Base of meld's operators. Subclasses call `_setup` first, then `_kernels` for each module. One with a
+    plan() makes its buffers in `_make_buffers`, takes them from `_buffers_for` and installs them with the plan
+    by `_commit`; an attention operator's run() is `_run`, over its `_check_run`, `_launch` and `_execute_cpu`."""
 
     graph: TaskGraph
     lowering: Lowering
