@@ -134,12 +134,10 @@ class ExpertParallelMoE(GroupMember, Operator):
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         L = self.layout
         self._p = EP_PARAMS.ctype(
-            xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),
-            **self._header(), served=self._served.data_ptr(), error=self._error.data_ptr(),
-            x_started_off=L["started"], x_sent_off=L["sent"], x_back_off=L["back"], x_hdr_off=L["hdr"],
-            x_wts_off=L["wts"], x_rows_off=L["rows"], x_ret_off=L["ret"], hidden=H, top_k=self.top_k,
-            num_experts=E, experts_per_rank=self.experts_per_rank, x_rank=self.rank, x_world=self.world,
-            **(self.proxy.ring_params() if self.proxy else {}))
+            **self._edge_params(xexit=self._xexit, xlaunch=self._xlaunch), **self._header(),
+            served=self._served.data_ptr(), error=self._error.data_ptr(), x_started_off=L["started"],
+            x_sent_off=L["sent"], x_back_off=L["back"], x_hdr_off=L["hdr"], x_wts_off=L["wts"], x_rows_off=L["rows"],
+            x_ret_off=L["ret"], hidden=H, top_k=self.top_k, num_experts=E, experts_per_rank=self.experts_per_rank)
         self._checked_counts: set[int] = set()
         self._calls: dict[int, _Call] = {}
         self._joined(device)

@@ -32,6 +32,12 @@ class GroupMember:
             from .proxy import GpuProxy
             self.proxy = GpuProxy(self.window, ordered=ordered, chunk_bytes=chunk_bytes)
 
+    def _edge_params(self, **tables: torch.Tensor) -> dict[str, int]:
+        """The parameters every cross-rank kernel takes: the peers' windows, this rank's place in the group,
+        the proxy's ring (the proxy transport), and the addresses of the kernel's own `tables` by field."""
+        return dict(xpeers=self.window.peers.data_ptr(), x_rank=self.rank, x_world=self.world,
+                    **{k: t.data_ptr() for k, t in tables.items()}, **(self.proxy.ring_params() if self.proxy else {}))
+
     def _joined(self, device: torch.device) -> None:
         """The end of a rank's setup: nothing of it is pending, and every rank has got this far."""
         import torch.distributed as dist

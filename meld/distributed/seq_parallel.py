@@ -123,10 +123,9 @@ class SeqParallelDecode(GroupMember, DecodeAttention):
         so plan() never replaces the buffers that hold them)."""
         L = self.layout
         self._buf.launcher.set(
-            xreq=self._xreq.data_ptr(), xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(),
+            **self._edge_params(xreq=self._xreq, xexit=self._xexit, xsplit=self._xsplit, xsrc=self._xsrc),
             x_out_off=L.out, x_lse_off=L.lse, x_po_off=L.part_o, x_plse_off=L.part_lse, x_count_off=L.counts,
-            x_landed_off=L.landed, x_started_off=L.started, x_rank=self.rank, x_world=self.world, xsplit=self._xsplit.data_ptr(),
-            xsrc=self._xsrc.data_ptr(), **(self.proxy.ring_params() if self.proxy else {}))
+            x_landed_off=L.landed, x_started_off=L.started)
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *,
              check: bool = True) -> None:

@@ -123,8 +123,7 @@ class RowParallelLinear(GroupMember, Operator):
             raise ValueError(f"out_features={out_features}, max_tokens={max_tokens}: too many output tiles")
         self._open_window(self.layout["nbytes"], device, kernel_config.transport, ordered, chunk_bytes)
         self._xexit = torch.zeros(2, dtype=torch.int32, device=device)
-        self._prof = torch.zeros(2 * self._sm_count, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=device) \
-            if kernel_config.profile else None
+        self._prof, _ = self._profile_buffers(kernel_config.profile, 2 * self._sm_count, _PROFILE_CAP)
         self._last_grid = 0
         self._xlaunch = torch.zeros(1, dtype=torch.int64, device=device)
         self._shape: dict = {}
@@ -151,11 +150,11 @@ class RowParallelLinear(GroupMember, Operator):
             kernel = self._kernels(cfg, {cfg.entry: (cfg.threads, cfg.smem_bytes)})[cfg.entry]
             L = self.layout
             params = TP_PARAMS.ctype(
-                xpeers=self.window.peers.data_ptr(), xexit=self._xexit.data_ptr(), xlaunch=self._xlaunch.data_ptr(),
-                **self._header(self._prof, None, _PROFILE_CAP if self._prof is not None else 0), x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"],
-                x_landed_off=L["landed"], x_started_off=L["started"], x_signal_off=L["signal"], x_ll_off=L["ll"],
-                x_grid_cap=2 * self._sm_count, x_ll_cap=self._sm_count, n=self.out_features, k=self.in_features,
-                x_rank=self.rank, x_world=self.world, **(self.proxy.ring_params() if self.proxy else {}))
+                **self._edge_params(xexit=self._xexit, xlaunch=self._xlaunch),
+                **self._header(self._prof, None, _PROFILE_CAP),
+                x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"], x_landed_off=L["landed"],
+                x_started_off=L["started"], x_signal_off=L["signal"], x_ll_off=L["ll"], x_grid_cap=2 * self._sm_count,
+                x_ll_cap=self._sm_count, n=self.out_features, k=self.in_features)
             v = self._variants[(cfg.block_tokens, cfg.wgs)] = (cfg, kernel, params)
         return v
 

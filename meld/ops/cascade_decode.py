@@ -15,6 +15,7 @@ merges it in the same launch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables
 from .. import config
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
-from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
+from .checks import check_finite, check_positive, expect, is_int, plain
 from .page_table import check_page_table, max_page
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -32,6 +33,17 @@ H200_SMS = 132
 
 def _describe_task(unit: int) -> str:
     return f"split-reduce task {unit}"
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    """The grouped kernel's device tables, partials and counters (`tables`), its profile records, and its
+    parameter struct, which points into them; sized by `caps`."""
+
+    caps: dict[str, int]
+    tables: dict[str, torch.Tensor]
+    prof: torch.Tensor | None
+    params: object
 
 
 class CascadeDecode(Operator):
@@ -59,9 +71,6 @@ class CascadeDecode(Operator):
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.num_levels, self.dtype = page_size, num_levels, dtype
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
-        self._planned = None   # (batch, {task: GroupTable}, SplitReducePlan, largest page index)
-        self._launch_state = None   # CUDA: the planned batch's device tables and the kernel's parameters
-        self._prof = None           # CUDA, MELD_PROFILE: the kernel's per-CTA records (last_trace)
         self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
         if self.device.type == "cuda":
             from ..codegen.grouped_kernel import GroupedKernelConfig
@@ -126,15 +135,14 @@ class CascadeDecode(Operator):
         order = [tables[t] for t in self.lowering.producers]
         plan = self.lowering.planner(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
                                      self.page_size, self.num_ctas, self._slice_rows)
-        state = self._device_tables(plan, order) if self.device.type == "cuda" else None
-        self._planned, self._launch_state = (batch, tables, plan, top), state
+        buf = self._device_tables(plan, order) if self.device.type == "cuda" else None
+        self._commit((batch, tables, plan, top), buf)   # (batch, {task: GroupTable}, SplitReducePlan, largest page)
 
-    def _device_tables(self, plan, order: list[GroupTable]):
-        """The plan's tables written into the kernel's device buffers, which are reused while the plan fits
-        them, so a CUDA graph captured after one plan() replays any later plan that fits (the batch is read
-        from the device, plan_info); a larger plan grows them (twice what it needs), and graphs captured
-        before then must be captured again. Returns (buffers, capacities, the kernel's parameter struct)."""
-        from ..codegen.params import GROUPED_PARAMS
+    def _device_tables(self, plan, order: list[GroupTable]) -> _Buffers:
+        """The plan's tables written into the kernel's device buffers (`_buffers_for`), which are reused while
+        the plan fits them, so a CUDA graph captured after one plan() replays any later plan that fits (the
+        batch is read from the device, plan_info); a larger plan grows them, and graphs captured before then
+        must be captured again."""
         from ..ir.work_table import EVENT, SPLIT_TASK
 
         host = launch_tables(plan, order)
@@ -142,25 +150,8 @@ class CascadeDecode(Operator):
         need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": n_events,
                 "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1,
                 "records": 2 * int(np.diff(host["cta_first"]).max(initial=0)) if self.kernel_config.profile else 0}
-        buf, caps, params = self._launch_state or ({}, {}, None)
-        if any(n > caps.get(k, 0) for k, n in need.items()):   # new buffers; the old ones stay the last plan's
-            caps = {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
-            i32 = dict(dtype=torch.int32, device=self.device)
-            f32 = dict(dtype=torch.float32, device=self.device)
-            buf = {k: torch.zeros(caps[k] * (SPLIT_TASK.width if k == "tasks" else EVENT.width if k == "events" else 1),
-                                  **i32) for k in (*host, "tasks", "events", "part_slot", "plan_info")}
-            buf.update(counters=torch.zeros(caps["events"], **i32), part_o=torch.empty(caps["slots"] * self.head_dim, **f32),
-                       part_lse=torch.empty(caps["slots"], **f32))
-            # MELD_PROFILE builds: a record per task and per merging of the events it completed, a CTA
-            self._prof = torch.zeros(self.num_ctas, 1 + caps["records"], 4, dtype=torch.int64, device=self.device) \
-                if self.kernel_config.profile else None
-            params = GROUPED_PARAMS.ctype(**self._header(self._prof, None, caps["records"] if self._prof is not None else 0,
-                                                         1, self.num_ctas),
-                                          **{k: v.data_ptr() for k, v in buf.items() if k != "slots"},
-                                          task_capacity=caps["tasks"], event_capacity=caps["events"],
-                                          num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                                          group_size=plan.group_size, page_size=self.page_size,
-                                          sm_scale_log2=self.sm_scale * math.log2(math.e))
+        b = self._buffers_for(need)
+        caps, buf = b.caps, b.tables
         task, event = plan.task_columns(), plan.event_columns()
         pad = lambda a, n: np.r_[a, np.zeros(n - len(a), dtype=np.int64)]   # noqa: E731
         rows = {**host, "plan_info": np.array([plan.batch]), "part_slot": plan.part_slot,
@@ -168,20 +159,39 @@ class CascadeDecode(Operator):
                 "events": EVENT.pack(caps["events"], **{f: pad(c, caps["events"]) for f, c in event.items()})}
         for k, a in rows.items():
             buf[k][:len(a)].copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)))
-        return buf, caps, params
+        return b
+
+    def _make_buffers(self, caps: dict[str, int]) -> _Buffers:
+        from ..codegen.params import GROUPED_PARAMS
+        from ..ir.work_table import EVENT, SPLIT_TASK
+
+        i32 = dict(dtype=torch.int32, device=self.device)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        buf = {k: torch.zeros(caps[k] * (SPLIT_TASK.width if k == "tasks" else EVENT.width if k == "events" else 1),
+                              **i32) for k in caps if k not in ("slots", "records")}
+        buf.update(counters=torch.zeros(caps["events"], **i32), part_o=torch.empty(caps["slots"] * self.head_dim, **f32),
+                   part_lse=torch.empty(caps["slots"], **f32))
+        # MELD_PROFILE builds: a record per task and per merging of the events it completed, a CTA
+        prof, _ = self._profile_buffers(self.kernel_config.profile, self.num_ctas, caps["records"])
+        params = GROUPED_PARAMS.ctype(**self._header(prof, None, caps["records"], 1, self.num_ctas),
+                                      **{k: v.data_ptr() for k, v in buf.items()},
+                                      task_capacity=caps["tasks"], event_capacity=caps["events"],
+                                      num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                      group_size=self.num_qo_heads // self.num_kv_heads, page_size=self.page_size,
+                                      sm_scale_log2=self.sm_scale * math.log2(math.e))
+        return _Buffers(caps, buf, prof, params)
+
+    _run_inputs, _lse_meaning = ("q", "kv_cache"), "batch, num_qo_heads"
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """Attention of q [B, num_qo_heads, head_dim] over every level of the planned batch; kv_cache NHD
         [num_pages, 2, page_size, num_kv_heads, head_dim]. Returns out (and lse, natural log, float32). A
         request with no KV tokens at any level gives zeros and lse = -inf."""
-        if self._planned is None:
-            raise RuntimeError("CascadeDecode.run: call plan() first")
-        if return_lse is not True and return_lse is not False:
-            raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-        batch, tables, plan, top = self._planned
-        grads = grad_inputs(q, kv_cache)
-        q, kv_cache = plain(q), plain(kv_cache)
+        return self._run((q, kv_cache), return_lse, out, lse)
+
+    def _check_run(self, planned: tuple, q: torch.Tensor, kv_cache: torch.Tensor):
+        batch, _, _, top = planned
         Hq, Hkv, D, P = self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size
         expect("q", q, self.dtype, (batch, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
         expect("kv_cache", kv_cache, self.dtype, (None, 2, P, Hkv, D),
@@ -189,23 +199,17 @@ class CascadeDecode(Operator):
                contiguous=self.device.type == "cuda")
         if top >= kv_cache.shape[0]:
             raise ValueError(f"the last plan() references page {top}, but kv_cache has only {kv_cache.shape[0]} pages")
-        out, lse = self._run_outputs(out, lse, (batch, Hq, D), return_lse, "like q", "batch, num_qo_heads",
-                                     {"q": q, "kv_cache": kv_cache})
-        if self.device.type == "cuda":
-            self._launch(q, kv_cache, plain(out), None if lse is None else plain(lse))
-        else:
-            o, l = self.lowering.executor(self.graph, plan, tables, q, kv_cache, self.sm_scale)
-            plain(out).copy_(o)
-            if lse is not None:
-                plain(lse).copy_(l)
-        out, lse = self._tied(grads, out, lse)
-        return (out, lse) if return_lse else out
+        return (batch, Hq, D), *self._reads((q, kv_cache))
+
+    def _execute_cpu(self, planned: tuple, q: torch.Tensor, kv_cache: torch.Tensor):
+        _, tables, plan, _ = planned
+        return self.lowering.executor(self.graph, plan, tables, q, kv_cache, self.sm_scale)
 
     def _profile_records(self):   # a task's attention as "piece", its events' merging as "merge-hbm", by task
-        return None if self._prof is None else (self._prof, (1, 1), {})
+        return None if self._buf is None or self._buf.prof is None else (self._buf.prof, (1, 1), {})
 
     def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        _, _, params = self._launch_state
+        params = self._buf.params
         q = q.contiguous() if q.data_ptr() % 16 == 0 else q.clone(memory_format=torch.contiguous_format)
         for name, t in (("kv_cache", kv_cache), ("out", out)):   # (the kernel's 16-byte loads and 8-byte stores)
             if t.data_ptr() % 16:

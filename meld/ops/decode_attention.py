@@ -16,13 +16,12 @@ from typing import NamedTuple
 import torch
 
 from .. import config
-from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, DecodePlanKernelConfig, TensorMap
+from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, TensorMap
 from ..codegen.decode_kernel import KV_FP8
 from ..scheduler import DecodeCost, Topology, cluster_rows
-from ..scheduler.decode_plan_host import plan_params
-from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
+from .checks import check_finite, check_positive, expect, is_int, plain
 from .decode_graph import decode_attention_graph
-from .paged_decode import PagedDecode, _Buffers, _Planned
+from .paged_decode import PagedDecode, _Planned
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -34,7 +33,6 @@ _FLOAT32_MAX = 3.4028234663852886e38
 # costs time at small batches (bench/decode_ablation.py; bench/RESULTS.md, "cluster sizes and merge paths",
 # and "Figures moved from code comments").
 DEFAULT_CLUSTER_SIZE = 1
-_DEFAULT_CAPACITY = (64, 4096)   # tables allocated before the first plan() when no capacity is given
 _ALIGN = 16                      # bytes: the kernel's cp.async and TMA copies read 16-byte aligned chunks
 
 
@@ -172,6 +170,7 @@ class DecodeAttention(PagedDecode):
             raise ValueError(f"kernel_config must be a meld.codegen.DecodeKernelConfig, got {type(kernel_config).__name__}")
         self.cluster_size = cluster_size
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
+        self.partial_width = head_dim
         self.group_size = num_qo_heads // num_kv_heads
         self.dtype, self.kv_layout, self.batch_invariant = dtype, kv_layout, batch_invariant
         self.kv_dtype = kv_dtype or dtype
@@ -252,61 +251,26 @@ class DecodeAttention(PagedDecode):
         self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
             if self._plan_clusters else None
         self._tensor_maps = TensorMapCache(functools.partial(kv_tensor_maps, layout=self.kv_layout)) if kc.tma else None
-        self._register_watchdog(kc.name, self._unit_names)
-        pc = DecodePlanKernelConfig()
-        self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
-        self._buf = self._make_buffers(self.max_batch_size or _DEFAULT_CAPACITY[0],
-                                       self.max_num_pages or _DEFAULT_CAPACITY[1])
+        self._init_device()
 
-    def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
+    def _kernel_launch(self, tables, fields: dict[str, int]):
         from ..runtime.driver import PersistentLaunch
-        from ..runtime.tables import Capacity, WorkTables
 
-        W = self.topology.num_ctas
-        t = WorkTables(self.device, W, Capacity(max_batch, max_pages))
-        units = max_batch * self.units_per_request
-        slots = self._chunk_slots(max_batch, max_pages) if self.batch_invariant else units + W
-        f32 = dict(dtype=torch.float32, device=self.device)
-        part_o = torch.empty(slots * self.heads_per_unit * self.head_dim, **f32)
-        part_lse = torch.empty(slots * self.heads_per_unit, **f32)
-        counters = torch.zeros(units, dtype=torch.int32, device=self.device)
-        params = plan_params(   # one struct for every plan(): plan() sets the batch and the page table
-            self.cost, self.page_size, self.units_per_request, W, self._chunk, kv_indptr=0, last_page_len=0,
-            kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
-            line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
-            arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base),
-            cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0)
-        # Records per CTA: at most every piece (units, or with chunks up to every slot too), 2 merges, the exit wait.
-        prof_cap = units + (slots if self.batch_invariant else 0) + 3 if self.kernel_config.profile else 0
-        prof = torch.zeros(W, 1 + prof_cap, 4, dtype=torch.int64, device=self.device) if prof_cap else None
-        clock = torch.zeros(2, dtype=torch.int32, device=self.device) if prof_cap and self.profile_every > 1 else None
         params_struct = self.kernel_config.params
-        launcher = PersistentLaunch(self.kernel, self.cluster_mix, params_struct.pack(
-            q=0, k=0, v=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
-            page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), slot_base=t.ptr(t.off_slot_base),
-            chunk=self._chunk, part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
+        return PersistentLaunch(self.kernel, self.cluster_mix, params_struct.pack(
+            q=0, k=0, v=0, out=0, lse=0, slot_base=tables.ptr(tables.off_slot_base), chunk=self._chunk,
             k_map=TensorMap(), v_map=TensorMap(), q_stride_b=0, q_stride_h=0, kv_page_stride=0, kv_slot_stride=0,
             kv_head_stride=0,   # (q, the caches, their maps and strides, out and lse: set by run())
-            kv_hnd=int(self.kv_layout == "HND"),
-            **self._header(prof, clock, prof_cap, self.profile_every, W),
+            kv_hnd=int(self.kv_layout == "HND"), **fields,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)
             **{f.name: 0 for f in params_struct.fields if f not in DECODE_PARAMS.fields}))   # (meld.distributed sets them)
-        return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
 
     @property
     def _chunk(self) -> int:
         """The chunk of batch-invariant plans (0: plans balance freely)."""
         return self.cost.invariant_chunk_tokens if self.batch_invariant else 0
-
-    def _chunk_slots(self, max_batch: int, max_pages: int) -> int:
-        """Partial slots a batch-invariant plan within the capacities can need: one per chunk of every unit
-        of more than one chunk. With T tokens (at most max_pages full pages) that is at most
-        min(2 T / (chunk + 1), T / chunk + B) chunks per unit position (a request of L > chunk tokens
-        has ceil(L / chunk) <= 2 L / (chunk + 1) chunks)."""
-        T, c = max_pages * self.page_size, self._chunk
-        return self.units_per_request * min(2 * T // (c + 1), T // c + max_batch)
 
     # --- plan -----------------------------------------------------------------------------------
     @property
@@ -315,6 +279,8 @@ class DecodeAttention(PagedDecode):
         return self.cluster_mix if self.kernel_config.onchip_merge and self.cluster_size > 1 else []
 
     # --- run ------------------------------------------------------------------------------------
+    _run_inputs, _lse_meaning = ("q", "kv_cache"), "batch, num_qo_heads"
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
             return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
             k_scale: float = 1.0, v_scale: float = 1.0):
@@ -343,23 +309,14 @@ class DecodeAttention(PagedDecode):
             from .torch_ops import decode_attention
             return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse, k_scale=k_scale,
                                     v_scale=v_scale)
-        planned = self._run_start(return_lse)
-        grads = None   # (the usual case, plain tensors that need no grad, tested first: run() is hot)
-        if type(q) is not torch.Tensor or type(kv_cache) is not torch.Tensor or q.requires_grad or kv_cache.requires_grad:
-            grads = grad_inputs(q, *(kv_cache if isinstance(kv_cache, tuple) else (kv_cache,)))
-            q = plain(q)
-        B = planned.batch
-        Hq, D = self.num_qo_heads, self.head_dim
-        expect("q", q, self.dtype, (B, Hq, D), "batch of the last plan(), num_qo_heads, head_dim", self.device)
+        return self._run((q, kv_cache), return_lse, out, lse, k_scale=k_scale, v_scale=v_scale)
+
+    def _check_run(self, planned: _Planned, q: torch.Tensor, kv_cache: object, *, k_scale: object = 1.0,
+                   v_scale: object = 1.0) -> tuple[tuple[int, int, int], dict[str, torch.Tensor], tuple]:
+        shape = (planned.batch, self.num_qo_heads, self.head_dim)
+        expect("q", q, self.dtype, shape, "batch of the last plan(), num_qo_heads, head_dim", self.device)
         kv = self._check_kv_cache(kv_cache, planned, k_scale, v_scale)
-        out, lse = self._run_outputs(out, lse, (B, Hq, D), return_lse, "like q", "batch, num_qo_heads",
-                                     {"q": q, **kv.tensors})
-        if self.device.type == "cpu":
-            self._run_cpu(q, kv, plain(out), plain(lse))
-        elif B:
-            self._launch(q, kv, plain(out), plain(lse))
-        out, lse = self._tied(grads, out, lse)
-        return (out, lse) if return_lse else out
+        return shape, {"q": q, **kv.tensors}, (q, kv)
 
     @functools.cached_property
     def _kv_shapes(self) -> dict[str, tuple[tuple, str]]:
@@ -485,12 +442,9 @@ class DecodeAttention(PagedDecode):
         launcher.launch(overlap=self.overlap and not self._plan_kernel_last)
         self._launched()
 
-    def _run_cpu(self, q, kv: _KV, out, lse) -> None:
+    def _execute_cpu(self, planned: _Planned, q: torch.Tensor, kv: _KV):
         k, v = kv.tensors["kv_cache"].unbind(1) if "kv_cache" in kv.tensors else kv.tensors.values()
         if self.kv_layout == "HND":
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-        o, l = self.lowering.executor(self.schedule, q, k, v, self._planned.kv_indices, self.sm_scale,
+        return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
                                       self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale)
-        out.copy_(o.to(self.dtype))
-        if lse is not None:
-            lse.copy_(l.float())

@@ -14,17 +14,15 @@ import torch
 
 from .. import config
 from ..codegen.mla_kernel import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_HEADS_PER_UNIT, MlaKernelConfig
-from ..codegen import DecodePlanKernelConfig, TensorMap
+from ..codegen import TensorMap
 from ..codegen.params import MLA_PARAMS
 from ..scheduler import DecodeCost, Topology
-from ..scheduler.decode_plan_host import plan_params
-from .checks import check_finite, check_positive, expect, grad_inputs, is_int, plain
+from .checks import check_finite, check_positive, expect, is_int
 from .mla_graph import mla_decode_graph
-from .paged_decode import PagedDecode, _Buffers, _Planned
+from .paged_decode import PagedDecode, _Planned
 
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
-_DEFAULT_CAPACITY = (64, 4096)   # tables allocated before the first plan() when no capacity is given
 
 
 def default_cost(block_tokens: int) -> DecodeCost:
@@ -107,6 +105,7 @@ class DecodeMLA(PagedDecode):
         self.max_num_pages = None if max_num_pages is None else check_positive("max_num_pages", max_num_pages)
         # The decode planner's terms: one latent kv head whose group is every q head, in 64-head units.
         self.num_kv_heads, self.group_size, self.heads_per_unit = 1, num_heads, MLA_HEADS_PER_UNIT
+        self.partial_width = head_dim_ckv
         self.units_per_request = self.head_blocks = -(-num_heads // MLA_HEADS_PER_UNIT)
         self.kernel_config = kernel_config or MlaKernelConfig()
         self.cost = cost or default_cost(self.kernel_config.block_tokens)
@@ -141,43 +140,20 @@ class DecodeMLA(PagedDecode):
         self.topology = self._one_cta_per_sm(topology or Topology.discover(self.kernel, sizes=(1,)))
         self._box_rows = min(self.kernel_config.block_tokens, self.page_size)
         self._tensor_maps = TensorMapCache(functools.partial(_maps, box_rows=self._box_rows))
-        self._register_watchdog(kc.name, self._unit_names)
-        pc = DecodePlanKernelConfig()
-        self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
-        self._buf = self._make_buffers(self.max_batch_size or _DEFAULT_CAPACITY[0],
-                                       self.max_num_pages or _DEFAULT_CAPACITY[1])
+        self._init_device()
 
-    def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
+    def _kernel_launch(self, tables, fields: dict[str, int]):
         from ..runtime.driver import PersistentLaunch
-        from ..runtime.tables import Capacity, WorkTables
 
-        W = self.topology.num_ctas
-        t = WorkTables(self.device, W, Capacity(max_batch, max_pages))
-        units = max_batch * self.units_per_request
-        slots = units + W   # a piece's slot is its unit + its CTA
-        f32 = dict(dtype=torch.float32, device=self.device)
-        part_o = torch.empty(slots * MLA_HEADS_PER_UNIT * self.head_dim_ckv, **f32)
-        part_lse = torch.empty(slots * MLA_HEADS_PER_UNIT, **f32)
-        counters = torch.zeros(units, dtype=torch.int32, device=self.device)
-        params = plan_params(
-            self.cost, self.page_size, self.units_per_request, W, 0, kv_indptr=0, last_page_len=0,
-            kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
-            line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
-            arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base), cluster_rows=0)
-        prof_cap = units + 3 if self.kernel_config.profile else 0   # every piece and merge a CTA runs, at most
-        prof = torch.zeros(W, 1 + prof_cap, 4, dtype=torch.int64, device=self.device) if prof_cap else None
-        clock = torch.zeros(2, dtype=torch.int32, device=self.device) if prof_cap and self.profile_every > 1 else None
-        launcher = PersistentLaunch(self.kernel, [(1, W)], MLA_PARAMS.pack(
-            q_nope=0, q_pe=0, out=0, lse=0, kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len),
-            page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0), part_o=part_o.data_ptr(),
-            part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
-            ckv_map=TensorMap(), kpe_map=TensorMap(),   # set by run()
-            qn_stride_b=0, qn_stride_h=0, qp_stride_b=0, qp_stride_h=0, num_heads=self.num_heads,
+        return PersistentLaunch(self.kernel, [(1, self.topology.num_ctas)], MLA_PARAMS.pack(
+            q_nope=0, q_pe=0, out=0, lse=0, ckv_map=TensorMap(), kpe_map=TensorMap(),   # set by run()
+            qn_stride_b=0, qn_stride_h=0, qp_stride_b=0, qp_stride_h=0, **fields, num_heads=self.num_heads,
             units_per_request=self.units_per_request, page_size=self.page_size, box_rows=self._box_rows,
-            **self._header(prof, clock, prof_cap, self.profile_every, W), sm_scale_log2=self.sm_scale * _LOG2E))
-        return _Buffers(max_batch, max_pages, t, part_o, part_lse, counters, prof, clock, params, launcher)
+            sm_scale_log2=self.sm_scale * _LOG2E))
 
     # --- run ------------------------------------------------------------------------------------
+    _run_inputs, _lse_meaning = ("q_nope", "q_pe", "ckv_cache", "kpe_cache"), "batch, num_heads"
+
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, *,
             return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """Attention of the planned batch's queries over the latent cache.
@@ -197,21 +173,14 @@ class DecodeMLA(PagedDecode):
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import decode_mla
             return decode_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse=return_lse, out=out, lse=lse)
-        planned = self._run_start(return_lse)
-        grads = grad_inputs(q_nope, q_pe, ckv_cache, kpe_cache)
-        q_nope, q_pe, ckv_cache, kpe_cache = (plain(t) for t in (q_nope, q_pe, ckv_cache, kpe_cache))
+        return self._run((q_nope, q_pe, ckv_cache, kpe_cache), return_lse, out, lse)
+
+    def _check_run(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache):
         B, H, Dc, Dr = planned.batch, self.num_heads, self.head_dim_ckv, self.head_dim_kpe
         expect("q_nope", q_nope, self.dtype, (B, H, Dc), "batch of the last plan(), num_heads, head_dim_ckv", self.device)
         expect("q_pe", q_pe, self.dtype, (B, H, Dr), "batch of the last plan(), num_heads, head_dim_kpe", self.device)
         self._check_caches(ckv_cache, kpe_cache, planned)
-        out, lse = self._run_outputs(out, lse, (B, H, Dc), return_lse, "like q_nope", "batch, num_heads",
-                                     {"q_nope": q_nope, "q_pe": q_pe, "ckv_cache": ckv_cache, "kpe_cache": kpe_cache})
-        if self.device.type == "cpu":
-            self._run_cpu(q_nope, q_pe, ckv_cache, kpe_cache, plain(out), plain(lse))
-        elif B:
-            self._launch(q_nope, q_pe, ckv_cache, kpe_cache, plain(out), plain(lse))
-        out, lse = self._tied(grads, out, lse)
-        return (out, lse) if return_lse else out
+        return (B, H, Dc), *self._reads((q_nope, q_pe, ckv_cache, kpe_cache))
 
     def _check_caches(self, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, planned: _Planned) -> None:
         """Both caches' dtype, shape, device and rows (contiguous channels, 16-byte aligned), one page count,
@@ -250,9 +219,6 @@ class DecodeMLA(PagedDecode):
         launcher.launch()
         self._launched()
 
-    def _run_cpu(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse) -> None:
-        o, l = self.lowering.executor(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, self._planned.kv_indices,
+    def _execute_cpu(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache):
+        return self.lowering.executor(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, planned.kv_indices,
                                       self.sm_scale, self.lowering.combiner)
-        out.copy_(o.to(self.dtype))
-        if lse is not None:
-            lse.copy_(l.float())

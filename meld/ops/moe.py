@@ -140,10 +140,9 @@ class MoE(Operator):
             "y": torch.empty(R, H, dtype=self.dtype, device=self.device),
         }
         self._register_watchdog("meld_moe_main", _describe_ticket)
-        self._prof = torch.zeros(self._grid, 1 + _PROFILE_CAP, 4, dtype=torch.int64, device=self.device) \
-            if self._kernel_config.profile else None
-        self._prof_clock = torch.zeros(2, dtype=torch.int32, device=self.device) \
-            if self._prof is not None and self.profile_every > 1 else None
+        # (gemm1, gemm2 and combine records, named by ticket)
+        self._prof, self._prof_clock = self._profile_buffers(self._kernel_config.profile, self._grid, _PROFILE_CAP,
+                                                             self.profile_every)
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
         from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
         self._weight_maps = TensorMapCache(functools.partial(tensor_map_2d, box_rows=64))   # 64 weight rows per box
@@ -165,8 +164,7 @@ class MoE(Operator):
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs
         params = MOE_PARAMS.ctype(
-            **self._ptrs, **self._header(self._prof, self._prof_clock, _PROFILE_CAP if self._prof is not None else 0,
-                                         self.profile_every),
+            **self._ptrs, **self._header(self._prof, self._prof_clock, _PROFILE_CAP, self.profile_every),
             hidden=self.hidden_size, inter=self.intermediate_size,
             num_experts=self.num_experts, expert_base=self.first_expert, top_k=self.top_k,
             renormalize=int(self.renormalize),
@@ -323,9 +321,6 @@ class MoE(Operator):
         if not p.route_dispatches:
             v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)
         v.main.launch(self._grid, p, programmatic=True)
-
-    def _profile_records(self):   # gemm1 / gemm2 / combine records named by ticket
-        return None if self._prof is None else (self._prof, (1, 1), {})
 
     def errors(self) -> int:
         """Nonzero once a launch met an invalid precomputed topk id (waits for the GPU); clears it."""

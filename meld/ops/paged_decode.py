@@ -3,9 +3,11 @@ validated and handed to the GPU planner (templates/decode_plan.h), which cuts th
 segment per CTA and rewrites the work tables in place, so a CUDA graph that captured run() replays any
 later plan within the capacities.
 
-plan() is transactional: it validates everything before it changes anything, so a plan() that raises
-leaves the previous plan, its tables and its buffers exactly as they were. An operator adds its shapes,
-its kernel and buffers (`_make_buffers`), run() and the CPU executor's call.
+plan() is transactional (the operator shell's `_commit`): it validates everything before it changes
+anything, so a plan() that raises leaves the previous plan, its tables and its buffers exactly as they were.
+The buffers (work tables, partials, counters, the launch) are the shell's, sized by two capacities: requests
+and page indices. An operator adds its shapes, its kernel's launch (`_kernel_launch`), and run()'s checks,
+launch and CPU executor call.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..codegen import DecodePlanKernelConfig
 from ..ir import Schedule
 from ..runtime import host_helper
 from ..scheduler import Topology
+from ..scheduler.decode_plan_host import plan_params
 from ..tuning.recorder import kv_lens, recorder
 from .base import Operator
 from .checks import expect, is_int, plain, same_device
@@ -47,13 +50,15 @@ class _Planned:
     kv_indices: torch.Tensor | None     # the CPU executor's page indices
 
 
+_DEFAULT_CAPACITY = {"batch": 64, "pages": 4096}   # of the buffers made before the first plan() when none is given
+
+
 @dataclass
 class _Buffers:
     """Everything on the device sized by the capacities: work tables, partials, counters, the kernel's
     launch (its parameter structs point into the others), the planner's parameters."""
 
-    batch: int
-    pages: int
+    caps: dict[str, int]                # "batch": requests, "pages": page indices
     tables: object                      # meld.runtime.tables.WorkTables
     part_o: torch.Tensor
     part_lse: torch.Tensor
@@ -62,6 +67,7 @@ class _Buffers:
     prof_clock: torch.Tensor | None     # sampled profiles: the launch number and the exit tickets
     plan_params: ctypes.Structure
     launcher: object                    # meld.runtime.driver.PersistentLaunch
+
 
 class UnitNames:
     """Names a unit of a paged decode plan in the terms of the batch (`describe(unit)`), for `describe_unit` and
@@ -86,54 +92,74 @@ class UnitNames:
 
 class PagedDecode(Operator):
     """Base of the paged decode operators. A subclass sets `page_size`, `units_per_request`, `head_blocks`,
-    `num_kv_heads`, `group_size`, `heads_per_unit`, `cost`, `topology`, `profile_every`, the capacities and
-    `graph`, calls `_init_plan_state(describe)` (describe names a unit: `UnitNames`), on a GPU loads `planner`
-    and makes `_buf` (`_make_buffers`), and calls `_launched()` after each run() launch."""
+    `num_kv_heads`, `group_size`, `heads_per_unit`, `partial_width` (channels of a partial row), `cost`,
+    `kernel_config`, `topology`, `profile_every`, the capacities and `graph`, calls `_init_plan_state(describe)`
+    (describe names a unit: `UnitNames`), on a GPU loads `kernel` and calls `_init_device`, and calls
+    `_launched()` after each run() launch."""
+
+    _cluster_rows: torch.Tensor | None = None   # the CTA table's cluster rows, where the planner places for clusters
 
     def _init_plan_state(self, describe) -> None:
         self._unit_names = UnitNames(describe)   # what the watchdog registers (it must not hold the operator)
-        self._planned: _Planned | None = None
         self._plan_kernel_last = False   # the last kernel this op put on a stream was plan()'s
         self._schedule: Schedule | None = None   # of `_planned`, computed on first use
-        self._buf: _Buffers | None = None
-        self._watchdog = None
-        self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))   # the C helper's max page and error index
-        self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
         self._recorder = None   # MELD_RECORD's recorder, read by each plan() before it changes anything
 
-    def _make_buffers(self, max_batch: int, max_pages: int) -> _Buffers:
+    def _init_device(self) -> None:
+        """On a GPU, once `kernel` and `topology` are set: the watchdog, the GPU planner, and the buffers for the
+        capacities given (or `_DEFAULT_CAPACITY`)."""
+        self._register_watchdog(self.kernel_config.name, self._unit_names)
+        pc = DecodePlanKernelConfig()
+        self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
+        self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))   # the C helper's max page and error index
+        self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
+        self._buf = self._make_buffers({"batch": self.max_batch_size or _DEFAULT_CAPACITY["batch"],
+                                        "pages": self.max_num_pages or _DEFAULT_CAPACITY["pages"]})
+
+    def _make_buffers(self, caps: dict[str, int]) -> _Buffers:
+        from ..runtime.tables import Capacity, WorkTables
+
+        W = self.topology.num_ctas
+        t = WorkTables(self.device, W, Capacity(caps["batch"], caps["pages"]))
+        units = caps["batch"] * self.units_per_request
+        # A partial's slot: one per chunk (batch-invariant plans), otherwise its piece's unit + its CTA.
+        slots = self._chunk_slots(caps["batch"], caps["pages"]) if self._chunk else units + W
+        f32 = dict(dtype=torch.float32, device=self.device)
+        part_o = torch.empty(slots * self.heads_per_unit * self.partial_width, **f32)
+        part_lse = torch.empty(slots * self.heads_per_unit, **f32)
+        counters = torch.zeros(units, dtype=torch.int32, device=self.device)
+        params = plan_params(   # one struct for every plan(): plan() sets the batch and the page table
+            self.cost, self.page_size, self.units_per_request, W, self._chunk, kv_indptr=0, last_page_len=0,
+            kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
+            line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
+            arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base),
+            cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0)
+        # Records per CTA: at most every piece (units, or with chunks up to every slot too), 2 merges, the exit wait.
+        prof_cap = units + (slots if self._chunk else 0) + 3
+        prof, clock = self._profile_buffers(self.kernel_config.profile, W, prof_cap, self.profile_every)
+        launcher = self._kernel_launch(t, dict(
+            kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),
+            cta_table=t.ptr(0), part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
+            **self._header(prof, clock, prof_cap, self.profile_every, W)))
+        return _Buffers(caps, t, part_o, part_lse, counters, prof, clock, params, launcher)
+
+    def _kernel_launch(self, tables, fields: dict[str, int]):
+        """The kernel's `meld.runtime.driver.PersistentLaunch`, its parameters `fields` (the work tables',
+        partials' and counters' addresses and the header) and the kernel's own; `tables`: the WorkTables."""
         raise NotImplementedError
 
-    def __getstate__(self) -> dict:
-        """copy / deepcopy / pickle: an operator on the CPU executor copies whole (its plan too); one on a GPU
-        cannot be copied (its launch parameters point at its own device buffers): a TypeError says so."""
-        if self._buf is not None:
-            raise TypeError(f"{type(self).__name__} on {self.device} cannot be copied or pickled: its kernel's "
-                            "parameters point at its own device buffers; build another with the same arguments")
-        state = dict(self.__dict__)
-        del state["_helper_out"], state["_helper_out_ptrs"]   # ctypes pointers: made anew for the copy
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))
-        self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
+    def _chunk_slots(self, max_batch: int, max_pages: int) -> int:
+        """Partial slots a batch-invariant plan within the capacities can need: one per chunk of every unit
+        of more than one chunk. With T tokens (at most max_pages full pages) that is at most
+        min(2 T / (chunk + 1), T / chunk + B) chunks per unit position (a request of L > chunk tokens
+        has ceil(L / chunk) <= 2 L / (chunk + 1) chunks)."""
+        T, c = max_pages * self.page_size, self._chunk
+        return self.units_per_request * min(2 * T // (c + 1), T // c + max_batch)
 
     def describe_unit(self, unit: int) -> str:
         """A unit of work in the terms of the batch ("request 3, kv head 1, q heads 4-7"); a number outside
         the units of the plans so far is answered as out of range (never an exception)."""
         return self._unit_names(unit)
-
-    def _run_start(self, return_lse: object) -> _Planned:
-        """run()'s first checks: a plan, a bool return_lse, no watchdog trip pending. Returns the plan."""
-        planned = self._planned
-        if planned is None:
-            raise RuntimeError(f"{type(self).__name__}.run: call plan() first")
-        if return_lse is not True and return_lse is not False:
-            raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-        if self._watchdog is not None:
-            self._watchdog.check()
-        return planned
 
     def _launched(self) -> None:
         """After every run() launch: the next one may overlap the stream's previous kernel, and an eager run of a
@@ -159,27 +185,20 @@ class PagedDecode(Operator):
                              f"most {limit} CTAs (its per-CTA scratch must fit one CTA's shared memory)")
         return topology
 
-    def _capacity_for(self, batch: int, pages: int) -> tuple[int, int]:
-        """The table capacities a plan of `batch` requests and `pages` page indices needs (the current ones
-        when they suffice); a capacity given at construction is a limit."""
+    def _check_capacity(self, batch: int, pages: int) -> None:
+        """ValueError where a plan of `batch` requests and `pages` page indices exceeds a capacity given at
+        construction (a limit)."""
         if self.max_batch_size is not None and batch > self.max_batch_size:
             raise ValueError(f"batch of {batch} requests exceeds max_batch_size={self.max_batch_size} given at "
                              "construction")
         if self.max_num_pages is not None and pages > self.max_num_pages:
             raise ValueError(f"kv_indptr[-1]={pages} page indices exceed max_num_pages={self.max_num_pages} given "
                              "at construction")
-        if self._buf is None:
-            return batch, pages
-        cb, cp = self._buf.batch, self._buf.pages
-        return (cb if batch <= cb else max(batch, 2 * cb)), (cp if pages <= cp else max(pages, 2 * cp))
 
-    def _buffers_for(self, batch: int, pages: int) -> _Buffers:
-        """The current buffers, or larger ones (not yet installed: plan() installs them on success)."""
-        cap = self._capacity_for(batch, pages)
-        if cap == (self._buf.batch, self._buf.pages):
-            return self._buf
-        torch.cuda.synchronize(self.device)   # the GPU may still read the old buffers, staging included
-        return self._make_buffers(*cap)
+    def _fitting(self, batch: int, pages: int) -> _Buffers:
+        """The buffers a plan of `batch` requests and `pages` page indices is written into (`_buffers_for`)."""
+        self._check_capacity(batch, pages)
+        return self._buffers_for({"batch": batch, "pages": pages})
 
     # --- plan -----------------------------------------------------------------------------------
     @property
@@ -265,23 +284,22 @@ class PagedDecode(Operator):
                 warnings.warn(f"{e}; the plan was installed, its schedule not dumped", RuntimeWarning, stacklevel=2)
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
-        """Install a validated plan (and grown buffers): the only place plan() changes the operator;
-        and record the batch when MELD_RECORD samples it."""
+        """The shell's commit, after recording the batch when MELD_RECORD samples it; then the state derived
+        from the plan (its schedule, computed when asked for; the units the watchdog names)."""
         rec = self._recorder   # (resolved when plan() started)
         if rec is not None and rec.due() and not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
                                                      for t in (planned.indptr, planned.last)):
             rec.record(self.graph.name, self.shape_bucket, kv_lens(_host(planned.indptr), _host(planned.last),
                                                                    self.page_size))
-        self._planned, self._schedule = planned, None
+        super()._commit(planned, buf)
+        self._schedule = None
         self._unit_names.units = max(self._unit_names.units, planned.batch * self.units_per_request)
         self._plan_kernel_last = True
-        if buf is not None:
-            self._buf = buf
 
     def _plan_cpu(self, B, kv_indptr, kv_indices, kv_last_page_len) -> None:
         indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
         nnz = check_page_table(indptr, last, kv_indices.numel(), self.page_size)
-        self._capacity_for(B, nnz)
+        self._check_capacity(B, nnz)
         indices = kv_indices[:nnz].clone()
         self._commit(_Planned(B, indptr.copy(), last.copy(), max_page(indices.numpy()), indices))
 
@@ -290,7 +308,7 @@ class PagedDecode(Operator):
         there by the GPU planner (one driver call, no wait for the device)."""
         indptr = kv_indptr.numpy()
         nnz = int(indptr[-1])
-        buf = self._buffers_for(B, max(0, min(nnz, kv_indices.numel())))   # bad tables stage no more than that
+        buf = self._fitting(B, max(0, min(nnz, kv_indices.numel())))   # bad tables stage no more than that
         t = buf.tables
         staged = t.stage()    # the staging buffer the last plan did not use: the last plan keeps its own
         host = t.staging_ptr()
@@ -328,7 +346,7 @@ class PagedDecode(Operator):
             top = max_page(_host(kv_indices[:nnz]))
         else:          # trust the values: no host involvement at all
             nnz, top = kv_indices.numel(), -1
-        buf = self._buffers_for(B, nnz)
+        buf = self._fitting(B, nnz)
         # Mixed placements (say kv_indptr on the CPU, kv_indices on the GPU) move to the device first.
         parts = [x.to(self.device).contiguous() for x in (kv_indptr, kv_last_page_len, kv_indices[:nnz])]
         buf.tables.copy_from_device(*parts)
