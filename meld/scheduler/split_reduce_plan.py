@@ -52,7 +52,7 @@ class GroupTable:
     kv_last_page_len: np.ndarray
 
     def kv_len(self, page_size: int) -> np.ndarray:
-        pages = np.diff(self.kv_indptr)
+        pages = self.kv_indptr[1:] - self.kv_indptr[:-1]   # (np.diff's dispatch costs more, every plan())
         return np.where(pages > 0, (pages - 1) * page_size + self.kv_last_page_len, 0)
 
 
@@ -144,41 +144,50 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     from ..codegen.params import SPLIT_PLAN_PARAMS
     from ..runtime.host_helper import load_split_reduce_plan
 
-    def i32(parts: list[np.ndarray]) -> np.ndarray:
-        return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=np.int32)
-
-    producer = i32([np.full(len(t.kv_last_page_len), i) for i, t in enumerate(tables)])
-    index = i32([np.arange(len(t.kv_last_page_len)) for t in tables])
-    q0 = i32([t.qo_indptr[:-1] for t in tables])
-    requests = i32([np.diff(t.qo_indptr) for t in tables])
-    tokens = i32([t.kv_len(page_size) for t in tables])
+    groups = _group_columns(tables, page_size)
+    requests, tokens = groups[3], groups[4]
     busy = (tokens > 0) & (requests > 0)
-    items = int(-(-requests[busy] // max(1, slice_rows // group_size)).sum()) * num_kv_heads
-    task_cap = items + num_ctas
+    task_cap = int(-(-requests[busy] // max(1, slice_rows // group_size)).sum()) * num_kv_heads + num_ctas
     part_cap = int(requests[busy].sum()) * num_kv_heads + num_ctas * int(requests.max(initial=0))
     n_events = batch * num_kv_heads
-    tasks = np.zeros(task_cap * SPLIT_TASK.width, dtype=np.int32)
-    events = np.zeros(max(1, n_events) * EVENT.width, dtype=np.int32)
-    part_slot = np.zeros(max(1, part_cap), dtype=np.int32)
-    cursor = np.zeros(max(1, n_events), dtype=np.int32)
-    out = np.zeros(2, dtype=np.int32)
-    ptr = lambda a: a.ctypes.data  # noqa: E731
+    # The planner's outputs and scratch in one array (one allocation, one address); everything read back is
+    # written by the planner first.
+    sizes = {"tasks": task_cap * SPLIT_TASK.width, "events": n_events * EVENT.width, "part_slot": part_cap,
+             "cursor": n_events, "out": 2}
+    scratch = np.empty(sum(sizes.values()), dtype=np.int32)
+    base, at, part, addr = scratch.ctypes.data, 0, {}, {}
+    for name, n in sizes.items():
+        part[name], addr[name] = scratch[at:at + n], base + 4 * at
+        at += n
+    g, n_groups = groups.ctypes.data, groups.shape[1]
     params = SPLIT_PLAN_PARAMS.pack(
-        group_producer=ptr(producer), group_index=ptr(index), group_q0=ptr(q0), group_requests=ptr(requests),
-        group_tokens=ptr(tokens), tasks=ptr(tasks), events=ptr(events), part_slot=ptr(part_slot), cursor=ptr(cursor),
-        out=ptr(out), num_groups=len(tokens), batch=batch, num_kv_heads=num_kv_heads, group_size=group_size,
-        num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS, rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows,
-        task_capacity=task_cap, slot_capacity=part_cap)
+        group_producer=g, group_index=g + 4 * n_groups, group_q0=g + 8 * n_groups, group_requests=g + 12 * n_groups,
+        group_tokens=g + 16 * n_groups, **addr, num_groups=n_groups, batch=batch, num_kv_heads=num_kv_heads,
+        group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS,
+        rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows, task_capacity=task_cap, slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
-    num_tasks, num_slots = int(out[0]), int(out[1])
+    num_tasks, num_slots = int(part["out"][0]), int(part["out"][1])
     if num_tasks < 0:   # the capacities above bound every cut: this is a planner bug, not an input error
         raise RuntimeError(f"split-reduce planner: capacities {task_cap} tasks / {part_cap} parts were too small")
-    ev = EVENT.unpack(events, n_events)
-    parts = int(ev["parts"].sum()) if n_events else 0
-    cols = SPLIT_TASK.unpack(tasks, task_cap)
+    events = part["events"]
+    parts = int(EVENT.unpack(events, n_events)["parts"].sum())
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
-                           SPLIT_TASK.pack(num_tasks, **{f: c[:num_tasks] for f, c in cols.items()}), num_tasks,
-                           EVENT.pack(n_events, **ev), part_slot[:parts].copy(), num_slots)
+                           part["tasks"].reshape(SPLIT_TASK.width, task_cap)[:, :num_tasks].flatten(), num_tasks,
+                           events.copy(), part["part_slot"][:parts].copy(), num_slots)
+
+
+def _group_columns(tables: list[GroupTable], page_size: int) -> np.ndarray:
+    """The planner's per-group inputs, int32 [5, groups]: producer, index in it, first request, requests,
+    KV tokens (SplitPlanParams.group_*), producer after producer."""
+    counts = [len(t.kv_last_page_len) for t in tables]
+    out = np.empty((5, sum(counts)), dtype=np.int32)
+    at = 0
+    for i, (t, n) in enumerate(zip(tables, counts)):
+        cols = out[:, at:at + n]
+        cols[0], cols[1], cols[2] = i, np.arange(n), t.qo_indptr[:-1]
+        cols[3], cols[4] = t.qo_indptr[1:] - t.qo_indptr[:-1], t.kv_len(page_size)
+        at += n
+    return out
 
 
 def launch_tables(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, np.ndarray]:
