@@ -14,12 +14,16 @@ merges it in the same launch.
 """
 from __future__ import annotations
 
+import ctypes
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables
+from ..runtime.tables import StagedImage
+from ..scheduler.split_reduce_plan import (SLICE_ROWS, GroupTable, LaunchLayout, SplitReducePlan, launch_sizes,
+                                           write_launch_tables)
 from .. import config
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
@@ -32,6 +36,35 @@ H200_SMS = 132
 
 def _describe_task(unit: int) -> str:
     return f"split-reduce task {unit}"
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """CUDA: the kernel's buffers for plans within `caps` (launch_sizes' units, plus partial slots and
+    MELD_PROFILE records per CTA) and its parameter struct, which points into them."""
+
+    caps: dict[str, int]
+    layout: LaunchLayout
+    image: StagedImage                     # every launch table, at layout's offsets
+    host_tables: dict[str, np.ndarray]     # layout's views of the pinned image: plan() writes these
+    scratch: dict[str, torch.Tensor]       # counters (zero between launches), part_o, part_lse
+    prof: torch.Tensor | None              # MELD_PROFILE: the kernel's per-CTA records (last_trace)
+    params: ctypes.Structure
+
+
+def _launch_need(plan: SplitReducePlan, order: list[GroupTable], profile: bool) -> dict[str, int]:
+    """What a plan needs of each capacity: launch_sizes', the partial slots, and in MELD_PROFILE builds the
+    records of a CTA (one per task and one per merging of the events it completed)."""
+    records = 2 * int(np.bincount(plan.task_columns()["cta"], minlength=plan.num_ctas).max(initial=0)) if profile else 0
+    return {**launch_sizes(plan, order), "slots": plan.num_slots, "records": records}
+
+
+def _grown(caps: dict[str, int], need: dict[str, int]) -> dict[str, int] | None:
+    """None while `caps` holds `need` (the buffers stay); else capacities of twice what it needs, never less
+    than before."""
+    if all(n <= caps.get(k, 0) for k, n in need.items()):
+        return None
+    return {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
 
 
 class CascadeDecode(Operator):
@@ -60,8 +93,7 @@ class CascadeDecode(Operator):
         self.page_size, self.num_levels, self.dtype = page_size, num_levels, dtype
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
         self._planned = None   # (batch, {task: GroupTable}, SplitReducePlan, largest page index)
-        self._launch_state = None   # CUDA: the planned batch's device tables and the kernel's parameters
-        self._prof = None           # CUDA, MELD_PROFILE: the kernel's per-CTA records (last_trace)
+        self._launch_state: _Launch | None = None   # CUDA: the planned batch's device tables, the kernel's parameters
         self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
         if self.device.type == "cuda":
             from ..codegen.grouped_kernel import GroupedKernelConfig
@@ -129,46 +161,41 @@ class CascadeDecode(Operator):
         state = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._planned, self._launch_state = (batch, tables, plan, top), state
 
-    def _device_tables(self, plan, order: list[GroupTable]):
-        """The plan's tables written into the kernel's device buffers, which are reused while the plan fits
-        them, so a CUDA graph captured after one plan() replays any later plan that fits (the batch is read
-        from the device, plan_info); a larger plan grows them (twice what it needs), and graphs captured
-        before then must be captured again. Returns (buffers, capacities, the kernel's parameter struct)."""
-        from ..codegen.params import GROUPED_PARAMS
-        from ..ir.work_table import EVENT, SPLIT_TASK
+    def _device_tables(self, plan: SplitReducePlan, order: list[GroupTable]) -> _Launch:
+        """The plan written into the kernel's device tables, which are reused while the plan fits them, so a
+        CUDA graph captured after one plan() replays any later plan that fits (the batch is read from the
+        device, plan_info); a larger plan grows them (twice what it needs), and graphs captured before then
+        must be captured again. Returns the launch state (a new one when the plan outgrew the last)."""
+        need = _launch_need(plan, order, self.kernel_config.profile)
+        state = self._launch_state
+        caps = _grown(state.caps if state is not None else {}, need)
+        if caps is not None:   # new buffers; the old ones stay the last plan's
+            state = self._new_launch(caps, plan.group_size)
+        state.image.wait()
+        write_launch_tables(state.host_tables, plan, order)
+        state.image.upload(state.layout.used(need))
+        return state
 
-        host = launch_tables(plan, order)
-        n_events = plan.batch * plan.num_kv_heads
-        need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": n_events,
-                "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1,
-                "records": 2 * int(np.diff(host["cta_first"]).max(initial=0)) if self.kernel_config.profile else 0}
-        buf, caps, params = self._launch_state or ({}, {}, None)
-        if any(n > caps.get(k, 0) for k, n in need.items()):   # new buffers; the old ones stay the last plan's
-            caps = {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
-            i32 = dict(dtype=torch.int32, device=self.device)
-            f32 = dict(dtype=torch.float32, device=self.device)
-            buf = {k: torch.zeros(caps[k] * (SPLIT_TASK.width if k == "tasks" else EVENT.width if k == "events" else 1),
-                                  **i32) for k in (*host, "tasks", "events", "part_slot", "plan_info")}
-            buf.update(counters=torch.zeros(caps["events"], **i32), part_o=torch.empty(caps["slots"] * self.head_dim, **f32),
-                       part_lse=torch.empty(caps["slots"], **f32))
-            # MELD_PROFILE builds: a record per task and per merging of the events it completed, a CTA
-            self._prof = torch.zeros(self.num_ctas, 1 + caps["records"], 4, dtype=torch.int64, device=self.device) \
-                if self.kernel_config.profile else None
-            params = GROUPED_PARAMS.ctype(**self._header(self._prof, None, caps["records"] if self._prof is not None else 0,
-                                                         1, self.num_ctas),
-                                          **{k: v.data_ptr() for k, v in buf.items() if k != "slots"},
-                                          task_capacity=caps["tasks"], event_capacity=caps["events"],
-                                          num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-                                          group_size=plan.group_size, page_size=self.page_size,
-                                          sm_scale_log2=self.sm_scale * math.log2(math.e))
-        task, event = plan.task_columns(), plan.event_columns()
-        pad = lambda a, n: np.r_[a, np.zeros(n - len(a), dtype=np.int64)]   # noqa: E731
-        rows = {**host, "plan_info": np.array([plan.batch]), "part_slot": plan.part_slot,
-                "tasks": SPLIT_TASK.pack(caps["tasks"], **{f: pad(c, caps["tasks"]) for f, c in task.items()}),
-                "events": EVENT.pack(caps["events"], **{f: pad(c, caps["events"]) for f, c in event.items()})}
-        for k, a in rows.items():
-            buf[k][:len(a)].copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)))
-        return buf, caps, params
+    def _new_launch(self, caps: dict[str, int], group_size: int) -> _Launch:
+        """Device buffers for plans within `caps`, and the kernel's parameter struct pointing into them."""
+        from ..codegen.params import GROUPED_PARAMS
+
+        layout = LaunchLayout.of(caps)
+        image = StagedImage(self.device, layout.size)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        scratch = {"counters": torch.zeros(caps["events"], dtype=torch.int32, device=self.device),
+                   "part_o": torch.empty(caps["slots"] * self.head_dim, **f32),
+                   "part_lse": torch.empty(caps["slots"], **f32)}
+        prof = torch.zeros(self.num_ctas, 1 + caps["records"], 4, dtype=torch.int64, device=self.device) \
+            if self.kernel_config.profile else None
+        params = GROUPED_PARAMS.ctype(**self._header(prof, None, caps["records"] if prof is not None else 0, 1,
+                                                     self.num_ctas),
+                                      **{k: v.data_ptr() for k, v in {**layout.views(image.buf), **scratch}.items()},
+                                      task_capacity=caps["tasks"], event_capacity=caps["events"],
+                                      num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                      group_size=group_size, page_size=self.page_size,
+                                      sm_scale_log2=self.sm_scale * math.log2(math.e))
+        return _Launch(caps, layout, image, layout.views(image.host), scratch, prof, params)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, return_lse: bool = False,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
@@ -202,10 +229,11 @@ class CascadeDecode(Operator):
         return (out, lse) if return_lse else out
 
     def _profile_records(self):   # a task's attention as "piece", its events' merging as "merge-hbm", by task
-        return None if self._prof is None else (self._prof, (1, 1), {})
+        state = self._launch_state
+        return None if state is None or state.prof is None else (state.prof, (1, 1), {})
 
     def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        _, _, params = self._launch_state
+        params = self._launch_state.params
         q = q.contiguous() if q.data_ptr() % 16 == 0 else q.clone(memory_format=torch.contiguous_format)
         for name, t in (("kv_cache", kv_cache), ("out", out)):   # (the kernel's 16-byte loads and 8-byte stores)
             if t.data_ptr() % 16:

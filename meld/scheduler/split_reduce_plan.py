@@ -190,17 +190,69 @@ def _group_columns(tables: list[GroupTable], page_size: int) -> np.ndarray:
     return out
 
 
-def launch_tables(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, np.ndarray]:
-    """What the grouped-attention kernel reads besides the plan's tables (int32): each CTA's first task, and
-    where each task's group's page list starts in the producers' page lists laid one after another
-    (templates/grouped_attention.cuh; a group's global id is producer_groups[producer] + group; a task's
-    first request is its first event's, event_first - kv_head * batch)."""
-    counts = [len(t.qo_indptr) - 1 for t in tables]
-    pages = np.cumsum([0] + [len(t.kv_indices) for t in tables])
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)   # noqa: E731
-    return {
-        "cta_first": i32(np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1), side="left")),
-        "producer_groups": i32(np.cumsum([0] + counts[:-1])),
-        "group_pages": i32(np.concatenate([t.kv_indptr[:-1] + off for t, off in zip(tables, pages)])),
-        "kv_indices": i32(np.concatenate([t.kv_indices for t in tables] + [np.zeros(1)])),   # (never empty)
-    }
+# The tables the grouped-attention kernel reads (GroupedParams), in their order in one buffer: kv_indices last, so
+# a copy of the buffer can stop at its last used entry.
+LAUNCH_TABLES = ("plan_info", "cta_first", "producer_groups", "group_pages", "events", "tasks", "part_slot",
+                 "kv_indices")
+_ROWS = {"tasks": SPLIT_TASK, "events": EVENT}   # tables of rows: field-major over their capacity of rows
+_ALIGN = 32   # int32 entries: each table starts on a 128-byte line
+
+
+def launch_sizes(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, int]:
+    """What each of LAUNCH_TABLES holds for the plan: rows of tasks and events, entries of the others."""
+    return {"plan_info": 1, "cta_first": plan.num_ctas + 1, "producer_groups": len(tables),
+            "group_pages": sum(len(t.kv_last_page_len) for t in tables), "events": plan.batch * plan.num_kv_heads,
+            "tasks": plan.num_tasks, "part_slot": len(plan.part_slot),
+            "kv_indices": sum(len(t.kv_indices) for t in tables) + 1}   # (one more: never empty)
+
+
+@dataclass(frozen=True)
+class LaunchLayout:
+    """LAUNCH_TABLES in one int32 buffer, each at a fixed offset sized by its capacity (`capacity`, in
+    launch_sizes' units), so that a plan that fits rewrites them in place and their addresses stay."""
+
+    capacity: dict[str, int]
+    offset: dict[str, int]    # int32 entries
+    entries: dict[str, int]
+    size: int
+
+    @classmethod
+    def of(cls, capacity: dict[str, int]) -> LaunchLayout:
+        entries = {k: capacity[k] * (_ROWS[k].width if k in _ROWS else 1) for k in LAUNCH_TABLES}
+        offset, at = {}, 0
+        for k, n in entries.items():
+            offset[k], at = at, -(-(at + n) // _ALIGN) * _ALIGN
+        return cls(capacity, offset, entries, offset["kv_indices"] + entries["kv_indices"])
+
+    def views(self, buf):
+        """Each table's slice of `buf` (a NumPy array or a tensor of `size` entries)."""
+        return {k: buf[o:o + self.entries[k]] for k, o in self.offset.items()}
+
+    def used(self, sizes: dict[str, int]) -> int:
+        """Leading entries of the buffer that hold a plan of launch_sizes `sizes` (its kv_indices last)."""
+        return self.offset["kv_indices"] + sizes["kv_indices"]
+
+
+def write_launch_tables(views: dict[str, np.ndarray], plan: SplitReducePlan, tables: list[GroupTable]) -> None:
+    """Write the plan's launch tables into `views` (a LaunchLayout's views, large enough). What the kernel
+    reads (templates/grouped_attention.cuh): the batch, each CTA's first task, the task and event rows
+    (those past the plan's zeroed), each event's part slots, and where each group's page list starts in the
+    producers' page lists laid one after another (a group's global id is producer_groups[producer] + group;
+    a task's first request is its first event's, event_first - kv_head * batch). Entries past the plan's in
+    the other tables keep what they held: the kernel reads none of them."""
+    v = views
+    v["plan_info"][0] = plan.batch
+    v["cta_first"][:plan.num_ctas + 1] = np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1))
+    for name, rows in (("tasks", plan.num_tasks), ("events", plan.batch * plan.num_kv_heads)):
+        dst = v[name].reshape(_ROWS[name].width, -1)
+        dst[:, :rows] = getattr(plan, name).reshape(_ROWS[name].width, rows)
+        dst[:, rows:] = 0
+    v["part_slot"][:len(plan.part_slot)] = plan.part_slot
+    groups = pages = 0
+    for i, t in enumerate(tables):
+        n, m = len(t.kv_last_page_len), len(t.kv_indices)
+        v["producer_groups"][i] = groups
+        v["group_pages"][groups:groups + n] = t.kv_indptr[:-1] + pages
+        v["kv_indices"][pages:pages + m] = t.kv_indices
+        groups, pages = groups + n, pages + m
+    v["kv_indices"][pages] = 0
