@@ -31,6 +31,7 @@ from .checks import check_finite, check_positive, expect, grad_inputs, is_int, p
 from .page_table import check_page_table, max_page
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_CPU = torch.device("cpu")
 H200_SMS = 132
 
 
@@ -127,39 +128,41 @@ class CascadeDecode(Operator):
                 raise ValueError(f"{name} must be a list of num_levels={self.num_levels} tensors, got {got}")
         tables, batch, top = {}, None, -1
         for lv in range(self.num_levels):
-            qo, ip, ix, last = (plain(arrays[n][lv]) for n in arrays)
-            for name, t, meaning in ((f"qo_indptr_arr[{lv}]", qo, "G + 1 offsets"),
-                                     (f"kv_indptr_arr[{lv}]", ip, "G + 1 offsets"),
-                                     (f"kv_indices_arr[{lv}]", ix, "page indices")):
-                expect(name, t, torch.int32, (None,), meaning, torch.device("cpu"), contiguous=True)
-            G = qo.shape[0] - 1
-            if G < 0:
-                raise ValueError(f"qo_indptr_arr[{lv}] must have G + 1 entries, got an empty tensor")
-            if ip.shape[0] != G + 1:
-                raise ValueError(f"kv_indptr_arr[{lv}] has {ip.shape[0]} entries, qo_indptr_arr[{lv}] {G + 1}: one "
-                                 "page table per group")
-            expect(f"kv_last_page_len_arr[{lv}]", last, torch.int32, (G,), "one entry per group", torch.device("cpu"),
-                   contiguous=True)
-            q = qo.numpy().astype(np.int64)
-            if q[0] != 0 or (np.diff(q) < 0).any():
-                raise ValueError(f"qo_indptr_arr[{lv}] must start at 0 and never decrease, got {q.tolist()}")
-            if batch is None:
-                batch = int(q[-1])
-            elif int(q[-1]) != batch:
-                raise ValueError(f"qo_indptr_arr[{lv}][-1]={int(q[-1])}, but level 0 has {batch} requests: every "
-                                 "level covers the same batch")
-            try:
-                nnz = check_page_table(ip.numpy(), last.numpy(), ix.numel(), self.page_size)
-                top = max(top, max_page(ix.numpy()[:nnz]))
-            except ValueError as e:
-                raise ValueError(f"level {lv}: {e}") from None
-            tables[level_task(lv)] = GroupTable(q, ip.numpy().astype(np.int64), ix.numpy()[:nnz].astype(np.int64),
-                                                last.numpy().astype(np.int64))
+            table, batch, level_top = self._level(lv, batch, *(plain(a[lv]) for a in arrays.values()))
+            tables[level_task(lv)], top = table, max(top, level_top)
         order = [tables[t] for t in self.lowering.producers]
         plan = self.lowering.planner(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
                                      self.page_size, self.num_ctas, self._slice_rows)
         state = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._planned, self._launch_state = (batch, tables, plan, top), state
+
+    def _level(self, lv: int, batch: int | None, qo, ip, ix, last) -> tuple[GroupTable, int, int]:
+        """Level lv's arguments checked (each problem named by its argument) against the batch of the levels
+        before (None: this is the first): its table as the planner reads it, the batch, its largest page."""
+        for name, t, meaning in ((f"qo_indptr_arr[{lv}]", qo, "G + 1 offsets"),
+                                 (f"kv_indptr_arr[{lv}]", ip, "G + 1 offsets"),
+                                 (f"kv_indices_arr[{lv}]", ix, "page indices")):
+            expect(name, t, torch.int32, (None,), meaning, _CPU, contiguous=True)
+        G = qo.shape[0] - 1
+        if G < 0:
+            raise ValueError(f"qo_indptr_arr[{lv}] must have G + 1 entries, got an empty tensor")
+        if ip.shape[0] != G + 1:
+            raise ValueError(f"kv_indptr_arr[{lv}] has {ip.shape[0]} entries, qo_indptr_arr[{lv}] {G + 1}: one "
+                             "page table per group")
+        expect(f"kv_last_page_len_arr[{lv}]", last, torch.int32, (G,), "one entry per group", _CPU, contiguous=True)
+        q, ip, ix, last = qo.numpy().astype(np.int64), ip.numpy(), ix.numpy(), last.numpy()
+        if q[0] != 0 or (q[1:] < q[:-1]).any():
+            raise ValueError(f"qo_indptr_arr[{lv}] must start at 0 and never decrease, got {q.tolist()}")
+        if batch is not None and int(q[-1]) != batch:
+            raise ValueError(f"qo_indptr_arr[{lv}][-1]={int(q[-1])}, but level 0 has {batch} requests: every "
+                             "level covers the same batch")
+        try:
+            nnz = check_page_table(ip, last, len(ix), self.page_size)
+            ix = ix[:nnz]
+            top = max_page(ix)
+        except ValueError as e:
+            raise ValueError(f"level {lv}: {e}") from None
+        return GroupTable(q, ip.astype(np.int64), ix.astype(np.int64), last.astype(np.int64)), int(q[-1]), top
 
     def _device_tables(self, plan: SplitReducePlan, order: list[GroupTable]) -> _Launch:
         """The plan written into the kernel's device tables, which are reused while the plan fits them, so a
