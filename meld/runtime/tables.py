@@ -113,10 +113,10 @@ class WorkTables:
 
 class StagedImage:
     """An int32 device buffer that each plan() rewrites from a pinned host image of it in one asynchronous
-    copy (grouped attention's tables: meld.scheduler.split_reduce_plan.LaunchLayout), instead of a copy per
-    table from pageable memory, each of which waits for the device. The device buffer never moves, so a
-    CUDA graph that captured run() reads every later plan. The host image is rewritten only once the GPU
-    has copied it (an event): plan() runs at most one copy ahead of the stream."""
+    copy (grouped attention's tables: meld.scheduler.split_reduce_plan.LaunchLayout); a copy per table from
+    pageable memory would wait for the device each time. The device buffer never moves, so a CUDA graph
+    that captured run() reads every later plan. The host image is rewritten only once the GPU has copied it
+    (an event): plan() runs at most one copy ahead of the stream."""
 
     def __init__(self, device: torch.device, size: int):
         self.buf = torch.zeros(size, dtype=torch.int32, device=device)

@@ -11,7 +11,8 @@ one plan, balanced together instead of one level after another.
 The plan is two int32 tables declared in `meld.ir.work_table` (SPLIT_TASK, EVENT) plus the slot list of
 each event's parts: what a kernel would read, and all the CPU executor reads besides the page tables. It is
 made by one C source for the GPU and the host (templates/split_reduce_plan.h; `plan_split_reduce` runs its
-host build), with `plan_split_reduce_numpy` as its oracle.
+host build), with `plan_split_reduce_numpy` as its oracle. `write_launch_tables` lays them out, with the rest
+of what the grouped-attention kernel reads, in one buffer (`LaunchLayout`): the GPU operator's device tables.
 
 Cost model and cut (decode's, on a line): a work item (producer, group, kv head, slice) of t tokens and r
 query rows costs t * ceil(r / 64), the tensor-core tiles of 64 rows each of its key rows feeds. A slice is
@@ -240,19 +241,18 @@ def write_launch_tables(views: dict[str, np.ndarray], plan: SplitReducePlan, tab
     producers' page lists laid one after another (a group's global id is producer_groups[producer] + group;
     a task's first request is its first event's, event_first - kv_head * batch). Entries past the plan's in
     the other tables keep what they held: the kernel reads none of them."""
-    v = views
-    v["plan_info"][0] = plan.batch
-    v["cta_first"][:plan.num_ctas + 1] = np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1))
+    views["plan_info"][0] = plan.batch
+    views["cta_first"][:plan.num_ctas + 1] = np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1))
     for name, rows in (("tasks", plan.num_tasks), ("events", plan.batch * plan.num_kv_heads)):
-        dst = v[name].reshape(_ROWS[name].width, -1)
+        dst = views[name].reshape(_ROWS[name].width, -1)
         dst[:, :rows] = getattr(plan, name).reshape(_ROWS[name].width, rows)
         dst[:, rows:] = 0
-    v["part_slot"][:len(plan.part_slot)] = plan.part_slot
+    views["part_slot"][:len(plan.part_slot)] = plan.part_slot
     groups = pages = 0
     for i, t in enumerate(tables):
         n, m = len(t.kv_last_page_len), len(t.kv_indices)
-        v["producer_groups"][i] = groups
-        v["group_pages"][groups:groups + n] = t.kv_indptr[:-1] + pages
-        v["kv_indices"][pages:pages + m] = t.kv_indices
+        views["producer_groups"][i] = groups
+        views["group_pages"][groups:groups + n] = t.kv_indptr[:-1] + pages
+        views["kv_indices"][pages:pages + m] = t.kv_indices
         groups, pages = groups + n, pages + m
-    v["kv_indices"][pages] = 0
+    views["kv_indices"][pages] = 0   # (the entry that keeps it never empty)
