@@ -9,7 +9,8 @@ the repository root:
     export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH FLASHINFER_CUDA_ARCH_LIST=9.0a
     PYTHONUNBUFFERED=1 python3 bench/cascade.py --json $OUT/cascade.json
 
-`--dry-run` lists the cases and their sizes without a GPU.
+`--dry-run` lists the cases and their sizes without a GPU; `--plan-host` times meld's plan() on the host, phase by
+phase, also without one.
 
 Workloads: Hq 32 / Hkv 8 / D 128, bf16, page_size 16, two levels (`meld.workloads.shared_prefix`): B requests
 in G equal groups, each group sharing `prefix` tokens, each request `suffix` tokens of its own, pages from one
@@ -214,6 +215,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their sizes; no GPU needed")
     p.add_argument("--trace", type=Path, metavar="DIR", help="also write meld's cascade timeline per case here")
+    p.add_argument("--plan-host", action="store_true",
+                   help="time meld cascade plan()'s host phases on the CPU (the device copy excluded); no GPU needed")
     args = p.parse_args(argv)
     if args.cases is not None and not all(0 <= i < len(CASES) for i in args.cases):
         p.error(f"--cases must be indices in 0..{len(CASES) - 1}, got {args.cases}")
@@ -236,9 +239,56 @@ def trace_case(inp: Inputs, folder: Path) -> str:
         return f"no per-SM timeline: {type(e).__name__}: {e}"
 
 
+def plan_host(cases: Sequence[Case], reps: int = 500) -> Table:
+    """meld cascade plan()'s host phases per case, on the CPU (median µs of `reps` calls): the checks of the
+    levels (plan() with the planner stubbed by the plan it makes), the planner, the packing of the device
+    tables' image (what plan() on a GPU does before its one copy), and plan() whole on the CPU plus that
+    packing. The copy itself is not timed."""
+    import numpy as np
+
+    import meld
+    import meld.scheduler.split_reduce_plan as srp
+    from meld.ops.cascade_decode import _grown, _launch_need
+
+    t = Table([Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"),
+               Column("groups", "G", "d"), Column("validate", "validate µs", ".1f"),
+               Column("planner", "planner µs", ".1f"), Column("pack", "pack µs", ".1f"),
+               Column("whole", "plan()+pack µs", ".1f")])
+    for c in cases:
+        b = workloads.shared_prefix(c.batch, c.prefix, c.suffix, c.groups, PAGE_SIZE, torch.Generator().manual_seed(0))
+        op = meld.CascadeDecode(HQ, HKV, D, PAGE_SIZE, 2, DTYPE, "cpu")
+        args = [[level[i] for level in b.levels] for i in range(4)]
+        op.plan(*args)
+        _, tables, plan = op.plan_tables
+        order = [tables[name] for name in op.lowering.producers]
+        layout = srp.LaunchLayout.of(_grown({}, _launch_need(plan, order, False)))
+        views = layout.views(np.zeros(layout.size, dtype=np.int32))
+
+        def pack() -> int:
+            need = _launch_need(plan, order, False)
+            assert _grown(layout.capacity, need) is None
+            srp.write_launch_tables(views, plan, order)
+            return layout.used(need)
+
+        planner = srp.plan_split_reduce
+        us = {"planner": lambda: planner(order, plan.batch, HKV, HQ // HKV, PAGE_SIZE, op.num_ctas, srp.SLICE_ROWS),
+              "pack": pack, "whole": lambda: (op.plan(*args), pack())}
+        row = {k: host_time_us(fn, reps=reps, max_s=10.0).median_us for k, fn in us.items()}
+        srp.plan_split_reduce = lambda *_: plan   # (the lowering looks its planner up at each call)
+        try:
+            row["validate"] = host_time_us(lambda: op.plan(*args), reps=reps, max_s=10.0).median_us
+        finally:
+            srp.plan_split_reduce = planner
+        t.add({"B": c.batch, "prefix": c.prefix, "suffix": c.suffix, "groups": c.groups, **row})
+    return t
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     cases = [CASES[i] for i in args.cases] if args.cases is not None else list(CASES)
+    if args.plan_host:
+        plan_host(cases).print()
+        return 0
     if args.dry_run:
         t = Table([Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"),
                    Column("groups", "G", "d"), Column("pages", "pages", "d"), Column("unique_mib", "unique MiB", ".0f"),

@@ -41,3 +41,13 @@ def test_shared_prefix_levels_and_flat_tables_are_one_attention(batch, prefix, s
 def test_shared_prefix_refuses_what_it_cannot_build(kw, match):
     with pytest.raises(ValueError, match=match):
         workloads.shared_prefix(**({"batch": 8, "prefix": 32, "suffix": 5, "groups": 2, "page_size": 16} | kw))
+
+
+def test_plan_host_times_each_phase_on_the_cpu_and_restores_the_planner():
+    import meld.scheduler.split_reduce_plan as srp
+
+    planner = srp.plan_split_reduce
+    rows = cascade.plan_host([cascade.Case(8, 64, 20, 2), cascade.Case(4, 0, 16)], reps=3).rows
+    assert [(r["B"], r["groups"]) for r in rows] == [(8, 2), (4, 1)]
+    assert all(r[k] > 0 for r in rows for k in ("validate", "planner", "pack", "whole"))
+    assert srp.plan_split_reduce is planner

@@ -18,7 +18,10 @@ from meld.ir.task_graph import GraphError
 from meld.ops.cascade_graph import level_task
 from meld.runtime.reference import cascade_reference, execute_split_reduce
 from meld.scheduler import GroupTable, plan_split_reduce
-from meld.scheduler.split_reduce_plan import SLICE_ROWS, plan_split_reduce_numpy
+from meld.ir.work_table import EVENT, SPLIT_TASK
+from meld.ops.cascade_decode import _grown, _launch_need
+from meld.scheduler.split_reduce_plan import (SLICE_ROWS, LaunchLayout, launch_sizes, plan_split_reduce_numpy,
+                                              write_launch_tables)
 
 HQ, HKV, D, P = 8, 2, 64, 16
 BF16 = torch.bfloat16
@@ -352,13 +355,24 @@ def test_the_reference_makes_every_row_with_a_non_finite_score_nan():
     torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)
 
 
-def _kernel_walk(plan, order, q, kv, sm_scale):
-    """templates/grouped_attention.cuh's indexing in float64 NumPy: the launch tables as the kernel reads them
-    (each CTA's tasks, a task's group through producer_groups, its rows r = request * G + head in 16-row
-    blocks, row slots slot + r), the count-fired merge through part_slot, and the events with no part."""
-    from meld.scheduler.split_reduce_plan import launch_tables
+def _launch_image(plan, order, caps):
+    """The launch tables as plan() packs them for the GPU, in a zeroed image of capacities `caps`: the
+    layout's views of it, and how many leading entries plan() copies to the device."""
+    layout = LaunchLayout.of(caps)
+    views = layout.views(np.zeros(layout.size, dtype=np.int32))
+    write_launch_tables(views, plan, order)
+    return views, layout.used(launch_sizes(plan, order))
 
-    lt, t, ev = launch_tables(plan, order), plan.task_columns(), plan.event_columns()
+
+def _kernel_walk(plan, order, q, kv, sm_scale):
+    """templates/grouped_attention.cuh's indexing in float64 NumPy: the packed launch tables as the kernel
+    reads them (rows field-major over capacities larger than the plan; each CTA's tasks, a task's group
+    through producer_groups, its rows r = request * G + head in 16-row blocks, row slots slot + r), the
+    count-fired merge through part_slot, and the events with no part."""
+    caps = _grown({}, _launch_need(plan, order, profile=False))
+    lt, _ = _launch_image(plan, order, caps)
+    t, ev = SPLIT_TASK.unpack(lt["tasks"], caps["tasks"]), EVENT.unpack(lt["events"], caps["events"])
+    assert lt["plan_info"][0] == q.shape[0]
     B, Hq, Dh = q.shape
     G, Pg = plan.group_size, kv.shape[2]
     q64, kv64 = q.double().numpy(), kv.double().numpy()
@@ -368,7 +382,7 @@ def _kernel_walk(plan, order, q, kv, sm_scale):
 
     def merge(e):
         b, h = e % B, e // B
-        slots = plan.part_slot[ev["part_first"][e]:ev["part_first"][e] + ev["parts"][e]]
+        slots = lt["part_slot"][ev["part_first"][e]:ev["part_first"][e] + ev["parts"][e]]
         for j in range(G):
             ls = part_lse[slots + j]
             if len(slots) == 0:
@@ -379,7 +393,7 @@ def _kernel_walk(plan, order, q, kv, sm_scale):
             out[b, h * G + j] = (w[:, None] * part_o[slots + j]).sum(0) / w.sum()
             lse[b, h * G + j] = (m + np.log2(w.sum())) * math.log(2)
 
-    for e in np.flatnonzero(ev["parts"] == 0):
+    for e in np.flatnonzero(ev["parts"][:B * plan.num_kv_heads] == 0):
         merge(int(e))
     for cta in range(plan.num_ctas):
         for i in range(lt["cta_first"][cta], lt["cta_first"][cta + 1]):
@@ -418,6 +432,72 @@ def test_the_kernels_walk_of_its_launch_tables_is_the_reference(groups, prefix, 
     want_o, want_l = cascade_reference(q, kv, levels)
     torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9, equal_nan=True)
     torch.testing.assert_close(got_l, want_l, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+def _per_table_plan(plan, order, caps, profile):
+    """plan()'s device tables before the packed image, verbatim: the capacities (grown as it grew them) and
+    one array per table (the task and event rows padded to their capacity), each copied into the first
+    entries of a buffer of its own."""
+    counts = [len(t.qo_indptr) - 1 for t in order]
+    pages = np.cumsum([0] + [len(t.kv_indices) for t in order])
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)   # noqa: E731
+    host = {
+        "cta_first": i32(np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1), side="left")),
+        "producer_groups": i32(np.cumsum([0] + counts[:-1])),
+        "group_pages": i32(np.concatenate([t.kv_indptr[:-1] + off for t, off in zip(order, pages)])),
+        "kv_indices": i32(np.concatenate([t.kv_indices for t in order] + [np.zeros(1)])),
+    }
+    need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": plan.batch * plan.num_kv_heads,
+            "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1,
+            "records": 2 * int(np.diff(host["cta_first"]).max(initial=0)) if profile else 0}
+    if any(n > caps.get(k, 0) for k, n in need.items()):
+        caps = {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
+    task, event = plan.task_columns(), plan.event_columns()
+    pad = lambda a, n: np.r_[a, np.zeros(n - len(a), dtype=np.int64)]   # noqa: E731
+    rows = {**host, "plan_info": np.array([plan.batch]), "part_slot": plan.part_slot,
+            "tasks": SPLIT_TASK.pack(caps["tasks"], **{f: pad(c, caps["tasks"]) for f, c in task.items()}),
+            "events": EVENT.pack(caps["events"], **{f: pad(c, caps["events"]) for f, c in event.items()})}
+    return caps, {k: np.ascontiguousarray(a, dtype=np.int32) for k, a in rows.items()}
+
+
+@pytest.mark.parametrize("num_levels", [2, 3])
+@pytest.mark.parametrize("profile", [False, True])
+def test_the_packed_image_holds_what_the_per_table_copies_held(num_levels, profile):
+    """plan() packs every launch table into one pinned image and copies its used part to one device buffer;
+    before, it copied each table into a buffer of its own. Over plans that grow, shrink and grow the
+    capacities (empty suffixes, several groups, one CTA up to more CTAs than tasks), the device tables are
+    bit for bit what they were, the entries past each plan's (the last plans' leftovers) included."""
+    rng = np.random.default_rng(num_levels)
+    old_caps, old_dev, caps, dev, staging = {}, {}, {}, None, None
+    for step in range(14):
+        B = int(rng.integers(1, 5 + 6 * step))
+        cuts = np.unique(rng.integers(0, B + 1, int(rng.integers(0, 4))))
+        groups = np.diff([0, *cuts[(cuts > 0) & (cuts < B)], B]).tolist()
+        suffix = [int(n) * int(rng.random() > 0.3) for n in rng.integers(0, 200, B)]
+        extra = [([B], [int(rng.integers(0, 300))])] * (num_levels - 2)
+        levels, _, _ = batch(groups, rng.integers(0, 2000, len(groups)).tolist(), suffix, extra_levels=extra)
+        op = meld.CascadeDecode(HQ, HKV, D, P, num_levels, BF16, "cpu", num_ctas=int(rng.choice([1, 7, 132])))
+        op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+        _, tables, plan = op.plan_tables
+        order = [tables[level_task(lv)] for lv in range(num_levels)]
+        grown_old, rows = _per_table_plan(plan, order, old_caps, profile)
+        if grown_old != old_caps:
+            width = {"tasks": SPLIT_TASK.width, "events": EVENT.width}
+            old_caps, old_dev = grown_old, {k: np.zeros(grown_old[k] * width.get(k, 1), dtype=np.int32) for k in rows}
+        for k, a in rows.items():
+            old_dev[k][:len(a)] = a
+
+        grown = _grown(caps, _launch_need(plan, order, profile))
+        if grown is not None:
+            caps, layout = grown, LaunchLayout.of(grown)
+            dev, staging = np.zeros(layout.size, dtype=np.int32), np.zeros(layout.size, dtype=np.int32)
+        write_launch_tables(layout.views(staging), plan, order)
+        used = layout.used(launch_sizes(plan, order))
+        dev[:used] = staging[:used]
+        assert caps == old_caps
+        new = layout.views(dev)
+        for k in old_dev:
+            assert np.array_equal(new[k], old_dev[k]), (step, k)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

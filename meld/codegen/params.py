@@ -31,6 +31,7 @@ class ParamStruct:
     def __init__(self, name: str, fields: list[Field]):
         self.name = name
         self.fields = fields
+        self._names = frozenset(f.name for f in fields)
         # ctypes cannot align a member to 64 bytes: pad explicitly where C++'s alignas() puts the gaps.
         layout, offset = [], 0
         for f in fields:
@@ -61,9 +62,8 @@ class ParamStruct:
         return ctypes.sizeof(self.ctype)
 
     def pack(self, **values: int | float) -> ctypes.Structure:
-        missing = {f.name for f in self.fields} - values.keys()
-        extra = values.keys() - {f.name for f in self.fields}
-        if missing or extra:
+        if values.keys() != self._names:   # (one set comparison: planners pack a struct per plan())
+            missing, extra = self._names - values.keys(), values.keys() - self._names
             raise TypeError(f"{self.name}: missing {sorted(missing)}, unknown {sorted(extra)}")
         return self.ctype(**values)
 

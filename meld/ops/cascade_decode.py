@@ -14,13 +14,16 @@ merges it in the same launch.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..scheduler.split_reduce_plan import SLICE_ROWS, GroupTable, launch_tables
+from ..runtime.tables import StagedImage
+from ..scheduler.split_reduce_plan import (SLICE_ROWS, GroupTable, LaunchLayout, SplitReducePlan, launch_sizes,
+                                           write_launch_tables)
 from .. import config
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
@@ -28,6 +31,7 @@ from .checks import check_finite, check_positive, expect, is_int, plain
 from .page_table import check_page_table, max_page
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_CPU = torch.device("cpu")
 H200_SMS = 132
 
 
@@ -37,13 +41,32 @@ def _describe_task(unit: int) -> str:
 
 @dataclass(frozen=True)
 class _Buffers:
-    """The grouped kernel's device tables, partials and counters (`tables`), its profile records, and its
-    parameter struct, which points into them; sized by `caps`."""
+    """CUDA: the kernel's buffers for plans within `caps` (launch_sizes' units, plus partial slots and
+    MELD_PROFILE records per CTA) and its parameter struct, which points into them: the operator shell's
+    buffers (`_make_buffers`, installed with the plan by `_commit`)."""
 
     caps: dict[str, int]
-    tables: dict[str, torch.Tensor]
-    prof: torch.Tensor | None
-    params: object
+    layout: LaunchLayout
+    image: StagedImage                     # every launch table, at layout's offsets
+    host_tables: dict[str, np.ndarray]     # layout's views of the pinned image: plan() writes these
+    scratch: dict[str, torch.Tensor]       # counters (zero between launches), part_o, part_lse
+    prof: torch.Tensor | None              # MELD_PROFILE: the kernel's per-CTA records (last_trace)
+    params: ctypes.Structure
+
+
+def _launch_need(plan: SplitReducePlan, order: list[GroupTable], profile: bool) -> dict[str, int]:
+    """What a plan needs of each capacity: launch_sizes', the partial slots, and in MELD_PROFILE builds the
+    records of a CTA (one per task and one per merging of the events it completed)."""
+    records = 2 * int(np.bincount(plan.task_columns()["cta"], minlength=plan.num_ctas).max(initial=0)) if profile else 0
+    return {**launch_sizes(plan, order), "slots": plan.num_slots, "records": records}
+
+
+def _grown(caps: dict[str, int], need: dict[str, int]) -> dict[str, int] | None:
+    """None while `caps` holds `need` (the buffers stay); else capacities of twice what it needs, never less
+    than before."""
+    if all(n <= caps.get(k, 0) for k, n in need.items()):
+        return None
+    return {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
 
 
 class CascadeDecode(Operator):
@@ -104,82 +127,73 @@ class CascadeDecode(Operator):
                 raise ValueError(f"{name} must be a list of num_levels={self.num_levels} tensors, got {got}")
         tables, batch, top = {}, None, -1
         for lv in range(self.num_levels):
-            qo, ip, ix, last = (plain(arrays[n][lv]) for n in arrays)
-            for name, t, meaning in ((f"qo_indptr_arr[{lv}]", qo, "G + 1 offsets"),
-                                     (f"kv_indptr_arr[{lv}]", ip, "G + 1 offsets"),
-                                     (f"kv_indices_arr[{lv}]", ix, "page indices")):
-                expect(name, t, torch.int32, (None,), meaning, torch.device("cpu"), contiguous=True)
-            G = qo.shape[0] - 1
-            if G < 0:
-                raise ValueError(f"qo_indptr_arr[{lv}] must have G + 1 entries, got an empty tensor")
-            if ip.shape[0] != G + 1:
-                raise ValueError(f"kv_indptr_arr[{lv}] has {ip.shape[0]} entries, qo_indptr_arr[{lv}] {G + 1}: one "
-                                 "page table per group")
-            expect(f"kv_last_page_len_arr[{lv}]", last, torch.int32, (G,), "one entry per group", torch.device("cpu"),
-                   contiguous=True)
-            q = qo.numpy().astype(np.int64)
-            if q[0] != 0 or (np.diff(q) < 0).any():
-                raise ValueError(f"qo_indptr_arr[{lv}] must start at 0 and never decrease, got {q.tolist()}")
-            if batch is None:
-                batch = int(q[-1])
-            elif int(q[-1]) != batch:
-                raise ValueError(f"qo_indptr_arr[{lv}][-1]={int(q[-1])}, but level 0 has {batch} requests: every "
-                                 "level covers the same batch")
-            try:
-                nnz = check_page_table(ip.numpy(), last.numpy(), ix.numel(), self.page_size)
-                top = max(top, max_page(ix.numpy()[:nnz]))
-            except ValueError as e:
-                raise ValueError(f"level {lv}: {e}") from None
-            tables[level_task(lv)] = GroupTable(q, ip.numpy().astype(np.int64), ix.numpy()[:nnz].astype(np.int64),
-                                                last.numpy().astype(np.int64))
+            table, batch, level_top = self._level(lv, batch, *(plain(a[lv]) for a in arrays.values()))
+            tables[level_task(lv)], top = table, max(top, level_top)
         order = [tables[t] for t in self.lowering.producers]
         plan = self.lowering.planner(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
                                      self.page_size, self.num_ctas, self._slice_rows)
         buf = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._commit((batch, tables, plan, top), buf)   # (batch, {task: GroupTable}, SplitReducePlan, largest page)
 
-    def _device_tables(self, plan, order: list[GroupTable]) -> _Buffers:
-        """The plan's tables written into the kernel's device buffers (`_buffers_for`), which are reused while
-        the plan fits them, so a CUDA graph captured after one plan() replays any later plan that fits (the
-        batch is read from the device, plan_info); a larger plan grows them, and graphs captured before then
-        must be captured again."""
-        from ..ir.work_table import EVENT, SPLIT_TASK
+    def _level(self, lv: int, batch: int | None, qo, ip, ix, last) -> tuple[GroupTable, int, int]:
+        """Level lv's arguments checked (each problem named by its argument) against the batch of the levels
+        before (None: this is the first): its table as the planner reads it, the batch, its largest page."""
+        for name, t, meaning in ((f"qo_indptr_arr[{lv}]", qo, "G + 1 offsets"),
+                                 (f"kv_indptr_arr[{lv}]", ip, "G + 1 offsets"),
+                                 (f"kv_indices_arr[{lv}]", ix, "page indices")):
+            expect(name, t, torch.int32, (None,), meaning, _CPU, contiguous=True)
+        G = qo.shape[0] - 1
+        if G < 0:
+            raise ValueError(f"qo_indptr_arr[{lv}] must have G + 1 entries, got an empty tensor")
+        if ip.shape[0] != G + 1:
+            raise ValueError(f"kv_indptr_arr[{lv}] has {ip.shape[0]} entries, qo_indptr_arr[{lv}] {G + 1}: one "
+                             "page table per group")
+        expect(f"kv_last_page_len_arr[{lv}]", last, torch.int32, (G,), "one entry per group", _CPU, contiguous=True)
+        q, ip, ix, last = qo.numpy().astype(np.int64), ip.numpy(), ix.numpy(), last.numpy()
+        if q[0] != 0 or (q[1:] < q[:-1]).any():
+            raise ValueError(f"qo_indptr_arr[{lv}] must start at 0 and never decrease, got {q.tolist()}")
+        if batch is not None and int(q[-1]) != batch:
+            raise ValueError(f"qo_indptr_arr[{lv}][-1]={int(q[-1])}, but level 0 has {batch} requests: every "
+                             "level covers the same batch")
+        try:
+            nnz = check_page_table(ip, last, len(ix), self.page_size)
+            ix = ix[:nnz]
+            top = max_page(ix)
+        except ValueError as e:
+            raise ValueError(f"level {lv}: {e}") from None
+        return GroupTable(q, ip.astype(np.int64), ix.astype(np.int64), last.astype(np.int64)), int(q[-1]), top
 
-        host = launch_tables(plan, order)
-        n_events = plan.batch * plan.num_kv_heads
-        need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": n_events,
-                "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1,
-                "records": 2 * int(np.diff(host["cta_first"]).max(initial=0)) if self.kernel_config.profile else 0}
-        b = self._buffers_for(need)
-        caps, buf = b.caps, b.tables
-        task, event = plan.task_columns(), plan.event_columns()
-        pad = lambda a, n: np.r_[a, np.zeros(n - len(a), dtype=np.int64)]   # noqa: E731
-        rows = {**host, "plan_info": np.array([plan.batch]), "part_slot": plan.part_slot,
-                "tasks": SPLIT_TASK.pack(caps["tasks"], **{f: pad(c, caps["tasks"]) for f, c in task.items()}),
-                "events": EVENT.pack(caps["events"], **{f: pad(c, caps["events"]) for f, c in event.items()})}
-        for k, a in rows.items():
-            buf[k][:len(a)].copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)))
-        return b
+    def _device_tables(self, plan: SplitReducePlan, order: list[GroupTable]) -> _Buffers:
+        """The plan written into the kernel's device tables (`_buffers_for`), which are reused while the plan
+        fits them, so a CUDA graph captured after one plan() replays any later plan that fits (the batch is read
+        from the device, plan_info); a larger plan grows them, and graphs captured before then must be captured
+        again. Returns the buffers, for `_commit` (new ones when the plan outgrew the last)."""
+        need = _launch_need(plan, order, self.kernel_config.profile)
+        buf = self._buffers_for(need)
+        buf.image.wait()
+        write_launch_tables(buf.host_tables, plan, order)
+        buf.image.upload(buf.layout.used(need))
+        return buf
 
     def _make_buffers(self, caps: dict[str, int]) -> _Buffers:
+        """Device buffers for plans within `caps`, and the kernel's parameter struct pointing into them."""
         from ..codegen.params import GROUPED_PARAMS
-        from ..ir.work_table import EVENT, SPLIT_TASK
 
-        i32 = dict(dtype=torch.int32, device=self.device)
+        layout = LaunchLayout.of(caps)
+        image = StagedImage(self.device, layout.size)
         f32 = dict(dtype=torch.float32, device=self.device)
-        buf = {k: torch.zeros(caps[k] * (SPLIT_TASK.width if k == "tasks" else EVENT.width if k == "events" else 1),
-                              **i32) for k in caps if k not in ("slots", "records")}
-        buf.update(counters=torch.zeros(caps["events"], **i32), part_o=torch.empty(caps["slots"] * self.head_dim, **f32),
-                   part_lse=torch.empty(caps["slots"], **f32))
+        scratch = {"counters": torch.zeros(caps["events"], dtype=torch.int32, device=self.device),
+                   "part_o": torch.empty(caps["slots"] * self.head_dim, **f32),
+                   "part_lse": torch.empty(caps["slots"], **f32)}
         # MELD_PROFILE builds: a record per task and per merging of the events it completed, a CTA
         prof, _ = self._profile_buffers(self.kernel_config.profile, self.num_ctas, caps["records"])
         params = GROUPED_PARAMS.ctype(**self._header(prof, None, caps["records"], 1, self.num_ctas),
-                                      **{k: v.data_ptr() for k, v in buf.items()},
+                                      **{k: v.data_ptr() for k, v in {**layout.views(image.buf), **scratch}.items()},
                                       task_capacity=caps["tasks"], event_capacity=caps["events"],
                                       num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                       group_size=self.num_qo_heads // self.num_kv_heads, page_size=self.page_size,
                                       sm_scale_log2=self.sm_scale * math.log2(math.e))
-        return _Buffers(caps, buf, prof, params)
+        return _Buffers(caps, layout, image, layout.views(image.host), scratch, prof, params)
 
     _run_inputs, _lse_meaning = ("q", "kv_cache"), "batch, num_qo_heads"
 

@@ -10,7 +10,8 @@ import torch
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))
+    """Equal devices, "cuda" and "cuda:0" alike (equality first: reading .type costs more, on every plan())."""
+    return a == b or a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))
 
 
 def plain(t: object) -> object:

@@ -12,6 +12,9 @@ and read from there by the GPU planner itself, which also copies the page indice
 buffer: plan() then makes a single driver call (the launch). The planner tells the host that a staging
 buffer may be reused by writing a sequence number into pinned memory, so the host checks a flag instead
 of calling into the driver; only when it runs two plans ahead of the GPU does it wait.
+
+Grouped attention's tables are planned on the host: `StagedImage` holds them in one device buffer written
+from one pinned image of it by one copy.
 """
 from __future__ import annotations
 
@@ -106,3 +109,27 @@ class WorkTables:
 
     def ptr(self, offset: int) -> int:
         return self._buf_ptr + 4 * offset
+
+
+class StagedImage:
+    """An int32 device buffer that each plan() rewrites from a pinned host image of it in one asynchronous
+    copy (grouped attention's tables: meld.scheduler.split_reduce_plan.LaunchLayout); a copy per table from
+    pageable memory would wait for the device each time. The device buffer never moves, so a CUDA graph
+    that captured run() reads every later plan. The host image is rewritten only once the GPU has copied it
+    (an event): plan() runs at most one copy ahead of the stream."""
+
+    def __init__(self, device: torch.device, size: int):
+        self.buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self._staging = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.host = self._staging.numpy()
+        self._copied = torch.cuda.Event()
+
+    def wait(self) -> None:
+        """Until the last upload() has been read: then `host` may be rewritten (or dropped)."""
+        self._copied.synchronize()   # (at once before the first upload)
+
+    def upload(self, n: int) -> None:
+        """Copy the image's first n entries to the device on torch's current stream, without waiting (torch
+        keeps the pinned block from reuse until the copy has read it, should this object go first)."""
+        self.buf[:n].copy_(self._staging[:n], non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(self.buf.device))

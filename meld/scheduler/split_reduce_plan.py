@@ -11,7 +11,8 @@ one plan, balanced together instead of one level after another.
 The plan is two int32 tables declared in `meld.ir.work_table` (SPLIT_TASK, EVENT) plus the slot list of
 each event's parts: what a kernel would read, and all the CPU executor reads besides the page tables. It is
 made by one C source for the GPU and the host (templates/split_reduce_plan.h; `plan_split_reduce` runs its
-host build), with `plan_split_reduce_numpy` as its oracle.
+host build), with `plan_split_reduce_numpy` as its oracle. `write_launch_tables` lays them out, with the rest
+of what the grouped-attention kernel reads, in one buffer (`LaunchLayout`): the GPU operator's device tables.
 
 Cost model and cut (decode's, on a line): a work item (producer, group, kv head, slice) of t tokens and r
 query rows costs t * ceil(r / 64), the tensor-core tiles of 64 rows each of its key rows feeds. A slice is
@@ -52,7 +53,7 @@ class GroupTable:
     kv_last_page_len: np.ndarray
 
     def kv_len(self, page_size: int) -> np.ndarray:
-        pages = np.diff(self.kv_indptr)
+        pages = self.kv_indptr[1:] - self.kv_indptr[:-1]   # (np.diff's dispatch costs more, every plan())
         return np.where(pages > 0, (pages - 1) * page_size + self.kv_last_page_len, 0)
 
 
@@ -144,54 +145,114 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     from ..codegen.params import SPLIT_PLAN_PARAMS
     from ..runtime.host_helper import load_split_reduce_plan
 
-    def i32(parts: list[np.ndarray]) -> np.ndarray:
-        return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=np.int32)
-
-    producer = i32([np.full(len(t.kv_last_page_len), i) for i, t in enumerate(tables)])
-    index = i32([np.arange(len(t.kv_last_page_len)) for t in tables])
-    q0 = i32([t.qo_indptr[:-1] for t in tables])
-    requests = i32([np.diff(t.qo_indptr) for t in tables])
-    tokens = i32([t.kv_len(page_size) for t in tables])
+    groups = _group_columns(tables, page_size)
+    requests, tokens = groups[3], groups[4]
     busy = (tokens > 0) & (requests > 0)
-    items = int(-(-requests[busy] // max(1, slice_rows // group_size)).sum()) * num_kv_heads
-    task_cap = items + num_ctas
+    task_cap = int(-(-requests[busy] // max(1, slice_rows // group_size)).sum()) * num_kv_heads + num_ctas
     part_cap = int(requests[busy].sum()) * num_kv_heads + num_ctas * int(requests.max(initial=0))
     n_events = batch * num_kv_heads
-    tasks = np.zeros(task_cap * SPLIT_TASK.width, dtype=np.int32)
-    events = np.zeros(max(1, n_events) * EVENT.width, dtype=np.int32)
-    part_slot = np.zeros(max(1, part_cap), dtype=np.int32)
-    cursor = np.zeros(max(1, n_events), dtype=np.int32)
-    out = np.zeros(2, dtype=np.int32)
-    ptr = lambda a: a.ctypes.data  # noqa: E731
+    # The planner's outputs and scratch in one array (one allocation, one address); everything read back is
+    # written by the planner first.
+    sizes = {"tasks": task_cap * SPLIT_TASK.width, "events": n_events * EVENT.width, "part_slot": part_cap,
+             "cursor": n_events, "out": 2}
+    scratch = np.empty(sum(sizes.values()), dtype=np.int32)
+    base, at, part, addr = scratch.ctypes.data, 0, {}, {}
+    for name, n in sizes.items():
+        part[name], addr[name] = scratch[at:at + n], base + 4 * at
+        at += n
+    g, n_groups = groups.ctypes.data, groups.shape[1]
     params = SPLIT_PLAN_PARAMS.pack(
-        group_producer=ptr(producer), group_index=ptr(index), group_q0=ptr(q0), group_requests=ptr(requests),
-        group_tokens=ptr(tokens), tasks=ptr(tasks), events=ptr(events), part_slot=ptr(part_slot), cursor=ptr(cursor),
-        out=ptr(out), num_groups=len(tokens), batch=batch, num_kv_heads=num_kv_heads, group_size=group_size,
-        num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS, rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows,
-        task_capacity=task_cap, slot_capacity=part_cap)
+        group_producer=g, group_index=g + 4 * n_groups, group_q0=g + 8 * n_groups, group_requests=g + 12 * n_groups,
+        group_tokens=g + 16 * n_groups, **addr, num_groups=n_groups, batch=batch, num_kv_heads=num_kv_heads,
+        group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS,
+        rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows, task_capacity=task_cap, slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
-    num_tasks, num_slots = int(out[0]), int(out[1])
+    num_tasks, num_slots = int(part["out"][0]), int(part["out"][1])
     if num_tasks < 0:   # the capacities above bound every cut: this is a planner bug, not an input error
         raise RuntimeError(f"split-reduce planner: capacities {task_cap} tasks / {part_cap} parts were too small")
-    ev = EVENT.unpack(events, n_events)
-    parts = int(ev["parts"].sum()) if n_events else 0
-    cols = SPLIT_TASK.unpack(tasks, task_cap)
+    events = part["events"]
+    parts = int(EVENT.unpack(events, n_events)["parts"].sum())
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
-                           SPLIT_TASK.pack(num_tasks, **{f: c[:num_tasks] for f, c in cols.items()}), num_tasks,
-                           EVENT.pack(n_events, **ev), part_slot[:parts].copy(), num_slots)
+                           part["tasks"].reshape(SPLIT_TASK.width, task_cap)[:, :num_tasks].flatten(), num_tasks,
+                           events.copy(), part["part_slot"][:parts].copy(), num_slots)
 
 
-def launch_tables(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, np.ndarray]:
-    """What the grouped-attention kernel reads besides the plan's tables (int32): each CTA's first task, and
-    where each task's group's page list starts in the producers' page lists laid one after another
-    (templates/grouped_attention.cuh; a group's global id is producer_groups[producer] + group; a task's
-    first request is its first event's, event_first - kv_head * batch)."""
-    counts = [len(t.qo_indptr) - 1 for t in tables]
-    pages = np.cumsum([0] + [len(t.kv_indices) for t in tables])
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)   # noqa: E731
-    return {
-        "cta_first": i32(np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1), side="left")),
-        "producer_groups": i32(np.cumsum([0] + counts[:-1])),
-        "group_pages": i32(np.concatenate([t.kv_indptr[:-1] + off for t, off in zip(tables, pages)])),
-        "kv_indices": i32(np.concatenate([t.kv_indices for t in tables] + [np.zeros(1)])),   # (never empty)
-    }
+def _group_columns(tables: list[GroupTable], page_size: int) -> np.ndarray:
+    """The planner's per-group inputs, int32 [5, groups]: producer, index in it, first request, requests,
+    KV tokens (SplitPlanParams.group_*), producer after producer."""
+    counts = [len(t.kv_last_page_len) for t in tables]
+    out = np.empty((5, sum(counts)), dtype=np.int32)
+    at = 0
+    for i, (t, n) in enumerate(zip(tables, counts)):
+        cols = out[:, at:at + n]
+        cols[0], cols[1], cols[2] = i, np.arange(n), t.qo_indptr[:-1]
+        cols[3], cols[4] = t.qo_indptr[1:] - t.qo_indptr[:-1], t.kv_len(page_size)
+        at += n
+    return out
+
+
+# The tables the grouped-attention kernel reads (GroupedParams), in their order in one buffer: kv_indices last, so
+# a copy of the buffer can stop at its last used entry.
+LAUNCH_TABLES = ("plan_info", "cta_first", "producer_groups", "group_pages", "events", "tasks", "part_slot",
+                 "kv_indices")
+_ROWS = {"tasks": SPLIT_TASK, "events": EVENT}   # tables of rows: field-major over their capacity of rows
+_ALIGN = 32   # int32 entries: each table starts on a 128-byte line
+
+
+def launch_sizes(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, int]:
+    """What each of LAUNCH_TABLES holds for the plan: rows of tasks and events, entries of the others."""
+    return {"plan_info": 1, "cta_first": plan.num_ctas + 1, "producer_groups": len(tables),
+            "group_pages": sum(len(t.kv_last_page_len) for t in tables), "events": plan.batch * plan.num_kv_heads,
+            "tasks": plan.num_tasks, "part_slot": len(plan.part_slot),
+            "kv_indices": sum(len(t.kv_indices) for t in tables) + 1}   # (one more: never empty)
+
+
+@dataclass(frozen=True)
+class LaunchLayout:
+    """LAUNCH_TABLES in one int32 buffer, each at a fixed offset sized by its capacity (`capacity`, in
+    launch_sizes' units), so that a plan that fits rewrites them in place and their addresses stay."""
+
+    capacity: dict[str, int]
+    offset: dict[str, int]    # int32 entries
+    entries: dict[str, int]
+    size: int
+
+    @classmethod
+    def of(cls, capacity: dict[str, int]) -> LaunchLayout:
+        entries = {k: capacity[k] * (_ROWS[k].width if k in _ROWS else 1) for k in LAUNCH_TABLES}
+        offset, at = {}, 0
+        for k, n in entries.items():
+            offset[k], at = at, -(-(at + n) // _ALIGN) * _ALIGN
+        return cls(capacity, offset, entries, offset["kv_indices"] + entries["kv_indices"])
+
+    def views(self, buf):
+        """Each table's slice of `buf` (a NumPy array or a tensor of `size` entries)."""
+        return {k: buf[o:o + self.entries[k]] for k, o in self.offset.items()}
+
+    def used(self, sizes: dict[str, int]) -> int:
+        """Leading entries of the buffer that hold a plan of launch_sizes `sizes` (its kv_indices last)."""
+        return self.offset["kv_indices"] + sizes["kv_indices"]
+
+
+def write_launch_tables(views: dict[str, np.ndarray], plan: SplitReducePlan, tables: list[GroupTable]) -> None:
+    """Write the plan's launch tables into `views` (a LaunchLayout's views, large enough). What the kernel
+    reads (templates/grouped_attention.cuh): the batch, each CTA's first task, the task and event rows
+    (those past the plan's zeroed), each event's part slots, and where each group's page list starts in the
+    producers' page lists laid one after another (a group's global id is producer_groups[producer] + group;
+    a task's first request is its first event's, event_first - kv_head * batch). Entries past the plan's in
+    the other tables keep what they held: the kernel reads none of them."""
+    views["plan_info"][0] = plan.batch
+    views["cta_first"][:plan.num_ctas + 1] = np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1))
+    for name, rows in (("tasks", plan.num_tasks), ("events", plan.batch * plan.num_kv_heads)):
+        dst = views[name].reshape(_ROWS[name].width, -1)
+        dst[:, :rows] = getattr(plan, name).reshape(_ROWS[name].width, rows)
+        dst[:, rows:] = 0
+    views["part_slot"][:len(plan.part_slot)] = plan.part_slot
+    groups = pages = 0
+    for i, t in enumerate(tables):
+        n, m = len(t.kv_last_page_len), len(t.kv_indices)
+        views["producer_groups"][i] = groups
+        views["group_pages"][groups:groups + n] = t.kv_indptr[:-1] + pages
+        views["kv_indices"][pages:pages + m] = t.kv_indices
+        groups, pages = groups + n, pages + m
+    views["kv_indices"][pages] = 0   # (the entry that keeps it never empty)

@@ -42,22 +42,28 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
         fits = first <= p.slot_capacity;
         if (!fits) break;
       }
-      long long start = 0;
+      long long start = 0, seg_c = 0, seg_first = 0;
+      // CTA c's segment starts at cost c * total / W, a 64-bit division: remembered, as the walk asks for the
+      // same CTA's again and again.
+      auto segment = [&](int c) {
+        if (c != seg_c) seg_c = c, seg_first = c * total / W;
+        return seg_first;
+      };
       int cta = 0, task = 0, slot = 0;
       for (int g = 0; g < p.num_groups; ++g) {
-        const int n = p.group_tokens[g], slices = (p.group_requests[g] + slice - 1) / slice;
+        const int n = p.group_tokens[g];
         if (n <= 0) continue;
-        for (int i = 0; i < H * slices; ++i) {   // kv head after kv head, its slices together (their KV shared in L2)
-          const int h = i / slices, s0 = (i - h * slices) * slice;
+        for (int h = 0; h < H; ++h)   // kv head after kv head, its slices together (their KV shared in L2)
+        for (int s0 = 0; s0 < p.group_requests[g]; s0 += slice) {
           const int req = min(slice, p.group_requests[g] - s0), q0 = p.group_q0[g] + s0;
           const int tiles = (req * p.group_size + p.rows_per_tile - 1) / p.rows_per_tile;
           const long long cost = (long long)n * tiles;
-          while (cta + 1 < W && (cta + 1) * total / W <= start) ++cta;   // the CTA whose segment holds the start
+          while (cta + 1 < W && segment(cta + 1) <= start) ++cta;   // the CTA whose segment holds the start
           int begin = 0, owner = cta;
           for (int c = cta + 1;; ++c) {   // the pieces: cut where a CTA boundary falls inside, if not too short
             int end = n, next = owner;
-            for (; c < W && c * total / W < start + cost; ++c) {
-              const long long at = (c * total / W - start) / tiles;
+            for (; c < W && segment(c) < start + cost; ++c) {
+              const long long at = (segment(c) - start) / tiles;
               const int pos = (int)((at + p.cut / 2) / p.cut * p.cut);
               if (pos - begin >= p.min_piece && n - pos >= p.min_piece) {
                 end = pos;
