@@ -248,7 +248,8 @@ def plan_host(cases: Sequence[Case], reps: int = 500) -> Table:
 
     import meld
     import meld.scheduler.split_reduce_plan as srp
-    from meld.ops.cascade_decode import _grown, _launch_need
+    from meld.ops.base import grown
+    from meld.ops.cascade_decode import _launch_need
 
     t = Table([Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"),
                Column("groups", "G", "d"), Column("validate", "validate µs", ".1f"),
@@ -261,12 +262,12 @@ def plan_host(cases: Sequence[Case], reps: int = 500) -> Table:
         op.plan(*args)
         _, tables, plan = op.plan_tables
         order = [tables[name] for name in op.lowering.producers]
-        layout = srp.LaunchLayout.of(_grown({}, _launch_need(plan, order, False)))
+        layout = srp.LaunchLayout.of(grown({}, _launch_need(plan, order, False)))
         views = layout.views(np.zeros(layout.size, dtype=np.int32))
 
         def pack() -> int:
             need = _launch_need(plan, order, False)
-            assert _grown(layout.capacity, need) is None
+            assert grown(layout.capacity, need) is None
             srp.write_launch_tables(views, plan, order)
             return layout.used(need)
 

@@ -19,7 +19,8 @@ from meld.ops.cascade_graph import level_task
 from meld.runtime.reference import cascade_reference, execute_split_reduce
 from meld.scheduler import GroupTable, plan_split_reduce
 from meld.ir.work_table import EVENT, SPLIT_TASK
-from meld.ops.cascade_decode import _grown, _launch_need
+from meld.ops.base import grown
+from meld.ops.cascade_decode import _launch_need
 from meld.scheduler.split_reduce_plan import (SLICE_ROWS, LaunchLayout, launch_sizes, plan_split_reduce_numpy,
                                               write_launch_tables)
 
@@ -369,7 +370,7 @@ def _kernel_walk(plan, order, q, kv, sm_scale):
     reads them (rows field-major over capacities larger than the plan; each CTA's tasks, a task's group
     through producer_groups, its rows r = request * G + head in 16-row blocks, row slots slot + r), the
     count-fired merge through part_slot, and the events with no part."""
-    caps = _grown({}, _launch_need(plan, order, profile=False))
+    caps = grown({}, _launch_need(plan, order, profile=False))
     lt, _ = _launch_image(plan, order, caps)
     t, ev = SPLIT_TASK.unpack(lt["tasks"], caps["tasks"]), EVENT.unpack(lt["events"], caps["events"])
     assert lt["plan_info"][0] == q.shape[0]
@@ -435,9 +436,9 @@ def test_the_kernels_walk_of_its_launch_tables_is_the_reference(groups, prefix, 
 
 
 def _per_table_plan(plan, order, caps, profile):
-    """plan()'s device tables before the packed image, verbatim: the capacities (grown as it grew them) and
-    one array per table (the task and event rows padded to their capacity), each copied into the first
-    entries of a buffer of its own."""
+    """plan()'s device tables before the packed image, verbatim: the capacities (grown as the operator shell
+    grows them, `grown`) and one array per table (the task and event rows padded to their capacity), each
+    copied into the first entries of a buffer of its own."""
     counts = [len(t.qo_indptr) - 1 for t in order]
     pages = np.cumsum([0] + [len(t.kv_indices) for t in order])
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)   # noqa: E731
@@ -450,8 +451,7 @@ def _per_table_plan(plan, order, caps, profile):
     need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": plan.batch * plan.num_kv_heads,
             "part_slot": len(plan.part_slot), "slots": plan.num_slots, "plan_info": 1,
             "records": 2 * int(np.diff(host["cta_first"]).max(initial=0)) if profile else 0}
-    if any(n > caps.get(k, 0) for k, n in need.items()):
-        caps = {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
+    caps = grown(caps, need) or caps
     task, event = plan.task_columns(), plan.event_columns()
     pad = lambda a, n: np.r_[a, np.zeros(n - len(a), dtype=np.int64)]   # noqa: E731
     rows = {**host, "plan_info": np.array([plan.batch]), "part_slot": plan.part_slot,
@@ -487,9 +487,9 @@ def test_the_packed_image_holds_what_the_per_table_copies_held(num_levels, profi
         for k, a in rows.items():
             old_dev[k][:len(a)] = a
 
-        grown = _grown(caps, _launch_need(plan, order, profile))
-        if grown is not None:
-            caps, layout = grown, LaunchLayout.of(grown)
+        new_caps = grown(caps, _launch_need(plan, order, profile))
+        if new_caps is not None:
+            caps, layout = new_caps, LaunchLayout.of(new_caps)
             dev, staging = np.zeros(layout.size, dtype=np.int32), np.zeros(layout.size, dtype=np.int32)
         write_launch_tables(layout.views(staging), plan, order)
         used = layout.used(launch_sizes(plan, order))

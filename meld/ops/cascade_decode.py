@@ -61,14 +61,6 @@ def _launch_need(plan: SplitReducePlan, order: list[GroupTable], profile: bool) 
     return {**launch_sizes(plan, order), "slots": plan.num_slots, "records": records}
 
 
-def _grown(caps: dict[str, int], need: dict[str, int]) -> dict[str, int] | None:
-    """None while `caps` holds `need` (the buffers stay); else capacities of twice what it needs, never less
-    than before."""
-    if all(n <= caps.get(k, 0) for k, n in need.items()):
-        return None
-    return {k: max(1, 2 * n, caps.get(k, 0)) for k, n in need.items()}
-
-
 class CascadeDecode(Operator):
     """Decode attention over `num_levels` levels of paged KV, each a page table per group of requests.
 
