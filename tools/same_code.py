@@ -62,6 +62,9 @@ VARIANTS = {
     "tp-owner-w2": "TpKernelConfig(merge='owner', warpgroups=2)",
     "ep": "EpKernelConfig()",
     "ep-proxy": "EpKernelConfig(transport='proxy')",
+    "grouped": "GroupedKernelConfig('bfloat16', 128)",
+    "grouped-d64-fp16": "GroupedKernelConfig('float16', 64)",
+    "grouped-d256-profile": "GroupedKernelConfig('bfloat16', 256, profile=True)",
 }
 
 _RENDER = """
@@ -71,6 +74,7 @@ from meld.codegen.mla_kernel import MlaKernelConfig
 from meld.codegen.moe_kernel import MoeKernelConfig
 from meld.codegen.tp_kernel import TpKernelConfig
 from meld.codegen.ep_kernel import EpKernelConfig
+from meld.codegen.grouped_kernel import GroupedKernelConfig
 out = {}
 for key, expr in json.loads(sys.argv[1]).items():
     try:
