@@ -180,3 +180,26 @@ def test_plans_that_fit_rewrite_the_buffers_at_the_same_addresses(make):
     buf = op._buf
     op.plan(*args)
     assert op._buf is buf, "a plan that fits keeps the buffers (a captured graph replays it)"
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_run_takes_k_and_v_apart_and_the_scales_through_the_shell(kv_dtype):
+    """DecodeAttention's run() is the shell's _run over (q, kv_cache) and its options: a (k_cache, v_cache)
+    tuple is one input, whose tensors that require grad tie the outputs (a backward names meld), and the FP8
+    scales reach the executor through _check_run's checked cache; the result is the one cache's, bit for bit."""
+    attn = meld.DecodeAttention(4, 2, 64, 16, torch.bfloat16, "cpu", kv_dtype=kv_dtype)
+    attn.plan(torch.tensor([0, 2, 3], dtype=I32), torch.tensor([2, 0, 1], dtype=I32), torch.tensor([5, 16], dtype=I32))
+    kv = torch.randn(3, 2, 16, 2, 64).to(kv_dtype or torch.bfloat16)
+    q = torch.randn(2, 4, 64).bfloat16()
+    scales = {"k_scale": 0.5, "v_scale": 0.25} if kv_dtype else {}
+    want_o, want_l = attn.run(q, kv, return_lse=True, **scales)
+    k = kv[:, 0].clone().requires_grad_(kv_dtype is None)
+    got_o, got_l = attn.run(q, (k, kv[:, 1].clone()), return_lse=True, **scales)
+    assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l)
+    if kv_dtype is None:
+        assert got_o.requires_grad
+        with pytest.raises(NotImplementedError, match="meld.DecodeAttention.run has no backward"):
+            got_o.float().sum().backward()
+    else:
+        unscaled = attn.run(q, kv)
+        assert not torch.equal(unscaled, want_o), "the scales reached the executor"
