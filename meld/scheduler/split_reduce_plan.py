@@ -41,11 +41,12 @@ from ..ir.work_table import EVENT, SPLIT_TASK
 MIN_PIECE_TOKENS = 64
 CUT_TOKENS = 16
 ROWS_PER_TILE = 64
-# A work item's fixed cost in KV tokens. Inferred from one H200 run (bench/RESULTS.md, 2026-12-02, fifth
-# session): with no overhead term, the 64-group case put 140 of its 64-token suffix items on each of the line's
-# last 15 CTAs and took 1058.6 µs, about 7.5 µs an item where streaming 64 tokens takes under 1 µs; 512 tokens
-# is that time at the streaming rate. To be fitted from traces (bench/cascade.py --item-overhead sweeps it).
-ITEM_OVERHEAD_TOKENS = 512
+# A work item's fixed cost in KV tokens, inferred from one H200 run of bench/cascade.py (bench/RESULTS.md,
+# 2026-12-02, fifth session), not yet fitted: with no overhead term the 64-group case put 140 of its 64-token
+# suffix items on each of the line's last 15 CTAs and took 1058.6 µs, ~7.5 µs an item. A per-CTA model of
+# ~13 ns a token (x2.5 for row-block tasks) plus 6.6 µs a task reproduces six of the seven cases within 20% and
+# has its smallest sum over them at 256 (bench/cascade.py --item-overhead sweeps it on the GPU).
+ITEM_OVERHEAD_TOKENS = 256
 SLICE_ROWS = 128   # query rows a task holds at most: the grouped kernel's warps x 16 (one pass over the KV)
 
 
