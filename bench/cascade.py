@@ -127,17 +127,19 @@ def build_meld_flat(inp: Inputs) -> Impl:
     return Impl(lambda: attn.run(inp.q, inp.kv_cache, out=out), outputs, timing, first.median_us, init_us)
 
 
-def meld_cascade(inp: Inputs) -> tuple[Any, list]:
-    """meld.CascadeDecode for the case's two levels, and its plan() arguments."""
+def meld_cascade(inp: Inputs, **op_kw: Any) -> tuple[Any, list]:
+    """meld.CascadeDecode for the case's two levels (`op_kw`: its keyword arguments, such as
+    item_overhead_tokens), and its plan() arguments."""
     import meld
 
     lv = inp.batch.levels
-    return meld.CascadeDecode(HQ, HKV, D, PAGE_SIZE, 2, DTYPE, "cuda"), [[level[i] for level in lv] for i in range(4)]
+    return meld.CascadeDecode(HQ, HKV, D, PAGE_SIZE, 2, DTYPE, "cuda", **op_kw), [[level[i] for level in lv]
+                                                                                for i in range(4)]
 
 
-def build_meld_cascade(inp: Inputs) -> Impl:
+def build_meld_cascade(inp: Inputs, **op_kw: Any) -> Impl:
     """meld.CascadeDecode: the grouped-attention kernel over the plan's task and event tables."""
-    op, args = meld_cascade(inp)
+    op, args = meld_cascade(inp, **op_kw)
     first = host_time_us(lambda: op.plan(*args), reps=1, min_reps=1)
     timing = host_time_us(lambda: op.plan(*args), reps=50)
     out = torch.empty_like(inp.q)
@@ -215,6 +217,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their sizes; no GPU needed")
     p.add_argument("--trace", type=Path, metavar="DIR", help="also write meld's cascade timeline per case here")
+    p.add_argument("--item-overhead", type=int, metavar="TOKENS",
+                   help="meld cascade's planner overhead per work item (CascadeDecode(item_overhead_tokens=))")
     p.add_argument("--plan-host", action="store_true",
                    help="time meld cascade plan()'s host phases on the CPU (the device copy excluded); no GPU needed")
     args = p.parse_args(argv)
@@ -224,14 +228,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def trace_case(inp: Inputs, folder: Path) -> str:
+def trace_case(inp: Inputs, folder: Path, **op_kw: Any) -> str:
     """meld's cascade timeline of one case from a profiled operator (bench.harness.write_trace), or why not."""
     from meld import config
 
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with config.scope(MELD_PROFILE="1"):
-            op, args = meld_cascade(inp)
+            op, args = meld_cascade(inp, **op_kw)
         op.plan(*args)
         out = torch.empty_like(inp.q)
         return write_trace(lambda: op.run(inp.q, inp.kv_cache, out=out), op, folder / f"cascade-B{inp.case.batch}-p{inp.case.prefix}-s{inp.case.suffix}-g{inp.case.groups}")
@@ -315,6 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ceilings = measure_ceilings()
     print(ceilings_line(ceilings), flush=True)
     table = Table(COLUMNS)
+    op_kw = {} if args.item_overhead is None else {"item_overhead_tokens": args.item_overhead}
+    builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw)}
     for i, case in enumerate(cases, 1):
         inp = make_inputs(case, args.seed)
         print(f"[{i}/{len(cases)}] {case.name}: {inp.batch.num_pages} pages, unique "
@@ -322,10 +328,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ref = reference(inp)
         results: dict[str, dict[str, Any]] = {}
         for name in args.impls:
-            results[name] = measure(partial(BUILDERS[name], inp), f"{case.name} {name}", ref, args, failures, eager=False)
+            results[name] = measure(partial(builders[name], inp), f"{case.name} {name}", ref, args, failures, eager=False)
             print(f"  {name:12s} {progress(results[name])}", flush=True)
         if args.trace and "meld-cascade" in args.impls:
-            print("  trace: " + trace_case(inp, args.trace).replace("\n", "\n         "), flush=True)
+            print("  trace: " + trace_case(inp, args.trace, **op_kw).replace("\n", "\n         "), flush=True)
         floor_us = read_floor_us(unique_bytes(case), args.warmup, args.reps, not args.no_flush)
         table.add(summarise(case, results, floor_us))
         del inp, ref

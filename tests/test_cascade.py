@@ -135,6 +135,28 @@ def test_pieces_cover_every_range_once_and_the_events_count_them():
     assert cost.max() <= 1.5 * cost.mean(), "prefix and suffix pieces are balanced together"
 
 
+def test_item_overhead_spreads_short_items_over_more_ctas():
+    """64 groups of 4 requests with a 2048-token prefix each and 64-token suffixes (bench/cascade.py's case of
+    many small groups): without an overhead the 2048 short suffix items crowd onto the line's last CTAs; with
+    one every CTA's modelled cost, overhead included, stays within one item of the mean, and the CTAs holding
+    suffix items each hold fewer of them."""
+    B, groups, per = 256, 64, 4
+    qo = np.arange(0, B + 1, per, dtype=np.int64)
+    prefix = GroupTable(qo, np.arange(0, groups * 128 + 1, 128, dtype=np.int64), np.arange(groups * 128, dtype=np.int64),
+                        np.full(groups, P, dtype=np.int64))
+    own = GroupTable(np.arange(B + 1, dtype=np.int64), np.arange(0, B * 4 + 1, 4, dtype=np.int64),
+                     np.arange(B * 4, dtype=np.int64), np.full(B, P, dtype=np.int64))
+    most = {}
+    for overhead in (0, 128):
+        plan = plan_split_reduce([prefix, own], B, 8, 4, P, 132, SLICE_ROWS, overhead)
+        t = plan.task_columns()
+        short = np.bincount(t["cta"][t["producer"] == 1], minlength=132)
+        most[overhead] = short.max()
+        cost = plan.cta_cost([prefix, own])
+        assert cost.max() <= cost.mean() + overhead + 2048
+    assert most[128] < 0.75 * most[0]
+
+
 def test_non_finite_inputs_reach_exactly_their_rows():
     levels, q, kv = batch([2, 2], [100, 100], [20, 20, 20, 20])
     prefix_idx, sfx = levels[0][2], levels[1]
@@ -314,15 +336,16 @@ def _levels(draw):
         indptr = np.array([0, *np.cumsum(pages)], dtype=np.int64)
         last = np.array([n - (p - 1) * P if p else 1 for n, p in zip(lens, pages)], dtype=np.int64)
         levels.append(GroupTable(qo, indptr, np.arange(indptr[-1], dtype=np.int64), last))
-    return batch, levels, draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 6, 128]))
+    return batch, levels, draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 4, 8])), \
+        draw(st.sampled_from([1, 6, 128])), draw(st.sampled_from([0, 1, 128, 5000]))
 
 
 @settings(max_examples=150, deadline=None)
 @given(_levels())
 def test_host_planner_is_its_numpy_oracle(case):
-    batch, levels, ctas, heads, slice_rows = case   # (slice_rows 1 and 6: slices of one and of three requests)
-    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows),
-                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows))
+    batch, levels, ctas, heads, slice_rows, overhead = case   # (slice_rows 1 and 6: slices of one and of three requests)
+    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows, overhead),
+                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows, overhead))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

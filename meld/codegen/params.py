@@ -270,6 +270,7 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
     Field("cut", "i32"),
     Field("rows_per_tile", "i32"),
     Field("slice_rows", "i32"),                     # query rows a task holds at most (whole requests; at least one)
+    Field("item_overhead", "i32"),                  # a work item's fixed cost, in KV tokens
     Field("task_capacity", "i32"),
     Field("slot_capacity", "i32"),
 ])

@@ -15,13 +15,16 @@ host build), with `plan_split_reduce_numpy` as its oracle. `write_launch_tables`
 of what the grouped-attention kernel reads, in one buffer (`LaunchLayout`): the GPU operator's device tables.
 
 Cost model and cut (decode's, on a line): a work item (producer, group, kv head, slice) of t tokens and r
-query rows costs t * ceil(r / 64), the tensor-core tiles of 64 rows each of its key rows feeds. A slice is
+query rows costs item_overhead + t * ceil(r / 64): a fixed cost (the ring's fill and drain, the q load, the
+partials' store and the event counts; in KV tokens) and the tensor-core tiles of 64 rows each of its key
+rows feeds. The overhead comes first on an item's stretch of the line, so a cut lands on tokens past it. A slice is
 up to `slice_rows` of the group's query rows (whole requests, at least one): the rows a kernel task attends
 at once, so a large group's shared KV is read once per slice (mostly from L2: its slices are neighbours on
 the line) and no task carries more than a slice's events. Items lie on one line in graph order (producer,
 group, kv head, slice) and the line is cut into `num_ctas` segments of equal cost;
 a cut inside an item becomes a piece boundary, at a multiple of CUT_TOKENS, and is dropped where it would
-leave a piece shorter than MIN_PIECE_TOKENS (the piece stays with the CTA before). So a CTA's pieces are
+leave a piece shorter than MIN_PIECE_TOKENS (the piece stays with the CTA before), except that a cut nearer
+the item's start than half of that (in its overhead, say) moves the whole item to the next CTA. So a CTA's pieces are
 consecutive on the line (one level's groups together: their KV shared in L2), an item is split only where
 a CTA boundary falls in it (at most num_ctas - 1 splits in all), and the table is in CTA order by
 construction.
@@ -38,6 +41,12 @@ from ..ir.work_table import EVENT, SPLIT_TASK
 MIN_PIECE_TOKENS = 64
 CUT_TOKENS = 16
 ROWS_PER_TILE = 64
+# A work item's fixed cost in KV tokens, inferred from one H200 run of bench/cascade.py (bench/RESULTS.md,
+# 2026-12-02, fifth session), not yet fitted: with no overhead term the 64-group case put 140 of its 64-token
+# suffix items on each of the line's last 15 CTAs and took 1058.6 µs, ~7.5 µs an item. A per-CTA model of
+# ~13 ns a token (x2.5 for row-block tasks) plus 6.6 µs a task reproduces six of the seven cases within 20% and
+# has its smallest sum over them at 256 (bench/cascade.py --item-overhead sweeps it on the GPU).
+ITEM_OVERHEAD_TOKENS = 256
 SLICE_ROWS = 128   # query rows a task holds at most: the grouped kernel's warps x 16 (one pass over the KV)
 
 
@@ -72,6 +81,7 @@ class SplitReducePlan:
     events: np.ndarray       # EVENT, field-major, batch * num_kv_heads entries
     part_slot: np.ndarray    # the parts' first slots, event after event, each event's in merge order
     num_slots: int
+    item_overhead: int       # the cost model's (module docstring)
 
     def task_columns(self) -> dict[str, np.ndarray]:
         return SPLIT_TASK.unpack(self.tasks, self.num_tasks)
@@ -80,20 +90,19 @@ class SplitReducePlan:
         return EVENT.unpack(self.events, self.batch * self.num_kv_heads)
 
     def cta_cost(self, tables: list[GroupTable]) -> np.ndarray:
-        """Each CTA's cost under the planner's model (for tests and printing)."""
+        """Each CTA's cost under the planner's model (for tests and printing): an item's overhead goes to its
+        first piece."""
         t, out = self.task_columns(), np.zeros(self.num_ctas)
         for i in range(self.num_tasks):
-            rows = int(t["event_count"][i]) * self.group_size
-            out[t["cta"][i]] += _cost(int(t["kv_end"][i] - t["kv_begin"][i]), rows)
+            tiles = -(-int(t["event_count"][i]) * self.group_size // ROWS_PER_TILE)
+            out[t["cta"][i]] += int(t["kv_end"][i] - t["kv_begin"][i]) * tiles + \
+                (self.item_overhead if t["kv_begin"][i] == 0 else 0)
         return out
 
 
-def _cost(tokens: int, rows: int) -> float:
-    return tokens * -(-rows // ROWS_PER_TILE)
-
-
 def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int,
-                            page_size: int, num_ctas: int, slice_rows: int = SLICE_ROWS) -> SplitReducePlan:
+                            page_size: int, num_ctas: int, slice_rows: int = SLICE_ROWS,
+                            item_overhead: int = ITEM_OVERHEAD_TOKENS) -> SplitReducePlan:
     """The cut in NumPy, written from the module docstring: the test oracle of `plan_split_reduce` (the
     planner's C source, templates/split_reduce_plan.h, the GPU's and the host's)."""
     per = max(1, slice_rows // group_size)   # requests of a slice
@@ -105,7 +114,7 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
             if lens[g] > 0:
                 items += [(ti, g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // ROWS_PER_TILE))
                           for h in range(num_kv_heads) for s in range(q0, q1, per)]
-    total = sum(n * tiles for *_, n, _, tiles in items)
+    total = sum(item_overhead + n * tiles for *_, n, _, tiles in items)
     bounds = [c * total // num_ctas for c in range(num_ctas + 1)]   # the segments' first costs
     cols = {f: [] for f in SPLIT_TASK.fields}
     parts: dict[int, list[int]] = {}   # event -> its parts' first slots, in line order
@@ -115,9 +124,11 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
             cta += 1
         cuts = [(0, cta)]
         c = cta + 1
-        while c < num_ctas and bounds[c] < start + n * tiles:   # CTA boundaries inside the item
-            pos = ((bounds[c] - start) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
-            if pos - cuts[-1][0] >= MIN_PIECE_TOKENS and n - pos >= MIN_PIECE_TOKENS:
+        while c < num_ctas and bounds[c] < start + item_overhead + n * tiles:   # CTA boundaries inside the item
+            pos = (max(0, bounds[c] - start - item_overhead) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
+            if len(cuts) == 1 and 2 * pos < MIN_PIECE_TOKENS:   # nearer the item's start: it starts on CTA c
+                cuts = [(0, c)]
+            elif pos - cuts[-1][0] >= MIN_PIECE_TOKENS and n - pos >= MIN_PIECE_TOKENS:
                 cuts.append((pos, c))
             c += 1
         for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):
@@ -127,18 +138,19 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
                 parts.setdefault(h * batch + q0 + r, []).append(slot + r * group_size)
             slot += n_req * group_size
         cta = cuts[-1][1]
-        start += n * tiles
+        start += item_overhead + n * tiles
     n_events = batch * num_kv_heads
     counts = np.array([len(parts.get(ev, ())) for ev in range(n_events)], dtype=np.int64)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]]) if n_events else counts
     part_slot = np.array([s for ev in range(n_events) for s in parts.get(ev, ())], dtype=np.int32)
     num_tasks = len(cols["cta"])
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas, SPLIT_TASK.pack(num_tasks, **cols), num_tasks,
-                           EVENT.pack(n_events, parts=counts, part_first=first), part_slot, slot)
+                           EVENT.pack(n_events, parts=counts, part_first=first), part_slot, slot, item_overhead)
 
 
 def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int, page_size: int,
-                      num_ctas: int, slice_rows: int = SLICE_ROWS) -> SplitReducePlan:
+                      num_ctas: int, slice_rows: int = SLICE_ROWS,
+                      item_overhead: int = ITEM_OVERHEAD_TOKENS) -> SplitReducePlan:
     """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
     parts (module docstring), with the planner's C source built for the host. `tables` are the producers
     in the graph's order: the order their parts merge in."""
@@ -165,7 +177,8 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
         group_producer=g, group_index=g + 4 * n_groups, group_q0=g + 8 * n_groups, group_requests=g + 12 * n_groups,
         group_tokens=g + 16 * n_groups, **addr, num_groups=n_groups, batch=batch, num_kv_heads=num_kv_heads,
         group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS,
-        rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows, task_capacity=task_cap, slot_capacity=part_cap)
+        rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows, item_overhead=item_overhead, task_capacity=task_cap,
+        slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
     num_tasks, num_slots = int(part["out"][0]), int(part["out"][1])
     if num_tasks < 0:   # the capacities above bound every cut: this is a planner bug, not an input error
@@ -174,7 +187,7 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     parts = int(EVENT.unpack(events, n_events)["parts"].sum())
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
                            part["tasks"].reshape(SPLIT_TASK.width, task_cap)[:, :num_tasks].flatten(), num_tasks,
-                           events.copy(), part["part_slot"][:parts].copy(), num_slots)
+                           events.copy(), part["part_slot"][:parts].copy(), num_slots, item_overhead)
 
 
 def _group_columns(tables: list[GroupTable], page_size: int) -> np.ndarray:
