@@ -113,7 +113,8 @@ class CascadeDecode(Operator):
     def plan(self, qo_indptr_arr, kv_indptr_arr, kv_indices_arr, kv_last_page_len_arr) -> None:
         """Plan a batch: per level l, qo_indptr_arr[l] [G_l + 1] (requests of each group, ending at the batch
         size B, the same for every level) and the groups' page tables in FlashInfer's layout (int32 CPU
-        tensors). A plan() that raises changes nothing."""
+        tensors). A plan() that raises changes nothing. On a GPU the tables go to the device by a copy on the
+        current stream: run() (or the graph replay that runs it) belongs on the same stream, as for decode."""
         arrays = {"qo_indptr_arr": qo_indptr_arr, "kv_indptr_arr": kv_indptr_arr, "kv_indices_arr": kv_indices_arr,
                   "kv_last_page_len_arr": kv_last_page_len_arr}
         for name, arr in arrays.items():
