@@ -340,6 +340,20 @@ def _levels(draw):
         draw(st.sampled_from([1, 6, 128])), draw(st.sampled_from([0, 1, 128, 5000]))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(8, 127), st.integers(4, 132), st.sampled_from([0, 64, 256]), st.integers(0, 2 ** 31 - 1))
+def test_no_cta_holds_more_than_its_share_and_a_piece(batch, ctas, overhead, seed):
+    """Requests' own KV of 100-4000 tokens on one line: a CTA holds at most its share of the cost plus one item's
+    overhead and two short pieces (where a boundary falls near an item's start the item moves, or the cut moves
+    up to a whole piece; before that the earlier CTA kept the whole item)."""
+    lens = np.random.default_rng(seed).integers(100, 4000, batch)
+    pages = -(-lens // P)
+    own = GroupTable(np.arange(batch + 1, dtype=np.int64), np.r_[0, np.cumsum(pages)].astype(np.int64),
+                     np.arange(pages.sum(), dtype=np.int64), (lens - (pages - 1) * P).astype(np.int64))
+    cost = plan_split_reduce([own], batch, 8, 4, P, ctas, SLICE_ROWS, overhead).cta_cost([own])
+    assert cost.max() <= cost.sum() / ctas + overhead + 2 * 64 + 16
+
+
 @settings(max_examples=150, deadline=None)
 @given(_levels())
 def test_host_planner_is_its_numpy_oracle(case):

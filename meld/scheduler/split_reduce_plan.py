@@ -22,9 +22,10 @@ up to `slice_rows` of the group's query rows (whole requests, at least one): the
 at once, so a large group's shared KV is read once per slice (mostly from L2: its slices are neighbours on
 the line) and no task carries more than a slice's events. Items lie on one line in graph order (producer,
 group, kv head, slice) and the line is cut into `num_ctas` segments of equal cost;
-a cut inside an item becomes a piece boundary, at a multiple of CUT_TOKENS, and is dropped where it would
-leave a piece shorter than MIN_PIECE_TOKENS (the piece stays with the CTA before), except that a cut nearer
-the item's start than half of that (in its overhead, say) moves the whole item to the next CTA. So a CTA's pieces are
+a cut inside an item becomes a piece boundary, at a multiple of CUT_TOKENS: one nearer the item's start than
+half of MIN_PIECE_TOKENS (in its overhead, say) moves the whole item to the next CTA, one that would leave the
+piece before it shorter than MIN_PIECE_TOKENS moves up to make it that long, and one that would leave the last
+piece shorter is dropped (that piece stays with the CTA before). So a CTA's pieces are
 consecutive on the line (one level's groups together: their KV shared in L2), an item is split only where
 a CTA boundary falls in it (at most num_ctas - 1 splits in all), and the table is in CTA order by
 construction.
@@ -125,10 +126,11 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
         cuts = [(0, cta)]
         c = cta + 1
         while c < num_ctas and bounds[c] < start + item_overhead + n * tiles:   # CTA boundaries inside the item
-            pos = (max(0, bounds[c] - start - item_overhead) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
-            if len(cuts) == 1 and 2 * pos < MIN_PIECE_TOKENS:   # nearer the item's start: it starts on CTA c
+            near = (max(0, bounds[c] - start - item_overhead) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
+            pos = max(near, cuts[-1][0] + MIN_PIECE_TOKENS)
+            if len(cuts) == 1 and 2 * near < MIN_PIECE_TOKENS:   # nearer the item's start: it starts on CTA c
                 cuts = [(0, c)]
-            elif pos - cuts[-1][0] >= MIN_PIECE_TOKENS and n - pos >= MIN_PIECE_TOKENS:
+            elif n - pos >= MIN_PIECE_TOKENS:
                 cuts.append((pos, c))
             c += 1
         for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):

@@ -10,8 +10,9 @@
 // item of the group's t tokens and r = its requests x group_size query rows, costing item_overhead +
 // t * ceil(r / rows_per_tile), the overhead first on the line. The line of their costs is cut
 // into num_ctas segments of equal cost; a cut inside an item is a piece boundary at the nearest multiple of
-// `cut` tokens, dropped where it would leave a piece shorter than `min_piece` tokens, except that a cut
-// nearer the item's start than half of that moves the whole item to the next CTA. Each piece is one
+// `cut` tokens: a cut nearer the item's start than half of `min_piece` tokens moves the whole item to the next
+// CTA, one that would leave the piece before it shorter than `min_piece` moves up to make it that long, and one
+// that would leave the last piece shorter is dropped. Each piece is one
 // SPLIT_TASK row (in line order, hence in CTA order) and counts towards its requests' events (h * batch + b);
 // each event lists its parts' first slots in line order (the merge order).
 //
@@ -67,12 +68,13 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
             for (; c < W && segment(c) < start + cost; ++c) {
               const long long into = segment(c) - start - p.item_overhead;   // (a boundary in the overhead: at 0)
               const long long at = (into > 0 ? into : 0) / tiles;
-              const int pos = (int)((at + p.cut / 2) / p.cut * p.cut);
-              if (begin == 0 && 2 * pos < p.min_piece) {   // nearer the item's start than a piece: it starts on c
+              const int near = (int)((at + p.cut / 2) / p.cut * p.cut);
+              if (begin == 0 && 2 * near < p.min_piece) {   // nearer the item's start than half a piece: it starts on c
                 owner = c;
                 continue;
               }
-              if (pos - begin >= p.min_piece && n - pos >= p.min_piece) {
+              const int pos = max(near, begin + p.min_piece);   // the piece before is at least min_piece long
+              if (n - pos >= p.min_piece) {
                 end = pos;
                 next = c;
                 break;
