@@ -452,7 +452,11 @@ def test_attention_timing_and_summary():
     eng.time_attention(res, reps=1)
     s = res.summary()
     assert s["steps"] == 9 and s["tokens_per_s"] > 0 and s["step_p99_ms"] >= s["step_p50_ms"] > 0
-    assert 0 < s["attn_share"] < 1 and s["mode"] == "eager"
+    # attention is timed alone, after the run: its share of the steps' time is a ratio of two measurements, which
+    # a loaded machine can put above 1, so the formula is what is checked
+    timed = [i for i, _ in res.samples]
+    attn, steps = sum(res.attention_seconds[i] for i in timed), sum(res.steps[i].seconds for i in timed)
+    assert s["attn_share"] == pytest.approx(attn / steps) and attn > 0 and s["mode"] == "eager"
 
 
 def test_graphs_need_a_gpu():
@@ -510,7 +514,7 @@ def test_cli_serve_bench_on_the_cpu(model, capsys, tmp_path):
     assert text.count("| backend | moe | mode |") == 2 and text.count("| OK rel err") == 4
     rows = json.loads(out.read_text())["rows"]
     assert [(r["backend"], r["max_batch"]) for r in rows] == [("meld", 2), ("sdpa", 2), ("meld", 3), ("sdpa", 3)]
-    assert all(r["steps"] == 5 and r["check_ok"] and 0 < r["attn_share"] < 1 for r in rows)
+    assert all(r["steps"] == 5 and r["check_ok"] and r["attn_share"] > 0 for r in rows)   # (> 1 under load)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the defaults are the full-size model")
@@ -525,7 +529,7 @@ def test_cli_serve_bench_deepseek_on_the_cpu(capsys, tmp_path):
     assert text.count("| OK rel err") == 2
     rows = json.loads(out.read_text())["rows"]
     assert [(r["backend"], r["moe"]) for r in rows] == [("meld", "meld"), ("sdpa", "torch")]
-    assert all(r["steps"] == 4 and r["check_ok"] and 0 < r["attn_share"] < 1 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["steps"] == 4 and r["check_ok"] and r["attn_share"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 
 def _fails(argv, capsys, *named):
