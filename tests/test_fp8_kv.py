@@ -441,14 +441,9 @@ def test_gpu_cuda_graph_replay_across_replans(tma):
         for q, kv, (ks, vs), out in zip(qs, caches, scales, outs):
             attn.run(q, kv, out=out, k_scale=ks, v_scale=vs)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    from meld.runtime.cuda_graphs import capture
+
+    g, _ = capture(step)
     for p in plans:
         attn.plan(p.kv_indptr, p.kv_indices, p.kv_last_page_len)
         for out in outs:

@@ -337,16 +337,13 @@ def test_gpu_per_layer_buffers_in_one_graph(tma):
                                 max_num_pages=max(p.kv_indices.numel() for p in plans),
                                 kernel_config=_tma() if tma else None)
     attn.plan(plans[0].kv_indptr, plans[0].kv_indices, plans[0].kv_last_page_len)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    from meld.runtime.cuda_graphs import capture
+
+    def step():
         for q, kv, out in zip(qs, caches, outs):
             attn.run(q, kv, out=out)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for q, kv, out in zip(qs, caches, outs):
-            attn.run(q, kv, out=out)
+
+    g, _ = capture(step)
     for p in plans:
         attn.plan(p.kv_indptr, p.kv_indices, p.kv_last_page_len)
         for out in outs:

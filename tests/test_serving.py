@@ -154,18 +154,27 @@ def test_cache_write_lands_in_the_pages():
 
 
 # --- backends ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["meld", "sdpa"])
-def test_backend_attention_matches_float64(backend):
-    cfg, _, kv = setup(pages=120)
-    lens = [5, 0, 200, 16, 1, 77]
-    for rid, n in enumerate(lens):
+LENS = [5, 0, 200, 16, 1, 77]   # (request 1 is empty: zeros)
+
+
+def planned_backend(backend: str, *setup_args, **setup_kw):
+    """A model's cache holding requests of LENS tokens (random rows), `backend` planned over them, and a random q:
+    (config, cache, backend, q, page table)."""
+    cfg, _, kv = setup(*setup_args, **setup_kw)
+    for rid, n in enumerate(LENS):
         kv.add(rid, max(n, 1))
         kv.extend(rid, n)
     kv.pool.normal_()
     be = make_backend(backend, cfg, P, "cpu", 8, kv.num_pages + 8)
-    q = torch.randn(len(lens), cfg.num_qo_heads, cfg.head_dim).bfloat16()
-    t = kv.page_table(list(range(len(lens))))
+    q = torch.randn(len(LENS), cfg.num_qo_heads, cfg.head_dim).bfloat16()
+    t = kv.page_table(list(range(len(LENS))))
     be.plan(t)
+    return cfg, kv, be, q, t
+
+
+@pytest.mark.parametrize("backend", ["meld", "sdpa"])
+def test_backend_attention_matches_float64(backend):
+    cfg, kv, be, q, t = planned_backend(backend, pages=120)
     for layer in range(cfg.num_layers):
         out = be.run(layer, q, kv.layer(layer))
         ref, _ = attention_reference(q, kv.layer(layer), t.kv_indptr, t.kv_indices, t.kv_last_page_len)
@@ -296,23 +305,14 @@ def test_latent_cache_writes_rows_and_checks():
 
 @pytest.mark.parametrize("backend", ["meld", "sdpa"])
 def test_mla_backend_attention_matches_float64(backend):
-    cfg, _, kv = setup("deepseek", pages=60)
-    lens = [5, 0, 200, 16, 1, 77]
-    for rid, n in enumerate(lens):
-        kv.add(rid, max(n, 1))
-        kv.extend(rid, n)
-    kv.pool.normal_()
-    be = make_backend(backend, cfg, P, "cpu", 8, kv.num_pages + 8)
-    q = torch.randn(len(lens), cfg.num_qo_heads, cfg.head_dim).bfloat16()
-    t = kv.page_table(list(range(len(lens))))
-    be.plan(t)
+    cfg, kv, be, q, t = planned_backend(backend, "deepseek", pages=60)
     C = cfg.kv_lora_rank
     for layer in range(cfg.num_layers):
         cache = kv.layer(layer)
         out = be.run(layer, q, cache)
         ref, _ = mla_reference(q[..., :C], q[..., C:], cache[..., :C], cache[..., C:], t.kv_indptr, t.kv_indices,
                                t.kv_last_page_len, cfg.sm_scale)
-        assert out.shape == (len(lens), cfg.num_qo_heads, C) and out.dtype == q.dtype
+        assert out.shape == (len(LENS), cfg.num_qo_heads, C) and out.dtype == q.dtype
         assert rel(out, ref) < 1e-2 and (out[1] == 0).all()
 
 
