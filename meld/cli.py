@@ -23,6 +23,7 @@ Bad arguments (checked before any work) and bad files end in one line on stderr 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import math
 import os
@@ -131,7 +132,7 @@ def demo_moe(device: str) -> int:
     """The second operator through the same pipeline: a small MoE layer with a skewed routing."""
     import meld
     from meld.codegen import compile_nvcc
-    from meld.codegen.moe_kernel import MoeKernelConfig, block_tokens_for
+    from meld.codegen.moe_kernel import block_tokens_for
     from meld.ops import moe_graph
     from meld.runtime.moe_reference import route
 
@@ -151,7 +152,7 @@ def demo_moe(device: str) -> int:
     logits[: T // 2, 3] += 20.0
     moe = meld.MoE(H, I, E, k, device=device, max_num_tokens=T)
     bt = block_tokens_for(T, k, E)
-    cfg = MoeKernelConfig(block_tokens=bt)
+    cfg = dataclasses.replace(moe.lowering.kernel_config(), block_tokens=bt)
     t0 = time.perf_counter()
     cubin, _ = compile_nvcc(cfg.render(), cfg.name, "sm_90a")
     print(f"2. lowered to the {moe.lowering.family} family (merge: {moe.lowering.combiner}); generated {cfg.name} "

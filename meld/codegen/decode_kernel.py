@@ -6,11 +6,12 @@ kernel serves every batch and every `plan()`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..ir.work_table import CTA_TABLE
 from ..runtime.profile import kind_defines
-from .params import DECODE_PARAMS, PLAN_PARAMS, SEQ_PARALLEL_DECODE_PARAMS, WATCHDOG_RECORD, ParamStruct
+from .params import PLAN_PARAMS, WATCHDOG_RECORD, ParamStruct
 from .source import SMEM_PER_CTA_MAX, template
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
@@ -87,6 +88,16 @@ class DecodeKernelConfig:
                                   heads_per_unit=16 if group_size > 8 else 8, batch_invariant=batch_invariant,
                                   kv_dtype=kv_dtype)
 
+    @staticmethod
+    def of(low, *, onchip_merge: bool = False, batch_invariant: bool = False,
+           kv_dtype: str = "") -> "DecodeKernelConfig":
+        """The default build (`default`) of a lowered decode graph (`meld.codegen.lowering.Lowering`): dtype,
+        head_dim and group size from its attrs, a cross-rank build where its partials cross ranks."""
+        a = low.attrs
+        return dataclasses.replace(DecodeKernelConfig.default(
+            a["dtype"], a["head_dim"], onchip_merge=onchip_merge, group_size=a["group_size"],
+            batch_invariant=batch_invariant, kv_dtype=kv_dtype), xrank=low.transport or "")
+
     @property
     def name(self) -> str:
         return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}{'_e4m3' if self.kv_dtype else ''}_d{self.head_dim}"
@@ -139,8 +150,11 @@ class DecodeKernelConfig:
 
     @property
     def params(self) -> ParamStruct:
-        """The kernel's parameter struct: the cross-rank edge's fields only in sequence-parallel builds."""
-        return SEQ_PARALLEL_DECODE_PARAMS if self.xrank else DECODE_PARAMS
+        """The kernel's parameter struct: the decode family's (the cross-rank edge's fields only in
+        sequence-parallel builds)."""
+        from .lowering import Lowering
+
+        return Lowering("decode_attention", "online_softmax", transport=self.xrank or None).params
 
 
 @dataclass(frozen=True)

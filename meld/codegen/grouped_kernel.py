@@ -30,6 +30,12 @@ class GroupedKernelConfig:
         if self.head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim={self.head_dim}: expected 64, 128 or 256")
 
+    @staticmethod
+    def of(low, *, profile: bool = False) -> "GroupedKernelConfig":
+        """The build of a lowered grouped-attention graph (`meld.codegen.lowering.Lowering`): its attrs' dtype
+        and head_dim."""
+        return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile)
+
     entry = "meld_grouped_attention"
 
     @property

@@ -3,16 +3,20 @@
 The task kinds select the family's planner policy (`PLANNED_KINDS`: which selector reads the rest of the
 graph) and its device task bodies; within the kinds, the combiner recorded on the graph's reduction selects
 the merge — the device merge the family compiles and the merge the CPU reference executor applies — and the
-producers' domains and the attrs select among families of one shape. The family names its kernel template, its planner and its reference executor (`FAMILIES`); operators ask their
-`Lowering` for the planner and the executor instead of importing one. A graph that asks for something no
-family implements is refused here, with the reason, before anything is compiled.
+producers' domains and the attrs select among families of one shape. The family (`FAMILIES`) names
+everything an operator runs: its kernel template, the builder of its kernel config (from the graph's attrs
+and the operator's run-time options), its parameter struct, its host and device planners, its reference
+executor and its device merge per combiner. Operators ask their `Lowering` for these instead of importing
+them. A graph that asks for something no family implements is refused here, with the reason, before
+anything is compiled.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from ..ir import TaskGraph
 from ..ir.task_graph import GraphError, TaskTemplate
@@ -20,26 +24,46 @@ from ..ir.task_graph import GraphError, TaskTemplate
 
 @dataclass(frozen=True)
 class Family:
-    """What runs one family: its kernel template (None: only the CPU reference executor so far), its host
-    planner (the GPU planner, where there is one, builds the same C source) and its CPU reference executor,
-    the last two as "module:attribute" paths, imported when asked for (they import torch and NumPy;
-    lowering only the IR)."""
+    """What runs one family. All but `kernel` and `merges` are "module:attribute" paths, imported when asked
+    for (they import torch and NumPy; lowering only the IR)."""
 
-    kernel: str | None
-    planner: str
-    executor: str
+    kernel: str | None           # the kernel template (None: only the CPU reference executor so far)
+    config: str                  # builds the kernel config: (lowering, **the operator's options) -> config
+    params: str                  # the kernel's parameter struct (meld/codegen/params.py)
+    planner: str                 # the host planner (where there is a GPU planner, built from the same C source)
+    device_planner: str | None   # the GPU planner's config; None: planned on the host, or in the kernel itself
+    executor: str                # the CPU reference executor
+    merges: Mapping[str, str]    # combiner -> the template whose device merge implements it
+    xrank_params: str | None = None   # the parameter struct of builds whose partials cross ranks (if another)
 
 
 FAMILIES = {
-    "decode_attention": Family("decode_attention.cuh", "meld.scheduler.decode_plan_host:plan_decode_host",
-                               "meld.runtime.reference:execute_decode"),
-    "mla_decode": Family("mla_decode.cuh", "meld.scheduler.decode_plan_host:plan_decode_host",
-                         "meld.runtime.reference:execute_mla"),
-    "moe": Family("moe.cuh", "meld.scheduler.moe_plan:plan_moe_host", "meld.runtime.moe_reference:execute_moe"),
-    "tp_linear": Family("tp_linear.cuh", "meld.codegen.tp_kernel:TpSchedule.of",
-                        "meld.distributed.tp_matmul:row_parallel_matmul"),
-    "grouped_attention": Family("grouped_attention.cuh", "meld.scheduler.split_reduce_plan:plan_split_reduce",
-                                "meld.runtime.reference:execute_split_reduce"),
+    # The decode GPU planner (templates/decode_plan.cuh) serves both split-KV families: one CTA cuts the batch.
+    "decode_attention": Family(
+        "decode_attention.cuh", "meld.codegen.decode_kernel:DecodeKernelConfig.of",
+        "meld.codegen.params:DECODE_PARAMS", "meld.scheduler.decode_plan_host:plan_decode_host",
+        "meld.codegen.decode_kernel:DecodePlanKernelConfig", "meld.runtime.reference:execute_decode",
+        {"online_softmax": "split_kv.cuh"}, xrank_params="meld.codegen.params:SEQ_PARALLEL_DECODE_PARAMS"),
+    "mla_decode": Family(
+        "mla_decode.cuh", "meld.codegen.mla_kernel:MlaKernelConfig.of", "meld.codegen.params:MLA_PARAMS",
+        "meld.scheduler.decode_plan_host:plan_decode_host", "meld.codegen.decode_kernel:DecodePlanKernelConfig",
+        "meld.runtime.reference:execute_mla", {"online_softmax": "split_kv.cuh"}),
+    # MoE plans on the GPU inside its own routing launch (templates/moe_plan.h included by moe.cuh): no
+    # planner kernel of its own.
+    "moe": Family(
+        "moe.cuh", "meld.codegen.moe_kernel:MoeKernelConfig.of", "meld.codegen.params:MOE_PARAMS",
+        "meld.scheduler.moe_plan:plan_moe_host", None, "meld.runtime.moe_reference:execute_moe",
+        {"weighted_sum": "moe.cuh"}),
+    # The row-parallel linear's plan is closed-form in the call's M, made on the host once per M.
+    "tp_linear": Family(
+        "tp_linear.cuh", "meld.codegen.tp_kernel:TpKernelConfig.of", "meld.codegen.params:TP_PARAMS",
+        "meld.codegen.tp_kernel:TpSchedule.of", None, "meld.distributed.tp_matmul:row_parallel_matmul",
+        {"sum": "tp_linear.cuh"}),
+    # The grouped family's task and event tables are planned on the host and uploaded (CascadeDecode.plan).
+    "grouped_attention": Family(
+        "grouped_attention.cuh", "meld.codegen.grouped_kernel:GroupedKernelConfig.of",
+        "meld.codegen.params:GROUPED_PARAMS", "meld.scheduler.split_reduce_plan:plan_split_reduce", None,
+        "meld.runtime.reference:execute_split_reduce", {"online_softmax": "grouped_attention.cuh"}),
 }
 
 
@@ -51,26 +75,56 @@ def _resolve(path: str) -> Callable:
 
 @dataclass(frozen=True)
 class Lowering:
-    family: str                          # a FAMILIES key: template, planner, executor
+    family: str                          # a FAMILIES key: what runs the graph
     combiner: str                        # meld.ir.COMBINERS key: the device merge and the executor's merge
     waits: tuple[tuple[str, str, str], ...] = ()   # (src, dst, axis): tile edges that become dependency counters
     producers: tuple[str, ...] = ()      # the split-reduce tasks whose partials the combines merge, in merge order
     transport: str | None = None         # how those partials cross ranks (meld.ir.TRANSPORTS; None: one GPU)
+    attrs: Mapping[str, object] = field(default_factory=dict, compare=False)   # the graph's: sizes, dtype
 
     @property
     def kernel(self) -> str | None:
         """The family's kernel template, or None where only the CPU reference executor runs it."""
         return FAMILIES[self.family].kernel
 
+    def kernel_config(self, **options: object):
+        """The family's kernel config for this graph (its attrs and transport) and the operator's run-time
+        `options` (those the graph does not record: a cache dtype, batch invariance, profiling)."""
+        return _resolve(FAMILIES[self.family].config)(self, **options)
+
+    @property
+    def params(self):
+        """The kernel's parameter struct (`meld.codegen.params.ParamStruct`): with the cross-rank edge's fields
+        where the graph's partials cross ranks and the family has such a build."""
+        f = FAMILIES[self.family]
+        return _resolve(f.xrank_params if self.transport and f.xrank_params else f.params)
+
     @property
     def planner(self) -> Callable:
-        """The family's planner: real lengths in, the work tables its kernel and its executor walk out."""
+        """The family's host planner: real lengths in, the work tables its kernel and its executor walk out."""
         return _resolve(FAMILIES[self.family].planner)
 
     @property
+    def device_planner(self):
+        """The family's GPU planner config (an instance), or None where the family plans on the host or
+        inside its own kernel (FAMILIES says which)."""
+        path = FAMILIES[self.family].device_planner
+        return None if path is None else _resolve(path)()
+
+    @property
     def executor(self) -> Callable:
-        """The family's CPU reference executor (the walk of its work tables the kernel makes)."""
+        """The family's CPU reference executor (the walk of its work tables the kernel makes); it merges with
+        `combiner`."""
         return _resolve(FAMILIES[self.family].executor)
+
+    @property
+    def device_merge(self) -> str:
+        """The template whose device merge implements the graph's combiner in this family's kernel; GraphError
+        where the family's kernel has no merge for it."""
+        merges = FAMILIES[self.family].merges
+        if self.combiner not in merges:
+            raise GraphError(f"the {self.family} family's kernel merges {sorted(merges)}, not {self.combiner!r}")
+        return merges[self.combiner]
 
 
 def _split_reduce(g: TaskGraph) -> Lowering:
@@ -161,4 +215,9 @@ def lower(graph: TaskGraph) -> Lowering:
     if select is None:
         raise GraphError(f"graph {g.name!r}: no planner takes task kinds {list(kinds)}; planners take "
                          + " or ".join(str(list(k)) for k in PLANNED_KINDS))
-    return select(g)
+    low = dataclasses.replace(select(g), attrs=dict(g.attrs))
+    try:
+        low.device_merge   # (a combiner the family's kernel cannot merge is refused before anything compiles)
+    except GraphError as e:
+        raise GraphError(f"graph {g.name!r}: {e}") from None
+    return low

@@ -42,6 +42,11 @@ class MlaKernelConfig:
             raise ValueError(f"num_stages={self.num_stages!r}: expected 0 or an int >= 2 whose ring fits "
                              f"{SMEM_PER_CTA_MAX} bytes of shared memory with Q and P")
 
+    @staticmethod
+    def of(low, *, profile: bool = False) -> "MlaKernelConfig":
+        """The default build of a lowered MLA graph (`meld.codegen.lowering.Lowering`): its attrs' dtype."""
+        return MlaKernelConfig(low.attrs["dtype"], profile=profile)
+
     @property
     def stages(self) -> int:
         if self.num_stages:

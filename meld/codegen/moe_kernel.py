@@ -89,6 +89,12 @@ class MoeKernelConfig:
             raise ValueError(f"num_stages={self.num_stages}: {self.stages} stages of {self.stage_bytes} bytes "
                              f"do not fit {SMEM_PER_CTA_MAX} bytes of shared memory")
 
+    @staticmethod
+    def of(low, *, profile: bool = False) -> "MoeKernelConfig":
+        """The default build of a lowered MoE graph (`meld.codegen.lowering.Lowering`): a call picks its token
+        block and weight layout (`MoE._variant`); the graph's sizes are run-time values."""
+        return MoeKernelConfig(profile=profile)
+
     @property
     def narrow(self) -> bool:
         return self.block_tokens <= NARROW_MAX_TOKENS

@@ -185,6 +185,12 @@ class TpKernelConfig:
         if self.max_block_tokens not in (0, *TP_BLOCK_TOKENS):
             raise ValueError(f"max_block_tokens={self.max_block_tokens!r}: expected 0 (256) or one of {TP_BLOCK_TOKENS}")
 
+    @staticmethod
+    def of(low, *, profile: bool = False) -> "TpKernelConfig":
+        """The default build of a lowered row-parallel graph (`meld.codegen.lowering.Lowering`): its partials
+        cross ranks by the graph's transport; a call picks its token block (`TpSchedule.config`)."""
+        return TpKernelConfig(transport=low.transport, profile=profile)
+
     @property
     def ctas(self) -> int:
         """CTAs per SM, resolved: automatic (0) is one (the deepest ring streams a few tokens' weights fastest;

@@ -116,7 +116,7 @@ class ExpertParallelMoE(GroupMember, Operator):
         self._setup(moe_graph(H, I, E, self.top_k, renormalize=False), device)
         self._require_hopper(exact=True)
         slots = self.world * self.max_num_tokens * self.top_k
-        base = moe_kernel_config or MoeKernelConfig()
+        base = moe_kernel_config or self.lowering.kernel_config()
         self.experts = MoE(H, I, self.experts_per_rank, 1, dtype, device, slots, renormalize=False,
                            kernel_config=dataclasses.replace(base, absent_pairs=True), first_expert=self.first_expert)
         # Every row-block variant loaded now: a module load inside a call would wait for the device while the

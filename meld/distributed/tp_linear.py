@@ -100,17 +100,19 @@ class RowParallelLinear(GroupMember, Operator):
                 raise ValueError(f"{name}={v}: must be a multiple of 8 (16-byte rows for the TMA loads and stores)")
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
-        if kernel_config is None:
-            kernel_config = TpKernelConfig(profile=config.profile())
-        if not isinstance(kernel_config, TpKernelConfig):
-            raise ValueError(f"kernel_config must be a meld.codegen.tp_kernel.TpKernelConfig, got {kernel_config!r}")
-        call_configs(kernel_config)   # every variant a call may run is valid (a call never fails on the config)
+        if kernel_config is not None:
+            if not isinstance(kernel_config, TpKernelConfig):
+                raise ValueError(f"kernel_config must be a meld.codegen.tp_kernel.TpKernelConfig, got {kernel_config!r}")
+            call_configs(kernel_config)   # every variant a call may run is valid (a call never fails on the config)
         device = resolve_device("cuda" if device is None else device)
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
-        self.kernel_config = kernel_config
+        # The graph's combine edge carries the given config's transport (default: peer memory); the default
+        # config is the lowering's, for that graph.
         self._setup(tp_linear_graph(self.in_features, self.out_features, self.world,
-                                    transport=kernel_config.transport), device)
+                                    **({} if kernel_config is None else {"transport": kernel_config.transport})),
+                    device)
+        self.kernel_config = kernel_config = kernel_config or self.lowering.kernel_config(profile=config.profile())
         self._require_hopper(exact=True)
         self.dtype = dtype
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -145,11 +147,9 @@ class RowParallelLinear(GroupMember, Operator):
     def _variant(self, cfg):
         v = self._variants.get((cfg.block_tokens, cfg.wgs))
         if v is None:
-            from ..codegen.params import TP_PARAMS
-
             kernel = self._kernels(cfg, {cfg.entry: (cfg.threads, cfg.smem_bytes)})[cfg.entry]
             L = self.layout
-            params = TP_PARAMS.ctype(
+            params = self.lowering.params.ctype(
                 **self._edge_params(xexit=self._xexit, xlaunch=self._xlaunch),
                 **self._header(self._prof, None, _PROFILE_CAP),
                 x_out_off=L["out"], x_part_off=L["part"], x_count_off=L["count"], x_landed_off=L["landed"],

@@ -91,10 +91,8 @@ class CascadeDecode(Operator):
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
         self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
         if self.device.type == "cuda":
-            from ..codegen.grouped_kernel import GroupedKernelConfig
-
             self._require_hopper()
-            kc = self.kernel_config = GroupedKernelConfig(_DTYPES[dtype], head_dim, profile=config.profile())
+            kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile())
             self._slice_rows = kc.row_blocks * 16
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "
@@ -173,8 +171,6 @@ class CascadeDecode(Operator):
 
     def _make_buffers(self, caps: dict[str, int]) -> _Buffers:
         """Device buffers for plans within `caps`, and the kernel's parameter struct pointing into them."""
-        from ..codegen.params import GROUPED_PARAMS
-
         layout = LaunchLayout.of(caps)
         image = StagedImage(self.device, layout.size)
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -183,7 +179,7 @@ class CascadeDecode(Operator):
                    "part_lse": torch.empty(caps["slots"], **f32)}
         # MELD_PROFILE builds: a record per task and per merging of the events it completed, a CTA
         prof, _ = self._profile_buffers(self.kernel_config.profile, self.num_ctas, caps["records"])
-        params = GROUPED_PARAMS.ctype(**self._header(prof, None, caps["records"], 1, self.num_ctas),
+        params = self.lowering.params.ctype(**self._header(prof, None, caps["records"], 1, self.num_ctas),
                                       **{k: v.data_ptr() for k, v in {**layout.views(image.buf), **scratch}.items()},
                                       task_capacity=caps["tasks"], event_capacity=caps["events"],
                                       num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,

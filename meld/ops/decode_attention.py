@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from .. import config
-from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, TensorMap
+from ..codegen import TILE_TOKENS, DecodeKernelConfig, TensorMap
 from ..codegen.decode_kernel import KV_FP8
 from ..scheduler import DecodeCost, Topology, cluster_rows
 from .checks import check_finite, check_positive, expect, is_int, plain
@@ -182,14 +182,12 @@ class DecodeAttention(PagedDecode):
         self._setup(self._graph(_DTYPES[dtype]), device)
         # The tuning database's entry for this shape on this GPU (MELD_TUNING_DB), unless cost or kernel is given.
         self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket) if cost is None and kernel_config is None else None
-        xrank = self.lowering.transport or ""   # the graph's combine edge: partials crossing ranks, and how
-        self.kernel_config = kernel_config or self._tuned_config("kernel", dataclasses.replace(
-            DecodeKernelConfig.default(_DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1,
-                                       group_size=self.group_size, batch_invariant=batch_invariant,
-                                       kv_dtype=kv_build), xrank=xrank))
-        kc = self.kernel_config
+        built = self.lowering.kernel_config(onchip_merge=cluster_size > 1, batch_invariant=batch_invariant,
+                                            kv_dtype=kv_build)   # (xrank: the graph's combine edge's transport)
+        self.kernel_config = kernel_config or self._tuned_config("kernel", built)
+        kc, xrank = self.kernel_config, built.xrank
         if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype) != (
-                _DTYPES[dtype], head_dim, batch_invariant, xrank, kv_build):
+                built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
                              f"{kc.batch_invariant}, xrank={kc.xrank!r}, kv_dtype={kc.kv_dtype!r}; the operator is "
                              f"{_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, kv_dtype="
@@ -256,7 +254,7 @@ class DecodeAttention(PagedDecode):
     def _kernel_launch(self, tables, fields: dict[str, int]):
         from ..runtime.driver import PersistentLaunch
 
-        params_struct = self.kernel_config.params
+        params_struct = self.lowering.params
         return PersistentLaunch(self.kernel, self.cluster_mix, params_struct.pack(
             q=0, k=0, v=0, out=0, lse=0, slot_base=tables.ptr(tables.off_slot_base), chunk=self._chunk,
             k_map=TensorMap(), v_map=TensorMap(), q_stride_b=0, q_stride_h=0, kv_page_stride=0, kv_slot_stride=0,
@@ -265,7 +263,8 @@ class DecodeAttention(PagedDecode):
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)
-            **{f.name: 0 for f in params_struct.fields if f not in DECODE_PARAMS.fields}))   # (meld.distributed sets them)
+            **{f.name: 0 for f in params_struct.fields if f.name.startswith("x")}))   # (the cross-rank edge's:
+                                                                                        # meld.distributed sets them)
 
     @property
     def _chunk(self) -> int:

@@ -15,7 +15,6 @@ import torch
 from .. import config
 from ..codegen.mla_kernel import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_HEADS_PER_UNIT, MlaKernelConfig
 from ..codegen import TensorMap
-from ..codegen.params import MLA_PARAMS
 from ..scheduler import DecodeCost, Topology
 from .checks import check_finite, check_positive, expect, is_int
 from .mla_graph import mla_decode_graph
@@ -93,7 +92,9 @@ class DecodeMLA(PagedDecode):
         if kernel_config is not None and not isinstance(kernel_config, MlaKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.mla_kernel.MlaKernelConfig, got "
                              f"{type(kernel_config).__name__}")
-        bt = (kernel_config or MlaKernelConfig()).block_tokens
+        self._setup(mla_decode_graph(num_heads, head_dim_ckv, head_dim_kpe, page_size, "bfloat16"), device)
+        self.kernel_config = kernel_config or self.lowering.kernel_config()
+        bt = self.kernel_config.block_tokens
         if cost is not None and (not isinstance(cost, DecodeCost) or cost.tile_tokens != bt or cost.round_tokens % bt):
             raise ValueError(f"cost must be a meld.scheduler.DecodeCost cutting on the kernel's {bt}-token blocks "
                              f"(tile_tokens {bt}, round_tokens a multiple of it), got {cost!r}")
@@ -107,12 +108,10 @@ class DecodeMLA(PagedDecode):
         self.num_kv_heads, self.group_size, self.heads_per_unit = 1, num_heads, MLA_HEADS_PER_UNIT
         self.partial_width = head_dim_ckv
         self.units_per_request = self.head_blocks = -(-num_heads // MLA_HEADS_PER_UNIT)
-        self.kernel_config = kernel_config or MlaKernelConfig()
         self.cost = cost or default_cost(self.kernel_config.block_tokens)
         if config.profile() and not self.kernel_config.profile:
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
         self.profile_every = config.profile_every()
-        self._setup(mla_decode_graph(num_heads, head_dim_ckv, head_dim_kpe, page_size, "bfloat16"), device)
         self._init_plan_state(functools.partial(_describe_unit, self.units_per_request, self.num_heads))
         if self.device.type == "cuda":
             self._init_cuda(topology)
@@ -145,7 +144,7 @@ class DecodeMLA(PagedDecode):
     def _kernel_launch(self, tables, fields: dict[str, int]):
         from ..runtime.driver import PersistentLaunch
 
-        return PersistentLaunch(self.kernel, [(1, self.topology.num_ctas)], MLA_PARAMS.pack(
+        return PersistentLaunch(self.kernel, [(1, self.topology.num_ctas)], self.lowering.params.pack(
             q_nope=0, q_pe=0, out=0, lse=0, ckv_map=TensorMap(), kpe_map=TensorMap(),   # set by run()
             qn_stride_b=0, qn_stride_h=0, qp_stride_b=0, qp_stride_h=0, **fields, num_heads=self.num_heads,
             units_per_request=self.units_per_request, page_size=self.page_size, box_rows=self._box_rows,

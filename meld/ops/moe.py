@@ -17,7 +17,6 @@ import torch
 from .. import config
 from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, ROUTE_BLOCK, SCATTER_WARPS,
                                   MoeKernelConfig, block_tokens_for, route_smem_bytes, tile_columns, token_box_rows)
-from ..codegen.params import MOE_PARAMS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
 from .base import Operator
@@ -101,7 +100,7 @@ class MoE(Operator):
         if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.moe_kernel.MoeKernelConfig, got "
                              f"{type(kernel_config).__name__}")
-        self._kernel_config = kernel_config or MoeKernelConfig(profile=config.profile())
+        self._kernel_config = kernel_config or self.lowering.kernel_config(profile=config.profile())
         self.profile_every = config.profile_every()   # (read on every device: the CPU takes no setting the GPU refuses)
         if not is_int(first_expert) or first_expert < 0:
             raise ValueError(f"first_expert must be a non-negative int, got {first_expert!r}")
@@ -163,7 +162,7 @@ class MoE(Operator):
         k = self._kernels(cfg, {"meld_moe_route": (1024, route_smem_bytes(self.num_experts)), "meld_moe_scatter": (32 * SCATTER_WARPS, 0),
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
         p = self._bufs
-        params = MOE_PARAMS.ctype(
+        params = self.lowering.params.ctype(
             **self._ptrs, **self._header(self._prof, self._prof_clock, _PROFILE_CAP, self.profile_every),
             hidden=self.hidden_size, inter=self.intermediate_size,
             num_experts=self.num_experts, expert_base=self.first_expert, top_k=self.top_k,

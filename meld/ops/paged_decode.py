@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from .. import config
-from ..codegen import DecodePlanKernelConfig
 from ..ir import Schedule
 from ..runtime import host_helper
 from ..scheduler import Topology
@@ -109,7 +108,7 @@ class PagedDecode(Operator):
         """On a GPU, once `kernel` and `topology` are set: the watchdog, the GPU planner, and the buffers for the
         capacities given (or `_DEFAULT_CAPACITY`)."""
         self._register_watchdog(self.kernel_config.name, self._unit_names)
-        pc = DecodePlanKernelConfig()
+        pc = self.lowering.device_planner
         self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
         self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))   # the C helper's max page and error index
         self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
@@ -177,9 +176,8 @@ class PagedDecode(Operator):
         return (self._buf.prof, (self.units_per_request, self.head_blocks),
                 dict(cluster=launcher.cluster_of_cta(), grid=launcher.grid_of_cta()))
 
-    @staticmethod
-    def _servable(topology: Topology) -> Topology:
-        limit = DecodePlanKernelConfig().max_ctas
+    def _servable(self, topology: Topology) -> Topology:
+        limit = self.lowering.device_planner.max_ctas
         if topology.num_ctas > limit:
             raise ValueError(f"topology={topology}: {topology.num_ctas} CTA slots, but the planner serves grids of at "
                              f"most {limit} CTAs (its per-CTA scratch must fit one CTA's shared memory)")
