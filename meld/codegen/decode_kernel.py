@@ -16,6 +16,50 @@ from .source import SMEM_PER_CTA_MAX, template
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 KV_FP8 = "float8_e4m3fn"   # DecodeKernelConfig.kv_dtype of an FP8 cache (torch's name of the type)
 TILE_TOKENS = 16     # KV tokens per warp step
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """What a decode kernel computes besides plain softmax attention: FlashInfer's decode variants, fixed per
+    operator and compiled in as constants (a model fixes them), so the default build's code stays as it was
+    and a variant costs only its own instructions.
+
+    logits_soft_cap: c > 0 caps each scaled score s (sm_scale * q.k; an FP8 cache's k_scale is in sm_scale) to
+        c * tanh(s / c) before the softmax, lse included (FlashInfer's convention: its pre-tanh scale is
+        sm_scale / c); 0: off.
+    window_left: w >= 0: the query, the request's last token, attends to its last w + 1 keys only (FlashInfer's
+        sliding window; lse over those keys); -1: to every key. The kernel masks the keys before the window
+        in the first page it reads; plan() leaves out the whole pages before it (`window_page_table`).
+    """
+
+    logits_soft_cap: float = 0.0
+    window_left: int = -1
+
+    def __post_init__(self) -> None:
+        cap = self.logits_soft_cap
+        if not isinstance(cap, float) or not (cap == 0.0 or 1e-30 <= cap <= 1e30):
+            raise ValueError(f"logits_soft_cap={cap!r}: expected 0.0 (off) or a float in [1e-30, 1e30]")
+        if not isinstance(self.window_left, int) or isinstance(self.window_left, bool) or \
+                not -1 <= self.window_left < 2 ** 31:
+            raise ValueError(f"window_left={self.window_left!r}: expected -1 (no window) or an int32 >= 0")
+
+    @property
+    def suffix(self) -> str:
+        """The kernel name's part that spells the variant ('' for plain attention)."""
+        cap = repr(self.logits_soft_cap).replace(".", "p").replace("+", "").replace("-", "m")
+        return (f"_cap{cap}" if self.logits_soft_cap else "") + \
+            (f"_win{self.window_left}" if self.window_left >= 0 else "")
+
+    def defines(self) -> list[str]:
+        """The template's constants: the cap in the kernel's log2 units (c log2 e) and 2 / c, with which its
+        log2-domain score x becomes c log2 e tanh(x / (c log2 e)) = c log2 e (1 - 2 / (2^(2 x / c) + 1)); the
+        window's w."""
+        cap = self.logits_soft_cap
+        return [f"#define MELD_SOFT_CAP {int(cap > 0)}",
+                f"#define MELD_SOFT_CAP_LOG2 {cap * _LOG2E!r}f" if cap else "#define MELD_SOFT_CAP_LOG2 0.f",
+                f"#define MELD_SOFT_CAP_TWO {2.0 / cap!r}f" if cap else "#define MELD_SOFT_CAP_TWO 0.f",
+                f"#define MELD_WINDOW_LEFT {self.window_left}"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +81,7 @@ class DecodeKernelConfig:
                                 # results crossing to the other ranks through "peer" memory or a "proxy"
     kv_dtype: str = ""          # "": K and V in `dtype`; "float8_e4m3fn": e4m3 bytes, dequantised on chip
                                 # (MELD_KV_FP8; the template's header says how and where the scales apply)
+    variant: DecodeVariant = DecodeVariant()   # soft cap and sliding window (MELD_SOFT_CAP, MELD_WINDOW_LEFT)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -59,6 +104,10 @@ class DecodeKernelConfig:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected '' (the dtype's) or {KV_FP8!r}")
         if self.kv_dtype and self.xrank:
             raise ValueError("xrank kernels read 16-bit caches: SeqParallelDecode takes no FP8 cache (kv_dtype='')")
+        if not isinstance(self.variant, DecodeVariant):
+            raise ValueError(f"variant={self.variant!r}: expected a DecodeVariant")
+        if self.xrank and self.variant != DecodeVariant():
+            raise ValueError("xrank kernels compute plain softmax attention: SeqParallelDecode takes no variant")
         if self.debug_withhold_signal and not self.tma:
             raise ValueError("debug_withhold_signal needs tma=True: only the TMA rings wait on a signal")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -67,7 +116,8 @@ class DecodeKernelConfig:
 
     @staticmethod
     def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
-                batch_invariant: bool = False, kv_dtype: str = "") -> "DecodeKernelConfig":
+                batch_invariant: bool = False, kv_dtype: str = "",
+                variant: DecodeVariant = DecodeVariant()) -> "DecodeKernelConfig":
         """Chosen by bench/decode_sweep.py (bench/RESULTS.md, "kernel configs and cost models"): one CTA
         of eight warps with two-stage rings per SM is the best, or close to it, at every batch size, and
         the fastest at small batches. head_dim 256 (not swept) takes four warps and three stages to fit
@@ -82,10 +132,10 @@ class DecodeKernelConfig:
             stages = 2 * (stages - 1) + 1
         if head_dim == 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
-                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype)
+                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
                                   heads_per_unit=16 if group_size > 8 else 8, batch_invariant=batch_invariant,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, variant=variant)
 
     @property
     def name(self) -> str:
@@ -93,7 +143,7 @@ class DecodeKernelConfig:
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
-                + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
+                + self.variant.suffix + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
                 + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_withhold" if self.debug_withhold_signal else ""))
@@ -132,6 +182,7 @@ class DecodeKernelConfig:
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
             f"#define MELD_KV_FP8 {int(bool(self.kv_dtype))}",
+            *self.variant.defines(),
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

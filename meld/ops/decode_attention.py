@@ -17,11 +17,12 @@ import torch
 
 from .. import config
 from ..codegen import DECODE_PARAMS, TILE_TOKENS, DecodeKernelConfig, TensorMap
-from ..codegen.decode_kernel import KV_FP8
+from ..codegen.decode_kernel import KV_FP8, DecodeVariant
 from ..scheduler import DecodeCost, Topology, cluster_rows
 from .checks import check_finite, check_positive, expect, is_int, plain
 from .decode_graph import decode_attention_graph
-from .paged_decode import PagedDecode, _Planned
+from .page_table import check_page_table, window_page_table
+from .paged_decode import PagedDecode, _Planned, _host
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -62,6 +63,22 @@ class _KV(NamedTuple):
     v_scale: float
 
 
+def decode_variant(logits_soft_cap: object = None, window_left: object = -1) -> DecodeVariant:
+    """The `DecodeVariant` of an operator's arguments, each checked with an error that names it and its value:
+    logits_soft_cap None or 0 (off, as FlashInfer's 0.0) or a positive finite number (1e-30 to 1e30, so that
+    the kernel's float32 constants stay finite); window_left -1 (no window) or a token count >= 0."""
+    cap = 0.0
+    if logits_soft_cap is not None:
+        cap = check_finite("logits_soft_cap", logits_soft_cap)
+        if cap < 0 or 0 < cap < 1e-30 or cap > 1e30:
+            raise ValueError(f"logits_soft_cap must be None, 0 (off) or a positive number from 1e-30 to 1e30, got "
+                             f"{logits_soft_cap!r}")
+    if not is_int(window_left) or not -1 <= window_left < 2 ** 31:
+        raise ValueError(f"window_left must be -1 (no window) or a token count >= 0 (below 2**31), got "
+                         f"{window_left!r}")
+    return DecodeVariant(cap if cap > 0 else 0.0, int(window_left))
+
+
 def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, unit: int) -> str:
     req, hb = divmod(unit, units_per_request)
     kv, qb = divmod(hb, head_blocks)
@@ -88,6 +105,12 @@ class DecodeAttention(PagedDecode):
             head_dim], or [num_pages, num_kv_heads, page_size, head_dim] each, as FlashInfer's. When
             num_kv_heads == page_size the two shapes are the same: the cache is read as kv_layout says.
         sm_scale: softmax scale, a finite number; default 1/sqrt(head_dim).
+        logits_soft_cap: None or 0 (off), or c > 0: each scaled score s becomes c * tanh(s / c) before the
+            softmax, lse included (FlashInfer's logits_soft_cap; Gemma 2's 50.0). A kernel of its own per c.
+        window_left: -1 (off), or w >= 0: each request's query, its last token, attends to its last w + 1
+            keys only, lse over them (FlashInfer's sliding window): plan() drops the pages wholly before the
+            window (the kernel reads no more than those left) and the kernel masks the keys before the window
+            in the first page left. A kernel of its own per w.
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
@@ -138,7 +161,8 @@ class DecodeAttention(PagedDecode):
                  kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD", sm_scale: float | None = None,
                  max_batch_size: int | None = None, max_num_pages: int | None = None, topology: Topology | None = None,
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
-                 cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False):
+                 cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False,
+                 logits_soft_cap: float | None = None, window_left: int = -1):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         if num_qo_heads % num_kv_heads:
@@ -159,6 +183,7 @@ class DecodeAttention(PagedDecode):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        self.variant = decode_variant(logits_soft_cap, window_left)
         self.overlap = overlap
         self.max_batch_size = None if max_batch_size is None else check_positive("max_batch_size", max_batch_size)
         self.max_num_pages = None if max_num_pages is None else check_positive("max_num_pages", max_num_pages)
@@ -186,14 +211,14 @@ class DecodeAttention(PagedDecode):
         self.kernel_config = kernel_config or self._tuned_config("kernel", dataclasses.replace(
             DecodeKernelConfig.default(_DTYPES[dtype], head_dim, onchip_merge=cluster_size > 1,
                                        group_size=self.group_size, batch_invariant=batch_invariant,
-                                       kv_dtype=kv_build), xrank=xrank))
+                                       kv_dtype=kv_build, variant=self.variant), xrank=xrank))
         kc = self.kernel_config
-        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype) != (
-                _DTYPES[dtype], head_dim, batch_invariant, xrank, kv_build):
+        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant) != (
+                _DTYPES[dtype], head_dim, batch_invariant, xrank, kv_build, self.variant):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, kv_dtype={kc.kv_dtype!r}; the operator is "
-                             f"{_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, kv_dtype="
-                             f"{kv_build!r}, and its graph's partials "
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, kv_dtype={kc.kv_dtype!r}; the "
+                             f"operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, "
+                             f"{self.variant}, kv_dtype={kv_build!r}, and its graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
         if cost is None:
@@ -226,7 +251,8 @@ class DecodeAttention(PagedDecode):
     def shape_bucket(self) -> str:
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
-                + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else ""))
+                + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else "")
+                + self.variant.suffix.replace("_", "/"))
 
     def _tuned_config(self, part: str, default):
         """`default` (a DecodeCost or DecodeKernelConfig) with the fields the tuning entry sets for `part`
@@ -277,6 +303,15 @@ class DecodeAttention(PagedDecode):
     def _plan_clusters(self) -> list[tuple[int, int]]:
         """The cluster mix the planner places for: only where pieces in one cluster merge on chip."""
         return self.cluster_mix if self.kernel_config.onchip_merge and self.cluster_size > 1 else []
+
+    def _pages_read(self, kv_indptr, kv_indices, kv_last_page_len, check):
+        """With a sliding window, the table without the pages wholly before each request's window (checked
+        first where plan() checks, so that its errors name the table given)."""
+        if self.variant.window_left < 0:
+            return kv_indptr, kv_indices
+        if check:
+            check_page_table(_host(kv_indptr), _host(kv_last_page_len), kv_indices.numel(), self.page_size)
+        return window_page_table(kv_indptr, kv_indices, kv_last_page_len, self.page_size, self.variant.window_left)
 
     # --- run ------------------------------------------------------------------------------------
     _run_inputs, _lse_meaning = ("q", "kv_cache"), "batch, num_qo_heads"
@@ -447,4 +482,5 @@ class DecodeAttention(PagedDecode):
         if self.kv_layout == "HND":
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
-                                      self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale)
+                                      self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
+                                      variant=self.variant)
