@@ -56,6 +56,12 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, variant=CAP),
             dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, variant=BOTH), tma=True, profile=True),
             dataclasses.replace(DecodeKernelConfig.default("bfloat16", 64, kv_dtype=FP8, variant=BOTH), tma=True),
             DecodeKernelConfig.default("float16", 128, batch_invariant=True, kv_dtype=FP8, variant=BOTH)]
+# RoPE (16-bit caches): every head dim, with a cap and a window, TMA rings, 16-head units and batch-invariant walks.
+ROPE = DecodeVariant(rope_theta=5e5, rope_scale=8.0)
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, variant=ROPE),
+            dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, variant=DecodeVariant(
+                30.0, 4095, 1e4)), tma=True),
+            DecodeKernelConfig.default("bfloat16", 256, batch_invariant=True, variant=ROPE)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

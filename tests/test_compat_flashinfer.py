@@ -207,7 +207,6 @@ def test_plan_that_raises_changes_nothing():
 
 
 @pytest.mark.parametrize("where,kwargs,match", [
-    ("plan", dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode='ROPE_LLAMA' is not supported"),
     ("plan", dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode='ALIBI' is not supported"),
     ("plan", dict(window_right=-1), "window_right=-1 is not supported"),
     ("plan", dict(q_data_type=torch.float32), "q_data_type=torch.float32 is not supported"),

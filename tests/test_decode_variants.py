@@ -1,6 +1,7 @@
 """FlashInfer's decode variants on `meld.DecodeAttention` (issue 42, item 3): logits_soft_cap (each scaled score s
-becomes c * tanh(s / c) before the softmax) and window_left (the query attends to its request's last w + 1 keys),
-through the operator, the torch op and the FlashInfer wrapper.
+becomes c * tanh(s / c) before the softmax), window_left (the query attends to its request's last w + 1 keys) and
+pos_encoding_mode="ROPE_LLAMA" (Llama's rotary embedding inside attention: keys at their positions, the query at
+its request's last), through the operator, the torch op and the FlashInfer wrapper; fast_plan; head_dim 512 refused.
 
 The reference is float64 attention computed here, request by request, from the page table as given (not from the
 table plan() keeps for a window): meld's executor and kernel are compared with it, never with each other. Lengths
@@ -31,10 +32,22 @@ SMALL = Topology(12, {1: 12})           # few CTAs: the long requests split into
 FINE = DecodeCost(item_overhead_tokens=16, min_split_tokens=16, min_cta_tokens=16, round_tokens=16)
 
 
-def reference(q, k, v, pb, sm_scale, cap=0.0, window_left=-1):
+def rotate(x, pos, theta, scale):
+    """Llama's "rotate half" RoPE of x [..., n, D] at positions pos [n] (FlashInfer's: f_i = theta^(-2i/D) / scale,
+    channel i < D/2 with i + D/2), in float64."""
+    D = x.shape[-1]
+    freq = theta ** (-2.0 * torch.arange(D // 2, dtype=torch.float64) / D) / scale
+    angle = pos.double()[:, None] * freq
+    cos, sin = angle.cos(), angle.sin()
+    a, b = x[..., :D // 2], x[..., D // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def reference(q, k, v, pb, sm_scale, cap=0.0, window_left=-1, rope=None):
     """float64 decode attention over K and V [pages, page_size, Hkv, D] (NHD), the scaled scores capped to
     cap * tanh(s / cap) when cap > 0, each request's query attending to its last window_left + 1 keys (all when
-    -1). Returns (out [B, Hq, D], lse [B, Hq], natural log); an empty request gives zeros and -inf."""
+    -1); rope = (theta, scale): q rotated at position n - 1 and each key at its own, as FlashInfer's decode does.
+    Returns (out [B, Hq, D], lse [B, Hq], natural log); an empty request gives zeros and -inf."""
     B, Hq, D = q.shape
     P, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -49,7 +62,11 @@ def reference(q, k, v, pb, sm_scale, cap=0.0, window_left=-1):
         first = 0 if window_left < 0 else max(0, n - 1 - window_left)
         kb = k[pages].reshape(-1, Hkv, D)[first:n].double().cpu()
         vb = v[pages].reshape(-1, Hkv, D)[first:n].double().cpu()
-        s = torch.einsum("hgd,nhd->hgn", q[b].double().cpu().view(Hkv, G, D), kb) * sm_scale
+        qb = q[b].double().cpu()
+        if rope:
+            kb = rotate(kb.transpose(0, 1), torch.arange(first, n), *rope).transpose(0, 1)
+            qb = rotate(qb[None], torch.tensor([n - 1]), *rope)[0]
+        s = torch.einsum("hgd,nhd->hgn", qb.view(Hkv, G, D), kb) * sm_scale
         if cap:
             s = cap * torch.tanh(s / cap)
         lse[b] = torch.logsumexp(s, dim=-1).reshape(Hq)
@@ -100,6 +117,28 @@ def test_executor_matches_float64(cap, window, P):
     _check(out, lse, *reference(q, k, v, pb, attn.sm_scale, cap or 0.0, window))
     if window >= 0:   # plan() left out the pages wholly before each window: fewer than page_size keys too many
         assert (attn.schedule.kv_len <= torch.tensor([min(n, window + P) for n in LENS]).numpy()).all()
+
+
+# (rope_theta, rope_scale, logits_soft_cap, window_left, page_size, head_dim): Llama 2's and Llama 3's bases, a
+# scaled one, alone and with a cap and a window (the pages before the window shift the positions plan() keeps:
+# the keys' offsets from the query must not move).
+ROPE_CASES = [(1e4, None, None, -1, 16, 64), (5e5, 8.0, None, -1, 5, 128), (1e4, 2.0, 3.0, 37, 16, 128),
+              (1e6, None, None, 300, 7, 64), (1e4, None, 50.0, 3, 1, 64)]
+
+
+@pytest.mark.parametrize("theta,scale,cap,window,P,D", ROPE_CASES)
+def test_rope_on_the_executor(theta, scale, cap, window, P, D):
+    pb, q, k, v = _inputs(LENS, P, D=D)
+    attn = meld.DecodeAttention(8, 2, D, P, BF16, "cpu", topology=SMALL, logits_soft_cap=cap, window_left=window,
+                                pos_encoding_mode="ROPE_LLAMA", rope_theta=theta, rope_scale=scale)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:2], math.nan)
+    attn.run(q, torch.stack([k, v], dim=1), out=out, lse=lse)
+    _check(out, lse, *reference(q, k, v, pb, attn.sm_scale, cap or 0.0, window, (theta, scale or 1.0)))
+    plain = meld.DecodeAttention(8, 2, D, P, BF16, "cpu", topology=SMALL, logits_soft_cap=cap, window_left=window)
+    plain.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    assert (plain.run(q, torch.stack([k, v], dim=1)) - out).abs().max() > 0.05, "RoPE changed nothing"
 
 
 @pytest.mark.parametrize("window,P", [(5, 64), (3, 128)])
@@ -186,23 +225,46 @@ def test_op_and_compiled_model_run_the_variant():
     assert torch.equal(step(q, cache), out * 2)
 
 
-@pytest.mark.parametrize("cap,window,layout", [(2.0, -1, "NHD"), (None, 37, "HND"), (0.0, 0, "NHD"), (4.0, 90, "HND")])
-def test_wrapper_plans_the_variant(cap, window, layout):
-    """plan(logits_soft_cap=, window_left=) as FlashInfer takes them (lse base 2); run(window_left=) may repeat
-    plan()'s; forward() takes plan()'s options."""
+@pytest.mark.parametrize("cap,window,layout,rope", [(2.0, -1, "NHD", None), (None, 37, "HND", None),
+                                                    (0.0, 0, "NHD", (1e4, None)), (4.0, 90, "HND", (5e5, 4.0))])
+def test_wrapper_plans_the_variant(cap, window, layout, rope):
+    """plan(logits_soft_cap=, window_left=, pos_encoding_mode="ROPE_LLAMA", rope_theta=, rope_scale=) as FlashInfer
+    takes them (lse base 2); run(window_left=) may repeat plan()'s; forward() takes plan()'s options."""
     P = 16
     pb, q, k, v = _inputs(LENS, P, scale=3.0)
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), layout)
+    mode = dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=rope[0], rope_scale=rope[1]) if rope else \
+        dict(rope_theta=123.0)   # (ignored without ROPE_LLAMA, as FlashInfer ignores it)
     w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 64, P, window_left=window, logits_soft_cap=cap,
-           q_data_type=BF16)
+           q_data_type=BF16, **mode)
     cache = torch.stack([k, v], dim=1) if layout == "NHD" else torch.stack([k, v], dim=1).transpose(2, 3)
     out, lse = w.run(q, cache, return_lse=True, window_left=window)
-    _check(out, lse / math.log2(math.e), *reference(q, k, v, pb, 1 / 8, cap or 0.0, window))
-    assert torch.equal(w.forward(q, cache, window_left=window, logits_soft_cap=cap), out)
+    _check(out, lse / math.log2(math.e), *reference(q, k, v, pb, 1 / 8, cap or 0.0, window,
+                                                    rope and (rope[0], rope[1] or 1.0)))
+    assert torch.equal(w.forward(q, cache, window_left=window, logits_soft_cap=cap, **mode), out)
     with pytest.raises(ValueError, match=f"window_left must be None or plan\\(\\)'s window_left={window}, got 3"):
         w.run(q, cache, window_left=3)
     with pytest.raises(NotImplementedError, match="logits_soft_cap=7.0 is not supported: forward"):
-        w.forward(q, cache, window_left=window, logits_soft_cap=7.0)
+        w.forward(q, cache, window_left=window, logits_soft_cap=7.0, **mode)
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode=.* is not supported: forward"):
+        w.forward(q, cache, window_left=window, logits_soft_cap=cap, pos_encoding_mode="NONE" if rope else "ROPE_LLAMA")
+
+
+def test_wrapper_refuses_rope_on_fp8_and_alibi():
+    pb = paged(LENS, 16)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
+    args = (pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 64, 16)
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA' is not supported: meld's RoPE "
+                                                  "kernels read 16-bit caches"):
+        w.plan(*args, pos_encoding_mode="ROPE_LLAMA", q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ALIBI' is not supported: meld's kernel has no"):
+        w.plan(*args, pos_encoding_mode="ALIBI", q_data_type=BF16)
+    for kw, match in [(dict(rope_theta=-1.0), "rope_theta must be a positive number .*got -1.0"),
+                      (dict(rope_scale=math.nan), "rope_scale must be a finite number, got nan"),
+                      (dict(rope_theta="1e4"), "rope_theta must be a finite number, got '1e4'")]:
+        with pytest.raises(ValueError, match=match):
+            w.plan(*args, pos_encoding_mode="ROPE_LLAMA", q_data_type=BF16, **kw)
+    assert w._op is None
 
 
 def test_wrapper_keeps_one_operator_per_variant():
@@ -259,7 +321,9 @@ def test_fast_plan_is_plan():
     for kw, error, match in [
             (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap must be None, 0 .*got -1.0"),
             (dict(window_left=-3), ValueError, "window_left must be -1 .*got -3"),
-            (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError, "pos_encoding_mode='ROPE_LLAMA' is not supp"),
+            (dict(pos_encoding_mode="ALIBI"), NotImplementedError, "pos_encoding_mode='ALIBI' is not supported"),
+            (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=0.0), ValueError,
+             "rope_theta must be a positive number .*got 0.0"),
             (dict(global_override_indptr_cpu=pb.kv_indptr.long()), ValueError,
              "global_override_indptr_cpu must have dtype torch.int32, got torch.int64"),
             (dict(global_override_indptr_cpu=pb.kv_indptr[:3]), ValueError,
@@ -290,8 +354,14 @@ def test_head_dim_512_is_refused_by_name():
     (dict(window_left=1.5), "window_left must be -1 .*got 1.5"),
     (dict(window_left=True), "window_left must be -1 .*got True"),
     (dict(window_left=2 ** 31), "window_left must be -1 .*got 2147483648"),
+    (dict(pos_encoding_mode="ROPE"), r"pos_encoding_mode must be one of \('NONE', 'ROPE_LLAMA'\), got 'ROPE'"),
+    (dict(rope_theta=1e4), "rope_theta=10000.0 is for pos_encoding_mode='ROPE_LLAMA', got pos_encoding_mode='NONE'"),
+    (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=0), "rope_theta must be a positive number .*got 0"),
+    (dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=math.inf), "rope_scale must be a finite number, got inf"),
+    (dict(pos_encoding_mode="ROPE_LLAMA", kv_dtype=torch.float8_e4m3fn),
+     "pos_encoding_mode='ROPE_LLAMA' takes a 16-bit cache .*got kv_dtype=torch.float8_e4m3fn"),
     (dict(window_left=4, kernel_config=DecodeKernelConfig.default("bfloat16", 64)),
-     r"kernel_config is for .*DecodeVariant\(logits_soft_cap=0.0, window_left=-1\).*the operator is .*window_left=4"),
+     r"kernel_config is for .*DecodeVariant\(logits_soft_cap=0.0, window_left=-1, .*the operator is .*window_left=4"),
 ])
 def test_constructor_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -303,6 +373,10 @@ def test_kernel_config_errors():
         DecodeVariant(50)
     with pytest.raises(ValueError, match="xrank kernels compute plain softmax attention"):
         DecodeKernelConfig(xrank="peer", variant=DecodeVariant(window_left=3))
+    with pytest.raises(ValueError, match="RoPE kernels rotate K tiles .*kv_dtype must be ''"):
+        DecodeKernelConfig(kv_dtype="float8_e4m3fn", variant=DecodeVariant(rope_theta=1e4))
+    with pytest.raises(ValueError, match="rope_scale=2.0 without RoPE"):
+        DecodeVariant(rope_scale=2.0)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -343,16 +417,20 @@ def _tma(dtype, D, **kw):
     return dataclasses.replace(DecodeKernelConfig.default(dtype, D, **kw), tma=True)
 
 
-def _gpu_check(cap, window, P=16, D=128, Hq=32, Hkv=8, dtype=BF16, fp8=False, tma=False, **op):
-    """The kernel against float64, outputs poisoned first, two runs bit-identical."""
+def _gpu_check(cap, window, P=16, D=128, Hq=32, Hkv=8, dtype=BF16, fp8=False, tma=False, rope=None, **op):
+    """The kernel against float64, outputs poisoned first, two runs bit-identical. Its differences from that
+    reference are its own arithmetic: P and the output rounded to the MMA type (about 2**-9 each), float32
+    accumulation, and with RoPE the rotated keys rounded to it too."""
     pb, q, k, v = _inputs(GPU_LENS, P, Hq, Hkv, D, dtype, "cuda", scale=3.0)
     if fp8:
         k, v = (t.float().mul(4).to(torch.float8_e4m3fn) for t in (k, v))
         op["kv_dtype"] = torch.float8_e4m3fn
     if tma:
         name = {BF16: "bfloat16", torch.float16: "float16"}[dtype]
-        op["kernel_config"] = _tma(name, D, kv_dtype="float8_e4m3fn" if fp8 else "",
-                                   variant=DecodeVariant(cap or 0.0, window), group_size=Hq // Hkv)
+        op["kernel_config"] = _tma(name, D, kv_dtype="float8_e4m3fn" if fp8 else "", group_size=Hq // Hkv,
+                                   variant=DecodeVariant(cap or 0.0, window, *(rope or (0.0, 1.0))))
+    if rope:
+        op.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rope[0], rope_scale=rope[1])
     attn = meld.DecodeAttention(Hq, Hkv, D, P, dtype, "cuda", logits_soft_cap=cap, window_left=window, **op)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     cache = torch.stack([k, v], dim=1)
@@ -361,28 +439,32 @@ def _gpu_check(cap, window, P=16, D=128, Hq=32, Hkv=8, dtype=BF16, fp8=False, tm
     attn.run(q, cache, out=out, lse=lse)
     again, again_lse = attn.run(q, cache, return_lse=True)
     ref, ref_lse = reference(q, k.cpu().double() if fp8 else k.cpu(), v.cpu().double() if fp8 else v.cpu(),
-                             pb, attn.sm_scale, cap or 0.0, window)
-    _check(out, lse, ref, ref_lse, tol=5e-3)
+                             pb, attn.sm_scale, cap or 0.0, window, rope)
+    _check(out, lse, ref, ref_lse, tol=1e-2 if rope else 5e-3)
     assert torch.equal(out, again) and torch.equal(lse, again_lse), "results differ between two identical runs"
     return attn
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cap,window,P,D", [(2.0, -1, 16, 128), (50.0, -1, 5, 64), (None, 0, 16, 128),
-                                            (None, 37, 1, 256), (None, 300, 7, 128), (3.0, 100, 64, 64),
-                                            (3.0, 20, 16, 256), (None, 10 ** 6, 16, 128)])
-def test_gpu_matches_float64(cap, window, P, D):
-    _gpu_check(cap, window, P, D)
+@pytest.mark.parametrize("cap,window,P,D,rope", [
+    (2.0, -1, 16, 128, None), (50.0, -1, 5, 64, None), (None, 0, 16, 128, None), (None, 37, 1, 256, None),
+    (None, 300, 7, 128, None), (3.0, 100, 64, 64, None), (None, 10 ** 6, 16, 128, None),
+    (None, -1, 16, 128, (1e4, 1.0)), (None, -1, 5, 64, (5e5, 8.0)), (3.0, 20, 16, 256, (1e6, 1.0)),
+    (None, 300, 7, 128, (1e4, 2.0))])
+def test_gpu_matches_float64(cap, window, P, D, rope):
+    _gpu_check(cap, window, P, D, rope=rope)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", ["tma", "fp8", "fp8-tma", "group-16", "batch-invariant", "clusters", "float16",
-                                     "empty-pieces"])
+                                     "empty-pieces", "rope-tma-float16", "rope-group-16-invariant"])
 def test_gpu_options(options):
     kw = {"tma": dict(tma=True, P=16), "fp8": dict(fp8=True, P=5), "fp8-tma": dict(fp8=True, tma=True, P=16),
           "group-16": dict(Hq=64, Hkv=4), "batch-invariant": dict(batch_invariant=True),
           "clusters": dict(cluster_size=4), "float16": dict(dtype=torch.float16, P=3),
-          "empty-pieces": dict(cost=FINE, P=64, window=5)}[options]
+          "empty-pieces": dict(cost=FINE, P=64, window=5),
+          "rope-tma-float16": dict(rope=(1e4, 1.0), tma=True, dtype=torch.float16, P=16),
+          "rope-group-16-invariant": dict(rope=(5e5, 8.0), Hq=64, Hkv=4, batch_invariant=True)}[options]
     _gpu_check(4.0, kw.pop("window", 77), **kw)
 
 

@@ -55,6 +55,7 @@ VARIANTS = {
     "decode-softcap": "DecodeKernelConfig.default('bfloat16', 128, variant=DecodeVariant(50.0))",
     "decode-window-fp8-tma": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, "
                              "kv_dtype='float8_e4m3fn', variant=DecodeVariant(30.0, 1000)), tma=True)",
+    "decode-rope-d64-fp16": "DecodeKernelConfig.default('float16', 64, variant=DecodeVariant(rope_theta=1e4))",
     "decode-plan": "DecodePlanKernelConfig()",
     "mla": "MlaKernelConfig()",
     "mla-32-profile": "MlaKernelConfig(block_tokens=32, profile=True)",

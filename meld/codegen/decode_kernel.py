@@ -6,6 +6,7 @@ kernel serves every batch and every `plan()`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..ir.work_table import CTA_TABLE
@@ -31,10 +32,19 @@ class DecodeVariant:
     window_left: w >= 0: the query, the request's last token, attends to its last w + 1 keys only (FlashInfer's
         sliding window; lse over those keys); -1: to every key. The kernel masks the keys before the window
         in the first page it reads; plan() leaves out the whole pages before it (`window_page_table`).
+    rope_theta: t > 0: FlashInfer's pos_encoding_mode="ROPE_LLAMA": Llama's rotary embedding ("rotate half":
+        channel i < D/2 pairs with i + D/2, frequency f_i = t^(-2i/D) / rope_scale) applied inside attention,
+        each key at its position in its request, the query at the request's last (FlashInfer's decode
+        convention); 0: none. Since q.k after rotation depends only on the keys' offsets from the query, the
+        kernel rotates each key by its offset (<= 0) and leaves q as it is: the same scores, with the angles
+        small where attention usually looks.
+    rope_scale: s > 0, the positions' divisor (FlashInfer's rope_scale; 1.0 without RoPE).
     """
 
     logits_soft_cap: float = 0.0
     window_left: int = -1
+    rope_theta: float = 0.0
+    rope_scale: float = 1.0
 
     def __post_init__(self) -> None:
         cap = self.logits_soft_cap
@@ -43,23 +53,39 @@ class DecodeVariant:
         if not isinstance(self.window_left, int) or isinstance(self.window_left, bool) or \
                 not -1 <= self.window_left < 2 ** 31:
             raise ValueError(f"window_left={self.window_left!r}: expected -1 (no window) or an int32 >= 0")
+        for name, value in (("rope_theta", self.rope_theta), ("rope_scale", self.rope_scale)):
+            if not isinstance(value, float) or not (1e-30 <= value <= 1e30 or name == "rope_theta" and value == 0.0):
+                raise ValueError(f"{name}={value!r}: expected a float in [1e-30, 1e30]"
+                                 + (" or 0.0 (no RoPE)" if name == "rope_theta" else ""))
+        if not self.rope_theta and self.rope_scale != 1.0:
+            raise ValueError(f"rope_scale={self.rope_scale!r} without RoPE (rope_theta=0.0): expected 1.0")
 
     @property
     def suffix(self) -> str:
         """The kernel name's part that spells the variant ('' for plain attention)."""
         cap = repr(self.logits_soft_cap).replace(".", "p").replace("+", "").replace("-", "m")
-        return (f"_cap{cap}" if self.logits_soft_cap else "") + \
-            (f"_win{self.window_left}" if self.window_left >= 0 else "")
+        def spelt(x: float) -> str:
+            return repr(x).replace(".", "p").replace("+", "").replace("-", "m")
 
-    def defines(self) -> list[str]:
+        return (f"_cap{spelt(self.logits_soft_cap)}" if self.logits_soft_cap else "") + \
+            (f"_win{self.window_left}" if self.window_left >= 0 else "") + \
+            (f"_rope{spelt(self.rope_theta)}" if self.rope_theta else "") + \
+            (f"s{spelt(self.rope_scale)}" if self.rope_scale != 1.0 else "")
+
+    def defines(self, head_dim: int) -> list[str]:
         """The template's constants: the cap in the kernel's log2 units (c log2 e) and 2 / c, with which its
         log2-domain score x becomes c log2 e tanh(x / (c log2 e)) = c log2 e (1 - 2 / (2^(2 x / c) + 1)); the
-        window's w."""
-        cap = self.logits_soft_cap
+        window's w; RoPE's frequencies as f_i / pi = 2^(i step) / (rope_scale pi), step = -2 log2(t) / D (the
+        kernel's sincospif takes angles in units of pi)."""
+        cap, rope = self.logits_soft_cap, self.rope_theta
         return [f"#define MELD_SOFT_CAP {int(cap > 0)}",
                 f"#define MELD_SOFT_CAP_LOG2 {cap * _LOG2E!r}f" if cap else "#define MELD_SOFT_CAP_LOG2 0.f",
                 f"#define MELD_SOFT_CAP_TWO {2.0 / cap!r}f" if cap else "#define MELD_SOFT_CAP_TWO 0.f",
-                f"#define MELD_WINDOW_LEFT {self.window_left}"]
+                f"#define MELD_WINDOW_LEFT {self.window_left}",
+                f"#define MELD_ROPE {int(rope > 0)}",
+                f"#define MELD_ROPE_FPI0 {1.0 / (self.rope_scale * math.pi)!r}f" if rope else "#define MELD_ROPE_FPI0 0.f",
+                f"#define MELD_ROPE_LOG2_STEP {-2.0 * math.log2(rope) / head_dim!r}f" if rope
+                else "#define MELD_ROPE_LOG2_STEP 0.f"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +134,8 @@ class DecodeKernelConfig:
             raise ValueError(f"variant={self.variant!r}: expected a DecodeVariant")
         if self.xrank and self.variant != DecodeVariant():
             raise ValueError("xrank kernels compute plain softmax attention: SeqParallelDecode takes no variant")
+        if self.variant.rope_theta and self.kv_dtype:
+            raise ValueError("RoPE kernels rotate K tiles in shared memory in the 16-bit dtype: kv_dtype must be ''")
         if self.debug_withhold_signal and not self.tma:
             raise ValueError("debug_withhold_signal needs tma=True: only the TMA rings wait on a signal")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -182,7 +210,7 @@ class DecodeKernelConfig:
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
             f"#define MELD_KV_FP8 {int(bool(self.kv_dtype))}",
-            *self.variant.defines(),
+            *self.variant.defines(self.head_dim),
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

@@ -62,16 +62,25 @@ def _dtype(name: str, value: object) -> torch.dtype:
     return dtype
 
 
-def _variant(pos_encoding_mode: object, window_left: object, logits_soft_cap: object) -> DecodeVariant:
-    """The attention variant plan() and the deprecated forward() share: FlashInfer's soft cap and sliding window,
-    which meld's decode kernel computes (`meld.DecodeAttention`'s logits_soft_cap and window_left); positional
-    encoding inside attention it does not."""
+def _variant(pos_encoding_mode: object, window_left: object, logits_soft_cap: object, rope_scale: object = None,
+             rope_theta: object = None) -> DecodeVariant:
+    """The attention variant plan() and the deprecated forward() share: FlashInfer's soft cap, sliding window and
+    Llama RoPE inside attention, which meld's decode kernel computes (`meld.DecodeAttention`'s logits_soft_cap,
+    window_left, pos_encoding_mode, rope_scale and rope_theta); ALiBi it does not. rope_scale and rope_theta count
+    with ROPE_LLAMA only (FlashInfer ignores them otherwise)."""
     if pos_encoding_mode not in _POS_ENCODING_MODES:
         raise ValueError(f"pos_encoding_mode must be one of {_POS_ENCODING_MODES}, got {pos_encoding_mode!r}")
-    if pos_encoding_mode != "NONE":
-        raise _unsupported("pos_encoding_mode", pos_encoding_mode,
-                           "meld applies no positional encoding inside attention (apply RoPE to q and k before run())")
-    return decode_variant(logits_soft_cap, window_left)
+    if pos_encoding_mode == "ALIBI":
+        raise _unsupported("pos_encoding_mode", pos_encoding_mode, "meld's kernel has no ALiBi bias")
+    rope = (rope_scale, rope_theta) if pos_encoding_mode == "ROPE_LLAMA" else (None, None)
+    return decode_variant(logits_soft_cap, window_left, pos_encoding_mode, *rope)
+
+
+def _rope_arguments(variant: DecodeVariant) -> dict:
+    """`meld.DecodeAttention`'s RoPE arguments for `variant`."""
+    if not variant.rope_theta:
+        return {}
+    return dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=variant.rope_scale, rope_theta=variant.rope_theta)
 
 
 def _check_v_scale(v_scale: object, device: torch.device) -> None:
@@ -191,14 +200,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """Plan a batch (FlashInfer's paged layout, int32; CPU or this wrapper's device) for every run()
         until the next plan(). A plan() that raises changes nothing.
 
-        Supported: pos_encoding_mode="NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer),
-        window_left -1 or a window (the last window_left + 1 keys of each request), window_right=0,
+        Supported: pos_encoding_mode "NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer) or
+        "ROPE_LLAMA" (16-bit caches; rope_scale, rope_theta: None for 1 and 1e4), window_left -1 or a window (the last window_left + 1 keys of each request), window_right=0,
         logits_soft_cap None, 0 or a cap (c tanh(sm_scale q.k / c)), q and o data types one of bfloat16 and
         float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale
-        (default 1/sqrt(head_dim)). Each (soft cap, window) is a kernel of its own, built on first plan().
+        (default 1/sqrt(head_dim)). Each (soft cap, window, RoPE) is a kernel of its own, built on first plan().
         The rest raises NotImplementedError. `check` is meld's (see the module docstring).
         """
-        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap)
+        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
         if window_right != 0:
             raise _unsupported("window_right", window_right, "meld attends to every token up to the query")
         for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens)):
@@ -221,6 +230,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 " (its per-warp output tile in registers holds at most 256 channels; MLA's 512-channel latent runs "
                 "on BatchMLAPagedAttentionWrapper)" if head_dim > 256 else ""))
         dtype, kv_dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
+        if variant.rope_theta and kv_dtype is FP8:
+            raise _unsupported("pos_encoding_mode", pos_encoding_mode, f"meld's RoPE kernels read 16-bit caches, got "
+                               f"kv_data_type={kv_dtype}")
         if sm_scale is not None:
             sm_scale = check_finite("sm_scale", sm_scale)
         batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)
@@ -301,7 +313,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             op = DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, self.device,
                                  kv_dtype=kv_dtype, kv_layout=self._kv_layout, sm_scale=sm_scale,
                                  batch_invariant=batch_invariant, logits_soft_cap=variant.logits_soft_cap,
-                                 window_left=variant.window_left,
+                                 window_left=variant.window_left, **_rope_arguments(variant),
                                  max_batch_size=self._fixed_batch_size if graph else None,
                                  max_num_pages=max(1, len(self._paged_kv_indices_buf)) if graph else None)
             self._ops[key] = op
@@ -389,7 +401,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 rope_theta: float | None = None) -> torch.Tensor:
         """Deprecated in FlashInfer (use run()). Its options replace plan()'s there; here they must agree
         with them: sm_scale (None: 1/sqrt(head_dim)), window_left and logits_soft_cap equal to plan()'s."""
-        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
+        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
         return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
 
     def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE",
@@ -397,19 +409,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
                            window_left: int = -1, logits_soft_cap: float | None = None, sm_scale: float | None = None,
                            rope_scale: float | None = None, rope_theta: float | None = None):
         """Deprecated in FlashInfer (use run_return_lse()): forward() returning (out, lse)."""
-        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
+        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
         return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
-    def _forward_options(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale) -> None:
-        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap)
+    def _forward_options(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale=None,
+                         rope_theta=None) -> None:
+        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
         op = self._op
         if op is not None:
-            for name, value, given, planned in (
-                    ("window_left", window_left, variant.window_left, op.variant.window_left),
-                    ("logits_soft_cap", logits_soft_cap, variant.logits_soft_cap, op.variant.logits_soft_cap)):
-                if given != planned:
-                    raise _unsupported(name, value, f"forward() must keep plan()'s {name}={planned!r} (meld builds "
-                                       "it into the kernel at plan())")
+            for name, value, field in (("window_left", window_left, "window_left"),
+                                       ("logits_soft_cap", logits_soft_cap, "logits_soft_cap"),
+                                       ("pos_encoding_mode", pos_encoding_mode, "rope_theta"),
+                                       ("rope_theta", rope_theta, "rope_theta"), ("rope_scale", rope_scale, "rope_scale")):
+                if getattr(variant, field) != getattr(op.variant, field):
+                    raise _unsupported(name, value, f"forward() must keep plan()'s {name} (meld builds it into the "
+                                       "kernel at plan())")
             scale = 1.0 / math.sqrt(op.head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
             if scale != op.sm_scale:
                 raise _unsupported("sm_scale", sm_scale, f"forward() must keep plan()'s sm_scale={op.sm_scale!r} "
@@ -496,8 +510,9 @@ class MultiLevelCascadeAttentionWrapper:
         """Plan every level (int32 CPU tensors, one per level in each list). A plan() that raises changes nothing."""
         from ..ops.cascade_decode import CascadeDecode
 
-        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap)
-        for name, value, off in (("window_left", window_left, variant.window_left < 0),
+        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
+        for name, value, off in (("pos_encoding_mode", pos_encoding_mode, not variant.rope_theta),
+                                 ("window_left", window_left, variant.window_left < 0),
                                  ("logits_soft_cap", logits_soft_cap, not variant.logits_soft_cap)):
             if not off:
                 raise _unsupported(name, value, "meld's cascade computes plain softmax attention (the decode wrapper "

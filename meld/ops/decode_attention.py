@@ -63,10 +63,29 @@ class _KV(NamedTuple):
     v_scale: float
 
 
-def decode_variant(logits_soft_cap: object = None, window_left: object = -1) -> DecodeVariant:
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
+
+
+def decode_variant(logits_soft_cap: object = None, window_left: object = -1, pos_encoding_mode: object = "NONE",
+                   rope_scale: object = None, rope_theta: object = None) -> DecodeVariant:
     """The `DecodeVariant` of an operator's arguments, each checked with an error that names it and its value:
     logits_soft_cap None or 0 (off, as FlashInfer's 0.0) or a positive finite number (1e-30 to 1e30, so that
-    the kernel's float32 constants stay finite); window_left -1 (no window) or a token count >= 0."""
+    the kernel's float32 constants stay finite); window_left -1 (no window) or a token count >= 0;
+    pos_encoding_mode "NONE" or "ROPE_LLAMA", whose rope_scale and rope_theta are positive finite numbers
+    (None: FlashInfer's 1 and 1e4) and are given with it only."""
+    if pos_encoding_mode not in POS_ENCODING_MODES:
+        raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {pos_encoding_mode!r}")
+    rope = {"rope_scale": 1.0, "rope_theta": 0.0}
+    for name, value, default in (("rope_scale", rope_scale, 1.0), ("rope_theta", rope_theta, 1e4)):
+        if pos_encoding_mode == "NONE":
+            if value is not None:
+                raise ValueError(f"{name}={value!r} is for pos_encoding_mode='ROPE_LLAMA', got "
+                                 f"pos_encoding_mode={pos_encoding_mode!r}")
+            continue
+        x = default if value is None else check_finite(name, value)
+        if not 1e-30 <= x <= 1e30:
+            raise ValueError(f"{name} must be a positive number from 1e-30 to 1e30, got {value!r}")
+        rope[name] = x
     cap = 0.0
     if logits_soft_cap is not None:
         cap = check_finite("logits_soft_cap", logits_soft_cap)
@@ -76,7 +95,7 @@ def decode_variant(logits_soft_cap: object = None, window_left: object = -1) -> 
     if not is_int(window_left) or not -1 <= window_left < 2 ** 31:
         raise ValueError(f"window_left must be -1 (no window) or a token count >= 0 (below 2**31), got "
                          f"{window_left!r}")
-    return DecodeVariant(cap if cap > 0 else 0.0, int(window_left))
+    return DecodeVariant(cap if cap > 0 else 0.0, int(window_left), **rope)
 
 
 def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, unit: int) -> str:
@@ -111,6 +130,10 @@ class DecodeAttention(PagedDecode):
             keys only, lse over them (FlashInfer's sliding window): plan() drops the pages wholly before the
             window (the kernel reads no more than those left) and the kernel masks the keys before the window
             in the first page left. A kernel of its own per w.
+        pos_encoding_mode: "NONE", or "ROPE_LLAMA": Llama's rotary embedding ("rotate half") applied inside
+            attention, each key at its position in its request and the query at the request's last, with
+            frequencies rope_theta^(-2i/head_dim) / rope_scale (FlashInfer's; None: 1e4 and 1). q and the
+            cache hold the keys unrotated. 16-bit caches only. A kernel of its own per (rope_theta, rope_scale).
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
@@ -162,7 +185,8 @@ class DecodeAttention(PagedDecode):
                  max_batch_size: int | None = None, max_num_pages: int | None = None, topology: Topology | None = None,
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
                  cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False,
-                 logits_soft_cap: float | None = None, window_left: int = -1):
+                 logits_soft_cap: float | None = None, window_left: int = -1, pos_encoding_mode: str = "NONE",
+                 rope_scale: float | None = None, rope_theta: float | None = None):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         if num_qo_heads % num_kv_heads:
@@ -183,7 +207,10 @@ class DecodeAttention(PagedDecode):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        self.variant = decode_variant(logits_soft_cap, window_left)
+        self.variant = decode_variant(logits_soft_cap, window_left, pos_encoding_mode, rope_scale, rope_theta)
+        if self.variant.rope_theta and kv_dtype is FP8:
+            raise ValueError(f"pos_encoding_mode='ROPE_LLAMA' takes a 16-bit cache (the kernel rotates K in the MMA "
+                             f"type), got kv_dtype={kv_dtype}")
         self.overlap = overlap
         self.max_batch_size = None if max_batch_size is None else check_positive("max_batch_size", max_batch_size)
         self.max_num_pages = None if max_num_pages is None else check_positive("max_num_pages", max_num_pages)

@@ -61,7 +61,8 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v
     its exact values and dequantised where the kernel does it: k_scale multiplies the scores (with sm_scale)
     and v_scale the output (templates/decode_attention.cuh, MELD_KV_FP8). `variant`'s soft cap applies to the
     scaled scores; its window leaves out each item's keys before the last window_left + 1 of its request (the
-    schedule's kv_len: the pages plan() kept).
+    schedule's kv_len: the pages plan() kept); its RoPE rotates each key by its offset from the query (the
+    request's last token), as the kernel does.
     Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
     P = k_cache.shape[1]
     k64, v64 = k_cache.double().numpy(), v_cache.double().numpy()
@@ -119,6 +120,8 @@ def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, k
         if variant.window_left >= 0:   # a piece may lie wholly before the window: then it is empty
             pos = pos[pos >= int(schedule.kv_len[b]) - 1 - variant.window_left]
         k, v = kv(indices[int(page_base[b]) + pos // page_size], pos % page_size, kvh)
+        if variant.rope_theta:   # each key by its offset from the query, as the kernel does
+            k = _rope(k, pos - (int(schedule.kv_len[b]) - 1), variant)
         m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale, variant.logits_soft_cap)
         if slot < 0:
             _write(out, lse, b, h0, m, l, acc)
@@ -142,6 +145,16 @@ def merge_partials(part_lse: np.ndarray, part_o: np.ndarray, combiner: Combiner 
     for s in range(len(part_lse)):
         m, l, acc = combiner.merge(m, l, acc, part_lse[s], np.ones(H), part_o[s])
     return _normalised(m, l, acc)
+
+
+def _rope(k: np.ndarray, offsets: np.ndarray, variant: DecodeVariant) -> np.ndarray:
+    """Keys k [n, D] rotated by Llama's "rotate half" embedding at `offsets` [n] (float64)."""
+    h = k.shape[1] // 2
+    freq = variant.rope_theta ** (-2.0 * np.arange(h) / k.shape[1]) / variant.rope_scale
+    angle = offsets[:, None] * freq
+    cos, sin = np.cos(angle), np.sin(angle)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.concatenate([k[:, :h] * cos - k[:, h:] * sin, k[:, h:] * cos + k[:, :h] * sin], axis=1)
 
 
 def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[str, GroupTable], q: torch.Tensor,

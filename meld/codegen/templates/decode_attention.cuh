@@ -77,12 +77,17 @@
 // MELD_WINDOW_LEFT >= 0 builds attend to the last MELD_WINDOW_LEFT + 1 keys of each request only (FlashInfer's
 // sliding window, for the query at the request's last position): plan() drops the pages wholly before the
 // window, and the kernel masks the keys before it in the first page left (their scores -inf, their V rows
-// zeroed in shared memory as past a unit's end). Either off (0, -1) compiles to the plain build's code.
+// zeroed in shared memory as past a unit's end). MELD_ROPE builds apply Llama's rotary embedding inside
+// attention (FlashInfer's pos_encoding_mode="ROPE_LLAMA": keys at their positions, the query at its request's
+// last): each warp rotates its K tile in shared memory, after it lands and before its ldmatrix, by each key's
+// offset from the query (position - (kv_len - 1) <= 0), and q stays as it is: q.k after rotation depends on
+// that offset alone. The rotated keys are rounded to the MMA type, as the loaded ones were. Off (0, -1, 0)
+// each compiles to the plain build's code.
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
 // MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, MELD_SOFT_CAP (MELD_SOFT_CAP_LOG2, MELD_SOFT_CAP_TWO),
-// MELD_WINDOW_LEFT, DecodeParams.
+// MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), DecodeParams.
 
 namespace meld {
 
@@ -125,6 +130,8 @@ static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through globa
 constexpr bool SOFT_CAP = MELD_SOFT_CAP;
 constexpr int WINDOW_LEFT = MELD_WINDOW_LEFT;
 constexpr bool WINDOW = WINDOW_LEFT >= 0;
+constexpr bool ROPE = MELD_ROPE;
+static_assert(!(ROPE && KV_FP8), "RoPE builds rotate 16-bit K tiles");
 
 // MELD_SOFT_CAP: a log2-domain score x = sm_scale log2(e) q.k becomes c log2(e) tanh(x / (c log2(e))), written
 // with ex2 as c log2(e) (1 - 2 / (2^(2 x / c) + 1)): off by float rounding in absolute terms, where tanh.approx's
@@ -354,6 +361,46 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
     }
   }
   reset_state(st);
+}
+
+// Two 16-bit MMA-type values (lo in the low half) as floats, and back (pack2).
+__device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
+  if (MELD_MMA_TYPE[0] == 'b') {
+    lo = __uint_as_float(x << 16);
+    hi = __uint_as_float(x & 0xffff0000u);
+  } else {
+    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(x));
+  }
+}
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// MELD_ROPE: rotate this warp's K tile (tile row r is the key at offset rel0 + r from the query) in shared memory:
+// channels c < D/2 and c + D/2 by the angle offset * f_c, f_c / pi = MELD_ROPE_FPI0 2^(c MELD_ROPE_LOG2_STEP).
+// Each lane takes channel pairs (c, c + 1) and their partners c + D/2, c + D/2 + 1: one 32-bit word each.
+__device__ __forceinline__ void rope_tile(u32 kbase, int rel0, int lane) {
+  constexpr int QP = D / 4;                     // channel pairs in each half
+#pragma unroll 1   // (not unrolled: head_dim 256's accumulators leave no registers for more in flight)
+  for (int item = lane; item < TILE * QP; item += 32) {
+    const int r = item / QP, c = 2 * (item % QP);
+    const u32 lo_at = kbase + tile_off(r, c / 8) + (c % 8) * 2;
+    const u32 hi_at = kbase + tile_off(r, (c + D / 2) / 8) + (c % 8) * 2;
+    float a0, a1, b0, b1, s0, c0, s1, c1;
+    unpack2(ld_shared_u32(lo_at), a0, a1);
+    unpack2(ld_shared_u32(hi_at), b0, b1);
+    const float off = (float)(rel0 + r);
+    sincospif(off * (MELD_ROPE_FPI0 * exp2_approx((float)c * MELD_ROPE_LOG2_STEP)), &s0, &c0);
+    sincospif(off * (MELD_ROPE_FPI0 * exp2_approx((float)(c + 1) * MELD_ROPE_LOG2_STEP)), &s1, &c1);
+    st_shared_u32(lo_at, pack2(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1));
+    st_shared_u32(hi_at, pack2(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1));
+  }
+  __syncwarp();
 }
 
 // The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window).
@@ -709,6 +756,7 @@ struct DecodeFamily {
             wait_tile(p, s.bars, cs, phases, pl.cta, warp, u);
             const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
             issue_tile(p, g, lc, s.ring, s.bars, ns, pl, warp, lane);
+            if (ROPE) rope_tile(s.ring + cs * STAGE_BYTES, x.begin + j * TILE - (p.kv_len[x.req] - 1), lane);
             compute_tile(p, ws, s.ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE),
                          WINDOW ? p.kv_len[x.req] - (x.begin + j * TILE) - 1 - WINDOW_LEFT : 0, lane);
             cs = cs + 1 == STAGES ? 0 : cs + 1;
