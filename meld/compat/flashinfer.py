@@ -23,6 +23,10 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 - fixed_split_size (> 0) and disable_split_kv=True, FlashInfer's knobs for batch-invariant outputs,
   select meld's batch-invariant mode (its own chunk size, not fixed_split_size pages).
 - The kernel choice (use_tensor_cores, backend, enable_pdl) is meld's: accepted, it changes nothing.
+- logits_soft_cap, window_left and pos_encoding_mode="ROPE_LLAMA" (rope_scale, rope_theta) are built into the
+  kernel (one operator per value, made on first plan()): run(window_left=) must be None or plan()'s, and the
+  deprecated forward()'s options plan()'s. RoPE's rotated keys are rounded to the MMA type (FlashInfer keeps them
+  in float32). fast_plan() and fast_decode_plan(wrapper, ...) are plan(). README.md's table lists every argument.
 - An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn)): run()'s k_scale and v_scale are applied inside meld's
   kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
   where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.

@@ -134,6 +134,8 @@ class DecodeAttention(PagedDecode):
             attention, each key at its position in its request and the query at the request's last, with
             frequencies rope_theta^(-2i/head_dim) / rope_scale (FlashInfer's; None: 1e4 and 1). q and the
             cache hold the keys unrotated. 16-bit caches only. A kernel of its own per (rope_theta, rope_scale).
+            The kernel rotates each key by its offset from the query (the same scores) and rounds it to the
+            MMA type (bfloat16: 2^-9 of each key), where FlashInfer rotates in float32.
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
