@@ -107,7 +107,8 @@ class DecodeKernelConfig:
                                 # results crossing to the other ranks through "peer" memory or a "proxy"
     kv_dtype: str = ""          # "": K and V in `dtype`; "float8_e4m3fn": e4m3 bytes, dequantised on chip
                                 # (MELD_KV_FP8; the template's header says how and where the scales apply)
-    variant: DecodeVariant = DecodeVariant()   # soft cap and sliding window (MELD_SOFT_CAP, MELD_WINDOW_LEFT)
+    variant: DecodeVariant = DecodeVariant()   # soft cap, sliding window, RoPE (MELD_SOFT_CAP, MELD_WINDOW_LEFT,
+                                               # MELD_ROPE)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:

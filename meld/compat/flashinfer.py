@@ -354,9 +354,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if value is not None:
                     raise _unsupported(name, value, "meld computes plain softmax attention over a bf16, fp16 or "
                                        "e4m3 cache")
-        if window_left is not None and window_left != op.variant.window_left:   # (FlashInfer's run() may override
-            raise ValueError(f"window_left must be None or plan()'s window_left={op.variant.window_left}, got "   # it;
-                             f"{window_left!r}")                                  # meld builds the window in)
+        # FlashInfer's run() may override plan()'s window; meld builds it into the kernel at plan().
+        if window_left is not None and window_left != op.variant.window_left:
+            raise ValueError(f"window_left must be None or plan()'s window_left={op.variant.window_left}, got "
+                             f"{window_left!r}")
         if q_len_per_req is not None and q_len_per_req != 1:
             raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
         if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
