@@ -9,8 +9,8 @@ import pytest
 
 from meld import config
 from meld.codegen import compiler
-from meld.codegen import (DECODE_PARAMS, CompileError, DecodeKernelConfig, DecodePlanKernelConfig, compile_nvcc,
-                          compile_source)
+from meld.codegen import (DECODE_PARAMS, CompileError, DecodeKernelConfig, DecodePlanKernelConfig, DecodeVariant,
+                          compile_nvcc, compile_source)
 from tests.kernel_matrix import nvcc
 
 CONFIGS = [DecodeKernelConfig.default(dt, d) for dt in ("bfloat16", "float16") for d in (64, 128, 256)]
@@ -47,6 +47,21 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group
             dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, kv_dtype=FP8), tma=True,
                                 profile=True),
             DecodeKernelConfig.default("bfloat16", 128, batch_invariant=True, kv_dtype=FP8)]
+# Decode variants (soft cap, sliding window): alone, together, with TMA rings, FP8, 16-head units, clusters and
+# batch-invariant walks, at every head dim.
+CAP, WIN, BOTH = DecodeVariant(50.0), DecodeVariant(window_left=100), DecodeVariant(30.0, 4095)
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, variant=CAP),
+            DecodeKernelConfig.default("float16", 64, group_size=16, onchip_merge=True, variant=WIN),
+            DecodeKernelConfig.default("bfloat16", 256, variant=BOTH),
+            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, variant=BOTH), tma=True, profile=True),
+            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 64, kv_dtype=FP8, variant=BOTH), tma=True),
+            DecodeKernelConfig.default("float16", 128, batch_invariant=True, kv_dtype=FP8, variant=BOTH)]
+# RoPE (16-bit caches): every head dim, with a cap and a window, TMA rings, 16-head units and batch-invariant walks.
+ROPE = DecodeVariant(rope_theta=5e5, rope_scale=8.0)
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, variant=ROPE),
+            dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, variant=DecodeVariant(
+                30.0, 4095, 1e4)), tma=True),
+            DecodeKernelConfig.default("bfloat16", 256, batch_invariant=True, variant=ROPE)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

@@ -52,6 +52,10 @@ VARIANTS = {
     "decode-fp8": "DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e4m3fn')",
     "decode-fp8-d64-fp16-tma": "dataclasses.replace(DecodeKernelConfig.default('float16', 64, "
                                "kv_dtype='float8_e4m3fn'), tma=True)",
+    "decode-softcap": "DecodeKernelConfig.default('bfloat16', 128, variant=DecodeVariant(50.0))",
+    "decode-window-fp8-tma": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, "
+                             "kv_dtype='float8_e4m3fn', variant=DecodeVariant(30.0, 1000)), tma=True)",
+    "decode-rope-d64-fp16": "DecodeKernelConfig.default('float16', 64, variant=DecodeVariant(rope_theta=1e4))",
     "decode-plan": "DecodePlanKernelConfig()",
     "mla": "MlaKernelConfig()",
     "mla-32-profile": "MlaKernelConfig(block_tokens=32, profile=True)",
@@ -75,6 +79,10 @@ from meld.codegen.moe_kernel import MoeKernelConfig
 from meld.codegen.tp_kernel import TpKernelConfig
 from meld.codegen.ep_kernel import EpKernelConfig
 from meld.codegen.grouped_kernel import GroupedKernelConfig
+try:
+    from meld.codegen.decode_kernel import DecodeVariant
+except ImportError:   # a tree from before the decode variants: their entries are missing there
+    pass
 out = {}
 for key, expr in json.loads(sys.argv[1]).items():
     try:

@@ -7,6 +7,7 @@ kernel serves every batch and every `plan()`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..ir.work_table import CTA_TABLE
@@ -17,6 +18,74 @@ from .source import SMEM_PER_CTA_MAX, template
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 KV_FP8 = "float8_e4m3fn"   # DecodeKernelConfig.kv_dtype of an FP8 cache (torch's name of the type)
 TILE_TOKENS = 16     # KV tokens per warp step
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """What a decode kernel computes besides plain softmax attention: FlashInfer's decode variants, fixed per
+    operator and compiled in as constants (a model fixes them), so the default build's code stays as it was
+    and a variant costs only its own instructions.
+
+    logits_soft_cap: c > 0 caps each scaled score s (sm_scale * q.k; an FP8 cache's k_scale is in sm_scale) to
+        c * tanh(s / c) before the softmax, lse included (FlashInfer's convention: its pre-tanh scale is
+        sm_scale / c); 0: off.
+    window_left: w >= 0: the query, the request's last token, attends to its last w + 1 keys only (FlashInfer's
+        sliding window; lse over those keys); -1: to every key. The kernel masks the keys before the window
+        in the first page it reads; plan() leaves out the whole pages before it (`window_page_table`).
+    rope_theta: t > 0: FlashInfer's pos_encoding_mode="ROPE_LLAMA": Llama's rotary embedding ("rotate half":
+        channel i < D/2 pairs with i + D/2, frequency f_i = t^(-2i/D) / rope_scale) applied inside attention,
+        each key at its position in its request, the query at the request's last (FlashInfer's decode
+        convention); 0: none. Since q.k after rotation depends only on the keys' offsets from the query, the
+        kernel rotates each key by its offset (<= 0) and leaves q as it is: the same scores, with the angles
+        small where attention usually looks.
+    rope_scale: s > 0, the positions' divisor (FlashInfer's rope_scale; 1.0 without RoPE).
+    """
+
+    logits_soft_cap: float = 0.0
+    window_left: int = -1
+    rope_theta: float = 0.0
+    rope_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        cap = self.logits_soft_cap
+        if not isinstance(cap, float) or not (cap == 0.0 or 1e-30 <= cap <= 1e30):
+            raise ValueError(f"logits_soft_cap={cap!r}: expected 0.0 (off) or a float in [1e-30, 1e30]")
+        if not isinstance(self.window_left, int) or isinstance(self.window_left, bool) or \
+                not -1 <= self.window_left < 2 ** 31:
+            raise ValueError(f"window_left={self.window_left!r}: expected -1 (no window) or an int32 >= 0")
+        for name, value in (("rope_theta", self.rope_theta), ("rope_scale", self.rope_scale)):
+            if not isinstance(value, float) or not (1e-30 <= value <= 1e30 or name == "rope_theta" and value == 0.0):
+                raise ValueError(f"{name}={value!r}: expected a float in [1e-30, 1e30]"
+                                 + (" or 0.0 (no RoPE)" if name == "rope_theta" else ""))
+        if not self.rope_theta and self.rope_scale != 1.0:
+            raise ValueError(f"rope_scale={self.rope_scale!r} without RoPE (rope_theta=0.0): expected 1.0")
+
+    @property
+    def suffix(self) -> str:
+        """The kernel name's part that spells the variant ('' for plain attention)."""
+        def spelt(x: float) -> str:
+            return repr(x).replace(".", "p").replace("+", "").replace("-", "m")
+
+        return (f"_cap{spelt(self.logits_soft_cap)}" if self.logits_soft_cap else "") + \
+            (f"_win{self.window_left}" if self.window_left >= 0 else "") + \
+            (f"_rope{spelt(self.rope_theta)}" if self.rope_theta else "") + \
+            (f"s{spelt(self.rope_scale)}" if self.rope_scale != 1.0 else "")
+
+    def defines(self, head_dim: int) -> list[str]:
+        """The template's constants: the cap in the kernel's log2 units (c log2 e) and 2 / c, with which its
+        log2-domain score x becomes c log2 e tanh(x / (c log2 e)) = c log2 e (1 - 2 / (2^(2 x / c) + 1)); the
+        window's w; RoPE's frequencies as f_i / pi = 2^(i step) / (rope_scale pi), step = -2 log2(t) / D (the
+        kernel's sincospif takes angles in units of pi)."""
+        cap, rope = self.logits_soft_cap, self.rope_theta
+        return [f"#define MELD_SOFT_CAP {int(cap > 0)}",
+                f"#define MELD_SOFT_CAP_LOG2 {cap * _LOG2E!r}f" if cap else "#define MELD_SOFT_CAP_LOG2 0.f",
+                f"#define MELD_SOFT_CAP_TWO {2.0 / cap!r}f" if cap else "#define MELD_SOFT_CAP_TWO 0.f",
+                f"#define MELD_WINDOW_LEFT {self.window_left}",
+                f"#define MELD_ROPE {int(rope > 0)}",
+                f"#define MELD_ROPE_FPI0 {1.0 / (self.rope_scale * math.pi)!r}f" if rope else "#define MELD_ROPE_FPI0 0.f",
+                f"#define MELD_ROPE_LOG2_STEP {-2.0 * math.log2(rope) / head_dim!r}f" if rope
+                else "#define MELD_ROPE_LOG2_STEP 0.f"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +107,8 @@ class DecodeKernelConfig:
                                 # results crossing to the other ranks through "peer" memory or a "proxy"
     kv_dtype: str = ""          # "": K and V in `dtype`; "float8_e4m3fn": e4m3 bytes, dequantised on chip
                                 # (MELD_KV_FP8; the template's header says how and where the scales apply)
+    variant: DecodeVariant = DecodeVariant()   # soft cap, sliding window, RoPE (MELD_SOFT_CAP, MELD_WINDOW_LEFT,
+                                               # MELD_ROPE)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -60,6 +131,12 @@ class DecodeKernelConfig:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected '' (the dtype's) or {KV_FP8!r}")
         if self.kv_dtype and self.xrank:
             raise ValueError("xrank kernels read 16-bit caches: SeqParallelDecode takes no FP8 cache (kv_dtype='')")
+        if not isinstance(self.variant, DecodeVariant):
+            raise ValueError(f"variant={self.variant!r}: expected a DecodeVariant")
+        if self.xrank and self.variant != DecodeVariant():
+            raise ValueError("xrank kernels compute plain softmax attention: SeqParallelDecode takes no variant")
+        if self.variant.rope_theta and self.kv_dtype:
+            raise ValueError("RoPE kernels rotate K tiles in shared memory in the 16-bit dtype: kv_dtype must be ''")
         if self.debug_withhold_signal and not self.tma:
             raise ValueError("debug_withhold_signal needs tma=True: only the TMA rings wait on a signal")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -68,7 +145,8 @@ class DecodeKernelConfig:
 
     @staticmethod
     def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
-                batch_invariant: bool = False, kv_dtype: str = "") -> "DecodeKernelConfig":
+                batch_invariant: bool = False, kv_dtype: str = "",
+                variant: DecodeVariant = DecodeVariant()) -> "DecodeKernelConfig":
         """Chosen by bench/decode_sweep.py (bench/RESULTS.md, "kernel configs and cost models"): one CTA
         of eight warps with two-stage rings per SM is the best, or close to it, at every batch size, and
         the fastest at small batches. head_dim 256 (not swept) takes four warps and three stages to fit
@@ -83,20 +161,20 @@ class DecodeKernelConfig:
             stages = 2 * (stages - 1) + 1
         if head_dim == 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
-                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype)
+                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
                                   heads_per_unit=16 if group_size > 8 else 8, batch_invariant=batch_invariant,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, variant=variant)
 
     @staticmethod
     def of(low, *, onchip_merge: bool = False, batch_invariant: bool = False,
-           kv_dtype: str = "") -> "DecodeKernelConfig":
+           kv_dtype: str = "", variant: DecodeVariant = DecodeVariant()) -> "DecodeKernelConfig":
         """The default build (`default`) of a lowered decode graph (`meld.codegen.lowering.Lowering`): dtype,
         head_dim and group size from its attrs, a cross-rank build where its partials cross ranks."""
         a = low.attrs
         return dataclasses.replace(DecodeKernelConfig.default(
             a["dtype"], a["head_dim"], onchip_merge=onchip_merge, group_size=a["group_size"],
-            batch_invariant=batch_invariant, kv_dtype=kv_dtype), xrank=low.transport or "")
+            batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant), xrank=low.transport or "")
 
     @property
     def name(self) -> str:
@@ -104,7 +182,7 @@ class DecodeKernelConfig:
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
-                + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
+                + self.variant.suffix + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
                 + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_withhold" if self.debug_withhold_signal else ""))
@@ -143,6 +221,7 @@ class DecodeKernelConfig:
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
             f"#define MELD_KV_FP8 {int(bool(self.kv_dtype))}",
+            *self.variant.defines(self.head_dim),
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

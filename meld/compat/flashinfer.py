@@ -23,6 +23,10 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 - fixed_split_size (> 0) and disable_split_kv=True, FlashInfer's knobs for batch-invariant outputs,
   select meld's batch-invariant mode (its own chunk size, not fixed_split_size pages).
 - The kernel choice (use_tensor_cores, backend, enable_pdl) is meld's: accepted, it changes nothing.
+- logits_soft_cap, window_left and pos_encoding_mode="ROPE_LLAMA" (rope_scale, rope_theta) are built into the
+  kernel (one operator per value, made on first plan()): run(window_left=) must be None or plan()'s, and the
+  deprecated forward()'s options plan()'s. RoPE's rotated keys are rounded to the MMA type (FlashInfer keeps them
+  in float32). fast_plan() and fast_decode_plan(wrapper, ...) are plan(). README.md's table lists every argument.
 - An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn)): run()'s k_scale and v_scale are applied inside meld's
   kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
   where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
@@ -37,10 +41,11 @@ import re
 import torch
 
 from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
-from ..ops.decode_attention import FP8, DecodeAttention
+from ..codegen.decode_kernel import DecodeVariant
+from ..ops.decode_attention import FP8, DecodeAttention, decode_variant
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-           "MultiLevelCascadeAttentionWrapper"]
+           "MultiLevelCascadeAttentionWrapper", "fast_decode_plan"]
 
 _LOG2E = 1.4426950408889634
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
@@ -61,24 +66,25 @@ def _dtype(name: str, value: object) -> torch.dtype:
     return dtype
 
 
-def _check_options(pos_encoding_mode: object, window_left: object, logits_soft_cap: object) -> None:
-    """The attention variants plan() and the deprecated forward() share: meld computes plain softmax attention."""
+def _variant(pos_encoding_mode: object, window_left: object, logits_soft_cap: object, rope_scale: object = None,
+             rope_theta: object = None) -> DecodeVariant:
+    """The attention variant plan() and the deprecated forward() share: FlashInfer's soft cap, sliding window and
+    Llama RoPE inside attention, which meld's decode kernel computes (`meld.DecodeAttention`'s logits_soft_cap,
+    window_left, pos_encoding_mode, rope_scale and rope_theta); ALiBi it does not. rope_scale and rope_theta count
+    with ROPE_LLAMA only (FlashInfer ignores them otherwise)."""
     if pos_encoding_mode not in _POS_ENCODING_MODES:
         raise ValueError(f"pos_encoding_mode must be one of {_POS_ENCODING_MODES}, got {pos_encoding_mode!r}")
-    if pos_encoding_mode != "NONE":
-        raise _unsupported("pos_encoding_mode", pos_encoding_mode,
-                           "meld applies no positional encoding inside attention (apply RoPE to q and k before run())")
-    if not is_int(window_left) or window_left < -1:
-        raise ValueError(f"window_left must be -1 (no window) or a token count >= 0, got {window_left!r}")
-    if window_left != -1:
-        raise _unsupported("window_left", window_left, "meld has no sliding window (every request attends to all "
-                           "its tokens): pass only the window's pages")
-    if logits_soft_cap is not None:
-        cap = check_finite("logits_soft_cap", logits_soft_cap)
-        if cap < 0:
-            raise ValueError(f"logits_soft_cap must be None, 0 or positive, got {logits_soft_cap!r}")
-        if cap > 0:
-            raise _unsupported("logits_soft_cap", logits_soft_cap, "meld does not cap logits")
+    if pos_encoding_mode == "ALIBI":
+        raise _unsupported("pos_encoding_mode", pos_encoding_mode, "meld's kernel has no ALiBi bias")
+    rope = (rope_scale, rope_theta) if pos_encoding_mode == "ROPE_LLAMA" else (None, None)
+    return decode_variant(logits_soft_cap, window_left, pos_encoding_mode, *rope)
+
+
+def _rope_arguments(variant: DecodeVariant) -> dict:
+    """`meld.DecodeAttention`'s RoPE arguments for `variant`."""
+    if not variant.rope_theta:
+        return {}
+    return dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=variant.rope_scale, rope_theta=variant.rope_theta)
 
 
 def _check_v_scale(v_scale: object, device: torch.device) -> None:
@@ -198,13 +204,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """Plan a batch (FlashInfer's paged layout, int32; CPU or this wrapper's device) for every run()
         until the next plan(). A plan() that raises changes nothing.
 
-        Supported: pos_encoding_mode="NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer),
-        window_left=-1, window_right=0, logits_soft_cap None or 0, q and o data types one of bfloat16 and
+        Supported: pos_encoding_mode "NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer) or
+        "ROPE_LLAMA" (16-bit caches; rope_scale, rope_theta: None for 1 and 1e4), window_left -1 or a window (the last window_left + 1 keys of each request), window_right=0,
+        logits_soft_cap None, 0 or a cap (c tanh(sm_scale q.k / c)), q and o data types one of bfloat16 and
         float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale
-        (default 1/sqrt(head_dim)).
+        (default 1/sqrt(head_dim)). Each (soft cap, window, RoPE) is a kernel of its own, built on first plan().
         The rest raises NotImplementedError. `check` is meld's (see the module docstring).
         """
-        _check_options(pos_encoding_mode, window_left, logits_soft_cap)
+        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
         if window_right != 0:
             raise _unsupported("window_right", window_right, "meld attends to every token up to the query")
         for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens)):
@@ -223,13 +230,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not is_int(head_dim) or head_dim < 1:
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if head_dim not in _HEAD_DIMS:
-            raise _unsupported("head_dim", head_dim, f"meld's kernels are built for head_dim {_HEAD_DIMS}")
+            raise _unsupported("head_dim", head_dim, f"meld's decode kernel is built for head_dim {_HEAD_DIMS}" + (
+                " (its per-warp output tile in registers holds at most 256 channels; MLA's 512-channel latent runs "
+                "on BatchMLAPagedAttentionWrapper)" if head_dim > 256 else ""))
         dtype, kv_dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
+        if variant.rope_theta and kv_dtype is FP8:
+            raise _unsupported("pos_encoding_mode", pos_encoding_mode, f"meld's RoPE kernels read 16-bit caches, got "
+                               f"kv_data_type={kv_dtype}")
         if sm_scale is not None:
             sm_scale = check_finite("sm_scale", sm_scale)
         batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)
         op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, kv_dtype, sm_scale,
-                            batch_invariant)
+                            batch_invariant, variant)
         if self._use_cuda_graph and isinstance(indices, torch.Tensor) and isinstance(last_page_len, torch.Tensor):
             if len(last_page_len) != self._fixed_batch_size:
                 raise ValueError(f"The batch size should be fixed in cudagraph mode: len(last_page_len)="
@@ -247,6 +259,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._op, self._batch = op, len(last_page_len)
 
     begin_forward = plan
+
+    def fast_plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
+                  num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
+                  window_left: int = -1, logits_soft_cap: float | None = None,
+                  q_data_type: str | torch.dtype | None = None, kv_data_type: str | torch.dtype | None = None,
+                  data_type: str | torch.dtype | None = None, sm_scale: float | None = None,
+                  rope_scale: float | None = None, rope_theta: float | None = None, non_blocking: bool = True,
+                  fixed_split_size: int | None = None, disable_split_kv: bool = False,
+                  global_override_indptr_cpu: torch.Tensor | None = None, *, check: bool = True) -> None:
+        """FlashInfer's `fast_decode_plan` as a method (its faster re-plan for multi-step drafts: it skips copies
+        into the cuda-graph buffers that FlashInfer's plan() makes). meld's plan() is that fast path already:
+        this is plan(), with its validation and its transactional failure. global_override_indptr_cpu, FlashInfer's
+        host copy of indptr, is the indptr meld plans from when given (an int32 CPU tensor of indptr's length):
+        the page indices may stay on the device, and no device indptr is read back."""
+        if global_override_indptr_cpu is not None:
+            expect("global_override_indptr_cpu", global_override_indptr_cpu, torch.int32, (None,),
+                   "a 1-D int32 tensor on the CPU (indptr's host copy)", torch.device("cpu"))
+            if isinstance(indptr, torch.Tensor) and global_override_indptr_cpu.shape != indptr.shape:
+                raise ValueError(f"global_override_indptr_cpu must have indptr's shape {tuple(indptr.shape)}, got "
+                                 f"{tuple(global_override_indptr_cpu.shape)}")
+            indptr = global_override_indptr_cpu
+        self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                  pos_encoding_mode, window_left, logits_soft_cap,
+                  "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
+                  data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
+                  disable_split_kv=disable_split_kv, check=check)
 
     def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> tuple[torch.dtype, torch.dtype]:
         """The dtype meld computes in and the cache's (that one, or e4m3), resolved as FlashInfer resolves its three."""
@@ -266,18 +304,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise _unsupported("o_data_type", o, f"meld writes the output in q's dtype {q}")
         return q, kv
 
-    def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, sm_scale, batch_invariant):
-        """The meld operator of these shapes, made once per wrapper."""
+    def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, sm_scale, batch_invariant,
+                  variant: DecodeVariant):
+        """The meld operator of these shapes and variant, made once per wrapper."""
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant)
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant, variant)
         op = self._ops.get(key)
         if op is None:
             graph = self._use_cuda_graph
             op = DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, self.device,
                                  kv_dtype=kv_dtype, kv_layout=self._kv_layout, sm_scale=sm_scale,
-                                 batch_invariant=batch_invariant,
+                                 batch_invariant=batch_invariant, logits_soft_cap=variant.logits_soft_cap,
+                                 window_left=variant.window_left, **_rope_arguments(variant),
                                  max_batch_size=self._fixed_batch_size if graph else None,
                                  max_num_pages=max(1, len(self._paged_kv_indices_buf)) if graph else None)
             self._ops[key] = op
@@ -314,8 +354,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 if value is not None:
                     raise _unsupported(name, value, "meld computes plain softmax attention over a bf16, fp16 or "
                                        "e4m3 cache")
-        if window_left is not None and window_left != -1:
-            raise ValueError(f"window_left must be None or plan()'s window_left=-1, got {window_left!r}")
+        # FlashInfer's run() may override plan()'s window; meld builds it into the kernel at plan().
+        if window_left is not None and window_left != op.variant.window_left:
+            raise ValueError(f"window_left must be None or plan()'s window_left={op.variant.window_left}, got "
+                             f"{window_left!r}")
         if q_len_per_req is not None and q_len_per_req != 1:
             raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
         if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
@@ -363,8 +405,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale: float | None = None,
                 rope_theta: float | None = None) -> torch.Tensor:
         """Deprecated in FlashInfer (use run()). Its options replace plan()'s there; here they must agree
-        with them: sm_scale (None: 1/sqrt(head_dim)) equal to plan()'s."""
-        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
+        with them: sm_scale (None: 1/sqrt(head_dim)), window_left and logits_soft_cap equal to plan()'s."""
+        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
         return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
 
     def forward_return_lse(self, q: torch.Tensor, paged_kv_cache, pos_encoding_mode: str = "NONE",
@@ -372,13 +414,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
                            window_left: int = -1, logits_soft_cap: float | None = None, sm_scale: float | None = None,
                            rope_scale: float | None = None, rope_theta: float | None = None):
         """Deprecated in FlashInfer (use run_return_lse()): forward() returning (out, lse)."""
-        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale)
+        self._forward_options(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
         return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
-    def _forward_options(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale) -> None:
-        _check_options(pos_encoding_mode, window_left, logits_soft_cap)
+    def _forward_options(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale=None,
+                         rope_theta=None) -> None:
+        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
         op = self._op
         if op is not None:
+            for name, value, field in (("window_left", window_left, "window_left"),
+                                       ("logits_soft_cap", logits_soft_cap, "logits_soft_cap"),
+                                       ("pos_encoding_mode", pos_encoding_mode, "rope_theta"),
+                                       ("rope_theta", rope_theta, "rope_theta"), ("rope_scale", rope_scale, "rope_scale")):
+                if getattr(variant, field) != getattr(op.variant, field):
+                    raise _unsupported(name, value, f"forward() must keep plan()'s {name} (meld builds it into the "
+                                       "kernel at plan())")
             scale = 1.0 / math.sqrt(op.head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
             if scale != op.sm_scale:
                 raise _unsupported("sm_scale", sm_scale, f"forward() must keep plan()'s sm_scale={op.sm_scale!r} "
@@ -465,7 +515,13 @@ class MultiLevelCascadeAttentionWrapper:
         """Plan every level (int32 CPU tensors, one per level in each list). A plan() that raises changes nothing."""
         from ..ops.cascade_decode import CascadeDecode
 
-        _check_options(pos_encoding_mode, window_left, logits_soft_cap)
+        variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
+        for name, value, off in (("pos_encoding_mode", pos_encoding_mode, not variant.rope_theta),
+                                 ("window_left", window_left, variant.window_left < 0),
+                                 ("logits_soft_cap", logits_soft_cap, not variant.logits_soft_cap)):
+            if not off:
+                raise _unsupported(name, value, "meld's cascade computes plain softmax attention (the decode wrapper "
+                                   "takes it)")
         if use_fp16_qk_reduction is not False:
             raise _unsupported("use_fp16_qk_reduction", use_fp16_qk_reduction, "meld accumulates scores in float32")
         if not isinstance(causal, bool):
@@ -656,3 +712,13 @@ class BatchMLAPagedAttentionWrapper:
         if not return_lse_base_on_e:
             plain(l).mul_(_LOG2E)   # FlashInfer's base 2
         return (o, l) if return_lse else o
+
+
+def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, *args, **kwargs) -> None:
+    """FlashInfer's `flashinfer.decode.fast_decode_plan(wrapper, ...)`, which engines bind to a wrapper
+    (`functools.partial(fast_decode_plan, wrapper)`): `BatchDecodeWithPagedKVCacheWrapper.fast_plan`, the same
+    arguments."""
+    if not isinstance(self, BatchDecodeWithPagedKVCacheWrapper):
+        raise ValueError(f"fast_decode_plan's first argument must be a BatchDecodeWithPagedKVCacheWrapper, got "
+                         f"{type(self).__name__}")
+    self.fast_plan(*args, **kwargs)

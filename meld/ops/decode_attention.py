@@ -17,11 +17,12 @@ import torch
 
 from .. import config
 from ..codegen import TILE_TOKENS, DecodeKernelConfig, TensorMap
-from ..codegen.decode_kernel import KV_FP8
+from ..codegen.decode_kernel import KV_FP8, DecodeVariant
 from ..scheduler import DecodeCost, Topology, cluster_rows
 from .checks import check_finite, check_positive, expect, is_int, plain
 from .decode_graph import decode_attention_graph
-from .paged_decode import PagedDecode, _Planned
+from .page_table import check_page_table, window_page_table
+from .paged_decode import PagedDecode, _Planned, _host
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -62,6 +63,41 @@ class _KV(NamedTuple):
     v_scale: float
 
 
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA")
+
+
+def decode_variant(logits_soft_cap: object = None, window_left: object = -1, pos_encoding_mode: object = "NONE",
+                   rope_scale: object = None, rope_theta: object = None) -> DecodeVariant:
+    """The `DecodeVariant` of an operator's arguments, each checked with an error that names it and its value:
+    logits_soft_cap None or 0 (off, as FlashInfer's 0.0) or a positive finite number (1e-30 to 1e30, so that
+    the kernel's float32 constants stay finite); window_left -1 (no window) or a token count >= 0;
+    pos_encoding_mode "NONE" or "ROPE_LLAMA", whose rope_scale and rope_theta are positive finite numbers
+    (None: FlashInfer's 1 and 1e4) and are given with it only."""
+    if pos_encoding_mode not in POS_ENCODING_MODES:
+        raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {pos_encoding_mode!r}")
+    rope = {"rope_scale": 1.0, "rope_theta": 0.0}
+    for name, value, default in (("rope_scale", rope_scale, 1.0), ("rope_theta", rope_theta, 1e4)):
+        if pos_encoding_mode == "NONE":
+            if value is not None:
+                raise ValueError(f"{name}={value!r} is for pos_encoding_mode='ROPE_LLAMA', got "
+                                 f"pos_encoding_mode={pos_encoding_mode!r}")
+            continue
+        x = default if value is None else check_finite(name, value)
+        if not 1e-30 <= x <= 1e30:
+            raise ValueError(f"{name} must be a positive number from 1e-30 to 1e30, got {value!r}")
+        rope[name] = x
+    cap = 0.0
+    if logits_soft_cap is not None:
+        cap = check_finite("logits_soft_cap", logits_soft_cap)
+        if cap < 0 or 0 < cap < 1e-30 or cap > 1e30:
+            raise ValueError(f"logits_soft_cap must be None, 0 (off) or a positive number from 1e-30 to 1e30, got "
+                             f"{logits_soft_cap!r}")
+    if not is_int(window_left) or not -1 <= window_left < 2 ** 31:
+        raise ValueError(f"window_left must be -1 (no window) or a token count >= 0 (below 2**31), got "
+                         f"{window_left!r}")
+    return DecodeVariant(cap if cap > 0 else 0.0, int(window_left), **rope)
+
+
 def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, unit: int) -> str:
     req, hb = divmod(unit, units_per_request)
     kv, qb = divmod(hb, head_blocks)
@@ -88,6 +124,18 @@ class DecodeAttention(PagedDecode):
             head_dim], or [num_pages, num_kv_heads, page_size, head_dim] each, as FlashInfer's. When
             num_kv_heads == page_size the two shapes are the same: the cache is read as kv_layout says.
         sm_scale: softmax scale, a finite number; default 1/sqrt(head_dim).
+        logits_soft_cap: None or 0 (off), or c > 0: each scaled score s becomes c * tanh(s / c) before the
+            softmax, lse included (FlashInfer's logits_soft_cap; Gemma 2's 50.0). A kernel of its own per c.
+        window_left: -1 (off), or w >= 0: each request's query, its last token, attends to its last w + 1
+            keys only, lse over them (FlashInfer's sliding window): plan() drops the pages wholly before the
+            window (the kernel reads no more than those left) and the kernel masks the keys before the window
+            in the first page left. A kernel of its own per w.
+        pos_encoding_mode: "NONE", or "ROPE_LLAMA": Llama's rotary embedding ("rotate half") applied inside
+            attention, each key at its position in its request and the query at the request's last, with
+            frequencies rope_theta^(-2i/head_dim) / rope_scale (FlashInfer's; None: 1e4 and 1). q and the
+            cache hold the keys unrotated. 16-bit caches only. A kernel of its own per (rope_theta, rope_scale).
+            The kernel rotates each key by its offset from the query (the same scores) and rounds it to the
+            MMA type (bfloat16: 2^-9 of each key), where FlashInfer rotates in float32.
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
@@ -138,7 +186,9 @@ class DecodeAttention(PagedDecode):
                  kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD", sm_scale: float | None = None,
                  max_batch_size: int | None = None, max_num_pages: int | None = None, topology: Topology | None = None,
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
-                 cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False):
+                 cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False,
+                 logits_soft_cap: float | None = None, window_left: int = -1, pos_encoding_mode: str = "NONE",
+                 rope_scale: float | None = None, rope_theta: float | None = None):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         if num_qo_heads % num_kv_heads:
@@ -159,6 +209,10 @@ class DecodeAttention(PagedDecode):
             raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        self.variant = decode_variant(logits_soft_cap, window_left, pos_encoding_mode, rope_scale, rope_theta)
+        if self.variant.rope_theta and kv_dtype is FP8:
+            raise ValueError(f"pos_encoding_mode='ROPE_LLAMA' takes a 16-bit cache (the kernel rotates K in the MMA "
+                             f"type), got kv_dtype={kv_dtype}")
         self.overlap = overlap
         self.max_batch_size = None if max_batch_size is None else check_positive("max_batch_size", max_batch_size)
         self.max_num_pages = None if max_num_pages is None else check_positive("max_num_pages", max_num_pages)
@@ -183,15 +237,15 @@ class DecodeAttention(PagedDecode):
         # The tuning database's entry for this shape on this GPU (MELD_TUNING_DB), unless cost or kernel is given.
         self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket) if cost is None and kernel_config is None else None
         built = self.lowering.kernel_config(onchip_merge=cluster_size > 1, batch_invariant=batch_invariant,
-                                            kv_dtype=kv_build)   # (xrank: the graph's combine edge's transport)
+                                            kv_dtype=kv_build, variant=self.variant)   # (xrank: the graph's transport)
         self.kernel_config = kernel_config or self._tuned_config("kernel", built)
         kc, xrank = self.kernel_config, built.xrank
-        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype) != (
-                built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype):
+        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant) != (
+                built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype, built.variant):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, kv_dtype={kc.kv_dtype!r}; the operator is "
-                             f"{_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, kv_dtype="
-                             f"{kv_build!r}, and its graph's partials "
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, kv_dtype={kc.kv_dtype!r}; the "
+                             f"operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, "
+                             f"{self.variant}, kv_dtype={kv_build!r}, and its graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
         if cost is None:
@@ -224,7 +278,8 @@ class DecodeAttention(PagedDecode):
     def shape_bucket(self) -> str:
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
-                + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else ""))
+                + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else "")
+                + self.variant.suffix.replace("_", "/"))
 
     def _tuned_config(self, part: str, default):
         """`default` (a DecodeCost or DecodeKernelConfig) with the fields the tuning entry sets for `part`
@@ -276,6 +331,15 @@ class DecodeAttention(PagedDecode):
     def _plan_clusters(self) -> list[tuple[int, int]]:
         """The cluster mix the planner places for: only where pieces in one cluster merge on chip."""
         return self.cluster_mix if self.kernel_config.onchip_merge and self.cluster_size > 1 else []
+
+    def _pages_read(self, kv_indptr, kv_indices, kv_last_page_len, check):
+        """With a sliding window, the table without the pages wholly before each request's window (checked
+        first where plan() checks, so that its errors name the table given)."""
+        if self.variant.window_left < 0:
+            return kv_indptr, kv_indices
+        if check:
+            check_page_table(_host(kv_indptr), _host(kv_last_page_len), kv_indices.numel(), self.page_size)
+        return window_page_table(kv_indptr, kv_indices, kv_last_page_len, self.page_size, self.variant.window_left)
 
     # --- run ------------------------------------------------------------------------------------
     _run_inputs, _lse_meaning = ("q", "kv_cache"), "batch, num_qo_heads"
@@ -446,4 +510,5 @@ class DecodeAttention(PagedDecode):
         if self.kv_layout == "HND":
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
-                                      self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale)
+                                      self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
+                                      variant=self.variant)

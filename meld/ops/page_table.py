@@ -1,4 +1,5 @@
-"""Checks of a FlashInfer-layout page table (kv_indptr, kv_indices, kv_last_page_len) on the host.
+"""Checks of a FlashInfer-layout page table (kv_indptr, kv_indices, kv_last_page_len) on the host, and the
+table a sliding window reads (`window_page_table`, torch ops on the table's device).
 
 The C helper (meld/runtime/host/stage_page_table.c) makes the same checks in one pass while it stages
 the table; both report a problem by the same codes, turned into one ValueError here. Offsets are int32
@@ -8,6 +9,7 @@ wrap into a plausible page count.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 INT32_MAX = 2 ** 31 - 1
 
@@ -55,6 +57,32 @@ def check_page_table(indptr: np.ndarray, last: np.ndarray, num_indices: int, pag
     if nnz > num_indices:
         page_table_error(3, 0, indptr, last, num_indices)
     return nnz
+
+
+def window_page_table(indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, page_size: int,
+                      window_left: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_indptr and kv_indices without each request's pages that lie wholly before its last window_left + 1
+    tokens (its last page, and so kv_last_page_len, stays), for a sliding window: the kernel then reads at most
+    page_size - 1 keys before the window, which it masks, and the planner balances only the pages read.
+
+    Torch ops on kv_indices' device and no host synchronisation, so that a GPU table planned with check=False
+    stays free of one: kv_indices keeps its length, the entries past the new kv_indptr[-1] being copies (never
+    read). Expects a valid table (plan() checks the original first wherever it checks); on an invalid one it
+    still reads only within `indices`. Returns int32 tensors on kv_indices' device.
+    """
+    dev = indices.device
+    ptr = indptr.to(dev, torch.int64)
+    counts = (ptr[1:] - ptr[:-1]).clamp(min=0)
+    lens = torch.where(counts > 0, (counts - 1) * page_size + last.to(dev, torch.int64), 0)
+    skip = torch.minimum((lens - 1 - window_left).div(page_size, rounding_mode="floor").clamp(min=0), counts)
+    new_ptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(counts - skip, 0)])
+    n = indices.numel()
+    if n == 0 or counts.numel() == 0:
+        return new_ptr.to(torch.int32), indices.contiguous()
+    j = torch.arange(n, device=dev)
+    b = torch.searchsorted(new_ptr[1:], j, right=True).clamp(max=counts.numel() - 1)   # request of entry j
+    src = (ptr[b] + skip[b] + j - new_ptr[b]).clamp(0, n - 1)
+    return new_ptr.to(torch.int32), indices[src].contiguous()
 
 
 def max_page(indices: np.ndarray) -> int:

@@ -269,6 +269,7 @@ class PagedDecode(Operator):
                             ("kv_last_page_len", kv_last_page_len)):
                 if t.device.type != "cpu" and not same_device(t.device, self.device):
                     raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
+        kv_indptr, kv_indices = self._pages_read(kv_indptr, kv_indices, kv_last_page_len, check or on_host)
         if self.device.type == "cpu":
             self._plan_cpu(B, kv_indptr, kv_indices, kv_last_page_len)
         elif on_host:
@@ -280,6 +281,12 @@ class PagedDecode(Operator):
                 config.dump(f"{self.graph.name}.schedule.json", self.schedule.to_json())
             except ValueError as e:
                 warnings.warn(f"{e}; the plan was installed, its schedule not dumped", RuntimeWarning, stacklevel=2)
+
+    def _pages_read(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                    check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page table the kernel reads of the one plan() was given (shapes and dtypes checked; its values too
+        when `check`): the same here; an operator with a sliding window leaves out the pages before it."""
+        return kv_indptr, kv_indices
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
         """The shell's commit, after recording the batch when MELD_RECORD samples it; then the state derived

@@ -19,6 +19,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from ..codegen.decode_kernel import DecodeVariant
 from ..ir import COMBINERS, Schedule, TaskGraph
 from ..ir.combiners import Combiner
 from ..ir.task_graph import GraphError
@@ -29,9 +30,10 @@ if TYPE_CHECKING:
 _SOFTMAX = COMBINERS["online_softmax"]
 
 
-def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, ...]:
-    """(m, l, acc) of softmax attention of q [H, D] over k [n, D], v [n, Dv] (n may be 0); l = NaN marks a
-    row that met a non-finite score, a NaN acc row one that met a non-finite value."""
+def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, soft_cap: float = 0.0) -> tuple[np.ndarray, ...]:
+    """(m, l, acc) of softmax attention of q [H, D] over k [n, D], v [n, Dv] (n may be 0), each scaled score s
+    capped to soft_cap tanh(s / soft_cap) when soft_cap > 0; l = NaN marks a row that met a non-finite score, a
+    NaN acc row one that met a non-finite value."""
     H = q.shape[0]
     if k.shape[0] == 0:
         return np.full(H, -np.inf), np.zeros(H), np.zeros((H, v.shape[1]))
@@ -39,6 +41,8 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[n
         s = (q @ k.T) * scale
         bad = ~np.isfinite(s).all(axis=1)
         s[bad] = 0.0
+        if soft_cap:
+            s = soft_cap * np.tanh(s / soft_cap)
         m = s.max(axis=1)
         p = np.exp(s - m[:, None])
         acc = p @ v
@@ -50,11 +54,15 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[n
 
 def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kv_indices: torch.Tensor, sm_scale: float, combiner: str = "online_softmax", *,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_scale: float = 1.0, v_scale: float = 1.0, variant: DecodeVariant = DecodeVariant()
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Execute `schedule` on CPU tensors (k_cache and v_cache NHD [pages, page_size, Hkv, D], any strides: one
     cache's halves or two tensors), merging split units with `combiner` (the graph's). An FP8 cache is read as
     its exact values and dequantised where the kernel does it: k_scale multiplies the scores (with sm_scale)
-    and v_scale the output (templates/decode_attention.cuh, MELD_KV_FP8).
+    and v_scale the output (templates/decode_attention.cuh, MELD_KV_FP8). `variant`'s soft cap applies to the
+    scaled scores; its window leaves out each item's keys before the last window_left + 1 of its request (the
+    schedule's kv_len: the pages plan() kept); its RoPE rotates each key by its offset from the query (the
+    request's last token), as the kernel does.
     Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
     P = k_cache.shape[1]
     k64, v64 = k_cache.double().numpy(), v_cache.double().numpy()
@@ -63,7 +71,7 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v
         return k64[pages, slots, kv_head], v64[pages, slots, kv_head]
 
     out, lse = _execute(schedule, q.double().numpy(), kv, P, k_cache.shape[-1], kv_indices, sm_scale * k_scale,
-                        _softmax(combiner))
+                        _softmax(combiner), variant)
     return (out if v_scale == 1.0 else out * v_scale), lse
 
 
@@ -92,7 +100,8 @@ def _softmax(name: str) -> Combiner:
 
 
 def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, kv_indices: torch.Tensor,
-             sm_scale: float, combiner: Combiner) -> tuple[torch.Tensor, torch.Tensor]:
+             sm_scale: float, combiner: Combiner, variant: DecodeVariant = DecodeVariant()
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The walk both executors share: `kv(pages, slots, kv_head)` gives an item's keys and values."""
     B, Hq, _ = q64.shape
     # NumPy, not torch: per-item matmuls are tiny and torch's CPU thread pool only adds overhead.
@@ -108,13 +117,16 @@ def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, k
         b, kvh, h0, rows = (int(it[k][i]) for k in ("req", "kv_head", "q_head", "rows"))
         beg, end, slot = int(it["kv_begin"][i]), int(it["kv_end"][i]), int(it["slot"][i])
         pos = np.arange(beg, end)
+        if variant.window_left >= 0:   # a piece may lie wholly before the window: then it is empty
+            pos = pos[pos >= int(schedule.kv_len[b]) - 1 - variant.window_left]
         k, v = kv(indices[int(page_base[b]) + pos // page_size], pos % page_size, kvh)
-        m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale)
+        if variant.rope_theta:   # each key by its offset from the query, as the kernel does
+            k = _rope(k, pos - (int(schedule.kv_len[b]) - 1), variant)
+        m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale, variant.logits_soft_cap)
         if slot < 0:
             _write(out, lse, b, h0, m, l, acc)
             continue
-        part_o[slot, :rows] = acc / l[:, None]         # pieces hold tokens: l >= 1, or NaN
-        part_lse[slot, :rows] = m + np.log(l)
+        part_o[slot, :rows], part_lse[slot, :rows] = _normalised(m, l, acc)   # empty: zeros, -inf
         u = int(it["unit"][i])
         arrived[u] += 1
         if arrived[u] == it["num_parts"][i]:      # last arriver merges the unit's slots
@@ -133,6 +145,16 @@ def merge_partials(part_lse: np.ndarray, part_o: np.ndarray, combiner: Combiner 
     for s in range(len(part_lse)):
         m, l, acc = combiner.merge(m, l, acc, part_lse[s], np.ones(H), part_o[s])
     return _normalised(m, l, acc)
+
+
+def _rope(k: np.ndarray, offsets: np.ndarray, variant: DecodeVariant) -> np.ndarray:
+    """Keys k [n, D] rotated by Llama's "rotate half" embedding at `offsets` [n] (float64)."""
+    h = k.shape[1] // 2
+    freq = variant.rope_theta ** (-2.0 * np.arange(h) / k.shape[1]) / variant.rope_scale
+    angle = offsets[:, None] * freq
+    cos, sin = np.cos(angle), np.sin(angle)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.concatenate([k[:, :h] * cos - k[:, h:] * sin, k[:, h:] * cos + k[:, :h] * sin], axis=1)
 
 
 def execute_split_reduce(graph: TaskGraph, plan: SplitReducePlan, tables: dict[str, GroupTable], q: torch.Tensor,

@@ -72,9 +72,22 @@
 // host (the scores, and so lse, include it), v_scale multiplies each piece's normalised output (a merge is
 // a convex combination of pieces, so a merged output carries it once).
 //
+// MELD_SOFT_CAP builds cap each score as FlashInfer's logits_soft_cap c does, c tanh(sm_scale q.k / c), before
+// the softmax (lse included); the cap is a compile-time constant (meld/codegen/decode_kernel.py, DecodeVariant).
+// MELD_WINDOW_LEFT >= 0 builds attend to the last MELD_WINDOW_LEFT + 1 keys of each request only (FlashInfer's
+// sliding window, for the query at the request's last position): plan() drops the pages wholly before the
+// window, and the kernel masks the keys before it in the first page left (their scores -inf, their V rows
+// zeroed in shared memory as past a unit's end). MELD_ROPE builds apply Llama's rotary embedding inside
+// attention (FlashInfer's pos_encoding_mode="ROPE_LLAMA": keys at their positions, the query at its request's
+// last): each warp rotates its K tile in shared memory, after it lands and before its ldmatrix, by each key's
+// offset from the query (position - (kv_len - 1) <= 0), and q stays as it is: q.k after rotation depends on
+// that offset alone. The rotated keys are rounded to the MMA type, as the loaded ones were. Off (0, -1, 0)
+// each compiles to the plain build's code.
+//
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
-// MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, DecodeParams.
+// MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, MELD_SOFT_CAP (MELD_SOFT_CAP_LOG2, MELD_SOFT_CAP_TWO),
+// MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), DecodeParams.
 
 namespace meld {
 
@@ -114,6 +127,21 @@ static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool CHUNKED = MELD_CHUNKED;
 static_assert(!(ONCHIP && CHUNKED), "batch-invariant kernels merge through global memory");
+constexpr bool SOFT_CAP = MELD_SOFT_CAP;
+constexpr int WINDOW_LEFT = MELD_WINDOW_LEFT;
+constexpr bool WINDOW = WINDOW_LEFT >= 0;
+constexpr bool ROPE = MELD_ROPE;
+static_assert(!(ROPE && KV_FP8), "RoPE builds rotate 16-bit K tiles");
+
+// MELD_SOFT_CAP: a log2-domain score x = sm_scale log2(e) q.k becomes c log2(e) tanh(x / (c log2(e))), written
+// with ex2 as c log2(e) (1 - 2 / (2^(2 x / c) + 1)): off by float rounding in absolute terms, where tanh.approx's
+// relative error, times c, would move the probabilities visibly at large caps. NaN stays NaN (the caller makes
+// Inf NaN first); large |x| saturates at +-c log2(e). The plain build returns x.
+__device__ __forceinline__ float soft_cap(float x) {
+  if (!SOFT_CAP) return x;
+  const float e = exp2_approx(x * MELD_SOFT_CAP_TWO);
+  return MELD_SOFT_CAP_LOG2 * (1.f - __fdividef(2.f, e + 1.f));
+}
 
 // Byte offset of 16-byte chunk `c` of token row `r` in a tile: XOR swizzle so that ldmatrix's eight
 // rows at one chunk column hit eight different bank groups. TMA tiles are BOXES blocks of [16 rows][BOX_ROW
@@ -335,10 +363,57 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
   reset_state(st);
 }
 
-__device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lane) {
+// Two 16-bit MMA-type values (lo in the low half) as floats, and back (pack2).
+__device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
+  if (MELD_MMA_TYPE[0] == 'b') {
+    lo = __uint_as_float(x << 16);
+    hi = __uint_as_float(x & 0xffff0000u);
+  } else {
+    asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(x));
+  }
+}
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// MELD_ROPE: rotate this warp's K tile (tile row r is the key at offset rel0 + r from the query) in shared memory:
+// channels c < D/2 and c + D/2 by the angle offset * f_c, f_c / pi = MELD_ROPE_FPI0 2^(c MELD_ROPE_LOG2_STEP).
+// Each lane takes channel pairs (c, c + 1) and their partners c + D/2, c + D/2 + 1: one 32-bit word each.
+__device__ __forceinline__ void rope_tile(u32 kbase, int rel0, int lane) {
+  constexpr int QP = D / 4;                     // channel pairs in each half
+#pragma unroll 1   // (not unrolled: head_dim 256's accumulators leave no registers for more in flight)
+  for (int item = lane; item < TILE * QP; item += 32) {
+    const int r = item / QP, c = 2 * (item % QP);
+    const u32 lo_at = kbase + tile_off(r, c / 8) + (c % 8) * 2;
+    const u32 hi_at = kbase + tile_off(r, (c + D / 2) / 8) + (c % 8) * 2;
+    float a0, a1, b0, b1, s0, c0, s1, c1;
+    unpack2(ld_shared_u32(lo_at), a0, a1);
+    unpack2(ld_shared_u32(hi_at), b0, b1);
+    const float off = (float)(rel0 + r);
+    sincospif(off * (MELD_ROPE_FPI0 * exp2_approx((float)c * MELD_ROPE_LOG2_STEP)), &s0, &c0);
+    sincospif(off * (MELD_ROPE_FPI0 * exp2_approx((float)(c + 1) * MELD_ROPE_LOG2_STEP)), &s1, &c1);
+    st_shared_u32(lo_at, pack2(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1));
+    st_shared_u32(hi_at, pack2(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1));
+  }
+  __syncwarp();
+}
+
+// The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window).
+__device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lo,
+                                             int lane) {
   if (TMA && nvalid < TILE) {   // a TMA tile holds whole pages: zero the V rows past the unit's end,
     for (int i = lane; i < (TILE - nvalid) * CPR; i += 32)   // which P (0 there) must not turn into NaN
       st_shared_zero16(kbase + TILE_BYTES + tile_off(nvalid + i / CPR, i % CPR));
+    __syncwarp();
+  }
+  if (WINDOW && lo > 0) {   // likewise the V rows of keys before the window (read: they share its first page)
+    for (int i = lane; i < min(lo, TILE) * CPR; i += 32)
+      st_shared_zero16(kbase + TILE_BYTES + tile_off(i / CPR, i % CPR));
     __syncwarp();
   }
   const int t = lane & 3;
@@ -381,8 +456,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     float x[4] = {s0[2 * i] * p.sm_scale_log2, s0[2 * i + 1] * p.sm_scale_log2,
                   s1[2 * i] * p.sm_scale_log2, s1[2 * i + 1] * p.sm_scale_log2};
 #pragma unroll
-    for (int k = 0; k < 4; ++k)   // past the unit's end: masked; else Inf and NaN scores become NaN
-      x[k] = tok[k] >= nvalid ? neg_inf() : x[k] + 0.f * x[k];
+    for (int k = 0; k < 4; ++k)   // past the unit's end (or before the window): masked; else Inf and NaN scores
+      x[k] = tok[k] >= nvalid || (WINDOW && tok[k] < lo) ? neg_inf() : soft_cap(x[k] + 0.f * x[k]);   // become NaN
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -681,7 +756,9 @@ struct DecodeFamily {
             wait_tile(p, s.bars, cs, phases, pl.cta, warp, u);
             const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
             issue_tile(p, g, lc, s.ring, s.bars, ns, pl, warp, lane);
-            compute_tile(p, ws, s.ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE), lane);
+            if (ROPE) rope_tile(s.ring + cs * STAGE_BYTES, x.begin + j * TILE - (p.kv_len[x.req] - 1), lane);
+            compute_tile(p, ws, s.ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE),
+                         WINDOW ? p.kv_len[x.req] - (x.begin + j * TILE) - 1 - WINDOW_LEFT : 0, lane);
             cs = cs + 1 == STAGES ? 0 : cs + 1;
           }
 #if MELD_XRANK
