@@ -2,6 +2,7 @@
 that balances every level's pieces together, and the reference executor that runs any such graph, against
 float64 attention over each request's whole sequence."""
 import math
+import re
 import shutil
 import subprocess
 
@@ -537,16 +538,43 @@ def test_the_packed_image_holds_what_the_per_table_copies_held(num_levels, profi
             assert np.array_equal(new[k], old_dev[k]), (step, k)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_grouped_kernel_compiles_for_sm90a(head_dim):
+GROUPED_BUILDS = [(stream, dtype, head_dim, profile) for stream in ("cta", "warp") for dtype in ("bfloat16", "float16")
+                  for head_dim in (64, 128, 256) for profile in (False, True)]
+
+
+@pytest.mark.parametrize("split_stream,dtype,head_dim,profile", GROUPED_BUILDS,
+                         ids=["-".join(map(str, b)) for b in GROUPED_BUILDS])
+def test_grouped_kernel_compiles_for_sm90a(split_stream, dtype, head_dim, profile):
+    """Every build of the grouped-attention kernel, both split-task streams: no spills, no stack, the shared
+    memory within sm_90's 227 KiB a CTA. The profiled head_dim-256 builds are diagnostic: they may spill."""
     from meld.codegen.grouped_kernel import GroupedKernelConfig
     from tests.kernel_matrix import nvcc
 
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not on PATH")
-    cfg = GroupedKernelConfig("bfloat16", head_dim)
+    cfg = GroupedKernelConfig(dtype, head_dim, profile=profile, split_stream=split_stream)
     _, log = nvcc(cfg.render(), cfg.name)
-    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
-    prof = GroupedKernelConfig("bfloat16", head_dim, profile=True)   # (a diagnostic build: it may spill)
-    assert "MELD_PROFILE 1" in prof.render() and prof.name != cfg.name
-    nvcc(prof.render(), prof.name)
+    if not (profile and head_dim == 256):
+        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", log))
+    assert cfg.smem_bytes + static <= 227 * 1024, (cfg.smem_bytes, static)
+    assert ("MELD_PROFILE 1" in cfg.render()) == profile
+    assert ("_warp" in cfg.name) == (split_stream == "warp") and ("_prof" in cfg.name) == profile
+
+
+def test_the_grouped_builds_differ_in_name_and_the_cta_build_is_the_default():
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+
+    names = {GroupedKernelConfig(dt, d, profile=pr, split_stream=st).name for st, dt, d, pr in GROUPED_BUILDS}
+    assert len(names) == len(GROUPED_BUILDS)   # both builds coexist in the compile cache
+    assert GroupedKernelConfig().split_stream == "cta" and "#define MELD_SPLIT_WARP 1" not in GroupedKernelConfig().render()
+    warp = {d: GroupedKernelConfig("bfloat16", d, split_stream="warp") for d in (64, 128, 256)}
+    assert [(warp[d].split_warps, warp[d].warp_stages) for d in (64, 128, 256)] == [(8, 4), (8, 2), (4, 2)]
+    with pytest.raises(ValueError, match="split_stream='tile'"):
+        GroupedKernelConfig(split_stream="tile")
+    with pytest.raises(ValueError, match="split_stream must be one of"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="tile")
+    op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="warp")   # (the CPU executor ignores it)
+    levels, q, kv = batch([2], [40], [3, 5])
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    torch.testing.assert_close(op.run(q, kv).double(), cascade_reference(q, kv, levels)[0], rtol=2e-2, atol=2e-2)

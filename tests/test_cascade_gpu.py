@@ -1,4 +1,5 @@
-"""The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs."""
+"""The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs, both of its
+builds (split_stream "cta": split tasks through the CTA's ring; "warp": through each warp's own ring)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ from meld.runtime.reference import cascade_reference
 pytestmark = pytest.mark.gpu
 
 HKV, P = 2, 16
+both_streams = pytest.mark.parametrize("split_stream", ["cta", "warp"])
 
 
 def _levels(prefix_groups, prefix_lens, suffix_lens, seed):
@@ -58,8 +60,18 @@ def _check(prefix_groups, prefix_lens, suffix_lens, head_dim=128, group=4, seed=
     ([64], [4099], [int(n) for n in np.random.default_rng(1).integers(1, 700, 64)]),   # 256 rows a kv head
     ([5, 7, 20], [2000, 1, 333], [int(n) for n in np.random.default_rng(2).integers(0, 300, 32)]),
 ])
-def test_two_levels_match_float64(groups, prefix, suffix):
-    _check(groups, prefix, suffix)
+@both_streams
+def test_two_levels_match_float64(groups, prefix, suffix, split_stream):
+    _check(groups, prefix, suffix, split_stream=split_stream)
+
+
+@both_streams
+def test_split_tasks_before_and_after_tasks_of_more_rows_in_one_cta(split_stream):
+    """Three CTAs over groups of 2, 6, 1 and 5 requests (8, 24, 4 and 20 rows: split tasks and tasks of more
+    rows, one after another in a CTA) and short suffixes: the warp build's walk runs ahead into a CTA's next
+    split task and stops at a task of more rows, whose CTA ring lies over the warps' rings."""
+    suffix = [1, 2, 3, 4, 5, 6, 7, 70, 33, 0, 190, 15, 16, 17]
+    _check([2, 6, 1, 5], [129, 16, 1000, 77], suffix, seed=8, num_ctas=3, split_stream=split_stream)
 
 
 def test_groups_larger_than_the_kernels_row_blocks_are_refused():
@@ -68,7 +80,8 @@ def test_groups_larger_than_the_kernels_row_blocks_are_refused():
     meld.CascadeDecode(128, 1, 128, P, 2, torch.bfloat16, "cuda")   # 128 rows: one task's row blocks
 
 
-def test_an_unaligned_q_view_is_copied_not_misread():
+@both_streams
+def test_an_unaligned_q_view_is_copied_not_misread(split_stream):
     B, Hq, D = 3, HKV * 4, 128
     levels, pages = _levels([3], [70], [5, 9, 33], seed=6)
     g = torch.Generator().manual_seed(6)
@@ -76,7 +89,7 @@ def test_an_unaligned_q_view_is_copied_not_misread():
     flat = torch.randn(B * Hq * D + 1, generator=g).bfloat16().cuda()
     q = flat[1:].view(B, Hq, D)   # contiguous, 2 bytes past a 16-byte boundary
     assert q.data_ptr() % 16 == 2
-    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda")
+    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda", split_stream=split_stream)
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     out = op.run(q, kv.cuda())
     want, _ = cascade_reference(q.cpu(), kv, levels)
@@ -84,26 +97,31 @@ def test_an_unaligned_q_view_is_copied_not_misread():
 
 
 @pytest.mark.racecheck
-def test_both_task_shapes_in_one_small_launch():
+@both_streams
+def test_both_task_shapes_in_one_small_launch(split_stream):
     """A group of 40 requests (160 rows: two slices, one of 32 requests with 8 warps of rows, one of 8 with
     2) and one-request suffixes (the warps split the chunks, then merge through the drained ring), on few
     CTAs so tasks follow each other in a CTA: small enough for racecheck."""
-    _check([40, 2], [150, 70], [int(n) for n in np.random.default_rng(4).integers(0, 140, 42)], seed=4, num_ctas=6)
+    _check([40, 2], [150, 70], [int(n) for n in np.random.default_rng(4).integers(0, 140, 42)], seed=4, num_ctas=6,
+           split_stream=split_stream)
 
 
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 8), (256, 4), (128, 16)])
-def test_head_dims_and_groups(head_dim, group):
-    _check([3, 5], [500, 77], [int(n) for n in np.random.default_rng(3).integers(0, 200, 8)], head_dim, group)
+@both_streams
+def test_head_dims_and_groups(head_dim, group, split_stream):
+    _check([3, 5], [500, 77], [int(n) for n in np.random.default_rng(3).integers(0, 200, 8)], head_dim, group,
+           split_stream=split_stream)
 
 
-def test_non_finite_inputs_reach_exactly_their_rows():
+@both_streams
+def test_non_finite_inputs_reach_exactly_their_rows(split_stream):
     def poison(q, kv, levels):
         prefix, suffix = levels
         kv[int(prefix[2][0]), 0, 2, 0, 7] = float("inf")                  # K of group 0's prefix, kv head 0
         kv[int(suffix[2][int(suffix[1][3])]), 1, 0, 1, 5] = float("nan")   # V of request 3's suffix, kv head 1
         q[2, 0, 3] = float("nan")                                          # request 2, q head 0
 
-    out, lse = _check([2, 2], [100, 100], [20, 20, 20, 20], poison=poison)
+    out, lse = _check([2, 2], [100, 100], [20, 20, 20, 20], poison=poison, split_stream=split_stream)
     G = 4
     assert out[0:2, :G].isnan().all() and lse[0:2, :G].isnan().all()
     assert out[3, G:].isnan().any(dim=-1).all() and lse[3, G:].isfinite().all()
@@ -111,7 +129,8 @@ def test_non_finite_inputs_reach_exactly_their_rows():
     assert math.isfinite(float(lse[2, 1]))
 
 
-def test_a_captured_run_replays_later_plans_that_fit():
+@both_streams
+def test_a_captured_run_replays_later_plans_that_fit(split_stream):
     """plan() rewrites the kernel's tables in place while the plan fits them, so a CUDA graph captured after
     one plan replays the next (same batch size; other groups, lengths and pages)."""
     B, Hq, D = 8, HKV * 4, 128
@@ -120,7 +139,7 @@ def test_a_captured_run_replays_later_plans_that_fit():
     g = torch.Generator().manual_seed(5)
     kv = torch.randn(max(pages1, pages2) + 1, 2, P, HKV, D, generator=g).bfloat16()
     q1, q2 = (torch.randn(B, Hq, D, generator=g).bfloat16() for _ in range(2))
-    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda")
+    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda", split_stream=split_stream)
     q_buf, kv_gpu = q1.cuda(), kv.cuda()
     out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
     op.plan(*[[lv[i] for lv in first] for i in range(4)])
@@ -138,7 +157,8 @@ def test_a_captured_run_replays_later_plans_that_fit():
         torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_a_profiled_launch_records_every_task_and_its_merges():
+@both_streams
+def test_a_profiled_launch_records_every_task_and_its_merges(split_stream):
     from meld import config
 
     levels, pages = _levels([5, 3], [700, 90], [int(n) for n in np.random.default_rng(7).integers(0, 300, 8)], seed=7)
@@ -146,7 +166,7 @@ def test_a_profiled_launch_records_every_task_and_its_merges():
     q = torch.randn(8, HKV * 4, 128, generator=g).bfloat16().cuda()
     kv = torch.randn(pages + 1, 2, P, HKV, 128, generator=g).bfloat16().cuda()
     with config.scope(MELD_PROFILE="1"):
-        op = meld.CascadeDecode(HKV * 4, HKV, 128, P, 2, torch.bfloat16, "cuda", num_ctas=10)
+        op = meld.CascadeDecode(HKV * 4, HKV, 128, P, 2, torch.bfloat16, "cuda", num_ctas=10, split_stream=split_stream)
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     op.run(q, kv)
     tr = op.last_trace()

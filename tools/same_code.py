@@ -69,6 +69,8 @@ VARIANTS = {
     "grouped": "GroupedKernelConfig('bfloat16', 128)",
     "grouped-d64-fp16": "GroupedKernelConfig('float16', 64)",
     "grouped-d256-profile": "GroupedKernelConfig('bfloat16', 256, profile=True)",
+    "grouped-warp": "GroupedKernelConfig('bfloat16', 128, split_stream='warp')",
+    "grouped-warp-d256": "GroupedKernelConfig('bfloat16', 256, split_stream='warp')",
 }
 
 _RENDER = """

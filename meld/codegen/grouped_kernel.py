@@ -14,33 +14,47 @@ GROUPED_CHUNK = 64   # KV tokens per ring stage (the template's CHUNK)
 GROUPED_WARPS = 8    # a CTA's warps: row blocks of 16 query rows attended at once (two sets of a chunk's 4 tiles);
                      # at head_dim 256 the row state takes all 255 registers (4 or 16 warps spill)
 _RING_MAX = 200 * 1024
+# Dynamic shared memory the warp build's rings and stashes may take: sm_90's 227 KiB a CTA, less the kernel's
+# static arrays (the fired-event list, 1 KiB) and a margin.
+_WARP_SMEM_MAX = 227 * 1024 - 2048
+SPLIT_STREAMS = ("cta", "warp")
 
 
 @dataclass(frozen=True)
 class GroupedKernelConfig:
-    """Static configuration of the grouped-attention kernel: what changes the generated code."""
+    """Static configuration of the grouped-attention kernel: what changes the generated code.
+
+    `split_stream` picks how a split task (at most 16 query rows: a request's own suffix) streams its KV:
+    "cta", through the CTA's ring of 64-token chunks, a CTA barrier per chunk; "warp", each warp its own
+    16-token tiles through a ring of its own (`warp_stages` tiles of K and V), running ahead into the CTA's
+    next split task. Tasks of more rows take the CTA's ring in both builds.
+    """
 
     dtype: str = "bfloat16"
     head_dim: int = 128
     profile: bool = False   # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
+    split_stream: str = "cta"
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_MMA_TYPES)}")
         if self.head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim={self.head_dim}: expected 64, 128 or 256")
+        if self.split_stream not in SPLIT_STREAMS:
+            raise ValueError(f"split_stream={self.split_stream!r}: expected one of {SPLIT_STREAMS}")
 
     @staticmethod
-    def of(low, *, profile: bool = False) -> "GroupedKernelConfig":
+    def of(low, *, profile: bool = False, split_stream: str = "cta") -> "GroupedKernelConfig":
         """The build of a lowered grouped-attention graph (`meld.codegen.lowering.Lowering`): its attrs' dtype
         and head_dim."""
-        return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile)
+        return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile, split_stream=split_stream)
 
     entry = "meld_grouped_attention"
 
     @property
     def name(self) -> str:
-        return f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}" + ("_prof" if self.profile else "")
+        return (f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}" +
+                ("_warp" if self.split_stream == "warp" else "") + ("_prof" if self.profile else ""))
 
     @property
     def row_blocks(self) -> int:
@@ -56,15 +70,42 @@ class GroupedKernelConfig:
         """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB, at most four (three in flight)."""
         return min(4, _RING_MAX // (2 * GROUPED_CHUNK * self.head_dim * 2))
 
+    def _stash_bytes(self, warps: int) -> int:
+        return warps * (GROUPED_TILE * (self.head_dim + 4) + 2 * GROUPED_TILE) * 4
+
+    def _warp_stage_bytes(self) -> int:
+        return 2 * GROUPED_TILE * self.head_dim * 2   # a 16-token tile of K and one of V
+
+    @property
+    def split_warps(self) -> int:
+        """Warps that attend a split task's tiles: all, or (the warp build at head_dim 256) the first four, whose
+        two-stage rings and stashes fit beside each other where eight do not."""
+        if self.split_stream == "cta":
+            return GROUPED_WARPS
+        fits = lambda w: w * 2 * self._warp_stage_bytes() + self._stash_bytes(w) <= _WARP_SMEM_MAX  # noqa: E731
+        return GROUPED_WARPS if fits(GROUPED_WARPS) else GROUPED_WARPS // 2
+
+    @property
+    def warp_stages(self) -> int:
+        """The warp build's stages a warp ring (at most four), as many as fit beside the stashes; 0 in the cta build."""
+        if self.split_stream == "cta":
+            return 0
+        w = self.split_warps
+        return min(4, (_WARP_SMEM_MAX - self._stash_bytes(w)) // (w * self._warp_stage_bytes()))
+
     @property
     def smem_bytes(self) -> int:
-        """The ring, or the warps' stashes laid over it (a split task's 16 rows of O, m and l per warp), the larger."""
+        """The cta build: the ring, or the warps' stashes laid over it (a split task's 16 rows of O, m and l per
+        warp), the larger. The warp build: the CTA ring (tasks of many rows), or the warps' rings with the
+        stashes after them (split tasks), the larger."""
         ring = self.stages * 2 * GROUPED_CHUNK * self.head_dim * 2
-        stash = GROUPED_WARPS * (GROUPED_TILE * (self.head_dim + 4) + 2 * GROUPED_TILE) * 4
-        return max(ring, stash)
+        if self.split_stream == "warp":
+            w = self.split_warps
+            return max(ring, w * self.warp_stages * self._warp_stage_bytes() + self._stash_bytes(w))
+        return max(ring, self._stash_bytes(GROUPED_WARPS))
 
     def render(self) -> str:
-        head = "\n".join([
+        head = [
             f"// {self.name}: generated by meld.codegen.grouped_kernel from {self!r}",
             f"#define HEAD_DIM {self.head_dim}",
             f"#define NUM_WARPS {GROUPED_WARPS}",
@@ -74,6 +115,10 @@ class GroupedKernelConfig:
             f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),
             "#define MELD_WATCHDOG_NS 2000000000ll",
-        ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), GROUPED_PARAMS.c_source(),
-                          SPLIT_TASK.c_source(), EVENT.c_source(), template("grouped_attention.cuh")])
+        ]
+        if self.split_stream == "warp":   # (the cta build's source stays as it was)
+            head[4:4] = ["#define MELD_SPLIT_WARP 1", f"#define SPLIT_WARPS {self.split_warps}",
+                         f"#define WARP_STAGES {self.warp_stages}"]
+        return "\n".join([ "\n".join(head), WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"),
+                          GROUPED_PARAMS.c_source(), SPLIT_TASK.c_source(), EVENT.c_source(),
+                          template("grouped_attention.cuh")])

@@ -73,15 +73,28 @@ class CascadeDecode(Operator):
         num_ctas: CTAs the planner balances the pieces over (default: the H200's SMs).
         item_overhead_tokens: the planner's fixed cost of a work item, in KV tokens
             (`meld.scheduler.split_reduce_plan`): more spreads many short items over more CTAs.
+        split_stream: how the GPU kernel streams a task of at most 16 query rows (a request's own suffix):
+            "cta" through the CTA's shared ring, "warp" through each warp's own ring
+            (`meld.codegen.grouped_kernel.GroupedKernelConfig`). The same results either way; the CPU
+            executor ignores it.
+
+    Example:
+        >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, num_levels: int,
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
-                 num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS):
+                 num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
+                 split_stream: str = "cta"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim!r}")
+        from ..codegen.grouped_kernel import SPLIT_STREAMS
+
+        if split_stream not in SPLIT_STREAMS:
+            raise ValueError(f"split_stream must be one of {SPLIT_STREAMS}, got {split_stream!r}")
+        self.split_stream = split_stream
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self.item_overhead_tokens = check_count("item_overhead_tokens", item_overhead_tokens, 1 << 20)
@@ -92,7 +105,7 @@ class CascadeDecode(Operator):
         self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
         if self.device.type == "cuda":
             self._require_hopper()
-            kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile())
+            kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile(), split_stream=split_stream)
             self._slice_rows = kc.row_blocks * 16
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "

@@ -10,8 +10,16 @@
 //   - a task of more than 16 rows (a shared level): each warp owns a 16-row block and attends every token of
 //     every chunk. The planner slices a group's rows into tasks of at most NUM_WARPS x 16 rows, so a level's
 //     KV is read once per slice (its slices' tasks are neighbours: mostly from L2);
-//   - a task of at most 16 rows (a request's own suffix): the warps split each chunk's 16-token tiles and
-//     merge their online-softmax states through shared memory at the end of the piece (the drained ring).
+//   - a task of at most 16 rows (a request's own suffix), a *split* task: the warps split the piece's 16-token
+//     tiles and merge their online-softmax states through shared memory at the end of the piece (the stashes).
+//     How the tiles reach the warps is the build's choice (MELD_SPLIT_WARP):
+//       cta build:  through the CTA's ring above, each chunk's tiles to one set of TILES warps, the stashes laid
+//                   over the drained ring;
+//       warp build: each of the first SPLIT_WARPS warps streams tiles warp, warp + SPLIT_WARPS, ... of the
+//                   piece through a ring of its own (WARP_STAGES tiles of K and V, cp.async, one commit group a
+//                   tile, as decode_attention.cuh's warps do), with the page-table lookup of its next tile in
+//                   flight, and runs ahead into the CTA's next task while that is a split task too (never past
+//                   a task of more rows). Inside a split task a warp meets no CTA barrier until its stash.
 // Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
 //
 // The combine is fired by a count: after a task's partials are stored, a thread per event fences and counts
@@ -20,10 +28,25 @@
 // and resets their counters for the next launch. No CTA waits for another's work: any grid, any residency, is deadlock-free. Events with
 // no part (a request with no KV at any level) write zeros and lse = -inf.
 //
+// Inside a CTA every wait is a __syncthreads that every thread reaches (all walk the same task list, and every
+// loop bound a barrier sits in is the CTA's: chunks of a task, its events), or a warp's own cp.async.wait_group
+// and __syncwarp. Shared memory (the warp build; the cta build has only the CTA ring, the stashes over it):
+//   [0, WRING_BYTES)        the warps' rings (split tasks), overlaid by the CTA ring (tasks of more rows);
+//   [STASH_OFFSET, ...)     the split tasks' stashes: past the warps' rings, since a warp's copies for the next
+//                           split task may land while the CTA merges this one's stashes.
+// The two rings never hold live data at once: a warp's cursor stops at a task of more rows, so when the CTA
+// reaches one every tile a warp issued has been waited for and read (the split task's stash barriers order
+// those reads before the CTA ring's first copy), and the CTA ring ends drained behind a barrier (wait_group 0,
+// __syncthreads) before a split task primes the warps' rings again. A warp's ring stage is rewritten only by
+// that warp, after its __syncwarp following the wait for the stage's previous tile, which every lane has then
+// read (the ldmatrix of the step before); the stashes are rewritten only after the barrier that ends the
+// merge that read them.
+//
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
 // value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
-// SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table).
+// SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
+// MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES.
 
 namespace meld {
 
@@ -45,6 +68,23 @@ static_assert(GD % 64 == 0 && GD <= 256, "head_dim must be 64, 128 or 256");
 static_assert(GWARPS % TILES == 0, "a CTA's warps split a chunk's tiles evenly");
 static_assert((CHUNK * CPR) % GTHREADS == 0, "every thread issues the same number of a chunk's copies");
 static_assert(GSTAGES >= 2 && GSTAGES * STAGE_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+
+#ifndef MELD_SPLIT_WARP   // (the cta build)
+#define MELD_SPLIT_WARP 0
+#define SPLIT_WARPS NUM_WARPS
+#define WARP_STAGES 2
+#endif
+constexpr bool WARP_STREAM = MELD_SPLIT_WARP;   // split tasks through the warps' own rings
+constexpr int SWARPS = SPLIT_WARPS;             // warps that attend a split task's tiles (and stash)
+constexpr int WSTAGES = WARP_STAGES;            // tiles a warp's ring holds
+constexpr int TILE_BYTES = GT * GD * 2;         // one tile of K (or V)
+constexpr int WSTAGE_BYTES = 2 * TILE_BYTES;
+constexpr int WRING_BYTES = WARP_STREAM ? SWARPS * WSTAGES * WSTAGE_BYTES : 0;
+constexpr int STASH_OFFSET = WRING_BYTES;
+constexpr int RPP = 32 / CPR;                    // token rows a warp's cp.async pass covers
+constexpr int PASSES = GT / RPP;
+static_assert(SWARPS >= 1 && SWARPS <= GWARPS && WSTAGES >= 2, "a warp ring needs two stages");
+static_assert(CPR <= 32 && 32 % CPR == 0, "a token row's chunks fit a warp's lanes");
 
 // Byte offset of 16-byte chunk c of token row r in a K or V chunk: XOR swizzle, so ldmatrix's eight rows
 // at one chunk column hit eight different bank groups.
@@ -102,11 +142,11 @@ __device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* p
   }
 }
 
-// One online-softmax step of a warp's 16 rows over NS tiles of a staged chunk, from tile `tile0` on; tokens at
-// or past `valid` (counted from the step's first) are masked out.
+// One online-softmax step of a warp's 16 rows over NS tiles staged at `stage` (K) and `vstage` (V), from tile
+// `tile0` on; tokens at or past `valid` (counted from the step's first) are masked out.
 template <int NS>
 __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4], u32 stage,
-                                       int tile0, int valid, int lane) {
+                                       u32 vstage, int tile0, int valid, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const int krow = (lane & 7) + ((lane >> 4) << 3), kch = (lane >> 3) & 1;   // ldmatrix: K as B (n = tokens)
   const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vch = lane >> 4;   // .trans: V as B (k = tokens)
@@ -164,7 +204,7 @@ __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, con
 #pragma unroll
     for (int n = 0; n < GNT; n += 2) {
       u32 b[4];
-      ldmatrix_x4_trans(b, stage + KV_BYTES + kv_off((tile0 + j) * GT + vrow, n + vch));
+      ldmatrix_x4_trans(b, vstage + kv_off((tile0 + j) * GT + vrow, n + vch));
       mma_16816(rb.o[n], a0, a1, a2, a3, b[0], b[1]);
       mma_16816(rb.o[n + 1], a0, a1, a2, a3, b[2], b[3]);
     }
@@ -195,16 +235,17 @@ __device__ __forceinline__ void store_rows(const GroupedParams& p, const SplitTa
 }
 
 // Tasks of at most 16 rows (a request's own suffix: one request's q heads) leave the CTA's other warps no
-// rows: the warps split the piece's tiles instead and merge their states through shared memory, laid over
-// the drained ring (rows padded by 4 floats: fewer bank conflicts).
+// rows: the warps split the piece's tiles instead and merge their states through shared memory, from
+// STASH_OFFSET (rows padded by 4 floats: fewer bank conflicts).
 struct WarpStash {
   float o[GT][GD + 4];   // O, unnormalised
   float m[GT], l[GT];
 };
-static_assert(GWARPS * (int)sizeof(WarpStash) <= SMEM_BYTES, "the warps' stashes must fit the ring");
+static_assert(STASH_OFFSET + SWARPS * (int)sizeof(WarpStash) <= SMEM_BYTES, "the warps' stashes must fit");
+static_assert(WRING_BYTES <= STASH_OFFSET, "the stashes lie past the warps' rings");
 
-__device__ __forceinline__ const WarpStash& stash_of(const unsigned char* smem, int warp) {
-  return reinterpret_cast<const WarpStash*>(smem)[warp];
+__device__ __forceinline__ const WarpStash& stash_of(const unsigned char* stash, int warp) {
+  return reinterpret_cast<const WarpStash*>(stash)[warp];
 }
 
 __device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, int lane) {
@@ -223,20 +264,20 @@ __device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, in
   }
 }
 
-// Every thread of the CTA, after the warps' stash_rows: rows r < rows merged across the warps into their slots.
+// Every thread of the CTA, after the SWARPS warps' stash_rows: rows r < rows merged across them into their slots.
 __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows,
-                                            const unsigned char* smem) {
+                                            const unsigned char* stash) {
   for (int i = threadIdx.x; i < rows * (GD / 4); i += GWARPS * 32) {
     const int r = i / (GD / 4), d = (i - r * (GD / 4)) * 4;
     float mx = neg_inf();
 #pragma unroll
-    for (int w = 0; w < GWARPS; ++w) mx = fmaxf(mx, stash_of(smem, w).m[r]);
+    for (int w = 0; w < SWARPS; ++w) mx = fmaxf(mx, stash_of(stash, w).m[r]);
     const float base = mx == neg_inf() ? 0.f : mx;   // (every score NaN: the l's carry it)
     float l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < GWARPS; ++w) {   // a warp with no tile: m = -inf, l = 0, O = 0, weight 0
-      const WarpStash& ws = stash_of(smem, w);
+    for (int w = 0; w < SWARPS; ++w) {   // a warp with no tile: m = -inf, l = 0, O = 0, weight 0
+      const WarpStash& ws = stash_of(stash, w);
       const float c = exp2_approx(ws.m[r] - base);
       const float4 v = *reinterpret_cast<const float4*>(&ws.o[r][d]);
       l += c * ws.l[r];
@@ -247,6 +288,65 @@ __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitT
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     if (d == 0) p.part_lse[tk.slot + r] = base + log2_approx(l);
   }
+}
+
+// The warp build: one warp's walk over its tiles of the CTA's split tasks, ahead of its compute loop (tiles warp,
+// warp + SWARPS, ... of task i, then of task i + 1 while that is a split task too), with the page-table lookup
+// of the next tile in flight.
+struct TileCursor {
+  int i;                   // the task walked
+  int pos, end;            // its next tile's first token, and the end of its piece
+  int kv_head, pages;      // its kv head, and its group's pages: kv_indices + pages
+  int row;                 // this lane's token row (lane & 15) of the next tile: the index of its K row of GD
+                           // elements from p.kv (V's is page_size x num_kv_heads rows on), or -1: past the piece.
+                           // (int: a cache of 2^31 rows of 64 16-bit channels is larger than a GPU's memory)
+  bool live;
+};
+
+// The cursor at task c.i's first tile for this warp; false (and not live) if the task has more than 16 rows.
+__device__ __forceinline__ bool cursor_enter(const GroupedParams& p, TileCursor& c, int warp) {
+  const SplitTask tk = load_splittask(p.tasks, p.task_capacity, c.i);
+  c.pos = tk.kv_begin + warp * GT;
+  c.end = tk.kv_end;
+  c.kv_head = tk.kv_head;
+  c.pages = p.group_pages[p.producer_groups[tk.producer] + tk.group];
+  c.live = tk.event_count * p.group_size <= GT;
+  return c.live;
+}
+
+// The cursor at its next tile (at or after c.pos, in the CTA's tasks before `last`), its lane's row looked up.
+__device__ __forceinline__ void cursor_seek(const GroupedParams& p, TileCursor& c, int last, int warp, int lane) {
+  while (c.live && c.pos >= c.end)   // past this task's tiles: the next task, if a split task
+    c.live = ++c.i < last && cursor_enter(p, c, warp);
+  if (!c.live) return;
+  const int pos = c.pos + (lane & 15);
+  c.row = -1;
+  if (pos < c.end) {
+    const int pg = pos / p.page_size;
+    const int page = p.kv_indices[c.pages + pg];
+    c.row = ((page * 2) * p.page_size + pos - pg * p.page_size) * p.num_kv_heads + c.kv_head;
+  }
+}
+
+// The cursor's tile into the warp's ring stage at `dst` (K, then V TILE_BYTES on; rows past the piece: zeros),
+// the cursor moved on: one commit group per call, empty once the walk is done.
+__device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c, int last, u32 dst, int warp, int lane) {
+  if (c.live) {
+    const u16* k = p.kv + (lane % CPR) * 8;
+    const i64 v_rows = (i64)p.page_size * p.num_kv_heads;   // V's rows follow K's in a page
+#pragma unroll
+    for (int it = 0; it < PASSES; ++it) {
+      const int r = lane / CPR + it * RPP;
+      const int row = __shfl_sync(0xffffffffu, c.row, r);
+      const u16* src = k + (i64)max(row, 0) * GD;
+      const int bytes = row >= 0 ? 16 : 0;
+      cp_async_16(dst + kv_off(r, lane % CPR), src, bytes);
+      cp_async_16(dst + TILE_BYTES + kv_off(r, lane % CPR), src + v_rows * GD, bytes);
+    }
+    c.pos += SWARPS * GT;
+    cursor_seek(p, c, last, warp, lane);
+  }
+  cp_async_commit();
 }
 
 // Channels d .. d + 3 of head h of event e: its parts merged (in part_slot order) into out, and lse when d == 0.
@@ -319,15 +419,30 @@ struct GroupedFamily {
       const int valid = tk.kv_end - (tk.kv_begin + c * CHUNK);
       if (split) {
         const int tile = warp % TILES;
-        if (c % WARP_SETS == warp / TILES && valid > tile * GT) attend<1>(p, rb, qf, stage, tile, valid - tile * GT, lane);
+        if (c % WARP_SETS == warp / TILES && valid > tile * GT) attend<1>(p, rb, qf, stage, stage + KV_BYTES, tile, valid - tile * GT, lane);
       } else if (active) {
 #pragma unroll
         for (int j = 0; j < TILES; j += ROW_TILES)
-          if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, j, valid - j * GT, lane);
+          if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, stage + KV_BYTES, j, valid - j * GT, lane);
       }
     }
     cp_async_wait<0>();
     __syncthreads();   // the ring is drained and read: the next pass (or a stash) may overwrite it
+  }
+
+  // The warp build: a split task's tiles for this warp (warp, warp + SWARPS, ...) from its ring, each step
+  // issuing the cursor's next tile (this task's, or the next split task's) into the stage read the step before.
+  static __device__ __forceinline__ void stream_warp(const GroupedParams& p, const SplitTask& tk, TileCursor& lc,
+                                                     int last, int& cs, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
+                                                     u32 wring, int warp, int lane) {
+    for (int valid = tk.kv_end - tk.kv_begin - warp * GT; valid > 0; valid -= SWARPS * GT) {   // (tokens from the tile's first)
+      cp_async_wait<WSTAGES - 2>();
+      __syncwarp();   // the tile has landed for every lane, and every lane has read the stage of the step before
+      issue_tile(p, lc, last, wring + (cs == 0 ? WSTAGES - 1 : cs - 1) * WSTAGE_BYTES, warp, lane);
+      const u32 stage = wring + cs * WSTAGE_BYTES;
+      attend<1>(p, rb, qf, stage, stage + TILE_BYTES, 0, valid, lane);
+      cs = cs + 1 == WSTAGES ? 0 : cs + 1;
+    }
   }
 
   static __device__ __forceinline__ void run(const GroupedParams& p, const State& s) {
@@ -342,6 +457,14 @@ struct GroupedFamily {
       if (load_event(p.events, p.event_capacity, e).parts == 0)
         for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, i / (GD / 4), (i % (GD / 4)) * 4);
     const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
+    const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles
+    const u32 wring = ring + warp * WSTAGES * WSTAGE_BYTES;
+    unsigned char* stash = s.smem + STASH_OFFSET;
+    TileCursor lc;   // (the warp build) this warp's walk over split tasks' tiles, ahead of its compute
+    lc.live = false;
+    int cs = 0;             // its ring stage consumed next
+    bool primed = false;    // its ring holds the walk's tiles (false at the CTA's first task and after a task
+                            // of more rows, where the walk stopped)
     for (int i = first; i < last; ++i) {
       const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
       const i64 t0 = prof.now();
@@ -353,12 +476,25 @@ struct GroupedFamily {
       RowBlock rb;
       load_q_rows(p, tk.kv_head, tk.event_first - tk.kv_head * batch, row0, rows, qf, lane);
       reset_rows(rb);
-      stream(p, tk, pages, split, row0 < rows, rb, qf, ring, warp, lane);
+      if (WARP_STREAM && split) {
+        if (!primed) {   // the walk starts here: WSTAGES - 1 tiles in flight
+          lc.i = i;
+          if (streams && cursor_enter(p, lc, warp)) cursor_seek(p, lc, last, warp, lane);
+          cs = 0;
+#pragma unroll
+          for (int st = 0; st < WSTAGES - 1; ++st) issue_tile(p, lc, last, wring + st * WSTAGE_BYTES, warp, lane);
+          primed = true;
+        }
+        if (streams) stream_warp(p, tk, lc, last, cs, rb, qf, wring, warp, lane);
+      } else {
+        primed = false;   // (the warp build: the walk stopped at this task; every tile it issued is read)
+        stream(p, tk, pages, split, row0 < rows, rb, qf, ring, warp, lane);
+      }
       if (split) {
-        stash_rows(rb, reinterpret_cast<WarpStash*>(s.smem)[warp], lane);
+        if (!WARP_STREAM || streams) stash_rows(rb, reinterpret_cast<WarpStash*>(stash)[warp], lane);
         __syncthreads();
-        merge_warps(p, tk, rows, s.smem);
-        __syncthreads();   // the stashes are read: the next task's chunks may land on them
+        merge_warps(p, tk, rows, stash);
+        __syncthreads();   // the stashes are read: the next task's stashes (or chunks) may land on them
       } else if (row0 < rows) {
         store_rows(p, tk, rb, row0, rows, lane);
       }
