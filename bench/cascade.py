@@ -226,6 +226,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, metavar="DIR", help="also write meld's cascade timeline per case here")
     p.add_argument("--item-overhead", type=int, metavar="TOKENS",
                    help="meld cascade's planner overhead per work item (CascadeDecode(item_overhead_tokens=))")
+    p.add_argument("--merge-overhead", type=int, metavar="TOKENS",
+                   help="and per request of an item (CascadeDecode(merge_overhead_tokens=))")
     p.add_argument("--plan-host", action="store_true",
                    help="time meld cascade plan()'s host phases on the CPU (the device copy excluded); no GPU needed")
     args = p.parse_args(argv)
@@ -326,7 +328,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ceilings = measure_ceilings()
     print(ceilings_line(ceilings), flush=True)
     table = Table(COLUMNS)
-    op_kw = {} if args.item_overhead is None else {"item_overhead_tokens": args.item_overhead}
+    op_kw = {k: v for k, v in (("item_overhead_tokens", args.item_overhead),
+                                ("merge_overhead_tokens", args.merge_overhead)) if v is not None}
     builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw),
                 "meld-cascade-warp": partial(build_meld_cascade, split_stream="warp", **op_kw)}
     for i, case in enumerate(cases, 1):

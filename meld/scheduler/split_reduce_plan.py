@@ -14,10 +14,12 @@ made by one C source for the GPU and the host (templates/split_reduce_plan.h; `p
 host build), with `plan_split_reduce_numpy` as its oracle. `write_launch_tables` lays them out, with the rest
 of what the grouped-attention kernel reads, in one buffer (`LaunchLayout`): the GPU operator's device tables.
 
-Cost model and cut (decode's, on a line): a work item (producer, group, kv head, slice) of t tokens and r
-query rows costs item_overhead + t * ceil(r / 64): a fixed cost (the ring's fill and drain, the q load, the
-partials' store and the event counts; in KV tokens) and the tensor-core tiles of 64 rows each of its key
-rows feeds. The overhead comes first on an item's stretch of the line, so a cut lands on tokens past it. A slice is
+Cost model and cut (decode's, on a line): a work item (producer, group, kv head, slice) of t tokens, q
+requests and r query rows costs item_overhead + q * merge_overhead + t * ceil(r / 64): a fixed cost (the
+ring's fill and drain, the q load, the partials' store and the event counts; in KV tokens), the merges the
+item does when its arrival completes its requests' events (a slice of a shared prefix that arrives last
+merges every request of the slice), and the tensor-core tiles of 64 rows each of its key rows feeds. The
+fixed part comes first on an item's stretch of the line, so a cut lands on tokens past it. A slice is
 up to `slice_rows` of the group's query rows (whole requests, at least one): the rows a kernel task attends
 at once, so a large group's shared KV is read once per slice (mostly from L2: its slices are neighbours on
 the line) and no task carries more than a slice's events. Items lie on one line in graph order (producer,
@@ -48,6 +50,11 @@ ROWS_PER_TILE = 64
 # ~13 ns a token (x2.5 for row-block tasks) plus 6.6 µs a task reproduces six of the seven cases within 20% and
 # has its smallest sum over them at 256 (bench/cascade.py --item-overhead sweeps it on the GPU).
 ITEM_OVERHEAD_TOKENS = 256
+# Per request of an item, in KV tokens: the merge of one request's event, about 1 µs at the ~21 ns a cost unit
+# of the same run's pieces (a timeline of B=128, prefix 1024, suffix 2048 at ade5c53: the prefix slices of 32
+# requests arrived last and merged for ~33 µs each, on the four CTAs that held every prefix slice). A model
+# from that one timeline, to be swept (bench/cascade.py --merge-overhead).
+MERGE_OVERHEAD_TOKENS = 48
 SLICE_ROWS = 128   # query rows a task holds at most: the grouped kernel's warps x 16 (one pass over the KV)
 
 
@@ -83,6 +90,7 @@ class SplitReducePlan:
     part_slot: np.ndarray    # the parts' first slots, event after event, each event's in merge order
     num_slots: int
     item_overhead: int       # the cost model's (module docstring)
+    merge_overhead: int = 0
 
     def task_columns(self) -> dict[str, np.ndarray]:
         return SPLIT_TASK.unpack(self.tasks, self.num_tasks)
@@ -97,13 +105,14 @@ class SplitReducePlan:
         for i in range(self.num_tasks):
             tiles = -(-int(t["event_count"][i]) * self.group_size // ROWS_PER_TILE)
             out[t["cta"][i]] += int(t["kv_end"][i] - t["kv_begin"][i]) * tiles + \
-                (self.item_overhead if t["kv_begin"][i] == 0 else 0)
+                (self.item_overhead + int(t["event_count"][i]) * self.merge_overhead if t["kv_begin"][i] == 0 else 0)
         return out
 
 
 def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int,
                             page_size: int, num_ctas: int, slice_rows: int = SLICE_ROWS,
-                            item_overhead: int = ITEM_OVERHEAD_TOKENS) -> SplitReducePlan:
+                            item_overhead: int = ITEM_OVERHEAD_TOKENS,
+                            merge_overhead: int = MERGE_OVERHEAD_TOKENS) -> SplitReducePlan:
     """The cut in NumPy, written from the module docstring: the test oracle of `plan_split_reduce` (the
     planner's C source, templates/split_reduce_plan.h, the GPU's and the host's)."""
     per = max(1, slice_rows // group_size)   # requests of a slice
@@ -115,18 +124,19 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
             if lens[g] > 0:
                 items += [(ti, g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // ROWS_PER_TILE))
                           for h in range(num_kv_heads) for s in range(q0, q1, per)]
-    total = sum(item_overhead + n * tiles for *_, n, _, tiles in items)
+    fixed = [item_overhead + n_req * merge_overhead for *_, n_req, _ in items]
+    total = sum(f + n * tiles for f, (*_, n, _, tiles) in zip(fixed, items))
     bounds = [c * total // num_ctas for c in range(num_ctas + 1)]   # the segments' first costs
     cols = {f: [] for f in SPLIT_TASK.fields}
     parts: dict[int, list[int]] = {}   # event -> its parts' first slots, in line order
     start, cta, slot = 0, 0, 0
-    for ti, g, h, q0, n, n_req, tiles in items:
+    for (ti, g, h, q0, n, n_req, tiles), fix in zip(items, fixed):
         while cta + 1 < num_ctas and bounds[cta + 1] <= start:   # the CTA whose segment holds the item's start
             cta += 1
         cuts = [(0, cta)]
         c = cta + 1
-        while c < num_ctas and bounds[c] < start + item_overhead + n * tiles:   # CTA boundaries inside the item
-            near = (max(0, bounds[c] - start - item_overhead) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
+        while c < num_ctas and bounds[c] < start + fix + n * tiles:   # CTA boundaries inside the item
+            near = (max(0, bounds[c] - start - fix) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
             pos = max(near, cuts[-1][0] + MIN_PIECE_TOKENS)
             if len(cuts) == 1 and 2 * near < MIN_PIECE_TOKENS:   # nearer the item's start: it starts on CTA c
                 cuts = [(0, c)]
@@ -140,19 +150,21 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
                 parts.setdefault(h * batch + q0 + r, []).append(slot + r * group_size)
             slot += n_req * group_size
         cta = cuts[-1][1]
-        start += item_overhead + n * tiles
+        start += fix + n * tiles
     n_events = batch * num_kv_heads
     counts = np.array([len(parts.get(ev, ())) for ev in range(n_events)], dtype=np.int64)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]]) if n_events else counts
     part_slot = np.array([s for ev in range(n_events) for s in parts.get(ev, ())], dtype=np.int32)
     num_tasks = len(cols["cta"])
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas, SPLIT_TASK.pack(num_tasks, **cols), num_tasks,
-                           EVENT.pack(n_events, parts=counts, part_first=first), part_slot, slot, item_overhead)
+                           EVENT.pack(n_events, parts=counts, part_first=first), part_slot, slot, item_overhead,
+                           merge_overhead)
 
 
 def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int, page_size: int,
                       num_ctas: int, slice_rows: int = SLICE_ROWS,
-                      item_overhead: int = ITEM_OVERHEAD_TOKENS) -> SplitReducePlan:
+                      item_overhead: int = ITEM_OVERHEAD_TOKENS,
+                      merge_overhead: int = MERGE_OVERHEAD_TOKENS) -> SplitReducePlan:
     """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
     parts (module docstring), with the planner's C source built for the host. `tables` are the producers
     in the graph's order: the order their parts merge in."""
@@ -179,7 +191,8 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
         group_producer=g, group_index=g + 4 * n_groups, group_q0=g + 8 * n_groups, group_requests=g + 12 * n_groups,
         group_tokens=g + 16 * n_groups, **addr, num_groups=n_groups, batch=batch, num_kv_heads=num_kv_heads,
         group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS,
-        rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows, item_overhead=item_overhead, task_capacity=task_cap,
+        rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows, item_overhead=item_overhead,
+        merge_overhead=merge_overhead, task_capacity=task_cap,
         slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
     num_tasks, num_slots = int(part["out"][0]), int(part["out"][1])
@@ -189,7 +202,7 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     parts = int(EVENT.unpack(events, n_events)["parts"].sum())
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
                            part["tasks"].reshape(SPLIT_TASK.width, task_cap)[:, :num_tasks].flatten(), num_tasks,
-                           events.copy(), part["part_slot"][:parts].copy(), num_slots, item_overhead)
+                           events.copy(), part["part_slot"][:parts].copy(), num_slots, item_overhead, merge_overhead)
 
 
 def _group_columns(tables: list[GroupTable], page_size: int) -> np.ndarray:
