@@ -73,7 +73,8 @@ class CascadeDecode(Operator):
         num_ctas: CTAs the planner balances the pieces over (default: the H200's SMs).
         item_overhead_tokens: the planner's fixed cost of a work item, in KV tokens
             (`meld.scheduler.split_reduce_plan`): more spreads many short items over more CTAs.
-        merge_overhead_tokens: and per request of an item (the merges an item that arrives last does): more
+        merge_overhead_tokens: and per request of an item past its first (the merges an item that arrives last
+            does): more
             spreads the slices of a shared prefix over more CTAs.
         split_stream: how the GPU kernel streams a task of at most 16 query rows (a request's own suffix):
             "cta" through the CTA's shared ring, "warp" through each warp's own ring

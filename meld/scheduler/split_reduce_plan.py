@@ -15,10 +15,10 @@ host build), with `plan_split_reduce_numpy` as its oracle. `write_launch_tables`
 of what the grouped-attention kernel reads, in one buffer (`LaunchLayout`): the GPU operator's device tables.
 
 Cost model and cut (decode's, on a line): a work item (producer, group, kv head, slice) of t tokens, q
-requests and r query rows costs item_overhead + q * merge_overhead + t * ceil(r / 64): a fixed cost (the
-ring's fill and drain, the q load, the partials' store and the event counts; in KV tokens), the merges the
-item does when its arrival completes its requests' events (a slice of a shared prefix that arrives last
-merges every request of the slice), and the tensor-core tiles of 64 rows each of its key rows feeds. The
+requests and r query rows costs item_overhead + (q - 1) * merge_overhead + t * ceil(r / 64): a fixed cost
+(the ring's fill and drain, the q load, the partials' store, the event counts and one request's merge; in
+KV tokens), the merges of its other requests, which the item does when its arrival completes their events
+(a slice of a shared prefix that arrives last merges every request of the slice), and the tensor-core tiles of 64 rows each of its key rows feeds. The
 fixed part comes first on an item's stretch of the line, so a cut lands on tokens past it. A slice is
 up to `slice_rows` of the group's query rows (whole requests, at least one): the rows a kernel task attends
 at once, so a large group's shared KV is read once per slice (mostly from L2: its slices are neighbours on
@@ -50,7 +50,7 @@ ROWS_PER_TILE = 64
 # ~13 ns a token (x2.5 for row-block tasks) plus 6.6 µs a task reproduces six of the seven cases within 20% and
 # has its smallest sum over them at 256 (bench/cascade.py --item-overhead sweeps it on the GPU).
 ITEM_OVERHEAD_TOKENS = 256
-# Per request of an item, in KV tokens: the merge of one request's event, about 1 µs at the ~21 ns a cost unit
+# Per request of an item past its first (whose merge item_overhead holds), in KV tokens: one request's merge, about 1 µs at the ~21 ns a cost unit
 # of the same run's pieces (a timeline of B=128, prefix 1024, suffix 2048 at ade5c53: the prefix slices of 32
 # requests arrived last and merged for ~33 µs each, on the four CTAs that held every prefix slice). A model
 # from that one timeline, to be swept (bench/cascade.py --merge-overhead).
@@ -105,7 +105,7 @@ class SplitReducePlan:
         for i in range(self.num_tasks):
             tiles = -(-int(t["event_count"][i]) * self.group_size // ROWS_PER_TILE)
             out[t["cta"][i]] += int(t["kv_end"][i] - t["kv_begin"][i]) * tiles + \
-                (self.item_overhead + int(t["event_count"][i]) * self.merge_overhead if t["kv_begin"][i] == 0 else 0)
+                (self.item_overhead + (int(t["event_count"][i]) - 1) * self.merge_overhead if t["kv_begin"][i] == 0 else 0)
         return out
 
 
@@ -124,7 +124,7 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
             if lens[g] > 0:
                 items += [(ti, g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // ROWS_PER_TILE))
                           for h in range(num_kv_heads) for s in range(q0, q1, per)]
-    fixed = [item_overhead + n_req * merge_overhead for *_, n_req, _ in items]
+    fixed = [item_overhead + (n_req - 1) * merge_overhead for *_, n_req, _ in items]
     total = sum(f + n * tiles for f, (*_, n, _, tiles) in zip(fixed, items))
     bounds = [c * total // num_ctas for c in range(num_ctas + 1)]   # the segments' first costs
     cols = {f: [] for f in SPLIT_TASK.fields}

@@ -8,7 +8,8 @@
 // Work items are (group g, kv head h, slice s), groups producer after producer: slice s holds the group's
 // requests s * S .. (S = slice_rows / group_size, at least 1: the rows one task's CTA attends at once), each
 // item of the group's t tokens and r = its requests x group_size query rows, costing a fixed
-// item_overhead + requests * merge_overhead, then t * ceil(r / rows_per_tile), the fixed cost first on the line. The line of their costs is cut
+// item_overhead + (requests - 1) * merge_overhead, then t * ceil(r / rows_per_tile), the fixed cost first on the
+// line. The line of their costs is cut
 // into num_ctas segments of equal cost; a cut inside an item is a piece boundary at the nearest multiple of
 // `cut` tokens: a cut nearer the item's start than half of `min_piece` tokens moves the whole item to the next
 // CTA, one that would leave the piece before it shorter than `min_piece` moves up to make it that long, and one
@@ -29,7 +30,7 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
     for (int g = 0; g < p.num_groups; ++g)
       for (int s0 = 0; p.group_tokens[g] > 0 && s0 < p.group_requests[g]; s0 += slice) {
         const int req = min(slice, p.group_requests[g] - s0);
-        total += (long long)H * (p.item_overhead + (long long)req * p.merge_overhead + (long long)p.group_tokens[g] *
+        total += (long long)H * (p.item_overhead + (long long)(req - 1) * p.merge_overhead + (long long)p.group_tokens[g] *
                  ((req * p.group_size + p.rows_per_tile - 1) / p.rows_per_tile));
       }
     for (int e = 0; e < E; ++e) p.cursor[e] = 0;
@@ -62,7 +63,7 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
         for (int s0 = 0; s0 < p.group_requests[g]; s0 += slice) {
           const int req = min(slice, p.group_requests[g] - s0), q0 = p.group_q0[g] + s0;
           const int tiles = (req * p.group_size + p.rows_per_tile - 1) / p.rows_per_tile;
-          const long long fixed = p.item_overhead + (long long)req * p.merge_overhead;
+          const long long fixed = p.item_overhead + (long long)(req - 1) * p.merge_overhead;
           const long long cost = fixed + (long long)n * tiles;
           while (cta + 1 < W && segment(cta + 1) <= start) ++cta;   // the CTA whose segment holds the start
           int begin = 0, owner = cta;
