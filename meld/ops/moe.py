@@ -226,8 +226,6 @@ class MoE(Operator):
                                       "topk_weights": topk_weights, "topk_ids": topk_ids})
         if T:
             if dev.type == "cpu":
-                if w13.dim() == 6:
-                    w13, w2 = unpack_moe_weights(w13, w2, H, self.intermediate_size)
                 self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
             else:
                 self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out),
@@ -316,7 +314,12 @@ class MoE(Operator):
                                  and T * self.top_k <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
         # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied.
         p.x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0)
-        v.route.launch(nblk, p)
+        self._enqueue(v, T)
+
+    def _enqueue(self, v: _Variant, T: int) -> None:
+        """The launches of variant `v` for `T` tokens, its parameters written."""
+        p = v.params
+        v.route.launch(-(-T // ROUTE_BLOCK), p)
         if not p.route_dispatches:
             v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)
         v.main.launch(self._grid, p, programmatic=True)
@@ -339,6 +342,8 @@ class MoE(Operator):
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
         from ..runtime.moe_reference import route
 
+        if w13.dim() == 6:
+            w13, w2 = unpack_moe_weights(w13, w2, self.hidden_size, self.intermediate_size)
         if logits is not None:
             ids, w = route(logits, self.top_k, self.renormalize)
         else:

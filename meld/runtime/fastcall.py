@@ -39,14 +39,20 @@ _SIGNATURES = {
 _lib: ctypes.CDLL | None = None
 
 
+def load(path: str) -> ctypes.CDLL:
+    """The library at `path` with the signatures of the calls above: libcuda, or a stand-in of no-op functions
+    that lets tools/moe_eager.py time the Python side of launches on a host without a GPU."""
+    lib = ctypes.CDLL(path)
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
 def _cuda() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        for name, args in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        _lib = lib
+        _lib = load("libcuda.so.1")
     return _lib
 
 
