@@ -50,8 +50,6 @@ BF16 = torch.bfloat16
 _STUB_DRIVER = """
 typedef unsigned long long u64;
 int cuMemcpyDtoDAsync_v2(u64 dst, u64 src, unsigned long n, void *stream) { return 0; }
-int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                   unsigned smem, void *stream, void **params, void **extra) { return 0; }
 int cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) { return 0; }
 int cuOccupancyMaxActiveClusters(int *n, void *f, const void *config) { *n = 0; return 0; }
 int cuFuncSetAttribute(void *f, int attr, int value) { return 0; }
@@ -73,7 +71,7 @@ def _stub_kernel(name: str, threads: int) -> driver.Kernel:
     """A `driver.Kernel` whose launches reach the stub driver: the launch path's state, no module."""
     k = object.__new__(driver.Kernel)
     k.__dict__.update(name=name, device=torch.device("cpu"), threads=threads, smem_bytes=0, _func=0, _params=None,
-                      _programmatic={})
+                      _configs={})
     return k
 
 
