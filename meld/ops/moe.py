@@ -110,6 +110,7 @@ class MoE(Operator):
                              "of the experts runs on the GPU only")
         self.first_expert = first_expert
         self._variants: dict[tuple[int, bool], _Variant] = {}
+        self._call_shapes: dict[tuple[int, bool, int | None], tuple[_Variant, int, int]] = {}   # (`_call_shape`)
         if self.device.type == "cuda":
             self._init_cuda()
         else:   # the CPU executor plans for the H200, as decode attention's does
@@ -285,20 +286,22 @@ class MoE(Operator):
     def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out, block_tokens: int | None = None) -> None:
         """The launches of checked inputs; `block_tokens` as __call__'s."""
         T = x.shape[0]
-        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x_stride, x_ptr = x.stride(), x.data_ptr()   # (stride() whole: stride(dim) parses its argument, slower)
+        if x_stride[1] != 1 or x_stride[0] % 8 or x_ptr % 16:
             x = x.contiguous()
+            x_stride, x_ptr = x.stride(), x.data_ptr()
         if topk_ids is not None:
             topk_ids = topk_ids.to(torch.int32).contiguous()
             topk_w = topk_w.contiguous()
-        elif logits.stride(1) != 1:
+        elif logits.stride()[1] != 1:
             logits = logits.contiguous()
         packed = w13.dim() == 6
-        v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts), packed)
+        v, route_dispatches, x_direct = self._call_shape(T, packed, block_tokens)
         p = v.params
-        p.x, p.x_stride, p.out, p.out_stride, p.num_tokens = x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), T
+        p.x, p.x_stride, p.out, p.out_stride, p.num_tokens = x_ptr, x_stride[0], out.data_ptr(), out.stride()[0], T
         if logits is not None:
-            p.logits, p.logits_stride, p.logits_bf16 = logits.data_ptr(), logits.stride(0), int(logits.dtype != torch.float32)
-            p.topk_ids_in = p.topk_w_in = 0
+            p.logits, p.logits_stride = logits.data_ptr(), logits.stride()[0]
+            p.logits_bf16, p.topk_ids_in, p.topk_w_in = int(logits.dtype != torch.float32), 0, 0
         else:
             p.logits, p.topk_ids_in, p.topk_w_in = 0, topk_ids.data_ptr(), topk_w.data_ptr()
         if packed:
@@ -307,14 +310,25 @@ class MoE(Operator):
             p.w13_map = self._weight_maps.get(w13.view(-1, self.hidden_size))
             p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
         self._watchdog.check()
-        nblk = -(-T // ROUTE_BLOCK)
         if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)
             self._prof.zero_()
-        p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
-                                 and T * self.top_k <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
-        # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied.
-        p.x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0)
+        p.route_dispatches, p.x_direct = route_dispatches, x_direct
         self._enqueue(v, T)
+
+    def _call_shape(self, T: int, packed: bool, block_tokens: int | None) -> tuple[_Variant, int, int]:
+        """The variant that runs `T` tokens (`block_tokens` as _launch's) and its route_dispatches and x_direct
+        parameters, kept per call shape: they depend on nothing else, and a serving loop repeats a few shapes."""
+        key = (T, packed, block_tokens)
+        shape = self._call_shapes.get(key)
+        if shape is None:
+            v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts), packed)
+            rows = T * self.top_k
+            route_dispatches = int(T <= ROUTE_BLOCK and rows * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
+                                   and rows <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
+            # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied.
+            x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0)
+            shape = self._call_shapes[key] = (v, route_dispatches, x_direct)
+        return shape
 
     def _enqueue(self, v: _Variant, T: int) -> None:
         """The launches of variant `v` for `T` tokens, its parameters written."""
