@@ -143,8 +143,7 @@ def phases(layer: meld.MoE, T: int, x, logits, w13, w2) -> dict[str, Callable[[]
     """`moe(x, logits)`'s pieces, each alone."""
     out = torch.empty_like(x)
     v = layer._variant(block_tokens_for(T, layer.top_k, layer.num_experts), w13.dim() == 6)
-    return {"checks of x, w13, w2": lambda: (layer._check_x(x), layer._check_weights(w13, w2)),
-            "routing checks": lambda: layer._check_routing(logits, None, None, T),
+    return {"input checks": lambda: layer._usual_inputs(x, logits, w13, w2, None, None),
             "output allocation": lambda: torch.empty(T, layer.hidden_size, dtype=BF16, device=layer.device),
             "_launch: parameters": lambda: layer._launch(x, logits, w13, w2, None, None, out),
             "launches' Python side": lambda: layer._enqueue(v, T)}

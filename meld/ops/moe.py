@@ -20,8 +20,8 @@ from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
 from .base import Operator
-from .checks import (check_output, check_pair, check_positive, expect, grad_inputs, is_int, no_backward, plain,
-                     resolve_device)
+from .checks import (check_output, check_pair, check_positive, exactly, expect, grad_inputs, is_int, no_backward,
+                     plain, resolve_device)
 from .moe_graph import moe_graph
 from .moe_weights import packed_shapes, unpack_moe_weights
 
@@ -96,6 +96,8 @@ class MoE(Operator):
         if max(self._column_blocks(BLOCK_TOKEN_CHOICES[0])) >= MOE_TASK.limit("col"):
             raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         self.dtype, self.renormalize = dtype, renormalize
+        # The weights' shapes by w13's rank (plain, or packed by meld.pack_moe_weights), for `_usual_inputs`.
+        self._weight_shapes = {3: ((E, 2 * I, H), (E, H, I)), 6: packed_shapes(H, I, E)}
         self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
         if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.moe_kernel.MoeKernelConfig, got "
@@ -207,13 +209,15 @@ class MoE(Operator):
                                           "torch.ops.meld.moe, which chooses the row block itself")
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
-        grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
-        x, w13, w2 = plain(x), plain(w13), plain(w2)
-        H, dev = self.hidden_size, self.device
-        T = self._check_x(x)
-        self._check_weights(w13, w2)
-        router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
-        self._check_routing(router_logits, topk_weights, topk_ids, T)
+        H, dev, grads = self.hidden_size, self.device, None
+        T = self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
+        if T is None:   # anything else: made plain tensors, checked, and diagnosed
+            grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
+            x, w13, w2 = plain(x), plain(w13), plain(w2)
+            T = self._check_x(x)
+            self._check_weights(w13, w2)
+            router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
+            self._check_routing(router_logits, topk_weights, topk_ids, T)
         if topk_ids is not None and dev.type == "cpu":
             self._check_ids(topk_ids)
         if out is None:
@@ -232,6 +236,29 @@ class MoE(Operator):
                 self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out),
                              None if block_tokens is None else int(block_tokens))
         return no_backward("meld.MoE", grads, (out,))[0]
+
+    def _usual_inputs(self, x, router_logits, w13, w2, topk_weights, topk_ids) -> int | None:
+        """x's T when the inputs are a serving loop's: plain tensors that need no grad, of this layer's dtypes,
+        shapes and device, contiguous weights, and routing by logits or by the topk pair — everything the checks
+        of `_check_x`, `_check_weights` and `_check_routing` require, with nothing for plain() to do. None
+        otherwise. (One test of each tensor: this is every eager call's path.)"""
+        if type(x) is not torch.Tensor or type(w13) is not torch.Tensor or x.dim() != 2:
+            return None
+        dev, dt, shapes = self.device, (self.dtype,), self._weight_shapes.get(w13.dim())
+        try:
+            T = x.shape[0]
+        except RuntimeError:   # a nested tensor has no sizes
+            return None
+        if topk_ids is None:
+            routed = topk_weights is None and exactly(router_logits, (torch.float32, self.dtype),
+                                                      (T, self.num_experts), dev)
+        else:
+            routed = (router_logits is None and exactly(topk_ids, (torch.int32, torch.int64), (T, self.top_k), dev)
+                      and exactly(topk_weights, (torch.float32,), (T, self.top_k), dev))
+        usual = (routed and shapes is not None and T <= self.max_num_tokens
+                 and exactly(x, dt, (T, self.hidden_size), dev) and exactly(w13, dt, shapes[0], dev, contiguous=True)
+                 and exactly(w2, dt, shapes[1], dev, contiguous=True))
+        return T if usual else None
 
     def _check_x(self, x: torch.Tensor) -> int:
         """ValueError unless x is [T, hidden_size] of this layer's dtype and device with T <= max_num_tokens; T."""
