@@ -83,7 +83,7 @@ class _StubMoE(meld.MoE):
         self._grid = self._sm_count
         self._watchdog = object.__new__(Watchdog)
         self._watchdog.record = WATCHDOG_RECORD.ctype()
-        self._weight_maps = TensorMapCache(lambda t: TensorMap())
+        self._weight_maps = TensorMapCache(lambda w13, w2: (TensorMap(), TensorMap()))
         for bt in BLOCK_TOKEN_CHOICES:
             for packed in (False, True):
                 self._variants[bt, packed] = moe_module._Variant(

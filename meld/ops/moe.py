@@ -146,8 +146,15 @@ class MoE(Operator):
         self._prof, self._prof_clock = self._profile_buffers(self._kernel_config.profile, self._grid, _PROFILE_CAP,
                                                              self.profile_every)
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
-        from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
-        self._weight_maps = TensorMapCache(functools.partial(tensor_map_2d, box_rows=64))   # 64 weight rows per box
+        from ..runtime.tensor_map import TensorMapCache
+        self._weight_maps = TensorMapCache(self._encode_weights)   # (one lookup a call: both maps)
+
+    def _encode_weights(self, w13: torch.Tensor, w2: torch.Tensor):
+        """The tensor maps of plain w13 and w2 (contiguous), as matrices of 64-row boxes."""
+        from ..runtime.tensor_map import tensor_map_2d
+
+        return (tensor_map_2d(w13.view(-1, self.hidden_size), box_rows=64),
+                tensor_map_2d(w2.view(-1, self.intermediate_size), box_rows=64))
 
     def _column_blocks(self, block_tokens: int) -> tuple[int, int]:
         """Tiles per row block: (gemm1 column blocks of I, gemm2 column blocks of H)."""
@@ -334,8 +341,7 @@ class MoE(Operator):
         if packed:
             p.w13_packed, p.w2_packed = w13.data_ptr(), w2.data_ptr()
         else:
-            p.w13_map = self._weight_maps.get(w13.view(-1, self.hidden_size))
-            p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
+            p.w13_map, p.w2_map = self._weight_maps.get(w13, w2)
         self._watchdog.check()
         if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)
             self._prof.zero_()
