@@ -231,7 +231,8 @@ class MoE(Operator):
             out = torch.empty(T, H, dtype=self.dtype, device=dev)
         else:
             expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev)
-            if out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16:
+            out_stride = out.stride()
+            if out_stride[1] != 1 or out_stride[0] % 8 or out.data_ptr() % 16:
                 raise ValueError(f"out must have 16-byte aligned rows of unit stride (the kernel writes 16 bytes "
                                  f"at a time), got strides {out.stride()} at address {out.data_ptr():#x}")
             check_output("out", out, {"x": x, "router_logits": router_logits, "w13": w13, "w2": w2,
@@ -433,8 +434,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logit
     if T > limit:
         raise ValueError(f"x has {T} tokens: fused_moe with top_k={top_k} serves at most {limit}")
     capacity = min(limit, max(256, 1 << max(0, T - 1).bit_length()))
+    device = x.device   # (a tensor's CPU or CUDA device exists and has its index: resolve_device has nothing to do)
+    if device.type not in ("cpu", "cuda"):
+        device = resolve_device(device)
     try:
-        moe = _cached(H, I2 // 2, E, top_k, resolve_device(x.device), renormalize, capacity)
+        moe = _cached(H, I2 // 2, E, top_k, device, renormalize, capacity)
     except ValueError as e:   # named by the layer's terms: say where they come from
         raise ValueError(f"fused_moe: w13 of shape {tuple(w13.shape)} ([E, 2*I, H]), top_k={top_k}: {e}") from None
     return moe(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids)
