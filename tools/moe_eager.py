@@ -157,8 +157,9 @@ def measure(shape: Shape, tokens: list[int], n_calls: int, rounds: int, cuda: bo
     for T in tokens:
         x, logits, w13p, w2p = inputs(shape, T, device, packed=True)
         _, _, w13, w2 = inputs(shape, T, device, packed=False)
-        whole = time_calls(calls(layer, shape, T, x, logits, w13p, w2p, w13, w2), n_calls, rounds, sync, clock)
-        parts = time_calls(phases(layer, T, x, logits, w13p, w2p), n_calls, rounds, sync, clock)
+        whole, parts = calls(layer, shape, T, x, logits, w13p, w2p, w13, w2), phases(layer, T, x, logits, w13p, w2p)
+        times = time_calls({**whole, **parts}, n_calls, rounds, sync, clock)   # (interleaved: the same conditions)
+        whole, parts = ({name: times[name] for name in d} for d in (whole, parts))
         parts["_launch: parameters"] -= parts["launches' Python side"]
         parts["rest of the call"] = whole["moe(x, logits)"] - sum(parts.values())
         res[f"{shape.name} T={T}: calls"] = whole

@@ -100,7 +100,9 @@ def launch_ex(func: int, cfg: LaunchConfig, params: int, what: str) -> None:
     """cuLaunchKernelEx; `params` is the address of the void* argument array, and the caller sets `cfg.hStream`.
     (One call takes both plain and programmatic launches: ctypes converts its four arguments much faster than
     cuLaunchKernel's eleven, on every eager call's path: bench/RESULTS.md.)"""
-    _check(_cuda().cuLaunchKernelEx(ctypes.addressof(cfg), func, params, None), f"launch {what}")
+    err = _cuda().cuLaunchKernelEx(ctypes.addressof(cfg), func, params, None)
+    if err:   # (the message is only made for a failure)
+        _check(err, f"launch {what}")
 
 
 def max_active_clusters(func: int, cfg: LaunchConfig) -> int:
