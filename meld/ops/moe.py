@@ -96,7 +96,7 @@ class MoE(Operator):
         if max(self._column_blocks(BLOCK_TOKEN_CHOICES[0])) >= MOE_TASK.limit("col"):
             raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         self.dtype, self.renormalize = dtype, renormalize
-        # The weights' shapes by w13's rank (plain, or packed by meld.pack_moe_weights), for `_usual_inputs`.
+        # The weights' shapes by w13's rank: plain, or packed by meld.pack_moe_weights.
         self._weight_shapes = {3: ((E, 2 * I, H), (E, H, I)), 6: packed_shapes(H, I, E)}
         self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
         if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
@@ -295,17 +295,17 @@ class MoE(Operator):
     def _check_weights(self, w13: torch.Tensor, w2: torch.Tensor, contiguous: bool = True) -> None:
         """ValueError unless w13 and w2 are this layer's weights: as laid out in the class docstring, or both
         packed by meld.pack_moe_weights (a 6-D w13)."""
-        H, I, E, dev = self.hidden_size, self.intermediate_size, self.num_experts, self.device
+        dev = self.device
         if isinstance(w13, torch.Tensor) and w13.dim() == 6:
-            s13, s2 = packed_shapes(H, I, E)
+            s13, s2 = self._weight_shapes[6]
             expect("w13", w13, self.dtype, s13, "packed by meld.pack_moe_weights: experts x K boxes x 64-column "
                    "blocks of I x (gate, up) x 64 x 64", dev, contiguous)
             expect("w2", w2, self.dtype, s2, "packed by meld.pack_moe_weights: experts x K boxes x 64-row blocks "
                    "of H x 64 x 64", dev, contiguous)
         else:
-            expect("w13", w13, self.dtype, (E, 2 * I, H), "experts x 2*intermediate_size x hidden_size", dev,
-                   contiguous)
-            expect("w2", w2, self.dtype, (E, H, I), "experts x hidden_size x intermediate_size", dev, contiguous)
+            s13, s2 = self._weight_shapes[3]
+            expect("w13", w13, self.dtype, s13, "experts x 2*intermediate_size x hidden_size", dev, contiguous)
+            expect("w2", w2, self.dtype, s2, "experts x hidden_size x intermediate_size", dev, contiguous)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         bad = (ids < 0) | (ids >= self.num_experts)
