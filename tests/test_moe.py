@@ -232,6 +232,7 @@ def test_call_errors_name_the_argument():
         moe(x, None, w13, w2, topk_weights=torch.rand(4, 2), topk_ids=torch.tensor([[0, 1]] * 3 + [[2, 8]]))
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_usual_inputs_skip_the_full_checks_only_where_they_pass():
     """An eager call's one cheap test (`MoE._usual_inputs`) takes a serving loop's inputs, and nothing the full
     checks refuse or that plain() would change: those go to the checks, which diagnose."""

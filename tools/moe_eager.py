@@ -15,9 +15,12 @@ With --cuda it times the real layer on the GPU: host time per call (each round o
 synchronisations, few enough calls not to fill the launch queue), and beside it the eager latency and the
 CUDA-graph time of `bench.harness` (cold L2), the issue's "eager call <= graph time + 15 us" comparison.
 
-Phases are the call's pieces timed alone, with the same arguments, after the whole call; "rest of the call"
-is the whole call less their sum (argument handling, the tie to autograd, calls between the pieces). Every
-number is the best round's mean per call: other processes on the host only ever add to it.
+Phases are the pieces of `moe(x, logits)` (packed weights, as bench/moe.py times it) each timed alone with the
+same arguments, interleaved with the whole calls so that all run in the same conditions; "rest of the call" is
+the whole call less their sum (argument handling, the tie to autograd, the calls between the pieces, and what
+the pieces cost more in the whole call than alone). Every number is the best round's mean per call: other
+processes on the host only ever add to it. Stubbed, the clock is this thread's CPU time (a shared host's
+other processes do not count); with --cuda it is wall time.
 """
 from __future__ import annotations
 
