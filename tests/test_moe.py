@@ -232,6 +232,39 @@ def test_call_errors_name_the_argument():
         moe(x, None, w13, w2, topk_weights=torch.rand(4, 2), topk_ids=torch.tensor([[0, 1]] * 3 + [[2, 8]]))
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_usual_inputs_skip_the_full_checks_only_where_they_pass():
+    """An eager call's one cheap test (`MoE._usual_inputs`) takes a serving loop's inputs, and nothing the full
+    checks refuse or that plain() would change: those go to the checks, which diagnose."""
+    H, I, E, k = 64, 32, 8, 2
+    moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=16)
+    w13, w2 = weights(E, H, I)
+    w13p, w2p = meld.pack_moe_weights(w13, w2)
+    x, logits = torch.randn(4, H).to(torch.bfloat16), torch.randn(4, E)
+    tw, ids = torch.rand(4, k), torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    base = dict(x=x, logits=logits, w13=w13, w2=w2, tw=None, ids=None)
+    usual = [{}, dict(logits=logits.bfloat16(), w13=w13p, w2=w2p), dict(logits=None, tw=tw, ids=ids),
+             dict(logits=None, tw=tw, ids=ids.int()), dict(x=x[:0], logits=logits[:0]),
+             dict(x=x.t().contiguous().t(), logits=logits.t().contiguous().t())]   # (strided x and logits: fine)
+    loose = torch.empty_strided(w13.shape, (w13.shape[1] * H, 1, w13.shape[1]), dtype=torch.bfloat16)
+    other = [dict(x=x.float()), dict(x=x.clone().requires_grad_()), dict(w13=torch.nn.Parameter(w13, False)),
+             dict(w13=loose), dict(w13=w13p), dict(w2=w2[:, :-1]), dict(logits=logits.double()),
+             dict(logits=logits[:, :-1]), dict(logits=None), dict(tw=tw, ids=ids), dict(logits=None, ids=ids),
+             dict(logits=None, tw=tw, ids=ids.float()), dict(x=torch.randn(17, H).bfloat16()),
+             dict(x=torch.nested.nested_tensor([torch.randn(H), torch.randn(H)]).bfloat16()),
+             dict(x=x.to("meta")), dict(w2=w2.float().numpy())]
+    for i, over in enumerate(usual + other):
+        a = {**base, **over}
+        args = (a["x"], a["logits"], a["w13"], a["w2"], a["tw"], a["ids"])
+        T = moe._usual_inputs(*args)
+        assert (T is not None) == (i < len(usual)), (i, over.keys())
+        if T is not None:   # the full checks pass and plain() keeps every tensor
+            assert T == moe._check_x(a["x"])
+            moe._check_weights(a["w13"], a["w2"])
+            moe._check_routing(a["logits"], a["tw"], a["ids"], T)
+            assert all(meld.ops.checks.plain(t) is t for t in args)
+
+
 # --- GPU ----------------------------------------------------------------------------------------------
 def gpu_case(T, H, I, E, k, logits=None, renormalize=True, capacity=None, kernel_config=None, **call):
     dev = "cuda"

@@ -59,6 +59,19 @@ def expect(name: str, t: object, dtype: torch.dtype, shape: tuple[int | None, ..
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
+def exactly(t: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], device: torch.device,
+            contiguous: bool = False) -> bool:
+    """Whether t is a plain torch.Tensor (no subclass) that needs no grad, dense (and contiguous), of one of
+    `dtypes`, exactly `shape`, on `device` as a tensor names it (a CUDA device with its index): then `expect`
+    passes for it and `plain(t)` is t. An eager call's one cheap test of its usual inputs; anything else goes
+    to the full checks, which convert and diagnose."""
+    try:
+        return (type(t) is torch.Tensor and t.dtype in dtypes and t.shape == shape and t.device == device
+                and t.layout is torch.strided and not t.requires_grad and (not contiguous or t.is_contiguous()))
+    except RuntimeError:   # a nested tensor has no sizes
+        return False
+
+
 INT32_MAX = 2 ** 31 - 1   # sizes travel to the kernels as int32
 
 

@@ -20,8 +20,8 @@ from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
 from .base import Operator
-from .checks import (check_output, check_pair, check_positive, expect, grad_inputs, is_int, no_backward, plain,
-                     resolve_device)
+from .checks import (check_output, check_pair, check_positive, exactly, expect, grad_inputs, is_int, no_backward,
+                     plain, resolve_device)
 from .moe_graph import moe_graph
 from .moe_weights import packed_shapes, unpack_moe_weights
 
@@ -96,6 +96,8 @@ class MoE(Operator):
         if max(self._column_blocks(BLOCK_TOKEN_CHOICES[0])) >= MOE_TASK.limit("col"):
             raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         self.dtype, self.renormalize = dtype, renormalize
+        # The weights' shapes by w13's rank: plain, or packed by meld.pack_moe_weights.
+        self._weight_shapes = {3: ((E, 2 * I, H), (E, H, I)), 6: packed_shapes(H, I, E)}
         self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
         if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.moe_kernel.MoeKernelConfig, got "
@@ -110,6 +112,7 @@ class MoE(Operator):
                              "of the experts runs on the GPU only")
         self.first_expert = first_expert
         self._variants: dict[tuple[int, bool], _Variant] = {}
+        self._call_shapes: dict[tuple[int, bool, int | None], tuple[_Variant, int, int]] = {}   # (`_call_shape`)
         if self.device.type == "cuda":
             self._init_cuda()
         else:   # the CPU executor plans for the H200, as decode attention's does
@@ -143,8 +146,15 @@ class MoE(Operator):
         self._prof, self._prof_clock = self._profile_buffers(self._kernel_config.profile, self._grid, _PROFILE_CAP,
                                                              self.profile_every)
         self._ptrs = {name: t.data_ptr() for name, t in b.items()}
-        from ..runtime.tensor_map import TensorMapCache, tensor_map_2d
-        self._weight_maps = TensorMapCache(functools.partial(tensor_map_2d, box_rows=64))   # 64 weight rows per box
+        from ..runtime.tensor_map import TensorMapCache
+        self._weight_maps = TensorMapCache(self._encode_weights)   # (one lookup a call: both maps)
+
+    def _encode_weights(self, w13: torch.Tensor, w2: torch.Tensor):
+        """The tensor maps of plain w13 and w2 (contiguous), as matrices of 64-row boxes."""
+        from ..runtime.tensor_map import tensor_map_2d
+
+        return (tensor_map_2d(w13.view(-1, self.hidden_size), box_rows=64),
+                tensor_map_2d(w2.view(-1, self.intermediate_size), box_rows=64))
 
     def _column_blocks(self, block_tokens: int) -> tuple[int, int]:
         """Tiles per row block: (gemm1 column blocks of I, gemm2 column blocks of H)."""
@@ -206,33 +216,57 @@ class MoE(Operator):
                                           "torch.ops.meld.moe, which chooses the row block itself")
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
-        grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
-        x, w13, w2 = plain(x), plain(w13), plain(w2)
-        H, dev = self.hidden_size, self.device
-        T = self._check_x(x)
-        self._check_weights(w13, w2)
-        router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
-        self._check_routing(router_logits, topk_weights, topk_ids, T)
+        H, dev, grads = self.hidden_size, self.device, None
+        T = self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
+        if T is None:   # anything else: made plain tensors, checked, and diagnosed
+            grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
+            x, w13, w2 = plain(x), plain(w13), plain(w2)
+            T = self._check_x(x)
+            self._check_weights(w13, w2)
+            router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
+            self._check_routing(router_logits, topk_weights, topk_ids, T)
         if topk_ids is not None and dev.type == "cpu":
             self._check_ids(topk_ids)
         if out is None:
             out = torch.empty(T, H, dtype=self.dtype, device=dev)
         else:
             expect("out", out, self.dtype, (T, H), "tokens x hidden_size", dev)
-            if out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16:
+            out_stride = out.stride()
+            if out_stride[1] != 1 or out_stride[0] % 8 or out.data_ptr() % 16:
                 raise ValueError(f"out must have 16-byte aligned rows of unit stride (the kernel writes 16 bytes "
                                  f"at a time), got strides {out.stride()} at address {out.data_ptr():#x}")
             check_output("out", out, {"x": x, "router_logits": router_logits, "w13": w13, "w2": w2,
                                       "topk_weights": topk_weights, "topk_ids": topk_ids})
         if T:
             if dev.type == "cpu":
-                if w13.dim() == 6:
-                    w13, w2 = unpack_moe_weights(w13, w2, H, self.intermediate_size)
                 self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
             else:
                 self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out),
                              None if block_tokens is None else int(block_tokens))
         return no_backward("meld.MoE", grads, (out,))[0]
+
+    def _usual_inputs(self, x, router_logits, w13, w2, topk_weights, topk_ids) -> int | None:
+        """x's T when the inputs are a serving loop's: plain tensors that need no grad, of this layer's dtypes,
+        shapes and device, contiguous weights, and routing by logits or by the topk pair — everything the checks
+        of `_check_x`, `_check_weights` and `_check_routing` require, with nothing for plain() to do. None
+        otherwise. (One test of each tensor: this is every eager call's path.)"""
+        if type(x) is not torch.Tensor or type(w13) is not torch.Tensor or x.dim() != 2:
+            return None
+        dev, dt, shapes = self.device, (self.dtype,), self._weight_shapes.get(w13.dim())
+        try:
+            T = x.shape[0]
+        except RuntimeError:   # a nested tensor has no sizes
+            return None
+        if topk_ids is None:
+            routed = topk_weights is None and exactly(router_logits, (torch.float32, self.dtype),
+                                                      (T, self.num_experts), dev)
+        else:
+            routed = (router_logits is None and exactly(topk_ids, (torch.int32, torch.int64), (T, self.top_k), dev)
+                      and exactly(topk_weights, (torch.float32,), (T, self.top_k), dev))
+        usual = (routed and shapes is not None and T <= self.max_num_tokens
+                 and exactly(x, dt, (T, self.hidden_size), dev) and exactly(w13, dt, shapes[0], dev, contiguous=True)
+                 and exactly(w2, dt, shapes[1], dev, contiguous=True))
+        return T if usual else None
 
     def _check_x(self, x: torch.Tensor) -> int:
         """ValueError unless x is [T, hidden_size] of this layer's dtype and device with T <= max_num_tokens; T."""
@@ -261,17 +295,17 @@ class MoE(Operator):
     def _check_weights(self, w13: torch.Tensor, w2: torch.Tensor, contiguous: bool = True) -> None:
         """ValueError unless w13 and w2 are this layer's weights: as laid out in the class docstring, or both
         packed by meld.pack_moe_weights (a 6-D w13)."""
-        H, I, E, dev = self.hidden_size, self.intermediate_size, self.num_experts, self.device
+        dev = self.device
         if isinstance(w13, torch.Tensor) and w13.dim() == 6:
-            s13, s2 = packed_shapes(H, I, E)
+            s13, s2 = self._weight_shapes[6]
             expect("w13", w13, self.dtype, s13, "packed by meld.pack_moe_weights: experts x K boxes x 64-column "
                    "blocks of I x (gate, up) x 64 x 64", dev, contiguous)
             expect("w2", w2, self.dtype, s2, "packed by meld.pack_moe_weights: experts x K boxes x 64-row blocks "
                    "of H x 64 x 64", dev, contiguous)
         else:
-            expect("w13", w13, self.dtype, (E, 2 * I, H), "experts x 2*intermediate_size x hidden_size", dev,
-                   contiguous)
-            expect("w2", w2, self.dtype, (E, H, I), "experts x hidden_size x intermediate_size", dev, contiguous)
+            s13, s2 = self._weight_shapes[3]
+            expect("w13", w13, self.dtype, s13, "experts x 2*intermediate_size x hidden_size", dev, contiguous)
+            expect("w2", w2, self.dtype, s2, "experts x hidden_size x intermediate_size", dev, contiguous)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         bad = (ids < 0) | (ids >= self.num_experts)
@@ -287,36 +321,53 @@ class MoE(Operator):
     def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out, block_tokens: int | None = None) -> None:
         """The launches of checked inputs; `block_tokens` as __call__'s."""
         T = x.shape[0]
-        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x_stride, x_ptr = x.stride(), x.data_ptr()   # (stride() whole: stride(dim) parses its argument, slower)
+        if x_stride[1] != 1 or x_stride[0] % 8 or x_ptr % 16:
             x = x.contiguous()
+            x_stride, x_ptr = x.stride(), x.data_ptr()
         if topk_ids is not None:
             topk_ids = topk_ids.to(torch.int32).contiguous()
             topk_w = topk_w.contiguous()
-        elif logits.stride(1) != 1:
+        elif logits.stride()[1] != 1:
             logits = logits.contiguous()
         packed = w13.dim() == 6
-        v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts), packed)
+        v, route_dispatches, x_direct = self._call_shape(T, packed, block_tokens)
         p = v.params
-        p.x, p.x_stride, p.out, p.out_stride, p.num_tokens = x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), T
+        p.x, p.x_stride, p.out, p.out_stride, p.num_tokens = x_ptr, x_stride[0], out.data_ptr(), out.stride()[0], T
         if logits is not None:
-            p.logits, p.logits_stride, p.logits_bf16 = logits.data_ptr(), logits.stride(0), int(logits.dtype != torch.float32)
-            p.topk_ids_in = p.topk_w_in = 0
+            p.logits, p.logits_stride = logits.data_ptr(), logits.stride()[0]
+            p.logits_bf16, p.topk_ids_in, p.topk_w_in = int(logits.dtype != torch.float32), 0, 0
         else:
             p.logits, p.topk_ids_in, p.topk_w_in = 0, topk_ids.data_ptr(), topk_w.data_ptr()
         if packed:
             p.w13_packed, p.w2_packed = w13.data_ptr(), w2.data_ptr()
         else:
-            p.w13_map = self._weight_maps.get(w13.view(-1, self.hidden_size))
-            p.w2_map = self._weight_maps.get(w2.view(-1, self.intermediate_size))
+            p.w13_map, p.w2_map = self._weight_maps.get(w13, w2)
         self._watchdog.check()
-        nblk = -(-T // ROUTE_BLOCK)
         if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)
             self._prof.zero_()
-        p.route_dispatches = int(nblk == 1 and T * self.top_k * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
-                                 and T * self.top_k <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
-        # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied.
-        p.x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0)
-        v.route.launch(nblk, p)
+        p.route_dispatches, p.x_direct = route_dispatches, x_direct
+        self._enqueue(v, T)
+
+    def _call_shape(self, T: int, packed: bool, block_tokens: int | None) -> tuple[_Variant, int, int]:
+        """The variant that runs `T` tokens (`block_tokens` as _launch's) and its route_dispatches and x_direct
+        parameters, kept per call shape: they depend on nothing else, and a serving loop repeats a few shapes."""
+        key = (T, packed, block_tokens)
+        shape = self._call_shapes.get(key)
+        if shape is None:
+            v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts), packed)
+            rows = T * self.top_k
+            route_dispatches = int(T <= ROUTE_BLOCK and rows * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
+                                   and rows <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
+            # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied.
+            x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0)
+            shape = self._call_shapes[key] = (v, route_dispatches, x_direct)
+        return shape
+
+    def _enqueue(self, v: _Variant, T: int) -> None:
+        """The launches of variant `v` for `T` tokens, its parameters written."""
+        p = v.params
+        v.route.launch(-(-T // ROUTE_BLOCK), p)
         if not p.route_dispatches:
             v.scatter.launch(-(-T // SCATTER_WARPS), p, programmatic=True)
         v.main.launch(self._grid, p, programmatic=True)
@@ -339,6 +390,8 @@ class MoE(Operator):
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
         from ..runtime.moe_reference import route
 
+        if w13.dim() == 6:
+            w13, w2 = unpack_moe_weights(w13, w2, self.hidden_size, self.intermediate_size)
         if logits is not None:
             ids, w = route(logits, self.top_k, self.renormalize)
         else:
@@ -381,8 +434,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logit
     if T > limit:
         raise ValueError(f"x has {T} tokens: fused_moe with top_k={top_k} serves at most {limit}")
     capacity = min(limit, max(256, 1 << max(0, T - 1).bit_length()))
+    device = x.device   # (a tensor's CPU or CUDA device exists and has its index: resolve_device has nothing to do)
+    if device.type not in ("cpu", "cuda"):
+        device = resolve_device(device)
     try:
-        moe = _cached(H, I2 // 2, E, top_k, resolve_device(x.device), renormalize, capacity)
+        moe = _cached(H, I2 // 2, E, top_k, device, renormalize, capacity)
     except ValueError as e:   # named by the layer's terms: say where they come from
         raise ValueError(f"fused_moe: w13 of shape {tuple(w13.shape)} ([E, 2*I, H]), top_k={top_k}: {e}") from None
     return moe(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids)

@@ -88,7 +88,7 @@ class Kernel:
         self.name, self.device, self.threads, self.smem_bytes = compiled.name, device, threads, smem_bytes
         self._func = int(self.func)
         self._params: ctypes.Structure | None = None
-        self._programmatic: dict[int, fastcall.LaunchConfig] = {}   # launch configurations by grid size
+        self._configs: dict[tuple[int, bool], fastcall.LaunchConfig] = {}   # by grid size and programmatic
 
     def max_active_clusters(self, size: int) -> int:
         """Clusters of `size` CTAs of this kernel resident at once (cuOccupancyMaxActiveClusters with
@@ -109,15 +109,11 @@ class Kernel:
             self._params = params
             self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
             self._args_ptr = ctypes.addressof(self._args)
-        stream = current_stream(self.device)
-        if not programmatic:
-            fastcall.launch(self._func, grid, self.threads, self.smem_bytes, stream, self._args_ptr, self.name)
-            return
-        cfg = self._programmatic.get(grid)
+        cfg = self._configs.get((grid, programmatic))
         if cfg is None:
-            cfg = self._programmatic[grid] = fastcall.cluster_config(grid, self.threads, self.smem_bytes, 1,
-                                                                     programmatic=True)
-        cfg.hStream = stream
+            cfg = self._configs[grid, programmatic] = fastcall.launch_config(grid, self.threads, self.smem_bytes,
+                                                                             programmatic)
+        cfg.hStream = current_stream(self.device)
         fastcall.launch_ex(self._func, cfg, self._args_ptr, self.name)
 
 

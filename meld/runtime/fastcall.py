@@ -30,8 +30,7 @@ class LaunchConfig(ctypes.Structure):
 
 _SIGNATURES = {
     "cuMemcpyDtoDAsync_v2": (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, _c),
-    "cuLaunchKernel": (_c, _u, _u, _u, _u, _u, _u, _u, _c, _c, _c),
-    "cuLaunchKernelEx": (ctypes.POINTER(LaunchConfig), _c, _c, _c),
+    "cuLaunchKernelEx": (_c, _c, _c, _c),   # (the config by address: converts faster than a byref())
     "cuOccupancyMaxActiveClusters": (ctypes.POINTER(ctypes.c_int), _c, ctypes.POINTER(LaunchConfig)),
     "cuFuncSetAttribute": (_c, ctypes.c_int, ctypes.c_int),
     "cuGetErrorString": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
@@ -39,14 +38,20 @@ _SIGNATURES = {
 _lib: ctypes.CDLL | None = None
 
 
+def load(path: str) -> ctypes.CDLL:
+    """The library at `path` with the signatures of the calls above: libcuda, or a stand-in of no-op functions
+    that lets tools/moe_eager.py time the Python side of launches on a host without a GPU."""
+    lib = ctypes.CDLL(path)
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
 def _cuda() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        for name, args in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        _lib = lib
+        _lib = load("libcuda.so.1")
     return _lib
 
 
@@ -67,11 +72,6 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     _check(_cuda().cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
 
-def launch(func: int, grid: int, block: int, smem: int, stream: int, params: int, what: str) -> None:
-    """cuLaunchKernel with a 1-D grid and block; `params` is the address of the void* argument array."""
-    _check(_cuda().cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, params, None), f"launch {what}")
-
-
 def cluster_config(grid: int, block: int, smem: int, cluster: int, programmatic: bool = False) -> LaunchConfig:
     """A 1-D launch configuration with clusters of `cluster` CTAs along x (the occupancy query needs
     the attribute even for 1); `programmatic`: the grid may start once the previous kernel in the
@@ -87,9 +87,22 @@ def cluster_config(grid: int, block: int, smem: int, cluster: int, programmatic:
     return cfg
 
 
+def launch_config(grid: int, block: int, smem: int, programmatic: bool) -> LaunchConfig:
+    """A 1-D launch configuration without clusters: a plain launch (no attribute, as cuLaunchKernel), or a
+    programmatic dependent one (`cluster_config`'s, of one-CTA clusters)."""
+    cfg = cluster_config(grid, block, smem, 1, programmatic)
+    if not programmatic:
+        cfg.numAttrs = 0
+    return cfg
+
+
 def launch_ex(func: int, cfg: LaunchConfig, params: int, what: str) -> None:
-    """cuLaunchKernelEx; `cfg.hStream` must be set by the caller."""
-    _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None), f"launch {what}")
+    """cuLaunchKernelEx; `params` is the address of the void* argument array, and the caller sets `cfg.hStream`.
+    (One call takes both plain and programmatic launches: ctypes converts its four arguments much faster than
+    cuLaunchKernel's eleven, on every eager call's path: bench/RESULTS.md.)"""
+    err = _cuda().cuLaunchKernelEx(ctypes.addressof(cfg), func, params, None)
+    if err:   # (the message is only made for a failure)
+        _check(err, f"launch {what}")
 
 
 def max_active_clusters(func: int, cfg: LaunchConfig) -> int:

@@ -77,7 +77,7 @@ class TensorMapCache(Generic[M]):
         self._encode, self._max = encode, max_entries
 
     def get(self, *ts: torch.Tensor) -> M:
-        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in ts)
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in ts)   # (torch.Size is a hashable tuple)
         m = self._maps.get(key)
         if m is None:
             if len(self._maps) >= self._max:
