@@ -170,7 +170,7 @@ def measure(shape: Shape, tokens: list[int], n_calls: int, rounds: int, cuda: bo
         if cuda:
             from bench.harness import eager_time_us, graph_time_us
 
-            fn = lambda: layer(x, logits, w13p, w2p)  # noqa: E731
+            fn = lambda x=x, logits=logits, w13=w13p, w2=w2p: layer(x, logits, w13, w2)  # noqa: E731
             eager, graph = eager_time_us(fn).median_us, graph_time_us(fn).median_us
             res[f"{shape.name} T={T}: moe(x, logits) on the GPU (median us)"] = {
                 "eager latency": eager, "graph replay": graph, "eager - graph": eager - graph}
