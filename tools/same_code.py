@@ -98,7 +98,7 @@ _ACCESS = re.compile(r"\[(\w+)_param_0(?:\+(\d+))?\]")   # [k_param_0+48], [k_pa
 _PARAM_SIZE = re.compile(r"(\.b8 \w+_param_0)\[\d+\]")    # .param .b8 k_param_0[1344]
 _EXTERN_SHARED = re.compile(r"^\.extern \.shared .*?\.b8 (\w+)\[\];", re.M)   # the dynamic shared array's name
 _DROP = re.compile(r"^\s*(//|\.loc\s|\.file\s)")            # comments, debug line and file markers
-_ENTRY = re.compile(r"__global__[^(]*?\b(meld_\w+)\s*\(\s*const __grid_constant__ (\w+)")   # a kernel written out
+_ENTRY = re.compile(r"__global__[^;{]*?\b(meld_\w+)\s*\(\s*const __grid_constant__ (\w+)")   # a kernel written out
 _FAMILY_ENTRY = re.compile(r"^MELD_PERSISTENT_KERNEL\((\w+),\s*(?:meld::)?(\w+),", re.M)   # persistent.cuh's
 _FAMILY = re.compile(r"^struct (\w+)\s*(?::\s*SimpleFamily<(\w+),[^{]*)?\{\s*(?:using Params = (\w+);)?", re.M)
 _OFFSET = re.compile(r"__builtin_offsetof\((\w+), (\w+)\) == (\d+)")
