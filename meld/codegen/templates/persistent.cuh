@@ -12,7 +12,7 @@
 //   F::run(p, s)          the warp roles and their task bodies
 //   [launch]              an overlappable grid ends only after the grid before it
 //
-// Launch protocols (F::LAUNCH), each as meld/runtime/driver.py launches the family:
+// Launch protocols (F::LAUNCH), each as its operator launches the family (meld/runtime/driver.py, Kernel.launch):
 // - LAUNCH_OVERLAPPABLE (PersistentLaunch, meld/runtime/driver.py; DecodeParams, MlaParams): every grid of a
 //   mixed launch after the first is a programmatic dependent of the one before, and the first grid is one of
 //   the op before it when p.wait_inputs is set. A grid that does not wait releases its dependent at once; one
@@ -63,8 +63,9 @@ __device__ __forceinline__ void persistent_main(const typename F::Params& p) {
   if constexpr (L == LAUNCH_OVERLAPPABLE) grid_dependency_wait();
 }
 
-// A family with no shared-memory layout and no prologue (the planner, expert parallelism's transfers)
-// derives from this and defines run(p, s) only; one with a State of its own keeps the empty setup.
+// The defaults of a family with no shared-memory layout and no prologue (the decode planner, expert
+// parallelism's transfers: they define run(p, s) only); MoE's routing and dispatch declare their own State,
+// and dispatch its own setup, over them.
 template <class P, LaunchKind L>
 struct SimpleFamily {
   using Params = P;
