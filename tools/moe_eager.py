@@ -46,6 +46,7 @@ from meld.ops.moe_weights import packed_shapes  # noqa: E402
 from meld.runtime import driver, fastcall  # noqa: E402
 from meld.runtime.tensor_map import TensorMapCache  # noqa: E402
 from meld.runtime.watchdog import Watchdog  # noqa: E402
+from torch_op_overhead import time_calls  # noqa: E402   (tools/ is this script's path[0])
 
 BF16 = torch.bfloat16
 
@@ -98,23 +99,6 @@ class _StubMoE(meld.MoE):
 
     def _run_cpu(self, *args):
         self._launch(*args)
-
-
-def time_calls(variants: dict[str, Callable[[], object]], calls: int, rounds: int, sync: Callable[[], None],
-               clock: Callable[[], float]) -> dict[str, float]:
-    """The best of `rounds` rounds' host time per call (us) of each variant, the variants interleaved."""
-    for fn in variants.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            sync()
-            t0 = clock()
-            for _ in range(calls):
-                fn()
-            samples[name].append((clock() - t0) / calls * 1e6)
-    sync()
-    return {name: min(s) for name, s in samples.items()}
 
 
 def inputs(shape: Shape, T: int, device: str, packed: bool) -> tuple[torch.Tensor, ...]:

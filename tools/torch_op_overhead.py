@@ -30,7 +30,7 @@ from meld.workloads import paged  # noqa: E402
 
 
 class _StubAttention(meld.DecodeAttention):
-    def run(self, q, kv_cache, *, return_lse=False, out=None, lse=None):
+    def run(self, q, kv_cache, *, return_lse=False, out=None, lse=None, k_scale=1.0, v_scale=1.0):
         return out
 
 
@@ -46,7 +46,8 @@ def _custom_op_stub(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, 
     path would cost (meld.ops.torch_ops uses torch.library.Library)."""
 
 
-def time_calls(variants: dict[str, Callable[[], object]], calls: int, rounds: int, sync: Callable[[], None]) -> dict[str, float]:
+def time_calls(variants: dict[str, Callable[[], object]], calls: int, rounds: int, sync: Callable[[], None],
+               clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """The best of `rounds` rounds' host time per call (us) of each variant, the variants interleaved."""
     for fn in variants.values():
         fn()
@@ -54,10 +55,10 @@ def time_calls(variants: dict[str, Callable[[], object]], calls: int, rounds: in
     for _ in range(rounds):
         for name, fn in variants.items():
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(calls):
                 fn()
-            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+            samples[name].append((clock() - t0) / calls * 1e6)
     sync()
     return {name: min(s) for name, s in samples.items()}
 
