@@ -61,3 +61,15 @@ def test_the_shared_arrays_name_is_not_code(tmp_path):
     a, b = (same_code.ptx(f'extern "C" __global__ void meld_k(unsigned char* out) {{ extern __shared__ unsigned char '
                           f'{n}[]; {body.format(name=n)} }}\n', n, tmp_path) for n in ("smem", "smem_raw"))
     assert a == b
+
+
+def test_each_entry_reads_its_struct_through_the_skeleton_and_written_out():
+    """A MELD_PERSISTENT_KERNEL entry maps to its family's Params (declared, or SimpleFamily's), an entry
+    written out (a base tree's, with __launch_bounds__) to its parameter's type."""
+    from meld.codegen.moe_kernel import MoeKernelConfig
+
+    maps = same_code.field_maps(MoeKernelConfig().render())
+    assert set(maps) == {"meld_moe_route", "meld_moe_scatter", "meld_moe_main"}
+    assert maps["meld_moe_route"] == maps["meld_moe_main"] and ("num_tokens" in dict(maps["meld_moe_main"]).values())
+    written = 'extern "C" __global__ void __launch_bounds__(64) meld_k(const __grid_constant__ P p) {}\n'
+    assert same_code.field_maps(ParamStruct("P", [OUT, A]).c_source() + written) == {"meld_k": [(0, "out"), (8, "a")]}

@@ -10,8 +10,9 @@ from the static_asserts ParamStruct writes beside the struct): a field moved or 
 reading a different field is not; and the name of the dynamic shared-memory array. Where the PTX differs, ptxas
 compiles both sides and their kernels' machine code (the cubin's .text sections) is compared instead (the
 front end may number or order things differently and ptxas still emit the same SASS). Prints one line per
-variant -- `same`, `same machine code`, `DIFFERS` (with the first differing line and both sides' registers,
-stack and spills) or `missing` where a side cannot render it -- and exits 1 if any differs.
+variant -- `same`, `same machine code`, `DIFFERS` (naming the kernels whose machine code differs and those
+whose does not, with the first differing line and both sides' registers, stack and spills) or `missing`
+where a side cannot render it -- and exits 1 if any differs.
 
 Why: structural work on the kernels (shared headers, one skeleton, a moved struct) should not change what
 the GPU runs. Identical PTX means identical SASS from the same ptxas, so same-code variants need no GPU
@@ -99,7 +100,9 @@ _ACCESS = re.compile(r"\[(\w+)_param_0(?:\+(\d+))?\]")   # [k_param_0+48], [k_pa
 _PARAM_SIZE = re.compile(r"(\.b8 \w+_param_0)\[\d+\]")    # .param .b8 k_param_0[1344]
 _EXTERN_SHARED = re.compile(r"^\.extern \.shared .*?\.b8 (\w+)\[\];", re.M)   # the dynamic shared array's name
 _DROP = re.compile(r"^\s*(//|\.loc\s|\.file\s)")            # comments, debug line and file markers
-_ENTRY = re.compile(r"__global__[^(]*?\b(meld_\w+)\s*\(\s*const __grid_constant__ (\w+)")
+_ENTRY = re.compile(r"__global__[^;{]*?\b(meld_\w+)\s*\(\s*const __grid_constant__ (\w+)")   # a kernel written out
+_FAMILY_ENTRY = re.compile(r"^MELD_PERSISTENT_KERNEL\((\w+),\s*(?:meld::)?(\w+),", re.M)   # persistent.cuh's
+_FAMILY = re.compile(r"^struct (\w+)\s*(?::\s*SimpleFamily<(\w+),[^{]*)?\{\s*(?:using Params = (\w+);)?", re.M)
 _OFFSET = re.compile(r"__builtin_offsetof\((\w+), (\w+)\) == (\d+)")
 
 
@@ -121,7 +124,9 @@ def field_maps(source: str) -> dict[str, list[tuple[int, str]]]:
     fields: dict[str, list[tuple[int, str]]] = {}
     for owner, name, off in _OFFSET.findall(source):
         fields.setdefault(owner, []).append((int(off), name))
-    return {entry: sorted(fields.get(owner, [])) for entry, owner in _ENTRY.findall(source)}
+    params = {family: base or own for family, base, own in _FAMILY.findall(source)}   # a family's F::Params
+    entries = [*_ENTRY.findall(source), *((e, params.get(f, "")) for e, f in _FAMILY_ENTRY.findall(source))]
+    return {entry: sorted(fields.get(owner, [])) for entry, owner in entries}
 
 
 def _named(maps: dict[str, list[tuple[int, str]]], m: re.Match) -> str:
@@ -213,12 +218,16 @@ def main() -> int:
             if pa == pb:
                 print(f"{key:22s} same ({len(pa)} PTX lines)")
                 continue
-            if machine_code(dirs["base"] / f"{key}.ptx") == machine_code(dirs["here"] / f"{key}.ptx"):
+            ma, mb = machine_code(dirs["base"] / f"{key}.ptx"), machine_code(dirs["here"] / f"{key}.ptx")
+            if ma == mb:
                 print(f"{key:22s} same machine code (the PTX differs, ptxas's SASS does not)")
                 continue
             differs += 1
             diff = [d for d in difflib.unified_diff(pa, pb, lineterm="", n=0) if d[:1] in "+-" and d[:3] not in ("+++", "---")]
-            print(f"{key:22s} DIFFERS: {len(diff)} lines changed; first: {diff[0][:140] if diff else '?'}")
+            same = sorted(k for k in ma if ma[k] == mb.get(k))
+            print(f"{key:22s} DIFFERS in {', '.join(sorted(k for k in ma.keys() | mb.keys() if k not in same))}"
+                  + (f" (same machine code: {', '.join(same)})" if same else "")
+                  + f": {len(diff)} PTX lines changed; first: {diff[0][:140] if diff else '?'}")
             for side in sides:
                 print(f"{'':22s}   {side}: {resources(dirs[side] / f'{key}.ptx')}")
     print(f"{len(variants) - differs} of {len(variants)} variants compile to the same PTX as {args.base}")

@@ -105,14 +105,6 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
-// --- programmatic dependent launch -------------------------------------------------------------------
-// A grid launched as a programmatic dependent of the one before it in the stream may start once every CTA
-// of that one has called launch_dependents(); it must call grid_dependency_wait() before it reads anything
-// the earlier grid writes (the wait returns when that grid has finished and its writes are visible). In a
-// plain launch both are no-ops.
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 // --- timing (MELD_PROFILE builds) ---------------------------------------------------------------
 __device__ __forceinline__ i64 global_timer_ns() {
   i64 t;

@@ -7,7 +7,7 @@
 // When every CTA is done reading, the last one writes `done_seq` to the host-mapped `done_flag`, which
 // tells the host it may reuse its staging buffer.
 //
-// Defined by the including source: decode_plan.h and what it needs.
+// Defined by the including source: persistent.cuh, decode_plan.h and what it needs.
 
 namespace meld {
 
@@ -33,20 +33,25 @@ __device__ __forceinline__ void copy_indices(const PlanParams& p) {
     for (int i = 4 * n4 + threadIdx.x; i < nnz; i += PT) p.dst_indices[i] = p.src_indices[i];
 }
 
-}  // namespace meld
-
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1) meld_decode_plan(const __grid_constant__ PlanParams p) {
-  using namespace meld;
-  if (blockIdx.x == 0) plan_tables(p);
-  else copy_indices(p);
-  if (p.done_flag == nullptr) return;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(p.arrive, 1) == (int)gridDim.x - 1) {   // last CTA: all reads of the staging buffer are done
-      *p.arrive = 0;
-      __threadfence_system();
-      *reinterpret_cast<volatile int*>(p.done_flag) = p.done_seq;
+// The family (persistent.cuh): an ordinary launch (meld/ops/paged_decode.py) of one planning CTA and the
+// copying ones; the planner's scratch is its own extern shared array (decode_plan.h, shared with the host build).
+struct DecodePlanFamily : SimpleFamily<PlanParams, LAUNCH_PLAIN> {
+  static __device__ __forceinline__ void run(const PlanParams& p, const State&) {
+    if (blockIdx.x == 0) plan_tables(p);
+    else copy_indices(p);
+    if (p.done_flag == nullptr) return;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (atomicAdd(p.arrive, 1) == (int)gridDim.x - 1) {   // last CTA: all reads of the staging buffer are done
+        *p.arrive = 0;
+        __threadfence_system();
+        *reinterpret_cast<volatile int*>(p.done_flag) = p.done_seq;
+      }
     }
   }
-}
+};
+
+}  // namespace meld
+
+MELD_PERSISTENT_KERNEL(meld_decode_plan, meld::DecodePlanFamily, PLAN_THREADS, 1)

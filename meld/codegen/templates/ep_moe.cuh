@@ -113,125 +113,139 @@ __device__ void ep_send_and_wait(const EpParams& p, long long count_off, int nbl
     signal_wait(w.word(p.x_rank, count_off + 8 * r), call, ep_site(p, 10, site_unit, r), XRANK_WAIT_NS);
 }
 
-extern "C" __global__ void __launch_bounds__(EP_WARPS * 32) meld_ep_dispatch(const __grid_constant__ EpParams p) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, K = p.top_k, T = p.num_tokens, W = p.x_world;
-  const XWindows w = ep_windows(p);
-  const unsigned long long call = ep_call(p);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (MELD_EP_PROXY)
-      xrank_announce_proxy(w, XRing{p.xring, p.xring_tail, p.xring_head, p.xring_cap}, call, ep_site(p, 12, -1, 0));
-    else
-      xrank_announce_peers(w, call);
-  }
-  if (!MELD_EP_PROXY) {   // (the proxy's puts wait in the last CTA: this rank writes only its own window)
-    if (threadIdx.x == 0) xrank_wait_started(w, call, ep_site(p, 13, -1, 0), XRANK_WAIT_NS);
-    __syncthreads();
-  }
-  const int vecs = p.hidden / 8;
-  const i64 slots = ep_slots(p), row_bytes = (i64)p.hidden * 2;
-  for (int t = blockIdx.x * EP_WARPS + warp; t < T; t += gridDim.x * EP_WARPS) {
-    const int id = ep_pair_id(p, t, lane);
-    const int dst = id < 0 ? -1 : id / p.experts_per_rank;
-    const i64 slot = (i64)p.x_rank * slots + (i64)t * K + lane;   // this pair's slot in every rank's window
-    if (lane < K) {
-      if (id < 0) atomicOr(p.error, 1);
-      for (int r = MELD_EP_PROXY ? p.x_rank : 0; r < (MELD_EP_PROXY ? p.x_rank + 1 : W); ++r)
-        reinterpret_cast<int*>(w.peers[r] + p.x_hdr_off)[slot] = id;
-      if (dst >= 0)
-        reinterpret_cast<float*>(w.peers[MELD_EP_PROXY ? p.x_rank : dst] + p.x_wts_off)[slot] = p.topk_w[(i64)t * K + lane];
+// The three kernels are families of the skeleton (persistent.cuh), each an ordinary launch
+// (meld/distributed/expert_parallel.py) whose CTAs take EP_WARPS tokens or slots at a time.
+struct EpDispatch : SimpleFamily<EpParams, LAUNCH_PLAIN> {
+  static __device__ __forceinline__ void run(const EpParams& p, const State&) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, K = p.top_k, T = p.num_tokens, W = p.x_world;
+    const XWindows w = ep_windows(p);
+    const unsigned long long call = ep_call(p);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (MELD_EP_PROXY)
+        xrank_announce_proxy(w, XRing{p.xring, p.xring_tail, p.xring_head, p.xring_cap}, call, ep_site(p, 12, -1, 0));
+      else
+        xrank_announce_peers(w, call);
     }
-    const uint4* src = reinterpret_cast<const uint4*>(p.x + (i64)t * p.x_stride);
-    for (int c = 0; c < vecs; c += 32 * EP_VECS) {   // each chunk loaded once, stored for every pair
-      uint4 v[EP_VECS];
-#pragma unroll
-      for (int u = 0; u < EP_VECS; ++u)
-        if (c + lane + 32 * u < vecs) v[u] = src[c + lane + 32 * u];
-      for (int j = 0; j < K; ++j) {
-        const int d = __shfl_sync(~0u, dst, j);
-        if (d < 0) continue;
-        const i64 s = (i64)p.x_rank * slots + (i64)t * K + j;
-        uint4* row = reinterpret_cast<uint4*>(w.peers[MELD_EP_PROXY ? p.x_rank : d] + p.x_rows_off + s * row_bytes) + c;
+    if (!MELD_EP_PROXY) {   // (the proxy's puts wait in the last CTA: this rank writes only its own window)
+      if (threadIdx.x == 0) xrank_wait_started(w, call, ep_site(p, 13, -1, 0), XRANK_WAIT_NS);
+      __syncthreads();
+    }
+    const int vecs = p.hidden / 8;
+    const i64 slots = ep_slots(p), row_bytes = (i64)p.hidden * 2;
+    for (int t = blockIdx.x * EP_WARPS + warp; t < T; t += gridDim.x * EP_WARPS) {
+      const int id = ep_pair_id(p, t, lane);
+      const int dst = id < 0 ? -1 : id / p.experts_per_rank;
+      const i64 slot = (i64)p.x_rank * slots + (i64)t * K + lane;   // this pair's slot in every rank's window
+      if (lane < K) {
+        if (id < 0) atomicOr(p.error, 1);
+        for (int r = MELD_EP_PROXY ? p.x_rank : 0; r < (MELD_EP_PROXY ? p.x_rank + 1 : W); ++r)
+          reinterpret_cast<int*>(w.peers[r] + p.x_hdr_off)[slot] = id;
+        if (dst >= 0)
+          reinterpret_cast<float*>(w.peers[MELD_EP_PROXY ? p.x_rank : dst] + p.x_wts_off)[slot] =
+              p.topk_w[(i64)t * K + lane];
+      }
+      const uint4* src = reinterpret_cast<const uint4*>(p.x + (i64)t * p.x_stride);
+      for (int c = 0; c < vecs; c += 32 * EP_VECS) {   // each chunk loaded once, stored for every pair
+        uint4 v[EP_VECS];
 #pragma unroll
         for (int u = 0; u < EP_VECS; ++u)
-          if (c + lane + 32 * u < vecs) row[lane + 32 * u] = v[u];
+          if (c + lane + 32 * u < vecs) v[u] = src[c + lane + 32 * u];
+        for (int j = 0; j < K; ++j) {
+          const int d = __shfl_sync(~0u, dst, j);
+          if (d < 0) continue;
+          const i64 s = (i64)p.x_rank * slots + (i64)t * K + j;
+          uint4* row =
+              reinterpret_cast<uint4*>(w.peers[MELD_EP_PROXY ? p.x_rank : d] + p.x_rows_off + s * row_bytes) + c;
+#pragma unroll
+          for (int u = 0; u < EP_VECS; ++u)
+            if (c + lane + 32 * u < vecs) row[lane + 32 * u] = v[u];
+        }
       }
     }
+    if (!ep_last_cta(p)) return;
+    ep_send_and_wait(p, p.x_sent_off, 3, [&](int b, int, long long& off, long long& bytes) {   // this rank's
+      bytes = b == 2 ? slots * row_bytes : slots * 4;                                          // source block:
+      off = (b == 0 ? p.x_hdr_off : b == 1 ? p.x_wts_off : p.x_rows_off) + p.x_rank * bytes;   // ids, weights, rows
+    }, call, -1);
   }
-  if (!ep_last_cta(p)) return;
-  ep_send_and_wait(p, p.x_sent_off, 3, [&](int b, int, long long& off, long long& bytes) {   // this rank's
-    bytes = b == 2 ? slots * row_bytes : slots * 4;                                          // source block:
-    off = (b == 0 ? p.x_hdr_off : b == 1 ? p.x_wts_off : p.x_rows_off) + p.x_rank * bytes;   // ids, weights, rows
-  }, call, -1);
-}
+};
 
-extern "C" __global__ void __launch_bounds__(EP_WARPS * 32) meld_ep_return(const __grid_constant__ EpParams p) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const XWindows w = ep_windows(p);
-  const unsigned long long call = ep_call(p);
-  const int vecs = p.hidden / 8, first = p.x_rank * p.experts_per_rank;
-  const i64 slots = ep_slots(p), row_bytes = (i64)p.hidden * 2;
-  const int* hdr = reinterpret_cast<const int*>(w.peers[p.x_rank] + p.x_hdr_off);
-  for (i64 s = (i64)blockIdx.x * EP_WARPS + warp; s < p.x_world * slots; s += (i64)gridDim.x * EP_WARPS) {
-    const int e = hdr[s];
-    if (e < first || e >= first + p.experts_per_rank) continue;   // another rank serves this pair
-    const int src = (int)(s / slots);
-    const uint4* from = reinterpret_cast<const uint4*>(p.served + s * p.hidden);
-    uint4* to = reinterpret_cast<uint4*>(w.peers[MELD_EP_PROXY ? p.x_rank : src] + ep_ret(p, p.x_rank, src) +
-                                         (s - src * slots) * row_bytes);
+struct EpReturn : SimpleFamily<EpParams, LAUNCH_PLAIN> {
+  static __device__ __forceinline__ void run(const EpParams& p, const State&) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const XWindows w = ep_windows(p);
+    const unsigned long long call = ep_call(p);
+    const int vecs = p.hidden / 8, first = p.x_rank * p.experts_per_rank;
+    const i64 slots = ep_slots(p), row_bytes = (i64)p.hidden * 2;
+    const int* hdr = reinterpret_cast<const int*>(w.peers[p.x_rank] + p.x_hdr_off);
+    for (i64 s = (i64)blockIdx.x * EP_WARPS + warp; s < p.x_world * slots; s += (i64)gridDim.x * EP_WARPS) {
+      const int e = hdr[s];
+      if (e < first || e >= first + p.experts_per_rank) continue;   // another rank serves this pair
+      const int src = (int)(s / slots);
+      const uint4* from = reinterpret_cast<const uint4*>(p.served + s * p.hidden);
+      uint4* to = reinterpret_cast<uint4*>(w.peers[MELD_EP_PROXY ? p.x_rank : src] + ep_ret(p, p.x_rank, src) +
+                                           (s - src * slots) * row_bytes);
 #pragma unroll 4
-    for (int c = lane; c < vecs; c += 32) to[c] = from[c];
+      for (int c = lane; c < vecs; c += 32) to[c] = from[c];
+    }
+    if (!ep_last_cta(p)) return;
+    ep_send_and_wait(p, p.x_back_off, 1, [&](int, int r, long long& off, long long& bytes) {   // this rank's owner
+      off = ep_ret(p, p.x_rank, r);                                                          // block of source r
+      bytes = slots * row_bytes;
+    }, call, -2);
   }
-  if (!ep_last_cta(p)) return;
-  ep_send_and_wait(p, p.x_back_off, 1, [&](int, int r, long long& off, long long& bytes) {   // this rank's owner
-    off = ep_ret(p, p.x_rank, r);                                                          // block of source r
-    bytes = slots * row_bytes;
-  }, call, -2);
-}
+};
 
 __device__ __forceinline__ void ep_add_bf16x2(float& lo, float& hi, u32 two) {
   lo += __uint_as_float(two << 16);
   hi += __uint_as_float(two & 0xFFFF0000u);
 }
 
-extern "C" __global__ void __launch_bounds__(EP_WARPS * 32) meld_ep_combine(const __grid_constant__ EpParams p) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, K = p.top_k;
-  const char* win = p.xpeers[p.x_rank];
-  for (int t = blockIdx.x * EP_WARPS + warp; t < p.num_tokens; t += gridDim.x * EP_WARPS) {
-    const int id = ep_pair_id(p, t, lane);   // (every lane: it shuffles)
-    const bool all_valid = __all_sync(~0u, lane >= K || id >= 0);
-    u16* o = p.out + (i64)t * p.hidden;
-    if (!all_valid) {   // NaN in, NaN out: an invalid pair was never sent
-      for (int h = lane; h < p.hidden; h += 32) o[h] = 0x7fc0;
-      continue;
-    }
-    const int owner = lane < K ? id / p.experts_per_rank : 0;   // lane j: pair j's owner
-    for (int h0 = 0; h0 < p.hidden; h0 += 32 * 8) {   // 8 bf16 per lane per step (every lane: it shuffles)
-      const int h = min(h0 + lane * 8, p.hidden - 8);   // (a lane past the row rereads its last vector)
-      float acc[8] = {};
-      for (int j0 = 0; j0 < K; j0 += 8) {   // eight pairs' loads in flight at once
-        uint4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int j = j0 + u, d = __shfl_sync(~0u, owner, j & 31);
-          if (j < K)
-            v[u] = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(win + ep_ret(p, d, p.x_rank)) +
-                                                   ((i64)t * K + j) * p.hidden + h);
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          if (j0 + u >= K) break;
-          ep_add_bf16x2(acc[0], acc[1], v[u].x);
-          ep_add_bf16x2(acc[2], acc[3], v[u].y);
-          ep_add_bf16x2(acc[4], acc[5], v[u].z);
-          ep_add_bf16x2(acc[6], acc[7], v[u].w);
-        }
+struct EpCombine : SimpleFamily<EpParams, LAUNCH_PLAIN> {
+  static __device__ __forceinline__ void run(const EpParams& p, const State&) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, K = p.top_k;
+    const char* win = p.xpeers[p.x_rank];
+    for (int t = blockIdx.x * EP_WARPS + warp; t < p.num_tokens; t += gridDim.x * EP_WARPS) {
+      const int id = ep_pair_id(p, t, lane);   // (every lane: it shuffles)
+      const bool all_valid = __all_sync(~0u, lane >= K || id >= 0);
+      u16* o = p.out + (i64)t * p.hidden;
+      if (!all_valid) {   // NaN in, NaN out: an invalid pair was never sent
+        for (int h = lane; h < p.hidden; h += 32) o[h] = 0x7fc0;
+        continue;
       }
-      if (h0 + lane * 8 < p.hidden)
-        *reinterpret_cast<uint4*>(o + h) = make_uint4(pack2(acc[0], acc[1]), pack2(acc[2], acc[3]), pack2(acc[4], acc[5]),
-                                                      pack2(acc[6], acc[7]));
+      const int owner = lane < K ? id / p.experts_per_rank : 0;   // lane j: pair j's owner
+      for (int h0 = 0; h0 < p.hidden; h0 += 32 * 8) {   // 8 bf16 per lane per step (every lane: it shuffles)
+        const int h = min(h0 + lane * 8, p.hidden - 8);   // (a lane past the row rereads its last vector)
+        float acc[8] = {};
+        for (int j0 = 0; j0 < K; j0 += 8) {   // eight pairs' loads in flight at once
+          uint4 v[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int j = j0 + u, d = __shfl_sync(~0u, owner, j & 31);
+            if (j < K)
+              v[u] = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(win + ep_ret(p, d, p.x_rank)) +
+                                                     ((i64)t * K + j) * p.hidden + h);
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            if (j0 + u >= K) break;
+            ep_add_bf16x2(acc[0], acc[1], v[u].x);
+            ep_add_bf16x2(acc[2], acc[3], v[u].y);
+            ep_add_bf16x2(acc[4], acc[5], v[u].z);
+            ep_add_bf16x2(acc[6], acc[7], v[u].w);
+          }
+        }
+        if (h0 + lane * 8 < p.hidden)
+          *reinterpret_cast<uint4*>(o + h) =
+              make_uint4(pack2(acc[0], acc[1]), pack2(acc[2], acc[3]), pack2(acc[4], acc[5]), pack2(acc[6], acc[7]));
+      }
     }
+    if (blockIdx.x == 0 && threadIdx.x == 0) *p.xlaunch = ep_call(p);   // the call is finished on this rank
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.xlaunch = ep_call(p);   // the call is finished on this rank
-}
+};
 
 }  // namespace meld
+
+MELD_PERSISTENT_KERNEL(meld_ep_dispatch, meld::EpDispatch, EP_WARPS * 32, 0)
+MELD_PERSISTENT_KERNEL(meld_ep_return, meld::EpReturn, EP_WARPS * 32, 0)
+MELD_PERSISTENT_KERNEL(meld_ep_combine, meld::EpCombine, EP_WARPS * 32, 0)

@@ -191,7 +191,7 @@ __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
 // --- dispatch -----------------------------------------------------------------------------------------
 // A token's row of x copied to its k expert-sorted rows of xs by one warp, which also records the pairs'
 // positions and NaN-fills a token with no valid pair (the lone routing CTA does both its own way: see
-// meld_moe_route). A lane keeps SCATTER_VECS 16-byte vectors of the row in registers, so the stores of a
+// route). A lane keeps SCATTER_VECS 16-byte vectors of the row in registers, so the stores of a
 // chunk wait on one round of loads, not on one load each; `row` may arrive holding the first chunk already
 // (`first_loaded`).
 constexpr int SCATTER_VECS = 8;
@@ -239,10 +239,9 @@ __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATT
   nan_fill_unrouted(p, t, lane, p.tok_need[t]);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_constant__ MoeParams p) {
+// The routing launch's body (MoeRoute): `route_keys`, its dynamic shared memory.
+__device__ __forceinline__ void route(const MoeParams& p, u32* route_keys) {
   __shared__ u32 mask[MAX_EXPERTS];
-  extern __shared__ __align__(16) u32 route_keys[];   // [TOK_BLOCK][32][slots]: a warp's keys, lane-major
-  launch_dependents();   // the dispatch launch may start loading rows of x
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, E = p.num_experts, K = p.top_k;
   const int t = blockIdx.x * TOK_BLOCK + warp;
   const bool lone_dispatch = gridDim.x == 1 && p.route_dispatches;
@@ -402,21 +401,34 @@ extern "C" __global__ void __launch_bounds__(1024) meld_moe_route(const __grid_c
   }
 }
 
-// A programmatic dependent of the routing launch (more than one routing CTA): x is the layer's input, not
-// routing's output, so each warp loads its token's first chunk before waiting for routing. CTAs are small
+// The routing launch (persistent.cuh): an ordinary launch (meld/ops/moe.py) that releases the dispatch
+// launch at once, so its CTAs may start loading rows of x. Its CTAs take TOK_BLOCK tokens each.
+struct MoeRoute : SimpleFamily<MoeParams, LAUNCH_CHAIN_HEAD> {
+  struct State {
+    u32* keys;   // [TOK_BLOCK][32][slots]: a warp's keys, lane-major
+    __device__ __forceinline__ State(const MoeParams&, unsigned char* smem) : keys(reinterpret_cast<u32*>(smem)) {}
+  };
+  static __device__ __forceinline__ void run(const MoeParams& p, const State& s) { route(p, s.keys); }
+};
+
+// The dispatch launch (more than one routing CTA): a programmatic dependent of routing that releases the
+// persistent kernel at once (its prologue overlaps this launch). x is the layer's input, not routing's
+// output, so setup loads each warp's token's first chunk before the wait for routing. CTAs are small
 // (SCATTER_WARPS tokens): one SM moves only tens of GB/s, so a few hundred tokens must spread over many SMs.
-extern "C" __global__ void __launch_bounds__(SCATTER_WARPS * 32) meld_moe_scatter(const __grid_constant__ MoeParams p) {
-  launch_dependents();   // the persistent kernel may start its prologue
-  const int lane = threadIdx.x % 32, t = blockIdx.x * SCATTER_WARPS + threadIdx.x / 32;
-  const bool live = t < p.num_tokens;
-  uint4 row[SCATTER_VECS];
-  if (live) load_chunk((const uint4*)(p.x + (i64)t * p.x_stride), 0, p.hidden / 8, lane, row);
-  grid_dependency_wait();
-  if (live) dispatch(p, t, lane, row, true);
-}
-
-
-
+struct MoeScatter : SimpleFamily<MoeParams, LAUNCH_CHAIN_LINK> {
+  struct State {
+    int lane, t;                 // the warp's token
+    uint4 row[SCATTER_VECS];     // its first chunk of x
+    __device__ __forceinline__ State(const MoeParams&, unsigned char*)
+        : lane(threadIdx.x % 32), t(blockIdx.x * SCATTER_WARPS + threadIdx.x / 32) {}
+  };
+  static __device__ __forceinline__ void setup(const MoeParams& p, State& s) {
+    if (s.t < p.num_tokens) load_chunk((const uint4*)(p.x + (i64)s.t * p.x_stride), 0, p.hidden / 8, s.lane, s.row);
+  }
+  static __device__ __forceinline__ void run(const MoeParams& p, State& s) {
+    if (s.t < p.num_tokens) dispatch(p, s.t, s.lane, s.row, true);
+  }
+};
 
 // --- the persistent kernel ----------------------------------------------------------------------------
 __device__ __forceinline__ WaitSite wait_site(const MoeParams& p, int site, int warp, int unit, int detail) {
@@ -851,4 +863,6 @@ struct MoeFamily {
 
 }  // namespace meld
 
+MELD_PERSISTENT_KERNEL(meld_moe_route, meld::MoeRoute, 1024, 0)
+MELD_PERSISTENT_KERNEL(meld_moe_scatter, meld::MoeScatter, SCATTER_WARPS * 32, 0)
 MELD_PERSISTENT_KERNEL(meld_moe_main, meld::MoeFamily, 384, 1)
