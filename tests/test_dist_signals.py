@@ -1,6 +1,6 @@
-"""The cross-rank signal primitives of common.cuh (signal_add, fetch_add_sys, signal_wait under the
+"""The system-scope event primitives of events.cuh (event_signal_sys, event_arrive_sys, event_wait_sys under the
 watchdog): they compile for sm_90a (CPU), and on a GPU two co-resident CTAs ping-pong data through them,
-every round's data visible once its signal is seen, and fetch_add_sys counts every arrival once."""
+every round's data visible once its signal is seen, and event_arrive_sys counts every arrival once."""
 import ctypes
 import shutil
 
@@ -26,27 +26,27 @@ extern "C" __global__ void __launch_bounds__(256) meld_signal_pingpong(const __g
   const WaitSite site{p.rec, p.claim, 0, 10, (int)blockIdx.x, (int)(threadIdx.x >> 5), 0, waits_on};
   for (int r = 1; r <= p.rounds; ++r) {
     if (blockIdx.x == 0) {                       // the writer: round r's data, then its signal
-      if (threadIdx.x == 0 && r > 1) signal_wait(&p.flags[1], r - 1, site);
+      if (threadIdx.x == 0 && r > 1) event_wait_sys(&p.flags[1], r - 1, site);
       __syncthreads();
       for (int i = threadIdx.x; i < p.n; i += blockDim.x) p.data[i] = (float)(r * 7 + i);
       __syncthreads();
-      if (threadIdx.x == 0) signal_add(&p.flags[0], 1);
+      if (threadIdx.x == 0) event_signal_sys(&p.flags[0], 1);
     } else {                                     // the reader: wait for the signal, check, signal back
-      if (threadIdx.x == 0) signal_wait(&p.flags[0], r, site);
+      if (threadIdx.x == 0) event_wait_sys(&p.flags[0], r, site);
       __syncthreads();
       for (int i = threadIdx.x; i < p.n; i += blockDim.x)
-        if (p.data[i] != (float)(r * 7 + i)) fetch_add_sys(&p.flags[2], 1);
+        if (p.data[i] != (float)(r * 7 + i)) event_arrive_sys(&p.flags[2], 1, 0);
       __syncthreads();
-      if (threadIdx.x == 0) signal_add(&p.flags[1], 1);
+      if (threadIdx.x == 0) event_signal_sys(&p.flags[1], 1);
     }
   }
-  if (threadIdx.x % 32 == 0) fetch_add_sys(&p.flags[3], 1);
+  if (threadIdx.x % 32 == 0) event_arrive_sys(&p.flags[3], 1, 0);
 }
 """
 
 
 def source() -> str:
-    return "\n".join([HEAD, WATCHDOG_RECORD.c_source(), template("common.cuh"), KERNEL])
+    return "\n".join([HEAD, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), KERNEL])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

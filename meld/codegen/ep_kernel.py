@@ -43,6 +43,6 @@ class EpKernelConfig:
             "#define MELD_PROFILE 0",
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"),
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"),
                           template("xrank.cuh"),
                           EP_PARAMS.c_source(), template("ep_moe.cuh")])

@@ -119,6 +119,6 @@ class GroupedKernelConfig:
         if self.split_stream == "warp":   # (the cta build's source stays as it was)
             head[4:4] = ["#define MELD_SPLIT_WARP 1", f"#define SPLIT_WARPS {self.split_warps}",
                          f"#define WARP_STAGES {self.warp_stages}"]
-        return "\n".join([ "\n".join(head), WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"),
+        return "\n".join([ "\n".join(head), WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"),
                           GROUPED_PARAMS.c_source(), SPLIT_TASK.c_source(), EVENT.c_source(),
                           template("grouped_attention.cuh")])

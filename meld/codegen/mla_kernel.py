@@ -88,6 +88,6 @@ class MlaKernelConfig:
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
         mma = "namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}"
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,
                           MLA_PARAMS.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),
                           template("mla_decode.cuh")])

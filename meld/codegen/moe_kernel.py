@@ -149,7 +149,7 @@ class MoeKernelConfig:
             f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
             f"#define MELD_PACKED {int(self.packed_weights)}",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("hopper.cuh"),
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"),
                           "namespace meld {\n" + "".join(map(wgmma_bf16, tile_token_widths(self.block_tokens)))
                           + "}  // namespace meld",
                           MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), template("moe_plan.h"),

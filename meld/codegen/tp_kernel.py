@@ -279,7 +279,7 @@ class TpKernelConfig:
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("persistent.cuh"), template("xrank.cuh"),
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           template("hopper.cuh"), "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
                           TP_PARAMS.c_source(), template("tp_linear.cuh")])
 

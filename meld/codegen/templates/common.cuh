@@ -98,13 +98,6 @@ __device__ __forceinline__ uint4 ld_cg_v4(const void* p) {   // 16 bytes of any 
   asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-// A flag another CTA released (a counter its last writer incremented after a fence).
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // --- timing (MELD_PROFILE builds) ---------------------------------------------------------------
 __device__ __forceinline__ i64 global_timer_ns() {
   i64 t;
@@ -189,11 +182,6 @@ __device__ __forceinline__ u32 dsmem_map(u32 addr, int rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-__device__ __forceinline__ u32 dsmem_atomic_add(u32 addr, u32 v) {
-  u32 old;
-  asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
-  return old;
-}
 __device__ __forceinline__ float dsmem_load(u32 addr) {
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
@@ -259,36 +247,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, const WaitSite& s
       watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, parity, waited);
   }
 }
-// --- cross-rank signals (meld/distributed) -----------------------------------------------------------------
-// A put is plain stores into a peer's symmetric buffer (NVLink peer memory, or pinned host memory for
-// the proxy). signal_add makes every store this thread issued before it visible at system scope, then
-// adds to the flag (release); fetch_add_sys does the same and returns the old count (the last arriver
-// sees count - 1); signal_wait spins with acquire loads until the flag reaches `value`, under the
-// watchdog, so the data the signal covers is visible after it returns.
-__device__ __forceinline__ void signal_add(unsigned long long* flag, unsigned long long v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(flag), "l"(v) : "memory");
-}
-__device__ __forceinline__ unsigned long long fetch_add_sys(unsigned long long* flag, unsigned long long v) {
-  unsigned long long old;
-  asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(flag), "l"(v) : "memory");
-  return old;
-}
-__device__ __forceinline__ unsigned long long load_acquire_sys(const unsigned long long* flag) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-  return v;
-}
-__device__ __forceinline__ void signal_wait(const unsigned long long* flag, unsigned long long value, const WaitSite& s,
-                                            i64 limit_ns = MELD_WATCHDOG_NS) {
-  if (load_acquire_sys(flag) >= value) return;
-  const i64 t0 = global_timer_ns();
-  while (load_acquire_sys(flag) < value) {
-    const i64 waited = global_timer_ns() - t0;
-    if (waited > limit_ns)
-      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, (u32)value, waited);
-  }
-}
-
 // Low-latency words (NCCL's LL protocol): 4 bytes of data and a 4-byte tag (the launch) in one 8-byte store,
 // which lands whole (a single-copy-atomic access), so a reader that sees the tag has the data: no fence and
 // no separate flag between them.

@@ -622,15 +622,16 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned arrivals = CHUNKED ? x.k_last - x.k_first + 1 : 1;
-    unsigned old;
+    bool last;
     if (x.onchip) {
       fence_cluster();               // this CTA's partial (ordered by the barrier above) before the count
-      old = dsmem_atomic_add(dsmem_map(smem_addr(&pa.counter), x.first_cta - pl.cluster_first), 1u);
+      last = event_arrive_cluster(dsmem_map(smem_addr(&pa.counter), x.first_cta - pl.cluster_first), arrivals,
+                                  (unsigned)x.num_parts);
     } else {
-      old = atomicAdd(p.counters + u, arrivals);
+      last = event_arrive(p.counters + u, arrivals, (unsigned)x.num_parts);
     }
-    mg.last = old == (unsigned)x.num_parts - arrivals;
-    if (mg.last) {
+    mg.last = last;
+    if (last) {
       if (x.onchip) fence_cluster(); else __threadfence();
     }
   }
@@ -671,7 +672,7 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
       v = ld_cg4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);
     }
   });
-  if (!x.onchip && threadIdx.x == 0) p.counters[u] = 0u;   // every piece has arrived: ready for the next launch
+  if (!x.onchip && threadIdx.x == 0) event_reset(p.counters + u);   // every piece has arrived: ready for the next launch
 }
 
 // The family's persistent main (persistent.cuh): one CTA per SM (its shared memory decides), every warp
@@ -708,7 +709,7 @@ struct DecodeFamily {
   static __device__ __forceinline__ void setup(const DecodeParams& p, State& s) {
     s.prof.begin(p.prof, p.prof_cap, s.pl.cta, threadIdx.x == 0, p.prof_clock, p.prof_every);
     if (ONCHIP) {
-      if (threadIdx.x == 0) s.pa.counter = 0u;
+      if (threadIdx.x == 0) event_reset(&s.pa.counter);
       cluster_arrive();     // the counter is zero before any peer counts on it
       cluster_wait();
     }

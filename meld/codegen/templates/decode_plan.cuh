@@ -7,7 +7,7 @@
 // When every CTA is done reading, the last one writes `done_seq` to the host-mapped `done_flag`, which
 // tells the host it may reuse its staging buffer.
 //
-// Defined by the including source: persistent.cuh, decode_plan.h and what it needs.
+// Defined by the including source: events.cuh, persistent.cuh, decode_plan.h and what it needs.
 
 namespace meld {
 
@@ -43,8 +43,8 @@ struct DecodePlanFamily : SimpleFamily<PlanParams, LAUNCH_PLAIN> {
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();
-      if (atomicAdd(p.arrive, 1) == (int)gridDim.x - 1) {   // last CTA: all reads of the staging buffer are done
-        *p.arrive = 0;
+      if (event_arrive(p.arrive, 1, (int)gridDim.x)) {   // last CTA: all reads of the staging buffer are done
+        event_reset(p.arrive);
         __threadfence_system();
         *reinterpret_cast<volatile int*>(p.done_flag) = p.done_seq;
       }

@@ -107,7 +107,7 @@ __device__ __forceinline__ int xrank_finish(const DecodeParams& p, const Unit& x
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0)
-    mg.last = fetch_add_sys(xcounter(p, x, u), 1ull) == (unsigned long long)(x.xparts - 1);
+    mg.last = event_arrive_sys(xcounter(p, x, u), 1ull, (unsigned long long)x.xparts);
   __syncthreads();
   if (!mg.last) return 0;
   const char* w = xwin(p, x.xowner);
@@ -118,7 +118,7 @@ __device__ __forceinline__ int xrank_finish(const DecodeParams& p, const Unit& x
     lse = ld_cg(reinterpret_cast<const float*>(w + p.x_plse_off) + prow);
     v = ld_cg4(reinterpret_cast<const float*>(w + p.x_po_off) + prow * D + d);
   });
-  if (threadIdx.x == 0) *xcounter(p, x, u) = 0ull;   // every part has arrived: ready for the next launch
+  if (threadIdx.x == 0) event_reset(xcounter(p, x, u));   // every part has arrived: ready for the next launch
   __syncthreads();   // (mg.last is rewritten by the next unit)
   return 1;
 }
@@ -155,19 +155,19 @@ __device__ __forceinline__ void proxy_exit(const DecodeParams& p, int cta, int s
         if (r != p.x_rank)
           proxy_push(p.xring, p.xring_tail, p.xring_head, p.xring_cap, PROXY_SIGNAL, r, p.x_landed_off + 8 * p.x_rank,
                      0, sent, s);
-    mg.last = atomicAdd(p.xexit, 1u) == (unsigned)p.num_ctas - 1;
+    mg.last = event_arrive(p.xexit, 1u, (unsigned)p.num_ctas);
   }
   __syncthreads();
   if (!mg.last) return;
   if (threadIdx.x == 0) {
-    p.xexit[0] = 0u;
+    event_reset(p.xexit);
     __threadfence();
     unsigned long long* landed = reinterpret_cast<unsigned long long*>(xwin(p, p.x_rank) + p.x_landed_off);
     for (int src = 0; src < p.x_world; ++src) {
       if (src == p.x_rank) continue;
       const unsigned long long want = p.xsrc[p.x_world + src] + p.xsrc[src];
-      signal_wait(landed + src, want,
-                  WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, (int)p.xsrc[src]}, XRANK_WAIT_NS);
+      event_wait_sys(landed + src, want,
+                     WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, (int)p.xsrc[src]}, XRANK_WAIT_NS);
       p.xsrc[p.x_world + src] = want;
     }
     p.xsrc[2 * p.x_world] += 1;   // launches done (every CTA read the count at its start)
@@ -197,8 +197,8 @@ __device__ __forceinline__ void xrank_exit(const DecodeParams& p, int cta, int f
   __syncthreads();
   if (threadIdx.x != 0) return;
   xrank_land(xwindows(p), (unsigned long long)finished);
-  if (atomicAdd(p.xexit, 1u) != (unsigned)p.num_ctas - 1) return;
-  p.xexit[0] = 0u;
+  if (!event_arrive(p.xexit, 1u, (unsigned)p.num_ctas)) return;
+  event_reset(p.xexit);
   const unsigned long long expected = *reinterpret_cast<volatile unsigned*>(p.xexit + 1);   // plan() writes it
   xrank_take_landed(xwindows(p), expected, WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 11, cta, 0, -1, 0},
                     XRANK_WAIT_NS);

@@ -56,9 +56,9 @@ __device__ bool ep_last_cta(const EpParams& p) {
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(p.xexit, 1u) == gridDim.x - 1;
+    last = event_arrive(p.xexit, 1u, gridDim.x);
     if (last) {
-      p.xexit[0] = 0u;
+      event_reset(p.xexit);
       __threadfence_system();
     }
   }
@@ -105,12 +105,12 @@ __device__ void ep_send_and_wait(const EpParams& p, long long count_off, int nbl
       }
       q.push(PROXY_SIGNAL, r, count_off + 8 * p.x_rank, 0, 1, ep_site(p, 12, site_unit, r));
     }
-    signal_add(w.word(p.x_rank, count_off + 8 * p.x_rank), 1ull);
+    event_signal_sys(w.word(p.x_rank, count_off + 8 * p.x_rank), 1ull);
   } else {
-    for (int r = 0; r < p.x_world; ++r) signal_add(w.word(r, count_off + 8 * p.x_rank), 1ull);
+    for (int r = 0; r < p.x_world; ++r) event_signal_sys(w.word(r, count_off + 8 * p.x_rank), 1ull);
   }
   for (int r = 0; r < p.x_world; ++r)
-    signal_wait(w.word(p.x_rank, count_off + 8 * r), call, ep_site(p, 10, site_unit, r), XRANK_WAIT_NS);
+    event_wait_sys(w.word(p.x_rank, count_off + 8 * r), call, ep_site(p, 10, site_unit, r), XRANK_WAIT_NS);
 }
 
 // The three kernels are families of the skeleton (persistent.cuh), each an ordinary launch

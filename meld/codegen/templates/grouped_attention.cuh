@@ -382,7 +382,7 @@ __device__ __forceinline__ void merge_events(const GroupedParams& p, const int* 
     const int k = i / per, j = i - k * per;
     merge_row4(p, list[k], j / (GD / 4), (j % (GD / 4)) * 4);
   }
-  for (int k = threadIdx.x; k < n; k += GTHREADS) p.counters[list[k]] = 0u;
+  for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
 }
 
 // The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
@@ -506,7 +506,7 @@ struct GroupedFamily {
         const int e = e0 + threadIdx.x;
         if (e < end) {
           __threadfence();   // the CTA's partials, stored before the barrier, before this count
-          if (atomicAdd(p.counters + e, 1u) == (unsigned)load_event(p.events, p.event_capacity, e).parts - 1u) {
+          if (event_arrive(p.counters + e, 1u, (unsigned)load_event(p.events, p.event_capacity, e).parts)) {
             __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
             fired[atomicAdd(&n_fired, 1)] = e;
           }

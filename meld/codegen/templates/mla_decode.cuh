@@ -232,14 +232,6 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece
   }
 }
 
-// Spin until a device-scope counter reaches `n` (acquire), under the watchdog.
-__device__ __forceinline__ void count_wait(const int* counter, int n, WaitSite s) {
-  const i64 t0 = global_timer_ns();
-  while (ld_acquire(counter) < n)
-    if (global_timer_ns() - t0 > MELD_WATCHDOG_NS)
-      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, (u32)n, global_timer_ns() - t0);
-}
-
 // Both consumer warpgroups (256 threads, ct 0..255) after storing a split piece's partial: count its arrival;
 // parts 0 .. S - 1 wait for every part and merge their slice of the channels, in part order (module comment).
 __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const Piece& x, int cta, int ct) {
@@ -249,9 +241,9 @@ __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const Piec
   int slices = 1;
   while (2 * slices <= n - 1 && 2 * slices <= MERGE_SLICES) slices *= 2;
   unsigned* counter = p.counters + u;
-  if (ct == 0) atomicAdd(counter, 1u);
+  if (ct == 0) event_arrive(counter, 1u, (unsigned)n);
   if (k >= slices) return;
-  if (ct == 0) count_wait(reinterpret_cast<const int*>(counter), n, mla_site(p, 21, cta, u, n));
+  if (ct == 0) event_wait(reinterpret_cast<const int*>(counter), n, mla_site(p, 21, cta, u, n));
   named_barrier(2, 256);
   const int req = u / p.units_per_request, h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
   const int width = DC / slices, c0 = k * width, q4 = width / 4, outs = rows * q4;
@@ -278,7 +270,7 @@ __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const Piec
     }
   }
   named_barrier(2, 256);   // every thread's loads of the parts are done before the counter can reset
-  if (ct == 0 && atomicAdd(counter, 1u) == (unsigned)(n + slices - 1)) *counter = 0u;   // ready for the next launch
+  if (ct == 0 && event_arrive(counter, 1u, (unsigned)(n + slices))) event_reset(counter);   // ready for the next launch
 }
 
 // A descriptor `bytes` (a multiple of 16) past `d`, computed where it is used: an asm the compiler keeps in

@@ -180,11 +180,11 @@ __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
     const long long pos = moe_ticket(g2, g2 ? i - nA : i, rb_off, E, n1, n2, p.lag, &rb, &col);
     p.tasks[pos] = pack_moetask(g2, col, rb);   // meld/ir/work_table.py: MOE_TASK
   }
-  for (int r = tid; r < total_rb; r += blockDim.x) p.rb_done[r] = 0;
+  for (int r = tid; r < total_rb; r += blockDim.x) event_reset(p.rb_done + r);
   if (tid == 0) {
     p.counters[0] = 0;                       // the ticket counter
     p.counters[1] = (int)(nA + nB);          // tickets in this launch
-    p.counters[2] = 0;                       // routing CTAs done: ready for the next launch
+    event_reset(p.counters + 2);             // routing CTAs done: ready for the next launch
   }
 }
 
@@ -393,7 +393,7 @@ __device__ __forceinline__ void route(const MoeParams& p, u32* route_keys) {
   __shared__ int last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(p.counters + 2, 1) == (int)gridDim.x - 1;
+  if (threadIdx.x == 0) last = event_arrive(p.counters + 2, 1, (int)gridDim.x);
   __syncthreads();
   if (last) {
     __threadfence();
@@ -437,15 +437,7 @@ __device__ __forceinline__ WaitSite wait_site(const MoeParams& p, int site, int 
 
 // Spin until a gemm2 tile's row block has all its gemm1 tiles (see the deadlock-freedom note above).
 __device__ void wait_row_block(const MoeParams& p, int rb, int ticket) {
-  const int* flag = p.rb_done + rb;
-  if (ld_acquire(flag) < p.n1) {
-    const i64 t0 = global_timer_ns();
-    while (ld_acquire(flag) < p.n1) {
-      const i64 waited = global_timer_ns() - t0;
-      if (waited > MELD_WATCHDOG_NS)
-        watchdog_trip(p.watchdog, p.watchdog_claim, p.watchdog_kernel, 3, blockIdx.x, 0, ticket, rb, 0, waited);
-    }
-  }
+  event_wait(p.rb_done + rb, p.n1, wait_site(p, 3, 0, ticket, rb));
   fence_proxy_async_global();   // act, written by other CTAs' generic stores, is read next by TMA
 }
 
@@ -767,7 +759,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       named_barrier(1, CONSUMERS);
       if (ct < rows) {   // one thread per token row: count it down; the last of a token's rows combines
         const int t = p.row_token[row0 + ct];
-        if (atomicSub(p.tok_cnt + (i64)t * p.n2 + col, 1) == 1) {
+        if (event_arrive(p.tok_cnt + (i64)t * p.n2 + col, -1, 0)) {   // preset by dispatch: counts down
           __threadfence();
           combine_list[1 + atomicAdd(combine_list, 1)] = t;
         }
@@ -797,7 +789,7 @@ __device__ void epilogue(const MoeParams& p, Mailbox mb) {
     if (kind < 0) break;
     if (lane == 0) {
       __threadfence();   // the consumers' stores (acquired through the mailbox) before the counter
-      if (!(MELD_DEBUG_WITHHOLD && rbi == 0)) atomicAdd(p.rb_done + rbi, 1);
+      if (!(MELD_DEBUG_WITHHOLD && rbi == 0)) event_arrive(p.rb_done + rbi, 1, p.n1);
       mbar_arrive(mb.empty + 8 * mslot);
     }
     __syncwarp();

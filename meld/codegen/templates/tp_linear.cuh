@@ -253,7 +253,7 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* team)
     }
     named_barrier(1, CONSUMERS);
     unsigned long long* count = reinterpret_cast<unsigned long long*>(ow + p.x_count_off) + x.o;
-    if (ct == 0) *last = fetch_add_sys(count, 1ull) == (unsigned long long)(nparts - 1);
+    if (ct == 0) *last = event_arrive_sys(count, 1ull, (unsigned long long)nparts);
     named_barrier(1, CONSUMERS);
     if (!*last) continue;
     const i64 t1 = prof.now();
@@ -261,7 +261,7 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* team)
     named_barrier(1, CONSUMERS);
     tp_store_tile(p, staged, x, ct, 0, p.x_world);
     prof.record(t1, PROF_TP_MERGE, t);
-    if (ct == 0) *count = 0ull;   // every part has arrived: ready for the next launch
+    if (ct == 0) event_reset(count);   // every part has arrived: ready for the next launch
     ++finished;
     named_barrier(1, CONSUMERS);   // (staged is rewritten by the next tile)
   }
@@ -272,8 +272,8 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* team)
   if (ct != 0) return;
   prof.end(gridDim.x);
   xrank_land(w, (unsigned long long)finished);
-  if (atomicAdd(p.xexit, 1u) != gridDim.x - 1) return;
-  p.xexit[0] = 0u;
+  if (!event_arrive(p.xexit, 1u, gridDim.x)) return;
+  event_reset(p.xexit);
   xrank_take_landed(w, (unsigned long long)(p.tiles / p.k_splits), tp_site(p, 11, warp + 4, -1, 0), XRANK_WAIT_NS);
   *p.xlaunch = launch;   // launches finished (every CTA read the count at its start)
 }
@@ -382,7 +382,7 @@ __device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, u32 bars,
         q.push(PROXY_PUT, r, sizeof(Part) * L.part(p.x_rank, blockIdx.x), pieces * TILE_ELEMS * sizeof(Part), 0, s);
       q.push(PROXY_SIGNAL, r, slot, 0, (long long)(tp_stamp(launch, sent) - before), s);
     }
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(p.x_rank, slot)), "l"(tp_stamp(launch, sent)) : "memory");
+    event_publish_sys(w.word(p.x_rank, slot), tp_stamp(launch, sent));
   }
 }
 
@@ -490,7 +490,7 @@ struct MergeClaims {
   }
   __device__ bool all_landed(int t0, int q) const {
     for (int k = 0; k < p.x_world * p.k_splits; ++k)
-      if (load_acquire_sys(stamp(t0, k)) < landed(t0, k, q)) return false;
+      if (!event_reached_sys(stamp(t0, k), landed(t0, k, q))) return false;
     return true;
   }
   // Up to `want` units from claim value c on, within c's chunk: the claim if `ready` allows it (and the CAS
@@ -516,7 +516,7 @@ struct MergeClaims {
     if (k.code < none()) {
       const int t0 = k.code / UNITS, q = (k.code % UNITS) / CHUNK_UNITS;
       for (int j = 0; j < p.x_world * p.k_splits; ++j)
-        signal_wait(stamp(t0, j), landed(t0, j, q), tp_site(p, 10, warp, t0, j / p.k_splits), 2 * XRANK_WAIT_NS);
+        event_wait_sys(stamp(t0, j), landed(t0, j, q), tp_site(p, 10, warp, t0, j / p.k_splits), 2 * XRANK_WAIT_NS);
     }
     return k;
   }
@@ -710,8 +710,8 @@ __device__ __forceinline__ void tp_consume_every(const TpParams& p, Ring ring, P
 __device__ __forceinline__ void tp_every_done(const TpParams& p, int* team) {
   named_barrier(3, 96 + CONSUMERS);
   if (threadIdx.x == 32) tp_profiler(p, team, true).end(gridDim.x);
-  if (threadIdx.x != 32 || atomicAdd(p.xexit, 1u) != gridDim.x - 1) return;
-  p.xexit[0] = 0u;
+  if (threadIdx.x != 32 || !event_arrive(p.xexit, 1u, gridDim.x)) return;
+  event_reset(p.xexit);
   *p.xlaunch = tp_launch(p);
 }
 

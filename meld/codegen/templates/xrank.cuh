@@ -28,7 +28,7 @@ struct XWindows {
 // Launch n has started on this rank: stored (release, system scope) into every rank's slot for it.
 __device__ __forceinline__ void xrank_announce_peers(const XWindows& w, unsigned long long n) {
   for (int r = 0; r < w.world; ++r)
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, w.started_off + 8 * w.rank)), "l"(n) : "memory");
+    event_publish_sys(w.word(r, w.started_off + 8 * w.rank), n);
 }
 
 // The proxy transport's command ring (meld/distributed/proxy.py) as a kernel addresses it (common.cuh: proxy_push).
@@ -52,7 +52,7 @@ __device__ __forceinline__ void xrank_announce_proxy(const XWindows& w, const XR
     if (r != w.rank)
       q.push(PROXY_SIGNAL, r, slot, 0, 1, s);
     else
-      asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(n) : "memory");
+      event_publish_sys(w.word(r, slot), n);
   }
 }
 
@@ -62,22 +62,22 @@ __device__ __forceinline__ void xrank_wait_started(const XWindows& w, unsigned l
   for (int r = 0; r < w.world; ++r) {
     if (r == w.rank) continue;
     s.detail = r;
-    signal_wait(started + r, n, s, limit_ns);
+    event_wait_sys(started + r, n, s, limit_ns);
   }
 }
 
 // One thread, after the system-scope fences of every thread whose writes `landed` counts.
 __device__ __forceinline__ void xrank_land(const XWindows& w, unsigned long long landed) {
   if (landed)
-    for (int r = 0; r < w.world; ++r) signal_add(w.word(r, w.landed_off), landed);
+    for (int r = 0; r < w.world; ++r) event_signal_sys(w.word(r, w.landed_off), landed);
 }
 
 // The launch's last CTA: wait until `expected` results have landed in this rank's window, take them back.
 __device__ __forceinline__ void xrank_take_landed(const XWindows& w, unsigned long long expected, WaitSite s, i64 limit_ns) {
   unsigned long long* landed = w.word(w.rank, w.landed_off);
   s.detail = (int)expected;
-  signal_wait(landed, expected, s, limit_ns);
-  atomicAdd(landed, 0ull - expected);
+  event_wait_sys(landed, expected, s, limit_ns);
+  event_take_sys(landed, expected);
 }
 
 }  // namespace meld
