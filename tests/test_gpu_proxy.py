@@ -31,7 +31,7 @@ extern "C" __global__ void proxy_echo(const __grid_constant__ EchoParams p) {
   for (int j = blockIdx.x; j < PUTS; j += gridDim.x, ++mine)
     meld::proxy_push(p.ring, p.tail, p.head, p.cap, meld::PROXY_PUT, 1, (unsigned long long)j * PUT_BYTES, PUT_BYTES, 0, s);
   meld::proxy_push(p.ring, p.tail, p.head, p.cap, meld::PROXY_SIGNAL, 1, SLOT, 0, mine, s);
-  meld::signal_wait(p.remote_slot, PUTS, s);
+  meld::event_wait_sys(p.remote_slot, PUTS, s);
 }
 """
 
@@ -39,7 +39,7 @@ extern "C" __global__ void proxy_echo(const __grid_constant__ EchoParams p) {
 def _echo_source() -> str:
     return "\n".join([f"#define PUTS {PUTS}\n#define PUT_BYTES {PUT_BYTES}\n#define SLOT {SLOT}ull",
                       '#define MELD_MMA_TYPE "bf16"', "#define MELD_PROFILE 0", "#define MELD_WATCHDOG_NS 2000000000ll",
-                      WATCHDOG_RECORD.c_source(), template("common.cuh"), ECHO_PARAMS.c_source(), ECHO])
+                      WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), ECHO_PARAMS.c_source(), ECHO])
 
 
 def test_echo_kernel_compiles_for_sm90a():
