@@ -30,7 +30,19 @@ from . import serial
 from .work_table import CTA_TABLE
 
 CTA_FIELDS = CTA_TABLE.fields   # one row per field, one column per CTA (meld/ir/work_table.py)
+SEGMENT_FIELDS = CTA_FIELDS[:8]  # the segment; then the task header that follows from it (segment_header)
 _KEYS = ("num_kv_heads", "group_size", "heads_per_item", "kv_len", "page_base", "cta", "meta")   # + chunk_tokens
+
+
+def segment_header(cta: np.ndarray) -> np.ndarray:
+    """The task-header rows (kind, cta, slot, event_first, event_count: meld/ir/work_table.py) of the
+    segments in `cta`'s first rows: a segment's slots are derived (unit + cta), and the events it may arrive
+    at are the units it touches (none for an empty segment)."""
+    ub, sb, ue, se = cta[:4].astype(np.int64)
+    touched = np.where((ub == ue) & (sb == se), 0, np.where(se > 0, ue, ue - 1) - ub + 1)
+    head = {"kind": np.full_like(ub, CTA_TABLE.kind), "cta": np.arange(len(ub)), "slot": np.full_like(ub, -1),
+            "event_first": ub, "event_count": touched}
+    return np.stack([head[f] for f in CTA_FIELDS[len(SEGMENT_FIELDS):]]).astype(np.int32)
 
 
 class ScheduleError(ValueError):
@@ -103,7 +115,7 @@ class Schedule:
 
     def items(self) -> dict[str, np.ndarray]:
         """The segments as explicit items, in the order the CTAs run them (what the kernel derives)."""
-        ub, sb, ue, se, hf, hp, tf, tp = (r.astype(np.int64) for r in self.cta)
+        ub, sb, ue, se, hf, hp, tf, tp = (r.astype(np.int64) for r in self.cta[:len(SEGMENT_FIELDS)])
         L = np.repeat(self.kv_len.astype(np.int64), self.units_per_request)
         last = np.where(se > 0, ue, ue - 1)                      # last unit touched by each segment
         n = np.maximum(last - ub + 1, 0)
@@ -160,6 +172,9 @@ class Schedule:
             raise ScheduleError("segments are not contiguous from (0, 0)")
         if (ue[-1], se[-1]) != (U, 0):
             raise ScheduleError(f"segments end at ({ue[-1]}, {se[-1]}), not ({U}, 0)")
+        wrong = np.flatnonzero((self.cta[len(SEGMENT_FIELDS):] != segment_header(self.cta)).any(axis=1))
+        if len(wrong):
+            raise ScheduleError(f"task header {CTA_FIELDS[len(SEGMENT_FIELDS) + wrong[0]]} does not match the segments")
         if U == 0:
             return self
         it = self.items()

@@ -3,6 +3,30 @@ reference executor and the profiler. Like `ParamStruct` for parameters, one decl
 accessors generated into the kernels' source and the host-side layout, so a field cannot sit at one
 index in a planner and another in a kernel.
 
+One task layout, one event layout (Mirage MPK's task/event contract; templates/events.cuh counts them):
+- `TASK`: a row per task, in the order the CTAs walk them. A header every family shares: its `kind` (the
+  body that runs it), the `cta` that runs it, the range it covers, from (`first`, `begin`) to before
+  (`last`, `end`) in (item, offset) coordinates, its partial `slot` (-1: none, or derived by the kind), and
+  the events it arrives at, `event_first` .. `event_first + event_count - 1`; then `arg0`..`arg3`, the
+  kind's own arguments (MPK's per-kind metadata union). A family reads it through a *view*: the same
+  layout under its own names (its C struct), with its kind.
+- `EVENT`: a row per event (a combine point): the `parts` that arrive at it and where their slots are listed
+  (`part_first`). The arrival that brings its count to `parts` fires its combine.
+
+The views (the split-KV families first; MoE's tickets and row blocks, and TP's closed-form pieces, are not
+on it yet):
+- `CTA_TABLE` (decode, MLA: kind SEGMENT): one row per CTA, its segment of the line of units (the items;
+  meld/ir/schedule.py): from (u_begin, s_begin) to before (u_end, s_end). Its events are the units it
+  touches (event u counts unit u's pieces). Only a unit split at the segment's start (head) or end (tail)
+  is counted, and its event row rides in the task row (head_first/head_parts, tail_first/tail_parts: the
+  parts' first slot relative to the unit, and their number), so the walk loads one row per CTA and no
+  event row. Its slots are derived (unit + cta): `slot` is -1.
+- `SPLIT_TASK` (grouped attention: kind PIECE): a piece [kv_begin, kv_end) of one group (an item of
+  producer `producer`) for one kv head, its partials from `slot` on; its events (a request and kv head
+  each) are in `EVENT`, their parts' slots in the part-slot list.
+The header's fields come after the segment's eight, at indices that keep the decode walk's loads where
+they were (field-major: field f of entry i at f * count + i).
+
 Two shapes cover meld's tables:
 - `Table`: int32 entries of named fields, stored field-major (field f of entry i at f * count + i, so a
   warp reading one field of consecutive entries coalesces) or entry-major (i * width + f).
@@ -20,6 +44,14 @@ class Table:
     name: str                 # the C struct of one entry
     fields: tuple[str, ...]
     field_major: bool = True
+    kind: int | None = None   # a view's task kind (TASK_KINDS)
+
+    def view(self, name: str, kind: str, **names: str) -> "Table":
+        """This layout under a family's names (`names`: field -> its name there) for tasks of `kind`."""
+        unknown = set(names) - set(self.fields)
+        if unknown:
+            raise TypeError(f"{name}: {sorted(unknown)} are not fields of {self.name}")
+        return Table(name, tuple(names.get(f, f) for f in self.fields), self.field_major, TASK_KINDS[kind])
 
     @property
     def width(self) -> int:
@@ -49,7 +81,8 @@ class Table:
         at = "f * count + i" if self.field_major else f"i * {self.width} + f"
         loads = " ".join(f"e.{f} = t[at({up}_{f.upper()})];" for f in self.fields)
         stores = " ".join(f"t[at({up}_{f.upper()})] = e.{f};" for f in self.fields)
-        return (f"struct {self.name} {{ int {', '.join(self.fields)}; }};\n{ids}\n"
+        kind = f"constexpr int {up}_TASK_KIND = {self.kind};\n" if self.kind is not None else ""
+        return (f"struct {self.name} {{ int {', '.join(self.fields)}; }};\n{ids}\n{kind}"
                 f"__device__ __forceinline__ {self.name} load_{low}(const int* t, int count, int i) {{\n"
                 f"  auto at = [&](int f) {{ return {at}; }};\n  {self.name} e; {loads}\n  return e;\n}}\n"
                 f"__device__ __forceinline__ void store_{low}(int* t, int count, int i, const {self.name}& e) {{\n"
@@ -95,20 +128,23 @@ class PackedWord:
                 f"__device__ __forceinline__ {self.name} unpack_{low}(int v) {{ {self.name} w; {gets} return w; }}\n")
 
 
-# Decode attention: one segment of work per CTA (meld/ir/schedule.py explains the fields).
-CTA_TABLE = Table("CtaRow", ("u_begin", "s_begin", "u_end", "s_end", "head_first", "head_parts", "tail_first",
-                             "tail_parts"))
+# The one task layout and the one event layout (the module docstring).
+TASK_KINDS = {"segment": 0, "piece": 1}
+TASK = Table("Task", ("first", "begin", "last", "end", "arg0", "arg1", "arg2", "arg3", "kind", "cta", "slot",
+                      "event_first", "event_count"))
+EVENT = Table("Event", ("parts", "part_first"))
+
+# Decode and MLA attention: one segment of work per CTA (meld/ir/schedule.py explains the fields).
+CTA_TABLE = TASK.view("CtaRow", "segment", first="u_begin", begin="s_begin", last="u_end", end="s_end",
+                      arg0="head_first", arg1="head_parts", arg2="tail_first", arg3="tail_parts")
+
+# Grouped attention (templates/grouped_attention.cuh; the CPU executor, meld/runtime/reference.py): a piece of
+# a producer's group for one kv head, covering (group, kv_begin) to (last_group = group, kv_end); its
+# requests' events are consecutive (h * batch + the group's first request ..), their parts' slots listed in
+# merge order (part_slot[part_first ..]).
+SPLIT_TASK = TASK.view("SplitTask", "piece", first="group", begin="kv_begin", last="last_group", end="kv_end",
+                       arg0="producer", arg1="kv_head")
 
 # Fused MoE (templates/moe.cuh): row blocks of one expert's rows, and the tiles in ticket order.
 ROW_BLOCKS = Table("RowBlock", ("expert", "first_row", "rows", "pad"), field_major=False)
 MOE_TASK = PackedWord("MoeTask", (("kind", 1), ("col", 11), ("row_block", 19)))
-
-# Split-reduce graphs with several producers of partials (templates to come; today the CPU executor,
-# meld/runtime/reference.py): one row per task (a piece of a producer's range for one group of requests and
-# one kv head), in the order the CTAs walk them, and one row per event (a combine point: a request and kv
-# head) with the parts it waits for and where their slots are listed (part_slot[part_first ..], in merge
-# order). A task counts its arrival at events event_first .. event_first + event_count - 1; the arrival
-# that reaches an event's `parts` fires its combine.
-SPLIT_TASK = Table("SplitTask", ("cta", "producer", "group", "kv_head", "kv_begin", "kv_end", "slot", "event_first",
-                                 "event_count"))
-EVENT = Table("Event", ("parts", "part_first"))

@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from ..ir import CTA_FIELDS, Schedule
+from ..ir.schedule import SEGMENT_FIELDS, segment_header
 from .cost_model import DecodeCost
 from .topology import Topology, cluster_rows
 
@@ -204,6 +205,7 @@ def _schedule(num_kv_heads: int, group_size: int, heads_per_item: int, L: np.nda
     t[1, 1:active] = t[3, :active - 1] = s
     if runs:
         _fill_runs(t, u, s)
+    t[len(SEGMENT_FIELDS):] = segment_header(t)
     return Schedule(num_kv_heads, group_size, heads_per_item, L, page_base, t, meta, chunk_tokens)
 
 

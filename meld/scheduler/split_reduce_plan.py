@@ -144,8 +144,10 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
                 cuts.append((pos, c))
             c += 1
         for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):
-            for f, v in zip(SPLIT_TASK.fields, (owner, ti, g, h, b, e, slot, h * batch + q0, n_req)):
-                cols[f].append(v)
+            row = dict(group=g, kv_begin=b, last_group=g, kv_end=e, producer=ti, kv_head=h, arg2=0, arg3=0,
+                       kind=SPLIT_TASK.kind, cta=owner, slot=slot, event_first=h * batch + q0, event_count=n_req)
+            for f in SPLIT_TASK.fields:
+                cols[f].append(row[f])
             for r in range(n_req):
                 parts.setdefault(h * batch + q0 + r, []).append(slot + r * group_size)
             slot += n_req * group_size

@@ -261,6 +261,12 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
     r.head_parts = head ? last[c] - first[c] + 2 : 0;
     r.tail_first = tail ? first[c + 1] - 1 : 0;
     r.tail_parts = tail ? last[c + 1] - first[c + 1] + 2 : 0;
+    r.kind = CTAROW_TASK_KIND;   // the task header (meld/ir/schedule.py: segment_header)
+    r.cta = c;
+    r.slot = -1;
+    r.event_first = r.u_begin;
+    const int u_last = r.s_end > 0 ? r.u_end : r.u_end - 1;   // the units it touches (none: an empty segment)
+    r.event_count = r.u_begin == r.u_end && r.s_begin == r.s_end ? 0 : u_last - r.u_begin + 1;
     store_ctarow(p.cta_table, W, c, r);   // meld/ir/work_table.py: CTA_TABLE
   }
   return {active, snap};

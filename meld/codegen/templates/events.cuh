@@ -15,12 +15,12 @@
 //   wait (each template's deadlock argument says why its waits end).
 // - Reset. A counter is zero between launches. Whoever touches it last in a launch stores the zero: the
 //   completing arrival after its combine has read the parts (event_reset), or the last of the waiters to
-//   leave (an arrival at target + waiters), or, for a counter that several tasks wait on and none knows it
-//   is the last to read, the planner of the next launch before it starts (MoE's row blocks). A counter the planner presets to its parts counts down instead
-//   (n = -1, target 0) and is zero once complete. A system counter that a faster rank's next launch may
-//   already add to is taken back by the count it expected (event_take_sys), never stored. A cluster counter
-//   lives in shared memory, which a launch does not keep: its CTA zeroes it at its start, before the cluster
-//   barrier that comes before any arrival.
+//   leave (an arrival at target + waiters); a counter that several tasks wait on, none knowing it reads
+//   last, is zeroed by the next launch's planner before that launch counts (MoE's row blocks). A counter
+//   its planner presets to the parts counts down instead (n = -1, target 0): zero once complete. A system
+//   counter that a faster rank's next launch may already add to is taken back by the count it expected
+//   (event_take_sys), never stored. A cluster counter lives in shared memory, which does not outlive the
+//   launch: its CTA zeroes it at its start, before the cluster barrier that precedes any arrival.
 //
 // Scopes: device (a counter in global memory), cluster (a counter in a peer CTA's shared memory, addressed
 // over DSMEM: dsmem_map), system (a u64 in a rank's symmetric window, or pinned host memory: xrank.cuh owns
@@ -59,7 +59,8 @@ __device__ __forceinline__ void event_wait(const int* counter, int target, const
 // --- cluster scope: `counter` is a shared-memory address of a CTA of this cluster (dsmem_map) -----------
 __device__ __forceinline__ bool event_arrive_cluster(u32 counter, u32 n, u32 target) {
   u32 old;
-  asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(counter), "r"(n) : "memory");
+  asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;"
+               : "=r"(old) : "r"(counter), "r"(n) : "memory");
   return old == target - n;
 }
 
