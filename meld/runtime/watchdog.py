@@ -20,10 +20,11 @@ import torch
 
 from ..codegen.params import WATCHDOG_RECORD
 
-# What a kernel waited for (`site` in the record); the numbers are the kernels' (common.cuh).
+# What a kernel waited for (`site` in the record); the numbers are the kernels' (common.cuh, events.cuh).
 SITES = {
     1: "the TMA mbarrier of KV ring stage {detail} (its tile's copies never completed)",
-    3: "the gemm1 tiles of row block {detail} (the gemm2 tile's input; their counter never completed)",
+    3: "the gemm1 tiles of row block {detail} (the gemm2 tile's input; their counter never completed; the phase "
+       "parity field holds the count waited for)",
     4: "task slot {detail} to be released by the consumer warpgroups",
     5: "ring stage {detail} to be released by the consumer warpgroups",
     6: "task slot {detail} to be filled by the producer",
