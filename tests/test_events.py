@@ -2,7 +2,10 @@
 adds to, spins on or stores a counter's zero by hand. The allow-list names the atomics that are not
 events (tickets, list slots, claims) and why."""
 import re
+import shutil
 from importlib import resources
+
+import pytest
 
 TEMPLATES = resources.files("meld.codegen") / "templates"
 
@@ -62,3 +65,96 @@ def test_every_counting_family_uses_the_api():
         text = (TEMPLATES / name).read_text()
         for call in calls:
             assert call in text, f"{name} does not call {call}"
+
+
+# A standalone probe of the device-scope API (the system scope's is tests/test_dist_signals.py): every CTA
+# writes a part and arrives with 1 or 2 parts at once at event 0; the completing arrival reads every part,
+# resets the counter and arrives at event 1, on which every CTA waits; the last to leave resets event 1. A
+# preset counter counts down to zero (a MoE token's combine). Launched twice: the resets make the second
+# launch count from zero.
+PROBE = r"""
+struct ProbeParams {
+  int* part;            // [ctas]
+  unsigned* counters;   // [3]: event 0, event 1, leavers of event 1
+  int* down;            // preset to ctas
+  int* out;             // [4]: sum of the parts seen by the completer, completers of 0, of down, bad reads
+  WatchdogRecord* rec;
+  int* claim;
+  unsigned target;      // sum of the CTAs' arrivals
+};
+extern "C" __global__ void __launch_bounds__(128) meld_event_probe(const __grid_constant__ ProbeParams p) {
+  using namespace meld;
+  const int b = blockIdx.x;
+  if (threadIdx.x == 0) p.part[b] = b + 1;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (event_arrive(p.counters, 1u + (b & 1), p.target)) {
+    __threadfence();
+    int sum = 0;
+    for (int i = 0; i < (int)gridDim.x; ++i) sum += *reinterpret_cast<volatile int*>(p.part + i);
+    p.out[0] = sum;
+    p.out[1] += 1;
+    event_reset(p.counters);
+    __threadfence();
+    event_arrive(p.counters + 1, 1u, 1u);
+  }
+  event_wait(reinterpret_cast<const int*>(p.counters + 1), 1, WaitSite{p.rec, p.claim, 0, 21, b, 0, 0, 0});
+  if (*reinterpret_cast<volatile int*>(p.out) != (int)(gridDim.x * (gridDim.x + 1) / 2)) atomicAdd(p.out + 3, 1);
+  if (event_arrive(p.counters + 2, 1u, gridDim.x)) {
+    event_reset(p.counters + 1);
+    event_reset(p.counters + 2);
+  }
+  if (event_arrive(p.down, -1, 0)) p.out[2] += 1;
+}
+"""
+
+
+def _probe_source() -> str:
+    from meld.codegen.params import WATCHDOG_RECORD
+    from meld.codegen.source import template
+
+    head = "\n".join(["#define MELD_PROFILE 0", "#define MELD_WATCHDOG_NS 2000000000ll", '#define MELD_MMA_TYPE "bf16"'])
+    return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), PROBE])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_event_probe_compiles_for_sm_90a():
+    from tests.kernel_matrix import nvcc
+
+    cubin, _ = nvcc(_probe_source(), "meld_event_probe")
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.gpu
+def test_gpu_events_complete_once_wait_and_reset():
+    import ctypes
+
+    import torch
+
+    from meld.codegen import compile_source
+    from meld.runtime import watchdog
+    from meld.runtime.driver import Kernel
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kernel = Kernel(compile_source(_probe_source(), "meld_event_probe"), "meld_event_probe", dev, 128, 0)
+
+    class ProbeParams(ctypes.Structure):
+        _fields_ = [("part", ctypes.c_void_p), ("counters", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                    ("out", ctypes.c_void_p), ("rec", ctypes.c_void_p), ("claim", ctypes.c_void_p),
+                    ("target", ctypes.c_uint)]
+
+    ctas = torch.cuda.get_device_properties(dev).multi_processor_count // 2   # co-resident: the wait ends
+    wd = watchdog.for_device(dev)
+    counters = torch.zeros(3, dtype=torch.int32, device=dev)
+    for launch in (1, 2):
+        part = torch.full((ctas,), -7, dtype=torch.int32, device=dev)   # poisoned
+        down = torch.full((1,), ctas, dtype=torch.int32, device=dev)
+        out = torch.zeros(4, dtype=torch.int32, device=dev)
+        target = sum(1 + (b & 1) for b in range(ctas))
+        kernel.launch(ctas, ProbeParams(part.data_ptr(), counters.data_ptr(), down.data_ptr(), out.data_ptr(),
+                                        wd.record_ptr, wd.claim_ptr, target))
+        torch.cuda.synchronize()
+        wd.check()
+        assert out.tolist() == [ctas * (ctas + 1) // 2, 1, 1, 0], launch
+        assert counters.tolist() == [0, 0, 0] and down.item() == 0, launch
