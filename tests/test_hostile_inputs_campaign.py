@@ -22,6 +22,7 @@ import torch
 import meld
 import meld.cli
 from meld import config
+from meld.ir import CTA_FIELDS
 from meld.runtime.reference import attention_reference
 from meld.workloads import paged
 
@@ -170,7 +171,8 @@ SCHEDULE_TEXTS = {   # (what a reader met) -> the message it must give
     "kv-len-beyond-int32": (lambda d: _with(d, kv_len=[2 ** 40, 7, 300, 0]), r"kv_len must be a list of int32"),
     "kv-len-negative": (lambda d: _with(d, kv_len=[-40, 7, 300, 0]), r"kv_len must not be negative, got -40"),
     "cta-ragged": (lambda d: _with(d, cta=[[0, 1], [2]]), r"cta must have rows of one length"),
-    "cta-no-ctas": (lambda d: _with(d, cta=[[]] * len(d["cta"])), r"cta must have 8 rows .* got shape \(8, 0\)"),
+    "cta-no-ctas": (lambda d: _with(d, cta=[[]] * len(d["cta"])),
+                    rf"cta must have {len(CTA_FIELDS)} rows .* got shape \({len(CTA_FIELDS)}, 0\)"),
     "chunk-negative": (lambda d: _with(d, chunk_tokens=-1), r"chunk_tokens must be an integer in \[0, "),
     "kv-len-short": (lambda d: _with(d, kv_len=[40]), r"table shapes"),
     "kv-len-below-a-cut": (lambda d: _with(d, kv_len=[40, 7, 100, 0]), r"outside \[0, kv_len\)"),
