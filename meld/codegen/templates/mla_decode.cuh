@@ -161,6 +161,7 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
     if (UnitWalk::blocks(w.piece(u)) == 0) continue;
     const int req = w.req(u), h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
     mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
+    // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build)
 #pragma unroll (SEESAW ? 1 : 4)
     for (int i = t; i < HB * QCHUNKS; i += 96) {
       const int h = i / QCHUNKS, c = i - h * QCHUNKS, hh = min(h, rows - 1);
