@@ -505,7 +505,10 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
 // cores busy. Each warpgroup sums l over its own blocks (rescaled on every block); the two sums meet at the
 // unit's end. A warpgroup publishes again only after it has synced on the other's publication, which comes
 // after the other read the slot: one slot per warpgroup suffices, and a named barrier never sees a second
-// arrival of one side before the other's sync.
+// arrival of one side before the other's sync. The publication is barrier.arrive, not a sync on both sides
+// as the split build's P_FULL: a scorer that waited for the other warpgroup would idle through its Q.K^T,
+// which is the overlap. compute-sanitizer's racecheck does not model barrier.arrive (tools/SANITIZE.md,
+// probe 5): it reports P and sx.alpha / sx.m between the warpgroups here.
 constexpr int SEESAW_PUB = 5;   // named barriers 5, 6
 
 // Q.K^T of the block in `stage`, each box once its copies have landed; issued and committed.
