@@ -1,8 +1,8 @@
 """Emit the MLA decode-attention kernel (templates/mla_decode.cuh) from its static configuration.
 
 The latent widths (512 + 64, DeepSeek's) and the 64-head unit are the template's constants; the KV block
-(32 or 64 tokens) and the ring depth are the knobs, and heads, page size and the batch are run-time values,
-so one compiled kernel serves every batch and every `plan()`.
+(32 or 64 tokens), the ring depth and the warpgroups' schedule (split or seesaw) are the knobs, and heads, page
+size and the batch are run-time values, so one compiled kernel serves every batch and every `plan()`.
 """
 from __future__ import annotations
 
