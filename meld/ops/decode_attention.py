@@ -272,7 +272,8 @@ class DecodeAttention(PagedDecode):
                              f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, kv_dtype={kc.kv_dtype!r}, q_len="
                              f"{kc.q_len}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant="
                              f"{batch_invariant}, {self.variant}, kv_dtype={kv_build!r}, q_len={self.q_len}, and its "
-                             "graph's partials " + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
+                             "graph's partials "
+                             + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
         if cost is None:
             cost = self._tuned_config("cost", DecodeCost.default(self.heads_per_unit))
@@ -370,9 +371,10 @@ class DecodeAttention(PagedDecode):
             short = np.flatnonzero(lens < self.q_len)
             if short.size:
                 i = int(short[0])
-                raise ValueError(f"kv_indptr and kv_last_page_len give request {i} {int(lens[i])} KV tokens, fewer than "
-                                 f"q_len={self.q_len}: the cache must already hold each request's q_len new tokens "
-                                 "(token j attends to keys 0 .. kv_len - q_len + j)")
+                raise ValueError(f"kv_indptr and kv_last_page_len give request {i} {int(lens[i])} KV tokens, fewer "
+                                 f"than q_len={self.q_len}: its first new tokens would attend to an empty KV range (the "
+                                 "cache must already hold each request's q_len new tokens; token j attends to keys "
+                                 "0 .. kv_len - q_len + j)")
         if self.variant.window_left < 0:
             return kv_indptr, kv_indices
         if check:
