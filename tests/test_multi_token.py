@@ -145,7 +145,7 @@ def test_q_len_builds_compile_for_sm90a(cfg):
     (dict(q_len=True), ValueError, "q_len must be an int from 1 to 8 .*got True"),
     (dict(q_len=2, window_left=64), ValueError, "q_len=2 with window_left=64"),
     (dict(q_len=4, pos_encoding_mode="ROPE_LLAMA"), ValueError, "q_len=4 with pos_encoding_mode='ROPE_LLAMA'"),
-    (dict(q_len=2, kernel_config=DecodeKernelConfig.default("bfloat16", 64)), ValueError, "q_len=1; the operator is"),
+    (dict(q_len=2, kernel_config=DecodeKernelConfig.default("bfloat16", 64)), ValueError, "q_len=1, kv_dtype=''; the operator is .*q_len=2"),
 ])
 def test_bad_construction_names_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):

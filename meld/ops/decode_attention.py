@@ -269,9 +269,9 @@ class DecodeAttention(PagedDecode):
         if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant, kc.q_len) != (
                 built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype, built.variant, built.q_len):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, kv_dtype={kc.kv_dtype!r}, q_len="
-                             f"{kc.q_len}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant="
-                             f"{batch_invariant}, {self.variant}, kv_dtype={kv_build!r}, q_len={self.q_len}, and its "
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, q_len={kc.q_len}, kv_dtype="
+                             f"{kc.kv_dtype!r}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant="
+                             f"{batch_invariant}, {self.variant}, q_len={self.q_len}, kv_dtype={kv_build!r}, and its "
                              "graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
