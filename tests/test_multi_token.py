@@ -29,7 +29,7 @@ def _error(out, ref) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("q_len", [1, 2, 4, 8])   # (3: the FlashInfer wrapper's test)
 @pytest.mark.parametrize("Hq,Hkv,P", [(8, 2, 16), (32, 8, 16), (6, 2, 1), (32, 1, 64)])
 def test_cpu_executor_matches_causal_reference(q_len, Hq, Hkv, P):
     """Poisoned outputs all written, split units merged, each new token masked at its own position; groups whose
@@ -123,9 +123,12 @@ def test_rows_choose_the_unit_and_the_cost():
     assert attn.describe_unit(3) == "request 0, kv head 1, rows 48-63 (q heads 6-7 of its 8 new tokens)"
 
 
-# The q_len > 1 builds: the GPU tests' (Hq 32 / Hkv 8, head_dim 128, q_len 2, 4, 8) and the variants with q_len
-# (FlashInfer's q_len 3 over groups of 8, FP8 with TMA rings, soft cap, batch invariance, head_dim 256 and 64).
-BUILDS = [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q) for q in (2, 4, 8)]
+# The q_len > 1 builds: the GPU tests' (Hq 32 / Hkv 8, head_dim 128, q_len 2, 4; 8 with clusters' on-chip merges,
+# TMA rings and profiling) and the variants with q_len (FlashInfer's q_len 3 over groups of 8, FP8 with TMA rings,
+# soft cap, batch invariance, head_dim 256 and 64).
+BUILDS = [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q) for q in (2, 4)]
+BUILDS += [dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=4, q_len=8),
+                               tma=True, profile=True)]
 BUILDS += [DecodeKernelConfig.default("float16", 64, group_size=8, q_len=3, batch_invariant=True,
                                       variant=DecodeVariant(30.0)),
            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 256, group_size=4, q_len=4,
@@ -223,3 +226,13 @@ def test_flashinfer_wrapper_q_len_rules():
     with pytest.raises(ValueError, match="frozen"):
         graph.plan(*table, q_len_per_req=3)
     assert graph._op.q_len == 2
+
+
+def test_torch_op_with_q_len():
+    """torch.ops.meld.decode_attention takes q [B * q_len, ...] (opcheck: schema, fake implementation, autograd
+    registration)."""
+    pb, kv, q = _batch([20, 300], 2)
+    attn = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu", q_len=2, topology=_TOPO)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    torch.library.opcheck(torch.ops.meld.decode_attention.default,
+                          (q, kv, torch.empty_like(q), torch.empty(4, 8), attn.handle))
