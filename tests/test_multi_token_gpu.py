@@ -40,6 +40,32 @@ def test_options_with_q_len(options):
     _check(8, "one-long", q_len=4, **options)
 
 
+@pytest.mark.parametrize("fp8,cap", [(True, 0.0), (False, 5.0), (True, 5.0)])
+def test_fp8_and_soft_cap_with_q_len(fp8, cap):
+    """An e4m3 cache (FlashInfer's per-tensor scales) and a soft cap that bites, at q_len 4, in separate K and V
+    tensors, against float64 on the values the cache stands for."""
+    q_len, Hq, Hkv, D, dev = 4, 32, 8, 128, "cuda"
+    lens = lengths("skewed", 64)
+    pb = paged(lens, 16)
+    kv = torch.randn(pb.num_pages, 2, 16, Hkv, D, device=dev)
+    q = torch.randn(len(lens) * q_len, Hq, D, device=dev).bfloat16()
+    scales = dict(k_scale=0.5, v_scale=2.0) if fp8 else {}
+    cache = kv.to(torch.float8_e4m3fn) if fp8 else kv.bfloat16()
+    attn = meld.DecodeAttention(Hq, Hkv, D, 16, torch.bfloat16, dev, q_len=q_len, logits_soft_cap=cap or None,
+                                kv_dtype=torch.float8_e4m3fn if fp8 else None)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=dev)
+    attn.run(q, (cache[:, 0], cache[:, 1]), out=out, lse=lse, **scales)
+    torch.cuda.synchronize()
+    values = cache.double() * torch.tensor([0.5, 2.0], device=dev).view(1, 2, 1, 1, 1).double() if fp8 else cache
+    ref, ref_lse = attention_reference(q, values, pb.kv_indptr.to(dev), pb.kv_indices.to(dev),
+                                       pb.kv_last_page_len.to(dev), q_len=q_len, logits_soft_cap=cap)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert _error(out, ref) < 1e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 2e-3
+
+
 @pytest.mark.parametrize("q_len,group", [(3, 8), (8, 1), (2, 16)])
 def test_other_rows(q_len, group):
     """Rows per kv head that leave a unit part empty (3 x 8 = 24: units of 16 and 8 rows), one head per kv head,

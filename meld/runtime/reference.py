@@ -298,11 +298,12 @@ def _requests(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
 
 
 def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                        kv_last_page_len: torch.Tensor, sm_scale: float | None = None, q_len: int = 1
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        kv_last_page_len: torch.Tensor, sm_scale: float | None = None, q_len: int = 1,
+                        logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float64 paged decode attention, one request at a time (no schedule): the ground truth. With q_len
     new tokens per request, q is [B * q_len, Hq, D] (a request's tokens consecutive) and token j of a request of
-    n tokens attends to keys 0 .. n - q_len + j (causal: the cache holds the new tokens)."""
+    n tokens attends to keys 0 .. n - q_len + j (causal: the cache holds the new tokens); logits_soft_cap c > 0
+    caps each scaled score s to c tanh(s / c)."""
     T, Hq, D = q.shape
     _, _, P, Hkv, _ = kv_cache.shape
     G = Hq // Hkv
@@ -315,6 +316,8 @@ def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torc
         rows = slice(b * q_len, (b + 1) * q_len)
         qb = q[rows].double().view(q_len, Hkv, G, D)
         s = torch.einsum("jhgd,nhd->jhgn", qb, k) * scale
+        if logits_soft_cap:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
         if q_len > 1:   # token j's keys end at n - q_len + j
             hidden = torch.arange(n, device=q.device) > (n - q_len + torch.arange(q_len, device=q.device))[:, None]
             s = s.masked_fill(hidden[:, None, None, :], -math.inf)
