@@ -214,7 +214,6 @@ def test_plan_that_raises_changes_nothing():
     ("plan", dict(o_data_type=torch.float32), "o_data_type=torch.float32 is not supported"),
     ("plan", dict(q_data_type="float16", data_type=torch.bfloat16), "kv_data_type=torch.bfloat16 is not supported"),
     ("plan", dict(head_dim=96), "head_dim=96 is not supported"),
-    ("plan", dict(q_len_per_req=2), "q_len_per_req=2 is not supported"),
     ("plan", dict(seq_lens=torch.ones(7, dtype=torch.int32)), "seq_lens=tensor"),
     ("plan", dict(block_tables=torch.zeros(7, 4, dtype=torch.int32)), "block_tables=tensor"),
     ("run", dict(k_scale=0.5), "k_scale=0.5 is not supported"),
@@ -222,7 +221,6 @@ def test_plan_that_raises_changes_nothing():
     ("run", dict(sinks=torch.zeros(8)), "sinks=tensor"),
     ("run", dict(skip_softmax_threshold_scale_factor=1.0), "skip_softmax_threshold_scale_factor=1.0"),
     ("run", dict(kv_cache_sf=torch.zeros(1)), "kv_cache_sf=tensor"),
-    ("run", dict(q_len_per_req=2), "q_len_per_req=2 is not supported"),
 ])
 def test_not_implemented_names_the_option(where, kwargs, match):
     w, table, kv, _, q = _planned()
@@ -262,6 +260,7 @@ def _plan_args(**kw):
     (dict(page_size=2.5), "page_size must be a positive int"),
     (dict(sm_scale=math.inf), "sm_scale must be a finite number"),
     (dict(q_len_per_req=0), "q_len_per_req must be an int >= 1"),
+    (dict(q_len_per_req=2), r"q_len_per_req > 1 requires tensor-core decode \(use_tensor_cores=True\)"),
     (dict(fixed_split_size=64), "fixed_split_size is only supported by tensor core decode"),
     (dict(disable_split_kv=1), "disable_split_kv must be True or False"),
     (dict(indptr=torch.tensor(DOC_INDPTR)), "kv_indptr must have dtype torch.int32, got torch.int64"),

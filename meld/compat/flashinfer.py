@@ -37,11 +37,12 @@ import functools
 import math
 import numbers
 import re
+import warnings
 
 import torch
 
 from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
-from ..codegen.decode_kernel import DecodeVariant
+from ..codegen.decode_kernel import MAX_Q_LEN, DecodeVariant
 from ..ops.decode_attention import FP8, DecodeAttention, decode_variant
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
@@ -207,8 +208,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         Supported: pos_encoding_mode "NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer) or
         "ROPE_LLAMA" (16-bit caches; rope_scale, rope_theta: None for 1 and 1e4), window_left -1 or a window (the last window_left + 1 keys of each request), window_right=0,
         logits_soft_cap None, 0 or a cap (c tanh(sm_scale q.k / c)), q and o data types one of bfloat16 and
-        float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale
-        (default 1/sqrt(head_dim)). Each (soft cap, window, RoPE) is a kernel of its own, built on first plan().
+        float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, any sm_scale (default
+        1/sqrt(head_dim)). q_len_per_req 1 to 8 (FlashInfer's rules: more than 1 needs use_tensor_cores=True and
+        every request's kv_len >= q_len_per_req, and a CUDA-graph wrapper keeps its first plan's value; run()'s q,
+        out and lse are [batch * q_len_per_req, ...], causal among a request's new tokens), not with a window
+        or ROPE_LLAMA. Each (soft cap, window, RoPE, q_len_per_req) is a kernel of its own, built on first plan().
         The rest raises NotImplementedError. `check` is meld's (see the module docstring).
         """
         variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
@@ -217,10 +221,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens)):
             if value is not None:
                 raise _unsupported(name, value, "meld reads request lengths from indptr and last_page_len")
-        if not is_int(q_len_per_req) or q_len_per_req < 1:
-            raise ValueError(f"q_len_per_req must be an int >= 1, got {q_len_per_req!r}")
-        if q_len_per_req != 1:
-            raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
+        q_len = self._q_len(q_len_per_req, variant)
         if fixed_split_size is not None and not is_int(fixed_split_size):
             raise ValueError(f"fixed_split_size must be None or an int, got {fixed_split_size!r}")
         if fixed_split_size is not None and not self._use_tensor_cores:   # FlashInfer's rule
@@ -241,7 +242,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             sm_scale = check_finite("sm_scale", sm_scale)
         batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)
         op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, kv_dtype, sm_scale,
-                            batch_invariant, variant)
+                            batch_invariant, variant, q_len)
         if self._use_cuda_graph and isinstance(indices, torch.Tensor) and isinstance(last_page_len, torch.Tensor):
             if len(last_page_len) != self._fixed_batch_size:
                 raise ValueError(f"The batch size should be fixed in cudagraph mode: len(last_page_len)="
@@ -267,7 +268,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                   data_type: str | torch.dtype | None = None, sm_scale: float | None = None,
                   rope_scale: float | None = None, rope_theta: float | None = None, non_blocking: bool = True,
                   fixed_split_size: int | None = None, disable_split_kv: bool = False,
-                  global_override_indptr_cpu: torch.Tensor | None = None, *, check: bool = True) -> None:
+                  global_override_indptr_cpu: torch.Tensor | None = None, q_len_per_req: int = 1, *,
+                  check: bool = True) -> None:
         """FlashInfer's `fast_decode_plan` as a method (its faster re-plan for multi-step drafts: it skips copies
         into the cuda-graph buffers that FlashInfer's plan() makes). meld's plan() is that fast path already:
         this is plan(), with its validation and its transactional failure. global_override_indptr_cpu, FlashInfer's
@@ -284,7 +286,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
                   pos_encoding_mode, window_left, logits_soft_cap,
                   "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
                   data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
-                  disable_split_kv=disable_split_kv, check=check)
+                  disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, check=check)
+
+    def _q_len(self, q_len_per_req: object, variant: DecodeVariant) -> int:
+        """plan()'s q_len_per_req, checked as FlashInfer checks it (ValueError) and against what meld builds
+        (NotImplementedError)."""
+        if not is_int(q_len_per_req) or q_len_per_req < 1:
+            raise ValueError(f"q_len_per_req must be an int >= 1, got {q_len_per_req!r}")
+        q_len = int(q_len_per_req)
+        if q_len > 1 and not self._use_tensor_cores:   # FlashInfer's rule
+            raise ValueError("q_len_per_req > 1 requires tensor-core decode (use_tensor_cores=True), got "
+                             f"q_len_per_req={q_len}")
+        if q_len > MAX_Q_LEN:
+            raise _unsupported("q_len_per_req", q_len, f"meld's decode kernel takes 1 to {MAX_Q_LEN} new tokens per "
+                               "request")
+        if q_len > 1 and (variant.window_left >= 0 or variant.rope_theta):
+            raise _unsupported("q_len_per_req", q_len, "meld's sliding window and RoPE place every key relative to a "
+                               "request's last token (window_left=-1 and pos_encoding_mode='NONE' only)")
+        frozen = self._op.q_len if self._op is not None else q_len
+        if self._use_cuda_graph and q_len != frozen:   # FlashInfer's rule: part of the captured shape
+            raise ValueError(f"q_len_per_req is part of the frozen cudagraph shape: this wrapper was planned with "
+                             f"{frozen}, got {q_len}. Use a separate wrapper per q_len_per_req.")
+        return q_len
 
     def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> tuple[torch.dtype, torch.dtype]:
         """The dtype meld computes in and the cache's (that one, or e4m3), resolved as FlashInfer resolves its three."""
@@ -305,19 +328,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return q, kv
 
     def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, sm_scale, batch_invariant,
-                  variant: DecodeVariant):
+                  variant: DecodeVariant, q_len: int):
         """The meld operator of these shapes and variant, made once per wrapper."""
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant, variant)
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant, variant, q_len)
         op = self._ops.get(key)
         if op is None:
             graph = self._use_cuda_graph
             op = DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, self.device,
                                  kv_dtype=kv_dtype, kv_layout=self._kv_layout, sm_scale=sm_scale,
                                  batch_invariant=batch_invariant, logits_soft_cap=variant.logits_soft_cap,
-                                 window_left=variant.window_left, **_rope_arguments(variant),
+                                 window_left=variant.window_left, **_rope_arguments(variant), q_len=q_len,
                                  max_batch_size=self._fixed_batch_size if graph else None,
                                  max_num_pages=max(1, len(self._paged_kv_indices_buf)) if graph else None)
             self._ops[key] = op
@@ -330,7 +353,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             enable_pdl: bool | None = None, window_left: int | None = None, sinks: torch.Tensor | None = None,
             q_len_per_req: int | None = None, skip_softmax_threshold_scale_factor: float | None = None,
             kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Attention of q [batch, num_qo_heads, head_dim] over the planned batch.
+        """Attention of q [batch, num_qo_heads, head_dim] ([batch * q_len_per_req, ...]) over the planned batch.
 
         paged_kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD; HND swaps
         page_size and num_kv_heads; 4-D without the page_size axis when page_size is 1), or a tuple
@@ -341,7 +364,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_scale must be None or 1 (fold it into plan()'s sm_scale). An FP8 cache's k_scale and v_scale (numbers;
         None: 1) dequantise it inside the kernel (module docstring). A 16-bit cache's k_scale must be None or 1
         (fold it into sm_scale), and its v_scale multiplies the output in place, as FlashInfer does. Returns
-        out, or (out, lse) with lse base 2.
+        out, or (out, lse) with lse base 2. q_len_per_req here is deprecated, as in FlashInfer (a
+        DeprecationWarning): it must match q's rows and plan()'s value.
         """
         op = self._op
         if op is None:
@@ -358,8 +382,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if window_left is not None and window_left != op.variant.window_left:
             raise ValueError(f"window_left must be None or plan()'s window_left={op.variant.window_left}, got "
                              f"{window_left!r}")
-        if q_len_per_req is not None and q_len_per_req != 1:
-            raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
+        self._check_q_rows(q, q_len_per_req)
         if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
             raise ValueError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")
         fp8 = op.kv_dtype is FP8
@@ -373,7 +396,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not fp8 and type(v_scale) not in (float, type(None)):
             _check_v_scale(v_scale, op.device)
         if lse is None and return_lse:
-            lse = torch.empty(self._batch, op.num_qo_heads, dtype=torch.float32, device=op.device)
+            lse = torch.empty(self._batch * op.q_len, op.num_qo_heads, dtype=torch.float32, device=op.device)
         try:
             result = op.run(q, self._cache(paged_kv_cache), return_lse=return_lse, out=out, lse=lse, **scales)
         except ValueError as e:
@@ -385,6 +408,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return result
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def _check_q_rows(self, q: object, q_len_per_req: object) -> None:
+        """FlashInfer's run()-time q_len_per_req: deprecated there (a DeprecationWarning) and checked against
+        plan()'s; q whose rows are another multiple of the batch implies another q_len_per_req (ValueError naming
+        it, as FlashInfer's; the rest of q is the operator's to check)."""
+        planned, batch = self._op.q_len, self._batch
+        if q_len_per_req is not None:
+            warnings.warn("Passing `q_len_per_req` to BatchDecodeWithPagedKVCacheWrapper.run() is deprecated (as in "
+                          "FlashInfer); pass it to plan() instead", DeprecationWarning, stacklevel=3)
+            if not is_int(q_len_per_req) or q_len_per_req < 1:
+                raise ValueError(f"q_len_per_req must be None or an int >= 1, got {q_len_per_req!r}")
+            if q_len_per_req != planned:
+                raise ValueError(f"q_len_per_req={q_len_per_req} but plan() used {planned}: re-plan with the matching "
+                                 "q_len_per_req")
+        rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0
+        if batch and rows and rows % batch == 0 and rows != batch * planned:
+            raise ValueError(f"q implies q_len_per_req={rows // batch} ({rows} rows for {batch} requests), but plan() "
+                             f"used {planned}: re-plan with the matching q_len_per_req")
 
     def _cache(self, paged_kv_cache):
         """paged_kv_cache as meld's run() takes it: FlashInfer's page_size-1 forms without the page axis get it
