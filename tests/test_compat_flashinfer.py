@@ -2,6 +2,7 @@
 meld's own outputs (CPU executor) and lse in FlashInfer's base 2; the cache forms FlashInfer accepts map
 to meld's by views; unsupported options raise NotImplementedError naming them, bad inputs ValueError.
 The `gpu` tests compare against FlashInfer itself on BENCH.md's batches when it is importable."""
+import functools
 import math
 import os
 import subprocess
@@ -165,6 +166,17 @@ def test_scales_and_batch_invariance():
     w2.plan(*table, 8, 2, 64, 16, q_data_type=torch.bfloat16, disable_split_kv=True)
     assert w2._op.batch_invariant
     assert ((w2.run(q, kv).double() - out.double()).norm() / out.double().norm()).item() < 1e-2
+
+
+def test_fast_decode_plan_bound_in_place_of_plan():
+    """FlashInfer's idiom (its tests, and engines' multi-step drafts): `wrapper.plan = partial(fast_decode_plan,
+    wrapper)`, then wrapper.plan(...) with the host indptr; it re-plans as plan() does (it used to recurse)."""
+    w, table, kv, _, q = _planned()
+    out = w.run(q, kv)
+    w.plan = functools.partial(compat.fast_decode_plan, w)
+    w.plan(*table, 8, 2, 64, 16, q_data_type=torch.bfloat16, non_blocking=True,
+           global_override_indptr_cpu=table[0].clone())
+    assert torch.equal(w.run(q, kv), out)
 
 
 def test_cuda_graph_mode_fixed_buffers():

@@ -280,11 +280,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"global_override_indptr_cpu must have indptr's shape {tuple(indptr.shape)}, got "
                                  f"{tuple(global_override_indptr_cpu.shape)}")
             indptr = global_override_indptr_cpu
-        self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                  pos_encoding_mode, window_left, logits_soft_cap,
-                  "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
-                  data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
-                  disable_split_kv=disable_split_kv, check=check)
+        # The class's plan(), not the instance's: FlashInfer's idiom `wrapper.plan = partial(fast_decode_plan,
+        # wrapper)` rebinds the instance's, which would call back into this method.
+        type(self).plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                        pos_encoding_mode, window_left, logits_soft_cap,
+                        "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
+                        data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
+                        disable_split_kv=disable_split_kv, check=check)
 
     def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> tuple[torch.dtype, torch.dtype]:
         """The dtype meld computes in and the cache's (that one, or e4m3), resolved as FlashInfer resolves its three."""
