@@ -769,7 +769,10 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                  torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
                  window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
                  rope_scale=rope_scale, rope_theta=rope_theta)
-    result = wrapper.run(q.unsqueeze(0), (k, v), v_scale=v_scale, return_lse=return_lse)
+    try:
+        result = wrapper.run(q.unsqueeze(0), (k, v), v_scale=v_scale, return_lse=return_lse)
+    except ValueError as e:   # (in this function's names: the tuple's parts are k and v)
+        raise ValueError(re.sub(r"\b([kv])_cache\b", r"\1", str(e))) from None
     return (result[0][0], result[1][0]) if return_lse else result[0]
 
 
