@@ -1,6 +1,7 @@
 """FlashInfer 0.6.18's decode tests, ported: the tests of its tests/attention/test_batch_decode_kernels.py and
-test_tensor_cores_decode.py (tag v0.6.18rc7, the newest 0.6.18 tag in the mirror this was read from), with
-their parametrization and tolerances, run through `meld.compat.flashinfer` and checked against a float64
+test_tensor_cores_decode.py, and the decode tests of test_non_contiguous_decode.py,
+test_decode_fp8_calibration_scale.py and test_decode_prefill_lse.py (tag v0.6.18rc7, the newest 0.6.18 tag in
+the mirror this was read from), with their parametrization and tolerances, run through `meld.compat.flashinfer` and checked against a float64
 reference written here (FlashInfer checks against its own kernels: single decode, the other tensor-core
 setting, batch prefill). Beyond FlashInfer's checks: outputs are NaN-filled before each run, lse is checked
 wherever a case returns it, and a second run must give the same bits.
@@ -10,10 +11,10 @@ Each FlashInfer test is a suite below (SUITES: its parameters, values and runner
 test_refusals_are_the_allow_list plans every case of every suite and checks the refusals, counted per option,
 against ALLOWED exactly.
 
-Cases: 5,707 in all (1,314 of them refused: ALLOWED). GPU (marker gpu): a pairwise cover of each suite (every
-value of every parameter, every pair of values, and each suite's first case) by default, 148 cases; the other
-5,559 under -m full_matrix (collected only then). CPU (reference executor, CPU tensors): a pairwise cover of
-each suite's smaller values, 84 cases. Both also run test_nan_in_nan_out_for_exactly_the_affected_rows (4 cases
+Cases: 6,192 in all (1,602 of them refused: ALLOWED). GPU (marker gpu): a pairwise cover of each suite (every
+value of every parameter, every pair of values, and each suite's first case) by default, 179 cases; the other
+6,013 under -m full_matrix (collected only then). CPU (reference executor, CPU tensors): a pairwise cover of
+each suite's smaller values, 103 cases. Both also run test_nan_in_nan_out_for_exactly_the_affected_rows (4 cases
 each); the GPU also test_single_decode_torch_compile_cuda_graph.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.kernel_matrix import pairwise
 
 LOG2E = 1.4426950408889634
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 NVFP4 = torch.uint8   # FlashInfer's packed FP4 cache (two values a byte, scale factors in kv_cache_sf)
 
 # Every refusal the port meets, as "option=value" of meld.compat's NotImplementedError, and the number of
@@ -51,8 +53,11 @@ ALLOWED = {
     # head_dim 512 (FlashInfer's 16-bit FA2 large-head decode; and its nvfp4 large-head case): not built yet
     # (issue 42, item 3). 360 cases of test_batch_decode_with_paged_kv_cache and the nvfp4 large-head case.
     "head_dim=512": 361,
-    # ROPE_LLAMA over an FP8 cache: meld's RoPE kernels read 16-bit caches. Not built yet (issue 42, item 3).
-    "pos_encoding_mode='ROPE_LLAMA'": 648,
+    # ROPE_LLAMA over an FP8 cache: meld's RoPE kernels read 16-bit caches. Not built yet (issue 42, item 3). 648
+    # cases of the batch tests over e4m3, 96 of the calibration-scale test.
+    "pos_encoding_mode='ROPE_LLAMA'": 744,
+    # e5m2 KV (half of test_batch_decode_with_paged_kv_cache_fp8_calibration_scale): meld reads e4m3 only.
+    "kv_data_type=torch.float8_e5m2": 192,
 }
 _REFUSAL = re.compile(r"^meld\.compat\.flashinfer: (\w+)=(.+?) is not supported")
 
@@ -91,7 +96,7 @@ def _reference(q, k_pages, v_pages, table, q_len=1, rope=False):
     out, lse = [], []
     for b in range(len(last)):
         pages = indices[indptr[b]:indptr[b + 1]].to(k_pages.device)
-        L = (len(pages) - 1) * P + int(last[b])
+        L = (len(pages) - 1) * P + int(last[b]) if len(pages) else 0   # (an empty request: zeros, lse -inf)
         k, v = (_gather(t, pages).reshape(-1, Hkv, D)[:L].double() for t in (k_pages, v_pages))
         qb = q[b * q_len:(b + 1) * q_len].double()
         qpos = torch.arange(L - q_len, L, device=q.device)
@@ -128,7 +133,7 @@ def _check(out, lse, ref, tol=TOL):
 def _close(what, actual, expected, tol):
     """torch.testing.assert_close's rule, |actual - expected| <= atol + rtol |expected| (a NaN fails), without
     the import of torch.distributed that its first call costs each test process."""
-    err = (actual.double() - expected).abs()
+    err = (actual.double() - expected).abs().masked_fill(actual.double() == expected, 0)   # (equal infinities)
     bad = ~(err <= tol["atol"] + tol["rtol"] * expected.abs())
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off by more than atol + rtol |ref| "
                            f"({tol}); largest error {err.nan_to_num(math.inf).max().item():.3e}")
@@ -140,14 +145,15 @@ def _workspace(device):
     return torch.empty(1 << 10, dtype=torch.uint8, device=device)
 
 
-def _run(wrapper, q, kv, return_lse=True):
+def _run(wrapper, q, kv, return_lse=True, **scales):
     """run() into NaN-filled out (and lse), then again allocating its own: the two must be the same bits, as
     FlashInfer's user-allocated-output check. Returns (out, lse or None)."""
     B, Hq, _ = q.shape
-    out = torch.full_like(q, math.nan)
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)   # (q may be a strided view)
     lse = torch.full((B, Hq), math.nan, device=q.device) if return_lse else None
-    wrapper.run(q, kv, out=out, lse=lse, return_lse=return_lse)
-    assert torch.equal(wrapper.run(q, kv).view(torch.int16), out.view(torch.int16)), "a second run gave other bits"
+    wrapper.run(q, kv, out=out, lse=lse, return_lse=return_lse, **scales)
+    again = wrapper.run(q, kv, **scales)
+    assert torch.equal(again.view(torch.int16), out.view(torch.int16)), "a second run gave other bits"
     return out, lse
 
 
@@ -415,6 +421,105 @@ def _run_tc_fast_plan(device, p):
     assert torch.equal(part, out[:n]) and torch.equal(part_lse, lse[:n]), "a smaller batch changed a request's bits"
 
 
+# tests/attention/test_non_contiguous_decode.py, test_batch_paged_decode_packed_input: q a strided view of a
+# packed qkv projection (one token a request, (k_cache, v_cache) pages, FlashInfer's default dtypes); the same
+# bits as from a contiguous copy of q.
+PACKED_NAMES = ("batch_size", "page_size", "seq_len", "num_kv_heads", "num_qo_heads", "head_dim")
+
+
+def _packed_options(p):
+    return dict(num_qo_heads=p["num_qo_heads"], num_kv_heads=p["num_kv_heads"], head_dim=p["head_dim"],
+                page_size=p["page_size"])
+
+
+def _run_packed_q(device, p):
+    B, P, L, Hkv, Hq, D = (p[name] for name in PACKED_NAMES)
+    table = _table([L] * B, P, device)
+    k, v = (torch.randn(int(table[0][-1]), P, Hkv, D, device=device, dtype=F16) for _ in range(2))
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(device))
+    wrapper.plan(*table, **_packed_options(p))
+    q = torch.randn(B * L, (Hq + 2 * Hkv) * D, device=device, dtype=F16)[:, :Hq * D].view(-1, Hq, D)
+    out, _ = _run(wrapper, q, (k, v), return_lse=False)
+    assert torch.equal(wrapper.run(q.contiguous(), (k, v)).view(torch.int16), out.view(torch.int16))
+    _check(out, None, _reference(q, k, v, table))
+
+
+# tests/attention/test_decode_fp8_calibration_scale.py: an FP8 copy of a float16 cache scaled by amax / 256, run
+# with k_scale and v_scale. FlashInfer holds the FP8 run to its tolerance of the float16 run; that bounds the
+# quantisation as much as the kernel (its seed's data passes), so here the FP8 run meets that tolerance against
+# float64 attention over the dequantised cache (FP8 x scale), and the float16 run meets TOL against its own.
+FP8_SCALE_TOL_SINGLE = dict(rtol=2e-2, atol=1e-2)
+FP8_SCALE_TOL_BATCH = dict(rtol=2e-1, atol=1e-2)
+FP8_SINGLE_NAMES = ("kv_len", "num_kv_heads", "num_qo_heads", "head_dim", "kv_layout", "pos_encoding_mode",
+                    "fp8_dtype")
+
+
+def _fp8_single_options(p):
+    return _options(p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], 1, p["pos_encoding_mode"],
+                    kv_dtype=p["fp8_dtype"])
+
+
+def _run_fp8_scale_single(device, p):
+    L, Hkv, Hq, D = p["kv_len"], p["num_kv_heads"], p["num_qo_heads"], p["head_dim"]
+    q = torch.randn(Hq, D, device=device, dtype=F16)
+    k = torch.randn(L, Hkv, D, device=device, dtype=F16)   # (NHD: FlashInfer runs that layout only)
+    v = 0.1 * torch.randn(L, Hkv, D, device=device, dtype=F16)
+    ref = _reference(q[None], k[:, None], v[:, None], _table([L], 1))
+    options = dict(kv_layout=p["kv_layout"], pos_encoding_mode=p["pos_encoding_mode"])
+    _check(fi.single_decode_with_kv_cache(q, k, v, **options)[None], None, ref)
+    k_scale, v_scale = k.amax().item() / 256, v.amax().item() / 256
+    k8, v8 = (k / k_scale).to(p["fp8_dtype"]), (v / v_scale).to(p["fp8_dtype"])
+    out = fi.single_decode_with_kv_cache(q, k8, v8, k_scale=k_scale, v_scale=v_scale, **options)
+    ref8 = _reference(q[None], (k8.double() * k_scale)[:, None], (v8.double() * v_scale)[:, None], _table([L], 1))
+    _check(out[None], None, ref8, FP8_SCALE_TOL_SINGLE)
+
+
+FP8_BATCH_NAMES = ("batch_size", "kv_len", "page_size", "num_qo_heads", "head_dim", "kv_layout",
+                   "pos_encoding_mode", "dtype")
+
+
+def _fp8_batch_options(p):
+    return _options(p["num_qo_heads"], 4, p["head_dim"], p["page_size"], p["pos_encoding_mode"], kv_dtype=p["dtype"])
+
+
+def _run_fp8_scale_batch(device, p):
+    B, D, P = p["batch_size"], p["head_dim"], p["page_size"]
+    q = torch.randn(B, p["num_qo_heads"], D, device=device, dtype=F16)
+    table = _table([p["kv_len"]] * B, P, device)
+    kv = _cache(_kv_shape(int(table[0][-1]), P, 4, D, p["kv_layout"]), F16, device, 0.1)
+    nhd = _nhd(kv, p["kv_layout"])
+    ref = _reference(q, nhd[:, 0], nhd[:, 1], table, rope=p["pos_encoding_mode"] == "ROPE_LLAMA")
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(device), p["kv_layout"])
+    wrapper.plan(*table, **(_fp8_batch_options(p) | dict(data_type=F16)))
+    _check(_run(wrapper, q, kv, return_lse=False)[0], None, ref)
+    k_scale, v_scale = kv[:, 0].amax().item() / 256, kv[:, 1].amax().item() / 256
+    kv8 = torch.stack([kv[:, 0] / k_scale, kv[:, 1] / v_scale], dim=1).to(p["dtype"])
+    wrapper.plan(*table, **_fp8_batch_options(p))
+    out, _ = _run(wrapper, q, kv8, return_lse=False, k_scale=k_scale, v_scale=v_scale)
+    nhd8 = _nhd(kv8, p["kv_layout"]).double()
+    ref8 = _reference(q, nhd8[:, 0] * k_scale, nhd8[:, 1] * v_scale, table, rope=p["pos_encoding_mode"] == "ROPE_LLAMA")
+    _check(out, None, ref8, FP8_SCALE_TOL_BATCH)
+
+
+# tests/attention/test_decode_prefill_lse.py, test_mlc_failed_case: an empty request (no pages, last_page_len 0)
+# beside one of 9 pages (HND, 32 heads, page 16), run_return_lse with use_tensor_cores False and True.
+def _mlc_options(p):
+    return _options(32, 32, 128, 16)
+
+
+def _run_mlc_empty_request(device, p):
+    table = tuple(torch.tensor(t, dtype=torch.int32, device=device) for t in
+                  ([0, 0, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11], [0, 1]))
+    q = torch.randn(2, 32, 128, device=device, dtype=F16)
+    kv = torch.randn(12, 2, 32, 16, 128, device=device, dtype=F16)
+    nhd = _nhd(kv, "HND")
+    ref = _reference(q, nhd[:, 0], nhd[:, 1], table)
+    for tensor_cores in (False, True):
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(device), "HND", use_tensor_cores=tensor_cores)
+        wrapper.plan(*table, **_mlc_options(p))
+        _check(*wrapper.run_return_lse(q, kv), ref)
+
+
 # --- the suites ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Suite:
@@ -427,9 +532,11 @@ class Suite:
     run: Callable
     options: Callable
     extra: tuple[tuple, ...] = ()
+    valid: Callable = lambda case: True   # the cases FlashInfer runs (it skips the others)
 
     def cases(self, cpu=False) -> list[tuple]:
-        return list(itertools.product(*(self.cpu_values if cpu else self.values))) + ([] if cpu else list(self.extra))
+        product = itertools.product(*(self.cpu_values if cpu else self.values))
+        return [c for c in product if self.valid(c)] + ([] if cpu else list(self.extra))
 
 
 F16 = torch.float16
@@ -468,6 +575,18 @@ SUITES = {
                                     _tc_fast_options),
     "fast_tensor_cores_cuda_graph": Suite(TC_NAMES, _TC, _TC_CPU,
                                           functools.partial(_run_tc, graph=True, fast_plan=True), _tc_options),
+    "packed_q": Suite(PACKED_NAMES, ((1, 19, 99), (1, 5), (1,), (1, 4, 8), (4, 8), (64, 128, 256)),
+                      ((1, 19), (1, 5), (1,), (1, 4), (4, 8), (64, 128)), _run_packed_q, _packed_options,
+                      valid=lambda case: case[4] % case[3] == 0),
+    "fp8_scale_single": Suite(FP8_SINGLE_NAMES, ((7, 19, 39, 1170, 39275), (4,), (4, 32), (128,), ("NHD",),
+                                                 ("NONE",), (E4M3,)),
+                              ((7, 39), (4,), (4, 32), (128,), ("NHD",), ("NONE",), (E4M3,)), _run_fp8_scale_single,
+                              _fp8_single_options),
+    "fp8_scale_batch": Suite(FP8_BATCH_NAMES, ((12, 17), (54, 97), (1, 8, 16), (4, 32), (128, 256), ("HND", "NHD"),
+                                               ("NONE", "ROPE_LLAMA"), (E4M3, E5M2)),
+                             ((12,), (54,), (1, 16), (4, 32), (128,), ("HND", "NHD"), ("NONE", "ROPE_LLAMA"),
+                              (E4M3, E5M2)), _run_fp8_scale_batch, _fp8_batch_options),
+    "mlc_empty_request": Suite(("case",), ((0,),), ((0,),), _run_mlc_empty_request, _mlc_options),
 }
 
 
@@ -487,7 +606,7 @@ def _params(cpu: bool, full: bool = False) -> list:
 
 
 def pytest_generate_tests(metafunc):
-    """test_gpu's cases: the rest of the matrix only when `-m full_matrix` asks for it (collecting 5,559 cases
+    """test_gpu's cases: the rest of the matrix only when `-m full_matrix` asks for it (collecting 6,013 cases
     only to skip them would cost the CPU suite more than the port's CPU cases do)."""
     if metafunc.definition.name == "test_gpu":
         metafunc.parametrize("suite, case", _params(False, "full_matrix" in (metafunc.config.getoption("-m") or "")))
