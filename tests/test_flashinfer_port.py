@@ -37,6 +37,7 @@ from meld.compat import flashinfer as fi
 from tests.kernel_matrix import pairwise
 
 LOG2E = 1.4426950408889634
+F16 = torch.float16
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 NVFP4 = torch.uint8   # FlashInfer's packed FP4 cache (two values a byte, scale factors in kv_cache_sf)
@@ -539,7 +540,6 @@ class Suite:
         return [c for c in product if self.valid(c)] + ([] if cpu else list(self.extra))
 
 
-F16 = torch.float16
 _BATCH = ((12, 17, 128), (54, 97, 512, 2048, 16384), (1, 8, 16), (4, 32), (128, 256), ("NONE", "ROPE_LLAMA"),
           (F16, E4M3))
 _BATCH_CPU = ((12,), (54, 97), (1, 8, 16), (4, 32), (128, 256), ("NONE", "ROPE_LLAMA"), (F16, E4M3))
@@ -571,8 +571,7 @@ SUITES = {
     "tensor_cores_cuda_graph": Suite(TC_NAMES, _TC, _TC_CPU, functools.partial(_run_tc, graph=True), _tc_options),
     "tensor_cores_fast_plan": Suite(TC_FAST_NAMES, ((5, 12), (4096, 8192, 5000), (True, False)) + _TC[2:],
                                     ((5,), (4096,), (False,), (16,), (1,), (128,), ("NHD",), ("NONE",)),
-                                    _run_tc_fast_plan,
-                                    _tc_fast_options),
+                                    _run_tc_fast_plan, _tc_fast_options),
     "fast_tensor_cores_cuda_graph": Suite(TC_NAMES, _TC, _TC_CPU,
                                           functools.partial(_run_tc, graph=True, fast_plan=True), _tc_options),
     "packed_q": Suite(PACKED_NAMES, ((1, 19, 99), (1, 5), (1,), (1, 4, 8), (4, 8), (64, 128, 256)),
