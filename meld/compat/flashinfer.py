@@ -27,6 +27,9 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
   kernel (one operator per value, made on first plan()): run(window_left=) must be None or plan()'s, and the
   deprecated forward()'s options plan()'s. RoPE's rotated keys are rounded to the MMA type (FlashInfer keeps them
   in float32). fast_plan() and fast_decode_plan(wrapper, ...) are plan(). README.md's table lists every argument.
+- single_decode_with_kv_cache (one request, K and V as [kv_len, num_kv_heads, head_dim] tensors) is the decode
+  wrapper planned for a batch of one whose pages are single tokens: K and V are read in place through their
+  strides, and each call plans.
 - An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn)): run()'s k_scale and v_scale are applied inside meld's
   kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
   where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
@@ -46,7 +49,7 @@ from ..codegen.decode_kernel import MAX_Q_LEN, DecodeVariant
 from ..ops.decode_attention import FP8, DecodeAttention, decode_variant
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-           "MultiLevelCascadeAttentionWrapper", "fast_decode_plan"]
+           "MultiLevelCascadeAttentionWrapper", "fast_decode_plan", "single_decode_with_kv_cache"]
 
 _LOG2E = 1.4426950408889634
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
@@ -282,11 +285,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"global_override_indptr_cpu must have indptr's shape {tuple(indptr.shape)}, got "
                                  f"{tuple(global_override_indptr_cpu.shape)}")
             indptr = global_override_indptr_cpu
-        self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                  pos_encoding_mode, window_left, logits_soft_cap,
-                  "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
-                  data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
-                  disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, check=check)
+        # The class's plan(), not the instance's: FlashInfer's idiom `wrapper.plan = partial(fast_decode_plan,
+        # wrapper)` rebinds the instance's, which would call back into this method.
+        type(self).plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                        pos_encoding_mode, window_left, logits_soft_cap,
+                        "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
+                        data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
+                        disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, check=check)
 
     def _q_len(self, q_len_per_req: object, variant: DecodeVariant) -> int:
         """plan()'s q_len_per_req, checked as FlashInfer checks it (ValueError) and against what meld builds
@@ -763,3 +768,56 @@ def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, *args, **kwargs) 
         raise ValueError(f"fast_decode_plan's first argument must be a BatchDecodeWithPagedKVCacheWrapper, got "
                          f"{type(self).__name__}")
     self.fast_plan(*args, **kwargs)
+
+
+def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
+                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
+                                q_scale: float | None = None, k_scale: float | None = None,
+                                v_scale: float | None = None, window_left: int = -1,
+                                logits_soft_cap: float | None = None, sm_scale: float | None = None,
+                                rope_scale: float | None = None, rope_theta: float | None = None,
+                                return_lse: bool = False):
+    """FlashInfer's `flashinfer.single_decode_with_kv_cache`: one request's decode attention of q [num_qo_heads,
+    head_dim] over k and v [kv_len, num_kv_heads, head_dim] (NHD; HND: [num_kv_heads, kv_len, head_dim]).
+
+    The decode wrapper (one per device, kept) planned for a batch of one request whose pages are single tokens,
+    so k and v are read in place through their strides, in either layout; each call plans. As FlashInfer's,
+    q_scale and k_scale multiply sm_scale and v_scale the output. Returns out [num_qo_heads, head_dim], or (out,
+    lse [num_qo_heads], base 2) with return_lse.
+
+    Example (FlashInfer's own, with meld's import):
+        >>> o = single_decode_with_kv_cache(q, k, v)   # q [32, 128], k and v [4096, 32, 128], float16
+    """
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if not isinstance(use_tensor_cores, bool):
+        raise ValueError(f"use_tensor_cores must be True or False, got {use_tensor_cores!r}")
+    for name, t, dims in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D torch.Tensor, got " + (
+                f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kv_layout == "HND":   # [num_kv_heads, kv_len, head_dim] read as kv_len single-token pages
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    kv_len, num_kv_heads, head_dim = k.shape
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
+    for name, factor in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if factor is not None:
+            scale *= check_finite(name, factor)
+    wrapper = _single_request_wrapper(q.device)
+    wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
+                 torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
+                 window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
+                 rope_scale=rope_scale, rope_theta=rope_theta)
+    try:
+        result = wrapper.run(q.unsqueeze(0), (k, v), v_scale=v_scale, return_lse=return_lse)
+    except ValueError as e:   # (in this function's names: the tuple's parts are k and v)
+        raise ValueError(re.sub(r"\b([kv])_cache\b", r"\1", str(e))) from None
+    return (result[0][0], result[1][0]) if return_lse else result[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _single_request_wrapper(device: torch.device) -> BatchDecodeWithPagedKVCacheWrapper:
+    """single_decode_with_kv_cache's wrapper on `device`: its operators (one per shape and variant) are kept."""
+    return BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device))
