@@ -273,10 +273,10 @@ class MoE(Operator):
             self._check_weights(w13, w2)
             w13_scale, w2_scale = plain(w13_scale), plain(w2_scale)
             self._check_scales(w13_scale, w2_scale)
-        elif w13_scale is not None or w2_scale is not None:
-            self._check_scales(w13_scale, w2_scale)
             router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
             self._check_routing(router_logits, topk_weights, topk_ids, T)
+        elif w13_scale is not None or w2_scale is not None:   # (the usual inputs of a bf16 layer, plus scales)
+            self._check_scales(w13_scale, w2_scale)
         if topk_ids is not None and dev.type == "cpu":
             self._check_ids(topk_ids)
         if out is None:
@@ -365,6 +365,8 @@ class MoE(Operator):
         """ValueError unless an FP8 layer has its weights' block scales (float32, contiguous, the shapes of the
         module docstring) and a bf16 layer none."""
         if not self._fp8:
+            if w13_scale is None and w2_scale is None:
+                return
             name = "w13_scale" if w13_scale is not None else "w2_scale"
             raise ValueError(f"{name} is for FP8 weights (MoE(weight_dtype=torch.float8_e4m3fn)); this layer's "
                              f"weights are {self.weight_dtype}")
