@@ -647,8 +647,8 @@ __device__ __forceinline__ const float* weight_scales(const float* scale, int ex
 // stage's are issued; a stage goes back to the producer once the wgmmas that read it have completed.
 // FP8: a stage's product is complete (wgmma_wait<0>) before it is scaled into its sum, one accumulator after
 // the other through one set of registers (two did not leave the 64-token block's epilogue registers: it
-// spilled), so the stage goes back to the producer within the loop (`prev` stays -1); its scales are loaded
-// before its copies are waited for.
+// spilled), so the stage goes back to the producer within the loop (`prev` stays -1); its weight scales are
+// loaded before its copies are waited for.
 struct KLoop {
   const MoeParams& p;
   int nk, lane, warp, wg, ticket;
@@ -663,9 +663,6 @@ struct KLoop {
       for (int a = 0; a < 2; ++a)
 #pragma unroll
         for (int h = 0; h < 2; ++h) ws[a][h] = __ldg(sc.w[a][h] + kk);
-#pragma unroll
-      for (int u = 0; u < R / 2; ++u)   // token 8 (u / 2) + 2 (lane % 4) + u % 2 (other CTAs wrote them: from L2)
-        ts[u] = __ldcg(sc.t + (i64)kk * p.scale_ld + min(8 * (u / 2) + 2 * (lane % 4) + u % 2, sc.rows - 1));
       mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS);
       const u32 st = ring.base + ring.stage * STAGE_BYTES;
 #pragma unroll
@@ -673,6 +670,13 @@ struct KLoop {
         wgmma_fence();
         mma_stage<R>(part, st + (2 * wg + a) * W_BOX, st + NBOX * W_BOX);
         wgmma_commit();
+        // The token scales once the stage is full (a gemm2 tile's act_scale is complete only once its row block
+        // is: the producer waited for that before it loaded the act boxes), while the first product runs:
+        // token 8 (u / 2) + 2 (lane % 4) + u % 2, from L2 (other CTAs wrote them).
+        if (a == 0)
+#pragma unroll
+          for (int u = 0; u < R / 2; ++u)
+            ts[u] = __ldcg(sc.t + (i64)kk * p.scale_ld + min(8 * (u / 2) + 2 * (lane % 4) + u % 2, sc.rows - 1));
         wgmma_wait<0>();
         fence_regs(part);
         if (a == 1 && lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
