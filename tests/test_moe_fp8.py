@@ -230,3 +230,28 @@ def test_gpu_fp8_nan_and_inf_scales_reach_exactly_their_experts_tokens(T):
     torch.cuda.synchronize()
     ids = moe._bufs["topk_ids"][: T * k].view(T, k).cpu()
     check_bad_scales(moe, x, logits, ids, w13, s13, w2, s2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cuda_graph_replays_a_new_routing():
+    """A captured FP8 call replays new x, logits and routing (into a re-poisoned output) correctly."""
+    T, H, I, E, k = 100, 512, 256, 16, 4
+    w13, s13, w2, s2 = fp8_weights(E, H, I, "cuda")
+    moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=T, weight_dtype=FP8)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    out = poisoned(T, H, "cuda")
+    call = lambda: moe(x, logits, w13, w2, w13_scale=s13, w2_scale=s2, out=out)   # noqa: E731
+    call()   # loads the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    x.copy_(torch.randn(T, H, device="cuda"))
+    logits.copy_(skewed_logits(T, E, hot=5, seed=9))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ids, w = moe._bufs["topk_ids"][: T * k].view(T, k), moe._bufs["topk_w"][: T * k].view(T, k)
+    assert torch.equal(ids.cpu().sort(1).values, route(logits.cpu(), k, True)[1].sort(1).values)
+    assert not out.isnan().any() and rel_err(out, quantised_reference(x, w13, s13, w2, s2, ids, w)) <= 3e-2
