@@ -15,7 +15,9 @@ plus the FP8 matmul ceiling (`torch._scaled_mm`, 8192^3, row-wise scales). At T 
 `read_floor_us` of the touched experts' e4m3 bytes and their block scales.
 Correctness before timing: both against float64 over the dequantised weights with unquantised activations,
 ‖out − ref‖/‖ref‖ < 8e-2 and max|out − ref| / max|ref| < 1.5e-1 (each quantises its activations to e4m3, 2.6%
-a tensor: tests/test_moe_fp8.py states meld's), and meld against the peer (the same bounds). Without
+a tensor: tests/test_moe_fp8.py states meld's), and meld against the peer (< 1.2e-1 and < 2e-1: per 128 channels
+against per row, the two quantisations differ by about 6% and 7% on a qwen3-shaped expert, measured in float64
+on the CPU). Without
 `torch._scaled_grouped_mm` the run stops with an error naming it: there is no FP8 peer to compare with.
 """
 from __future__ import annotations
@@ -34,7 +36,8 @@ from bench.moe import RENORMALIZE, SHAPES, Shape, errors, make_weights, route, r
 from meld.runtime.moe_reference import E4M3_MAX, FP8_MIN_AMAX, GROUP, dequantize_blocks, quantize_blocks
 
 FP8 = torch.float8_e4m3fn
-REL_TOL, MAX_TOL = 8e-2, 1.5e-1
+REL_TOL, MAX_TOL = 8e-2, 1.5e-1      # against float64
+AGREE_REL, AGREE_MAX = 1.2e-1, 2e-1  # meld against the peer
 SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
 
 
@@ -110,10 +113,11 @@ COLUMNS = [
 ]
 
 
-def check(what: str, out: torch.Tensor, target: torch.Tensor, problems: list[str]) -> float:
+def check(what: str, out: torch.Tensor, target: torch.Tensor, problems: list[str], rel_tol: float = REL_TOL,
+          max_tol: float = MAX_TOL) -> float:
     rel, mx = errors(out, target)
-    if not (rel < REL_TOL and mx < MAX_TOL):
-        problems.append(f"{what}: rel err {rel:.2e} (< {REL_TOL:.0e}), max err {mx:.2e} (< {MAX_TOL:.0e})")
+    if not (rel < rel_tol and mx < max_tol):
+        problems.append(f"{what}: rel err {rel:.2e} (< {rel_tol:.0e}), max err {mx:.2e} (< {max_tol:.0e})")
     return rel
 
 
@@ -145,7 +149,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, ceilings: dict[str, Any], 
             outs = {k: f() for k, f in runs.items()}
             row["rel_err"] = check("meld vs float64", outs["meld"], ref, problems)
             check("torch vs float64", outs["torch"], ref, problems)
-            row["agree"] = check("meld vs torch", outs["meld"], outs["torch"].double(), problems)
+            row["agree"] = check("meld vs torch", outs["meld"], outs["torch"].double(), problems, AGREE_REL, AGREE_MAX)
             if problems:
                 failures.append(f"{name}: " + "; ".join(problems))
                 print(f"!!! FAIL {failures[-1]}", flush=True)
