@@ -17,11 +17,15 @@ BENCH_SHAPES = [(2048, 768, 128, 8), (7168, 2048, 32, 8), (2880, 2880, 128, 4)] 
 
 
 def fp8_weights(E, H, I, device="cpu", seed=1):
-    """Block-scaled e4m3 w13, w13_scale, w2, w2_scale from N(0, 1/fan_in) weights (drawn on `device`)."""
+    """Block-scaled e4m3 w13, w13_scale, w2, w2_scale from N(0, 1/fan_in) weights (drawn on `device`, an expert
+    at a time: a BENCH shape's float32 weights whole would take several GB per test process)."""
     g = torch.Generator(device).manual_seed(seed)
-    w13, s13 = quantize_blocks(torch.randn(E, 2 * I, H, generator=g, device=device) / H ** 0.5)
-    w2, s2 = quantize_blocks(torch.randn(E, H, I, generator=g, device=device) / I ** 0.5)
-    return w13, s13, w2, s2
+
+    def experts(n, k):
+        q, s = zip(*(quantize_blocks(torch.randn(1, n, k, generator=g, device=device) / k ** 0.5) for _ in range(E)))
+        return torch.cat(q), torch.cat(s)
+
+    return (*experts(2 * I, H), *experts(H, I))
 
 
 def quantised_reference(x, w13, s13, w2, s2, ids, w):
