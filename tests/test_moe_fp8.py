@@ -75,6 +75,8 @@ def test_fp8_config_is_checked():
             MoeKernelConfig(**{"weight_dtype": "e4m3", **kw})
     with pytest.raises(ValueError, match="must agree"):
         meld.MoE(256, 128, 4, 2, device="cpu", weight_dtype=FP8, kernel_config=MoeKernelConfig())
+    cfg = MoeKernelConfig(block_tokens=32, weight_dtype="e4m3")
+    assert meld.MoE(256, 128, 4, 2, device="cpu", kernel_config=cfg).weight_dtype == FP8
     with pytest.raises(ValueError, match="weight_dtype must be"):
         meld.MoE(256, 128, 4, 2, device="cpu", weight_dtype=torch.float16)
     with pytest.raises(ValueError, match="hidden_size must be a multiple of 16"):

@@ -62,8 +62,8 @@ class MoE(Operator):
         max_num_tokens: capacity; every buffer is sized for it, so calls up to it never allocate.
         renormalize: renormalise the top-k softmax weights to sum 1 (when routing from logits).
         weight_dtype: torch.bfloat16, or torch.float8_e4m3fn for block-scaled FP8 weights (a call then takes
-            w13_scale and w2_scale; hidden_size and intermediate_size multiples of 16). The same as
-            `kernel_config=MoeKernelConfig(weight_dtype="e4m3")`.
+            w13_scale and w2_scale; hidden_size and intermediate_size multiples of 16). Default: kernel_config's
+            (`MoeKernelConfig(weight_dtype="e4m3")` selects the same), else bf16.
         first_expert: precomputed topk ids are global and this layer's experts are ids first_expert ..
             first_expert + num_experts - 1 (expert parallelism: w13 and w2 hold those); with
             `kernel_config.absent_pairs`, a pair of another expert is skipped (its token's output row is
@@ -80,12 +80,14 @@ class MoE(Operator):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dtype: torch.dtype = torch.bfloat16, device: object = "cuda", max_num_tokens: int = 8192,
                  renormalize: bool = True, kernel_config: MoeKernelConfig | None = None, first_expert: int = 0,
-                 weight_dtype: torch.dtype = torch.bfloat16):
+                 weight_dtype: torch.dtype | None = None):
         self.hidden_size = H = check_positive("hidden_size", hidden_size)
         self.intermediate_size = I = check_positive("intermediate_size", intermediate_size)
         if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.moe_kernel.MoeKernelConfig, got "
                              f"{type(kernel_config).__name__}")
+        if weight_dtype is None:   # kernel_config's, else bf16
+            weight_dtype = torch.float8_e4m3fn if kernel_config is not None and kernel_config.fp8 else torch.bfloat16
         if weight_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(f"weight_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {weight_dtype}")
         self._fp8 = fp8 = weight_dtype == torch.float8_e4m3fn
