@@ -127,6 +127,7 @@ def test_fp8_inputs_are_checked():
         ((x, logits, w13, w2), dict(ok, w2_scale=s2.transpose(1, 2)), r"w2_scale must have shape"),
         ((x.to(FP8), logits, w13, w2), ok, "x must have dtype torch.bfloat16, got torch.float8_e4m3fn"),
         ((x, logits, w13.to(torch.bfloat16), w2), ok, "w13 must have dtype torch.float8_e4m3fn"),
+        ((x, logits, w13.view(E, 2, 128, 2, 128, 1), w2), ok, r"w13 must have shape \(4, 256, 256\)"),
     ]
     for args, kw, match in cases:
         with pytest.raises(ValueError, match=match):

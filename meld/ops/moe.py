@@ -351,7 +351,7 @@ class MoE(Operator):
         """ValueError unless w13 and w2 are this layer's weights: as laid out in the class docstring, or both
         packed by meld.pack_moe_weights (a 6-D w13)."""
         dev = self.device
-        if isinstance(w13, torch.Tensor) and w13.dim() == 6:
+        if isinstance(w13, torch.Tensor) and w13.dim() == 6 and not self._fp8:   # (FP8 weights run plain)
             s13, s2 = self._weight_shapes[6]
             expect("w13", w13, self.dtype, s13, "packed by meld.pack_moe_weights: experts x K boxes x 64-column "
                    "blocks of I x (gate, up) x 64 x 64", dev, contiguous)
