@@ -10,6 +10,12 @@ Setup on the GPU machine (it has no network; the peers travel as wheels in `.whl
 `--kv-dtype fp8` times an e4m3 cache (per-tensor k_scale and v_scale): meld and FlashInfer read it at one byte a value,
 and `meld-bf16` times meld on the bf16 cache of the same (dequantised) values, all in one run.
 
+`--q-len N` (2 to 8) times multi-token decode: N new tokens per request, causal among themselves (q [B * N, Hq, D]):
+meld's `DecodeAttention(q_len=N)`, FlashInfer's tensor-core decode with `plan(q_len_per_req=N)` (`fi-tc`; its
+CUDA-core decode takes one token) and its `BatchPrefillWithPagedKVCacheWrapper` with causal=True and qo_indptr =
+arange * N (`fi-prefill`); speedup is over the faster of the two. `meld-q1` times meld's q_len = 1 decode of the same
+batch (each request's last token; the same KV bytes), and `q/q1` = meld µs / meld-q1 µs is what the extra rows cost.
+
 FlashInfer JIT-compiles each kernel family with nvcc on first use (~40 s each: the CUDA-core decode module
 and the tensor-core (prefill) module, per head_dim), so a fresh machine spends ~2-3 min compiling before the
 first numbers. This script sets FLASHINFER_CUDA_ARCH_LIST=9.0a itself when it is unset.
@@ -55,11 +61,12 @@ PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 BATCHES = (1, 8, 64, 256)
 DISTS = ("uniform2k", "skewed", "one-long")
-IMPLS = ("meld", "fi-fa2", "fi-tc", "sdpa", "meld-bf16")
+IMPLS = ("meld", "fi-fa2", "fi-tc", "fi-prefill", "sdpa", "meld-bf16", "meld-q1")
 FI_WORKSPACE_BYTES = 128 << 20
 MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-size)
 KV_LAYOUT = ["NHD"]  # --kv-layout: the cache layout meld and FlashInfer read (the reference keeps NHD)
 KV_FP8 = [False]     # --kv-dtype fp8: meld and FlashInfer read an e4m3 cache
+Q_LEN = [1]          # --q-len: new tokens per request (q rows B * q_len)
 FP8 = torch.float8_e4m3fn
 
 
@@ -136,7 +143,7 @@ class Inputs:
 
     case: Case
     table: PageTable
-    q: torch.Tensor  # [B, Hq, D]
+    q: torch.Tensor  # [B * q_len, Hq, D]: request b's new tokens at rows b * q_len ... (--q-len)
     kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D], NHD; exactly the pages the table uses (fp8: the
                             # values the e4m3 cache stands for, exactly: its scales are powers of two)
     kv_run: torch.Tensor  # the same cache in --kv-layout (HND: [num_pages, 2, Hkv, page_size, D]), as timed
@@ -160,7 +167,7 @@ def _e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
     table = page_table(request_lengths(case.dist, case.batch), PAGE_SIZE, seed)
     g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(case.batch, case.num_qo_heads, case.head_dim, generator=g, dtype=DTYPE, device=device)
+    q = torch.randn(case.batch * Q_LEN[0], case.num_qo_heads, case.head_dim, generator=g, dtype=DTYPE, device=device)
     kv = torch.randn(table.num_pages, 2, PAGE_SIZE, case.num_kv_heads, case.head_dim, generator=g, dtype=DTYPE,
                      device=device)
     fp8 = {}
@@ -185,43 +192,41 @@ def sdpa_padded_gib(case: Case, table: PageTable) -> float:
 # ------------------------------------------------------------------------------------------ correctness
 
 def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention over each request's pages: out [B, Hq, D] and lse [B, Hq] (natural log).
+    """float64 attention over each request's pages (`meld.runtime.reference.attention_reference`, causal among
+    the --q-len new tokens): out [B * q_len, Hq, D] and lse [B * q_len, Hq] (natural log). One request at a time
+    keeps the float64 copies of K and V small (<= 1 GiB for a 65536-token request)."""
+    from meld.runtime.reference import attention_reference
 
-    q head h attends with kv head h // group (FlashInfer's GQA mapping). One request at a time keeps the
-    float64 copies of K and V small (<= 1 GiB for a 65536-token request).
-    """
-    c = inp.case
-    group, scale = c.num_qo_heads // c.num_kv_heads, c.head_dim ** -0.5
-    indices = inp.table.indices.to(inp.q.device, torch.long)
-    out = torch.empty(c.batch, c.num_qo_heads, c.head_dim, dtype=torch.float64, device=inp.q.device)
-    lse = torch.empty(c.batch, c.num_qo_heads, dtype=torch.float64, device=inp.q.device)
-    for b, n in enumerate(inp.table.lengths):
-        kv = inp.kv_cache[indices[inp.table.pages_of(b)]]  # [P, 2, page_size, Hkv, D]
-        k = kv[:, 0].reshape(-1, c.num_kv_heads, c.head_dim)[:n].double()
-        v = kv[:, 1].reshape(-1, c.num_kv_heads, c.head_dim)[:n].double()
-        s = torch.einsum("hgd,nhd->hgn", inp.q[b].view(c.num_kv_heads, group, c.head_dim).double(), k) * scale
-        m = torch.logsumexp(s, dim=-1)
-        out[b] = torch.einsum("hgn,nhd->hgd", torch.exp(s - m[..., None]), v).reshape(c.num_qo_heads, c.head_dim)
-        lse[b] = m.reshape(c.num_qo_heads)
-    return out, lse
+    t, dev = inp.table, inp.q.device
+    return attention_reference(inp.q, inp.kv_cache, t.indptr.to(dev), t.indices.to(dev), t.last_page_len.to(dev),
+                               q_len=Q_LEN[0])
+
+
+def last_tokens(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """The rows of each request's last new token of a [B * q_len, ...] tensor: what a q_len = 1 decode of the same
+    batch computes (that token sees every key)."""
+    return x.view(batch, Q_LEN[0], *x.shape[1:])[:, -1].contiguous()
 
 
 
 
 # ------------------------------------------------------------------------------------- implementations
 
-def build_meld(inp: Inputs, fp8: bool) -> Impl:
+def build_meld(inp: Inputs, fp8: bool, one_token: bool = False) -> Impl:
     """meld.DecodeAttention with fixed table capacities: meld's docstring asks for them when run() is captured
     in a CUDA graph (plans within them rewrite the work tables in place, so the captured graph stays valid).
-    `fp8`: on the e4m3 cache with its scales; else on the bf16 cache."""
+    `fp8`: on the e4m3 cache with its scales; else on the bf16 cache. `one_token`: q_len = 1 on each request's
+    last new token (meld-q1), else --q-len's."""
     import meld
 
     c, t = inp.case, inp.table
+    q_len = 1 if one_token else Q_LEN[0]
+    q = last_tokens(inp.q, c.batch) if one_token else inp.q
     t0 = time.perf_counter()
     attn = meld.DecodeAttention(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                 page_size=PAGE_SIZE, dtype=DTYPE, device=str(inp.q.device), kv_layout=KV_LAYOUT[0],
                                 kv_dtype=FP8 if fp8 else None, max_batch_size=c.batch, max_num_pages=t.num_pages,
-                                **MELD_OPTIONS)
+                                q_len=q_len, **MELD_OPTIONS)
     init_us = (time.perf_counter() - t0) * 1e6
     cache, scales = (inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if fp8 else (inp.kv_run, {})
 
@@ -230,19 +235,19 @@ def build_meld(inp: Inputs, fp8: bool) -> Impl:
 
     first = host_time_us(plan, reps=1, min_reps=1)  # may include compilation
     timing = host_time_us(plan, reps=200)  # the last of these calls is the plan that is run and captured
-    out = torch.empty_like(inp.q)  # like FlashInfer below: the timed call writes a preallocated output
+    out = torch.empty_like(q)  # like FlashInfer below: the timed call writes a preallocated output
 
     def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
         # Poisoned outputs: an element the kernel does not write stays NaN and fails the check.
-        alloc = attn.run(inp.q, cache, **scales)  # the allocating path, as a user calls it
-        o1 = torch.full_like(inp.q, math.nan)
-        attn.run(inp.q, cache, out=o1, **scales)
-        o2 = torch.full_like(inp.q, math.nan)
-        lse = torch.full((c.batch, c.num_qo_heads), math.nan, dtype=torch.float32, device=inp.q.device)
-        attn.run(inp.q, cache, return_lse=True, out=o2, lse=lse, **scales)
+        alloc = attn.run(q, cache, **scales)  # the allocating path, as a user calls it
+        o1 = torch.full_like(q, math.nan)
+        attn.run(q, cache, out=o1, **scales)
+        o2 = torch.full_like(q, math.nan)
+        lse = torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
+        attn.run(q, cache, return_lse=True, out=o2, lse=lse, **scales)
         return [("run", alloc, None), ("run(out=)", o1, None), ("run(return_lse=True, out=, lse=)", o2, lse)]
 
-    return Impl(lambda: attn.run(inp.q, cache, out=out, **scales), outputs, timing, first.median_us, init_us)
+    return Impl(lambda: attn.run(q, cache, out=out, **scales), outputs, timing, first.median_us, init_us)
 
 
 def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
@@ -262,9 +267,11 @@ def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
     fp8 = inp.kv_fp8 is not None
     cache, scales = (inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if fp8 else (inp.kv_run, {})
 
+    multi = dict(q_len_per_req=Q_LEN[0]) if Q_LEN[0] > 1 else {}   # (tensor cores only: skip_reason)
+
     def plan() -> None:
         wrapper.plan(t.indptr, t.indices, t.last_page_len, c.num_qo_heads, c.num_kv_heads, c.head_dim, PAGE_SIZE,
-                     pos_encoding_mode="NONE", q_data_type=DTYPE, kv_data_type=FP8 if fp8 else DTYPE)
+                     pos_encoding_mode="NONE", q_data_type=DTYPE, kv_data_type=FP8 if fp8 else DTYPE, **multi)
 
     first = host_time_us(plan, reps=1, min_reps=1)  # includes the JIT build on first use
     timing = host_time_us(plan, reps=20, max_s=1.0)
@@ -274,6 +281,37 @@ def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
         out.fill_(math.nan)  # FlashInfer writes into `out`: every element must be overwritten
         result = wrapper.run(inp.q, cache, out=out, **scales)   # (with v_scale, FlashInfer returns out * v_scale)
         return [("run", result.clone(), None)]
+
+    return Impl(lambda: wrapper.run(inp.q, cache, out=out, **scales), outputs, timing, first.median_us)
+
+
+def build_flashinfer_prefill(inp: Inputs) -> Impl:
+    """FlashInfer 0.6.18 `BatchPrefillWithPagedKVCacheWrapper` (its default backend) on the --q-len new tokens of
+    each request, causal (qo_indptr = arange * q_len: the new tokens are the last of each request's keys), in
+    CUDA-graph mode (fixed buffers); with --kv-dtype fp8 on the e4m3 cache."""
+    import flashinfer
+
+    c, t, dev = inp.case, inp.table, inp.q.device
+    ints = dict(dtype=torch.int32, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), kv_layout=KV_LAYOUT[0], use_cuda_graph=True,
+        qo_indptr_buf=torch.empty(c.batch + 1, **ints), paged_kv_indptr_buf=torch.empty(c.batch + 1, **ints),
+        paged_kv_indices_buf=torch.empty(t.num_pages, **ints), paged_kv_last_page_len_buf=torch.empty(c.batch, **ints))
+    qo_indptr = torch.arange(c.batch + 1, dtype=torch.int32) * Q_LEN[0]
+    fp8 = inp.kv_fp8 is not None
+    cache, scales = (inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if fp8 else (inp.kv_run, {})
+
+    def plan() -> None:
+        wrapper.plan(qo_indptr, t.indptr, t.indices, t.last_page_len, c.num_qo_heads, c.num_kv_heads, c.head_dim,
+                     PAGE_SIZE, causal=True, q_data_type=DTYPE, kv_data_type=FP8 if fp8 else DTYPE)
+
+    first = host_time_us(plan, reps=1, min_reps=1)  # includes the JIT build on first use
+    timing = host_time_us(plan, reps=20, max_s=1.0)
+    out = torch.empty_like(inp.q)
+
+    def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        out.fill_(math.nan)
+        return [("run", wrapper.run(inp.q, cache, out=out, **scales).clone(), None)]
 
     return Impl(lambda: wrapper.run(inp.q, cache, out=out, **scales), outputs, timing, first.median_us)
 
@@ -309,8 +347,10 @@ def build_sdpa(inp: Inputs) -> Impl:
 BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     "meld": lambda inp: build_meld(inp, fp8=inp.kv_fp8 is not None),
     "meld-bf16": lambda inp: build_meld(inp, fp8=False),
+    "meld-q1": lambda inp: build_meld(inp, fp8=inp.kv_fp8 is not None, one_token=True),
     "fi-fa2": lambda inp: build_flashinfer(inp, tensor_cores=False),
     "fi-tc": lambda inp: build_flashinfer(inp, tensor_cores=True),
+    "fi-prefill": build_flashinfer_prefill,
     "sdpa": build_sdpa,
 }
 
@@ -327,6 +367,10 @@ def skip_reason(name: str, case: Case, table: PageTable, args: argparse.Namespac
     group = case.num_qo_heads // case.num_kv_heads
     if name == "meld-bf16" and not KV_FP8[0]:
         return "meld itself reads the bf16 cache (meld-bf16 is for --kv-dtype fp8)"
+    if name in ("meld-q1", "fi-prefill") and Q_LEN[0] == 1:
+        return f"{name} is for --q-len > 1"
+    if name in ("fi-fa2", "sdpa") and Q_LEN[0] > 1:
+        return f"{name} decodes one token per request (--q-len {Q_LEN[0]})"
     if name == "fi-fa2" and group not in FA2_GROUP_SIZES:
         return f"group size {group} is not one of FlashInfer's CUDA-core decode sizes {FA2_GROUP_SIZES}"
     if name != "sdpa":
@@ -348,10 +392,10 @@ def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, d
     cell = partial(result_cell, results)  # a time, or why there is none
     m = results.get("meld", {})
     meld_us = median_us(m) if not m.get("errors") else None
-    fi = {k: median_us(results[k]) for k in ("fi-fa2", "fi-tc") if isinstance(cell(k), float)}
+    fi = {k: median_us(results[k]) for k in ("fi-fa2", "fi-tc", "fi-prefill") if isinstance(cell(k), float)}
     fi_best = min(fi, key=lambda k: fi[k]) if fi else None
     fi_us = fi[fi_best] if fi_best else None
-    bf16_us = cell("meld-bf16")
+    bf16_us, q1_us = cell("meld-bf16"), cell("meld-q1")
     return {
         "case": case.name, "B": case.batch, "dist": case.dist, "shape": case.shape,
         "sum_len": sum(table.lengths), "max_len": max(table.lengths), "kv_mib": kv_cache_mib(case, table),
@@ -360,6 +404,8 @@ def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, d
         "fa2_us": cell("fi-fa2"), "tc_us": cell("fi-tc"), "fi_us": fi_us, "fi_backend": fi_best,
         "fi_tbps": tbps(fi_us), "sdpa_us": cell("sdpa"), "meld_bf16_us": bf16_us,
         "fp8_gain": bf16_us / meld_us if isinstance(bf16_us, float) and meld_us else None,
+        "prefill_us": cell("fi-prefill"), "meld_q1_us": q1_us,
+        "q1_ratio": meld_us / q1_us if isinstance(q1_us, float) and meld_us else None,
         "speedup": fi_us / meld_us if fi_us and meld_us else None,
         "floor_us": floor_us, "max_speedup": fi_us / floor_us if fi_us and floor_us else None,
         "pct_read": 100 * tbps(meld_us) / read_tbps if meld_us else None,
@@ -376,7 +422,8 @@ COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, err
     Column("meld_tbps", "meld TB/s", ".2f"),
     Column("fa2_us", "FI-fa2 µs", ".1f"), Column("tc_us", "FI-tc µs", ".1f"), Column("fi_us", "best-FI µs", ".1f"),
     Column("sdpa_us", "SDPA µs", ".1f"), Column("meld_bf16_us", "meld-bf16 µs", ".1f"),
-    Column("fp8_gain", "bf16/fp8", ".2f"),
+    Column("fp8_gain", "bf16/fp8", ".2f"), Column("prefill_us", "FI-prefill µs", ".1f"),
+    Column("meld_q1_us", "meld-q1 µs", ".1f"), Column("q1_ratio", "q/q1", ".2f"),
     Column("speedup", "speedup", ".2f"), Column("pct_read", "meld %read", ".0f"),
     Column("floor_us", "read µs", ".1f"), Column("max_speedup", "FI/read", ".2f"),
     Column("plan_us", "plan µs", ".0f"), Column("rel_err", "rel err", ".1e"),
@@ -404,6 +451,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="fp8: meld and FlashInfer read an e4m3 cache with per-tensor scales; meld-bf16 reads the bf16 "
                         "cache of the same values (SDPA and the reference too)")
+    p.add_argument("--q-len", type=int, choices=range(1, 9), default=1, metavar="N",
+                   help="new tokens per request, 1-8 (causal among themselves): meld against FlashInfer's tensor-core "
+                        "decode (q_len_per_req) and causal batch prefill, and meld's q_len = 1 time (meld-q1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
@@ -452,6 +502,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         MELD_OPTIONS["cluster_size"] = args.cluster_size
     KV_LAYOUT[0] = args.kv_layout
     KV_FP8[0] = args.kv_dtype == "fp8"
+    Q_LEN[0] = args.q_len
     cases = select_cases(args.batch, args.dist, extra=not args.no_extra)
     if args.dry_run:
         dry_run(cases, args)
@@ -464,6 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env["commit"] = args.commit or env["commit"]
     env["kv_layout"] = args.kv_layout
     env["kv_dtype"] = args.kv_dtype
+    env["q_len"] = args.q_len
     failures: list[str] = []
     args.impls = preflight(args.impls, env, failures)
     print(env_line(env), flush=True)
@@ -478,11 +530,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{i}/{len(cases)}] {case.name}: Σlen {sum(inp.table.lengths)}, max {max(inp.table.lengths)}, "
               f"KV cache {kv_cache_mib(case, inp.table):.0f} MiB", flush=True)
         ref = reference(inp)
+        refs = {"meld-q1": tuple(last_tokens(x, case.batch) for x in ref)}   # (q_len = 1 on the last tokens)
         results: dict[str, dict[str, Any]] = {}
         for name in args.impls:
             skip = skip_reason(name, case, inp.table, args)
             results[name] = {"skipped": skip} if skip else measure(
-                partial(BUILDERS[name], inp), f"{inp.case.name} {name}", ref, args, failures,
+                partial(BUILDERS[name], inp), f"{inp.case.name} {name}", refs.get(name, ref), args, failures,
                 eager=name == "meld")
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         floor_us = read_floor_us(inp.kv_bytes, args.warmup, args.reps, not args.no_flush)
@@ -497,8 +550,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("speedup = best FlashInfer µs / meld µs (> 1: meld faster); %read = meld TB/s / pure-read ceiling; "
           "read µs = a pure streaming read of the case's KV bytes, and FI/read about the largest speedup a kernel "
           "that reads them could show; times are CUDA-graph replay medians, plan µs is meld's host plan() median"
-          + ("; bf16/fp8 = meld-bf16 µs / meld µs (the e4m3 cache's gain)" if KV_FP8[0] else ""))
+          + ("; bf16/fp8 = meld-bf16 µs / meld µs (the e4m3 cache's gain)" if KV_FP8[0] else "")
+          + (f"; q/q1 = meld µs at q_len {Q_LEN[0]} / meld-q1 µs (q_len 1, the same batch)" if Q_LEN[0] > 1 else ""))
     print(summary_line(table.rows, failures))
+    q1 = speedup_span([r for r in table.rows if r["B"] >= 64], "q1_ratio")
+    if q1:
+        print(f"q_len {Q_LEN[0]} against q_len 1 (meld µs / meld-q1 µs) at B >= 64 {q1}")
     return 1 if failures else 0
 
 

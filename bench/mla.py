@@ -37,7 +37,10 @@ Columns:
   meld TB/s    Σlen·576·2 bytes / meld time (the KV read once, shared by all heads);
   meld TFLOP/s Σlen·H·(576 + 512)·2 / meld time (QK over 576 dims, PV over 512);
   %read        meld TB/s / the pure-read ceiling;   %mma: meld TFLOP/s / the bf16 matmul ceiling;
-  eager µs     meld's eager latency (host launch cost included);   plan µs: meld's host plan() median.
+  eager µs     meld's eager latency (host launch cost included);   plan µs: meld's host plan() median;
+  seesaw µs    with --schedule seesaw or both: meld's seesaw build (`MlaKernelConfig(schedule="seesaw")`) on the
+               same inputs in the same run; seesaw vs FlashMLA: FlashMLA's time / its time; seesaw/split: the
+               default build's time / its time (> 1: the seesaw faster).
 The exit status is 1 if any check or any implementation failed (the run still goes through every case).
 """
 from __future__ import annotations
@@ -78,6 +81,8 @@ BATCHES = (16, 64, 128)
 QUICK_BATCHES = (16, 128)
 DISTS = ("uniform2k", "skewed", "one-long")
 IMPLS = ("meld", "fi-fa2", "fi-fa3", "flashmla")
+SEESAW = "meld-seesaw"   # meld's seesaw build: in place of or beside "meld", as --schedule says
+SCHEDULE_IMPLS = {"split": ["meld"], "seesaw": [SEESAW], "both": ["meld", SEESAW]}
 FI_BACKENDS = {"fi-fa2": "fa2", "fi-fa3": "fa3"}
 FI_WORKSPACE_BYTES = 128 << 20
 KV_ROW_BYTES = (HEAD_DIM_CKV + HEAD_DIM_KPE) * 2  # one token's latent row, bf16
@@ -195,15 +200,18 @@ def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------- implementations
 
-def build_meld(inp: Inputs) -> Impl:
-    """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans."""
+def build_meld(inp: Inputs, schedule: str = "split") -> Impl:
+    """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans; `schedule`:
+    its kernel build (`MlaKernelConfig.schedule`)."""
     import meld
+    from meld.codegen.mla_kernel import MlaKernelConfig
 
     c, t, dev = inp.case, inp.table, inp.q_nope.device
     t0 = time.perf_counter()
     mla = meld.DecodeMLA(NUM_HEADS, PAGE_SIZE, dtype=DTYPE, device=str(dev), sm_scale=SM_SCALE,
                          head_dim_ckv=HEAD_DIM_CKV, head_dim_kpe=HEAD_DIM_KPE,
-                         max_batch_size=c.batch, max_num_pages=t.num_pages)
+                         max_batch_size=c.batch, max_num_pages=t.num_pages,
+                         kernel_config=MlaKernelConfig(schedule=schedule))
     init_us = (time.perf_counter() - t0) * 1e6
 
     def plan() -> None:
@@ -292,6 +300,7 @@ def build_flashmla(inp: Inputs) -> Impl:
 
 BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     "meld": build_meld,
+    SEESAW: partial(build_meld, schedule="seesaw"),
     "fi-fa2": lambda inp: build_flashinfer(inp, "fa2"),
     "fi-fa3": lambda inp: build_flashinfer(inp, "fa3"),
     "flashmla": build_flashmla,
@@ -319,6 +328,9 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
     fi = {k: median_us(results[k]) for k in FI_BACKENDS if isinstance(cell(k), float)}
     fi_best = min(fi, key=lambda k: fi[k]) if fi else None
     fi_us = fi[fi_best] if fi_best else None
+    ss = results.get(SEESAW, {})
+    seesaw_us = median_us(ss) if not ss.get("errors") else None
+    fmla_us = median_us(results["flashmla"]) if isinstance(cell("flashmla"), float) else None
     tbps = nbytes / (meld_us * 1e-6) / 1e12 if meld_us else None
     tflops = nflops / (meld_us * 1e-6) / 1e12 if meld_us else None
     return {
@@ -330,8 +342,9 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
         "fi_tbps": nbytes / (fi_us * 1e-6) / 1e12 if fi_us else None,
         "speedup": fi_us / meld_us if fi_us and meld_us else None,
         "flashmla_us": cell("flashmla"),
-        "vs_flashmla": median_us(results["flashmla"]) / meld_us
-        if meld_us and isinstance(cell("flashmla"), float) else None,
+        "vs_flashmla": fmla_us / meld_us if meld_us and fmla_us else None,
+        "seesaw_us": cell(SEESAW), "seesaw_vs_flashmla": fmla_us / seesaw_us if seesaw_us and fmla_us else None,
+        "seesaw_vs_split": meld_us / seesaw_us if seesaw_us and meld_us else None,
         "meld_tbps": tbps, "meld_tflops": tflops,
         "pct_read": 100 * tbps / ceilings["read_tbps"] if tbps else None,
         "pct_mma": 100 * tflops / ceilings["matmul_bf16_tflops"] if tflops else None,
@@ -346,6 +359,8 @@ COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, err
     Column("meld_us", "meld µs", ".1f"), Column("fa2_us", "fi-fa2 µs", ".1f"), Column("fa3_us", "fi-fa3 µs", ".1f"),
     Column("speedup", "speedup", ".2f"),
     Column("flashmla_us", "FlashMLA µs", ".1f"), Column("vs_flashmla", "vs FlashMLA", ".2f"),
+    Column("seesaw_us", "seesaw µs", ".1f"), Column("seesaw_vs_flashmla", "seesaw vs FlashMLA", ".2f"),
+    Column("seesaw_vs_split", "seesaw/split", ".2f"),
     Column("meld_tbps", "meld TB/s", ".2f"), Column("meld_tflops", "meld TFLOP/s", ".0f"),
     Column("pct_read", "%read", ".0f"), Column("pct_mma", "%mma", ".0f"),
     Column("meld_eager_us", "eager µs", ".1f"), Column("plan_us", "plan µs", ".0f"),
@@ -368,6 +383,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dists", "--dist", dest="dists", nargs="+", choices=DISTS,
                    help=f"length distributions (default {DISTS})")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
+    p.add_argument("--schedule", choices=tuple(SCHEDULE_IMPLS), default="split",
+                   help="meld's kernel build(s): the default split, the seesaw, or both (a same-run A/B)")
     p.add_argument("--quick", action="store_true", help=f"B in {QUICK_BATCHES} (unless --batches), 30 replays")
     add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -381,7 +398,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.batches = args.batches or list(QUICK_BATCHES)
     args.batches = args.batches or list(BATCHES)
     args.dists = args.dists or list(DISTS)
-    args.impls = list(dict.fromkeys(args.impls))
+    args.impls = list(dict.fromkeys(x for i in args.impls for x in (SCHEDULE_IMPLS[args.schedule] if i == "meld" else [i])))
     args.reps = timed_reps(args.reps, args.quick)
     return args
 
@@ -389,7 +406,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) -> list[str]:
     """Import meld's DecodeMLA and FlashInfer's MLA wrapper once: one that fails is reported once (not once
     per case) and dropped."""
-    imports = {"meld": ("meld", "DecodeMLA"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
+    imports = {"meld": ("meld", "DecodeMLA"), SEESAW: ("meld", "DecodeMLA"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "fi-fa3": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "flashmla": ("flash_mla", "flash_mla_with_kvcache")}
 
@@ -459,7 +476,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             skip = skip_reason(name)
             results[name] = {"skipped": skip} if skip else measure(
                 partial(BUILDERS[name], inp), f"{inp.case.name} {name}", ref, args, failures,
-                eager=name == "meld")
+                eager=name in ("meld", SEESAW))
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         table.add(summarise(case, inp.table, results, ceilings))
         del inp, ref
@@ -479,6 +496,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str:
     head, span, fmla = failure_head(failures), speedup_span(rows), speedup_span(rows, "vs_flashmla")
     vs_fmla = f"; meld vs FlashMLA {fmla}" if fmla else ""
+    for key, what in (("seesaw_vs_flashmla", "meld's seesaw vs FlashMLA"), ("seesaw_vs_split", "seesaw vs split")):
+        vs_fmla += f"; {what} {speedup_span(rows, key)}" if speedup_span(rows, key) else ""
     if span is None:
         return f"summary: {head}; no meld-vs-FlashInfer ratio measured{vs_fmla}"
 

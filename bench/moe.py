@@ -5,6 +5,7 @@ On the GPU machine, from the repository root:
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 bench/moe.py --quick --json $OUT/moe.json
 
 `--dry-run` lists the cases (experts touched, bytes, FLOPs) without a GPU; `--impls torch` runs the peer alone.
+`--fp8`: block-scaled FP8 weights against torch's FP8 grouped GEMM instead (bench/moe_fp8.py says how).
 
 Method (BENCH.md): per shape one set of bf16 weights, w13 [E, 2I, H] (gate rows, then up rows) and
 w2 [E, H, I], scaled so activations stay O(1); per case x [T, H] bf16 and router logits [T, E] float32 drawn
@@ -417,10 +418,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, metavar="DIR", help="also write a per-SM timeline (Chrome JSON + PNG) "
                    "per case here, if meld.MoE has last_trace(); otherwise a note says it was skipped")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their sizes; no GPU needed")
+    p.add_argument("--fp8", action="store_true", help="block-scaled FP8 weights: meld against a "
+                   "torch._scaled_grouped_mm pipeline (bench/moe_fp8.py; routing uniform unless --routing)")
     args = p.parse_args(argv)
     args.shapes = parse_list(p, args.shapes, "--shapes", list(SHAPES)) or list(SHAPES)
     args.tokens = parse_list(p, args.tokens, "--tokens", TOKENS, int) or list(QUICK_TOKENS if args.quick else TOKENS)
-    args.routing = parse_list(p, args.routing, "--routing", ROUTINGS) or list(ROUTINGS)
+    args.routing = parse_list(p, args.routing, "--routing", ROUTINGS) or (["uniform"] if args.fp8 else list(ROUTINGS))
     args.impls = parse_list(p, args.impls, "--impls", IMPLS) or list(IMPLS)
     args.reps = timed_reps(args.reps, args.quick)
     return args
@@ -558,6 +561,13 @@ def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fp8:
+        from bench import moe_fp8
+
+        if args.dry_run:
+            print("\n".join(moe_fp8.fp8_cases_line(SHAPES[s]) for s in args.shapes))
+            return 0
+        return moe_fp8.run(args)
     if args.dry_run:
         dry_run(args)
         return 0

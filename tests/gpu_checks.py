@@ -13,8 +13,8 @@ def assert_gpu_plan_matches_host(attn):
     """The GPU planner wrote exactly the tables of the host planner (`schedule`: the same source run as one
     thread), and those are the NumPy oracle's (meld.scheduler.plan_decode)."""
     s = attn.schedule.validate()
-    oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.group_size, attn.topology, attn.cost,
-                         attn.heads_per_unit, attn._plan_clusters, attn._chunk)
+    oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.group_size * attn.q_len, attn.topology,
+                         attn.cost, attn.heads_per_unit, attn._plan_clusters, attn._chunk)
     assert np.array_equal(oracle.cta, s.cta) and oracle.meta == s.meta, "host planner and NumPy oracle disagree"
     t = attn.tables
     W = attn.topology.num_ctas
@@ -35,24 +35,26 @@ def layout(kv_nhd: torch.Tensor, kv_layout: str) -> torch.Tensor:
 def check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=torch.bfloat16, lens=None, **op):
     """Plan and run a batch (outputs poisoned first) and check it: no NaN, every grid's output visible
     to the stream's next work, relative error < 1e-2 against float64, lse, empty requests, and two runs
-    bit-identical. Returns the operator."""
+    bit-identical (op's q_len: that many causal query rows per request). Returns the operator."""
     lens = lens if lens is not None else lengths(dist, B)
     pb = paged(lens, page_size)
     Hq = num_kv_heads * group
     dev = "cuda"
+    q_len = op.get("q_len", 1)
     kv = torch.randn(pb.num_pages, 2, page_size, num_kv_heads, head_dim, device=dev).to(dtype)
-    q = torch.randn(len(lens), Hq, head_dim, device=dev).to(dtype)
+    q = torch.randn(len(lens) * q_len, Hq, head_dim, device=dev).to(dtype)
     attn = meld.DecodeAttention(Hq, num_kv_heads, head_dim, page_size, dtype, dev, **op)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     assert_gpu_plan_matches_host(attn)
     cache = layout(kv, attn.kv_layout)
-    out = torch.full((len(lens), Hq, head_dim), float("nan"), dtype=dtype, device=dev)
-    lse = torch.full((len(lens), Hq), float("nan"), device=dev)
+    out = torch.full((len(lens) * q_len, Hq, head_dim), float("nan"), dtype=dtype, device=dev)
+    lse = torch.full((len(lens) * q_len, Hq), float("nan"), device=dev)
     attn.run(q, cache, out=out, lse=lse)
     snap = out.clone()   # the stream's next work: it must see every grid's output (no NaN left)
     out2, lse2 = attn.run(q, cache, return_lse=True)
     torch.cuda.synchronize()
-    ref, ref_lse = attention_reference(q, kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev))
+    ref, ref_lse = attention_reference(q, kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev),
+                                       q_len=q_len)
     assert not out.isnan().any(), "unwritten or NaN output elements"
     assert torch.equal(snap, out), "work queued after run() ran before every grid had finished"
     assert not lse.isnan().any(), "unwritten or NaN lse elements"
@@ -62,6 +64,6 @@ def check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=to
     assert torch.equal(torch.isfinite(lse), finite), "lse = -inf must mark exactly the empty requests"
     assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3 if finite.any() else True
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "results differ between two identical runs: a race"
-    empty = torch.tensor([n == 0 for n in lens], device=dev)
+    empty = torch.tensor([n == 0 for n in lens], device=dev).repeat_interleave(q_len)
     assert (out[empty] == 0).all(), "a request with no KV tokens must give zeros"
     return attn

@@ -27,6 +27,12 @@ def test_dry_run_selects_cases_and_impls(capsys):
     assert rows[0][-1] == "meld"
 
 
+def test_dry_run_schedule_runs_both_builds(capsys):
+    assert mla.main(["--dry-run", "--batches", "16", "--dists", "skewed", "--impls", "meld", "flashmla",
+                     "--schedule", "both"]) == 0
+    assert "meld, meld-seesaw, flashmla" in capsys.readouterr().out
+
+
 def test_sizes_follow_bench():
     t = mla.page_table([2048, 100])
     assert mla.kv_bytes(t) == 2148 * 576 * 2

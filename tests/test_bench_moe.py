@@ -44,3 +44,17 @@ def test_dry_run_lists_every_routing_with_its_roofline(capsys):
     assert moe.main(["--dry-run", "--shapes", "qwen3-30b-a3b", "--tokens", "16"]) == 0
     out = capsys.readouterr().out
     assert all(r in out for r in moe.ROUTINGS) and "roofline" in out
+
+
+def test_fp8_dry_run_and_peer_quantisation():
+    """`--fp8 --dry-run` lists the FP8 sizes; the peer's row-wise quantiser and its operands (weights re-quantised
+    per output row from the blocks) round-trip within e4m3's error, on the CPU."""
+    from bench import moe_fp8
+    from meld.runtime.moe_reference import quantize_blocks
+
+    assert moe.main(["--fp8", "--dry-run", "--shapes", "deepseek-v3-ep32"]) == 0
+    assert moe_fp8.fp8_bytes(moe.SHAPES["deepseek-v3-ep32"]) == 3 * 7168 * 2048 + 4 * (32 * 56 + 56 * 16)
+    w = torch.randn(2, 200, 136)
+    q, s = moe_fp8.peer_weights(*quantize_blocks(w))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 200)
+    assert ((q.float() * s[..., None] - w).norm() / w.norm()).item() < 0.05

@@ -2,6 +2,7 @@
 meld's own outputs (CPU executor) and lse in FlashInfer's base 2; the cache forms FlashInfer accepts map
 to meld's by views; unsupported options raise NotImplementedError naming them, bad inputs ValueError.
 The `gpu` tests compare against FlashInfer itself on BENCH.md's batches when it is importable."""
+import functools
 import math
 import os
 import subprocess
@@ -167,6 +168,35 @@ def test_scales_and_batch_invariance():
     assert ((w2.run(q, kv).double() - out.double()).norm() / out.double().norm()).item() < 1e-2
 
 
+def test_fast_decode_plan_bound_in_place_of_plan():
+    """FlashInfer's idiom (its tests, and engines' multi-step drafts): `wrapper.plan = partial(fast_decode_plan,
+    wrapper)`, then wrapper.plan(...) with the host indptr; it re-plans as plan() does (it used to recurse)."""
+    w, table, kv, _, q = _planned()
+    out = w.run(q, kv)
+    w.plan = functools.partial(compat.fast_decode_plan, w)
+    w.plan(*table, 8, 2, 64, 16, q_data_type=torch.bfloat16, non_blocking=True,
+           global_override_indptr_cpu=table[0].clone())
+    assert torch.equal(w.run(q, kv), out)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_decode_with_kv_cache(layout):
+    """FlashInfer's single-request decode: K and V in either layout read in place, q_scale and k_scale folded
+    into sm_scale, v_scale on the output, lse base 2; bad arguments named."""
+    q, k, v = torch.randn(8, 64).half(), torch.randn(37, 2, 64).half(), torch.randn(37, 2, 64).half()
+    kk, vv = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    out, lse = compat.single_decode_with_kv_cache(q, kk, vv, layout, q_scale=0.5, k_scale=0.5, v_scale=2.0,
+                                                  return_lse=True)
+    s = torch.einsum("hgd,khd->hgk", q.double().view(2, 4, 64), k.double()) / 8 / 4
+    ref = torch.einsum("hgk,khd->hgd", s.softmax(-1), v.double()).reshape(8, 64) * 2
+    assert (out.double() - ref).abs().max().item() < 2e-3
+    assert (lse.double() - s.logsumexp(-1).reshape(8) * LOG2E).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match=r"^v must have dtype torch.float16"):
+        compat.single_decode_with_kv_cache(q, kk, vv.bfloat16(), layout)
+    with pytest.raises(ValueError, match="k must be a 3-D"):
+        compat.single_decode_with_kv_cache(q, k[0], v[0], layout)
+
+
 def test_cuda_graph_mode_fixed_buffers():
     """use_cuda_graph=True (CPU buffers here): plan() copies the table into the fixed buffers, the batch
     size is fixed, and meld's operator is sized to the buffers, so re-plans rewrite its tables in place."""
@@ -214,7 +244,6 @@ def test_plan_that_raises_changes_nothing():
     ("plan", dict(o_data_type=torch.float32), "o_data_type=torch.float32 is not supported"),
     ("plan", dict(q_data_type="float16", data_type=torch.bfloat16), "kv_data_type=torch.bfloat16 is not supported"),
     ("plan", dict(head_dim=96), "head_dim=96 is not supported"),
-    ("plan", dict(q_len_per_req=2), "q_len_per_req=2 is not supported"),
     ("plan", dict(seq_lens=torch.ones(7, dtype=torch.int32)), "seq_lens=tensor"),
     ("plan", dict(block_tables=torch.zeros(7, 4, dtype=torch.int32)), "block_tables=tensor"),
     ("run", dict(k_scale=0.5), "k_scale=0.5 is not supported"),
@@ -222,7 +251,6 @@ def test_plan_that_raises_changes_nothing():
     ("run", dict(sinks=torch.zeros(8)), "sinks=tensor"),
     ("run", dict(skip_softmax_threshold_scale_factor=1.0), "skip_softmax_threshold_scale_factor=1.0"),
     ("run", dict(kv_cache_sf=torch.zeros(1)), "kv_cache_sf=tensor"),
-    ("run", dict(q_len_per_req=2), "q_len_per_req=2 is not supported"),
 ])
 def test_not_implemented_names_the_option(where, kwargs, match):
     w, table, kv, _, q = _planned()
@@ -262,6 +290,7 @@ def _plan_args(**kw):
     (dict(page_size=2.5), "page_size must be a positive int"),
     (dict(sm_scale=math.inf), "sm_scale must be a finite number"),
     (dict(q_len_per_req=0), "q_len_per_req must be an int >= 1"),
+    (dict(q_len_per_req=2), r"q_len_per_req > 1 requires tensor-core decode \(use_tensor_cores=True\)"),
     (dict(fixed_split_size=64), "fixed_split_size is only supported by tensor core decode"),
     (dict(disable_split_kv=1), "disable_split_kv must be True or False"),
     (dict(indptr=torch.tensor(DOC_INDPTR)), "kv_indptr must have dtype torch.int32, got torch.int64"),

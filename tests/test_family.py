@@ -9,6 +9,7 @@ import torch
 import meld
 from meld.codegen import DecodeKernelConfig, DecodePlanKernelConfig
 from meld.codegen import params as P
+from meld.codegen.ep_kernel import EpKernelConfig
 from meld.codegen.grouped_kernel import GroupedKernelConfig
 from meld.codegen.lowering import FAMILIES, lower
 from meld.codegen.mla_kernel import MlaKernelConfig
@@ -36,6 +37,12 @@ def test_the_graph_selects_config_params_planners_and_merge():
     moe = lower(moe_graph(64, 32, 8, 2))
     assert (moe.kernel_config(profile=True), moe.params, moe.device_planner) == (
         MoeKernelConfig(profile=True), P.MOE_PARAMS, None)
+    with pytest.raises(GraphError, match="the moe family has no cross-rank kernels for transport None"):
+        moe.transport_config()
+    experts_spread = lower(moe_graph(64, 32, 8, 2, transport="proxy"))   # (expert parallelism)
+    assert (experts_spread.family, experts_spread.transport, experts_spread.params) == ("moe", "proxy", P.EP_PARAMS)
+    assert experts_spread.transport_config(watchdog_ms=50) == EpKernelConfig("proxy", 50)
+    assert experts_spread.kernel_config() == MoeKernelConfig()   # (each rank's expert GEMMs: the one-GPU build)
     tp = lower(tp_linear_graph(64, 64, 2, transport="proxy"))
     assert (tp.kernel_config(), tp.params, tp.device_planner) == (TpKernelConfig(transport="proxy"), P.TP_PARAMS, None)
     grouped = lower(cascade_decode_graph(8, 2, 256, 16, 2, "float16"))

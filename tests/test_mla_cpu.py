@@ -19,14 +19,36 @@ SCALE = 192 ** -0.5
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50)],
+@pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50),
+                                 MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
+    """No spills, and no wgmma that ptxas serialises (C7520: a wgmma in flight across divergent code)."""
     cubin, log = nvcc(cfg.render(), cfg.name)
     assert cubin[:4] == b"\x7fELF"
     spills = [line for line in log.splitlines() if "spill stores" in line]
     assert spills and all(" 0 bytes spill stores" in line for line in spills), log
+    assert "serialized" not in log, log
     assert cfg.smem_bytes <= 227 * 1024
+
+
+def test_seesaw_build():
+    """The seesaw: 64-token blocks in two stages, P in each stage's rope box (no P buffer), a full mbarrier
+    per box; the setmaxnreg budget checked in the source; the default build's source does not name it."""
+    cfg = MlaKernelConfig(schedule="seesaw")
+    assert (cfg.stages, cfg.name) == (2, "meld_mla_decode_bf16_b64_s2_seesaw")
+    assert cfg.smem_bytes < MlaKernelConfig().smem_bytes
+    assert "#define MLA_SEESAW 1" in cfg.render() and "MLA_SEESAW 1" not in MlaKernelConfig().render()
+    assert "static_assert(LOAD_REGS + 2 * MATH_REGS <= 3 * (65536 / 384 / 8 * 8)" in cfg.render()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(schedule="pingpong"), "schedule='pingpong': expected one of \\('split', 'seesaw'\\)"),
+    (dict(schedule="seesaw", block_tokens=32), "block_tokens=32: the seesaw schedule runs 64-token blocks"),
+])
+def test_bad_kernel_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MlaKernelConfig(**kwargs)
 
 
 def test_kernel_compiles_with_nvrtc(tmp_path):

@@ -1,11 +1,15 @@
 """MLA decode attention on the GPU against the float64 reference: outputs poisoned first, no NaN, relative
 error < 1e-2, lse, empty requests, bit-identical repeats; split units merged by several CTAs; head counts
 that are no multiple of 64; page sizes below and above the kernel's 64-token block; CUDA-graph replay across
-re-plans; non-finite inputs reaching exactly their rows; views of one combined latent cache."""
+re-plans; non-finite inputs reaching exactly their rows; views of one combined latent cache. Each test that
+takes `schedule` runs both kernel builds (MlaKernelConfig.schedule): the default split and the seesaw."""
+import functools
+
 import pytest
 import torch
 
 import meld
+from meld.codegen.mla_kernel import MlaKernelConfig
 from meld.runtime.reference import mla_reference
 from meld.workloads import lengths, paged
 from tests.gpu_checks import assert_gpu_plan_matches_host
@@ -15,20 +19,33 @@ pytestmark = pytest.mark.gpu
 SCALE = 192 ** -0.5
 
 
-def _inputs(lens, H, P, gen_seed=0):
+@pytest.fixture(params=["split", "seesaw"])
+def schedule(request):
+    """The kernel build a test runs."""
+    return MlaKernelConfig(schedule=request.param)
+
+
+def _inputs(lens, H, P, gen_seed=0, device="cuda"):
     g = torch.Generator().manual_seed(gen_seed)
     pb = paged(lens, P, generator=g)
     B = len(lens)
-    ckv = torch.randn(pb.num_pages, P, 512, generator=g).bfloat16().cuda()
-    kpe = torch.randn(pb.num_pages, P, 64, generator=g).bfloat16().cuda()
-    qn = (torch.randn(B, H, 512, generator=g) / 3 ** 0.5).bfloat16().cuda()
-    qp = (torch.randn(B, H, 64, generator=g) / 3 ** 0.5).bfloat16().cuda()
+    ckv = torch.randn(pb.num_pages, P, 512, generator=g).bfloat16().to(device)
+    kpe = torch.randn(pb.num_pages, P, 64, generator=g).bfloat16().to(device)
+    qn = (torch.randn(B, H, 512, generator=g) / 3 ** 0.5).bfloat16().to(device)
+    qp = (torch.randn(B, H, 64, generator=g) / 3 ** 0.5).bfloat16().to(device)
     return pb, qn, qp, ckv, kpe
 
 
+@functools.lru_cache(maxsize=8)
+def _reference(lens: tuple, H, P, gen_seed=0):
+    """float64 (out, lse) of _inputs(lens, H, P, gen_seed): computed once for both kernel builds."""
+    pb, qn, qp, ckv, kpe = _inputs(list(lens), H, P, gen_seed, device="cpu")
+    return mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, SCALE)
+
+
 def _check(lens, H=128, P=64, **op):
-    """Plan and run (outputs poisoned first) and check against float64; two runs bit-identical. Returns
-    (op, out, lse)."""
+    """Plan and run (outputs poisoned first) and check against float64; two runs bit-identical. `op`: the
+    DecodeMLA's keywords (kernel_config: a `schedule`). Returns (op, out, lse)."""
     pb, qn, qp, ckv, kpe = _inputs(lens, H, P)
     mla = meld.DecodeMLA(H, P, torch.bfloat16, "cuda", sm_scale=SCALE, **op)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
@@ -37,8 +54,7 @@ def _check(lens, H=128, P=64, **op):
     lse = torch.full((len(lens), H), float("nan"), device="cuda")
     mla.run(qn, qp, ckv, kpe, out=out, lse=lse)
     torch.cuda.synchronize()
-    ref, ref_lse = mla_reference(qn.cpu(), qp.cpu(), ckv.cpu(), kpe.cpu(), pb.kv_indptr, pb.kv_indices,
-                                 pb.kv_last_page_len, SCALE)
+    ref, ref_lse = _reference(tuple(lens), H, P)
     o = out.cpu().double()
     assert not torch.isnan(o).any(), "an output was not written (or is NaN)"
     err = ((o - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -52,55 +68,53 @@ def _check(lens, H=128, P=64, **op):
 
 
 @pytest.mark.parametrize("B,dist", [(16, "uniform2k"), (64, "skewed"), (16, "one-long"), (128, "one-long")])
-def test_bench_batches(B, dist):
-    _check(lengths(dist, B))
+def test_bench_batches(B, dist, schedule):
+    _check(lengths(dist, B), kernel_config=schedule)
 
 
 @pytest.mark.parametrize("lens,P", [(lengths("skewed", 64), 64), ([0, 1, 31, 32, 33, 700, 65536], 16)])
 def test_32_token_blocks(lens, P):
     """The kernel built for 32-token KV blocks (four ring stages), with its own planner cuts."""
-    from meld.codegen.mla_kernel import MlaKernelConfig
-
     mla, _, _ = _check(lens, P=P, kernel_config=MlaKernelConfig(block_tokens=32))
     assert mla.cost.tile_tokens == 32 and mla.kernel_config.stages == 4
 
 
-def test_ragged_with_empty_requests():
+def test_ragged_with_empty_requests(schedule):
     """Empty requests (zeros, lse -inf), one token, block edges and a few long ones in one batch."""
-    mla, out, lse = _check([0, 1, 63, 64, 65, 127, 700, 0, 3000, 20000])
+    mla, out, lse = _check([0, 1, 63, 64, 65, 127, 700, 0, 3000, 20000], kernel_config=schedule)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
 
 
-def test_one_long_request_merged_by_many_ctas():
+def test_one_long_request_merged_by_many_ctas(schedule):
     """B = 1 of 64K tokens: two units split over the SMs, each merged by eight CTAs (a slice each)."""
-    mla, _, _ = _check([65536])
+    mla, _, _ = _check([65536], kernel_config=schedule)
     it = mla.schedule.items()
     assert it["num_parts"].max() >= 8
 
 
 @pytest.mark.racecheck
 @pytest.mark.parametrize("lens,H", [([5, 70, 300], 100), ([3000, 5], 64)])
-def test_small_batches(lens, H):
+def test_small_batches(lens, H, schedule):
     """A padded second unit, and one request split over many CTAs and merged in the launch, at sizes
     compute-sanitizer's racecheck runs in seconds."""
-    mla, _, _ = _check(lens, H=H)
+    mla, _, _ = _check(lens, H=H, kernel_config=schedule)
     if H == 64:
         assert mla.schedule.items()["num_parts"].max() > 1, "the long request must be split"
 
 
 @pytest.mark.parametrize("H", [16, 100, 192])
-def test_head_counts(H):
+def test_head_counts(H, schedule):
     """Fewer than 64 heads (one padded unit), a count no multiple of 64, three units a request."""
-    _check([5, 300, 2048, 9000], H=H)
+    _check([5, 300, 2048, 9000], H=H, kernel_config=schedule)
 
 
 @pytest.mark.parametrize("P", [16, 32, 128])
-def test_page_sizes(P):
+def test_page_sizes(P, schedule):
     """Pages smaller than the kernel's 64-token block (a box per page) and larger (two blocks a page)."""
-    _check([1, 40, 64, 1000, 4097], P=P)
+    _check([1, 40, 64, 1000, 4097], P=P, kernel_config=schedule)
 
 
-def test_cuda_graph_replays_new_plans():
+def test_cuda_graph_replays_new_plans(schedule):
     """run() captured once; later plans within the capacities rewrite the tables and the graph follows."""
     H, P = 128, 64
     batches = [[3000, 10, 500], [70000, 1, 64], [0, 2048, 129]]
@@ -111,41 +125,40 @@ def test_cuda_graph_replays_new_plans():
     ckv = torch.zeros(pages, P, 512, dtype=torch.bfloat16, device="cuda")
     kpe = torch.zeros(pages, P, 64, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(3, H, 512, dtype=torch.bfloat16, device="cuda")
-    mla = meld.DecodeMLA(H, P, sm_scale=SCALE, max_batch_size=3, max_num_pages=4 * pages)
+    mla = meld.DecodeMLA(H, P, sm_scale=SCALE, max_batch_size=3, max_num_pages=4 * pages, kernel_config=schedule)
     pb0 = inputs[0][0]
     mla.plan(pb0.kv_indptr, pb0.kv_indices, pb0.kv_last_page_len)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         mla.run(qn, qp, ckv, kpe, out=out)
-    for pb, q1, q2, c1, c2 in inputs:
+    for seed, (lens, (pb, q1, q2, c1, c2)) in enumerate(zip(batches, inputs)):
         mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
         qn.copy_(q1), qp.copy_(q2), ckv[:c1.shape[0]].copy_(c1), kpe[:c2.shape[0]].copy_(c2)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        ref, _ = mla_reference(q1.cpu(), q2.cpu(), c1.cpu(), c2.cpu(), pb.kv_indptr, pb.kv_indices,
-                               pb.kv_last_page_len, SCALE)
+        ref, _ = _reference(tuple(lens), H, P, seed)
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, f"replay after re-plan: rel err {err:.2e}"
 
 
-def test_views_of_one_combined_cache():
+def test_views_of_one_combined_cache(schedule):
     """A [pages, page_size, 576] cache (FlashMLA's layout) passed as its two views."""
     lens = [100, 5000, 64]
     pb, qn, qp, ckv, kpe = _inputs(lens, 128, 64)
     both = torch.cat([ckv, kpe], dim=-1)
-    mla = meld.DecodeMLA(128, 64, sm_scale=SCALE)
+    mla = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=schedule)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     got = mla.run(qn, qp, both[..., :512], both[..., 512:])
     assert torch.equal(got, mla.run(qn, qp, ckv, kpe))
 
 
-def test_non_finite_inputs_reach_exactly_their_rows():
+def test_non_finite_inputs_reach_exactly_their_rows(schedule):
     """NaN in one q row, Inf in one token's latent (a value of every head of its request): NaN in exactly
     those rows' outputs and lse; other rows exact."""
     lens = [3000, 70000, 500]
     pb, qn, qp, ckv, kpe = _inputs(lens, 128, 64)
-    mla = meld.DecodeMLA(128, 64, sm_scale=SCALE)
+    mla = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=schedule)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     clean, clean_lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
     qn2, ckv2 = qn.clone(), ckv.clone()
@@ -161,14 +174,14 @@ def test_non_finite_inputs_reach_exactly_their_rows():
     assert torch.equal(out[~bad.cuda()], clean[~bad.cuda()]) and torch.equal(lse[~bad.cuda()], clean_lse[~bad.cuda()])
 
 
-def test_profile_trace():
+def test_profile_trace(schedule):
     """A profiling build's trace: every piece recorded, inside its CTA's span; the same outputs."""
-    from meld.codegen.mla_kernel import MlaKernelConfig
+    import dataclasses
 
     lens = lengths("skewed", 16)
     pb, qn, qp, ckv, kpe = _inputs(lens, 128, 64)
-    plain_op = meld.DecodeMLA(128, 64, sm_scale=SCALE)
-    prof_op = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=MlaKernelConfig(profile=True))
+    plain_op = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=schedule)
+    prof_op = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=dataclasses.replace(schedule, profile=True))
     for op in (plain_op, prof_op):
         op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     assert torch.equal(plain_op.run(qn, qp, ckv, kpe), prof_op.run(qn, qp, ckv, kpe))

@@ -46,6 +46,9 @@ def test_json_round_trip(cfg):
     back = TaskGraph.from_json(g.to_json())
     assert back == g and back.graph.edges["gemm1", "gemm2"]["depends"] == "row_block"
     assert g != moe_graph(cfg[0], cfg[1], cfg[2] * 2, cfg[3])
+    spread = moe_graph(*cfg, transport="peer")   # (expert parallelism: the outputs cross ranks to the combine)
+    assert TaskGraph.from_json(spread.to_json()) == spread != g
+    assert spread.transport("combine") == "peer" and g.transport("combine") is None
 
 
 def test_decode_json_keeps_its_old_form():

@@ -12,7 +12,8 @@ compiles both sides and their kernels' machine code (the cubin's .text sections)
 front end may number or order things differently and ptxas still emit the same SASS). Prints one line per
 variant -- `same`, `same machine code`, `DIFFERS` (naming the kernels whose machine code differs and those
 whose does not, with the first differing line and both sides' registers, stack and spills) or `missing`
-where a side cannot render it -- and exits 1 if any differs.
+where a side cannot render it -- and exits 1 if any differs or is missing here (one missing at the base is a
+new build: nothing to compare).
 
 Why: structural work on the kernels (shared headers, one skeleton, a moved struct) should not change what
 the GPU runs. Identical PTX means identical SASS from the same ptxas, so same-code variants need no GPU
@@ -54,14 +55,17 @@ VARIANTS = {
     "decode-fp8-d64-fp16-tma": "dataclasses.replace(DecodeKernelConfig.default('float16', 64, "
                                "kv_dtype='float8_e4m3fn'), tma=True)",
     "decode-softcap": "DecodeKernelConfig.default('bfloat16', 128, variant=DecodeVariant(50.0))",
+    "decode-q4": "DecodeKernelConfig.default('bfloat16', 128, group_size=4, q_len=4)",
     "decode-window-fp8-tma": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, "
                              "kv_dtype='float8_e4m3fn', variant=DecodeVariant(30.0, 1000)), tma=True)",
     "decode-rope-d64-fp16": "DecodeKernelConfig.default('float16', 64, variant=DecodeVariant(rope_theta=1e4))",
     "decode-plan": "DecodePlanKernelConfig()",
     "mla": "MlaKernelConfig()",
     "mla-32-profile": "MlaKernelConfig(block_tokens=32, profile=True)",
+    "mla-seesaw": "MlaKernelConfig(schedule='seesaw')",
     "moe": "MoeKernelConfig()",
     "moe-packed": "MoeKernelConfig(packed_weights=True, absent_pairs=True)",
+    "moe-fp8": "MoeKernelConfig(weight_dtype='e4m3')",
     "tp": "TpKernelConfig()",
     "tp-proxy-profile": "TpKernelConfig(transport='proxy', profile=True)",
     "tp-owner-w2": "TpKernelConfig(merge='owner', warpgroups=2)",
@@ -204,12 +208,13 @@ def main() -> int:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(base_dir, filter="data")
         sides = {"base": render(base_dir, variants), "here": render(ROOT, variants)}
-        differs = 0
+        differs = new = 0
         for key in variants:
             a, b = sides["base"][key], sides["here"][key]
-            if a is None or b is None:
-                print(f"{key:22s} missing at {'base' if a is None else 'here'}")
-                differs += 1
+            if a is None or b is None:   # a build new here has nothing to compare: only a lost one counts
+                print(f"{key:22s} missing at {'base (a new build)' if a is None else 'here'}")
+                differs += b is None
+                new += a is None
                 continue
             dirs = {s: work / s for s in sides}
             for d in dirs.values():
@@ -230,7 +235,8 @@ def main() -> int:
                   + f": {len(diff)} PTX lines changed; first: {diff[0][:140] if diff else '?'}")
             for side in sides:
                 print(f"{'':22s}   {side}: {resources(dirs[side] / f'{key}.ptx')}")
-    print(f"{len(variants) - differs} of {len(variants)} variants compile to the same PTX as {args.base}")
+    print(f"{len(variants) - new - differs} of {len(variants) - new} variants compile to the same PTX as {args.base}"
+          + (f" ({new} new here)" if new else ""))
     return 1 if differs else 0
 
 

@@ -18,6 +18,7 @@ from .source import SMEM_PER_CTA_MAX, template
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 KV_FP8 = "float8_e4m3fn"   # DecodeKernelConfig.kv_dtype of an FP8 cache (torch's name of the type)
 TILE_TOKENS = 16     # KV tokens per warp step
+MAX_Q_LEN = 8        # new tokens per request a decode build takes (DecodeKernelConfig.q_len)
 _LOG2E = 1.4426950408889634
 
 
@@ -109,6 +110,8 @@ class DecodeKernelConfig:
                                 # (MELD_KV_FP8; the template's header says how and where the scales apply)
     variant: DecodeVariant = DecodeVariant()   # soft cap, sliding window, RoPE (MELD_SOFT_CAP, MELD_WINDOW_LEFT,
                                                # MELD_ROPE)
+    q_len: int = 1              # new tokens per request (speculative decoding, MTP), causal among themselves: a unit's
+                                # rows are (q head, token) pairs (MELD_Q_LEN; the template's header says how)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -137,6 +140,11 @@ class DecodeKernelConfig:
             raise ValueError("xrank kernels compute plain softmax attention: SeqParallelDecode takes no variant")
         if self.variant.rope_theta and self.kv_dtype:
             raise ValueError("RoPE kernels rotate K tiles in shared memory in the 16-bit dtype: kv_dtype must be ''")
+        if not isinstance(self.q_len, int) or isinstance(self.q_len, bool) or not 1 <= self.q_len <= MAX_Q_LEN:
+            raise ValueError(f"q_len={self.q_len!r}: expected an int from 1 to {MAX_Q_LEN}")
+        if self.q_len > 1 and (self.xrank or self.variant.window_left >= 0 or self.variant.rope_theta):
+            raise ValueError(f"q_len={self.q_len}: multi-token builds take no xrank, sliding window or RoPE (their "
+                             "per-query key positions are the last token's)")
         if self.debug_withhold_signal and not self.tma:
             raise ValueError("debug_withhold_signal needs tma=True: only the TMA rings wait on a signal")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -146,7 +154,7 @@ class DecodeKernelConfig:
     @staticmethod
     def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
                 batch_invariant: bool = False, kv_dtype: str = "",
-                variant: DecodeVariant = DecodeVariant()) -> "DecodeKernelConfig":
+                variant: DecodeVariant = DecodeVariant(), q_len: int = 1) -> "DecodeKernelConfig":
         """Chosen by bench/decode_sweep.py (bench/RESULTS.md, "kernel configs and cost models"): one CTA
         of eight warps with two-stage rings per SM is the best, or close to it, at every batch size, and
         the fastest at small batches. head_dim 256 (not swept) takes four warps and three stages to fit
@@ -161,20 +169,20 @@ class DecodeKernelConfig:
             stages = 2 * (stages - 1) + 1
         if head_dim == 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
-                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant)
+                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
-                                  heads_per_unit=16 if group_size > 8 else 8, batch_invariant=batch_invariant,
-                                  kv_dtype=kv_dtype, variant=variant)
+                                  heads_per_unit=16 if group_size * q_len > 8 else 8, batch_invariant=batch_invariant,
+                                  kv_dtype=kv_dtype, variant=variant, q_len=q_len)
 
     @staticmethod
     def of(low, *, onchip_merge: bool = False, batch_invariant: bool = False,
-           kv_dtype: str = "", variant: DecodeVariant = DecodeVariant()) -> "DecodeKernelConfig":
+           kv_dtype: str = "", variant: DecodeVariant = DecodeVariant(), q_len: int = 1) -> "DecodeKernelConfig":
         """The default build (`default`) of a lowered decode graph (`meld.codegen.lowering.Lowering`): dtype,
         head_dim and group size from its attrs, a cross-rank build where its partials cross ranks."""
         a = low.attrs
         return dataclasses.replace(DecodeKernelConfig.default(
             a["dtype"], a["head_dim"], onchip_merge=onchip_merge, group_size=a["group_size"],
-            batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant), xrank=low.transport or "")
+            batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len), xrank=low.transport or "")
 
     @property
     def name(self) -> str:
@@ -182,7 +190,8 @@ class DecodeKernelConfig:
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
-                + self.variant.suffix + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
+                + self.variant.suffix + (f"_q{self.q_len}" if self.q_len > 1 else "")
+                + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
                 + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_withhold" if self.debug_withhold_signal else ""))
@@ -222,6 +231,7 @@ class DecodeKernelConfig:
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
             f"#define MELD_KV_FP8 {int(bool(self.kv_dtype))}",
             *self.variant.defines(self.head_dim),
+            f"#define MELD_Q_LEN {self.q_len}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

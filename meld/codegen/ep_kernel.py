@@ -26,6 +26,12 @@ class EpKernelConfig:
         if not isinstance(self.watchdog_ms, int) or isinstance(self.watchdog_ms, bool) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
 
+    @staticmethod
+    def of(low, *, watchdog_ms: int = 2000) -> "EpKernelConfig":
+        """The cross-rank kernels of a lowered expert-parallel MoE graph (`meld.codegen.lowering.Lowering`): its
+        combine edge's transport."""
+        return EpKernelConfig(low.transport, watchdog_ms)
+
     @property
     def threads(self) -> int:
         return EP_WARPS * 32

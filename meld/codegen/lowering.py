@@ -35,6 +35,8 @@ class Family:
     executor: str                # the CPU reference executor
     merges: Mapping[str, str]    # combiner -> the template whose device merge implements it
     xrank_params: str | None = None   # the parameter struct of builds whose partials cross ranks (if another)
+    xrank_config: str | None = None   # builds the config of the cross-rank edge's own kernels, where the
+                                      # transport runs as launches around the family's (expert parallelism)
 
 
 FAMILIES = {
@@ -53,7 +55,8 @@ FAMILIES = {
     "moe": Family(
         "moe.cuh", "meld.codegen.moe_kernel:MoeKernelConfig.of", "meld.codegen.params:MOE_PARAMS",
         "meld.scheduler.moe_plan:plan_moe_host", None, "meld.runtime.moe_reference:execute_moe",
-        {"weighted_sum": "moe.cuh"}),
+        {"weighted_sum": "moe.cuh"}, xrank_params="meld.codegen.params:EP_PARAMS",
+        xrank_config="meld.codegen.ep_kernel:EpKernelConfig.of"),
     # The row-parallel linear's plan is closed-form in the call's M, made on the host once per M.
     "tp_linear": Family(
         "tp_linear.cuh", "meld.codegen.tp_kernel:TpKernelConfig.of", "meld.codegen.params:TP_PARAMS",
@@ -98,6 +101,16 @@ class Lowering:
         where the graph's partials cross ranks and the family has such a build."""
         f = FAMILIES[self.family]
         return _resolve(f.xrank_params if self.transport and f.xrank_params else f.params)
+
+    def transport_config(self, **options: object):
+        """The config of the kernels that carry this graph's partials across ranks where the family runs them as
+        launches of their own (expert parallelism's dispatch, return and combine), from the graph's transport
+        and the operator's `options`; GraphError where the graph has no transport or the family's kernels
+        carry it themselves."""
+        path = FAMILIES[self.family].xrank_config
+        if self.transport is None or path is None:
+            raise GraphError(f"the {self.family} family has no cross-rank kernels for transport {self.transport!r}")
+        return _resolve(path)(self, **options)
 
     @property
     def planner(self) -> Callable:
@@ -187,7 +200,8 @@ def _leaves(g: TaskGraph, combine: TaskTemplate) -> tuple[str, ...]:
 
 
 def _tiles(g: TaskGraph) -> Lowering:
-    """Map, tile and combine tasks: two tile stages joined by a row-block dependency, merged by a weighted sum."""
+    """Map, tile and combine tasks: two tile stages joined by a row-block dependency, merged by a weighted sum
+    (whose inputs cross ranks where the combine's edge has a transport: expert parallelism)."""
     kinds = {t.name: t.kind for t in g.tasks}
     reductions = {t.reduction.combiner for t in g.tasks if t.reduction is not None}
     waits = tuple((s, d, dep) for s, d, dep in g.graph.edges(data="depends") if dep is not None and kinds[s] == "tile")
@@ -195,7 +209,8 @@ def _tiles(g: TaskGraph) -> Lowering:
         raise GraphError(f"graph {g.name!r}: the tile family runs two tile stages joined by a row-block "
                          f"dependency and a weighted-sum combine; this graph has reductions "
                          f"{sorted(reductions)} and tile edges {list(waits)}")
-    return Lowering("moe", "weighted_sum", waits)
+    combine = next(t.name for t in g.tasks if t.kind == "combine")
+    return Lowering("moe", "weighted_sum", waits, transport=g.transport(combine))
 
 
 # The task kinds a graph may have (sorted), and the selector that reads the rest of it: the planner policies.

@@ -1,8 +1,8 @@
 """Emit the MLA decode-attention kernel (templates/mla_decode.cuh) from its static configuration.
 
 The latent widths (512 + 64, DeepSeek's) and the 64-head unit are the template's constants; the KV block
-(32 or 64 tokens) and the ring depth are the knobs, and heads, page size and the batch are run-time values,
-so one compiled kernel serves every batch and every `plan()`.
+(32 or 64 tokens), the ring depth and the warpgroups' schedule (split or seesaw) are the knobs, and heads, page
+size and the batch are run-time values, so one compiled kernel serves every batch and every `plan()`.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ MLA_HEADS_PER_UNIT = 64    # wgmma's M
 MLA_BLOCK_TOKENS = (32, 64)   # KV tokens a ring stage may hold
 _ROW = 128                    # bytes of a 128-byte swizzled row: 64 channels
 _STATS_BYTES = 5 * 64 * 4   # the template's Stats (alpha, l, m, bad[2])
+_SEESAW_STATS_BYTES = _STATS_BYTES + 6 * 64 * 4   # SeesawStats: Stats, alpha[2], m[2], l[2]
+MLA_SCHEDULES = ("split", "seesaw")
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,20 @@ class MlaKernelConfig:
     num_stages: int = 0        # ring stages; 0: as many as fit beside Q and P (two of 64 tokens, four of 32)
     profile: bool = False      # record per-piece timestamps (MELD_PROFILE)
     watchdog_ms: int = 2000    # a spin gives up after this long: record and trap
+    # "split": one warpgroup scores every block and both accumulate half of O; "seesaw": the two warpgroups
+    # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only)
+    schedule: str = "split"
 
     def __post_init__(self) -> None:
         if self.dtype != "bfloat16":
             raise ValueError(f"dtype={self.dtype!r}: the MLA kernel runs bfloat16")
         if self.block_tokens not in MLA_BLOCK_TOKENS:
             raise ValueError(f"block_tokens={self.block_tokens!r}: expected one of {MLA_BLOCK_TOKENS}")
+        if self.schedule not in MLA_SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: expected one of {MLA_SCHEDULES}")
+        if self.schedule == "seesaw" and self.block_tokens != 64:
+            raise ValueError(f"block_tokens={self.block_tokens!r}: the seesaw schedule runs 64-token blocks (each "
+                             "block's P takes its stage's 64-row rope box)")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if not isinstance(self.num_stages, int) or self.stages < 2 or self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -60,11 +70,15 @@ class MlaKernelConfig:
     @property
     def _fixed_bytes(self) -> int:
         """Q (9 boxes of 64 heads), P (64 rows), the rows' statistics, the mbarriers of up to 8 stages, and 1 KiB
-        to align the boxes."""
+        to align the boxes. The seesaw keeps each block's P in its stage (no P buffer) and a full mbarrier per
+        box of a stage."""
+        if self.schedule == "seesaw":
+            return 9 * 64 * _ROW + _SEESAW_STATS_BYTES + 8 * (8 * 10 + 2) + 1024
         return 9 * 64 * _ROW + 64 * _ROW + _STATS_BYTES + 8 * (2 * 8 + 4) + 1024
 
     entry = "meld_mla_decode"
-    threads = 384   # three warpgroups: loads, scores + channels 0-255, channels 256-511
+    threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511 or (seesaw)
+                    # the scores of even / odd blocks + channels 0-255 / 256-511
 
     @property
     def smem_bytes(self) -> int:
@@ -74,7 +88,8 @@ class MlaKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_mla_decode_bf16_b{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
-                + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else ""))
+                + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
+                + ("_seesaw" if self.schedule == "seesaw" else ""))
 
     def render(self) -> str:
         head = "\n".join([
@@ -86,7 +101,7 @@ class MlaKernelConfig:
             f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
-        ])
+        ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else []))
         mma = "namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}"
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,
                           MLA_PARAMS.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

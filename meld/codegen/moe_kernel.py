@@ -1,8 +1,8 @@
 """Emit the fused-MoE kernels (templates/moe.cuh) from their static configuration.
 
-Only the token block (wgmma's N: tokens per row block) and the ring depth change the generated code;
-shapes, expert counts, top-k and the routing are run-time values, so one compiled module serves every
-layer of a model and every batch of a capacity.
+Only the token block (wgmma's N: tokens per row block), the ring depth and the weights' type (bf16, or e4m3
+with block scales) change the generated code; shapes, expert counts, top-k and the routing are run-time
+values, so one compiled module serves every layer of a model and every batch of a capacity.
 """
 from __future__ import annotations
 
@@ -13,9 +13,15 @@ from .source import SMEM_PER_CTA_MAX, template
 from ..runtime.profile import kind_defines
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from .params import MOE_PARAMS, WATCHDOG_RECORD
-from .wgmma import wgmma_bf16
+from .wgmma import wgmma_bf16, wgmma_e4m3
 
 BLOCK_TOKEN_CHOICES = (16, 32, 64, 128)
+# FP8 tiles hold a third accumulator (each 128-wide K block's product, scaled into the sums) and the block's
+# token scales: with 64-token blocks the consumers spilled (ptxas), so FP8 runs the narrow blocks.
+FP8_BLOCK_TOKEN_CHOICES = (16, 32)
+WEIGHT_DTYPES = ("bf16", "e4m3")
+FP8_GROUP = 128           # DeepSeek-V3 block scaling: a weight scale per 128 x 128 block, an activation
+                          # scale per token per 128 channels
 MAX_EXPERTS = 1024        # the planner gives each expert one thread of its 1024
 MAIN_THREADS = 384        # one producer warpgroup, two consumer warpgroups
 SCATTER_WARPS = 2         # tokens per dispatch CTA (one warp each)
@@ -23,9 +29,10 @@ ROUTE_BLOCK = 32          # tokens per routing CTA (one warp each; templates/moe
 NARROW_MAX_TOKENS = 32    # token blocks up to this size run narrow tiles (templates/moe.cuh)
 
 
-def tile_columns(block_tokens: int) -> tuple[int, int]:
-    """Columns of I per gemm1 tile and of H per gemm2 tile (templates/moe.cuh: G1_COLS, G2_COLS)."""
-    return (64, 128) if block_tokens <= NARROW_MAX_TOKENS else (128, 256)
+def tile_columns(block_tokens: int, fp8: bool = False) -> tuple[int, int]:
+    """Columns of I per gemm1 tile and of H per gemm2 tile (templates/moe.cuh: G1_COLS, G2_COLS). FP8 tiles
+    are always wide: a gemm1 tile then holds a whole 128-column group of act to quantise."""
+    return (64, 128) if block_tokens <= NARROW_MAX_TOKENS and not fp8 else (128, 256)
 
 
 def token_box_rows(block_tokens: int) -> int:
@@ -48,14 +55,15 @@ def route_smem_bytes(num_experts: int) -> int:
     return ROUTE_BLOCK * 32 * slots * 4
 
 
-def block_tokens_for(num_tokens: int, top_k: int, num_experts: int) -> int:
+def block_tokens_for(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> int:
     """Rows per row block: the smallest choice that holds an expert's rows under uniform routing (the
     mean plus three standard deviations of its binomial count), so a decode step pads little, an expert
     whose rows spill into a second row block (which reads all its weights again) is rare, and a prefill
-    chunk runs the widest tiles."""
+    chunk runs the widest tiles (of `fp8` builds: FP8_BLOCK_TOKEN_CHOICES)."""
     mean = num_tokens * top_k / num_experts
     likely_max = mean + 3 * math.sqrt(mean) + 1
-    return next((b for b in BLOCK_TOKEN_CHOICES if b >= likely_max), BLOCK_TOKEN_CHOICES[-1])
+    choices = FP8_BLOCK_TOKEN_CHOICES if fp8 else BLOCK_TOKEN_CHOICES
+    return next((b for b in choices if b >= likely_max), choices[-1])
 
 
 @dataclass(frozen=True)
@@ -75,10 +83,19 @@ class MoeKernelConfig:
     absent_pairs: bool = False   # a precomputed id outside the layer's experts (MoE first_expert..+num_experts)
                                  # is a pair another rank serves (expert parallelism): skipped, not an error;
                                  # a token with only such pairs keeps its output row unwritten
+    weight_dtype: str = "bf16"   # "e4m3": FP8 weights with a float32 scale per 128 x 128 block (DeepSeek-V3);
+                                 # activations quantised per token per 128 channels; wgmma e4m3, f32 sums
 
     def __post_init__(self) -> None:
-        if self.block_tokens not in BLOCK_TOKEN_CHOICES:
-            raise ValueError(f"block_tokens={self.block_tokens}: expected one of {BLOCK_TOKEN_CHOICES}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={self.weight_dtype!r}: expected one of {WEIGHT_DTYPES}")
+        choices = FP8_BLOCK_TOKEN_CHOICES if self.fp8 else BLOCK_TOKEN_CHOICES
+        if self.block_tokens not in choices:
+            raise ValueError(f"block_tokens={self.block_tokens}: expected one of {choices}"
+                             + (" (weight_dtype='e4m3')" if self.fp8 else ""))
+        if self.fp8 and (self.k_boxes != 1 or self.packed_weights):
+            raise ValueError(f"weight_dtype='e4m3' with k_boxes={self.k_boxes}, packed_weights={self.packed_weights}:"
+                             " FP8 weights run plain, one K box a stage")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if self.k_boxes not in (1, 2):
@@ -100,13 +117,17 @@ class MoeKernelConfig:
         return self.block_tokens <= NARROW_MAX_TOKENS
 
     @property
+    def fp8(self) -> bool:
+        return self.weight_dtype == "e4m3"
+
+    @property
     def boxes(self) -> int:
         """K boxes per ring stage: k_boxes for narrow tiles, one for wide ones (whose stages are large already)."""
         return self.k_boxes if self.narrow else 1
 
     @property
     def stage_bytes(self) -> int:
-        return self.boxes * ((2 if self.narrow else 4) * 64 * 64 * 2 + self.block_tokens * 64 * 2)
+        return self.boxes * ((2 if self.narrow and not self.fp8 else 4) * 64 * 128 + self.block_tokens * 128)
 
     @property
     def stages(self) -> int:
@@ -116,6 +137,8 @@ class MoeKernelConfig:
     @property
     def _fixed_bytes(self) -> int:
         xchg = 128 * (self.block_tokens // 2 + 1) * 4 if self.narrow else 0   # narrow gemm1: up values
+        if self.fp8:   # instead: each consumer warp's act maximum per token (moe.cuh: quantise_act)
+            xchg = 9 * self.block_tokens * 4
         staging = 0 if self.narrow else 16 + 8 * self.block_tokens * 32   # (aligned) each consumer warp's output
                                                                           # tile (moe.cuh: store_rows)
         # alignment, ring and task-slot mbarriers, mailbox mbarriers, task slots, mailbox, combine list
@@ -127,7 +150,7 @@ class MoeKernelConfig:
 
     @property
     def name(self) -> str:
-        return (f"meld_moe_bf16_n{self.block_tokens}_s{self.stages}" + (f"_k{self.boxes}" if self.boxes > 1 else "")
+        return (f"meld_moe_{self.weight_dtype}_n{self.block_tokens}_s{self.stages}" + (f"_k{self.boxes}" if self.boxes > 1 else "")
                 + ("_pw" if self.packed_weights else "") + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else ""))
@@ -148,9 +171,12 @@ class MoeKernelConfig:
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
             f"#define MELD_PACKED {int(self.packed_weights)}",
+            f"#define MELD_FP8 {int(self.fp8)}",
         ])
-        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"),
-                          "namespace meld {\n" + "".join(map(wgmma_bf16, tile_token_widths(self.block_tokens)))
+        mma = wgmma_e4m3 if self.fp8 else wgmma_bf16
+        return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"),
+                          template("persistent.cuh"), template("hopper.cuh"),
+                          "namespace meld {\n" + "".join(map(mma, tile_token_widths(self.block_tokens)))
                           + "}  // namespace meld",
                           MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), template("moe_plan.h"),
                           template("moe.cuh")])

@@ -373,6 +373,13 @@ MOE_PARAMS = _with_header("MoeParams", [
     *header("prof_cap"),
     *header("prof_every"),
     *header("watchdog_kernel"),
+    # MELD_FP8 (weight_dtype "e4m3"): xs and act hold e4m3 bytes, with their float32 scales per token per 128
+    # channels, [channel groups][scale_ld] (a K block's scales of consecutive rows are contiguous)
+    Field("xs_scale", "ptr", "float*"),
+    Field("act_scale", "ptr", "float*"),
+    Field("w13_scale", "ptr", "const float*"),   # [E][ceil(2I / 128)][ceil(H / 128)]
+    Field("w2_scale", "ptr", "const float*"),    # [E][ceil(H / 128)][ceil(I / 128)]
+    Field("scale_ld", "i32"),                    # rows of xs and act (their capacity)
 ])
 
 # The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/distributed/tp_linear.py).

@@ -27,6 +27,9 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
   kernel (one operator per value, made on first plan()): run(window_left=) must be None or plan()'s, and the
   deprecated forward()'s options plan()'s. RoPE's rotated keys are rounded to the MMA type (FlashInfer keeps them
   in float32). fast_plan() and fast_decode_plan(wrapper, ...) are plan(). README.md's table lists every argument.
+- single_decode_with_kv_cache (one request, K and V as [kv_len, num_kv_heads, head_dim] tensors) is the decode
+  wrapper planned for a batch of one whose pages are single tokens: K and V are read in place through their
+  strides, and each call plans.
 - An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn)): run()'s k_scale and v_scale are applied inside meld's
   kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
   where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
@@ -37,15 +40,16 @@ import functools
 import math
 import numbers
 import re
+import warnings
 
 import torch
 
 from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
-from ..codegen.decode_kernel import DecodeVariant
+from ..codegen.decode_kernel import MAX_Q_LEN, DecodeVariant
 from ..ops.decode_attention import FP8, DecodeAttention, decode_variant
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-           "MultiLevelCascadeAttentionWrapper", "fast_decode_plan"]
+           "MultiLevelCascadeAttentionWrapper", "fast_decode_plan", "single_decode_with_kv_cache"]
 
 _LOG2E = 1.4426950408889634
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
@@ -207,8 +211,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         Supported: pos_encoding_mode "NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer) or
         "ROPE_LLAMA" (16-bit caches; rope_scale, rope_theta: None for 1 and 1e4), window_left -1 or a window (the last window_left + 1 keys of each request), window_right=0,
         logits_soft_cap None, 0 or a cap (c tanh(sm_scale q.k / c)), q and o data types one of bfloat16 and
-        float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, q_len_per_req=1, any sm_scale
-        (default 1/sqrt(head_dim)). Each (soft cap, window, RoPE) is a kernel of its own, built on first plan().
+        float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, any sm_scale (default
+        1/sqrt(head_dim)). q_len_per_req 1 to 8 (FlashInfer's rules: more than 1 needs use_tensor_cores=True and
+        every request's kv_len >= q_len_per_req, and a CUDA-graph wrapper keeps its first plan's value; run()'s q,
+        out and lse are [batch * q_len_per_req, ...], causal among a request's new tokens), not with a window
+        or ROPE_LLAMA. Each (soft cap, window, RoPE, q_len_per_req) is a kernel of its own, built on first plan().
         The rest raises NotImplementedError. `check` is meld's (see the module docstring).
         """
         variant = _variant(pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta)
@@ -217,10 +224,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens)):
             if value is not None:
                 raise _unsupported(name, value, "meld reads request lengths from indptr and last_page_len")
-        if not is_int(q_len_per_req) or q_len_per_req < 1:
-            raise ValueError(f"q_len_per_req must be an int >= 1, got {q_len_per_req!r}")
-        if q_len_per_req != 1:
-            raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
+        q_len = self._q_len(q_len_per_req, variant)
         if fixed_split_size is not None and not is_int(fixed_split_size):
             raise ValueError(f"fixed_split_size must be None or an int, got {fixed_split_size!r}")
         if fixed_split_size is not None and not self._use_tensor_cores:   # FlashInfer's rule
@@ -241,7 +245,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             sm_scale = check_finite("sm_scale", sm_scale)
         batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)
         op = self._operator(num_qo_heads, num_kv_heads, int(head_dim), page_size, dtype, kv_dtype, sm_scale,
-                            batch_invariant, variant)
+                            batch_invariant, variant, q_len)
         if self._use_cuda_graph and isinstance(indices, torch.Tensor) and isinstance(last_page_len, torch.Tensor):
             if len(last_page_len) != self._fixed_batch_size:
                 raise ValueError(f"The batch size should be fixed in cudagraph mode: len(last_page_len)="
@@ -267,7 +271,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                   data_type: str | torch.dtype | None = None, sm_scale: float | None = None,
                   rope_scale: float | None = None, rope_theta: float | None = None, non_blocking: bool = True,
                   fixed_split_size: int | None = None, disable_split_kv: bool = False,
-                  global_override_indptr_cpu: torch.Tensor | None = None, *, check: bool = True) -> None:
+                  global_override_indptr_cpu: torch.Tensor | None = None, q_len_per_req: int = 1, *,
+                  check: bool = True) -> None:
         """FlashInfer's `fast_decode_plan` as a method (its faster re-plan for multi-step drafts: it skips copies
         into the cuda-graph buffers that FlashInfer's plan() makes). meld's plan() is that fast path already:
         this is plan(), with its validation and its transactional failure. global_override_indptr_cpu, FlashInfer's
@@ -280,11 +285,34 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(f"global_override_indptr_cpu must have indptr's shape {tuple(indptr.shape)}, got "
                                  f"{tuple(global_override_indptr_cpu.shape)}")
             indptr = global_override_indptr_cpu
-        self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                  pos_encoding_mode, window_left, logits_soft_cap,
-                  "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
-                  data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
-                  disable_split_kv=disable_split_kv, check=check)
+        # The class's plan(), not the instance's: FlashInfer's idiom `wrapper.plan = partial(fast_decode_plan,
+        # wrapper)` rebinds the instance's, which would call back into this method.
+        type(self).plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                        pos_encoding_mode, window_left, logits_soft_cap,
+                        "float16" if q_data_type is None and data_type is None else q_data_type, kv_data_type, None,
+                        data_type, sm_scale, rope_scale, rope_theta, non_blocking, fixed_split_size=fixed_split_size,
+                        disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, check=check)
+
+    def _q_len(self, q_len_per_req: object, variant: DecodeVariant) -> int:
+        """plan()'s q_len_per_req, checked as FlashInfer checks it (ValueError) and against what meld builds
+        (NotImplementedError)."""
+        if not is_int(q_len_per_req) or q_len_per_req < 1:
+            raise ValueError(f"q_len_per_req must be an int >= 1, got {q_len_per_req!r}")
+        q_len = int(q_len_per_req)
+        if q_len > 1 and not self._use_tensor_cores:   # FlashInfer's rule
+            raise ValueError("q_len_per_req > 1 requires tensor-core decode (use_tensor_cores=True), got "
+                             f"q_len_per_req={q_len}")
+        if q_len > MAX_Q_LEN:
+            raise _unsupported("q_len_per_req", q_len, f"meld's decode kernel takes 1 to {MAX_Q_LEN} new tokens per "
+                               "request")
+        if q_len > 1 and (variant.window_left >= 0 or variant.rope_theta):
+            raise _unsupported("q_len_per_req", q_len, "meld's sliding window and RoPE place every key relative to a "
+                               "request's last token (window_left=-1 and pos_encoding_mode='NONE' only)")
+        frozen = self._op.q_len if self._op is not None else q_len
+        if self._use_cuda_graph and q_len != frozen:   # FlashInfer's rule: part of the captured shape
+            raise ValueError(f"q_len_per_req is part of the frozen cudagraph shape: this wrapper was planned with "
+                             f"{frozen}, got {q_len}. Use a separate wrapper per q_len_per_req.")
+        return q_len
 
     def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> tuple[torch.dtype, torch.dtype]:
         """The dtype meld computes in and the cache's (that one, or e4m3), resolved as FlashInfer resolves its three."""
@@ -305,19 +333,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return q, kv
 
     def _operator(self, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, sm_scale, batch_invariant,
-                  variant: DecodeVariant):
+                  variant: DecodeVariant, q_len: int):
         """The meld operator of these shapes and variant, made once per wrapper."""
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant, variant)
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype, scale, batch_invariant, variant, q_len)
         op = self._ops.get(key)
         if op is None:
             graph = self._use_cuda_graph
             op = DecodeAttention(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, self.device,
                                  kv_dtype=kv_dtype, kv_layout=self._kv_layout, sm_scale=sm_scale,
                                  batch_invariant=batch_invariant, logits_soft_cap=variant.logits_soft_cap,
-                                 window_left=variant.window_left, **_rope_arguments(variant),
+                                 window_left=variant.window_left, **_rope_arguments(variant), q_len=q_len,
                                  max_batch_size=self._fixed_batch_size if graph else None,
                                  max_num_pages=max(1, len(self._paged_kv_indices_buf)) if graph else None)
             self._ops[key] = op
@@ -330,7 +358,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             enable_pdl: bool | None = None, window_left: int | None = None, sinks: torch.Tensor | None = None,
             q_len_per_req: int | None = None, skip_softmax_threshold_scale_factor: float | None = None,
             kv_cache_sf: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Attention of q [batch, num_qo_heads, head_dim] over the planned batch.
+        """Attention of q [batch, num_qo_heads, head_dim] ([batch * q_len_per_req, ...]) over the planned batch.
 
         paged_kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD; HND swaps
         page_size and num_kv_heads; 4-D without the page_size axis when page_size is 1), or a tuple
@@ -341,7 +369,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_scale must be None or 1 (fold it into plan()'s sm_scale). An FP8 cache's k_scale and v_scale (numbers;
         None: 1) dequantise it inside the kernel (module docstring). A 16-bit cache's k_scale must be None or 1
         (fold it into sm_scale), and its v_scale multiplies the output in place, as FlashInfer does. Returns
-        out, or (out, lse) with lse base 2.
+        out, or (out, lse) with lse base 2. q_len_per_req here is deprecated, as in FlashInfer (a
+        DeprecationWarning): it must match q's rows and plan()'s value.
         """
         op = self._op
         if op is None:
@@ -358,8 +387,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if window_left is not None and window_left != op.variant.window_left:
             raise ValueError(f"window_left must be None or plan()'s window_left={op.variant.window_left}, got "
                              f"{window_left!r}")
-        if q_len_per_req is not None and q_len_per_req != 1:
-            raise _unsupported("q_len_per_req", q_len_per_req, "meld decodes one query token per request")
+        self._check_q_rows(q, q_len_per_req)
         if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
             raise ValueError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")
         fp8 = op.kv_dtype is FP8
@@ -373,7 +401,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not fp8 and type(v_scale) not in (float, type(None)):
             _check_v_scale(v_scale, op.device)
         if lse is None and return_lse:
-            lse = torch.empty(self._batch, op.num_qo_heads, dtype=torch.float32, device=op.device)
+            lse = torch.empty(self._batch * op.q_len, op.num_qo_heads, dtype=torch.float32, device=op.device)
         try:
             result = op.run(q, self._cache(paged_kv_cache), return_lse=return_lse, out=out, lse=lse, **scales)
         except ValueError as e:
@@ -385,6 +413,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return result
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def _check_q_rows(self, q: object, q_len_per_req: object) -> None:
+        """FlashInfer's run()-time q_len_per_req: deprecated there (a DeprecationWarning) and checked against
+        plan()'s; q whose rows are another multiple of the batch implies another q_len_per_req (ValueError naming
+        it, as FlashInfer's; the rest of q is the operator's to check)."""
+        planned, batch = self._op.q_len, self._batch
+        if q_len_per_req is not None:
+            warnings.warn("Passing `q_len_per_req` to BatchDecodeWithPagedKVCacheWrapper.run() is deprecated (as in "
+                          "FlashInfer); pass it to plan() instead", DeprecationWarning, stacklevel=3)
+            if not is_int(q_len_per_req) or q_len_per_req < 1:
+                raise ValueError(f"q_len_per_req must be None or an int >= 1, got {q_len_per_req!r}")
+            if q_len_per_req != planned:
+                raise ValueError(f"q_len_per_req={q_len_per_req} but plan() used {planned}: re-plan with the matching "
+                                 "q_len_per_req")
+        rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0
+        if batch and rows and rows % batch == 0 and rows != batch * planned:
+            raise ValueError(f"q implies q_len_per_req={rows // batch} ({rows} rows for {batch} requests), but plan() "
+                             f"used {planned}: re-plan with the matching q_len_per_req")
 
     def _cache(self, paged_kv_cache):
         """paged_kv_cache as meld's run() takes it: FlashInfer's page_size-1 forms without the page axis get it
@@ -722,3 +768,56 @@ def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, *args, **kwargs) 
         raise ValueError(f"fast_decode_plan's first argument must be a BatchDecodeWithPagedKVCacheWrapper, got "
                          f"{type(self).__name__}")
     self.fast_plan(*args, **kwargs)
+
+
+def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
+                                pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False,
+                                q_scale: float | None = None, k_scale: float | None = None,
+                                v_scale: float | None = None, window_left: int = -1,
+                                logits_soft_cap: float | None = None, sm_scale: float | None = None,
+                                rope_scale: float | None = None, rope_theta: float | None = None,
+                                return_lse: bool = False):
+    """FlashInfer's `flashinfer.single_decode_with_kv_cache`: one request's decode attention of q [num_qo_heads,
+    head_dim] over k and v [kv_len, num_kv_heads, head_dim] (NHD; HND: [num_kv_heads, kv_len, head_dim]).
+
+    The decode wrapper (one per device, kept) planned for a batch of one request whose pages are single tokens,
+    so k and v are read in place through their strides, in either layout; each call plans. As FlashInfer's,
+    q_scale and k_scale multiply sm_scale and v_scale the output. Returns out [num_qo_heads, head_dim], or (out,
+    lse [num_qo_heads], base 2) with return_lse.
+
+    Example (FlashInfer's own, with meld's import):
+        >>> o = single_decode_with_kv_cache(q, k, v)   # q [32, 128], k and v [4096, 32, 128], float16
+    """
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    if not isinstance(use_tensor_cores, bool):
+        raise ValueError(f"use_tensor_cores must be True or False, got {use_tensor_cores!r}")
+    for name, t, dims in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D torch.Tensor, got " + (
+                f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kv_layout == "HND":   # [num_kv_heads, kv_len, head_dim] read as kv_len single-token pages
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    kv_len, num_kv_heads, head_dim = k.shape
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
+    for name, factor in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if factor is not None:
+            scale *= check_finite(name, factor)
+    wrapper = _single_request_wrapper(q.device)
+    wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
+                 torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
+                 window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
+                 rope_scale=rope_scale, rope_theta=rope_theta)
+    try:
+        result = wrapper.run(q.unsqueeze(0), (k, v), v_scale=v_scale, return_lse=return_lse)
+    except ValueError as e:   # (in this function's names: the tuple's parts are k and v)
+        raise ValueError(re.sub(r"\b([kv])_cache\b", r"\1", str(e))) from None
+    return (result[0][0], result[1][0]) if return_lse else result[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _single_request_wrapper(device: torch.device) -> BatchDecodeWithPagedKVCacheWrapper:
+    """single_decode_with_kv_cache's wrapper on `device`: its operators (one per shape and variant) are kept."""
+    return BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device))

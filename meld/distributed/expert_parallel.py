@@ -23,7 +23,6 @@ import torch
 
 from ..codegen.ep_kernel import EP_ENTRIES, EP_WARPS, EpKernelConfig
 from ..codegen.moe_kernel import MAX_EXPERTS, MoeKernelConfig, block_tokens_for
-from ..codegen.params import EP_PARAMS
 from ..ops.base import Operator
 from ..ops.checks import check_output, check_positive, expect, grad_inputs, no_backward, plain, resolve_device
 from ..ops.moe import MoE
@@ -100,8 +99,8 @@ class ExpertParallelMoE(GroupMember, Operator):
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens)
         if dtype != torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
-        self.kernel_config = kernel_config or EpKernelConfig()
-        if not isinstance(self.kernel_config, EpKernelConfig):
+        given = kernel_config or EpKernelConfig()
+        if not isinstance(given, EpKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.ep_kernel.EpKernelConfig, got {kernel_config!r}")
         if E % self.world:
             raise ValueError(f"num_experts={E} does not divide over the group's {self.world} ranks")
@@ -113,7 +112,10 @@ class ExpertParallelMoE(GroupMember, Operator):
         if device.type != "cuda":
             raise ValueError(f"device must be a CUDA device, got {device}")
         self.dtype = dtype
-        self._setup(moe_graph(H, I, E, self.top_k, renormalize=False), device)
+        # The graph says the experts' outputs cross ranks (its combine edge's transport); the lowering gives the
+        # cross-rank kernels' config and their parameter struct.
+        self._setup(moe_graph(H, I, E, self.top_k, renormalize=False, transport=given.transport), device)
+        self.kernel_config = self.lowering.transport_config(watchdog_ms=given.watchdog_ms)
         self._require_hopper(exact=True)
         slots = self.world * self.max_num_tokens * self.top_k
         base = moe_kernel_config or self.lowering.kernel_config()
@@ -133,7 +135,7 @@ class ExpertParallelMoE(GroupMember, Operator):
         self._k = self._kernels(cfg, {e: (cfg.threads, 0) for e in EP_ENTRIES})
         self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         L = self.layout
-        self._p = EP_PARAMS.ctype(
+        self._p = self.lowering.params.ctype(
             **self._edge_params(xexit=self._xexit, xlaunch=self._xlaunch), **self._header(),
             served=self._served.data_ptr(), error=self._error.data_ptr(), x_started_off=L["started"],
             x_sent_off=L["sent"], x_back_off=L["back"], x_hdr_off=L["hdr"], x_wts_off=L["wts"], x_rows_off=L["rows"],

@@ -13,14 +13,16 @@ import functools
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import config
 from ..codegen import TILE_TOKENS, DecodeKernelConfig, TensorMap
-from ..codegen.decode_kernel import KV_FP8, DecodeVariant
+from ..codegen.decode_kernel import KV_FP8, MAX_Q_LEN, DecodeVariant
 from ..scheduler import DecodeCost, Topology, cluster_rows
 from .checks import check_finite, check_positive, expect, is_int, plain
 from .decode_graph import decode_attention_graph
+from ..tuning.recorder import kv_lens
 from .page_table import check_page_table, window_page_table
 from .paged_decode import PagedDecode, _Planned, _host
 
@@ -98,12 +100,17 @@ def decode_variant(logits_soft_cap: object = None, window_left: object = -1, pos
     return DecodeVariant(cap if cap > 0 else 0.0, int(window_left), **rope)
 
 
-def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, unit: int) -> str:
+def _describe_unit(units_per_request: int, head_blocks: int, group_size: int, heads_per_unit: int, q_len: int,
+                   unit: int) -> str:
+    """Unit `unit` in the terms of the batch; its rows are (q head, token) pairs, head-major (one token: q heads)."""
     req, hb = divmod(unit, units_per_request)
     kv, qb = divmod(hb, head_blocks)
-    first = kv * group_size + qb * heads_per_unit
-    last = min(first + heads_per_unit, (kv + 1) * group_size) - 1
-    return f"request {req}, kv head {kv}, q heads {first}-{last}"
+    first = kv * group_size * q_len + qb * heads_per_unit
+    last = min(first + heads_per_unit, (kv + 1) * group_size * q_len) - 1
+    if q_len == 1:
+        return f"request {req}, kv head {kv}, q heads {first}-{last}"
+    return (f"request {req}, kv head {kv}, rows {first}-{last} (q heads {first // q_len}-{last // q_len} of its "
+            f"{q_len} new tokens)")
 
 
 class DecodeAttention(PagedDecode):
@@ -136,6 +143,16 @@ class DecodeAttention(PagedDecode):
             cache hold the keys unrotated. 16-bit caches only. A kernel of its own per (rope_theta, rope_scale).
             The kernel rotates each key by its offset from the query (the same scores) and rounds it to the
             MMA type (bfloat16: 2^-9 of each key), where FlashInfer rotates in float32.
+        q_len: new tokens per request, 1 to 8 (speculative decoding's drafts, multi-token prediction; FlashInfer's
+            q_len_per_req): run()'s q and out are [B * q_len, num_qo_heads, head_dim], a request's tokens
+            consecutive, and token j of a request of kv_len tokens (the cache already holds its q_len new ones)
+            attends to keys 0 .. kv_len - q_len + j (causal among the new tokens). Fixed at construction: it is
+            compiled into the kernel and shapes the work tables (a unit is up to 16 (q head, token) rows of one
+            kv head), so every plan() rewrites the same tables for the same kernel and a captured run() replays
+            any later plan; a plan() that changed it would need another kernel, which a graph cannot follow. A
+            kernel of its own per q_len; soft cap, FP8 and separate K/V caches, both layouts and batch
+            invariance work with it, a sliding window and RoPE (whose key positions are the last token's) do
+            not (ValueError).
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
@@ -188,7 +205,7 @@ class DecodeAttention(PagedDecode):
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
                  cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False,
                  logits_soft_cap: float | None = None, window_left: int = -1, pos_encoding_mode: str = "NONE",
-                 rope_scale: float | None = None, rope_theta: float | None = None):
+                 rope_scale: float | None = None, rope_theta: float | None = None, q_len: int = 1):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         if num_qo_heads % num_kv_heads:
@@ -210,6 +227,14 @@ class DecodeAttention(PagedDecode):
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.variant = decode_variant(logits_soft_cap, window_left, pos_encoding_mode, rope_scale, rope_theta)
+        if not is_int(q_len) or not 1 <= q_len <= MAX_Q_LEN:
+            raise ValueError(f"q_len must be an int from 1 to {MAX_Q_LEN} (new tokens per request), got {q_len!r}")
+        self.q_len = int(q_len)
+        if self.q_len > 1 and (self.variant.window_left >= 0 or self.variant.rope_theta):
+            which = f"window_left={window_left!r}" if self.variant.window_left >= 0 else \
+                f"pos_encoding_mode={pos_encoding_mode!r}"
+            raise ValueError(f"q_len={q_len} with {which}: the kernel's window and RoPE place every key relative to a "
+                             "request's last token, so they take q_len=1")
         if self.variant.rope_theta and kv_dtype is FP8:
             raise ValueError(f"pos_encoding_mode='ROPE_LLAMA' takes a 16-bit cache (the kernel rotates K in the MMA "
                              f"type), got kv_dtype={kv_dtype}")
@@ -237,15 +262,17 @@ class DecodeAttention(PagedDecode):
         # The tuning database's entry for this shape on this GPU (MELD_TUNING_DB), unless cost or kernel is given.
         self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket) if cost is None and kernel_config is None else None
         built = self.lowering.kernel_config(onchip_merge=cluster_size > 1, batch_invariant=batch_invariant,
-                                            kv_dtype=kv_build, variant=self.variant)   # (xrank: the graph's transport)
+                                            kv_dtype=kv_build, variant=self.variant,
+                                            q_len=self.q_len)   # (xrank: the graph's transport)
         self.kernel_config = kernel_config or self._tuned_config("kernel", built)
         kc, xrank = self.kernel_config, built.xrank
-        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant) != (
-                built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype, built.variant):
+        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant, kc.q_len) != (
+                built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype, built.variant, built.q_len):
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, kv_dtype={kc.kv_dtype!r}; the "
-                             f"operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant={batch_invariant}, "
-                             f"{self.variant}, kv_dtype={kv_build!r}, and its graph's partials "
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, q_len={kc.q_len}, kv_dtype="
+                             f"{kc.kv_dtype!r}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant="
+                             f"{batch_invariant}, {self.variant}, q_len={self.q_len}, kv_dtype={kv_build!r}, and its "
+                             "graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
         if cost is None:
@@ -253,7 +280,7 @@ class DecodeAttention(PagedDecode):
         if cost.tile_tokens != TILE_TOKENS:
             raise ValueError(f"cost.tile_tokens={cost.tile_tokens} must equal the kernel's KV tile {TILE_TOKENS}")
         self.cost = cost
-        self.head_blocks = -(-self.group_size // self.heads_per_unit)   # units per kv head
+        self.head_blocks = -(-self.group_size * self.q_len // self.heads_per_unit)   # units per kv head
         self.units_per_request = num_kv_heads * self.head_blocks
         if config.profile() and not self.kernel_config.profile:
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
@@ -262,7 +289,7 @@ class DecodeAttention(PagedDecode):
             raise ValueError(f"page_size={page_size}: a kernel with TMA rings needs pages that hold whole "
                              f"{TILE_TOKENS}-token tiles (a multiple of {TILE_TOKENS})")
         self._init_plan_state(functools.partial(_describe_unit, self.units_per_request, self.head_blocks,
-                                                self.group_size, self.heads_per_unit))
+                                                self.group_size, self.heads_per_unit, self.q_len))
         if self.device.type == "cuda":
             self._init_cuda(topology)
         else:
@@ -279,7 +306,7 @@ class DecodeAttention(PagedDecode):
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
                 + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else "")
-                + self.variant.suffix.replace("_", "/"))
+                + self.variant.suffix.replace("_", "/") + (f"/q{self.q_len}" if self.q_len > 1 else ""))
 
     def _tuned_config(self, part: str, default):
         """`default` (a DecodeCost or DecodeKernelConfig) with the fields the tuning entry sets for `part`
@@ -315,7 +342,7 @@ class DecodeAttention(PagedDecode):
             k_map=TensorMap(), v_map=TensorMap(), q_stride_b=0, q_stride_h=0, kv_page_stride=0, kv_slot_stride=0,
             kv_head_stride=0,   # (q, the caches, their maps and strides, out and lse: set by run())
             kv_hnd=int(self.kv_layout == "HND"), **fields,
-            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size * self.q_len,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)
             **{f.name: 0 for f in params_struct.fields if f.name.startswith("x")}))   # (the cross-rank edge's:
@@ -334,7 +361,20 @@ class DecodeAttention(PagedDecode):
 
     def _pages_read(self, kv_indptr, kv_indices, kv_last_page_len, check):
         """With a sliding window, the table without the pages wholly before each request's window (checked
-        first where plan() checks, so that its errors name the table given)."""
+        first where plan() checks, so that its errors name the table given). With q_len > 1, where plan()
+        checks, every request must hold its q_len new tokens (unchecked, a row that sees no key gives zeros and
+        lse -inf)."""
+        if self.q_len > 1 and check:
+            indptr, last = _host(kv_indptr), _host(kv_last_page_len)
+            check_page_table(indptr, last, kv_indices.numel(), self.page_size)
+            lens = kv_lens(indptr, last, self.page_size)
+            short = np.flatnonzero(lens < self.q_len)
+            if short.size:
+                i = int(short[0])
+                raise ValueError(f"kv_indptr and kv_last_page_len give request {i} {int(lens[i])} KV tokens, fewer "
+                                 f"than q_len={self.q_len}: its first new tokens would attend to an empty KV range (the "
+                                 "cache must already hold each request's q_len new tokens; token j attends to keys "
+                                 "0 .. kv_len - q_len + j)")
         if self.variant.window_left < 0:
             return kv_indptr, kv_indices
         if check:
@@ -342,7 +382,11 @@ class DecodeAttention(PagedDecode):
         return window_page_table(kv_indptr, kv_indices, kv_last_page_len, self.page_size, self.variant.window_left)
 
     # --- run ------------------------------------------------------------------------------------
-    _run_inputs, _lse_meaning = ("q", "kv_cache"), "batch, num_qo_heads"
+    _run_inputs = ("q", "kv_cache")
+
+    @property
+    def _lse_meaning(self) -> str:
+        return "batch, num_qo_heads" if self.q_len == 1 else f"batch * q_len (q_len={self.q_len}), num_qo_heads"
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
             return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -350,7 +394,8 @@ class DecodeAttention(PagedDecode):
         """Attention of q over the planned batch.
 
         Args:
-            q: [B, num_qo_heads, head_dim] (last dim contiguous).
+            q: [B, num_qo_heads, head_dim] (last dim contiguous); with q_len > 1, [B * q_len, num_qo_heads,
+                head_dim], request b's new token j at row b * q_len + j.
             kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD) or [num_pages, 2,
                 num_kv_heads, page_size, head_dim] (HND), as kv_layout says, whose [:, 0] is K and [:, 1] V;
                 or a tuple (k_cache, v_cache) of two tensors of one shape, [num_pages, page_size, num_kv_heads,
@@ -358,15 +403,15 @@ class DecodeAttention(PagedDecode):
                 views of any (FlashInfer's tuple form, SGLang's per-layer K and V buffers). Read in place,
                 never copied, through its strides: the last dim contiguous, the page, token and head strides
                 multiples of head_dim (and K's the same as V's), K and V starting on 16-byte boundaries.
-            return_lse: also return the log-sum-exp [B, num_qo_heads] (float32, natural log).
+            return_lse: also return the log-sum-exp [B, num_qo_heads] (float32, natural log; [B * q_len, ...]).
             out, lse: optional preallocated outputs.
             k_scale, v_scale: an FP8 cache's per-tensor scales (FlashInfer's): positive finite numbers, K = cache
                 x k_scale, V = cache x v_scale. k_scale multiplies the scores (folded into sm_scale: lse includes
                 it), v_scale the output, both on chip. A 16-bit cache takes none (1.0). A run() captured in a
                 CUDA graph replays with the scales it was captured with, as with its tensors.
         Returns:
-            out [B, num_qo_heads, head_dim] (and lse if return_lse). A request with no KV tokens gives
-            zeros and lse = -inf.
+            out [B, num_qo_heads, head_dim] ([B * q_len, ...]; and lse if return_lse). A request with no KV tokens
+            gives zeros and lse = -inf.
         """
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import decode_attention
@@ -376,8 +421,9 @@ class DecodeAttention(PagedDecode):
 
     def _check_run(self, planned: _Planned, q: torch.Tensor, kv_cache: object, *, k_scale: object = 1.0,
                    v_scale: object = 1.0) -> tuple[tuple[int, int, int], dict[str, torch.Tensor], tuple]:
-        shape = (planned.batch, self.num_qo_heads, self.head_dim)
-        expect("q", q, self.dtype, shape, "batch of the last plan(), num_qo_heads, head_dim", self.device)
+        shape = (planned.batch * self.q_len, self.num_qo_heads, self.head_dim)
+        expect("q", q, self.dtype, shape, "batch of the last plan(), num_qo_heads, head_dim" if self.q_len == 1 else
+               f"batch of the last plan() x q_len={self.q_len}, num_qo_heads, head_dim", self.device)
         kv = self._check_kv_cache(kv_cache, planned, k_scale, v_scale)
         return shape, {"q": q, **kv.tensors}, (q, kv)
 
@@ -511,4 +557,4 @@ class DecodeAttention(PagedDecode):
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
                                       self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
-                                      variant=self.variant)
+                                      variant=self.variant, q_len=self.q_len)

@@ -4,6 +4,10 @@ synchronisation, CUDA-graph capturable within `max_num_tokens`.
 
 Layouts: x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E];
 out [T, H]. out[t] = sum_j w[t, j] * W2[e_j] (SiLU(W_gate[e_j] x[t]) * W_up[e_j] x[t]).
+
+FP8 (`weight_dtype=torch.float8_e4m3fn`): w13 and w2 in e4m3 with DeepSeek-V3's block scales (vLLM's
+`w1_scale` / `w2_scale`, block_shape [128, 128]): w13_scale [E, ceil(2I / 128), ceil(H / 128)], w2_scale
+[E, ceil(H / 128), ceil(I / 128)], float32. x and act are quantised per token per 128 channels inside the layer.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ import numpy as np
 import torch
 
 from .. import config
-from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAIN_THREADS, MAX_EXPERTS, ROUTE_BLOCK, SCATTER_WARPS,
-                                  MoeKernelConfig, block_tokens_for, route_smem_bytes, tile_columns, token_box_rows)
+from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, FP8_BLOCK_TOKEN_CHOICES, FP8_GROUP, MAIN_THREADS, MAX_EXPERTS,
+                                  ROUTE_BLOCK, SCATTER_WARPS, MoeKernelConfig, block_tokens_for, route_smem_bytes,
+                                  tile_columns, token_box_rows)
 from ..ir.work_table import MOE_TASK, ROW_BLOCKS
 from ..scheduler import Topology
 from .base import Operator
@@ -56,6 +61,9 @@ class MoE(Operator):
         dtype: torch.bfloat16. device: "cuda" (or "cuda:N"), or "cpu" for the reference executor.
         max_num_tokens: capacity; every buffer is sized for it, so calls up to it never allocate.
         renormalize: renormalise the top-k softmax weights to sum 1 (when routing from logits).
+        weight_dtype: torch.bfloat16, or torch.float8_e4m3fn for block-scaled FP8 weights (a call then takes
+            w13_scale and w2_scale; hidden_size and intermediate_size multiples of 16). Default: kernel_config's
+            (`MoeKernelConfig(weight_dtype="e4m3")` selects the same), else bf16.
         first_expert: precomputed topk ids are global and this layer's experts are ids first_expert ..
             first_expert + num_experts - 1 (expert parallelism: w13 and w2 hold those); with
             `kernel_config.absent_pairs`, a pair of another expert is skipped (its token's output row is
@@ -71,12 +79,27 @@ class MoE(Operator):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dtype: torch.dtype = torch.bfloat16, device: object = "cuda", max_num_tokens: int = 8192,
-                 renormalize: bool = True, kernel_config: MoeKernelConfig | None = None, first_expert: int = 0):
+                 renormalize: bool = True, kernel_config: MoeKernelConfig | None = None, first_expert: int = 0,
+                 weight_dtype: torch.dtype | None = None):
         self.hidden_size = H = check_positive("hidden_size", hidden_size)
         self.intermediate_size = I = check_positive("intermediate_size", intermediate_size)
+        if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
+            raise ValueError(f"kernel_config must be a meld.codegen.moe_kernel.MoeKernelConfig, got "
+                             f"{type(kernel_config).__name__}")
+        if weight_dtype is None:   # kernel_config's, else bf16
+            weight_dtype = torch.float8_e4m3fn if kernel_config is not None and kernel_config.fp8 else torch.bfloat16
+        if weight_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"weight_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {weight_dtype}")
+        self._fp8 = fp8 = weight_dtype == torch.float8_e4m3fn
+        if kernel_config is not None and kernel_config.fp8 != fp8:
+            raise ValueError(f"weight_dtype={weight_dtype} with kernel_config.weight_dtype="
+                             f"{kernel_config.weight_dtype!r}: they must agree")
+        self.weight_dtype = weight_dtype
+        row = 16 if fp8 else 8   # elements of a 16-byte row
         for name, v in (("hidden_size", H), ("intermediate_size", I)):
-            if v % 8:
-                raise ValueError(f"{name} must be a multiple of 8 (16-byte rows for the TMA copies), got {v}")
+            if v % row:
+                raise ValueError(f"{name} must be a multiple of {row} (16-byte rows for the TMA copies"
+                                 f"{' of e4m3' if fp8 else ''}), got {v}")
         self.num_experts = E = check_positive("num_experts", num_experts, MAX_EXPERTS)
         self.top_k = check_positive("top_k", top_k)
         if self.top_k > E:
@@ -97,12 +120,15 @@ class MoE(Operator):
             raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
         self.dtype, self.renormalize = dtype, renormalize
         # The weights' shapes by w13's rank: plain, or packed by meld.pack_moe_weights.
-        self._weight_shapes = {3: ((E, 2 * I, H), (E, H, I)), 6: packed_shapes(H, I, E)}
+        self._weight_shapes = {3: ((E, 2 * I, H), (E, H, I))} if fp8 else \
+            {3: ((E, 2 * I, H), (E, H, I)), 6: packed_shapes(H, I, E)}
+        g = FP8_GROUP
+        self._scale_shapes = ((E, -(-2 * I // g), -(-H // g)), (E, -(-H // g), -(-I // g)))
         self._setup(moe_graph(H, I, E, self.top_k, renormalize), device)
-        if kernel_config is not None and not isinstance(kernel_config, MoeKernelConfig):
-            raise ValueError(f"kernel_config must be a meld.codegen.moe_kernel.MoeKernelConfig, got "
-                             f"{type(kernel_config).__name__}")
-        self._kernel_config = kernel_config or self.lowering.kernel_config(profile=config.profile())
+        default = self.lowering.kernel_config(profile=config.profile())
+        if fp8:   # (a call picks its own token block)
+            default = dataclasses.replace(default, weight_dtype="e4m3", block_tokens=FP8_BLOCK_TOKEN_CHOICES[-1])
+        self._kernel_config = kernel_config or default
         self.profile_every = config.profile_every()   # (read on every device: the CPU takes no setting the GPU refuses)
         if not is_int(first_expert) or first_expert < 0:
             raise ValueError(f"first_expert must be a non-negative int, got {first_expert!r}")
@@ -126,6 +152,9 @@ class MoE(Operator):
         T, k, E, H, I = self.max_num_tokens, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size
         R = T * k
         nblk = -(-T // ROUTE_BLOCK)
+        ops = self.weight_dtype   # the GEMMs' activation operands: e4m3 with FP8 weights
+        g = FP8_GROUP
+        f32 = dict(dtype=torch.float32, device=self.device)
         i32 = dict(dtype=torch.int32, device=self.device)
         b = self._bufs = {
             "topk_ids": torch.empty(R, **i32), "topk_w": torch.empty(R, dtype=torch.float32, device=self.device),
@@ -137,10 +166,13 @@ class MoE(Operator):
             "tok_cnt": torch.zeros(T * self._column_blocks(BLOCK_TOKEN_CHOICES[0])[1], **i32),
             "tok_need": torch.empty(T, **i32), "pair_pos": torch.empty(R, **i32),
             "row_token": torch.empty(R, **i32), "error": torch.zeros(1, **i32),
-            "xs": torch.empty(R, H, dtype=self.dtype, device=self.device),
-            "act": torch.empty(R, I, dtype=self.dtype, device=self.device),
+            "xs": torch.empty(R, H, dtype=ops, device=self.device),
+            "act": torch.empty(R, I, dtype=ops, device=self.device),
             "y": torch.empty(R, H, dtype=self.dtype, device=self.device),
         }
+        if self._fp8:   # x's and act's scales per 128 channels, [groups][rows]
+            b["xs_scale"] = torch.empty(-(-H // g), R, **f32)
+            b["act_scale"] = torch.empty(-(-I // g), R, **f32)
         self._register_watchdog("meld_moe_main", _describe_ticket)
         # (gemm1, gemm2 and combine records, named by ticket)
         self._prof, self._prof_clock = self._profile_buffers(self._kernel_config.profile, self._grid, _PROFILE_CAP,
@@ -153,12 +185,22 @@ class MoE(Operator):
         """The tensor maps of plain w13 and w2 (contiguous), as matrices of 64-row boxes."""
         from ..runtime.tensor_map import tensor_map_2d
 
-        return (tensor_map_2d(w13.view(-1, self.hidden_size), box_rows=64),
-                tensor_map_2d(w2.view(-1, self.intermediate_size), box_rows=64))
+        cols = self._box_cols
+        return (tensor_map_2d(w13.view(-1, self.hidden_size), box_rows=64, box_cols=cols),
+                tensor_map_2d(w2.view(-1, self.intermediate_size), box_rows=64, box_cols=cols))
+
+    @property
+    def _box_cols(self) -> int:
+        """K elements of a TMA box: a 128-byte row (templates/moe.cuh: BK)."""
+        return 128 if self._fp8 else 64
+
+    @property
+    def _block_choices(self) -> tuple[int, ...]:
+        return FP8_BLOCK_TOKEN_CHOICES if self._fp8 else BLOCK_TOKEN_CHOICES
 
     def _column_blocks(self, block_tokens: int) -> tuple[int, int]:
         """Tiles per row block: (gemm1 column blocks of I, gemm2 column blocks of H)."""
-        c1, c2 = tile_columns(block_tokens)
+        c1, c2 = tile_columns(block_tokens, self._fp8)
         return -(-self.intermediate_size // c1), -(-self.hidden_size // c2)
 
     def _variant(self, block_tokens: int, packed: bool = False) -> _Variant:
@@ -171,16 +213,16 @@ class MoE(Operator):
         cfg = dataclasses.replace(base, block_tokens=block_tokens, packed_weights=packed)
         k = self._kernels(cfg, {"meld_moe_route": (1024, route_smem_bytes(self.num_experts)), "meld_moe_scatter": (32 * SCATTER_WARPS, 0),
                                 "meld_moe_main": (MAIN_THREADS, cfg.smem_bytes)})
-        p = self._bufs
+        p, cols = self._bufs, self._box_cols
         params = self.lowering.params.ctype(
             **self._ptrs, **self._header(self._prof, self._prof_clock, _PROFILE_CAP, self.profile_every),
             hidden=self.hidden_size, inter=self.intermediate_size,
             num_experts=self.num_experts, expert_base=self.first_expert, top_k=self.top_k,
             renormalize=int(self.renormalize),
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
-            xs_map=tensor_map_2d(p["xs"], block_tokens), act_map=tensor_map_2d(p["act"], block_tokens),
-            xs_part_map=tensor_map_2d(p["xs"], token_box_rows(block_tokens)),
-            act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens)))
+            xs_map=tensor_map_2d(p["xs"], block_tokens, cols), act_map=tensor_map_2d(p["act"], block_tokens, cols),
+            xs_part_map=tensor_map_2d(p["xs"], token_box_rows(block_tokens), cols),
+            act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens), cols), scale_ld=p["xs"].shape[0])
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)
         if v.main.ctas_per_sm != 1:
             raise RuntimeError(f"{cfg.name}: expected one CTA per SM, occupancy says {v.main.ctas_per_sm}")
@@ -195,36 +237,48 @@ class MoE(Operator):
         if not isinstance(packed, bool):
             raise ValueError(f"packed must be True or False, got {packed!r}")
         if self.device.type == "cuda":
-            for bt in BLOCK_TOKEN_CHOICES:
+            for bt in self._block_choices:
                 self._variant(bt, packed)
 
     def __call__(self, x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                  *, topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, block_tokens: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block_tokens: int | None = None,
+                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
         """out [T, H] = the MoE layer on x [T, H]. Route from `router_logits` [T, E] (float32 or the
         activation dtype), or pass `topk_weights` (float32) and `topk_ids` (int32/int64) [T, top_k]
         instead (vLLM's `fused_experts`); an id out of range or repeated in a row gives that token NaN
         on the GPU (a ValueError on the CPU, where it is checked). w13 and w2 as laid out in the class
         docstring, or both as `meld.pack_moe_weights` packs them. `block_tokens`: the GEMMs' row block, one
         of BLOCK_TOKEN_CHOICES (default: chosen for T tokens routed uniformly; a caller that knows its rows
-        per expert, as an expert-parallel owner does, may choose better)."""
-        if block_tokens is not None and (not is_int(block_tokens) or block_tokens not in BLOCK_TOKEN_CHOICES):
-            raise ValueError(f"block_tokens must be one of {BLOCK_TOKEN_CHOICES} or None, got {block_tokens!r}")
+        per expert, as an expert-parallel owner does, may choose better; FP8: FP8_BLOCK_TOKEN_CHOICES).
+        `w13_scale`, `w2_scale`: an FP8 layer's block scales (float32, as the module docstring lays them out),
+        required there and refused elsewhere. A NaN or infinite scale makes NaN the rows it reaches: every
+        token routed to that expert."""
+        choices = self._block_choices
+        if block_tokens is not None and (not is_int(block_tokens) or block_tokens not in choices):
+            raise ValueError(f"block_tokens must be one of {choices} or None, got {block_tokens!r}")
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
+            if self._fp8:
+                raise NotImplementedError("an FP8 meld.MoE under torch.compile: the op torch.ops.meld.moe takes "
+                                          "bf16 weights only")
             if block_tokens is not None:
                 raise NotImplementedError("MoE(block_tokens=...) under torch.compile: the traced call is the op "
                                           "torch.ops.meld.moe, which chooses the row block itself")
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
         H, dev, grads = self.hidden_size, self.device, None
-        T = self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
+        T = None if self._fp8 else self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
         if T is None:   # anything else: made plain tensors, checked, and diagnosed
             grads = grad_inputs(x, router_logits, w13, w2, topk_weights)
             x, w13, w2 = plain(x), plain(w13), plain(w2)
             T = self._check_x(x)
             self._check_weights(w13, w2)
+            w13_scale, w2_scale = plain(w13_scale), plain(w2_scale)
+            self._check_scales(w13_scale, w2_scale)
             router_logits, topk_weights, topk_ids = (plain(t) for t in (router_logits, topk_weights, topk_ids))
             self._check_routing(router_logits, topk_weights, topk_ids, T)
+        elif w13_scale is not None or w2_scale is not None:   # (the usual inputs of a bf16 layer, plus scales)
+            self._check_scales(w13_scale, w2_scale)
         if topk_ids is not None and dev.type == "cpu":
             self._check_ids(topk_ids)
         if out is None:
@@ -236,13 +290,14 @@ class MoE(Operator):
                 raise ValueError(f"out must have 16-byte aligned rows of unit stride (the kernel writes 16 bytes "
                                  f"at a time), got strides {out.stride()} at address {out.data_ptr():#x}")
             check_output("out", out, {"x": x, "router_logits": router_logits, "w13": w13, "w2": w2,
-                                      "topk_weights": topk_weights, "topk_ids": topk_ids})
+                                      "topk_weights": topk_weights, "topk_ids": topk_ids, "w13_scale": w13_scale,
+                                      "w2_scale": w2_scale})
         if T:
             if dev.type == "cpu":
-                self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out))
+                self._run_cpu(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out), w13_scale, w2_scale)
             else:
                 self._launch(x, router_logits, w13, w2, topk_weights, topk_ids, plain(out),
-                             None if block_tokens is None else int(block_tokens))
+                             None if block_tokens is None else int(block_tokens), w13_scale, w2_scale)
         return no_backward("meld.MoE", grads, (out,))[0]
 
     def _usual_inputs(self, x, router_logits, w13, w2, topk_weights, topk_ids) -> int | None:
@@ -296,7 +351,7 @@ class MoE(Operator):
         """ValueError unless w13 and w2 are this layer's weights: as laid out in the class docstring, or both
         packed by meld.pack_moe_weights (a 6-D w13)."""
         dev = self.device
-        if isinstance(w13, torch.Tensor) and w13.dim() == 6:
+        if isinstance(w13, torch.Tensor) and w13.dim() == 6 and not self._fp8:   # (FP8 weights run plain)
             s13, s2 = self._weight_shapes[6]
             expect("w13", w13, self.dtype, s13, "packed by meld.pack_moe_weights: experts x K boxes x 64-column "
                    "blocks of I x (gate, up) x 64 x 64", dev, contiguous)
@@ -304,8 +359,24 @@ class MoE(Operator):
                    "of H x 64 x 64", dev, contiguous)
         else:
             s13, s2 = self._weight_shapes[3]
-            expect("w13", w13, self.dtype, s13, "experts x 2*intermediate_size x hidden_size", dev, contiguous)
-            expect("w2", w2, self.dtype, s2, "experts x hidden_size x intermediate_size", dev, contiguous)
+            wdt = self.weight_dtype
+            expect("w13", w13, wdt, s13, "experts x 2*intermediate_size x hidden_size", dev, contiguous)
+            expect("w2", w2, wdt, s2, "experts x hidden_size x intermediate_size", dev, contiguous)
+
+    def _check_scales(self, w13_scale, w2_scale) -> None:
+        """ValueError unless an FP8 layer has its weights' block scales (float32, contiguous, the shapes of the
+        module docstring) and a bf16 layer none."""
+        if not self._fp8:
+            if w13_scale is None and w2_scale is None:
+                return
+            name = "w13_scale" if w13_scale is not None else "w2_scale"
+            raise ValueError(f"{name} is for FP8 weights (MoE(weight_dtype=torch.float8_e4m3fn)); this layer's "
+                             f"weights are {self.weight_dtype}")
+        s13, s2 = self._scale_shapes
+        expect("w13_scale", w13_scale, torch.float32, s13, "experts x ceil(2*intermediate_size / 128) x "
+               "ceil(hidden_size / 128): a scale per 128 x 128 block of w13", self.device, contiguous=True)
+        expect("w2_scale", w2_scale, torch.float32, s2, "experts x ceil(hidden_size / 128) x "
+               "ceil(intermediate_size / 128): a scale per 128 x 128 block of w2", self.device, contiguous=True)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         bad = (ids < 0) | (ids >= self.num_experts)
@@ -318,8 +389,9 @@ class MoE(Operator):
             t = int(rep.nonzero()[0])
             raise ValueError(f"topk_ids[{t}] = {ids[t].tolist()} names an expert twice")
 
-    def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out, block_tokens: int | None = None) -> None:
-        """The launches of checked inputs; `block_tokens` as __call__'s."""
+    def _launch(self, x, logits, w13, w2, topk_w, topk_ids, out, block_tokens: int | None = None,
+                w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> None:
+        """The launches of checked inputs; `block_tokens` and the scales as __call__'s."""
         T = x.shape[0]
         x_stride, x_ptr = x.stride(), x.data_ptr()   # (stride() whole: stride(dim) parses its argument, slower)
         if x_stride[1] != 1 or x_stride[0] % 8 or x_ptr % 16:
@@ -343,6 +415,8 @@ class MoE(Operator):
             p.w13_packed, p.w2_packed = w13.data_ptr(), w2.data_ptr()
         else:
             p.w13_map, p.w2_map = self._weight_maps.get(w13, w2)
+        if self._fp8:
+            p.w13_scale, p.w2_scale = w13_scale.data_ptr(), w2_scale.data_ptr()
         self._watchdog.check()
         if self._prof is not None and self.profile_every == 1:   # (sampling keeps the last sampled trace)
             self._prof.zero_()
@@ -355,12 +429,13 @@ class MoE(Operator):
         key = (T, packed, block_tokens)
         shape = self._call_shapes.get(key)
         if shape is None:
-            v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts), packed)
+            v = self._variant(block_tokens or block_tokens_for(T, self.top_k, self.num_experts, self._fp8), packed)
             rows = T * self.top_k
             route_dispatches = int(T <= ROUTE_BLOCK and rows * self.hidden_size * 2 <= _ROUTE_DISPATCH_BYTES
                                    and rows <= ROUTE_BLOCK * 32)   # (the lone CTA's shared table of rows)
-            # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied.
-            x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0)
+            # One token whose row splits into whole ring stages: the gemm1 tiles read it from x, nothing is copied
+            # (FP8: x is quantised as it is copied).
+            x_direct = int(T == 1 and self.hidden_size % (64 * v.config.boxes) == 0 and not self._fp8)
             shape = self._call_shapes[key] = (v, route_dispatches, x_direct)
         return shape
 
@@ -383,11 +458,11 @@ class MoE(Operator):
     # --- CPU reference executor -----------------------------------------------------------------------
     def plan_for(self, topk_ids: np.ndarray, num_tokens: int):
         """The `MoePlan` this layer runs for a routing (the GPU planner builds the same on the device)."""
-        bt = block_tokens_for(num_tokens, self.top_k, self.num_experts)
+        bt = block_tokens_for(num_tokens, self.top_k, self.num_experts, self._fp8)
         return self.lowering.planner(topk_ids, self.num_experts, bt, *self._column_blocks(bt), self._sm_count,
-                                     tile_columns(bt))
+                                     tile_columns(bt, self._fp8))
 
-    def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out) -> None:
+    def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out, w13_scale=None, w2_scale=None) -> None:
         from ..runtime.moe_reference import route
 
         if w13.dim() == 6:
@@ -397,7 +472,7 @@ class MoE(Operator):
         else:
             ids, w = topk_ids.long(), topk_w
         plan = self.plan_for(ids.numpy(), x.shape[0])
-        out.copy_(self.lowering.executor(plan, x, w13, w2, w, self.lowering.combiner))
+        out.copy_(self.lowering.executor(plan, x, w13, w2, w, self.lowering.combiner, w13_scale, w2_scale))
 
 
 def _max_num_tokens(top_k: int) -> int:

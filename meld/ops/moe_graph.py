@@ -22,7 +22,7 @@ def _check(hidden_size: int, intermediate_size: int, num_experts: int, top_k: in
 
 
 def moe_graph(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-              renormalize: bool = True, dtype: str = "bfloat16") -> TaskGraph:
+              renormalize: bool = True, dtype: str = "bfloat16", transport: str | None = None) -> TaskGraph:
     """The MoE expert FFN with top-k softmax routing over `num_tokens` tokens, as five task templates.
 
     - route (map, per token): softmax of router_logits over the experts, top_k choice, optional
@@ -37,6 +37,11 @@ def moe_graph(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
       over axis "k", carried on the gemm2 -> combine edge.
 
     Block axes carry the extent they tile (elements, not blocks): the scheduler chooses the tile sizes.
+    `transport` (one of meld.ir.TRANSPORTS): the experts are spread over a process group (expert
+    parallelism), so a token's rows cross ranks to their experts and their outputs cross back before the
+    combine: the gemm2 -> combine edge carries the transport, and the lowering gives the family's
+    cross-rank kernels and parameter struct (meld/distributed/expert_parallel.py).
+
     `renormalize` is recorded as False when top_k == num_experts, where renormalising changes nothing
     (the chosen probabilities already sum to 1), so both spellings give the same graph.
 
@@ -67,5 +72,5 @@ def moe_graph(hidden_size: int, intermediate_size: int, num_experts: int, top_k:
     g.add_edge("route", "dispatch")
     g.add_edge("dispatch", "gemm1", depends="expert")
     g.add_edge("gemm1", "gemm2", depends="row_block")
-    g.add_edge("gemm2", "combine", red)
+    g.add_edge("gemm2", "combine", red, transport=transport)
     return g.validate()

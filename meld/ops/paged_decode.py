@@ -97,6 +97,7 @@ class PagedDecode(Operator):
     `_launched()` after each run() launch."""
 
     _cluster_rows: torch.Tensor | None = None   # the CTA table's cluster rows, where the planner places for clusters
+    q_len = 1   # query rows per q head and request: the planner's rows per kv head are group_size * q_len
 
     def _init_plan_state(self, describe) -> None:
         self._unit_names = UnitNames(describe)   # what the watchdog registers (it must not hold the operator)
@@ -225,7 +226,8 @@ class PagedDecode(Operator):
                 raise RuntimeError(f"{type(self).__name__}.schedule: call plan() first")
             # (the lowering's planner: plan_decode_host, the host build of the GPU planner's source)
             self._schedule = self.lowering.planner(_host(self._planned.indptr), _host(self._planned.last),
-                                                   self.page_size, self.num_kv_heads, self.group_size, self.topology,
+                                                   self.page_size, self.num_kv_heads, self.group_size * self.q_len,
+                                                   self.topology,
                                                    self.cost, self.heads_per_unit, self._plan_clusters, self._chunk)
         return self._schedule
 

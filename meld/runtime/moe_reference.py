@@ -1,6 +1,10 @@
 """The CPU reference executor of the fused MoE: it runs a `MoePlan`'s tiles in ticket order, in float64,
 rounding act and y to the activation dtype where the kernel stores them, and forms each token's output
-when its last row arrives — the kernel's schedule and its numerics, without a GPU."""
+when its last row arrives — the kernel's schedule and its numerics, without a GPU.
+
+Block-scaled FP8 (DeepSeek-V3's format; templates/moe.cuh, MELD_FP8): e4m3 weights with a float32 scale per
+128 x 128 block, and activations (x, and act before the down projection) quantised per token per 128 channels
+as the kernel quantises them (`quantize_groups`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,22 +27,82 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return ids, w
 
 
+GROUP = 128               # channels per activation scale; rows and K of a weight scale's block
+E4M3_MAX = 448.0          # the largest e4m3 value
+FP8_MIN_AMAX = 1e-10      # an all-zero group's maximum is taken as this (templates/moe.cuh: FP8_MIN_AMAX)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_groups(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [rows, K] quantised per row per 128 columns as the kernel does it, in float32: scale = max |v| / 448
+    (NaN where the group holds a NaN), e4m3 = v * (1 / scale) rounded to nearest, saturated at 448:
+    (e4m3 [rows, K], scales float32 [rows, ceil(K / 128)])."""
+    rows, K = a.shape
+    G = _cdiv(K, GROUP)
+    g = torch.nn.functional.pad(a.float(), (0, G * GROUP - K)).view(rows, G, GROUP)
+    amax = g.abs().amax(dim=-1)
+    scale = torch.where(amax.isnan(), amax, amax.clamp_min(FP8_MIN_AMAX) / E4M3_MAX)
+    q = (g * (1 / scale)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows, G * GROUP)[:, :K], scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 [rows, K] of quantize_groups' output."""
+    K = q.shape[1]
+    return q.double() * scale.double().repeat_interleave(GROUP, dim=1)[:, :K]
+
+
+def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 [E, N, K] of e4m3 weights w [E, N, K] with a scale per 128 x 128 block, scale [E, ceil(N / 128),
+    ceil(K / 128)]."""
+    N, K = w.shape[1:]
+    return w.double() * scale.double().repeat_interleave(GROUP, 1)[:, :N].repeat_interleave(GROUP, 2)[:, :, :K]
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights w [E, N, K] as block-scaled e4m3: (e4m3 [E, N, K], float32 scales [E, ceil(N / 128),
+    ceil(K / 128)]), each 128 x 128 block's scale its max |w| / 448 (as DeepSeek-V3's checkpoints hold them)."""
+    E, N, K = w.shape
+    nb, kb = _cdiv(N, GROUP), _cdiv(K, GROUP)
+    b = torch.nn.functional.pad(w.float(), (0, kb * GROUP - K, 0, nb * GROUP - N)).view(E, nb, GROUP, kb, GROUP)
+    amax = b.abs().amax(dim=(2, 4))
+    scale = torch.where(amax.isnan(), amax, amax.clamp_min(FP8_MIN_AMAX) / E4M3_MAX)
+    q = (b / scale[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(E, nb * GROUP, kb * GROUP)[:, :N, :K].contiguous(), scale
+
+
 def _round(a: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return torch.from_numpy(a).to(dtype).to(torch.float64).numpy()
 
 
+def _fp8_rows(a: np.ndarray) -> np.ndarray:
+    """Rows of a (float64) as the kernel's FP8 operand holds them: rounded to float32, quantised per 128."""
+    return dequantize_groups(*quantize_groups(torch.from_numpy(a).float())).numpy()
+
+
 def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
-                combiner: str = "weighted_sum") -> torch.Tensor:
+                combiner: str = "weighted_sum", w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] (x's dtype) from the plan (its routing already validated: every pair has a row);
-    `combiner`: the graph's reduction, whose merge folds a token's weighted rows in fixed order."""
+    `combiner`: the graph's reduction, whose merge folds a token's weighted rows in fixed order. With
+    `w13_scale` and `w2_scale`, w13 and w2 are block-scaled e4m3 and the GEMMs' activations are quantised
+    (the plan's gemm1 tiles are then whole 128-column groups of act)."""
     merge = COMBINERS[combiner].merge
     dt = x.dtype
+    fp8 = w13_scale is not None
+    if fp8:
+        w13, w2 = dequantize_blocks(w13, w13_scale), dequantize_blocks(w2, w2_scale)
     xd, w13d, w2d = (t.double().numpy() for t in (x, w13, w2))
     wd = topk_w.double().numpy()
     T, H = xd.shape
     I = w2d.shape[2]
     nrows = len(plan.row_token)
     xs = xd[plan.row_token] if nrows else np.zeros((0, H))
+    if fp8:
+        xs = _fp8_rows(xs)
     act, y = np.zeros((nrows, I)), np.zeros((nrows, H))
     G1_COLS, G2_COLS = plan.columns
     n2 = -(-H // G2_COLS)
@@ -52,7 +116,8 @@ def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
             cols = slice(c * G1_COLS, min(I, (c + 1) * G1_COLS))
             g = xs[rows] @ w13d[e, cols].T
             u = xs[rows] @ w13d[e, I + cols.start:I + cols.stop].T
-            act[rows, cols] = _round(g / (1 + np.exp(-g)) * u, dt)
+            a = g / (1 + np.exp(-g)) * u
+            act[rows, cols] = _fp8_rows(a) if fp8 else _round(a, dt)
             continue
         cols = slice(c * G2_COLS, min(H, (c + 1) * G2_COLS))
         y[rows, cols] = _round(act[rows] @ w2d[e, cols].T, dt)

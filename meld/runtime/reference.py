@@ -30,21 +30,26 @@ if TYPE_CHECKING:
 _SOFTMAX = COMBINERS["online_softmax"]
 
 
-def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, soft_cap: float = 0.0) -> tuple[np.ndarray, ...]:
+def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, soft_cap: float = 0.0,
+           seen: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """(m, l, acc) of softmax attention of q [H, D] over k [n, D], v [n, Dv] (n may be 0), each scaled score s
-    capped to soft_cap tanh(s / soft_cap) when soft_cap > 0; l = NaN marks a row that met a non-finite score, a
-    NaN acc row one that met a non-finite value."""
+    capped to soft_cap tanh(s / soft_cap) when soft_cap > 0, and row h seeing only the keys seen[h] marks (a
+    causal mask: [H, n] bool; None: every key); l = NaN marks a row that met a non-finite score among its keys,
+    a NaN acc row one that met a non-finite value (a NaN value reaches rows that do not see its key too, as the
+    kernel's P.V products of 0 and NaN do)."""
     H = q.shape[0]
     if k.shape[0] == 0:
         return np.full(H, -np.inf), np.zeros(H), np.zeros((H, v.shape[1]))
     with np.errstate(invalid="ignore", over="ignore"):
         s = (q @ k.T) * scale
-        bad = ~np.isfinite(s).all(axis=1)
+        bad = ~(np.isfinite(s) if seen is None else np.isfinite(s) | ~seen).all(axis=1)
         s[bad] = 0.0
         if soft_cap:
             s = soft_cap * np.tanh(s / soft_cap)
+        if seen is not None:
+            s = np.where(seen, s, -np.inf)
         m = s.max(axis=1)
-        p = np.exp(s - m[:, None])
+        p = np.exp(s - np.where(m == -np.inf, 0.0, m)[:, None])   # (a row that sees none of these keys: p = 0)
         acc = p @ v
     l = p.sum(axis=1)
     l[bad] = np.nan
@@ -54,24 +59,31 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, soft_cap: 
 
 def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kv_indices: torch.Tensor, sm_scale: float, combiner: str = "online_softmax", *,
-                   k_scale: float = 1.0, v_scale: float = 1.0, variant: DecodeVariant = DecodeVariant()
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   k_scale: float = 1.0, v_scale: float = 1.0, variant: DecodeVariant = DecodeVariant(),
+                   q_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Execute `schedule` on CPU tensors (k_cache and v_cache NHD [pages, page_size, Hkv, D], any strides: one
     cache's halves or two tensors), merging split units with `combiner` (the graph's). An FP8 cache is read as
     its exact values and dequantised where the kernel does it: k_scale multiplies the scores (with sm_scale)
     and v_scale the output (templates/decode_attention.cuh, MELD_KV_FP8). `variant`'s soft cap applies to the
     scaled scores; its window leaves out each item's keys before the last window_left + 1 of its request (the
     schedule's kv_len: the pages plan() kept); its RoPE rotates each key by its offset from the query (the
-    request's last token), as the kernel does.
-    Returns (out [B, Hq, D] float64, lse [B, Hq] float64)."""
+    request's last token), as the kernel does. With q_len new tokens per request, q is [B * q_len, Hq, D], a
+    request's tokens consecutive, and the schedule's rows are its (q head, token) pairs, head-major (its
+    group_size is q heads per kv head x q_len, as the kernel's): token j of a request of kv_len keys sees keys
+    0 .. kv_len - q_len + j.
+    Returns (out [B * q_len, Hq, D] float64, lse [B * q_len, Hq] float64)."""
     P = k_cache.shape[1]
     k64, v64 = k_cache.double().numpy(), v_cache.double().numpy()
 
     def kv(pages: np.ndarray, slots: np.ndarray, kv_head: int) -> tuple[np.ndarray, np.ndarray]:
         return k64[pages, slots, kv_head], v64[pages, slots, kv_head]
 
-    out, lse = _execute(schedule, q.double().numpy(), kv, P, k_cache.shape[-1], kv_indices, sm_scale * k_scale,
-                        _softmax(combiner), variant)
+    Hq, D = q.shape[1:]
+    rows = q.double().reshape(-1, q_len, Hq, D).transpose(1, 2).reshape(-1, Hq * q_len, D)   # row: head * q_len + j
+    out, lse = _execute(schedule, rows.numpy(), kv, P, k_cache.shape[-1], kv_indices, sm_scale * k_scale,
+                        _softmax(combiner), variant, q_len)
+    out = out.reshape(-1, Hq, q_len, D).transpose(1, 2).reshape(-1, Hq, D)
+    lse = lse.reshape(-1, Hq, q_len).transpose(1, 2).reshape(-1, Hq)
     return (out if v_scale == 1.0 else out * v_scale), lse
 
 
@@ -100,9 +112,10 @@ def _softmax(name: str) -> Combiner:
 
 
 def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, kv_indices: torch.Tensor,
-             sm_scale: float, combiner: Combiner, variant: DecodeVariant = DecodeVariant()
+             sm_scale: float, combiner: Combiner, variant: DecodeVariant = DecodeVariant(), q_len: int = 1
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The walk both executors share: `kv(pages, slots, kv_head)` gives an item's keys and values."""
+    """The walk both executors share: `kv(pages, slots, kv_head)` gives an item's keys and values; with q_len > 1
+    row r of a request is its new token r % q_len, which sees keys up to kv_len - q_len + r % q_len."""
     B, Hq, _ = q64.shape
     # NumPy, not torch: per-item matmuls are tiny and torch's CPU thread pool only adds overhead.
     indices = kv_indices.numpy()
@@ -122,7 +135,11 @@ def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, k
         k, v = kv(indices[int(page_base[b]) + pos // page_size], pos % page_size, kvh)
         if variant.rope_theta:   # each key by its offset from the query, as the kernel does
             k = _rope(k, pos - (int(schedule.kv_len[b]) - 1), variant)
-        m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale, variant.logits_soft_cap)
+        seen = None
+        if q_len > 1:
+            last = int(schedule.kv_len[b]) - q_len + (np.arange(h0, h0 + rows) % q_len)   # each row's last key
+            seen = pos[None, :] <= last[:, None]
+        m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale, variant.logits_soft_cap, seen)
         if slot < 0:
             _write(out, lse, b, h0, m, l, acc)
             continue
@@ -281,22 +298,31 @@ def _requests(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
 
 
 def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                        kv_last_page_len: torch.Tensor, sm_scale: float | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain float64 paged decode attention, one request at a time (no schedule): the ground truth."""
-    B, Hq, D = q.shape
+                        kv_last_page_len: torch.Tensor, sm_scale: float | None = None, q_len: int = 1,
+                        logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain float64 paged decode attention, one request at a time (no schedule): the ground truth. With q_len
+    new tokens per request, q is [B * q_len, Hq, D] (a request's tokens consecutive) and token j of a request of
+    n tokens attends to keys 0 .. n - q_len + j (causal: the cache holds the new tokens); logits_soft_cap c > 0
+    caps each scaled score s to c tanh(s / c)."""
+    T, Hq, D = q.shape
     _, _, P, Hkv, _ = kv_cache.shape
     G = Hq // Hkv
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    out = torch.zeros(B, Hq, D, dtype=torch.float64, device=q.device)
-    lse = torch.full((B, Hq), -math.inf, dtype=torch.float64, device=q.device)
+    out = torch.zeros(T, Hq, D, dtype=torch.float64, device=q.device)
+    lse = torch.full((T, Hq), -math.inf, dtype=torch.float64, device=q.device)
     for b, pages, n in _requests(kv_indptr, kv_indices, kv_last_page_len, P):
         k = kv_cache[pages, 0].reshape(-1, Hkv, D)[:n].double()       # [n, Hkv, D]
         v = kv_cache[pages, 1].reshape(-1, Hkv, D)[:n].double()
-        qb = q[b].double().view(Hkv, G, D)
-        s = torch.einsum("hgd,nhd->hgn", qb, k) * scale
-        lse[b] = torch.logsumexp(s, dim=-1).reshape(Hq)
-        out[b] = torch.einsum("hgn,nhd->hgd", torch.softmax(s, dim=-1), v).reshape(Hq, D)
+        rows = slice(b * q_len, (b + 1) * q_len)
+        qb = q[rows].double().view(q_len, Hkv, G, D)
+        s = torch.einsum("jhgd,nhd->jhgn", qb, k) * scale
+        if logits_soft_cap:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        if q_len > 1:   # token j's keys end at n - q_len + j
+            hidden = torch.arange(n, device=q.device) > (n - q_len + torch.arange(q_len, device=q.device))[:, None]
+            s = s.masked_fill(hidden[:, None, None, :], -math.inf)
+        lse[rows] = torch.logsumexp(s, dim=-1).reshape(q_len, Hq)
+        out[rows] = torch.einsum("jhgn,nhd->jhgd", torch.softmax(s, dim=-1), v).reshape(q_len, Hq, D)
     return out, lse
 
 

@@ -62,5 +62,8 @@ class DecodeCost:
     def default(heads_per_unit: int = 8) -> "DecodeCost":
         """The model for the kernel's unit size: 16-head units merge twice the warp state at each unit's
         end, so their pieces cost more, and an overhead of 192 tokens balanced them best (bench/RESULTS.md,
-        "item overhead for 16-head units")."""
+        "item overhead for 16-head units"). With several new tokens per request (`DecodeAttention(q_len=)`) a
+        unit's rows are (q head, token) pairs and heads_per_unit counts rows: more rows cost more compute per
+        piece (the 16-row build's second P.V tile and merge) but read the same KV bytes, so the line stays in KV
+        tokens and only the item overhead follows the rows (not yet fitted for q_len > 1: bench/cost_fit.py)."""
         return DecodeCost(item_overhead_tokens=192) if heads_per_unit == 16 else DecodeCost()

@@ -84,10 +84,18 @@
 // that offset alone. The rotated keys are rounded to the MMA type, as the loaded ones were. Off (0, -1, 0)
 // each compiles to the plain build's code.
 //
+// MELD_Q_LEN > 1 builds decode Q_LEN new tokens per request (speculative decoding, MTP), causal among themselves:
+// the cache already holds them, so token j of a request of kv_len tokens sees keys 0 .. kv_len - Q_LEN + j. q and
+// out are [B * Q_LEN, Hq, D], a request's tokens consecutive (FlashInfer's q_len_per_req layout). A kv head's query
+// rows are its (q head, token) pairs, head-major: row r of the request is q head r / Q_LEN, token r % Q_LEN, so
+// p.group_size counts rows (q heads per kv head x Q_LEN) and a unit is up to HEADS such rows against one KV
+// stream, the rows of a single-token unit. Scores past a row's last visible key are masked as past a unit's end.
+// Q_LEN 1 compiles to the plain build's code.
+//
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
 // MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, MELD_SOFT_CAP (MELD_SOFT_CAP_LOG2, MELD_SOFT_CAP_TWO),
-// MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), DecodeParams.
+// MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), MELD_Q_LEN, DecodeParams.
 
 namespace meld {
 
@@ -132,6 +140,9 @@ constexpr int WINDOW_LEFT = MELD_WINDOW_LEFT;
 constexpr bool WINDOW = WINDOW_LEFT >= 0;
 constexpr bool ROPE = MELD_ROPE;
 static_assert(!(ROPE && KV_FP8), "RoPE builds rotate 16-bit K tiles");
+constexpr int Q_LEN = MELD_Q_LEN;          // new tokens per request: a unit's row r is q head r / Q_LEN, token r % Q_LEN
+static_assert(Q_LEN >= 1 && Q_LEN <= 8, "1 to 8 new tokens per request");
+static_assert(Q_LEN == 1 || !(WINDOW || ROPE || MELD_XRANK), "multi-token builds take no window, RoPE or ranks");
 
 // MELD_SOFT_CAP: a log2-domain score x = sm_scale log2(e) q.k becomes c log2(e) tanh(x / (c log2(e))), written
 // with ex2 as c log2(e) (1 - 2 / (2^(2 x / c) + 1)): off by float rounding in absolute terms, where tanh.approx's
@@ -353,7 +364,10 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const int h = 8 * i + g;
-    const u16* q = p.q + x.xb * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + (KV_FP8 ? 4 : 2) * t;
+    const int r = x.q_head + h;   // (Q_LEN > 1: the request's row, token r % Q_LEN of q head r / Q_LEN)
+    const u16* q = Q_LEN == 1 ? p.q + x.xb * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + (KV_FP8 ? 4 : 2) * t
+                              : p.q + (x.xb * Q_LEN + r % Q_LEN) * p.q_stride_b + (i64)(r / Q_LEN) * p.q_stride_h +
+                                    (KV_FP8 ? 4 : 2) * t;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       st.qa[ks][i][0] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
@@ -403,9 +417,11 @@ __device__ __forceinline__ void rope_tile(u32 kbase, int rel0, int lane) {
   __syncwarp();
 }
 
-// The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window).
+// The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window);
+// MELD_Q_LEN > 1 builds mask row r's tokens from `causal` + r % Q_LEN on (the tile's keys the request's first new
+// token sees: row0 is the unit's first row).
 __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lo,
-                                             int lane) {
+                                             int causal, int row0, int lane) {
   if (TMA && nvalid < TILE) {   // a TMA tile holds whole pages: zero the V rows past the unit's end,
     for (int i = lane; i < (TILE - nvalid) * CPR; i += 32)   // which P (0 there) must not turn into NaN
       st_shared_zero16(kbase + TILE_BYTES + tile_off(nvalid + i / CPR, i % CPR));
@@ -455,9 +471,10 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   for (int i = 0; i < NT; ++i) {
     float x[4] = {s0[2 * i] * p.sm_scale_log2, s0[2 * i + 1] * p.sm_scale_log2,
                   s1[2 * i] * p.sm_scale_log2, s1[2 * i + 1] * p.sm_scale_log2};
+    const int nv = Q_LEN == 1 ? nvalid : min(nvalid, causal + (row0 + 8 * i + (lane >> 2)) % Q_LEN);   // this row's
 #pragma unroll
     for (int k = 0; k < 4; ++k)   // past the unit's end (or before the window): masked; else Inf and NaN scores
-      x[k] = tok[k] >= nvalid || (WINDOW && tok[k] < lo) ? neg_inf() : soft_cap(x[k] + 0.f * x[k]);   // become NaN
+      x[k] = tok[k] >= nv || (WINDOW && tok[k] < lo) ? neg_inf() : soft_cap(x[k] + 0.f * x[k]);   // become NaN
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -540,7 +557,9 @@ __device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int 
 
 // Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0 (MELD_XRANK: into the ranks' windows).
 __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x, int h, int d, float4 v, float lse2) {
-  const i64 row = (i64)x.xb * p.num_qo_heads + x.q_head + h;
+  const int r = x.q_head + h;
+  const i64 row = Q_LEN == 1 ? (i64)x.xb * p.num_qo_heads + x.q_head + h
+                             : ((i64)x.xb * Q_LEN + r % Q_LEN) * p.num_qo_heads + r / Q_LEN;
 #if MELD_XRANK
   xrank_store4(p, x, row, h, d, v, lse2);
 #else
@@ -759,7 +778,8 @@ struct DecodeFamily {
             issue_tile(p, g, lc, s.ring, s.bars, ns, pl, warp, lane);
             if (ROPE) rope_tile(s.ring + cs * STAGE_BYTES, x.begin + j * TILE - (p.kv_len[x.req] - 1), lane);
             compute_tile(p, ws, s.ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE),
-                         WINDOW ? p.kv_len[x.req] - (x.begin + j * TILE) - 1 - WINDOW_LEFT : 0, lane);
+                         WINDOW ? p.kv_len[x.req] - (x.begin + j * TILE) - 1 - WINDOW_LEFT : 0,
+                         Q_LEN > 1 ? p.kv_len[x.req] - (Q_LEN - 1) - (x.begin + j * TILE) : 0, x.q_head, lane);
             cs = cs + 1 == STAGES ? 0 : cs + 1;
           }
 #if MELD_XRANK

@@ -74,6 +74,13 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// A producer's side of a named barrier: counts this warp's arrival and goes on (the consumers bar.sync on
+// it; `threads` counts both sides). Unaligned, as named_barrier.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  __syncwarp();
+  asm volatile("barrier.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Orders this thread's generic-proxy and async-proxy (TMA) accesses to global memory: generic writes it
 // acquired before TMA reads, or TMA writes it waited for before a generic release.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }

@@ -62,27 +62,43 @@ constexpr int MERGE_SLICES = 8;                // the most CTAs that merge one s
 constexpr int MERGE_CHUNK = 4;                 // parts a merging thread keeps in flight for each of
 constexpr int MERGE_OUTS = 4;                  // its groups of four outputs (the loads are latency-bound)
 
-// Shared memory: Q, the ring, P, then the rows' statistics and the mbarriers.
+#ifdef MLA_SEESAW
+constexpr bool SEESAW = true;                  // the seesaw schedule (mla_seesaw)
+#else
+constexpr bool SEESAW = false;
+#endif
+constexpr int FULL_BARS = SEESAW ? NBOX : 1;   // full mbarriers a stage: the seesaw's one a box
+constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbarrier to the next's
+
+// Shared memory: Q, the ring, P (the seesaw keeps each block's P in its stage), then the rows' statistics and
+// the mbarriers.
 constexpr int OFF_RING = Q_BYTES;
 constexpr int OFF_P = OFF_RING + STAGES * STAGE_BYTES;
-constexpr int OFF_STATS = OFF_P + P_BYTES;
+constexpr int OFF_STATS = OFF_P + (SEESAW ? 0 : P_BYTES);
 struct Stats {
   float alpha[HB];     // the block's rescale of each row (score warpgroup -> warpgroup 2)
   float l[HB], m[HB];  // the unit's final row sums and maxima (with its last block's P)
   float bad[2][HB];    // each warpgroup's non-finite check of its channels (0 or NaN)
 };
-constexpr int OFF_BARS = (OFF_STATS + (int)sizeof(Stats) + 7) & ~7;
-constexpr int NUM_BARS = 2 * STAGES + 2;
+struct SeesawStats {
+  Stats base;          // (mla_store's non-finite exchange: base.bad)
+  float alpha[2][HB];  // warpgroup g's last block: the rows' rescale and maxima, for the other warpgroup
+  float m[2][HB];
+  float l[2][HB];      // each warpgroup's row sums at the unit's end
+};
+constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
+constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2;
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
 static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0, "128-byte swizzled buffers start on 1 KiB");
 static_assert(BLK == 32 || BLK == 64, "KV blocks of 32 or 64 tokens");
 
-struct Bars {   // mbarrier addresses
+struct Bars {   // mbarrier addresses (full: FULL_BARS a stage)
   u32 full, empty, q_full, q_empty;
-  __device__ Bars(u32 base) : full(base), empty(base + 8 * STAGES), q_full(base + 16 * STAGES),
-                              q_empty(base + 16 * STAGES + 8) {}
+  __device__ Bars(u32 base) : full(base), empty(base + 8 * FULL_BARS * STAGES), q_full(base + 8 * (FULL_BARS + 1) * STAGES),
+                              q_empty(base + 8 * (FULL_BARS + 1) * STAGES + 8) {}
+  __device__ u32 box_full(int stage, int box) const { return full + 8 * (FULL_BARS * stage + box); }
 };
 
 __device__ __forceinline__ WaitSite mla_site(const MlaParams& p, int site, int cta, int unit, int detail) {
@@ -103,7 +119,8 @@ struct UnitWalk {
 };
 
 // Warp 0, one thread: every KV block of the segment into the ring. A block of `valid` tokens loads the page
-// chunks (box_rows rows each) that hold them; rows past them keep stale bytes, masked by the consumers.
+// chunks (box_rows rows each) that hold them; rows past them keep stale bytes, masked by the consumers. The
+// seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land.
 __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, const Bars& b) {
   int stage = 0;
   u32 phase = 0;
@@ -114,14 +131,20 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
     for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
       const int chunks = (min(BLK, x.end - t0) + R - 1) / R;
       mbar_wait(b.empty + 8 * stage, phase ^ 1u, mla_site(p, 5, w.cta, u, stage));
-      const u32 full = b.full + 8 * stage, dst = ring + stage * STAGE_BYTES;
-      mbar_arrive_expect_tx(full, chunks * R * 128 * NBOX);
+      const u32 full = b.full + 8 * FULL_BARS * stage, dst = ring + stage * STAGE_BYTES;
+      if constexpr (SEESAW) {
+#pragma unroll
+        for (int k = 0; k < NBOX; ++k) mbar_arrive_expect_tx(full + BOX_BAR * k, chunks * R * 128);
+      } else {
+        mbar_arrive_expect_tx(full, chunks * R * 128 * NBOX);
+      }
       for (int c = 0; c < chunks; ++c) {
         const int tok = t0 + c * R, pg = tok / p.page_size;
         const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
 #pragma unroll
-        for (int k = 0; k < NBOX - 1; ++k) tma_load_2d(dst + k * BOX + c * R * 128, &p.ckv_map, 64 * k, row, full);
-        tma_load_2d(dst + (NBOX - 1) * BOX + c * R * 128, &p.kpe_map, 0, row, full);
+        for (int k = 0; k < NBOX - 1; ++k)
+          tma_load_2d(dst + k * BOX + c * R * 128, &p.ckv_map, 64 * k, row, full + BOX_BAR * k);
+        tma_load_2d(dst + (NBOX - 1) * BOX + c * R * 128, &p.kpe_map, 0, row, full + BOX_BAR * (NBOX - 1));
       }
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
@@ -138,6 +161,8 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
     if (UnitWalk::blocks(w.piece(u)) == 0) continue;
     const int req = w.req(u), h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
     mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
+    // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build)
+#pragma unroll (SEESAW ? 1 : 4)
     for (int i = t; i < HB * QCHUNKS; i += 96) {
       const int h = i / QCHUNKS, c = i - h * QCHUNKS, hh = min(h, rows - 1);
       const u16* src = c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + hh) * p.qn_stride_h + 8 * c
@@ -187,6 +212,24 @@ __device__ __forceinline__ void mla_pv(float (&o)[OACC], u32 pbuf, u32 st, int g
 __device__ __forceinline__ void rescale(float (&o)[OACC], float a0, float a1) {
 #pragma unroll
   for (int i = 0; i < OACC; ++i) o[i] *= (i >> 1) & 1 ? a1 : a0;
+}
+
+// V rows of stage `st` past the piece's end (from `valid`): zeros, which P (0 there) must not turn into NaN.
+// One warpgroup (ct 0..127).
+__device__ __forceinline__ void zero_tail(u32 st, int valid, int ct) {
+  if (valid < BLK)
+    for (int i = ct; i < (BLK - valid) * 64; i += 128)   // row valid + i / 64, latent box (i / 8) % 8
+      st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
+}
+
+// A block's P (bf16) from a warpgroup's S accumulators into `pbuf` as wgmma's K-major A (128-byte swizzle).
+__device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int lane, int warp) {
+#pragma unroll
+  for (int i = 0; i < SACC; i += 2) {
+    const int r = acc_row(lane, warp, (i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3);
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(pbuf + r * 128 + ((((col >> 3) ^ (r & 7))) << 4) + (col & 7) * 2),
+                 "r"(pack2(s[i], s[i + 1])) : "memory");
+  }
 }
 
 // Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
@@ -282,13 +325,19 @@ __device__ __forceinline__ unsigned long long desc_at(unsigned long long d, u32 
 }
 
 // S = Q . K^T of ring stage `st` into s (the first k step overwrites it), issued and committed: the caller
-// waits.
-__device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st) {
+// waits. `box_ready(b)` runs before the first wgmma that reads box b (the seesaw waits for its copies there).
+template <class BoxReady>
+__device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st, BoxReady&& box_ready) {
   const unsigned long long dq = wgmma_desc(qbuf), dk = wgmma_desc(st);
 #pragma unroll
-  for (int k = 0; k < DQK / 16; ++k)
+  for (int k = 0; k < DQK / 16; ++k) {
+    if ((k & 3) == 0) box_ready(k >> 2);
     wgmma_bf16(s, desc_at(dq, (k >> 2) * (HB * 128) + 32 * (k & 3)), desc_at(dk, (k >> 2) * BOX + 32 * (k & 3)), k > 0);
+  }
   wgmma_commit();
+}
+__device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st) {
+  mla_issue_scores(s, qbuf, st, [](int) {});
 }
 
 // The online softmax of one block's scores (log2 domain), in place: s becomes P; columns from `valid` on
@@ -353,16 +402,9 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       const int valid = min(BLK, x.end - x.begin - j * BLK);
       const u32 st = ring + stage * STAGE_BYTES;
       const bool last = j == nb - 1;
-      if (valid < BLK)   // V rows past the piece's end: zeros, which P (0 there) must not turn into NaN
-        for (int i = ct; i < (BLK - valid) * 64; i += 128)   // row valid + i / 64, latent box (i / 8) % 8
-          st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
+      zero_tail(st, valid, ct);
       if (j > 0) named_barrier(P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
-#pragma unroll
-      for (int i = 0; i < SACC; i += 2) {
-        const int r = acc_row(lane, warp, (i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3);
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(pbuf + r * 128 + ((((col >> 3) ^ (r & 7))) << 4) + (col & 7) * 2),
-                     "r"(pack2(s[i], s[i + 1])) : "memory");
-      }
+      store_p(pbuf, s, lane, warp);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float lt = last ? quad_sum(l[h]) : 0.f;
@@ -444,6 +486,126 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
   }
 }
 
+#ifdef MLA_SEESAW
+// The seesaw (FlashMLA's idea, DeepSeek's "seesaw" schedule, on meld's walk and merge): warpgroup g (0, 1)
+// scores the unit's blocks j with j % 2 == g and, for every block, accumulates O's channels 256 g .. 256 g
+// + 255. Block j's scorer computes S, the online softmax from the rows' maxima after block j - 1 (scored by
+// the other warpgroup), and publishes P into the block's rope box (dead once S has read it), the rows'
+// rescale and maxima into sx.alpha[g], sx.m[g], then arrives on named barrier SEESAW_PUB + g; the other
+// warpgroup syncs there. While one warpgroup does its softmax, the other's Q.K^T of the next block (issued
+// before it waits for the publication, box by box as the copies land) and both P.V halves keep the tensor
+// cores busy. Each warpgroup sums l over its own blocks (rescaled on every block); the two sums meet at the
+// unit's end. A warpgroup publishes again only after it has synced on the other's publication, which comes
+// after the other read the slot: one slot per warpgroup suffices, and a named barrier never sees a second
+// arrival of one side before the other's sync. The publication is barrier.arrive, not a sync on both sides
+// as the split build's P_FULL: a scorer that waited for the other warpgroup would idle through its Q.K^T,
+// which is the overlap. compute-sanitizer's racecheck does not model barrier.arrive (tools/SANITIZE.md,
+// probe 5): it reports P and sx.alpha / sx.m between the warpgroups here.
+constexpr int SEESAW_PUB = 5;   // named barriers 5, 6
+
+// Q.K^T of the block in `stage`, each box once its copies have landed; issued and committed.
+__device__ __forceinline__ void seesaw_issue_scores(float (&s)[SACC], const MlaParams& p, u32 qbuf, u32 ring,
+                                                    const Bars& b, int stage, u32 phase, int cta, int u) {
+  mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES, [&](int box) {
+    mbar_wait(b.box_full(stage, box), phase, mla_site(p, 1, cta, u, stage));
+    wgmma_fence();
+  });
+}
+
+template <int G>
+__device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, SeesawStats& sx, const Bars& b,
+                           Profiler& prof) {
+  const int ct = threadIdx.x - 128 * (G + 1), warp = ct >> 5, lane = ct & 31;
+  const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
+  u32 it = 0, qphase = 0;   // the blocks taken from the ring so far: stage it % STAGES, phase (it / STAGES) % 2
+  for (int u = w.first(); u <= w.last(); ++u) {
+    const i64 t0 = prof.now();
+    const Piece x = w.piece(u);
+    const int nb = UnitWalk::blocks(x);
+    float o[OACC], s[SACC], a[2];
+#pragma unroll
+    for (int i = 0; i < OACC; ++i) o[i] = 0.f;
+    float l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
+    if (nb > 0) {
+      if (nb > G) {   // this warpgroup scores a block of the unit
+        mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
+        if (G == 0) {   // the first
+          seesaw_issue_scores(s, p, qbuf, ring, b, it % STAGES, (it / STAGES) & 1u, w.cta, u);
+          wgmma_wait<0>();
+          fence_regs(s);
+        }
+      } else if (lane == 0) {
+        mbar_arrive(b.q_empty);   // none: Q may go as far as this warpgroup is concerned
+      }
+      qphase ^= 1u;
+    }
+    // The other warpgroup's block j: the TMA bytes of this half's V (visible here), then its rescale and
+    // maxima, into a, m and l. (Every wgmma below is issued and waited for inside one branch: one in flight
+    // across a branch serialises them all.)
+    auto v_ready = [&](int stage, u32 phase) {
+#pragma unroll
+      for (int k = 4 * G; k < 4 * G + 4; ++k) mbar_wait(b.box_full(stage, k), phase, mla_site(p, 1, w.cta, u, stage));
+    };
+    auto take = [&]() {
+      named_barrier(SEESAW_PUB + 1 - G, 256);
+      a[0] = sx.alpha[1 - G][r0]; a[1] = sx.alpha[1 - G][r1];
+      m[0] = sx.m[1 - G][r0]; m[1] = sx.m[1 - G][r1];
+      l[0] *= a[0]; l[1] *= a[1];
+      rescale(o, a[0], a[1]);
+    };
+    for (int j = 0; j < nb; ++j, ++it) {
+      const int stage = it % STAGES;
+      const u32 st = ring + stage * STAGE_BYTES, pbuf = st + (NBOX - 1) * BOX;
+      if ((j & 1) == G) {   // this warpgroup's block, its scores in s
+        const int valid = min(BLK, x.end - x.begin - j * BLK);
+        if (j + 2 >= nb && lane == 0) mbar_arrive(b.q_empty);   // this warp's last Q.K^T of the unit is done
+        mla_softmax(s, valid, p.sm_scale_log2, m, l, a, lane);
+        zero_tail(st, valid, ct);
+        store_p(pbuf, s, lane, warp);
+        if ((lane & 3) == 0) {
+          sx.alpha[G][r0] = a[0]; sx.alpha[G][r1] = a[1];
+          sx.m[G][r0] = m[0]; sx.m[G][r1] = m[1];
+        }
+        fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
+        named_barrier_arrive(SEESAW_PUB + G, 256);
+        rescale(o, a[0], a[1]);
+        mla_pv(o, pbuf, st, G);
+      } else if (j + 1 < nb) {   // the next block is this warpgroup's: its scores run while the other's softmax
+        v_ready(stage, (it / STAGES) & 1u);
+        seesaw_issue_scores(s, p, qbuf, ring, b, (it + 1) % STAGES, ((it + 1) / STAGES) & 1u, w.cta, u);
+        take();
+        fence_regs(o);
+        wgmma_fence();
+        mla_issue_pv(o, pbuf, st, G);
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(o);
+      } else {
+        v_ready(stage, (it / STAGES) & 1u);
+        take();
+        mla_pv(o, pbuf, st, G);
+      }
+      if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = quad_sum(l[h]);
+      if ((lane & 3) == 0) sx.l[G][acc_row(lane, warp, h)] = l[h];
+    }
+    named_barrier(2, 256);
+    l[0] = sx.l[0][r0] + sx.l[1][r0];
+    l[1] = sx.l[0][r1] + sx.l[1][r1];
+    mla_store(p, u, x, o, l, m, sx.base, G, warp, lane);   // (its barriers: sx.l read before it is written again)
+    prof.record(t0, PROF_PIECE, u);
+    if (x.slot >= 0) {
+      const i64 t1 = prof.now();
+      mla_arrive(p, u, x, w.cta, ct + 128 * G);
+      prof.record(t1, PROF_MERGE_HBM, u);
+    }
+  }
+}
+#endif
+
 // The family's persistent main (persistent.cuh): the shared-memory places, the barriers, the three roles.
 struct MlaFamily {
   using Params = MlaParams;
@@ -462,11 +624,11 @@ struct MlaFamily {
   static __device__ __forceinline__ void setup(const MlaParams& p, const State& s) {
     if (threadIdx.x == 0) {
       for (int st = 0; st < STAGES; ++st) {
-        mbar_init(s.b.full + 8 * st, 1);
+        for (int k = 0; k < FULL_BARS; ++k) mbar_init(s.b.box_full(st, k), 1);
         mbar_init(s.b.empty + 8 * st, 8);   // the consumer warps
       }
       mbar_init(s.b.q_full, 96);   // the loader threads
-      mbar_init(s.b.q_empty, 4);   // the score warpgroup's warps
+      mbar_init(s.b.q_empty, SEESAW ? 8 : 4);   // the warps that score
       fence_mbar_init();
     }
     __syncthreads();
@@ -480,6 +642,28 @@ struct MlaFamily {
   }
 
   static __device__ __forceinline__ void run(const MlaParams& p, const State& s) {
+#ifdef MLA_SEESAW
+    // setmaxnreg moves registers within the CTA's launch allocation: 384 threads at one CTA an SM get 168
+    // each (65536 / 384, in steps of 8), and an increase that the warpgroups' sum overdraws never returns
+    constexpr int LOAD_REGS = 40, MATH_REGS = 232;
+    static_assert(LOAD_REGS + 2 * MATH_REGS <= 3 * (65536 / 384 / 8 * 8), "setmaxnreg budget over the register file");
+    if (threadIdx.x < 128) {   // (the walk after setmaxnreg: nothing live across it, where 40 spilled)
+      regs_dealloc<LOAD_REGS>();
+      const UnitWalk w(p, s.cta);
+      if (threadIdx.x == 0) mla_produce(p, w, s.base + OFF_RING, s.b);
+      else if (threadIdx.x >= 32) mla_load_q(p, w, s.base, s.b);
+    } else {
+      regs_alloc<MATH_REGS>();
+      const UnitWalk w(p, s.cta);
+      SeesawStats& sx = reinterpret_cast<SeesawStats&>(s.sx);
+      Profiler prof;
+      prof.begin(p.prof, p.prof_cap, s.cta, threadIdx.x == 128, p.prof_clock, p.prof_every);
+      if (threadIdx.x < 256) mla_seesaw<0>(p, w, s.base, s.base + OFF_RING, sx, s.b, prof);
+      else mla_seesaw<1>(p, w, s.base, s.base + OFF_RING, sx, s.b, prof);
+      prof.end(p.num_ctas);
+    }
+    return;
+#endif
     const UnitWalk w(p, s.cta);
     if (threadIdx.x < 128) {
       regs_dealloc<56>();

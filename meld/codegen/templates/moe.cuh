@@ -35,16 +35,18 @@
 namespace meld {
 
 constexpr int TOK_BLOCK = 32;                  // tokens per routing block: one bit each in an expert mask
-constexpr int BK = 64;                         // K per ring stage: 64 16-bit elements = the 128-byte swizzle
+constexpr int ELEM = MELD_FP8 ? 1 : 2;         // bytes of a GEMM operand element (e4m3 or bf16)
+constexpr int BK = 128 / ELEM;                 // K per ring stage: the 128-byte swizzle (FP8: one scale block)
 constexpr int W_ROWS = 64;                     // weight rows per accumulator (wgmma M)
-constexpr int W_BOX = W_ROWS * BK * 2;         // 8 KiB
-constexpr int T_BOX = BLOCK_TOKENS * BK * 2;
+constexpr int W_BOX = W_ROWS * BK * ELEM;      // 8 KiB
+constexpr int T_BOX = BLOCK_TOKENS * BK * ELEM;
 // Wide tiles (MELD_NARROW 0): each consumer warpgroup keeps two 64-row accumulators — gate and up rows
 // of the same 64 columns of I (gemm1), or 128 rows of H (gemm2). Narrow tiles (small token blocks, where
 // the layer is bound by reading weights and needs more, smaller tiles to keep every SM streaming): one
 // accumulator each — warpgroup 0 the gate rows and warpgroup 1 the up rows of 64 columns (their product
-// meets in shared memory), or 64 rows of H each.
-constexpr int NACC = MELD_NARROW ? 1 : 2;      // accumulators per consumer warpgroup
+// meets in shared memory), or 64 rows of H each. FP8 tiles are wide at every token block: a gemm1 tile then
+// holds whole 128-column groups of act, which its epilogue quantises.
+constexpr int NACC = MELD_NARROW && !MELD_FP8 ? 1 : 2;   // accumulators per consumer warpgroup
 constexpr int NBOX = 2 * NACC;                 // weight boxes per ring stage
 constexpr int BOX_SET = NBOX * W_BOX + T_BOX;   // one 64-wide K box: its weight boxes, then its token box
 constexpr int STAGE_BYTES = K_BOXES * BOX_SET;  // K_BOXES of them along K: each weight row read in runs of
@@ -216,6 +218,48 @@ __device__ __forceinline__ void store_chunk(uint4* dst, int c, int vecs, int lan
     if (c + lane + 32 * u < vecs) dst[c + lane + 32 * u] = row[u];
 }
 
+#if MELD_FP8
+using u8 = unsigned char;
+// FP8 activations (DeepSeek-V3's): per token per 128-channel group, scale = max |v| / 448 (the largest e4m3),
+// e4m3 = v / scale rounded to nearest. A group's maximum is taken on the magnitudes' bits, where every NaN
+// lies above infinity: a NaN makes its group's scale NaN (and every value of the group with it).
+constexpr float E4M3_MAX = 448.f;
+constexpr float FP8_MIN_AMAX = 1e-10f;   // an all-zero group gets a finite scale (its values stay 0)
+__device__ __forceinline__ float group_scale(u32 amax_bits) {
+  const float a = __uint_as_float(amax_bits);
+  return a != a ? a : fmaxf(a, FP8_MIN_AMAX) / E4M3_MAX;
+}
+__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {   // lo in the low byte
+  u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// A 16-byte vector of a row (8 channels), as dispatch holds them (load_chunk), quantised: lane `lane` holds
+// vector `v` (0..vecs-1: past it, nothing), and the 16 vectors of a 128-channel group are held by one half
+// warp (a chunk starts at a multiple of 16 vectors): the group's maximum is met there, by shuffles.
+__device__ __forceinline__ void quantise_vec(uint4 x, int v, int vecs, uint2& q, float& sc) {
+  const u32 w[4] = {x.x, x.y, x.z, x.w};
+  u32 m = 0;
+  if (v < vecs)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = max(m, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));   // bf16 magnitudes
+  for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(~0u, m, o));
+  sc = group_scale(m << 16);
+  const float inv = 1.f / sc;
+  u32 b[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) b[i] = e4m3x2(__uint_as_float(w[i] << 16) * inv, __uint_as_float(w[i] & 0xffff0000u) * inv);
+  q = make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
+}
+// A quantised vector into row r of xs (e4m3), its group's scale into xs_scale (by the group's first lane).
+__device__ __forceinline__ void store_vec_fp8(const MoeParams& p, int r, int v, int vecs, int lane, uint2 q, float sc) {
+  if (v >= vecs) return;
+  *(uint2*)((u8*)p.xs + (i64)r * p.hidden + 8 * v) = q;
+  if (lane % 16 == 0) p.xs_scale[(i64)(v / 16) * p.scale_ld + r] = sc;
+}
+#endif
+
 __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATTER_VECS], bool first_loaded) {
   const int E = p.num_experts, K = p.top_k, rblk = t / TOK_BLOCK, vecs = p.hidden / 8;
   const uint4* src = (const uint4*)(p.x + (i64)t * p.x_stride);
@@ -230,10 +274,23 @@ __device__ void dispatch(const MoeParams& p, int t, int lane, uint4 (&row)[SCATT
     }
     for (int c = 0; c < vecs; c += SCATTER_CHUNK) {
       if (c > 0 || j0 > 0 || !first_loaded) load_chunk(src, c, vecs, lane, row);
+#if MELD_FP8
+#pragma unroll
+      for (int u = 0; u < SCATTER_VECS; ++u) {   // a vector quantised once for the token's k rows
+        uint2 q;
+        float sc;
+        quantise_vec(row[u], c + lane + 32 * u, vecs, q, sc);
+        for (int jj = 0; jj < min(32, K - j0); ++jj) {
+          const int r = __shfl_sync(~0u, pos, jj);
+          if (r >= 0) store_vec_fp8(p, r, c + lane + 32 * u, vecs, lane, q, sc);
+        }
+      }
+#else
       for (int jj = 0; jj < min(32, K - j0); ++jj) {
         const int r = __shfl_sync(~0u, pos, jj);
         if (r >= 0) store_chunk((uint4*)(p.xs + (i64)r * p.hidden), c, vecs, lane, row);
       }
+#endif
     }
   }
   nan_fill_unrouted(p, t, lane, p.tok_need[t]);
@@ -384,8 +441,20 @@ __device__ __forceinline__ void route(const MoeParams& p, u32* route_keys) {
       for (int u = warp; u < p.num_tokens * K * chunks; u += blockDim.x / 32) {
         const int pair = u / chunks, c = u % chunks * SCATTER_CHUNK, r = placed[pair];
         if (r < 0) continue;
+#if MELD_FP8
+        const uint4* src = (const uint4*)(p.x + (i64)(pair / K) * p.x_stride);
+#pragma unroll
+        for (int u = 0; u < SCATTER_VECS; ++u) {   // (a vector at a time: the chunk and its quantised copy spilled)
+          const int v = c + lane + 32 * u;
+          uint2 q;
+          float sc;
+          quantise_vec(v < vecs ? src[v] : make_uint4(0, 0, 0, 0), v, vecs, q, sc);
+          store_vec_fp8(p, r, v, vecs, lane, q, sc);
+        }
+#else
         load_chunk((const uint4*)(p.x + (i64)(pair / K) * p.x_stride), c, vecs, lane, row);
         store_chunk((uint4*)(p.xs + (i64)r * p.hidden), c, vecs, lane, row);
+#endif
       }
     }
     return;
@@ -469,7 +538,7 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     // One token (x_direct: H whole stages of K boxes, so none runs past x's row): a gemm1 tile's token operand
     // is x's row itself, 128 bytes a K box into the box's first row (unswizzled: row 0); its other rows
     // keep whatever the stage held, which only feeds accumulator columns that are never stored.
-    const bool direct = p.x_direct && kind == 0;
+    const bool direct = !MELD_FP8 && p.x_direct && kind == 0;   // (FP8: x must be quantised first)
     int wrow[NBOX];
     if (kind == 0) {
       const i64 e0 = (i64)expert * 2 * p.inter;
@@ -503,13 +572,13 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
 #pragma unroll
           for (int b = 0; b < K_BOXES; ++b)
             for (int i = 0; i < tboxes; ++i)
-              tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX + i * trows * BK * 2, tmap,
+              tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX + i * trows * BK * ELEM, tmap,
                           (e * K_BOXES + b) * BK, row0 + i * trows, late.full + 8 * late.stage);
       }
       if (kk == nk) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
-      mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + (direct ? BK * 2 : n * BK * 2)));
+      mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + (direct ? BK * ELEM : n * BK * ELEM)));
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
         if (MELD_PACKED) {   // the stage's live boxes: one run (meld/ops/moe_weights.py), K_BOXES 1
@@ -527,7 +596,7 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
           bulk_load(dst + b * BOX_SET + NBOX * W_BOX, p.x + (kk * K_BOXES + b) * BK, BK * 2, full);
         else if (kk >= early)
           for (int i = 0; i < tboxes; ++i)
-            tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * 2, tmap, (kk * K_BOXES + b) * BK,
+            tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * ELEM, tmap, (kk * K_BOXES + b) * BK,
                         row0 + i * trows, full);
       }
       ring.advance();
@@ -538,20 +607,78 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
 // One weight block x the token block, K = 64: four k16 steps into one accumulator, as an N-wide wgmma on
 // its first N/2 registers (N = 2R); the others stay zero, and hold tokens >= N >= the row block's rows,
 // which the epilogues never store.
+// FP8: K = 128, four k32 steps, the first of which starts the sum (the stage's product alone, which KLoop
+// scales into the tile's sum).
 template <int R>
 __device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_smem) {
   float (&head)[R] = *reinterpret_cast<float (*)[R]>(&acc[0]);
 #pragma unroll
+#if MELD_FP8
+  for (int s = 0; s < BK / 32; ++s) wgmma_e4m3(head, wgmma_desc(w_smem + 32 * s), wgmma_desc(t_smem + 32 * s), s);
+#else
   for (int s = 0; s < BK / 16; ++s) wgmma_bf16(head, wgmma_desc(w_smem + 32 * s), wgmma_desc(t_smem + 32 * s));
+#endif
+}
+
+// FP8 block scales. A consumer thread's accumulator registers hold two weight rows (`lo`, and `lo` + 8: see the
+// layout in consume) for the tokens 8 (r / 4) + 2 (lane % 4) + r % 2; register r of a stage's product is
+// scaled by its weight row's block scale and its token's scale of that 128-wide K block.
+struct Fp8Scales {
+  const float* w[2][2];   // [accumulator][row lo, lo + 8]: the row's weight block scales (one per K block)
+  const float* t;         // the row block's token scales of K block 0 (a K block's are scale_ld apart)
+  int rows;               // tokens the row block holds (scales of the tokens past it: its last token's)
+};
+
+// Weight row `row` of an expert's `n` rows of weights of K `k`: its 128 x 128 blocks' scales along K.
+__device__ __forceinline__ const float* weight_scales(const float* scale, int expert, int n, int k, int row) {
+  const int nb = (n + 127) / 128, kb = (k + 127) / 128;
+  return scale + ((i64)expert * nb + min(row, n - 1) / 128) * kb;
 }
 
 // A tile's k loop for wgmmas of N = 2R token columns: one stage's wgmmas stay in flight while the next
 // stage's are issued; a stage goes back to the producer once the wgmmas that read it have completed.
+// FP8: a stage's product is complete (wgmma_wait<0>) before it is scaled into its sum, one accumulator after
+// the other through one set of registers (two did not leave the 64-token block's epilogue registers: it
+// spilled), so the stage goes back to the producer within the loop (`prev` stays -1); its weight scales are
+// loaded before its copies are waited for.
 struct KLoop {
   const MoeParams& p;
   int nk, lane, warp, wg, ticket;
+  Fp8Scales sc;
   template <int R>
   __device__ __forceinline__ void run(Ring& ring, int& prev, float (&acc0)[ACC], float (&acc1)[ACC]) const {
+#if MELD_FP8
+    float part[ACC];
+    for (int kk = 0; kk < nk; ++kk) {
+      float ws[2][2], ts[R / 2];
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) ws[a][h] = __ldg(sc.w[a][h] + kk);
+      mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS);
+      const u32 st = ring.base + ring.stage * STAGE_BYTES;
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        wgmma_fence();
+        mma_stage<R>(part, st + (2 * wg + a) * W_BOX, st + NBOX * W_BOX);
+        wgmma_commit();
+        // The token scales once the stage is full (a gemm2 tile's act_scale is complete only once its row block
+        // is: the producer waited for that before it loaded the act boxes), while the first product runs:
+        // token 8 (u / 2) + 2 (lane % 4) + u % 2, from L2 (other CTAs wrote them).
+        if (a == 0)
+#pragma unroll
+          for (int u = 0; u < R / 2; ++u)
+            ts[u] = __ldcg(sc.t + (i64)kk * p.scale_ld + min(8 * (u / 2) + 2 * (lane % 4) + u % 2, sc.rows - 1));
+        wgmma_wait<0>();
+        fence_regs(part);
+        if (a == 1 && lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
+        float (&acc)[ACC] = a ? acc1 : acc0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(part[r], ws[a][(r / 2) % 2] * ts[2 * (r / 4) + r % 2], acc[r]);
+      }
+      ring.advance();
+    }
+#else
     for (int kk = 0; kk < nk; ++kk)
       ring_consume<STAGE_BYTES>(ring, prev, lane, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS,
                                 [&](u32 st) {
@@ -561,10 +688,57 @@ struct KLoop {
                                     if (NACC == 2) mma_stage<R>(acc1, st + (2 * wg + 1) * W_BOX, st + NBOX * W_BOX);
                                   }
                                 });
+#endif
   }
 };
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
+#if MELD_FP8
+// The FP8 gemm1 epilogue: act = SiLU(gate) * up in f32, quantised per token over the tile's 128 columns of I
+// (one group: G1_COLS = 128), the group's maximum met across the eight consumer warps in `red`
+// ([9][BLOCK_TOKENS], magnitude bits: each warp's, then the group's); e4m3 bytes into act, the scales into act_scale. `g`, `u`: the gate and
+// up accumulators (their layout: see consume).
+__device__ void quantise_act(const MoeParams& p, const float (&g)[ACC], const float (&u)[ACC], u32* red, int row0,
+                             int rows, int col, int wg, int warp, int lane) {
+  constexpr int NT = ACC / 2;   // tokens of this thread: 8 (i / 2) + 2 (lane % 4) + i % 2 (register r: i = 2 (r / 4) + r % 2)
+  const int c0 = col * G1_COLS + wg * 64 + 16 * (warp % 4) + lane / 4;   // its columns: c0 + 8 ((r / 2) % 2)
+  float v[ACC];
+  u32 m[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) m[i] = 0;
+#pragma unroll
+  for (int r = 0; r < ACC; ++r) {
+    v[r] = silu_mul(g[r], u[r]);
+    if (c0 + 8 * ((r / 2) % 2) < p.inter) m[2 * (r / 4) + r % 2] = max(m[2 * (r / 4) + r % 2], __float_as_uint(v[r]) & 0x7fffffffu);
+  }
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    for (int o = 4; o < 32; o <<= 1) m[i] = max(m[i], __shfl_xor_sync(~0u, m[i], o));
+    if (lane < 4) red[warp * BLOCK_TOKENS + 8 * (i / 2) + 2 * lane + i % 2] = m[i];
+  }
+  named_barrier(1, CONSUMERS);
+  const int ct = threadIdx.x - 128;
+  if (ct < BLOCK_TOKENS) {   // one thread a token: the maximum of the eight warps' into red's first row
+    u32 mm = 0;
+#pragma unroll
+    for (int w = 0; w < CONSUMERS / 32; ++w) mm = max(mm, red[w * BLOCK_TOKENS + ct]);
+    red[8 * BLOCK_TOKENS + ct] = mm;
+    if (ct < rows) p.act_scale[(i64)col * p.scale_ld + row0 + ct] = group_scale(mm);
+  }
+  named_barrier(1, CONSUMERS);
+  u8* act = (u8*)p.act + (i64)row0 * p.inter + c0;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {   // token by token: its scale, then its two values (registers 4 (i / 2) + i % 2 + 0, 2)
+    const int tok = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
+    if (tok >= rows) continue;
+    const float inv = 1.f / group_scale(red[8 * BLOCK_TOKENS + tok]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (c0 + 8 * h < p.inter) act[(i64)tok * p.inter + 8 * h] = (u8)e4m3x2(v[4 * (i / 2) + 2 * h + i % 2] * inv, 0.f);
+  }
+}
+#endif
 
 // A consumer warp's part of an accumulator (weight rows 16 (warp % 4) + 0..15, every token: see the layout
 // in consume), as bf16, into the row-major matrix dst [rows][ld] at rows row0 + token (tokens below `rows`)
@@ -711,7 +885,20 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     // above the block collapse onto it, so a narrow kernel has one loop (meld/codegen/moe_kernel.py emits
     // the wgmma shapes of tile_token_widths).
     int prev = -1;
-    const KLoop kl{p, nk, lane, warp, wg, ticket};
+    Fp8Scales sc{};
+#if MELD_FP8
+    {   // this thread's weight rows (see the accumulator layout below) and the row block's token scales
+      const int expert = blk.expert, lo = 16 * (warp % 4) + lane / 4;
+      for (int a = 0; a < 2; ++a)
+        for (int h = 0; h < 2; ++h)
+          sc.w[a][h] = kind ? weight_scales(p.w2_scale, expert, p.hidden, p.inter, col * G2_COLS + (2 * wg + a) * 64 + lo + 8 * h)
+                            : weight_scales(p.w13_scale, expert, 2 * p.inter, p.hidden,
+                                            a * p.inter + col * G1_COLS + wg * 64 + lo + 8 * h);
+      sc.t = (kind ? p.act_scale : p.xs_scale) + row0;
+      sc.rows = rows;
+    }
+#endif
+    const KLoop kl{p, nk, lane, warp, wg, ticket, sc};
     if (MELD_NARROW || n == BLOCK_TOKENS) kl.run<ACC>(ring, prev, acc0, acc1);
     else if (n == 32) kl.run<MELD_NARROW ? ACC : 16>(ring, prev, acc0, acc1);
     else if (n == 64) kl.run<MELD_NARROW || BLOCK_TOKENS < 64 ? ACC : 32>(ring, prev, acc0, acc1);
@@ -719,12 +906,19 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     wgmma_wait<0>();
     fence_regs(acc0);
     fence_regs(acc1);
-    if (lane == 0) mbar_arrive(ring.empty + 8 * prev);
+    if (!MELD_FP8 && lane == 0) mbar_arrive(ring.empty + 8 * prev);   // (FP8: every stage went back in the loop)
     // this warp's output staging (store_rows, wide tiles), after the exchange area: [8 warps][BLOCK_TOKENS][32 bytes]
-    const u32 stage = ((smem_addr(xchg) + (MELD_NARROW ? 128 * (ACC + 1) * 4 : 0) + 15) & ~15u) + warp * BLOCK_TOKENS * 32;
+    const u32 stage = ((smem_addr(xchg) + (MELD_FP8 ? 9 * BLOCK_TOKENS * 4 : MELD_NARROW ? 128 * (ACC + 1) * 4 : 0) + 15) & ~15u)
+                      + warp * BLOCK_TOKENS * 32;
     // Accumulator layout (wgmma m64nN, f32): register r of thread (warp w of the warpgroup, lane l)
     // holds weight row 16 (w % 4) + l / 4 + 8 ((r / 2) % 2) and token 8 (r / 4) + 2 (l % 4) + r % 2.
-    if (kind == 0) {
+    if (kind == 0 && MELD_FP8) {
+#if MELD_FP8
+      quantise_act(p, acc0, acc1, (u32*)xchg, row0, rows, col, wg, warp, lane);
+#endif
+      post(0, rbi, ticket);
+      prof.record(t0, PROF_GEMM1, ticket);
+    } else if (kind == 0) {
       if (NACC == 1) {   // warpgroup 1 holds the up rows: hand them to the same thread of warpgroup 0
         float* mine = xchg + (ct % 128) * (ACC + 1);
         if (wg == 1) {

@@ -1,0 +1,264 @@
+"""Block-scaled FP8 MoE (MoE(weight_dtype=torch.float8_e4m3fn); templates/moe.cuh, MELD_FP8): its kernels
+compile for sm_90a without spills, the CPU reference executor against float64, its input checks, and the GPU
+kernel against float64 (marker gpu)."""
+import functools
+
+import pytest
+import torch
+
+import meld
+from meld.codegen.moe_kernel import FP8_BLOCK_TOKEN_CHOICES, MoeKernelConfig
+from meld.runtime.moe_reference import dequantize_blocks, dequantize_groups, quantize_blocks, quantize_groups, route
+from tests.kernel_matrix import nvcc
+from tests.test_moe import dense_reference, skewed_logits
+
+FP8 = torch.float8_e4m3fn
+BENCH_SHAPES = [(2048, 768, 128, 8), (7168, 2048, 32, 8), (2880, 2880, 128, 4)]   # bench/moe.py: H, I, E, k
+
+
+def fp8_weights(E, H, I, device="cpu", seed=1):
+    """Block-scaled e4m3 w13, w13_scale, w2, w2_scale from N(0, 1/fan_in) weights (drawn on `device`, an expert
+    at a time: a BENCH shape's float32 weights whole would take several GB per test process)."""
+    g = torch.Generator(device).manual_seed(seed)
+
+    def experts(n, k):
+        q, s = zip(*(quantize_blocks(torch.randn(1, n, k, generator=g, device=device) / k ** 0.5) for _ in range(E)))
+        return torch.cat(q), torch.cat(s)
+
+    return (*experts(2 * I, H), *experts(H, I))
+
+
+def quantised_reference(x, w13, s13, w2, s2, ids, w):
+    """float64 over the dequantised weights, with x and act quantised per token per 128 as the layer does (on
+    x's device, one expert's weights dequantised at a time)."""
+    xq = dequantize_groups(*quantize_groups(x.float()))
+    ids, w = ids.long(), w.double()
+    I = w2.shape[2]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        W13, W2 = dequantize_blocks(w13[e:e + 1], s13[e:e + 1])[0], dequantize_blocks(w2[e:e + 1], s2[e:e + 1])[0]
+        g, u = xq[t] @ W13[:I].T, xq[t] @ W13[I:].T
+        act = dequantize_groups(*quantize_groups((g * torch.sigmoid(g) * u).float()))
+        out.index_add_(0, t, w[t, j, None] * (act @ W2.T))
+    return out
+
+
+def rel_err(out, ref):
+    """max |out - ref| / max |ref|."""
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+# --- compile ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bt", FP8_BLOCK_TOKEN_CHOICES)
+def test_fp8_kernels_compile_for_sm90a(bt):
+    """Shapes are run-time values (bench/moe.py's three run on these builds: the layer takes them, below)."""
+    cfg = MoeKernelConfig(block_tokens=bt, weight_dtype="e4m3")
+    src = cfg.render()
+    assert "#define MELD_FP8 1" in src and f"m64n{bt}k32.f32.e4m3.e4m3" in src and "bf16.bf16" not in src
+    assert cfg.name.startswith("meld_moe_e4m3_")
+    cubin, log = nvcc(src, cfg.name)
+    assert len(cubin) > 0
+    assert "C7508" not in log and "wgmma" not in log.lower(), log
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores" in line for line in spills), f"registers spill:\n{log}"
+    for H, I, E, k in BENCH_SHAPES:
+        moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=8192, weight_dtype=FP8)
+        assert moe._kernel_config.fp8 and moe._column_blocks(bt) == (-(-I // 128), -(-H // 256))
+
+
+def test_fp8_config_is_checked():
+    for kw, match in [({"block_tokens": 64}, "block_tokens=64"), ({"block_tokens": 16, "k_boxes": 2}, "k_boxes=2"),
+                      ({"block_tokens": 16, "packed_weights": True}, "packed_weights=True"),
+                      ({"weight_dtype": "e5m2"}, "weight_dtype='e5m2'")]:
+        with pytest.raises(ValueError, match=match):
+            MoeKernelConfig(**{"weight_dtype": "e4m3", **kw})
+    with pytest.raises(ValueError, match="must agree"):
+        meld.MoE(256, 128, 4, 2, device="cpu", weight_dtype=FP8, kernel_config=MoeKernelConfig())
+    cfg = MoeKernelConfig(block_tokens=32, weight_dtype="e4m3")
+    assert meld.MoE(256, 128, 4, 2, device="cpu", kernel_config=cfg).weight_dtype == FP8
+    with pytest.raises(ValueError, match="weight_dtype must be"):
+        meld.MoE(256, 128, 4, 2, device="cpu", weight_dtype=torch.float16)
+    with pytest.raises(ValueError, match="hidden_size must be a multiple of 16"):
+        meld.MoE(264, 128, 4, 2, device="cpu", weight_dtype=FP8)
+
+
+# --- the CPU reference executor -----------------------------------------------------------------------
+def test_quantisers_round_trip():
+    a = torch.randn(9, 300)
+    a[3] = 0
+    q, s = quantize_groups(a)
+    assert q.dtype == FP8 and s.shape == (9, 3) and torch.equal(dequantize_groups(q, s)[3], torch.zeros(300).double())
+    assert ((dequantize_groups(q, s) - a.double()).norm() / a.norm()).item() < 0.03   # e4m3: 3 mantissa bits
+    w = torch.randn(2, 200, 136)
+    wq, ws = quantize_blocks(w)
+    assert ws.shape == (2, 2, 2) and ((dequantize_blocks(wq, ws) - w.double()).norm() / w.norm()).item() < 0.03
+
+
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 256, 128, 8, 2), (37, 272, 176, 6, 3), (60, 400, 336, 4, 4)])
+def test_fp8_cpu_executor_matches_float64(T, H, I, E, k):
+    """Against float64 over the dequantised weights with the layer's activation quantisation (x and act per
+    token per 128): rel err (max |out - ref| / max |ref|) <= 3e-2 (what remains is bf16 y and float32 act).
+    The activation quantisation itself (e4m3: 3 mantissa bits, 2.6% per quantised tensor, measured as
+    ||dq(q(a)) - a|| / ||a|| on N(0, 1) rows) puts the layer ~4-5% (Frobenius; measured 4.4% at T = 37)
+    from float64 with unquantised activations: checked below at 8e-2."""
+    w13, s13, w2, s2 = fp8_weights(E, H, I)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    logits = torch.randn(T, E)
+    moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=64, weight_dtype=FP8)
+    out = moe(x, logits, w13, w2, w13_scale=s13, w2_scale=s2)
+    ids, w = route(logits, k, True)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert rel_err(out, quantised_reference(x, w13, s13, w2, s2, ids, w)) <= 3e-2
+    ref = dense_reference(x, dequantize_blocks(w13, s13), dequantize_blocks(w2, s2), ids, w)
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 8e-2
+
+
+def test_fp8_inputs_are_checked():
+    H, I, E, k = 256, 128, 4, 2
+    w13, s13, w2, s2 = fp8_weights(E, H, I)
+    x, logits = torch.randn(5, H).to(torch.bfloat16), torch.randn(5, E)
+    moe = meld.MoE(H, I, E, k, device="cpu", weight_dtype=FP8)
+    ok = dict(w13_scale=s13, w2_scale=s2)
+    cases = [
+        ((x, logits, w13, w2), {}, "w13_scale must be a torch.Tensor"),
+        ((x, logits, w13, w2), dict(ok, w13_scale=s13[:, :1]), r"w13_scale must have shape \(4, 2, 2\)"),
+        ((x, logits, w13, w2), dict(ok, w2_scale=s2.to(torch.bfloat16)), "w2_scale must have dtype torch.float32"),
+        ((x, logits, w13, w2), dict(ok, w2_scale=s2.transpose(1, 2)), r"w2_scale must have shape"),
+        ((x.to(FP8), logits, w13, w2), ok, "x must have dtype torch.bfloat16, got torch.float8_e4m3fn"),
+        ((x, logits, w13.to(torch.bfloat16), w2), ok, "w13 must have dtype torch.float8_e4m3fn"),
+        ((x, logits, w13.view(E, 2, 128, 2, 128, 1), w2), ok, r"w13 must have shape \(4, 256, 256\)"),
+    ]
+    for args, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            moe(*args, **kw)
+    bf16 = meld.MoE(H, I, E, k, device="cpu")
+    with pytest.raises(ValueError, match="w2 must have dtype torch.bfloat16, got torch.float8_e4m3fn"):
+        bf16(x, logits, w13.to(torch.bfloat16), w2)
+    with pytest.raises(ValueError, match="w13_scale is for FP8 weights"):
+        bf16(x, logits, w13.to(torch.bfloat16), w2.to(torch.bfloat16), w13_scale=s13)
+    with pytest.raises(ValueError, match=r"block_tokens must be one of \(16, 32\)"):
+        moe(x, logits, w13, w2, block_tokens=64, **ok)
+    moe(x, logits, w13, w2, **ok)   # the layer still runs after every refused call
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_fp8_nan_and_inf_scales_reach_exactly_their_experts_tokens():
+    """IEEE propagation to exactly the values a bad scale reaches: a NaN scale of w13 (an expert e, rows 0..127,
+    K block 1) makes NaN every output row of a token routed to e (its act group 0 is NaN, so all of its y);
+    an infinite scale of w2 (rows 128..255 of H, K block 0) makes those tokens' columns 128..255 infinite or
+    NaN and leaves the rest finite; a NaN in x, that token's row only."""
+    T, H, I, E, k = 40, 256, 128, 6, 2
+    w13, s13, w2, s2 = fp8_weights(E, H, I)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    logits = skewed_logits(T, E)
+    ids, _ = route(logits, k, True)
+    moe = meld.MoE(H, I, E, k, device="cpu", max_num_tokens=T, weight_dtype=FP8)
+    check_bad_scales(moe, x, logits, ids, w13, s13, w2, s2)
+
+
+def check_bad_scales(moe, x, logits, ids, w13, s13, w2, s2):
+    """The checks of the test above, on any device, into poisoned outputs; the experts made bad are token 0's
+    first choice and the last token's last."""
+    T, H = x.shape
+    for bad_w13, e in [(True, int(ids[0, 0])), (False, int(ids[-1, -1]))]:
+        a13, a2 = s13.clone(), s2.clone()
+        if bad_w13:
+            a13[e, 0, 1] = float("nan")
+        else:
+            a2[e, 1, 0] = float("inf")
+        out = poisoned(T, H, x.device)
+        moe(x, logits, w13, w2, w13_scale=a13, w2_scale=a2, out=out)
+        out = out.cpu()
+        hit = (ids.cpu() == e).any(dim=1)
+        assert out[~hit].isfinite().all(), f"expert {e}'s bad scale reached other tokens"
+        if bad_w13:
+            assert out[hit].isnan().all(), f"expert {e}: NaN w13 scale, not every channel of its tokens NaN"
+        else:
+            assert not out[hit][:, 128:].isfinite().any() and out[hit][:, :128].isfinite().all()
+    xn, t = x.clone(), T // 2
+    xn[t, 100] = float("nan")
+    out = poisoned(T, H, x.device)
+    moe(xn, logits, w13, w2, w13_scale=s13, w2_scale=s2, out=out)
+    out = out.cpu()
+    assert out[t].isnan().all() and out[torch.arange(T) != t].isfinite().all()
+
+
+def poisoned(T, H, device):
+    return torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=device)
+
+
+# --- GPU ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=3)
+def gpu_layer(H, I, E, k):
+    """A layer of a BENCH shape (capacity 1024 tokens) and its weights, kept for the shape's cases (all three
+    shapes' take 5 GB)."""
+    moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=1024, weight_dtype=FP8)
+    return moe, fp8_weights(E, H, I, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("T", [1, 7, 128, 1024])
+@pytest.mark.parametrize("H,I,E,k", BENCH_SHAPES)
+def test_gpu_fp8_matches_float64(H, I, E, k, T, routing):
+    """BENCH's shapes (gpt-oss: H and I not multiples of 128 or 256) on fresh inputs into poisoned outputs,
+    against float64 with the layer's activation quantisation (rel err <= 3e-2; the quantisation's own error:
+    test_fp8_cpu_executor_matches_float64); a second run gives the same bits."""
+    moe, (w13, s13, w2, s2) = gpu_layer(H, I, E, k)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = (torch.randn(T, E) if routing == "uniform" else skewed_logits(T, E, hot=E // 3, seed=T)).cuda()
+    runs = []
+    for _ in range(2):
+        out = poisoned(T, H, "cuda")
+        moe(x, logits, w13, w2, w13_scale=s13, w2_scale=s2, out=out)
+        runs.append(out)
+    torch.cuda.synchronize()
+    ids = moe._bufs["topk_ids"][: T * k].view(T, k)
+    w = moe._bufs["topk_w"][: T * k].view(T, k)
+    rids, _ = route(logits.cpu(), k, True)
+    assert torch.equal(ids.cpu().sort(1).values, rids.sort(1).values), "GPU routing chose other experts"
+    out = runs[0]
+    assert not out.isnan().any(), f"{int(out.isnan().any(1).sum())} rows hold NaN"
+    err = rel_err(out, quantised_reference(x, w13, s13, w2, s2, ids, w))
+    assert err <= 3e-2, f"rel err {err:.3g}"
+    assert torch.equal(runs[0], runs[1]), "repeat runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [5, 40])   # one routing CTA that dispatches itself; the dispatch launch
+def test_gpu_fp8_nan_and_inf_scales_reach_exactly_their_experts_tokens(T):
+    H, I, E, k = 256, 128, 6, 2
+    w13, s13, w2, s2 = fp8_weights(E, H, I, "cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = skewed_logits(T, E).cuda()
+    moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=T, weight_dtype=FP8)
+    moe(x, logits, w13, w2, w13_scale=s13, w2_scale=s2)
+    torch.cuda.synchronize()
+    ids = moe._bufs["topk_ids"][: T * k].view(T, k).cpu()
+    check_bad_scales(moe, x, logits, ids, w13, s13, w2, s2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cuda_graph_replays_a_new_routing():
+    """A captured FP8 call replays new x, logits and routing (into a re-poisoned output) correctly."""
+    T, H, I, E, k = 100, 512, 256, 16, 4
+    w13, s13, w2, s2 = fp8_weights(E, H, I, "cuda")
+    moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=T, weight_dtype=FP8)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    out = poisoned(T, H, "cuda")
+    call = lambda: moe(x, logits, w13, w2, w13_scale=s13, w2_scale=s2, out=out)   # noqa: E731
+    call()   # loads the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    x.copy_(torch.randn(T, H, device="cuda"))
+    logits.copy_(skewed_logits(T, E, hot=5, seed=9))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ids, w = moe._bufs["topk_ids"][: T * k].view(T, k), moe._bufs["topk_w"][: T * k].view(T, k)
+    assert torch.equal(ids.cpu().sort(1).values, route(logits.cpu(), k, True)[1].sort(1).values)
+    assert not out.isnan().any() and rel_err(out, quantised_reference(x, w13, s13, w2, s2, ids, w)) <= 3e-2
