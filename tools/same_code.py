@@ -65,7 +65,7 @@ VARIANTS = {
     "mla-seesaw": "MlaKernelConfig(schedule='seesaw')",
     "moe": "MoeKernelConfig()",
     "moe-packed": "MoeKernelConfig(packed_weights=True, absent_pairs=True)",
-    "moe-fp8": "MoeKernelConfig(weight_dtype='e4m3')",
+    "moe-fp8": "MoeKernelConfig(weight_dtype='e4m3', block_tokens=32)",
     "tp": "TpKernelConfig()",
     "tp-proxy-profile": "TpKernelConfig(transport='proxy', profile=True)",
     "tp-owner-w2": "TpKernelConfig(merge='owner', warpgroups=2)",
