@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 import meld
+from meld.ir import CTA_FIELDS
 from meld.runtime.reference import attention_reference
 from meld.scheduler import plan_decode
 from meld.workloads import lengths, paged
@@ -20,7 +21,8 @@ def assert_gpu_plan_matches_host(attn):
     W = attn.topology.num_ctas
     B = len(s.kv_len)
     buf = t.buf.cpu().numpy()
-    assert np.array_equal(buf[:8 * W].reshape(8, W), s.cta), "GPU planner and host planner disagree"
+    rows = len(CTA_FIELDS)   # (the task layout's header and the segment's fields: meld.ir.work_table)
+    assert np.array_equal(buf[:rows * W].reshape(rows, W), s.cta), "GPU planner and host planner disagree"
     assert np.array_equal(buf[t.off_kv_len:t.off_kv_len + B], s.kv_len)
     assert np.array_equal(buf[t.off_page_base:t.off_page_base + B], s.page_base)
     if s.chunk_tokens:
