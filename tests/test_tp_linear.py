@@ -5,6 +5,7 @@ the output poisoned first and repeated launches bit-identical. Two GPUs: tests/t
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,6 +108,43 @@ def test_a_128_token_block_takes_128_columns_where_k_stays_whole(m, n, k, cols, 
     assert s.config(TpKernelConfig()) in call_configs(TpKernelConfig())   # (loaded up front for the proxy)
     one = TpSchedule.of(m, n, k, 132, TpKernelConfig(warpgroups=1))   # an explicit choice holds
     assert one.cols == 64 and one.config(TpKernelConfig(warpgroups=1)).wgs == 1
+
+
+@pytest.mark.parametrize("m, n, k, world, ctas, sms", [   # K split (a piece a CTA), and several pieces a CTA
+    (1, 4096, 4096, 2, 2, 132), (16, 1024, 8192, 1, 1, 132), (129, 200, 1000, 4, 1, 132), (5, 136, 1000, 3, 1, 7),
+    (300, 4096, 7168, 2, 1, 7), (1, 4096, 4096, 2, 2, 7), (70, 150, 133, 2, 2, 1)])
+def test_schedule_rows_cover_every_tile_split_once_as_the_closed_form(m, n, k, world, ctas, sms):
+    """TpSchedule.tasks: one TP_PIECE row per (output tile, split of K), in walk order, each as the closed
+    form the kernel computed before (tile o = t // k_splits, column block o // m_tiles, token block
+    o % m_tiles, K stages nk split / k_splits ..), run by CTA t % grid at slot ordinal t // grid of its
+    block; an EVENT row per tile: world x k_splits parts from the tile's first piece. Bad arguments named."""
+    from meld.ir.work_table import EVENT, TP_PIECE
+
+    base = TpKernelConfig(ctas_per_sm=ctas)
+    s = TpSchedule.of(m, n, k, sms, base)
+    grid = min(s.pieces, block_config(base, s.block_tokens).ctas * sms)
+    tasks, events = s.tasks(grid, world)
+    assert tasks.dtype == events.dtype == np.int32
+    r, e = TP_PIECE.unpack(tasks, s.pieces), EVENT.unpack(events, s.out_tiles)
+    assert sorted(zip(r["tile"], r["split"])) == [(o, j) for o in range(s.out_tiles) for j in range(s.k_splits)]
+    t = np.arange(s.pieces)
+    o, split = t // s.k_splits, t % s.k_splits
+    nk = -(-k // s.k_block)
+    assert np.array_equal(r["tile"], o) and np.array_equal(r["last_tile"], o) and np.array_equal(r["split"], split)
+    assert np.array_equal(r["col"], o // s.m_tiles) and np.array_equal(r["tok0"], o % s.m_tiles * s.block_tokens)
+    assert np.array_equal(r["k0"], nk * split // s.k_splits) and np.array_equal(r["k1"], nk * (split + 1) // s.k_splits)
+    assert np.all(r["kind"] == TP_PIECE.kind) and np.array_equal(r["cta"], t % grid)
+    assert np.array_equal(r["slot"], t % grid * -(-s.pieces // grid) + t // grid) and len(set(r["slot"])) == s.pieces
+    assert np.array_equal(r["event_first"], o) and np.all(r["event_count"] == 1)
+    assert np.all(e["parts"] == world * s.k_splits) and np.array_equal(e["part_first"], np.arange(s.out_tiles) * s.k_splits)
+    covered = np.zeros(k, int)   # every element of K once per tile, within the shape
+    for i in range(s.k_splits):
+        covered[s.piece_slices(r, i)[2]] += 1
+    assert np.all(covered == 1) and s.piece_slices(r, s.pieces - 1)[:2] == (
+        slice((s.m_tiles - 1) * s.block_tokens, m), slice(s.cols * (-(-n // s.cols) - 1), n))
+    for bad in ({"grid": 0}, {"world": -1}, {"grid": 2.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            s.tasks(**{"grid": grid, "world": world, **bad})
 
 
 def test_max_block_tokens_caps_the_token_block():
@@ -242,7 +280,7 @@ def _one_rank_trace(rank, world):
         assert err < 1e-2, f"(M, K, N, cap) = {(m, k, n, cap)}: relative error {err:.2e}"
         assert torch.equal(prof(x, w), y), "profiling changed the output"
         trace = prof.last_trace()
-        sched, _, _, grid, direct = prof._calls[m]
+        sched, _, _, grid, direct, _ = prof._calls[m]
         kinds = [t.kind for t in trace.tasks]
         assert len(trace.cta_spans) == grid and trace.overflowed == 0
         assert sorted(t.unit for t in trace.tasks if t.kind == "tp-gemm") == list(range(sched.pieces))

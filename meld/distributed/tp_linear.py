@@ -131,7 +131,8 @@ class RowParallelLinear(GroupMember, Operator):
         self._shape: dict = {}
         self._register_watchdog("meld_tp_linear", _describe_tile(self._shape))
         self._variants: dict[tuple, tuple] = {}   # per (token block, warpgroups): (config, kernel, parameter struct)
-        self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid, direct path)
+        self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid, direct path,
+                                                # the plan's TP_PIECE rows on the device)
         if self.proxy is not None:   # every variant loaded now: no module load while a kernel waits on the proxy
             for cfg in call_configs(kernel_config):
                 self._variant(cfg)
@@ -186,15 +187,21 @@ class RowParallelLinear(GroupMember, Operator):
         self._watchdog.check()
         call = self._calls.get(M)
         if call is None:   # the schedule, kernel and grid of M rows, worked out once
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"RowParallelLinear: a first call with {M} rows is being captured; call once with "
+                                   f"{M} rows before capturing (its plan's rows are copied to the device then)")
             sched = self.lowering.planner(M, self.out_features, self.in_features, self._sm_count, self.kernel_config)
             cfg, kernel, p = self._variant(sched.config(self.kernel_config))
             # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
             grid = min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count)
-            call = self._calls[M] = (sched, kernel, p, grid, self._direct(cfg, sched, grid))
-        sched, kernel, p, grid, direct = call
+            # its plan's rows, on the device for as long as the operator (a captured graph's launches read them)
+            tasks = torch.from_numpy(sched.tasks(grid, self.world)[0]).to(self.device)
+            call = self._calls[M] = (sched, kernel, p, grid, self._direct(cfg, sched, grid), tasks)
+        sched, kernel, p, grid, direct, tasks = call
         if M != self._last_m:
             self._last_m = M
             p.m, p.m_tiles, p.k_splits, p.tiles, p.direct = M, sched.m_tiles, sched.k_splits, sched.pieces, int(direct)
+            p.tasks = tasks.data_ptr()
             self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits,
                                cols=sched.cols)
         p.w_map = self._weight_maps.get(weight)
