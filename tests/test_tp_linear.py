@@ -307,6 +307,57 @@ def test_one_rank_trace_records_every_piece():
     spawn(_one_rank_trace, 1)
 
 
+def _one_rank_plans(rank, world):
+    from meld.distributed import RowParallelLinear
+
+    dev = torch.device("cuda", rank)
+    k, n = 4000, 1000   # a last K stage and a last column tile in part
+    g = torch.Generator().manual_seed(38)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+    op = RowParallelLinear(k, n, max_tokens=300)
+    # the direct path with K split, 64-token blocks, 256-token blocks with a short last one, and back again:
+    # each M its own rows on the device, switched with M
+    for m in (1, 37, 300, 37, 130, 1, 300):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        nan_rows = sorted({m // 2, m - 1}) if m > 1 else []
+        for i in nan_rows:
+            x[i, (7 * i) % k] = math.nan
+        ref = x.double() @ w.double().T
+        op.output(m).fill_(math.nan)
+        y = op(x.to(dev), w.to(dev)).clone().cpu()
+        sched, _, _, _, direct, tasks = op._calls[m]
+        assert tasks.numel() == 13 * sched.pieces
+        bad = y.isnan().any(dim=1)
+        assert bad.nonzero().flatten().tolist() == nan_rows, f"M = {m}: NaN rows {bad.nonzero().flatten().tolist()}"
+        ok = ~bad
+        err = ((y[ok].double() - ref[ok]).norm() / ref[ok].norm()).item() if ok.any() else 0.0
+        assert err < 1e-2, f"M = {m} (k_splits {sched.k_splits}, direct {direct}): relative error {err:.2e}"
+    # a first call of a new M while a graph is being captured is refused by name, the operator unchanged
+    x5 = torch.randn(5, k, generator=g).to(torch.bfloat16).to(dev)
+    wd = w.to(dev)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            with pytest.raises(RuntimeError, match="first call with 5 rows"):
+                op(x5, wd)
+    assert 5 not in op._calls
+    y5 = op(x5, wd).double().cpu()
+    ref5 = x5.double().cpu() @ w.double().T
+    assert ((y5 - ref5).norm() / ref5.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_one_rank_calls_of_several_m_run_their_own_rows():
+    """One operator called with several M in turn: each M's plan rows (TpSchedule.tasks) on the device, the
+    kernel's table switched with M: float64-close on fresh inputs every call, NaN in a row of x giving NaN
+    in exactly that row of y; a first call of a new M under capture is refused, the operator unchanged."""
+    from meld.distributed import spawn
+
+    spawn(_one_rank_plans, 1)
+
+
 def test_needs_a_process_group():
     import torch.distributed as dist
 
