@@ -11,7 +11,7 @@ import torch
 
 from meld.codegen.tp_kernel import (TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, call_configs,
                                     tp_block_tokens)
-from meld.distributed.tp_linear import _window_layout
+from meld.distributed.tp_linear import _describe_tile, _window_layout
 from tests.kernel_matrix import nvcc, pairwise
 
 
@@ -142,6 +142,9 @@ def test_schedule_rows_cover_every_tile_split_once_as_the_closed_form(m, n, k, w
         covered[s.piece_slices(r, i)[2]] += 1
     assert np.all(covered == 1) and s.piece_slices(r, s.pieces - 1)[:2] == (
         slice((s.m_tiles - 1) * s.block_tokens, m), slice(s.cols * (-(-n // s.cols) - 1), n))
+    describe = _describe_tile({"sched": s, "grid": grid, "world": world})   # the watchdog's names, from the rows
+    assert describe(s.pieces - 1).startswith(f"piece {s.k_splits - 1} of {s.k_splits} of K of output tile {s.out_tiles - 1}:")
+    assert describe(s.pieces - 1).endswith(f"..{n - 1}, tokens {(s.m_tiles - 1) * s.block_tokens}..{m - 1}")
     for bad in ({"grid": 0}, {"world": -1}, {"grid": 2.0}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
             s.tasks(**{"grid": grid, "world": world, **bad})

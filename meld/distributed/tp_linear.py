@@ -49,14 +49,18 @@ def _window_layout(max_tokens: int, n: int, world: int, sm_count: int, part_rank
     return pack_regions(sizes)
 
 
-def _describe_tile(shape: dict):
+def _describe_tile(call: dict):
+    """The watchdog's name for piece t of the last call (`call`: its schedule, grid and world), from its row."""
     def describe(t: int) -> str:
-        m_tiles, bt, splits = shape.get("m_tiles", 1), shape.get("block_tokens", 0), shape.get("k_splits", 1)
-        cols = shape.get("cols", 64)
-        o, split = divmod(t, splits)
-        col, tm = divmod(o, m_tiles)
-        return (f"piece {split} of {splits} of K of output tile {o}: columns {cols * col}..{cols * col + cols - 1}, "
-                f"tokens {tm * bt}..{tm * bt + bt - 1}")
+        from ..ir.work_table import TP_PIECE
+
+        s = call.get("sched")
+        if s is None or not 0 <= t < s.pieces:
+            return f"piece {t}"
+        row = TP_PIECE.unpack(s.tasks(call["grid"], call["world"])[0], s.pieces)
+        tokens, cols, _ = s.piece_slices(row, t)
+        return (f"piece {row['split'][t]} of {s.k_splits} of K of output tile {row['tile'][t]}: columns "
+                f"{cols.start}..{cols.stop - 1}, tokens {tokens.start}..{tokens.stop - 1}")
     return describe
 
 
@@ -202,8 +206,7 @@ class RowParallelLinear(GroupMember, Operator):
             self._last_m = M
             p.m, p.m_tiles, p.k_splits, p.tiles, p.direct = M, sched.m_tiles, sched.k_splits, sched.pieces, int(direct)
             p.tasks = tasks.data_ptr()
-            self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits,
-                               cols=sched.cols)
+            self._shape.update(sched=sched, grid=grid, world=self.world)
         p.w_map = self._weight_maps.get(weight)
         p.x_map, p.x_tail_map = self._x_maps.get(x)
         kernel.launch(grid, p)
