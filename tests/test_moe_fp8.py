@@ -268,6 +268,7 @@ def stage_errors(x, w13, s13, w2, s2, ids, w, pos, bufs, out):
     e["act scale rel"] = ((act_scale.double() - asc.double()).abs() / asc.double()).max().item()
     e["act codes differing"] = (steps > 0).float().mean().item()
     e["act code steps"] = int(steps.max())
+    e["act codes differing by group"] = [round(c.float().mean().item(), 4) for c in (steps > 0).split(128, dim=1)]
     aref = dequantize_groups(aq, asc)
     e["act shift"] = ((ad - aref).sum() / aref.abs().sum()).item()   # a bias of the GEMM's sums, not noise
     e["y rel"] = rel_err(y, yref)
