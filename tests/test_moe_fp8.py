@@ -250,20 +250,23 @@ def stage_errors(x, w13, s13, w2, s2, ids, w, pos, bufs, out):
     T, k = ids.shape
     I = w2.shape[2]
     rows, toks = pos.reshape(-1).long(), torch.arange(T, device=x.device).repeat_interleave(k)
+    u8 = torch.uint8   # (e4m3 tensors are indexed as bytes)
     xq, xsc = quantize_groups(x.float())
-    xs, xs_scale = bufs["xs"][rows], bufs["xs_scale"][:, rows].T
-    act, act_scale, y = bufs["act"][rows], bufs["act_scale"][:, rows].T, bufs["y"][rows].double()
-    e = {"xs codes differing": (xs.view(torch.uint8) != xq[toks].view(torch.uint8)).float().mean().item(),
+    xs, xs_scale = bufs["xs"].view(u8)[rows].view(FP8), bufs["xs_scale"][:, rows].T
+    act, act_scale, y = bufs["act"].view(u8)[rows].view(FP8), bufs["act_scale"][:, rows].T, bufs["y"][rows].double()
+    e = {"xs codes differing": (xs.view(u8) != xq.view(u8)[toks]).float().mean().item(),
          "xs scales differing": (xs_scale != xsc[toks]).float().mean().item()}
-    aq, asc = torch.empty_like(act), torch.empty_like(act_scale)
+    aq, asc = torch.empty_like(act.view(u8)), torch.empty_like(act_scale)
     yref = torch.empty_like(y)
     xd, ad = dequantize_groups(xs, xs_scale), dequantize_groups(act, act_scale)
     for ex in ids.unique().tolist():
         r = (ids.reshape(-1) == ex).nonzero(as_tuple=True)[0]
         W13 = dequantize_blocks(w13[ex:ex + 1], s13[ex:ex + 1])[0]
         g, u = xd[r] @ W13[:I].T, xd[r] @ W13[I:].T
-        aq[r], asc[r] = quantize_groups((g * torch.sigmoid(g) * u).float())
+        q, asc[r] = quantize_groups((g * torch.sigmoid(g) * u).float())
+        aq[r] = q.view(u8)
         yref[r] = ad[r] @ dequantize_blocks(w2[ex:ex + 1], s2[ex:ex + 1])[0].T
+    aq = aq.view(FP8)
     steps = (_code_order(act) - _code_order(aq)).abs()
     e["act scale rel"] = ((act_scale.double() - asc.double()).abs() / asc.double()).max().item()
     e["act codes differing"] = (steps > 0).float().mean().item()
