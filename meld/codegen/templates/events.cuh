@@ -44,16 +44,22 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// The one spin of every scope: until `reached()` (an acquire load of the count against `target`), under the
+// watchdog, which names the site and the target when `limit_ns` passes.
+template <class Reached>
+__device__ __forceinline__ void spin_until(Reached reached, u32 target, const WaitSite& s, i64 limit_ns) {
+  if (reached()) return;
+  const i64 t0 = global_timer_ns();
+  while (!reached()) {
+    const i64 waited = global_timer_ns() - t0;
+    if (waited > limit_ns)
+      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, target, waited);
+  }
+}
 // Spin until the count reaches `target` (acquire: the parts it counts are visible after), under the watchdog.
 __device__ __forceinline__ void event_wait(const int* counter, int target, const WaitSite& s,
                                            i64 limit_ns = MELD_WATCHDOG_NS) {
-  if (ld_acquire(counter) >= target) return;
-  const i64 t0 = global_timer_ns();
-  while (ld_acquire(counter) < target) {
-    const i64 waited = global_timer_ns() - t0;
-    if (waited > limit_ns)
-      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, (u32)target, waited);
-  }
+  spin_until([&] { return ld_acquire(counter) >= target; }, (u32)target, s, limit_ns);
 }
 
 // --- cluster scope: `counter` is a shared-memory address of a CTA of this cluster (dsmem_map) -----------
@@ -94,13 +100,7 @@ __device__ __forceinline__ bool event_reached_sys(const unsigned long long* coun
 }
 __device__ __forceinline__ void event_wait_sys(const unsigned long long* counter, unsigned long long target,
                                                const WaitSite& s, i64 limit_ns = MELD_WATCHDOG_NS) {
-  if (load_acquire_sys(counter) >= target) return;
-  const i64 t0 = global_timer_ns();
-  while (load_acquire_sys(counter) < target) {
-    const i64 waited = global_timer_ns() - t0;
-    if (waited > limit_ns)
-      watchdog_trip(s.rec, s.claim, s.kernel, s.site, s.cta, s.warp, s.unit, s.detail, (u32)target, waited);
-  }
+  spin_until([&] { return event_reached_sys(counter, target); }, (u32)target, s, limit_ns);
 }
 // Take `n` counted arrivals back (the reset of a counter other launches may already count on).
 __device__ __forceinline__ void event_take_sys(unsigned long long* counter, unsigned long long n) {
