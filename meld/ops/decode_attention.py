@@ -20,9 +20,9 @@ from .. import config
 from ..codegen import TILE_TOKENS, DecodeKernelConfig, TensorMap
 from ..codegen.decode_kernel import KV_FP8, MAX_Q_LEN, DecodeVariant
 from ..scheduler import DecodeCost, Topology, cluster_rows
+from ..tuning.recorder import kv_lens
 from .checks import check_finite, check_positive, expect, is_int, plain
 from .decode_graph import decode_attention_graph
-from ..tuning.recorder import kv_lens
 from .page_table import check_page_table, window_page_table
 from .paged_decode import PagedDecode, _Planned, _host
 
