@@ -710,8 +710,9 @@ print("PASS")
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="issue 42: the child process failed on its first H200 run (2026-12-03, whole GPU "
-                   "suite); its stderr was not kept. The port's other single-decode cases passed there")
+@pytest.mark.xfail(strict=True, reason="issue 42: the child process failed on its first H200 run (2026-12-03, whole GPU "
+                   "suite); its stderr was not kept. The port's other single-decode cases passed there. Strict: once it "
+                   "passes, this mark must go")
 def test_single_decode_torch_compile_cuda_graph():
     """FlashInfer's test_single_decode_torch_compile_cuda_graph (its issue 541): single decode inside a custom op
     under torch.compile(mode="reduce-overhead", fullgraph=True), three calls on fresh inputs, in a child process
