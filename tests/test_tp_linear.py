@@ -5,12 +5,13 @@ the output poisoned first and repeated launches bit-identical. Two GPUs: tests/t
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from meld.codegen.tp_kernel import (TP_BLOCK_TOKENS, TpKernelConfig, TpSchedule, block_config, call_configs,
                                     tp_block_tokens)
-from meld.distributed.tp_linear import _window_layout
+from meld.distributed.tp_linear import _describe_tile, _window_layout
 from tests.kernel_matrix import nvcc, pairwise
 
 
@@ -107,6 +108,46 @@ def test_a_128_token_block_takes_128_columns_where_k_stays_whole(m, n, k, cols, 
     assert s.config(TpKernelConfig()) in call_configs(TpKernelConfig())   # (loaded up front for the proxy)
     one = TpSchedule.of(m, n, k, 132, TpKernelConfig(warpgroups=1))   # an explicit choice holds
     assert one.cols == 64 and one.config(TpKernelConfig(warpgroups=1)).wgs == 1
+
+
+@pytest.mark.parametrize("m, n, k, world, ctas, sms", [   # K split (a piece a CTA), and several pieces a CTA
+    (1, 4096, 4096, 2, 2, 132), (16, 1024, 8192, 1, 1, 132), (129, 200, 1000, 4, 1, 132), (5, 136, 1000, 3, 1, 7),
+    (300, 4096, 7168, 2, 1, 7), (1, 4096, 4096, 2, 2, 7), (70, 150, 133, 2, 2, 1)])
+def test_schedule_rows_cover_every_tile_split_once_as_the_closed_form(m, n, k, world, ctas, sms):
+    """TpSchedule.tasks: one TP_PIECE row per (output tile, split of K), in walk order, each as the closed
+    form the kernel computed before (tile o = t // k_splits, column block o // m_tiles, token block
+    o % m_tiles, K stages nk split / k_splits ..), run by CTA t % grid at slot ordinal t // grid of its
+    block; an EVENT row per tile: world x k_splits parts from the tile's first piece. Bad arguments named."""
+    from meld.ir.work_table import EVENT, TP_PIECE
+
+    base = TpKernelConfig(ctas_per_sm=ctas)
+    s = TpSchedule.of(m, n, k, sms, base)
+    grid = min(s.pieces, block_config(base, s.block_tokens).ctas * sms)
+    tasks, events = s.tasks(grid, world)
+    assert tasks.dtype == events.dtype == np.int32
+    r, e = TP_PIECE.unpack(tasks, s.pieces), EVENT.unpack(events, s.out_tiles)
+    assert sorted(zip(r["tile"], r["split"])) == [(o, j) for o in range(s.out_tiles) for j in range(s.k_splits)]
+    t = np.arange(s.pieces)
+    o, split = t // s.k_splits, t % s.k_splits
+    nk = -(-k // s.k_block)
+    assert np.array_equal(r["tile"], o) and np.array_equal(r["last_tile"], o) and np.array_equal(r["split"], split)
+    assert np.array_equal(r["col"], o // s.m_tiles) and np.array_equal(r["tok0"], o % s.m_tiles * s.block_tokens)
+    assert np.array_equal(r["k0"], nk * split // s.k_splits) and np.array_equal(r["k1"], nk * (split + 1) // s.k_splits)
+    assert np.all(r["kind"] == TP_PIECE.kind) and np.array_equal(r["cta"], t % grid)
+    assert np.array_equal(r["slot"], t % grid * -(-s.pieces // grid) + t // grid) and len(set(r["slot"])) == s.pieces
+    assert np.array_equal(r["event_first"], o) and np.all(r["event_count"] == 1)
+    assert np.all(e["parts"] == world * s.k_splits) and np.array_equal(e["part_first"], np.arange(s.out_tiles) * s.k_splits)
+    covered = np.zeros(k, int)   # every element of K once per tile, within the shape
+    for i in range(s.k_splits):
+        covered[s.piece_slices(r, i)[2]] += 1
+    assert np.all(covered == 1) and s.piece_slices(r, s.pieces - 1)[:2] == (
+        slice((s.m_tiles - 1) * s.block_tokens, m), slice(s.cols * (-(-n // s.cols) - 1), n))
+    describe = _describe_tile({"sched": s, "grid": grid, "world": world})   # the watchdog's names, from the rows
+    assert describe(s.pieces - 1).startswith(f"piece {s.k_splits - 1} of {s.k_splits} of K of output tile {s.out_tiles - 1}:")
+    assert describe(s.pieces - 1).endswith(f"..{n - 1}, tokens {(s.m_tiles - 1) * s.block_tokens}..{m - 1}")
+    for bad in ({"grid": 0}, {"world": -1}, {"grid": 2.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            s.tasks(**{"grid": grid, "world": world, **bad})
 
 
 def test_max_block_tokens_caps_the_token_block():
@@ -242,7 +283,7 @@ def _one_rank_trace(rank, world):
         assert err < 1e-2, f"(M, K, N, cap) = {(m, k, n, cap)}: relative error {err:.2e}"
         assert torch.equal(prof(x, w), y), "profiling changed the output"
         trace = prof.last_trace()
-        sched, _, _, grid, direct = prof._calls[m]
+        sched, _, _, grid, direct, _ = prof._calls[m]
         kinds = [t.kind for t in trace.tasks]
         assert len(trace.cta_spans) == grid and trace.overflowed == 0
         assert sorted(t.unit for t in trace.tasks if t.kind == "tp-gemm") == list(range(sched.pieces))
@@ -267,6 +308,57 @@ def test_one_rank_trace_records_every_piece():
     from meld.distributed import spawn
 
     spawn(_one_rank_trace, 1)
+
+
+def _one_rank_plans(rank, world):
+    from meld.distributed import RowParallelLinear
+
+    dev = torch.device("cuda", rank)
+    k, n = 4000, 1000   # a last K stage and a last column tile in part
+    g = torch.Generator().manual_seed(38)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+    op = RowParallelLinear(k, n, max_tokens=300)
+    # the direct path with K split, 64-token blocks, 256-token blocks with a short last one, and back again:
+    # each M its own rows on the device, switched with M
+    for m in (1, 37, 300, 37, 130, 1, 300):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        nan_rows = sorted({m // 2, m - 1}) if m > 1 else []
+        for i in nan_rows:
+            x[i, (7 * i) % k] = math.nan
+        ref = x.double() @ w.double().T
+        op.output(m).fill_(math.nan)
+        y = op(x.to(dev), w.to(dev)).clone().cpu()
+        sched, _, _, _, direct, tasks = op._calls[m]
+        assert tasks.numel() == 13 * sched.pieces
+        bad = y.isnan().any(dim=1)
+        assert bad.nonzero().flatten().tolist() == nan_rows, f"M = {m}: NaN rows {bad.nonzero().flatten().tolist()}"
+        ok = ~bad
+        err = ((y[ok].double() - ref[ok]).norm() / ref[ok].norm()).item() if ok.any() else 0.0
+        assert err < 1e-2, f"M = {m} (k_splits {sched.k_splits}, direct {direct}): relative error {err:.2e}"
+    # a first call of a new M while a graph is being captured is refused by name, the operator unchanged
+    x5 = torch.randn(5, k, generator=g).to(torch.bfloat16).to(dev)
+    wd = w.to(dev)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            with pytest.raises(RuntimeError, match="first call with 5 rows"):
+                op(x5, wd)
+    assert 5 not in op._calls
+    y5 = op(x5, wd).double().cpu()
+    ref5 = x5.double().cpu() @ w.double().T
+    assert ((y5 - ref5).norm() / ref5.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_one_rank_calls_of_several_m_run_their_own_rows():
+    """One operator called with several M in turn: each M's plan rows (TpSchedule.tasks) on the device, the
+    kernel's table switched with M: float64-close on fresh inputs every call, NaN in a row of x giving NaN
+    in exactly that row of y; a first call of a new M under capture is refused, the operator unchanged."""
+    from meld.distributed import spawn
+
+    spawn(_one_rank_plans, 1)
 
 
 def test_needs_a_process_group():

@@ -34,16 +34,16 @@ def test_packed_word_layout_matches_its_c_source():
 
 
 def test_family_tables_are_views_of_the_one_task_layout():
-    """Decode/MLA segments and grouped pieces are rows of TASK: the same width and order, the shared header
+    """Decode/MLA segments, grouped pieces and TP pieces are rows of TASK: the same width and order, the shared header
     at the same indices, their own kinds."""
-    from meld.ir.work_table import SPLIT_TASK, TASK
+    from meld.ir.work_table import SPLIT_TASK, TASK, TP_PIECE
 
     header = ("kind", "cta", "slot", "event_first", "event_count")
-    for view in (CTA_TABLE, SPLIT_TASK):
+    for view in (CTA_TABLE, SPLIT_TASK, TP_PIECE):
         assert (view.width, view.field_major) == (TASK.width, TASK.field_major)
         assert all(view.fields.index(f) == TASK.fields.index(f) for f in header)
         assert f"constexpr int {view.name.upper()}_TASK_KIND = {view.kind};" in view.c_source()
-    assert CTA_TABLE.kind != SPLIT_TASK.kind
+    assert len({CTA_TABLE.kind, SPLIT_TASK.kind, TP_PIECE.kind}) == 3
     with pytest.raises(TypeError, match="not fields"):
         TASK.view("Bad", "piece", nope="x")
 

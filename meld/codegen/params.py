@@ -390,6 +390,7 @@ TP_PARAMS = _with_header("TpParams", [
     Field("xpeers", "ptr", "char* const*"),      # every rank's symmetric window, as this rank addresses it
     Field("xexit", "ptr", "unsigned*"),          # the launch's exit counter
     Field("xlaunch", "ptr", "unsigned long long*"),   # launches this rank has finished
+    Field("tasks", "ptr", "const int*"),         # the call's TP_PIECE rows (TpSchedule.tasks), `tiles` of them
     *header("watchdog"),
     *header("watchdog_claim"),
     Field("x_out_off", "i64"),                   # places in a window, in bytes: the output [M, N] bf16,

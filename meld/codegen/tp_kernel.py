@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from .source import SMEM_PER_CTA_MAX, template
+from ..ir.work_table import EVENT, TP_PIECE
 from ..runtime.profile import kind_defines
 from .params import TP_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16
@@ -92,15 +95,34 @@ class TpSchedule:
         cfg = block_config(base, self.block_tokens)
         return cfg if cfg.cols == self.cols else block_config(_two_warpgroups(base), self.block_tokens)
 
-    def piece(self, t: int) -> tuple[int, int, slice, slice, slice]:
-        """Piece t as the kernel cuts it (templates/tp_linear.cuh, tp_piece): its output tile, its split
-        of K, and the tile's tokens, columns and the piece's K range (whole stages, clipped to the shape)."""
-        o, split = divmod(t, self.k_splits)
-        col, tm = divmod(o, self.m_tiles)
-        nk, kb = -(-self.k // self.k_block), self.k_block
-        k0, k1 = nk * split // self.k_splits * kb, nk * (split + 1) // self.k_splits * kb
-        return (o, split, slice(tm * self.block_tokens, min((tm + 1) * self.block_tokens, self.m)),
-                slice(self.cols * col, min(self.cols * (col + 1), self.n)), slice(min(k0, self.k), min(k1, self.k)))
+    def tasks(self, grid: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+        """The plan as rows of meld's one task layout (meld/ir/work_table.py), worked out once per M so that
+        the kernel (templates/tp_linear.cuh, tp_task) and the emulation (meld/distributed/tp_matmul.py) load a
+        piece's row rather than each derive it: a `TP_PIECE` row per piece in walk order (CTA t % grid runs
+        piece t, its ordinal t // grid there), K split into whole stages; an `EVENT` row per output tile,
+        its merge of world x k_splits parts. Flat int32 tables (TASK, EVENT), field-major."""
+        for name, v in (("grid", grid), ("world", world)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r}: expected a positive int")
+        t = np.arange(self.pieces)
+        o, split = np.divmod(t, self.k_splits)
+        col, tm = np.divmod(o, self.m_tiles)
+        nk = -(-self.k // self.k_block)   # stages of K
+        per_cta = -(-self.pieces // grid)
+        tasks = TP_PIECE.pack(self.pieces, tile=o, k0=nk * split // self.k_splits, last_tile=o,
+                              k1=nk * (split + 1) // self.k_splits, split=split, col=col, tok0=tm * self.block_tokens,
+                              arg3=0, kind=TP_PIECE.kind, cta=t % grid, slot=t % grid * per_cta + t // grid,
+                              event_first=o, event_count=1)
+        events = EVENT.pack(self.out_tiles, parts=world * self.k_splits,
+                            part_first=np.arange(self.out_tiles) * self.k_splits)
+        return tasks, events
+
+    def piece_slices(self, row: dict[str, np.ndarray], i: int) -> tuple[slice, slice, slice]:
+        """Row i of an unpacked TP_PIECE table: its tile's tokens and columns and its K range, clipped to the
+        shape."""
+        tok0, c0, kb = int(row["tok0"][i]), self.cols * int(row["col"][i]), self.k_block
+        return (slice(tok0, min(tok0 + self.block_tokens, self.m)), slice(c0, min(c0 + self.cols, self.n)),
+                slice(min(int(row["k0"][i]) * kb, self.k), min(int(row["k1"][i]) * kb, self.k)))
 
     @property
     def pieces(self) -> int:
@@ -281,7 +303,7 @@ class TpKernelConfig:
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           template("hopper.cuh"), "namespace meld {\n" + wgmma_bf16(self.block_tokens) + "}  // namespace meld",
-                          TP_PARAMS.c_source(), template("tp_linear.cuh")])
+                          TP_PARAMS.c_source(), TP_PIECE.c_source(), template("tp_linear.cuh")])
 
 
 LL_MAX_TOKENS = 64   # the largest token block of the direct path (its words carry twice a partial's bytes)

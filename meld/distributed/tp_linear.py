@@ -49,14 +49,18 @@ def _window_layout(max_tokens: int, n: int, world: int, sm_count: int, part_rank
     return pack_regions(sizes)
 
 
-def _describe_tile(shape: dict):
+def _describe_tile(call: dict):
+    """The watchdog's name for piece t of the last call (`call`: its schedule, grid and world), from its row."""
     def describe(t: int) -> str:
-        m_tiles, bt, splits = shape.get("m_tiles", 1), shape.get("block_tokens", 0), shape.get("k_splits", 1)
-        cols = shape.get("cols", 64)
-        o, split = divmod(t, splits)
-        col, tm = divmod(o, m_tiles)
-        return (f"piece {split} of {splits} of K of output tile {o}: columns {cols * col}..{cols * col + cols - 1}, "
-                f"tokens {tm * bt}..{tm * bt + bt - 1}")
+        from ..ir.work_table import TP_PIECE
+
+        s = call.get("sched")
+        if s is None or not 0 <= t < s.pieces:
+            return f"piece {t}"
+        row = TP_PIECE.unpack(s.tasks(call["grid"], call["world"])[0], s.pieces)
+        tokens, cols, _ = s.piece_slices(row, t)
+        return (f"piece {row['split'][t]} of {s.k_splits} of K of output tile {row['tile'][t]}: columns "
+                f"{cols.start}..{cols.stop - 1}, tokens {tokens.start}..{tokens.stop - 1}")
     return describe
 
 
@@ -131,7 +135,8 @@ class RowParallelLinear(GroupMember, Operator):
         self._shape: dict = {}
         self._register_watchdog("meld_tp_linear", _describe_tile(self._shape))
         self._variants: dict[tuple, tuple] = {}   # per (token block, warpgroups): (config, kernel, parameter struct)
-        self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid, direct path)
+        self._calls: dict[int, tuple] = {}      # per M: (schedule, kernel, parameter struct, grid, direct path,
+                                                # the plan's TP_PIECE rows on the device)
         if self.proxy is not None:   # every variant loaded now: no module load while a kernel waits on the proxy
             for cfg in call_configs(kernel_config):
                 self._variant(cfg)
@@ -186,17 +191,22 @@ class RowParallelLinear(GroupMember, Operator):
         self._watchdog.check()
         call = self._calls.get(M)
         if call is None:   # the schedule, kernel and grid of M rows, worked out once
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"RowParallelLinear: a first call with {M} rows is being captured; call once with "
+                                   f"{M} rows before capturing (its plan's rows are copied to the device then)")
             sched = self.lowering.planner(M, self.out_features, self.in_features, self._sm_count, self.kernel_config)
             cfg, kernel, p = self._variant(sched.config(self.kernel_config))
             # Every CTA resident at once (every-rank merges wait for CTAs of the same launch: tp_linear.cuh).
             grid = min(sched.pieces, min(kernel.ctas_per_sm, cfg.ctas) * self._sm_count)
-            call = self._calls[M] = (sched, kernel, p, grid, self._direct(cfg, sched, grid))
-        sched, kernel, p, grid, direct = call
+            # its plan's rows, on the device for as long as the operator (a captured graph's launches read them)
+            tasks = torch.from_numpy(sched.tasks(grid, self.world)[0]).to(self.device)
+            call = self._calls[M] = (sched, kernel, p, grid, self._direct(cfg, sched, grid), tasks)
+        sched, kernel, p, grid, direct, tasks = call
         if M != self._last_m:
             self._last_m = M
             p.m, p.m_tiles, p.k_splits, p.tiles, p.direct = M, sched.m_tiles, sched.k_splits, sched.pieces, int(direct)
-            self._shape.update(m_tiles=sched.m_tiles, block_tokens=sched.block_tokens, k_splits=sched.k_splits,
-                               cols=sched.cols)
+            p.tasks = tasks.data_ptr()
+            self._shape.update(sched=sched, grid=grid, world=self.world)
         p.w_map = self._weight_maps.get(weight)
         p.x_map, p.x_tail_map = self._x_maps.get(x)
         kernel.launch(grid, p)

@@ -9,7 +9,8 @@ tile's partials in (rank, split) order — with the combiner the operator's task
 merge is chosen from it — and puts the sum to every rank. Every-rank merges (the GPU's default): every
 partial goes to every rank behind a per-CTA stamp, and each rank sums a tile once the stamps cover its
 pieces. The kernel's rules, run by the CPU reference executor under the emulated transport's reordering
-and delays.
+and delays, over the plan's rows as the kernel loads them (`TpSchedule.tasks`: a TP_PIECE row per piece, an
+EVENT row per tile).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 from ..codegen.lowering import lower
 from ..codegen.tp_kernel import TpSchedule
 from ..ir import COMBINERS
+from ..ir.work_table import EVENT, TP_PIECE
 from ..ops.tp_linear_graph import tp_linear_graph
 from .reduce import LastArriverReduce, run_ranks
 
@@ -32,18 +34,25 @@ def _merge(sched: TpSchedule, world: int):
     return lambda parts: functools.reduce(lambda a, b: combine(a, b)[0], parts)
 
 
-def _partial(sched: TpSchedule, x: np.ndarray, w: np.ndarray, t: int) -> np.ndarray:
-    """Piece t's partial of its output tile, padded to the tile's shape [block_tokens, cols]."""
-    _, _, rows, cols, ks = sched.piece(t)
+def _plan(sched: TpSchedule, grid: int, world: int) -> tuple[dict, dict]:
+    """The plan's TP_PIECE and EVENT rows (`TpSchedule.tasks`), by field."""
+    tasks, events = sched.tasks(grid, world)
+    return TP_PIECE.unpack(tasks, sched.pieces), EVENT.unpack(events, sched.out_tiles)
+
+
+def _partial(sched: TpSchedule, x: np.ndarray, w: np.ndarray, task: dict, t: int) -> np.ndarray:
+    """Piece t's partial of its output tile (its row of `task`), padded to the tile's shape [block_tokens, cols]."""
+    rows, cols, ks = sched.piece_slices(task, t)
     part = np.zeros((sched.block_tokens, sched.cols))
     part[:rows.stop - rows.start, :cols.stop - cols.start] = x[rows, ks] @ w[cols, ks].T
     return part
 
 
-def _assemble(sched: TpSchedule, tiles) -> np.ndarray:
+def _assemble(sched: TpSchedule, task: dict, event: dict, tiles) -> np.ndarray:
+    """y from its tiles, each placed by its first piece's row (the event's `part_first`)."""
     y = np.empty((sched.m, sched.n))
     for o in range(sched.out_tiles):
-        _, _, rows, cols, _ = sched.piece(o * sched.k_splits)
+        rows, cols, _ = sched.piece_slices(task, int(event["part_first"][o]))
         y[rows, cols] = tiles[o][:rows.stop - rows.start, :cols.stop - cols.start]
     return y
 
@@ -65,6 +74,7 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
     if merge != "owner":
         raise ValueError(f"merge={merge!r}: expected 'owner', 'every_rank' or 'direct'")
     world, S = len(xs), sched.k_splits
+    task, event = _plan(sched, 1, world)   # (pieces in any order: the CTAs do not matter here)
     reduce = LastArriverReduce("y", _merge(sched, world))   # (rank, split) order
     out = reduce.windows(transport, sched.out_tiles, world * S, (sched.block_tokens, sched.cols))
 
@@ -72,13 +82,13 @@ def row_parallel_matmul(transport, xs: list[np.ndarray], ws: list[np.ndarray], s
         order = list(range(sched.pieces))
         random.Random(seed * 1000 + r).shuffle(order)   # pieces finish in a different order on every rank
         for t in order:
-            o, split = divmod(t, S)
-            reduce.contribute(transport, r, o % world, o, r * S + split, world * S, _partial(sched, xs[r], ws[r], t),
-                              to=range(world))
+            o = int(task["tile"][t])
+            reduce.contribute(transport, r, o % world, o, r * S + int(task["split"][t]), int(event["parts"][o]),
+                              _partial(sched, xs[r], ws[r], task, t), to=range(world))
         transport.quiet(r)
 
     run_ranks(world, rank_main)
-    return [_assemble(sched, out[r]) for r in range(world)]
+    return [_assemble(sched, task, event, out[r]) for r in range(world)]
 
 
 def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s: float = 1e-5) -> list[np.ndarray]:
@@ -89,6 +99,9 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
     that CTA's pieces, as soon as chunk q of every part is stamped: after each of its pieces if the stamps
     already cover it (the GPU's consumers), and every chunk left after its last piece, waiting for them."""
     world, S = len(xs), sched.k_splits
+    task, event = _plan(sched, G, world)
+    walk = [np.flatnonzero(task["cta"] == c) for c in range(G)]   # each CTA's pieces, in order
+    ordinal = {int(t): i for w in walk for i, t in enumerate(w)}
     merge = _merge(sched, world)
     rows, chunks = sched.merge_chunks
     transport.window("y.parts", (sched.out_tiles, world * S, chunks, rows, sched.cols), np.float64, np.nan)
@@ -96,42 +109,43 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
     out = [np.full((sched.out_tiles, sched.block_tokens, sched.cols), np.nan) for _ in range(world)]
 
     def rank_main(r: int) -> None:
-        def covered(t: int, q: int) -> bool:   # chunk q of every part, (rank, split) k, of tile t (its first
-            return all(transport.get(r, r, "y.stamp", (k // S, (t + k % S) % G))   # piece) stamped here
-                       >= (t + k % S) // G * chunks + q + 1 for k in range(world * S))
+        def covered(o: int, q: int) -> bool:   # chunk q of every part, (rank, split) k, of tile o stamped here
+            first = int(event["part_first"][o])
+            return all(transport.get(r, r, "y.stamp", (k // S, int(task["cta"][first + k % S])))
+                       >= ordinal[first + k % S] * chunks + q + 1 for k in range(int(event["parts"][o])))
 
         claimed = [0] * G   # per CTA: the claims looked at (piece ordinal x chunks + chunk)
 
         def merge_next(c: int, wait: bool) -> bool:
             """CTA c's next chunk to merge, if any (waiting for its tile's parts, or only if they have landed)."""
-            while c + G * (claimed[c] // chunks) < sched.pieces:
-                t, q = c + G * (claimed[c] // chunks), claimed[c] % chunks
-                if q % S == t % S:
-                    t0 = t - t % S
+            while claimed[c] // chunks < len(walk[c]):
+                t, q = int(walk[c][claimed[c] // chunks]), claimed[c] % chunks
+                if q % S == task["split"][t]:
+                    o = int(task["tile"][t])
                     deadline = time.monotonic() + transport.timeout
-                    while not covered(t0, q):
+                    while not covered(o, q):
                         if not wait:
                             return False
                         if time.monotonic() > deadline:
-                            raise TimeoutError(f"rank {r}: the parts of tile {t // S} did not arrive")
+                            raise TimeoutError(f"rank {r}: the parts of tile {o} did not arrive")
                         time.sleep(poll_s)
                     claimed[c] += 1
-                    out[r][t // S][q * rows:(q + 1) * rows] = merge([p[q] for p in transport.get(r, r, "y.parts", t // S)])
+                    out[r][o][q * rows:(q + 1) * rows] = merge([p[q] for p in transport.get(r, r, "y.parts", o)])
                     return True
                 claimed[c] += 1
             return False
 
         rng = random.Random(seed * 1000 + r)
-        for j in range(-(-sched.pieces // G)):
-            ctas = [c for c in range(G) if c + G * j < sched.pieces]
+        for j in range(max(len(w) for w in walk)):
+            ctas = [c for c in range(G) if j < len(walk[c])]
             rng.shuffle(ctas)
             for c in ctas:
-                t = c + G * j
-                o, split = divmod(t, S)
-                part = _partial(sched, xs[r], ws[r], t)
+                t = int(walk[c][j])
+                part = _partial(sched, xs[r], ws[r], task, t)
                 for q in range(chunks):
                     for dst in range(world):
-                        transport.put(r, dst, "y.parts", (o, r * S + split, q), part[q * rows:(q + 1) * rows])
+                        transport.put(r, dst, "y.parts", (int(task["tile"][t]), r * S + int(task["split"][t]), q),
+                                      part[q * rows:(q + 1) * rows])
                         transport.signal(r, dst, "y.stamp", (r, c), 1)
                 merge_next(c, wait=False)
         for c in range(G):
@@ -140,7 +154,7 @@ def _every_rank(transport, xs, ws, sched: TpSchedule, seed: int, G: int, poll_s:
         transport.quiet(r)
 
     run_ranks(world, rank_main)
-    return [_assemble(sched, out[r]) for r in range(world)]
+    return [_assemble(sched, task, event, out[r]) for r in range(world)]
 
 
 LL_WORD = np.dtype([("v", np.float64), ("tag", np.int64)])   # a direct-path word: a value and its launch's tag
@@ -155,6 +169,7 @@ def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int) -> l
     between them, so a rank can be a launch ahead of another (the parity slots are what keeps it from
     overwriting words the other has still to read). Every rank's y of the last launch."""
     world, S, G = len(xs), sched.k_splits, sched.pieces
+    task, event = _plan(sched, G, world)   # (CTA c's only piece is piece c)
     merge = _merge(sched, world)
     shape = (sched.block_tokens, sched.cols)
     transport.window("y.ll", (2, world, G) + shape, LL_WORD, np.array((np.nan, 0), dtype=LL_WORD))
@@ -167,17 +182,18 @@ def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int) -> l
             rng.shuffle(ctas)
             for c in ctas:
                 word = np.empty(shape, LL_WORD)
-                word["v"], word["tag"] = _partial(sched, xs[r] * launch, ws[r], c), launch
+                word["v"], word["tag"] = _partial(sched, xs[r] * launch, ws[r], task, c), launch
                 for dst in range(world):
                     transport.put(r, dst, "y.ll", (par, r, c), word)
             for c in ctas:
-                o, split = divmod(c, S)
-                share = np.arange(shape[0] * shape[1]) % S == split
+                o = int(task["tile"][c])
+                share = np.arange(shape[0] * shape[1]) % S == task["split"][c]
 
                 def landed(o=o, share=share):   # one snapshot of each part: its tags and values together
-                    parts = []
-                    for k in range(world * S):   # (the first part still in flight ends the look)
-                        part = transport.get(r, r, "y.ll", (par, k // S, o * S + k % S)).reshape(-1)
+                    parts, first = [], int(event["part_first"][o])
+                    for k in range(int(event["parts"][o])):   # (the first part still in flight ends the look)
+                        cta = int(task["cta"][first + k % S])
+                        part = transport.get(r, r, "y.ll", (par, k // S, cta)).reshape(-1)
                         if not (part["tag"][share] == launch).all():
                             return None
                         parts.append(part)
@@ -187,13 +203,14 @@ def _direct(transport, xs, ws, sched: TpSchedule, seed: int, launches: int) -> l
         transport.quiet(r)
 
     run_ranks(world, rank_main)
-    return [_assemble(sched, out[r]) for r in range(world)]
+    return [_assemble(sched, task, event, out[r]) for r in range(world)]
 
 
 def single_rank_reference(xs: list[np.ndarray], ws: list[np.ndarray], sched: TpSchedule) -> np.ndarray:
     """The same sum on one rank: every tile's partials, computed as the ranks compute them, added in
     (rank, split) order."""
     S, merge = sched.k_splits, _merge(sched, len(xs))
-    tiles = [merge([_partial(sched, x, w, o * S + s) for x, w in zip(xs, ws) for s in range(S)])
-             for o in range(sched.out_tiles)]
-    return _assemble(sched, tiles)
+    task, event = _plan(sched, 1, len(xs))
+    tiles = [merge([_partial(sched, x, w, task, int(event["part_first"][o]) + s) for x, w in zip(xs, ws)
+                    for s in range(S)]) for o in range(sched.out_tiles)]
+    return _assemble(sched, task, event, tiles)

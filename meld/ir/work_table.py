@@ -13,8 +13,7 @@ One task layout, one event layout (Mirage MPK's task/event contract; templates/e
 - `EVENT`: a row per event (a combine point): the `parts` that arrive at it and where their slots are listed
   (`part_first`). The arrival that brings its count to `parts` fires its combine.
 
-The views (the split-KV families first; MoE's tickets and row blocks, and TP's closed-form pieces, are not
-on it yet):
+The views (MoE's tickets and row blocks are not on it yet):
 - `CTA_TABLE` (decode, MLA: kind SEGMENT): one row per CTA, its segment of the line of units (the items;
   meld/ir/schedule.py): from (u_begin, s_begin) to before (u_end, s_end). Its events are the units it
   touches (event u counts unit u's pieces). Only a unit split at the segment's start (head) or end (tail)
@@ -24,6 +23,11 @@ on it yet):
 - `SPLIT_TASK` (grouped attention: kind PIECE): a piece [kv_begin, kv_end) of one group (an item of
   producer `producer`) for one kv head, its partials from `slot` on; its events (a request and kv head
   each) are in `EVENT`, their parts' slots in the part-slot list.
+- `TP_PIECE` (the row-parallel linear: kind TP_PIECE): a piece of output tile `tile` (column block `col`,
+  first token `tok0`) over K stages [k0, k1) (its split `split`), its partial's slot among its CTA's
+  (every-rank merges), and its tile's merge event: `EVENT` row `tile`, world x k_splits parts, the pieces
+  from `part_first` (the tile's first) on of every rank, in (rank, split) order. The kernel loads a row per
+  piece; the merges count on their own counters (templates/tp_linear.cuh).
 The header's fields come after the segment's eight, at indices that keep the decode walk's loads where
 they were (field-major: field f of entry i at f * count + i).
 
@@ -129,7 +133,7 @@ class PackedWord:
 
 
 # The one task layout and the one event layout (the module docstring).
-TASK_KINDS = {"segment": 0, "piece": 1}
+TASK_KINDS = {"segment": 0, "piece": 1, "tp_piece": 2}
 TASK = Table("Task", ("first", "begin", "last", "end", "arg0", "arg1", "arg2", "arg3", "kind", "cta", "slot",
                       "event_first", "event_count"))
 EVENT = Table("Event", ("parts", "part_first"))
@@ -144,6 +148,11 @@ CTA_TABLE = TASK.view("CtaRow", "segment", first="u_begin", begin="s_begin", las
 # merge order (part_slot[part_first ..]).
 SPLIT_TASK = TASK.view("SplitTask", "piece", first="group", begin="kv_begin", last="last_group", end="kv_end",
                        arg0="producer", arg1="kv_head")
+
+# The row-parallel linear (templates/tp_linear.cuh; meld.codegen.tp_kernel.TpSchedule.tasks plans it): a piece
+# of output tile `tile` over K stages [k0, k1), its range (tile, k0) to before (last_tile = tile, k1).
+TP_PIECE = TASK.view("TpPiece", "tp_piece", first="tile", begin="k0", last="last_tile", end="k1",
+                     arg0="split", arg1="col", arg2="tok0")
 
 # Fused MoE (templates/moe.cuh): row blocks of one expert's rows, and the tiles in ticket order.
 ROW_BLOCKS = Table("RowBlock", ("expert", "first_row", "rows", "pad"), field_major=False)

@@ -6,7 +6,8 @@
 // x BLOCK_TOKENS tokens (wgmma's N), so a decode step with a few tokens wastes no tensor-core rows; with
 // two consumer warpgroups (wide token blocks) both read each stage's token box, which halves the
 // activation traffic per weight row. With few output tiles, K is split too
-// (p.k_splits pieces per tile), so that every SM streams weights. CTA c computes pieces c, c + grid, ...;
+// (p.k_splits pieces per tile), so that every SM streams weights. CTA c computes pieces c, c + grid, ...
+// (the plan's rows, p.tasks);
 // the token blocks of a column block are adjacent, so CTAs running together share its weight boxes in
 // L2. Warp 0 keeps a ring of (weight box, token box) stages loaded by TMA; the consumer warpgroups run
 // the wgmmas, one stage's in flight while the next is issued.
@@ -69,20 +70,14 @@ __device__ __forceinline__ Profiler tp_profiler(const TpParams& p, int* team, bo
   return prof;
 }
 
-// Piece t: output tile o = t / k_splits (column block, token block) and its K blocks [k0, k1).
+// Piece t: its row of the call's plan (p.tasks: TP_PIECE rows of the one task layout, TpSchedule.tasks),
+// loaded once a piece: output tile o (column block, token block) and its K stages [k0, k1).
 struct Piece {
   int o, split, col, tok0, k0, k1;
 };
-__device__ __forceinline__ Piece tp_piece(const TpParams& p, int t) {
-  Piece x;
-  x.o = t / p.k_splits;
-  x.split = t - x.o * p.k_splits;
-  x.col = x.o / p.m_tiles;
-  x.tok0 = (x.o - x.col * p.m_tiles) * BLOCK_TOKENS;
-  const int nk = (p.k + BK * K_BOXES - 1) / (BK * K_BOXES);   // stages
-  x.k0 = (int)((long long)nk * x.split / p.k_splits);
-  x.k1 = (int)((long long)nk * (x.split + 1) / p.k_splits);
-  return x;
+__device__ __forceinline__ Piece tp_task(const TpParams& p, int t) {
+  const TpPiece r = load_tppiece(p.tasks, p.tiles, t);
+  return Piece{r.tile, r.split, r.col, r.tok0, r.k0, r.k1};
 }
 
 // The last token block, when M is not a multiple of BLOCK_TOKENS, is loaded with boxes of its M % BLOCK_TOKENS
@@ -91,7 +86,7 @@ __device__ __forceinline__ Piece tp_piece(const TpParams& p, int t) {
 // bytes: they feed only accumulators of tokens >= M, which no merge reads and no store writes.
 __device__ void tp_produce(const TpParams& p, Ring ring) {
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-    const Piece x = tp_piece(p, t);
+    const Piece x = tp_task(p, t);
     const int col = x.col, tok0 = x.tok0, rows = min(BLOCK_TOKENS, p.m - tok0);
     const void* xmap = rows < BLOCK_TOKENS ? &p.x_tail_map : &p.x_map;
     for (int kk = x.k0; kk < x.k1; ++kk) {
@@ -234,7 +229,7 @@ __device__ void tp_consume(const TpParams& p, Ring ring, u16* staged, int* team)
   bool started = false;      // every rank has started this launch
   Profiler prof = tp_profiler(p, team, ct == 0);
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-    const Piece x = tp_piece(p, t);
+    const Piece x = tp_task(p, t);
     const int mine = p.x_rank * p.k_splits + x.split;
     float acc[ACC];
     const i64 t0 = prof.now();
@@ -535,9 +530,9 @@ struct MergeClaims {
       return reinterpret_cast<const Part*>(p.xpeers[TP_PROXY ? p.x_rank : j / p.k_splits]) +   // where it lies
              L.part(j / p.k_splits, t + j % p.k_splits); };
     if (nparts <= 2)
-      tp_merge<U, 2>(p, tp_piece(p, t), row0, rows, part, nparts, i, nt);
+      tp_merge<U, 2>(p, tp_task(p, t), row0, rows, part, nparts, i, nt);
     else
-      tp_merge<U4, 4>(p, tp_piece(p, t), row0, rows, part, nparts, i, nt);
+      tp_merge<U4, 4>(p, tp_task(p, t), row0, rows, part, nparts, i, nt);
   }
 };
 
@@ -665,7 +660,7 @@ __device__ __forceinline__ void tp_consume_every(const TpParams& p, Ring ring, P
   Profiler prof = tp_profiler(p, team, ct == 0);
   int sent = 0;   // chunks staged
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-    const Piece x = tp_piece(p, t);
+    const Piece x = tp_task(p, t);
     float acc[ACC];
     const i64 t0 = prof.now();
     tp_gemm(p, ring, x, t, acc, warp, lane);
