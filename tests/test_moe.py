@@ -441,6 +441,31 @@ def test_gpu_plan_matches_numpy_plan(T):
 
 
 @pytest.mark.gpu
+def test_gpu_replans_of_fewer_tiles_read_only_their_own_rows():
+    """One layer, calls of many then few then many tokens (the task table's rows past a call's tickets hold an
+    earlier call's), H and I not multiples of a tile: each call against float64 into a poisoned output, fresh
+    inputs every call, and a NaN in x reaching exactly its token's row."""
+    H, I, E, k = 264, 200, 12, 3
+    dev = "cuda"
+    w13, w2 = weights(E, H, I, dev, seed=7)
+    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=400)
+    g = torch.Generator().manual_seed(11)
+    for T, nan_row in ((333, None), (3, None), (333, 101), (2, 1)):
+        x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+        logits = torch.randn(T, E, generator=g).to(dev)
+        if nan_row is not None:
+            x[nan_row, 5] = float("nan")
+        out = torch.full((T, H), float("nan"), device=dev, dtype=torch.bfloat16)
+        moe(x, logits, w13, w2, out=out)
+        torch.cuda.synchronize()
+        ids, w = route(logits.cpu(), k, True)
+        ok = [t for t in range(T) if t != nan_row]
+        assert_close(out[ok], dense_reference(x[ok], w13, w2, ids[ok], w[ok]), f"T={T}")
+        if nan_row is not None:
+            assert out[nan_row].isnan().all(), f"T={T}: the NaN in x[{nan_row}] did not reach its whole row"
+
+
+@pytest.mark.gpu
 def test_gpu_bit_identical_runs_and_cuda_graph_replay():
     T, H, I, E, k = 300, 256, 128, 16, 4
     moe, x, logits, w13, w2, out = gpu_case(T, H, I, E, k, capacity=512)
