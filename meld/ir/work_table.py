@@ -28,7 +28,8 @@ The views:
   1. Event r is row block r (its `rb_done` counter): a gemm1 tile arrives at it, a gemm2 tile waits for it.
   It counts the row block's n1 gemm1 tiles, a per-launch constant, so MoE has no `EVENT` rows. Its slots
   are derived (the row block's rows of act and y): `slot` is -1. CTAs take rows by ticket as they go, so no
-  row names its CTA: `cta` is -1.
+  row names its CTA: `cta` is -1. (The token combines' counters, a token's per column block of H, are
+  reached through a gemm2 tile's rows' tokens, not named in its row.)
 TP's closed-form pieces are not on it yet.
 
 A `Table` is int32 entries of named fields, stored field-major (field f of entry i at f * count + i, so a warp
