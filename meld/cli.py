@@ -163,7 +163,7 @@ def demo_moe(device: str) -> int:
     counts = np.diff(plan.expert_off)
     print(f"3. plan from the routing (on the GPU it is made on the GPU): {int((counts > 0).sum())} of {E} experts "
           f"touched, the hottest has {counts.max()} rows; {len(plan.row_blocks)} row blocks of up to {bt} rows, "
-          f"{len(plan.tasks)} tiles in ticket order")
+          f"{plan.num_tiles} tiles in ticket order")
     dev = torch.device(device)
     out = moe(*(t.to(dev) for t in (x, logits, w13, w2)))
     xd, w13d, w2d, wd = (t.double() for t in (x, w13, w2, w))

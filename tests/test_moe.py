@@ -1,5 +1,6 @@
 """Fused MoE: the CPU reference executor and the GPU kernels against a float64 dense reference, the GPU
 planner against the NumPy plan, and the layer's input checks."""
+import dataclasses
 import re
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 import meld
 from meld.codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, MAX_EXPERTS, MoeKernelConfig, block_tokens_for,
                                     route_smem_bytes, tile_token_widths, token_box_rows)
+from meld.ir.work_table import MOE_TILE, ROW_BLOCKS
 from meld.runtime.moe_reference import route
 from meld.scheduler.moe_plan import GEMM1, GEMM2, plan_moe
 from tests.kernel_matrix import nvcc
@@ -62,20 +64,74 @@ def test_plan_covers_every_pair_once_in_dependency_order(T, E, k, bt, lag):
         r = np.arange(p.expert_off[e], p.expert_off[e + 1])
         assert (ids[p.row_token[r]] == e).any(axis=1).all() and (np.diff(p.row_token[r]) > 0).all()
     assert all(0 < n <= bt for n in p.row_blocks[:, 2])
-    assert len(p.tasks) == len(p.row_blocks) * (n1 + n2)
+    assert p.num_tiles == len(p.row_blocks) * (n1 + n2)
+    t = p.tile_columns()
     seen = {}
-    for ticket, (kind, rb, c) in enumerate(p.tasks):
+    for ticket, (kind, rb, c, event) in enumerate(zip(t["gemm"], t["row_block"], t["col"], t["event_first"])):
         seen.setdefault((kind, rb), []).append(ticket)
-        if kind == GEMM2:   # every gemm1 tile of its row block has a smaller ticket
-            assert len(seen.get((GEMM1, rb), [])) == n1
+        if kind == GEMM2:   # every gemm1 tile of the row block it waits for has a smaller ticket
+            assert event == rb and len(seen.get((GEMM1, rb), [])) == n1
     assert all(len(v) == (n1 if kind == GEMM1 else n2) for (kind, _), v in seen.items())
+
+
+def test_tile_rows_follow_the_closed_form_ticket_order():
+    """The oracle's MOE_TILE rows are every (gemm, row block, col) once, at the ticket the closed form of
+    templates/moe_plan.h gives it: gemm1 tile a (expert by expert, column-major) at a plus the gemm2 tiles of
+    every expert due by then; an expert's gemm2 tiles from its due ticket, min(one past its last gemm1 tile +
+    lag, every gemm1 tile), on. The rest of a row follows from those three fields."""
+    rng = np.random.default_rng(5)
+    E, n1, n2 = 12, 3, 4
+    ids = np.stack([rng.permutation(E)[:3] for _ in range(200)])
+    ids[ids == 7] = -1   # an empty expert
+    for lag in (0, 7, 10 ** 4):
+        p = plan_moe(ids, E, 16, n1, n2, lag)
+        nrb = np.bincount(p.row_blocks[:, 0], minlength=E)
+        rb_off = np.r_[0, np.cumsum(nrb)]
+        due = np.minimum(rb_off[1:] * n1 + lag, rb_off[-1] * n1)
+        want = {}
+        for e in range(E):
+            for c in range(n1):
+                for r in range(nrb[e]):
+                    a = rb_off[e] * n1 + c * nrb[e] + r
+                    want[a + n2 * nrb[due <= a].sum()] = (GEMM1, rb_off[e] + r, c)
+            for c in range(n2):
+                for r in range(nrb[e]):
+                    want[due[e] + rb_off[e] * n2 + c * nrb[e] + r] = (GEMM2, rb_off[e] + r, c)
+        assert sorted(want) == list(range(p.num_tiles))
+        rb, col, gemm = (np.array([want[i][j] for i in range(p.num_tiles)]) for j in (1, 2, 0))
+        t = p.tile_columns()
+        assert np.array_equal(t["gemm"], gemm) and np.array_equal(t["row_block"], rb) and np.array_equal(t["col"], col)
+        assert np.array_equal(t["last_row_block"], rb) and np.array_equal(t["col_end"], col + 1)
+        assert np.array_equal(t["event_first"], rb) and np.all(t["event_count"] == 1)
+        assert np.all(t["kind"] == MOE_TILE.kind) and np.all(t["cta"] == -1) and np.all(t["slot"] == -1)
+        assert not np.any([t[f] for f in ("arg1", "arg2", "arg3")])
+
+
+def test_executor_refuses_a_gemm2_tile_before_its_row_block_event():
+    """The CPU executor walks the rows as the kernel does: a gemm2 tile whose row block's gemm1 tiles are not
+    all at smaller tickets (the kernel would wait for a ticket no CTA takes first) is an error, not a result."""
+    from meld.runtime.moe_reference import execute_moe
+
+    T, H, I, E, k = 3, 64, 64, 4, 2
+    ids = np.array([[0, 1], [1, 2], [0, 2]])
+    w13, w2 = weights(E, H, I)
+    p = plan_moe(ids, E, 16, 1, 1, 0)
+    t = p.tile_columns()
+    first2 = int(np.argmax(t["gemm"] == GEMM2))
+    late = int(np.nonzero((t["gemm"] == GEMM1) & (t["row_block"] == t["row_block"][first2]))[0][0])
+    order = np.r_[np.delete(np.arange(p.num_tiles), late), late]   # its gemm1 tile moved to the end
+    bad = dataclasses.replace(p, tiles=p.tiles.reshape(MOE_TILE.width, -1)[:, order].reshape(-1))
+    x, w = torch.randn(T, H).bfloat16(), torch.rand(T, k)
+    execute_moe(p, x, w13, w2, w)
+    with pytest.raises(RuntimeError, match="before its row block"):
+        execute_moe(bad, x, w13, w2, w)
 
 
 def test_empty_experts_get_no_tiles():
     ids = np.zeros((40, 1), dtype=np.int64) + 3
     p = plan_moe(ids, 8, 16, 2, 2, 5)
     assert set(p.row_blocks[:, 0].tolist()) == {3}
-    assert len(p.row_blocks) == 3 and len(p.tasks) == 12
+    assert len(p.row_blocks) == 3 and p.num_tiles == 12
 
 
 # --- codegen ------------------------------------------------------------------------------------------
@@ -361,8 +417,11 @@ def test_gpu_routing_order_ties_and_nan():
 
 
 @pytest.mark.gpu
-def test_gpu_plan_matches_numpy_plan():
-    T, E, k = 700, 16, 4
+@pytest.mark.parametrize("T", [5, 700])   # the lone routing CTA plans; the last of 22 plans
+def test_gpu_plan_matches_numpy_plan(T):
+    """The GPU planner's tables equal the NumPy oracle's: every MOE_TILE row (all fields) in ticket order, the
+    row blocks, the tickets' count, the rows of each pair and each expert."""
+    E, k = 16, 4
     moe, *_ = gpu_case(T, 256, 200, E, k, logits=skewed_logits(T, E))
     # Only what the launch wrote is read back (the tables' tails past this call's work hold bytes nothing
     # wrote: compute-sanitizer's initcheck reports a copy of them).
@@ -371,11 +430,39 @@ def test_gpu_plan_matches_numpy_plan():
     host = moe.plan_for(ids, T)
     n1, n2 = (-(-moe.intermediate_size // host.columns[0]), -(-moe.hidden_size // host.columns[1]))
     p = plan_moe(ids, E, block_tokens_for(T, k, E), n1, n2, moe._sm_count, host.columns)   # the NumPy oracle
-    n = len(p.tasks)
+    n, nrb = p.num_tiles, len(p.row_blocks)
     assert int(b["counters"][1]) == n
-    assert np.array_equal(b["tasks"][:n].cpu().numpy(), p.packed_tasks)
+    rows = b["tasks"].view(MOE_TILE.width, moe._tile_cap)[:, :n].cpu().numpy()
+    assert np.array_equal(rows, p.tiles.reshape(MOE_TILE.width, n)), "route's MOE_TILE rows differ from the oracle's"
+    blocks = ROW_BLOCKS.unpack(b["rb"][: nrb * ROW_BLOCKS.width].cpu().numpy(), nrb)
+    assert np.array_equal(np.stack([blocks[f] for f in ("expert", "first_row", "rows")], 1), p.row_blocks)
     assert np.array_equal(b["pair_pos"][: T * k].cpu().numpy().reshape(T, k), p.pair_pos)
     assert np.array_equal(b["expert_off"][:len(p.expert_off)].cpu().numpy(), p.expert_off)
+
+
+@pytest.mark.gpu
+def test_gpu_replans_of_fewer_tiles_read_only_their_own_rows():
+    """One layer, calls of many then few then many tokens (the task table's rows past a call's tickets hold an
+    earlier call's), H and I not multiples of a tile: each call against float64 into a poisoned output, fresh
+    inputs every call, and a NaN in x reaching exactly its token's row."""
+    H, I, E, k = 264, 200, 12, 3
+    dev = "cuda"
+    w13, w2 = weights(E, H, I, dev, seed=7)
+    moe = meld.MoE(H, I, E, k, device=dev, max_num_tokens=400)
+    g = torch.Generator().manual_seed(11)
+    for T, nan_row in ((333, None), (3, None), (333, 101), (2, 1)):
+        x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+        logits = torch.randn(T, E, generator=g).to(dev)
+        if nan_row is not None:
+            x[nan_row, 5] = float("nan")
+        out = torch.full((T, H), float("nan"), device=dev, dtype=torch.bfloat16)
+        moe(x, logits, w13, w2, out=out)
+        torch.cuda.synchronize()
+        ids, w = route(logits.cpu(), k, True)
+        ok = [t for t in range(T) if t != nan_row]
+        assert_close(out[ok], dense_reference(x[ok], w13, w2, ids[ok], w[ok]), f"T={T}")
+        if nan_row is not None:
+            assert out[nan_row].isnan().all(), f"T={T}: the NaN in x[{nan_row}] did not reach its whole row"
 
 
 @pytest.mark.gpu
@@ -472,7 +559,7 @@ def test_host_planner_equals_the_numpy_oracle(seed):
     bt, n1, n2, lag = int(rng.choice([16, 32, 64, 128])), int(rng.integers(1, 7)), int(rng.integers(1, 9)), \
         int(rng.integers(0, 300))
     a, b = plan_moe(ids, E, bt, n1, n2, lag), plan_moe_host(ids, E, bt, n1, n2, lag)
-    for f in ("expert_off", "pair_pos", "row_token", "row_blocks", "tasks"):
+    for f in ("expert_off", "pair_pos", "row_token", "row_blocks", "tiles"):
         assert np.array_equal(getattr(a, f), getattr(b, f)), f
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from meld.ir.work_table import CTA_TABLE, MOE_TASK, ROW_BLOCKS, PackedWord, Table
+from meld.ir.work_table import CTA_TABLE, MOE_TILE, ROW_BLOCKS, Table
 
 
 @pytest.mark.parametrize("table", [CTA_TABLE, ROW_BLOCKS, Table("T", ("a", "b", "c"))])
@@ -22,28 +22,23 @@ def test_table_refuses_unknown_fields():
         CTA_TABLE.pack(2, u_begin=[0, 1])
 
 
-def test_packed_word_layout_matches_its_c_source():
-    w = int(MOE_TASK.pack(kind=1, col=37, row_block=1000))
-    assert w == 1 | 37 << 1 | 1000 << 12
-    src = MOE_TASK.c_source()
-    assert "(kind << 0) | (col << 1) | (row_block << 12)" in src and "& 524287" in src
-    with pytest.raises(ValueError, match="col"):
-        MOE_TASK.pack(kind=0, col=MOE_TASK.limit("col"), row_block=0)
-    with pytest.raises(ValueError, match="bits"):
-        PackedWord("Big", (("a", 16), ("b", 16)))
+def test_max_entries_keeps_every_flat_index_in_an_int32():
+    n = MOE_TILE.max_entries
+    assert MOE_TILE.index(MOE_TILE.fields[-1], n - 1, n) <= 2 ** 31 - 1 < MOE_TILE.width * (n + 1) - 1
 
 
 def test_family_tables_are_views_of_the_one_task_layout():
-    """Decode/MLA segments, grouped pieces and TP pieces are rows of TASK: the same width and order, the shared header
-    at the same indices, their own kinds."""
+    """Decode/MLA segments, grouped pieces, TP pieces and MoE tiles are rows of TASK: the same width and order, the
+    shared header at the same indices, their own kinds."""
     from meld.ir.work_table import SPLIT_TASK, TASK, TP_PIECE
 
     header = ("kind", "cta", "slot", "event_first", "event_count")
-    for view in (CTA_TABLE, SPLIT_TASK, TP_PIECE):
+    views = (CTA_TABLE, SPLIT_TASK, TP_PIECE, MOE_TILE)
+    for view in views:
         assert (view.width, view.field_major) == (TASK.width, TASK.field_major)
         assert all(view.fields.index(f) == TASK.fields.index(f) for f in header)
         assert f"constexpr int {view.name.upper()}_TASK_KIND = {view.kind};" in view.c_source()
-    assert len({CTA_TABLE.kind, SPLIT_TASK.kind, TP_PIECE.kind}) == 3
+    assert len({v.kind for v in views}) == len(views)
     with pytest.raises(TypeError, match="not fields"):
         TASK.view("Bad", "piece", nope="x")
 
@@ -55,11 +50,12 @@ def _task_rows(flat, count):
 
 
 def test_every_family_planner_emits_task_rows():
-    """Each planner's rows read as TASK rows: decode and MLA (NumPy and the host build of the GPU planner)
-    and grouped attention (NumPy and host): kind, CTA, range, slot and events agree with the family's view."""
+    """Each planner's rows read as TASK rows: decode and MLA (NumPy and the host build of the GPU planner),
+    grouped attention and MoE (NumPy and host): kind, CTA, range, slot and events agree with the family's view."""
     from meld.ir.work_table import SPLIT_TASK
     from meld.scheduler import GroupTable, Topology, plan_decode, plan_split_reduce
     from meld.scheduler.decode_plan_host import plan_decode_host
+    from meld.scheduler.moe_plan import plan_moe, plan_moe_host
     from meld.scheduler.split_reduce_plan import plan_split_reduce_numpy
 
     rng = np.random.default_rng(3)
@@ -86,3 +82,10 @@ def test_every_family_planner_emits_task_rows():
         assert np.all(t["kind"] == SPLIT_TASK.kind) and np.array_equal(t["first"], t["last"])
         assert np.all(np.diff(t["cta"]) >= 0) and np.all(t["event_count"] > 0) and np.all(t["slot"] >= 0)
         assert np.array_equal(t["arg0"], named["producer"]) and np.array_equal(t["begin"], named["kv_begin"])
+    ids = np.stack([rng.permutation(9)[:3] for _ in range(40)])
+    for plan in (plan_moe(ids, 9, 16, 3, 2, 5), plan_moe_host(ids, 9, 16, 3, 2, 5)):
+        t, named = _task_rows(plan.tiles, plan.num_tiles), plan.tile_columns()
+        assert plan.num_tiles == len(plan.row_blocks) * 5 and np.all(t["kind"] == MOE_TILE.kind)
+        assert np.all(t["cta"] == -1) and np.all(t["slot"] == -1) and np.all(t["event_count"] == 1)
+        assert np.array_equal(t["first"], t["last"]) and np.array_equal(t["end"], t["begin"] + 1)
+        assert np.array_equal(t["event_first"], t["first"]) and np.array_equal(t["arg0"], named["gemm"])

@@ -27,7 +27,7 @@ OPERATORS = {
                   "meld/codegen/templates/mla_decode.cuh"],
     "MoE": ["meld/ops/moe.py", "meld/ops/moe_graph.py", "meld/ops/moe_weights.py", "meld/codegen/moe_kernel.py",
             "meld/codegen/templates/moe.cuh", "meld/codegen/templates/moe_plan.h", "meld/scheduler/moe_plan.py",
-            "meld/runtime/moe_reference.py", "meld/runtime/host/moe_plan.c"],
+            "meld/runtime/moe_reference.py", "meld/runtime/host/moe_plan.cpp"],
     "SeqParallelDecode": ["meld/distributed/seq_parallel.py", "meld/distributed/seq_decode.py",
                           "meld/distributed/shard.py", "meld/codegen/templates/decode_xrank.cuh"],
     "RowParallelLinear": ["meld/distributed/tp_linear.py", "meld/distributed/tp_matmul.py",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .source import SMEM_PER_CTA_MAX, template
 from ..runtime.profile import kind_defines
-from ..ir.work_table import MOE_TASK, ROW_BLOCKS
+from ..ir.work_table import MOE_TILE, ROW_BLOCKS
 from .params import MOE_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16, wgmma_e4m3
 
@@ -142,7 +142,7 @@ class MoeKernelConfig:
         staging = 0 if self.narrow else 16 + 8 * self.block_tokens * 32   # (aligned) each consumer warp's output
                                                                           # tile (moe.cuh: store_rows)
         # alignment, ring and task-slot mbarriers, mailbox mbarriers, task slots, mailbox, combine list
-        return 1024 + 16 * 16 + 32 + 32 + 32 + 16 + 4 * (4 + self.block_tokens) + xchg + staging
+        return 1024 + 16 * 16 + 32 + 32 + 64 + 16 + 4 * (4 + self.block_tokens) + xchg + staging
 
     @property
     def smem_bytes(self) -> int:
@@ -178,5 +178,5 @@ class MoeKernelConfig:
                           template("persistent.cuh"), template("hopper.cuh"),
                           "namespace meld {\n" + "".join(map(mma, tile_token_widths(self.block_tokens)))
                           + "}  // namespace meld",
-                          MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TASK.c_source(), template("moe_plan.h"),
+                          MOE_PARAMS.c_source(), ROW_BLOCKS.c_source(), MOE_TILE.c_source(), template("moe_plan.h"),
                           template("moe.cuh")])

@@ -330,7 +330,7 @@ MOE_PARAMS = _with_header("MoeParams", [
     Field("blk_cnt", "ptr", "int*"),             # [blocks][E]: counts, then offsets once planned
     Field("expert_off", "ptr", "int*"),          # [E + 1]: first row of each expert
     Field("rb", "ptr", "int*"),                  # [row blocks][4]: expert, first row, rows, 0
-    Field("tasks", "ptr", "int*"),               # tickets -> packed (row block, column block, kind)
+    Field("tasks", "ptr", "int*"),               # the tiles' MOE_TILE rows in ticket order, field-major
     Field("counters", "ptr", "int*"),            # [0]: next ticket, [1]: tickets, [2]: routing CTAs done
     Field("rb_done", "ptr", "int*"),             # gemm1 tiles finished per row block
     Field("tok_cnt", "ptr", "int*"),             # [T][n2]: rows of a token per column block not yet in y
@@ -380,6 +380,7 @@ MOE_PARAMS = _with_header("MoeParams", [
     Field("w13_scale", "ptr", "const float*"),   # [E][ceil(2I / 128)][ceil(H / 128)]
     Field("w2_scale", "ptr", "const float*"),    # [E][ceil(H / 128)][ceil(I / 128)]
     Field("scale_ld", "i32"),                    # rows of xs and act (their capacity)
+    Field("task_capacity", "i32"),               # rows of the tasks table (a field's stride)
 ])
 
 # The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/distributed/tp_linear.py).

@@ -13,7 +13,7 @@ One task layout, one event layout (Mirage MPK's task/event contract; templates/e
 - `EVENT`: a row per event (a combine point): the `parts` that arrive at it and where their slots are listed
   (`part_first`). The arrival that brings its count to `parts` fires its combine.
 
-The views (MoE's tickets and row blocks are not on it yet):
+The views:
 - `CTA_TABLE` (decode, MLA: kind SEGMENT): one row per CTA, its segment of the line of units (the items;
   meld/ir/schedule.py): from (u_begin, s_begin) to before (u_end, s_end). Its events are the units it
   touches (event u counts unit u's pieces). Only a unit split at the segment's start (head) or end (tail)
@@ -28,13 +28,18 @@ The views (MoE's tickets and row blocks are not on it yet):
   (every-rank merges), and its tile's merge event: `EVENT` row `tile`, world x k_splits parts, the pieces
   from `part_first` (the tile's first) on of every rank, in (rank, split) order. The kernel loads a row per
   piece; the merges count on their own counters (templates/tp_linear.cuh).
+- `MOE_TILE` (fused MoE: kind MOE_TILE): a GEMM tile, one row per ticket, in ticket order: column blocks
+  [col, col_end) (one) of one row block (last_row_block = row_block; the items, `ROW_BLOCKS`), `gemm` 0 or
+  1. Event r is row block r (its `rb_done` counter): a gemm1 tile arrives at it, a gemm2 tile waits for it.
+  It counts the row block's n1 gemm1 tiles, a per-launch constant, so MoE has no `EVENT` rows. Its slots
+  are derived (the row block's rows of act and y): `slot` is -1. CTAs take rows by ticket as they go, so no
+  row names its CTA: `cta` is -1. (The token combines' counters, a token's per column block of H, are
+  reached through a gemm2 tile's rows' tokens, not named in its row.)
 The header's fields come after the segment's eight, at indices that keep the decode walk's loads where
 they were (field-major: field f of entry i at f * count + i).
 
-Two shapes cover meld's tables:
-- `Table`: int32 entries of named fields, stored field-major (field f of entry i at f * count + i, so a
-  warp reading one field of consecutive entries coalesces) or entry-major (i * width + f).
-- `PackedWord`: small fields packed into one int32 (a task descriptor in a ticket list).
+A `Table` is int32 entries of named fields, stored field-major (field f of entry i at f * count + i, so a warp
+reading one field of consecutive entries coalesces) or entry-major (i * width + f).
 """
 from __future__ import annotations
 
@@ -60,6 +65,12 @@ class Table:
     @property
     def width(self) -> int:
         return len(self.fields)
+
+    @property
+    def max_entries(self) -> int:
+        """The most entries a table can hold: the C accessors index it with an int (the last index,
+        width * count - 1, fits an int32)."""
+        return 2 ** 31 // self.width
 
     def index(self, field: str, entry: int, count: int) -> int:
         """Flat int32 index of `field` of `entry` in a table of `count` entries."""
@@ -93,47 +104,8 @@ class Table:
                 f"  auto at = [&](int f) {{ return {at}; }};\n  {stores}\n}}\n")
 
 
-@dataclass(frozen=True)
-class PackedWord:
-    name: str
-    fields: tuple[tuple[str, int], ...]   # (name, bits), low bits first
-
-    def __post_init__(self) -> None:
-        if sum(b for _, b in self.fields) > 31:
-            raise ValueError(f"{self.name}: {sum(b for _, b in self.fields)} bits do not fit a non-negative int32")
-
-    def _shifts(self) -> list[tuple[str, int, int]]:
-        out, shift = [], 0
-        for f, bits in self.fields:
-            out.append((f, shift, bits))
-            shift += bits
-        return out
-
-    def pack(self, **values: np.ndarray) -> np.ndarray:
-        word = 0
-        for f, shift, bits in self._shifts():
-            v = np.asarray(values[f], dtype=np.int64)
-            if np.any((v < 0) | (v >= 1 << bits)):
-                raise ValueError(f"{self.name}.{f}: values outside 0..{(1 << bits) - 1}")
-            word = word | (v << shift)
-        return np.asarray(word, dtype=np.int64)
-
-    def limit(self, field: str) -> int:
-        """One past the largest value `field` can hold."""
-        return 1 << dict(self.fields)[field]
-
-    def c_source(self) -> str:
-        low = self.name.lower()
-        args = ", ".join(f"int {f}" for f, _ in self.fields)
-        expr = " | ".join(f"({f} << {s})" for f, s, _ in self._shifts())
-        gets = " ".join(f"w.{f} = (v >> {s}) & {(1 << b) - 1};" for f, s, b in self._shifts())
-        return (f"struct {self.name} {{ int {', '.join(f for f, _ in self.fields)}; }};\n"
-                f"__device__ __forceinline__ int pack_{low}({args}) {{ return {expr}; }}\n"
-                f"__device__ __forceinline__ {self.name} unpack_{low}(int v) {{ {self.name} w; {gets} return w; }}\n")
-
-
 # The one task layout and the one event layout (the module docstring).
-TASK_KINDS = {"segment": 0, "piece": 1, "tp_piece": 2}
+TASK_KINDS = {"segment": 0, "piece": 1, "tp_piece": 2, "moe_tile": 3}
 TASK = Table("Task", ("first", "begin", "last", "end", "arg0", "arg1", "arg2", "arg3", "kind", "cta", "slot",
                       "event_first", "event_count"))
 EVENT = Table("Event", ("parts", "part_first"))
@@ -154,6 +126,12 @@ SPLIT_TASK = TASK.view("SplitTask", "piece", first="group", begin="kv_begin", la
 TP_PIECE = TASK.view("TpPiece", "tp_piece", first="tile", begin="k0", last="last_tile", end="k1",
                      arg0="split", arg1="col", arg2="tok0")
 
-# Fused MoE (templates/moe.cuh): row blocks of one expert's rows, and the tiles in ticket order.
+# Fused MoE (templates/moe.cuh; the plan: templates/moe_plan.h, meld/scheduler/moe_plan.py). Its items: a row
+# block is up to BLOCK_TOKENS rows of one expert. An item table, not a view of TASK: a tile's producer and
+# consumers each read a row block's three fields together, so its rows are entry-major (one 16-byte row).
 ROW_BLOCKS = Table("RowBlock", ("expert", "first_row", "rows", "pad"), field_major=False)
-MOE_TASK = PackedWord("MoeTask", (("kind", 1), ("col", 11), ("row_block", 19)))
+# Its tiles in ticket order (`MOE_TILE` above): gemm 0 computes act for columns [col, col_end) of I, gemm 1 y for
+# those of H. The row's event is its row block's (event_first = row_block, event_count = 1), so the kernel reads
+# row_block for both and loads three fields of a row: gemm, row_block, col.
+MOE_TILE = TASK.view("MoeTile", "moe_tile", first="row_block", begin="col", last="last_row_block", end="col_end",
+                     arg0="gemm")

@@ -22,7 +22,7 @@ from .. import config
 from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, FP8_BLOCK_TOKEN_CHOICES, FP8_GROUP, MAIN_THREADS, MAX_EXPERTS,
                                   ROUTE_BLOCK, SCATTER_WARPS, MoeKernelConfig, block_tokens_for, route_smem_bytes,
                                   tile_columns, token_box_rows)
-from ..ir.work_table import MOE_TASK, ROW_BLOCKS
+from ..ir.work_table import MOE_TILE, ROW_BLOCKS
 from ..scheduler import Topology
 from .base import Operator
 from .checks import (check_output, check_pair, check_positive, exactly, expect, grad_inputs, is_int, no_backward,
@@ -109,15 +109,17 @@ class MoE(Operator):
         if not isinstance(renormalize, bool):
             raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
         self.max_num_tokens = check_positive("max_num_tokens", max_num_tokens, _max_num_tokens(self.top_k))
-        # The GPU kernel's task descriptor limits, on every device: a CPU layer takes no shape the GPU refuses.
+        # The GPU kernel's task table limit, on every device: a CPU layer takes no shape the GPU refuses.
         # Row blocks a plan can make: every expert's rows in blocks of the smallest size a call may choose
-        # (block_tokens, or an expert-parallel owner's choice), one partial block per expert.
+        # (block_tokens, or an expert-parallel owner's choice), one partial block per expert; each has a tile
+        # (a MOE_TILE row) per column block of I and of H.
         self._rb_cap = E + max(E, -(-self.max_num_tokens * self.top_k // BLOCK_TOKEN_CHOICES[0]))
-        if self._rb_cap >= MOE_TASK.limit("row_block"):
-            raise ValueError(f"max_num_tokens={self.max_num_tokens}: {self._rb_cap} row blocks do not fit a task "
-                             "descriptor")
-        if max(self._column_blocks(BLOCK_TOKEN_CHOICES[0])) >= MOE_TASK.limit("col"):
-            raise ValueError(f"hidden_size={H}, intermediate_size={I}: too many column blocks for a task descriptor")
+        cols = sum(self._column_blocks(BLOCK_TOKEN_CHOICES[0]))
+        self._tile_cap = self._rb_cap * cols
+        if self._tile_cap > MOE_TILE.max_entries:
+            raise ValueError(f"max_num_tokens={self.max_num_tokens}, hidden_size={H}, intermediate_size={I}: up to "
+                             f"{self._rb_cap} row blocks x {cols} column blocks = {self._tile_cap} tiles do not fit a "
+                             f"task table ({MOE_TILE.max_entries} rows)")
         self.dtype, self.renormalize = dtype, renormalize
         # The weights' shapes by w13's rank: plain, or packed by meld.pack_moe_weights.
         self._weight_shapes = {3: ((E, 2 * I, H), (E, H, I))} if fp8 else \
@@ -160,7 +162,7 @@ class MoE(Operator):
             "topk_ids": torch.empty(R, **i32), "topk_w": torch.empty(R, dtype=torch.float32, device=self.device),
             "rank": torch.empty(R, **i32), "blk_cnt": torch.empty(nblk * E, **i32),
             "expert_off": torch.empty(E + 1, **i32), "rb": torch.empty(ROW_BLOCKS.width * self._rb_cap, **i32),
-            "tasks": torch.empty(self._rb_cap * sum(self._column_blocks(BLOCK_TOKEN_CHOICES[0])), **i32),
+            "tasks": torch.empty(MOE_TILE.width * self._tile_cap, **i32),
             "counters": torch.zeros(3, **i32),
             "rb_done": torch.zeros(self._rb_cap, **i32),
             "tok_cnt": torch.zeros(T * self._column_blocks(BLOCK_TOKEN_CHOICES[0])[1], **i32),
@@ -222,7 +224,8 @@ class MoE(Operator):
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
             xs_map=tensor_map_2d(p["xs"], block_tokens, cols), act_map=tensor_map_2d(p["act"], block_tokens, cols),
             xs_part_map=tensor_map_2d(p["xs"], token_box_rows(block_tokens), cols),
-            act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens), cols), scale_ld=p["xs"].shape[0])
+            act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens), cols), scale_ld=p["xs"].shape[0],
+            task_capacity=self._tile_cap)
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)
         if v.main.ctas_per_sm != 1:
             raise RuntimeError(f"{cfg.name}: expected one CTA per SM, occupancy says {v.main.ctas_per_sm}")

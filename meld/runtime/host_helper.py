@@ -89,16 +89,19 @@ def load() -> ctypes.CDLL | None:
 
 
 def load_moe_plan() -> ctypes.CDLL:
-    """The MoE host planner; RuntimeError where no C compiler works (the CPU executor needs it)."""
+    """The MoE host planner; RuntimeError where no C++ compiler works (the CPU executor needs it)."""
     global _moe_lib
     if _moe_lib is None:
-        lib = _build("moe_plan", [_read("meld.codegen", "templates/moe_plan.h"),
-                                  _read("meld.runtime", "host/moe_plan.c")])
+        from ..ir.work_table import MOE_TILE
+
+        lib = _build("moe_plan", [_read("meld.runtime", "host/one_thread.h"), MOE_TILE.c_source(),
+                                  _read("meld.codegen", "templates/moe_plan.h"),
+                                  _read("meld.runtime", "host/moe_plan.cpp")], "c++")
         if lib is None:
-            raise RuntimeError("meld.MoE(device='cpu') compiles its host planner with the system C compiler "
-                               "(cc or gcc, or $CC), and none worked")
+            raise RuntimeError("meld.MoE(device='cpu') compiles its host planner with the system C++ compiler "
+                               "(c++ or g++, or $CXX), and none worked")
         fn = lib.meld_moe_plan
-        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 7, *[ctypes.c_void_p] * 6]
+        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 7, *[ctypes.c_void_p] * 6, ctypes.c_int]
         fn.restype = ctypes.c_longlong
         _moe_lib = lib
     return _moe_lib

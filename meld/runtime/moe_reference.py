@@ -1,6 +1,8 @@
-"""The CPU reference executor of the fused MoE: it runs a `MoePlan`'s tiles in ticket order, in float64,
-rounding act and y to the activation dtype where the kernel stores them, and forms each token's output
-when its last row arrives — the kernel's schedule and its numerics, without a GPU.
+"""The CPU reference executor of the fused MoE: it walks a `MoePlan`'s tile rows (meld/ir/work_table.py:
+MOE_TILE) in ticket order, in float64, rounding act and y to the activation dtype where the kernel stores
+them, counting each row block's event as the kernel's gemm1 tiles do and checking that a gemm2 tile finds
+it complete, and forms each token's output when its last row arrives — the kernel's schedule and its
+numerics, without a GPU.
 
 Block-scaled FP8 (DeepSeek-V3's format; templates/moe.cuh, MELD_FP8): e4m3 weights with a float32 scale per
 128 x 128 block, and activations (x, and act before the down projection) quantised per token per 128 channels
@@ -105,27 +107,35 @@ def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         xs = _fp8_rows(xs)
     act, y = np.zeros((nrows, I)), np.zeros((nrows, H))
     G1_COLS, G2_COLS = plan.columns
-    n2 = -(-H // G2_COLS)
+    n1 = -(-I // G1_COLS)
     need = (plan.pair_pos >= 0).sum(axis=1)
-    count = np.zeros((T, n2), dtype=np.int64)
+    count = np.zeros((T, -(-H // G2_COLS)), dtype=np.int64)
+    arrived = np.zeros(len(plan.row_blocks), dtype=np.int64)   # the row blocks' events (the kernel's rb_done)
     out = np.full((T, H), np.nan)
-    for kind, rb, c in plan.tasks:
+    t = plan.tile_columns()
+    for i in range(plan.num_tiles):
+        rb, c0, c1 = t["row_block"][i], t["col"][i], t["col_end"][i]
+        events = slice(t["event_first"][i], t["event_first"][i] + t["event_count"][i])
         e, r0, n = plan.row_blocks[rb]
         rows = slice(r0, r0 + n)
-        if kind == GEMM1:
-            cols = slice(c * G1_COLS, min(I, (c + 1) * G1_COLS))
+        if t["gemm"][i] == GEMM1:
+            cols = slice(c0 * G1_COLS, min(I, c1 * G1_COLS))
             g = xs[rows] @ w13d[e, cols].T
             u = xs[rows] @ w13d[e, I + cols.start:I + cols.stop].T
             a = g / (1 + np.exp(-g)) * u
             act[rows, cols] = _fp8_rows(a) if fp8 else _round(a, dt)
+            arrived[events] += 1
             continue
-        cols = slice(c * G2_COLS, min(H, (c + 1) * G2_COLS))
-        y[rows, cols] = _round(act[rows] @ w2d[e, cols].T, dt)
-        for t in plan.row_token[rows]:
-            count[t, c] += 1
-            if count[t, c] == need[t]:   # the token's last row for this column block: combine
-                acc = np.zeros(cols.stop - cols.start)
-                for j, pos in enumerate(plan.pair_pos[t]):
-                    (acc,) = merge(acc, wd[t, j] * y[pos, cols])
-                out[t, cols] = acc
+        if np.any(arrived[events] != n1):   # the kernel would wait here for a tile at a later ticket: never
+            raise RuntimeError(f"tile ticket {i}: a gemm2 tile before its row block {rb}'s {n1} gemm1 tiles")
+        for c in range(c0, c1):
+            cols = slice(c * G2_COLS, min(H, (c + 1) * G2_COLS))
+            y[rows, cols] = _round(act[rows] @ w2d[e, cols].T, dt)
+            for tok in plan.row_token[rows]:
+                count[tok, c] += 1
+                if count[tok, c] == need[tok]:   # the token's last row for this column block: combine
+                    acc = np.zeros(cols.stop - cols.start)
+                    for j, pos in enumerate(plan.pair_pos[tok]):
+                        (acc,) = merge(acc, wd[tok, j] * y[pos, cols])
+                    out[tok, cols] = acc
     return torch.from_numpy(out).to(dt)

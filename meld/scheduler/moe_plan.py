@@ -1,9 +1,10 @@
 """The fused-MoE plan from a routing: rows grouped by expert in token order, row blocks of `block_tokens`
-rows, and the ticket order of the gemm1 / gemm2 tiles (gemm1 tiles expert by expert, column-major inside
-an expert; an expert's gemm2 tiles `lag` tickets after its last gemm1 tile).
+rows, and the gemm1 / gemm2 tiles as rows of meld's one task layout (meld/ir/work_table.py: MOE_TILE) in
+ticket order (gemm1 tiles expert by expert, column-major inside an expert; an expert's gemm2 tiles `lag`
+tickets after its last gemm1 tile).
 
 The rules have one source, templates/moe_plan.h, compiled into the GPU planner (templates/moe.cuh) and
-into the host planner `plan_moe_host` (runtime/host/moe_plan.c), which the CPU reference executor runs.
+into the host planner `plan_moe_host` (runtime/host/moe_plan.cpp), which the CPU reference executor runs.
 `plan_moe` below is written independently in NumPy: the test oracle both are checked against."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.work_table import MOE_TASK
+from ..ir.work_table import MOE_TILE
 
 GEMM1, GEMM2 = 0, 1
 
@@ -22,20 +23,23 @@ class MoePlan:
 
     expert_off [E + 1]: each expert's first row; pair_pos [T, k]: the row of each (token, choice), -1 for
     an invalid pair; row_token [rows]: the token of each row; row_blocks [nrb, 3]: (expert, first row,
-    rows); tasks [ntasks, 3]: (kind, row block, column block) in ticket order.
+    rows), the items of ROW_BLOCKS; tiles: the MOE_TILE rows in ticket order (field-major, num_tiles rows).
     """
 
     expert_off: np.ndarray
     pair_pos: np.ndarray
     row_token: np.ndarray
     row_blocks: np.ndarray
-    tasks: np.ndarray
+    tiles: np.ndarray
     columns: tuple[int, int]   # columns of I per gemm1 tile, of H per gemm2 tile
 
     @property
-    def packed_tasks(self) -> np.ndarray:
-        """The tasks as the GPU planner writes them (meld/ir/work_table.py: MOE_TASK)."""
-        return MOE_TASK.pack(kind=self.tasks[:, 0], row_block=self.tasks[:, 1], col=self.tasks[:, 2])
+    def num_tiles(self) -> int:
+        return self.tiles.size // MOE_TILE.width
+
+    def tile_columns(self) -> dict[str, np.ndarray]:
+        """The tiles' fields by MOE_TILE's names, each [num_tiles] in ticket order."""
+        return MOE_TILE.unpack(self.tiles, self.num_tiles)
 
 
 def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
@@ -64,15 +68,18 @@ def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int,
     g1 = [(GEMM1, rb_off[e] + r, c) for e in range(num_experts) for c in range(n1) for r in range(nrb_e[e])]
     g2 = [[(GEMM2, rb_off[e] + r, c) for c in range(n2) for r in range(nrb_e[e])] for e in range(num_experts)]
     nA = len(g1)
-    tasks, a = [], 0
+    order, a = [], 0
     for e in range(num_experts):   # each expert's gemm2 tiles go in once `lag` tickets passed its gemm1 end
         due = min(rb_off[e + 1] * n1 + lag, nA)
-        tasks += g1[a:due]
+        order += g1[a:due]
         a = max(a, due)
-        tasks += g2[e]
-    tasks += g1[a:]
-    return MoePlan(expert_off, pair_pos, row_token, row_blocks, np.array(tasks, dtype=np.int64).reshape(-1, 3),
-                   columns)
+        order += g2[e]
+    order += g1[a:]
+    gemm, rb, col = np.array(order, dtype=np.int64).reshape(-1, 3).T
+    # A gemm1 tile arrives at its row block's event, a gemm2 tile waits for it; slots derived, CTAs by ticket.
+    tiles = MOE_TILE.pack(len(order), row_block=rb, col=col, last_row_block=rb, col_end=col + 1, gemm=gemm, arg1=0,
+                          arg2=0, arg3=0, kind=MOE_TILE.kind, cta=-1, slot=-1, event_first=rb, event_count=1)
+    return MoePlan(expert_off, pair_pos, row_token, row_blocks, tiles, columns)
 
 
 def plan_moe_host(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
@@ -88,9 +95,10 @@ def plan_moe_host(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1:
     row_token = np.zeros(max(T * k, 1), np.int64)
     rb_off = np.zeros(num_experts + 1, np.int32)
     row_blocks = np.zeros((cap, 3), np.int64)
-    tasks = np.zeros((cap * (n1 + n2), 3), np.int64)
+    tile_cap = cap * (n1 + n2)
+    tiles = np.zeros(tile_cap * MOE_TILE.width, np.int32)
     nrb = load_moe_plan().meld_moe_plan(
         ids.ctypes.data, T, k, num_experts, block_tokens, n1, n2, lag,
-        *(a.ctypes.data for a in (expert_off, pair_pos, row_token, rb_off, row_blocks, tasks)))
-    return MoePlan(expert_off, pair_pos, row_token[: expert_off[-1]], row_blocks[:nrb], tasks[: nrb * (n1 + n2)],
-                   columns)
+        *(a.ctypes.data for a in (expert_off, pair_pos, row_token, rb_off, row_blocks, tiles)), tile_cap)
+    return MoePlan(expert_off, pair_pos, row_token[: expert_off[-1]], row_blocks[:nrb],
+                   tiles.reshape(MOE_TILE.width, tile_cap)[:, : nrb * (n1 + n2)].flatten(), columns)

@@ -11,7 +11,8 @@
 //                     parallelism); per 32-token block, each expert's token mask gives the block's count
 //                     and every pair's rank (deterministic: no order of atomics decides a position). The
 //                     last CTA to finish plans: offsets of every expert's rows, row blocks of
-//                     BLOCK_TOKENS rows, and the ticket order of all tiles.
+//                     BLOCK_TOKENS rows (the items), and every tile's task row in ticket order
+//                     (meld/ir/work_table.py: MOE_TILE).
 //   meld_moe_scatter  rows of x copied to their expert-sorted positions (xs), so every tile's token
 //                     operand is one TMA box (done by the routing CTA itself for a few rows).
 //   meld_moe_main     the persistent kernel: CTAs take tiles by ticket (an atomic counter). A gemm1 tile
@@ -62,6 +63,9 @@ __device__ __forceinline__ int tile_tokens(int rows) {
   return MELD_NARROW ? BLOCK_TOKENS : min(BLOCK_TOKENS, (rows + T_ROWS - 1) / T_ROWS * T_ROWS);
 }
 constexpr int CONSUMERS = 256;
+// A task slot (the producer's mailbox to the consumers, two of them): gemm (-1: the end), ticket, tile tokens,
+// row block, column block; ints, padded.
+constexpr int TASK_SLOT = 8;
 constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
 
 // --- routing ------------------------------------------------------------------------------------------
@@ -165,7 +169,7 @@ __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
     rb_off[tid] = rb_before;
     p.expert_off[tid] = rows_before;
     if (row_off != nullptr) row_off[tid] = rows_before;
-    for (int r = 0; r < nrb_e; ++r)   // meld/ir/work_table.py: ROW_BLOCKS
+    for (int r = 0; r < nrb_e; ++r)   // the items (meld/ir/work_table.py: ROW_BLOCKS)
       store_rowblock(p.rb, 0, rb_before + r,
                      RowBlock{tid, rows_before + r * BLOCK_TOKENS, min(BLOCK_TOKENS, cnt - r * BLOCK_TOKENS), 0});
   }
@@ -174,18 +178,11 @@ __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
     p.expert_off[E] = total_rows;
   }
   __syncthreads();
-  const int n1 = p.n1, n2 = p.n2;
-  const long long nA = (long long)total_rb * n1, nB = (long long)total_rb * n2;
-  for (long long i = tid; i < nA + nB; i += blockDim.x) {   // the order: moe_plan.h
-    const int g2 = i >= nA;
-    int rb, col;
-    const long long pos = moe_ticket(g2, g2 ? i - nA : i, rb_off, E, n1, n2, p.lag, &rb, &col);
-    p.tasks[pos] = pack_moetask(g2, col, rb);   // meld/ir/work_table.py: MOE_TASK
-  }
+  moe_write_tiles(p.tasks, p.task_capacity, rb_off, E, p.n1, p.n2, p.lag, tid, blockDim.x);   // the rows: moe_plan.h
   for (int r = tid; r < total_rb; r += blockDim.x) event_reset(p.rb_done + r);
   if (tid == 0) {
     p.counters[0] = 0;                       // the ticket counter
-    p.counters[1] = (int)(nA + nB);          // tickets in this launch
+    p.counters[1] = total_rb * (p.n1 + p.n2);   // tickets in this launch
     event_reset(p.counters + 2);             // routing CTAs done: ready for the next launch
   }
 }
@@ -516,19 +513,26 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
   u32 tphase = 0;
   for (;;) {
     const int ticket = atomicAdd(p.counters, 1);
-    int packed = -1;
-    if (ticket < ntasks) packed = p.tasks[ticket];
-    const MoeTask task = unpack_moetask(packed);
-    const int kind = task.kind, col = task.col, rbi = task.row_block;
-    const RowBlock blk = packed < 0 ? RowBlock{} : load_rowblock(p.rb, 0, rbi);
+    // The ticket's row (meld/ir/work_table.py: MOE_TILE), field-major: only gemm, row_block and col are read
+    // (the rest is dead code), one scalar load each, issued together; its event is its row block. Past the
+    // last ticket, gemm -1: the end.
+    MoeTile tile;
+    tile.gemm = -1;
+    tile.row_block = tile.col = 0;
+    if (ticket < ntasks) tile = load_moetile(p.tasks, p.task_capacity, ticket);
+    const int kind = tile.gemm, col = tile.col, rbi = tile.row_block;
+    const RowBlock blk = kind < 0 ? RowBlock{} : load_rowblock(p.rb, 0, rbi);
     const int expert = blk.expert, row0 = blk.first_row, n = tile_tokens(blk.rows);
     mbar_wait(task_empty + 8 * slot, tphase ^ 1u, wait_site(p, 4, 0, ticket, slot));
-    slots[4 * slot] = packed;
-    slots[4 * slot + 1] = ticket;
-    slots[4 * slot + 2] = n;
+    int* ts = slots + TASK_SLOT * slot;
+    ts[0] = kind;
+    ts[1] = ticket;
+    ts[2] = n;
+    ts[3] = rbi;
+    ts[4] = col;
     mbar_arrive(task_full + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
-    if (packed < 0) break;
+    if (kind < 0) break;
     const void* wmap = kind ? (const void*)&p.w2_map : (const void*)&p.w13_map;
     // A full-width tile copies its token operand as one box a stage, a narrower one as n / T_ROWS boxes.
     const bool part = n < BLOCK_TOKENS;
@@ -864,17 +868,16 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
   for (;;) {
     // Consumers wait on the producer, which may itself be waiting (on a row block): they give up later.
     mbar_wait(task_full + 8 * slot, tphase, wait_site(p, 6, warp + 4, -1, slot), 2 * MELD_WATCHDOG_NS);
-    const int packed = slots[4 * slot], ticket = slots[4 * slot + 1], n = slots[4 * slot + 2];
+    const int* ts = slots + TASK_SLOT * slot;
+    const int kind = ts[0], ticket = ts[1], n = ts[2], rbi = ts[3], col = ts[4];
     __syncwarp();
     if (lane == 0) mbar_arrive(task_empty + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
-    if (packed < 0) {
+    if (kind < 0) {
       post(-1, 0, ticket);
       break;
     }
     const i64 t0 = prof.now();
-    const MoeTask task = unpack_moetask(packed);
-    const int kind = task.kind, col = task.col, rbi = task.row_block;
     const RowBlock blk = load_rowblock(p.rb, 0, rbi);
     const int row0 = blk.first_row, rows = blk.rows;
     float acc0[ACC], acc1[ACC];
@@ -1010,7 +1013,7 @@ struct MoeFamily {
       mb.full = task_empty + 16;
       mb.empty = mb.full + 16;
       slots = (int*)(smem + (mb.empty + 16 - raw));
-      mb.box = slots + 8;
+      mb.box = slots + 2 * TASK_SLOT;
       combine_list = mb.box + 4;
       xchg = (float*)(combine_list + 4 + BLOCK_TOKENS);
     }

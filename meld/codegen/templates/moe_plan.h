@@ -1,6 +1,7 @@
-/* meld fused MoE: the ticket order of the tiles, written once. The GPU planner (moe.cuh: plan) and the host
- * planner (runtime/host/moe_plan.c, the CPU reference executor's) both compile this text, so the two
- * cannot order tiles differently; meld/scheduler/moe_plan.py is the NumPy test oracle of both.
+/* meld fused MoE: the ticket order of the tiles and their task rows, written once. The GPU planner (moe.cuh:
+ * plan) and the host planner (runtime/host/moe_plan.cpp, the CPU reference executor's) both compile this
+ * text after the MoeTile accessors (meld/ir/work_table.py: MOE_TILE), so the two cannot order or describe
+ * tiles differently; meld/scheduler/moe_plan.py is the NumPy test oracle of both.
  *
  * gemm1 tiles come expert by expert, column-major inside an expert (the CTAs running at once share
  * weight tiles in L2); an expert's gemm2 tiles come `lag` tickets after its last gemm1 tile. rb_off[e] is
@@ -40,5 +41,28 @@ MELD_HD long long moe_ticket(int g2, long long a, const int *rb_off, int E, int 
   /* gemm2 tiles before it: those of every expert e' with rb_off[e' + 1] * n1 + lag <= a */
   if (a < lag) return a;
   return a + (long long)rb_off[moe_last_at_most(rb_off, 0, E, n1, a - lag)] * n2;
+}
+
+/* The tiles' rows, each at its ticket in `tiles` (field-major, `capacity` rows): those of tile indices first,
+ * first + step, ... (a block's threads share them out). A gemm1 tile (all of them come first in the index)
+ * arrives at its row block's event and a gemm2 tile waits for it (event_first = row_block); slots derived,
+ * CTA taken at run time (-1 both). __device__ as the accessors it stores through (the host build defines it
+ * away: runtime/host/one_thread.h). */
+__device__ __forceinline__ void moe_write_tiles(int *tiles, int capacity, const int *rb_off, int E, int n1, int n2,
+                                                int lag, int first, int step) {
+  const long long nA = (long long)rb_off[E] * n1, nB = (long long)rb_off[E] * n2;
+  for (long long i = first; i < nA + nB; i += step) {
+    const int g2 = i >= nA;
+    MoeTile t;
+    const long long pos = moe_ticket(g2, g2 ? i - nA : i, rb_off, E, n1, n2, lag, &t.row_block, &t.col);
+    t.last_row_block = t.event_first = t.row_block;
+    t.col_end = t.col + 1;
+    t.gemm = g2;
+    t.arg1 = t.arg2 = t.arg3 = 0;
+    t.kind = MOETILE_TASK_KIND;
+    t.cta = t.slot = -1;
+    t.event_count = 1;
+    store_moetile(tiles, capacity, (int)pos, t);
+  }
 }
 #endif

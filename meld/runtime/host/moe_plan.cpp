@@ -1,15 +1,16 @@
-/* meld: the fused-MoE plan on the host, for the CPU reference executor. The ticket order comes from
- * templates/moe_plan.h, which meld/runtime/host_helper.py puts in front of this file when it compiles it:
- * the GPU planner (templates/moe.cuh) compiles the same text. Rows of an expert are in token order, as
- * the GPU's deterministic ranks give them.
+/* meld: the fused-MoE plan on the host, for the CPU reference executor. The ticket order and the tiles' rows
+ * come from templates/moe_plan.h, which meld/runtime/host_helper.py puts in front of this file when it
+ * compiles it (after one_thread.h and the MoeTile accessors): the GPU planner (templates/moe.cuh) compiles
+ * the same text. Rows of an expert are in token order, as the GPU's deterministic ranks give them.
  *
  * ids [T * K]: expert of each (token, choice), -1 for an invalid pair. Writes expert_off [E + 1],
  * pair_pos [T * K] (-1: invalid), row_token [rows], rb_off [E + 1], row_blocks [nrb][3] (expert, first
- * row, rows) and tasks [ntasks][3] (kind, row block, column) in ticket order; row_blocks and tasks must
- * hold E + T * K / block_tokens row blocks. Returns the number of row blocks. */
-long long meld_moe_plan(const long long *ids, int T, int K, int E, int block_tokens, int n1, int n2, int lag,
-                        long long *expert_off, long long *pair_pos, long long *row_token, int *rb_off,
-                        long long *row_blocks, long long *tasks) {
+ * row, rows) and the tiles' MOE_TILE rows in ticket order into `tiles` (field-major, `tile_capacity` rows);
+ * row_blocks must hold E + T * K / block_tokens row blocks, tiles their (n1 + n2) tiles each. Returns the
+ * number of row blocks. */
+extern "C" long long meld_moe_plan(const long long *ids, int T, int K, int E, int block_tokens, int n1, int n2,
+                                   int lag, long long *expert_off, long long *pair_pos, long long *row_token,
+                                   int *rb_off, long long *row_blocks, int *tiles, int tile_capacity) {
   for (int e = 0; e <= E; ++e) expert_off[e] = 0;
   for (long long i = 0; i < (long long)T * K; ++i)
     if (ids[i] >= 0) ++expert_off[ids[i] + 1];
@@ -35,14 +36,6 @@ long long meld_moe_plan(const long long *ids, int T, int K, int E, int block_tok
     }
   for (int e = E; e > 0; --e) expert_off[e] = expert_off[e - 1];
   expert_off[0] = 0;
-  const long long nA = (long long)rb_off[E] * n1, nB = (long long)rb_off[E] * n2;
-  for (long long i = 0; i < nA + nB; ++i) {
-    const int g2 = i >= nA;
-    int rb, col;
-    const long long pos = moe_ticket(g2, g2 ? i - nA : i, rb_off, E, n1, n2, lag, &rb, &col);
-    tasks[3 * pos] = g2;
-    tasks[3 * pos + 1] = rb;
-    tasks[3 * pos + 2] = col;
-  }
+  moe_write_tiles(tiles, tile_capacity, rb_off, E, n1, n2, lag, 0, 1);
   return rb_off[E];
 }
