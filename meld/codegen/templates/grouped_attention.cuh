@@ -121,24 +121,26 @@ __device__ __forceinline__ void load_q_rows(const GroupedParams& p, int kv_head,
   }
 }
 
-// Every thread's share of chunk c of a piece into ring stage `dst` (tokens at or past `end`: zeros).
-__device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* pages, int kv_head, int pos0, int end,
-                                           u32 dst) {
+// The K row (index of its GD elements from p.kv; V's is page_size x num_kv_heads rows on) of token `pos` of a
+// piece, or -1 at or past `end`. (int: a cache of 2^31 rows of 64 16-bit channels is larger than a GPU's memory)
+__device__ __forceinline__ int kv_row(const GroupedParams& p, const int* pages, int kv_head, int pos, int end) {
+  if (pos >= end) return -1;
+  const int pg = pos / p.page_size;
+  return ((pages[pg] * 2) * p.page_size + pos - pg * p.page_size) * p.num_kv_heads + kv_head;
+}
+
+// Every thread's share of a chunk into ring stage `dst`, its tokens' rows from `rows` (-1: zeros). The rows are
+// looked up a chunk ahead (stream), so a copy never waits on the page table.
+__device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* rows, u32 dst) {
+  const i64 v_rows = (i64)p.page_size * p.num_kv_heads;   // V's rows follow K's in a page
 #pragma unroll
   for (int it = 0; it < CHUNK * CPR / GTHREADS; ++it) {
-    const int i = threadIdx.x + it * GTHREADS, tok = i / CPR, c = i - tok * CPR, pos = pos0 + tok;
-    const u16* k = p.kv;
-    const u16* v = p.kv;
-    int bytes = 0;
-    if (pos < end) {
-      const i64 page = pages[pos / p.page_size];
-      const i64 row = ((page * 2) * p.page_size + pos % p.page_size) * p.num_kv_heads + kv_head;
-      k = p.kv + row * GD + c * 8;
-      v = k + (i64)p.page_size * p.num_kv_heads * GD;
-      bytes = 16;
-    }
+    const int i = threadIdx.x + it * GTHREADS, tok = i / CPR, c = i - tok * CPR;
+    const int row = rows[tok];
+    const u16* k = p.kv + (i64)max(row, 0) * GD + c * 8;
+    const int bytes = row >= 0 ? 16 : 0;
     cp_async_16(dst + kv_off(tok, c), k, bytes);
-    cp_async_16(dst + KV_BYTES + kv_off(tok, c), v, bytes);
+    cp_async_16(dst + KV_BYTES + kv_off(tok, c), k + v_rows * GD, bytes);
   }
 }
 
@@ -298,9 +300,7 @@ struct TileCursor {
   int i;                   // the task walked
   int pos, end;            // its next tile's first token, and the end of its piece
   int kv_head, pages;      // its kv head, and its group's pages: kv_indices + pages
-  int row;                 // this lane's token row (lane & 15) of the next tile: the index of its K row of GD
-                           // elements from p.kv (V's is page_size x num_kv_heads rows on), or -1: past the piece.
-                           // (int: a cache of 2^31 rows of 64 16-bit channels is larger than a GPU's memory)
+  int row;                 // this lane's token row (lane & 15) of the next tile (kv_row: -1 past the piece)
   bool live;
 };
 
@@ -320,13 +320,7 @@ __device__ __forceinline__ void cursor_seek(const GroupedParams& p, TileCursor& 
   while (c.live && c.pos >= c.end)   // past this task's tiles: the next task, if a split task
     c.live = ++c.i < last && cursor_enter(p, c, warp);
   if (!c.live) return;
-  const int pos = c.pos + (lane & 15);
-  c.row = -1;
-  if (pos < c.end) {
-    const int pg = pos / p.page_size;
-    const int page = p.kv_indices[c.pages + pg];
-    c.row = ((page * 2) * p.page_size + pos - pg * p.page_size) * p.num_kv_heads + c.kv_head;
-  }
+  c.row = kv_row(p, p.kv_indices + c.pages, c.kv_head, c.pos + (lane & 15), c.end);
 }
 
 // The cursor's tile into the warp's ring stage at `dst` (K, then V TILE_BYTES on; rows past the piece: zeros),
@@ -493,19 +487,32 @@ struct GroupedFamily {
   static __device__ __forceinline__ void stream(const GroupedParams& p, const SplitTask& tk, const int* pages,
                                                 bool split, bool active, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
                                                 u32 ring, int warp, int lane) {
+    // rows[c % GSTAGES]: chunk c's token rows, looked up by the first CHUNK threads one chunk before its issue
+    // (chunk c + GSTAGES's lookup is in flight while chunk c is attended; the barrier of step c + 1 publishes it).
+    __shared__ int rows[GSTAGES][CHUNK];
     const int chunks = (tk.kv_end - tk.kv_begin + CHUNK - 1) / CHUNK;
+    if (threadIdx.x < CHUNK)
+#pragma unroll
+      for (int c = 0; c < GSTAGES; ++c)
+        rows[c][threadIdx.x] = kv_row(p, pages, tk.kv_head, tk.kv_begin + c * CHUNK + threadIdx.x, tk.kv_end);
+    __syncthreads();
 #pragma unroll
     for (int c = 0; c < GSTAGES - 1; ++c) {
-      if (c < chunks) issue_chunk(p, pages, tk.kv_head, tk.kv_begin + c * CHUNK, tk.kv_end, ring + c * STAGE_BYTES);
+      if (c < chunks) issue_chunk(p, rows[c], ring + c * STAGE_BYTES);
       cp_async_commit();
     }
     for (int c = 0; c < chunks; ++c) {
       cp_async_wait<GSTAGES - 2>();
-      __syncthreads();   // chunk c has landed for every thread, and chunk c - 1 is read: its stage is free
+      __syncthreads();   // chunk c has landed for every thread, chunk c - 1 is read (its stage is free), and
+                         // chunk c + GSTAGES - 1's rows are in `rows`
       const int next = c + GSTAGES - 1;
-      if (next < chunks)
-        issue_chunk(p, pages, tk.kv_head, tk.kv_begin + next * CHUNK, tk.kv_end, ring + (next % GSTAGES) * STAGE_BYTES);
+      if (next < chunks) issue_chunk(p, rows[next % GSTAGES], ring + (next % GSTAGES) * STAGE_BYTES);
       cp_async_commit();
+      int ahead = -1;   // chunk c + GSTAGES's row of this thread's token (its stage's rows were read at step c - 1)
+      if (threadIdx.x < CHUNK && c + GSTAGES < chunks)
+        ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
+      constexpr bool HOLD = GD <= 128;   // (head_dim 256 has no register to spare across the attention: store now)
+      if (!HOLD && threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
       const u32 stage = ring + (c % GSTAGES) * STAGE_BYTES;
       const int valid = tk.kv_end - (tk.kv_begin + c * CHUNK);
       if (split) {
@@ -516,6 +523,7 @@ struct GroupedFamily {
         for (int j = 0; j < TILES; j += ROW_TILES)
           if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, stage + KV_BYTES, j, valid - j * GT, lane);
       }
+      if (HOLD && threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
     }
     cp_async_wait<0>();
     __syncthreads();   // the ring is drained and read: the next pass (or a stash) may overwrite it
