@@ -24,6 +24,7 @@ from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, FP8_BLOCK_TOKEN_CHOICES, 
                                   tile_columns, token_box_rows)
 from ..ir.work_table import MOE_TILE, ROW_BLOCKS
 from ..scheduler import Topology
+from ..scheduler.moe_plan import moe_tile_table
 from .base import Operator
 from .checks import (check_output, check_pair, check_positive, exactly, expect, grad_inputs, is_int, no_backward,
                      plain, resolve_device)
@@ -162,7 +163,7 @@ class MoE(Operator):
             "topk_ids": torch.empty(R, **i32), "topk_w": torch.empty(R, dtype=torch.float32, device=self.device),
             "rank": torch.empty(R, **i32), "blk_cnt": torch.empty(nblk * E, **i32),
             "expert_off": torch.empty(E + 1, **i32), "rb": torch.empty(ROW_BLOCKS.width * self._rb_cap, **i32),
-            "tasks": torch.empty(MOE_TILE.width * self._tile_cap, **i32),
+            "tasks": torch.from_numpy(moe_tile_table(self._tile_cap)).to(self.device),
             "counters": torch.zeros(3, **i32),
             "rb_done": torch.zeros(self._rb_cap, **i32),
             "tok_cnt": torch.zeros(T * self._column_blocks(BLOCK_TOKEN_CHOICES[0])[1], **i32),

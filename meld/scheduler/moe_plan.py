@@ -82,6 +82,14 @@ def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int,
     return MoePlan(expert_off, pair_pos, row_token, row_blocks, tiles, columns)
 
 
+def moe_tile_table(capacity: int) -> np.ndarray:
+    """A MOE_TILE table of `capacity` rows with its constant fields written (kind, cta, slot, event_count,
+    arg1..arg3): the planners store only the fields that vary (templates/moe_plan.h), so each launch's routing
+    writes 6 words a tile, not 13."""
+    return MOE_TILE.pack(capacity, row_block=0, col=0, last_row_block=0, col_end=0, gemm=0, arg1=0, arg2=0, arg3=0,
+                         kind=MOE_TILE.kind, cta=-1, slot=-1, event_first=0, event_count=1)
+
+
 def plan_moe_host(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
                   columns: tuple[int, int] = (128, 256)) -> MoePlan:
     """The plan from the host build of the GPU planner's rules (same arguments as `plan_moe`)."""
@@ -96,7 +104,7 @@ def plan_moe_host(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1:
     rb_off = np.zeros(num_experts + 1, np.int32)
     row_blocks = np.zeros((cap, 3), np.int64)
     tile_cap = cap * (n1 + n2)
-    tiles = np.zeros(tile_cap * MOE_TILE.width, np.int32)
+    tiles = moe_tile_table(tile_cap)
     nrb = load_moe_plan().meld_moe_plan(
         ids.ctypes.data, T, k, num_experts, block_tokens, n1, n2, lag,
         *(a.ctypes.data for a in (expert_off, pair_pos, row_token, rb_off, row_blocks, tiles)), tile_cap)

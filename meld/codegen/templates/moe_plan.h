@@ -53,16 +53,15 @@ __device__ __forceinline__ void moe_write_tiles(int *tiles, int capacity, const 
   const long long nA = (long long)rb_off[E] * n1, nB = (long long)rb_off[E] * n2;
   for (long long i = first; i < nA + nB; i += step) {
     const int g2 = i >= nA;
-    MoeTile t;
-    const long long pos = moe_ticket(g2, g2 ? i - nA : i, rb_off, E, n1, n2, lag, &t.row_block, &t.col);
-    t.last_row_block = t.event_first = t.row_block;
-    t.col_end = t.col + 1;
-    t.gemm = g2;
-    t.arg1 = t.arg2 = t.arg3 = 0;
-    t.kind = MOETILE_TASK_KIND;
-    t.cta = t.slot = -1;
-    t.event_count = 1;
-    store_moetile(tiles, capacity, (int)pos, t);
+    int rb, col;
+    const int pos = (int)moe_ticket(g2, g2 ? i - nA : i, rb_off, E, n1, n2, lag, &rb, &col);
+    /* The fields that vary; the constant ones (kind, cta, slot, event_count, arg1..arg3) are written once when
+     * the table is made (meld.scheduler.moe_plan.moe_tile_table), so a launch stores 6 words a tile, not 13. */
+    int *t = tiles + pos;   /* field-major: field f at f * capacity */
+    t[MOETILE_ROW_BLOCK * capacity] = t[MOETILE_LAST_ROW_BLOCK * capacity] = t[MOETILE_EVENT_FIRST * capacity] = rb;
+    t[MOETILE_COL * capacity] = col;
+    t[MOETILE_COL_END * capacity] = col + 1;
+    t[MOETILE_GEMM * capacity] = g2;
   }
 }
 #endif
