@@ -243,7 +243,6 @@ struct WarpStash {
   float o[GT][GD + 4];   // O, unnormalised
   float m[GT], l[GT];
 };
-static_assert(GTHREADS % (GD / 4) == 0, "a merging thread keeps its channels");
 static_assert(STASH_OFFSET + SWARPS * (int)sizeof(WarpStash) <= SMEM_BYTES, "the warps' stashes must fit");
 static_assert(WRING_BYTES <= STASH_OFFSET, "the stashes lie past the warps' rings");
 
@@ -369,103 +368,13 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h,
   if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (base + log2_approx(sum)) * kLn2 : neg_inf();
 }
 
-// The n events of `list` merged by the CTA's threads together, their counters reset for the next launch: a
-// task that completes a whole slice of events merges them all at once. The merge is bound by the parts' loads
-// from L2, so it is staged to keep them independent and in flight together: each event's part slots and every
-// row's part lse go to shared memory (`scratch`, the stashes' bytes: free between tasks), each row's weights
-// are made there, and then every thread holds MERGE_ITEMS (row, 4 channels) accumulators and loads their
-// parts' O one part at a time, a load per accumulator in flight at once. A fired set whose slots and lse do not
-// fit `scratch` merges row by row instead (merge_row4).
-constexpr int MERGE_ITEMS = GD <= 128 ? 8 : 4;   // (row, 4 channels) accumulators a thread holds (256: no spill)
-constexpr int SCRATCH_BYTES = SWARPS * (int)sizeof(WarpStash);
-__device__ __noinline__ void merge_events(const GroupedParams& p, const int* list, int n, unsigned char* scratch) {
-  __shared__ int ev_parts[GTHREADS], ev_first[GTHREADS], ev_off[GTHREADS + 1];
-  const int G = p.group_size;
-  for (int k = threadIdx.x; k < n; k += GTHREADS) {
-    const Event ev = load_event(p.events, p.event_capacity, list[k]);
-    ev_parts[k] = ev.parts;
-    ev_first[k] = ev.part_first;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {   // (n: at most a task's events, a slice's requests)
-    int total = 0;
-    for (int k = 0; k < n; ++k) ev_off[k] = total, total += ev_parts[k];
-    ev_off[n] = total;
-  }
-  __syncthreads();
-  const int total = ev_off[n];
-  int* slot_of = reinterpret_cast<int*>(scratch);            // [total]: part i's first row slot
-  float* w = reinterpret_cast<float*>(scratch) + total;      // [total][G]: its rows' lse, then their weights
-  if ((i64)total * (G + 1) * 4 > SCRATCH_BYTES) {   // too many parts to stage: row by row
-    const int per = G * (GD / 4);
-    for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
-      const int k = i / per, j = i - k * per;
-      merge_row4(p, list[k], j / (GD / 4), (j % (GD / 4)) * 4);
-    }
-  } else {
-    for (int i = threadIdx.x; i < total; i += GTHREADS) {   // the parts' slots and lse, loaded together
-      int k = 0;   // the event of part i: the last k with ev_off[k] <= i (a binary search)
-      for (int lo = 0, hi = n - 1; lo <= hi;) {
-        const int mid = (lo + hi) >> 1;
-        if (ev_off[mid] <= i) k = mid, lo = mid + 1; else hi = mid - 1;
-      }
-      const int slot = p.part_slot[ev_first[k] + i - ev_off[k]];
-      slot_of[i] = slot;
-      for (int h = 0; h < G; ++h) w[i * G + h] = ld_cg(p.part_lse + slot + h);
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < n * G; r += GTHREADS) {   // a row's weights: exp2(lse - max) / their sum
-      const int k = r / G, h = r - k * G, e = list[k];
-      float mx = neg_inf();
-      for (int i = ev_off[k]; i < ev_off[k + 1]; ++i) mx = fmaxf(mx, w[i * G + h]);
-      const float base = mx == neg_inf() ? 0.f : mx;
-      float sum = 0.f;
-      for (int i = ev_off[k]; i < ev_off[k + 1]; ++i) sum += exp2_approx(w[i * G + h] - base);
-      const float inv = ev_parts[k] ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
-      for (int i = ev_off[k]; i < ev_off[k + 1]; ++i) w[i * G + h] = exp2_approx(w[i * G + h] - base) * inv;
-      const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
-      if (p.lse != nullptr) p.lse[(i64)b * p.num_qo_heads + kv_head * G + h] = ev_parts[k] ? (base + log2_approx(sum)) * kLn2 : neg_inf();
-    }
-    __syncthreads();
-    // Thread t's accumulators: channels d = 4 (t % (GD / 4)) of rows r0 + u * RSTEP (GTHREADS is a multiple of
-    // GD / 4, so d is the thread's in every one).
-    constexpr int RSTEP = GTHREADS / (GD / 4);
-    const int d = (threadIdx.x % (GD / 4)) * 4, rows = n * G;
-    for (int r0 = threadIdx.x / (GD / 4); r0 < rows; r0 += RSTEP * MERGE_ITEMS) {
-      float4 acc[MERGE_ITEMS];
-      int first[MERGE_ITEMS], parts[MERGE_ITEMS], h[MERGE_ITEMS];
-      int most = 0;
-#pragma unroll
-      for (int u = 0; u < MERGE_ITEMS; ++u) {
-        const int r = r0 + u * RSTEP, k = r / G;
-        acc[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        h[u] = r - k * G;
-        first[u] = r < rows ? ev_off[k] : 0;
-        parts[u] = r < rows ? ev_parts[k] : 0;
-        most = max(most, parts[u]);
-      }
-      for (int j = 0; j < most; ++j) {   // part j of every accumulator's row: MERGE_ITEMS loads in flight
-#pragma unroll
-        for (int u = 0; u < MERGE_ITEMS; ++u)
-          if (j < parts[u]) {
-            const int at = first[u] + j;
-            const float c = w[at * G + h[u]];
-            const float4 v = ld_cg4(p.part_o + (i64)(slot_of[at] + h[u]) * GD + d);
-            acc[u].x += c * v.x; acc[u].y += c * v.y; acc[u].z += c * v.z; acc[u].w += c * v.w;
-          }
-      }
-      const int batch = p.plan_info[0];
-#pragma unroll
-      for (int u = 0; u < MERGE_ITEMS; ++u) {
-        const int r = r0 + u * RSTEP;
-        if (r >= rows) continue;
-        const int e = list[r / G], b = e % batch, kv_head = e / batch;
-        uint2 packed;
-        packed.x = pack2(acc[u].x, acc[u].y);
-        packed.y = pack2(acc[u].z, acc[u].w);
-        *reinterpret_cast<uint2*>(p.out + ((i64)b * p.num_qo_heads + kv_head * G + h[u]) * GD + d) = packed;
-      }
-    }
+// The n events of `list` merged by the CTA's threads together (one head's 4 channels each), their counters
+// reset for the next launch: a task that completes a whole slice of events merges them all at once.
+__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, int n) {
+  const int per = p.group_size * (GD / 4);
+  for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
+    const int k = i / per, j = i - k * per;
+    merge_row4(p, list[k], j / (GD / 4), (j % (GD / 4)) * 4);
   }
   for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
 }
@@ -612,7 +521,7 @@ struct GroupedFamily {
         }
         __syncthreads();
         const i64 t1 = prof.now();
-        merge_events(p, fired, n_fired, stash);
+        merge_events(p, fired, n_fired);
         if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, i);
         __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
       }
