@@ -21,8 +21,8 @@ time is the median of CUDA-graph replays with a cold L2 (`bench.harness`).
 
 Columns: unique MiB = (G·prefix + B·suffix)·Hkv·D·2·2 bytes; floor µs = a pure read of those bytes;
 speedup = FlashInfer cascade / meld cascade; vs flat = meld non-cascade / meld cascade (>= 1 is the issue's
-bar); /floor = meld cascade / floor; meld-cascade-warp is the same operator with `split_stream="warp"` (a
-request's own suffix streamed through each warp's own ring), and cta/warp and flat/warp compare it. `--trace DIR`
+bar); /floor = meld cascade / floor; meld-cascade-cta is the same operator with `split_stream="cta"` (a
+request's own suffix streamed through the CTA's ring, the default until 2026-12-03), and cta/warp compares it. `--trace DIR`
 also writes meld's cascade kernel's per-SM timeline of each case (a task's attention as "piece", the merges it
 fired as "merge-hbm"; Chrome JSON + PNG).
 """
@@ -53,7 +53,7 @@ from bench.harness import (  # noqa: E402
 
 HQ, HKV, D, PAGE_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-IMPLS = ("meld-cascade", "meld-cascade-warp", "meld-flat", "fi-cascade")
+IMPLS = ("meld-cascade", "meld-cascade-cta", "meld-flat", "fi-cascade")
 FI_WORKSPACE_BYTES = 128 << 20
 
 
@@ -174,7 +174,7 @@ def build_fi_cascade(inp: Inputs) -> Impl:
                 timing, first.median_us)
 
 
-BUILDERS = {"meld-cascade": build_meld_cascade, "meld-cascade-warp": partial(build_meld_cascade, split_stream="warp"),
+BUILDERS = {"meld-cascade": build_meld_cascade, "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta"),
             "meld-flat": build_meld_flat, "fi-cascade": build_fi_cascade}
 
 
@@ -185,18 +185,18 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         r = results.get(name, {})
         return median_us(r) if r and not r.get("errors") and not r.get("skipped") else None
 
-    mc, mw, mf, fi = us("meld-cascade"), us("meld-cascade-warp"), us("meld-flat"), us("fi-cascade")
+    mc, mt, mf, fi = us("meld-cascade"), us("meld-cascade-cta"), us("meld-flat"), us("fi-cascade")
     return {
         "case": case.name, "B": case.batch, "prefix": case.prefix, "suffix": case.suffix, "groups": case.groups,
         "unique_mib": unique_bytes(case) / (1 << 20),
-        "meld_cascade_us": cell("meld-cascade"), "meld_warp_us": cell("meld-cascade-warp"),
+        "meld_cascade_us": cell("meld-cascade"), "meld_cta_us": cell("meld-cascade-cta"),
         "meld_flat_us": cell("meld-flat"), "fi_us": cell("fi-cascade"),
         "floor_us": floor_us,
         "speedup": fi / mc if fi and mc else None, "vs_flat": mf / mc if mf and mc else None,
         "per_floor": mc / floor_us if mc and floor_us else None,
         "fi_per_floor": fi / floor_us if fi and floor_us else None,
         "flat_vs_fi": fi / mf if fi and mf else None,
-        "warp_vs_cta": mc / mw if mc and mw else None, "warp_vs_flat": mf / mw if mf and mw else None,
+        "warp_vs_cta": mt / mc if mc and mt else None,
         "results": results,
     }
 
@@ -204,12 +204,11 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
 COLUMNS = [
     Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"), Column("groups", "G", "d"),
     Column("unique_mib", "unique MiB", ".0f"), Column("meld_cascade_us", "meld cascade µs", ".1f"),
-    Column("meld_warp_us", "meld warp µs", ".1f"), Column("meld_flat_us", "meld flat µs", ".1f"),
+    Column("meld_cta_us", "meld cta µs", ".1f"), Column("meld_flat_us", "meld flat µs", ".1f"),
     Column("fi_us", "FI cascade µs", ".1f"),
     Column("floor_us", "floor µs", ".1f"), Column("speedup", "speedup", ".2f"), Column("vs_flat", "vs flat", ".2f"),
     Column("per_floor", "/floor", ".2f"), Column("fi_per_floor", "FI/floor", ".2f"),
     Column("flat_vs_fi", "FI/flat", ".2f"), Column("warp_vs_cta", "cta/warp", ".2f"),
-    Column("warp_vs_flat", "flat/warp", ".2f"),
 ]
 
 
@@ -321,7 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = env_info()
     env["commit"] = args.commit or env["commit"]
     failures: list[str] = []
-    imports = {"meld-cascade": "meld", "meld-cascade-warp": "meld", "meld-flat": "meld", "fi-cascade": "flashinfer"}
+    imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-flat": "meld", "fi-cascade": "flashinfer"}
     args.impls = keep_available(args.impls, lambda n: __import__(imports[n]), failures,
                                 why=lambda n: f"import {imports[n]} failed")
     print(env_line(env), flush=True)
@@ -331,7 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     op_kw = {k: v for k, v in (("item_overhead_tokens", args.item_overhead),
                                 ("merge_overhead_tokens", args.merge_overhead)) if v is not None}
     builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw),
-                "meld-cascade-warp": partial(build_meld_cascade, split_stream="warp", **op_kw)}
+                "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta", **op_kw)}
     for i, case in enumerate(cases, 1):
         inp = make_inputs(case, args.seed)
         print(f"[{i}/{len(cases)}] {case.name}: {inp.batch.num_pages} pages, unique "
@@ -353,8 +352,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table.print()
     print("speedup = FlashInfer cascade µs / meld cascade µs; vs flat = meld non-cascade µs / meld cascade µs; "
           "/floor = meld cascade µs / a pure read of the unique bytes; FI/flat = FlashInfer cascade µs / meld "
-          "non-cascade µs; cta/warp = meld cascade µs / meld cascade-warp µs (split tasks through the warps' own "
-          "rings, > 1: the warp build is faster); flat/warp = meld non-cascade µs / meld cascade-warp µs")
+          "non-cascade µs; cta/warp = meld cascade-cta µs / meld cascade µs (> 1: the default warp build, split tasks "
+          "through the warps' own rings, is faster)")
     print(f"summary: {failure_head(failures)}")
     return 1 if failures else 0
 

@@ -33,7 +33,7 @@ class GroupedKernelConfig:
     dtype: str = "bfloat16"
     head_dim: int = 128
     profile: bool = False   # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
-    split_stream: str = "cta"
+    split_stream: str = "warp"
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -44,7 +44,7 @@ class GroupedKernelConfig:
             raise ValueError(f"split_stream={self.split_stream!r}: expected one of {SPLIT_STREAMS}")
 
     @staticmethod
-    def of(low, *, profile: bool = False, split_stream: str = "cta") -> "GroupedKernelConfig":
+    def of(low, *, profile: bool = False, split_stream: str = "warp") -> "GroupedKernelConfig":
         """The build of a lowered grouped-attention graph (`meld.codegen.lowering.Lowering`): its attrs' dtype
         and head_dim."""
         return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile, split_stream=split_stream)

@@ -88,7 +88,7 @@ class CascadeDecode(Operator):
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, num_levels: int,
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
                  num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
-                 merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, split_stream: str = "cta"):
+                 merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, split_stream: str = "warp"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)

@@ -344,20 +344,40 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
 }
 
 // Channels d .. d + 3 of head h of event e: its parts merged (in part_slot order) into out, and lse when d == 0.
+// A merge waits on L2 more than it computes, so the first MERGE_PARTS parts' slots, lse and O are loaded at once
+// and kept in registers between the max and the sum (three round trips for them, not four a part); parts past
+// those are read a part at a time.
+constexpr int MERGE_PARTS = 4;
 __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h, int d) {
   const Event ev = load_event(p.events, p.event_capacity, e);
   const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
+  int slot[MERGE_PARTS];
+  float lse[MERGE_PARTS];
+  float4 v[MERGE_PARTS];
+#pragma unroll
+  for (int k = 0; k < MERGE_PARTS; ++k) slot[k] = k < ev.parts ? p.part_slot[ev.part_first + k] + h : -1;
+#pragma unroll
+  for (int k = 0; k < MERGE_PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
+    lse[k] = slot[k] >= 0 ? ld_cg(p.part_lse + slot[k]) : neg_inf();
+    v[k] = slot[k] >= 0 ? ld_cg4(p.part_o + (i64)slot[k] * GD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   float mx = neg_inf();
-  for (int k = 0; k < ev.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[ev.part_first + k] + h));
+#pragma unroll
+  for (int k = 0; k < MERGE_PARTS; ++k) mx = fmaxf(mx, lse[k]);
+  for (int k = MERGE_PARTS; k < ev.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[ev.part_first + k] + h));
   const float base = mx == neg_inf() ? 0.f : mx;
   float sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k = 0; k < ev.parts; ++k) {
-    const int slot = p.part_slot[ev.part_first + k] + h;
-    const float w = exp2_approx(ld_cg(p.part_lse + slot) - base);
-    const float4 v = ld_cg4(p.part_o + (i64)slot * GD + d);
+  auto add = [&](float l, const float4& o) {
+    const float w = exp2_approx(l - base);
     sum += w;
-    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    acc.x += w * o.x; acc.y += w * o.y; acc.z += w * o.z; acc.w += w * o.w;
+  };
+#pragma unroll
+  for (int k = 0; k < MERGE_PARTS; ++k) add(lse[k], v[k]);
+  for (int k = MERGE_PARTS; k < ev.parts; ++k) {
+    const int s = p.part_slot[ev.part_first + k] + h;
+    add(ld_cg(p.part_lse + s), ld_cg4(p.part_o + (i64)s * GD + d));
   }
   const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
   const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
@@ -417,11 +437,13 @@ struct GroupedFamily {
       const int next = c + GSTAGES - 1;
       if (next < chunks) issue_chunk(p, rows[next % GSTAGES], ring + (next % GSTAGES) * STAGE_BYTES);
       cp_async_commit();
-      int ahead = -1;   // chunk c + GSTAGES's row of this thread's token (its stage's rows were read at step c - 1)
-      if (threadIdx.x < CHUNK && c + GSTAGES < chunks)
+      // Chunk c + GSTAGES's row of this thread's token (its stage's rows were read at step c - 1), loaded before
+      // the attention and stored after it. (head_dim 256 has no register to spare across the attention: it
+      // looks up after it.)
+      constexpr bool HOLD = GD <= 128;
+      int ahead = -1;
+      if (HOLD && threadIdx.x < CHUNK && c + GSTAGES < chunks)
         ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
-      constexpr bool HOLD = GD <= 128;   // (head_dim 256 has no register to spare across the attention: store now)
-      if (!HOLD && threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
       const u32 stage = ring + (c % GSTAGES) * STAGE_BYTES;
       const int valid = tk.kv_end - (tk.kv_begin + c * CHUNK);
       if (split) {
@@ -432,7 +454,9 @@ struct GroupedFamily {
         for (int j = 0; j < TILES; j += ROW_TILES)
           if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, stage + KV_BYTES, j, valid - j * GT, lane);
       }
-      if (HOLD && threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
+      if (!HOLD && threadIdx.x < CHUNK && c + GSTAGES < chunks)
+        ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
+      if (threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
     }
     cp_async_wait<0>();
     __syncthreads();   // the ring is drained and read: the next pass (or a stash) may overwrite it
