@@ -114,6 +114,52 @@ def test_fp8_cpu_executor_matches_float64(T, H, I, E, k):
     assert ((out.double() - ref).norm() / ref.norm()).item() <= 8e-2
 
 
+def layer_like_buffers(x, w13, s13, w2, s2, ids, w):
+    """The intermediates the FP8 layer keeps (MoE._bufs' xs, xs_scale, act, act_scale, y at rows 0..T k - 1 in
+    pair order) and its out, as the kernel forms them with float32 GEMMs: a model to check stage_errors on."""
+    T, k = ids.shape
+    I = w2.shape[2]
+    toks = torch.arange(T).repeat_interleave(k)
+    xs, xsc = quantize_groups(x.float()[toks])
+    b = {"xs": xs, "xs_scale": xsc.T.contiguous(), "act": torch.empty(T * k, I, dtype=FP8),
+         "act_scale": torch.empty(-(-I // 128), T * k), "y": torch.empty(T * k, x.shape[1], dtype=torch.bfloat16)}
+    for ex in ids.unique().tolist():
+        r = (ids.reshape(-1) == ex).nonzero(as_tuple=True)[0]
+        gu = dequantize_groups(xs[r], xsc[r]).float() @ dequantize_blocks(w13[ex:ex + 1], s13[ex:ex + 1])[0].float().T
+        g, u = gu[:, :I], gu[:, I:]
+        b["act"][r], sc = quantize_groups(g * torch.sigmoid(g) * u)
+        b["act_scale"][:, r] = sc.T
+        b["y"][r] = (dequantize_groups(b["act"][r], sc).float()
+                     @ dequantize_blocks(w2[ex:ex + 1], s2[ex:ex + 1])[0].float().T).to(torch.bfloat16)
+    out = (w[..., None] * b["y"].float().view(T, k, -1)).sum(1).to(torch.bfloat16)
+    return b, out
+
+
+def test_stage_errors_name_the_stage_that_departs():
+    """The GPU test below on a model of the layer's intermediates: within every stage's bounds as formed, and
+    each fault caught by its own stage's check."""
+    T, H, I, E, k = 37, 272, 176, 6, 3
+    w13, s13, w2, s2 = fp8_weights(E, H, I)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, w = route(torch.randn(T, E), k, True)
+    pos = torch.arange(T * k).view(T, k)
+    bufs, out = layer_like_buffers(x, w13, s13, w2, s2, ids, w)
+    check_stages(stage_errors(x, w13, s13, w2, s2, ids, w, pos, bufs, out))
+
+    def fault(name, edit):
+        b = {n: t.clone() for n, t in bufs.items()}
+        edit(b)
+        with pytest.raises(AssertionError, match=name):
+            check_stages(stage_errors(x, w13, s13, w2, s2, ids, w, pos, b, out))
+
+    fault("dispatch", lambda b: b["xs_scale"][1].mul_(1.01))
+    fault("act scales", lambda b: b["act_scale"][0].mul_(1.01))
+    fault("act codes", lambda b: b["act"].view(torch.uint8)[:, :64].add_(2))
+    fault("gemm2", lambda b: b["y"].mul_(1.01))
+    with pytest.raises(AssertionError, match="combine"):
+        check_stages(stage_errors(x, w13, s13, w2, s2, ids, w, pos, bufs, (out.float() * 1.02).to(torch.bfloat16)))
+
+
 def test_fp8_inputs_are_checked():
     H, I, E, k = 256, 128, 4, 2
     w13, s13, w2, s2 = fp8_weights(E, H, I)
@@ -186,6 +232,69 @@ def check_bad_scales(moe, x, logits, ids, w13, s13, w2, s2):
 
 def poisoned(T, H, device):
     return torch.full((T, H), float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def _code_order(q):
+    """e4m3 codes as integers in value order (one e4m3 step apart: 1; +0 and -0: 0)."""
+    b = q.view(torch.uint8).int()
+    return torch.where(b >= 0x80, -(b & 0x7F), b)
+
+
+def stage_errors(x, w13, s13, w2, s2, ids, w, pos, bufs, out):
+    """Where an FP8 layer's intermediates part from float64, each stage from the layer's own input to it (so a
+    stage's error is its own): dispatch (xs and xs_scale at the pairs' rows `pos` [T, k]: quantize_groups(x)
+    bit for bit), gemm1 with the act quantisation (act from float64 g, u of the layer's own xs: its codes move
+    at most one e4m3 step where the GEMM's rounding carries a value across a rounding boundary), gemm2 (y
+    against float64 of the layer's own act) and the combine (out against float64 of its own y). `bufs`:
+    MoE._bufs (xs, xs_scale, act, act_scale, y)."""
+    T, k = ids.shape
+    I = w2.shape[2]
+    rows, toks = pos.reshape(-1).long(), torch.arange(T, device=x.device).repeat_interleave(k)
+    u8 = torch.uint8   # (e4m3 tensors are indexed as bytes)
+    xq, xsc = quantize_groups(x.float())
+    xs, xs_scale = bufs["xs"].view(u8)[rows].view(FP8), bufs["xs_scale"][:, rows].T
+    act, act_scale, y = bufs["act"].view(u8)[rows].view(FP8), bufs["act_scale"][:, rows].T, bufs["y"][rows].double()
+    e = {"xs codes differing": (xs.view(u8) != xq.view(u8)[toks]).float().mean().item(),
+         "xs scales differing": (xs_scale != xsc[toks]).float().mean().item()}
+    aq, asc = torch.empty_like(act.view(u8)), torch.empty_like(act_scale)
+    yref = torch.empty_like(y)
+    xd, ad = dequantize_groups(xs, xs_scale), dequantize_groups(act, act_scale)
+    for ex in ids.unique().tolist():
+        r = (ids.reshape(-1) == ex).nonzero(as_tuple=True)[0]
+        W13 = dequantize_blocks(w13[ex:ex + 1], s13[ex:ex + 1])[0]
+        g, u = xd[r] @ W13[:I].T, xd[r] @ W13[I:].T
+        q, asc[r] = quantize_groups((g * torch.sigmoid(g) * u).float())
+        aq[r] = q.view(u8)
+        yref[r] = ad[r] @ dequantize_blocks(w2[ex:ex + 1], s2[ex:ex + 1])[0].T
+    aq = aq.view(FP8)
+    steps = (_code_order(act) - _code_order(aq)).abs()
+    e["act scale rel"] = ((act_scale.double() - asc.double()).abs() / asc.double()).max().item()
+    e["act codes differing"] = (steps > 0).float().mean().item()
+    e["act code steps"] = int(steps.max())
+    e["act codes differing by group"] = [round(c.float().mean().item(), 4) for c in (steps > 0).split(128, dim=1)]
+    aref = dequantize_groups(aq, asc)
+    e["act shift"] = ((ad - aref).sum() / aref.abs().sum()).item()   # a bias of the GEMM's sums, not noise
+    e["y rel"] = rel_err(y, yref)
+    e["y shift"] = ((y - yref).sum() / yref.abs().sum()).item()
+    # the FP8 wgmma sums' own error: y off its float64 value rounded to bf16 (on the CPU test's shape, float32
+    # sums: 0.02% of y; a model of the sums truncated to 13 bits per k32 step, 6.7%)
+    e["y bf16 differing"] = (y != yref.to(torch.bfloat16).double()).float().mean().item()
+    oref = (w.double()[..., None] * y.view(T, k, -1)).sum(1)
+    e["out rel"] = rel_err(out, oref)
+    return e
+
+
+def check_stages(e):
+    """stage_errors' figures within what each stage's own rounding explains: dispatch exact; act scales within
+    1e-3 and codes at most one step apart on at most 5% of the values (a float32 GEMM with the tensor cores'
+    FP8 sums moves ~1.3% of them, in a model of those sums that truncates to 13 bits); y and out within
+    bf16 rounding (5e-3). (The shifts are figures for the report: gemm2 runs the same FP8 wgmma sums as gemm1
+    without requantising after them, so a y within bounds with act codes off clears those sums.)"""
+    assert e["xs codes differing"] == 0 and e["xs scales differing"] == 0, f"dispatch's x quantisation: {e}"
+    assert e["act scale rel"] <= 1e-3, f"act scales: {e}"
+    assert e["act code steps"] <= 1 and e["act codes differing"] <= 0.05, f"act codes: {e}"
+    assert e["y rel"] <= 5e-3, f"gemm2: {e}"
+    assert e["out rel"] <= 5e-3, f"combine: {e}"
 
 
 # --- GPU ----------------------------------------------------------------------------------------------
@@ -279,3 +388,29 @@ def test_gpu_fp8_cuda_graph_replays_a_new_routing():
     if err > 3e-2:   # (measured 0.0324 on the H200, 2026-12-03: the same gap as _OVER_3E2's)
         pytest.xfail(f"issue 41: rel err {err:.3g} over 3e-2: the kernel's and the reference's activation "
                      "quantisations are not yet reconciled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,T", [(BENCH_SHAPES[0], 1), (BENCH_SHAPES[0], 1024), ((512, 256, 16, 4), 100)])
+def test_gpu_fp8_stages_match_float64(shape, T):
+    """Issue 41, stage by stage: the kernel measured 0.030-0.035 from quantised_reference on these cases (H200,
+    2026-12-03) where the CPU executor is 0.003-0.004 on the same shapes; the first stage whose own error is
+    beyond its rounding (stage_errors, check_stages) is where the kernel departs. Its figures are printed
+    (pytest -s)."""
+    H, I, E, k = shape
+    if shape in BENCH_SHAPES:
+        moe, (w13, s13, w2, s2) = gpu_layer(H, I, E, k)
+    else:
+        moe, (w13, s13, w2, s2) = (meld.MoE(H, I, E, k, device="cuda", max_num_tokens=T, weight_dtype=FP8),
+                                   fp8_weights(E, H, I, "cuda"))
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    out = poisoned(T, H, "cuda")
+    moe(x, logits, w13, w2, w13_scale=s13, w2_scale=s2, out=out)
+    torch.cuda.synchronize()
+    b = moe._bufs
+    ids, w = b["topk_ids"][: T * k].view(T, k).long(), b["topk_w"][: T * k].view(T, k)
+    pos = b["pair_pos"][: T * k].view(T, k)
+    e = stage_errors(x, w13, s13, w2, s2, ids, w, pos, b, out)
+    print(f"\nstages {shape} T={T}: {e}; end to end {rel_err(out, quantised_reference(x, w13, s13, w2, s2, ids, w)):.4g}")
+    check_stages(e)
