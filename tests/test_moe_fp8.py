@@ -3,6 +3,7 @@ compile for sm_90a without spills, the CPU reference executor against float64, i
 kernel against float64 (marker gpu)."""
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,6 +90,9 @@ def test_quantisers_round_trip():
     a[3] = 0
     q, s = quantize_groups(a)
     assert q.dtype == FP8 and s.shape == (9, 3) and torch.equal(dequantize_groups(q, s)[3], torch.zeros(300).double())
+    # the scales are IEEE quotients amax / 448 in float32, as the kernel's div.rn.f32 forms them
+    amax = torch.nn.functional.pad(a, (0, 84)).view(9, 3, 128).abs().amax(-1).clamp_min(1e-10).numpy()
+    assert torch.equal(s, torch.from_numpy(amax / np.float32(448)))
     assert ((dequantize_groups(q, s) - a.double()).norm() / a.norm()).item() < 0.03   # e4m3: 3 mantissa bits
     w = torch.randn(2, 200, 136)
     wq, ws = quantize_blocks(w)
