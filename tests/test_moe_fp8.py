@@ -332,17 +332,17 @@ def gpu_layer(H, I, E, k):
 
 
 def check_against_quantised_reference(out, x, w13, s13, w2, s2, ids, w, what):
-    """The GPU layer's out against quantised_reference: rel err <= 1e-2 (../shared/BENCH.md's measure), max err
-    <= 5e-2; both printed (pytest -s). Why 1e-2: every stage is within its own rounding (test_gpu_fp8_stages_
-    match_float64); what remains is act codes that the tensor cores' FP8 sums (less precise than float32) carry
-    across an e4m3 rounding boundary, one step (6-12% of a value) on ~1% of act (H200, 2026-12-03). A CPU model
-    of the layer with those sums truncated to 12 bits a k32 step moves 1.2% of act codes and measures rel err
-    0.0035-0.0058, max err 0.005-0.013 (qwen3's H and I, T = 4 and 16). The H200 measured max err 0.030-0.035
-    on four cases before the reference's x scales matched the kernel's, more than that model explains: the max
-    bound is looser so the rel err decides, and both figures are printed for the record."""
+    """The GPU layer's out against quantised_reference: rel err <= 1e-2 (../shared/BENCH.md's measure) and max
+    err <= 3e-2, both printed (pytest -s). Every stage is within its own rounding (test_gpu_fp8_stages_match_
+    float64); what remains is act codes that the tensor cores' FP8 sums (less precise than float32) carry across
+    an e4m3 rounding boundary: ~1% of act, act scales within 7e-4 (H200, 2026-12-03). A CPU model of the layer
+    with those sums truncated to 12 bits a k32 step gives those figures (1.1-1.2%, 5e-4 to 9e-4) and rel err
+    0.003-0.006, max err 0.004-0.013 (qwen3's H and I, T = 1, 4, 16). The H200's 0.030-0.035 (max err, four
+    cases) was largely the reference's: against one with torch-on-CUDA's scales (one bit off the kernel's) the
+    same model measures max err 0.017-0.020, as bf16 x often lands exactly on an e4m3 rounding tie."""
     err, worst = rel_err(out, ref := quantised_reference(x, w13, s13, w2, s2, ids, w)), max_err(out, ref)
     print(f"\n{what}: rel err {err:.3g}, max err {worst:.3g}")
-    assert err <= 1e-2 and worst <= 5e-2, f"{what}: rel err {err:.3g}, max err {worst:.3g}"
+    assert err <= 1e-2 and worst <= 3e-2, f"{what}: rel err {err:.3g}, max err {worst:.3g}"
 
 
 @pytest.mark.gpu

@@ -39,8 +39,8 @@ def _cdiv(a: int, b: int) -> int:
 def _scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 scales of groups whose maximum magnitude is `amax`: amax / 448 as one IEEE division (the kernel's
     div.rn.f32), NaN where amax is. The divisor is a tensor: torch on CUDA divides by a Python number as a
-    multiply by its float32 reciprocal, one bit off the quotient for most maxima, so on a GPU the reference's
-    scales (and the codes at rounding boundaries) would differ from the kernel's and from the CPU's."""
+    multiply by its float32 reciprocal, one bit off the quotient for most maxima, and bf16 rows often land
+    exactly on an e4m3 rounding tie, where a scale one bit off moves the code a whole step."""
     return torch.where(amax.isnan(), amax, amax.clamp_min(FP8_MIN_AMAX) / torch.full_like(amax, E4M3_MAX))
 
 
