@@ -292,9 +292,10 @@ def stage_errors(x, w13, s13, w2, s2, ids, w, pos, bufs, out):
     e["act scale rel"] = ((act_scale.double() - asc.double()).abs() / asc.double()).max().item()
     e["act codes differing"] = (steps > 0).float().mean().item()
     e["act code steps"] = int(steps.max())
-    # (a figure: the largest |code| (of 448) moved more than a step; the FP8 sums' own error moves codes near
-    # zero, where they are dense, by several steps: a CPU model of 12-bit sums, up to 0.23)
-    e["act max |code| off > 1 step"] = aq.float()[steps > 1].abs().max().item() if (steps > 1).any() else 0.0
+    # codes more than a step off, how far in the reference's units (of 448 a group): the FP8 sums' own error
+    # moves codes near zero, where they are dense, by several steps but little value
+    off = (act.float() * (act_scale / asc).repeat_interleave(128, 1)[:, :I] - aq.float()).abs()[steps > 1]
+    e["act off > 1 step, max diff of 448"] = off.max().item() if off.numel() else 0.0
     e["act codes differing by group"] = [round(c.float().mean().item(), 4) for c in (steps > 0).split(128, dim=1)]
     aref = dequantize_groups(aq, asc)
     e["act shift"] = ((ad - aref).sum() / aref.abs().sum()).item()   # a bias of the GEMM's sums, not noise
@@ -311,13 +312,15 @@ def stage_errors(x, w13, s13, w2, s2, ids, w, pos, bufs, out):
 
 def check_stages(e):
     """stage_errors' figures within what each stage's own rounding explains: dispatch exact; act scales within
-    1e-3 and codes at most one step apart on at most 5% of the values (a float32 GEMM with the tensor cores'
-    FP8 sums moves ~1.3% of them, in a model of those sums that truncates to 13 bits); y and out within
-    bf16 rounding (5e-3). (The shifts are figures for the report: gemm2 runs the same FP8 wgmma sums as gemm1
+    1e-3 (the FP8 sums' error at a group's maximum), at most 5% of act's codes differing, each at most one step
+    or within that same 1e-3 of its group's maximum (0.448 of 448; near zero e4m3 steps are finer than the sums'
+    error). A CPU model of the layer with the tensor cores' FP8 sums truncated to 12 bits a k32 step (qwen3's H
+    and I, T = 4, 16) moves 1.1-1.2% of the codes, up to 18 steps where |code| < 0.5, by at most 0.16 of 448;
+    the H200 measured 1.0%, up to 8 steps (2026-12-03). y and out within bf16 rounding (5e-3). (The shifts are figures for the report: gemm2 runs the same FP8 wgmma sums as gemm1
     without requantising after them, so a y within bounds with act codes off clears those sums.)"""
     assert e["xs codes differing"] == 0 and e["xs scales differing"] == 0, f"dispatch's x quantisation: {e}"
     assert e["act scale rel"] <= 1e-3, f"act scales: {e}"
-    assert e["act code steps"] <= 1 and e["act codes differing"] <= 0.05, f"act codes: {e}"
+    assert e["act codes differing"] <= 0.05 and e["act off > 1 step, max diff of 448"] <= 0.448, f"act codes: {e}"
     assert e["y rel"] <= 5e-3, f"gemm2: {e}"
     assert e["out rel"] <= 5e-3, f"combine: {e}"
 
