@@ -343,7 +343,8 @@ def check_against_quantised_reference(out, x, w13, s13, w2, s2, ids, w, what):
     0.003-0.006, max err 0.004-0.013 (qwen3's H and I, T = 1, 4, 16). The H200's 0.030-0.035 (max err, four
     cases) was largely the reference's: against one with torch-on-CUDA's scales (one bit off the kernel's) the
     same model measures max err 0.017-0.020, as bf16 x often lands exactly on an e4m3 rounding tie."""
-    err, worst = rel_err(out, ref := quantised_reference(x, w13, s13, w2, s2, ids, w)), max_err(out, ref)
+    ref = quantised_reference(x, w13, s13, w2, s2, ids, w)
+    err, worst = rel_err(out, ref), max_err(out, ref)
     print(f"\n{what}: rel err {err:.3g}, max err {worst:.3g}")
     assert err <= 1e-2 and worst <= 3e-2, f"{what}: rel err {err:.3g}, max err {worst:.3g}"
 
