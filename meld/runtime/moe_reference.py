@@ -38,15 +38,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """float32 scales of groups whose maximum magnitude is `amax`: amax / 448 as one IEEE division (the kernel's
+    div.rn.f32), NaN where amax is. The divisor is a tensor: torch on CUDA divides by a Python number as a
+    multiply by its float32 reciprocal, one bit off the quotient for most maxima, and bf16 rows often land
+    exactly on an e4m3 rounding tie, where a scale one bit off moves the code a whole step."""
+    return torch.where(amax.isnan(), amax, amax.clamp_min(FP8_MIN_AMAX) / torch.full_like(amax, E4M3_MAX))
+
+
 def quantize_groups(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [rows, K] quantised per row per 128 columns as the kernel does it, in float32: scale = max |v| / 448
-    (NaN where the group holds a NaN), e4m3 = v * (1 / scale) rounded to nearest, saturated at 448:
+    """a [rows, K] quantised per row per 128 columns as the kernel does it, in float32, the same bits on any
+    device: scale = max |v| / 448 (`_scale`), e4m3 = v * (1 / scale) rounded to nearest, saturated at 448:
     (e4m3 [rows, K], scales float32 [rows, ceil(K / 128)])."""
     rows, K = a.shape
     G = _cdiv(K, GROUP)
     g = torch.nn.functional.pad(a.float(), (0, G * GROUP - K)).view(rows, G, GROUP)
-    amax = g.abs().amax(dim=-1)
-    scale = torch.where(amax.isnan(), amax, amax.clamp_min(FP8_MIN_AMAX) / E4M3_MAX)
+    scale = _scale(g.abs().amax(dim=-1))
     q = (g * (1 / scale)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(rows, G * GROUP)[:, :K], scale
 
@@ -70,8 +77,7 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     E, N, K = w.shape
     nb, kb = _cdiv(N, GROUP), _cdiv(K, GROUP)
     b = torch.nn.functional.pad(w.float(), (0, kb * GROUP - K, 0, nb * GROUP - N)).view(E, nb, GROUP, kb, GROUP)
-    amax = b.abs().amax(dim=(2, 4))
-    scale = torch.where(amax.isnan(), amax, amax.clamp_min(FP8_MIN_AMAX) / E4M3_MAX)
+    scale = _scale(b.abs().amax(dim=(2, 4)))
     q = (b / scale[:, :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(E, nb * GROUP, kb * GROUP)[:, :N, :K].contiguous(), scale
 

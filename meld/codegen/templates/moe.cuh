@@ -218,8 +218,8 @@ __device__ __forceinline__ void store_chunk(uint4* dst, int c, int vecs, int lan
 #if MELD_FP8
 using u8 = unsigned char;
 // FP8 activations (DeepSeek-V3's): per token per 128-channel group, scale = max |v| / 448 (the largest e4m3),
-// e4m3 = v / scale rounded to nearest. A group's maximum is taken on the magnitudes' bits, where every NaN
-// lies above infinity: a NaN makes its group's scale NaN (and every value of the group with it).
+// e4m3 = v * (1 / scale) rounded to nearest, both IEEE (moe_reference.quantize_groups: the same bits). A group's
+// maximum is taken on the magnitudes' bits, where every NaN lies above infinity: a NaN makes its scale NaN.
 constexpr float E4M3_MAX = 448.f;
 constexpr float FP8_MIN_AMAX = 1e-10f;   // an all-zero group gets a finite scale (its values stay 0)
 __device__ __forceinline__ float group_scale(u32 amax_bits) {
