@@ -588,19 +588,20 @@ def test_grouped_kernel_compiles_for_sm90a(split_stream, dtype, head_dim, profil
     assert ("_warp" in cfg.name) == (split_stream == "warp") and ("_prof" in cfg.name) == profile
 
 
-def test_the_grouped_builds_differ_in_name_and_the_cta_build_is_the_default():
+def test_the_grouped_builds_differ_in_name_and_the_warp_build_is_the_default():
     from meld.codegen.grouped_kernel import GroupedKernelConfig
 
     names = {GroupedKernelConfig(dt, d, profile=pr, split_stream=st).name for st, dt, d, pr in GROUPED_BUILDS}
     assert len(names) == len(GROUPED_BUILDS)   # both builds coexist in the compile cache
-    assert GroupedKernelConfig().split_stream == "cta" and "#define MELD_SPLIT_WARP 1" not in GroupedKernelConfig().render()
+    assert GroupedKernelConfig().split_stream == "warp" and "#define MELD_SPLIT_WARP 1" in GroupedKernelConfig().render()
+    assert "#define MELD_SPLIT_WARP 1" not in GroupedKernelConfig(split_stream="cta").render()
     warp = {d: GroupedKernelConfig("bfloat16", d, split_stream="warp") for d in (64, 128, 256)}
     assert [(warp[d].split_warps, warp[d].warp_stages) for d in (64, 128, 256)] == [(8, 4), (8, 2), (4, 2)]
     with pytest.raises(ValueError, match="split_stream='tile'"):
         GroupedKernelConfig(split_stream="tile")
     with pytest.raises(ValueError, match="split_stream must be one of"):
         meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="tile")
-    op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="warp")   # (the CPU executor ignores it)
+    op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="cta")   # (the CPU executor ignores it)
     levels, q, kv = batch([2], [40], [3, 5])
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     torch.testing.assert_close(op.run(q, kv).double(), cascade_reference(q, kv, levels)[0], rtol=2e-2, atol=2e-2)

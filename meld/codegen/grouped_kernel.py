@@ -27,7 +27,8 @@ class GroupedKernelConfig:
     `split_stream` picks how a split task (at most 16 query rows: a request's own suffix) streams its KV:
     "cta", through the CTA's ring of 64-token chunks, a CTA barrier per chunk; "warp", each warp its own
     16-token tiles through a ring of its own (`warp_stages` tiles of K and V), running ahead into the CTA's
-    next split task. Tasks of more rows take the CTA's ring in both builds.
+    next split task (the default: faster on 6 of the 7 BENCH cascade cases at 611126d, bench/RESULTS.md).
+    Tasks of more rows take the CTA's ring in both builds.
     """
 
     dtype: str = "bfloat16"

@@ -77,7 +77,7 @@ class CascadeDecode(Operator):
             does): more
             spreads the slices of a shared prefix over more CTAs.
         split_stream: how the GPU kernel streams a task of at most 16 query rows (a request's own suffix):
-            "cta" through the CTA's shared ring, "warp" through each warp's own ring
+            "warp" (default) through each warp's own ring, "cta" through the CTA's shared ring
             (`meld.codegen.grouped_kernel.GroupedKernelConfig`). The same results either way; the CPU
             executor ignores it.
 
