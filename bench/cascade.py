@@ -227,6 +227,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="meld cascade's planner overhead per work item (CascadeDecode(item_overhead_tokens=))")
     p.add_argument("--merge-overhead", type=int, metavar="TOKENS",
                    help="and per request of an item (CascadeDecode(merge_overhead_tokens=))")
+    p.add_argument("--rows-per-tile", type=int, metavar="ROWS",
+                   help="query rows a token of an item costs one unit for (CascadeDecode(rows_per_tile=))")
     p.add_argument("--plan-host", action="store_true",
                    help="time meld cascade plan()'s host phases on the CPU (the device copy excluded); no GPU needed")
     args = p.parse_args(argv)
@@ -328,7 +330,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(ceilings_line(ceilings), flush=True)
     table = Table(COLUMNS)
     op_kw = {k: v for k, v in (("item_overhead_tokens", args.item_overhead),
-                                ("merge_overhead_tokens", args.merge_overhead)) if v is not None}
+                                ("merge_overhead_tokens", args.merge_overhead),
+                                ("rows_per_tile", args.rows_per_tile)) if v is not None}
     builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw),
                 "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta", **op_kw)}
     for i, case in enumerate(cases, 1):

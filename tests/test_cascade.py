@@ -361,7 +361,8 @@ def _levels(draw):
         last = np.array([n - (p - 1) * P if p else 1 for n, p in zip(lens, pages)], dtype=np.int64)
         levels.append(GroupTable(qo, indptr, np.arange(indptr[-1], dtype=np.int64), last))
     return batch, levels, draw(st.integers(1, 40)), draw(st.sampled_from([1, 2, 4, 8])), \
-        draw(st.sampled_from([1, 6, 128])), draw(st.sampled_from([0, 1, 128, 5000])), draw(st.sampled_from([0, 7, 48]))
+        draw(st.sampled_from([1, 6, 128])), draw(st.sampled_from([0, 1, 128, 5000])), draw(st.sampled_from([0, 7, 48])), \
+        draw(st.sampled_from([1, 16, 64]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -382,9 +383,28 @@ def test_no_cta_holds_more_than_its_share_and_a_piece(batch, ctas, overhead, mer
 @settings(max_examples=150, deadline=None)
 @given(_levels())
 def test_host_planner_is_its_numpy_oracle(case):
-    batch, levels, ctas, heads, slice_rows, overhead, merge = case   # (slice_rows 1 and 6: slices of one and of three requests)
-    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge),
-                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge))
+    batch, levels, ctas, heads, slice_rows, overhead, merge, rows = case   # (slice_rows 1 and 6: slices of one and of three requests)
+    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows),
+                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows))
+
+
+def test_a_smaller_row_tile_charges_a_shared_prefix_more():
+    """rows_per_tile prices a slice's token by its rows: at 16 a 64-request prefix slice (128 rows of group 2)
+    costs 8 units a token instead of 2, so the plan gives the prefix more CTAs against the same suffixes."""
+    batch, levels = 64, []
+    shared = GroupTable(np.array([0, batch]), np.array([0, 512]), np.arange(512, dtype=np.int64), np.array([P]))
+    own = GroupTable(np.arange(batch + 1, dtype=np.int64), 512 + np.arange(0, 4 * batch + 1, 4, dtype=np.int64),
+                     np.arange(512, 512 + 4 * batch, dtype=np.int64), np.full(batch, P, dtype=np.int64))
+    levels = [shared, own]
+    ctas_of_prefix = {}
+    for rows in (64, 16):
+        plan = plan_split_reduce(levels, batch, 8, 2, P, 132, SLICE_ROWS, 256, 48, rows)
+        t = plan.task_columns()
+        ctas_of_prefix[rows] = len(set(t["cta"][t["producer"] == 0].tolist()))
+        assert plan.rows_per_tile == rows
+    assert ctas_of_prefix[16] > ctas_of_prefix[64]
+    with pytest.raises(ValueError, match="rows_per_tile"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", rows_per_tile=0)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from ..runtime.tables import StagedImage
-from ..scheduler.split_reduce_plan import (ITEM_OVERHEAD_TOKENS, MERGE_OVERHEAD_TOKENS, SLICE_ROWS, GroupTable, LaunchLayout, SplitReducePlan,
-                                           launch_sizes, write_launch_tables)
+from ..scheduler.split_reduce_plan import (ITEM_OVERHEAD_TOKENS, MERGE_OVERHEAD_TOKENS, ROWS_PER_TILE, SLICE_ROWS,
+                                           GroupTable, LaunchLayout, SplitReducePlan, launch_sizes,
+                                           write_launch_tables)
 from .. import config
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
@@ -74,8 +75,9 @@ class CascadeDecode(Operator):
         item_overhead_tokens: the planner's fixed cost of a work item, in KV tokens
             (`meld.scheduler.split_reduce_plan`): more spreads many short items over more CTAs.
         merge_overhead_tokens: and per request of an item past its first (the merges an item that arrives last
-            does): more
-            spreads the slices of a shared prefix over more CTAs.
+            does): more spreads the slices of a shared prefix over more CTAs.
+        rows_per_tile: a token of an item of r query rows costs ceil(r / rows_per_tile) units (a request's own
+            suffix one): less charges a shared prefix's slices more against the suffixes.
         split_stream: how the GPU kernel streams a task of at most 16 query rows (a request's own suffix):
             "warp" (default) through each warp's own ring, "cta" through the CTA's shared ring
             (`meld.codegen.grouped_kernel.GroupedKernelConfig`). The same results either way; the CPU
@@ -88,7 +90,8 @@ class CascadeDecode(Operator):
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, num_levels: int,
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
                  num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
-                 merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, split_stream: str = "warp"):
+                 merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
+                 split_stream: str = "warp"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
@@ -102,6 +105,7 @@ class CascadeDecode(Operator):
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self.item_overhead_tokens = check_count("item_overhead_tokens", item_overhead_tokens, 1 << 20)
         self.merge_overhead_tokens = check_count("merge_overhead_tokens", merge_overhead_tokens, 1 << 16)
+        self.rows_per_tile = check_positive("rows_per_tile", rows_per_tile, 1 << 10)
         self._setup(graph, device)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.num_levels, self.dtype = page_size, num_levels, dtype
@@ -143,7 +147,7 @@ class CascadeDecode(Operator):
         order = [tables[t] for t in self.lowering.producers]
         plan = self.lowering.planner(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
                                      self.page_size, self.num_ctas, self._slice_rows, self.item_overhead_tokens,
-                                     self.merge_overhead_tokens)
+                                     self.merge_overhead_tokens, self.rows_per_tile)
         buf = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._commit((batch, tables, plan, top), buf)   # (batch, {task: GroupTable}, SplitReducePlan, largest page)
 

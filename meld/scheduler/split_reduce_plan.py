@@ -43,7 +43,7 @@ from ..ir.work_table import EVENT, SPLIT_TASK
 
 MIN_PIECE_TOKENS = 64
 CUT_TOKENS = 16
-ROWS_PER_TILE = 64
+ROWS_PER_TILE = 64   # query rows a token of an item costs one unit for (CascadeDecode(rows_per_tile=) sweeps it)
 # A work item's fixed cost in KV tokens, inferred from one H200 run of bench/cascade.py (bench/RESULTS.md,
 # 2026-12-02, fifth session), not yet fitted: with no overhead term the 64-group case put 140 of its 64-token
 # suffix items on each of the line's last 15 CTAs and took 1058.6 µs, ~7.5 µs an item. A per-CTA model of
@@ -91,6 +91,7 @@ class SplitReducePlan:
     num_slots: int
     item_overhead: int       # the cost model's (module docstring)
     merge_overhead: int = 0
+    rows_per_tile: int = ROWS_PER_TILE
 
     def task_columns(self) -> dict[str, np.ndarray]:
         return SPLIT_TASK.unpack(self.tasks, self.num_tasks)
@@ -103,7 +104,7 @@ class SplitReducePlan:
         first piece."""
         t, out = self.task_columns(), np.zeros(self.num_ctas)
         for i in range(self.num_tasks):
-            tiles = -(-int(t["event_count"][i]) * self.group_size // ROWS_PER_TILE)
+            tiles = -(-int(t["event_count"][i]) * self.group_size // self.rows_per_tile)
             out[t["cta"][i]] += int(t["kv_end"][i] - t["kv_begin"][i]) * tiles + \
                 (self.item_overhead + (int(t["event_count"][i]) - 1) * self.merge_overhead if t["kv_begin"][i] == 0 else 0)
         return out
@@ -112,7 +113,8 @@ class SplitReducePlan:
 def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int,
                             page_size: int, num_ctas: int, slice_rows: int = SLICE_ROWS,
                             item_overhead: int = ITEM_OVERHEAD_TOKENS,
-                            merge_overhead: int = MERGE_OVERHEAD_TOKENS) -> SplitReducePlan:
+                            merge_overhead: int = MERGE_OVERHEAD_TOKENS,
+                            rows_per_tile: int = ROWS_PER_TILE) -> SplitReducePlan:
     """The cut in NumPy, written from the module docstring: the test oracle of `plan_split_reduce` (the
     planner's C source, templates/split_reduce_plan.h, the GPU's and the host's)."""
     per = max(1, slice_rows // group_size)   # requests of a slice
@@ -122,7 +124,7 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
         for g in range(len(lens)):
             q0, q1 = int(t.qo_indptr[g]), int(t.qo_indptr[g + 1])
             if lens[g] > 0:
-                items += [(ti, g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // ROWS_PER_TILE))
+                items += [(ti, g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // rows_per_tile))
                           for h in range(num_kv_heads) for s in range(q0, q1, per)]
     fixed = [item_overhead + (n_req - 1) * merge_overhead for *_, n_req, _ in items]
     total = sum(f + n * tiles for f, (*_, n, _, tiles) in zip(fixed, items))
@@ -160,13 +162,14 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
     num_tasks = len(cols["cta"])
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas, SPLIT_TASK.pack(num_tasks, **cols), num_tasks,
                            EVENT.pack(n_events, parts=counts, part_first=first), part_slot, slot, item_overhead,
-                           merge_overhead)
+                           merge_overhead, rows_per_tile)
 
 
 def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, group_size: int, page_size: int,
                       num_ctas: int, slice_rows: int = SLICE_ROWS,
                       item_overhead: int = ITEM_OVERHEAD_TOKENS,
-                      merge_overhead: int = MERGE_OVERHEAD_TOKENS) -> SplitReducePlan:
+                      merge_overhead: int = MERGE_OVERHEAD_TOKENS,
+                      rows_per_tile: int = ROWS_PER_TILE) -> SplitReducePlan:
     """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
     parts (module docstring), with the planner's C source built for the host. `tables` are the producers
     in the graph's order: the order their parts merge in."""
@@ -193,7 +196,7 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
         group_producer=g, group_index=g + 4 * n_groups, group_q0=g + 8 * n_groups, group_requests=g + 12 * n_groups,
         group_tokens=g + 16 * n_groups, **addr, num_groups=n_groups, batch=batch, num_kv_heads=num_kv_heads,
         group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS,
-        rows_per_tile=ROWS_PER_TILE, slice_rows=slice_rows, item_overhead=item_overhead,
+        rows_per_tile=rows_per_tile, slice_rows=slice_rows, item_overhead=item_overhead,
         merge_overhead=merge_overhead, task_capacity=task_cap,
         slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
@@ -204,7 +207,8 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     parts = int(EVENT.unpack(events, n_events)["parts"].sum())
     return SplitReducePlan(batch, num_kv_heads, group_size, num_ctas,
                            part["tasks"].reshape(SPLIT_TASK.width, task_cap)[:, :num_tasks].flatten(), num_tasks,
-                           events.copy(), part["part_slot"][:parts].copy(), num_slots, item_overhead, merge_overhead)
+                           events.copy(), part["part_slot"][:parts].copy(), num_slots, item_overhead, merge_overhead,
+                           rows_per_tile)
 
 
 def _group_columns(tables: list[GroupTable], page_size: int) -> np.ndarray:
