@@ -197,6 +197,25 @@ def test_single_decode_with_kv_cache(layout):
         compat.single_decode_with_kv_cache(q, k[0], v[0], layout)
 
 
+def test_single_decode_plans_only_when_its_shapes_or_options_change(monkeypatch):
+    """A call of the last call's shapes and options runs on the kept plan (so a CUDA graph can capture it: under
+    torch.compile's reduce-overhead mode the op is recorded and replayed), on its own fresh k and v."""
+    wrapper, _ = compat._single_request_wrapper(torch.device("cpu"))
+    plans = []
+    real = wrapper.plan
+    monkeypatch.setattr(wrapper, "plan", lambda *a, **kw: (plans.append(a[0][-1].item()), real(*a, **kw)))
+
+    def call(kv_len, **kw):
+        q, k, v = torch.randn(8, 64).half(), torch.randn(kv_len, 2, 64).half(), torch.randn(kv_len, 2, 64).half()
+        s = torch.einsum("hgd,khd->hgk", q.double().view(2, 4, 64), k.double()) * kw.get("sm_scale", 1 / 8)
+        ref = torch.einsum("hgk,khd->hgd", s.softmax(-1), v.double()).reshape(8, 64)
+        assert (compat.single_decode_with_kv_cache(q, k, v, **kw).double() - ref).abs().max().item() < 2e-3
+
+    for kv_len, kw in ((41, {}), (41, {}), (41, {}), (42, {}), (42, {"sm_scale": 0.1}), (42, {"sm_scale": 0.1})):
+        call(kv_len, **kw)
+    assert plans == [41, 42, 42]   # (the first call, a new length, a new scale)
+
+
 def test_cuda_graph_mode_fixed_buffers():
     """use_cuda_graph=True (CPU buffers here): plan() copies the table into the fixed buffers, the batch
     size is fixed, and meld's operator is sized to the buffers, so re-plans rewrite its tables in place."""

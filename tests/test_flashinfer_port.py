@@ -711,7 +711,9 @@ print("PASS")
 
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="issue 42: the child process failed on its first H200 run (2026-12-03, whole GPU "
-                   "suite); its stderr was not kept. The port's other single-decode cases passed there. Strict: once it "
+                   "suite); its stderr was not kept. The port's other single-decode cases passed there. The likely "
+                   "cause, a plan() (host tables copied to the device) inside the graph capture, is gone since: single "
+                   "decode keeps its plan for a call of the same shapes (not yet run on a GPU). Strict: once it "
                    "passes, this mark must go")
 def test_single_decode_torch_compile_cuda_graph():
     """FlashInfer's test_single_decode_torch_compile_cuda_graph (its issue 541): single decode inside a custom op

@@ -781,7 +781,8 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     head_dim] over k and v [kv_len, num_kv_heads, head_dim] (NHD; HND: [num_kv_heads, kv_len, head_dim]).
 
     The decode wrapper (one per device, kept) planned for a batch of one request whose pages are single tokens,
-    so k and v are read in place through their strides, in either layout; each call plans. As FlashInfer's,
+    so k and v are read in place through their strides, in either layout; a call plans only when its shapes or
+    options differ from the last call's. As FlashInfer's,
     q_scale and k_scale multiply sm_scale and v_scale the output. Returns out [num_qo_heads, head_dim], or (out,
     lse [num_qo_heads], base 2) with return_lse.
 
@@ -805,11 +806,15 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     for name, factor in (("q_scale", q_scale), ("k_scale", k_scale)):
         if factor is not None:
             scale *= check_finite(name, factor)
-    wrapper = _single_request_wrapper(q.device)
-    wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
-                 torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
-                 window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
-                 rope_scale=rope_scale, rope_theta=rope_theta)
+    wrapper, planned = _single_request_wrapper(q.device)
+    key = (kv_len, q.shape[0], num_kv_heads, head_dim, pos_encoding_mode, window_left, logits_soft_cap, q.dtype,
+           k.dtype, scale, rope_scale, rope_theta)
+    if planned.get("key") != key:   # (a plan of the same shapes is kept: a CUDA graph captures run() alone)
+        wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
+                     window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
+                     rope_scale=rope_scale, rope_theta=rope_theta)
+        planned["key"] = key
     try:
         result = wrapper.run(q.unsqueeze(0), (k, v), v_scale=v_scale, return_lse=return_lse)
     except ValueError as e:   # (in this function's names: the tuple's parts are k and v)
@@ -818,6 +823,8 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 @functools.lru_cache(maxsize=None)
-def _single_request_wrapper(device: torch.device) -> BatchDecodeWithPagedKVCacheWrapper:
-    """single_decode_with_kv_cache's wrapper on `device`: its operators (one per shape and variant) are kept."""
-    return BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device))
+def _single_request_wrapper(device: torch.device) -> tuple[BatchDecodeWithPagedKVCacheWrapper, dict]:
+    """single_decode_with_kv_cache's wrapper on `device` (its operators, one per shape and variant, are kept) and
+    the key of its last plan: a call of the same shapes and options runs without planning again, so it can be
+    captured in a CUDA graph (plan() copies tables to the device; FlashInfer's single decode has no plan step)."""
+    return BatchDecodeWithPagedKVCacheWrapper(torch.empty(0, dtype=torch.uint8, device=device)), {}
