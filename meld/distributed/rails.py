@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .topology import Topology
+from .topology import Link, Topology
 from .transport import PUT, EmulatedTransport, ProxySchedule, _Op, _Ticket
 
 ADD_BYTES = 8   # an add on the wire: one 64-bit word
@@ -54,6 +54,8 @@ class _Hop:
     ready: float
     pieces: list[_Op]
     nbytes: int
+    queue: tuple | None       # its link's queue (`Topology.link`; None: a rank's put to itself, free)
+    link: Link | None
     seq: int = 0
 
     @property
@@ -159,8 +161,9 @@ class RailTransport(EmulatedTransport):
         """Queue `op` (a put piece or an add, on its way from op.src to op.dst) on its next hop from `at`."""
         path = self.topology.route(op.src, op.dst, self.hierarchical)
         nxt = path[path.index(at) + 1]
+        queue, link = (None, None) if at == nxt else self.topology.link(at, nxt)
         if op.kind != PUT:
-            self._schedule.append(_Hop(at, nxt, op.kind, ready, [op], ADD_BYTES), jump)
+            self._schedule.append(_Hop(at, nxt, op.kind, ready, [op], ADD_BYTES, queue, link), jump)
             return
         size, done = self._windows[op.window][0].itemsize, 0
         last = self._schedule.last(at, nxt)
@@ -173,14 +176,11 @@ class RailTransport(EmulatedTransport):
         per = max(1, self.chunk_bytes // size)
         for a in range(done, op.count, per):
             n = min(per, op.count - a)
-            self._schedule.append(_Hop(at, nxt, PUT, ready, [dataclasses.replace(op, start=op.start + a, count=n)], n * size))
-
-    def _link(self, hop: _Hop):
-        return (None, None) if hop.src == hop.dst else self.topology.link(hop.src, hop.dst)
+            self._schedule.append(_Hop(at, nxt, PUT, ready, [dataclasses.replace(op, start=op.start + a, count=n)],
+                                       n * size, queue, link))
 
     def _start(self, hop: _Hop) -> float:
-        key, _ = self._link(hop)
-        return max(hop.ready, self._free.get(key, 0.0))
+        return max(hop.ready, self._free.get(hop.queue, 0.0))
 
     def _pick(self, landable: list[_Hop]) -> _Hop:
         starts = [self._start(h) for h in landable]
@@ -188,13 +188,12 @@ class RailTransport(EmulatedTransport):
         return self._rng.choice([h for h, s in zip(landable, starts) if s == first])
 
     def _complete(self, hop: _Hop) -> _Ticket | None:
-        key, link = self._link(hop)
-        end = self._start(hop) + (link.time(hop.nbytes) if link else 0.0)
-        if key is not None:
-            self._free[key] = end
-            self.chunks[key] += 1
-            self.bytes[key] += hop.nbytes
-            self.gathered[key] += len({p.src for p in hop.pieces}) > 1
+        end = self._start(hop) + (hop.link.time(hop.nbytes) if hop.link else 0.0)
+        if hop.queue is not None:
+            self._free[hop.queue] = end
+            self.chunks[hop.queue] += 1
+            self.bytes[hop.queue] += hop.nbytes
+            self.gathered[hop.queue] += len({p.src for p in hop.pieces}) > 1
         self.makespan, self._last_end = max(self.makespan, end), end
         self._schedule.done(hop)
         ticket = None
@@ -210,19 +209,20 @@ class RailTransport(EmulatedTransport):
 
 
 def all_to_all_time(topology: Topology, nbytes, chunk_bytes: int, hierarchical: bool = True) -> float:
-    """Predicted makespan of rank s putting nbytes[s][d] bytes to every rank d at once over `RailTransport`.
-    Each link is busy with its channels' data cut into chunks (chunks x latency + bytes / bandwidth: a
-    relay's channel carries its node's data for that peer as one stream). A link whose data all comes through
-    a relay starts when the first chunk of it has arrived, and ends no earlier than one chunk after the last
-    has: ends = max(start + busy, last arrival + one chunk); the makespan is the last end."""
+    """Predicted makespan of rank s putting nbytes[s][d] bytes to every rank d at once over `RailTransport`,
+    each rank issuing its relayed transfers first (the longest route starts first). A link is busy with its
+    channels' bytes cut into chunks (chunks x latency + bytes / bandwidth; a relay's channel carries its
+    node's data for that peer as one stream). It ends no earlier than that busy time after 0, nor than the
+    busy time of what it relays after the first relayed chunk has arrived, nor than one chunk after the
+    last has (the feeding link busy with what it sends on); the makespan is the last end."""
     world = topology.world
     nbytes = np.asarray(nbytes)
     if nbytes.shape != (world, world) or (nbytes < 0).any():
         raise ValueError(f"nbytes must be a [{world}, {world}] array of byte counts >= 0, got {nbytes!r}")
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
-    carried: Counter = Counter()              # channel (a, b) -> bytes
-    first, feeds = set(), defaultdict(set)    # channels issued by ranks; channel -> the channels feeding it
+    carried, relayed, onward = Counter(), Counter(), Counter()   # channel -> bytes; relayed; going further
+    feeds = defaultdict(set)                  # channel -> the channels feeding it
     for s in range(world):
         for d in range(world):
             if s != d and nbytes[s, d] > 0:
@@ -230,9 +230,10 @@ def all_to_all_time(topology: Topology, nbytes, chunk_bytes: int, hierarchical: 
                 hops = list(zip(path, path[1:]))
                 for h in hops:
                     carried[h] += int(nbytes[s, d])
-                first.add(hops[0])
                 for a, b in zip(hops, hops[1:]):
                     feeds[b].add(a)
+                    relayed[b] += int(nbytes[s, d])
+                    onward[a] += int(nbytes[s, d])
     on_link = defaultdict(list)
     for c in carried:
         on_link[topology.link(*c)[0]].append(c)
@@ -242,12 +243,14 @@ def all_to_all_time(topology: Topology, nbytes, chunk_bytes: int, hierarchical: 
         return full * link.time(chunk_bytes) + (link.time(rest) if rest else 0.0)
 
     end = {}
-    for key in sorted(on_link, key=lambda k: any(feeds[c] for c in on_link[k])):   # fed links last
+    for key in on_link:
         chans = on_link[key]
         link = topology.link(*chans[0])[1]
         fed = [(f, c) for c in chans for f in feeds[c]]
-        start = 0.0 if any(c in first for c in chans) else min(
-            topology.link(*f)[1].time(min(chunk_bytes, carried[f])) for f, _ in fed)
-        last = max((end[topology.link(*f)[0]] + link.time(min(chunk_bytes, carried[c])) for f, c in fed), default=0.0)
-        end[key] = max(start + sum(busy(link, carried[c]) for c in chans), last)
+        end[key] = sum(busy(link, carried[c]) for c in chans)
+        if fed:
+            first = min(topology.link(*f)[1].time(min(chunk_bytes, carried[f])) for f, _ in fed)
+            last = max(busy(topology.link(*f)[1], sum(onward[g] for g in on_link[topology.link(*f)[0]]))
+                       + link.time(min(chunk_bytes, relayed[c])) for f, c in fed)
+            end[key] = max(end[key], first + sum(busy(link, relayed[c]) for c in chans), last)
     return max(end.values(), default=0.0)
