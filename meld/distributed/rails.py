@@ -222,7 +222,7 @@ def all_to_all_time(topology: Topology, nbytes, chunk_bytes: int, hierarchical: 
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
     carried, relayed, onward = Counter(), Counter(), Counter()   # channel -> bytes; relayed; going further
-    feeds = defaultdict(set)                  # channel -> the channels feeding it
+    feeds = defaultdict(set)                                     # channel -> the channels feeding it
     for s in range(world):
         for d in range(world):
             if s != d and nbytes[s, d] > 0:
@@ -242,15 +242,15 @@ def all_to_all_time(topology: Topology, nbytes, chunk_bytes: int, hierarchical: 
         full, rest = divmod(n, chunk_bytes)
         return full * link.time(chunk_bytes) + (link.time(rest) if rest else 0.0)
 
-    end = {}
-    for key in on_link:
-        chans = on_link[key]
+    makespan = 0.0
+    for key, chans in on_link.items():
         link = topology.link(*chans[0])[1]
-        fed = [(f, c) for c in chans for f in feeds[c]]
-        end[key] = sum(busy(link, carried[c]) for c in chans)
+        t = sum(busy(link, carried[c]) for c in chans)
+        fed = [(topology.link(*f), c) for c in chans for f in feeds[c]]   # ((queue, link) of the feeder, channel)
         if fed:
-            first = min(topology.link(*f)[1].time(min(chunk_bytes, carried[f])) for f, _ in fed)
-            last = max(busy(topology.link(*f)[1], sum(onward[g] for g in on_link[topology.link(*f)[0]]))
-                       + link.time(min(chunk_bytes, relayed[c])) for f, c in fed)
-            end[key] = max(end[key], first + sum(busy(link, relayed[c]) for c in chans), last)
-    return max(end.values(), default=0.0)
+            first = min(f.time(min(chunk_bytes, onward[g])) for (q, f), _ in fed for g in on_link[q] if onward[g])
+            last = max(busy(f, sum(onward[g] for g in on_link[q])) + link.time(min(chunk_bytes, relayed[c]))
+                       for (q, f), c in fed)
+            t = max(t, first + sum(busy(link, relayed[c]) for c in chans), last)
+        makespan = max(makespan, t)
+    return makespan
