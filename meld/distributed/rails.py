@@ -1,12 +1,13 @@
 """Rail-aware hierarchical movement: the transport protocol routed over a modelled multi-node topology.
 
 Why hierarchical: in a rail-optimised cluster GPU i of every node hangs off rail i's switch. A transfer
-that changes rail crosses the spine, which a node's GPUs share and which is usually oversubscribed, and
+that changes rail crosses the spine, which a node's GPUs share and which is often oversubscribed, and
 each pair of ranks sending on its own pays a network chunk's latency for every piece of its own data. Routed
 hierarchically, a transfer from s to d on another node goes over NVLink to the GPU of s's node on d's rail
 (the relay, `Topology.relay`), which sends it over its own rail; the relay gathers everything its node has
 for that peer into one stream, so one rail chunk carries several ranks' data. Transfers inside a node go
-direct over NVLink.
+direct over NVLink. It costs an NVLink hop and puts the relayed bytes on the relay's rail: where the spine
+is as fast as that, flat routes win (tests/test_rails.py shows both sides).
 
 `RailTransport` is `EmulatedTransport` (the one protocol: put / fetch_add / signal / get / quiet, command
 rings, a proxy) with a routing layer in its proxy: each record becomes a hop on its first link; a hop that
@@ -17,7 +18,8 @@ it landed, so a signal or fetch-add still lands after every put before it from t
 not. `relay_fence=False` makes a broken relay that sends an add ahead of the data it still holds for the
 same peer (the test that must catch one). A channel packs its data into network chunks of `chunk_bytes`,
 whatever the size of the puts (the producer's tile): a put still waiting for its link is topped up with
-data that arrives behind it, from whichever rank.
+data that arrives behind it, from whichever rank. (A relayed put lands from its origin's window, which
+the protocol keeps unchanged until it has landed; a real relay would hold a copy in a staging buffer.)
 
 Modelled time: every hop is charged latency + bytes / bandwidth on its link's clock (`Topology.link`: a
 link carries one chunk at a time), starting when the link is free and its data is at the sender; the
@@ -135,7 +137,7 @@ class RailTransport(EmulatedTransport):
         """The proxy takes no records inside: operations issued in it (from any thread, each with its rank's
         clock) reach their links together when it ends, as they would if the ranks issued them at one
         instant. Without it a rank whose thread starts late finds its link already given to a chunk that
-        starts later in modelled time (the makespan is then up to a chunk's time per hop off)."""
+        starts later in modelled time, and the makespan depends on the threads' timing."""
         with self._cv:
             self._held = True
         try:

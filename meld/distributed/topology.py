@@ -3,7 +3,7 @@ index across the nodes (GPU i of every node on rail i, as rail-optimised fabrics
 
 A transfer between two GPUs of one node crosses NVLink. Between nodes, one on the same rail crosses that
 rail (the sender's NIC, one switch); one that changes rail crosses the spine (the tier between the rails'
-switches, shared by a node's GPUs and usually oversubscribed), unless it is routed hierarchically: over
+switches, shared by a node's GPUs and often oversubscribed), unless it is routed hierarchically: over
 NVLink to the GPU of its own node on the destination's rail, then over that rail (`route`). Each link has
 a latency and a bandwidth; `link` names the queue a hop waits in (a GPU's NVLink port, a GPU's NIC, a
 node's spine uplink). This is a model: the machines meld runs its tests on have no multi-node rails
