@@ -275,16 +275,24 @@ class EmulatedTransport:
                 self._cv.wait_for(ready)
                 if self._closed:
                     return
-                op = self._rng.choice(self._schedule.landable())
+                op = self._pick(self._schedule.landable())
                 delay = self._rng.random() * self._max_delay
             self._clock.sleep(delay)
             with self._cv:
-                ticket = self._land(op)
-                self._schedule.done(op)
-                self._unlanded[op.src] -= 1
+                ticket = self._complete(op)
                 self._cv.notify_all()
             if ticket is not None:
                 ticket.landed.set()
+
+    def _pick(self, landable: list[_Op]) -> _Op:
+        """The operation to land next (a routing layer picks by its modelled time: rails.RailTransport)."""
+        return self._rng.choice(landable)
+
+    def _complete(self, op: _Op) -> _Ticket | None:
+        ticket = self._land(op)
+        self._schedule.done(op)
+        self._unlanded[op.src] -= 1
+        return ticket
 
     def _land(self, op: _Op) -> _Ticket | None:
         dst = self._windows[op.window][op.dst].reshape(-1)
