@@ -240,8 +240,8 @@ def test_wrapper_takes_fp8_plans_and_scales(layout, P, apart):
 
 # --- bad inputs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(kv_dtype=torch.float8_e5m2), r"kv_dtype must be None \(the dtype, torch.bfloat16\) or torch.float8_e4m3fn, "
-                                       r"got torch.float8_e5m2"),
+    (dict(kv_dtype=torch.float8_e4m3fnuz), r"kv_dtype must be None \(the dtype, torch.bfloat16\) or an FP8 type "
+                                           r"\(torch.float8_e4m3fn or torch.float8_e5m2\), got torch.float8_e4m3fnuz"),
     (dict(kv_dtype=torch.float16), "kv_dtype must be None"),
     (dict(kv_dtype="float8_e4m3fn"), "kv_dtype must be None"),
     (dict(kernel_config=DecodeKernelConfig.default("bfloat16", 64)), "kernel_config is for bfloat16, .*kv_dtype=''; "
@@ -286,8 +286,8 @@ def test_a_16_bit_cache_takes_no_scales():
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     q, kv = torch.randn(1, 8, 64).to(BF16), torch.randn(pb.num_pages, 2, 16, 2, 64).to(BF16)
     assert torch.equal(attn.run(q, kv, k_scale=1, v_scale=1.0), attn.run(q, kv))
-    with pytest.raises(ValueError, match=r"k_scale=0.5 and v_scale=1.0: the scales dequantise an FP8 cache \(kv_dtype="
-                                         r"torch.float8_e4m3fn\), but this operator reads a torch.bfloat16 cache"):
+    with pytest.raises(ValueError, match=r"k_scale=0.5 and v_scale=1.0: the scales dequantise an FP8 cache \(kv_dtype "
+                                         r"torch.float8_e4m3fn or torch.float8_e5m2\), but this operator reads a torch.bfloat16 cache"):
         attn.run(q, kv, k_scale=0.5)
     with pytest.raises(ValueError, match="kv_cache must have dtype torch.bfloat16, got torch.float8_e4m3fn"):
         attn.run(q, kv.to(FP8))
