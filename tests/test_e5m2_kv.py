@@ -178,3 +178,21 @@ def test_gpu_against_flashinfer(layout):
     for out in outs:
         assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
     assert ((outs[0].double() - outs[1].double()).norm() / outs[1].double().norm()).item() < 2e-2
+
+
+def test_bench_times_an_e5m2_cache(capsys):
+    """bench/decode.py --kv-dtype e5m2: lists its cases at one byte a value, and quantises to e5m2 with a
+    power-of-two scale, so that the cache stands for bf16 values exactly (what its bf16 runs read)."""
+    from bench import decode
+
+    try:
+        argv = ["--kv-dtype", "e5m2", "--dry-run", "--batch", "8", "--dist", "uniform2k", "--no-extra"]
+        assert decode.main(argv) == 0
+        assert decode.KV_FP8[0] is E5M2 and decode.kv_elem_bytes() == 1
+        x = (torch.randn(4096) * 300).to(BF16)
+        codes, scale = decode._fp8(x)
+        assert codes.dtype is E5M2 and codes.isfinite().all() and math.log2(scale).is_integer()
+        assert torch.equal((codes.to(BF16) * scale).double(), codes.double() * scale)
+    finally:
+        decode.KV_FP8[0] = None
+    assert "uniform2k" in capsys.readouterr().out

@@ -114,8 +114,8 @@ def test_operator_matches_float64(form, layout, P):
 
 def _every_code_case(dtype=BF16, device="cpu", fmt=FP8, **kw):
     """Every finite code of `fmt` through K and V: two one-token requests whose K and V rows (Hkv = 1, D = 128)
-    hold its finite codes (e4m3: 254, e5m2: 248; the rest zeros of both signs) in random order, q head h the one-hot row of channel h, sm_scale 1. Softmax
-    over one token is 1, so out[b, h] = v_scale V[b] and lse[b, h] = k_scale K[b, h], each exact in float64;
+    hold its finite codes (e4m3: 254, e5m2: 248; the rest zeros of both signs) in random order, q head h the
+    one-hot row of channel h, sm_scale 1. Softmax over one token is 1, so out[b, h] = v_scale V[b] and lse[b, h] = k_scale K[b, h], each exact in float64;
     with v_scale a power of two, out is exact in bf16 and fp16 too. The rest of each page is random bytes,
     NaN (and Inf) codes included, which a kernel must neither read nor let through."""
     finite = FINITE_CODES[fmt]

@@ -30,9 +30,9 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 - single_decode_with_kv_cache (one request, K and V as [kv_len, num_kv_heads, head_dim] tensors) is the decode
   wrapper planned for a batch of one whose pages are single tokens: K and V are read in place through their
   strides, and each call plans.
-- An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn or torch.float8_e5m2)): run()'s k_scale and v_scale are applied inside meld's
-  kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
-  where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
+- An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn or torch.float8_e5m2)): run()'s k_scale and v_scale are
+  applied inside meld's kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded
+  to q's dtype), where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
 """
 from __future__ import annotations
 
@@ -326,8 +326,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise _unsupported("q_data_type", q, "meld computes in torch.bfloat16 or torch.float16")
         if kv != q and kv not in FP8:
             raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} or as {FP8_NAMES} "
-                               "(q_data_type defaults to 'float16', and data_type= does not override a q_data_type given, as in "
-                               "FlashInfer)")
+                               "(q_data_type defaults to 'float16', and data_type= does not override a q_data_type "
+                               "given, as in FlashInfer)")
         if o != q:
             raise _unsupported("o_data_type", o, f"meld writes the output in q's dtype {q}")
         return q, kv

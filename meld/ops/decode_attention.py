@@ -308,7 +308,8 @@ class DecodeAttention(PagedDecode):
     def shape_bucket(self) -> str:
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
-                + ("/invariant" if self.batch_invariant else "") + (f"/kv-{KV_FP8[FP8[self.kv_dtype]]}" if self.kv_dtype in FP8 else "")
+                + ("/invariant" if self.batch_invariant else "")
+                + (f"/kv-{KV_FP8[FP8[self.kv_dtype]]}" if self.kv_dtype in FP8 else "")
                 + self.variant.suffix.replace("_", "/") + (f"/q{self.q_len}" if self.q_len > 1 else ""))
 
     def _tuned_config(self, part: str, default):
@@ -502,8 +503,8 @@ class DecodeAttention(PagedDecode):
             scales.append(x)
         if self.kv_dtype not in FP8 and scales != [1.0, 1.0]:
             raise ValueError(f"k_scale={k_scale!r} and v_scale={v_scale!r}: the scales dequantise an FP8 cache "
-                             f"(kv_dtype {FP8_NAMES}), but this operator reads a {self.kv_dtype} cache as it is (fold a "
-                             "key scale into sm_scale)")
+                             f"(kv_dtype {FP8_NAMES}), but this operator reads a {self.kv_dtype} cache as it is "
+                             "(fold a key scale into sm_scale)")
         return scales[0], scales[1]
 
     def _kv_rows(self, name: str, t: torch.Tensor) -> tuple[tuple[int, int, int], int]:
