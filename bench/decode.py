@@ -8,7 +8,8 @@ Setup on the GPU machine (it has no network; the peers travel as wheels in `.whl
     PYTHONUNBUFFERED=1 python3 bench/decode.py --quick --json $OUT/decode.json
 
 `--kv-dtype fp8` times an e4m3 cache (per-tensor k_scale and v_scale): meld and FlashInfer read it at one byte a value,
-and `meld-bf16` times meld on the bf16 cache of the same (dequantised) values, all in one run.
+and `meld-bf16` times meld on the bf16 cache of the same (dequantised) values, all in one run. `--kv-dtype e5m2` does
+the same with an e5m2 cache.
 
 `--q-len N` (2 to 8) times multi-token decode: N new tokens per request, causal among themselves (q [B * N, Hq, D]):
 meld's `DecodeAttention(q_len=N)`, FlashInfer's tensor-core decode with `plan(q_len_per_req=N)` (`fi-tc`; its
@@ -65,9 +66,8 @@ IMPLS = ("meld", "fi-fa2", "fi-tc", "fi-prefill", "sdpa", "meld-bf16", "meld-q1"
 FI_WORKSPACE_BYTES = 128 << 20
 MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-size)
 KV_LAYOUT = ["NHD"]  # --kv-layout: the cache layout meld and FlashInfer read (the reference keeps NHD)
-KV_FP8 = [False]     # --kv-dtype fp8: meld and FlashInfer read an e4m3 cache
+KV_FP8: list[Optional[torch.dtype]] = [None]   # --kv-dtype fp8 / e5m2: the FP8 cache meld and FlashInfer read
 Q_LEN = [1]          # --q-len: new tokens per request (q rows B * q_len)
-FP8 = torch.float8_e4m3fn
 
 
 # ------------------------------------------------------------------------------------------- workloads
@@ -145,9 +145,9 @@ class Inputs:
     table: PageTable
     q: torch.Tensor  # [B * q_len, Hq, D]: request b's new tokens at rows b * q_len ... (--q-len)
     kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D], NHD; exactly the pages the table uses (fp8: the
-                            # values the e4m3 cache stands for, exactly: its scales are powers of two)
+                            # values the FP8 cache stands for, exactly: its scales are powers of two)
     kv_run: torch.Tensor  # the same cache in --kv-layout (HND: [num_pages, 2, Hkv, page_size, D]), as timed
-    kv_fp8: Optional[torch.Tensor] = None  # --kv-dtype fp8: kv_run's e4m3 codes, K = codes k_scale, V = codes v_scale
+    kv_fp8: Optional[torch.Tensor] = None  # --kv-dtype fp8/e5m2: kv_run's codes, K = codes k_scale, V = codes v_scale
     k_scale: float = 1.0
     v_scale: float = 1.0
 
@@ -157,11 +157,11 @@ class Inputs:
         return sum(self.table.lengths) * self.case.num_kv_heads * self.case.head_dim * 2 * kv_elem_bytes()
 
 
-def _e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """x as e4m3 codes and the per-tensor scale (amax / 448, to a power of two, so that codes x scale are exactly
-    bf16 values) they are read with."""
-    scale = 2.0 ** math.ceil(math.log2(x.abs().max().item() / 448))
-    return (x / scale).to(FP8), scale
+def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """x as codes of the run's FP8 format and the per-tensor scale (amax / the format's largest value, to a power of
+    two, so that codes x scale are exactly bf16 values) they are read with."""
+    scale = 2.0 ** math.ceil(math.log2(x.abs().max().item() / torch.finfo(KV_FP8[0]).max))
+    return (x / scale).to(KV_FP8[0]), scale
 
 
 def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
@@ -172,7 +172,7 @@ def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
                      device=device)
     fp8 = {}
     if KV_FP8[0]:
-        (k8, k_scale), (v8, v_scale) = _e4m3(kv[:, 0]), _e4m3(kv[:, 1])
+        (k8, k_scale), (v8, v_scale) = _fp8(kv[:, 0]), _fp8(kv[:, 1])
         kv8 = torch.stack([k8, v8], dim=1)
         kv = torch.stack([k8.to(DTYPE) * k_scale, v8.to(DTYPE) * v_scale], dim=1)
         fp8 = dict(kv_fp8=kv8 if KV_LAYOUT[0] == "NHD" else kv8.transpose(2, 3).contiguous(), k_scale=k_scale,
@@ -215,7 +215,7 @@ def last_tokens(x: torch.Tensor, batch: int) -> torch.Tensor:
 def build_meld(inp: Inputs, fp8: bool, one_token: bool = False) -> Impl:
     """meld.DecodeAttention with fixed table capacities: meld's docstring asks for them when run() is captured
     in a CUDA graph (plans within them rewrite the work tables in place, so the captured graph stays valid).
-    `fp8`: on the e4m3 cache with its scales; else on the bf16 cache. `one_token`: q_len = 1 on each request's
+    `fp8`: on the FP8 cache with its scales; else on the bf16 cache. `one_token`: q_len = 1 on each request's
     last new token (meld-q1), else --q-len's."""
     import meld
 
@@ -225,7 +225,7 @@ def build_meld(inp: Inputs, fp8: bool, one_token: bool = False) -> Impl:
     t0 = time.perf_counter()
     attn = meld.DecodeAttention(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                 page_size=PAGE_SIZE, dtype=DTYPE, device=str(inp.q.device), kv_layout=KV_LAYOUT[0],
-                                kv_dtype=FP8 if fp8 else None, max_batch_size=c.batch, max_num_pages=t.num_pages,
+                                kv_dtype=KV_FP8[0] if fp8 else None, max_batch_size=c.batch, max_num_pages=t.num_pages,
                                 q_len=q_len, **MELD_OPTIONS)
     init_us = (time.perf_counter() - t0) * 1e6
     cache, scales = (inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if fp8 else (inp.kv_run, {})
@@ -252,7 +252,7 @@ def build_meld(inp: Inputs, fp8: bool, one_token: bool = False) -> Impl:
 
 def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
     """FlashInfer 0.6.18 `BatchDecodeWithPagedKVCacheWrapper` in CUDA-graph mode (fixed buffers, fixed grid); with
-    --kv-dtype fp8 on the e4m3 cache (kv_data_type at plan(), k_scale and v_scale at run())."""
+    --kv-dtype fp8/e5m2 on the FP8 cache (kv_data_type at plan(), k_scale and v_scale at run())."""
     import flashinfer
 
     c, t, dev = inp.case, inp.table, inp.q.device
@@ -271,7 +271,7 @@ def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
 
     def plan() -> None:
         wrapper.plan(t.indptr, t.indices, t.last_page_len, c.num_qo_heads, c.num_kv_heads, c.head_dim, PAGE_SIZE,
-                     pos_encoding_mode="NONE", q_data_type=DTYPE, kv_data_type=FP8 if fp8 else DTYPE, **multi)
+                     pos_encoding_mode="NONE", q_data_type=DTYPE, kv_data_type=KV_FP8[0] if fp8 else DTYPE, **multi)
 
     first = host_time_us(plan, reps=1, min_reps=1)  # includes the JIT build on first use
     timing = host_time_us(plan, reps=20, max_s=1.0)
@@ -288,7 +288,7 @@ def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
 def build_flashinfer_prefill(inp: Inputs) -> Impl:
     """FlashInfer 0.6.18 `BatchPrefillWithPagedKVCacheWrapper` (its default backend) on the --q-len new tokens of
     each request, causal (qo_indptr = arange * q_len: the new tokens are the last of each request's keys), in
-    CUDA-graph mode (fixed buffers); with --kv-dtype fp8 on the e4m3 cache."""
+    CUDA-graph mode (fixed buffers); with --kv-dtype fp8/e5m2 on the FP8 cache."""
     import flashinfer
 
     c, t, dev = inp.case, inp.table, inp.q.device
@@ -303,7 +303,7 @@ def build_flashinfer_prefill(inp: Inputs) -> Impl:
 
     def plan() -> None:
         wrapper.plan(qo_indptr, t.indptr, t.indices, t.last_page_len, c.num_qo_heads, c.num_kv_heads, c.head_dim,
-                     PAGE_SIZE, causal=True, q_data_type=DTYPE, kv_data_type=FP8 if fp8 else DTYPE)
+                     PAGE_SIZE, causal=True, q_data_type=DTYPE, kv_data_type=KV_FP8[0] if fp8 else DTYPE)
 
     first = host_time_us(plan, reps=1, min_reps=1)  # includes the JIT build on first use
     timing = host_time_us(plan, reps=20, max_s=1.0)
@@ -317,8 +317,8 @@ def build_flashinfer_prefill(inp: Inputs) -> Impl:
 
 
 def build_sdpa(inp: Inputs) -> Impl:
-    """torch SDPA on a padded cache [B, Hkv, maxlen, D] gathered once from the pages (bf16; with --kv-dtype fp8 the
-    values the e4m3 cache stands for), with a boolean mask.
+    """torch SDPA on a padded cache [B, Hkv, maxlen, D] gathered once from the pages (bf16; with --kv-dtype fp8/e5m2
+    the values the FP8 cache stands for), with a boolean mask.
 
     The q heads of a group are folded into SDPA's query-length axis (q as [B, Hkv, group, D]): the same
     math as GQA without repeating K/V, and it lets SDPA pick a fused backend despite the mask.
@@ -366,7 +366,7 @@ def skip_reason(name: str, case: Case, table: PageTable, args: argparse.Namespac
     """Why a peer does not run a case (None: it does)."""
     group = case.num_qo_heads // case.num_kv_heads
     if name == "meld-bf16" and not KV_FP8[0]:
-        return "meld itself reads the bf16 cache (meld-bf16 is for --kv-dtype fp8)"
+        return "meld itself reads the bf16 cache (meld-bf16 is for --kv-dtype fp8 or e5m2)"
     if name in ("meld-q1", "fi-prefill") and Q_LEN[0] == 1:
         return f"{name} is for --q-len > 1"
     if name in ("fi-fa2", "sdpa") and Q_LEN[0] > 1:
@@ -448,9 +448,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cluster-size", type=int, help="meld's preferred cluster size (default: meld's default)")
     p.add_argument("--kv-layout", choices=("NHD", "HND"), default="NHD",
                    help="the cache layout meld and FlashInfer read (SDPA and the reference gather from NHD)")
-    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
-                   help="fp8: meld and FlashInfer read an e4m3 cache with per-tensor scales; meld-bf16 reads the bf16 "
-                        "cache of the same values (SDPA and the reference too)")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8", "e5m2"), default="bf16",
+                   help="fp8 (e4m3) or e5m2: meld and FlashInfer read an FP8 cache with per-tensor scales; meld-bf16 "
+                        "reads the bf16 cache of the same values (SDPA and the reference too)")
     p.add_argument("--q-len", type=int, choices=range(1, 9), default=1, metavar="N",
                    help="new tokens per request, 1-8 (causal among themselves): meld against FlashInfer's tensor-core "
                         "decode (q_len_per_req) and causal batch prefill, and meld's q_len = 1 time (meld-q1)")
@@ -501,7 +501,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.cluster_size is not None:
         MELD_OPTIONS["cluster_size"] = args.cluster_size
     KV_LAYOUT[0] = args.kv_layout
-    KV_FP8[0] = args.kv_dtype == "fp8"
+    KV_FP8[0] = {"fp8": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(args.kv_dtype)
     Q_LEN[0] = args.q_len
     cases = select_cases(args.batch, args.dist, extra=not args.no_extra)
     if args.dry_run:
@@ -550,7 +550,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("speedup = best FlashInfer µs / meld µs (> 1: meld faster); %read = meld TB/s / pure-read ceiling; "
           "read µs = a pure streaming read of the case's KV bytes, and FI/read about the largest speedup a kernel "
           "that reads them could show; times are CUDA-graph replay medians, plan µs is meld's host plan() median"
-          + ("; bf16/fp8 = meld-bf16 µs / meld µs (the e4m3 cache's gain)" if KV_FP8[0] else "")
+          + ("; bf16/fp8 = meld-bf16 µs / meld µs (the FP8 cache's gain)" if KV_FP8[0] else "")
           + (f"; q/q1 = meld µs at q_len {Q_LEN[0]} / meld-q1 µs (q_len 1, the same batch)" if Q_LEN[0] > 1 else ""))
     print(summary_line(table.rows, failures))
     q1 = speedup_span([r for r in table.rows if r["B"] >= 64], "q1_ratio")

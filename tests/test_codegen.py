@@ -47,6 +47,11 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group
             dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, kv_dtype=FP8), tma=True,
                                 profile=True),
             DecodeKernelConfig.default("bfloat16", 128, batch_invariant=True, kv_dtype=FP8)]
+# e5m2 caches (only the conversion differs from e4m3): both MMA types, cp.async and TMA rings (head_dim 64's
+# 64-byte rows), 8- and 16-head units.
+E5M2 = "float8_e5m2"
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=E5M2),
+            dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, kv_dtype=E5M2), tma=True)]
 # Decode variants (soft cap, sliding window): alone, together, with TMA rings, FP8, 16-head units, clusters and
 # batch-invariant walks, at every head dim.
 CAP, WIN, BOTH = DecodeVariant(50.0), DecodeVariant(window_left=100), DecodeVariant(30.0, 4095)
@@ -165,8 +170,9 @@ def test_config_rejects_unsupported():
         DecodeKernelConfig("bfloat16", 128, debug_withhold_signal=True)
     with pytest.raises(ValueError, match="watchdog_ms=0"):
         DecodeKernelConfig("bfloat16", 128, watchdog_ms=0)
-    with pytest.raises(ValueError, match="kv_dtype='float8_e5m2': expected '' .* or 'float8_e4m3fn'"):
-        DecodeKernelConfig("bfloat16", 128, kv_dtype="float8_e5m2")
+    with pytest.raises(ValueError, match=r"kv_dtype='float8_e4m3fnuz': expected one of \('', 'float8_e4m3fn', "
+                                         r"'float8_e5m2'\)"):
+        DecodeKernelConfig("bfloat16", 128, kv_dtype="float8_e4m3fnuz")
     with pytest.raises(ValueError, match="xrank kernels read 16-bit caches"):
         DecodeKernelConfig("bfloat16", 128, kv_dtype=FP8, xrank="peer")
 

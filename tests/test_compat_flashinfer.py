@@ -259,7 +259,7 @@ def test_plan_that_raises_changes_nothing():
     ("plan", dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode='ALIBI' is not supported"),
     ("plan", dict(window_right=-1), "window_right=-1 is not supported"),
     ("plan", dict(q_data_type=torch.float32), "q_data_type=torch.float32 is not supported"),
-    ("plan", dict(kv_data_type=torch.float8_e5m2), "kv_data_type=torch.float8_e5m2 is not supported"),
+    ("plan", dict(kv_data_type=torch.float8_e4m3fnuz), "kv_data_type=torch.float8_e4m3fnuz is not supported"),
     ("plan", dict(o_data_type=torch.float32), "o_data_type=torch.float32 is not supported"),
     ("plan", dict(q_data_type="float16", data_type=torch.bfloat16), "kv_data_type=torch.bfloat16 is not supported"),
     ("plan", dict(head_dim=96), "head_dim=96 is not supported"),

@@ -8,7 +8,8 @@ so each is compared with it as tightly as its own arithmetic allows, never as lo
 CPU: the executor and the operator on fresh random e4m3 data (both layouts, page sizes off the tile, K and V apart),
 every e4m3 code through K and V, NaN codes, the op (opcheck, torch.compile, fake), the wrapper, and bad inputs
 named. GPU (`gpu`): the kernel (cp.async and TMA rings, head_dim 64/128/256, both MMA types) against the same
-references, every code bit for bit, against FlashInfer's FP8 decode, and replayed from a CUDA graph."""
+references, every code bit for bit, against FlashInfer's FP8 decode, and replayed from a CUDA graph. The helpers
+take the FP8 format (`fmt`): tests/test_e5m2_kv.py runs e5m2 caches through them."""
 import dataclasses
 import math
 
@@ -27,12 +28,15 @@ FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
 LENS = [37, 0, 250, 1, 1003, 115]   # no length a multiple of the 16-token tile or of the page
 K_SCALE, V_SCALE = 0.37, 2.5        # per-tensor scales as calibration gives them (not powers of two)
-FINITE_CODES = [c for c in range(256) if c & 0x7F != 0x7F]   # every e4m3 value but NaN (e4m3fn has no Inf)
+# Every finite code of each FP8 format: e4m3fn's all but NaN (it has no Inf), e5m2's all but Inf and NaN.
+FINITE_CODES = {FP8: [c for c in range(256) if c & 0x7F != 0x7F],
+                torch.float8_e5m2: [c for c in range(256) if c & 0x7F < 0x7C]}
 
 
-def _e4m3(*shape, device="cpu") -> torch.Tensor:
-    """Fresh random e4m3 values: normal draws times 8 rounded to e4m3, so normal and subnormal codes alike."""
-    return (torch.randn(*shape, device=device) * 8).to(FP8)
+def _fp8(*shape, device="cpu", fmt=FP8) -> torch.Tensor:
+    """Fresh random values of FP8 format `fmt`: normal draws times 8 rounded to it, so normal and subnormal codes
+    alike."""
+    return (torch.randn(*shape, device=device) * 8).to(fmt)
 
 
 def _layout(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -53,13 +57,14 @@ def _assert_rounded(out, lse, ref, ref_lse):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
 
 
-def _op(layout="NHD", P=16, lens=LENS, Hq=8, Hkv=2, D=64, dtype=BF16, device="cpu", **kw):
+def _op(layout="NHD", P=16, lens=LENS, Hq=8, Hkv=2, D=64, dtype=BF16, device="cpu", fmt=FP8, **kw):
+    """A planned operator over an FP8 cache of format `fmt`, and fresh q, K and V (NHD) for it."""
     pb = paged(lens, P)
     if device == "cpu":
         kw.setdefault("topology", Topology(24, {1: 48}))
-    attn = meld.DecodeAttention(Hq, Hkv, D, P, dtype, device, kv_dtype=FP8, kv_layout=layout, **kw)
+    attn = meld.DecodeAttention(Hq, Hkv, D, P, dtype, device, kv_dtype=fmt, kv_layout=layout, **kw)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
-    k, v = (_e4m3(pb.num_pages, P, Hkv, D, device=device) for _ in range(2))
+    k, v = (_fp8(pb.num_pages, P, Hkv, D, device=device, fmt=fmt) for _ in range(2))
     return attn, pb, torch.randn(len(lens), Hq, D, device=device).to(dtype), k, v
 
 
@@ -107,20 +112,21 @@ def test_operator_matches_float64(form, layout, P):
     assert torch.equal(out, want) and torch.equal(lse, want_lse), "the same K and V read from elsewhere"
 
 
-def _every_code_case(dtype=BF16, device="cpu", **kw):
-    """Every finite e4m3 code through K and V: two one-token requests whose K and V rows (Hkv = 1, D = 128) hold
-    the 254 codes (and two zeros) in random order, q head h the one-hot row of channel h, sm_scale 1. Softmax
-    over one token is 1, so out[b, h] = v_scale V[b] and lse[b, h] = k_scale K[b, h], each exact in float64;
+def _every_code_case(dtype=BF16, device="cpu", fmt=FP8, **kw):
+    """Every finite code of `fmt` through K and V: two one-token requests whose K and V rows (Hkv = 1, D = 128)
+    hold its finite codes (e4m3: 254, e5m2: 248; the rest zeros of both signs) in random order, q head h the
+    one-hot row of channel h, sm_scale 1. Softmax over one token is 1, so out[b, h] = v_scale V[b] and lse[b, h] = k_scale K[b, h], each exact in float64;
     with v_scale a power of two, out is exact in bf16 and fp16 too. The rest of each page is random bytes,
-    NaN codes included, which a kernel must neither read nor let through."""
-    codes = torch.tensor(FINITE_CODES + [0x00, 0x80], dtype=torch.uint8)[torch.randperm(256)]
+    NaN (and Inf) codes included, which a kernel must neither read nor let through."""
+    finite = FINITE_CODES[fmt]
+    codes = torch.tensor(finite + [0x00, 0x80] * ((256 - len(finite)) // 2), dtype=torch.uint8)[torch.randperm(256)]
     pb = paged([1, 1], 16)
     cache = torch.randint(0, 256, (pb.num_pages, 2, 16, 1, 128), dtype=torch.uint8)
     for b in range(2):
         page = int(pb.kv_indices[int(pb.kv_indptr[b])])
         cache[page, :, 0, 0] = codes[128 * b:128 * (b + 1)]
-    cache = cache.view(FP8).to(device)
-    attn = meld.DecodeAttention(128, 1, 128, 16, dtype, device, kv_dtype=FP8, sm_scale=1.0, **kw)
+    cache = cache.view(fmt).to(device)
+    attn = meld.DecodeAttention(128, 1, 128, 16, dtype, device, kv_dtype=fmt, sm_scale=1.0, **kw)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     q = torch.eye(128, dtype=dtype, device=device).expand(2, 128, 128)
     k_scale, v_scale = 0.3, 0.5
@@ -137,19 +143,28 @@ def test_every_code_on_the_executor():
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-30)
 
 
-def _nan_case(device="cpu", **kw):
-    """A NaN code in K (request 1, kv head 0) and in V (request 2, kv head 1): NaN out and lse for exactly the
-    first's q heads, NaN out and finite lse for the second's (the template's IEEE rules); the rest as float64."""
-    attn, pb, q, k, v = _op(lens=[37, 250, 1003], device=device, **kw)
-    for t, b, pos, h, code in ((k, 1, 100, 0, 0x7F), (v, 2, 700, 1, 0xFF)):
+# Non-finite codes written into K ("k") or V ("v"): (cache, request, token, kv head, code). e4m3fn has NaN only;
+# e5m2 has Inf too, of either sign.
+NON_FINITE = {FP8: (("k", 1, 100, 0, 0x7F), ("v", 2, 700, 1, 0xFF)),
+              torch.float8_e5m2: (("k", 1, 100, 0, 0x7E), ("v", 2, 700, 1, 0x7C), ("k", 0, 20, 1, 0xFC),
+                                  ("v", 1, 249, 1, 0xFF))}
+
+
+def _nan_case(device="cpu", fmt=FP8, **kw):
+    """NON_FINITE[fmt]'s codes in K and V (requests of 37, 250 and 1003 tokens, 4 q heads per kv head): NaN out
+    and lse for exactly the q heads of a kv head with one in K, NaN out and finite lse for those with one in V
+    only (the template's IEEE rules); the rest as float64."""
+    attn, pb, q, k, v = _op(lens=[37, 250, 1003], device=device, fmt=fmt, **kw)
+    nan_out = torch.zeros(3, 8, dtype=torch.bool, device=device)
+    nan_lse = torch.zeros_like(nan_out)
+    for which, b, pos, h, code in NON_FINITE[fmt]:
         page = int(pb.kv_indices[int(pb.kv_indptr[b]) + pos // 16])
-        t.view(torch.uint8)[page, pos % 16, h, 5] = code
+        (k if which == "k" else v).view(torch.uint8)[page, pos % 16, h, 5] = code
+        nan_out[b, 4 * h:4 * h + 4] = True
+        if which == "k":
+            nan_lse[b, 4 * h:4 * h + 4] = True
     out, lse = attn.run(q, (k, v), return_lse=True, k_scale=K_SCALE, v_scale=V_SCALE)
     ref, ref_lse = _reference(q, k, v, pb)
-    nan_out = torch.zeros(3, 8, dtype=torch.bool, device=device)
-    nan_out[1, :4] = nan_out[2, 4:] = True
-    nan_lse = torch.zeros_like(nan_out)
-    nan_lse[1, :4] = True
     assert torch.equal(out.isnan().all(-1), nan_out) and torch.equal(out.isnan().any(-1), nan_out)
     assert torch.equal(lse.isnan(), nan_lse)
     return out, lse, ref, ref_lse, nan_out, nan_lse
@@ -221,7 +236,7 @@ def test_wrapper_takes_fp8_plans_and_scales(layout, P, apart):
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), layout)
     w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 64, P, q_data_type=BF16, kv_data_type=FP8)
     assert w._op.kv_dtype is FP8
-    k, v = (_e4m3(pb.num_pages, P, 2, 64) for _ in range(2))
+    k, v = (_fp8(pb.num_pages, P, 2, 64) for _ in range(2))
     lk, lv = _layout(k, layout), _layout(v, layout)
     if apart:
         cache = (lk.squeeze(-3 if layout == "NHD" else -2), lv.squeeze(-3 if layout == "NHD" else -2)) if P == 1 \
@@ -240,8 +255,8 @@ def test_wrapper_takes_fp8_plans_and_scales(layout, P, apart):
 
 # --- bad inputs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(kv_dtype=torch.float8_e5m2), r"kv_dtype must be None \(the dtype, torch.bfloat16\) or torch.float8_e4m3fn, "
-                                       r"got torch.float8_e5m2"),
+    (dict(kv_dtype=torch.float8_e4m3fnuz), r"kv_dtype must be None \(the dtype, torch.bfloat16\) or an FP8 type "
+                                           r"\(torch.float8_e4m3fn or torch.float8_e5m2\), got torch.float8_e4m3fnuz"),
     (dict(kv_dtype=torch.float16), "kv_dtype must be None"),
     (dict(kv_dtype="float8_e4m3fn"), "kv_dtype must be None"),
     (dict(kernel_config=DecodeKernelConfig.default("bfloat16", 64)), "kernel_config is for bfloat16, .*kv_dtype=''; "
@@ -286,16 +301,17 @@ def test_a_16_bit_cache_takes_no_scales():
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     q, kv = torch.randn(1, 8, 64).to(BF16), torch.randn(pb.num_pages, 2, 16, 2, 64).to(BF16)
     assert torch.equal(attn.run(q, kv, k_scale=1, v_scale=1.0), attn.run(q, kv))
-    with pytest.raises(ValueError, match=r"k_scale=0.5 and v_scale=1.0: the scales dequantise an FP8 cache \(kv_dtype="
-                                         r"torch.float8_e4m3fn\), but this operator reads a torch.bfloat16 cache"):
+    with pytest.raises(ValueError, match=r"k_scale=0.5 and v_scale=1.0: the scales dequantise an FP8 cache \(kv_dtype "
+                                         r"torch.float8_e4m3fn or torch.float8_e5m2\), but this operator reads a "
+                                         r"torch.bfloat16 cache"):
         attn.run(q, kv, k_scale=0.5)
     with pytest.raises(ValueError, match="kv_cache must have dtype torch.bfloat16, got torch.float8_e4m3fn"):
         attn.run(q, kv.to(FP8))
 
 
 # --- GPU --------------------------------------------------------------------------------------------------------
-def _tma(dtype="bfloat16", head_dim=128, **kw):
-    return dataclasses.replace(DecodeKernelConfig.default(dtype, head_dim, kv_dtype="float8_e4m3fn"), tma=True, **kw)
+def _tma(dtype="bfloat16", head_dim=128, kv_dtype="float8_e4m3fn", **kw):
+    return dataclasses.replace(DecodeKernelConfig.default(dtype, head_dim, kv_dtype=kv_dtype), tma=True, **kw)
 
 
 def _gpu_check(lens, layout="NHD", P=16, Hq=32, Hkv=8, D=128, dtype=BF16, **op):
@@ -400,7 +416,7 @@ def test_gpu_against_flashinfer(layout, tensor_cores):
     flashinfer = pytest.importorskip("flashinfer", reason="flashinfer is not installed: the comparison needs its "
                                                            "FP8 decode (bench/decode.py's peer wheels)")
     pb = paged(GPU_LENS, 16)
-    k, v = (_e4m3(pb.num_pages, 16, 8, 128, device="cuda") for _ in range(2))
+    k, v = (_fp8(pb.num_pages, 16, 8, 128, device="cuda") for _ in range(2))
     cache = torch.stack([_layout(k, layout), _layout(v, layout)], dim=1)
     q = torch.randn(len(GPU_LENS), 32, 128, device="cuda").to(BF16)
     outs = []
@@ -428,7 +444,7 @@ def test_gpu_cuda_graph_replay_across_replans(tma):
     Hq, Hkv, D, P, B, layers = 32, 8, 128, 16, 16, 3
     plans = [paged(lengths("skewed", B), P), paged([n + 5 for n in lengths("ragged", B)], P)]
     num_pages = max(p.num_pages for p in plans)
-    caches = [tuple(_e4m3(num_pages, P, Hkv, D, device="cuda") for _ in range(2)) for _ in range(layers)]
+    caches = [tuple(_fp8(num_pages, P, Hkv, D, device="cuda") for _ in range(2)) for _ in range(layers)]
     scales = [(0.5 + layer, 2.0 / (layer + 1)) for layer in range(layers)]
     qs = [torch.randn(B, Hq, D, device="cuda").to(BF16) for _ in range(layers)]
     outs = [torch.empty(B, Hq, D, dtype=BF16, device="cuda") for _ in range(layers)]

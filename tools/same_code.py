@@ -54,6 +54,9 @@ VARIANTS = {
     "decode-fp8": "DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e4m3fn')",
     "decode-fp8-d64-fp16-tma": "dataclasses.replace(DecodeKernelConfig.default('float16', 64, "
                                "kv_dtype='float8_e4m3fn'), tma=True)",
+    "decode-e5m2": "DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e5m2')",
+    "decode-e5m2-d64-fp16-tma": "dataclasses.replace(DecodeKernelConfig.default('float16', 64, "
+                                "kv_dtype='float8_e5m2'), tma=True)",
     "decode-softcap": "DecodeKernelConfig.default('bfloat16', 128, variant=DecodeVariant(50.0))",
     "decode-q4": "DecodeKernelConfig.default('bfloat16', 128, group_size=4, q_len=4)",
     "decode-window-fp8-tma": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, "

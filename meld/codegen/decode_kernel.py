@@ -16,7 +16,9 @@ from .params import PLAN_PARAMS, WATCHDOG_RECORD, ParamStruct
 from .source import SMEM_PER_CTA_MAX, template
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
-KV_FP8 = "float8_e4m3fn"   # DecodeKernelConfig.kv_dtype of an FP8 cache (torch's name of the type)
+# DecodeKernelConfig.kv_dtype of an FP8 cache (torch's name of the type) -> its short name (kernel names, tuning keys)
+KV_FP8 = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+_KV_BUILDS = ("", *KV_FP8)   # kv_dtype by MELD_KV_FP8 (0: the 16-bit dtype's, 1: e4m3, 2: e5m2)
 TILE_TOKENS = 16     # KV tokens per warp step
 MAX_Q_LEN = 8        # new tokens per request a decode build takes (DecodeKernelConfig.q_len)
 _LOG2E = 1.4426950408889634
@@ -106,8 +108,8 @@ class DecodeKernelConfig:
     debug_withhold_signal: bool = False   # debug build: unit 0's first tile is never issued (tests the watchdog)
     xrank: str = ""             # one rank's share of a sequence-parallel batch (meld/distributed/seq_parallel.py), its
                                 # results crossing to the other ranks through "peer" memory or a "proxy"
-    kv_dtype: str = ""          # "": K and V in `dtype`; "float8_e4m3fn": e4m3 bytes, dequantised on chip
-                                # (MELD_KV_FP8; the template's header says how and where the scales apply)
+    kv_dtype: str = ""          # "": K and V in `dtype`; "float8_e4m3fn" or "float8_e5m2": FP8 bytes, dequantised
+                                # on chip (MELD_KV_FP8; the template's header says how and where the scales apply)
     variant: DecodeVariant = DecodeVariant()   # soft cap, sliding window, RoPE (MELD_SOFT_CAP, MELD_WINDOW_LEFT,
                                                # MELD_ROPE)
     q_len: int = 1              # new tokens per request (speculative decoding, MTP), causal among themselves: a unit's
@@ -130,8 +132,8 @@ class DecodeKernelConfig:
             raise ValueError(f"xrank={self.xrank!r}: expected '', 'peer' or 'proxy'")
         if self.xrank and self.batch_invariant:
             raise ValueError("xrank kernels merge across ranks in part order; batch_invariant is not supported")
-        if self.kv_dtype not in ("", KV_FP8):
-            raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected '' (the dtype's) or {KV_FP8!r}")
+        if self.kv_dtype not in _KV_BUILDS:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected one of {_KV_BUILDS} ('': the dtype's)")
         if self.kv_dtype and self.xrank:
             raise ValueError("xrank kernels read 16-bit caches: SeqParallelDecode takes no FP8 cache (kv_dtype='')")
         if not isinstance(self.variant, DecodeVariant):
@@ -186,7 +188,8 @@ class DecodeKernelConfig:
 
     @property
     def name(self) -> str:
-        return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}{'_e4m3' if self.kv_dtype else ''}_d{self.head_dim}"
+        kv = "_" + KV_FP8[self.kv_dtype] if self.kv_dtype else ""
+        return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}{kv}_d{self.head_dim}"
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
@@ -229,7 +232,7 @@ class DecodeKernelConfig:
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
             f"#define MELD_DEBUG_WITHHOLD {int(self.debug_withhold_signal)}",
             f"#define MELD_XRANK {('', 'peer', 'proxy').index(self.xrank)}",
-            f"#define MELD_KV_FP8 {int(bool(self.kv_dtype))}",
+            f"#define MELD_KV_FP8 {_KV_BUILDS.index(self.kv_dtype)}",
             *self.variant.defines(self.head_dim),
             f"#define MELD_Q_LEN {self.q_len}",
         ])

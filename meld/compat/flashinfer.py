@@ -30,9 +30,9 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 - single_decode_with_kv_cache (one request, K and V as [kv_len, num_kv_heads, head_dim] tensors) is the decode
   wrapper planned for a batch of one whose pages are single tokens: K and V are read in place through their
   strides, and each call plans.
-- An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn)): run()'s k_scale and v_scale are applied inside meld's
-  kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded to q's dtype),
-  where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
+- An FP8 cache (plan(kv_data_type=torch.float8_e4m3fn or torch.float8_e5m2)): run()'s k_scale and v_scale are
+  applied inside meld's kernel (k_scale folded into the softmax scale, v_scale on the output before it is rounded
+  to q's dtype), where FlashInfer multiplies its rounded output by v_scale afterwards: the two differ by that one rounding.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ import torch
 
 from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
 from ..codegen.decode_kernel import MAX_Q_LEN, DecodeVariant
-from ..ops.decode_attention import FP8, DecodeAttention, decode_variant
+from ..ops.decode_attention import FP8, FP8_NAMES, DecodeAttention, decode_variant
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
            "MultiLevelCascadeAttentionWrapper", "fast_decode_plan", "single_decode_with_kv_cache"]
@@ -211,7 +211,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         Supported: pos_encoding_mode "NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer) or
         "ROPE_LLAMA" (16-bit caches; rope_scale, rope_theta: None for 1 and 1e4), window_left -1 or a window (the last window_left + 1 keys of each request), window_right=0,
         logits_soft_cap None, 0 or a cap (c tanh(sm_scale q.k / c)), q and o data types one of bfloat16 and
-        float16, kv_data_type q's or float8_e4m3fn, head_dim 64, 128 or 256, any sm_scale (default
+        float16, kv_data_type q's, float8_e4m3fn or float8_e5m2, head_dim 64, 128 or 256, any sm_scale (default
         1/sqrt(head_dim)). q_len_per_req 1 to 8 (FlashInfer's rules: more than 1 needs use_tensor_cores=True and
         every request's kv_len >= q_len_per_req, and a CUDA-graph wrapper keeps its first plan's value; run()'s q,
         out and lse are [batch * q_len_per_req, ...], causal among a request's new tokens), not with a window
@@ -238,7 +238,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 " (its per-warp output tile in registers holds at most 256 channels; MLA's 512-channel latent runs "
                 "on BatchMLAPagedAttentionWrapper)" if head_dim > 256 else ""))
         dtype, kv_dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
-        if variant.rope_theta and kv_dtype is FP8:
+        if variant.rope_theta and kv_dtype in FP8:
             raise _unsupported("pos_encoding_mode", pos_encoding_mode, f"meld's RoPE kernels read 16-bit caches, got "
                                f"kv_data_type={kv_dtype}")
         if sm_scale is not None:
@@ -315,7 +315,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return q_len
 
     def _dtype(self, q_data_type, kv_data_type, o_data_type, data_type) -> tuple[torch.dtype, torch.dtype]:
-        """The dtype meld computes in and the cache's (that one, or e4m3), resolved as FlashInfer resolves its three."""
+        """The dtype meld computes in and the cache's (that one, or FP8), resolved as FlashInfer resolves its three."""
         if data_type is not None:   # FlashInfer's deprecated alias: it only fills the types left as None
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -324,10 +324,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         o = q if o_data_type is None else _dtype("o_data_type", o_data_type)
         if q not in _DTYPES:
             raise _unsupported("q_data_type", q, "meld computes in torch.bfloat16 or torch.float16")
-        if kv != q and kv != FP8:
-            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} or as {FP8} (q_data_type "
-                               "defaults to 'float16', and data_type= does not override a q_data_type given, as in "
-                               "FlashInfer)")
+        if kv != q and kv not in FP8:
+            raise _unsupported("kv_data_type", kv, f"meld reads the KV cache in q's dtype {q} or as {FP8_NAMES} "
+                               "(q_data_type defaults to 'float16', and data_type= does not override a q_data_type "
+                               "given, as in FlashInfer)")
         if o != q:
             raise _unsupported("o_data_type", o, f"meld writes the output in q's dtype {q}")
         return q, kv
@@ -381,8 +381,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             for name, value in (("sinks", sinks), ("kv_cache_sf", kv_cache_sf),
                                 ("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor)):
                 if value is not None:
-                    raise _unsupported(name, value, "meld computes plain softmax attention over a bf16, fp16 or "
-                                       "e4m3 cache")
+                    raise _unsupported(name, value, "meld computes plain softmax attention over a bf16, fp16, "
+                                       "e4m3 or e5m2 cache")
         # FlashInfer's run() may override plan()'s window; meld builds it into the kernel at plan().
         if window_left is not None and window_left != op.variant.window_left:
             raise ValueError(f"window_left must be None or plan()'s window_left={op.variant.window_left}, got "
@@ -390,7 +390,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._check_q_rows(q, q_len_per_req)
         if enable_pdl is not None and enable_pdl is not True and enable_pdl is not False:
             raise ValueError(f"enable_pdl must be None, True or False, got {enable_pdl!r}")
-        fp8 = op.kv_dtype is FP8
+        fp8 = op.kv_dtype in FP8
         folded = {"q_scale": q_scale} if fp8 else {"q_scale": q_scale, "k_scale": k_scale}   # (FP8: the kernel's)
         for name, scale in folded.items():
             if scale is not None and (type(scale) is not float or scale != 1.0) and check_finite(name, scale) != 1:

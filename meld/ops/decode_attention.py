@@ -28,7 +28,9 @@ from .paged_decode import PagedDecode, _Planned, _host
 
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-FP8 = torch.float8_e4m3fn   # the FP8 cache meld reads (kv_dtype): FlashInfer's and vLLM's e4m3 KV cache
+# The FP8 caches meld reads (kv_dtype: FlashInfer's and vLLM's e4m3 and e5m2 KV caches) -> the kernel's kv_dtype
+FP8 = {getattr(torch, name): name for name in KV_FP8}
+FP8_NAMES = " or ".join(map(str, FP8))   # (for error messages)
 KV_LAYOUTS = ("NHD", "HND")
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -121,9 +123,9 @@ class DecodeAttention(PagedDecode):
         head_dim: 64, 128 or 256.
         page_size: tokens per KV page (any >= 1).
         dtype: torch.bfloat16 or torch.float16 (q and output; the KV cache too unless kv_dtype says otherwise).
-        kv_dtype: the KV cache's dtype: None or dtype, or torch.float8_e4m3fn: e4m3 values read at one byte each
-            and dequantised on chip with run()'s per-tensor k_scale and v_scale (FlashInfer's FP8 KV cache:
-            a cache element x stands for x * k_scale in K, x * v_scale in V).
+        kv_dtype: the KV cache's dtype: None or dtype, or torch.float8_e4m3fn or torch.float8_e5m2: FP8 values
+            read at one byte each and dequantised on chip with run()'s per-tensor k_scale and v_scale (FlashInfer's
+            FP8 KV cache: a cache element x stands for x * k_scale in K, x * v_scale in V).
         device: "cuda[:i]" runs the generated kernel; "cpu" runs the same schedule on the CPU reference
             executor (float64), for machines without a GPU.
         kv_layout: "NHD" (default): kv_cache is [num_pages, 2, page_size, num_kv_heads, head_dim], or K and V
@@ -215,8 +217,9 @@ class DecodeAttention(PagedDecode):
         head_dim = int(head_dim)
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-        if kv_dtype is not None and kv_dtype is not dtype and kv_dtype is not FP8:
-            raise ValueError(f"kv_dtype must be None (the dtype, {dtype}) or {FP8}, got {kv_dtype!r}")
+        if kv_dtype is not None and kv_dtype is not dtype and not any(kv_dtype is t for t in FP8):
+            raise ValueError(f"kv_dtype must be None (the dtype, {dtype}) or an FP8 type ({FP8_NAMES}), got "
+                             f"{kv_dtype!r}")
         if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if not is_int(cluster_size) or cluster_size not in (1, 2, 4, 8, 16):
@@ -235,7 +238,7 @@ class DecodeAttention(PagedDecode):
                 f"pos_encoding_mode={pos_encoding_mode!r}"
             raise ValueError(f"q_len={q_len} with {which}: the kernel's window and RoPE place every key relative to a "
                              "request's last token, so they take q_len=1")
-        if self.variant.rope_theta and kv_dtype is FP8:
+        if self.variant.rope_theta and kv_dtype in FP8:
             raise ValueError(f"pos_encoding_mode='ROPE_LLAMA' takes a 16-bit cache (the kernel rotates K in the MMA "
                              f"type), got kv_dtype={kv_dtype}")
         self.overlap = overlap
@@ -253,7 +256,7 @@ class DecodeAttention(PagedDecode):
         self.group_size = num_qo_heads // num_kv_heads
         self.dtype, self.kv_layout, self.batch_invariant = dtype, kv_layout, batch_invariant
         self.kv_dtype = kv_dtype or dtype
-        kv_build = KV_FP8 if self.kv_dtype is FP8 else ""   # the kernel's kv_dtype
+        kv_build = FP8.get(self.kv_dtype, "")   # the kernel's kv_dtype
         self._rows_seen: dict[tuple, tuple] = {}   # caches' strides as the kernel's (_kv_rows)
         # The kernel takes sm_scale * log2(e) as a float32: it must stay finite there.
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else \
@@ -305,7 +308,8 @@ class DecodeAttention(PagedDecode):
     def shape_bucket(self) -> str:
         """What a tuned configuration of this operator is keyed by besides dtype and machine (meld.tuning.db)."""
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
-                + ("/invariant" if self.batch_invariant else "") + ("/kv-e4m3" if self.kv_dtype is FP8 else "")
+                + ("/invariant" if self.batch_invariant else "")
+                + (f"/kv-{KV_FP8[FP8[self.kv_dtype]]}" if self.kv_dtype in FP8 else "")
                 + self.variant.suffix.replace("_", "/") + (f"/q{self.q_len}" if self.q_len > 1 else ""))
 
     def _tuned_config(self, part: str, default):
@@ -497,10 +501,10 @@ class DecodeAttention(PagedDecode):
             if not x > 0:
                 raise ValueError(f"{name} must be positive (a dequantisation scale), got {value!r}")
             scales.append(x)
-        if self.kv_dtype is not FP8 and scales != [1.0, 1.0]:
+        if self.kv_dtype not in FP8 and scales != [1.0, 1.0]:
             raise ValueError(f"k_scale={k_scale!r} and v_scale={v_scale!r}: the scales dequantise an FP8 cache "
-                             f"(kv_dtype={FP8}), but this operator reads a {self.kv_dtype} cache as it is (fold a "
-                             "key scale into sm_scale)")
+                             f"(kv_dtype {FP8_NAMES}), but this operator reads a {self.kv_dtype} cache as it is "
+                             "(fold a key scale into sm_scale)")
         return scales[0], scales[1]
 
     def _kv_rows(self, name: str, t: torch.Tensor) -> tuple[tuple[int, int, int], int]:
@@ -546,7 +550,7 @@ class DecodeAttention(PagedDecode):
         page, token, head = kv.rows
         launcher.set(q=q.data_ptr(), k=kv.k, v=kv.v, out=out.data_ptr(), lse=lse.data_ptr() if lse is not None else 0,
                      q_stride_b=sb, q_stride_h=sh, kv_page_stride=page, kv_slot_stride=token, kv_head_stride=head)
-        if self.kv_dtype is FP8:
+        if self.kv_dtype in FP8:
             launcher.set(sm_scale_log2=self.sm_scale * kv.k_scale * _LOG2E, v_scale=kv.v_scale)
         launcher.launch(overlap=self.overlap and not self._plan_kernel_last)
         self._launched()

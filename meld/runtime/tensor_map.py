@@ -4,7 +4,7 @@ GEMM operands (2-D row-major matrices, `tensor_map_2d`).
 The KV maps describe the K and V caches, each NHD `[num_pages, page_size, num_kv_heads, head_dim]` or HND
 `[num_pages, num_kv_heads, page_size, head_dim]` with its own address and strides, as a 4-D tensor in its
 own dimension order, whose box is 16 token rows x 128 bytes of channels of one (page, kv head) (64 bf16/fp16
-or 128 e4m3 channels; FP8 head_dim 64: its 64 bytes, in 64-byte swizzle): one copy fills one swizzled 2 KiB
+or 128 FP8 channels; FP8 head_dim 64: its 64 bytes, in 64-byte swizzle): one copy fills one swizzled 2 KiB
 (1 KiB) block of a ring stage, the same block in either layout (the kernel orders the coordinates by kv_hnd).
 Encoding is a host call; `TensorMapCache` keeps the maps.
 """
@@ -25,13 +25,14 @@ SWIZZLE_BYTES = 128           # a box row's bytes (at most): the swizzle span
 
 
 def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int]) -> TensorMap:
-    """cuTensorMapEncodeTiled over `t` (bf16/fp16, or e4m3 as bytes), dimensions innermost first, byte strides
+    """cuTensorMapEncodeTiled over `t` (bf16/fp16, or FP8 as bytes), dimensions innermost first, byte strides
     of the outer ones, swizzled over the box's rows (128 bytes; 64 where the row is 64 bytes), zero fill out of
     bounds: the 128 opaque bytes a kernel takes by value."""
     d = drv()
     dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
              torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             torch.float8_e4m3fn: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[t.dtype]
+             torch.float8_e4m3fn: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+             torch.float8_e5m2: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[t.dtype]
     swizzle = d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if box[0] * t.element_size() == SWIZZLE_BYTES \
         else d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B
     u64, u32 = d.cuuint64_t, d.cuuint32_t
@@ -47,7 +48,7 @@ def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int]
 
 
 def _kv_map(cache: torch.Tensor, layout: str) -> TensorMap:
-    """The tensor map of one bf16/fp16/e4m3 K or V cache [pages, mid, inner, head_dim] in `layout` (NHD: mid is
+    """The tensor map of one bf16/fp16/FP8 K or V cache [pages, mid, inner, head_dim] in `layout` (NHD: mid is
     page_size, inner the kv heads; HND the other way round), read through its strides (the last dim
     contiguous, the others multiples of 16 bytes; a dimension of extent 1 is never stepped over, so it
     takes a stride of one row)."""

@@ -58,10 +58,12 @@
 // offset from each (run-time strides kv_page_stride, ... in rows); the TMA maps are encoded for the
 // layout and their box coordinates follow kv_hnd.
 //
-// MELD_KV_FP8 builds read K and V as e4m3 bytes (q and out stay bf16/fp16): a tile row is D bytes, copied
-// to shared memory as it is (cp.async or TMA: half the bytes of a 16-bit tile), loaded with the same
-// ldmatrix addressing and converted to the MMA type in registers (kv_pair: exact, NaN stays NaN). An 8x8
-// b16 ldmatrix of e4m3 bytes hands lane (g, t) four consecutive bytes of its row, so
+// MELD_KV_FP8 builds read K and V as FP8 bytes, e4m3 (1) or e5m2 (2) (q and out stay bf16/fp16): a tile row
+// is D bytes, copied to shared memory as it is (cp.async or TMA: half the bytes of a 16-bit tile), loaded
+// with the same ldmatrix addressing and converted to the MMA type in registers (kv_pair: exact, NaN stays
+// NaN, e5m2's Inf stays Inf). The two formats differ in that conversion alone, so one macro selects it and
+// everything below holds for both. An 8x8 b16 ldmatrix of FP8 bytes hands lane (g, t) four consecutive
+// bytes of its row, so
 //   Q.K^T: one non-transposed matrix is a whole B fragment (token g, 16 channels): b0 = channels 4t, 4t+1,
 //          b1 = 4t+2, 4t+3. The reduction order inside each 16 channels is permuted, and Q's A fragments
 //          (loaded once per unit) follow it: MMA k index 2t + j <-> channel 4t + j, 2t + 8 + j <-> 4t + 2 + j.
@@ -107,13 +109,20 @@ constexpr int TILE = 16;                   // KV tokens per warp step
 constexpr int HEADS = HEADS_PER_UNIT;      // q heads per unit: 8, or 16 for groups of 9-16 (read KV once)
 constexpr int NT = HEADS / 8;              // head rows of Q.K^T in use (8 or 16 of the m16 tile), and
                                            // n8 tiles of P.V
-constexpr bool KV_FP8 = MELD_KV_FP8;
+constexpr bool KV_FP8 = MELD_KV_FP8;       // 1: e4m3, 2: e5m2 (the conversion is all that differs)
+constexpr bool KV_E5M2 = MELD_KV_FP8 == 2;
 constexpr int KV_BYTES = KV_FP8 ? 1 : 2;   // bytes per K or V element, in memory and in shared memory
 #if MELD_KV_FP8
 typedef unsigned char kv_t;                // a K or V element as the cp.async loads address it
 #else
 typedef u16 kv_t;
 #endif
+// Four FP8 K or V bytes x, permuted by SEL (byte_perm's selector), as two registers of MMA-type pairs.
+template <u32 SEL>
+__device__ __forceinline__ void kv_pair(u32 x, u32& lo, u32& hi) {
+  if (KV_E5M2) e5m2x4_to_mma<SEL>(x, lo, hi);
+  else e4m3x4_to_mma(SEL == 0x3210u ? x : byte_perm<SEL>(x), lo, hi);
+}
 constexpr int ROW_BYTES = D * KV_BYTES;    // one token row of K or V
 constexpr int CPR = ROW_BYTES / 16;        // 16-byte chunks per token row
 constexpr int RPP = 32 / CPR;              // token rows one warp-wide cp.async pass covers
@@ -445,8 +454,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
       for (int j = 0; j < 2; ++j) {
         const int ks = 2 * kp + j;
         u32 b0, b1, b2, b3;
-        e4m3x4_to_mma(b[j], b0, b1);
-        e4m3x4_to_mma(b[2 + j], b2, b3);
+        kv_pair<0x3210u>(b[j], b0, b1);
+        kv_pair<0x3210u>(b[2 + j], b2, b3);
         const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;
         mma_16816(s0, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b0, b1);
         mma_16816(s1, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b2, b3);
@@ -500,8 +509,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         u32 a0, a1, a2, a3;   // rows g (channel 2g) and g + 8 (channel 2g + 1), tokens 2t, 2t+1 (+8)
-        e4m3x4_to_mma(byte_perm<0x3120u>(a[j]), a0, a1);
-        e4m3x4_to_mma(byte_perm<0x3120u>(a[2 + j]), a2, a3);
+        kv_pair<0x3120u>(a[j], a0, a1);
+        kv_pair<0x3120u>(a[2 + j], a2, a3);
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
           float (&o)[4] = st.o[i][2 * mp + j];
