@@ -370,6 +370,14 @@ __device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float s
   l[1] = l[1] * a[1] + sum[1];
 }
 
+// A unit's online-softmax state before its first block (both schedules): O zero, l zero, m -inf.
+__device__ __forceinline__ void unit_start(float (&o)[OACC], float (&l)[2], float (&m)[2]) {
+#pragma unroll
+  for (int i = 0; i < OACC; ++i) o[i] = 0.f;
+  l[0] = l[1] = 0.f;
+  m[0] = m[1] = neg_inf();
+}
+
 // Warpgroup 1: scores, online softmax and P, O's channels 0-255; then the unit's end with warpgroup 2. Once
 // block j's P is published, its P.V and block j + 1's scores go to the tensor cores together, the P.V first:
 // with two stages, the stage of block j must go back as soon as it can, since block j + 2 loads into it
@@ -384,10 +392,8 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
-    float o[OACC], s[SACC], a[2];
-#pragma unroll
-    for (int i = 0; i < OACC; ++i) o[i] = 0.f;
-    float l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
+    float o[OACC], s[SACC], a[2], l[2], m[2];
+    unit_start(o, l, m);
     if (nb > 0) {   // the first block's scores
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
       qphase ^= 1u;
@@ -522,10 +528,8 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
-    float o[OACC], s[SACC], a[2];
-#pragma unroll
-    for (int i = 0; i < OACC; ++i) o[i] = 0.f;
-    float l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
+    float o[OACC], s[SACC], a[2], l[2], m[2];
+    unit_start(o, l, m);
     if (nb > 0) {
       if (nb > G) {   // this warpgroup scores a block of the unit
         mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
