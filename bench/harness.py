@@ -298,12 +298,9 @@ Fail = Callable[[str, str], None]
 """`fail(what, detail)`: record one failure of the implementation being measured (`failure_recorder`)."""
 
 
-def write_trace(run: Callable[[], Any], op: Any, stem: Path, runs: int = 5) -> str:
-    """Per-SM timeline of `op` (built with MELD_PROFILE=1) running `run`, replayed in a CUDA graph with a cold
-    L2 (as it is timed): the launch with the median span goes to stem.trace.json (Chrome) and stem.png, as
-    `meld timeline` renders them. Returns the trace's summary and what was written."""
-    from meld.runtime.profile import render_png
-
+def median_trace(run: Callable[[], Any], op: Any, runs: int = 5):
+    """`op.last_trace()` of `run` (a profiled build) replayed `runs` times in a CUDA graph with a cold L2, as it
+    is timed: the launch with the median span."""
     graph, _ = capture(run)
     traces = []
     for _ in range(runs):
@@ -312,7 +309,16 @@ def write_trace(run: Callable[[], Any], op: Any, stem: Path, runs: int = 5) -> s
         traces.append(op.last_trace())
     graph.reset()
     traces.sort(key=lambda tr: tr.span_ns)
-    tr = traces[len(traces) // 2]
+    return traces[len(traces) // 2]
+
+
+def write_trace(run: Callable[[], Any], op: Any, stem: Path, runs: int = 5) -> str:
+    """Per-SM timeline of `op` (built with MELD_PROFILE=1) running `run`, replayed in a CUDA graph with a cold
+    L2 (as it is timed): the launch with the median span goes to stem.trace.json (Chrome) and stem.png, as
+    `meld timeline` renders them. Returns the trace's summary and what was written."""
+    from meld.runtime.profile import render_png
+
+    tr = median_trace(run, op, runs)
     lines = [tr.summary(), tr.busy_table()]
     written = [str(tr.write_chrome(stem.with_suffix(".trace.json")))]
     try:

@@ -6,7 +6,7 @@ model (`meld.scheduler.split_reduce_plan`: item overhead, rows_per_tile, merge o
     MELD_PROFILE=1 python3 tools/cascade_tasks.py [--cases 0 3] [--split-stream warp|cta] [--json PATH]
 
 On a GPU: bench/cascade.py's cases, each launch replayed in a CUDA graph with a cold L2, the median-span launch
-of five analysed (`summarise`, which the CPU tests exercise on synthetic traces).
+of five analysed (`bench.harness.median_trace`; `summarise`, which the CPU tests exercise on synthetic traces).
 """
 from __future__ import annotations
 
@@ -86,6 +86,13 @@ def report(name: str, s: dict) -> str:
     return "\n".join(lines)
 
 
+def measure_case(op_and_args, inp, median_trace) -> dict:
+    """One case planned and its median launch summarised (the operator goes when this returns)."""
+    op, plan_args = op_and_args
+    op.plan(*plan_args)
+    return summarise(median_trace(lambda: op.run(inp.q, inp.kv_cache), op), op.plan_tables[2])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, nargs="+", default=[0, 3], help="indices into bench/cascade.py's cases")
@@ -94,31 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if os.environ.get("MELD_PROFILE") != "1":
         p.error("set MELD_PROFILE=1: the profiled build records the per-task times")
-    import torch
-
     from bench import cascade as bc
-    from bench.harness import flush_l2
+    from bench.harness import median_trace
 
     results = {}
     for i in args.cases:
         case = bc.CASES[i]
         inp = bc.make_inputs(case, 0)
-        op, plan_args = bc.meld_cascade(inp, split_stream=args.split_stream)
-        op.plan(*plan_args)
-        op.run(inp.q, inp.kv_cache)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            op.run(inp.q, inp.kv_cache)
-        traces = []
-        for _ in range(5):
-            flush_l2()
-            graph.replay()
-            torch.cuda.synchronize()
-            traces.append(op.last_trace())
-        traces.sort(key=lambda tr: tr.span_ns)
-        results[case.name] = summarise(traces[len(traces) // 2], op.plan_tables[2])
+        results[case.name] = measure_case(bc.meld_cascade(inp, split_stream=args.split_stream), inp, median_trace)
         print(report(f"{args.split_stream} {case.name}", results[case.name]), flush=True)
-        del op, graph
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
