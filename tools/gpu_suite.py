@@ -151,12 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     if alone:   # (after the others: the GPU to themselves)
         workers.append(Worker(len(workers), alone, sum(seconds.get(i, 1.0) for i in alone)))
         run(workers[-1:], extra, outdir, args.budget - (time.monotonic() - t0))
-    passed = failed = skipped = 0
+    passed = failed = skipped = xfailed = 0
     problems, skips, measured = [], {}, {}
     for w in workers:
         text = Path(w.out).read_text(errors="replace")
         c = parse_pytest(text)
-        passed, failed, skipped = passed + c.passed, failed + c.failed + c.errors, skipped + c.skipped
+        passed, failed, skipped = passed + c.passed + c.xpassed, failed + c.failed + c.errors, skipped + c.skipped
+        xfailed += c.xfailed
         measured.update(parse_durations(text))
         for reason, n in parse_skips(text).items():
             skips[reason] = skips.get(reason, 0) + n
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         # pytest's short summary line of each failure (-rfE): its id and the first line of its message, which
         # is all that reaches the caller when the device returns only a few of the workers' logs
         problems += [line[:600] for line in text.splitlines() if re.match(r"^(FAILED|ERROR) \S+::", line)]
-    ran = passed + failed + skipped
+    ran = passed + failed + skipped + xfailed
     if ran != len(ids) and not problems:
         problems.append(f"{len(ids) - ran} collected tests did not report")
     if passed == 0:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  FAIL {p}")
     ok = not problems and failed == 0
     print(f"gpu suite: {'PASS' if ok else 'FAIL'} -- {len(ids)} collected, {passed} passed, {failed} failed, "
-          f"{skipped} skipped in {time.monotonic() - t0:.0f} s on {len(workers)} workers", flush=True)
+          f"{skipped} skipped, {xfailed} xfailed in {time.monotonic() - t0:.0f} s on {len(workers)} workers", flush=True)
     return 0 if ok else 1
 
 

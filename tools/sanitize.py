@@ -212,6 +212,8 @@ class PytestCounts:
     failed: int = 0
     errors: int = 0
     skipped: int = 0
+    xfailed: int = 0             # (expected failures and unexpected passes report like any other outcome)
+    xpassed: int = 0
     summary_line: str | None = None
     failed_ids: list[str] = field(default_factory=list)
     last_started: str | None = None     # with -v: the test a killed shard was running
@@ -227,7 +229,7 @@ def parse_pytest(text: str) -> PytestCounts:
         if m := re.match(r"^(\S+::.*?)(?:\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b.*)?\s*$", line):
             c.last_started = None if m.group(2) else m.group(1)
     if c.summary_line:
-        for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", c.summary_line):
+        for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", c.summary_line):
             key = "errors" if word.startswith("error") else word
             setattr(c, key, int(n))
     return c
