@@ -20,8 +20,7 @@ from meld.serving import (NULL_PAGE, BlockAllocator, DecoderModel, Engine, Trace
 from meld.serving.backends import BackendUnavailable, unavailable
 from meld.serving.bench import compare, run_with_routing
 from meld.serving.kv_cache import PagedLatentCache
-from meld.serving.models import (MeldMoE, RoutingTape, TorchMoE, apply_rope, causal_latent_attention, make_cache,
-                                 rms_norm)
+from meld.serving.models import MeldMoE, RoutingTape, TorchMoE, apply_rope, make_cache, rms_norm
 from meld.serving.torch_moe import topk_route
 from meld.serving.trace import Request
 from meld.workloads import lengths
@@ -248,9 +247,11 @@ def float64_model(model: DecoderModel) -> DecoderModel:
     return ref
 
 
-def test_mla_absorbed_equals_unabsorbed_attention():
-    """The model's MLA (absorbed: W_UK folded into the query, W_UV applied to the latent output) is DeepSeek's
-    attention written out per head: K = [c W_UK^T, k_pe], V = c W_UV, causal softmax at 1/sqrt(nope + rope)."""
+def test_mla_prefill_and_decode_equal_attention_written_out():
+    """The model's MLA is DeepSeek's attention written out per head: K = [c W_UK^T, k_pe], V = c W_UV, causal
+    softmax at 1/sqrt(nope + rope). In float64, its prefill (unabsorbed, SDPA) over the first L - 1 tokens,
+    and a decode step of the last one (absorbed: W_UK folded into the query, W_UV applied to the latent output
+    of the sdpa backend) over the cache the prefill wrote."""
     cfg, model, _ = setup("deepseek")
     ref = float64_model(model)
     w, m, c = ref.layers[0], ref.layers[0].mla, ref.config
@@ -259,7 +260,11 @@ def test_mla_absorbed_equals_unabsorbed_attention():
     cache = make_cache(c, 4, P)
     cache.add(0, L)
     pos = torch.arange(L)
-    got = ref._attention(0, w, x, pos, torch.from_numpy(cache.extend(0, L)), cache, None)
+    prefill = ref._attention(0, w, x[:-1], pos[:-1], torch.from_numpy(cache.extend(0, L - 1)), cache, None)
+    slot = torch.from_numpy(cache.append([0]))
+    be = make_backend("sdpa", c, P, "cpu", 1, 8)
+    be.plan(cache.page_table([0]))
+    step = ref._attention(0, w, x[-1:], pos[-1:], slot, cache, be)
 
     cos, sin = ref.cos[pos], ref.sin[pos]
     q = (rms_norm(x @ m.q_a.T, m.q_a_norm, c.rms_eps) @ m.q_b.T).view(L, Hq, -1)
@@ -271,20 +276,8 @@ def test_mla_absorbed_equals_unabsorbed_attention():
     s = torch.einsum("nhd,mhd->hnm", q, k) / (c.qk_nope_head_dim + c.qk_rope_head_dim) ** 0.5
     s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -torch.inf)
     want = torch.einsum("hnm,mhv->nhv", s.softmax(-1), v).reshape(L, -1) @ w.o.T
-    assert rel(got, want) < 1e-10
+    assert rel(prefill, want[:-1]) < 1e-10 and rel(step, want[-1:]) < 1e-10
     assert torch.equal(cache.layer(0)[cache.pages(0)[0], 3, :c.kv_lora_rank], ckv[3])   # the latent row cached
-
-
-@pytest.mark.parametrize("budget", [1, 5 * 37, 6 * 37 * 37, 1 << 28])
-def test_prefill_attention_in_query_blocks_is_causal_attention(budget):
-    """The absorbed prefill in query blocks (one row a block at the smallest budget, ragged blocks, one block)
-    equals causal attention over the latent rows with V their first channels, in float64."""
-    g = torch.Generator().manual_seed(3)
-    N, H, D, C = 37, 6, 24, 16
-    q, latent = torch.randn(N, H, D, generator=g, dtype=torch.float64), torch.randn(N, D, generator=g, dtype=torch.float64)
-    got = causal_latent_attention(q, latent, C, 0.3, budget=budget)
-    s = (torch.einsum("nhd,md->hnm", q, latent) * 0.3).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -torch.inf)
-    assert rel(got, torch.einsum("hnm,mc->nhc", s.softmax(-1), latent[:, :C])) < 1e-12
 
 
 def test_latent_cache_writes_rows_and_checks():

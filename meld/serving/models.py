@@ -197,25 +197,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # --- MoE implementations ---------------------------------------------------------------------------------
-def causal_latent_attention(q: torch.Tensor, latent: torch.Tensor, width: int, scale: float,
-                            budget: int = 1 << 28) -> torch.Tensor:
-    """MLA prefill in the absorbed form: q [N, H, D] over the latent rows [N, D] (one latent head for every q head,
-    V the rows' first `width` channels), causal; [N, H, width]. SDPA has no fused kernel for D = 576, so its
-    math path holds [H, n, N] scores: the queries go in blocks of n rows, n sized so the scores stay within
-    `budget` elements (an 8K-token prompt at 128 heads would otherwise need 32 GiB in float32)."""
-    N, H, _ = q.shape
-    block = max(1, min(N, budget // max(1, H * N)))
-    out = q.new_empty(N, H, width)
-    for s in range(0, N, block):
-        e = min(N, s + block)
-        keys = latent[None, None, :e].expand(1, H, e, -1)
-        mask = torch.arange(e, device=q.device)[None, :] <= torch.arange(s, e, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], keys, keys[..., :width], attn_mask=mask,
-                                           scale=scale)
-        out[s:e] = o[0].transpose(0, 1)
-    return out
-
-
 class RoutingTape:
     """Every MoE routing decision of one run, in call order, to replay in another run of the same trace.
 
@@ -439,23 +420,33 @@ class DecoderModel:
 
     def _mla(self, i: int, w: LayerWeights, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              cache: PagedLatentCache, backend) -> torch.Tensor:
-        """`_attention` as DeepSeek's MLA in the absorbed form, prefill too (causal over the latent rows, the
-        same math, so decode and prefill agree): the cache row is [RMSNorm(c), RoPE(k_pe)], the query
-        [q_nope @ W_UK, RoPE(q_pe)] per head, and the latent output goes through W_UV per head."""
+        """`_attention` as DeepSeek's MLA. The cache row is [RMSNorm(c), RoPE(k_pe)]. Decode runs the absorbed
+        form through `backend`: the query [q_nope @ W_UK, RoPE(q_pe)] per head over the latent rows, the latent
+        output through W_UV per head. Prefill runs the unabsorbed form, as DeepSeek's prefill does: K = [c W_UK^T,
+        k_pe] and V = c W_UV per head, causal SDPA over heads of qk_nope + qk_rope channels (V zero-padded to that
+        width: one width takes SDPA's fused kernel, which the absorbed form's 576-wide heads have none of)."""
         c, m = self.config, w.mla
-        N, Hq, C = x.shape[0], c.num_qo_heads, c.kv_lora_rank
+        N, Hq, C, R = x.shape[0], c.num_qo_heads, c.kv_lora_rank, c.qk_rope_head_dim
         cos, sin = self.cos[positions], self.sin[positions]
         q = (rms_norm(x @ m.q_a.T, m.q_a_norm, c.rms_eps) @ m.q_b.T).view(N, Hq, -1)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        ckv, k_pe = (x @ m.kv_a.T).split([C, c.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, R], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin)
+        ckv, k_pe = (x @ m.kv_a.T).split([C, R], dim=-1)
         latent = torch.cat([rms_norm(ckv, m.kv_norm, c.rms_eps), apply_rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)
         cache.write(i, slots, latent)
-        q = torch.cat([torch.einsum("nhd,hdc->nhc", q_nope, m.w_uk), apply_rope(q_pe, cos, sin)], dim=-1)
         if backend is not None:
-            o = backend.run(i, q, cache.layer(i))   # [N, Hq, C]
+            q = torch.cat([torch.einsum("nhd,hdc->nhc", q_nope, m.w_uk), q_pe], dim=-1)
+            o = torch.einsum("nhc,hcv->nhv", backend.run(i, q, cache.layer(i)), m.w_uv)
         else:
-            o = causal_latent_attention(q, latent, C, c.sm_scale)
-        return torch.einsum("nhc,hcv->nhv", o, m.w_uv).reshape(N, -1) @ w.o.T
+            c_kv = latent[:, :C]
+            k = torch.cat([torch.einsum("nc,hdc->nhd", c_kv, m.w_uk), latent[:, None, C:].expand(N, Hq, R)], dim=-1)
+            v = torch.einsum("nc,hcv->nhv", c_kv, m.w_uv)
+            D = max(k.shape[-1], c.v_head_dim)   # one width for the fused kernel; zero channels change nothing
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            q, k, v = (F.pad(t, (0, D - t.shape[-1])).transpose(0, 1)[None] for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.sm_scale)[0].transpose(0, 1)
+            o = o[..., :c.v_head_dim]
+        return o.reshape(N, -1) @ w.o.T
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if self.config.is_moe:
