@@ -13,12 +13,13 @@ MLA models (DeepSeek, `ModelConfig.is_mla`) run q [B, Hq, 576] (the absorbed que
 a `PagedLatentCache` layer [pages, page_size, 576] to the latent output [B, Hq, 512], on:
 - `meld`: `meld.DecodeMLA`, as the GQA one (capacities fixed, graphs per bucket).
 - `flashinfer`: FlashInfer's `flashinfer.mla.BatchMLAPagedAttentionWrapper`, one per bucket under graphs.
-- `flashmla`: FlashMLA's `flash_mla_with_kvcache` (page size 64 only), eager: its block table and scheduling
-  metadata are made per plan, so no fixed buffers for a graph to replay.
+- `flashmla`: FlashMLA's `flash_mla_with_kvcache` (page size 64 only), its block table, lengths and split
+  scheduling metadata in fixed buffers per bucket under graphs.
 - `sdpa`: the reference, as for GQA with the latent row as K and its first 512 channels as V.
 
 Padding rows of a graph bucket: meld gives an empty request zeros, so they get no pages; FlashInfer's
-are given the one null page of one token instead (`pad_page`), which needs no promise about empty ones.
+and FlashMLA's are given the one null page of one token instead (`pad_page`), which needs no promise about
+empty ones.
 """
 from __future__ import annotations
 
@@ -190,10 +191,14 @@ class FlashInferMLABackend(AttentionBackend):
 
 class FlashMLABackend(AttentionBackend):
     """FlashMLA's decode (`flash_mla.flash_mla_with_kvcache`, its SM90 dense path, `use_legacy=True`), as
-    bench/mla.py calls it: plan() builds the block table [B, most pages] and the lengths on the device and a
-    fresh scheduling metadata (one serves one batch shape; the step's first run() fills it)."""
+    bench/mla.py calls it. plan() writes the block table [B, pages] and the lengths on the device and runs
+    FlashMLA's split scheduler (`get_mla_decoding_metadata`, hoisted out of the layers as engines do); every
+    layer's run() reads them. With graphs, one set of these per bucket, at fixed addresses: the table as wide
+    as `max_position` needs, the metadata overwritten in place by each plan."""
 
     name = "flashmla"
+    supports_graphs = True
+    pad_page = NULL_PAGE
 
     def __init__(self, config: ModelConfig, page_size: int, device):
         device = torch.device(device)
@@ -201,21 +206,45 @@ class FlashMLABackend(AttentionBackend):
             raise BackendUnavailable("the flashmla backend runs on CUDA GPUs only (this run is on the CPU)")
         self._fm = _import_flash_mla()
         self.config, self.page_size, self.device = config, page_size, device
-        self._table = self._seqlens = self._meta = None
+        self._graphed: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._plan: tuple[torch.Tensor, ...] = ()
+        self._sched = None
+
+    def _schedule(self, seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tile scheduler metadata, split counts) of one query token per request over lengths `seqlens`."""
+        h = self.config.num_qo_heads
+        return self._fm.get_mla_decoding_metadata(seqlens, h, 1, h, use_legacy=True)
+
+    def prepare_graphs(self, buckets: list[int]) -> None:
+        width = -(-self.config.max_position // self.page_size)
+        for b in buckets:
+            seqlens = torch.ones(b, dtype=torch.int32, device=self.device)
+            self._graphed[b] = (torch.zeros(b, width, dtype=torch.int32, device=self.device), seqlens,
+                                *self._schedule(seqlens))
 
     def plan(self, table: PageTable) -> None:
         counts = np.diff(table.kv_indptr.numpy())
         blocks = np.zeros((table.rows, max(1, int(counts.max(initial=0)))), dtype=np.int32)
         blocks[np.arange(blocks.shape[1])[None, :] < counts[:, None]] = table.kv_indices.numpy()   # row by row
-        self._table = torch.from_numpy(blocks).to(self.device)
-        self._seqlens = torch.from_numpy(table.kv_lens.astype(np.int32)).to(self.device)
-        self._meta, _ = self._fm.get_mla_metadata()
+        seqlens = torch.from_numpy(table.kv_lens.astype(np.int32))
+        fixed = self._graphed.get(table.rows)
+        if fixed is None:
+            seqlens = seqlens.to(self.device)
+            self._plan = (torch.from_numpy(blocks).to(self.device), seqlens, *self._schedule(seqlens))
+        else:
+            fixed[0][:, :blocks.shape[1]].copy_(torch.from_numpy(blocks))
+            fixed[1].copy_(seqlens)
+            for buf, new in zip(fixed[2:], self._schedule(fixed[1])):
+                buf.copy_(new)
+            self._plan = fixed
+        self._sched, _ = self._fm.get_mla_metadata()
+        self._sched.tile_scheduler_metadata, self._sched.num_splits = self._plan[2:]
 
     def run(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         c = self.config
         out, _ = self._fm.flash_mla_with_kvcache(
-            q.unsqueeze(1), kv_cache.view(kv_cache.shape[0], self.page_size, 1, c.head_dim), self._table,
-            self._seqlens, c.kv_lora_rank, self._meta, softmax_scale=c.sm_scale, use_legacy=True)
+            q.unsqueeze(1), kv_cache.view(kv_cache.shape[0], self.page_size, 1, c.head_dim), self._plan[0],
+            self._plan[1], c.kv_lora_rank, self._sched, softmax_scale=c.sm_scale, use_legacy=True)
         return out[:, 0]
 
 
