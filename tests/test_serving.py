@@ -525,6 +525,20 @@ def test_cli_serve_bench_deepseek_on_the_cpu(capsys, tmp_path):
     assert all(r["steps"] == 2 and r["check_ok"] and r["attn_share"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_cli_serve_bench_skips_a_backend_that_does_not_import(capsys, monkeypatch):
+    """A backend whose package does not import is skipped with its reason printed and the others run; with
+    none left, the reasons end the run (exit status 2)."""
+    from meld.serving import bench
+
+    monkeypatch.setattr(bench, "not_installed", lambda name: f"{name} is not installed" if name == "sdpa" else None)
+    argv = ["serve-bench", "--device", "cpu", "--size", "tiny", "--backend", "sdpa,meld", "--max-batch", "2",
+            "--steps", "1", "--samples", "0"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "skipped backend sdpa: sdpa is not installed" in text and text.count("| meld | - | eager | 2 |") == 1
+    _fails(argv[:5] + ["--backend", "sdpa"] + argv[7:], capsys, "sdpa is not installed")
+
+
 def _fails(argv, capsys, *named):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)

@@ -349,20 +349,26 @@ def unsupported(name: str, config: ModelConfig, page_size: int | None) -> str | 
     return None
 
 
+def not_installed(name: str) -> str | None:
+    """Why backend `name`'s package does not import here (None: it does, or the backend needs none)."""
+    if name.startswith("flashinfer") or name == "flashmla":
+        try:
+            (_import_flash_mla if name == "flashmla" else _import_flashinfer)()
+        except BackendUnavailable as e:
+            return str(e)
+    return None
+
+
 def unavailable(name: str, device, config: ModelConfig | None = None, page_size: int | None = None) -> str | None:
-    """Why backend `name` cannot run on `device` (None if it can), found without building anything; given a
-    model config and page size, also why it does not run them (`unsupported`)."""
+    """Why backend `name` cannot run on `device` (None if it can), found without building or importing
+    anything; given a model config and page size, also why it does not run them (`unsupported`). Whether its
+    package imports is `not_installed`'s question (serve-bench skips such a backend)."""
     if name not in BACKENDS:
         return f"unknown attention backend {name!r}; expected one of {', '.join(BACKENDS)}"
     if config is not None:
         why = unsupported(name, config, page_size)
         if why:
             return why
-    if name.startswith("flashinfer") or name == "flashmla":
-        if torch.device(device).type != "cuda":
-            return f"the {name} backend runs on CUDA GPUs only (this run is on the CPU)"
-        try:
-            (_import_flash_mla if name == "flashmla" else _import_flashinfer)()
-        except BackendUnavailable as e:
-            return str(e)
+    if (name.startswith("flashinfer") or name == "flashmla") and torch.device(device).type != "cuda":
+        return f"the {name} backend runs on CUDA GPUs only (this run is on the CPU)"
     return None

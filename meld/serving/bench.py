@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .backends import BackendUnavailable, make_backend, unavailable
+from .backends import BackendUnavailable, make_backend, not_installed, unavailable
 from .engine import Engine, RunResult, buckets_for, check_fits
 from .models import MODELS, PREFILL_CHUNK, DecoderModel, ModelConfig, RoutingTape, make_cache, tiny_config
 from .trace import TraceConfig, make_trace
@@ -136,13 +136,18 @@ def _engine(model, name, moe, mc, cache, max_batch, pages, graphs, device):
 
 def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
     """Run the configurations of `cfg`, print the table through `echo`; (exit status, rows).
-    Raises BackendUnavailable or ValueError, before any run, for what cannot run here."""
+    A backend whose package does not import is skipped, with the reason printed. Raises BackendUnavailable
+    or ValueError, before any run, for what cannot run here (and when no backend is left)."""
     device = torch.device(cfg.device)
     mc = model_config(cfg)
     for name in cfg.backends:
         why = unavailable(name, device, mc, cfg.page_size)
         if why:
             raise BackendUnavailable(why)
+    skipped = {name: why for name in cfg.backends if (why := not_installed(name))}
+    backends = [name for name in cfg.backends if name not in skipped]
+    if not backends:
+        raise BackendUnavailable("; ".join(skipped.values()))
     if cfg.moe not in ("auto", "meld", "torch"):
         raise ValueError(f"moe must be auto, meld or torch, got {cfg.moe!r}")
     runs = []   # (max batch, trace config, trace, pool pages): every pool and trace checked before any is built
@@ -158,6 +163,8 @@ def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU reference executor"
     echo(f"{mc.describe()}; bf16 on {device} ({where}); page size {cfg.page_size}; "
          f"{'CUDA graphs per batch bucket' if graphs else 'eager'}")
+    for name, why in skipped.items():
+        echo(f"skipped backend {name}: {why}")
     rows, status = [], 0
     for max_batch, tc, trace, pages in runs:
         cache = make_cache(mc, pages, cfg.page_size, device, seed=cfg.seed)
@@ -166,7 +173,7 @@ def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
              f"{tc.output[:2]} in [{tc.output[2]}, {tc.output[3]}] (seed {tc.seed}); KV pool {pages} pages")
         steps = cfg.steps or (12 if cfg.size == "tiny" else 200)
         ref = None
-        for name in cfg.backends:
+        for name in backends:
             moe = cfg.moe if cfg.moe != "auto" else ("meld" if name == "meld" else "torch")
             engine = _engine(model, name, moe, mc, cache, max_batch, pages, graphs, device)
             result = engine.run(trace, steps, record_logits=cfg.check_steps if cfg.check else 0,
@@ -191,7 +198,7 @@ def serve_bench(cfg: BenchConfig, echo=print) -> tuple[int, list[dict]]:
                 status |= 0 if row["check_ok"] else 1
             del engine
             rows.append(row)
-            echo(format_row(row, header=name == cfg.backends[0]))
+            echo(format_row(row, header=name == backends[0]))
         del cache
         if device.type == "cuda":
             torch.cuda.empty_cache()

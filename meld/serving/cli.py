@@ -64,7 +64,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="deepseek: MLA attention (backends meld, flashinfer, flashmla, sdpa) and MoE")
     s.add_argument("--backend", type=_list_of(_backend_name, "backend"), default=["meld"],
                    help="comma-separated: meld, flashinfer, flashinfer-tc (its tensor-core decode; not MLA), sdpa, "
-                        "flashmla (MLA only)")
+                        "flashmla (MLA only); one whose package does not import is skipped, the reason printed")
     s.add_argument("--page-size", type=_int_in(0, 4096),
                    help=f"KV page size in tokens (default 16; {FLASHMLA_PAGE_SIZE} with flashmla, which runs no other)")
     s.add_argument("--max-batch", type=_list_of(_int_in(0, MAX_BATCH), "batch size"),
@@ -105,7 +105,7 @@ def serve_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, devic
                       check_tol=args.check_tol, samples=args.samples, seed=args.seed, device=device)
     mc = model_config(cfg)
     for name in args.backend:
-        why = unavailable(name, device, mc, page_size)
+        why = unavailable(name, device, mc, page_size)   # a missing package: skipped
         if why:
             parser.error(f"argument --backend: {why}")
     if args.json is not None:
