@@ -2,8 +2,10 @@
 meld's plan() accepts, backends against a float64 reference, decode steps against a dense forward,
 meld (CPU executor) against the SDPA reference over steps where requests join and leave, meld's MoE
 against the torch pipeline, seeded traces, and `meld serve-bench` on the CPU; the DeepSeek model's MLA
-(absorbed against unabsorbed attention, its latent cache, meld.DecodeMLA against a float64 model). The `gpu`
-tests: graph replay after re-plans against eager, meld against SDPA, FlashInfer against meld."""
+(prefill and decode against its attention written out, its latent cache, meld.DecodeMLA against a float64
+model). The `gpu` tests: graph replay after re-plans against eager, meld against SDPA, FlashInfer against
+meld; for DeepSeek, graph replay on each MLA backend, each against float64 with NaN kept to its request, and
+the full-size model through the CLI."""
 import dataclasses
 import json
 import random
@@ -17,7 +19,7 @@ from meld.ops.page_table import check_page_table
 from meld.runtime.reference import attention_reference, mla_reference
 from meld.serving import (NULL_PAGE, BlockAllocator, DecoderModel, Engine, TraceConfig,
                           make_backend, make_trace, request_tokens, tiny_config)
-from meld.serving.backends import BackendUnavailable, unavailable
+from meld.serving.backends import FLASHMLA_PAGE_SIZE, BackendUnavailable, unavailable
 from meld.serving.bench import compare, run_with_routing
 from meld.serving.kv_cache import PagedLatentCache
 from meld.serving.models import MeldMoE, RoutingTape, TorchMoE, apply_rope, make_cache, rms_norm
@@ -34,16 +36,16 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def setup(kind="llama", pages=96, device="cpu", **over):
+def setup(kind="llama", pages=96, device="cpu", page_size=P, **over):
     cfg = tiny_config(kind, **over)
     model = DecoderModel(cfg, device, moe="torch", moe_max_tokens=256)
-    return cfg, model, make_cache(cfg, pages, P, device, seed=3)
+    return cfg, model, make_cache(cfg, pages, page_size, device, seed=3)
 
 
 def engine(model, cache, backend, max_batch=4, graphs=False, moe=None):
     cfg = model.config
     model.use_moe(moe or ("meld" if backend == "meld" else "torch"))
-    be = make_backend(backend, cfg, P, cache.pool.device, max_batch, cache.num_pages + max_batch)
+    be = make_backend(backend, cfg, cache.page_size, cache.pool.device, max_batch, cache.num_pages + max_batch)
     return Engine(model, be, cache, max_batch, graphs=graphs)
 
 
@@ -576,16 +578,16 @@ def _gpu_trace():
     return make_trace(TraceConfig.tiny(24, 6.0, seed=5))
 
 
-@pytest.mark.gpu
-@pytest.mark.cublas_output   # the model's projections feed meld
-@pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
-@pytest.mark.parametrize("backend", ["meld", "flashinfer"])
-def test_gpu_graph_replay_after_replans_equals_eager(kind, backend):
+def _importorskip(backend: str) -> None:
+    if backend.startswith("flashinfer") or backend == "flashmla":
+        pytest.importorskip("flash_mla" if backend == "flashmla" else "flashinfer")
+
+
+def _check_graph_replay(kind: str, backend: str, page_size: int = P) -> None:
     """Each step re-plans and replays its bucket's graph: the replayed logits equal an eager forward of the
     same plan and inputs (K/V writes are idempotent), and the whole run agrees with an eager engine."""
-    if backend == "flashinfer":
-        pytest.importorskip("flashinfer")
-    cfg, model, kv = setup(kind, pages=400, device="cuda")
+    _importorskip(backend)
+    cfg, model, kv = setup(kind, pages=400 * P // page_size, device="cuda", page_size=page_size)
     eng = engine(model, kv, backend, max_batch=8, graphs=True)
     replayed, diffs = eng._decode, []
 
@@ -606,6 +608,55 @@ def test_gpu_graph_replay_after_replans_equals_eager(kind, backend):
 @pytest.mark.gpu
 @pytest.mark.cublas_output   # the model's projections feed meld
 @pytest.mark.parametrize("kind", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("backend", ["meld", "flashinfer"])
+def test_gpu_graph_replay_after_replans_equals_eager(kind, backend):
+    _check_graph_replay(kind, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
+@pytest.mark.parametrize("backend", ["meld", "flashinfer", "flashmla"])
+def test_gpu_deepseek_graph_replay_after_replans_equals_eager(backend):
+    """The same for the DeepSeek model's MLA backends, at FlashMLA's page size (64) as serve-bench runs them
+    together: meld.DecodeMLA, FlashInfer's MLA wrapper per bucket, FlashMLA's per-bucket table and metadata."""
+    _check_graph_replay("deepseek", backend, FLASHMLA_PAGE_SIZE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["meld", "flashinfer", "flashmla", "sdpa"])
+def test_gpu_mla_backends_match_float64(backend):
+    """Each MLA backend on the GPU against the float64 reference over fresh random latent rows and lengths that
+    are not whole pages (one token, a page and one, a long one), batch 5 (no bucket size); then NaN in one
+    latent row of request 2: meld's and SDPA's rows of that request are NaN, every backend's other rows equal
+    the clean run's (a bad request does not reach the others)."""
+    _importorskip(backend)
+    cfg, _, kv = setup("deepseek", pages=40, device="cuda", page_size=FLASHMLA_PAGE_SIZE)
+    lens = [300, 1, 65, 777, 130]
+    for rid, n in enumerate(lens):
+        kv.add(rid, n)
+        kv.extend(rid, n)
+    kv.pool.normal_()
+    be = make_backend(backend, cfg, FLASHMLA_PAGE_SIZE, "cuda", 8, kv.num_pages + 8)
+    t = kv.page_table(list(range(len(lens))))
+    be.plan(t)
+    q = torch.randn(len(lens), cfg.num_qo_heads, cfg.head_dim, device="cuda").bfloat16()
+    C, cache = cfg.kv_lora_rank, kv.layer(1)
+    out = be.run(1, q, cache)
+    ref, _ = mla_reference(q[..., :C], q[..., C:], cache[..., :C], cache[..., C:], t.kv_indptr, t.kv_indices,
+                           t.kv_last_page_len, cfg.sm_scale)
+    assert out.shape == (len(lens), cfg.num_qo_heads, C) and out.dtype == q.dtype
+    assert rel(out, ref) < 1e-2
+    cache[kv.pages(2)[1], 0, 7] = float("nan")   # request 2's token 64
+    bad = be.run(1, q, cache)
+    others = [0, 1, 3, 4]
+    assert torch.equal(bad[others], out[others])
+    if backend in ("meld", "sdpa"):
+        assert bad[2].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
+@pytest.mark.parametrize("kind", ["llama", "qwen3-moe", "deepseek"])
 def test_gpu_meld_matches_sdpa(kind):
     """meld (its MoE too) against SDPA (and torch's MoE), graphs on; the MoE model eager, on the SDPA run's
     routing (RoutingTape: bf16 near-ties would flip some tokens' experts between any two backends)."""
@@ -638,3 +689,18 @@ def test_gpu_serve_bench_full_size_smoke(capsys):
                 "--steps", "6", "--layers", "1", "--check", "--check-steps", "2", "--samples", "2",
                 "--kv-pages", "20000"]
         assert cli.main(argv) == 0, capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.cublas_output   # the model's projections feed meld
+def test_gpu_serve_bench_deepseek_full_size(capsys, tmp_path):
+    """DeepSeek-V3's shapes (one layer: 128 heads, 256 experts) through the CLI for a few steps, graphs on, page
+    size 64: meld and the peers that import here, each checked against SDPA with torch's MoE."""
+    out = tmp_path / "rows.json"
+    argv = ["serve-bench", "--model", "deepseek", "--backend", "meld,flashinfer,flashmla", "--max-batch", "8",
+            "--requests", "12", "--steps", "6", "--layers", "1", "--check", "--check-steps", "2", "--samples", "2",
+            "--kv-pages", "5000", "--json", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["backend"] == "meld" and rows[0]["moe"] == "meld" and rows[0]["mode"] == "graphs"
+    assert all(r["check_ok"] and r["steps"] == 6 and r["attn_share"] > 0 for r in rows)
