@@ -556,6 +556,7 @@ def test_cli_serve_bench_fails_clearly(capsys):
     _fails(["serve-bench", "--device", "cuda"], capsys, "--device", "(available: cpu)")
     _fails(["serve-bench", "--size", "full"], capsys, "--size", "needs a GPU")
     _fails(["serve-bench", "--backend", "meld,vllm"], capsys, "'vllm' is not a backend")
+    _fails(["serve-bench", "--model", "deepseek-v2"], capsys, "--model", "'deepseek-v2'", "'deepseek'")
     _fails(["serve-bench", "--max-batch", "4,0"], capsys, "--max-batch")
     _fails(["serve-bench", "--arrival-rate", "-1"], capsys, "--arrival-rate")
     _fails(["serve-bench", "--model", "deepseek", "--backend", "flashmla"], capsys, "--backend",

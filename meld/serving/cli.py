@@ -71,7 +71,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="comma-separated max batch sizes (default 64 on a GPU, 4 on the CPU)")
     s.add_argument("--requests", type=_int_in(0, 1 << 20), help="requests in the trace (default 2 x max batch)")
     s.add_argument("--steps", type=_int_in(0, 1 << 20), help="decode steps measured (default 200; 12 on the CPU)")
-    s.add_argument("--layers", type=_int_in(0, 1024), help="decoder layers (default 4; 2 for --size tiny)")
+    s.add_argument("--layers", type=_int_in(0, 1024), help="decoder layers (default 4, deepseek 2; 2 for --size tiny)")
     s.add_argument("--arrival-rate", type=_positive_float, help="requests arriving per step (default max batch / 4)")
     s.add_argument("--kv-pages", type=_int_in(1, 2 ** 31 - 1), help="KV pool pages (default 8192 tokens per batch slot)")
     s.add_argument("--moe", choices=["auto", "meld", "torch"], default="auto",
