@@ -259,7 +259,7 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
     Field("tasks", "ptr", "int*"),                  # SPLIT_TASK, field-major, task_capacity entries
     Field("events", "ptr", "int*"),                 # EVENT, field-major, batch * num_kv_heads entries
     Field("part_slot", "ptr", "int*"),              # slot_capacity entries
-    Field("cursor", "ptr", "int*"),                 # [batch * num_kv_heads] scratch
+    Field("cursor", "ptr", "int*"),                 # [batch * num_kv_heads + num_ctas] scratch
     Field("out", "ptr", "int*"),                    # [2]: the tasks and slots written (-1: a capacity too small)
     Field("num_groups", "i32"),
     Field("batch", "i32"),

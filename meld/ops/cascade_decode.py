@@ -75,9 +75,9 @@ class CascadeDecode(Operator):
         item_overhead_tokens: the planner's fixed cost of a work item, in KV tokens
             (`meld.scheduler.split_reduce_plan`): more spreads many short items over more CTAs.
         merge_overhead_tokens: and per request of an item past its first (the merges an item that arrives last
-            does): more spreads the slices of a shared prefix over more CTAs.
+            does; default 0: a level's items arrive in level order).
         rows_per_tile: a token of an item of r query rows costs ceil(r / rows_per_tile) units (a request's own
-            suffix one): less charges a shared prefix's slices more against the suffixes.
+            suffix one): less charges a level's large groups more against its small ones.
         split_stream: how the GPU kernel streams a task of at most 16 query rows (a request's own suffix):
             "warp" (default) through each warp's own ring, "cta" through the CTA's shared ring
             (`meld.codegen.grouped_kernel.GroupedKernelConfig`). The same results either way; the CPU

@@ -22,15 +22,19 @@ KV tokens), the merges of its other requests, which the item does when its arriv
 fixed part comes first on an item's stretch of the line, so a cut lands on tokens past it. A slice is
 up to `slice_rows` of the group's query rows (whole requests, at least one): the rows a kernel task attends
 at once, so a large group's shared KV is read once per slice (mostly from L2: its slices are neighbours on
-the line) and no task carries more than a slice's events. Items lie on one line in graph order (producer,
-group, kv head, slice) and the line is cut into `num_ctas` segments of equal cost;
-a cut inside an item becomes a piece boundary, at a multiple of CUT_TOKENS: one nearer the item's start than
-half of MIN_PIECE_TOKENS (in its overhead, say) moves the whole item to the next CTA, one that would leave the
-piece before it shorter than MIN_PIECE_TOKENS moves up to make it that long, and one that would leave the last
-piece shorter is dropped (that piece stays with the CTA before). So a CTA's pieces are
-consecutive on the line (one level's groups together: their KV shared in L2), an item is split only where
-a CTA boundary falls in it (at most num_ctas - 1 splits in all), and the table is in CTA order by
-construction.
+the line) and no task carries more than a slice's events. Each producer's items lie on a line of their own in
+graph order (group, kv head, slice), cut into `num_ctas` segments of equal cost: every CTA holds a share of every
+producer, the producers in graph order. So a shared level's slices arrive early on every CTA and the events
+complete at the requests' own pieces, each merging its own requests, spread over the CTAs and the launch; on
+one line for all producers the shared slices filled the first CTAs one after another, the later ones
+arrived last, and each merged all of its slice's requests on one CTA at the end of the launch (bench/RESULTS.md,
+2026-12-03). A cut inside an item becomes a piece boundary, at a multiple of CUT_TOKENS: one nearer the item's
+start than half of MIN_PIECE_TOKENS (in its overhead, say) moves the whole item to the next CTA, one that would
+leave the piece before it shorter than MIN_PIECE_TOKENS moves up to make it that long, and one that would leave
+the last piece shorter is dropped (that piece stays with the CTA before). So a CTA's pieces of one producer are
+consecutive on its line (its groups together: their KV shared in L2), an item is split only where a CTA
+boundary falls in it (at most num_ctas - 1 splits a producer), and the table lists the tasks CTA after CTA,
+a CTA's producer after producer.
 """
 from __future__ import annotations
 
@@ -50,11 +54,12 @@ ROWS_PER_TILE = 64   # query rows a token of an item costs one unit for (Cascade
 # ~13 ns a token (x2.5 for row-block tasks) plus 6.6 µs a task reproduces six of the seven cases within 20% and
 # has its smallest sum over them at 256 (bench/cascade.py --item-overhead sweeps it on the GPU).
 ITEM_OVERHEAD_TOKENS = 256
-# Per request of an item past its first (whose merge item_overhead holds), in KV tokens: one request's merge, about 1 µs at the ~21 ns a cost unit
-# of the same run's pieces (a timeline of B=128, prefix 1024, suffix 2048 at ade5c53: the prefix slices of 32
-# requests arrived last and merged for ~33 µs each, on the four CTAs that held every prefix slice). A model
-# from that one timeline, to be swept (bench/cascade.py --merge-overhead).
-MERGE_OVERHEAD_TOKENS = 48
+# Per request of an item past its first (whose merge item_overhead holds), in KV tokens: the merges an item
+# does when it arrives last at its events. On one line for every level a shared prefix's slices often did
+# (~33 µs each at B=128, prefix 1024, suffix 2048, ade5c53), and 48 paid; on a line per level they arrive
+# first, and 0 was as fast or faster on six of bench/cascade.py's seven cases (bench/RESULTS.md, 2026-12-03):
+# a fixed charge no cut can split only makes a level's line lumpier.
+MERGE_OVERHEAD_TOKENS = 0
 SLICE_ROWS = 128   # query rows a task holds at most: the grouped kernel's warps x 16 (one pass over the KV)
 
 
@@ -99,11 +104,13 @@ class SplitReducePlan:
     def event_columns(self) -> dict[str, np.ndarray]:
         return EVENT.unpack(self.events, self.batch * self.num_kv_heads)
 
-    def cta_cost(self, tables: list[GroupTable]) -> np.ndarray:
-        """Each CTA's cost under the planner's model (for tests and printing): an item's overhead goes to its
-        first piece."""
+    def cta_cost(self, tables: list[GroupTable], producer: int | None = None) -> np.ndarray:
+        """Each CTA's cost under the planner's model (for tests and printing), of every producer's pieces or of
+        one's: an item's overhead goes to its first piece."""
         t, out = self.task_columns(), np.zeros(self.num_ctas)
         for i in range(self.num_tasks):
+            if producer is not None and t["producer"][i] != producer:
+                continue
             tiles = -(-int(t["event_count"][i]) * self.group_size // self.rows_per_tile)
             out[t["cta"][i]] += int(t["kv_end"][i] - t["kv_begin"][i]) * tiles + \
                 (self.item_overhead + (int(t["event_count"][i]) - 1) * self.merge_overhead if t["kv_begin"][i] == 0 else 0)
@@ -118,43 +125,46 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
     """The cut in NumPy, written from the module docstring: the test oracle of `plan_split_reduce` (the
     planner's C source, templates/split_reduce_plan.h, the GPU's and the host's)."""
     per = max(1, slice_rows // group_size)   # requests of a slice
-    items = []   # (producer, group, kv_head, first request, tokens, requests, tiles) in line order
-    for ti, t in enumerate(tables):
+    cols = {f: [] for f in SPLIT_TASK.fields}
+    parts: dict[int, list[int]] = {}   # event -> its parts' first slots, in line order
+    slot = 0
+    for ti, t in enumerate(tables):   # a line per producer
+        items = []   # (group, kv_head, first request, tokens, requests, tiles) in line order
         lens = t.kv_len(page_size)
         for g in range(len(lens)):
             q0, q1 = int(t.qo_indptr[g]), int(t.qo_indptr[g + 1])
             if lens[g] > 0:
-                items += [(ti, g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // rows_per_tile))
+                items += [(g, h, s, int(lens[g]), min(per, q1 - s), -(-min(per, q1 - s) * group_size // rows_per_tile))
                           for h in range(num_kv_heads) for s in range(q0, q1, per)]
-    fixed = [item_overhead + (n_req - 1) * merge_overhead for *_, n_req, _ in items]
-    total = sum(f + n * tiles for f, (*_, n, _, tiles) in zip(fixed, items))
-    bounds = [c * total // num_ctas for c in range(num_ctas + 1)]   # the segments' first costs
-    cols = {f: [] for f in SPLIT_TASK.fields}
-    parts: dict[int, list[int]] = {}   # event -> its parts' first slots, in line order
-    start, cta, slot = 0, 0, 0
-    for (ti, g, h, q0, n, n_req, tiles), fix in zip(items, fixed):
-        while cta + 1 < num_ctas and bounds[cta + 1] <= start:   # the CTA whose segment holds the item's start
-            cta += 1
-        cuts = [(0, cta)]
-        c = cta + 1
-        while c < num_ctas and bounds[c] < start + fix + n * tiles:   # CTA boundaries inside the item
-            near = (max(0, bounds[c] - start - fix) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
-            pos = max(near, cuts[-1][0] + MIN_PIECE_TOKENS)
-            if len(cuts) == 1 and 2 * near < MIN_PIECE_TOKENS:   # nearer the item's start: it starts on CTA c
-                cuts = [(0, c)]
-            elif n - pos >= MIN_PIECE_TOKENS:
-                cuts.append((pos, c))
-            c += 1
-        for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):
-            row = dict(group=g, kv_begin=b, last_group=g, kv_end=e, producer=ti, kv_head=h, arg2=0, arg3=0,
-                       kind=SPLIT_TASK.kind, cta=owner, slot=slot, event_first=h * batch + q0, event_count=n_req)
-            for f in SPLIT_TASK.fields:
-                cols[f].append(row[f])
-            for r in range(n_req):
-                parts.setdefault(h * batch + q0 + r, []).append(slot + r * group_size)
-            slot += n_req * group_size
-        cta = cuts[-1][1]
-        start += fix + n * tiles
+        fixed = [item_overhead + (n_req - 1) * merge_overhead for *_, n_req, _ in items]
+        total = sum(f + n * tiles for f, (*_, n, _, tiles) in zip(fixed, items))
+        bounds = [c * total // num_ctas for c in range(num_ctas + 1)]   # the segments' first costs
+        start, cta = 0, 0
+        for (g, h, q0, n, n_req, tiles), fix in zip(items, fixed):
+            while cta + 1 < num_ctas and bounds[cta + 1] <= start:   # the CTA whose segment holds the item's start
+                cta += 1
+            cuts = [(0, cta)]
+            c = cta + 1
+            while c < num_ctas and bounds[c] < start + fix + n * tiles:   # CTA boundaries inside the item
+                near = (max(0, bounds[c] - start - fix) // tiles + CUT_TOKENS // 2) // CUT_TOKENS * CUT_TOKENS
+                pos = max(near, cuts[-1][0] + MIN_PIECE_TOKENS)
+                if len(cuts) == 1 and 2 * near < MIN_PIECE_TOKENS:   # nearer the item's start: it starts on CTA c
+                    cuts = [(0, c)]
+                elif n - pos >= MIN_PIECE_TOKENS:
+                    cuts.append((pos, c))
+                c += 1
+            for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):
+                row = dict(group=g, kv_begin=b, last_group=g, kv_end=e, producer=ti, kv_head=h, arg2=0, arg3=0,
+                           kind=SPLIT_TASK.kind, cta=owner, slot=slot, event_first=h * batch + q0, event_count=n_req)
+                for f in SPLIT_TASK.fields:
+                    cols[f].append(row[f])
+                for r in range(n_req):
+                    parts.setdefault(h * batch + q0 + r, []).append(slot + r * group_size)
+                slot += n_req * group_size
+            cta = cuts[-1][1]
+            start += fix + n * tiles
+    order = np.argsort(np.array(cols["cta"], dtype=np.int64), kind="stable")   # CTA after CTA, each in line order
+    cols = {f: np.asarray(v, dtype=np.int64)[order] for f, v in cols.items()}
     n_events = batch * num_kv_heads
     counts = np.array([len(parts.get(ev, ())) for ev in range(n_events)], dtype=np.int64)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]]) if n_events else counts
@@ -179,13 +189,13 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     groups = _group_columns(tables, page_size)
     requests, tokens = groups[3], groups[4]
     busy = (tokens > 0) & (requests > 0)
-    task_cap = int(-(-requests[busy] // max(1, slice_rows // group_size)).sum()) * num_kv_heads + num_ctas
-    part_cap = int(requests[busy].sum()) * num_kv_heads + num_ctas * int(requests.max(initial=0))
+    task_cap = int(-(-requests[busy] // max(1, slice_rows // group_size)).sum()) * num_kv_heads + num_ctas * len(tables)
+    part_cap = int(requests[busy].sum()) * num_kv_heads + num_ctas * len(tables) * int(requests.max(initial=0))
     n_events = batch * num_kv_heads
     # The planner's outputs and scratch in one array (one allocation, one address); everything read back is
     # written by the planner first.
     sizes = {"tasks": task_cap * SPLIT_TASK.width, "events": n_events * EVENT.width, "part_slot": part_cap,
-             "cursor": n_events, "out": 2}
+             "cursor": n_events + num_ctas, "out": 2}
     scratch = np.empty(sum(sizes.values()), dtype=np.int32)
     base, at, part, addr = scratch.ctypes.data, 0, {}, {}
     for name, n in sizes.items():
