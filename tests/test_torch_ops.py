@@ -270,3 +270,21 @@ def test_decode_mla_compiles_to_one_op_and_matches_eager():
     with FakeTensorMode() as mode, pytest.raises(ValueError, match="kpe_cache must have shape"):
         f = mode.from_tensor
         torch.ops.meld.decode_mla(f(qn), f(qp), f(ckv), f(narrow), f(empty), None, mla.handle)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_mla_compiles_to_one_op_and_matches_eager():
+    """The MLA op on the GPU under torch.compile(fullgraph=True) with inductor: one frame, no graph break, equal to
+    eager across re-plans (the op reads the operator's current plan through its handle)."""
+    mla, qn, qp, ckv, kpe = mla_inputs([7, 0, 70], "cuda")   # 9 pages: the batches below fit them
+    counter = CompileCounterWithBackend("inductor")
+    step = torch.compile(lambda *a: mla.run(*a, return_lse=True), fullgraph=True, backend=counter)
+    with torch.no_grad():
+        for lens in ([7, 0, 70], [64, 3, 1], [0, 33, 90]):
+            pb = paged(lens, P, spare_pages=ckv.shape[0] - sum(-(-n // P) for n in lens))
+            mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+            got, want = step(qn, qp, ckv, kpe), mla.run(qn, qp, ckv, kpe, return_lse=True)
+            torch.cuda.synchronize()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"compiled differs for {lens}"
+    assert counter.frame_count == 1
+    assert torch.ops.meld.decode_mla.default in {n.target for gm in counter.graphs for n in gm.graph.nodes}

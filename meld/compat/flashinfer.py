@@ -1,6 +1,7 @@
 """FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on `meld.DecodeAttention` (and, at the end, its
-`MultiLevelCascadeAttentionWrapper` for decode on `meld.CascadeDecode` and `mla.BatchMLAPagedAttentionWrapper`
-for decode on `meld.DecodeMLA`): an engine switches by changing one import,
+`MultiLevelCascadeAttentionWrapper` for decode on `meld.CascadeDecode`; its `mla.BatchMLAPagedAttentionWrapper`
+for decode on `meld.DecodeMLA` lives in `meld.compat.flashinfer_mla` and is re-exported here): an engine
+switches by changing one import,
 
     from meld.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
@@ -44,30 +45,20 @@ import warnings
 
 import torch
 
-from ..ops.checks import check_finite, check_output, check_positive, expect, is_int, plain, same_device
+from ..ops.checks import check_finite, check_positive, expect, is_int, plain, same_device
 from ..codegen.decode_kernel import MAX_Q_LEN, DecodeVariant
 from ..ops.decode_attention import FP8, FP8_NAMES, DecodeAttention, decode_variant
+from ._common import _LOG2E, _check_graph_buffers, _check_workspace, _dtype, _unsupported
+from .flashinfer_mla import BatchMLAPagedAttentionWrapper
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-           "MultiLevelCascadeAttentionWrapper", "fast_decode_plan", "single_decode_with_kv_cache"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
+           "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "MultiLevelCascadeAttentionWrapper", "fast_decode_plan",
+           "single_decode_with_kv_cache"]
 
-_LOG2E = 1.4426950408889634
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
 _POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 _HEAD_DIMS = (64, 128, 256)
 _DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _unsupported(option: str, value: object, why: str) -> NotImplementedError:
-    return NotImplementedError(f"meld.compat.flashinfer: {option}={value!r} is not supported: {why}")
-
-
-def _dtype(name: str, value: object) -> torch.dtype:
-    """FlashInfer's canonicalize_torch_dtype: a torch.dtype or its name in torch ('bfloat16')."""
-    dtype = getattr(torch, value, None) if isinstance(value, str) else value
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name} must be a torch.dtype or the name of one, got {value!r}")
-    return dtype
 
 
 def _variant(pos_encoding_mode: object, window_left: object, logits_soft_cap: object, rope_scale: object = None,
@@ -104,15 +95,6 @@ def _check_v_scale(v_scale: object, device: torch.device) -> None:
                              f"{tuple(v_scale.shape)}, dtype {v_scale.dtype} on {v_scale.device}")
     elif not isinstance(v_scale, numbers.Real):
         raise ValueError(f"v_scale must be a number, got {v_scale!r}")
-
-
-def _check_workspace(buf: object) -> None:
-    """FlashInfer's float workspace: a tensor on the device the wrapper runs on (meld holds it, never reads it)."""
-    if not isinstance(buf, torch.Tensor):
-        raise ValueError(f"float_workspace_buffer must be a torch.Tensor, got {type(buf).__name__}")
-    if buf.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"float_workspace_buffer must be on a CUDA device (or the CPU, for meld's CPU executor), "
-                         f"got {buf.device}")
 
 
 def _cache_names(message: str) -> str:
@@ -153,19 +135,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._use_tensor_cores = use_tensor_cores or backend in ("trtllm-gen", "cute-dsl")
         self._fixed_batch_size = 0
         if use_cuda_graph:
-            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
-                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
-                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
-                if not isinstance(buf, torch.Tensor):
-                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode, got {type(buf).__name__}")
-                expect(name, buf, torch.int32, (None,), "a 1-D int32 buffer", self.device, contiguous=True)
-            # plan() writes each buffer: none may share memory with another (or its elements with each other).
-            check_output("paged_kv_indptr_buffer", paged_kv_indptr_buffer, {})
-            check_output("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer,
-                         {"paged_kv_indptr_buffer": paged_kv_indptr_buffer})
-            check_output("paged_kv_indices_buffer", paged_kv_indices_buffer,
-                         {"paged_kv_indptr_buffer": paged_kv_indptr_buffer,
-                          "paged_kv_last_page_len_buffer": paged_kv_last_page_len_buffer})
+            _check_graph_buffers({"paged_kv_indptr_buffer": paged_kv_indptr_buffer,
+                                  "paged_kv_last_page_len_buffer": paged_kv_last_page_len_buffer,
+                                  "paged_kv_indices_buffer": paged_kv_indices_buffer}, self.device)
             self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
             if len(paged_kv_indptr_buffer) != self._fixed_batch_size + 1:
                 raise ValueError(f"paged_kv_indptr_buffer must have batch_size + 1 = {self._fixed_batch_size + 1} "
@@ -628,136 +600,6 @@ class MultiLevelCascadeAttentionWrapper:
 
     def end_forward(self) -> None:
         """FlashInfer's deprecated no-op."""
-
-
-_MLA_BACKENDS = ("auto", "fa2", "fa3", "cutlass")
-
-
-class BatchMLAPagedAttentionWrapper:
-    """FlashInfer's MLA paged attention (DeepSeek's absorbed form) for decode, on `meld.DecodeMLA`.
-
-    FlashInfer 0.6.18's constructor, plan() and run() (flashinfer/mla/_core.py), for the MLA meld computes: one
-    query row per request (qo_indptr = 0, 1, ..., B), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q and
-    cache. What else it takes raises NotImplementedError naming the argument. As FlashInfer's, lse is base 2
-    unless return_lse_base_on_e=True; the workspace is held and unused; the kernel choice (backend) is meld's;
-    kv_len and page_table (FlashInfer's cutlass backend's) are accepted and unused. With use_cuda_graph=True
-    the operator's capacities are the given buffers' (qo_indptr: the batch, kv_indices: the pages), so a
-    captured run() stays valid across plans that fit them. One operator per (num_heads, page_size, sm_scale)
-    is made on first plan() and kept, as the decode wrapper keeps its: a captured run() replays the operator
-    it was captured with, which must outlive the graph.
-
-    Example (FlashInfer's own; `flashinfer.mla.` becomes `meld.compat.flashinfer.`):
-        >>> wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-        >>> wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, 128, 512, 64, 64, False, sm_scale,
-        ...              torch.bfloat16, torch.bfloat16)
-        >>> out = wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache)
-    """
-
-    def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False,
-                 qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
-                 kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
-                 backend: str = "auto") -> None:
-        _check_workspace(float_workspace_buffer)
-        if not isinstance(use_cuda_graph, bool):
-            raise ValueError(f"use_cuda_graph must be True or False, got {use_cuda_graph!r}")
-        if backend not in _MLA_BACKENDS:
-            raise ValueError(f"backend must be one of {_MLA_BACKENDS}, got {backend!r}")
-        self._float_workspace_buffer = float_workspace_buffer
-        self.device = float_workspace_buffer.device
-        self._use_cuda_graph = use_cuda_graph
-        self._capacity: tuple[int, int] | None = None   # (batch, pages) of the cuda-graph buffers
-        if use_cuda_graph:
-            for name, buf in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                              ("kv_len_arr", kv_len_arr)):
-                expect(name, buf, torch.int32, (None,), "a 1-D int32 buffer (use_cuda_graph=True)", self.device)
-            if len(kv_indptr) != len(qo_indptr) or len(kv_len_arr) != len(qo_indptr) - 1:
-                raise ValueError(f"qo_indptr and kv_indptr must have batch_size + 1 entries and kv_len_arr batch_size, "
-                                 f"got {len(qo_indptr)}, {len(kv_indptr)} and {len(kv_len_arr)}")
-            self._capacity = (max(1, len(kv_len_arr)), max(1, len(kv_indices)))
-        self._ops: dict[tuple, object] = {}
-        self._op = None   # the meld.DecodeMLA of the last plan() that succeeded
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-             kv_len_arr: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int, page_size: int,
-             causal: bool, sm_scale: float, q_data_type: torch.dtype, kv_data_type: torch.dtype,
-             use_profiler: bool = False) -> None:
-        """Plan a decode batch: kv_len_arr gives each request's KV length (FlashInfer's MLA form), from which the
-        last page's fill follows. A plan() that raises changes nothing."""
-        from ..ops.decode_mla import DecodeMLA
-
-        if use_profiler is not False:
-            raise _unsupported("use_profiler", use_profiler, "meld's profiles come from MELD_PROFILE=1 (last_trace())")
-        if not isinstance(causal, bool):
-            raise ValueError(f"causal must be True or False, got {causal!r}")
-        for name, value in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
-            if _dtype(name, value) is not torch.bfloat16:
-                raise _unsupported(name, value, "meld's MLA kernel reads bfloat16 q and caches")
-        for name, value, want in (("head_dim_ckv", head_dim_ckv, 512), ("head_dim_kpe", head_dim_kpe, 64)):
-            if not is_int(value) or value != want:
-                raise _unsupported(name, value, "meld's MLA kernel is DeepSeek's: head_dim_ckv 512, head_dim_kpe 64")
-        num_heads, page_size = check_positive("num_heads", num_heads), check_positive("page_size", page_size)
-        sm_scale = float(check_finite("sm_scale", sm_scale))   # (the operator key: validated values only)
-        host = {}
-        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                        ("kv_len_arr", kv_len_arr)):
-            expect(name, t, torch.int32, (None,), "a 1-D int32 tensor")
-            if t.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
-            host[name] = plain(t).cpu()
-        key = (num_heads, page_size, sm_scale)
-        op = self._ops.get(key)
-        if op is None:   # (its constructor checks num_heads and page_size against the kernel's)
-            capacity = dict(zip(("max_batch_size", "max_num_pages"), self._capacity)) if self._capacity else {}
-            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, **capacity)
-        B = len(host["kv_len_arr"])
-        if len(host["qo_indptr"]) != B + 1 or len(host["kv_indptr"]) != B + 1:
-            raise ValueError(f"qo_indptr and kv_indptr must have len(kv_len_arr) + 1 = {B + 1} entries, got "
-                             f"{len(host['qo_indptr'])} and {len(host['kv_indptr'])}")
-        if not torch.equal(host["qo_indptr"], torch.arange(B + 1, dtype=torch.int32)):
-            raise _unsupported("qo_indptr", host["qo_indptr"].tolist()[:8],
-                               "meld decodes one query row per request (qo_indptr = 0, 1, ..., batch_size)")
-        pages = torch.diff(host["kv_indptr"].long())
-        lens = host["kv_len_arr"].long()
-        bad = ((pages > 0) & ((lens <= (pages - 1) * page_size) | (lens > pages * page_size))) | ((pages == 0) & (lens != 0))
-        if bool(bad.any()):
-            b = int(bad.nonzero()[0])
-            raise ValueError(f"kv_len_arr[{b}]={int(lens[b])} does not fit its {int(pages[b])} pages of {page_size} "
-                             f"tokens (kv_indptr)")
-        last = torch.where(pages > 0, lens - (pages - 1) * page_size, 1).to(torch.int32)
-        op.plan(host["kv_indptr"], host["kv_indices"], last)
-        self._ops[key] = self._op = op
-
-    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, return_lse: bool = False,
-            profiler_buffer: torch.Tensor | None = None, kv_len: torch.Tensor | None = None,
-            page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False, o_scale: float | None = None,
-            *, ckv_scale: float | None = None, ckv_scale_arr: torch.Tensor | None = None,
-            kpe_scale: float | None = None):
-        """out [B, num_heads, 512] (and lse [B, num_heads], base 2 unless return_lse_base_on_e) of the last plan."""
-        if self._op is None:
-            raise RuntimeError("BatchMLAPagedAttentionWrapper.run: call plan() first")
-        for name, value, why in (("profiler_buffer", profiler_buffer, "meld's profiles come from MELD_PROFILE=1"),
-                                 ("o_scale", o_scale, "meld writes a bfloat16 output"),
-                                 ("ckv_scale", ckv_scale, "meld's MLA cache is bfloat16 (no FP8 yet)"),
-                                 ("ckv_scale_arr", ckv_scale_arr, "meld's MLA cache is bfloat16 (no FP8 yet)"),
-                                 ("kpe_scale", kpe_scale, "meld's MLA cache is bfloat16 (no FP8 yet)")):
-            if value is not None:
-                raise _unsupported(name, value, why)
-        for name, flag in (("return_lse", return_lse), ("return_lse_base_on_e", return_lse_base_on_e)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        want_lse = return_lse or lse is not None
-        result = self._op.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=want_lse, out=out, lse=lse)
-        if not want_lse:
-            return result
-        o, l = result
-        if not return_lse_base_on_e:
-            plain(l).mul_(_LOG2E)   # FlashInfer's base 2
-        return (o, l) if return_lse else o
 
 
 def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, *args, **kwargs) -> None:

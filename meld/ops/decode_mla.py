@@ -31,6 +31,12 @@ def default_cost(block_tokens: int) -> DecodeCost:
                       tile_tokens=block_tokens, round_tokens=block_tokens, cluster_snap_tokens=0)
 
 
+def page_size_supported(page_size: int) -> bool:
+    """Whether the kernel's KV loads take pages of `page_size` tokens (a positive int): a page of 8, 16 or 32
+    tokens is one TMA box of a KV block, a multiple of 64 tokens whole blocks."""
+    return page_size in (8, 16, 32) or page_size % 64 == 0
+
+
 def _describe_unit(units_per_request: int, num_heads: int, unit: int) -> str:
     req, hb = divmod(unit, units_per_request)
     first = hb * MLA_HEADS_PER_UNIT
@@ -78,7 +84,7 @@ class DecodeMLA(PagedDecode):
                  max_num_pages: int | None = None, topology: Topology | None = None, cost: DecodeCost | None = None,
                  kernel_config: MlaKernelConfig | None = None):
         num_heads, page_size = check_positive("num_heads", num_heads), check_positive("page_size", page_size)
-        if page_size not in (8, 16, 32) and page_size % 64:
+        if not page_size_supported(page_size):
             raise ValueError(f"page_size must be 8, 16, 32 or a multiple of 64, got {page_size}")
         if (head_dim_ckv, head_dim_kpe) != (MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE) or not (
                 is_int(head_dim_ckv) and is_int(head_dim_kpe)):

@@ -1,5 +1,5 @@
 """Checks of a FlashInfer-layout page table (kv_indptr, kv_indices, kv_last_page_len) on the host, and the
-table a sliding window reads (`window_page_table`, torch ops on the table's device).
+table a sliding window reads (`window_page_table`, through `slice_pages`: torch ops on the table's device).
 
 The C helper (meld/runtime/host/stage_page_table.c) makes the same checks in one pass while it stages
 the table; both report a problem by the same codes, turned into one ValueError here. Offsets are int32
@@ -65,23 +65,33 @@ def window_page_table(indptr: torch.Tensor, indices: torch.Tensor, last: torch.T
     tokens (its last page, and so kv_last_page_len, stays), for a sliding window: the kernel then reads at most
     page_size - 1 keys before the window, which it masks, and the planner balances only the pages read.
 
-    Torch ops on kv_indices' device and no host synchronisation, so that a GPU table planned with check=False
-    stays free of one: kv_indices keeps its length, the entries past the new kv_indptr[-1] being copies (never
-    read). Expects a valid table (plan() checks the original first wherever it checks); on an invalid one it
-    still reads only within `indices`. Returns int32 tensors on kv_indices' device.
+    No host synchronisation (`slice_pages`), so that a GPU table planned with check=False stays free of one.
+    Expects a valid table (plan() checks the original first wherever it checks).
     """
     dev = indices.device
     ptr = indptr.to(dev, torch.int64)
     counts = (ptr[1:] - ptr[:-1]).clamp(min=0)
     lens = torch.where(counts > 0, (counts - 1) * page_size + last.to(dev, torch.int64), 0)
     skip = torch.minimum((lens - 1 - window_left).div(page_size, rounding_mode="floor").clamp(min=0), counts)
-    new_ptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(counts - skip, 0)])
+    return slice_pages(ptr, indices, skip, counts - skip)
+
+
+def slice_pages(indptr: torch.Tensor, indices: torch.Tensor, first: torch.Tensor,
+                count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page table of each request's own pages first .. first + count - 1 (first >= 0 and first + count
+    within the request's pages of `indptr`; int64, one entry a request): kv_indptr and kv_indices, by torch
+    ops on kv_indices' device with no host synchronisation. kv_indices keeps its length, the entries past the
+    new kv_indptr[-1] being copies (never read); on an invalid table it still reads only within `indices`.
+    Returns int32 tensors on kv_indices' device."""
+    dev = indices.device
+    ptr, first, count = (t.to(dev, torch.int64) for t in (indptr, first, count))
+    new_ptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(count, 0)])
     n = indices.numel()
-    if n == 0 or counts.numel() == 0:
+    if n == 0 or count.numel() == 0:
         return new_ptr.to(torch.int32), indices.contiguous()
     j = torch.arange(n, device=dev)
-    b = torch.searchsorted(new_ptr[1:], j, right=True).clamp(max=counts.numel() - 1)   # request of entry j
-    src = (ptr[b] + skip[b] + j - new_ptr[b]).clamp(0, n - 1)
+    b = torch.searchsorted(new_ptr[1:], j, right=True).clamp(max=count.numel() - 1)   # request of entry j
+    src = (ptr[b] + first[b] + j - new_ptr[b]).clamp(0, n - 1)
     return new_ptr.to(torch.int32), indices[src].contiguous()
 
 
