@@ -225,6 +225,12 @@ class PagedDecode(Operator):
         return self._buf.tables
 
     @property
+    def planned_group_size(self) -> int:
+        """Query rows per kv head of a planned request (the schedule's group_size): q heads per kv head, times
+        q_len where a unit's rows are (q head, token) pairs."""
+        return self.group_size * self.q_len // self.token_requests
+
+    @property
     def schedule(self) -> Schedule:
         """The `meld.ir.Schedule` of the last plan(), from the host build of the GPU planner (on a GPU: a
         copy of the tables the GPU planner wrote, computed when first asked for)."""
@@ -234,8 +240,8 @@ class PagedDecode(Operator):
             # (the lowering's planner: plan_decode_host, the host build of the GPU planner's source)
             self._schedule = self.lowering.planner(
                 _host(self._planned.indptr), _host(self._planned.last), self.page_size, self.num_kv_heads,
-                self.group_size * self.q_len // self.token_requests, self.topology, self.cost, self.heads_per_unit,
-                self._plan_clusters, self._chunk, self.token_requests)
+                self.planned_group_size, self.topology, self.cost, self.heads_per_unit, self._plan_clusters,
+                self._chunk, self.token_requests)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
