@@ -507,12 +507,12 @@ def test_cuda_graph_replay_across_replans_matches_flashinfer():
 
 
 # --- BatchMLAPagedAttentionWrapper (FlashInfer's MLA, decode) on meld.DecodeMLA ---------------------------------
-def _mla_batch(lens, page_size=16, heads=64, seed=0):
+def _mla_batch(lens, page_size=16, heads=64, seed=0, q_len=1):
     from meld.workloads import paged as paged_
 
     pb = paged_(lens, page_size)
     g = torch.Generator().manual_seed(seed)
-    qn, qp = ((torch.randn(len(lens), heads, d, generator=g) / 3 ** 0.5).bfloat16() for d in (512, 64))
+    qn, qp = ((torch.randn(len(lens) * q_len, heads, d, generator=g) / 3 ** 0.5).bfloat16() for d in (512, 64))
     ckv, kpe = (torch.randn(pb.num_pages, page_size, d, generator=g).bfloat16() for d in (512, 64))
     return pb, torch.tensor(lens, dtype=torch.int32), qn, qp, ckv, kpe
 
@@ -534,6 +534,29 @@ def test_mla_wrapper_matches_float64_with_flashinfers_lse_base():
     torch.testing.assert_close(lse2.double(), want_l * (1 / math.log(2)), rtol=1e-5, atol=1e-5)
     buf = torch.full_like(qn, float("nan"))
     assert w.run(qn, qp, ckv, kpe, out=buf) is buf and torch.equal(buf, out)
+
+
+def test_mla_wrapper_decodes_several_causal_rows_per_request():
+    """qo_indptr = 0, 2, 4, ... with causal=True: DecodeMLA(q_len=2), FlashInfer's causal mask; without causal, or
+    with rows that differ per request, NotImplementedError naming the argument."""
+    from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
+    from meld.runtime.reference import mla_reference
+
+    lens, scale = [5, 2, 70, 33], 192 ** -0.5
+    pb, kv_len, qn, qp, ckv, kpe = _mla_batch(lens, q_len=2)
+    w = BatchMLAPagedAttentionWrapper(torch.empty(16, dtype=torch.uint8))
+    qo = 2 * torch.arange(5, dtype=torch.int32)
+    args = [qo, pb.kv_indptr, pb.kv_indices, kv_len, 64, 512, 64, 16, True, scale, torch.bfloat16, torch.bfloat16]
+    w.plan(*args)
+    out, lse = w.run(qn, qp, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+    want_o, want_l = mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, scale, 2)
+    torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), want_l, rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="causal=False"):
+        w.plan(*args[:8], False, *args[9:])
+    with pytest.raises(NotImplementedError, match="qo_indptr"):
+        w.plan(torch.tensor([0, 2, 4, 6, 9], dtype=torch.int32), *args[1:])
+    assert torch.equal(w.run(qn, qp, ckv, kpe), out), "a plan() that raised changed the plan"
 
 
 @pytest.mark.parametrize("where,kw,err,match", [
@@ -597,6 +620,35 @@ def test_mla_wrapper_matches_flashinfers_mla(lens):
     for got in (o, fi_o):
         assert ((got[rows].double() - ref[rows]).norm() / ref[rows].norm()).item() < 1e-2
     assert (l[rows] - fi_l[rows]).abs().max().item() < 1e-2, "lse must be FlashInfer's (base 2)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_mla_wrapper_matches_flashinfers_mla_with_several_rows_per_request(q_len):
+    """qo_indptr of q_len rows per request with causal=True, meld's wrapper and FlashInfer's own (fa2): out and
+    base-2 lse against each other and the float64 causal reference."""
+    flashinfer = _flashinfer()
+    import flashinfer.mla   # noqa: F401
+    from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
+    from meld.runtime.reference import mla_reference
+
+    lens = [q_len, 900, 4000, 65, 2049]
+    pb, kv_len, qn, qp, ckv, kpe = _mla_batch(lens, page_size=64, heads=128, q_len=q_len)
+    qn, qp, ckv, kpe = (t.cuda() for t in (qn, qp, ckv, kpe))
+    scale, B = 192 ** -0.5, len(lens)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    args = (q_len * torch.arange(B + 1, dtype=torch.int32).cuda(), pb.kv_indptr.cuda(), pb.kv_indices.cuda(),
+            kv_len.cuda(), 128, 512, 64, 64, True, scale, torch.bfloat16, torch.bfloat16)
+    outs = []
+    for w in (flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa2"), BatchMLAPagedAttentionWrapper(ws)):
+        w.plan(*args)
+        outs.append(w.run(qn, qp, ckv, kpe, return_lse=True))
+    (fi_o, fi_l), (o, l) = outs
+    ref, _ = mla_reference(qn, qp, ckv, kpe, pb.kv_indptr.cuda(), pb.kv_indices.cuda(), pb.kv_last_page_len.cuda(),
+                           scale, q_len)
+    for got in (o, fi_o):
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert (l - fi_l).abs().max().item() < 1e-2, "lse must be FlashInfer's (base 2)"
 
 
 @pytest.mark.gpu

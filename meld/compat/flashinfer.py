@@ -637,12 +637,13 @@ class BatchMLAPagedAttentionWrapper:
     """FlashInfer's MLA paged attention (DeepSeek's absorbed form) for decode, on `meld.DecodeMLA`.
 
     FlashInfer 0.6.18's constructor, plan() and run() (flashinfer/mla/_core.py), for the MLA meld computes: one
-    query row per request (qo_indptr = 0, 1, ..., B), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q and
-    cache. What else it takes raises NotImplementedError naming the argument. As FlashInfer's, lse is base 2
+    query row per request (qo_indptr = 0, 1, ..., B), or n = 2 to 8 with causal=True (qo_indptr = 0, n, 2n, ...:
+    multi-token decode, `DecodeMLA(q_len=n)`; FlashInfer's causal mask, token j of a request of kv_len keys seeing
+    keys 0 .. kv_len - n + j), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q and cache. What else it takes raises NotImplementedError naming the argument. As FlashInfer's, lse is base 2
     unless return_lse_base_on_e=True; the workspace is held and unused; the kernel choice (backend) is meld's;
     kv_len and page_table (FlashInfer's cutlass backend's) are accepted and unused. With use_cuda_graph=True
     the operator's capacities are the given buffers' (qo_indptr: the batch, kv_indices: the pages), so a
-    captured run() stays valid across plans that fit them. One operator per (num_heads, page_size, sm_scale)
+    captured run() stays valid across plans that fit them. One operator per (num_heads, page_size, sm_scale, n)
     is made on first plan() and kept, as the decode wrapper keeps its: a captured run() replays the operator
     it was captured with, which must outlive the graph.
 
@@ -708,18 +709,25 @@ class BatchMLAPagedAttentionWrapper:
             if t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name} must be on the CPU or a CUDA device, got {t.device}")
             host[name] = plain(t).cpu()
-        key = (num_heads, page_size, sm_scale)
-        op = self._ops.get(key)
-        if op is None:   # (its constructor checks num_heads and page_size against the kernel's)
-            capacity = dict(zip(("max_batch_size", "max_num_pages"), self._capacity)) if self._capacity else {}
-            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, **capacity)
         B = len(host["kv_len_arr"])
         if len(host["qo_indptr"]) != B + 1 or len(host["kv_indptr"]) != B + 1:
             raise ValueError(f"qo_indptr and kv_indptr must have len(kv_len_arr) + 1 = {B + 1} entries, got "
                              f"{len(host['qo_indptr'])} and {len(host['kv_indptr'])}")
-        if not torch.equal(host["qo_indptr"], torch.arange(B + 1, dtype=torch.int32)):
+        q_len = int(host["qo_indptr"][1] - host["qo_indptr"][0]) if B else 1
+        if not 1 <= q_len <= MAX_Q_LEN or not torch.equal(host["qo_indptr"],
+                                                         q_len * torch.arange(B + 1, dtype=torch.int32)):
             raise _unsupported("qo_indptr", host["qo_indptr"].tolist()[:8],
-                               "meld decodes one query row per request (qo_indptr = 0, 1, ..., batch_size)")
+                               f"meld decodes the same 1 to {MAX_Q_LEN} query rows per request (qo_indptr = 0, n, "
+                               "2n, ..., batch_size * n)")
+        if q_len > 1 and not causal:
+            raise _unsupported("causal", causal, f"meld decodes {q_len} query rows per request causally (its new "
+                               "tokens: causal=True)")
+        key = (num_heads, page_size, sm_scale, q_len)
+        op = self._ops.get(key)
+        if op is None:   # (its constructor checks num_heads and page_size against the kernel's)
+            capacity = dict(zip(("max_batch_size", "max_num_pages"), self._capacity)) if self._capacity else {}
+            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, q_len=q_len,
+                           **capacity)
         pages = torch.diff(host["kv_indptr"].long())
         lens = host["kv_len_arr"].long()
         bad = ((pages > 0) & ((lens <= (pages - 1) * page_size) | (lens > pages * page_size))) | ((pages == 0) & (lens != 0))
@@ -737,7 +745,8 @@ class BatchMLAPagedAttentionWrapper:
             page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False, o_scale: float | None = None,
             *, ckv_scale: float | None = None, ckv_scale_arr: torch.Tensor | None = None,
             kpe_scale: float | None = None):
-        """out [B, num_heads, 512] (and lse [B, num_heads], base 2 unless return_lse_base_on_e) of the last plan."""
+        """out [B * n, num_heads, 512] (and lse [B * n, num_heads], base 2 unless return_lse_base_on_e) of the last
+        plan (n: its query rows per request)."""
         if self._op is None:
             raise RuntimeError("BatchMLAPagedAttentionWrapper.run: call plan() first")
         for name, value, why in (("profiler_buffer", profiler_buffer, "meld's profiles come from MELD_PROFILE=1"),
