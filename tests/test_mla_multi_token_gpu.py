@@ -43,9 +43,11 @@ def _inputs(lens, q_len, seed=0, device="cuda"):
 
 @functools.lru_cache(maxsize=8)
 def _reference(lens: tuple, q_len: int, seed: int = 0):
-    """float64 (out, lse) of _inputs(lens, q_len, seed), causal among each request's new tokens."""
-    pb, qn, qp, ckv, kpe = _inputs(list(lens), q_len, seed, device="cpu")
-    return mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, SCALE, q_len)
+    """float64 (out, lse) on the host of _inputs(lens, q_len, seed), causal among each request's new tokens (computed
+    on the GPU: the same values, q_len times decode's FLOPs)."""
+    pb, qn, qp, ckv, kpe = _inputs(list(lens), q_len, seed)
+    out, lse = mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, SCALE, q_len)
+    return out.cpu(), lse.cpu()
 
 
 def _assert_close(out, lse, lens, q_len, seed=0):

@@ -87,6 +87,7 @@ class DecodeMLA(PagedDecode):
         >>> mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5)
         >>> mla.plan(kv_indptr, kv_indices, kv_last_page_len)
         >>> out, lse = mla.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True)
+        >>> mtp = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5, q_len=2)   # q_nope [B * 2, ...]
     """
 
     def __init__(self, num_heads: int, page_size: int, dtype: torch.dtype = torch.bfloat16,
