@@ -639,13 +639,13 @@ class BatchMLAPagedAttentionWrapper:
     FlashInfer 0.6.18's constructor, plan() and run() (flashinfer/mla/_core.py), for the MLA meld computes: one
     query row per request (qo_indptr = 0, 1, ..., B), or n = 2 to 8 with causal=True (qo_indptr = 0, n, 2n, ...:
     multi-token decode, `DecodeMLA(q_len=n)`; FlashInfer's causal mask, token j of a request of kv_len keys seeing
-    keys 0 .. kv_len - n + j), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q and cache. What else it takes raises NotImplementedError naming the argument. As FlashInfer's, lse is base 2
-    unless return_lse_base_on_e=True; the workspace is held and unused; the kernel choice (backend) is meld's;
-    kv_len and page_table (FlashInfer's cutlass backend's) are accepted and unused. With use_cuda_graph=True
-    the operator's capacities are the given buffers' (qo_indptr: the batch, kv_indices: the pages), so a
-    captured run() stays valid across plans that fit them. One operator per (num_heads, page_size, sm_scale, n)
-    is made on first plan() and kept, as the decode wrapper keeps its: a captured run() replays the operator
-    it was captured with, which must outlive the graph.
+    keys 0 .. kv_len - n + j), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q and cache. What else it takes
+    raises NotImplementedError naming the argument. As FlashInfer's, lse is base 2 unless return_lse_base_on_e=True;
+    the workspace is held and unused; the kernel choice (backend) is meld's; kv_len and page_table (FlashInfer's
+    cutlass backend's) are accepted and unused. With use_cuda_graph=True the operator's capacities are the given
+    buffers' (qo_indptr: the batch, kv_indices: the pages), so a captured run() stays valid across plans that fit
+    them. One operator per (num_heads, page_size, sm_scale, n) is made on first plan() and kept, as the decode
+    wrapper keeps its: a captured run() replays the operator it was captured with, which must outlive the graph.
 
     Example (FlashInfer's own; `flashinfer.mla.` becomes `meld.compat.flashinfer.`):
         >>> wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
