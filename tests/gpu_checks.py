@@ -14,7 +14,7 @@ def assert_gpu_plan_matches_host(attn):
     """The GPU planner wrote exactly the tables of the host planner (`schedule`: the same source run as one
     thread), and those are the NumPy oracle's (meld.scheduler.plan_decode)."""
     s = attn.schedule.validate()
-    oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.group_size * attn.q_len, attn.topology,
+    oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.planned_group_size, attn.topology,
                          attn.cost, attn.heads_per_unit, attn._plan_clusters, attn._chunk)
     assert np.array_equal(oracle.cta, s.cta) and oracle.meta == s.meta, "host planner and NumPy oracle disagree"
     t = attn.tables

@@ -58,3 +58,30 @@ def test_summary_line_gives_both_peers_ratios():
             {"case": "B=128 b", "speedup": 1.4, "vs_flashmla": None, "pct_read": 30.0, "pct_mma": 45.0}]
     line = summary_line(rows, [])
     assert "meld vs best FlashInfer over 2 cases" in line and "meld vs FlashMLA over 1 cases: geomean 0.70x" in line
+
+
+def test_q_len_cases_sizes_and_peers(capsys):
+    """--q-len N: N query rows per request, FLOPs over the keys each new token sees, FlashInfer left out."""
+    assert mla.main(["--dry-run", "--q-len", "2", "--batches", "16", "--dists", "uniform2k"]) == 0
+    out = capsys.readouterr().out
+    assert "2 new tokens per request" in out and "meld, flashmla" in out and "fi-fa2" not in out
+    t = mla.page_table([2048, 100])
+    assert mla.flops(t, 2) == (2047 + 2048 + 99 + 100) * 128 * (576 + 512) * 2
+    inp = mla.make_inputs(mla.Case(2, "skewed", 2), device="cpu")
+    assert inp.q_nope.shape == (4, 128, 512) and inp.q_pe.shape == (4, 128, 64) and inp.case.name == "B=2 skewed q2"
+    out, lse = mla.reference(inp)
+    assert out.shape == (4, 128, 512) and lse.shape == (4, 128)
+    assert mla.skip_reason("fi-fa3", 2) == "fi-fa3 runs q_len 1 only in this benchmark (got --q-len 2)"
+
+
+def test_summary_line_gives_tflops_against_the_matmul_ceiling():
+    from bench.mla import summary_line
+
+    rows = [{"case": "B=16 a q2", "vs_flashmla": 0.9, "pct_read": 20.0, "meld_tflops": 300.0, "pct_mma": 40.0,
+             "flashmla_tflops": 400.0, "pct_mma_flashmla": 52.0},
+            {"case": "B=64 b q2", "vs_flashmla": 1.1, "pct_read": 30.0, "meld_tflops": 500.0, "pct_mma": 65.0,
+             "flashmla_tflops": 450.0, "pct_mma_flashmla": 58.0}]
+    line = summary_line(rows, [])
+    assert "no meld-vs-FlashInfer ratio measured; meld vs FlashMLA over 2 cases" in line
+    assert "meld peaks at 500 TFLOP/s, 65% of the bf16 matmul ceiling (B=64 b q2)" in line
+    assert "FlashMLA peaks at 450 TFLOP/s, 58% of the bf16 matmul ceiling (B=64 b q2)" in line

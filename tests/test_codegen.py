@@ -89,10 +89,13 @@ def test_kernel_compiles_with_nvrtc(cfg):
     assert c.cubin[:4] == b"\x7fELF" and c.compiler.startswith("nvrtc")
 
 
+@pytest.mark.parametrize("token_requests", [False, True])
 @pytest.mark.parametrize("compiler", ["nvcc", "nvrtc"])
-def test_planner_compiles(compiler):
-    """The GPU planner, with both compilers: NVRTC (what run time uses) rejects some C++ nvcc accepts."""
-    pc = DecodePlanKernelConfig()
+def test_planner_compiles(compiler, token_requests):
+    """The GPU planner, with both compilers: NVRTC (what run time uses) rejects some C++ nvcc accepts; and its
+    build for DecodeMLA's multi-token decode."""
+    pc = DecodePlanKernelConfig(token_requests=token_requests)
+    assert pc.name == "meld_decode_plan_t1024" + ("_tokens" if token_requests else "")
     if compiler == "nvcc":
         if shutil.which("nvcc") is None:
             pytest.skip("nvcc is not on PATH")

@@ -20,7 +20,7 @@ SCALE = 192 ** -0.5
 BF16 = torch.bfloat16
 
 
-def _tables(lens, P, extra=(), num_pages=None, seed=0, device="cpu"):
+def _tables(lens, P, extra=(), num_pages=None, seed=0, device="cpu", q_len=1):
     """plan()'s four tables in FlashInfer's MLA layout: request b's kv_len_arr[b] = lens[b] tokens on its first
     ceil(lens[b] / P) pages, then extra[b] pages it never reads, page indices drawn from num_pages (default: the
     pages used and 3 more)."""
@@ -30,7 +30,7 @@ def _tables(lens, P, extra=(), num_pages=None, seed=0, device="cpu"):
     indptr = torch.tensor([0] + pages, dtype=torch.int64).cumsum(0).to(torch.int32)
     nnz = int(indptr[-1])
     indices = torch.randperm(nnz + 3 if num_pages is None else num_pages, generator=g)[:nnz].to(torch.int32)
-    tables = (torch.arange(len(lens) + 1, dtype=torch.int32), indptr, indices, torch.tensor(lens, dtype=torch.int32))
+    tables = (q_len * torch.arange(len(lens) + 1, dtype=torch.int32), indptr, indices, torch.tensor(lens, dtype=torch.int32))
     return tuple(t.to(device) for t in tables)
 
 
@@ -42,25 +42,28 @@ def _inputs(B, H, P, num_pages, seed=0, device="cpu"):
     return tuple(t.to(device) for t in (qn, qp, ckv, kpe))
 
 
-def _batch(lens, P, H, extra=(), seed=0, device="cpu"):
-    """_tables and _inputs of one batch, its cache just large enough."""
-    tables = _tables(lens, P, extra, seed=seed, device=device)
-    return tables, _inputs(len(lens), H, P, len(tables[2]) + 3, seed, device)
+def _batch(lens, P, H, extra=(), seed=0, device="cpu", q_len=1):
+    """_tables and _inputs of one batch (q_len query rows a request), its cache just large enough."""
+    tables = _tables(lens, P, extra, seed=seed, device=device, q_len=q_len)
+    return tables, _inputs(len(lens) * q_len, H, P, len(tables[2]) + 3, seed, device)
 
 
 def _reference(tables, inputs, scale=SCALE):
-    """float64 MLA decode in FlashInfer's terms: request b attends to the first kv_len_arr[b] rows of its pages
-    (keys [ckv, kpe], values ckv). Returns (out, natural-log lse); an empty request gives zeros and -inf."""
-    _, indptr, indices, lens = (t.cpu() for t in tables)
+    """float64 MLA decode in FlashInfer's terms: row j of request b's n (qo_indptr's step) attends to the first
+    kv_len_arr[b] - n + 1 + j rows of its pages (keys [ckv, kpe], values ckv; FlashInfer's causal mask). Returns
+    (out, natural-log lse); an empty request gives zeros and -inf."""
+    qo, indptr, indices, lens = (t.cpu() for t in tables)
     qn, qp, ckv, kpe = (t.cpu() for t in inputs)
-    B, H, _ = qn.shape
-    out, lse = torch.zeros(B, H, 512, dtype=torch.float64), torch.full((B, H), -math.inf, dtype=torch.float64)
-    for b in range(B):
-        pages, n = indices[indptr[b]:indptr[b + 1]].long(), int(lens[b])
+    R, H, _ = qn.shape
+    q_len = int(qo[1] - qo[0]) if len(qo) > 1 else 1
+    out, lse = torch.zeros(R, H, 512, dtype=torch.float64), torch.full((R, H), -math.inf, dtype=torch.float64)
+    for row in range(R):
+        b, j = divmod(row, q_len)
+        pages, n = indices[indptr[b]:indptr[b + 1]].long(), int(lens[b]) - q_len + 1 + j if int(lens[b]) else 0
         if n:
             c, r = ckv[pages].reshape(-1, 512)[:n].double(), kpe[pages].reshape(-1, 64)[:n].double()
-            s = (qn[b].double() @ c.T + qp[b].double() @ r.T) * scale
-            lse[b], out[b] = torch.logsumexp(s, -1), torch.softmax(s, -1) @ c
+            s = (qn[row].double() @ c.T + qp[row].double() @ r.T) * scale
+            lse[row], out[row] = torch.logsumexp(s, -1), torch.softmax(s, -1) @ c
     return out, lse
 
 
@@ -293,6 +296,22 @@ def test_run_compiles_fullgraph_to_meld_op():
     assert torch.ops.meld.decode_mla.default in {n.target for gm in counter.graphs for n in gm.graph.nodes}
 
 
+def test_several_causal_rows_per_request_match_float64():
+    """qo_indptr = 0, 2, 4, ... with causal=True: DecodeMLA(q_len=2) under FlashInfer's causal mask (a request
+    with as many keys as rows among them); without causal, or with rows that differ per request,
+    NotImplementedError naming the argument, and the plan stays."""
+    tables, inputs = _batch([5, 2, 70, 33], 16, 64, q_len=2)
+    w = _wrapper()
+    w.plan(**_plan_args(tables, 64, 16, causal=True))
+    out, lse = w.run(*inputs, return_lse=True)
+    _assert_close(out, lse, *_reference(tables, inputs))
+    with pytest.raises(NotImplementedError, match="causal=False"):
+        w.plan(**_plan_args(tables, 64, 16, causal=False))
+    with pytest.raises(NotImplementedError, match="qo_indptr"):
+        w.plan(**_plan_args(tables, 64, 16, causal=True, qo_indptr=torch.tensor([0, 2, 4, 6, 9], dtype=torch.int32)))
+    assert torch.equal(w.run(*inputs), out), "a plan() that raised changed the plan"
+
+
 # --- GPU --------------------------------------------------------------------------------------------------------
 def _flashinfer_mla():
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")   # its JIT then builds for the H200 alone
@@ -430,3 +449,27 @@ def test_gpu_opcheck_decode_mla():
     qn = inputs[0]
     torch.library.opcheck(torch.ops.meld.decode_mla.default,
                           (*inputs, torch.empty_like(qn), torch.empty(3, 128, device="cuda"), w._op.handle))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [2, 4])
+def test_gpu_matches_flashinfer_with_several_rows_per_request(q_len):
+    """q_len causal rows per request (qo_indptr = 0, q_len, ...), meld's wrapper and FlashInfer's own (fa2), meld's
+    outputs poisoned first: both against the float64 causal reference, meld's lse against FlashInfer's."""
+    fi_mla = _flashinfer_mla()
+    lens = [q_len, 900, 4000, 65, 2049]
+    tables, inputs = _batch(lens, 64, 128, device="cuda", q_len=q_len)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    fi, ours = fi_mla.BatchMLAPagedAttentionWrapper(ws, backend="fa2"), BatchMLAPagedAttentionWrapper(ws)
+    for w in (fi, ours):
+        w.plan(*_plan_args(tables, 128, 64, causal=True).values())
+    fi_out, fi_lse = fi.run(*inputs, return_lse=True)
+    R = len(lens) * q_len
+    out = torch.full((R, 128, 512), math.nan, dtype=BF16, device="cuda")
+    lse = torch.full((R, 128), math.nan, device="cuda")
+    ours.run(*inputs, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    ref = _reference(tables, inputs)
+    _assert_close(out, lse, *ref)
+    _assert_close(fi_out, fi_lse, *ref)
+    assert (lse - fi_lse).abs().max().item() < 1e-2, "lse must be FlashInfer's (base 2)"

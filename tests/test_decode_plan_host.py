@@ -82,6 +82,25 @@ def test_equals_the_oracle_on_large_batches_and_grids(ctas):
         _assert_equal(lens.tolist(), 16, 8, 4, 8, Topology(ctas), DecodeCost(), [], chunk)
 
 
+@settings(max_examples=200, deadline=None)
+@given(lens=length_lists, n=st.integers(1, 8), page_size=st.sampled_from([1, 16, 64]), ctas=st.integers(1, 300),
+       cost=costs, chunked=st.booleans(), clustered=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
+def test_token_requests_plan_each_new_token_as_a_request(lens, n, page_size, ctas, cost, chunked, clustered, seed):
+    """token_requests n (DecodeMLA's multi-token decode): request b's new token t planned as the oracle plans a
+    request b * n + t of b's pages whose keys end n - 1 - t before b's (none when it has fewer)."""
+    indptr, last = _page_table(lens, page_size, np.random.default_rng(seed))
+    topo = Topology.h200() if clustered else Topology(ctas)
+    mix = topo.cluster_mix(4) if clustered else []
+    chunk = cost.invariant_chunk_tokens if chunked else 0
+    expanded = np.maximum(0, np.repeat(np.asarray(lens, dtype=np.int64), n) - np.tile(np.arange(n - 1, -1, -1), len(lens)))
+    oracle = plan_decode(expanded, np.repeat(indptr[:-1], n), 1, 64, topo, cost, 64, mix, chunk)
+    host = plan_decode_host(indptr, last, page_size, 1, 64, topo, cost, 64, mix, chunk, token_requests=n)
+    assert np.array_equal(host.cta, oracle.cta), "CTA tables differ"
+    assert np.array_equal(host.kv_len, oracle.kv_len) and np.array_equal(host.page_base, oracle.page_base)
+    assert host.meta == oracle.meta
+    host.validate()
+
+
 def test_concurrent_plans_keep_their_own_scratch():
     """Each host thread runs the planner as its own block (thread_local shared memory)."""
     batches = [np.random.default_rng(i).integers(0, 40000, size=200).tolist() for i in range(16)]

@@ -191,3 +191,83 @@ def test_bad_run_inputs_name_the_argument():
 def test_graph_lowers_to_the_mla_family():
     mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
     assert mla.lowering.family == "mla_decode" and mla.lowering.combiner == "online_softmax"
+
+
+# --- multi-token decode (q_len new tokens per request) ------------------------------------------------------------
+_TOPO = meld.scheduler.Topology(16)   # (a small grid: split units and merges at lengths the executor runs quickly)
+
+
+def _mtp(lens, q_len, H=64, P=16, seed=0):
+    """A batch whose q_nope and q_pe hold q_len rows per request, and its operator planned."""
+    pb, _, _, ckv, kpe = _inputs(lens, H, P, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    qn = (torch.randn(len(lens) * q_len, H, 512, generator=g) / 3 ** 0.5).bfloat16()
+    qp = (torch.randn(len(lens) * q_len, H, 64, generator=g) / 3 ** 0.5).bfloat16()
+    mla = meld.DecodeMLA(H, P, torch.bfloat16, "cpu", sm_scale=SCALE, q_len=q_len, topology=_TOPO)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    return mla, pb, qn, qp, ckv, kpe
+
+
+@pytest.mark.parametrize("q_len,H,P", [(2, 64, 16), (4, 100, 64), (8, 16, 8)])
+def test_multi_token_matches_the_causal_float64_reference(q_len, H, P):
+    """Poisoned outputs all written, split units merged, each new token masked at its own position: lengths off the
+    64-token blocks, a request of exactly q_len tokens (its first token sees key 0 alone)."""
+    lens = [1500, q_len, 77, 130, 900]
+    mla, pb, qn, qp, ckv, kpe = _mtp(lens, q_len, H, P)
+    s = mla.schedule.validate()
+    assert (s.items()["slot"] >= 0).any(), "the test must exercise split units and merges"
+    assert np.array_equal(s.kv_len, [n - q_len + 1 + t for n in lens for t in range(q_len)])
+    out = torch.full_like(qn, float("nan"))
+    lse = torch.full(qn.shape[:2], float("nan"))
+    mla.run(qn, qp, ckv, kpe, out=out, lse=lse)
+    ref, ref_lse = mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, SCALE, q_len)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-5
+    # the mask matters: without it every token would equal the last one's (plain decode over all keys)
+    last = slice(q_len - 1, None, q_len)
+    flat, _ = mla_reference(qn[last], qp[last], ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, SCALE)
+    assert ((out[last].double() - flat).norm() / flat.norm()).item() < 1e-2
+    assert (out[0::q_len].double() - flat).norm() / flat.norm() > 1e-1
+
+
+def test_multi_token_nan_in_one_q_row_reaches_that_row_only():
+    lens, q_len = [300, 4, 1000], 4
+    mla, pb, qn, qp, ckv, kpe = _mtp(lens, q_len)
+    qp[1 * q_len + 2, 5, 3] = float("nan")   # request 1, new token 2, q head 5
+    out, lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
+    bad = torch.zeros(len(lens) * q_len, 64, dtype=torch.bool)
+    bad[1 * q_len + 2, 5] = True
+    assert torch.equal(out.isnan().all(-1), bad) and torch.equal(out.isnan().any(-1), bad)
+    assert torch.equal(lse.isnan(), bad)
+
+
+def test_multi_token_units_and_their_names():
+    mla, *_ = _mtp([5, 70], 2, H=100, P=64)
+    assert mla.schedule.num_units == 2 * 2 * 2 and mla.shape_bucket == "H100/C512/R64/P64/q2"
+    assert mla.describe_unit(3) == "request 0, new token 1 of 2, q heads 64-99"
+    assert mla.describe_unit(4) == "request 1, new token 0 of 2, q heads 0-63"
+    assert "units 0-7" in mla.describe_unit(8)
+
+
+@pytest.mark.parametrize("q_len", [0, 9, 2.0, True])
+def test_multi_token_bad_q_len(q_len):
+    with pytest.raises(ValueError, match=f"q_len must be an int from 1 to 8 .*got {q_len!r}"):
+        meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE, q_len=q_len)
+
+
+def test_multi_token_bad_plan_and_run_name_the_argument_and_change_nothing():
+    mla, pb, qn, qp, ckv, kpe = _mtp([40, 300], 4)
+    before = mla.run(qn, qp, ckv, kpe)
+    short = paged([40, 3], 16)
+    with pytest.raises(ValueError, match=r"kv_indptr and kv_last_page_len give request 1 3 KV tokens, fewer than "
+                                         r"q_len=4: .*empty KV range"):
+        mla.plan(short.kv_indptr, short.kv_indices, short.kv_last_page_len)
+    assert torch.equal(mla.run(qn, qp, ckv, kpe), before), "a plan() that raised changed the plan"
+    with pytest.raises(ValueError, match=r"q_nope must have shape \(8, 64, 512\) \(batch of the last plan\(\) x "
+                                         r"q_len=4, num_heads, head_dim_ckv\)"):
+        mla.run(qn[:2], qp, ckv, kpe)
+    with pytest.raises(ValueError, match=r"q_pe must have shape \(8, 64, 64\)"):
+        mla.run(qn, qp[:2], ckv, kpe)
+    with pytest.raises(ValueError, match=r"lse must have shape \(8, 64\) \(batch \* q_len \(q_len=4\)"):
+        mla.run(qn, qp, ckv, kpe, lse=torch.empty(2, 64))

@@ -235,12 +235,12 @@ def test_gpu_cuda_graph_replays_after_replans():
 
 
 # --- DecodeMLA ----------------------------------------------------------------------------------------------
-def mla_inputs(lens, device="cpu"):
-    mla = meld.DecodeMLA(64, P, BF16, device, sm_scale=192 ** -0.5)
+def mla_inputs(lens, device="cpu", q_len=1):
+    mla = meld.DecodeMLA(64, P, BF16, device, sm_scale=192 ** -0.5, q_len=q_len)
     pb = paged(lens, P)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     g = torch.Generator().manual_seed(3)
-    qn, qp = (torch.randn(len(lens), 64, d, generator=g).to(BF16).to(device) for d in (512, 64))
+    qn, qp = (torch.randn(len(lens) * q_len, 64, d, generator=g).to(BF16).to(device) for d in (512, 64))
     ckv, kpe = (torch.randn(pb.num_pages, P, d, generator=g).to(BF16).to(device) for d in (512, 64))
     return mla, qn, qp, ckv, kpe
 
@@ -251,6 +251,18 @@ def test_opcheck_decode_mla(with_lse, grad):
     lse = torch.empty(4, 64) if with_lse else None
     torch.library.opcheck(torch.ops.meld.decode_mla.default,
                           (qn.requires_grad_(grad), qp, ckv, kpe, torch.empty_like(qn), lse, mla.handle))
+
+
+def test_decode_mla_op_with_q_len():
+    """Multi-token decode through the op: q_len rows per request, opcheck and a compiled run equal to eager."""
+    mla, qn, qp, ckv, kpe = mla_inputs([5, 40, 2, 17], q_len=2)
+    torch.library.opcheck(torch.ops.meld.decode_mla.default,
+                          (qn, qp, ckv, kpe, torch.empty_like(qn), torch.empty(8, 64), mla.handle))
+    want, want_lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
+    step = torch.compile(lambda *a: mla.run(*a, return_lse=True), fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got, got_lse = step(qn, qp, ckv, kpe)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse) and got.shape == (8, 64, 512)
 
 
 def test_decode_mla_compiles_to_one_op_and_matches_eager():

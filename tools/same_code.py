@@ -63,6 +63,7 @@ VARIANTS = {
                              "kv_dtype='float8_e4m3fn', variant=DecodeVariant(30.0, 1000)), tma=True)",
     "decode-rope-d64-fp16": "DecodeKernelConfig.default('float16', 64, variant=DecodeVariant(rope_theta=1e4))",
     "decode-plan": "DecodePlanKernelConfig()",
+    "decode-plan-tokens": "DecodePlanKernelConfig(token_requests=True)",
     "mla": "MlaKernelConfig()",
     "mla-32-profile": "MlaKernelConfig(block_tokens=32, profile=True)",
     "mla-seesaw": "MlaKernelConfig(schedule='seesaw')",

@@ -246,6 +246,7 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("cluster_snap", "i32"),
     Field("chunk", "i32"),                        # > 0: a batch-invariant plan on chunks of this many tokens
     Field("done_seq", "i32"),
+    Field("token_requests", "i32"),               # planners built with PLAN_TOKEN_REQUESTS: requests per request
 ])
 
 # The grouped-attention planner (templates/split_reduce_plan.h): the work items' groups, producer after

@@ -4,8 +4,8 @@ decode on `meld.DecodeMLA`; `meld.compat.flashinfer` re-exports it, so an engine
     from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
 
 The constructor, plan() and run() take FlashInfer 0.6.18's arguments, positions and defaults (flashinfer/mla/
-_core.py) for the MLA meld computes: one query row per request (qo_indptr = 0, 1, ..., batch_size), head_dim_ckv
-512 and head_dim_kpe 64, bfloat16 q and caches, page sizes 8, 16, 32 and multiples of 64. What else FlashInfer
+_core.py) for the MLA meld computes: n query rows per request (qo_indptr = 0, n, 2n, ..., batch_size * n, n from 1
+to 8; causal=True when n > 1: multi-token decode), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q and caches, page sizes 8, 16, 32 and multiples of 64. What else FlashInfer
 takes raises NotImplementedError naming the argument; bad values raise ValueError naming it, and a plan() that
 raises changes nothing. As in the decode wrapper (`meld.compat.flashinfer`):
 
@@ -13,7 +13,7 @@ raises changes nothing. As in the decode wrapper (`meld.compat.flashinfer`):
   place after the kernel.
 - The workspace is held and unused; `backend` is accepted, the kernel is meld's; run()'s kv_len and page_table
   (the inputs of FlashInfer's cutlass backend) are accepted and unused.
-- One DecodeMLA per (num_heads, page_size, sm_scale), made on first plan() and kept: a run() captured in a CUDA
+- One DecodeMLA per (num_heads, page_size, sm_scale, n), made on first plan() and kept: a run() captured in a CUDA
   graph replays the operator it was captured with, which must outlive the graph.
 - use_cuda_graph=True: the buffers given at construction fix the batch size (len(kv_len_arr), as FlashInfer's
   plan() copies into them) and bound the page indices (len(kv_indices)); they are the operator's capacities, so
@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..codegen.decode_kernel import MAX_Q_LEN
 from ..ops.checks import check_finite, check_positive, expect, is_int, plain, same_device
 from ..ops.page_table import check_page_table, slice_pages
 from ._common import _LOG2E, _check_graph_buffers, _check_workspace, _dtype, _unsupported
@@ -113,9 +114,11 @@ class BatchMLAPagedAttentionWrapper:
              causal: bool, sm_scale: float, q_data_type: torch.dtype, kv_data_type: torch.dtype,
              use_profiler: bool = False, *, check: bool = True) -> None:
         """Plan a decode batch for every run() until the next plan(): int32 tables on the CPU or this wrapper's
-        device, qo_indptr [B + 1] (0, 1, ..., B), kv_indptr [B + 1] and kv_indices (FlashInfer's paged layout),
-        kv_len_arr [B] (each request's KV tokens). causal changes nothing for one query row. `check` is meld's
-        (module docstring). A plan() that raises changes nothing."""
+        device, qo_indptr [B + 1] (0, n, 2n, ..., B n: n query rows per request, 1 to MAX_Q_LEN; FlashInfer's
+        causal mask when n > 1, token j of a request of kv_len keys seeing keys 0 .. kv_len - n + j:
+        `DecodeMLA(q_len=n)`), kv_indptr [B + 1] and kv_indices (FlashInfer's paged layout), kv_len_arr [B] (each
+        request's KV tokens). causal changes nothing for one query row and must be True for more. `check` is
+        meld's (module docstring). A plan() that raises changes nothing."""
         from ..ops.decode_mla import DecodeMLA, page_size_supported
 
         if use_profiler is not False:
@@ -145,32 +148,38 @@ class BatchMLAPagedAttentionWrapper:
         if len(tables["qo_indptr"]) != B + 1 or len(tables["kv_indptr"]) != B + 1:
             raise ValueError(f"qo_indptr and kv_indptr must have len(kv_len_arr) + 1 = {B + 1} entries, got "
                              f"{len(tables['qo_indptr'])} and {len(tables['kv_indptr'])}")
-        self._check_decode(tables["qo_indptr"], check)
+        q_len = self._query_rows(tables["qo_indptr"], check)
+        if q_len > 1 and not causal:
+            raise _unsupported("causal", causal, f"meld decodes {q_len} query rows per request causally (its new "
+                               "tokens: causal=True)")
         if self._buffers:
             self._check_fits(tables)
         on_host = check or tables["kv_indptr"].is_cpu and tables["kv_len_arr"].is_cpu
         indptr, indices, last = _decode_table(tables["kv_indptr"], tables["kv_indices"], tables["kv_len_arr"],
                                               page_size, on_host)
-        key = (num_heads, page_size, sm_scale)
+        key = (num_heads, page_size, sm_scale, q_len)
         op = self._ops.get(key)
         if op is None:   # (its constructor checks num_heads against the kernel's)
             caps = dict(max_batch_size=max(1, len(self._buffers["kv_len_arr"])),
                         max_num_pages=max(1, len(self._buffers["kv_indices"]))) if self._buffers else {}
-            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, **caps)
+            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, q_len=q_len, **caps)
         op.plan(indptr, indices, last, check=check)
         for name, buf in self._buffers.items():   # FlashInfer's plan() keeps the tables there: engines may read them
             buf[:len(tables[name])].copy_(tables[name], non_blocking=True)
         self._ops[key] = self._op = op
 
-    def _check_decode(self, qo_indptr: torch.Tensor, check: bool) -> None:
-        """One query row per request, the decode meld's MLA kernel computes: qo_indptr = 0, 1, ..., B, read where
-        plan() reads tables (on the CPU, or with check), trusted otherwise."""
+    def _query_rows(self, qo_indptr: torch.Tensor, check: bool) -> int:
+        """The query rows n of every request (qo_indptr = 0, n, 2n, ..., B n, n from 1 to MAX_Q_LEN: the decode
+        meld's MLA kernel computes), read where plan() reads tables (on the CPU, or with check); trusted to be one
+        otherwise (a multi-token plan from GPU tables needs check=True)."""
         if not (check or qo_indptr.is_cpu):
-            return
+            return 1
         host = qo_indptr.cpu()
-        if not torch.equal(host, torch.arange(len(host), dtype=torch.int32)):
-            raise _unsupported("qo_indptr", host[:9].tolist(), "meld's MLA decodes one query row per request "
-                               "(qo_indptr = 0, 1, ..., batch_size)")
+        n = int(host[1] - host[0]) if len(host) > 1 else 1
+        if not 1 <= n <= MAX_Q_LEN or not torch.equal(host, n * torch.arange(len(host), dtype=torch.int32)):
+            raise _unsupported("qo_indptr", host[:9].tolist(), f"meld's MLA decodes the same 1 to {MAX_Q_LEN} query "
+                               "rows per request (qo_indptr = 0, n, 2n, ..., batch_size * n)")
+        return n
 
     def _check_fits(self, tables: dict[str, torch.Tensor]) -> None:
         """use_cuda_graph: the plan's tables fit the buffers plan() copies them into (FlashInfer's rules: the
@@ -191,9 +200,10 @@ class BatchMLAPagedAttentionWrapper:
             page_table: torch.Tensor | None = None, return_lse_base_on_e: bool = False, o_scale: float | None = None,
             *, ckv_scale: float | None = None, ckv_scale_arr: torch.Tensor | None = None,
             kpe_scale: float | None = None):
-        """Attention of q_nope [B, num_heads, 512] and q_pe [B, num_heads, 64] over ckv_cache [num_pages,
-        page_size, 512] and kpe_cache [num_pages, page_size, 64] (read in place: `meld.DecodeMLA.run`) for the last
-        plan: out [B, num_heads, 512], or (out, lse [B, num_heads] float32) with return_lse. A given lse is
+        """Attention of q_nope [B n, num_heads, 512] and q_pe [B n, num_heads, 64] (n: the plan's rows per request)
+        over ckv_cache [num_pages, page_size, 512] and kpe_cache [num_pages, page_size, 64] (read in place:
+        `meld.DecodeMLA.run`) for the last plan: out [B n, num_heads, 512], or (out, lse [B n, num_heads] float32)
+        with return_lse. A given lse is
         written either way, as FlashInfer's; lse is base 2 unless return_lse_base_on_e."""
         if self._op is None:
             raise RuntimeError("BatchMLAPagedAttentionWrapper.run: call plan() first")

@@ -13,14 +13,12 @@ import functools
 import math
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from .. import config
 from ..codegen import TILE_TOKENS, DecodeKernelConfig, TensorMap
 from ..codegen.decode_kernel import KV_FP8, MAX_Q_LEN, DecodeVariant
 from ..scheduler import DecodeCost, Topology, cluster_rows
-from ..tuning.recorder import kv_lens
 from .checks import check_finite, check_positive, expect, is_int, plain
 from .decode_graph import decode_attention_graph
 from .page_table import check_page_table, window_page_table
@@ -366,19 +364,9 @@ class DecodeAttention(PagedDecode):
     def _pages_read(self, kv_indptr, kv_indices, kv_last_page_len, check):
         """With a sliding window, the table without the pages wholly before each request's window (checked
         first where plan() checks, so that its errors name the table given). With q_len > 1, where plan()
-        checks, every request must hold its q_len new tokens (unchecked, a row that sees no key gives zeros and
-        lse -inf)."""
-        if self.q_len > 1 and check:
-            indptr, last = _host(kv_indptr), _host(kv_last_page_len)
-            check_page_table(indptr, last, kv_indices.numel(), self.page_size)
-            lens = kv_lens(indptr, last, self.page_size)
-            short = np.flatnonzero(lens < self.q_len)
-            if short.size:
-                i = int(short[0])
-                raise ValueError(f"kv_indptr and kv_last_page_len give request {i} {int(lens[i])} KV tokens, fewer "
-                                 f"than q_len={self.q_len}: its first new tokens would attend to an empty KV range (the "
-                                 "cache must already hold each request's q_len new tokens; token j attends to keys "
-                                 "0 .. kv_len - q_len + j)")
+        checks, every request must hold its q_len new tokens (`_check_new_tokens`)."""
+        if check:
+            self._check_new_tokens(kv_indptr, kv_indices, kv_last_page_len)
         if self.variant.window_left < 0:
             return kv_indptr, kv_indices
         if check:

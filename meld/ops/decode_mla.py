@@ -5,6 +5,13 @@ Every q head attends to one latent KV head: the keys are the cache's latent rows
 with their rope part (head_dim_kpe), the values the latent rows. plan() is `PagedDecode`'s (the decode
 planner, one unit per request and block of 64 q heads); run() launches the persistent kernel of
 templates/mla_decode.cuh, whose split units merge inside the same launch.
+
+Multi-token decode (q_len new tokens per request) needs no kernel of its own: the planner, built with token
+requests (templates/decode_plan.h), plans request b's new token t as a request b * q_len + t of its own, whose
+keys end where that token's do (the causal mask, exact by construction) and whose pages are b's. The kernel
+reads a planned request's length, page base and q/out row as it always has, and q laid out [B * q_len, H, D]
+puts that token's row at b * q_len + t; a request's tokens sit next to each other on the planner's line, so
+their CTAs read the same KV blocks about together (HBM once, L2 after).
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import functools
 import torch
 
 from .. import config
+from ..codegen.decode_kernel import MAX_Q_LEN
 from ..codegen.mla_kernel import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_HEADS_PER_UNIT, MlaKernelConfig
 from ..codegen import TensorMap
 from ..scheduler import DecodeCost, Topology
@@ -37,10 +45,14 @@ def page_size_supported(page_size: int) -> bool:
     return page_size in (8, 16, 32) or page_size % 64 == 0
 
 
-def _describe_unit(units_per_request: int, num_heads: int, unit: int) -> str:
-    req, hb = divmod(unit, units_per_request)
+def _describe_unit(units_per_request: int, num_heads: int, q_len: int, unit: int) -> str:
+    planned, hb = divmod(unit, units_per_request)
     first = hb * MLA_HEADS_PER_UNIT
-    return f"request {req}, q heads {first}-{min(first + MLA_HEADS_PER_UNIT, num_heads) - 1}"
+    heads = f"q heads {first}-{min(first + MLA_HEADS_PER_UNIT, num_heads) - 1}"
+    if q_len == 1:
+        return f"request {planned}, {heads}"
+    req, t = divmod(planned, q_len)
+    return f"request {req}, new token {t} of {q_len}, {heads}"
 
 
 def _latent_rows(t: torch.Tensor) -> torch.Tensor:
@@ -68,6 +80,11 @@ class DecodeMLA(PagedDecode):
         head_dim_ckv, head_dim_kpe: latent and rope widths: 512 and 64 (DeepSeek-V2/V3's).
         max_batch_size, max_num_pages: capacities of the work tables, as `DecodeAttention`'s (give both
             when run() is captured in a CUDA graph).
+        q_len: new tokens per request, 1 to 8 (speculative decoding's drafts, multi-token prediction; FlashMLA's
+            s_q), as `DecodeAttention`'s: run()'s q_nope, q_pe, out and lse have B * q_len rows, request b's
+            token j at row b * q_len + j, and token j of a request of kv_len tokens (the cache already holds its
+            q_len new ones) attends to keys 0 .. kv_len - q_len + j. Fixed at construction (it shapes the work
+            tables); every plan() then needs kv_len >= q_len per request.
         topology, cost, kernel_config: override the grid, the planner's cost model (`default_cost`) and the
             kernel's configuration.
     MELD_PROFILE=1 builds the kernel with per-piece timestamps (`last_trace()`).
@@ -76,13 +93,14 @@ class DecodeMLA(PagedDecode):
         >>> mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5)
         >>> mla.plan(kv_indptr, kv_indices, kv_last_page_len)
         >>> out, lse = mla.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True)
+        >>> mtp = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5, q_len=2)   # q_nope [B * 2, ...]
     """
 
     def __init__(self, num_heads: int, page_size: int, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cuda", *, sm_scale: float, head_dim_ckv: int = MLA_HEAD_DIM_CKV,
                  head_dim_kpe: int = MLA_HEAD_DIM_KPE, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, topology: Topology | None = None, cost: DecodeCost | None = None,
-                 kernel_config: MlaKernelConfig | None = None):
+                 kernel_config: MlaKernelConfig | None = None, q_len: int = 1):
         num_heads, page_size = check_positive("num_heads", num_heads), check_positive("page_size", page_size)
         if not page_size_supported(page_size):
             raise ValueError(f"page_size must be 8, 16, 32 or a multiple of 64, got {page_size}")
@@ -93,6 +111,8 @@ class DecodeMLA(PagedDecode):
         head_dim_ckv, head_dim_kpe = int(head_dim_ckv), int(head_dim_kpe)   # (NumPy ints as Python's)
         if dtype is not torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
+        if not is_int(q_len) or not 1 <= q_len <= MAX_Q_LEN:
+            raise ValueError(f"q_len must be an int from 1 to {MAX_Q_LEN} (new tokens per request), got {q_len!r}")
         if topology is not None and not isinstance(topology, Topology):
             raise ValueError(f"topology must be a meld.scheduler.Topology, got {type(topology).__name__}")
         if kernel_config is not None and not isinstance(kernel_config, MlaKernelConfig):
@@ -114,11 +134,12 @@ class DecodeMLA(PagedDecode):
         self.num_kv_heads, self.group_size, self.heads_per_unit = 1, num_heads, MLA_HEADS_PER_UNIT
         self.partial_width = head_dim_ckv
         self.units_per_request = self.head_blocks = -(-num_heads // MLA_HEADS_PER_UNIT)
+        self.q_len = self.token_requests = int(q_len)   # (a new token per planned request: the module's docstring)
         self.cost = cost or default_cost(self.kernel_config.block_tokens)
         if config.profile() and not self.kernel_config.profile:
             self.kernel_config = dataclasses.replace(self.kernel_config, profile=True)
         self.profile_every = config.profile_every()
-        self._init_plan_state(functools.partial(_describe_unit, self.units_per_request, self.num_heads))
+        self._init_plan_state(functools.partial(_describe_unit, self.units_per_request, self.num_heads, self.q_len))
         if self.device.type == "cuda":
             self._init_cuda(topology)
         else:
@@ -134,7 +155,8 @@ class DecodeMLA(PagedDecode):
 
     @property
     def shape_bucket(self) -> str:
-        return f"H{self.num_heads}/C{self.head_dim_ckv}/R{self.head_dim_kpe}/P{self.page_size}"
+        return (f"H{self.num_heads}/C{self.head_dim_ckv}/R{self.head_dim_kpe}/P{self.page_size}"
+                + (f"/q{self.q_len}" if self.q_len > 1 else ""))
 
     def _init_cuda(self, topology: Topology | None) -> None:
         from ..runtime.tensor_map import TensorMapCache
@@ -157,22 +179,28 @@ class DecodeMLA(PagedDecode):
             sm_scale_log2=self.sm_scale * _LOG2E))
 
     # --- run ------------------------------------------------------------------------------------
-    _run_inputs, _lse_meaning = ("q_nope", "q_pe", "ckv_cache", "kpe_cache"), "batch, num_heads"
+    _run_inputs = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
+
+    @property
+    def _lse_meaning(self) -> str:
+        return "batch, num_heads" if self.q_len == 1 else f"batch * q_len (q_len={self.q_len}), num_heads"
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, *,
             return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """Attention of the planned batch's queries over the latent cache.
 
         Args:
-            q_nope: [B, num_heads, head_dim_ckv] (the absorbed query; last dim contiguous).
-            q_pe: [B, num_heads, head_dim_kpe] (its rope part).
+            q_nope: [B, num_heads, head_dim_ckv] (the absorbed query; last dim contiguous); with q_len > 1,
+                [B * q_len, num_heads, head_dim_ckv], request b's new token j at row b * q_len + j.
+            q_pe: [B, num_heads, head_dim_kpe] (its rope part; [B * q_len, ...] likewise).
             ckv_cache: [num_pages, page_size, head_dim_ckv]; kpe_cache: [num_pages, page_size, head_dim_kpe]
                 (FlashInfer's MLA layout; views of one [num_pages, page_size, 576] cache work too: rows need
                 contiguous channels and 16-byte aligned strides).
-            return_lse: also return the log-sum-exp [B, num_heads] (float32, natural log).
+            return_lse: also return the log-sum-exp [B, num_heads] (float32, natural log; [B * q_len, ...]).
             out, lse: optional preallocated outputs (contiguous).
         Returns:
-            out [B, num_heads, head_dim_ckv] (and lse). A request with no KV tokens gives zeros and lse -inf.
+            out [B, num_heads, head_dim_ckv] ([B * q_len, ...]; and lse). A request with no KV tokens gives zeros
+            and lse -inf.
         Inputs that require grad are read as plain tensors; meld has no backward (NotImplementedError).
         """
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
@@ -181,9 +209,10 @@ class DecodeMLA(PagedDecode):
         return self._run((q_nope, q_pe, ckv_cache, kpe_cache), return_lse, out, lse)
 
     def _check_run(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache):
-        B, H, Dc, Dr = planned.batch, self.num_heads, self.head_dim_ckv, self.head_dim_kpe
-        expect("q_nope", q_nope, self.dtype, (B, H, Dc), "batch of the last plan(), num_heads, head_dim_ckv", self.device)
-        expect("q_pe", q_pe, self.dtype, (B, H, Dr), "batch of the last plan(), num_heads, head_dim_kpe", self.device)
+        B, H, Dc, Dr = planned.batch * self.q_len, self.num_heads, self.head_dim_ckv, self.head_dim_kpe
+        rows = "batch of the last plan()" + (f" x q_len={self.q_len}" if self.q_len > 1 else "")
+        expect("q_nope", q_nope, self.dtype, (B, H, Dc), f"{rows}, num_heads, head_dim_ckv", self.device)
+        expect("q_pe", q_pe, self.dtype, (B, H, Dr), f"{rows}, num_heads, head_dim_kpe", self.device)
         self._check_caches(ckv_cache, kpe_cache, planned)
         return (B, H, Dc), *self._reads((q_nope, q_pe, ckv_cache, kpe_cache))
 

@@ -12,6 +12,7 @@ launch and CPU executor call.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -97,7 +98,11 @@ class PagedDecode(Operator):
     `_launched()` after each run() launch."""
 
     _cluster_rows: torch.Tensor | None = None   # the CTA table's cluster rows, where the planner places for clusters
-    q_len = 1   # query rows per q head and request: the planner's rows per kv head are group_size * q_len
+    q_len = 1   # new tokens per request
+    # Requests the planner makes of each request: 1, or q_len where the kernel runs a new token per unit (DecodeMLA:
+    # templates/decode_plan.h, PLAN_TOKEN_REQUESTS); with 1, a unit's rows are (q head, token) pairs and the
+    # planner's rows per kv head are group_size * q_len (DecodeAttention).
+    token_requests = 1
 
     def _init_plan_state(self, describe) -> None:
         self._unit_names = UnitNames(describe)   # what the watchdog registers (it must not hold the operator)
@@ -110,6 +115,8 @@ class PagedDecode(Operator):
         capacities given (or `_DEFAULT_CAPACITY`)."""
         self._register_watchdog(self.kernel_config.name, self._unit_names)
         pc = self.lowering.device_planner
+        if self.token_requests > 1:
+            pc = dataclasses.replace(pc, token_requests=True)
         self.planner = self._kernels(pc, {pc.entry: (pc.threads, pc.smem_bytes(self.topology.num_ctas))})[pc.entry]
         self._helper_out = (ctypes.c_int(-1), ctypes.c_longlong(0))   # the C helper's max page and error index
         self._helper_out_ptrs = tuple(ctypes.byref(v) for v in self._helper_out)
@@ -119,9 +126,9 @@ class PagedDecode(Operator):
     def _make_buffers(self, caps: dict[str, int]) -> _Buffers:
         from ..runtime.tables import Capacity, WorkTables
 
-        W = self.topology.num_ctas
-        t = WorkTables(self.device, W, Capacity(caps["batch"], caps["pages"]))
-        units = caps["batch"] * self.units_per_request
+        W, requests = self.topology.num_ctas, caps["batch"] * self.token_requests   # (the planned requests)
+        t = WorkTables(self.device, W, Capacity(requests, caps["pages"]))
+        units = requests * self.units_per_request
         # A partial's slot: one per chunk (batch-invariant plans), otherwise its piece's unit + its CTA.
         slots = self._chunk_slots(caps["batch"], caps["pages"]) if self._chunk else units + W
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -129,8 +136,8 @@ class PagedDecode(Operator):
         part_lse = torch.empty(slots * self.heads_per_unit, **f32)
         counters = torch.zeros(units, dtype=torch.int32, device=self.device)
         params = plan_params(   # one struct for every plan(): plan() sets the batch and the page table
-            self.cost, self.page_size, self.units_per_request, W, self._chunk, kv_indptr=0, last_page_len=0,
-            kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
+            self.cost, self.page_size, self.units_per_request, W, self._chunk, self.token_requests, kv_indptr=0,
+            last_page_len=0, kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
             line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
             arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base),
             cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0)
@@ -218,6 +225,12 @@ class PagedDecode(Operator):
         return self._buf.tables
 
     @property
+    def planned_group_size(self) -> int:
+        """Query rows per kv head of a planned request (the schedule's group_size): q heads per kv head, times
+        q_len where a unit's rows are (q head, token) pairs."""
+        return self.group_size * self.q_len // self.token_requests
+
+    @property
     def schedule(self) -> Schedule:
         """The `meld.ir.Schedule` of the last plan(), from the host build of the GPU planner (on a GPU: a
         copy of the tables the GPU planner wrote, computed when first asked for)."""
@@ -225,10 +238,10 @@ class PagedDecode(Operator):
             if self._planned is None:
                 raise RuntimeError(f"{type(self).__name__}.schedule: call plan() first")
             # (the lowering's planner: plan_decode_host, the host build of the GPU planner's source)
-            self._schedule = self.lowering.planner(_host(self._planned.indptr), _host(self._planned.last),
-                                                   self.page_size, self.num_kv_heads, self.group_size * self.q_len,
-                                                   self.topology,
-                                                   self.cost, self.heads_per_unit, self._plan_clusters, self._chunk)
+            self._schedule = self.lowering.planner(
+                _host(self._planned.indptr), _host(self._planned.last), self.page_size, self.num_kv_heads,
+                self.planned_group_size, self.topology, self.cost, self.heads_per_unit, self._plan_clusters,
+                self._chunk, self.token_requests)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
@@ -287,8 +300,28 @@ class PagedDecode(Operator):
     def _pages_read(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
                     check: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The page table the kernel reads of the one plan() was given (shapes and dtypes checked; its values too
-        when `check`): the same here; an operator with a sliding window leaves out the pages before it."""
+        when `check`, `_check_new_tokens` among them): the same here; an operator with a sliding window leaves out
+        the pages before it."""
+        if check:
+            self._check_new_tokens(kv_indptr, kv_indices, kv_last_page_len)
         return kv_indptr, kv_indices
+
+    def _check_new_tokens(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                          kv_last_page_len: torch.Tensor) -> None:
+        """With q_len > 1, every request must hold its q_len new tokens (the page table checked first, so that its
+        errors name the entry; unchecked, a new token that sees no key gives zeros and lse -inf)."""
+        if self.q_len == 1:
+            return
+        indptr, last = _host(kv_indptr), _host(kv_last_page_len)
+        check_page_table(indptr, last, kv_indices.numel(), self.page_size)
+        lens = kv_lens(indptr, last, self.page_size)
+        short = np.flatnonzero(lens < self.q_len)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"kv_indptr and kv_last_page_len give request {i} {int(lens[i])} KV tokens, fewer "
+                             f"than q_len={self.q_len}: its first new tokens would attend to an empty KV range (the "
+                             "cache must already hold each request's q_len new tokens; token j attends to keys "
+                             "0 .. kv_len - q_len + j)")
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
         """The shell's commit, after recording the batch when MELD_RECORD samples it; then the state derived
@@ -300,7 +333,8 @@ class PagedDecode(Operator):
                                                                    self.page_size))
         super()._commit(planned, buf)
         self._schedule = None
-        self._unit_names.units = max(self._unit_names.units, planned.batch * self.units_per_request)
+        self._unit_names.units = max(self._unit_names.units,
+                                     planned.batch * self.token_requests * self.units_per_request)
         self._plan_kernel_last = True
 
     def _plan_cpu(self, B, kv_indptr, kv_indices, kv_last_page_len) -> None:

@@ -114,7 +114,9 @@ def load_decode_plan() -> ctypes.CDLL:
         from ..codegen.decode_kernel import plan_source
         from ..codegen.source import SMEM_PER_CTA_MAX
 
-        lib = _build("decode_plan", [_read("meld.runtime", "host/one_thread.h"), plan_source(1),
+        # (built with token requests: the one host planner serves both GPU builds, token_requests=1 planning as
+        # the default build does)
+        lib = _build("decode_plan", [_read("meld.runtime", "host/one_thread.h"), plan_source(1, token_requests=True),
                                      f"#define PLAN_SMEM_BYTES {SMEM_PER_CTA_MAX}",
                                      _read("meld.runtime", "host/decode_plan.cpp")], "c++")
         if lib is None:

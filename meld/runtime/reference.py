@@ -327,20 +327,25 @@ def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torc
 
 
 def mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
-                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, sm_scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, sm_scale: float,
+                  q_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float64 paged MLA decode attention (the absorbed form: keys [ckv, kpe], values ckv, one latent
-    head shared by every q head), one request at a time: the ground truth. Returns (out [B, H, Dc], lse [B, H])."""
-    B, H, Dc = q_nope.shape
+    head shared by every q head), one request at a time: the ground truth. With q_len new tokens per request,
+    q_nope and q_pe are [B * q_len, H, D] (a request's tokens consecutive) and token j of a request of n tokens
+    attends to keys 0 .. n - q_len + j. Returns (out [B * q_len, H, Dc], lse [B * q_len, H])."""
+    T, H, Dc = q_nope.shape
     P = ckv_cache.shape[1]
-    out = torch.zeros(B, H, Dc, dtype=torch.float64, device=q_nope.device)
-    lse = torch.full((B, H), -math.inf, dtype=torch.float64, device=q_nope.device)
+    out = torch.zeros(T, H, Dc, dtype=torch.float64, device=q_nope.device)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64, device=q_nope.device)
     for b, pages, n in _requests(kv_indptr, kv_indices, kv_last_page_len, P):
+        rows = slice(b * q_len, (b + 1) * q_len)
         c = ckv_cache[pages].reshape(-1, Dc)[:n].double()                       # [n, Dc]
         r = kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])[:n].double()      # [n, Dr]
-        s = (q_nope[b].double() @ c.T + q_pe[b].double() @ r.T) * sm_scale     # [H, n]
-        lse[b] = torch.logsumexp(s, dim=-1)
-        out[b] = torch.softmax(s, dim=-1) @ c
+        s = (q_nope[rows].double() @ c.T + q_pe[rows].double() @ r.T) * sm_scale   # [q_len, H, n]
+        hidden = torch.arange(n, device=s.device) > (n - q_len + torch.arange(q_len, device=s.device))[:, None]
+        s = s.masked_fill(hidden[:, None, :], -math.inf)   # token j's keys end at n - q_len + j
+        lse[rows] = torch.logsumexp(s, dim=-1)
+        out[rows] = torch.softmax(s, dim=-1) @ c
     return out, lse
 
 

@@ -24,13 +24,14 @@ from .topology import Topology, cluster_rows
 
 
 def plan_params(cost: DecodeCost, page_size: int, units_per_request: int, num_ctas: int, chunk: int,
-                **buffers: int) -> ctypes.Structure:
+                token_requests: int = 1, **buffers: int) -> ctypes.Structure:
     """The planner's `PlanParams` on either side: the cost model, the shape, and `buffers` (the
     addresses, `batch`, and the GPU's done-flag fields)."""
     return PLAN_PARAMS.pack(page_size=page_size, units_per_request=units_per_request, num_ctas=num_ctas,
                             item_overhead=cost.item_overhead_tokens, min_split=cost.min_split_tokens,
                             tile=cost.tile_tokens, round=cost.round_tokens, min_cta_tokens=cost.min_cta_tokens,
-                            cluster_snap=cost.cluster_snap_tokens, chunk=chunk, **buffers)
+                            cluster_snap=cost.cluster_snap_tokens, chunk=chunk, token_requests=token_requests,
+                            **buffers)
 
 
 @dataclass(frozen=True)
@@ -39,16 +40,16 @@ class HostTables:
     it decided besides."""
 
     cta: np.ndarray          # int32 [len(CTA_FIELDS), num_ctas]
-    kv_len: np.ndarray       # int32 [B]
-    page_base: np.ndarray    # int32 [B]
-    slot_base: np.ndarray    # int32 [B]: each request's first partial slot (batch-invariant plans; else 0)
+    kv_len: np.ndarray       # int32 [B * token_requests] (of the planned requests)
+    page_base: np.ndarray    # int32 [B * token_requests]
+    slot_base: np.ndarray    # int32 [B * token_requests]: first partial slots (batch-invariant plans; else 0)
     active_ctas: int
     cluster_snap: int        # tokens per CTA a cut between clusters may move (0: one level; chunk plans ignore it)
 
 
 def plan_tables_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int, units_per_request: int,
                      topology: Topology, cost: DecodeCost, clusters: Sequence[tuple[int, int]] = (),
-                     chunk_tokens: int = 0) -> HostTables:
+                     chunk_tokens: int = 0, token_requests: int = 1) -> HostTables:
     """Run the planner on a raw page table (kv_indptr [B + 1], kv_last_page_len [B], already validated:
     meld.ops.page_table). Arguments otherwise as `plan_decode_host`."""
     W, limit = topology.num_ctas, DecodePlanKernelConfig().max_ctas
@@ -62,11 +63,12 @@ def plan_tables_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size
     B = len(indptr) - 1
     if B < 0 or last.shape != (B,):
         raise ValueError(f"kv_indptr has {len(indptr)} entries and kv_last_page_len {len(last)}: expected B + 1 and B")
-    kv_len, page_base, slot_base = np.zeros((3, B), dtype=np.int32)
+    kv_len, page_base, slot_base = np.zeros((3, B * token_requests), dtype=np.int32)
     cta = np.zeros((len(CTA_FIELDS), W), dtype=np.int32)
-    line = np.zeros(B + 1, dtype=np.int64)
+    line = np.zeros(B * token_requests + 1, dtype=np.int64)
     rows = cluster_rows(clusters) if any(size > 1 for size, _ in clusters) else None
-    p = plan_params(cost, page_size, units_per_request, W, chunk_tokens, batch=B, kv_indptr=indptr.ctypes.data,
+    p = plan_params(cost, page_size, units_per_request, W, chunk_tokens, token_requests, batch=B,
+                    kv_indptr=indptr.ctypes.data,
                     last_page_len=last.ctypes.data, kv_len=kv_len.ctypes.data, page_base=page_base.ctypes.data,
                     cta_table=cta.ctypes.data, line=line.ctypes.data, slot_base=slot_base.ctypes.data,
                     cluster_rows=rows.ctypes.data if rows is not None else 0, src_indices=0, dst_indices=0,
@@ -78,11 +80,14 @@ def plan_tables_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size
 
 def plan_decode_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int, num_kv_heads: int,
                      group_size: int, topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8,
-                     clusters: Sequence[tuple[int, int]] = (), chunk_tokens: int = 0) -> Schedule:
+                     clusters: Sequence[tuple[int, int]] = (), chunk_tokens: int = 0, token_requests: int = 1
+                     ) -> Schedule:
     """The `Schedule` of one batch from its raw page table, as the GPU planner makes it: the same
     arguments as `plan_decode`, but the page table (kv_indptr, kv_last_page_len, page_size) in place of
-    kv_len and page_base. The page table is validated (meld.ops.page_table: a ValueError naming the entry)."""
-    from ..ops.checks import check_positive
+    kv_len and page_base. The page table is validated (meld.ops.page_table: a ValueError naming the entry).
+    token_requests n > 1 plans request b as requests b * n + t of n - 1 - t keys fewer (its new token t, as
+    the planner built with token requests does: DecodeMLA's multi-token decode)."""
+    from ..ops.checks import check_positive, is_int
     from ..ops.page_table import check_page_table
     from .decode_plan import check_plan_shape
 
@@ -97,7 +102,10 @@ def plan_decode_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size
         raise ValueError(f"kv_indptr has {len(indptr)} entries and kv_last_page_len {len(last)}: expected B + 1 and B")
     check_page_table(indptr.astype(np.int32), last.astype(np.int32), int(indptr[-1]), page_size)
     units = num_kv_heads * -(-group_size // heads_per_item)
-    t = plan_tables_host(kv_indptr, last_page_len, page_size, units, topology, cost, clusters, chunk_tokens)
+    if not is_int(token_requests) or token_requests < 1:
+        raise ValueError(f"token_requests must be an int >= 1, got {token_requests!r}")
+    t = plan_tables_host(kv_indptr, last_page_len, page_size, units, topology, cost, clusters, chunk_tokens,
+                         int(token_requests))
     meta = {"active_ctas": t.active_ctas, "item_overhead_tokens": cost.item_overhead_tokens}
     meta.update({"chunk_tokens": chunk_tokens} if chunk_tokens else {"cluster_snap_tokens": t.cluster_snap})
     return Schedule(num_kv_heads, group_size, heads_per_item, t.kv_len, t.page_base, t.cta, meta, chunk_tokens)

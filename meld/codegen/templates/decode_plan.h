@@ -9,7 +9,13 @@
 // chunk with its own overhead on the line, cuts on the nearest chunk boundary, no head/tail runs, and
 // each request's first partial slot in slot_base.
 //
-// Defined by the including source: PLAN_THREADS, struct PlanParams, CtaRow and store_ctarow.
+// With PLAN_TOKEN_REQUESTS (multi-token decode whose kernel runs one new token per unit: DecodeMLA), request b
+// of the page table is planned as p.token_requests = n requests b * n + t, one per new token t, sharing its
+// pages and ending n - 1 - t keys before it (the causal mask, exact by construction); a kernel reads their
+// lengths and page bases as any request's, and the neighbours on the line read the same KV (from L2 after the
+// first). Built without it the planner is what it was (token_requests is then 1 at compile time).
+//
+// Defined by the including source: PLAN_THREADS, PLAN_TOKEN_REQUESTS, struct PlanParams, CtaRow and store_ctarow.
 
 namespace meld {
 
@@ -68,7 +74,8 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
   extern __shared__ long long smem64[];
   long long* moved = smem64;
   int* cut = reinterpret_cast<int*>(smem64 + p.num_ctas + 1);
-  const int tid = threadIdx.x, B = p.batch, W = p.num_ctas, nh = p.units_per_request;
+  const int tr = PLAN_TOKEN_REQUESTS ? p.token_requests : 1;   // planned requests per page-table request
+  const int tid = threadIdx.x, B = p.batch * tr, W = p.num_ctas, nh = p.units_per_request;
   const int U = B * nh, o = p.item_overhead, ms = p.min_split, tile = p.tile, chunk = p.chunk;
   int* cut_u = cut;
   int* cut_s = cut + W;
@@ -84,10 +91,12 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
     const int b = base + tid;
     long long v = 0, w = 0;
     if (b < B) {
-      const int pages = p.kv_indptr[b + 1] - p.kv_indptr[b];
-      const int len = pages > 0 ? (pages - 1) * p.page_size + p.last_page_len[b] : 0;
+      const int r = b / tr, hidden = tr - 1 - b % tr;   // its page-table request, and the keys its token does not see
+      const int pages = p.kv_indptr[r + 1] - p.kv_indptr[r];
+      const int full = pages > 0 ? (pages - 1) * p.page_size + p.last_page_len[r] : 0;
+      const int len = hidden ? max(0, full - hidden) : full;
       p.kv_len[b] = len;
-      p.page_base[b] = p.kv_indptr[b];
+      p.page_base[b] = p.kv_indptr[r];
       const long long n = chunk ? pieces(len) : 1;
       v = (long long)nh * (len + o * n);
       w = n > 1 ? nh * n : 0;
