@@ -693,6 +693,7 @@ def test_gpu_serve_bench_full_size_smoke(capsys):
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu       # ~75 GB at its peak: beside the suite's other workers, they ran out of memory
 @pytest.mark.cublas_output   # the model's projections feed meld
 def test_gpu_serve_bench_deepseek_full_size(capsys, tmp_path):
     """DeepSeek-V3's shapes (one layer: 128 heads, 256 experts) through the CLI for a few steps, graphs on, page

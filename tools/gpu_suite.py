@@ -10,7 +10,9 @@ CUDA initialisation and kernel loading are paid once per worker, not per test. T
 measured seconds to DIR/gpu_durations.json; copy it over tools/gpu_durations.json to rebalance.
 
 The `trap` tests run last, alone on the GPU: each bounds how long its child's watchdog takes to trip, a
-bound that time-slicing with the other workers' kernels broke (6.2 s against 3.2 s, 2026-12-02).
+bound that time-slicing with the other workers' kernels broke (6.2 s against 3.2 s, 2026-12-02). So do the
+`whole_gpu` tests, which need most of its memory (beside 14 workers, a FlashInfer port case ran out of it while
+the DeepSeek serving test held ~75 GB, 2026-12-03).
 
 Exit 0 only when every collected test ran and none failed or errored; a worker still running when the
 --budget ends is killed (its process group) and the test it was in is named. Skips are counted and their
@@ -51,7 +53,7 @@ class Worker:
     timed_out: bool = False
 
 
-SHARED, ALONE = "gpu and not trap", "gpu and trap"   # (marker expressions: dealt to workers / run alone)
+SHARED, ALONE = "gpu and not (trap or whole_gpu)", "gpu and (trap or whole_gpu)"   # (dealt to workers / run alone)
 
 
 def deal_lpt(ids: list[str], seconds: dict[str, float], workers: int) -> list[Worker]:
