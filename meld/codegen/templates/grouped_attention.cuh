@@ -343,28 +343,40 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
   cp_async_commit();
 }
 
-// Channels d .. d + 3 of head h of event e: its parts merged (in part_slot order) into out, and lse when d == 0.
-// A merge waits on L2 more than it computes, so the first MERGE_PARTS parts' slots, lse and O are loaded at once
-// and kept in registers between the max and the sum (three round trips for them, not four a part); parts past
-// those are read a part at a time.
+// An event's merge inputs: its parts and the first MERGE_PARTS parts' slots, read by the task that counts
+// towards it (the plan's, not the parts': nothing to wait for) — the event as the task starts, the slots once
+// its tiles are attended — so its count needs no load and a merge it fires starts at the parts' lse and O.
 constexpr int MERGE_PARTS = 4;
-__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h, int d) {
-  const Event ev = load_event(p.events, p.event_capacity, e);
+struct MergeInputs {
+  int parts, first;        // the event's parts and its first in part_slot
+  int slot[MERGE_PARTS];   // the first MERGE_PARTS parts' first slots (those past parts unread)
+};
+
+__device__ __forceinline__ MergeInputs merge_inputs(const GroupedParams& p, const Event& ev) {
+  MergeInputs m{ev.parts, ev.part_first, {}};
+#pragma unroll
+  for (int k = 0; k < MERGE_PARTS; ++k) m.slot[k] = k < ev.parts ? p.part_slot[ev.part_first + k] : 0;
+  return m;
+}
+
+// Channels d .. d + 3 of head h of event e: its parts merged (in part_slot order) into out, and lse when d == 0.
+// A merge waits on L2 more than it computes, so the first MERGE_PARTS parts' lse and O are loaded at once and
+// kept in registers between the max and the sum (one round trip for them, not two a part); parts past those are
+// read a part at a time.
+__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const MergeInputs& m, int h, int d) {
   const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
-  int slot[MERGE_PARTS];
   float lse[MERGE_PARTS];
   float4 v[MERGE_PARTS];
 #pragma unroll
-  for (int k = 0; k < MERGE_PARTS; ++k) slot[k] = k < ev.parts ? p.part_slot[ev.part_first + k] + h : -1;
-#pragma unroll
   for (int k = 0; k < MERGE_PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
-    lse[k] = slot[k] >= 0 ? ld_cg(p.part_lse + slot[k]) : neg_inf();
-    v[k] = slot[k] >= 0 ? ld_cg4(p.part_o + (i64)slot[k] * GD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const int slot = k < m.parts ? m.slot[k] + h : -1;
+    lse[k] = slot >= 0 ? ld_cg(p.part_lse + slot) : neg_inf();
+    v[k] = slot >= 0 ? ld_cg4(p.part_o + (i64)slot * GD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float mx = neg_inf();
 #pragma unroll
   for (int k = 0; k < MERGE_PARTS; ++k) mx = fmaxf(mx, lse[k]);
-  for (int k = MERGE_PARTS; k < ev.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[ev.part_first + k] + h));
+  for (int k = MERGE_PARTS; k < m.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[m.first + k] + h));
   const float base = mx == neg_inf() ? 0.f : mx;
   float sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -375,26 +387,27 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h,
   };
 #pragma unroll
   for (int k = 0; k < MERGE_PARTS; ++k) add(lse[k], v[k]);
-  for (int k = MERGE_PARTS; k < ev.parts; ++k) {
-    const int s = p.part_slot[ev.part_first + k] + h;
+  for (int k = MERGE_PARTS; k < m.parts; ++k) {
+    const int s = p.part_slot[m.first + k] + h;
     add(ld_cg(p.part_lse + s), ld_cg4(p.part_o + (i64)s * GD + d));
   }
-  const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
+  const float inv = m.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
   const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
   uint2 packed;
   packed.x = pack2(acc.x * inv, acc.y * inv);
   packed.y = pack2(acc.z * inv, acc.w * inv);
   *reinterpret_cast<uint2*>(p.out + row * GD + d) = packed;
-  if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (base + log2_approx(sum)) * kLn2 : neg_inf();
+  if (d == 0 && p.lse != nullptr) p.lse[row] = m.parts ? (base + log2_approx(sum)) * kLn2 : neg_inf();
 }
 
-// The n events of `list` merged by the CTA's threads together (one head's 4 channels each), their counters
-// reset for the next launch: a task that completes a whole slice of events merges them all at once.
-__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, int n) {
+// The n events of `list` (their merge inputs in `in`) merged by the CTA's threads together (one head's 4
+// channels each), their counters reset for the next launch: a task that completes a whole slice of events
+// merges them all at once.
+__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, const MergeInputs* in, int n) {
   const int per = p.group_size * (GD / 4);
   for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
     const int k = i / per, j = i - k * per;
-    merge_row4(p, list[k], j / (GD / 4), (j % (GD / 4)) * 4);
+    merge_row4(p, list[k], in[k], j / (GD / 4), (j % (GD / 4)) * 4);
   }
   for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
 }
@@ -478,7 +491,11 @@ struct GroupedFamily {
   }
 
   static __device__ __forceinline__ void run(const GroupedParams& p, const State& s) {
-    __shared__ int fired[GTHREADS];   // events this CTA's counts completed (merged by the whole CTA)
+    // Events this task's counts completed (merged by the whole CTA) and their merge inputs. A task has at most
+    // GWARPS * GT rows (the planner's slice), hence events: one thread each.
+    static_assert(GWARPS * GT <= GTHREADS, "a thread per event of a task");
+    __shared__ int fired[GWARPS * GT];
+    __shared__ MergeInputs fired_in[GWARPS * GT];
     __shared__ int n_fired;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = smem_addr(s.smem);
@@ -487,7 +504,8 @@ struct GroupedFamily {
     const int batch = p.plan_info[0];   // (plan() writes it: graph replays see the batch)
     for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x)   // events no task counts towards
       if (load_event(p.events, p.event_capacity, e).parts == 0)
-        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, i / (GD / 4), (i % (GD / 4)) * 4);
+        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS)
+          merge_row4(p, e, MergeInputs{}, i / (GD / 4), (i % (GD / 4)) * 4);
     const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles
     const u32 wring = ring + warp * WSTAGES * WSTAGE_BYTES;
@@ -499,6 +517,9 @@ struct GroupedFamily {
                             // of more rows, where the walk stopped)
     for (int i = first; i < last; ++i) {
       const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+      const bool counts = threadIdx.x < tk.event_count;   // this thread counts the task's event threadIdx.x
+      Event ev{0, 0};
+      if (counts) ev = load_event(p.events, p.event_capacity, tk.event_first + threadIdx.x);   // (used after the attention)
       const i64 t0 = prof.now();
       const int* pages = p.kv_indices + p.group_pages[p.producer_groups[tk.producer] + tk.group];
       const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
@@ -522,6 +543,10 @@ struct GroupedFamily {
         primed = false;   // (the warp build: the walk stopped at this task; every tile it issued is read)
         stream(p, tk, pages, split, row0 < rows, rb, qf, ring, warp, lane);
       }
+      // This thread's event's merge inputs, in flight while the task's partials are stored (the event landed
+      // during the attention); the count below and a merge it fires need nothing else from the plan.
+      MergeInputs in{};
+      if (counts) in = merge_inputs(p, ev);
       if (split) {
         if (!WARP_STREAM || streams) stash_rows(rb, reinterpret_cast<WarpStash*>(stash)[warp], lane);
         __syncthreads();
@@ -531,24 +556,23 @@ struct GroupedFamily {
         store_rows(p, tk, rb, row0, rows, lane);
       }
       prof.record(t0, PROF_PIECE, i);
-      const int end = tk.event_first + tk.event_count;
-      for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS) {   // count the task's arrival, a thread an event
-        if (threadIdx.x == 0) n_fired = 0;
-        __syncthreads();   // every row of the task is stored
-        const int e = e0 + threadIdx.x;
-        if (e < end) {
-          __threadfence();   // the CTA's partials, stored before the barrier, before this count
-          if (event_arrive(p.counters + e, 1u, (unsigned)load_event(p.events, p.event_capacity, e).parts)) {
-            __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
-            fired[atomicAdd(&n_fired, 1)] = e;
-          }
+      if (threadIdx.x == 0) n_fired = 0;
+      __syncthreads();   // every row of the task is stored
+      if (counts) {   // count the task's arrival, a thread an event
+        const int e = tk.event_first + threadIdx.x;
+        __threadfence();   // the CTA's partials, stored before the barrier, before this count
+        if (event_arrive(p.counters + e, 1u, (unsigned)in.parts)) {
+          __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+          const int k = atomicAdd(&n_fired, 1);
+          fired[k] = e;
+          fired_in[k] = in;
         }
-        __syncthreads();
-        const i64 t1 = prof.now();
-        merge_events(p, fired, n_fired);
-        if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, i);
-        __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
       }
+      __syncthreads();
+      const i64 t1 = prof.now();
+      merge_events(p, fired, fired_in, n_fired);
+      if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, i);
+      __syncthreads();   // (fired and n_fired are rewritten by the next task)
     }
     prof.end(gridDim.x);
   }
