@@ -80,6 +80,7 @@ VARIANTS = {
     "grouped-d256-profile": "GroupedKernelConfig('bfloat16', 256, profile=True)",
     "grouped-warp": "GroupedKernelConfig('bfloat16', 128, split_stream='warp')",
     "grouped-warp-d256": "GroupedKernelConfig('bfloat16', 256, split_stream='warp')",
+    "grouped-wgmma": "GroupedKernelConfig('bfloat16', 128, prefix_mma='wgmma')",
 }
 
 _RENDER = """
