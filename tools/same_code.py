@@ -80,6 +80,8 @@ VARIANTS = {
     "grouped-d256-profile": "GroupedKernelConfig('bfloat16', 256, profile=True)",
     "grouped-warp": "GroupedKernelConfig('bfloat16', 128, split_stream='warp')",
     "grouped-warp-d256": "GroupedKernelConfig('bfloat16', 256, split_stream='warp')",
+    "grouped-cta": "GroupedKernelConfig('bfloat16', 128, split_stream='cta')",
+    "grouped-cta-d64-fp16-profile": "GroupedKernelConfig('float16', 64, profile=True, split_stream='cta')",
     "grouped-wgmma": "GroupedKernelConfig('bfloat16', 128, prefix_mma='wgmma')",
 }
 
