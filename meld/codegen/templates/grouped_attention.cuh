@@ -267,8 +267,9 @@ __device__ __forceinline__ void attend_wgmma(const GroupedParams& p, RowBlock& r
     a[j][1] = pack2(s[2 * j][2], s[2 * j][3]);
     a[j][2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
     a[j][3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
+    fence_regs(a[j]);
   }
-  fence_regs(oa);   // (O is rescaled before the wgmmas read it)
+  fence_regs(oa);   // (P is packed and O rescaled before the fence and the wgmmas that read them)
   wgmma_fence();
 #pragma unroll
   for (int j = 0; j < TILES; ++j)   // MN-major B: 16 tokens are two 1 KiB atoms; column blocks SW_BLOCK apart
