@@ -651,6 +651,12 @@ def test_the_wgmma_prefix_build_is_opt_in_and_its_config_names_bad_values():
         meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="cta", prefix_mma="wgmma")
     with pytest.raises(ValueError, match="head_dim=256"):
         meld.CascadeDecode(HQ, HKV, 256, P, 2, BF16, "cpu", prefix_mma="wgmma")
+    from meld.codegen.wgmma import wgmma_rs
+
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        wgmma_rs("float32", 64)
+    with pytest.raises(ValueError, match="N=260"):
+        wgmma_rs("float16", 260)
     op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", prefix_mma="wgmma")   # (the CPU executor ignores it)
     levels, q, kv = batch([2], [40], [3, 5])
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
