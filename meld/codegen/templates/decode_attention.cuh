@@ -441,9 +441,17 @@ __device__ __forceinline__ void rope_tile(u32 kbase, int rel0, int lane) {
   __syncwarp();
 }
 
+// MELD_ROPE over MELD_KV_FP8: sin(pi x) and cos(pi x), x reduced exactly to [-1, 1] (x - 2 rint(x / 2)) and pi times
+// that through the hardware's approximations (__sincosf: within CUDA's documented bound on [-pi, pi], far below the
+// rounding of a rotated key to the MMA type). An FP8 tile lands in half the time of a 16-bit one, and sincospif's
+// polynomials (rope_tile's) would be most of its arithmetic.
+__device__ __forceinline__ void sincospi_approx(float x, float& s, float& c) {
+  __sincosf(3.14159265358979f * fmaf(-2.f, rintf(0.5f * x), x), &s, &c);
+}
+
 // MELD_ROPE over MELD_KV_FP8: the FP8 build's K fragments of channel blocks ks and ks + KSTEPS / 2 (lane (g, t): channels
 // c = 16 ks + 4 t + e and their partners c + D / 2, e < 4, of token `tok`, the key at offset rel0 + tok) rotated in
-// float, as rope_tile rotates 16-bit keys, into B fragments of the MMA type: lo[0..1] for ks, hi[0..1] for its partner.
+// float by rope_tile's angles, into B fragments of the MMA type: lo[0..1] for ks, hi[0..1] for its partner.
 __device__ __forceinline__ void rope_fp8(u32 klo, u32 khi, int ks, int rel0, int tok, int t, u32 (&lo)[2],
                                          u32 (&hi)[2]) {
   float a[4], b[4];
@@ -455,7 +463,7 @@ __device__ __forceinline__ void rope_fp8(u32 klo, u32 khi, int ks, int rel0, int
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     float sn, cs;
-    sincospif(off * rope_fpi(16 * ks + 4 * t + e), &sn, &cs);
+    sincospi_approx(off * rope_fpi(16 * ks + 4 * t + e), sn, cs);
     if (ROPE_KEY_SCALE != 1.f) { sn *= ROPE_KEY_SCALE; cs *= ROPE_KEY_SCALE; }
     const float x = a[e] * cs - b[e] * sn, y = b[e] * cs + a[e] * sn;
     a[e] = x;
