@@ -172,7 +172,8 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
     out, lse = _outputs(q, attn.dtype, return_lse, out, lse)
     k, v = caches.values() if len(caches) == 2 else (kv_cache, None)
     k_scale, v_scale = attn._check_scales(k_scale, v_scale)   # (floats: the schema's check would be a RuntimeError)
-    _decode_attention_op(q, k, out, lse, attn.handle, v, k_scale, v_scale)
+    extra = () if v is None and k_scale == v_scale == 1.0 else (v, k_scale, v_scale)   # (defaults left out: the
+    _decode_attention_op(q, k, out, lse, attn.handle, *extra)                        # dispatcher parses each one)
     return (out, lse) if return_lse else out
 
 
