@@ -229,7 +229,7 @@ def check_outputs(outputs: dict[str, torch.Tensor | None], reads: dict[str, obje
 # --- autograd: meld's kernels are for inference ---------------------------------------------------------
 def grad_inputs(*ts: object) -> tuple | None:
     """The inputs that require grad, when grad mode is on and any does (else None: the usual case). A plain loop:
-    every op call and run() asks, and any() over a generator is slower (bench/RESULTS.md, "The op call's host
+    every op call and run() asks, and any() over a generator is slower (bench/RESULTS.md, "the op call's host
     path")."""
     if torch.is_grad_enabled():
         for t in ts:
