@@ -158,22 +158,24 @@ class _Sub(torch.Tensor):
     """A tensor subclass that changes nothing: the op's autograd kernel redispatches for it."""
 
 
-def test_eager_kernel_and_redispatch_agree():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_eager_kernel_and_redispatch_agree(device):
     """The ops' autograd kernel calls the kernel itself when nothing requires grad and the first argument is a plain
     tensor (the eager call), and otherwise redispatches below autograd: both paths write the same outputs (poisoned
     before) and raise the same named errors (a handle of another kind, out=None)."""
-    attn, q, kv = attention([7, 0, 300])
-    layer, x, logits, _, _ = moe_inputs(5)
-    w13, w2 = moe_weights()
+    attn, q, kv = attention([7, 0, 300], device, **({"max_batch_size": 8, "max_num_pages": 64} if device == "cuda"
+                                                    else {}))
+    layer, x, logits, _, _ = moe_inputs(5, device)
+    w13, w2 = moe_weights(device)
 
     def decode(q, handle=attn.handle, poisoned=True):
-        out = torch.full(q.shape, float("nan"), dtype=BF16) if poisoned else None
-        lse = torch.full(q.shape[:2], float("nan"))
+        out = torch.full(q.shape, float("nan"), dtype=BF16, device=device) if poisoned else None
+        lse = torch.full(q.shape[:2], float("nan"), device=device)
         torch.ops.meld.decode_attention(q, kv, out, lse, handle)
         return out.detach(), lse.detach()
 
     def moe(x, handle=layer.handle, poisoned=True):
-        out = torch.full(x.shape, float("nan"), dtype=BF16) if poisoned else None
+        out = torch.full(x.shape, float("nan"), dtype=BF16, device=device) if poisoned else None
         torch.ops.meld.moe(x, logits, w13, w2, None, None, out, handle)
         return out.detach()
 
