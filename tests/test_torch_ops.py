@@ -154,6 +154,51 @@ def test_unknown_and_wrong_handles_raise():
         torch.ops.meld.moe(x, torch.randn(2, E), w13, w2, None, None, torch.empty_like(x), attn.handle)
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass that changes nothing: the op's autograd kernel redispatches for it."""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_eager_kernel_and_redispatch_agree(device):
+    """The ops' autograd kernel calls the kernel itself when nothing requires grad and the first argument is a plain
+    tensor (the eager call), and otherwise redispatches below autograd: both paths write the same outputs (poisoned
+    before) and raise the same named errors (a handle of another kind, out=None)."""
+    attn, q, kv = attention([7, 0, 300], device, **({"max_batch_size": 8, "max_num_pages": 64} if device == "cuda"
+                                                    else {}))
+    layer, x, logits, _, _ = moe_inputs(5, device)
+    w13, w2 = moe_weights(device)
+
+    def decode(q, handle=attn.handle, poisoned=True):
+        out = torch.full(q.shape, float("nan"), dtype=BF16, device=device) if poisoned else None
+        lse = torch.full(q.shape[:2], float("nan"), device=device)
+        torch.ops.meld.decode_attention(q, kv, out, lse, handle)
+        return out.detach(), lse.detach()
+
+    def moe(x, handle=layer.handle, poisoned=True):
+        out = torch.full(x.shape, float("nan"), dtype=BF16, device=device) if poisoned else None
+        torch.ops.meld.moe(x, logits, w13, w2, None, None, out, handle)
+        return out.detach()
+
+    want, want_moe = decode(q), moe(x)
+    assert not want[0].isnan().any() and not want_moe.isnan().any()
+    redispatched = ((q.clone().requires_grad_(), x.clone().requires_grad_()),
+                    (q.as_subclass(_Sub), x.as_subclass(_Sub)))
+    for slow_q, slow_x in redispatched:
+        got = decode(slow_q)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(moe(slow_x), want_moe)
+        for args in ((q,), (slow_q,)):
+            with pytest.raises(ValueError, match=rf"handle={layer.handle} names a MoE, not a DecodeAttention"):
+                decode(*args, handle=layer.handle)
+            with pytest.raises(ValueError, match=r"out must be a preallocated tensor: torch.ops.meld.decode_attention"):
+                decode(*args, poisoned=False)
+        for args in ((x,), (slow_x,)):
+            with pytest.raises(ValueError, match=rf"handle={attn.handle} names a DecodeAttention, not a MoE"):
+                moe(*args, handle=attn.handle)
+            with pytest.raises(ValueError, match=r"out must be a preallocated tensor: torch.ops.meld.moe"):
+                moe(*args, poisoned=False)
+
+
 def test_registering_keeps_no_operator_alive():
     attn = meld.DecodeAttention(HQ, HKV, D, P, BF16, "cpu")
     layer = meld.MoE(H, I, E, K, BF16, "cpu")

@@ -4,9 +4,11 @@ most ~2 us per call).
     python tools/torch_op_overhead.py [--cuda] [--calls N] [--rounds R] [--json PATH]
 
 `stub` rows time operators whose work is replaced by nothing (subclasses, on the CPU), so they measure the
-call paths alone: the direct method, torch.ops.meld.* (dispatcher, handle lookup, Python kernel) and the
+call paths alone: the direct method, torch.ops.meld.* (dispatcher, handle lookup, Python kernel; the decode
+op also as Inductor's generated code calls it, the defaulted arguments by keyword) and the
 `meld.ops.torch_ops` callers (which also allocate nothing here: outputs are passed in), and for comparison
-the same schema defined through torch.library.custom_op, doing nothing. With --cuda it also
+the decode op's schema with a Python kernel that does nothing, defined as meld defines its ops
+(torch.library.Library: the floor of that route) and through torch.library.custom_op. With --cuda it also
 times the real operators on the GPU: host time per call of run() / MoE() and of their ops, the GPU work
 queued and not waited for (each round of calls is timed between synchronisations, and is short enough not
 to fill the launch queue). Each number is the best round's mean per call: other processes on the host only
@@ -39,6 +41,12 @@ class _StubMoE(meld.MoE):
         return out
 
 
+_lib = torch.library.Library("meld_overhead", "FRAGMENT")
+_lib.define("empty(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle, Tensor? v_cache=None, "
+            "float k_scale=1.0, float v_scale=1.0) -> ()")
+_lib.impl("empty", lambda *args: None, "CPU")   # no autograd kernel: torch's own (C++) fallback
+
+
 @torch.library.custom_op("meld_overhead::stub", mutates_args=("out", "lse"))
 def _custom_op_stub(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                     handle: int) -> None:
@@ -67,14 +75,16 @@ def attention_variants(attn, q, kv, out) -> dict[str, Callable[[], object]]:
     op, h = torch.ops.meld.decode_attention.default, attn.handle
     return {"run()": lambda: attn.run(q, kv, out=out),
             "torch.ops.meld.decode_attention": lambda: op(q, kv, out, None, h),
+            "  as Inductor calls it": lambda: op(q, kv, out, None, h, v_cache=None, k_scale=1.0, v_scale=1.0),
             "torch_ops.decode_attention()": lambda: torch_ops.decode_attention(attn, q, kv, out=out)}
 
 
 def stub_attention_variants() -> dict[str, Callable[[], object]]:
     v = attention_case(_StubAttention, "cpu", 8, 64)
     q, kv, out = torch.empty(8, 32, 128), torch.empty(1, 2, 16, 8, 128), torch.empty(8, 32, 128)
-    stub = torch.ops.meld_overhead.stub.default
-    return {**v, "custom_op stub (no work at all)": lambda: stub(q, kv, out, None, 0)}
+    empty, stub = torch.ops.meld_overhead.empty.default, torch.ops.meld_overhead.stub.default
+    return {**v, "Library op, empty Python kernel": lambda: empty(q, kv, out, None, 0),
+            "custom_op stub (no work at all)": lambda: stub(q, kv, out, None, 0)}
 
 
 def moe_variants(layer, x, logits, w13, w2, out) -> dict[str, Callable[[], object]]:

@@ -228,9 +228,13 @@ def check_outputs(outputs: dict[str, torch.Tensor | None], reads: dict[str, obje
 
 # --- autograd: meld's kernels are for inference ---------------------------------------------------------
 def grad_inputs(*ts: object) -> tuple | None:
-    """The inputs that require grad, when grad mode is on and any does (else None: the usual case)."""
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in ts):
-        return tuple(t for t in ts if getattr(t, "requires_grad", False))
+    """The inputs that require grad, when grad mode is on and any does (else None: the usual case). A plain loop:
+    every op call and run() asks, and any() over a generator is slower (bench/RESULTS.md, "the op call's host
+    path")."""
+    if torch.is_grad_enabled():
+        for t in ts:
+            if getattr(t, "requires_grad", False):
+                return tuple(t for t in ts if getattr(t, "requires_grad", False))
     return None
 
 

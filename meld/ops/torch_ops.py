@@ -14,7 +14,9 @@ handle them, as for vLLM's `unified_attention_with_output`), and return nothing;
 implementations check dtypes and shapes against the operator when a graph is traced. Like vLLM's
 `direct_register_custom_op`, they are defined with `torch.library.Library` rather than
 `torch.library.custom_op`, whose Python-side dispatch costs several times more per call;
-tools/torch_op_overhead.py times the op path against the direct call. meld has no backward: an autograd
+tools/torch_op_overhead.py times the op path against the direct call. Torch's dispatch into any Python kernel
+of these schemas costs about the whole budget issue 42 allows an op call (bench/RESULTS.md, "the op call's host
+path"): a faster call needs a C++ op that launches without Python. meld has no backward: an autograd
 kernel ties each op's outputs to its inputs that require grad, so a backward through them raises
 NotImplementedError naming the op (never a gradient that silently leaves the op out).
 
@@ -172,7 +174,8 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
     out, lse = _outputs(q, attn.dtype, return_lse, out, lse)
     k, v = caches.values() if len(caches) == 2 else (kv_cache, None)
     k_scale, v_scale = attn._check_scales(k_scale, v_scale)   # (floats: the schema's check would be a RuntimeError)
-    _decode_attention_op(q, k, out, lse, attn.handle, v, k_scale, v_scale)
+    extra = () if v is None and k_scale == v_scale == 1.0 else (v, k_scale, v_scale)   # (defaults left out: the
+    _decode_attention_op(q, k, out, lse, attn.handle, *extra)                        # dispatcher parses each one)
     return (out, lse) if return_lse else out
 
 
