@@ -334,16 +334,21 @@ def test_gpu_matches_flashinfer(B, H, P):
     """FlashInfer's own wrapper and meld's on FlashInfer's documented usage (device tables, return_lse; DeepSeek's
     128 heads, or 16 as under 8-way tensor parallelism), meld's outputs poisoned first: both against float64, and
     meld's lse against FlashInfer's (base 2)."""
+    _check_against_flashinfer(*_batch(_lens(B, P, B + P), P, H, device="cuda"), H, P, causal=False)
+
+
+def _check_against_flashinfer(tables, inputs, H, P, causal):
+    """FlashInfer's wrapper (fa2) and meld's planned alike on device tables, meld's outputs poisoned first: both
+    against float64 (`_reference`, causal among a request's rows), and meld's lse against FlashInfer's (base 2)."""
     fi_mla = _flashinfer_mla()
-    tables, inputs = _batch(_lens(B, P, B + P), P, H, device="cuda")
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    fi = fi_mla.BatchMLAPagedAttentionWrapper(ws, backend="fa2")
-    ours = BatchMLAPagedAttentionWrapper(ws)
+    fi, ours = fi_mla.BatchMLAPagedAttentionWrapper(ws, backend="fa2"), BatchMLAPagedAttentionWrapper(ws)
     for w in (fi, ours):
-        w.plan(*_plan_args(tables, H, P).values())
+        w.plan(*_plan_args(tables, H, P, causal=causal).values())
     fi_out, fi_lse = fi.run(*inputs, return_lse=True)
-    out = torch.full((B, H, 512), math.nan, dtype=BF16, device="cuda")
-    lse = torch.full((B, H), math.nan, device="cuda")
+    rows = inputs[0].shape[0]
+    out = torch.full((rows, H, 512), math.nan, dtype=BF16, device="cuda")
+    lse = torch.full((rows, H), math.nan, device="cuda")
     ours.run(*inputs, out=out, lse=lse, return_lse=True)
     torch.cuda.synchronize()
     ref = _reference(tables, inputs)
@@ -456,20 +461,5 @@ def test_gpu_opcheck_decode_mla():
 def test_gpu_matches_flashinfer_with_several_rows_per_request(q_len):
     """q_len causal rows per request (qo_indptr = 0, q_len, ...), meld's wrapper and FlashInfer's own (fa2), meld's
     outputs poisoned first: both against the float64 causal reference, meld's lse against FlashInfer's."""
-    fi_mla = _flashinfer_mla()
     lens = [q_len, 900, 4000, 65, 2049]
-    tables, inputs = _batch(lens, 64, 128, device="cuda", q_len=q_len)
-    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-    fi, ours = fi_mla.BatchMLAPagedAttentionWrapper(ws, backend="fa2"), BatchMLAPagedAttentionWrapper(ws)
-    for w in (fi, ours):
-        w.plan(*_plan_args(tables, 128, 64, causal=True).values())
-    fi_out, fi_lse = fi.run(*inputs, return_lse=True)
-    R = len(lens) * q_len
-    out = torch.full((R, 128, 512), math.nan, dtype=BF16, device="cuda")
-    lse = torch.full((R, 128), math.nan, device="cuda")
-    ours.run(*inputs, out=out, lse=lse, return_lse=True)
-    torch.cuda.synchronize()
-    ref = _reference(tables, inputs)
-    _assert_close(out, lse, *ref)
-    _assert_close(fi_out, fi_lse, *ref)
-    assert (lse - fi_lse).abs().max().item() < 1e-2, "lse must be FlashInfer's (base 2)"
+    _check_against_flashinfer(*_batch(lens, 64, 128, device="cuda", q_len=q_len), 128, 64, causal=True)

@@ -25,14 +25,15 @@ def schedule(request):
     return MlaKernelConfig(schedule=request.param)
 
 
-def _inputs(lens, H, P, gen_seed=0, device="cuda"):
+def _inputs(lens, H, P, gen_seed=0, device="cuda", q_len=1):
+    """A batch's page table, q (q_len rows a request) and latent cache, random from gen_seed."""
     g = torch.Generator().manual_seed(gen_seed)
     pb = paged(lens, P, generator=g)
-    B = len(lens)
+    rows = len(lens) * q_len
     ckv = torch.randn(pb.num_pages, P, 512, generator=g).bfloat16().to(device)
     kpe = torch.randn(pb.num_pages, P, 64, generator=g).bfloat16().to(device)
-    qn = (torch.randn(B, H, 512, generator=g) / 3 ** 0.5).bfloat16().to(device)
-    qp = (torch.randn(B, H, 64, generator=g) / 3 ** 0.5).bfloat16().to(device)
+    qn = (torch.randn(rows, H, 512, generator=g) / 3 ** 0.5).bfloat16().to(device)
+    qp = (torch.randn(rows, H, 64, generator=g) / 3 ** 0.5).bfloat16().to(device)
     return pb, qn, qp, ckv, kpe
 
 

@@ -11,8 +11,9 @@ import torch
 import meld
 from meld.codegen.mla_kernel import MlaKernelConfig
 from meld.runtime.reference import mla_reference
-from meld.workloads import lengths, paged
+from meld.workloads import lengths
 from tests.gpu_checks import assert_gpu_plan_matches_host
+from tests.test_mla_gpu import _inputs as mla_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -31,14 +32,7 @@ def _lens(B: int, q_len: int, seed: int = 0) -> list[int]:
 
 
 def _inputs(lens, q_len, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    pb = paged(lens, P, generator=g)
-    rows = len(lens) * q_len
-    ckv = torch.randn(pb.num_pages, P, 512, generator=g).bfloat16().to(device)
-    kpe = torch.randn(pb.num_pages, P, 64, generator=g).bfloat16().to(device)
-    qn = (torch.randn(rows, H, 512, generator=g) / 3 ** 0.5).bfloat16().to(device)
-    qp = (torch.randn(rows, H, 64, generator=g) / 3 ** 0.5).bfloat16().to(device)
-    return pb, qn, qp, ckv, kpe
+    return mla_inputs(lens, H, P, seed, device, q_len)
 
 
 @functools.lru_cache(maxsize=8)
