@@ -606,6 +606,63 @@ def test_grouped_kernel_compiles_for_sm90a(split_stream, dtype, head_dim, profil
     assert ("_warp" in cfg.name) == (split_stream == "warp") and ("_prof" in cfg.name) == profile
 
 
+WGMMA_BUILDS = [(dtype, head_dim, profile) for dtype in ("bfloat16", "float16") for head_dim in (64, 128)
+                for profile in (False, True)]
+
+
+# Two builds by default (both dtypes, both head_dims: ~10 s of nvcc each); the others with -m full_matrix.
+@pytest.mark.parametrize("dtype,head_dim,profile",
+                         [pytest.param(*b, marks=() if b in (("bfloat16", 128, False), ("float16", 64, False))
+                                       else pytest.mark.full_matrix) for b in WGMMA_BUILDS],
+                         ids=["-".join(map(str, b)) for b in WGMMA_BUILDS])
+def test_the_wgmma_prefix_build_compiles_for_sm90a(dtype, head_dim, profile):
+    """prefix_mma="wgmma" (a shared prefix's tasks on wgmma): no spills, no stack, no wgmma serialised by ptxas,
+    the shared memory (with its 1 KiB for the swizzle's alignment) within sm_90's 227 KiB a CTA."""
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+    from tests.kernel_matrix import nvcc
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cfg = GroupedKernelConfig(dtype, head_dim, profile=profile, prefix_mma="wgmma")
+    _, log = nvcc(cfg.render(), cfg.name)
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    assert "serializ" not in log, log
+    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", log))
+    assert cfg.smem_bytes + static <= 227 * 1024, (cfg.smem_bytes, static)
+    assert cfg.name.endswith("_warp_wgmma" + ("_prof" if profile else ""))
+
+
+def test_the_wgmma_prefix_build_is_opt_in_and_its_config_names_bad_values():
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+
+    default, wg = GroupedKernelConfig(), GroupedKernelConfig(prefix_mma="wgmma")
+    assert default.prefix_mma == "mma" and "#define MELD_PREFIX_WGMMA 1" not in default.render()
+    assert "#define MELD_PREFIX_WGMMA 1" in wg.render() and "wgmma_rs_tb" in wg.render()
+    assert "void wgmma_rs(" not in default.render() and "// meld: Hopper" not in default.render()
+    assert wg.smem_bytes == default.smem_bytes + 1024 and wg.name != default.name
+    for kw, match in [(dict(prefix_mma="mma.sync"), "prefix_mma='mma.sync'"),
+                      (dict(prefix_mma="wgmma", split_stream="cta"), "split_stream='cta'"),
+                      (dict(prefix_mma="wgmma", head_dim=256), "head_dim=256")]:
+        with pytest.raises(ValueError, match=match):
+            GroupedKernelConfig(**kw)
+    with pytest.raises(ValueError, match="prefix_mma must be one of .*got 'tensor'"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", prefix_mma="tensor")
+    with pytest.raises(ValueError, match="split_stream='cta'"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="cta", prefix_mma="wgmma")
+    with pytest.raises(ValueError, match="head_dim=256"):
+        meld.CascadeDecode(HQ, HKV, 256, P, 2, BF16, "cpu", prefix_mma="wgmma")
+    from meld.codegen.wgmma import wgmma_rs
+
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        wgmma_rs("float32", 64)
+    with pytest.raises(ValueError, match="N=260"):
+        wgmma_rs("float16", 260)
+    op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", prefix_mma="wgmma")   # (the CPU executor ignores it)
+    levels, q, kv = batch([2], [40], [3, 5])
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    torch.testing.assert_close(op.run(q, kv).double(), cascade_reference(q, kv, levels)[0], rtol=2e-2, atol=2e-2)
+
+
 def test_the_grouped_builds_differ_in_name_and_the_warp_build_is_the_default():
     from meld.codegen.grouped_kernel import GroupedKernelConfig
 

@@ -1,5 +1,6 @@
-"""The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs, both of its
-builds (split_stream "cta": split tasks through the CTA's ring; "warp": through each warp's own ring)."""
+"""The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs, each of its
+builds (split_stream "cta": split tasks through the CTA's ring; "warp": through each warp's own ring; "wgmma": the
+warp build with a shared prefix's tasks of more than 16 rows on wgmma, prefix_mma="wgmma")."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,8 @@ from meld.runtime.reference import cascade_reference
 pytestmark = pytest.mark.gpu
 
 HKV, P = 2, 16
-both_streams = pytest.mark.parametrize("split_stream", ["cta", "warp"])
+BUILDS = {"cta": dict(split_stream="cta"), "warp": dict(split_stream="warp"), "wgmma": dict(prefix_mma="wgmma")}
+every_build = pytest.mark.parametrize("build", list(BUILDS.values()), ids=list(BUILDS))
 
 
 def _levels(prefix_groups, prefix_lens, suffix_lens, seed):
@@ -60,18 +62,18 @@ def _check(prefix_groups, prefix_lens, suffix_lens, head_dim=128, group=4, seed=
     ([64], [4099], [int(n) for n in np.random.default_rng(1).integers(1, 700, 64)]),   # 256 rows a kv head
     ([5, 7, 20], [2000, 1, 333], [int(n) for n in np.random.default_rng(2).integers(0, 300, 32)]),
 ])
-@both_streams
-def test_two_levels_match_float64(groups, prefix, suffix, split_stream):
-    _check(groups, prefix, suffix, split_stream=split_stream)
+@every_build
+def test_two_levels_match_float64(groups, prefix, suffix, build):
+    _check(groups, prefix, suffix, **build)
 
 
-@both_streams
-def test_split_tasks_before_and_after_tasks_of_more_rows_in_one_cta(split_stream):
+@every_build
+def test_split_tasks_before_and_after_tasks_of_more_rows_in_one_cta(build):
     """Three CTAs over groups of 2, 6, 1 and 5 requests (8, 24, 4 and 20 rows: split tasks and tasks of more
     rows, one after another in a CTA) and short suffixes: the warp build's walk runs ahead into a CTA's next
     split task and stops at a task of more rows, whose CTA ring lies over the warps' rings."""
     suffix = [1, 2, 3, 4, 5, 6, 7, 70, 33, 0, 190, 15, 16, 17]
-    _check([2, 6, 1, 5], [129, 16, 1000, 77], suffix, seed=8, num_ctas=3, split_stream=split_stream)
+    _check([2, 6, 1, 5], [129, 16, 1000, 77], suffix, seed=8, num_ctas=3, **build)
 
 
 def test_groups_larger_than_the_kernels_row_blocks_are_refused():
@@ -80,8 +82,8 @@ def test_groups_larger_than_the_kernels_row_blocks_are_refused():
     meld.CascadeDecode(128, 1, 128, P, 2, torch.bfloat16, "cuda")   # 128 rows: one task's row blocks
 
 
-@both_streams
-def test_an_unaligned_q_view_is_copied_not_misread(split_stream):
+@every_build
+def test_an_unaligned_q_view_is_copied_not_misread(build):
     B, Hq, D = 3, HKV * 4, 128
     levels, pages = _levels([3], [70], [5, 9, 33], seed=6)
     g = torch.Generator().manual_seed(6)
@@ -89,7 +91,7 @@ def test_an_unaligned_q_view_is_copied_not_misread(split_stream):
     flat = torch.randn(B * Hq * D + 1, generator=g).bfloat16().cuda()
     q = flat[1:].view(B, Hq, D)   # contiguous, 2 bytes past a 16-byte boundary
     assert q.data_ptr() % 16 == 2
-    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda", split_stream=split_stream)
+    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda", **build)
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     out = op.run(q, kv.cuda())
     want, _ = cascade_reference(q.cpu(), kv, levels)
@@ -97,31 +99,35 @@ def test_an_unaligned_q_view_is_copied_not_misread(split_stream):
 
 
 @pytest.mark.racecheck
-@both_streams
-def test_both_task_shapes_in_one_small_launch(split_stream):
+@every_build
+def test_both_task_shapes_in_one_small_launch(build):
     """A group of 40 requests (160 rows: two slices, one of 32 requests with 8 warps of rows, one of 8 with
     2) and one-request suffixes (the warps split the chunks, then merge through the drained ring), on few
     CTAs so tasks follow each other in a CTA: small enough for racecheck."""
     _check([40, 2], [150, 70], [int(n) for n in np.random.default_rng(4).integers(0, 140, 42)], seed=4, num_ctas=6,
-           split_stream=split_stream)
+           **build)
 
 
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 8), (256, 4), (128, 16)])
-@both_streams
-def test_head_dims_and_groups(head_dim, group, split_stream):
+@every_build
+def test_head_dims_and_groups(head_dim, group, build):
+    if head_dim == 256 and build.get("prefix_mma") == "wgmma":   # (its accumulators do not fit the registers)
+        with pytest.raises(ValueError, match="prefix_mma='wgmma' with head_dim=256"):
+            meld.CascadeDecode(HKV * group, HKV, head_dim, P, 2, torch.bfloat16, "cuda", **build)
+        return
     _check([3, 5], [500, 77], [int(n) for n in np.random.default_rng(3).integers(0, 200, 8)], head_dim, group,
-           split_stream=split_stream)
+           **build)
 
 
-@both_streams
-def test_non_finite_inputs_reach_exactly_their_rows(split_stream):
+@every_build
+def test_non_finite_inputs_reach_exactly_their_rows(build):
     def poison(q, kv, levels):
         prefix, suffix = levels
         kv[int(prefix[2][0]), 0, 2, 0, 7] = float("inf")                  # K of group 0's prefix, kv head 0
         kv[int(suffix[2][int(suffix[1][3])]), 1, 0, 1, 5] = float("nan")   # V of request 3's suffix, kv head 1
         q[2, 0, 3] = float("nan")                                          # request 2, q head 0
 
-    out, lse = _check([2, 2], [100, 100], [20, 20, 20, 20], poison=poison, split_stream=split_stream)
+    out, lse = _check([2, 2], [100, 100], [20, 20, 20, 20], poison=poison, **build)
     G = 4
     assert out[0:2, :G].isnan().all() and lse[0:2, :G].isnan().all()
     assert out[3, G:].isnan().any(dim=-1).all() and lse[3, G:].isfinite().all()
@@ -129,8 +135,31 @@ def test_non_finite_inputs_reach_exactly_their_rows(split_stream):
     assert math.isfinite(float(lse[2, 1]))
 
 
-@both_streams
-def test_a_captured_run_replays_later_plans_that_fit(split_stream):
+@every_build
+def test_non_finite_inputs_in_a_large_groups_prefix_reach_exactly_their_rows(build):
+    """A group of 20 requests (80 rows a kv head: a task of more rows; in the wgmma build two warpgroups, the
+    second mostly padding) over a prefix of 300 tokens (its last chunk partial): Inf in the prefix's K makes every
+    row of that kv head NaN, NaN in one q row (in the second warpgroup) only that row, NaN in a suffix's V only
+    the P.V of that request's rows."""
+    def poison(q, kv, levels):
+        prefix, suffix = levels
+        kv[int(prefix[2][18]), 0, 3, 0, 9] = float("inf")                  # K of the prefix's token 291, kv head 0
+        kv[int(suffix[2][int(suffix[1][3])]), 1, 0, 1, 5] = float("nan")   # V of request 3's suffix, kv head 1
+        q[18, 5, 3] = float("nan")                                         # request 18, q head 5 (row 73 of kv head 1)
+
+    out, lse = _check([20], [300], [20] * 20, poison=poison, seed=11, **build)
+    G = 4
+    assert out[:, :G].isnan().all() and lse[:, :G].isnan().all()
+    assert out[18, 5].isnan().all() and math.isnan(float(lse[18, 5]))
+    assert out[3, G:].isnan().any(dim=-1).all() and lse[3, G:].isfinite().all()
+    finite = torch.ones(20, 2 * G, dtype=torch.bool)
+    finite[:, :G] = False
+    finite[18, 5] = finite[3, G:] = False
+    assert out[finite].isfinite().all() and lse[finite].isfinite().all()
+
+
+@every_build
+def test_a_captured_run_replays_later_plans_that_fit(build):
     """plan() rewrites the kernel's tables in place while the plan fits them, so a CUDA graph captured after
     one plan replays the next (same batch size; other groups, lengths and pages)."""
     B, Hq, D = 8, HKV * 4, 128
@@ -139,7 +168,7 @@ def test_a_captured_run_replays_later_plans_that_fit(split_stream):
     g = torch.Generator().manual_seed(5)
     kv = torch.randn(max(pages1, pages2) + 1, 2, P, HKV, D, generator=g).bfloat16()
     q1, q2 = (torch.randn(B, Hq, D, generator=g).bfloat16() for _ in range(2))
-    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda", split_stream=split_stream)
+    op = meld.CascadeDecode(Hq, HKV, D, P, 2, torch.bfloat16, "cuda", **build)
     q_buf, kv_gpu = q1.cuda(), kv.cuda()
     out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
     op.plan(*[[lv[i] for lv in first] for i in range(4)])
@@ -157,8 +186,8 @@ def test_a_captured_run_replays_later_plans_that_fit(split_stream):
         torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
-@both_streams
-def test_a_profiled_launch_records_every_task_and_its_merges(split_stream):
+@every_build
+def test_a_profiled_launch_records_every_task_and_its_merges(build):
     from meld import config
 
     levels, pages = _levels([5, 3], [700, 90], [int(n) for n in np.random.default_rng(7).integers(0, 300, 8)], seed=7)
@@ -166,7 +195,7 @@ def test_a_profiled_launch_records_every_task_and_its_merges(split_stream):
     q = torch.randn(8, HKV * 4, 128, generator=g).bfloat16().cuda()
     kv = torch.randn(pages + 1, 2, P, HKV, 128, generator=g).bfloat16().cuda()
     with config.scope(MELD_PROFILE="1"):
-        op = meld.CascadeDecode(HKV * 4, HKV, 128, P, 2, torch.bfloat16, "cuda", num_ctas=10, split_stream=split_stream)
+        op = meld.CascadeDecode(HKV * 4, HKV, 128, P, 2, torch.bfloat16, "cuda", num_ctas=10, **build)
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     op.run(q, kv)
     tr = op.last_trace()

@@ -7,6 +7,7 @@ from ..ir.work_table import EVENT, SPLIT_TASK
 from ..runtime.profile import kind_defines
 from .params import GROUPED_PARAMS, WATCHDOG_RECORD
 from .source import template
+from .wgmma import wgmma_rs
 
 _MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 GROUPED_TILE = 16    # query rows per warp's row block, KV tokens per tile (the template's GT)
@@ -18,6 +19,7 @@ _RING_MAX = 200 * 1024
 # static arrays (the fired-event list, 1 KiB) and a margin.
 _WARP_SMEM_MAX = 227 * 1024 - 2048
 SPLIT_STREAMS = ("cta", "warp")
+PREFIX_MMAS = ("mma", "wgmma")
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,19 @@ class GroupedKernelConfig:
     16-token tiles through a ring of its own (`warp_stages` tiles of K and V), running ahead into the CTA's
     next split task (the default: faster on 6 of the 7 BENCH cascade cases at 611126d, bench/RESULTS.md).
     Tasks of more rows take the CTA's ring in both builds.
+
+    `prefix_mma` picks the tensor-core instructions of a task of more than 16 rows (a shared prefix's slice):
+    "mma", each warp its 16 rows with mma.sync m16n8k16 (the default); "wgmma", each warpgroup its 64 rows
+    with wgmma against a whole chunk, the CTA ring in wgmma's 128-byte swizzle. It needs the "warp" split
+    stream (split tasks read their own rings, never the CTA ring's layout) and head_dim 64 or 128 (at 256 the
+    accumulators of O, S and P do not fit a thread's registers beside Q).
     """
 
     dtype: str = "bfloat16"
     head_dim: int = 128
     profile: bool = False   # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
     split_stream: str = "warp"
+    prefix_mma: str = "mma"
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -43,19 +52,29 @@ class GroupedKernelConfig:
             raise ValueError(f"head_dim={self.head_dim}: expected 64, 128 or 256")
         if self.split_stream not in SPLIT_STREAMS:
             raise ValueError(f"split_stream={self.split_stream!r}: expected one of {SPLIT_STREAMS}")
+        if self.prefix_mma not in PREFIX_MMAS:
+            raise ValueError(f"prefix_mma={self.prefix_mma!r}: expected one of {PREFIX_MMAS}")
+        if self.prefix_mma == "wgmma" and self.split_stream != "warp":
+            raise ValueError(f"prefix_mma='wgmma' with split_stream={self.split_stream!r}: the wgmma build needs "
+                             "split_stream='warp'")
+        if self.prefix_mma == "wgmma" and self.head_dim == 256:
+            raise ValueError("prefix_mma='wgmma' with head_dim=256: its accumulators do not fit the registers "
+                             "(head_dim 64 or 128)")
 
     @staticmethod
-    def of(low, *, profile: bool = False, split_stream: str = "warp") -> "GroupedKernelConfig":
+    def of(low, *, profile: bool = False, split_stream: str = "warp", prefix_mma: str = "mma") -> "GroupedKernelConfig":
         """The build of a lowered grouped-attention graph (`meld.codegen.lowering.Lowering`): its attrs' dtype
         and head_dim."""
-        return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile, split_stream=split_stream)
+        return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile, split_stream=split_stream,
+                                   prefix_mma=prefix_mma)
 
     entry = "meld_grouped_attention"
 
     @property
     def name(self) -> str:
         return (f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}" +
-                ("_warp" if self.split_stream == "warp" else "") + ("_prof" if self.profile else ""))
+                ("_warp" if self.split_stream == "warp" else "") + ("_wgmma" if self.prefix_mma == "wgmma" else "") +
+                ("_prof" if self.profile else ""))
 
     @property
     def row_blocks(self) -> int:
@@ -95,7 +114,7 @@ class GroupedKernelConfig:
         return min(4, (_WARP_SMEM_MAX - self._stash_bytes(w)) // (w * self._warp_stage_bytes()))
 
     @property
-    def smem_bytes(self) -> int:
+    def _layout_bytes(self) -> int:
         """The cta build: the ring, or the warps' stashes laid over it (a split task's 16 rows of O, m and l per
         warp), the larger. The warp build: the CTA ring (tasks of many rows), or the warps' rings with the
         stashes after them (split tasks), the larger."""
@@ -104,6 +123,12 @@ class GroupedKernelConfig:
             w = self.split_warps
             return max(ring, w * self.warp_stages * self._warp_stage_bytes() + self._stash_bytes(w))
         return max(ring, self._stash_bytes(GROUPED_WARPS))
+
+    @property
+    def smem_bytes(self) -> int:
+        """The layout's bytes (`_layout_bytes`), and in the wgmma build 1 KiB more: the kernel starts them at the
+        first 1 KiB boundary of its allocation, where the 128-byte swizzle's pattern starts."""
+        return self._layout_bytes + (1024 if self.prefix_mma == "wgmma" else 0)
 
     def render(self) -> str:
         head = [
@@ -120,6 +145,11 @@ class GroupedKernelConfig:
         if self.split_stream == "warp":   # (the cta build's source stays as it was)
             head[4:4] = ["#define MELD_SPLIT_WARP 1", f"#define SPLIT_WARPS {self.split_warps}",
                          f"#define WARP_STAGES {self.warp_stages}"]
+        hopper = []
+        if self.prefix_mma == "wgmma":   # (the other builds' source stays as it was)
+            head[4:4] = ["#define MELD_PREFIX_WGMMA 1"]
+            hopper = [template("hopper.cuh"), "namespace meld {\n" + wgmma_rs(self.dtype, GROUPED_CHUNK) +
+                      wgmma_rs(self.dtype, self.head_dim, trans_b=True) + "}  // namespace meld"]
         return "\n".join([ "\n".join(head), WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"),
-                          GROUPED_PARAMS.c_source(), SPLIT_TASK.c_source(), EVENT.c_source(),
+                          *hopper, GROUPED_PARAMS.c_source(), SPLIT_TASK.c_source(), EVENT.c_source(),
                           template("grouped_attention.cuh")])

@@ -4,24 +4,31 @@ not by hand."""
 from __future__ import annotations
 
 WGMMA_N = tuple(range(8, 257, 8))   # the N a bf16 m64nNk16 (or e4m3 m64nNk32) instruction accepts
+_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 
 
-def _wgmma(name: str, n: int, op: str, modifiers: str) -> str:
-    """The device function `name(acc, desc_a, desc_b[, accumulate])` around wgmma instruction `op` (its shape
-    and types, N = n) whose operands after the scale-d predicate are `modifiers`."""
+def _wgmma(name: str, n: int, op: str, modifiers: str, a_regs: bool = False) -> str:
+    """The device function `name(acc, a, desc_b[, accumulate])` around wgmma instruction `op` (its shape and
+    types, N = n) whose operands after the scale-d predicate are `modifiers`; A is a shared-memory descriptor,
+    or with `a_regs` four registers of 16-bit pairs (mma.m16n8k16's A fragment of the warp's 16 rows)."""
     if n not in WGMMA_N:
         raise ValueError(f"wgmma N={n}: expected a multiple of 8 in 8..256")
     regs = n // 2
     acc = ", ".join(f"%{i}" for i in range(regs))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    if a_regs:
+        a_param, a_op, a_in, b = "const u32 (&a)[4]", f"{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}", \
+            '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])', regs + 4
+    else:
+        a_param, a_op, a_in, b = "unsigned long long a", f"%{regs}", '"l"(a)', regs + 1
     return (
-        f"__device__ __forceinline__ void {name}(float (&d)[{regs}], unsigned long long a, "
+        f"__device__ __forceinline__ void {name}(float (&d)[{regs}], {a_param}, "
         "unsigned long long b, int accumulate = 1) {\n"
-        f'  asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{regs + 2}, 0; "\n'
-        f'               "wgmma.mma_async.sync.aligned.{op} {{{acc}}}, %{regs}, %{regs + 1}, '
+        f'  asm volatile("{{ .reg .pred p; setp.ne.b32 p, %{b + 1}, 0; "\n'
+        f'               "wgmma.mma_async.sync.aligned.{op} {{{acc}}}, {a_op}, %{b}, '
         f'p, {modifiers}; }}"\n'
         f'               : {outs}\n'
-        f'               : "l"(a), "l"(b), "r"(accumulate));\n'
+        f'               : {a_in}, "l"(b), "r"(accumulate));\n'
         "}\n")
 
 
@@ -33,6 +40,17 @@ def wgmma_bf16(n: int, trans_b: bool = False) -> str:
     wgmmas serialise them)."""
     return _wgmma("wgmma_bf16_tb" if trans_b else "wgmma_bf16", n, f"m64n{n}k16.f32.bf16.bf16",
                   f"1, 1, 0, {int(trans_b)}")
+
+
+def wgmma_rs(dtype: str, n: int, trans_b: bool = False) -> str:
+    """`wgmma_rs(acc, a, desc_b[, accumulate])`: as wgmma_bf16 with A from registers (`a`: each warp's 16 rows
+    of the 64 as mma.m16n8k16's A fragment), for `dtype` "bfloat16" or "float16"; `wgmma_rs_tb` with B
+    MN-major. Overloads of one name differ in N (the accumulator's length)."""
+    if dtype not in _TYPES:
+        raise ValueError(f"wgmma dtype={dtype!r}: expected one of {sorted(_TYPES)}")
+    t = _TYPES[dtype]
+    return _wgmma("wgmma_rs_tb" if trans_b else "wgmma_rs", n, f"m64n{n}k16.f32.{t}.{t}", f"1, 1, {int(trans_b)}",
+                  a_regs=True)
 
 
 def wgmma_e4m3(n: int) -> str:

@@ -82,6 +82,10 @@ class CascadeDecode(Operator):
             "warp" (default) through each warp's own ring, "cta" through the CTA's shared ring
             (`meld.codegen.grouped_kernel.GroupedKernelConfig`). The same results either way; the CPU
             executor ignores it.
+        prefix_mma: the GPU kernel's tensor-core instructions for a task of more than 16 query rows (a shared
+            level's slice): "mma" (default; mma.sync, a warp's 16 rows) or "wgmma" (a warpgroup's 64 rows; needs
+            split_stream "warp" and head_dim 64 or 128). The same results up to rounding; the CPU executor
+            ignores it.
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -91,16 +95,19 @@ class CascadeDecode(Operator):
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
                  num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
                  merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
-                 split_stream: str = "warp"):
+                 split_stream: str = "warp", prefix_mma: str = "mma"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim!r}")
-        from ..codegen.grouped_kernel import SPLIT_STREAMS
+        from ..codegen.grouped_kernel import PREFIX_MMAS, SPLIT_STREAMS, GroupedKernelConfig
 
         if split_stream not in SPLIT_STREAMS:
             raise ValueError(f"split_stream must be one of {SPLIT_STREAMS}, got {split_stream!r}")
-        self.split_stream = split_stream
+        if prefix_mma not in PREFIX_MMAS:
+            raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
+        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma)   # (the pair's checks)
+        self.split_stream, self.prefix_mma = split_stream, prefix_mma
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self.item_overhead_tokens = check_count("item_overhead_tokens", item_overhead_tokens, 1 << 20)
@@ -113,7 +120,8 @@ class CascadeDecode(Operator):
         self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
         if self.device.type == "cuda":
             self._require_hopper()
-            kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile(), split_stream=split_stream)
+            kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile(), split_stream=split_stream,
+                                                                     prefix_mma=prefix_mma)
             self._slice_rows = kc.row_blocks * 16
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "

@@ -20,6 +20,11 @@
 //                   tile, as decode_attention.cuh's warps do), with the page-table lookup of its next tile in
 //                   flight, and runs ahead into the CTA's next task while that is a split task too (never past
 //                   a task of more rows). Inside a split task a warp meets no CTA barrier until its stash.
+// The wgmma build (MELD_PREFIX_WGMMA) attends a task of more rows on wgmma instead: warpgroup w's 64 rows (its
+// four warps' row blocks) against a whole chunk at once, S = Q.K^T (m64n64k16, Q from the warps' A fragments, K
+// from the ring), the online softmax on S's fragments, O += P.V (m64nHEAD_DIMk16, P from registers, V from the
+// ring); the CTA ring is then laid out as wgmma's 128-byte swizzle reads it (chunk_off). Split tasks stream
+// through the warps' rings (the warp build) as before.
 // Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
 //
 // The combine is fired by a count: after a task's partials are stored, a thread per event fences and counts
@@ -46,7 +51,8 @@
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
 // value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
 // SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
-// MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES.
+// MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES; the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
+// and wgmma_rs_tb (m64nHEAD_DIM).
 
 namespace meld {
 
@@ -85,10 +91,26 @@ constexpr int RPP = 32 / CPR;                    // token rows a warp's cp.async
 constexpr int PASSES = GT / RPP;
 static_assert(SWARPS >= 1 && SWARPS <= GWARPS && WSTAGES >= 2, "a warp ring needs two stages");
 static_assert(CPR <= 32 && 32 % CPR == 0, "a token row's chunks fit a warp's lanes");
+#ifndef MELD_PREFIX_WGMMA
+#define MELD_PREFIX_WGMMA 0
+#endif
+constexpr bool PREFIX_WGMMA = MELD_PREFIX_WGMMA;   // tasks of more rows on wgmma, a warpgroup's 64 rows at once
+constexpr int WG_ROWS = 64;                        // wgmma's M
+constexpr int SW_BLOCK = CHUNK * 128;              // the wgmma build: a chunk's 64-channel column block (bytes)
+static_assert(!PREFIX_WGMMA || (WARP_STREAM && GWARPS * GT % WG_ROWS == 0 && CHUNK == 64),
+              "the wgmma build: split tasks on the warps' rings, whole warpgroups, a chunk one m64n64 tile");
 
 // Byte offset of 16-byte chunk c of token row r in a K or V chunk: XOR swizzle, so ldmatrix's eight rows
 // at one chunk column hit eight different bank groups.
 __device__ __forceinline__ u32 kv_off(int r, int c) { return r * (GD * 2) + ((c ^ (r & 7)) << 4); }
+
+// Byte offset of 16-byte chunk c of token row r in a chunk of the CTA ring: kv_off, or (the wgmma build) wgmma's
+// 128-byte swizzle, from a 1 KiB boundary: column blocks of 64 channels (SW_BLOCK bytes: CHUNK rows of 128 bytes,
+// chunk c & 7 at c & 7 ^ r & 7), so a block's 8-row atoms lie 1 KiB apart, as the K-major (K) and MN-major (V)
+// descriptors read them.
+__device__ __forceinline__ u32 chunk_off(int r, int c) {
+  return PREFIX_WGMMA ? (c >> 3) * SW_BLOCK + r * 128 + (((c & 7) ^ (r & 7)) << 4) : kv_off(r, c);
+}
 
 // One warp's 16 query rows of a task: the rows' online-softmax state over the tokens it attended.
 struct RowBlock {
@@ -139,8 +161,49 @@ __device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* r
     const int row = rows[tok];
     const u16* k = p.kv + (i64)max(row, 0) * GD + c * 8;
     const int bytes = row >= 0 ? 16 : 0;
-    cp_async_16(dst + kv_off(tok, c), k, bytes);
-    cp_async_16(dst + KV_BYTES + kv_off(tok, c), k + v_rows * GD, bytes);
+    cp_async_16(dst + chunk_off(tok, c), k, bytes);
+    cp_async_16(dst + KV_BYTES + chunk_off(tok, c), k + v_rows * GD, bytes);
+  }
+}
+
+// The online softmax of a warp's 16 rows over NT n8 tiles of scores `s` (mma's C fragments; a wgmma accumulator
+// holds a warp's rows the same way): scaled, masked at or past `valid`, exponentiated in place (P), and the rows'
+// m, l and O rescaled.
+template <int NT>
+__device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& rb, float (&s)[NT][4], int valid, int t) {
+  float mx[2] = {rb.m[0], rb.m[1]};
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int tok = n * 8 + 2 * t + (c & 1);
+      const float x = s[n][c] * p.sm_scale_log2;   // a non-finite score (Inf or NaN in q or K) makes the row NaN
+      s[n][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
+      mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
+    }
+  float alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float base = mx[r] == neg_inf() ? 0.f : mx[r];   // a row with no finite score yet
+    alpha[r] = exp2_approx(rb.m[r] - base);
+    rb.m[r] = mx[r];
+    mx[r] = base;
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      s[n][c] = exp2_approx(s[n][c] - mx[c >> 1]);
+      sum[c >> 1] += s[n][c];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) rb.l[r] = rb.l[r] * alpha[r] + sum[r];
+#pragma unroll
+  for (int n = 0; n < GNT; ++n) {
+    rb.o[n][0] *= alpha[0]; rb.o[n][1] *= alpha[0];
+    rb.o[n][2] *= alpha[1]; rb.o[n][3] *= alpha[1];
   }
 }
 
@@ -165,40 +228,7 @@ __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, con
       mma_16816(s[2 * j + 1], qf[k][0], qf[k][1], qf[k][2], qf[k][3], b[2], b[3]);
     }
   }
-  float mx[2] = {rb.m[0], rb.m[1]};
-#pragma unroll
-  for (int n = 0; n < 2 * NS; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int tok = n * 8 + 2 * t + (c & 1);
-      const float x = s[n][c] * p.sm_scale_log2;   // a non-finite score (Inf or NaN in q or K) makes the row NaN
-      s[n][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
-      mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
-    }
-  float alpha[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float base = mx[r] == neg_inf() ? 0.f : mx[r];   // a row with no finite score yet
-    alpha[r] = exp2_approx(rb.m[r] - base);
-    rb.m[r] = mx[r];
-    mx[r] = base;
-  }
-#pragma unroll
-  for (int n = 0; n < 2 * NS; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      s[n][c] = exp2_approx(s[n][c] - mx[c >> 1]);
-      sum[c >> 1] += s[n][c];
-    }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) rb.l[r] = rb.l[r] * alpha[r] + sum[r];
-#pragma unroll
-  for (int n = 0; n < GNT; ++n) {
-    rb.o[n][0] *= alpha[0]; rb.o[n][1] *= alpha[0];
-    rb.o[n][2] *= alpha[1]; rb.o[n][3] *= alpha[1];
-  }
+  softmax_step(p, rb, s, valid, t);
 #pragma unroll
   for (int j = 0; j < NS; ++j) {
     const u32 a0 = pack2(s[2 * j][0], s[2 * j][1]), a1 = pack2(s[2 * j][2], s[2 * j][3]),
@@ -212,6 +242,43 @@ __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, con
     }
   }
 }
+
+#if MELD_PREFIX_WGMMA
+// The wgmma build's step of a task of more rows: the warpgroup's 64 rows (each warp's 16 in rb and qf, as attend
+// has them) over the whole chunk at `stage` (K; V KV_BYTES on), tokens at or past `valid` masked out. Every
+// thread of the warpgroup calls it (wgmma is warpgroup-wide), its rows padding or not.
+__device__ __forceinline__ void attend_wgmma(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
+                                             u32 stage, int valid, int lane) {
+  float s[2 * TILES][4];   // S's accumulator: n8 tile n of the warp's rows, as mma's C fragments
+  auto& sa = reinterpret_cast<float (&)[2 * TILES * 4]>(s);
+  auto& oa = reinterpret_cast<float (&)[GNT * 4]>(rb.o);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < GKSTEPS; ++k)   // K-major B: k16 step k is 32 bytes into column block k / 4
+    wgmma_rs(sa, qf[k], wgmma_desc(stage + (k >> 2) * SW_BLOCK + (k & 3) * 32), k > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(sa);   // (S is read after the wait)
+  softmax_step(p, rb, s, valid, lane & 3);
+  u32 a[TILES][4];   // P's A fragments, k16 step j: tokens 16j .. 16j + 15
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    a[j][0] = pack2(s[2 * j][0], s[2 * j][1]);
+    a[j][1] = pack2(s[2 * j][2], s[2 * j][3]);
+    a[j][2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
+    a[j][3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
+    fence_regs(a[j]);
+  }
+  fence_regs(oa);   // (P is packed and O rescaled before the fence and the wgmmas that read them)
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)   // MN-major B: 16 tokens are two 1 KiB atoms; column blocks SW_BLOCK apart
+    wgmma_rs_tb(oa, a[j], wgmma_desc_mn(stage + KV_BYTES + j * 2048, SW_BLOCK));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(oa);
+}
+#endif
 
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -406,7 +473,9 @@ struct GroupedFamily {
   static constexpr int SMEM_ALIGN = 128;
   struct State {
     unsigned char* smem;   // the ring; a split task's warp stashes once it is drained
-    __device__ __forceinline__ State(const GroupedParams&, unsigned char* s) : smem(s) {}
+    // (the wgmma build: from the first 1 KiB boundary, where the 128-byte swizzle's pattern starts)
+    __device__ __forceinline__ State(const GroupedParams&, unsigned char* s)
+        : smem(PREFIX_WGMMA ? s + ((1024u - (smem_addr(s) & 1023u)) & 1023u) : s) {}
   };
 
   static __device__ __forceinline__ void setup(const GroupedParams&, const State&) {}
@@ -432,6 +501,7 @@ struct GroupedFamily {
     }
     for (int c = 0; c < chunks; ++c) {
       cp_async_wait<GSTAGES - 2>();
+      if (PREFIX_WGMMA) fence_proxy_async();   // (this thread's copies, before wgmma reads them)
       __syncthreads();   // chunk c has landed for every thread, chunk c - 1 is read (its stage is free), and
                          // chunk c + GSTAGES - 1's rows are in `rows`
       const int next = c + GSTAGES - 1;
@@ -450,9 +520,13 @@ struct GroupedFamily {
         const int tile = warp % TILES;
         if (c % WARP_SETS == warp / TILES && valid > tile * GT) attend<1>(p, rb, qf, stage, stage + KV_BYTES, tile, valid - tile * GT, lane);
       } else if (active) {
+#if MELD_PREFIX_WGMMA
+        attend_wgmma(p, rb, qf, stage, valid, lane);
+#else
 #pragma unroll
         for (int j = 0; j < TILES; j += ROW_TILES)
           if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, stage + KV_BYTES, j, valid - j * GT, lane);
+#endif
       }
       if (!HOLD && threadIdx.x < CHUNK && c + GSTAGES < chunks)
         ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
@@ -520,7 +594,8 @@ struct GroupedFamily {
         if (streams) stream_warp(p, tk, lc, last, cs, rb, qf, wring, warp, lane);
       } else {
         primed = false;   // (the warp build: the walk stopped at this task; every tile it issued is read)
-        stream(p, tk, pages, split, row0 < rows, rb, qf, ring, warp, lane);
+        const bool active = PREFIX_WGMMA ? warp / 4 * WG_ROWS < rows : row0 < rows;   // (wgmma: the warpgroup's)
+        stream(p, tk, pages, split, active, rb, qf, ring, warp, lane);
       }
       if (split) {
         if (!WARP_STREAM || streams) stash_rows(rb, reinterpret_cast<WarpStash*>(stash)[warp], lane);
