@@ -67,6 +67,14 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, variant=ROPE),
             dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, variant=DecodeVariant(
                 30.0, 4095, 1e4)), tma=True),
             DecodeKernelConfig.default("bfloat16", 256, batch_invariant=True, variant=ROPE)]
+# RoPE over FP8 caches (keys rotated in registers): every head dim, both formats and MMA types (e5m2 with f16: halved
+# keys), TMA rings, 16-head units with a cap and a window, a batch-invariant walk.
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8, variant=ROPE),
+            dataclasses.replace(DecodeKernelConfig.default("float16", 64, group_size=16, kv_dtype=E5M2,
+                                                           variant=DecodeVariant(30.0, 4095, 1e4)), tma=True),
+            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 256, kv_dtype=FP8, variant=ROPE), tma=True),
+            DecodeKernelConfig.default("bfloat16", 128, group_size=16, batch_invariant=True, kv_dtype=FP8,
+                                       variant=ROPE)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

@@ -250,13 +250,10 @@ def test_wrapper_plans_the_variant(cap, window, layout, rope):
         w.forward(q, cache, window_left=window, logits_soft_cap=cap, pos_encoding_mode="NONE" if rope else "ROPE_LLAMA")
 
 
-def test_wrapper_refuses_rope_on_fp8_and_alibi():
+def test_wrapper_refuses_alibi():
     pb = paged(LENS, 16)
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
     args = (pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 64, 16)
-    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA' is not supported: meld's RoPE "
-                                                  "kernels read 16-bit caches"):
-        w.plan(*args, pos_encoding_mode="ROPE_LLAMA", q_data_type=BF16, kv_data_type=torch.float8_e4m3fn)
     with pytest.raises(NotImplementedError, match="pos_encoding_mode='ALIBI' is not supported: meld's kernel has no"):
         w.plan(*args, pos_encoding_mode="ALIBI", q_data_type=BF16)
     for kw, match in [(dict(rope_theta=-1.0), "rope_theta must be a positive number .*got -1.0"),
@@ -358,8 +355,6 @@ def test_head_dim_512_is_refused_by_name():
     (dict(rope_theta=1e4), "rope_theta=10000.0 is for pos_encoding_mode='ROPE_LLAMA', got pos_encoding_mode='NONE'"),
     (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=0), "rope_theta must be a positive number .*got 0"),
     (dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=math.inf), "rope_scale must be a finite number, got inf"),
-    (dict(pos_encoding_mode="ROPE_LLAMA", kv_dtype=torch.float8_e4m3fn),
-     "pos_encoding_mode='ROPE_LLAMA' takes a 16-bit cache .*got kv_dtype=torch.float8_e4m3fn"),
     (dict(window_left=4, kernel_config=DecodeKernelConfig.default("bfloat16", 64)),
      r"kernel_config is for .*DecodeVariant\(logits_soft_cap=0.0, window_left=-1, .*the operator is .*window_left=4"),
 ])
@@ -373,8 +368,6 @@ def test_kernel_config_errors():
         DecodeVariant(50)
     with pytest.raises(ValueError, match="xrank kernels compute plain softmax attention"):
         DecodeKernelConfig(xrank="peer", variant=DecodeVariant(window_left=3))
-    with pytest.raises(ValueError, match="RoPE kernels rotate K tiles .*kv_dtype must be ''"):
-        DecodeKernelConfig(kv_dtype="float8_e4m3fn", variant=DecodeVariant(rope_theta=1e4))
     with pytest.raises(ValueError, match="rope_scale=2.0 without RoPE"):
         DecodeVariant(rope_scale=2.0)
 

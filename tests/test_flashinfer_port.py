@@ -11,7 +11,7 @@ Each FlashInfer test is a suite below (SUITES: its parameters, values and runner
 test_refusals_are_the_allow_list plans every case of every suite and checks the refusals, counted per option,
 against ALLOWED exactly.
 
-Cases: 6,192 in all (1,489 of them refused: ALLOWED). GPU (marker gpu): a pairwise cover of each suite (every
+Cases: 6,192 in all (649 of them refused: ALLOWED). GPU (marker gpu): a pairwise cover of each suite (every
 value of every parameter, every pair of values, and each suite's first case) by default, 179 cases; the other
 6,013 under -m full_matrix (collected only then). CPU (reference executor, CPU tensors): a pairwise cover of
 each suite's smaller values, 103 cases. Both also run test_nan_in_nan_out_for_exactly_the_affected_rows (4 cases
@@ -50,9 +50,6 @@ ALLOWED = {
     # head_dim 512 (FlashInfer's 16-bit FA2 large-head decode; and its nvfp4 large-head case): not built yet
     # (issue 42, item 3). 360 cases of test_batch_decode_with_paged_kv_cache and the nvfp4 large-head case.
     "head_dim=512": 361,
-    # ROPE_LLAMA over an FP8 cache: meld's RoPE kernels read 16-bit caches. Not built yet (issue 42, item 3). 648
-    # cases of the batch tests over e4m3, 192 of the calibration-scale test (e4m3 and e5m2).
-    "pos_encoding_mode='ROPE_LLAMA'": 840,
 }
 _REFUSAL = re.compile(r"^meld\.compat\.flashinfer: (\w+)=(.+?) is not supported")
 

@@ -62,6 +62,10 @@ VARIANTS = {
     "decode-window-fp8-tma": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, "
                              "kv_dtype='float8_e4m3fn', variant=DecodeVariant(30.0, 1000)), tma=True)",
     "decode-rope-d64-fp16": "DecodeKernelConfig.default('float16', 64, variant=DecodeVariant(rope_theta=1e4))",
+    "decode-rope-d256-invariant": "DecodeKernelConfig.default('bfloat16', 256, batch_invariant=True, "
+                                  "variant=DecodeVariant(rope_theta=5e5, rope_scale=8.0))",
+    "decode-rope-fp8": "DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e4m3fn', "
+                       "variant=DecodeVariant(rope_theta=5e5, rope_scale=8.0))",
     "decode-plan": "DecodePlanKernelConfig()",
     "decode-plan-tokens": "DecodePlanKernelConfig(token_requests=True)",
     "mla": "MlaKernelConfig()",
@@ -80,6 +84,9 @@ VARIANTS = {
     "grouped-d256-profile": "GroupedKernelConfig('bfloat16', 256, profile=True)",
     "grouped-warp": "GroupedKernelConfig('bfloat16', 128, split_stream='warp')",
     "grouped-warp-d256": "GroupedKernelConfig('bfloat16', 256, split_stream='warp')",
+    "grouped-cta": "GroupedKernelConfig('bfloat16', 128, split_stream='cta')",
+    "grouped-cta-d64-fp16-profile": "GroupedKernelConfig('float16', 64, profile=True, split_stream='cta')",
+    "grouped-wgmma": "GroupedKernelConfig('bfloat16', 128, prefix_mma='wgmma')",
 }
 
 _RENDER = """

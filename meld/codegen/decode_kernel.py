@@ -140,8 +140,6 @@ class DecodeKernelConfig:
             raise ValueError(f"variant={self.variant!r}: expected a DecodeVariant")
         if self.xrank and self.variant != DecodeVariant():
             raise ValueError("xrank kernels compute plain softmax attention: SeqParallelDecode takes no variant")
-        if self.variant.rope_theta and self.kv_dtype:
-            raise ValueError("RoPE kernels rotate K tiles in shared memory in the 16-bit dtype: kv_dtype must be ''")
         if not isinstance(self.q_len, int) or isinstance(self.q_len, bool) or not 1 <= self.q_len <= MAX_Q_LEN:
             raise ValueError(f"q_len={self.q_len!r}: expected an int from 1 to {MAX_Q_LEN}")
         if self.q_len > 1 and (self.xrank or self.variant.window_left >= 0 or self.variant.rope_theta):

@@ -210,9 +210,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 " (its per-warp output tile in registers holds at most 256 channels; MLA's 512-channel latent runs "
                 "on BatchMLAPagedAttentionWrapper)" if head_dim > 256 else ""))
         dtype, kv_dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
-        if variant.rope_theta and kv_dtype in FP8:
-            raise _unsupported("pos_encoding_mode", pos_encoding_mode, f"meld's RoPE kernels read 16-bit caches, got "
-                               f"kv_data_type={kv_dtype}")
         if sm_scale is not None:
             sm_scale = check_finite("sm_scale", sm_scale)
         batch_invariant = disable_split_kv or (fixed_split_size is not None and fixed_split_size > 0)

@@ -140,9 +140,11 @@ class DecodeAttention(PagedDecode):
         pos_encoding_mode: "NONE", or "ROPE_LLAMA": Llama's rotary embedding ("rotate half") applied inside
             attention, each key at its position in its request and the query at the request's last, with
             frequencies rope_theta^(-2i/head_dim) / rope_scale (FlashInfer's; None: 1e4 and 1). q and the
-            cache hold the keys unrotated. 16-bit caches only. A kernel of its own per (rope_theta, rope_scale).
-            The kernel rotates each key by its offset from the query (the same scores) and rounds it to the
-            MMA type (bfloat16: 2^-9 of each key), where FlashInfer rotates in float32.
+            cache hold the keys unrotated. A kernel of its own per (rope_theta, rope_scale). The kernel rotates
+            each key by its offset from the query (the same scores) and rounds it to the MMA type (bfloat16: 2^-9
+            of each key), where FlashInfer rotates in float32. An FP8 cache's keys are rotated as they are stored
+            and k_scale applies to the scores after, in FlashInfer's order (the rotation is linear: the same
+            scores as rotating the dequantised keys).
         q_len: new tokens per request, 1 to 8 (speculative decoding's drafts, multi-token prediction; FlashInfer's
             q_len_per_req): run()'s q and out are [B * q_len, num_qo_heads, head_dim], a request's tokens
             consecutive, and token j of a request of kv_len tokens (the cache already holds its q_len new ones)
@@ -236,9 +238,6 @@ class DecodeAttention(PagedDecode):
                 f"pos_encoding_mode={pos_encoding_mode!r}"
             raise ValueError(f"q_len={q_len} with {which}: the kernel's window and RoPE place every key relative to a "
                              "request's last token, so they take q_len=1")
-        if self.variant.rope_theta and kv_dtype in FP8:
-            raise ValueError(f"pos_encoding_mode='ROPE_LLAMA' takes a 16-bit cache (the kernel rotates K in the MMA "
-                             f"type), got kv_dtype={kv_dtype}")
         self.overlap = overlap
         self.max_batch_size = None if max_batch_size is None else check_positive("max_batch_size", max_batch_size)
         self.max_num_pages = None if max_num_pages is None else check_positive("max_num_pages", max_num_pages)

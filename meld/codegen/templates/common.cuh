@@ -57,34 +57,35 @@ __device__ __forceinline__ u32 byte_perm(u32 x) {
   return r;
 }
 
+// Two registers of f16 pairs (lo, hi) as four floats (exact), low halves first.
+__device__ __forceinline__ void f16x4_to_f32(u32 lo, u32 hi, float (&f)[4]) {
+  asm("{ .reg .b16 a, b, c, d; mov.b32 {a, b}, %4; mov.b32 {c, d}, %5; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;"
+      " cvt.f32.f16 %2, c; cvt.f32.f16 %3, d; }" : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "r"(lo), "r"(hi));
+}
 // Two registers of f16 pairs (lo, hi) in the MMA type: as they are for f16; for bf16 through f32, exact for
 // values of at most 11 significant bits in bf16's exponent range (every FP8 value), NaN stays NaN.
 __device__ __forceinline__ void f16x4_to_mma(u32& lo, u32& hi) {
   if (MELD_MMA_TYPE[0] == 'b') {
     float f[4];
-    asm("{ .reg .b16 a, b, c, d; mov.b32 {a, b}, %4; mov.b32 {c, d}, %5; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;"
-        " cvt.f32.f16 %2, c; cvt.f32.f16 %3, d; }" : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3]) : "r"(lo), "r"(hi));
+    f16x4_to_f32(lo, hi, f);
     lo = pack2(f[0], f[1]);
     hi = pack2(f[2], f[3]);
   }
 }
-// Four e4m3 bytes x (byte 0 lowest) as two registers of 16-bit MMA values (low half first): lo = bytes 0 and
-// 1, hi = bytes 2 and 3. Exact (every e4m3 value is an f16 and a bf16), NaN stays NaN: sm_90 converts e4m3
-// pairs to f16 pairs (f16x4_to_mma takes them on).
-__device__ __forceinline__ void e4m3x4_to_mma(u32 x, u32& lo, u32& hi) {
+// Four e4m3 bytes x (byte 0 lowest) as two registers of f16 pairs (low half first): lo = bytes 0 and 1, hi =
+// bytes 2 and 3. Exact (every e4m3 value is an f16), NaN stays NaN: sm_90 converts e4m3 pairs to f16 pairs.
+__device__ __forceinline__ void e4m3x4_to_f16(u32 x, u32& lo, u32& hi) {
   asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
       : "=r"(lo), "=r"(hi) : "r"(x));
-  f16x4_to_mma(lo, hi);
 }
-// Four e5m2 bytes x, permuted first by SEL (as byte_perm<SEL>), as e4m3x4_to_mma gives them. An e5m2 byte is
+// Four e5m2 bytes x, permuted first by SEL (as byte_perm<SEL>), as e4m3x4_to_f16 gives them. An e5m2 byte is
 // the high byte of the f16 of the same value (Inf and NaN included), so each f16 pair is one prmt, which
-// applies SEL too (f16x4_to_mma takes them on).
+// applies SEL too.
 template <u32 SEL>
-__device__ __forceinline__ void e5m2x4_to_mma(u32 x, u32& lo, u32& hi) {
+__device__ __forceinline__ void e5m2x4_to_f16(u32 x, u32& lo, u32& hi) {
   constexpr u32 b0 = SEL & 0xF, b1 = SEL >> 4 & 0xF, b2 = SEL >> 8 & 0xF, b3 = SEL >> 12 & 0xF;
   lo = byte_perm<b1 << 12 | 0x400u | b0 << 4 | 0x4u>(x);   // (selector 4: a zero byte of prmt's second operand)
   hi = byte_perm<b3 << 12 | 0x400u | b2 << 4 | 0x4u>(x);
-  f16x4_to_mma(lo, hi);
 }
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

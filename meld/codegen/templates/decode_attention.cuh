@@ -83,8 +83,12 @@
 // attention (FlashInfer's pos_encoding_mode="ROPE_LLAMA": keys at their positions, the query at its request's
 // last): each warp rotates its K tile in shared memory, after it lands and before its ldmatrix, by each key's
 // offset from the query (position - (kv_len - 1) <= 0), and q stays as it is: q.k after rotation depends on
-// that offset alone. The rotated keys are rounded to the MMA type, as the loaded ones were. Off (0, -1, 0)
-// each compiles to the plain build's code.
+// that offset alone. The rotated keys are rounded to the MMA type, as the loaded ones were. Over an FP8 cache the
+// tile stays FP8 bytes and each lane rotates the K fragments it loads, in registers (rope_fp8): the FP8 build's
+// ldmatrix hands lane (g, t) channels 16 ks + 4t .. 4t + 3 of tokens g and g + 8, and at channel block ks + KSTEPS / 2
+// their partners c + D / 2, so a pair never leaves its lane. The keys are rotated as the cache stores them and k_scale
+// scales the scores after (in sm_scale_log2), FlashInfer's order. Off (0, -1, 0) each compiles to the plain build's
+// code.
 //
 // MELD_Q_LEN > 1 builds decode Q_LEN new tokens per request (speculative decoding, MTP), causal among themselves:
 // the cache already holds them, so token j of a request of kv_len tokens sees keys 0 .. kv_len - Q_LEN + j. q and
@@ -117,11 +121,17 @@ typedef unsigned char kv_t;                // a K or V element as the cp.async l
 #else
 typedef u16 kv_t;
 #endif
-// Four FP8 K or V bytes x, permuted by SEL (byte_perm's selector), as two registers of MMA-type pairs.
+// Four FP8 K or V bytes x, permuted by SEL (byte_perm's selector), as two registers of f16 pairs (exact).
+template <u32 SEL>
+__device__ __forceinline__ void kv_f16(u32 x, u32& lo, u32& hi) {
+  if (KV_E5M2) e5m2x4_to_f16<SEL>(x, lo, hi);
+  else e4m3x4_to_f16(SEL == 0x3210u ? x : byte_perm<SEL>(x), lo, hi);
+}
+// The same as two registers of MMA-type pairs.
 template <u32 SEL>
 __device__ __forceinline__ void kv_pair(u32 x, u32& lo, u32& hi) {
-  if (KV_E5M2) e5m2x4_to_mma<SEL>(x, lo, hi);
-  else e4m3x4_to_mma(SEL == 0x3210u ? x : byte_perm<SEL>(x), lo, hi);
+  kv_f16<SEL>(x, lo, hi);
+  f16x4_to_mma(lo, hi);
 }
 constexpr int ROW_BYTES = D * KV_BYTES;    // one token row of K or V
 constexpr int CPR = ROW_BYTES / 16;        // 16-byte chunks per token row
@@ -148,7 +158,9 @@ constexpr bool SOFT_CAP = MELD_SOFT_CAP;
 constexpr int WINDOW_LEFT = MELD_WINDOW_LEFT;
 constexpr bool WINDOW = WINDOW_LEFT >= 0;
 constexpr bool ROPE = MELD_ROPE;
-static_assert(!(ROPE && KV_FP8), "RoPE builds rotate 16-bit K tiles");
+// MELD_ROPE with MELD_KV_FP8 = 2 (e5m2) and f16 MMAs: the rotated keys are halved before they are rounded to f16,
+// whose range e5m2's (to 57344) fills: a rotated pair's norm reaches sqrt(2) x 57344. The scores are doubled back.
+constexpr float ROPE_KEY_SCALE = ROPE && KV_E5M2 && MELD_MMA_TYPE[0] == 'f' ? 0.5f : 1.f;
 constexpr int Q_LEN = MELD_Q_LEN;          // new tokens per request: a unit's row r is q head r / Q_LEN, token r % Q_LEN
 static_assert(Q_LEN >= 1 && Q_LEN <= 8, "1 to 8 new tokens per request");
 static_assert(Q_LEN == 1 || !(WINDOW || ROPE || MELD_XRANK), "multi-token builds take no window, RoPE or ranks");
@@ -404,6 +416,9 @@ __device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 
+// MELD_ROPE: channel c's (< D/2) frequency in units of pi, f_c / pi: a key at offset `off` turns by off f_c.
+__device__ __forceinline__ float rope_fpi(int c) { return MELD_ROPE_FPI0 * exp2_approx((float)c * MELD_ROPE_LOG2_STEP); }
+
 // MELD_ROPE: rotate this warp's K tile (tile row r is the key at offset rel0 + r from the query) in shared memory:
 // channels c < D/2 and c + D/2 by the angle offset * f_c, f_c / pi = MELD_ROPE_FPI0 2^(c MELD_ROPE_LOG2_STEP).
 // Each lane takes channel pairs (c, c + 1) and their partners c + D/2, c + D/2 + 1: one 32-bit word each.
@@ -418,19 +433,52 @@ __device__ __forceinline__ void rope_tile(u32 kbase, int rel0, int lane) {
     unpack2(ld_shared_u32(lo_at), a0, a1);
     unpack2(ld_shared_u32(hi_at), b0, b1);
     const float off = (float)(rel0 + r);
-    sincospif(off * (MELD_ROPE_FPI0 * exp2_approx((float)c * MELD_ROPE_LOG2_STEP)), &s0, &c0);
-    sincospif(off * (MELD_ROPE_FPI0 * exp2_approx((float)(c + 1) * MELD_ROPE_LOG2_STEP)), &s1, &c1);
+    sincospif(off * rope_fpi(c), &s0, &c0);
+    sincospif(off * rope_fpi(c + 1), &s1, &c1);
     st_shared_u32(lo_at, pack2(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1));
     st_shared_u32(hi_at, pack2(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1));
   }
   __syncwarp();
 }
 
+// MELD_ROPE over MELD_KV_FP8: sin(pi x) and cos(pi x), x reduced exactly to [-1, 1] (x - 2 rint(x / 2)) and pi times
+// that through the hardware's approximations (__sincosf: within CUDA's documented bound on [-pi, pi], far below the
+// rounding of a rotated key to the MMA type). An FP8 tile lands in half the time of a 16-bit one, and sincospif's
+// polynomials (rope_tile's) would be most of its arithmetic.
+__device__ __forceinline__ void sincospi_approx(float x, float& s, float& c) {
+  __sincosf(3.14159265358979f * fmaf(-2.f, rintf(0.5f * x), x), &s, &c);
+}
+
+// MELD_ROPE over MELD_KV_FP8: the FP8 build's K fragments of channel blocks ks and ks + KSTEPS / 2 (lane (g, t): channels
+// c = 16 ks + 4 t + e and their partners c + D / 2, e < 4, of token `tok`, the key at offset rel0 + tok) rotated in
+// float by rope_tile's angles, into B fragments of the MMA type: lo[0..1] for ks, hi[0..1] for its partner.
+__device__ __forceinline__ void rope_fp8(u32 klo, u32 khi, int ks, int rel0, int tok, int t, u32 (&lo)[2],
+                                         u32 (&hi)[2]) {
+  float a[4], b[4];
+  kv_f16<0x3210u>(klo, lo[0], lo[1]);
+  kv_f16<0x3210u>(khi, hi[0], hi[1]);
+  f16x4_to_f32(lo[0], lo[1], a);
+  f16x4_to_f32(hi[0], hi[1], b);
+  const float off = (float)(rel0 + tok);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float sn, cs;
+    sincospi_approx(off * rope_fpi(16 * ks + 4 * t + e), sn, cs);
+    if (ROPE_KEY_SCALE != 1.f) { sn *= ROPE_KEY_SCALE; cs *= ROPE_KEY_SCALE; }
+    const float x = a[e] * cs - b[e] * sn, y = b[e] * cs + a[e] * sn;
+    a[e] = x;
+    b[e] = y;
+  }
+  lo[0] = pack2(a[0], a[1]); lo[1] = pack2(a[2], a[3]);
+  hi[0] = pack2(b[0], b[1]); hi[1] = pack2(b[2], b[3]);
+}
+
 // The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window);
 // MELD_Q_LEN > 1 builds mask row r's tokens from `causal` + r % Q_LEN on (the tile's keys the request's first new
-// token sees: row0 is the unit's first row).
+// token sees: row0 is the unit's first row); MELD_ROPE over MELD_KV_FP8 rotates its keys, tile row r at offset
+// rel0 + r from the query (rope_fp8).
 __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lo,
-                                             int causal, int row0, int lane) {
+                                             int causal, int row0, int rel0, int lane) {
   if (TMA && nvalid < TILE) {   // a TMA tile holds whole pages: zero the V rows past the unit's end,
     for (int i = lane; i < (TILE - nvalid) * CPR; i += 32)   // which P (0 there) must not turn into NaN
       st_shared_zero16(kbase + TILE_BYTES + tile_off(nvalid + i / CPR, i % CPR));
@@ -445,7 +493,32 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lch = (lane >> 3) & 1;
   float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
-  if (KV_FP8) {   // one ldmatrix: tokens 0-7 (b[j]) and 8-15 (b[2 + j]) of channel blocks ks = 2 kp + j
+  if (KV_FP8 && ROPE) {   // two ldmatrix: channel blocks ks = 2 kp + j (b[j], b[2 + j] as below) and their partners
+#pragma unroll            // ks + KSTEPS / 2 (c[j], c[2 + j]), rotated together in registers
+    for (int kp = 0; kp < KSTEPS / 4; ++kp) {
+      u32 b[4], c[4];
+      ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
+      ldmatrix_x4(c, kbase + tile_off(lrow, 2 * kp + KSTEPS / 2 + lch));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {   // tokens g and g + 8: accumulators s0 and s1
+          const int ks = 2 * kp + j, kh = ks + KSTEPS / 2;
+          u32 bl[2], bh[2];
+          rope_fp8(b[2 * half + j], c[2 * half + j], ks, rel0, (lane >> 2) + 8 * half, t, bl, bh);
+          float (&s)[4] = half ? s1 : s0;
+          const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;
+          const u32 h1 = NT > 1 ? st.qa[kh][NT - 1][0] : 0u, h3 = NT > 1 ? st.qa[kh][NT - 1][1] : 0u;
+          mma_16816(s, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, bl[0], bl[1]);
+          mma_16816(s, st.qa[kh][0][0], h1, st.qa[kh][0][1], h3, bh[0], bh[1]);
+        }
+      }
+    }
+    if (ROPE_KEY_SCALE != 1.f) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) { s0[k] *= 1.f / ROPE_KEY_SCALE; s1[k] *= 1.f / ROPE_KEY_SCALE; }
+    }
+  } else if (KV_FP8) {   // one ldmatrix: tokens 0-7 (b[j]) and 8-15 (b[2 + j]) of channel blocks ks = 2 kp + j
 #pragma unroll
     for (int kp = 0; kp < KSTEPS / 2; ++kp) {
       u32 b[4];
@@ -785,10 +858,11 @@ struct DecodeFamily {
             wait_tile(p, s.bars, cs, phases, pl.cta, warp, u);
             const int ns = cs == 0 ? STAGES - 1 : cs - 1;   // the slot consumed last step
             issue_tile(p, g, lc, s.ring, s.bars, ns, pl, warp, lane);
-            if (ROPE) rope_tile(s.ring + cs * STAGE_BYTES, x.begin + j * TILE - (p.kv_len[x.req] - 1), lane);
+            const int rel0 = ROPE ? x.begin + j * TILE - (p.kv_len[x.req] - 1) : 0;   // the tile's first key's offset
+            if (ROPE && !KV_FP8) rope_tile(s.ring + cs * STAGE_BYTES, rel0, lane);
             compute_tile(p, ws, s.ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE),
                          WINDOW ? p.kv_len[x.req] - (x.begin + j * TILE) - 1 - WINDOW_LEFT : 0,
-                         Q_LEN > 1 ? p.kv_len[x.req] - (Q_LEN - 1) - (x.begin + j * TILE) : 0, x.q_head, lane);
+                         Q_LEN > 1 ? p.kv_len[x.req] - (Q_LEN - 1) - (x.begin + j * TILE) : 0, x.q_head, rel0, lane);
             cs = cs + 1 == STAGES ? 0 : cs + 1;
           }
 #if MELD_XRANK
