@@ -13,6 +13,7 @@ from .. import config
 from ..codegen import compile_source
 from ..codegen.lowering import Lowering, lower
 from ..ir import TaskGraph
+from ..runtime import torch_fastcall
 from .checks import check_outputs, expect, grad_inputs, no_backward, plain, resolve_device
 from .registry import register
 
@@ -41,12 +42,16 @@ class Operator:
     _planned = None    # what run() needs of the last plan() that succeeded: replaced whole by `_commit`
     _run_inputs: tuple[str, ...] = ()   # run()'s tensors by name, for `_run`
     _lse_meaning = "batch, heads"       # lse's shape in words, for `_run`'s checks
+    _fastcall = True   # the torch op's C++ fast path may replay its launches (meld.runtime.torch_fastcall)
 
     def _setup(self, graph: TaskGraph, device: object) -> None:
         self.handle = register(self)
         self.graph = graph
         self.lowering = lower(graph)
         self.device = resolve_device(device)
+        if self.device.type == "cuda":   # (the torch ops' C++ kernels, built on first use)
+            from .torch_ops import fast_path
+            fast_path()
         config.dump(f"{graph.name}.taskgraph.json", graph.to_json())
 
     def __getstate__(self) -> dict:
@@ -82,8 +87,10 @@ class Operator:
 
     def _commit(self, planned: object, buf: object = None) -> None:
         """Install a validated plan and the buffers it was written into (None: the installed ones): the one
-        assignment by which plan() changes the operator, after everything that can fail."""
+        assignment by which plan() changes the operator, after everything that can fail; the torch op's fast path
+        forgets the launches it recorded."""
         self._planned, self._buf = planned, self._buf if buf is None else buf
+        torch_fastcall.drop(self.handle)
 
     # --- run(): checks, outputs, then the GPU launch or the CPU reference executor -------------------------
     def _run(self, inputs: tuple, return_lse: object, out: torch.Tensor | None, lse: torch.Tensor | None,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import torch_fastcall
 from .checks import check_tensors, expect, grad_inputs, no_backward
 from .decode_attention import DecodeAttention, kv_parts
 from .decode_mla import DecodeMLA
@@ -46,17 +47,17 @@ from .registry import lookup
 
 # --- the ops --------------------------------------------------------------------------------------------
 _lib = torch.library.Library("meld", "FRAGMENT")
+# The Python kernels at each backend key, apart: installing the C++ fast path on a device's keys replaces them.
+_backends = {key: torch.library.Library("meld", "FRAGMENT") for key in ("CPU", "CUDA")}
+_ops: dict[str, tuple[str, object, tuple[int, ...]]] = {}   # name: (schema, impl, written), for the fast path
 
 
-def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> None:
-    """Op `name` of `schema`, its kernel `impl` (CPU and CUDA), its `fake`, and an autograd kernel: the
-    arguments at `written` (the mutated outputs) are tied to the inputs that require grad, so that a
-    backward through them raises NotImplementedError naming the op (meld has no backward)."""
-    _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
-    for key in ("CPU", "CUDA"):
-        _lib.impl(name, impl, key)
-    torch.library.register_fake(f"meld::{name}", fake, lib=_lib)
+def _autograd(name: str, impl, written: tuple[int, ...]):
+    """Op `name`'s autograd kernel: the arguments at `written` (the mutated outputs) are tied to the inputs that
+    require grad, so that a backward through them raises NotImplementedError naming torch.ops.meld.`name` (meld has
+    no backward)."""
     op = getattr(torch.ops.meld, name).default
+    shown = name.removeprefix("_").removesuffix("_slow")   # (the fast path's twin reports as its op)
 
     def autograd(keyset, *args):
         grads = grad_inputs(*args)
@@ -64,9 +65,50 @@ def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> Non
             return impl(*args)                                # redispatch adds host time to every call)
         with torch._C._AutoDispatchBelowAutograd():
             op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-        no_backward(f"torch.ops.meld.{name}", grads, tuple(args[i] for i in written if args[i] is not None))
+        no_backward(f"torch.ops.meld.{shown}", grads, tuple(args[i] for i in written if args[i] is not None))
 
-    _lib.impl(name, autograd, "Autograd", with_keyset=True)
+    return autograd
+
+
+def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> None:
+    """Op `name` of `schema`, its kernel `impl` (CPU and CUDA), its `fake`, and its autograd kernel (`_autograd`)."""
+    _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    for key, lib in _backends.items():
+        lib.impl(name, impl, key)
+    torch.library.register_fake(f"meld::{name}", fake, lib=_lib)
+    _lib.impl(name, _autograd(name, impl, written), "Autograd", with_keyset=True)
+    _ops[name] = (schema, impl, written)
+
+
+def fast_path(device_type: str = "cuda") -> bool:
+    """Give the ops on `device_type`'s dispatch keys the C++ kernels of meld.runtime.torch_fastcall (once; "cpu":
+    for tests with stubbed launches), each falling back to its Python twin `meld::_<op>_slow`. False where the
+    library cannot be built: the Python kernels stay."""
+    key = {"cuda": "CUDA", "cpu": "CPU"}[device_type]
+    if key not in _backends:
+        return True
+    if torch_fastcall.load() is None:
+        return False
+    for name, (schema, impl, written) in _ops.items():
+        slow = f"_{name}_slow"
+        if not hasattr(torch.ops.meld, slow):
+            _lib.define(slow + schema)
+            _lib.impl(slow, _autograd(slow, impl, written), "Autograd", with_keyset=True)
+        _lib.impl(slow, impl, key)
+    _backends.pop(key)._destroy()
+    return torch_fastcall.install(device_type, {name: schema[:schema.index("int handle")].count(",")
+                                                for name, (schema, _, _) in _ops.items()})
+
+
+def _recorded(layer, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
+              pinned: tuple[int, ...], steady: bool, call) -> None:
+    """`call()`, recorded for the fast path (`torch_fastcall.recorded`) where it is installed on the operator's
+    device and the launches are the ones every call of these arguments makes (`steady`; not a profiling build, not
+    an operator that sets its launches' parameters elsewhere)."""
+    if steady and layer._fastcall and torch_fastcall.installed(layer.device):
+        torch_fastcall.recorded(layer.handle, layer, args, written, fields, pinned, call)
+    else:
+        call()
 
 
 def _required_out(op: str, out: object) -> None:
@@ -83,8 +125,15 @@ def _kv_cache(kv_cache, v_cache):
 
 def _decode_attention_impl(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
     _required_out("decode_attention", out)
-    lookup(handle, DecodeAttention).run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale,
-                                        v_scale=v_scale)
+    attn = lookup(handle, DecodeAttention)
+    # The parameters run() writes q, K, V, out and lse's addresses into (V: K's plus its offset in one cache); the
+    # launch right after a plan() differs from the later ones (no overlap with the plan's kernel): not recorded.
+    fields = {"q": (0, False), "k": (1, False), "v": (1, True) if v_cache is None else (5, False), "out": (2, False),
+              "lse": (3, False)}
+    _recorded(attn, (q, kv_cache, out, lse, handle, v_cache, k_scale, v_scale), (2, 3), fields,
+              (1, 5) if getattr(attn, "_tensor_maps", None) is not None else (),   # (the CPU executor: none)
+              attn._buf is not None and attn._buf.prof is None and not attn._plan_kernel_last,
+              lambda: attn.run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale, v_scale=v_scale))
 
 
 def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
@@ -101,7 +150,11 @@ def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=
 
 def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
     _required_out("decode_mla", out)
-    lookup(handle, DecodeMLA).run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse)
+    mla = lookup(handle, DecodeMLA)
+    _recorded(mla, (q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle), (4, 5),
+              {"q_nope": (0, False), "q_pe": (1, False), "out": (4, False), "lse": (5, False)}, (2, 3),
+              mla._buf is not None and mla._buf.prof is None,
+              lambda: mla.run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse))
 
 
 def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
@@ -119,7 +172,13 @@ def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> No
 
 def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
     _required_out("moe", out)
-    lookup(handle, MoE)(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+    layer = lookup(handle, MoE)
+    packed = isinstance(w13, torch.Tensor) and w13.dim() == 6   # (plain weights: their tensor maps hold them)
+    fields = {"x": (0, False), "out": (6, False), "logits": (1, False), "topk_ids_in": (5, False),
+              "topk_w_in": (4, False), **({"w13_packed": (2, False), "w2_packed": (3, False)} if packed else {})}
+    _recorded(layer, (x, router_logits, w13, w2, topk_weights, topk_ids, out, handle), (6,), fields,
+              () if packed else (2, 3), layer._prof is None and not layer._fp8,
+              lambda: layer(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out))
 
 
 def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:

@@ -1,0 +1,133 @@
+"""The torch ops' C++ fast path on the CPU with launches stubbed (run by tests/test_torch_fastcall.py in a process
+of its own: it installs the fast path on the CPU dispatch keys, which must not leak into other tests).
+
+A CPU MoE layer runs its GPU call path (tools/moe_eager.py's `_StubMoE`) against a stand-in for libcuda whose
+cuLaunchKernelEx logs each launch (function, grid, block, shared memory, stream, attributes and the parameter
+bytes). Each case calls torch.ops.meld.moe twice on the same arguments, the first time with the record dropped
+(the slow path: Python checks, launches, records) and the second through the fast path, and reports whether the
+second was a fast-path launch and whether it logged the same bytes. Prints JSON.
+"""
+import ctypes
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+import torch  # noqa: E402
+
+from meld.ops import torch_ops  # noqa: E402
+from meld.runtime import driver, fastcall, torch_fastcall  # noqa: E402
+from moe_eager import _StubMoE  # noqa: E402
+
+_DRIVER = r"""
+#include <string.h>
+typedef struct { int id, pad; unsigned v[16]; } Attr;
+typedef struct { unsigned g[3], b[3], smem; void *stream; Attr *attrs; unsigned n; } Cfg;
+static unsigned char log_[64][4096];
+static long len_[64], count_, blob_;
+void stub_set_blob(long n) { blob_ = n; }
+long stub_count(void) { return count_; }
+const unsigned char *stub_log(long i, long *n) { *n = len_[i % 64]; return log_[i % 64]; }
+int cuLaunchKernelEx(const Cfg *c, void *f, void **params, void **extra) {
+  unsigned char *p = log_[count_ % 64];
+  memcpy(p, &f, 8); memcpy(p + 8, c->g, 12); memcpy(p + 20, c->b, 12); memcpy(p + 32, &c->smem, 4);
+  memcpy(p + 36, &c->stream, 8); memcpy(p + 44, &c->n, 4); memcpy(p + 48, c->attrs, c->n * sizeof(Attr));
+  long n = 48 + c->n * sizeof(Attr);
+  memcpy(p + n, params[0], blob_);
+  len_[count_++ % 64] = n + blob_;
+  return 0;
+}
+int cuMemcpyDtoDAsync_v2(unsigned long long d, unsigned long long s, unsigned long n, void *st) { return 0; }
+int cuOccupancyMaxActiveClusters(int *n, void *f, const void *c) { *n = 0; return 0; }
+int cuFuncSetAttribute(void *f, int a, int v) { return 0; }
+int cuGetErrorString(int e, const char **m) { *m = "stub"; return 0; }
+"""
+BF16 = torch.bfloat16
+H, I, E, K = 128, 64, 8, 2
+
+
+def main() -> None:
+    folder = Path(tempfile.mkdtemp(prefix="meld-fastcall-stub-"))
+    (folder / "stub.c").write_text(_DRIVER)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(folder / "libstub.so"), str(folder / "stub.c")],
+                   check=True)
+    stub = fastcall.load(str(folder / "libstub.so"))
+    stub.stub_log.restype = ctypes.POINTER(ctypes.c_ubyte)
+    stub.stub_log.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_long)]
+    stub.stub_count.restype = ctypes.c_long
+    fastcall._lib = stub
+    driver.current_stream = lambda device: 0
+    assert torch_ops.fast_path("cpu")
+    torch_fastcall.set_driver(stub)
+
+    layer = _StubMoE(H, I, E, K, BF16, "cpu", max_num_tokens=64)
+    stub.stub_set_blob(ctypes.sizeof(layer.lowering.params.ctype))
+    op, h = torch.ops.meld.moe.default, layer.handle
+    w13, w2 = torch.empty(E, 2 * I, H, dtype=BF16), torch.empty(E, H, I, dtype=BF16)
+
+    def launches(fn) -> tuple[list[bytes], int]:
+        """The launches `fn` logged and whether it was a fast-path call."""
+        n0, hits = stub.stub_count(), torch_fastcall.hits()
+        fn()
+        out = []
+        for i in range(n0, stub.stub_count()):
+            n = ctypes.c_long()
+            p = stub.stub_log(i, ctypes.byref(n))
+            out.append(ctypes.string_at(p, n.value))
+        return out, torch_fastcall.hits() - hits
+
+    def case(recorded, call) -> dict:
+        """Record `recorded` (a slow call), then `call` (fast if its arguments match) and `call` again slowly."""
+        torch_fastcall.drop(h)
+        launches(recorded)
+        fast, hit = launches(call)
+        torch_fastcall.drop(h)
+        slow, slow_hit = launches(call)
+        return {"hit": hit, "slow_hit": slow_hit, "same": fast == slow, "launches": len(fast)}
+
+    def x_(T, **kw):
+        return torch.randn(T, H, **kw).to(BF16)
+
+    x, logits, out = x_(5), torch.randn(5, E), torch.empty(5, H, dtype=BF16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(5)]).to(torch.int32)
+    tw = torch.rand(5, K)
+    base = lambda: op(x, logits, w13, w2, None, None, out, h)  # noqa: E731
+    x2, out2, logits2 = x_(5), torch.empty(5, H, dtype=BF16), torch.randn(5, E)
+    tw2, ids2, ids64 = tw.clone(), ids.clone(), ids.long()
+    x3, logits3, logits_bf16, x_grad = x_(3), torch.randn(3, E), logits.to(BF16), x.clone().requires_grad_()
+    unaligned = torch.empty(5 * H + 4, dtype=BF16)[4:].view(5, H)   # (8 bytes off: the slow path copies it)
+    wide, w13b = x_(5 * 2)[::2], w13.clone()   # (x of another row stride; weights elsewhere: their maps differ)
+    res = {
+        "same arguments": case(base, base),
+        "other tensors": case(base, lambda: op(x2, logits2, w13, w2, None, None, out2, h)),
+        "topk routing": case(lambda: op(x, None, w13, w2, tw, ids, out, h),
+                             lambda: op(x2, None, w13, w2, tw2, ids2, out2, h)),
+        "new shape": case(base, lambda: op(x3, logits3, w13, w2, None, None, out[:3], h)),
+        "new dtype": case(base, lambda: op(x, logits_bf16, w13, w2, None, None, out, h)),
+        "new stride": case(base, lambda: op(wide, logits, w13, w2, None, None, out, h)),
+        "routing by ids": case(base, lambda: op(x, None, w13, w2, tw, ids, out, h)),
+        "int64 ids (copied)": case(lambda: op(x, None, w13, w2, tw, ids64, out, h),
+                                   lambda: op(x, None, w13, w2, tw, ids64, out, h)),
+        "requires grad": case(base, lambda: op(x_grad, logits, w13, w2, None, None, out, h)),
+        "other weights": case(base, lambda: op(x, logits, w13b, w2, None, None, out, h)),
+        "unaligned x": case(base, lambda: op(unaligned, logits, w13, w2, None, None, out, h)),
+    }
+    torch_fastcall.drop(h)
+    base()   # (recorded)
+    errors = {}
+    for name, call in {"out overlaps x": lambda: op(x, logits, w13, w2, None, None, x, h),
+                       "x of another width": lambda: op(x_(5)[:, :64], logits, w13, w2, None, None, out, h)}.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:   # noqa: BLE001   (reported)
+            errors[name] = f"{type(e).__name__}: {e}"
+    print(json.dumps({"cases": res, "errors": errors}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The torch ops' C++ fast path (meld.runtime.torch_fastcall): on the CPU, the library builds and, with launches
+stubbed (tests/fastcall_stub.py, in a process of its own), a call whose arguments match the record launches
+exactly the bytes the Python path launches for them, anything else takes the Python path, and bad inputs raise its
+named errors. On a GPU: fast-path results equal the Python path's bit for bit, eagerly, in CUDA graphs and across
+re-plans."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import meld
+from meld.ops import torch_ops
+from meld.runtime import torch_fastcall
+from meld.workloads import paged
+
+HERE = Path(__file__).resolve().parent
+needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="the fast path is built with the system C++ compiler (none found)")
+
+
+@needs_cxx
+def test_builds():
+    lib = torch_fastcall.load()
+    assert lib is not None and lib.meld_fc_hits() >= 0
+
+
+@pytest.fixture(scope="module")
+def stubbed():
+    res = subprocess.run([sys.executable, str(HERE / "fastcall_stub.py")], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", ["same arguments", "other tensors", "topk routing"])
+def test_fast_path_launches_the_slow_paths_bytes(stubbed, case):
+    r = stubbed["cases"][case]
+    assert r == {"hit": 1, "slow_hit": 0, "same": True, "launches": 2}
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", ["new shape", "new dtype", "new stride", "routing by ids", "int64 ids (copied)",
+                                  "requires grad", "other weights", "unaligned x"])
+def test_mismatch_takes_the_slow_path(stubbed, case):
+    r = stubbed["cases"][case]
+    assert r["hit"] == 0 and r["slow_hit"] == 0 and r["launches"] == 2
+
+
+@needs_cxx
+def test_bad_inputs_raise_the_slow_paths_errors(stubbed):
+    errors = stubbed["errors"]
+    assert errors["out overlaps x"].startswith("ValueError: out (strides (128, 1)) shares memory with x")
+    assert errors["x of another width"] == "ValueError: x must have shape ('*', 128) (tokens x hidden_size), got (5, 64)"
+
+
+# --- GPU --------------------------------------------------------------------------------------------------
+HQ, HKV, D, P = 32, 8, 128, 16
+BF16 = torch.bfloat16
+
+
+def _attention(lens, **kw):
+    attn = meld.DecodeAttention(HQ, HKV, D, P, BF16, "cuda", max_batch_size=64, max_num_pages=4096, **kw)
+    pb = paged(lens, P)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    return attn, pb
+
+
+def _check_against_float64(q, kv, pb, out, lse, nan_row):
+    """NaN exactly in `nan_row`'s rows, float64 attention elsewhere."""
+    from test_hostile_inputs import reference
+
+    ref, ref_lse = reference(q.cpu(), kv.cpu(), pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, P, HKV, D ** -0.5)
+    out, lse = out.cpu(), lse.cpu()
+    assert [bool(r.isnan().any()) for r in out] == [b == nan_row for b in range(q.shape[0])]
+    ok = [b for b in range(q.shape[0]) if b != nan_row]
+    torch.testing.assert_close(out[ok].double(), ref[ok], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[ok].double(), ref_lse[ok], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fast_equals_slow():
+    """The op through the fast path equals the Python path bit for bit, on fresh inputs after each re-plan
+    (the first launch after a plan is the Python path's, the second is recorded, the later ones are fast), with
+    NaN in one request's q reaching exactly its rows, and matches float64."""
+    attn, _ = _attention([1])
+    op = torch.ops.meld.decode_attention.default
+    for lens in ([37, 1000, 5, 260, 77], [300, 3, 1111], [1, 2, 3, 4, 500, 16, 17]):   # (not whole 16-token tiles)
+        pb = paged(lens, P)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        kv = torch.randn(pb.num_pages, 2, P, HKV, D, dtype=BF16, device="cuda")
+        q = torch.randn(len(lens), HQ, D, dtype=BF16, device="cuda")
+        q[1, 3, 5] = float("nan")
+        outs = []
+        for fast in (False, False, True, True):
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+            hits = torch_fastcall.hits()
+            op(q, kv, out, lse, attn.handle)
+            assert torch_fastcall.hits() - hits == int(fast)
+            outs.append((out, lse))
+        torch.cuda.synchronize()
+        for out, lse in outs[1:]:
+            assert torch.equal(out.view(torch.int16), outs[0][0].view(torch.int16))
+            assert torch.equal(lse.view(torch.int32), outs[0][1].view(torch.int32))
+        _check_against_float64(q, kv, pb, *outs[-1], nan_row=1)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fast_path_in_cuda_graph():
+    """Captured through the fast path, a graph replays later plans (the tables rewritten in place) and equals the
+    Python path's eager result for them."""
+    attn, pb = _attention([40, 700, 9])
+    op = torch.ops.meld.decode_attention.default
+    kv = torch.randn(4096, 2, P, HKV, D, dtype=BF16, device="cuda")
+    q = torch.randn(3, HQ, D, dtype=BF16, device="cuda")
+    out = torch.empty_like(q)
+    for _ in range(3):
+        op(q, kv, out, None, attn.handle)   # (warm: the record made)
+    hits = torch_fastcall.hits()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        op(q, kv, out, None, attn.handle)
+    assert torch_fastcall.hits() - hits == 1
+    for lens in ([500, 3, 1234], [17, 17, 17]):
+        pb = paged(lens, P)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        g.replay()
+        expect = attn.run(q, kv)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_moe_fast_equals_slow():
+    """The MoE op through the fast path equals the Python path bit for bit (routing by logits and by the topk
+    pair), NaN in one token's x reaching exactly its row, and the result matches float64."""
+    from test_moe import dense_reference
+
+    H, I, E, k = 264, 136, 8, 2   # (not whole 64-wide tiles)
+    layer = meld.MoE(H, I, E, k, BF16, "cuda", max_num_tokens=64)
+    w13 = torch.randn(E, 2 * I, H, dtype=BF16, device="cuda") / H ** 0.5
+    w2 = torch.randn(E, H, I, dtype=BF16, device="cuda") / I ** 0.5
+    op = torch.ops.meld.moe.default
+    for T in (1, 7, 33):
+        x = torch.randn(T, H, dtype=BF16, device="cuda")
+        x[T // 2, 3] = float("nan")
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32).cuda()
+        w = torch.rand(T, k, device="cuda")
+        for routing in ((torch.randn(T, E, device="cuda"), None, None), (None, w, ids)):
+            outs = []
+            for fast in (False, True, True):
+                out = torch.full_like(x, float("nan"))
+                hits = torch_fastcall.hits()
+                op(x, routing[0], w13, w2, routing[1], routing[2], out, layer.handle)
+                assert torch_fastcall.hits() - hits == int(fast)
+                outs.append(out)
+            torch.cuda.synchronize()
+            for out in outs[1:]:
+                assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16))
+            assert outs[0].isnan().any(dim=1).tolist() == [t == T // 2 for t in range(T)]
+        ok = [t for t in range(T) if t != T // 2]
+        ref = dense_reference(x[ok], w13, w2, ids[ok], w[ok])
+        torch.testing.assert_close(outs[-1][ok].double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_and_opcheck_with_fast_path():
+    attn, pb = _attention([33, 90])
+    assert torch_ops.fast_path()
+    kv = torch.randn(pb.num_pages, 2, P, HKV, D, dtype=BF16, device="cuda")
+    q = torch.randn(2, HQ, D, dtype=BF16, device="cuda")
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.meld.decode_attention.default, (q, kv, out, None, attn.handle))
+    f = torch.compile(lambda q: attn.run(q, kv), fullgraph=True)
+    got = f(q)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), attn.run(q, kv).view(torch.int16))
