@@ -16,7 +16,9 @@ implementations check dtypes and shapes against the operator when a graph is tra
 `torch.library.custom_op`, whose Python-side dispatch costs several times more per call;
 tools/torch_op_overhead.py times the op path against the direct call. Torch's dispatch into any Python kernel
 of these schemas costs about the whole budget issue 42 allows an op call (bench/RESULTS.md, "the op call's host
-path"): a faster call needs a C++ op that launches without Python. meld has no backward: an autograd
+path"), so on a GPU the ops' CUDA and AutogradCUDA kernels are C++ (`fast_path`, meld.runtime.torch_fastcall):
+they replay the launches the Python kernel recorded for the same kinds of arguments, and send every other call to
+that Python kernel, registered as the twin op `meld::_<op>_slow`. meld has no backward: an autograd
 kernel ties each op's outputs to its inputs that require grad, so a backward through them raises
 NotImplementedError naming the op (never a gradient that silently leaves the op out).
 
