@@ -30,7 +30,8 @@ _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 _installed: set[str] = set()   # the device types whose dispatch keys have the C++ kernels
 _recording: list | None = None
 _owner = 0   # the thread whose launches `_recording` collects
-_finalizers: dict[int, weakref.finalize] = {}
+_with_record: set[int] = set()   # the handles that have a record
+_watched: set[int] = set()   # the handles whose record is dropped when their operator goes
 
 
 def load() -> ctypes.CDLL | None:
@@ -103,7 +104,8 @@ def hits() -> int:
 
 def drop(handle: int) -> None:
     """Forget `handle`'s record (its operator's launches changed: a plan())."""
-    if _lib:
+    if handle in _with_record:   # (plan() is hot too: no library call for a handle without a record)
+        _with_record.discard(handle)
         _lib.meld_fc_drop(handle)
 
 
@@ -140,8 +142,10 @@ def recorded(handle: int, op: object, args: tuple, written: tuple[int, ...], fie
     arr = (ctypes.c_int64 * len(ints))(*ints)
     if _lib.meld_fc_push(handle, arr, len(ints), blobs, len(blobs)):
         raise RuntimeError(f"meld fast path: a malformed record: {_lib.meld_fc_error().decode()}")
-    if handle not in _finalizers:
-        _finalizers[handle] = weakref.finalize(op, drop, handle)
+    _with_record.add(handle)
+    if handle not in _watched:
+        _watched.add(handle)
+        weakref.finalize(op, drop, handle)
 
 
 def _spec(args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]], pinned: tuple[int, ...],
