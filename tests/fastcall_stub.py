@@ -1,11 +1,12 @@
 """The torch ops' C++ fast path on the CPU with launches stubbed (run by tests/test_torch_fastcall.py in a process
 of its own: it installs the fast path on the CPU dispatch keys, which must not leak into other tests).
 
-A CPU MoE layer runs its GPU call path (tools/moe_eager.py's `_StubMoE`) against a stand-in for libcuda whose
-cuLaunchKernelEx logs each launch (function, grid, block, shared memory, stream, attributes and the parameter
-bytes). Each case calls torch.ops.meld.moe twice on the same arguments, the first time with the record dropped
-(the slow path: Python checks, launches, records) and the second through the fast path, and reports whether the
-second was a fast-path launch and whether it logged the same bytes. Prints JSON.
+CPU operators run their GPU call paths (tools/moe_eager.py's `_StubMoE`, tools/torch_op_overhead.py's
+`StubDecode`) against a stand-in for libcuda whose cuLaunchKernelEx logs each launch (function, grid, block, shared
+memory, stream, attributes and the parameter bytes). A case records one call (the slow path: Python checks,
+launches, records), then makes another call through the op and the same call again with the record dropped (the
+slow path), and reports whether the first of those was a fast-path launch and whether both logged the same bytes.
+Prints JSON.
 """
 import ctypes
 import json
@@ -21,7 +22,9 @@ import torch  # noqa: E402
 
 from meld.ops import torch_ops  # noqa: E402
 from meld.runtime import driver, fastcall, torch_fastcall  # noqa: E402
+from meld.workloads import paged  # noqa: E402
 from moe_eager import _StubMoE  # noqa: E402
+from torch_op_overhead import StubDecode  # noqa: E402
 
 _DRIVER = r"""
 #include <string.h>
@@ -67,6 +70,7 @@ def main() -> None:
     layer = _StubMoE(H, I, E, K, BF16, "cpu", max_num_tokens=64)
     stub.stub_set_blob(ctypes.sizeof(layer.lowering.params.ctype))
     op, h = torch.ops.meld.moe.default, layer.handle
+    handle = [h]   # (the operator the cases drop the record of)
     w13, w2 = torch.empty(E, 2 * I, H, dtype=BF16), torch.empty(E, H, I, dtype=BF16)
 
     def launches(fn) -> tuple[list[bytes], int]:
@@ -82,10 +86,10 @@ def main() -> None:
 
     def case(recorded, call) -> dict:
         """Record `recorded` (a slow call), then `call` (fast if its arguments match) and `call` again slowly."""
-        torch_fastcall.drop(h)
+        torch_fastcall.drop(handle[0])
         launches(recorded)
         fast, hit = launches(call)
-        torch_fastcall.drop(h)
+        torch_fastcall.drop(handle[0])
         slow, slow_hit = launches(call)
         return {"hit": hit, "slow_hit": slow_hit, "same": fast == slow, "launches": len(fast)}
 
@@ -126,7 +130,40 @@ def main() -> None:
             errors[name] = None
         except Exception as e:   # noqa: BLE001   (reported)
             errors[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps({"cases": res, "errors": errors}))
+    decode = {}
+    for cluster in (1, 16):   # (one grid; three grids of 16-, 8- and 2-CTA clusters)
+        attn = StubDecode(32, 8, 128, 16, BF16, cluster_size=cluster)
+        stub.stub_set_blob(ctypes.sizeof(attn.lowering.params.ctype))
+        op, handle[0] = torch.ops.meld.decode_attention.default, attn.handle
+        pb = paged([30, 100, 7], 16)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        q, q2 = torch.randn(3, 32, 128).to(BF16), torch.randn(3, 32, 128).to(BF16)
+        kv, kv2 = (torch.randn(pb.num_pages + 2, 2, 16, 8, 128).to(BF16) for _ in range(2))
+        k, v = torch.randn(2, pb.num_pages, 16, 8, 128).to(BF16).unbind(0)
+        out, out2, lse, lse2 = torch.empty_like(q), torch.empty_like(q), torch.empty(3, 32), torch.empty(3, 32)
+        q_heads_outer = q2.transpose(0, 1).contiguous().transpose(0, 1)   # (strides (128, 384, 1))
+        base = lambda: op(q, kv, out, None, attn.handle)  # noqa: E731
+        a = attn.handle
+        base()   # (the launch right after plan(): not recorded)
+        decode[f"cluster {cluster}"] = {
+            "same arguments": case(base, base),
+            "other tensors": case(base, lambda: op(q2, kv2, out2, None, a)),
+            "with lse": case(lambda: op(q, kv, out, lse, a), lambda: op(q2, kv2, out2, lse2, a)),
+            "k and v apart": case(lambda: op(q, k, out, None, a, v), lambda: op(q2, k, out2, None, a, v)),
+            "lse not recorded": case(base, lambda: op(q, kv, out, lse, a)),
+            "other page count": case(base, lambda: op(q, kv[:-1], out, None, a)),
+            "q of other strides": case(base, lambda: op(q_heads_outer, kv, out, None, a)),
+        }
+        pb = paged([50, 3, 9], 16)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)   # (drops the record)
+        hits = [launches(base)[1] for _ in range(3)]   # the first after a plan, then recorded, then fast
+        decode[f"cluster {cluster}"]["re-plan"] = {"hits": hits}
+    try:
+        op(q, kv, out, None, attn.handle, None, 2.0, 1.0)
+        scale_error = None
+    except Exception as e:   # noqa: BLE001   (reported)
+        scale_error = f"{type(e).__name__}: {e}"
+    print(json.dumps({"cases": res, "errors": errors, "decode": decode, "scale error": scale_error}))
 
 
 if __name__ == "__main__":

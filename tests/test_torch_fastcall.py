@@ -52,10 +52,25 @@ def test_mismatch_takes_the_slow_path(stubbed, case):
 
 
 @needs_cxx
+@pytest.mark.parametrize("cluster", [1, 16])
+def test_decode_fast_path(stubbed, cluster):
+    """Decode's persistent launch (one grid, or three of different cluster sizes): a matching call launches the
+    slow path's bytes; lse not recorded, another page count or q's strides take the slow path; after a plan the
+    first launch (no overlap with the plan's kernel) is not recorded, the second is, the third is fast."""
+    cases = stubbed["decode"][f"cluster {cluster}"]
+    for name in ("same arguments", "other tensors", "with lse", "k and v apart"):
+        assert cases[name] == {"hit": 1, "slow_hit": 0, "same": True, "launches": 3 if cluster == 16 else 1}, name
+    for name in ("lse not recorded", "other page count", "q of other strides"):
+        assert cases[name]["hit"] == 0 and cases[name]["same"], name
+    assert cases["re-plan"] == {"hits": [0, 0, 1]}
+
+
+@needs_cxx
 def test_bad_inputs_raise_the_slow_paths_errors(stubbed):
     errors = stubbed["errors"]
     assert errors["out overlaps x"].startswith("ValueError: out (strides (128, 1)) shares memory with x")
     assert errors["x of another width"] == "ValueError: x must have shape ('*', 128) (tokens x hidden_size), got (5, 64)"
+    assert stubbed["scale error"].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales dequantise an FP8")
 
 
 # --- GPU --------------------------------------------------------------------------------------------------
@@ -72,7 +87,7 @@ def _attention(lens, **kw):
 
 def _check_against_float64(q, kv, pb, out, lse, nan_row):
     """NaN exactly in `nan_row`'s rows, float64 attention elsewhere."""
-    from test_hostile_inputs import reference
+    from tests.test_hostile_inputs import reference
 
     ref, ref_lse = reference(q.cpu(), kv.cpu(), pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, P, HKV, D ** -0.5)
     out, lse = out.cpu(), lse.cpu()
@@ -141,7 +156,7 @@ def test_gpu_decode_fast_path_in_cuda_graph():
 def test_gpu_moe_fast_equals_slow():
     """The MoE op through the fast path equals the Python path bit for bit (routing by logits and by the topk
     pair), NaN in one token's x reaching exactly its row, and the result matches float64."""
-    from test_moe import dense_reference
+    from tests.test_moe import dense_reference
 
     H, I, E, k = 264, 136, 8, 2   # (not whole 64-wide tiles)
     layer = meld.MoE(H, I, E, k, BF16, "cuda", max_num_tokens=64)

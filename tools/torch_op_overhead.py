@@ -42,6 +42,40 @@ class _StubAttention(meld.DecodeAttention):
         return out
 
 
+class StubDecode(meld.DecodeAttention):
+    """A CPU operator that runs the GPU call path (`_launch`: parameter writes, the persistent launch's grids) over
+    stand-ins, as tools/moe_eager.py's `_StubMoE`: a `driver.Kernel` without a module, work tables at address 0, a
+    watchdog record in ordinary memory, no TMA maps; its launches reach whatever driver `fastcall` has loaded (a
+    stub: tools/moe_eager.py's `stub_driver`). For timing and testing the op's call path without a GPU."""
+
+    def __init__(self, *args, **kwargs):
+        from types import SimpleNamespace
+
+        from moe_eager import _stub_kernel
+
+        from meld.codegen.params import WATCHDOG_RECORD
+        from meld.runtime.watchdog import Watchdog
+
+        super().__init__(*args, device="cpu", **kwargs)
+        self.kernel = _stub_kernel("decode", self.kernel_config.threads)
+        w = self._watchdog = object.__new__(Watchdog)
+        w._host, w._claim, w._kernels = torch.zeros(WATCHDOG_RECORD.size, dtype=torch.uint8), torch.zeros(1), []
+        w.record = WATCHDOG_RECORD.ctype.from_address(w._host.data_ptr())
+        self._watchdog_id, self._tensor_maps, self._outs = 0, None, None
+        tables = SimpleNamespace(ptr=lambda offset: 0, off_slot_base=0)
+        fields = dict(kv_indices=0, kv_len=0, page_base=0, cta_table=0, part_o=0, part_lse=0, counters=0,
+                      **self._header(num_ctas=self.topology.num_ctas))
+        self._buf = SimpleNamespace(launcher=self._kernel_launch(tables, fields), prof=None)
+
+    def _run_outputs(self, *args):
+        self._outs = super()._run_outputs(*args)
+        return self._outs
+
+    def _execute_cpu(self, planned, q, kv):   # (the GPU path, writing the outputs run() then copies onto themselves)
+        self._launch(q, kv, *self._outs)
+        return self._outs
+
+
 class _StubMoE(meld.MoE):
     def __call__(self, x, router_logits, w13, w2, *, topk_weights=None, topk_ids=None, out=None):
         return out
