@@ -16,9 +16,10 @@ ever add to it. `torch.add(out=)` on one-element CPU tensors is timed alongside,
 
 On a GPU the ops take the C++ fast path (meld.runtime.torch_fastcall) once a call has been recorded; each case
 reports how many of its op calls did ("fast-path calls"). `--stub-fast-path` times the fast path without a GPU,
-in place of the other rows: tools/moe_eager.py's stubbed MoE layer (its GPU call path, launches into no-op C
-functions) through `MoE()` and `torch.ops.meld.moe`, first with the ops' Python kernels, then with the C++ kernels
-installed on the CPU's dispatch keys (the fast path's CPU form, for tests and this measurement only).
+in place of the other rows: `StubDecode` and tools/moe_eager.py's `_StubMoE` (GPU call paths, launches into no-op
+C functions; the clock is this thread's CPU time) directly and through their ops, first with the ops' Python
+kernels, then with the C++ kernels installed on the CPU's dispatch keys (the fast path's CPU form, for tests and
+this measurement only). StubDecode's run() also copies out onto itself (the CPU executor's path ends so).
 """
 from __future__ import annotations
 
@@ -166,18 +167,25 @@ def stub_fast_path(calls: int, rounds: int) -> dict[str, dict[str, float]]:
     layer = _StubMoE(H, I, E, k, bf16, "cpu", max_num_tokens=256)
     x, logits, out = torch.randn(T, H, dtype=bf16), torch.randn(T, E), torch.empty(T, H, dtype=bf16)
     w13, w2 = torch.empty(E, 2 * I, H, dtype=bf16), torch.empty(E, H, I, dtype=bf16)
-    op, h = torch.ops.meld.moe.default, layer.handle
-    direct, call = lambda: layer(x, logits, w13, w2, out=out), lambda: op(x, logits, w13, w2, None, None, out, h)
+    attn = StubDecode(32, 8, 128, 16, bf16)
+    pb = paged([1024] * 8, 16)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    q, kv = torch.randn(8, 32, 128, dtype=bf16), torch.randn(pb.num_pages, 2, 16, 8, 128, dtype=bf16)
+    cases = {"stub attention B=8": attention_variants(attn, q, kv, torch.empty_like(q)),
+             "stub moe T=8": moe_variants(layer, x, logits, w13, w2, out)}
     none = lambda: None  # noqa: E731
-    res = {"stub moe T=8, Python kernels (cpu)": time_calls({"MoE()": direct, "torch.ops.meld.moe": call}, calls,
-                                                            rounds, none, time.thread_time)}
+    a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)
+    res = {"reference (cpu)": time_calls({"torch.add(a, b, out=c)": lambda: torch.add(a, b, out=c)}, calls, rounds,
+                                         none, time.thread_time),
+           **{f"{name}, Python kernels (cpu)": time_calls(v, calls, rounds, none, time.thread_time)
+              for name, v in cases.items()}}
     if not torch_ops.fast_path("cpu"):
         return res
     torch_fastcall.set_driver(fastcall._lib)
-    hits = torch_fastcall.hits()
-    res["stub moe T=8, C++ fast path (cpu)"] = time_calls({"MoE()": direct, "torch.ops.meld.moe": call}, calls,
-                                                          rounds, none, time.thread_time)
-    res["stub moe T=8, C++ fast path (cpu)"]["fast-path calls"] = torch_fastcall.hits() - hits
+    for name, variants in cases.items():
+        hits = torch_fastcall.hits()
+        res[f"{name}, C++ fast path (cpu)"] = times = time_calls(variants, calls, rounds, none, time.thread_time)
+        times["fast-path calls"] = torch_fastcall.hits() - hits
     return res
 
 

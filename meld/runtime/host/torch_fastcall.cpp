@@ -125,7 +125,8 @@ bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, bool 
   void* stream = nullptr;   // a CPU record (a test's stubbed launches) runs on stream 0, as the stub driver's
   if (r.device_type == static_cast<int64_t>(c10::DeviceType::CUDA)) {
     c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(r.device_index));
-    stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+    const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    stream = impl->getStreamNativeHandle(impl->getStream(device));   // (torch's current stream: a cudaStream_t)
   }
   for (size_t i = 0; i < r.launches.size(); ++i) {
     Launch& l = r.launches[i];
