@@ -62,8 +62,7 @@ def load() -> ctypes.CDLL | None:
             lib.meld_fc_push.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p,
                                          ctypes.c_int64]
             lib.meld_fc_drop.argtypes = [ctypes.c_int64]
-            lib.meld_fc_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p,
-                                             ctypes.c_int]
+            lib.meld_fc_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
         _lib = lib
     return _lib
 
@@ -84,9 +83,8 @@ def install(device_type: str, ops: dict[str, int]) -> bool:
     if device_type == "cuda":
         set_driver(fastcall._cuda())
     for name, handle_arg in ops.items():
-        for k, autograd in ((key, 0), ("Autograd" + key, 1)):
-            if lib.meld_fc_register(f"meld::{name}".encode(), f"meld::_{name}_slow".encode(), handle_arg, k.encode(),
-                                    autograd):
+        for k in (key, "Autograd" + key):   # (a Python autograd kernel before it would cost ~2 us: RESULTS)
+            if lib.meld_fc_register(f"meld::{name}".encode(), f"meld::_{name}_slow".encode(), handle_arg, k.encode()):
                 raise RuntimeError(f"meld: registering the C++ kernel of meld::{name} at {k}: "
                                    f"{lib.meld_fc_error().decode()}")
     _installed.add(device_type)
@@ -135,7 +133,7 @@ def recorded(handle: int, op: object, args: tuple, written: tuple[int, ...], fie
     finally:
         launches, _recording, _owner = _recording, None, 0
         fastcall.recording = None
-    spec = _spec(args, written, fields, pinned, launches, op)
+    spec = _spec(args, written, fields, pinned, launches, op) if launches else None   # (nothing launched: no gain)
     if spec is None:
         return
     ints, blobs = spec

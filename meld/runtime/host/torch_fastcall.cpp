@@ -73,7 +73,7 @@ bool same_double(double a, double b) {
 }
 
 // Launch the record of the call on `args` (the op's arguments); false where it does not apply.
-bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, bool autograd) {
+bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg) {
   LaunchFn fn = launch_fn.load(std::memory_order_relaxed);
   if (fn == nullptr || !args[handle_arg].isInt()) return false;
   std::lock_guard<std::mutex> lock(mu);
@@ -94,7 +94,8 @@ bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, bool 
     } else if (a.kind == kTensor) {
       if (!v.isTensor()) return false;
       const at::Tensor& t = v.toTensor();
-      if (t.layout() != c10::kStrided || t.is_conj() || t.is_neg() || (autograd && t.requires_grad())) return false;
+      // (an input that requires grad: the Python path ties the outputs to it, at any key)
+      if (t.layout() != c10::kStrided || t.is_conj() || t.is_neg() || t.requires_grad()) return false;
       if (static_cast<int64_t>(t.scalar_type()) != a.dtype || static_cast<int64_t>(t.device().type()) != a.device_type ||
           t.device().index() != a.device_index || t.dim() != static_cast<int64_t>(a.sizes.size()))
         return false;
@@ -144,12 +145,11 @@ bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, bool 
 
 class FastKernel : public c10::OperatorKernel {
  public:
-  FastKernel(c10::OperatorHandle slow, int64_t handle_arg, bool autograd)
-      : slow_(std::move(slow)), handle_arg_(handle_arg), autograd_(autograd) {}
+  FastKernel(c10::OperatorHandle slow, int64_t handle_arg) : slow_(std::move(slow)), handle_arg_(handle_arg) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     size_t n = op.schema().arguments().size();
-    if (stack->size() >= n && try_launch(stack->data() + stack->size() - n, n, handle_arg_, autograd_)) {
+    if (stack->size() >= n && try_launch(stack->data() + stack->size() - n, n, handle_arg_)) {
       stack->erase(stack->end() - n, stack->end());   // (the ops return nothing)
       return;
     }
@@ -159,7 +159,6 @@ class FastKernel : public c10::OperatorKernel {
  private:
   c10::OperatorHandle slow_;
   int64_t handle_arg_;
-  bool autograd_;
 };
 
 // Parse a record: `spec` as meld/runtime/torch_fastcall.py's `_spec` lays it out, `bytes` the launches' attributes
@@ -253,9 +252,8 @@ void meld_fc_drop(int64_t handle) {
 }
 
 // Register the fast kernel for op `name` ("ns::op") at dispatch key `key`, falling back to op `slow` (same schema)
-// at the same keys; `handle_arg`: the index of the int argument naming the operator; `autograd`: an autograd key
-// (an input that requires grad takes the slow path, whose autograd kernel handles it).
-int meld_fc_register(const char* name, const char* slow, int64_t handle_arg, const char* key, int autograd) {
+// at the same keys; `handle_arg`: the index of the int argument naming the operator.
+int meld_fc_register(const char* name, const char* slow, int64_t handle_arg, const char* key) {
   try {
     auto slow_op = c10::Dispatcher::singleton().findSchemaOrThrow(slow, "");
     std::string full(name);
@@ -265,7 +263,7 @@ int meld_fc_register(const char* name, const char* slow, int64_t handle_arg, con
     auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::parseDispatchKey(key), __FILE__,
                                                 __LINE__);
     lib->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunctor(
-                              std::make_unique<FastKernel>(slow_op, handle_arg, autograd != 0)));
+                              std::make_unique<FastKernel>(slow_op, handle_arg)));
     libraries.push_back(std::move(lib));
     return 0;
   } catch (const std::exception& e) {
