@@ -13,7 +13,6 @@ from .. import config
 from ..codegen import compile_source
 from ..codegen.lowering import Lowering, lower
 from ..ir import TaskGraph
-from ..runtime import torch_fastcall
 from .checks import check_outputs, expect, grad_inputs, no_backward, plain, resolve_device
 from .registry import register
 
@@ -87,10 +86,8 @@ class Operator:
 
     def _commit(self, planned: object, buf: object = None) -> None:
         """Install a validated plan and the buffers it was written into (None: the installed ones): the one
-        assignment by which plan() changes the operator, after everything that can fail; the torch op's fast path
-        forgets the launches it recorded."""
+        assignment by which plan() changes the operator, after everything that can fail."""
         self._planned, self._buf = planned, self._buf if buf is None else buf
-        torch_fastcall.drop(self.handle)
 
     # --- run(): checks, outputs, then the GPU launch or the CPU reference executor -------------------------
     def _run(self, inputs: tuple, return_lse: object, out: torch.Tensor | None, lse: torch.Tensor | None,
