@@ -170,7 +170,10 @@ def _spec(args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bo
             t = args[arg]
             if t is None or not hasattr(ptype, name):
                 continue
-            off = getattr(ptype, name).offset
+            field = getattr(ptype, name)
+            if field.size != 8:   # (the fast path writes 8-byte addresses)
+                return None
+            off = field.offset
             addend = int.from_bytes(blob[off:off + 8], "little") - t.data_ptr()
             if addend and not offset_ok:
                 return None
