@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
 from ..runtime import torch_fastcall
 from .checks import check_tensors, expect, grad_inputs, no_backward
 from .decode_attention import DecodeAttention, kv_parts
@@ -85,11 +86,11 @@ def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> Non
 def fast_path(device_type: str = "cuda") -> bool:
     """Give the ops on `device_type`'s dispatch keys the C++ kernels of meld.runtime.torch_fastcall (once; "cpu":
     for tests with stubbed launches), each falling back to its Python twin `meld::_<op>_slow`. False where the
-    library cannot be built: the Python kernels stay."""
+    library cannot be built or MELD_TORCH_FASTCALL=0: the Python kernels stay."""
     key = {"cuda": "CUDA", "cpu": "CPU"}[device_type]
     if key not in _backends:
         return True
-    if torch_fastcall.load() is None:
+    if not config.torch_fastcall() or torch_fastcall.load() is None:
         return False
     for name, (schema, impl, written) in _ops.items():
         slow = f"_{name}_slow"
