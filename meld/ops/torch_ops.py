@@ -103,13 +103,13 @@ def fast_path(device_type: str = "cuda") -> bool:
                                                 for name, (schema, _, _) in _ops.items()})
 
 
-def _recorded(layer, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
+def _recorded(name: str, layer, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
               pinned: tuple[int, ...], steady: bool, call) -> None:
     """`call()`, recorded for the fast path (`torch_fastcall.recorded`) where it is installed on the operator's
     device and the launches are the ones every call of these arguments makes (`steady`; not a profiling build, not
     an operator that sets its launches' parameters elsewhere)."""
     if steady and layer._fastcall and torch_fastcall.installed(layer.device):
-        torch_fastcall.recorded(layer.handle, layer, args, written, fields, pinned, call)
+        torch_fastcall.recorded(name, layer.handle, layer, args, written, fields, pinned, call)
     else:
         call()
 
@@ -133,7 +133,7 @@ def _decode_attention_impl(q, kv_cache, out, lse, handle, v_cache=None, k_scale=
     # launch right after a plan() differs from the later ones (no overlap with the plan's kernel): not recorded.
     fields = {"q": (0, False), "k": (1, False), "v": (1, True) if v_cache is None else (5, False), "out": (2, False),
               "lse": (3, False)}
-    _recorded(attn, (q, kv_cache, out, lse, handle, v_cache, k_scale, v_scale), (2, 3), fields,
+    _recorded("decode_attention", attn, (q, kv_cache, out, lse, handle, v_cache, k_scale, v_scale), (2, 3), fields,
               (1, 5) if getattr(attn, "_tensor_maps", None) is not None else (),   # (the CPU executor: none)
               attn._buf is not None and attn._buf.prof is None and not attn._plan_kernel_last,
               lambda: attn.run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale, v_scale=v_scale))
@@ -154,7 +154,7 @@ def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=
 def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
     _required_out("decode_mla", out)
     mla = lookup(handle, DecodeMLA)
-    _recorded(mla, (q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle), (4, 5),
+    _recorded("decode_mla", mla, (q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle), (4, 5),
               {"q_nope": (0, False), "q_pe": (1, False), "out": (4, False), "lse": (5, False)}, (2, 3),
               mla._buf is not None and mla._buf.prof is None,
               lambda: mla.run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse))
@@ -179,7 +179,7 @@ def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
     packed = isinstance(w13, torch.Tensor) and w13.dim() == 6   # (plain weights: their tensor maps hold them)
     fields = {"x": (0, False), "out": (6, False), "logits": (1, False), "topk_ids_in": (5, False),
               "topk_w_in": (4, False), **({"w13_packed": (2, False), "w2_packed": (3, False)} if packed else {})}
-    _recorded(layer, (x, router_logits, w13, w2, topk_weights, topk_ids, out, handle), (6,), fields,
+    _recorded("moe", layer, (x, router_logits, w13, w2, topk_weights, topk_ids, out, handle), (6,), fields,
               () if packed else (2, 3), layer._prof is None and not layer._fp8,
               lambda: layer(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out))
 

@@ -28,6 +28,7 @@ from . import fastcall
 
 _lib: ctypes.CDLL | None | bool = False   # False: not tried yet
 _installed: set[str] = set()   # the device types whose dispatch keys have the C++ kernels
+_op_codes: dict[str, int] = {}   # each op's number in its records
 _recording: list | None = None
 _owner = 0   # the thread whose launches `_recording` collects
 _with_record: set[int] = set()   # the handles that have a record
@@ -62,7 +63,8 @@ def load() -> ctypes.CDLL | None:
             lib.meld_fc_push.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p,
                                          ctypes.c_int64]
             lib.meld_fc_drop.argtypes = [ctypes.c_int64]
-            lib.meld_fc_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
+            lib.meld_fc_register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p,
+                                             ctypes.c_int64]
         _lib = lib
     return _lib
 
@@ -83,8 +85,10 @@ def install(device_type: str, ops: dict[str, int]) -> bool:
     if device_type == "cuda":
         set_driver(fastcall._cuda())
     for name, handle_arg in ops.items():
+        code = _op_codes.setdefault(name, len(_op_codes))
         for k in (key, "Autograd" + key):   # (a Python autograd kernel before it would cost ~2 us: RESULTS)
-            if lib.meld_fc_register(f"meld::{name}".encode(), f"meld::_{name}_slow".encode(), handle_arg, k.encode()):
+            if lib.meld_fc_register(f"meld::{name}".encode(), f"meld::_{name}_slow".encode(), handle_arg, k.encode(),
+                                    code):
                 raise RuntimeError(f"meld: registering the C++ kernel of meld::{name} at {k}: "
                                    f"{lib.meld_fc_error().decode()}")
     _installed.add(device_type)
@@ -116,9 +120,9 @@ def record_launch(func: int, cfg: fastcall.LaunchConfig, params: ctypes.Structur
                                   cfg.blockDimZ, cfg.sharedMemBytes), attrs, bytes(params), type(params)))
 
 
-def recorded(handle: int, op: object, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
+def recorded(name: str, handle: int, op: object, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
              pinned: tuple[int, ...], call) -> None:
-    """`call()`, the op's checked Python path, recording its launches; then `handle`'s record from them, when every
+    """`call()`, op `name`'s checked Python path, recording its launches; then `handle`'s record from them, when every
     parameter field of `fields` ({field: (argument index, whether it may be the argument's address plus a fixed
     offset)}) holds its argument's address as the fast path would write it. `args`: the op's arguments; `written`:
     the outputs' indices; `pinned`: the tensors whose addresses are also in the launches elsewhere (tensor maps),
@@ -133,7 +137,7 @@ def recorded(handle: int, op: object, args: tuple, written: tuple[int, ...], fie
     finally:
         launches, _recording, _owner = _recording, None, 0
         fastcall.recording = None
-    spec = _spec(args, written, fields, pinned, launches, op) if launches else None   # (nothing launched: no gain)
+    spec = _spec(_op_codes[name], args, written, fields, pinned, launches, op) if launches else None   # (nothing launched: no gain)
     if spec is None:
         return
     ints, blobs = spec
@@ -146,11 +150,11 @@ def recorded(handle: int, op: object, args: tuple, written: tuple[int, ...], fie
         weakref.finalize(op, drop, handle)
 
 
-def _spec(args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]], pinned: tuple[int, ...],
-          launches: list, op: object) -> tuple[list[int], bytes] | None:
+def _spec(code: int, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
+          pinned: tuple[int, ...], launches: list, op: object) -> tuple[list[int], bytes] | None:
     """The record as host/torch_fastcall.cpp's `parse` reads it, or None where the launches cannot be replayed by
     patching addresses (a field that does not hold its argument's address: a copy was launched)."""
-    ints: list[int] = [len(args)]
+    ints: list[int] = [code, len(args)]
     for i, a in enumerate(args):
         if a is None:
             ints.append(0)

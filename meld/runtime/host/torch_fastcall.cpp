@@ -54,6 +54,7 @@ struct Launch {
   void* argv[1];
 };
 struct Record {
+  int64_t op = -1;   // the op that recorded it (a handle names an operator, not an op: another op's call never matches)
   std::vector<Arg> args;
   std::vector<Patch> patches;
   std::vector<Launch> launches;
@@ -73,14 +74,14 @@ bool same_double(double a, double b) {
 }
 
 // Launch the record of the call on `args` (the op's arguments); false where it does not apply.
-bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg) {
+bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, int64_t op) {
   LaunchFn fn = launch_fn.load(std::memory_order_relaxed);
   if (fn == nullptr || !args[handle_arg].isInt()) return false;
   std::lock_guard<std::mutex> lock(mu);
   auto found = records.find(args[handle_arg].toInt());
   if (found == records.end()) return false;
   Record& r = *found->second;
-  if (r.args.size() != nargs || (r.watchdog != nullptr && *r.watchdog != 0)) return false;
+  if (r.op != op || r.args.size() != nargs || (r.watchdog != nullptr && *r.watchdog != 0)) return false;
   uintptr_t lo[16], hi[16];   // each tensor argument's bytes, [lo, hi)
   if (nargs > 16) return false;
   for (size_t i = 0; i < nargs; ++i) {
@@ -145,11 +146,12 @@ bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg) {
 
 class FastKernel : public c10::OperatorKernel {
  public:
-  FastKernel(c10::OperatorHandle slow, int64_t handle_arg) : slow_(std::move(slow)), handle_arg_(handle_arg) {}
+  FastKernel(c10::OperatorHandle slow, int64_t handle_arg, int64_t op)
+      : slow_(std::move(slow)), handle_arg_(handle_arg), op_(op) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     size_t n = op.schema().arguments().size();
-    if (stack->size() >= n && try_launch(stack->data() + stack->size() - n, n, handle_arg_)) {
+    if (stack->size() >= n && try_launch(stack->data() + stack->size() - n, n, handle_arg_, op_)) {
       stack->erase(stack->end() - n, stack->end());   // (the ops return nothing)
       return;
     }
@@ -159,6 +161,7 @@ class FastKernel : public c10::OperatorKernel {
  private:
   c10::OperatorHandle slow_;
   int64_t handle_arg_;
+  int64_t op_;
 };
 
 // Parse a record: `spec` as meld/runtime/torch_fastcall.py's `_spec` lays it out, `bytes` the launches' attributes
@@ -170,6 +173,7 @@ std::unique_ptr<Record> parse(const int64_t* s, int64_t n, const unsigned char* 
     TORCH_CHECK(i < n, "record spec too short");
     return s[i++];
   };
+  r->op = next();
   for (int64_t k = next(); k > 0; --k) {
     Arg a;
     a.kind = next();
@@ -252,8 +256,9 @@ void meld_fc_drop(int64_t handle) {
 }
 
 // Register the fast kernel for op `name` ("ns::op") at dispatch key `key`, falling back to op `slow` (same schema)
-// at the same keys; `handle_arg`: the index of the int argument naming the operator.
-int meld_fc_register(const char* name, const char* slow, int64_t handle_arg, const char* key) {
+// at the same keys; `handle_arg`: the index of the int argument naming the operator; `code`: the number its
+// records carry.
+int meld_fc_register(const char* name, const char* slow, int64_t handle_arg, const char* key, int64_t code) {
   try {
     auto slow_op = c10::Dispatcher::singleton().findSchemaOrThrow(slow, "");
     std::string full(name);
@@ -263,7 +268,7 @@ int meld_fc_register(const char* name, const char* slow, int64_t handle_arg, con
     auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::parseDispatchKey(key), __FILE__,
                                                 __LINE__);
     lib->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunctor(
-                              std::make_unique<FastKernel>(slow_op, handle_arg)));
+                              std::make_unique<FastKernel>(slow_op, handle_arg, code)));
     libraries.push_back(std::move(lib));
     return 0;
   } catch (const std::exception& e) {
