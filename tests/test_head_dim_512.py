@@ -1,7 +1,7 @@
 """GQA decode at head_dim 512 (issue 42, item 3: FlashInfer's large-head decode): `DecodeAttention(head_dim=512)`,
 the torch op and the FlashInfer wrapper. The kernel's build keeps each warp's O^T (128 registers a lane) in
-registers and Q's fragments in shared memory, on two warps of two-stage rings (tests/test_codegen.py compiles its
-variants for sm_90a without spills).
+registers and Q's fragments in shared memory, on two warps of two-stage rings (four over FP8 caches;
+tests/test_codegen.py compiles its variants for sm_90a without spills).
 
 The reference is float64 attention over the dequantised cache (tests/test_decode_variants.py's `reference`: RoPE at
 each key's position, q at its request's last), independent of meld's executor. CPU: the configuration's limits and
@@ -31,10 +31,12 @@ GPU_LENS = [37, 0, 250, 1, 1003, 115, 9000, 17, 64]   # 9000: its units split ac
 
 
 def test_config():
-    """Two warps, 8-head units (a group of 16 takes two), global-memory merges; 16-head units are refused by name."""
-    for kv in ("", "float8_e4m3fn"):
+    """Two warps of two stages (four over FP8), 8-head units (a group of 16 takes two), global-memory merges;
+    16-head units are refused by name."""
+    for kv, warps in (("", 2), ("float8_e4m3fn", 4)):
         c = DecodeKernelConfig.default("float16", D, onchip_merge=True, group_size=16, kv_dtype=kv)
-        assert (c.num_warps, c.heads_per_unit, c.onchip_merge) == (2, 8, False) and c.smem_bytes <= 227 * 1024
+        assert (c.num_warps, c.num_stages, c.heads_per_unit, c.onchip_merge) == (warps, 2, 8, False)
+        assert c.smem_bytes <= 227 * 1024
     with pytest.raises(ValueError, match="heads_per_unit=16 with head_dim=512: expected 8"):
         DecodeKernelConfig(head_dim=D, num_warps=2, num_stages=2, heads_per_unit=16)
 

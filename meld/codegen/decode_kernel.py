@@ -168,9 +168,13 @@ class DecodeKernelConfig:
         through global memory only. An FP8 cache's tiles are half the bytes: its rings take 2 (s - 1) + 1
         stages for the 16-bit build's s, so each warp keeps as many bytes in flight (not yet swept). head_dim 512
         (not swept) takes two warps of two stages, all that its 32 KiB tiles leave room for: 64 KiB in flight per
-        CTA, as head_dim 128's eight warps of 8 KiB tiles; its units are 8 heads and merge through global memory."""
+        CTA, as head_dim 128's eight warps of 8 KiB tiles; over an FP8 cache, whose tiles hold as many tokens in
+        half the bytes, four warps of two stages instead: as many bytes in flight, and twice the warps for the
+        conversions (and RoPE) each byte costs. Its units are 8 heads and merge through global memory."""
         warps, stages = {256: (4, 3), 512: (2, 2)}.get(head_dim, (8, 2))
-        if kv_dtype:
+        if kv_dtype and head_dim == 512:
+            warps = 4
+        elif kv_dtype:
             stages = 2 * (stages - 1) + 1
         if head_dim >= 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,

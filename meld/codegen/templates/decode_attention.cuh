@@ -98,7 +98,7 @@
 // stream, the rows of a single-token unit. Scores past a row's last visible key are masked as past a unit's end.
 // Q_LEN 1 compiles to the plain build's code.
 //
-// HEAD_DIM 512 builds (8-head units, two warps: meld/codegen/decode_kernel.py) keep each warp's O^T in registers (128
+// HEAD_DIM 512 builds (8-head units, two or four warps: meld/codegen/decode_kernel.py) keep each warp's O^T in registers (128
 // floats a lane) and Q's A fragments in shared memory instead (Q_SMEM: load_q writes the warp's copy, q_frag reads one
 // 8-byte word per channel block), and copy a 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything
 // else is the same code over four times the bytes a token; at other head dims these compile to the code they were.
