@@ -5,7 +5,7 @@ tests/test_codegen.py compiles its variants for sm_90a without spills).
 
 The reference is float64 attention over the dequantised cache (tests/test_decode_variants.py's `reference`: RoPE at
 each key's position, q at its request's last), independent of meld's executor. CPU: the configuration's limits and
-the executor against it. GPU (`gpu`): the kernel against it for 16-bit and FP8 caches (e4m3 and e5m2 with scales),
+the executor against it. GPU (`gpu`): the kernel against it for 16-bit and FP8 caches (e4m3 with scales),
 RoPE, NHD and HND, pages of 1, 7 and 16 tokens, groups of 1, 4, 8 and 16, lengths off the pages and tiles with
 requests long enough to split; NaN in q, K or V reaching exactly its rows; the torch op's and the wrapper's results;
 a captured run() replayed across re-plans. Outputs are NaN-filled before every run."""
@@ -24,7 +24,7 @@ from tests.test_decode_variants import reference
 
 D = 512
 BF16, F16 = torch.bfloat16, torch.float16
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+E4M3 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.37, 2.5            # FP8 caches' per-tensor scales (not powers of two)
 LENS = [37, 0, 250, 1, 1003, 115, 18]   # no length a multiple of the 16-token tile or of the page
 GPU_LENS = [37, 0, 250, 1, 1003, 115, 9000, 17, 64]   # 9000: its units split across CTAs on the H200
@@ -92,10 +92,11 @@ def test_executor_matches_float64(dtype, fmt, layout, P, rope):
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------------
-# (q dtype, FP8 format or None, layout, page_size, num_qo_heads, num_kv_heads, RoPE)
+# (q dtype, FP8 format or None, layout, page_size, num_qo_heads, num_kv_heads, RoPE): five kernels (each compiled on
+# first use), four of them those of the port's head_dim-512 cases
 GPU_CASES = [(BF16, None, "NHD", 16, 32, 8, False), (F16, None, "HND", 1, 8, 8, True),
              (F16, E4M3, "NHD", 16, 32, 4, True), (F16, E4M3, "HND", 1, 32, 4, False),
-             (BF16, E5M2, "NHD", 7, 16, 4, True), (F16, None, "NHD", 16, 64, 4, False)]
+             (BF16, None, "HND", 7, 16, 4, False), (F16, None, "NHD", 16, 64, 4, False)]
 
 
 @pytest.mark.gpu
