@@ -23,8 +23,8 @@ Columns: unique MiB = (G·prefix + B·suffix)·Hkv·D·2·2 bytes; floor µs = a
 speedup = FlashInfer cascade / meld cascade; vs flat = meld non-cascade / meld cascade (>= 1 is the issue's
 bar); /floor = meld cascade / floor; meld-cascade-cta is the same operator with `split_stream="cta"` (a
 request's own suffix streamed through the CTA's ring, the default until 2026-12-03), and cta/warp compares it;
-meld-cascade-wgmma is the same operator with `prefix_mma="wgmma"` (a shared prefix's tasks on wgmma, a warpgroup's
-64 rows at once), and mma/wgmma compares it with the default (mma.sync) build. `--trace DIR`
+meld-cascade-mma is the same operator with `prefix_mma="mma"` (a shared prefix's tasks on mma.sync, a warp's 16
+rows at once, where the default is wgmma's warpgroup of 64), and mma/default compares it with the default. `--trace DIR`
 also writes meld's cascade kernel's per-SM timeline of each case (a task's attention as "piece", the merges it
 fired as "merge-hbm"; Chrome JSON + PNG).
 """
@@ -55,7 +55,7 @@ from bench.harness import (  # noqa: E402
 
 HQ, HKV, D, PAGE_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-IMPLS = ("meld-cascade", "meld-cascade-cta", "meld-cascade-wgmma", "meld-flat", "fi-cascade")
+IMPLS = ("meld-cascade", "meld-cascade-cta", "meld-cascade-mma", "meld-flat", "fi-cascade")
 FI_WORKSPACE_BYTES = 128 << 20
 
 
@@ -177,7 +177,7 @@ def build_fi_cascade(inp: Inputs) -> Impl:
 
 
 BUILDERS = {"meld-cascade": build_meld_cascade, "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta"),
-            "meld-cascade-wgmma": partial(build_meld_cascade, prefix_mma="wgmma"),
+            "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma"),
             "meld-flat": build_meld_flat, "fi-cascade": build_fi_cascade}
 
 
@@ -189,12 +189,12 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         return median_us(r) if r and not r.get("errors") and not r.get("skipped") else None
 
     mc, mt, mf, fi = us("meld-cascade"), us("meld-cascade-cta"), us("meld-flat"), us("fi-cascade")
-    mw = us("meld-cascade-wgmma")
+    mm = us("meld-cascade-mma")
     return {
         "case": case.name, "B": case.batch, "prefix": case.prefix, "suffix": case.suffix, "groups": case.groups,
         "unique_mib": unique_bytes(case) / (1 << 20),
         "meld_cascade_us": cell("meld-cascade"), "meld_cta_us": cell("meld-cascade-cta"),
-        "meld_wgmma_us": cell("meld-cascade-wgmma"),
+        "meld_mma_us": cell("meld-cascade-mma"),
         "meld_flat_us": cell("meld-flat"), "fi_us": cell("fi-cascade"),
         "floor_us": floor_us,
         "speedup": fi / mc if fi and mc else None, "vs_flat": mf / mc if mf and mc else None,
@@ -202,7 +202,7 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         "fi_per_floor": fi / floor_us if fi and floor_us else None,
         "flat_vs_fi": fi / mf if fi and mf else None,
         "warp_vs_cta": mt / mc if mc and mt else None,
-        "wgmma_vs_mma": mc / mw if mc and mw else None,
+        "mma_vs_default": mm / mc if mc and mm else None,
         "results": results,
     }
 
@@ -210,13 +210,13 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
 COLUMNS = [
     Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"), Column("groups", "G", "d"),
     Column("unique_mib", "unique MiB", ".0f"), Column("meld_cascade_us", "meld cascade µs", ".1f"),
-    Column("meld_cta_us", "meld cta µs", ".1f"), Column("meld_wgmma_us", "meld wgmma µs", ".1f"),
+    Column("meld_cta_us", "meld cta µs", ".1f"), Column("meld_mma_us", "meld mma µs", ".1f"),
     Column("meld_flat_us", "meld flat µs", ".1f"),
     Column("fi_us", "FI cascade µs", ".1f"),
     Column("floor_us", "floor µs", ".1f"), Column("speedup", "speedup", ".2f"), Column("vs_flat", "vs flat", ".2f"),
     Column("per_floor", "/floor", ".2f"), Column("fi_per_floor", "FI/floor", ".2f"),
     Column("flat_vs_fi", "FI/flat", ".2f"), Column("warp_vs_cta", "cta/warp", ".2f"),
-    Column("wgmma_vs_mma", "mma/wgmma", ".2f"),
+    Column("mma_vs_default", "mma/default", ".2f"),
 ]
 
 
@@ -330,7 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = env_info()
     env["commit"] = args.commit or env["commit"]
     failures: list[str] = []
-    imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-cascade-wgmma": "meld", "meld-flat": "meld",
+    imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-cascade-mma": "meld", "meld-flat": "meld",
                "fi-cascade": "flashinfer"}
     args.impls = keep_available(args.impls, lambda n: __import__(imports[n]), failures,
                                 why=lambda n: f"import {imports[n]} failed")
@@ -343,7 +343,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 ("rows_per_tile", args.rows_per_tile)) if v is not None}
     builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw),
                 "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta", **op_kw),
-                "meld-cascade-wgmma": partial(build_meld_cascade, prefix_mma="wgmma", **op_kw)}
+                "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma", **op_kw)}
     for i, case in enumerate(cases, 1):
         inp = make_inputs(case, args.seed)
         print(f"[{i}/{len(cases)}] {case.name}: {inp.batch.num_pages} pages, unique "
@@ -366,8 +366,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("speedup = FlashInfer cascade µs / meld cascade µs; vs flat = meld non-cascade µs / meld cascade µs; "
           "/floor = meld cascade µs / a pure read of the unique bytes; FI/flat = FlashInfer cascade µs / meld "
           "non-cascade µs; cta/warp = meld cascade-cta µs / meld cascade µs (> 1: the default warp build, split tasks "
-          "through the warps' own rings, is faster); mma/wgmma = meld cascade µs / meld cascade-wgmma µs (> 1: the "
-          "wgmma build of the prefix tasks is faster)")
+          "through the warps' own rings, is faster); mma/default = meld cascade-mma µs / meld cascade µs (> 1: "
+          "the default, the prefix tasks on wgmma, is faster)")
     print(f"summary: {failure_head(failures)}")
     return 1 if failures else 0
 

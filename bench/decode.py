@@ -91,11 +91,11 @@ class Case:
         return f"B={self.batch} {self.dist} {self.shape}"
 
 
-def select_cases(batches: Sequence[int], dists: Sequence[str], extra: bool) -> list[Case]:
-    """The B x dist grid, plus BENCH.md's group-8 and D=64 cases (B=64 skewed) when that cell is selected,
-    and group 16 (Hq=128 Hkv=8, Llama-3.1-405B's shape; not in BENCH.md) at B=64 for the selected
-    uniform2k and skewed cells."""
-    cases = [Case(b, d) for b in batches for d in dists]
+def select_cases(batches: Sequence[int], dists: Sequence[str], extra: bool, head_dim: int = 128) -> list[Case]:
+    """The B x dist grid at `head_dim` (Hq=32 Hkv=8), plus BENCH.md's group-8 and D=64 cases (B=64 skewed) when
+    that cell is selected, and group 16 (Hq=128 Hkv=8, Llama-3.1-405B's shape; not in BENCH.md) at B=64 for the
+    selected uniform2k and skewed cells."""
+    cases = [Case(b, d, head_dim=head_dim) for b in batches for d in dists]
     if extra and 64 in batches and "skewed" in dists:
         cases += [Case(64, "skewed", 64, 8, 128), Case(64, "skewed", 64, 8, 64)]
     if extra and 64 in batches:
@@ -442,6 +442,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
     p.add_argument("--quick", action="store_true", help="B in (8, 64), no extra head shapes, 30 replays")
     p.add_argument("--no-extra", action="store_true", help="skip the group-8, D=64 and group-16 cases at B=64")
+    p.add_argument("--head-dim", type=int, choices=(64, 128, 256, 512), default=128,
+                   help="the grid's head_dim (the extra cases keep theirs; 512: FlashInfer's large-head decode)")
     add_timing_args(p)
     p.add_argument("--sdpa-max-batch", type=int, default=64, help="skip SDPA above this batch size")
     p.add_argument("--sdpa-max-gib", type=float, default=20.0, help="skip SDPA when its padded K+V exceeds this")
@@ -503,7 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     KV_LAYOUT[0] = args.kv_layout
     KV_FP8[0] = {"fp8": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(args.kv_dtype)
     Q_LEN[0] = args.q_len
-    cases = select_cases(args.batch, args.dist, extra=not args.no_extra)
+    cases = select_cases(args.batch, args.dist, extra=not args.no_extra, head_dim=args.head_dim)
     if args.dry_run:
         dry_run(cases, args)
         return 0

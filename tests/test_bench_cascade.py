@@ -17,7 +17,7 @@ def test_dry_run_lists_the_cases_and_what_runs(capsys):
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
     assert [tuple(map(int, r[:4])) for r in rows] == [(c.batch, c.prefix, c.suffix, c.groups) for c in cascade.CASES]
     assert rows[0][5] == "160", "B=64, prefix 8192 once, 64 x 512 suffix tokens: 160 MiB of K and V"
-    assert "meld-cascade meld-cascade-cta meld-cascade-wgmma meld-flat fi-cascade" in out
+    assert "meld-cascade meld-cascade-cta meld-cascade-mma meld-flat fi-cascade" in out
     assert "flashinfer" not in sys.modules
 
 

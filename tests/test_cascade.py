@@ -632,7 +632,7 @@ def test_the_wgmma_prefix_build_compiles_for_sm90a(dtype, head_dim, profile):
     assert cfg.name.endswith("_warp_wgmma" + ("_prof" if profile else ""))
 
 
-def test_the_wgmma_prefix_build_is_opt_in_and_its_config_names_bad_values():
+def test_the_operator_picks_wgmma_where_its_build_allows_and_the_config_names_bad_values():
     from meld.codegen.grouped_kernel import GroupedKernelConfig
 
     default, wg = GroupedKernelConfig(), GroupedKernelConfig(prefix_mma="wgmma")
@@ -645,6 +645,10 @@ def test_the_wgmma_prefix_build_is_opt_in_and_its_config_names_bad_values():
                       (dict(prefix_mma="wgmma", head_dim=256), "head_dim=256")]:
         with pytest.raises(ValueError, match=match):
             GroupedKernelConfig(**kw)
+    picks = {(sp, d): meld.CascadeDecode(HQ, HKV, d, P, 2, BF16, "cpu", split_stream=sp).prefix_mma
+             for sp in ("warp", "cta") for d in (64, 128, 256)}
+    assert picks == {("warp", 64): "wgmma", ("warp", 128): "wgmma", ("warp", 256): "mma",
+                     ("cta", 64): "mma", ("cta", 128): "mma", ("cta", 256): "mma"}
     with pytest.raises(ValueError, match="prefix_mma must be one of .*got 'tensor'"):
         meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", prefix_mma="tensor")
     with pytest.raises(ValueError, match="split_stream='cta'"):

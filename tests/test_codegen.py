@@ -75,6 +75,15 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8, variant=RO
             dataclasses.replace(DecodeKernelConfig.default("bfloat16", 256, kv_dtype=FP8, variant=ROPE), tma=True),
             DecodeKernelConfig.default("bfloat16", 128, group_size=16, batch_invariant=True, kv_dtype=FP8,
                                        variant=ROPE)]
+# head_dim 512 (Q's fragments in shared memory, two warps): 16-bit and FP8 caches, both formats and MMA types, RoPE
+# (in shared memory and in registers), a cap and a window, TMA rings, batch-invariant walks, multi-token rows.
+CONFIGS += [DecodeKernelConfig.default("bfloat16", 512), DecodeKernelConfig.default("float16", 512, variant=ROPE),
+            DecodeKernelConfig.default("float16", 512, kv_dtype=FP8, variant=ROPE),
+            DecodeKernelConfig.default("float16", 512, kv_dtype=E5M2, variant=DecodeVariant(30.0, 4095, 1e4)),
+            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 512, kv_dtype=FP8, batch_invariant=True,
+                                                           variant=BOTH), tma=True),
+            dataclasses.replace(DecodeKernelConfig.default("float16", 512, group_size=16, q_len=2), tma=True,
+                                profile=True)]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 

@@ -81,7 +81,7 @@ def _planned(**kw):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_qo_heads=6, num_kv_heads=4), "num_qo_heads=6 must be a multiple of num_kv_heads=4"),
-    (dict(head_dim=96), "head_dim must be 64, 128 or 256, got 96"),
+    (dict(head_dim=96), "head_dim must be 64, 128, 256 or 512, got 96"),
     (dict(page_size=0), "page_size must be a positive int, got 0"),
     (dict(dtype=torch.float32), "dtype must be torch.bfloat16 or torch.float16"),
     (dict(device="meta"), "device must be 'cuda' or 'cpu'"),

@@ -1,7 +1,8 @@
 """FlashInfer's decode variants on `meld.DecodeAttention` (issue 42, item 3): logits_soft_cap (each scaled score s
 becomes c * tanh(s / c) before the softmax), window_left (the query attends to its request's last w + 1 keys) and
 pos_encoding_mode="ROPE_LLAMA" (Llama's rotary embedding inside attention: keys at their positions, the query at
-its request's last), through the operator, the torch op and the FlashInfer wrapper; fast_plan; head_dim 512 refused.
+its request's last), through the operator, the torch op and the FlashInfer wrapper; fast_plan; head_dim 512
+planned, others refused.
 
 The reference is float64 attention computed here, request by request, from the page table as given (not from the
 table plan() keeps for a window): meld's executor and kernel are compared with it, never with each other. Lengths
@@ -332,12 +333,14 @@ def test_fast_plan_is_plan():
         fast_decode_plan(object(), *args)
 
 
-def test_head_dim_512_is_refused_by_name():
+def test_head_dim_512_plans_and_others_are_refused_by_name():
     pb = paged(LENS, 16)
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8))
-    with pytest.raises(NotImplementedError, match=r"head_dim=512 is not supported: .*at most 256 channels.*"
-                                                  r"BatchMLAPagedAttentionWrapper"):
-        w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 512, 16, q_data_type=BF16)
+    w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 512, 16, q_data_type=BF16)
+    assert w._op.head_dim == 512
+    with pytest.raises(NotImplementedError, match=r"head_dim=576 is not supported: .*\(64, 128, 256, 512\)"):
+        w.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, 8, 2, 576, 16, q_data_type=BF16)
+    assert w._op.head_dim == 512
 
 
 # --- bad inputs ---------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ ALLOWED = {
     ("moe.cuh", "const int ticket = atomicAdd(p.counters, 1);"): "the MoE task ticket (work handed out, not counted)",
     ("moe.cuh", "p.counters[0] = 0;"): "the MoE task ticket, rewound",
     ("moe.cuh", "combine_list[1 + atomicAdd(combine_list, 1)] = t;"): "a slot in the CTA's list of fired combines",
-    ("grouped_attention.cuh", "fired[atomicAdd(&n_fired, 1)] = e;"): "a slot in the CTA's list of fired events",
+    ("grouped_attention.cuh", "const int k = atomicAdd(&n_fired, 1);"): "a slot in the CTA's list of fired events",
 }
 
 

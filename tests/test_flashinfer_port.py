@@ -11,7 +11,7 @@ Each FlashInfer test is a suite below (SUITES: its parameters, values and runner
 test_refusals_are_the_allow_list plans every case of every suite and checks the refusals, counted per option,
 against ALLOWED exactly.
 
-Cases: 6,192 in all (649 of them refused: ALLOWED). GPU (marker gpu): a pairwise cover of each suite (every
+Cases: 6,192 in all (289 of them refused: ALLOWED). GPU (marker gpu): a pairwise cover of each suite (every
 value of every parameter, every pair of values, and each suite's first case) by default, 179 cases; the other
 6,013 under -m full_matrix (collected only then). CPU (reference executor, CPU tensors): a pairwise cover of
 each suite's smaller values, 103 cases. Both also run test_nan_in_nan_out_for_exactly_the_affected_rows (4 cases
@@ -45,11 +45,9 @@ NVFP4 = torch.uint8   # FlashInfer's packed FP4 cache (two values a byte, scale 
 # Every refusal the port meets, as "option=value" of meld.compat's NotImplementedError, and the number of
 # cases it refuses. test_refusals_are_the_allow_list requires this exact set and these counts.
 ALLOWED = {
-    # nvfp4 KV (FlashInfer's test_batch_decode_with_paged_kv_cache_nvfp4): refused, and may stay so (issue 42).
-    "kv_data_type=torch.uint8": 288,
-    # head_dim 512 (FlashInfer's 16-bit FA2 large-head decode; and its nvfp4 large-head case): not built yet
-    # (issue 42, item 3). 360 cases of test_batch_decode_with_paged_kv_cache and the nvfp4 large-head case.
-    "head_dim=512": 361,
+    # nvfp4 KV (FlashInfer's test_batch_decode_with_paged_kv_cache_nvfp4 and its large-head case): refused, and
+    # may stay so (issue 42).
+    "kv_data_type=torch.uint8": 289,
 }
 _REFUSAL = re.compile(r"^meld\.compat\.flashinfer: (\w+)=(.+?) is not supported")
 

@@ -168,7 +168,7 @@ def test_subclasses_and_grad_tensors_are_read_as_plain_tensors():
     (dict(batch_invariant=1), "batch_invariant must be True or False, got 1"),
     (dict(topology=Topology(70000)), r"70000 CTA slots, but the planner serves grids of at most \d+ CTAs"),
     (dict(topology="h200"), "topology must be a meld.scheduler.Topology, got str"),
-    (dict(head_dim=True), "head_dim must be 64, 128 or 256, got True"),
+    (dict(head_dim=True), "head_dim must be 64, 128, 256 or 512, got True"),
 ])
 def test_constructor_names_the_bad_argument(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -3,7 +3,7 @@ rows, against a shared level's slice of more), a least-squares fit of each task'
 a cost per KV token; the merges its tasks fired; each CTA's end and busy time. It is what the planner's cost
 model (`meld.scheduler.split_reduce_plan`: item overhead, rows_per_tile, merge overhead) should agree with.
 
-    MELD_PROFILE=1 python3 tools/cascade_tasks.py [--cases 0 3] [--split-stream warp|cta] [--prefix-mma mma|wgmma]
+    MELD_PROFILE=1 python3 tools/cascade_tasks.py [--cases 0 3] [--split-stream warp|cta] [--prefix-mma mma|wgmma (default: the operator's)]
         [--json PATH]
 
 On a GPU: bench/cascade.py's cases, each launch replayed in a CUDA graph with a cold L2, the median-span launch
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, nargs="+", default=[0, 3], help="indices into bench/cascade.py's cases")
     p.add_argument("--split-stream", choices=("warp", "cta"), default="warp")
-    p.add_argument("--prefix-mma", choices=("mma", "wgmma"), default="mma",
+    p.add_argument("--prefix-mma", choices=("mma", "wgmma"), default=None,
                    help="the build of a shared level's tasks (CascadeDecode(prefix_mma=))")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         inp = bc.make_inputs(case, 0)
         op = bc.meld_cascade(inp, split_stream=args.split_stream, prefix_mma=args.prefix_mma)
         results[case.name] = measure_case(op, inp, median_trace)
-        print(report(f"{args.split_stream} {args.prefix_mma} {case.name}", results[case.name]), flush=True)
+        print(report(f"{args.split_stream} {op[0].prefix_mma} {case.name}", results[case.name]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -66,6 +66,9 @@ VARIANTS = {
                                   "variant=DecodeVariant(rope_theta=5e5, rope_scale=8.0))",
     "decode-rope-fp8": "DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e4m3fn', "
                        "variant=DecodeVariant(rope_theta=5e5, rope_scale=8.0))",
+    "decode-d512": "DecodeKernelConfig.default('bfloat16', 512)",
+    "decode-d512-rope-fp8-fp16": "DecodeKernelConfig.default('float16', 512, kv_dtype='float8_e4m3fn', "
+                                 "variant=DecodeVariant(rope_theta=1e4))",
     "decode-plan": "DecodePlanKernelConfig()",
     "decode-plan-tokens": "DecodePlanKernelConfig(token_requests=True)",
     "mla": "MlaKernelConfig()",

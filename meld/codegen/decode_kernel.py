@@ -118,10 +118,13 @@ class DecodeKernelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_MMA_TYPES)}")
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim={self.head_dim}: expected 64, 128 or 256")
+        if self.head_dim not in (64, 128, 256, 512):
+            raise ValueError(f"head_dim={self.head_dim}: expected 64, 128, 256 or 512")
         if self.heads_per_unit not in (8, 16):
             raise ValueError(f"heads_per_unit={self.heads_per_unit}: expected 8 or 16")
+        if self.head_dim == 512 and self.heads_per_unit != 8:
+            raise ValueError(f"heads_per_unit={self.heads_per_unit} with head_dim=512: expected 8 (a warp's registers "
+                             "hold the output of 8 heads of 512 channels)")
         if not 1 <= self.num_warps <= 16 or not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
@@ -163,11 +166,17 @@ class DecodeKernelConfig:
         than 8 q heads per kv head get 16-head units (head_dim 64 and 128; 256 has no room for their
         merge area), so a group of 16 reads its KV once instead of twice. Batch-invariant kernels merge
         through global memory only. An FP8 cache's tiles are half the bytes: its rings take 2 (s - 1) + 1
-        stages for the 16-bit build's s, so each warp keeps as many bytes in flight (not yet swept)."""
-        warps, stages = (4, 3) if head_dim == 256 else (8, 2)
-        if kv_dtype:
+        stages for the 16-bit build's s, so each warp keeps as many bytes in flight (not yet swept). head_dim 512
+        (not swept) takes two warps of two stages, all that its 32 KiB tiles leave room for: 64 KiB in flight per
+        CTA, as head_dim 128's eight warps of 8 KiB tiles; over an FP8 cache, whose tiles hold as many tokens in
+        half the bytes, four warps of two stages instead: as many bytes in flight, and twice the warps for the
+        conversions (and RoPE) each byte costs. Its units are 8 heads and merge through global memory."""
+        warps, stages = {256: (4, 3), 512: (2, 2)}.get(head_dim, (8, 2))
+        if kv_dtype and head_dim == 512:
+            warps = 4
+        elif kv_dtype:
             stages = 2 * (stages - 1) + 1
-        if head_dim == 256:
+        if head_dim >= 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
                                       batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
@@ -206,12 +215,14 @@ class DecodeKernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
-        merges, the two partials kept for cluster peers (see the template)."""
+        merges, the two partials kept for cluster peers and, at head_dim 512, each warp's Q fragments (see the
+        template)."""
         ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * (1 if self.kv_dtype else 2)
         merge = self.num_warps * self.heads_per_unit * (self.head_dim + 4 + 2) * 4 + 16
         parts = 2 * self.heads_per_unit * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
         bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0
-        return ring + merge + parts + bars
+        q_frags = self.num_warps * self.head_dim // 16 * 32 * 8 if self.head_dim > 256 else 0
+        return ring + merge + parts + bars + q_frags
 
     def render(self) -> str:
         head = "\n".join([

@@ -57,7 +57,7 @@ __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper"
 
 _BACKENDS = ("auto", "fa2", "fa3", "trtllm-gen", "cute-dsl")
 _POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
-_HEAD_DIMS = (64, 128, 256)
+_HEAD_DIMS = (64, 128, 256, 512)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -183,7 +183,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         Supported: pos_encoding_mode "NONE" (rope_scale and rope_theta are then ignored, as in FlashInfer) or
         "ROPE_LLAMA" (16-bit caches; rope_scale, rope_theta: None for 1 and 1e4), window_left -1 or a window (the last window_left + 1 keys of each request), window_right=0,
         logits_soft_cap None, 0 or a cap (c tanh(sm_scale q.k / c)), q and o data types one of bfloat16 and
-        float16, kv_data_type q's, float8_e4m3fn or float8_e5m2, head_dim 64, 128 or 256, any sm_scale (default
+        float16, kv_data_type q's, float8_e4m3fn or float8_e5m2, head_dim 64, 128, 256 or 512, any sm_scale (default
         1/sqrt(head_dim)). q_len_per_req 1 to 8 (FlashInfer's rules: more than 1 needs use_tensor_cores=True and
         every request's kv_len >= q_len_per_req, and a CUDA-graph wrapper keeps its first plan's value; run()'s q,
         out and lse are [batch * q_len_per_req, ...], causal among a request's new tokens), not with a window
@@ -206,9 +206,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if not is_int(head_dim) or head_dim < 1:
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if head_dim not in _HEAD_DIMS:
-            raise _unsupported("head_dim", head_dim, f"meld's decode kernel is built for head_dim {_HEAD_DIMS}" + (
-                " (its per-warp output tile in registers holds at most 256 channels; MLA's 512-channel latent runs "
-                "on BatchMLAPagedAttentionWrapper)" if head_dim > 256 else ""))
+            raise _unsupported("head_dim", head_dim, f"meld's decode kernel is built for head_dim {_HEAD_DIMS}")
         dtype, kv_dtype = self._dtype(q_data_type, kv_data_type, o_data_type, data_type)
         if sm_scale is not None:
             sm_scale = check_finite("sm_scale", sm_scale)

@@ -83,9 +83,10 @@ class CascadeDecode(Operator):
             (`meld.codegen.grouped_kernel.GroupedKernelConfig`). The same results either way; the CPU
             executor ignores it.
         prefix_mma: the GPU kernel's tensor-core instructions for a task of more than 16 query rows (a shared
-            level's slice): "mma" (default; mma.sync, a warp's 16 rows) or "wgmma" (a warpgroup's 64 rows; needs
-            split_stream "warp" and head_dim 64 or 128). The same results up to rounding; the CPU executor
-            ignores it.
+            level's slice): "wgmma" (a warpgroup's 64 rows; needs split_stream "warp" and head_dim 64 or 128) or
+            "mma" (mma.sync, a warp's 16 rows); default None: "wgmma" where the build allows it, else "mma"
+            (wgmma was 0.99-1.10x the time of mma on bench/cascade.py's seven cases, bench/RESULTS.md
+            2026-12-03). The same results up to rounding; the CPU executor ignores it.
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -95,7 +96,7 @@ class CascadeDecode(Operator):
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
                  num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
                  merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
-                 split_stream: str = "warp", prefix_mma: str = "mma"):
+                 split_stream: str = "warp", prefix_mma: str | None = None):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
@@ -104,6 +105,8 @@ class CascadeDecode(Operator):
 
         if split_stream not in SPLIT_STREAMS:
             raise ValueError(f"split_stream must be one of {SPLIT_STREAMS}, got {split_stream!r}")
+        if prefix_mma is None:
+            prefix_mma = "wgmma" if split_stream == "warp" and head_dim != 256 else "mma"
         if prefix_mma not in PREFIX_MMAS:
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
         GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma)   # (the pair's checks)

@@ -118,7 +118,7 @@ class DecodeAttention(PagedDecode):
 
     Args:
         num_qo_heads, num_kv_heads: query and KV heads (num_qo_heads % num_kv_heads == 0).
-        head_dim: 64, 128 or 256.
+        head_dim: 64, 128, 256 or 512.
         page_size: tokens per KV page (any >= 1).
         dtype: torch.bfloat16 or torch.float16 (q and output; the KV cache too unless kv_dtype says otherwise).
         kv_dtype: the KV cache's dtype: None or dtype, or torch.float8_e4m3fn or torch.float8_e5m2: FP8 values
@@ -212,8 +212,8 @@ class DecodeAttention(PagedDecode):
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        if not is_int(head_dim) or head_dim not in (64, 128, 256):
-            raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim!r}")
+        if not is_int(head_dim) or head_dim not in (64, 128, 256, 512):
+            raise ValueError(f"head_dim must be 64, 128, 256 or 512, got {head_dim!r}")
         head_dim = int(head_dim)
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")

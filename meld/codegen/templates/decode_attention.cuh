@@ -98,6 +98,11 @@
 // stream, the rows of a single-token unit. Scores past a row's last visible key are masked as past a unit's end.
 // Q_LEN 1 compiles to the plain build's code.
 //
+// HEAD_DIM 512 builds (8-head units, two or four warps: meld/codegen/decode_kernel.py) keep each warp's O^T in registers (128
+// floats a lane) and Q's A fragments in shared memory instead (Q_SMEM: load_q writes the warp's copy, q_frag reads one
+// 8-byte word per channel block), and copy a 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything
+// else is the same code over four times the bytes a token; at other head dims these compile to the code they were.
+//
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
 // HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
 // MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, MELD_SOFT_CAP (MELD_SOFT_CAP_LOG2, MELD_SOFT_CAP_TWO),
@@ -135,7 +140,8 @@ __device__ __forceinline__ void kv_pair(u32 x, u32& lo, u32& hi) {
 }
 constexpr int ROW_BYTES = D * KV_BYTES;    // one token row of K or V
 constexpr int CPR = ROW_BYTES / 16;        // 16-byte chunks per token row
-constexpr int RPP = 32 / CPR;              // token rows one warp-wide cp.async pass covers
+constexpr int RPP = CPR > 32 ? 1 : 32 / CPR;   // token rows one warp-wide cp.async pass covers
+constexpr int CPL = CPR > 32 ? CPR / 32 : 1;   // chunks of a row one lane copies in a pass (2: 16-bit head_dim 512)
 constexpr int PASSES = TILE / RPP;
 constexpr int KSTEPS = D / 16;
 constexpr bool TMA = MELD_TMA;
@@ -148,7 +154,7 @@ constexpr int BOX_BYTES = TILE * BOX_ROW;
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
-static_assert(D % 64 == 0 && D <= 256, "head_dim must be 64, 128 or 256");
+static_assert(D % 64 == 0 && D <= 512, "head_dim must be 64, 128, 256 or 512");
 static_assert(HEADS == 8 || HEADS == 16, "a unit computes 8 or 16 q heads");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
@@ -329,8 +335,12 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
         const int ro = __shfl_sync(0xffffffffu, c.row, r);
         const i64 off = (i64)max(ro, 0) * D;
         const int bytes = ro >= 0 ? 16 : 0;
-        cp_async_16(dst + tile_off(r, lane % CPR), kbase + off, bytes);
-        cp_async_16(dst + TILE_BYTES + tile_off(r, lane % CPR), vbase + off, bytes);
+#pragma unroll
+        for (int e = 0; e < CPL; ++e) {
+          const int ch = lane % CPR + 32 * e;
+          cp_async_16(dst + tile_off(r, ch), kbase + off + 32 * e * (16 / KV_BYTES), bytes);
+          cp_async_16(dst + TILE_BYTES + tile_off(r, ch), vbase + off + 32 * e * (16 / KV_BYTES), bytes);
+        }
       }
     }
     cp_async_commit();
@@ -359,12 +369,28 @@ __device__ __forceinline__ void wait_tile(const DecodeParams& p, u32 bars, int s
 // block i < NT of 8 heads:
 //   m[i], l[i]  for head 8 i + g (l is this lane's share; the 4 lanes of a head sum at the end);
 //   o[i][mt]    = O^T[16 mt + g (+8)][heads 8 i + 2t, 8 i + 2t + 1] (MELD_KV_FP8: rows 16 mt + 2g (+1)).
+// Head_dim 512 (Q_SMEM): O^T alone takes 128 of a lane's registers, so Q's fragments wait in shared memory instead
+// (this warp's copy, qs[ks][lane], one 8-byte load per channel block: no bank conflicts) and qa is not used.
+constexpr bool Q_SMEM = D > 256;
+static_assert(!Q_SMEM || NT == 1, "head_dim 512 units are 8 q heads");
 struct WarpState {
   float m[NT], l[NT];
   float o[NT][KSTEPS][4];
-  u32 qa[KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8: 16 ks +
-                           // 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
+  u32 qa[Q_SMEM ? 1 : KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8:
+                           // 16 ks + 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
+  uint2* qs;               // Q_SMEM: the same fragments, qs[32 ks + lane] = {qa[ks][0][0], qa[ks][0][1]}
 };
+
+// Q's A fragment for channel block ks: heads 0..7 in a0, a2 and, with 16 heads, 8..15 in a1, a3.
+__device__ __forceinline__ void q_frag(const WarpState& st, int ks, int lane, u32& a0, u32& a1, u32& a2, u32& a3) {
+  if (Q_SMEM) {
+    const uint2 v = st.qs[32 * ks + lane];
+    a0 = v.x; a2 = v.y; a1 = a3 = 0u;
+  } else {
+    a0 = st.qa[ks][0][0]; a2 = st.qa[ks][0][1];
+    a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u; a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;
+  }
+}
 
 // A fresh online-softmax state for the next piece.
 __device__ __forceinline__ void reset_state(WarpState& st) {
@@ -391,10 +417,17 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
                                     (KV_FP8 ? 4 : 2) * t;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
-      st.qa[ks][i][0] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
-      st.qa[ks][i][1] = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + (KV_FP8 ? 2 : 8)) : 0u;
+      const u32 lo = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
+      const u32 hi = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + (KV_FP8 ? 2 : 8)) : 0u;
+      if (Q_SMEM) {
+        st.qs[32 * ks + lane] = make_uint2(lo, hi);
+      } else {
+        st.qa[ks][i][0] = lo;
+        st.qa[ks][i][1] = hi;
+      }
     }
   }
+  if (Q_SMEM) __syncwarp();
   reset_state(st);
 }
 
@@ -494,7 +527,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   const int lch = (lane >> 3) & 1;
   float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
   if (KV_FP8 && ROPE) {   // two ldmatrix: channel blocks ks = 2 kp + j (b[j], b[2 + j] as below) and their partners
-#pragma unroll            // ks + KSTEPS / 2 (c[j], c[2 + j]), rotated together in registers
+                          // ks + KSTEPS / 2 (c[j], c[2 + j]), rotated together in registers; with Q_SMEM, two at a
+#pragma unroll (Q_SMEM ? 2 : KSTEPS / 4)   // time (the rotations' temporaries would take registers O^T holds)
     for (int kp = 0; kp < KSTEPS / 4; ++kp) {
       u32 b[4], c[4];
       ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
@@ -507,10 +541,11 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
           u32 bl[2], bh[2];
           rope_fp8(b[2 * half + j], c[2 * half + j], ks, rel0, (lane >> 2) + 8 * half, t, bl, bh);
           float (&s)[4] = half ? s1 : s0;
-          const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;
-          const u32 h1 = NT > 1 ? st.qa[kh][NT - 1][0] : 0u, h3 = NT > 1 ? st.qa[kh][NT - 1][1] : 0u;
-          mma_16816(s, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, bl[0], bl[1]);
-          mma_16816(s, st.qa[kh][0][0], h1, st.qa[kh][0][1], h3, bh[0], bh[1]);
+          u32 a0, a1, a2, a3, h0, h1, h2, h3;
+          q_frag(st, ks, lane, a0, a1, a2, a3);
+          q_frag(st, kh, lane, h0, h1, h2, h3);
+          mma_16816(s, a0, a1, a2, a3, bl[0], bl[1]);
+          mma_16816(s, h0, h1, h2, h3, bh[0], bh[1]);
         }
       }
     }
@@ -529,9 +564,10 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
         u32 b0, b1, b2, b3;
         kv_pair<0x3210u>(b[j], b0, b1);
         kv_pair<0x3210u>(b[2 + j], b2, b3);
-        const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;
-        mma_16816(s0, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b0, b1);
-        mma_16816(s1, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b2, b3);
+        u32 a0, a1, a2, a3;
+        q_frag(st, ks, lane, a0, a1, a2, a3);
+        mma_16816(s0, a0, a1, a2, a3, b0, b1);
+        mma_16816(s1, a0, a1, a2, a3, b2, b3);
       }
     }
   } else {
@@ -539,9 +575,10 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     for (int ks = 0; ks < KSTEPS; ++ks) {
       u32 b[4];
       ldmatrix_x4(b, kbase + tile_off(lrow, 2 * ks + lch));
-      const u32 a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u, a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;   // heads 8..15
-      mma_16816(s0, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[0], b[1]);
-      mma_16816(s1, st.qa[ks][0][0], a1, st.qa[ks][0][1], a3, b[2], b[3]);
+      u32 a0, a1, a2, a3;
+      q_frag(st, ks, lane, a0, a1, a2, a3);
+      mma_16816(s0, a0, a1, a2, a3, b[0], b[1]);
+      mma_16816(s1, a0, a1, a2, a3, b[2], b[3]);
     }
   }
   // Head block i: scores of head 8 i + g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain), from the
@@ -627,6 +664,9 @@ constexpr int PART_BYTES = ONCHIP ? (int)sizeof(PartArea) : 0;
 constexpr int MBAR_OFFSET = (PART_OFFSET + PART_BYTES + 7) & ~7;
 constexpr int MBAR_BYTES = TMA ? WARPS * STAGES * 8 : 0;
 static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+constexpr int QS_OFFSET = MBAR_OFFSET + MBAR_BYTES;   // Q_SMEM: each warp's Q fragments (WarpState::qs)
+constexpr int QS_BYTES = Q_SMEM ? WARPS * KSTEPS * 32 * 8 : 0;
+static_assert(QS_OFFSET + QS_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
 // Four final outputs (h, d..d+3) of the batch row `row` into out/lse (lse when d == 0).
 __device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int d, float4 v, float lse2) {
@@ -846,6 +886,7 @@ struct DecodeFamily {
       for (int st = 0; st < STAGES - 1; ++st) issue_tile(p, g, lc, s.ring, s.bars, st, pl, warp, lane);
 
       WarpState ws;
+      if (Q_SMEM) ws.qs = reinterpret_cast<uint2*>(s.smem + QS_OFFSET) + warp * KSTEPS * 32;
       int cs = 0;
       u32 phases = 0;
       for (int u = g.u_begin; u <= g.u_last; ++u) {

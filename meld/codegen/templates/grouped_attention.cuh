@@ -410,41 +410,40 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
   cp_async_commit();
 }
 
-// Channels d .. d + 3 of head h of event e: its parts merged (in part_slot order) into out, and lse when d == 0.
-// A merge waits on L2 more than it computes, so the first MERGE_PARTS parts' slots, lse and O are loaded at once
-// and kept in registers between the max and the sum (three round trips for them, not four a part); parts past
-// those are read a part at a time.
-constexpr int MERGE_PARTS = 4;
-__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h, int d) {
-  const Event ev = load_event(p.events, p.event_capacity, e);
+// Channels d .. d + 3 of head h of event e (ev: its row, as the arrival that completed it read it): its parts
+// merged (in part_slot order) into out, and lse when d == 0. A merge waits on L2 more than it computes, so parts
+// are read MERGE_PARTS at a time, all their slots and then all their lse and O at once, and folded into a running
+// maximum and sum: two round trips for an event of up to MERGE_PARTS parts, two more for each MERGE_PARTS after.
+constexpr int MERGE_PARTS = GD <= 128 ? 16 : 8;   // (head_dim 256 has no registers for 16)
+__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const Event& ev, int h, int d) {
   const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
-  int slot[MERGE_PARTS];
-  float lse[MERGE_PARTS];
-  float4 v[MERGE_PARTS];
-#pragma unroll
-  for (int k = 0; k < MERGE_PARTS; ++k) slot[k] = k < ev.parts ? p.part_slot[ev.part_first + k] + h : -1;
-#pragma unroll
-  for (int k = 0; k < MERGE_PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
-    lse[k] = slot[k] >= 0 ? ld_cg(p.part_lse + slot[k]) : neg_inf();
-    v[k] = slot[k] >= 0 ? ld_cg4(p.part_o + (i64)slot[k] * GD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  float mx = neg_inf();
-#pragma unroll
-  for (int k = 0; k < MERGE_PARTS; ++k) mx = fmaxf(mx, lse[k]);
-  for (int k = MERGE_PARTS; k < ev.parts; ++k) mx = fmaxf(mx, ld_cg(p.part_lse + p.part_slot[ev.part_first + k] + h));
-  const float base = mx == neg_inf() ? 0.f : mx;
-  float sum = 0.f;
+  float mx = neg_inf(), sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  auto add = [&](float l, const float4& o) {
-    const float w = exp2_approx(l - base);
-    sum += w;
-    acc.x += w * o.x; acc.y += w * o.y; acc.z += w * o.z; acc.w += w * o.w;
-  };
+  for (int k0 = 0; k0 < ev.parts; k0 += MERGE_PARTS) {
+    int slot[MERGE_PARTS];
+    float lse[MERGE_PARTS];
+    float4 v[MERGE_PARTS];
 #pragma unroll
-  for (int k = 0; k < MERGE_PARTS; ++k) add(lse[k], v[k]);
-  for (int k = MERGE_PARTS; k < ev.parts; ++k) {
-    const int s = p.part_slot[ev.part_first + k] + h;
-    add(ld_cg(p.part_lse + s), ld_cg4(p.part_o + (i64)s * GD + d));
+    for (int k = 0; k < MERGE_PARTS; ++k) slot[k] = k0 + k < ev.parts ? p.part_slot[ev.part_first + k0 + k] + h : -1;
+#pragma unroll
+    for (int k = 0; k < MERGE_PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
+      lse[k] = slot[k] >= 0 ? ld_cg(p.part_lse + slot[k]) : neg_inf();
+      v[k] = slot[k] >= 0 ? ld_cg4(p.part_o + (i64)slot[k] * GD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float top = mx;
+#pragma unroll
+    for (int k = 0; k < MERGE_PARTS; ++k) top = fmaxf(top, lse[k]);
+    const float base = top == neg_inf() ? 0.f : top;
+    const float keep = exp2_approx(mx - base);   // the parts before, to the new maximum (0 when there were none)
+    sum *= keep;
+    acc.x *= keep; acc.y *= keep; acc.z *= keep; acc.w *= keep;
+#pragma unroll
+    for (int k = 0; k < MERGE_PARTS; ++k) {
+      const float w = exp2_approx(lse[k] - base);
+      sum += w;
+      acc.x += w * v[k].x; acc.y += w * v[k].y; acc.z += w * v[k].z; acc.w += w * v[k].w;
+    }
+    mx = base;
   }
   const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
   const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
@@ -452,16 +451,17 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, int h,
   packed.x = pack2(acc.x * inv, acc.y * inv);
   packed.y = pack2(acc.z * inv, acc.w * inv);
   *reinterpret_cast<uint2*>(p.out + row * GD + d) = packed;
-  if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (base + log2_approx(sum)) * kLn2 : neg_inf();
+  if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (mx + log2_approx(sum)) * kLn2 : neg_inf();
 }
 
-// The n events of `list` merged by the CTA's threads together (one head's 4 channels each), their counters
-// reset for the next launch: a task that completes a whole slice of events merges them all at once.
-__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, int n) {
+// The n events of `list` (their rows in `rows`) merged by the CTA's threads together (one head's 4 channels
+// each), their counters reset for the next launch: a task that completes a whole slice of events merges them all
+// at once.
+__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, const Event* rows, int n) {
   const int per = p.group_size * (GD / 4);
   for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
     const int k = i / per, j = i - k * per;
-    merge_row4(p, list[k], j / (GD / 4), (j % (GD / 4)) * 4);
+    merge_row4(p, list[k], rows[k], j / (GD / 4), (j % (GD / 4)) * 4);
   }
   for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
 }
@@ -553,15 +553,18 @@ struct GroupedFamily {
 
   static __device__ __forceinline__ void run(const GroupedParams& p, const State& s) {
     __shared__ int fired[GTHREADS];   // events this CTA's counts completed (merged by the whole CTA)
+    __shared__ Event fired_rows[GTHREADS];   // and their rows
     __shared__ int n_fired;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = smem_addr(s.smem);
     Profiler prof;   // (MELD_PROFILE builds; thread 0 records: a task's attention, then its merges)
     prof.begin(p.prof, p.prof_cap, blockIdx.x, threadIdx.x == 0, p.prof_clock, p.prof_every);
     const int batch = p.plan_info[0];   // (plan() writes it: graph replays see the batch)
-    for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x)   // events no task counts towards
-      if (load_event(p.events, p.event_capacity, e).parts == 0)
-        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, i / (GD / 4), (i % (GD / 4)) * 4);
+    for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x) {   // events no task counts towards
+      const Event ev = load_event(p.events, p.event_capacity, e);
+      if (ev.parts == 0)
+        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, ev, i / (GD / 4), (i % (GD / 4)) * 4);
+    }
     const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles
     const u32 wring = ring + warp * WSTAGES * WSTAGE_BYTES;
@@ -613,14 +616,17 @@ struct GroupedFamily {
         const int e = e0 + threadIdx.x;
         if (e < end) {
           __threadfence();   // the CTA's partials, stored before the barrier, before this count
-          if (event_arrive(p.counters + e, 1u, (unsigned)load_event(p.events, p.event_capacity, e).parts)) {
+          const Event ev = load_event(p.events, p.event_capacity, e);
+          if (event_arrive(p.counters + e, 1u, (unsigned)ev.parts)) {
             __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
-            fired[atomicAdd(&n_fired, 1)] = e;
+            const int k = atomicAdd(&n_fired, 1);
+            fired[k] = e;
+            fired_rows[k] = ev;
           }
         }
         __syncthreads();
         const i64 t1 = prof.now();
-        merge_events(p, fired, n_fired);
+        merge_events(p, fired, fired_rows, n_fired);
         if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, i);
         __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
       }
