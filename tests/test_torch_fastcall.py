@@ -57,7 +57,8 @@ def test_stubbed_fast_path():
         assert cases["re-plan"] == {"hits": [0, 0, 1]}, cluster
     errors = stubbed["errors"]
     assert errors["out overlaps x"].startswith("ValueError: out (strides (128, 1)) shares memory with x")
-    assert errors["x of another width"] == "ValueError: x must have shape ('*', 128) (tokens x hidden_size), got (5, 64)"
+    assert errors["x of another width"] == \
+        "ValueError: x must have shape ('*', 128) (tokens x hidden_size), got (5, 64)"
     assert errors["scale on a bf16 cache"].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales dequantise")
     assert errors["the MoE's handle"].endswith("names a _StubMoE, not a DecodeAttention")
     lib = torch_fastcall.load()   # (built by that process: loaded from the cache)

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args(argv)
-    res = stub_fast_path(args.calls, args.rounds) if args.stub_fast_path else measure(args.calls, args.rounds, args.cuda)
+    res = stub_fast_path(args.calls, args.rounds) if args.stub_fast_path else \
+        measure(args.calls, args.rounds, args.cuda)
     for case, times in res.items():
         base = next(iter(times.values()))
         print(case)

@@ -120,8 +120,8 @@ def record_launch(func: int, cfg: fastcall.LaunchConfig, params: ctypes.Structur
                                   cfg.blockDimZ, cfg.sharedMemBytes), attrs, bytes(params), type(params)))
 
 
-def recorded(name: str, handle: int, op: object, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
-             pinned: tuple[int, ...], call) -> None:
+def recorded(name: str, handle: int, op: object, args: tuple, written: tuple[int, ...],
+             fields: dict[str, tuple[int, bool]], pinned: tuple[int, ...], call) -> None:
     """`call()`, op `name`'s checked Python path, recording its launches; then `handle`'s record from them, when every
     parameter field of `fields` ({field: (argument index, whether it may be the argument's address plus a fixed
     offset)}) holds its argument's address as the fast path would write it. `args`: the op's arguments; `written`:
@@ -137,8 +137,8 @@ def recorded(name: str, handle: int, op: object, args: tuple, written: tuple[int
     finally:
         launches, _recording, _owner = _recording, None, 0
         fastcall.recording = None
-    spec = _spec(_op_codes[name], args, written, fields, pinned, launches, op) if launches else None   # (nothing launched: no gain)
-    if spec is None:
+    spec = _spec(_op_codes[name], args, written, fields, pinned, launches, op) if launches else None
+    if spec is None:   # (nothing launched, which the fast path cannot beat, or launches it cannot replay)
         return
     ints, blobs = spec
     arr = (ctypes.c_int64 * len(ints))(*ints)
@@ -159,10 +159,10 @@ def _spec(code: int, args: tuple, written: tuple[int, ...], fields: dict[str, tu
         if a is None:
             ints.append(0)
         elif isinstance(a, torch.Tensor):
-            if a.layout != torch.strided:
+            if a.layout != torch.strided or a.dtype not in _SCALAR_TYPES:
                 return None
             dev = a.device
-            ints += [1, _scalar_type(a.dtype), _DEVICE_TYPES[dev.type], -1 if dev.index is None else dev.index,
+            ints += [1, _SCALAR_TYPES[a.dtype], _DEVICE_TYPES[dev.type], -1 if dev.index is None else dev.index,
                      int(i in pinned), a.data_ptr(), int(i in written), a.dim(), *a.shape, *a.stride()]
         elif isinstance(a, float):
             ints += [2, struct.unpack("<q", struct.pack("<d", a))[0]]
@@ -196,12 +196,7 @@ def _spec(code: int, args: tuple, written: tuple[int, ...], fields: dict[str, tu
 _DEVICE_TYPES = {"cpu": 0, "cuda": 1}   # c10::DeviceType
 
 
-def _scalar_type(dtype: torch.dtype) -> int:
-    """c10::ScalarType's number of `dtype`."""
-    return _SCALAR_TYPES[dtype]
-
-
-_SCALAR_TYPES = {t: i for i, t in enumerate([
+_SCALAR_TYPES = {t: i for i, t in enumerate([   # c10::ScalarType's numbers (the enum's order)
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64,
     torch.complex32, torch.complex64, torch.complex128, torch.bool, torch.qint8, torch.quint8, torch.qint32,
     torch.bfloat16, torch.quint4x2, torch.quint2x4, torch.bits1x8, torch.bits2x4, torch.bits4x2, torch.bits8,

@@ -97,8 +97,9 @@ bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, int64
       const at::Tensor& t = v.toTensor();
       // (an input that requires grad: the Python path ties the outputs to it, at any key)
       if (t.layout() != c10::kStrided || t.is_conj() || t.is_neg() || t.requires_grad()) return false;
-      if (static_cast<int64_t>(t.scalar_type()) != a.dtype || static_cast<int64_t>(t.device().type()) != a.device_type ||
-          t.device().index() != a.device_index || t.dim() != static_cast<int64_t>(a.sizes.size()))
+      if (static_cast<int64_t>(t.scalar_type()) != a.dtype ||
+          static_cast<int64_t>(t.device().type()) != a.device_type || t.device().index() != a.device_index ||
+          t.dim() != static_cast<int64_t>(a.sizes.size()))
         return false;
       c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
       int64_t span = 1;
