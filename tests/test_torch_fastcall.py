@@ -39,7 +39,8 @@ def test_stubbed_fast_path():
     grad take the slow path. Decode (one grid, and three of different cluster sizes): the same, lse, K and V apart;
     lse not recorded, another page count or q's strides take the slow path; after a plan the first launch (no
     overlap with the plan's kernel) is not recorded, the second is, the third is fast. Bad inputs (and another
-    op's handle, whose operator has a record) raise the slow path's named errors with a record in place."""
+    op's handle, whose operator has a record) raise the slow path's named errors with a record in place, and a
+    tripped watchdog its WatchdogTimeout."""
     stubbed = _stubbed()
     moe = stubbed["cases"]
     for name in ("same arguments", "other tensors", "topk routing"):
@@ -61,6 +62,7 @@ def test_stubbed_fast_path():
         "ValueError: x must have shape ('*', 128) (tokens x hidden_size), got (5, 64)"
     assert errors["scale on a bf16 cache"].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales dequantise")
     assert errors["the MoE's handle"].endswith("names a _StubMoE, not a DecodeAttention")
+    assert errors["watchdog tripped"].startswith("WatchdogTimeout: meld watchdog on cpu:")
     lib = torch_fastcall.load()   # (built by that process: loaded from the cache)
     assert lib is not None and lib.meld_fc_hits() == 0
 

@@ -60,7 +60,8 @@ class StubDecode(meld.DecodeAttention):
         super().__init__(*args, device="cpu", **kwargs)
         self.kernel = _stub_kernel("decode", self.kernel_config.threads)
         w = self._watchdog = object.__new__(Watchdog)
-        w._host, w._claim, w._kernels = torch.zeros(WATCHDOG_RECORD.size, dtype=torch.uint8), torch.zeros(1), []
+        w.device, w._claim, w._kernels = torch.device("cpu"), torch.zeros(1), []
+        w._host = torch.zeros(WATCHDOG_RECORD.size, dtype=torch.uint8)
         w.record = WATCHDOG_RECORD.ctype.from_address(w._host.data_ptr())
         self._watchdog_id, self._tensor_maps, self._outs = 0, None, None
         tables = SimpleNamespace(ptr=lambda offset: 0, off_slot_base=0)
