@@ -103,6 +103,7 @@ def main() -> None:
     x2, out2, logits2 = x_(5), torch.empty(5, H, dtype=BF16), torch.randn(5, E)
     tw2, ids2, ids64 = tw.clone(), ids.clone(), ids.long()
     x3, logits3, logits_bf16, x_grad = x_(3), torch.randn(3, E), logits.to(BF16), x.clone().requires_grad_()
+    out_g = torch.empty(5, H, dtype=BF16)
     unaligned = torch.empty(5 * H + 4, dtype=BF16)[4:].view(5, H)   # (8 bytes off: the slow path copies it)
     wide, w13b = x_(5 * 2)[::2], w13.clone()   # (x of another row stride; weights elsewhere: their maps differ)
     res = {
@@ -116,10 +117,16 @@ def main() -> None:
         "routing by ids": case(base, lambda: op(x, None, w13, w2, tw, ids, out, h)),
         "int64 ids (copied)": case(lambda: op(x, None, w13, w2, tw, ids64, out, h),
                                    lambda: op(x, None, w13, w2, tw, ids64, out, h)),
-        "requires grad": case(base, lambda: op(x_grad, logits, w13, w2, None, None, out, h)),
+        "requires grad": case(base, lambda: op(x_grad, logits, w13, w2, None, None, out_g, h)),   # (ties out_g)
         "other weights": case(base, lambda: op(x, logits, w13b, w2, None, None, out, h)),
         "unaligned x": case(base, lambda: op(unaligned, logits, w13, w2, None, None, out, h)),
     }
+    # One layer object serving two layers' weights (their tensor maps: addresses the records require), and calls
+    # with and without routing by ids: each kind of call is recorded once, then all are fast.
+    torch_fastcall.drop(h)
+    calls = [lambda: op(x, logits, w13, w2, None, None, out, h), lambda: op(x, logits, w13b, w2, None, None, out, h),
+             lambda: op(x, None, w13, w2, tw, ids, out, h)]
+    res["alternating"] = {"hits": [launches(c)[1] for _ in range(3) for c in calls]}
     torch_fastcall.drop(h)
     base()   # (recorded)
     errors = {}
@@ -154,8 +161,12 @@ def main() -> None:
             "other page count": case(base, lambda: op(q, kv[:-1], out, None, a)),
             "q of other strides": case(base, lambda: op(q_heads_outer, kv, out, None, a)),
         }
+        torch_fastcall.drop(a)
+        alternating = [lambda: op(q, kv, out, None, a), lambda: op(q, kv, out, lse, a),
+                       lambda: op(q, k, out, None, a, v)]
+        decode[f"cluster {cluster}"]["alternating"] = {"hits": [launches(c)[1] for _ in range(3) for c in alternating]}
         pb = paged([50, 3, 9], 16)
-        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)   # (drops the record)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)   # (drops the records)
         hits = [launches(base)[1] for _ in range(3)]   # the first after a plan, then recorded, then fast
         decode[f"cluster {cluster}"]["re-plan"] = {"hits": hits}
     def tripped():   # a kernel's watchdog gave up (its record in host memory): run() raises, fast path or not

@@ -36,11 +36,12 @@ def test_stubbed_fast_path():
 
     MoE: a call matching the record launches the slow path's bytes (same tensors, other tensors, topk routing);
     another shape, dtype, stride, routing, weights, an unaligned x, int64 ids (copied) or an input that requires
-    grad take the slow path. Decode (one grid, and three of different cluster sizes): the same, lse, K and V apart;
-    lse not recorded, another page count or q's strides take the slow path; after a plan the first launch (no
-    overlap with the plan's kernel) is not recorded, the second is, the third is fast. Bad inputs (and another
-    op's handle, whose operator has a record) raise the slow path's named errors with a record in place, and a
-    tripped watchdog its WatchdogTimeout."""
+    grad take the slow path; calls alternating between kinds (two layers' weights, two routings) each find their
+    record once it is made. Decode (one grid, and three of different cluster sizes): the same, lse, K and V apart;
+    lse not recorded, another page count or q's strides take the slow path; alternating kinds each find theirs;
+    after a plan the first launch (no overlap with the plan's kernel) is not recorded, the second is, the third is
+    fast. Bad inputs (and another op's handle, whose operator has a record) raise the slow path's named errors with
+    a record in place, and a tripped watchdog its WatchdogTimeout."""
     stubbed = _stubbed()
     moe = stubbed["cases"]
     for name in ("same arguments", "other tensors", "topk routing"):
@@ -48,8 +49,10 @@ def test_stubbed_fast_path():
     for name in ("new shape", "new dtype", "new stride", "routing by ids", "int64 ids (copied)", "requires grad",
                  "other weights", "unaligned x"):
         assert moe[name]["hit"] == 0 and moe[name]["slow_hit"] == 0 and moe[name]["launches"] == 2, name
+    assert moe["alternating"] == {"hits": [0, 0, 0, 1, 1, 1, 1, 1, 1]}
     for cluster in (1, 16):
         cases = stubbed["decode"][f"cluster {cluster}"]
+        assert cases["alternating"] == {"hits": [0, 0, 0, 1, 1, 1, 1, 1, 1]}, cluster
         for name in ("same arguments", "other tensors", "with lse", "k and v apart"):
             assert cases[name] == {"hit": 1, "slow_hit": 0, "same": True, "launches": 3 if cluster == 16 else 1}, \
                 (cluster, name)

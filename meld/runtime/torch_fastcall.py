@@ -3,13 +3,15 @@
 A Python kernel of a torch op costs about the whole budget before it does anything (bench/RESULTS.md, "the floor
 of each route"), so the ops' kernels on a device's dispatch keys (CUDA and AutogradCUDA) are C++
 (host/torch_fastcall.cpp), compiled at first use with the system compiler against torch's headers and cached in
-MELD_CACHE_DIR by source, flags and compiler. Each call looks up its operator's launch record by handle: the
-launches the op's Python path made last time (function, grid, cluster attributes, a copy of the parameter bytes),
-where each tensor's address goes in them, and the arguments they were made for (dtype, sizes, strides, device,
-scalars, which are None). A call that matches patches its tensors' addresses in and launches on torch's current
-stream; any other (the first, new shapes or strides, an input that requires grad, an output overlapping an input,
-an address off 16 bytes...) goes to the op's twin `meld::_<op>_slow`, the Python kernel, which checks everything,
-launches, and records the launches again. A plan() drops its operator's record.
+MELD_CACHE_DIR by source, flags and compiler. Each call looks for a launch record of its operator (by handle)
+that applies: the launches the op's Python path made (function, grid, cluster attributes, a copy of the parameter
+bytes), where each tensor's address goes in them, and the arguments they were made for (dtype, sizes, strides,
+device, scalars, which are None; the addresses a tensor map holds). A call that matches patches its tensors'
+addresses in and launches on torch's current stream; any other (the first of its kind, an input that requires grad,
+an output overlapping an input, an address off 16 bytes...) goes to the op's twin `meld::_<op>_slow`, the Python
+kernel, which checks everything, launches, and records the launches. An operator keeps a few records for each
+address its records require (one operator often serves every layer of a model, each with its own tensors); a
+plan() drops them all.
 
 Where the library cannot be built the ops keep their Python kernels, and a warning says why, once.
 """
@@ -105,7 +107,7 @@ def hits() -> int:
 
 
 def drop(handle: int) -> None:
-    """Forget `handle`'s record (its operator's launches changed: a plan())."""
+    """Forget `handle`'s records (its operator's launches changed: a plan())."""
     if handle in _with_record:   # (plan() is hot too: no library call for a handle without a record)
         _with_record.discard(handle)
         _lib.meld_fc_drop(handle)
@@ -122,8 +124,8 @@ def record_launch(func: int, cfg: fastcall.LaunchConfig, params: ctypes.Structur
 
 def recorded(name: str, handle: int, op: object, args: tuple, written: tuple[int, ...],
              fields: dict[str, tuple[int, bool]], pinned: tuple[int, ...], call) -> None:
-    """`call()`, op `name`'s checked Python path, recording its launches; then `handle`'s record from them, when every
-    parameter field of `fields` ({field: (argument index, whether it may be the argument's address plus a fixed
+    """`call()`, op `name`'s checked Python path, recording its launches; then a record of `handle` from them, when
+    every parameter field of `fields` ({field: (argument index, whether it may be the argument's address plus a fixed
     offset)}) holds its argument's address as the fast path would write it. `args`: the op's arguments; `written`:
     the outputs' indices; `pinned`: the tensors whose addresses are also in the launches elsewhere (tensor maps),
     which the record requires exactly."""

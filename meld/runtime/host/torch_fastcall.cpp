@@ -62,8 +62,17 @@ struct Record {
   const volatile int32_t* watchdog = nullptr;   // nonzero once a kernel gave up: the slow path raises
 };
 
+// An operator's records. One operator often serves every layer of a model, each with its own tensors: records are
+// kept per address of the first argument whose address they require (`pinned`: a tensor map holds it; 0 where
+// none is), a few per address, most recent first, so that the layers' calls each find theirs.
+constexpr size_t kPerAddress = 4, kAddresses = 1024;
+struct Handle {
+  int64_t pin_arg = -1;   // the argument whose address keys `by_pin` (-1: none)
+  std::unordered_map<uintptr_t, std::vector<std::unique_ptr<Record>>> by_pin;
+};
+
 std::mutex mu;
-std::unordered_map<int64_t, std::unique_ptr<Record>> records;
+std::unordered_map<int64_t, Handle> handles;
 std::atomic<LaunchFn> launch_fn{nullptr};
 std::atomic<int64_t> hits{0};
 std::vector<std::unique_ptr<torch::Library>> libraries;
@@ -73,17 +82,23 @@ bool same_double(double a, double b) {
   return std::memcmp(&a, &b, sizeof a) == 0;
 }
 
-// Launch the record of the call on `args` (the op's arguments); false where it does not apply.
-bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, int64_t op) {
-  LaunchFn fn = launch_fn.load(std::memory_order_relaxed);
-  if (fn == nullptr || !args[handle_arg].isInt()) return false;
-  std::lock_guard<std::mutex> lock(mu);
-  auto found = records.find(args[handle_arg].toInt());
-  if (found == records.end()) return false;
-  Record& r = *found->second;
+// Whether two records apply to the same calls.
+bool same_signature(const Record& a, const Record& b) {
+  if (a.op != b.op || a.args.size() != b.args.size()) return false;
+  for (size_t i = 0; i < a.args.size(); ++i) {
+    const Arg &x = a.args[i], &y = b.args[i];
+    if (x.kind != y.kind || x.dtype != y.dtype || x.device_type != y.device_type ||
+        x.device_index != y.device_index || x.pinned != y.pinned || (x.pinned && x.pinned_ptr != y.pinned_ptr) ||
+        x.sizes != y.sizes || x.strides != y.strides || !same_double(x.value, y.value))
+      return false;
+  }
+  return true;
+}
+
+// Whether record `r` applies to the call on `args` (the op's arguments), with each tensor argument's bytes,
+// [lo, hi), filled in.
+bool matches(const Record& r, const c10::IValue* args, size_t nargs, int64_t op, uintptr_t* lo, uintptr_t* hi) {
   if (r.op != op || r.args.size() != nargs || (r.watchdog != nullptr && *r.watchdog != 0)) return false;
-  uintptr_t lo[16], hi[16];   // each tensor argument's bytes, [lo, hi)
-  if (nargs > 16) return false;
   for (size_t i = 0; i < nargs; ++i) {
     const Arg& a = r.args[i];
     const c10::IValue& v = args[i];
@@ -121,6 +136,34 @@ bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, int64
   }
   for (const Patch& p : r.patches)   // the kernels read 16-byte chunks: the slow path copies or refuses others
     if ((lo[p.arg] + p.addend) % 16) return false;
+  return true;
+}
+
+// Launch the record of the call on `args` (the op's arguments); false where none applies.
+bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, int64_t op) {
+  LaunchFn fn = launch_fn.load(std::memory_order_relaxed);
+  if (fn == nullptr || nargs > 16 || !args[handle_arg].isInt()) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  auto found = handles.find(args[handle_arg].toInt());
+  if (found == handles.end()) return false;
+  const Handle& h = found->second;
+  uintptr_t key = 0;
+  if (h.pin_arg >= 0) {
+    if (static_cast<size_t>(h.pin_arg) >= nargs || !args[h.pin_arg].isTensor()) return false;
+    key = reinterpret_cast<uintptr_t>(args[h.pin_arg].toTensor().data_ptr());
+  }
+  auto at = h.by_pin.find(key);
+  if (at == h.by_pin.end()) return false;
+  uintptr_t lo[16], hi[16];   // each tensor argument's bytes, [lo, hi)
+  Record* chosen = nullptr;
+  for (const auto& candidate : at->second) {
+    if (matches(*candidate, args, nargs, op, lo, hi)) {
+      chosen = candidate.get();
+      break;
+    }
+  }
+  if (chosen == nullptr) return false;
+  Record& r = *chosen;
   for (const Patch& p : r.patches) {
     uint64_t value = lo[p.arg] + p.addend;
     std::memcpy(r.launches[p.launch].blob.data() + p.offset, &value, sizeof value);
@@ -236,16 +279,29 @@ void meld_fc_set_launch(void* fn) { launch_fn.store(reinterpret_cast<LaunchFn>(f
 
 int64_t meld_fc_hits() { return hits.load(); }
 
-// Replace `handle`'s record; -1 (meld_fc_error says why) for a malformed one, which leaves none.
+// Add a record of `handle` (replacing one of the same signature); -1 (meld_fc_error says why) for a malformed one,
+// which changes nothing.
 int meld_fc_push(int64_t handle, const int64_t* spec, int64_t n, const unsigned char* bytes, int64_t nbytes) {
   try {
     auto r = parse(spec, n, bytes, nbytes);
+    int64_t pin_arg = -1;
+    for (size_t i = 0; i < r->args.size() && pin_arg < 0; ++i)
+      if (r->args[i].kind == kTensor && r->args[i].pinned) pin_arg = static_cast<int64_t>(i);
+    uintptr_t key = pin_arg < 0 ? 0 : static_cast<uintptr_t>(r->args[pin_arg].pinned_ptr);
     std::lock_guard<std::mutex> lock(mu);
-    records[handle] = std::move(r);
+    Handle& h = handles[handle];
+    if (h.pin_arg != pin_arg || (h.by_pin.size() >= kAddresses && !h.by_pin.count(key))) {
+      h.by_pin.clear();   // (another kind of record, or too many addresses: start again)
+      h.pin_arg = pin_arg;
+    }
+    auto& list = h.by_pin[key];
+    for (auto it = list.begin(); it != list.end();) {   // (one record per signature: the new one replaces)
+      it = same_signature(**it, *r) ? list.erase(it) : it + 1;
+    }
+    list.insert(list.begin(), std::move(r));
+    if (list.size() > kPerAddress) list.pop_back();
     return 0;
   } catch (const std::exception& e) {
-    std::lock_guard<std::mutex> lock(mu);
-    records.erase(handle);
     last_error = e.what();
     return -1;
   }
@@ -253,7 +309,7 @@ int meld_fc_push(int64_t handle, const int64_t* spec, int64_t n, const unsigned 
 
 void meld_fc_drop(int64_t handle) {
   std::lock_guard<std::mutex> lock(mu);
-  records.erase(handle);
+  handles.erase(handle);
 }
 
 // Register the fast kernel for op `name` ("ns::op") at dispatch key `key`, falling back to op `slow` (same schema)
