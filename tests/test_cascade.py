@@ -447,8 +447,8 @@ def _launch_image(plan, order, caps):
 
 def _kernel_walk(plan, order, q, kv, sm_scale):
     """templates/grouped_attention.cuh's indexing in float64 NumPy: the packed launch tables as the kernel
-    reads them (rows field-major over capacities larger than the plan; each CTA's tasks, a task's group
-    through producer_groups, its rows r = request * G + head in 16-row blocks, row slots slot + r), the
+    reads them (rows field-major over capacities larger than the plan; each CTA's tasks, a task's page list
+    from its row's `pages`, its rows r = request * G + head in 16-row blocks, row slots slot + r), the
     count-fired merge through part_slot, and the events with no part."""
     caps = grown({}, _launch_need(plan, order, profile=False))
     lt, _ = _launch_image(plan, order, caps)
@@ -479,9 +479,8 @@ def _kernel_walk(plan, order, q, kv, sm_scale):
     for cta in range(plan.num_ctas):
         for i in range(lt["cta_first"][cta], lt["cta_first"][cta + 1]):
             assert t["cta"][i] == cta
-            gid = lt["producer_groups"][t["producer"][i]] + t["group"][i]
             rows, h = t["event_count"][i] * G, t["kv_head"][i]
-            q0, pages = t["event_first"][i] - h * B, lt["kv_indices"][lt["group_pages"][gid]:]
+            q0, pages = t["event_first"][i] - h * B, lt["kv_indices"][t["pages"][i]:]
             pos = np.arange(t["kv_begin"][i], t["kv_end"][i])
             page = pages[pos // Pg]
             k, v = kv64[page, 0, pos % Pg, h], kv64[page, 1, pos % Pg, h]
@@ -519,13 +518,9 @@ def _per_table_plan(plan, order, caps, profile):
     """plan()'s device tables before the packed image, verbatim: the capacities (grown as the operator shell
     grows them, `grown`) and one array per table (the task and event rows padded to their capacity), each
     copied into the first entries of a buffer of its own."""
-    counts = [len(t.qo_indptr) - 1 for t in order]
-    pages = np.cumsum([0] + [len(t.kv_indices) for t in order])
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)   # noqa: E731
     host = {
         "cta_first": i32(np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1), side="left")),
-        "producer_groups": i32(np.cumsum([0] + counts[:-1])),
-        "group_pages": i32(np.concatenate([t.kv_indptr[:-1] + off for t, off in zip(order, pages)])),
         "kv_indices": i32(np.concatenate([t.kv_indices for t in order] + [np.zeros(1)])),
     }
     need = {**{k: len(a) for k, a in host.items()}, "tasks": plan.num_tasks, "events": plan.batch * plan.num_kv_heads,

@@ -49,8 +49,7 @@ class Walk:
         return self.t["event_count"][i] * self.G <= GT
 
     def pages(self, i):
-        gid = self.lt["producer_groups"][self.t["producer"][i]] + self.t["group"][i]
-        return self.lt["kv_indices"][self.lt["group_pages"][gid]:]
+        return self.lt["kv_indices"][self.t["pages"][i]:]
 
     # --- a warp's cursor and ring (cursor_enter, cursor_seek, issue_tile) -----------------------------------
     def enter(self, c, w):

@@ -257,6 +257,7 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
     Field("group_q0", "ptr", "const int*"),         # [num_groups] its first request
     Field("group_requests", "ptr", "const int*"),   # [num_groups] its requests
     Field("group_tokens", "ptr", "const int*"),     # [num_groups] its KV tokens
+    Field("group_pages", "ptr", "const int*"),      # [num_groups] its page list's first entry in kv_indices
     Field("tasks", "ptr", "int*"),                  # SPLIT_TASK, field-major, task_capacity entries
     Field("events", "ptr", "int*"),                 # EVENT, field-major, batch * num_kv_heads entries
     Field("part_slot", "ptr", "int*"),              # slot_capacity entries
@@ -278,7 +279,7 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
 ])
 
 # Grouped (shared-prefix, cascade) decode attention (templates/grouped_attention.cuh): the split-reduce task
-# and event tables (meld.ir.work_table SPLIT_TASK, EVENT) and where each task's group starts.
+# and event tables (meld.ir.work_table SPLIT_TASK, EVENT) and the page lists the task rows point into.
 GROUPED_PARAMS = _with_header("GroupedParams", [
     Field("q", "ptr", "const u16*"),
     Field("kv", "ptr", "const u16*"),               # NHD [pages, 2, page_size, num_kv_heads, head_dim]
@@ -289,9 +290,7 @@ GROUPED_PARAMS = _with_header("GroupedParams", [
     Field("events", "ptr", "const int*"),           # EVENT, field-major over event_capacity (num_kv_heads x batch used)
     Field("part_slot", "ptr", "const int*"),        # each event's parts' first row slots, in merge order
     Field("cta_first", "ptr", "const int*"),        # [grid + 1]: each CTA's first task
-    Field("producer_groups", "ptr", "const int*"),  # [producers]: the first global group id of each producer
-    Field("group_pages", "ptr", "const int*"),      # per global group: its page list's offset in kv_indices
-    Field("kv_indices", "ptr", "const int*"),       # every producer's page lists, one after another
+    Field("kv_indices", "ptr", "const int*"),       # every producer's page lists, one after another (SPLIT_TASK pages)
     Field("counters", "ptr", "unsigned*"),          # per event: parts arrived (zero between launches)
     Field("part_o", "ptr", "float*"),               # [slots][head_dim]: each row's normalised partial
     Field("part_lse", "ptr", "float*"),             # [slots]: its log2-sum-exp

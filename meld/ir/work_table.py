@@ -117,9 +117,10 @@ CTA_TABLE = TASK.view("CtaRow", "segment", first="u_begin", begin="s_begin", las
 # Grouped attention (templates/grouped_attention.cuh; the CPU executor, meld/runtime/reference.py): a piece of
 # a producer's group for one kv head, covering (group, kv_begin) to (last_group = group, kv_end); its
 # requests' events are consecutive (h * batch + the group's first request ..), their parts' slots listed in
-# merge order (part_slot[part_first ..]).
+# merge order (part_slot[part_first ..]). `pages`: where the group's page list starts in the producers' lists
+# laid one after another (the kernel's kv_indices), so a task's first lookup needs no table but its row.
 SPLIT_TASK = TASK.view("SplitTask", "piece", first="group", begin="kv_begin", last="last_group", end="kv_end",
-                       arg0="producer", arg1="kv_head")
+                       arg0="producer", arg1="kv_head", arg2="pages")
 
 # The row-parallel linear (templates/tp_linear.cuh; meld.codegen.tp_kernel.TpSchedule.tasks plans it): a piece
 # of output tile `tile` over K stages [k0, k1), its range (tile, k0) to before (last_tile = tile, k1).

@@ -127,7 +127,7 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
     per = max(1, slice_rows // group_size)   # requests of a slice
     cols = {f: [] for f in SPLIT_TASK.fields}
     parts: dict[int, list[int]] = {}   # event -> its parts' first slots, in line order
-    slot = 0
+    slot = pages = 0
     for ti, t in enumerate(tables):   # a line per producer
         items = []   # (group, kv_head, first request, tokens, requests, tiles) in line order
         lens = t.kv_len(page_size)
@@ -154,7 +154,8 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
                     cuts.append((pos, c))
                 c += 1
             for (b, owner), (e, _) in zip(cuts, cuts[1:] + [(n, None)]):
-                row = dict(group=g, kv_begin=b, last_group=g, kv_end=e, producer=ti, kv_head=h, arg2=0, arg3=0,
+                row = dict(group=g, kv_begin=b, last_group=g, kv_end=e, producer=ti, kv_head=h,
+                           pages=pages + int(t.kv_indptr[g]), arg3=0,
                            kind=SPLIT_TASK.kind, cta=owner, slot=slot, event_first=h * batch + q0, event_count=n_req)
                 for f in SPLIT_TASK.fields:
                     cols[f].append(row[f])
@@ -163,6 +164,7 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
                 slot += n_req * group_size
             cta = cuts[-1][1]
             start += fix + n * tiles
+        pages += len(t.kv_indices)
     order = np.argsort(np.array(cols["cta"], dtype=np.int64), kind="stable")   # CTA after CTA, each in line order
     cols = {f: np.asarray(v, dtype=np.int64)[order] for f, v in cols.items()}
     n_events = batch * num_kv_heads
@@ -204,7 +206,8 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     g, n_groups = groups.ctypes.data, groups.shape[1]
     params = SPLIT_PLAN_PARAMS.pack(
         group_producer=g, group_index=g + 4 * n_groups, group_q0=g + 8 * n_groups, group_requests=g + 12 * n_groups,
-        group_tokens=g + 16 * n_groups, **addr, num_groups=n_groups, batch=batch, num_kv_heads=num_kv_heads,
+        group_tokens=g + 16 * n_groups, group_pages=g + 20 * n_groups, **addr, num_groups=n_groups, batch=batch,
+        num_kv_heads=num_kv_heads,
         group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS,
         rows_per_tile=rows_per_tile, slice_rows=slice_rows, item_overhead=item_overhead,
         merge_overhead=merge_overhead, task_capacity=task_cap,
@@ -222,31 +225,30 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
 
 
 def _group_columns(tables: list[GroupTable], page_size: int) -> np.ndarray:
-    """The planner's per-group inputs, int32 [5, groups]: producer, index in it, first request, requests,
-    KV tokens (SplitPlanParams.group_*), producer after producer."""
+    """The planner's per-group inputs, int32 [6, groups]: producer, index in it, first request, requests,
+    KV tokens, and its page list's first entry in the producers' lists laid one after another
+    (SplitPlanParams.group_*), producer after producer."""
     counts = [len(t.kv_last_page_len) for t in tables]
-    out = np.empty((5, sum(counts)), dtype=np.int32)
-    at = 0
+    out = np.empty((6, sum(counts)), dtype=np.int32)
+    at = pages = 0
     for i, (t, n) in enumerate(zip(tables, counts)):
         cols = out[:, at:at + n]
         cols[0], cols[1], cols[2] = i, np.arange(n), t.qo_indptr[:-1]
-        cols[3], cols[4] = t.qo_indptr[1:] - t.qo_indptr[:-1], t.kv_len(page_size)
-        at += n
+        cols[3], cols[4], cols[5] = t.qo_indptr[1:] - t.qo_indptr[:-1], t.kv_len(page_size), t.kv_indptr[:-1] + pages
+        at, pages = at + n, pages + len(t.kv_indices)
     return out
 
 
 # The tables the grouped-attention kernel reads (GroupedParams), in their order in one buffer: kv_indices last, so
 # a copy of the buffer can stop at its last used entry.
-LAUNCH_TABLES = ("plan_info", "cta_first", "producer_groups", "group_pages", "events", "tasks", "part_slot",
-                 "kv_indices")
+LAUNCH_TABLES = ("plan_info", "cta_first", "events", "tasks", "part_slot", "kv_indices")
 _ROWS = {"tasks": SPLIT_TASK, "events": EVENT}   # tables of rows: field-major over their capacity of rows
 _ALIGN = 32   # int32 entries: each table starts on a 128-byte line
 
 
 def launch_sizes(plan: SplitReducePlan, tables: list[GroupTable]) -> dict[str, int]:
     """What each of LAUNCH_TABLES holds for the plan: rows of tasks and events, entries of the others."""
-    return {"plan_info": 1, "cta_first": plan.num_ctas + 1, "producer_groups": len(tables),
-            "group_pages": sum(len(t.kv_last_page_len) for t in tables), "events": plan.batch * plan.num_kv_heads,
+    return {"plan_info": 1, "cta_first": plan.num_ctas + 1, "events": plan.batch * plan.num_kv_heads,
             "tasks": plan.num_tasks, "part_slot": len(plan.part_slot),
             "kv_indices": sum(len(t.kv_indices) for t in tables) + 1}   # (one more: never empty)
 
@@ -281,10 +283,10 @@ class LaunchLayout:
 def write_launch_tables(views: dict[str, np.ndarray], plan: SplitReducePlan, tables: list[GroupTable]) -> None:
     """Write the plan's launch tables into `views` (a LaunchLayout's views, large enough). What the kernel
     reads (templates/grouped_attention.cuh): the batch, each CTA's first task, the task and event rows
-    (those past the plan's zeroed), each event's part slots, and where each group's page list starts in the
-    producers' page lists laid one after another (a group's global id is producer_groups[producer] + group;
-    a task's first request is its first event's, event_first - kv_head * batch). Entries past the plan's in
-    the other tables keep what they held: the kernel reads none of them."""
+    (those past the plan's zeroed), each event's part slots, and the producers' page lists laid one after
+    another (a task row's `pages` is where its group's starts; a task's first request is its first event's,
+    event_first - kv_head * batch). Entries past the plan's in the other tables keep what they held: the
+    kernel reads none of them."""
     views["plan_info"][0] = plan.batch
     views["cta_first"][:plan.num_ctas + 1] = np.searchsorted(plan.task_columns()["cta"], np.arange(plan.num_ctas + 1))
     for name, rows in (("tasks", plan.num_tasks), ("events", plan.batch * plan.num_kv_heads)):
@@ -292,11 +294,8 @@ def write_launch_tables(views: dict[str, np.ndarray], plan: SplitReducePlan, tab
         dst[:, :rows] = getattr(plan, name).reshape(_ROWS[name].width, rows)
         dst[:, rows:] = 0
     views["part_slot"][:len(plan.part_slot)] = plan.part_slot
-    groups = pages = 0
-    for i, t in enumerate(tables):
-        n, m = len(t.kv_last_page_len), len(t.kv_indices)
-        views["producer_groups"][i] = groups
-        views["group_pages"][groups:groups + n] = t.kv_indptr[:-1] + pages
-        views["kv_indices"][pages:pages + m] = t.kv_indices
-        groups, pages = groups + n, pages + m
+    pages = 0
+    for t in tables:
+        views["kv_indices"][pages:pages + len(t.kv_indices)] = t.kv_indices
+        pages += len(t.kv_indices)
     views["kv_indices"][pages] = 0   # (the entry that keeps it never empty)

@@ -376,7 +376,7 @@ __device__ __forceinline__ bool cursor_enter(const GroupedParams& p, TileCursor&
   c.pos = tk.kv_begin + warp * GT;
   c.end = tk.kv_end;
   c.kv_head = tk.kv_head;
-  c.pages = p.group_pages[p.producer_groups[tk.producer] + tk.group];
+  c.pages = tk.pages;
   c.live = tk.event_count * p.group_size <= GT;
   return c.live;
 }
@@ -577,7 +577,7 @@ struct GroupedFamily {
     for (int i = first; i < last; ++i) {
       const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
       const i64 t0 = prof.now();
-      const int* pages = p.kv_indices + p.group_pages[p.producer_groups[tk.producer] + tk.group];
+      const int* pages = p.kv_indices + tk.pages;
       const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
       const bool split = rows <= GT;
       const int row0 = split ? 0 : warp * GT;

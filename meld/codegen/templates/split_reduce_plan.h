@@ -99,7 +99,7 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
                 SplitTask t;   // a task row of the one layout (meld/ir/work_table.py: TASK, SPLIT_TASK)
                 t.group = t.last_group = p.group_index[g];
                 t.kv_begin = begin; t.kv_end = end; t.producer = p.group_producer[g]; t.kv_head = h;
-                t.arg2 = t.arg3 = 0;
+                t.pages = p.group_pages[g]; t.arg3 = 0;
                 t.kind = SPLITTASK_TASK_KIND; t.cta = owner; t.slot = slot; t.event_first = h * p.batch + q0; t.event_count = req;
                 store_splittask(p.tasks, p.task_capacity, at[owner]++, t);
                 for (int r = 0; r < req; ++r) p.part_slot[p.cursor[h * p.batch + q0 + r]++] = slot + r * p.group_size;
