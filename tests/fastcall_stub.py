@@ -180,7 +180,11 @@ def main() -> None:
         op(q, kv, out, None, attn.handle)   # (recorded)
     for name, call in {"scale on a bf16 cache": lambda: op(q, kv, out, None, attn.handle, None, 2.0, 1.0),
                        "the MoE's handle": lambda: op(q, kv, out, None, layer.handle),   # (recorded: the MoE)
-                       "watchdog tripped": tripped}.items():
+                       "watchdog tripped": tripped,
+                       # torch.compile's and opcheck's tracing (fake and functional tensors, no data pointer to
+                       # patch) with a record in place: the Python path's fake kernel, never the record
+                       "opcheck with a record": lambda: torch.library.opcheck(op, (q, kv, out.zero_(), None,
+                                                                                   attn.handle))}.items():
         try:
             call()
             errors[name] = None

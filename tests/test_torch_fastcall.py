@@ -66,6 +66,7 @@ def test_stubbed_fast_path():
     assert errors["scale on a bf16 cache"].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales dequantise")
     assert errors["the MoE's handle"].endswith("names a _StubMoE, not a DecodeAttention")
     assert errors["watchdog tripped"].startswith("WatchdogTimeout: meld watchdog on cpu:")
+    assert errors["opcheck with a record"] is None
     lib = torch_fastcall.load()   # (built by that process: loaded from the cache)
     assert lib is not None and lib.meld_fc_hits() == 0
 

@@ -97,6 +97,14 @@ bool same_signature(const Record& a, const Record& b) {
 
 // Whether record `r` applies to the call on `args` (the op's arguments), with each tensor argument's bytes,
 // [lo, hi), filled in.
+// A tensor whose bytes this path may address: not a fake, functional or other Python-dispatched tensor (tracing
+// under torch.compile, opcheck's AOT dispatch), which has no data pointer to patch: those take the Python path.
+bool addressable(const at::Tensor& t) {
+  const c10::DispatchKeySet ks = t.key_set();
+  return t.has_storage() && !ks.has(c10::DispatchKey::Python) && !ks.has(c10::DispatchKey::Functionalize) &&
+         !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
+
 bool matches(const Record& r, const c10::IValue* args, size_t nargs, int64_t op, uintptr_t* lo, uintptr_t* hi) {
   if (r.op != op || r.args.size() != nargs || (r.watchdog != nullptr && *r.watchdog != 0)) return false;
   for (size_t i = 0; i < nargs; ++i) {
@@ -111,7 +119,7 @@ bool matches(const Record& r, const c10::IValue* args, size_t nargs, int64_t op,
       if (!v.isTensor()) return false;
       const at::Tensor& t = v.toTensor();
       // (an input that requires grad: the Python path ties the outputs to it, at any key)
-      if (t.layout() != c10::kStrided || t.is_conj() || t.is_neg() || t.requires_grad()) return false;
+      if (!addressable(t) || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() || t.requires_grad()) return false;
       if (static_cast<int64_t>(t.scalar_type()) != a.dtype ||
           static_cast<int64_t>(t.device().type()) != a.device_type || t.device().index() != a.device_index ||
           t.dim() != static_cast<int64_t>(a.sizes.size()))
@@ -149,7 +157,9 @@ bool try_launch(const c10::IValue* args, size_t nargs, int64_t handle_arg, int64
   const Handle& h = found->second;
   uintptr_t key = 0;
   if (h.pin_arg >= 0) {
-    if (static_cast<size_t>(h.pin_arg) >= nargs || !args[h.pin_arg].isTensor()) return false;
+    if (static_cast<size_t>(h.pin_arg) >= nargs || !args[h.pin_arg].isTensor() ||
+        !addressable(args[h.pin_arg].toTensor()))
+      return false;
     key = reinterpret_cast<uintptr_t>(args[h.pin_arg].toTensor().data_ptr());
   }
   auto at = h.by_pin.find(key);
