@@ -679,3 +679,49 @@ def test_the_grouped_builds_differ_in_name_and_the_warp_build_is_the_default():
     levels, q, kv = batch([2], [40], [3, 5])
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     torch.testing.assert_close(op.run(q, kv).double(), cascade_reference(q, kv, levels)[0], rtol=2e-2, atol=2e-2)
+
+
+SPLIT_T_BUILDS = [("bfloat16", 128, "wgmma"), ("bfloat16", 256, "mma"), ("float16", 64, "mma"), ("float16", 128, "mma")]
+
+
+# Two builds by default (the operator's pick at head_dim 128, and head_dim 256's registers); the others with
+# -m full_matrix.
+@pytest.mark.parametrize("dtype,head_dim,prefix_mma",
+                         [pytest.param(*b, marks=() if b in SPLIT_T_BUILDS[:2] else pytest.mark.full_matrix)
+                          for b in SPLIT_T_BUILDS], ids=["-".join(map(str, b)) for b in SPLIT_T_BUILDS])
+def test_the_transposed_split_build_compiles_for_sm90a(dtype, head_dim, prefix_mma):
+    """split_math="transposed" (a split task's rows held as decode's O^T): no spills, no stack, the shared memory
+    of the rows' build (the stashes are the same)."""
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+    from tests.kernel_matrix import nvcc
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cfg = GroupedKernelConfig(dtype, head_dim, prefix_mma=prefix_mma, split_math="transposed")
+    _, log = nvcc(cfg.render(), cfg.name)
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", log))
+    assert cfg.smem_bytes + static <= 227 * 1024, (cfg.smem_bytes, static)
+    rows = GroupedKernelConfig(dtype, head_dim, prefix_mma=prefix_mma)
+    assert cfg.smem_bytes == rows.smem_bytes and cfg.name == rows.name + "_t"
+
+
+def test_the_transposed_split_math_is_off_by_default_and_bad_values_are_named():
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+
+    default, t = GroupedKernelConfig(), GroupedKernelConfig(split_math="transposed")
+    assert default.split_math == "rows" and "MELD_SPLIT_T" not in default.render().split("namespace meld")[0]
+    assert "#define MELD_SPLIT_T 1" in t.render() and t.name == default.name + "_t"
+    with pytest.raises(ValueError, match="split_math='cols'"):
+        GroupedKernelConfig(split_math="cols")
+    with pytest.raises(ValueError, match="split_math='transposed' with split_stream='cta'"):
+        GroupedKernelConfig(split_math="transposed", split_stream="cta")
+    with pytest.raises(ValueError, match="split_math must be one of .*got 'cols'"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_math="cols")
+    with pytest.raises(ValueError, match="split_stream='cta'"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="cta", split_math="transposed")
+    op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_math="transposed")   # (the CPU executor ignores it)
+    assert op.split_math == "transposed"
+    levels, q, kv = batch([2], [40], [3, 5])
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    torch.testing.assert_close(op.run(q, kv).double(), cascade_reference(q, kv, levels)[0], rtol=2e-2, atol=2e-2)

@@ -1,7 +1,8 @@
 """The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs, each of its
 builds (split_stream "cta": split tasks through the CTA's ring; "warp": through each warp's own ring, with
 prefix_mma="mma"; "wgmma": the warp build with a shared prefix's tasks of more than 16 rows on wgmma, the
-operator's default at head_dim 64 and 128)."""
+operator's default at head_dim 64 and 128; "warp-t" and "wgmma-t": those two with split_math="transposed", a
+split task's rows held as decode's O^T)."""
 from __future__ import annotations
 
 import math
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.gpu
 
 HKV, P = 2, 16
 BUILDS = {"cta": dict(split_stream="cta"), "warp": dict(split_stream="warp", prefix_mma="mma"),
-          "wgmma": dict(prefix_mma="wgmma")}
+          "wgmma": dict(prefix_mma="wgmma"),
+          "warp-t": dict(split_stream="warp", prefix_mma="mma", split_math="transposed"),
+          "wgmma-t": dict(prefix_mma="wgmma", split_math="transposed")}
 every_build = pytest.mark.parametrize("build", list(BUILDS.values()), ids=list(BUILDS))
 
 

@@ -20,6 +20,7 @@ _RING_MAX = 200 * 1024
 _WARP_SMEM_MAX = 227 * 1024 - 2048
 SPLIT_STREAMS = ("cta", "warp")
 PREFIX_MMAS = ("mma", "wgmma")
+SPLIT_MATHS = ("rows", "transposed")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class GroupedKernelConfig:
     with wgmma against a whole chunk, the CTA ring in wgmma's 128-byte swizzle. It needs the "warp" split
     stream (split tasks read their own rings, never the CTA ring's layout) and head_dim 64 or 128 (at 256 the
     accumulators of O, S and P do not fit a thread's registers beside Q).
+
+    `split_math` picks how a split task's warp holds its rows: "rows" (the default), O with the rows as mma's
+    M (16, padding past the task's rows); "transposed", decode's O^T = V^T.P^T with the rows as N, one n8 block
+    of up to 8 rows or two of up to 16 (head_dim 64 and 128; at 256 those keep the rows' form), so a task of at most 8 rows (a request's own suffix at group 4 or 8)
+    runs half the P.V mma and rescales half the accumulators. It needs the "warp" split stream.
     """
 
     dtype: str = "bfloat16"
@@ -44,6 +50,7 @@ class GroupedKernelConfig:
     profile: bool = False   # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
     split_stream: str = "warp"
     prefix_mma: str = "mma"
+    split_math: str = "rows"
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -54,6 +61,11 @@ class GroupedKernelConfig:
             raise ValueError(f"split_stream={self.split_stream!r}: expected one of {SPLIT_STREAMS}")
         if self.prefix_mma not in PREFIX_MMAS:
             raise ValueError(f"prefix_mma={self.prefix_mma!r}: expected one of {PREFIX_MMAS}")
+        if self.split_math not in SPLIT_MATHS:
+            raise ValueError(f"split_math={self.split_math!r}: expected one of {SPLIT_MATHS}")
+        if self.split_math == "transposed" and self.split_stream != "warp":
+            raise ValueError(f"split_math='transposed' with split_stream={self.split_stream!r}: the transposed "
+                             "split tasks need split_stream='warp'")
         if self.prefix_mma == "wgmma" and self.split_stream != "warp":
             raise ValueError(f"prefix_mma='wgmma' with split_stream={self.split_stream!r}: the wgmma build needs "
                              "split_stream='warp'")
@@ -62,11 +74,12 @@ class GroupedKernelConfig:
                              "(head_dim 64 or 128)")
 
     @staticmethod
-    def of(low, *, profile: bool = False, split_stream: str = "warp", prefix_mma: str = "mma") -> "GroupedKernelConfig":
+    def of(low, *, profile: bool = False, split_stream: str = "warp", prefix_mma: str = "mma",
+           split_math: str = "rows") -> "GroupedKernelConfig":
         """The build of a lowered grouped-attention graph (`meld.codegen.lowering.Lowering`): its attrs' dtype
         and head_dim."""
         return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile, split_stream=split_stream,
-                                   prefix_mma=prefix_mma)
+                                   prefix_mma=prefix_mma, split_math=split_math)
 
     entry = "meld_grouped_attention"
 
@@ -74,7 +87,7 @@ class GroupedKernelConfig:
     def name(self) -> str:
         return (f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}" +
                 ("_warp" if self.split_stream == "warp" else "") + ("_wgmma" if self.prefix_mma == "wgmma" else "") +
-                ("_prof" if self.profile else ""))
+                ("_t" if self.split_math == "transposed" else "") + ("_prof" if self.profile else ""))
 
     @property
     def row_blocks(self) -> int:
@@ -145,6 +158,8 @@ class GroupedKernelConfig:
         if self.split_stream == "warp":   # (the cta build's source stays as it was)
             head[4:4] = ["#define MELD_SPLIT_WARP 1", f"#define SPLIT_WARPS {self.split_warps}",
                          f"#define WARP_STAGES {self.warp_stages}"]
+        if self.split_math == "transposed":   # (the other builds' source stays as it was)
+            head[4:4] = ["#define MELD_SPLIT_T 1"]
         hopper = []
         if self.prefix_mma == "wgmma":   # (the other builds' source stays as it was)
             head[4:4] = ["#define MELD_PREFIX_WGMMA 1"]

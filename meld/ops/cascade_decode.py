@@ -87,6 +87,9 @@ class CascadeDecode(Operator):
             "mma" (mma.sync, a warp's 16 rows); default None: "wgmma" where the build allows it, else "mma"
             (wgmma was 0.99-1.10x the time of mma on bench/cascade.py's seven cases, bench/RESULTS.md
             2026-12-03). The same results up to rounding; the CPU executor ignores it.
+        split_math: how the GPU kernel's warp holds a task of at most 16 query rows: "rows" (default; O with the
+            rows as mma's M) or "transposed" (decode's O^T, the rows as N: half the P.V mma for up to 8 rows;
+            needs split_stream "warp"). The same results up to rounding; the CPU executor ignores it.
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -96,12 +99,12 @@ class CascadeDecode(Operator):
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
                  num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
                  merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
-                 split_stream: str = "warp", prefix_mma: str | None = None):
+                 split_stream: str = "warp", prefix_mma: str | None = None, split_math: str = "rows"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim!r}")
-        from ..codegen.grouped_kernel import PREFIX_MMAS, SPLIT_STREAMS, GroupedKernelConfig
+        from ..codegen.grouped_kernel import PREFIX_MMAS, SPLIT_MATHS, SPLIT_STREAMS, GroupedKernelConfig
 
         if split_stream not in SPLIT_STREAMS:
             raise ValueError(f"split_stream must be one of {SPLIT_STREAMS}, got {split_stream!r}")
@@ -109,8 +112,11 @@ class CascadeDecode(Operator):
             prefix_mma = "wgmma" if split_stream == "warp" and head_dim != 256 else "mma"
         if prefix_mma not in PREFIX_MMAS:
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
-        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma)   # (the pair's checks)
-        self.split_stream, self.prefix_mma = split_stream, prefix_mma
+        if split_math not in SPLIT_MATHS:
+            raise ValueError(f"split_math must be one of {SPLIT_MATHS}, got {split_math!r}")
+        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma,
+                            split_math=split_math)   # (the combination's checks)
+        self.split_stream, self.prefix_mma, self.split_math = split_stream, prefix_mma, split_math
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self.item_overhead_tokens = check_count("item_overhead_tokens", item_overhead_tokens, 1 << 20)
@@ -124,7 +130,7 @@ class CascadeDecode(Operator):
         if self.device.type == "cuda":
             self._require_hopper()
             kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile(), split_stream=split_stream,
-                                                                     prefix_mma=prefix_mma)
+                                                                     prefix_mma=prefix_mma, split_math=split_math)
             self._slice_rows = kc.row_blocks * 16
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "

@@ -98,6 +98,40 @@ __device__ __forceinline__ float log2_approx(float x) {
   return y;
 }
 
+// --- attention held transposed (O^T = V^T.P^T: channels as mma's M, 8 query rows as N) --------------------
+// decode_attention.cuh's compute_tile does these steps in line: calling these there moves one instruction of its
+// PTX and so its machine code, which its default build must keep; the grouped kernel's MELD_SPLIT_T build calls them.
+// Lane (g = lane / 4, t = lane % 4) of a block of 8 rows: row g's scores x (tokens 2t, 2t + 1, 8 + 2t, 9 + 2t of
+// a 16-token tile: S's C fragments; log2 domain, masked), its running maximum m and its share of l. m and l are
+// moved on; out come P^T's B fragments (pb0: tokens 2t, 2t + 1; pb1: 8 + 2t, 9 + 2t, of row g: S's C fragments
+// are them, no shuffles) and the rescale of the lane's O^T columns (rows 2t and 2t + 1).
+__device__ __forceinline__ void softmax_rows_t(const float (&x)[4], float& m, float& l, u32& pb0, u32& pb1,
+                                               float& a_lo, float& a_hi, int t) {
+  float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float m_use = m_new == neg_inf() ? 0.f : m_new;   // nothing seen yet: keep exp2 finite
+  const float alpha = exp2_approx(m - m_use);
+  float pr[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) pr[k] = exp2_approx(x[k] - m_use);
+  l = l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
+  m = m_new;
+  pb0 = pack2(pr[0], pr[1]);
+  pb1 = pack2(pr[2], pr[3]);
+  a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t);      // row 2t lives in lanes 8t..8t+3
+  a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // row 2t + 1
+}
+
+// One 16-channel block of O^T (o: channels g, g + 8 of columns 2t, 2t + 1) rescaled and given V^T.P^T of a tile
+// (a0..a3: V^T's A fragments, channels x tokens; pb0, pb1 from softmax_rows_t).
+__device__ __forceinline__ void pv_rows_t(float (&o)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 pb0, u32 pb1, float a_lo,
+                                          float a_hi) {
+  o[0] *= a_lo; o[1] *= a_hi; o[2] *= a_lo; o[3] *= a_hi;
+  mma_16816(o, a0, a1, a2, a3, pb0, pb1);
+}
+
 // Loads that bypass L1: partials written by other SMs in the same launch.
 __device__ __forceinline__ float ld_cg(const float* p) {
   float v;

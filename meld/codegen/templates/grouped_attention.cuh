@@ -25,6 +25,12 @@
 // from the ring), the online softmax on S's fragments, O += P.V (m64nHEAD_DIMk16, P from registers, V from the
 // ring); the CTA ring is then laid out as wgmma's 128-byte swizzle reads it (chunk_off). Split tasks stream
 // through the warps' rings (the warp build) as before.
+// The MELD_SPLIT_T build attends a split task in decode's transposed form (templates/decode_attention.cuh's
+// compute_tile) instead: O^T = V^T.P^T with the channels as mma's M and the rows as N, one n8 block for up to 8
+// rows (a request's own suffix at group 4 or 8), two for 9 to 16 (at head_dim 256 these keep the rows' form:
+// two blocks spill there, and take as many mma as the rows' form), so P.V is GKSTEPS mma a block and tile and
+// the rescale touches a block's GKSTEPS x 4 floats a lane, where the rows' form takes 2 x GKSTEPS mma (16 rows as
+// M, most of them padding) and rescales all of O. Its stash holds the same rows, so the merge is the same.
 // Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
 //
 // The combine is fired by a count: after a task's partials are stored, a thread per event fences and counts
@@ -51,7 +57,7 @@
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
 // value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
 // SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
-// MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES; the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
+// MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES (and MELD_SPLIT_T where it is on); the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
 // and wgmma_rs_tb (m64nHEAD_DIM).
 
 namespace meld {
@@ -97,6 +103,13 @@ static_assert(CPR <= 32 && 32 % CPR == 0, "a token row's chunks fit a warp's lan
 constexpr bool PREFIX_WGMMA = MELD_PREFIX_WGMMA;   // tasks of more rows on wgmma, a warpgroup's 64 rows at once
 constexpr int WG_ROWS = 64;                        // wgmma's M
 constexpr int SW_BLOCK = CHUNK * 128;              // the wgmma build: a chunk's 64-channel column block (bytes)
+#ifndef MELD_SPLIT_T
+#define MELD_SPLIT_T 0
+#endif
+constexpr bool SPLIT_T = MELD_SPLIT_T;   // split tasks held transposed (O^T), the rows N
+constexpr bool SPLIT_T_WIDE = GD <= 128;   // tasks of 9-16 rows transposed too (two blocks of O^T; at head_dim
+                                           // 256 these spill beside one block's: the rows' form, as many mma)
+static_assert(!SPLIT_T || WARP_STREAM, "the transposed split tasks stream through the warps' rings");
 static_assert(!PREFIX_WGMMA || (WARP_STREAM && GWARPS * GT % WG_ROWS == 0 && CHUNK == 64),
               "the wgmma build: split tasks on the warps' rings, whole warpgroups, a chunk one m64n64 tile");
 
@@ -166,6 +179,13 @@ __device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* r
   }
 }
 
+// A score scaled to the log2 domain, masked (-inf) at or past `valid`: a non-finite one (Inf or NaN in q or K)
+// is NaN, which makes its row NaN.
+__device__ __forceinline__ float masked_score(const GroupedParams& p, float s, int tok, int valid) {
+  const float x = s * p.sm_scale_log2;
+  return tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
+}
+
 // The online softmax of a warp's 16 rows over NT n8 tiles of scores `s` (mma's C fragments; a wgmma accumulator
 // holds a warp's rows the same way): scaled, masked at or past `valid`, exponentiated in place (P), and the rows'
 // m, l and O rescaled.
@@ -176,9 +196,7 @@ __device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& r
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int tok = n * 8 + 2 * t + (c & 1);
-      const float x = s[n][c] * p.sm_scale_log2;   // a non-finite score (Inf or NaN in q or K) makes the row NaN
-      s[n][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
+      s[n][c] = masked_score(p, s[n][c], n * 8 + 2 * t + (c & 1), valid);
       mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
     }
   float alpha[2], sum[2] = {0.f, 0.f};
@@ -207,15 +225,17 @@ __device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& r
   }
 }
 
-// One online-softmax step of a warp's 16 rows over NS tiles staged at `stage` (K) and `vstage` (V), from tile
-// `tile0` on; tokens at or past `valid` (counted from the step's first) are masked out.
+// The ldmatrix lane of K as mma's B (n = tokens), and (.trans) of V^T as A (m = channels, k = tokens): token row
+// krow of 16-byte chunk kch of a two-chunk column.
+__device__ __forceinline__ int k_row(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+__device__ __forceinline__ int k_chunk(int lane) { return (lane >> 3) & 1; }
+
+// S = Q.K^T of a warp's 16 rows over NS tiles staged at `stage` from tile `tile0` on: s[2 j], s[2 j + 1] are
+// tokens 0-7 and 8-15 of tile j (mma's C fragments: rows g and g + 8, tokens 2t, 2t + 1).
 template <int NS>
-__device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4], u32 stage,
-                                       u32 vstage, int tile0, int valid, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const int krow = (lane & 7) + ((lane >> 4) << 3), kch = (lane >> 3) & 1;   // ldmatrix: K as B (n = tokens)
-  const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vch = lane >> 4;   // .trans: V as B (k = tokens)
-  float s[2 * NS][4];
+__device__ __forceinline__ void scores(float (&s)[2 * NS][4], const u32 (&qf)[GKSTEPS][4], u32 stage, int tile0,
+                                       int lane) {
+  const int krow = k_row(lane), kch = k_chunk(lane);
 #pragma unroll
   for (int j = 0; j < NS; ++j) {
     s[2 * j][0] = s[2 * j][1] = s[2 * j][2] = s[2 * j][3] = 0.f;
@@ -228,6 +248,17 @@ __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, con
       mma_16816(s[2 * j + 1], qf[k][0], qf[k][1], qf[k][2], qf[k][3], b[2], b[3]);
     }
   }
+}
+
+// One online-softmax step of a warp's 16 rows over NS tiles staged at `stage` (K) and `vstage` (V), from tile
+// `tile0` on; tokens at or past `valid` (counted from the step's first) are masked out.
+template <int NS>
+__device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4], u32 stage,
+                                       u32 vstage, int tile0, int valid, int lane) {
+  const int t = lane & 3;
+  const int vrow = (lane & 7) + (((lane >> 3) & 1) << 3), vch = lane >> 4;   // .trans: V as B (k = tokens)
+  float s[2 * NS][4];
+  scores<NS>(s, qf, stage, tile0, lane);
   softmax_step(p, rb, s, valid, t);
 #pragma unroll
   for (int j = 0; j < NS; ++j) {
@@ -240,6 +271,58 @@ __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, con
       mma_16816(rb.o[n], a0, a1, a2, a3, b[0], b[1]);
       mma_16816(rb.o[n + 1], a0, a1, a2, a3, b[2], b[3]);
     }
+  }
+}
+
+// The MELD_SPLIT_T build's state of a split task's rows in a warp, held transposed as decode's WarpState: NB
+// blocks of 8 rows, lane (g, t) with m[i] and its share of l[i] of row 8 i + g, and o[i][mt] = O^T[channels
+// 16 mt + g (+8)][rows 8 i + 2t, 8 i + 2t + 1] (unnormalised).
+template <int NB>
+struct RowsT {
+  float o[NB][GKSTEPS][4];
+  float m[NB], l[NB];
+};
+
+template <int NB>
+__device__ __forceinline__ void reset_rows(RowsT<NB>& st) {
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    st.m[i] = neg_inf();
+    st.l[i] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < GKSTEPS; ++mt) st.o[i][mt][0] = st.o[i][mt][1] = st.o[i][mt][2] = st.o[i][mt][3] = 0.f;
+  }
+}
+
+// A warp's step of a split task over the tile staged at `stage` (K; V TILE_BYTES on), tokens at or past `valid`
+// masked out: the rows' form (attend), or transposed (O^T += V^T.P^T: S's C fragments of rows 8 i + g are
+// P^T's B fragments of block i).
+__device__ __forceinline__ void attend_tile(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
+                                            u32 stage, int valid, int lane) {
+  attend<1>(p, rb, qf, stage, stage + TILE_BYTES, 0, valid, lane);
+}
+template <int NB>
+__device__ __forceinline__ void attend_tile(const GroupedParams& p, RowsT<NB>& st, const u32 (&qf)[GKSTEPS][4],
+                                            u32 stage, int valid, int lane) {
+  const int t = lane & 3;
+  float s[2][4];   // tokens 0-7, 8-15: rows g (C registers 0, 1) and g + 8 (2, 3)
+  scores<1>(s, qf, stage, 0, lane);
+  u32 pb0[NB], pb1[NB];
+  float a_lo[NB], a_hi[NB];
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    float x[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = masked_score(p, s[k >> 1][2 * i + (k & 1)], 8 * (k >> 1) + 2 * t + (k & 1), valid);
+    softmax_rows_t(x, st.m[i], st.l[i], pb0[i], pb1[i], a_lo[i], a_hi[i], t);
+  }
+  const int vrow = k_row(lane), vch = k_chunk(lane);
+#pragma unroll
+  for (int mt = 0; mt < GKSTEPS; ++mt) {
+    u32 a[4];
+    ldmatrix_x4_trans(a, stage + TILE_BYTES + kv_off(vrow, 2 * mt + vch));
+#pragma unroll
+    for (int i = 0; i < NB; ++i) pv_rows_t(st.o[i][mt], a[0], a[1], a[2], a[3], pb0[i], pb1[i], a_lo[i], a_hi[i]);
   }
 }
 
@@ -329,6 +412,30 @@ __device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, in
     if (t == 0) {
       ws.m[r] = rb.m[h];
       ws.l[r] = l;
+    }
+  }
+}
+
+// The transposed state's rows into the same stash (row 8 i + 2t's channel 16 mt + g at lanes' banks 8t + g: the
+// row stride is 4 words past a multiple of 32, so no conflicts).
+template <int NB>
+__device__ __forceinline__ void stash_rows(const RowsT<NB>& st, WarpStash& ws, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    const float l = quad_sum(st.l[i]);
+    if (t == 0) {
+      ws.m[8 * i + g] = st.m[i];
+      ws.l[8 * i + g] = l;
+    }
+    const int r = 8 * i + 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < GKSTEPS; ++mt) {
+      const int c = 16 * mt + g;
+      ws.o[r][c] = st.o[i][mt][0];
+      ws.o[r + 1][c] = st.o[i][mt][1];
+      ws.o[r][c + 8] = st.o[i][mt][2];
+      ws.o[r + 1][c + 8] = st.o[i][mt][3];
     }
   }
 }
@@ -538,17 +645,29 @@ struct GroupedFamily {
 
   // The warp build: a split task's tiles for this warp (warp, warp + SWARPS, ...) from its ring, each step
   // issuing the cursor's next tile (this task's, or the next split task's) into the stage read the step before.
+  template <typename Rows>
   static __device__ __forceinline__ void stream_warp(const GroupedParams& p, const SplitTask& tk, TileCursor& lc,
-                                                     int last, int& cs, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
+                                                     int last, int& cs, Rows& rb, const u32 (&qf)[GKSTEPS][4],
                                                      u32 wring, int warp, int lane) {
     for (int valid = tk.kv_end - tk.kv_begin - warp * GT; valid > 0; valid -= SWARPS * GT) {   // (tokens from the tile's first)
       cp_async_wait<WSTAGES - 2>();
       __syncwarp();   // the tile has landed for every lane, and every lane has read the stage of the step before
       issue_tile(p, lc, last, wring + (cs == 0 ? WSTAGES - 1 : cs - 1) * WSTAGE_BYTES, warp, lane);
       const u32 stage = wring + cs * WSTAGE_BYTES;
-      attend<1>(p, rb, qf, stage, stage + TILE_BYTES, 0, valid, lane);
+      attend_tile(p, rb, qf, stage, valid, lane);
       cs = cs + 1 == WSTAGES ? 0 : cs + 1;
     }
+  }
+
+  // The MELD_SPLIT_T build: a split task's tiles for this warp in NB blocks of 8 rows, stashed.
+  template <int NB>
+  static __device__ __forceinline__ void split_t(const GroupedParams& p, const SplitTask& tk, TileCursor& lc, int last,
+                                                 int& cs, const u32 (&qf)[GKSTEPS][4], u32 wring, WarpStash& ws,
+                                                 int warp, int lane) {
+    RowsT<NB> st;
+    reset_rows(st);
+    stream_warp(p, tk, lc, last, cs, st, qf, wring, warp, lane);
+    stash_rows(st, ws, lane);
   }
 
   static __device__ __forceinline__ void run(const GroupedParams& p, const State& s) {
@@ -580,6 +699,7 @@ struct GroupedFamily {
       const int* pages = p.kv_indices + tk.pages;
       const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
       const bool split = rows <= GT;
+      const bool transposed = SPLIT_T && split && (rows <= 8 || SPLIT_T_WIDE);   // (MELD_SPLIT_T) held as O^T
       const int row0 = split ? 0 : warp * GT;
       u32 qf[GKSTEPS][4];
       RowBlock rb;
@@ -594,14 +714,17 @@ struct GroupedFamily {
           for (int st = 0; st < WSTAGES - 1; ++st) issue_tile(p, lc, last, wring + st * WSTAGE_BYTES, warp, lane);
           primed = true;
         }
-        if (streams) stream_warp(p, tk, lc, last, cs, rb, qf, wring, warp, lane);
+        WarpStash& ws = reinterpret_cast<WarpStash*>(stash)[warp];
+        if (streams && transposed && rows <= 8) split_t<1>(p, tk, lc, last, cs, qf, wring, ws, warp, lane);
+        else if (streams && transposed) split_t<2>(p, tk, lc, last, cs, qf, wring, ws, warp, lane);
+        else if (streams) stream_warp(p, tk, lc, last, cs, rb, qf, wring, warp, lane);
       } else {
         primed = false;   // (the warp build: the walk stopped at this task; every tile it issued is read)
         const bool active = PREFIX_WGMMA ? warp / 4 * WG_ROWS < rows : row0 < rows;   // (wgmma: the warpgroup's)
         stream(p, tk, pages, split, active, rb, qf, ring, warp, lane);
       }
       if (split) {
-        if (!WARP_STREAM || streams) stash_rows(rb, reinterpret_cast<WarpStash*>(stash)[warp], lane);
+        if (!transposed && (!WARP_STREAM || streams)) stash_rows(rb, reinterpret_cast<WarpStash*>(stash)[warp], lane);
         __syncthreads();
         merge_warps(p, tk, rows, stash);
         __syncthreads();   // the stashes are read: the next task's stashes (or chunks) may land on them
