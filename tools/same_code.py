@@ -90,6 +90,8 @@ VARIANTS = {
     "grouped-cta": "GroupedKernelConfig('bfloat16', 128, split_stream='cta')",
     "grouped-cta-d64-fp16-profile": "GroupedKernelConfig('float16', 64, profile=True, split_stream='cta')",
     "grouped-wgmma": "GroupedKernelConfig('bfloat16', 128, prefix_mma='wgmma')",
+    "grouped-wgmma-t": "GroupedKernelConfig('bfloat16', 128, prefix_mma='wgmma', split_math='transposed')",
+    "grouped-warp-d256-t": "GroupedKernelConfig('bfloat16', 256, split_stream='warp', split_math='transposed')",
 }
 
 _RENDER = """
