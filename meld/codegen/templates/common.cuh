@@ -99,14 +99,19 @@ __device__ __forceinline__ float log2_approx(float x) {
 }
 
 // --- attention held transposed (O^T = V^T.P^T: channels as mma's M, 8 query rows as N) --------------------
-// decode_attention.cuh's compute_tile does these steps in line: calling these there moves one instruction of its
-// PTX and so its machine code, which its default build must keep; the grouped kernel's MELD_SPLIT_T build calls them.
-// Lane (g = lane / 4, t = lane % 4) of a block of 8 rows: row g's scores x (tokens 2t, 2t + 1, 8 + 2t, 9 + 2t of
-// a 16-token tile: S's C fragments; log2 domain, masked), its running maximum m and its share of l. m and l are
-// moved on; out come P^T's B fragments (pb0: tokens 2t, 2t + 1; pb1: 8 + 2t, 9 + 2t, of row g: S's C fragments
-// are them, no shuffles) and the rescale of the lane's O^T columns (rows 2t and 2t + 1).
-__device__ __forceinline__ void softmax_rows_t(const float (&x)[4], float& m, float& l, u32& pb0, u32& pb1,
-                                               float& a_lo, float& a_hi, int t) {
+// The steps decode_attention.cuh's compute_tile and the grouped kernel's MELD_SPLIT_T build share.
+// One online-softmax step of a block of 8 rows, lane (g = lane / 4, t = lane % 4): row g's scores x (tokens 2t,
+// 2t + 1, 8 + 2t, 9 + 2t of a 16-token tile: S's C fragments; log2 domain, masked), its running maximum m and its
+// share of l. Out come m and l moved on, P^T's B fragments (pb0: tokens 2t, 2t + 1; pb1: 8 + 2t, 9 + 2t, of row g:
+// S's C fragments are them, no shuffles) and the rescale of the lane's O^T columns (rows 2t and 2t + 1). (Returned
+// as a value: through references, decode's build compiled to other machine code.)
+struct RowsStep {
+  float m, l;
+  u32 pb0, pb1;
+  float a_lo, a_hi;
+};
+__device__ __forceinline__ RowsStep softmax_rows_t(const float (&x)[4], float m, float l, int t) {
+  RowsStep r;
   float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -116,12 +121,13 @@ __device__ __forceinline__ void softmax_rows_t(const float (&x)[4], float& m, fl
   float pr[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) pr[k] = exp2_approx(x[k] - m_use);
-  l = l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
-  m = m_new;
-  pb0 = pack2(pr[0], pr[1]);
-  pb1 = pack2(pr[2], pr[3]);
-  a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t);      // row 2t lives in lanes 8t..8t+3
-  a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // row 2t + 1
+  r.l = l * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
+  r.m = m_new;
+  r.pb0 = pack2(pr[0], pr[1]);
+  r.pb1 = pack2(pr[2], pr[3]);
+  r.a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t);      // row 2t lives in lanes 8t..8t+3
+  r.a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // row 2t + 1
+  return r;
 }
 
 // One 16-channel block of O^T (o: channels g, g + 8 of columns 2t, 2t + 1) rescaled and given V^T.P^T of a tile

@@ -594,21 +594,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
 #pragma unroll
     for (int k = 0; k < 4; ++k)   // past the unit's end (or before the window): masked; else Inf and NaN scores
       x[k] = tok[k] >= nv || (WINDOW && tok[k] < lo) ? neg_inf() : soft_cap(x[k] + 0.f * x[k]);   // become NaN
-    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(st.m[i], mx);
-    const float m_use = m_new == neg_inf() ? 0.f : m_new;   // nothing seen yet: keep exp2 finite
-    const float alpha = exp2_approx(st.m[i] - m_use);
-    float pr[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) pr[k] = exp2_approx(x[k] - m_use);
-    st.l[i] = st.l[i] * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
-    st.m[i] = m_new;
-    pb0[i] = pack2(pr[0], pr[1]);
-    pb1[i] = pack2(pr[2], pr[3]);
-    a_lo[i] = __shfl_sync(0xffffffffu, alpha, 8 * t);      // head 8i + 2t lives in lanes 8t..8t+3
-    a_hi[i] = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 8i + 2t + 1
+    const RowsStep r = softmax_rows_t(x, st.m[i], st.l[i], t);
+    st.l[i] = r.l; st.m[i] = r.m; pb0[i] = r.pb0; pb1[i] = r.pb1; a_lo[i] = r.a_lo; a_hi[i] = r.a_hi;
   }
   const u32 vbase = kbase + TILE_BYTES;
   if (KV_FP8) {   // one ldmatrix: tokens 0-7 (a[j]) and 8-15 (a[2 + j]) of channel blocks mt = 2 mp + j;
@@ -622,11 +609,7 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
         kv_pair<0x3120u>(a[j], a0, a1);
         kv_pair<0x3120u>(a[2 + j], a2, a3);
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-          float (&o)[4] = st.o[i][2 * mp + j];
-          o[0] *= a_lo[i]; o[1] *= a_hi[i]; o[2] *= a_lo[i]; o[3] *= a_hi[i];
-          mma_16816(o, a0, a1, a2, a3, pb0[i], pb1[i]);
-        }
+        for (int i = 0; i < NT; ++i) pv_rows_t(st.o[i][2 * mp + j], a0, a1, a2, a3, pb0[i], pb1[i], a_lo[i], a_hi[i]);
       }
     }
   } else {
@@ -635,11 +618,7 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
       u32 a[4];
       ldmatrix_x4_trans(a, vbase + tile_off(lrow, 2 * mt + lch));
 #pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        float (&o)[4] = st.o[i][mt];
-        o[0] *= a_lo[i]; o[1] *= a_hi[i]; o[2] *= a_lo[i]; o[3] *= a_hi[i];
-        mma_16816(o, a[0], a[1], a[2], a[3], pb0[i], pb1[i]);
-      }
+      for (int i = 0; i < NT; ++i) pv_rows_t(st.o[i][mt], a[0], a[1], a[2], a[3], pb0[i], pb1[i], a_lo[i], a_hi[i]);
     }
   }
 }

@@ -57,8 +57,8 @@
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
 // value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
 // SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
-// MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES (and MELD_SPLIT_T where it is on); the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
-// and wgmma_rs_tb (m64nHEAD_DIM).
+// MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES (and MELD_SPLIT_T where it is on); the wgmma build
+// MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64) and wgmma_rs_tb (m64nHEAD_DIM).
 
 namespace meld {
 
@@ -314,7 +314,8 @@ __device__ __forceinline__ void attend_tile(const GroupedParams& p, RowsT<NB>& s
     float x[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) x[k] = masked_score(p, s[k >> 1][2 * i + (k & 1)], 8 * (k >> 1) + 2 * t + (k & 1), valid);
-    softmax_rows_t(x, st.m[i], st.l[i], pb0[i], pb1[i], a_lo[i], a_hi[i], t);
+    const RowsStep r = softmax_rows_t(x, st.m[i], st.l[i], t);
+    st.l[i] = r.l; st.m[i] = r.m; pb0[i] = r.pb0; pb1[i] = r.pb1; a_lo[i] = r.a_lo; a_hi[i] = r.a_hi;
   }
   const int vrow = k_row(lane), vch = k_chunk(lane);
 #pragma unroll
