@@ -313,7 +313,8 @@ __device__ __forceinline__ void attend_tile(const GroupedParams& p, RowsT<NB>& s
   for (int i = 0; i < NB; ++i) {
     float x[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) x[k] = masked_score(p, s[k >> 1][2 * i + (k & 1)], 8 * (k >> 1) + 2 * t + (k & 1), valid);
+    for (int k = 0; k < 4; ++k)   // row 8 i + g's tokens 2t, 2t + 1, 8 + 2t, 9 + 2t
+      x[k] = masked_score(p, s[k >> 1][2 * i + (k & 1)], 8 * (k >> 1) + 2 * t + (k & 1), valid);
     const RowsStep r = softmax_rows_t(x, st.m[i], st.l[i], t);
     st.l[i] = r.l; st.m[i] = r.m; pb0[i] = r.pb0; pb1[i] = r.pb1; a_lo[i] = r.a_lo; a_hi[i] = r.a_hi;
   }
