@@ -6,7 +6,8 @@ A custom op takes tensors and scalars, not Python objects, so each operator is n
 
     torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> ()
                                                                                       # DecodeAttention.run
-    torch.ops.meld.decode_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> ()   # DecodeMLA.run
+    torch.ops.meld.decode_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale=1.0) -> ()
+                                                                                      # DecodeMLA.run
     torch.ops.meld.moe(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> ()   # MoE()
 
 All write their preallocated outputs, declared mutated (functionalisation and Inductor's re-inplacing
@@ -99,19 +100,21 @@ def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=
         expect("lse", lse, torch.float32, (q.shape[0], Hq), "batch, num_qo_heads", dev)
 
 
-def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
+def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale=1.0) -> None:
     _required_out("decode_mla", out)
-    lookup(handle, DecodeMLA).run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse)
+    lookup(handle, DecodeMLA).run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse, kv_scale=kv_scale)
 
 
-def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
+def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale=1.0) -> None:
     _required_out("decode_mla", out)
     mla = lookup(handle, DecodeMLA)
     H, Dc, Dr, P, dt, dev = mla.num_heads, mla.head_dim_ckv, mla.head_dim_kpe, mla.page_size, mla.dtype, mla.device
     expect("q_nope", q_nope, dt, (None, H, Dc), "batch, num_heads, head_dim_ckv", dev)
     expect("q_pe", q_pe, dt, (q_nope.shape[0], H, Dr), "batch, num_heads, head_dim_kpe", dev)
-    expect("ckv_cache", ckv_cache, dt, (None, P, Dc), "num_pages, page_size, head_dim_ckv", dev)
-    expect("kpe_cache", kpe_cache, dt, (ckv_cache.shape[0], P, Dr), "num_pages, page_size, head_dim_kpe", dev)
+    expect("ckv_cache", ckv_cache, mla.kv_dtype, (None, P, Dc), "num_pages, page_size, head_dim_ckv", dev)
+    expect("kpe_cache", kpe_cache, mla.kv_dtype, (ckv_cache.shape[0], P, Dr), "num_pages, page_size, head_dim_kpe",
+           dev)
+    mla._check_scale(kv_scale)
     expect("out", out, dt, (q_nope.shape[0], H, Dc), "like q_nope", dev)
     if lse is not None:
         expect("lse", lse, torch.float32, (q_nope.shape[0], H), "batch, num_heads", dev)
@@ -132,13 +135,13 @@ def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
     expect("out", out, dt, (T, H), "tokens x hidden_size", dev)
 
 
-# v_cache (K and V in two tensors, kv_cache then K) and an FP8 cache's scales come last, with defaults: calls
-# written before them stay valid.
+# v_cache (K and V in two tensors, kv_cache then K) and an FP8 cache's scales (decode_mla's kv_scale too) come
+# last, with defaults: calls written before them stay valid.
 _define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle, "
         "Tensor? v_cache=None, float k_scale=1.0, float v_scale=1.0) -> ()", _decode_attention_impl,
         _decode_attention_fake, written=(2, 3))
 _define("decode_mla", "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor(a!) out, "
-        "Tensor(b!)? lse, int handle) -> ()", _decode_mla_impl, _decode_mla_fake, written=(4, 5))
+        "Tensor(b!)? lse, int handle, float kv_scale=1.0) -> ()", _decode_mla_impl, _decode_mla_fake, written=(4, 5))
 _define("moe", "(Tensor x, Tensor? router_logits, Tensor w13, Tensor w2, Tensor? topk_weights, Tensor? topk_ids, "
         "Tensor(a!) out, int handle) -> ()", _moe_impl, _moe_fake, written=(6,))
 _decode_attention_op = torch.ops.meld.decode_attention.default   # the overload: no resolution per call
@@ -181,7 +184,7 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
 
 def decode_mla(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
                kpe_cache: torch.Tensor, *, return_lse: bool = False, out: torch.Tensor | None = None,
-               lse: torch.Tensor | None = None):
+               lse: torch.Tensor | None = None, kv_scale: float = 1.0):
     """`mla.run(q_nope, q_pe, ckv_cache, kpe_cache, ...)` (same arguments and results) through
     torch.ops.meld.decode_mla."""
     if not isinstance(mla, DecodeMLA):
@@ -193,7 +196,8 @@ def decode_mla(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cac
     if q_nope.dim() != 3:
         expect("q_nope", q_nope, mla.dtype, (None, mla.num_heads, mla.head_dim_ckv), "batch, num_heads, head_dim_ckv")
     out, lse = _outputs(q_nope, mla.dtype, return_lse, out, lse)
-    _decode_mla_op(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, mla.handle)
+    kv_scale = mla._check_scale(kv_scale)   # (a float: the schema's check would be a RuntimeError)
+    _decode_mla_op(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, mla.handle, *(() if kv_scale == 1.0 else (kv_scale,)))
     return (out, lse) if return_lse else out
 
 

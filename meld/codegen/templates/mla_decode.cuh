@@ -166,7 +166,8 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
           const int tok = t0 + c * R, pg = tok / p.page_size;
           const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
 #pragma unroll
-          for (int k = 0; k < DC / 128; ++k) tma_load_2d(dst + k * RAW_LAT + c * R * 128, &p.ckv_map, 128 * k, row, full);
+          for (int k = 0; k < DC / 128; ++k)
+            tma_load_2d(dst + k * RAW_LAT + c * R * 128, &p.ckv_map, 128 * k, row, full);
           tma_load_2d(dst + (DC / 128) * RAW_LAT + c * R * 64, &p.kpe_map, 0, row, full);
         }
         if (++stage == RAW_STAGES_) { stage = 0; phase ^= 1u; }
