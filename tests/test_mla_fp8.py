@@ -38,10 +38,12 @@ def fp8_inputs(lens, H, P, seed=0, device="cpu", q_len=1, kv_scale=KV_SCALE):
 
 
 def fp8_reference(pb, qn, qp, cache, kv_scale=KV_SCALE, q_len=1):
-    """float64 MLA over the dequantised cache (cache x kv_scale, keys and values alike)."""
-    deq = cache.cpu().double() * kv_scale
-    return mla_reference(qn.cpu(), qp.cpu(), deq[..., :512], deq[..., 512:], pb.kv_indptr, pb.kv_indices,
-                         pb.kv_last_page_len, SCALE, q_len=q_len)
+    """float64 MLA over the dequantised cache (cache x kv_scale, keys and values alike), computed where the inputs
+    are (a GPU's float64 is quick), returned on the CPU."""
+    deq = cache.double() * kv_scale
+    out, lse = mla_reference(qn, qp, deq[..., :512], deq[..., 512:], pb.kv_indptr, pb.kv_indices,
+                             pb.kv_last_page_len, SCALE, q_len=q_len)
+    return out.cpu(), lse.cpu()
 
 
 def rel_err(out, ref):
