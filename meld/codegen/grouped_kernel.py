@@ -33,10 +33,11 @@ class GroupedKernelConfig:
     Tasks of more rows take the CTA's ring in both builds.
 
     `prefix_mma` picks the tensor-core instructions of a task of more than 16 rows (a shared prefix's slice):
-    "mma", each warp its 16 rows with mma.sync m16n8k16 (the default); "wgmma", each warpgroup its 64 rows
-    with wgmma against a whole chunk, the CTA ring in wgmma's 128-byte swizzle. It needs the "warp" split
-    stream (split tasks read their own rings, never the CTA ring's layout) and head_dim 64 or 128 (at 256 the
-    accumulators of O, S and P do not fit a thread's registers beside Q).
+    "mma", each warp its 16 rows with mma.sync m16n8k16 (this config's default); "wgmma", each warpgroup its
+    64 rows with wgmma against a whole chunk, the CTA ring in wgmma's 128-byte swizzle. It needs the "warp"
+    split stream (split tasks read their own rings, never the CTA ring's layout) and head_dim 64 or 128 (at 256
+    the accumulators of O, S and P do not fit a thread's registers beside Q): `prefix_mma_for` picks it where
+    allowed, as CascadeDecode does by default.
     """
 
     dtype: str = "bfloat16"
@@ -60,6 +61,11 @@ class GroupedKernelConfig:
         if self.prefix_mma == "wgmma" and self.head_dim == 256:
             raise ValueError("prefix_mma='wgmma' with head_dim=256: its accumulators do not fit the registers "
                              "(head_dim 64 or 128)")
+
+    @staticmethod
+    def prefix_mma_for(split_stream: str, head_dim: int) -> str:
+        """The faster build a task of many rows can have (bench/RESULTS.md 2026-12-03): wgmma where allowed."""
+        return "wgmma" if split_stream == "warp" and head_dim != 256 else "mma"
 
     @staticmethod
     def of(low, *, profile: bool = False, split_stream: str = "warp", prefix_mma: str = "mma") -> "GroupedKernelConfig":

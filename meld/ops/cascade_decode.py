@@ -85,8 +85,8 @@ class CascadeDecode(Operator):
         prefix_mma: the GPU kernel's tensor-core instructions for a task of more than 16 query rows (a shared
             level's slice): "wgmma" (a warpgroup's 64 rows; needs split_stream "warp" and head_dim 64 or 128) or
             "mma" (mma.sync, a warp's 16 rows); default None: "wgmma" where the build allows it, else "mma"
-            (wgmma was 0.99-1.10x the time of mma on bench/cascade.py's seven cases, bench/RESULTS.md
-            2026-12-03). The same results up to rounding; the CPU executor ignores it.
+            (mma took 0.99-1.10x wgmma's time on bench/cascade.py's seven cases, bench/RESULTS.md 2026-12-03).
+            The same results up to rounding; the CPU executor ignores it.
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -106,7 +106,7 @@ class CascadeDecode(Operator):
         if split_stream not in SPLIT_STREAMS:
             raise ValueError(f"split_stream must be one of {SPLIT_STREAMS}, got {split_stream!r}")
         if prefix_mma is None:
-            prefix_mma = "wgmma" if split_stream == "warp" and head_dim != 256 else "mma"
+            prefix_mma = GroupedKernelConfig.prefix_mma_for(split_stream, head_dim)
         if prefix_mma not in PREFIX_MMAS:
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
         GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma)   # (the pair's checks)

@@ -207,11 +207,9 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
     params = SPLIT_PLAN_PARAMS.pack(
         group_producer=g, group_index=g + 4 * n_groups, group_q0=g + 8 * n_groups, group_requests=g + 12 * n_groups,
         group_tokens=g + 16 * n_groups, group_pages=g + 20 * n_groups, **addr, num_groups=n_groups, batch=batch,
-        num_kv_heads=num_kv_heads,
-        group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS, cut=CUT_TOKENS,
-        rows_per_tile=rows_per_tile, slice_rows=slice_rows, item_overhead=item_overhead,
-        merge_overhead=merge_overhead, task_capacity=task_cap,
-        slot_capacity=part_cap)
+        num_kv_heads=num_kv_heads, group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS,
+        cut=CUT_TOKENS, rows_per_tile=rows_per_tile, slice_rows=slice_rows, item_overhead=item_overhead,
+        merge_overhead=merge_overhead, task_capacity=task_cap, slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
     num_tasks, num_slots = int(part["out"][0]), int(part["out"][1])
     if num_tasks < 0:   # the capacities above bound every cut: this is a planner bug, not an input error
