@@ -12,6 +12,17 @@ Multi-token decode (`--q-len N`, 1 to 4; default 1): every request decodes N new
 cache_seqlens): meld's `DecodeMLA(q_len=N)` against FlashMLA at s_q = N (q [B, N, H, 576], causal=True).
 FlashInfer's MLA peer runs N = 1 only here (it is skipped, with the reason printed, for N > 1).
 
+FP8 latent cache (`--kv-dtype fp8`, issue 41): the case's caches are quantised to one e4m3 cache [pages, 64, 576]
+with a per-tensor power-of-two scale (kv_scale = 2^ceil(log2(amax / 448)), so the dequantised values are exact in
+bf16), and three implementations read the same values: meld-fp8 (`DecodeMLA(kv_dtype=torch.float8_e4m3fn)`, run
+with kv_scale), meld (the bf16 build over the dequantised bf16 cache: the A/B of the FP8 build) and flashmla-fp8
+(FlashMLA's dense FP8 path, `flash_mla_with_kvcache(..., is_fp8_kvcache=True, use_legacy=True)` with metadata from
+`get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True)`: the same [pages, 64, 1, 576] e4m3 cache and
+descale_k = kv_scale, its q quantised to e4m3 with a per-tensor power-of-two descale_q, as its kernel takes it). A
+wheel without that path is reported (the import fails, the run goes on without it). Each is checked against float64
+over the dequantised cache at issue 41's 2e-2: meld's with bf16 q, FlashMLA's with the dequantised e4m3 q it is
+given (against bf16 q its error is q's quantisation, 3.3e-2 on the H200).
+
 FlashInfer JIT-compiles each MLA backend with nvcc on its first plan() (`fa2` and the SM90 `fa3`: 27 s and
 24 s on the H200 machine's 16 cores, 2026-12-01), so a fresh machine spends about a minute compiling. This
 script sets FLASHINFER_CUDA_ARCH_LIST=9.0a itself when it is unset. `--dry-run` lists the cases, their sizes
@@ -45,6 +56,8 @@ Columns:
                token sees, summed: Σlen at N = 1);   FlashMLA TFLOP/s: the same FLOPs / FlashMLA's time;
   %read        meld TB/s / the pure-read ceiling;   %mma: meld TFLOP/s / the bf16 matmul ceiling;
   eager µs     meld's eager latency (host launch cost included);   plan µs: meld's host plan() median;
+  fp8 µs       with --kv-dtype fp8: meld-fp8's time; fp8/bf16: meld's bf16 time / it (> 1: the FP8 build faster);
+               FlashMLA-fp8 µs and vs FlashMLA-fp8: FlashMLA's dense FP8 time / meld-fp8's;
   seesaw µs    with --schedule seesaw or both: meld's seesaw build (`MlaKernelConfig(schedule="seesaw")`) on the
                same inputs in the same run; seesaw vs FlashMLA: FlashMLA's time / its time; seesaw/split: the
                default build's time / its time (> 1: the seesaw faster).
@@ -92,6 +105,10 @@ IMPLS = ("meld", "fi-fa2", "fi-fa3", "flashmla")
 SEESAW = "meld-seesaw"   # meld's seesaw build: in place of or beside "meld", as --schedule says
 SCHEDULE_IMPLS = {"split": ["meld"], "seesaw": [SEESAW], "both": ["meld", SEESAW]}
 FI_BACKENDS = {"fi-fa2": "fa2", "fi-fa3": "fa3"}
+KV_DTYPES = ("bf16", "fp8")
+FP8_IMPLS = {"meld-fp8": "meld", "meld": "meld", "flashmla-fp8": "flashmla"}   # --kv-dtype fp8: name -> --impls name
+FP8_REL_TOL = 2e-2   # issue 41's bar for FP8 caches (against float64 over the dequantised cache)
+E4M3_MAX = 448.0
 FI_WORKSPACE_BYTES = 128 << 20
 KV_ROW_BYTES = (HEAD_DIM_CKV + HEAD_DIM_KPE) * 2  # one token's latent row, bf16
 
@@ -172,6 +189,8 @@ class Inputs:
     q_pe: torch.Tensor  # [B * q_len, H, 64]
     ckv_cache: torch.Tensor  # [num_pages, page_size, 512]; exactly the pages the table uses
     kpe_cache: torch.Tensor  # [num_pages, page_size, 64]
+    cache8: Optional[torch.Tensor] = None  # --kv-dtype fp8: [num_pages, page_size, 576] e4m3 (the caches above are
+    kv_scale: float = 1.0                  # its values x kv_scale, exact in bf16)
 
     @property
     def kv_bytes(self) -> int:
@@ -182,7 +201,12 @@ class Inputs:
         return flops(self.table, self.case.q_len)
 
 
-def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
+def pow2_scale(t: torch.Tensor) -> float:
+    """A per-tensor e4m3 scale: the power of two at or above amax / 448 (dequantised values stay exact in bf16)."""
+    return 2.0 ** math.ceil(math.log2(max(float(t.abs().max()), 1e-30) / E4M3_MAX))
+
+
+def make_inputs(case: Case, seed: int = 0, device: str = "cuda", kv_dtype: str = "bf16") -> Inputs:
     table = page_table(request_lengths(case.dist, case.batch), seed)
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -193,28 +217,50 @@ def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
     q_pe = (randn(case.batch * case.q_len, NUM_HEADS, HEAD_DIM_KPE) * Q_SCALE).to(DTYPE)
     ckv = torch.randn(table.num_pages, PAGE_SIZE, HEAD_DIM_CKV, generator=g, dtype=DTYPE, device=device)
     kpe = torch.randn(table.num_pages, PAGE_SIZE, HEAD_DIM_KPE, generator=g, dtype=DTYPE, device=device)
-    return Inputs(case, table, q_nope, q_pe, ckv, kpe)
+    if kv_dtype == "bf16":
+        return Inputs(case, table, q_nope, q_pe, ckv, kpe)
+    both = torch.cat([ckv, kpe], dim=-1)
+    scale = pow2_scale(both)
+    cache8 = (both.float() / scale).to(torch.float8_e4m3fn)
+    deq = cache8.to(DTYPE) * scale
+    return Inputs(case, table, q_nope, q_pe, deq[..., :HEAD_DIM_CKV].contiguous(), deq[..., HEAD_DIM_CKV:].contiguous(),
+                  cache8, scale)
 
 
 # ------------------------------------------------------------------------------------------ correctness
 
-def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(inp: Inputs, q_e4m3: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 out [B * q_len, H, 512] and lse [B * q_len, H] (natural log), causal among a request's new tokens,
-    one request at a time on the device."""
+    one request at a time on the device. `q_e4m3`: of the queries FlashMLA's FP8 path is given (quantised_q's,
+    dequantised), so that peer is held to the same tolerance over what it computes."""
     from meld.runtime.reference import mla_reference
 
     t = inp.table
-    return mla_reference(inp.q_nope, inp.q_pe, inp.ckv_cache, inp.kpe_cache, t.indptr, t.indices,
+    q_nope, q_pe = inp.q_nope, inp.q_pe
+    if q_e4m3:
+        q8, q_scale = quantised_q(inp)
+        q = q8.double().flatten(0, 1) * q_scale
+        q_nope, q_pe = q[..., :HEAD_DIM_CKV], q[..., HEAD_DIM_CKV:]
+    return mla_reference(q_nope, q_pe, inp.ckv_cache, inp.kpe_cache, t.indptr, t.indices,
                          t.last_page_len, SM_SCALE, inp.case.q_len)
+
+
+def quantised_q(inp: Inputs) -> tuple[torch.Tensor, float]:
+    """The queries as FlashMLA's FP8 path takes them: e4m3 [B, q_len, H, 576] with a per-tensor power-of-two
+    scale (q ≈ q8 * scale)."""
+    c = inp.case
+    q = torch.cat([inp.q_nope, inp.q_pe], dim=-1).view(c.batch, c.q_len, NUM_HEADS, -1)
+    q_scale = pow2_scale(q)
+    return (q.float() / q_scale).to(torch.float8_e4m3fn).contiguous(), q_scale
 
 
 
 
 # ------------------------------------------------------------------------------------- implementations
 
-def build_meld(inp: Inputs, schedule: str = "split") -> Impl:
+def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False) -> Impl:
     """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans; `schedule`:
-    its kernel build (`MlaKernelConfig.schedule`)."""
+    its kernel build (`MlaKernelConfig.schedule`); `fp8`: the e4m3 build over inp.cache8 (its default schedule)."""
     import meld
     from meld.codegen.mla_kernel import MlaKernelConfig
 
@@ -223,7 +269,9 @@ def build_meld(inp: Inputs, schedule: str = "split") -> Impl:
     mla = meld.DecodeMLA(NUM_HEADS, PAGE_SIZE, dtype=DTYPE, device=str(dev), sm_scale=SM_SCALE,
                          head_dim_ckv=HEAD_DIM_CKV, head_dim_kpe=HEAD_DIM_KPE,
                          max_batch_size=c.batch, max_num_pages=t.num_pages,
-                         kernel_config=MlaKernelConfig(schedule=schedule), q_len=c.q_len)
+                         kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn") if fp8 else
+                         MlaKernelConfig(schedule=schedule), q_len=c.q_len,
+                         kv_dtype=torch.float8_e4m3fn if fp8 else None)
     init_us = (time.perf_counter() - t0) * 1e6
 
     def plan() -> None:
@@ -231,22 +279,24 @@ def build_meld(inp: Inputs, schedule: str = "split") -> Impl:
 
     first = host_time_us(plan, reps=1, min_reps=1)  # may include compilation
     timing = host_time_us(plan, reps=200)  # the last of these calls is the plan that is run and captured
-    args = (inp.q_nope, inp.q_pe, inp.ckv_cache, inp.kpe_cache)
+    caches = (inp.cache8[..., :HEAD_DIM_CKV], inp.cache8[..., HEAD_DIM_CKV:]) if fp8 else (inp.ckv_cache, inp.kpe_cache)
+    args = (inp.q_nope, inp.q_pe, *caches)
+    run = partial(mla.run, kv_scale=inp.kv_scale) if fp8 else mla.run
     out = torch.empty_like(inp.q_nope)  # like FlashInfer below: the timed call writes a preallocated output
 
     def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
         # Poisoned outputs: an element the kernel does not write stays NaN and fails the check.
-        alloc = mla.run(*args)  # the allocating paths, as a user calls them
-        alloc_o, alloc_lse = mla.run(*args, return_lse=True)
+        alloc = run(*args)  # the allocating paths, as a user calls them
+        alloc_o, alloc_lse = run(*args, return_lse=True)
         o1 = torch.full_like(inp.q_nope, math.nan)
-        mla.run(*args, out=o1)
+        run(*args, out=o1)
         o2 = torch.full_like(inp.q_nope, math.nan)
         lse = torch.full(inp.q_nope.shape[:2], math.nan, dtype=torch.float32, device=dev)
-        mla.run(*args, return_lse=True, out=o2, lse=lse)
+        run(*args, return_lse=True, out=o2, lse=lse)
         return [("run", alloc, None), ("run(return_lse=True)", alloc_o, alloc_lse), ("run(out=)", o1, None),
                 ("run(return_lse=True, out=, lse=)", o2, lse)]
 
-    return Impl(lambda: mla.run(*args, out=out), outputs, timing, first.median_us, init_us)
+    return Impl(lambda: run(*args, out=out), outputs, timing, first.median_us, init_us)
 
 
 def build_flashinfer(inp: Inputs, backend: str) -> Impl:
@@ -289,14 +339,10 @@ def build_flashmla(inp: Inputs) -> Impl:
     batch (the "plan"; a FlashMLASchedMeta serves one batch shape)."""
     import flash_mla
 
-    c, t, dev = inp.case, inp.table, inp.q_nope.device
+    c = inp.case
     q = torch.cat([inp.q_nope, inp.q_pe], dim=-1).view(c.batch, c.q_len, NUM_HEADS, -1).contiguous()
     cache = torch.cat([inp.ckv_cache, inp.kpe_cache], dim=-1).unsqueeze(2).contiguous()
-    pages = torch.diff(t.indptr)
-    table = torch.zeros(c.batch, max(1, int(pages.max())), dtype=torch.int32)
-    for b in range(c.batch):
-        table[b, :int(pages[b])] = t.indices[int(t.indptr[b]):int(t.indptr[b + 1])]
-    table, seqlens = table.to(dev), t.kv_len.to(dev)
+    table, seqlens = block_table(inp)
     meta, _ = flash_mla.get_mla_metadata()
 
     def call() -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,9 +358,52 @@ def build_flashmla(inp: Inputs) -> Impl:
     return Impl(call, outputs, None, first.median_us)
 
 
+def block_table(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's block table (padded to the longest request) and cache_seqlens, on q's device."""
+    c, t = inp.case, inp.table
+    pages = torch.diff(t.indptr)
+    table = torch.zeros(c.batch, max(1, int(pages.max())), dtype=torch.int32)
+    for b in range(c.batch):
+        table[b, :int(pages[b])] = t.indices[int(t.indptr[b]):int(t.indptr[b + 1])]
+    return table.to(inp.q_nope.device), t.kv_len.to(inp.q_nope.device)
+
+
+def build_flashmla_fp8(inp: Inputs) -> Impl:
+    """FlashMLA's dense FP8 decode (the wheel's legacy SM90 path): q quantised to e4m3 (its kernel's input) with a
+    per-tensor power-of-two descale_q (checked against reference(q_e4m3=True)), the e4m3 cache as [pages, 64, 1, 576] with descale_k = kv_scale, metadata
+    from get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True) for this batch (the "plan")."""
+    import flash_mla
+
+    c, dev = inp.case, inp.q_nope.device
+    q8, q_scale = quantised_q(inp)
+    cache = inp.cache8.unsqueeze(2)
+    table, seqlens = block_table(inp)
+    descale_q = torch.tensor([q_scale], dtype=torch.float32, device=dev)
+    descale_k = torch.tensor([inp.kv_scale], dtype=torch.float32, device=dev)
+    meta, _ = flash_mla.get_mla_metadata()
+
+    def plan() -> None:
+        meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
+            seqlens, c.q_len * NUM_HEADS, 1, is_fp8_kvcache=True, use_legacy=True)
+
+    first = host_time_us(plan, reps=1, min_reps=1)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return flash_mla.flash_mla_with_kvcache(q8, cache, table, seqlens, HEAD_DIM_CKV, meta, softmax_scale=SM_SCALE,
+                                                causal=c.q_len > 1, is_fp8_kvcache=True, use_legacy=True,
+                                                descale_q=descale_q, descale_k=descale_k)
+
+    def outputs() -> list[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+        return [("flash_mla_with_kvcache(is_fp8_kvcache=True)", call()[0].flatten(0, 1), None)]
+
+    return Impl(call, outputs, None, first.median_us)
+
+
 BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     "meld": build_meld,
     SEESAW: partial(build_meld, schedule="seesaw"),
+    "meld-fp8": partial(build_meld, fp8=True),
+    "flashmla-fp8": build_flashmla_fp8,
     "fi-fa2": lambda inp: build_flashinfer(inp, "fa2"),
     "fi-fa3": lambda inp: build_flashinfer(inp, "fa3"),
     "flashmla": build_flashmla,
@@ -328,7 +417,7 @@ def skip_reason(name: str, q_len: int = 1) -> Optional[str]:
     dense path are SM90-only; FlashInfer's MLA runs one new token per request here."""
     if name in FI_BACKENDS and q_len > 1:
         return f"{name} runs q_len 1 only in this benchmark (got --q-len {q_len})"
-    if name in ("fi-fa3", "flashmla") and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
+    if name in ("fi-fa3", "flashmla", "flashmla-fp8") and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
         major, minor = torch.cuda.get_device_capability()
         return f"{name} needs SM90, this GPU is sm_{major}{minor}"
     return None
@@ -347,6 +436,8 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
     ss = results.get(SEESAW, {})
     seesaw_us = median_us(ss) if not ss.get("errors") else None
     fmla_us = median_us(results["flashmla"]) if isinstance(cell("flashmla"), float) else None
+    fp8_us = median_us(results["meld-fp8"]) if isinstance(cell("meld-fp8"), float) else None
+    fmla8_us = median_us(results["flashmla-fp8"]) if isinstance(cell("flashmla-fp8"), float) else None
     tbps = nbytes / (meld_us * 1e-6) / 1e12 if meld_us else None
     tflops = nflops / (meld_us * 1e-6) / 1e12 if meld_us else None
     fmla_tflops = nflops / (fmla_us * 1e-6) / 1e12 if fmla_us else None
@@ -364,6 +455,8 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
         "flashmla_tflops": fmla_tflops,
         "seesaw_us": cell(SEESAW), "seesaw_vs_flashmla": fmla_us / seesaw_us if seesaw_us and fmla_us else None,
         "seesaw_vs_split": meld_us / seesaw_us if seesaw_us and meld_us else None,
+        "fp8_us": cell("meld-fp8"), "fp8_vs_bf16": meld_us / fp8_us if fp8_us and meld_us else None,
+        "flashmla_fp8_us": cell("flashmla-fp8"), "fp8_vs_flashmla_fp8": fmla8_us / fp8_us if fp8_us and fmla8_us else None,
         "meld_tbps": tbps, "meld_tflops": tflops,
         "pct_read": 100 * tbps / ceilings["read_tbps"] if tbps else None,
         "pct_mma": 100 * tflops / mma if tflops else None,
@@ -387,6 +480,10 @@ COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, err
     Column("meld_eager_us", "eager µs", ".1f"), Column("plan_us", "plan µs", ".0f"),
     Column("rel_err", "rel err", ".1e"),
 ]
+FP8_COLUMNS = [   # --kv-dtype fp8: after meld's
+    Column("fp8_us", "fp8 µs", ".1f"), Column("fp8_vs_bf16", "fp8/bf16", ".2f"),
+    Column("flashmla_fp8_us", "FlashMLA-fp8 µs", ".1f"), Column("fp8_vs_flashmla_fp8", "vs FlashMLA-fp8", ".2f"),
+]
 DRY_COLUMNS = [
     Column("B", "B"), Column("dist", "dist", align="<"), Column("sum_len", "tokens", "d"),
     Column("max_len", "max len", "d"), Column("pages", "pages", "d"), Column("kv_mib", "KV MiB", ".1f"),
@@ -406,6 +503,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
     p.add_argument("--schedule", choices=tuple(SCHEDULE_IMPLS), default="split",
                    help="meld's kernel build(s): the default split, the seesaw, or both (a same-run A/B)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                   help="fp8: meld's e4m3 build, meld's bf16 build over the same values and FlashMLA's dense FP8 "
+                        "(module docstring)")
     p.add_argument("--q-len", type=int, default=1,
                    help=f"new tokens per request, 1 to {MAX_Q_LEN} (FlashMLA's s_q; causal among them)")
     p.add_argument("--quick", action="store_true", help=f"B in {QUICK_BATCHES} (unless --batches), 30 replays")
@@ -423,7 +523,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.batches = args.batches or list(QUICK_BATCHES)
     args.batches = args.batches or list(BATCHES)
     args.dists = args.dists or list(DISTS)
-    args.impls = list(dict.fromkeys(x for i in args.impls for x in (SCHEDULE_IMPLS[args.schedule] if i == "meld" else [i])))
+    if args.kv_dtype == "fp8":
+        args.impls = [name for name, base in FP8_IMPLS.items() if base in args.impls]
+    else:
+        args.impls = list(dict.fromkeys(x for i in args.impls for x in (SCHEDULE_IMPLS[args.schedule] if i == "meld" else [i])))
     args.reps = timed_reps(args.reps, args.quick)
     return args
 
@@ -431,7 +534,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) -> list[str]:
     """Import meld's DecodeMLA and FlashInfer's MLA wrapper once: one that fails is reported once (not once
     per case) and dropped."""
-    imports = {"meld": ("meld", "DecodeMLA"), SEESAW: ("meld", "DecodeMLA"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
+    imports = {"meld": ("meld", "DecodeMLA"), SEESAW: ("meld", "DecodeMLA"), "meld-fp8": ("meld", "DecodeMLA"),
+               "flashmla-fp8": ("flash_mla", "get_mla_decoding_metadata"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "fi-fa3": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "flashmla": ("flash_mla", "flash_mla_with_kvcache")}
 
@@ -466,7 +570,8 @@ def dry_run(cases: Sequence[Case], args: argparse.Namespace) -> None:
     print(f"* the KV read at {BENCH_READ_TBPS} TB/s and the FLOPs at {BENCH_MMA_TFLOPS:.0f} TFLOP/s (BENCH.md's "
           "H200 ceilings of 2026-11-29; a real run measures its own)")
     print(f"would run: ceilings (pure read, copy, bf16 matmul 8192^3); then per case and implementation: "
-          f"build, plan() host-timed, check against the float64 mla_reference (rel err < {REL_TOL:.0e}, no NaN, "
+          f"build, plan() host-timed, check against the float64 mla_reference (rel err < "
+          f"{FP8_REL_TOL if args.kv_dtype == 'fp8' else REL_TOL:.0e}, no NaN, "
           f"outputs poisoned; meld's lse < {LSE_TOL:.0e}), CUDA-graph replay x {args.reps} with "
           f"{'a warm' if args.no_flush else 'a cold'} L2 (+ meld eager)")
 
@@ -490,10 +595,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ceilings = measure_ceilings()
     print(ceilings_line(ceilings, matmul="bf16 matmul 8192^3"), flush=True)
 
-    table = Table(COLUMNS)
+    table = Table(COLUMNS[:4] + FP8_COLUMNS + COLUMNS[4:] if args.kv_dtype == "fp8" else COLUMNS)
+    rel_tol = FP8_REL_TOL if args.kv_dtype == "fp8" else REL_TOL
     for i, case in enumerate(cases, 1):
         torch.manual_seed(args.seed)
-        inp = make_inputs(case, args.seed)
+        inp = make_inputs(case, args.seed, kv_dtype=args.kv_dtype)
         print(f"[{i}/{len(cases)}] {case.name}: Σlen {sum(inp.table.lengths)}, max {max(inp.table.lengths)}, "
               f"{inp.table.num_pages} pages, KV {inp.kv_bytes / (1 << 20):.0f} MiB, "
               f"{inp.flops / 1e9:.1f} GFLOP", flush=True)
@@ -502,8 +608,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name in args.impls:
             skip = skip_reason(name, case.q_len)
             results[name] = {"skipped": skip} if skip else measure(
-                partial(BUILDERS[name], inp), f"{inp.case.name} {name}", ref, args, failures,
-                eager=name in ("meld", SEESAW))
+                partial(BUILDERS[name], inp), f"{inp.case.name} {name}",
+                reference(inp, q_e4m3=True) if name == "flashmla-fp8" else ref, args, failures,
+                eager=name in ("meld", SEESAW, "meld-fp8"), rel_tol=rel_tol)
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         table.add(summarise(case, inp.table, results, ceilings))
         del inp, ref
@@ -527,7 +634,8 @@ def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str
     head, span, fmla = failure_head(failures), speedup_span(rows), speedup_span(rows, "vs_flashmla")
     parts = [f"meld vs best FlashInfer {span}" if span else "no meld-vs-FlashInfer ratio measured"]
     parts += [f"meld vs FlashMLA {fmla}"] if fmla else []
-    for key, what in (("seesaw_vs_flashmla", "meld's seesaw vs FlashMLA"), ("seesaw_vs_split", "seesaw vs split")):
+    for key, what in (("seesaw_vs_flashmla", "meld's seesaw vs FlashMLA"), ("seesaw_vs_split", "seesaw vs split"),
+                      ("fp8_vs_bf16", "meld fp8 vs meld bf16"), ("fp8_vs_flashmla_fp8", "meld fp8 vs FlashMLA fp8")):
         parts += [f"{what} {speedup_span(rows, key)}"] if speedup_span(rows, key) else []
 
     def peak(key: str) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@
 | MELD_TUNING_DB    | (unset)          | JSON tuning database operators take their tuned configs from   |
 | MELD_RECORD       | (unset)          | append sampled batches (plan()'s KV lengths) to this JSON-lines file |
 | MELD_RECORD_EVERY | 100              | record one plan() in this many                                 |
+| MELD_TORCH_FASTCALL | 1              | 0: the torch ops keep their Python kernels on the GPU (no C++ fast path) |
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ _DEFAULTS = {
     "MELD_TUNING_DB": "",
     "MELD_RECORD": "",
     "MELD_RECORD_EVERY": "100",
+    "MELD_TORCH_FASTCALL": "1",
 }
 
 
@@ -76,13 +78,24 @@ def arch() -> str:
     return a
 
 
-def profile() -> bool:
-    """MELD_PROFILE=1: build kernels that record per-task start/end times (meld/runtime/profile.py);
-    0 or empty: do not. Anything else ("yes", "false") is a ValueError rather than a guess."""
-    v = get("MELD_PROFILE")
+def _flag(name: str, yes: str) -> bool:
+    """A 0/1 setting: 1 is True, 0 or empty False; anything else ("yes", "false") is a ValueError rather than a
+    guess (`yes` says what 1 does)."""
+    v = get(name)
     if v not in ("", "0", "1"):
-        raise ValueError(f"MELD_PROFILE={v!r}: expected 1 (profile) or 0 (do not)")
+        raise ValueError(f"{name}={v!r}: expected 1 ({yes}) or 0 (do not)")
     return v == "1"
+
+
+def profile() -> bool:
+    """MELD_PROFILE=1: build kernels that record per-task start/end times (meld/runtime/profile.py)."""
+    return _flag("MELD_PROFILE", "profile")
+
+
+def torch_fastcall() -> bool:
+    """MELD_TORCH_FASTCALL=0: the torch ops keep their Python kernels on the GPU (meld.runtime.torch_fastcall);
+    read when the first CUDA operator is built, which installs the C++ kernels otherwise."""
+    return _flag("MELD_TORCH_FASTCALL", "the C++ fast path")
 
 
 def profile_every() -> int:

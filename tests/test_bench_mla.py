@@ -85,3 +85,15 @@ def test_summary_line_gives_tflops_against_the_matmul_ceiling():
     assert "no meld-vs-FlashInfer ratio measured; meld vs FlashMLA over 2 cases" in line
     assert "meld peaks at 500 TFLOP/s, 65% of the bf16 matmul ceiling (B=64 b q2)" in line
     assert "FlashMLA peaks at 450 TFLOP/s, 58% of the bf16 matmul ceiling (B=64 b q2)" in line
+
+
+def test_fp8_mode_inputs_and_impls(capsys):
+    """--kv-dtype fp8: meld's e4m3 build, its bf16 build and FlashMLA's FP8 path; the bf16 caches are the e4m3
+    cache's values x its power-of-two scale, exactly."""
+    assert mla.main(["--dry-run", "--kv-dtype", "fp8", "--batches", "16", "--dists", "skewed"]) == 0
+    assert "meld-fp8, meld, flashmla-fp8" in capsys.readouterr().out
+    inp = mla.make_inputs(mla.Case(2, "skewed"), device="cpu", kv_dtype="fp8")
+    assert inp.cache8.dtype == torch.float8_e4m3fn and math.log2(inp.kv_scale).is_integer()
+    deq = inp.cache8.double() * inp.kv_scale
+    assert torch.equal(deq[..., :512], inp.ckv_cache.double()) and torch.equal(deq[..., 512:], inp.kpe_cache.double())
+    assert inp.cache8.float().abs().max() <= mla.E4M3_MAX

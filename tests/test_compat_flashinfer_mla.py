@@ -151,7 +151,8 @@ def test_unchecked_table_conversion_matches_the_checked_one():
     (dict(head_dim_ckv=256), NotImplementedError, "head_dim_ckv=256"),
     (dict(head_dim_kpe=0), NotImplementedError, "head_dim_kpe=0"),
     (dict(q_data_type=torch.float16), NotImplementedError, "q_data_type"),
-    (dict(kv_data_type=torch.float8_e4m3fn), NotImplementedError, "kv_data_type"),
+    (dict(kv_data_type=torch.float8_e5m2), NotImplementedError, "kv_data_type"),
+    (dict(kv_data_type=torch.float16), NotImplementedError, "kv_data_type"),
     (dict(use_profiler=True), NotImplementedError, "use_profiler"),
     (dict(qo_indptr=torch.tensor([0, 2, 3, 4, 5], dtype=torch.int32)), NotImplementedError, "qo_indptr"),
     (dict(kv_len_arr=torch.tensor([5, 0, 200, 33], dtype=torch.int32)), ValueError,
@@ -192,9 +193,11 @@ def test_plan_names_what_it_refuses_and_changes_nothing(kw, err, match):
 
 @pytest.mark.parametrize("kw,err,match", [
     (dict(o_scale=1.0), NotImplementedError, "o_scale"),
-    (dict(ckv_scale=1.0), NotImplementedError, "ckv_scale"),
+    (dict(ckv_scale=2.0, kpe_scale=2.0), ValueError, "ckv_scale=2.0: the scales dequantise an FP8 cache"),
     (dict(ckv_scale_arr=torch.ones(1)), NotImplementedError, "ckv_scale_arr"),
-    (dict(kpe_scale=1.0), NotImplementedError, "kpe_scale"),
+    (dict(kpe_scale=2.0), NotImplementedError, "kpe_scale"),
+    (dict(ckv_scale=float("nan")), ValueError, "ckv_scale must be a finite number, got nan"),
+    (dict(ckv_scale=-1.0, kpe_scale=-1.0), ValueError, "ckv_scale must be positive"),
     (dict(profiler_buffer=torch.empty(1)), NotImplementedError, "profiler_buffer"),
     (dict(return_lse=1), ValueError, "return_lse must be True or False, got 1"),
     (dict(return_lse_base_on_e=None), ValueError, "return_lse_base_on_e"),

@@ -1,7 +1,7 @@
 """Host time of meld's torch custom ops against the direct calls (issue 13: the dispatcher path may add at
 most ~2 us per call).
 
-    python tools/torch_op_overhead.py [--cuda] [--calls N] [--rounds R] [--json PATH]
+    python tools/torch_op_overhead.py [--cuda] [--stub-fast-path] [--calls N] [--rounds R] [--json PATH]
 
 `stub` rows time operators whose work is replaced by nothing (subclasses, on the CPU), so they measure the
 call paths alone: the direct method, torch.ops.meld.* (dispatcher, handle lookup, Python kernel; the decode
@@ -13,6 +13,13 @@ times the real operators on the GPU: host time per call of run() / MoE() and of 
 queued and not waited for (each round of calls is timed between synchronisations, and is short enough not
 to fill the launch queue). Each number is the best round's mean per call: other processes on the host only
 ever add to it. `torch.add(out=)` on one-element CPU tensors is timed alongside, to compare hosts by.
+
+On a GPU the ops take the C++ fast path (meld.runtime.torch_fastcall) once a call has been recorded; each case
+reports how many of its op calls did ("fast-path calls"). `--stub-fast-path` times the fast path without a GPU,
+in place of the other rows: `StubDecode` and tools/moe_eager.py's `_StubMoE` (GPU call paths, launches into no-op
+C functions; the clock is this thread's CPU time) directly and through their ops, first with the ops' Python
+kernels, then with the C++ kernels installed on the CPU's dispatch keys (the fast path's CPU form, for tests and
+this measurement only). StubDecode's run() also copies out onto itself (the CPU executor's path ends so).
 """
 from __future__ import annotations
 
@@ -34,6 +41,41 @@ from meld.workloads import paged  # noqa: E402
 class _StubAttention(meld.DecodeAttention):
     def run(self, q, kv_cache, *, return_lse=False, out=None, lse=None, k_scale=1.0, v_scale=1.0):
         return out
+
+
+class StubDecode(meld.DecodeAttention):
+    """A CPU operator that runs the GPU call path (`_launch`: parameter writes, the persistent launch's grids) over
+    stand-ins, as tools/moe_eager.py's `_StubMoE`: a `driver.Kernel` without a module, work tables at address 0, a
+    watchdog record in ordinary memory, no TMA maps; its launches reach whatever driver `fastcall` has loaded (a
+    stub: tools/moe_eager.py's `stub_driver`). For timing and testing the op's call path without a GPU."""
+
+    def __init__(self, *args, **kwargs):
+        from types import SimpleNamespace
+
+        from moe_eager import _stub_kernel
+
+        from meld.codegen.params import WATCHDOG_RECORD
+        from meld.runtime.watchdog import Watchdog
+
+        super().__init__(*args, device="cpu", **kwargs)
+        self.kernel = _stub_kernel("decode", self.kernel_config.threads)
+        w = self._watchdog = object.__new__(Watchdog)
+        w.device, w._claim, w._kernels = torch.device("cpu"), torch.zeros(1), []
+        w._host = torch.zeros(WATCHDOG_RECORD.size, dtype=torch.uint8)
+        w.record = WATCHDOG_RECORD.ctype.from_address(w._host.data_ptr())
+        self._watchdog_id, self._tensor_maps, self._outs = 0, None, None
+        tables = SimpleNamespace(ptr=lambda offset: 0, off_slot_base=0)
+        fields = dict(kv_indices=0, kv_len=0, page_base=0, cta_table=0, part_o=0, part_lse=0, counters=0,
+                      **self._header(num_ctas=self.topology.num_ctas))
+        self._buf = SimpleNamespace(launcher=self._kernel_launch(tables, fields), prof=None)
+
+    def _run_outputs(self, *args):
+        self._outs = super()._run_outputs(*args)
+        return self._outs
+
+    def _execute_cpu(self, planned, q, kv):   # (the GPU path, writing the outputs run() then copies onto themselves)
+        self._launch(q, kv, *self._outs)
+        return self._outs
 
 
 class _StubMoE(meld.MoE):
@@ -114,6 +156,40 @@ def moe_case(cls, device: str, T: int, H: int = 2048, I: int = 768, E: int = 64,
     return moe_variants(layer, x, logits, w13, w2, torch.empty_like(x))
 
 
+def stub_fast_path(calls: int, rounds: int) -> dict[str, dict[str, float]]:
+    """`--stub-fast-path`'s rows (module docstring); CPU time of this thread, as tools/moe_eager.py's."""
+    sys.modules.setdefault("torch_op_overhead", sys.modules[__name__])   # (moe_eager imports this script)
+    from moe_eager import _StubMoE, stub_driver
+
+    from meld.runtime import fastcall, torch_fastcall
+
+    stub_driver()
+    bf16, T, H, I, E, k = torch.bfloat16, 8, 2048, 768, 64, 8
+    layer = _StubMoE(H, I, E, k, bf16, "cpu", max_num_tokens=256)
+    x, logits, out = torch.randn(T, H, dtype=bf16), torch.randn(T, E), torch.empty(T, H, dtype=bf16)
+    w13, w2 = torch.empty(E, 2 * I, H, dtype=bf16), torch.empty(E, H, I, dtype=bf16)
+    attn = StubDecode(32, 8, 128, 16, bf16)
+    pb = paged([1024] * 8, 16)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    q, kv = torch.randn(8, 32, 128, dtype=bf16), torch.randn(pb.num_pages, 2, 16, 8, 128, dtype=bf16)
+    cases = {"stub attention B=8": attention_variants(attn, q, kv, torch.empty_like(q)),
+             "stub moe T=8": moe_variants(layer, x, logits, w13, w2, out)}
+    none = lambda: None  # noqa: E731
+    a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)
+    res = {"reference (cpu)": time_calls({"torch.add(a, b, out=c)": lambda: torch.add(a, b, out=c)}, calls, rounds,
+                                         none, time.thread_time),
+           **{f"{name}, Python kernels (cpu)": time_calls(v, calls, rounds, none, time.thread_time)
+              for name, v in cases.items()}}
+    if not torch_ops.fast_path("cpu"):
+        return res
+    torch_fastcall.set_driver(fastcall._lib)
+    for name, variants in cases.items():
+        hits = torch_fastcall.hits()
+        res[f"{name}, C++ fast path (cpu)"] = times = time_calls(variants, calls, rounds, none, time.thread_time)
+        times["fast-path calls"] = torch_fastcall.hits() - hits
+    return res
+
+
 def measure(calls: int, rounds: int, cuda: bool) -> dict[str, dict[str, float]]:
     none = lambda: None  # noqa: E731
     a, b, c = torch.ones(1), torch.ones(1), torch.empty(1)
@@ -121,27 +197,39 @@ def measure(calls: int, rounds: int, cuda: bool) -> dict[str, dict[str, float]]:
            "stub attention (cpu)": time_calls(stub_attention_variants(), calls, rounds, none),
            "stub moe (cpu)": time_calls(moe_case(_StubMoE, "cpu", 8, H=64, I=32, E=4, k=2), calls, rounds, none)}
     if cuda:
+        from meld.runtime import torch_fastcall
+
         sync = torch.cuda.synchronize
         cap = dict(max_batch_size=64, max_num_pages=64 * 64)
-        res["attention B=8 x 1024 tokens (cuda)"] = time_calls(attention_case(meld.DecodeAttention, "cuda", 8, 1024, **cap),
-                                                               min(calls, 300), rounds, sync)
-        res["moe T=8 (cuda)"] = time_calls(moe_case(meld.MoE, "cuda", 8), min(calls, 100), rounds, sync)
+        for name, variants, n in (
+                ("attention B=8 x 1024 tokens (cuda)", attention_case(meld.DecodeAttention, "cuda", 8, 1024, **cap),
+                 min(calls, 300)),
+                ("moe T=8 (cuda)", moe_case(meld.MoE, "cuda", 8), min(calls, 100))):
+            hits = torch_fastcall.hits()
+            res[name] = time_calls(variants, n, rounds, sync)
+            res[name]["fast-path calls"] = torch_fastcall.hits() - hits
     return res
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cuda", action="store_true", help="also time the real operators on the GPU")
+    ap.add_argument("--stub-fast-path", action="store_true", help="time the C++ fast path with stubbed launches "
+                    "(no GPU needed) instead")
     ap.add_argument("--calls", type=int, default=2000, help="calls per round (at most 300 / 100 on the GPU)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args(argv)
-    res = measure(args.calls, args.rounds, args.cuda)
+    res = stub_fast_path(args.calls, args.rounds) if args.stub_fast_path else \
+        measure(args.calls, args.rounds, args.cuda)
     for case, times in res.items():
         base = next(iter(times.values()))
         print(case)
         for name, us in times.items():
-            print(f"  {name:34s} {us:7.2f} us/call  ({us - base:+.2f})")
+            if name == "fast-path calls":
+                print(f"  {name:34s} {us}")
+            else:
+                print(f"  {name:34s} {us:7.2f} us/call  ({us - base:+.2f})")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 

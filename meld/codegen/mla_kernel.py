@@ -21,6 +21,8 @@ _ROW = 128                    # bytes of a 128-byte swizzled row: 64 channels
 _STATS_BYTES = 5 * 64 * 4   # the template's Stats (alpha, l, m, bad[2])
 _SEESAW_STATS_BYTES = _STATS_BYTES + 6 * 64 * 4   # SeesawStats: Stats, alpha[2], m[2], l[2]
 MLA_SCHEDULES = ("split", "seesaw")
+MLA_KV_FP8 = ("float8_e4m3fn",)   # the FP8 latent caches the kernel reads (MlaKernelConfig.kv_dtype)
+_RAW_ROW = 576                    # bytes of an FP8 latent row (512 + 64 channels) in the staging ring
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,20 @@ class MlaKernelConfig:
     # "split": one warpgroup scores every block and both accumulate half of O; "seesaw": the two warpgroups
     # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only)
     schedule: str = "split"
+    # "": a bf16 cache; "float8_e4m3fn": e4m3 bytes, staged by TMA in a ring of their own and converted to bf16 on
+    # chip (the split schedule, 32-token blocks; num_stages counts the bf16 stages, 2 by default, and the
+    # staging ring takes what is left: templates/mla_decode.cuh, MLA_KV_FP8)
+    kv_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype != "bfloat16":
             raise ValueError(f"dtype={self.dtype!r}: the MLA kernel runs bfloat16")
+        if self.kv_dtype not in ("", *MLA_KV_FP8):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: expected one of {('', *MLA_KV_FP8)} ('': bfloat16)")
+        if self.kv_dtype and (self.schedule != "split" or self.block_tokens != 32):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} with schedule={self.schedule!r}, block_tokens="
+                             f"{self.block_tokens!r}: an FP8 cache runs the split schedule on 32-token blocks (the "
+                             "staging ring beside two bf16 stages of 64 tokens does not fit)")
         if self.block_tokens not in MLA_BLOCK_TOKENS:
             raise ValueError(f"block_tokens={self.block_tokens!r}: expected one of {MLA_BLOCK_TOKENS}")
         if self.schedule not in MLA_SCHEDULES:
@@ -48,20 +60,41 @@ class MlaKernelConfig:
                              "block's P takes its stage's 64-row rope box)")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
-        if not isinstance(self.num_stages, int) or self.stages < 2 or self.smem_bytes > SMEM_PER_CTA_MAX:
+        if not isinstance(self.num_stages, int) or self.stages < 2 or self.smem_bytes > SMEM_PER_CTA_MAX or (
+                self.kv_dtype and self.raw_stages < 2):
             raise ValueError(f"num_stages={self.num_stages!r}: expected 0 or an int >= 2 whose ring fits "
-                             f"{SMEM_PER_CTA_MAX} bytes of shared memory with Q and P")
+                             f"{SMEM_PER_CTA_MAX} bytes of shared memory with Q and P"
+                             + (" and two FP8 staging stages" if self.kv_dtype else ""))
 
     @staticmethod
     def of(low, *, profile: bool = False) -> "MlaKernelConfig":
         """The default build of a lowered MLA graph (`meld.codegen.lowering.Lowering`): its attrs' dtype."""
         return MlaKernelConfig(low.attrs["dtype"], profile=profile)
 
+    @staticmethod
+    def for_cache(kv_dtype: str = "", **fields) -> "MlaKernelConfig":
+        """The default build for a cache of `kv_dtype` ("" or an FP8 type's torch name): an FP8 cache's takes
+        32-token blocks (the staging ring's room)."""
+        return MlaKernelConfig(kv_dtype=kv_dtype, **({"block_tokens": 32} if kv_dtype else {}), **fields)
+
     @property
     def stages(self) -> int:
         if self.num_stages:
             return self.num_stages
+        if self.kv_dtype:
+            return 2
         return (SMEM_PER_CTA_MAX - self._fixed_bytes) // self.stage_bytes
+
+    @property
+    def raw_stage_bytes(self) -> int:
+        return self.block_tokens * _RAW_ROW
+
+    @property
+    def raw_stages(self) -> int:
+        """FP8: the staging ring's stages (what fits beside the bf16 ring); 0 for a bf16 cache."""
+        if not self.kv_dtype:
+            return 0
+        return (SMEM_PER_CTA_MAX - self._fixed_bytes - self.stages * self.stage_bytes) // self.raw_stage_bytes
 
     @property
     def stage_bytes(self) -> int:
@@ -83,13 +116,14 @@ class MlaKernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Q, the ring, P (all 128-byte swizzled), the rows' statistics, the mbarriers (the template's layout)."""
-        return self._fixed_bytes + self.stages * self.stage_bytes
+        return self._fixed_bytes + self.stages * self.stage_bytes + self.raw_stages * self.raw_stage_bytes
 
     @property
     def name(self) -> str:
         return (f"meld_mla_decode_bf16_b{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
-                + ("_seesaw" if self.schedule == "seesaw" else ""))
+                + ("_seesaw" if self.schedule == "seesaw" else "")
+                + (f"_e4m3_r{self.raw_stages}" if self.kv_dtype else ""))
 
     def render(self) -> str:
         head = "\n".join([
@@ -101,7 +135,8 @@ class MlaKernelConfig:
             f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
-        ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else []))
+        ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else [])
+          + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else []))
         mma = "namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}"
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,
                           MLA_PARAMS.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

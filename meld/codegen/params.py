@@ -218,7 +218,8 @@ MLA_PARAMS = _with_header("MlaParams", [
     *header("prof_cap"),
     *header("prof_every"),
     *header("watchdog_kernel"),
-    Field("sm_scale_log2", "f32"),
+    Field("sm_scale_log2", "f32"),   # sm_scale x log2(e) (FP8 caches: x kv_scale)
+    Field("v_scale", "f32"),         # FP8 caches: kv_scale, the output's (mla_decode.cuh, MLA_KV_FP8)
 ])
 
 PLAN_PARAMS = ParamStruct("PlanParams", [

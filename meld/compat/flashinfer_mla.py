@@ -5,7 +5,9 @@ decode on `meld.DecodeMLA`; `meld.compat.flashinfer` re-exports it, so an engine
 
 The constructor, plan() and run() take FlashInfer 0.6.18's arguments, positions and defaults (flashinfer/mla/
 _core.py) for the MLA meld computes: n query rows per request (qo_indptr = 0, n, 2n, ..., batch_size * n, n from 1
-to 8; causal=True when n > 1: multi-token decode), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q and caches, page sizes 8, 16, 32 and multiples of 64. What else FlashInfer
+to 8; causal=True when n > 1: multi-token decode), head_dim_ckv 512 and head_dim_kpe 64, bfloat16 q, bfloat16 or
+e4m3 caches (kv_data_type=torch.float8_e4m3fn: run()'s ckv_scale and kpe_scale, one value, dequantise it in the
+kernel), page sizes 8, 16, 32 and multiples of 64. What else FlashInfer
 takes raises NotImplementedError naming the argument; bad values raise ValueError naming it, and a plan() that
 raises changes nothing. As in the decode wrapper (`meld.compat.flashinfer`):
 
@@ -13,7 +15,7 @@ raises changes nothing. As in the decode wrapper (`meld.compat.flashinfer`):
   place after the kernel.
 - The workspace is held and unused; `backend` is accepted, the kernel is meld's; run()'s kv_len and page_table
   (the inputs of FlashInfer's cutlass backend) are accepted and unused.
-- One DecodeMLA per (num_heads, page_size, sm_scale, n), made on first plan() and kept: a run() captured in a CUDA
+- One DecodeMLA per (num_heads, page_size, sm_scale, n, kv_data_type), made on first plan() and kept: a run() captured in a CUDA
   graph replays the operator it was captured with, which must outlive the graph.
 - use_cuda_graph=True: the buffers given at construction fix the batch size (len(kv_len_arr), as FlashInfer's
   plan() copies into them) and bound the page indices (len(kv_indices)); they are the operator's capacities, so
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from ..codegen.decode_kernel import MAX_Q_LEN
-from ..ops.checks import check_finite, check_positive, expect, is_int, plain, same_device
+from ..ops.checks import check_finite, check_positive, check_scale, expect, is_int, plain, same_device
 from ..ops.page_table import check_page_table, slice_pages
 from ._common import _LOG2E, _check_graph_buffers, _check_workspace, _dtype, _unsupported
 
@@ -119,16 +121,19 @@ class BatchMLAPagedAttentionWrapper:
         `DecodeMLA(q_len=n)`), kv_indptr [B + 1] and kv_indices (FlashInfer's paged layout), kv_len_arr [B] (each
         request's KV tokens). causal changes nothing for one query row and must be True for more. `check` is
         meld's (module docstring). A plan() that raises changes nothing."""
-        from ..ops.decode_mla import DecodeMLA, page_size_supported
+        from ..ops.decode_mla import FP8, DecodeMLA, page_size_supported
 
         if use_profiler is not False:
             raise _unsupported("use_profiler", use_profiler, "meld's profiles come from MELD_PROFILE=1 (last_trace())")
         for name, flag in (("causal", causal), ("check", check)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
-        for name, value in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
-            if _dtype(name, value) is not torch.bfloat16:
-                raise _unsupported(name, value, "meld's MLA kernel reads bfloat16 q and caches")
+        if _dtype("q_data_type", q_data_type) is not torch.bfloat16:
+            raise _unsupported("q_data_type", q_data_type, "meld's MLA kernel reads bfloat16 q")
+        kv_dtype = _dtype("kv_data_type", kv_data_type)
+        if kv_dtype is not torch.bfloat16 and kv_dtype not in FP8:
+            raise _unsupported("kv_data_type", kv_data_type, "meld's MLA kernel reads bfloat16 or float8_e4m3fn "
+                               "caches")
         for name, value in (("head_dim_ckv", head_dim_ckv), ("head_dim_kpe", head_dim_kpe)):
             if not is_int(value) or value != _HEAD_DIMS[name]:
                 raise _unsupported(name, value, "meld's MLA kernel is DeepSeek's: head_dim_ckv 512, head_dim_kpe 64")
@@ -157,12 +162,13 @@ class BatchMLAPagedAttentionWrapper:
         on_host = check or tables["kv_indptr"].is_cpu and tables["kv_len_arr"].is_cpu
         indptr, indices, last = _decode_table(tables["kv_indptr"], tables["kv_indices"], tables["kv_len_arr"],
                                               page_size, on_host)
-        key = (num_heads, page_size, sm_scale, q_len)
+        key = (num_heads, page_size, sm_scale, q_len, kv_dtype)
         op = self._ops.get(key)
         if op is None:   # (its constructor checks num_heads against the kernel's)
             caps = dict(max_batch_size=max(1, len(self._buffers["kv_len_arr"])),
                         max_num_pages=max(1, len(self._buffers["kv_indices"]))) if self._buffers else {}
-            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, q_len=q_len, **caps)
+            op = DecodeMLA(num_heads, page_size, torch.bfloat16, self.device, sm_scale=sm_scale, q_len=q_len,
+                           kv_dtype=kv_dtype, **caps)
         op.plan(indptr, indices, last, check=check)
         for name, buf in self._buffers.items():   # FlashInfer's plan() keeps the tables there: engines may read them
             buf[:len(tables[name])].copy_(tables[name], non_blocking=True)
@@ -204,21 +210,29 @@ class BatchMLAPagedAttentionWrapper:
         over ckv_cache [num_pages, page_size, 512] and kpe_cache [num_pages, page_size, 64] (read in place:
         `meld.DecodeMLA.run`) for the last plan: out [B n, num_heads, 512], or (out, lse [B n, num_heads] float32)
         with return_lse. A given lse is
-        written either way, as FlashInfer's; lse is base 2 unless return_lse_base_on_e."""
+        written either way, as FlashInfer's; lse is base 2 unless return_lse_base_on_e. An e4m3 cache's ckv_scale and
+        kpe_scale (None: 1.0) dequantise its latent and rope channels: meld takes one scale for both (`DecodeMLA.run`'s
+        kv_scale), so they must be equal."""
         if self._op is None:
             raise RuntimeError("BatchMLAPagedAttentionWrapper.run: call plan() first")
         for name, value, why in (("profiler_buffer", profiler_buffer, "meld's profiles come from MELD_PROFILE=1"),
                                  ("o_scale", o_scale, "meld writes a bfloat16 output"),
-                                 ("ckv_scale", ckv_scale, "meld's MLA cache is bfloat16 (no FP8 yet)"),
-                                 ("ckv_scale_arr", ckv_scale_arr, "meld's MLA cache is bfloat16 (no FP8 yet)"),
-                                 ("kpe_scale", kpe_scale, "meld's MLA cache is bfloat16 (no FP8 yet)")):
+                                 ("ckv_scale_arr", ckv_scale_arr, "meld dequantises with one scale per tensor")):
             if value is not None:
                 raise _unsupported(name, value, why)
+        ckv, kpe = (1.0 if v is None else check_scale(n, v) for n, v in (("ckv_scale", ckv_scale),
+                                                                           ("kpe_scale", kpe_scale)))
+        if kpe != ckv:
+            raise _unsupported("kpe_scale", kpe_scale, f"meld dequantises the latent and rope channels with one "
+                               f"scale (ckv_scale={ckv_scale!r})")
+        if ckv != 1.0 and self._op.kv_dtype is torch.bfloat16:
+            raise ValueError(f"ckv_scale={ckv_scale!r}: the scales dequantise an FP8 cache, but plan()'s "
+                             f"kv_data_type is {self._op.kv_dtype}")
         for name, flag in (("return_lse", return_lse), ("return_lse_base_on_e", return_lse_base_on_e)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         want_lse = return_lse or lse is not None
-        result = self._op.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=want_lse, out=out, lse=lse)
+        result = self._op.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=want_lse, out=out, lse=lse, kv_scale=ckv)
         if not want_lse:
             return result
         o, l = result

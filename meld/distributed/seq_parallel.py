@@ -78,6 +78,8 @@ class SeqParallelDecode(GroupMember, DecodeAttention):
             the watchdog names the wait and the kernel traps.
     """
 
+    _fastcall = False   # (its run() sets launch parameters of its own: the op's fast path does not replay it)
+
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype = torch.bfloat16, *, max_batch_size: int, max_num_pages: int,
                  min_split_tokens: int = 4096, group=None, device: str | torch.device | None = None,

@@ -41,12 +41,16 @@ class Operator:
     _planned = None    # what run() needs of the last plan() that succeeded: replaced whole by `_commit`
     _run_inputs: tuple[str, ...] = ()   # run()'s tensors by name, for `_run`
     _lse_meaning = "batch, heads"       # lse's shape in words, for `_run`'s checks
+    _fastcall = True   # the torch op's C++ fast path may replay its launches (meld.runtime.torch_fastcall)
 
     def _setup(self, graph: TaskGraph, device: object) -> None:
         self.handle = register(self)
         self.graph = graph
         self.lowering = lower(graph)
         self.device = resolve_device(device)
+        if self.device.type == "cuda":   # (the torch ops' C++ kernels, built on first use)
+            from .torch_ops import fast_path
+            fast_path()
         config.dump(f"{graph.name}.taskgraph.json", graph.to_json())
 
     def __getstate__(self) -> dict:

@@ -130,6 +130,14 @@ def check_finite(name: str, value: object, limit: float = math.inf) -> float:
     return float(value)
 
 
+def check_scale(name: str, value: object, limit: float = math.inf) -> float:
+    """A dequantisation scale: a positive finite number (`check_finite`) of magnitude below `limit`."""
+    x = check_finite(name, value, limit)
+    if not x > 0:
+        raise ValueError(f"{name} must be positive (a dequantisation scale), got {value!r}")
+    return x
+
+
 def _available() -> str:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return ", ".join(["cpu"] + [f"cuda:{i}" for i in range(n)])

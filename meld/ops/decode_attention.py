@@ -19,7 +19,7 @@ from .. import config
 from ..codegen import TILE_TOKENS, DecodeKernelConfig, TensorMap
 from ..codegen.decode_kernel import KV_FP8, MAX_Q_LEN, DecodeVariant
 from ..scheduler import DecodeCost, Topology, cluster_rows
-from .checks import check_finite, check_positive, expect, is_int, plain
+from .checks import check_finite, check_positive, check_scale, expect, is_int, plain
 from .decode_graph import decode_attention_graph
 from .page_table import check_page_table, window_page_table
 from .paged_decode import PagedDecode, _Planned, _host
@@ -484,10 +484,7 @@ class DecodeAttention(PagedDecode):
                   "v_scale": _FLOAT32_MAX}
         scales = []
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            x = check_finite(name, value, limits[name])
-            if not x > 0:
-                raise ValueError(f"{name} must be positive (a dequantisation scale), got {value!r}")
-            scales.append(x)
+            scales.append(check_scale(name, value, limits[name]))
         if self.kv_dtype not in FP8 and scales != [1.0, 1.0]:
             raise ValueError(f"k_scale={k_scale!r} and v_scale={v_scale!r}: the scales dequantise an FP8 cache "
                              f"(kv_dtype {FP8_NAMES}), but this operator reads a {self.kv_dtype} cache as it is "

@@ -21,15 +21,17 @@ import torch
 
 from .. import config
 from ..codegen.decode_kernel import MAX_Q_LEN
-from ..codegen.mla_kernel import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_HEADS_PER_UNIT, MlaKernelConfig
+from ..codegen.mla_kernel import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_HEADS_PER_UNIT, MLA_KV_FP8, MlaKernelConfig
 from ..codegen import TensorMap
 from ..scheduler import DecodeCost, Topology
-from .checks import check_finite, check_positive, expect, is_int
+from .checks import check_finite, check_positive, check_scale, expect, is_int
 from .mla_graph import mla_decode_graph
 from .paged_decode import PagedDecode, _Planned
 
 _LOG2E = 1.4426950408889634
 _FLOAT32_MAX = 3.4028234663852886e38
+# The FP8 latent caches DecodeMLA reads (kv_dtype) -> the kernel's kv_dtype
+FP8 = {getattr(torch, name): name for name in MLA_KV_FP8}
 
 
 def default_cost(block_tokens: int) -> DecodeCost:
@@ -61,9 +63,13 @@ def _latent_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _maps(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, box_rows: int) -> tuple[TensorMap, TensorMap]:
+    """The caches' TMA maps: boxes of 128 bytes of channels (64 bf16, or 128 e4m3 latent channels), the rope
+    part's FP8 box its 64 bytes (templates/mla_decode.cuh, MLA_KV_FP8)."""
     from ..runtime.tensor_map import tensor_map_2d
 
-    return tensor_map_2d(_latent_rows(ckv_cache), box_rows), tensor_map_2d(_latent_rows(kpe_cache), box_rows)
+    cols = 128 // ckv_cache.element_size()
+    return (tensor_map_2d(_latent_rows(ckv_cache), box_rows, cols),
+            tensor_map_2d(_latent_rows(kpe_cache), box_rows, min(cols, kpe_cache.shape[-1])))
 
 
 class DecodeMLA(PagedDecode):
@@ -72,7 +78,10 @@ class DecodeMLA(PagedDecode):
     Args:
         num_heads: q heads (any >= 1; they run in blocks of 64, the last one padded).
         page_size: tokens per page: 8, 16, 32 or a multiple of 64.
-        dtype: torch.bfloat16 (q, caches and output).
+        dtype: torch.bfloat16 (q and output; the caches too unless kv_dtype says otherwise).
+        kv_dtype: the caches' dtype: None or dtype, or torch.float8_e4m3fn: the latent rows (512 + 64 channels)
+            read at one byte a value and converted to bf16 on chip, dequantised with run()'s per-tensor
+            kv_scale (a cache element x stands for x * kv_scale, in the keys and the values alike).
         device: "cuda[:i]" (Hopper) runs the generated kernel; "cpu" runs the same schedule on the CPU
             reference executor (float64).
         sm_scale: softmax scale, required (DeepSeek's absorbed attention takes 1/sqrt(qk_nope + qk_rope
@@ -94,13 +103,15 @@ class DecodeMLA(PagedDecode):
         >>> mla.plan(kv_indptr, kv_indices, kv_last_page_len)
         >>> out, lse = mla.run(q_nope, q_pe, ckv_cache, kpe_cache, return_lse=True)
         >>> mtp = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5, q_len=2)   # q_nope [B * 2, ...]
+        >>> fp8 = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5, kv_dtype=torch.float8_e4m3fn)
+        >>> out = fp8.run(q_nope, q_pe, ckv_e4m3, kpe_e4m3, kv_scale=0.05)   # after fp8.plan(...)
     """
 
     def __init__(self, num_heads: int, page_size: int, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cuda", *, sm_scale: float, head_dim_ckv: int = MLA_HEAD_DIM_CKV,
                  head_dim_kpe: int = MLA_HEAD_DIM_KPE, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, topology: Topology | None = None, cost: DecodeCost | None = None,
-                 kernel_config: MlaKernelConfig | None = None, q_len: int = 1):
+                 kernel_config: MlaKernelConfig | None = None, q_len: int = 1, kv_dtype: torch.dtype | None = None):
         num_heads, page_size = check_positive("num_heads", num_heads), check_positive("page_size", page_size)
         if not page_size_supported(page_size):
             raise ValueError(f"page_size must be 8, 16, 32 or a multiple of 64, got {page_size}")
@@ -111,6 +122,10 @@ class DecodeMLA(PagedDecode):
         head_dim_ckv, head_dim_kpe = int(head_dim_ckv), int(head_dim_kpe)   # (NumPy ints as Python's)
         if dtype is not torch.bfloat16:
             raise ValueError(f"dtype must be torch.bfloat16, got {dtype}")
+        if kv_dtype is not None and kv_dtype is not dtype and kv_dtype not in FP8:
+            raise ValueError(f"kv_dtype must be None (the dtype, {dtype}) or {' or '.join(map(str, FP8))}, got "
+                             f"{kv_dtype!r}")
+        kv_build = FP8.get(kv_dtype, "")   # the kernel's kv_dtype
         if not is_int(q_len) or not 1 <= q_len <= MAX_Q_LEN:
             raise ValueError(f"q_len must be an int from 1 to {MAX_Q_LEN} (new tokens per request), got {q_len!r}")
         if topology is not None and not isinstance(topology, Topology):
@@ -118,13 +133,17 @@ class DecodeMLA(PagedDecode):
         if kernel_config is not None and not isinstance(kernel_config, MlaKernelConfig):
             raise ValueError(f"kernel_config must be a meld.codegen.mla_kernel.MlaKernelConfig, got "
                              f"{type(kernel_config).__name__}")
+        if kernel_config is not None and kernel_config.kv_dtype != kv_build:
+            raise ValueError(f"kernel_config reads kv_dtype={kernel_config.kv_dtype!r}, the operator's cache is "
+                             f"{kv_dtype or dtype} (kernel kv_dtype {kv_build!r})")
         self._setup(mla_decode_graph(num_heads, head_dim_ckv, head_dim_kpe, page_size, "bfloat16"), device)
-        self.kernel_config = kernel_config or self.lowering.kernel_config()
+        self.kernel_config = kernel_config or (MlaKernelConfig.for_cache(kv_build) if kv_build else
+                                               self.lowering.kernel_config())
         bt = self.kernel_config.block_tokens
         if cost is not None and (not isinstance(cost, DecodeCost) or cost.tile_tokens != bt or cost.round_tokens % bt):
             raise ValueError(f"cost must be a meld.scheduler.DecodeCost cutting on the kernel's {bt}-token blocks "
                              f"(tile_tokens {bt}, round_tokens a multiple of it), got {cost!r}")
-        self.num_heads, self.page_size, self.dtype = num_heads, page_size, dtype
+        self.num_heads, self.page_size, self.dtype, self.kv_dtype = num_heads, page_size, dtype, kv_dtype or dtype
         self.head_dim_ckv, self.head_dim_kpe = head_dim_ckv, head_dim_kpe
         # The kernel takes sm_scale * log2(e) as a float32: it must stay finite there.
         self.sm_scale = check_finite("sm_scale", sm_scale, _FLOAT32_MAX / _LOG2E)
@@ -156,7 +175,7 @@ class DecodeMLA(PagedDecode):
     @property
     def shape_bucket(self) -> str:
         return (f"H{self.num_heads}/C{self.head_dim_ckv}/R{self.head_dim_kpe}/P{self.page_size}"
-                + (f"/q{self.q_len}" if self.q_len > 1 else ""))
+                + (f"/q{self.q_len}" if self.q_len > 1 else "") + ("/kv-e4m3" if self.kv_dtype in FP8 else ""))
 
     def _init_cuda(self, topology: Topology | None) -> None:
         from ..runtime.tensor_map import TensorMapCache
@@ -176,7 +195,7 @@ class DecodeMLA(PagedDecode):
             q_nope=0, q_pe=0, out=0, lse=0, ckv_map=TensorMap(), kpe_map=TensorMap(),   # set by run()
             qn_stride_b=0, qn_stride_h=0, qp_stride_b=0, qp_stride_h=0, **fields, num_heads=self.num_heads,
             units_per_request=self.units_per_request, page_size=self.page_size, box_rows=self._box_rows,
-            sm_scale_log2=self.sm_scale * _LOG2E))
+            sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0))   # (FP8 caches: run() sets both from kv_scale)
 
     # --- run ------------------------------------------------------------------------------------
     _run_inputs = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
@@ -186,7 +205,8 @@ class DecodeMLA(PagedDecode):
         return "batch, num_heads" if self.q_len == 1 else f"batch * q_len (q_len={self.q_len}), num_heads"
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, *,
-            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            kv_scale: float = 1.0):
         """Attention of the planned batch's queries over the latent cache.
 
         Args:
@@ -198,6 +218,10 @@ class DecodeMLA(PagedDecode):
                 contiguous channels and 16-byte aligned strides).
             return_lse: also return the log-sum-exp [B, num_heads] (float32, natural log; [B * q_len, ...]).
             out, lse: optional preallocated outputs (contiguous).
+            kv_scale: an FP8 cache's per-tensor scale (FlashInfer's, vLLM's): a positive finite number, the keys
+                and values = cache x kv_scale. It multiplies the scores (folded into sm_scale: lse includes it)
+                and each piece's normalised output, on chip. A bf16 cache takes none (1.0). A run() captured in a
+                CUDA graph replays the scale it was captured with.
         Returns:
             out [B, num_heads, head_dim_ckv] ([B * q_len, ...]; and lse). A request with no KV tokens gives zeros
             and lse -inf.
@@ -205,24 +229,41 @@ class DecodeMLA(PagedDecode):
         """
         if torch.compiler.is_dynamo_compiling():   # traced by torch.compile: one custom op, no graph break
             from .torch_ops import decode_mla
-            return decode_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse=return_lse, out=out, lse=lse)
-        return self._run((q_nope, q_pe, ckv_cache, kpe_cache), return_lse, out, lse)
+            return decode_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse=return_lse, out=out, lse=lse,
+                              kv_scale=kv_scale)
+        return self._run((q_nope, q_pe, ckv_cache, kpe_cache), return_lse, out, lse, kv_scale=kv_scale)
 
-    def _check_run(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache):
+    def _check_scale(self, kv_scale: object) -> float:
+        """run()'s kv_scale as a float: an FP8 cache's is a positive finite number whose products with the softmax
+        scale and the output stay finite in the kernel's float32; a bf16 cache takes 1.0 only (it is read as it
+        is: a key scale belongs in sm_scale), as `DecodeAttention`'s k_scale and v_scale."""
+        if type(kv_scale) is float and kv_scale == 1.0:
+            return kv_scale   # (the usual call, tested first: run() is hot)
+        limit = min(_FLOAT32_MAX, _FLOAT32_MAX / (_LOG2E * abs(self.sm_scale))) if self.sm_scale else _FLOAT32_MAX
+        x = check_scale("kv_scale", kv_scale, limit)
+        if self.kv_dtype not in FP8 and x != 1.0:
+            raise ValueError(f"kv_scale={kv_scale!r}: the scale dequantises an FP8 cache (kv_dtype "
+                             f"{' or '.join(map(str, FP8))}), but this operator reads a {self.kv_dtype} cache as it "
+                             "is (fold a key scale into sm_scale)")
+        return x
+
+    def _check_run(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache, *, kv_scale: object = 1.0):
         B, H, Dc, Dr = planned.batch * self.q_len, self.num_heads, self.head_dim_ckv, self.head_dim_kpe
         rows = "batch of the last plan()" + (f" x q_len={self.q_len}" if self.q_len > 1 else "")
         expect("q_nope", q_nope, self.dtype, (B, H, Dc), f"{rows}, num_heads, head_dim_ckv", self.device)
         expect("q_pe", q_pe, self.dtype, (B, H, Dr), f"{rows}, num_heads, head_dim_kpe", self.device)
         self._check_caches(ckv_cache, kpe_cache, planned)
-        return (B, H, Dc), *self._reads((q_nope, q_pe, ckv_cache, kpe_cache))
+        kv_scale = self._check_scale(kv_scale)
+        reads, args = self._reads((q_nope, q_pe, ckv_cache, kpe_cache))
+        return (B, H, Dc), reads, (*args, kv_scale)
 
     def _check_caches(self, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, planned: _Planned) -> None:
         """Both caches' dtype, shape, device and rows (contiguous channels, 16-byte aligned), one page count,
         and pages enough for the plan's page indices."""
         P = self.page_size
         for name, t, d in (("ckv_cache", ckv_cache, self.head_dim_ckv), ("kpe_cache", kpe_cache, self.head_dim_kpe)):
-            expect(name, t, self.dtype, (None, P, d), f"num_pages, page_size, {name[:3]} channels", self.device)
-            if t.stride(2) != 1 or t.stride(0) != P * t.stride(1) or t.stride(1) % 8:
+            expect(name, t, self.kv_dtype, (None, P, d), f"num_pages, page_size, {name[:3]} channels", self.device)
+            if t.stride(2) != 1 or t.stride(0) != P * t.stride(1) or t.stride(1) * t.element_size() % 16:
                 raise ValueError(f"{name} must hold each token's channels contiguously in rows of 16-byte aligned "
                                  f"stride, pages one after another; got strides {t.stride()}")
             if t.data_ptr() % 16:
@@ -237,7 +278,7 @@ class DecodeMLA(PagedDecode):
         if num_pages * P >= 2 ** 31:
             raise ValueError(f"the caches hold {num_pages} pages of {P} tokens: more than 2**31 rows")
 
-    def _launch(self, q_nope, q_pe, ckv_cache, kpe_cache, out, lse) -> None:
+    def _launch(self, q_nope, q_pe, ckv_cache, kpe_cache, kv_scale, out, lse) -> None:
         qs = []
         for q in (q_nope, q_pe):
             if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
@@ -250,9 +291,11 @@ class DecodeMLA(PagedDecode):
                      lse=lse.data_ptr() if lse is not None else 0, qn_stride_b=q_nope.stride(0),
                      qn_stride_h=q_nope.stride(1), qp_stride_b=q_pe.stride(0), qp_stride_h=q_pe.stride(1),
                      ckv_map=ckv_map, kpe_map=kpe_map)
+        if self.kv_dtype in FP8:
+            launcher.set(sm_scale_log2=self.sm_scale * kv_scale * _LOG2E, v_scale=kv_scale)
         launcher.launch()
         self._launched()
 
-    def _execute_cpu(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache):
+    def _execute_cpu(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache, kv_scale):
         return self.lowering.executor(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, planned.kv_indices,
-                                      self.sm_scale, self.lowering.combiner)
+                                      self.sm_scale, self.lowering.combiner, kv_scale=kv_scale)

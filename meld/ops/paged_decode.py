@@ -22,7 +22,7 @@ import torch
 
 from .. import config
 from ..ir import Schedule
-from ..runtime import host_helper
+from ..runtime import host_helper, torch_fastcall
 from ..scheduler import Topology
 from ..scheduler.decode_plan_host import plan_params
 from ..tuning.recorder import kv_lens, recorder
@@ -325,13 +325,15 @@ class PagedDecode(Operator):
 
     def _commit(self, planned: _Planned, buf: _Buffers | None = None) -> None:
         """The shell's commit, after recording the batch when MELD_RECORD samples it; then the state derived
-        from the plan (its schedule, computed when asked for; the units the watchdog names)."""
+        from the plan (its schedule, computed when asked for; the units the watchdog names); the torch op's fast path
+        forgets the launches it recorded (meld.runtime.torch_fastcall)."""
         rec = self._recorder   # (resolved when plan() started)
         if rec is not None and rec.due() and not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
                                                      for t in (planned.indptr, planned.last)):
             rec.record(self.graph.name, self.shape_bucket, kv_lens(_host(planned.indptr), _host(planned.last),
                                                                    self.page_size))
         super()._commit(planned, buf)
+        torch_fastcall.drop(self.handle)
         self._schedule = None
         self._unit_names.units = max(self._unit_names.units,
                                      planned.batch * self.token_requests * self.units_per_request)

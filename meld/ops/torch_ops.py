@@ -6,7 +6,8 @@ A custom op takes tensors and scalars, not Python objects, so each operator is n
 
     torch.ops.meld.decode_attention(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> ()
                                                                                       # DecodeAttention.run
-    torch.ops.meld.decode_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> ()   # DecodeMLA.run
+    torch.ops.meld.decode_mla(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale=1.0) -> ()
+                                                                                      # DecodeMLA.run
     torch.ops.meld.moe(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> ()   # MoE()
 
 All write their preallocated outputs, declared mutated (functionalisation and Inductor's re-inplacing
@@ -16,7 +17,9 @@ implementations check dtypes and shapes against the operator when a graph is tra
 `torch.library.custom_op`, whose Python-side dispatch costs several times more per call;
 tools/torch_op_overhead.py times the op path against the direct call. Torch's dispatch into any Python kernel
 of these schemas costs about the whole budget issue 42 allows an op call (bench/RESULTS.md, "the op call's host
-path"): a faster call needs a C++ op that launches without Python. meld has no backward: an autograd
+path"), so on a GPU the ops' CUDA and AutogradCUDA kernels are C++ (`fast_path`, meld.runtime.torch_fastcall):
+they replay the launches the Python kernel recorded for the same kinds of arguments, and send every other call to
+that Python kernel, registered as the twin op `meld::_<op>_slow`. meld has no backward: an autograd
 kernel ties each op's outputs to its inputs that require grad, so a backward through them raises
 NotImplementedError naming the op (never a gradient that silently leaves the op out).
 
@@ -38,6 +41,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import config
+from ..runtime import torch_fastcall
 from .checks import check_tensors, expect, grad_inputs, no_backward
 from .decode_attention import DecodeAttention, kv_parts
 from .decode_mla import DecodeMLA
@@ -46,17 +51,17 @@ from .registry import lookup
 
 # --- the ops --------------------------------------------------------------------------------------------
 _lib = torch.library.Library("meld", "FRAGMENT")
+# The Python kernels at each backend key, apart: installing the C++ fast path on a device's keys replaces them.
+_backends = {key: torch.library.Library("meld", "FRAGMENT") for key in ("CPU", "CUDA")}
+_ops: dict[str, tuple[str, object, tuple[int, ...]]] = {}   # name: (schema, impl, written), for the fast path
 
 
-def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> None:
-    """Op `name` of `schema`, its kernel `impl` (CPU and CUDA), its `fake`, and an autograd kernel: the
-    arguments at `written` (the mutated outputs) are tied to the inputs that require grad, so that a
-    backward through them raises NotImplementedError naming the op (meld has no backward)."""
-    _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
-    for key in ("CPU", "CUDA"):
-        _lib.impl(name, impl, key)
-    torch.library.register_fake(f"meld::{name}", fake, lib=_lib)
+def _autograd(name: str, impl, written: tuple[int, ...]):
+    """Op `name`'s autograd kernel: the arguments at `written` (the mutated outputs) are tied to the inputs that
+    require grad, so that a backward through them raises NotImplementedError naming torch.ops.meld.`name` (meld has
+    no backward)."""
     op = getattr(torch.ops.meld, name).default
+    shown = name.removeprefix("_").removesuffix("_slow")   # (the fast path's twin reports as its op)
 
     def autograd(keyset, *args):
         grads = grad_inputs(*args)
@@ -64,9 +69,50 @@ def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> Non
             return impl(*args)                                # redispatch adds host time to every call)
         with torch._C._AutoDispatchBelowAutograd():
             op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
-        no_backward(f"torch.ops.meld.{name}", grads, tuple(args[i] for i in written if args[i] is not None))
+        no_backward(f"torch.ops.meld.{shown}", grads, tuple(args[i] for i in written if args[i] is not None))
 
-    _lib.impl(name, autograd, "Autograd", with_keyset=True)
+    return autograd
+
+
+def _define(name: str, schema: str, impl, fake, written: tuple[int, ...]) -> None:
+    """Op `name` of `schema`, its kernel `impl` (CPU and CUDA), its `fake`, and its autograd kernel (`_autograd`)."""
+    _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    for key, lib in _backends.items():
+        lib.impl(name, impl, key)
+    torch.library.register_fake(f"meld::{name}", fake, lib=_lib)
+    _lib.impl(name, _autograd(name, impl, written), "Autograd", with_keyset=True)
+    _ops[name] = (schema, impl, written)
+
+
+def fast_path(device_type: str = "cuda") -> bool:
+    """Give the ops on `device_type`'s dispatch keys the C++ kernels of meld.runtime.torch_fastcall (once; "cpu":
+    for tests with stubbed launches), each falling back to its Python twin `meld::_<op>_slow`. False where the
+    library cannot be built or MELD_TORCH_FASTCALL=0: the Python kernels stay."""
+    key = {"cuda": "CUDA", "cpu": "CPU"}[device_type]
+    if key not in _backends:
+        return True
+    if not config.torch_fastcall() or torch_fastcall.load() is None:
+        return False
+    for name, (schema, impl, written) in _ops.items():
+        slow = f"_{name}_slow"
+        if not hasattr(torch.ops.meld, slow):
+            _lib.define(slow + schema)
+            _lib.impl(slow, _autograd(slow, impl, written), "Autograd", with_keyset=True)
+        _lib.impl(slow, impl, key)
+    _backends.pop(key)._destroy()
+    return torch_fastcall.install(device_type, {name: schema[:schema.index("int handle")].count(",")
+                                                for name, (schema, _, _) in _ops.items()})
+
+
+def _recorded(name: str, layer, args: tuple, written: tuple[int, ...], fields: dict[str, tuple[int, bool]],
+              pinned: tuple[int, ...], steady: bool, call) -> None:
+    """`call()`, recorded for the fast path (`torch_fastcall.recorded`) where it is installed on the operator's
+    device and the launches are the ones every call of these arguments makes (`steady`; not a profiling build, not
+    an operator that sets its launches' parameters elsewhere)."""
+    if steady and layer._fastcall and torch_fastcall.installed(layer.device):
+        torch_fastcall.recorded(name, layer.handle, layer, args, written, fields, pinned, call)
+    else:
+        call()
 
 
 def _required_out(op: str, out: object) -> None:
@@ -83,8 +129,15 @@ def _kv_cache(kv_cache, v_cache):
 
 def _decode_attention_impl(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
     _required_out("decode_attention", out)
-    lookup(handle, DecodeAttention).run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale,
-                                        v_scale=v_scale)
+    attn = lookup(handle, DecodeAttention)
+    # The parameters run() writes q, K, V, out and lse's addresses into (V: K's plus its offset in one cache); the
+    # launch right after a plan() differs from the later ones (no overlap with the plan's kernel): not recorded.
+    fields = {"q": (0, False), "k": (1, False), "v": (1, True) if v_cache is None else (5, False), "out": (2, False),
+              "lse": (3, False)}
+    _recorded("decode_attention", attn, (q, kv_cache, out, lse, handle, v_cache, k_scale, v_scale), (2, 3), fields,
+              (1, 5) if getattr(attn, "_tensor_maps", None) is not None else (),   # (the CPU executor: none)
+              attn._buf is not None and attn._buf.prof is None and not attn._plan_kernel_last,
+              lambda: attn.run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale, v_scale=v_scale))
 
 
 def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
@@ -99,19 +152,25 @@ def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=
         expect("lse", lse, torch.float32, (q.shape[0], Hq), "batch, num_qo_heads", dev)
 
 
-def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
+def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale=1.0) -> None:
     _required_out("decode_mla", out)
-    lookup(handle, DecodeMLA).run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse)
+    mla = lookup(handle, DecodeMLA)
+    _recorded("decode_mla", mla, (q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale), (4, 5),
+              {"q_nope": (0, False), "q_pe": (1, False), "out": (4, False), "lse": (5, False)}, (2, 3),
+              mla._buf is not None and mla._buf.prof is None,
+              lambda: mla.run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse, kv_scale=kv_scale))
 
 
-def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> None:
+def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale=1.0) -> None:
     _required_out("decode_mla", out)
     mla = lookup(handle, DecodeMLA)
     H, Dc, Dr, P, dt, dev = mla.num_heads, mla.head_dim_ckv, mla.head_dim_kpe, mla.page_size, mla.dtype, mla.device
     expect("q_nope", q_nope, dt, (None, H, Dc), "batch, num_heads, head_dim_ckv", dev)
     expect("q_pe", q_pe, dt, (q_nope.shape[0], H, Dr), "batch, num_heads, head_dim_kpe", dev)
-    expect("ckv_cache", ckv_cache, dt, (None, P, Dc), "num_pages, page_size, head_dim_ckv", dev)
-    expect("kpe_cache", kpe_cache, dt, (ckv_cache.shape[0], P, Dr), "num_pages, page_size, head_dim_kpe", dev)
+    expect("ckv_cache", ckv_cache, mla.kv_dtype, (None, P, Dc), "num_pages, page_size, head_dim_ckv", dev)
+    expect("kpe_cache", kpe_cache, mla.kv_dtype, (ckv_cache.shape[0], P, Dr), "num_pages, page_size, head_dim_kpe",
+           dev)
+    mla._check_scale(kv_scale)
     expect("out", out, dt, (q_nope.shape[0], H, Dc), "like q_nope", dev)
     if lse is not None:
         expect("lse", lse, torch.float32, (q_nope.shape[0], H), "batch, num_heads", dev)
@@ -119,7 +178,13 @@ def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle) -> No
 
 def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
     _required_out("moe", out)
-    lookup(handle, MoE)(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+    layer = lookup(handle, MoE)
+    packed = isinstance(w13, torch.Tensor) and w13.dim() == 6   # (plain weights: their tensor maps hold them)
+    fields = {"x": (0, False), "out": (6, False), "logits": (1, False), "topk_ids_in": (5, False),
+              "topk_w_in": (4, False), **({"w13_packed": (2, False), "w2_packed": (3, False)} if packed else {})}
+    _recorded("moe", layer, (x, router_logits, w13, w2, topk_weights, topk_ids, out, handle), (6,), fields,
+              () if packed else (2, 3), layer._prof is None and not layer._fp8,
+              lambda: layer(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out))
 
 
 def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
@@ -132,13 +197,13 @@ def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
     expect("out", out, dt, (T, H), "tokens x hidden_size", dev)
 
 
-# v_cache (K and V in two tensors, kv_cache then K) and an FP8 cache's scales come last, with defaults: calls
-# written before them stay valid.
+# v_cache (K and V in two tensors, kv_cache then K) and an FP8 cache's scales (decode_mla's kv_scale too) come
+# last, with defaults: calls written before them stay valid.
 _define("decode_attention", "(Tensor q, Tensor kv_cache, Tensor(a!) out, Tensor(b!)? lse, int handle, "
         "Tensor? v_cache=None, float k_scale=1.0, float v_scale=1.0) -> ()", _decode_attention_impl,
         _decode_attention_fake, written=(2, 3))
 _define("decode_mla", "(Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor(a!) out, "
-        "Tensor(b!)? lse, int handle) -> ()", _decode_mla_impl, _decode_mla_fake, written=(4, 5))
+        "Tensor(b!)? lse, int handle, float kv_scale=1.0) -> ()", _decode_mla_impl, _decode_mla_fake, written=(4, 5))
 _define("moe", "(Tensor x, Tensor? router_logits, Tensor w13, Tensor w2, Tensor? topk_weights, Tensor? topk_ids, "
         "Tensor(a!) out, int handle) -> ()", _moe_impl, _moe_fake, written=(6,))
 _decode_attention_op = torch.ops.meld.decode_attention.default   # the overload: no resolution per call
@@ -181,7 +246,7 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
 
 def decode_mla(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
                kpe_cache: torch.Tensor, *, return_lse: bool = False, out: torch.Tensor | None = None,
-               lse: torch.Tensor | None = None):
+               lse: torch.Tensor | None = None, kv_scale: float = 1.0):
     """`mla.run(q_nope, q_pe, ckv_cache, kpe_cache, ...)` (same arguments and results) through
     torch.ops.meld.decode_mla."""
     if not isinstance(mla, DecodeMLA):
@@ -193,7 +258,8 @@ def decode_mla(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cac
     if q_nope.dim() != 3:
         expect("q_nope", q_nope, mla.dtype, (None, mla.num_heads, mla.head_dim_ckv), "batch, num_heads, head_dim_ckv")
     out, lse = _outputs(q_nope, mla.dtype, return_lse, out, lse)
-    _decode_mla_op(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, mla.handle)
+    kv_scale = mla._check_scale(kv_scale)   # (a float: the schema's check would be a RuntimeError)
+    _decode_mla_op(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, mla.handle, *(() if kv_scale == 1.0 else (kv_scale,)))
     return (out, lse) if return_lse else out
 
 

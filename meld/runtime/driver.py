@@ -115,6 +115,8 @@ class Kernel:
                                                                              programmatic)
         cfg.hStream = current_stream(self.device)
         fastcall.launch_ex(self._func, cfg, self._args_ptr, self.name)
+        if fastcall.recording is not None:
+            fastcall.recording(self._func, cfg, params)
 
 
 class PersistentLaunch:
@@ -179,3 +181,5 @@ class PersistentLaunch:
                 cfg = self._overlap_cfg
             cfg.hStream = stream
             fastcall.launch_ex(func, cfg, args, name)
+            if fastcall.recording is not None:
+                fastcall.recording(func, cfg, self.params[i])

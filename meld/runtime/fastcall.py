@@ -36,6 +36,9 @@ _SIGNATURES = {
     "cuGetErrorString": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
 }
 _lib: ctypes.CDLL | None = None
+# Called after each launch (function, config, parameter struct) while meld.runtime.torch_fastcall records an op
+# call's launches; None otherwise.
+recording = None
 
 
 def load(path: str) -> ctypes.CDLL:

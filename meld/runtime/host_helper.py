@@ -38,19 +38,26 @@ def _read(pkg: str, path: str) -> str:
     return resources.files(pkg).joinpath(path).read_text()
 
 
-def _build(name: str, sources: list[str], lang: str = "c") -> ctypes.CDLL | None:
-    """Compile the concatenated `sources` (texts in `lang`: "c", or "c++" as C++17) into lib `name`; None
-    without a working compiler ($CC, cc or gcc for C; $CXX, c++ or g++ for C++)."""
+def _build(name: str, sources: list[str], lang: str = "c", flags: tuple[str, ...] = (), std: str = "c++17",
+           why: list[str] | None = None) -> ctypes.CDLL | None:
+    """Compile the concatenated `sources` (texts in `lang`: "c", or "c++" as `std`) into lib `name`, with `flags`
+    after the source (include and library paths, libraries); None without a working compiler ($CC, cc or gcc for
+    C; $CXX, c++ or g++ for C++) or where the compiler fails, and then `why`, if given, gets the reason."""
     env, *names = _COMPILERS[lang]
     cc = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
     if cc is None:
+        if why is not None:
+            why.append(f"no {lang} compiler (${env}, {' or '.join(names)})")
         return None
     src = "\n".join(sources)
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, subprocess.CalledProcessError) as e:
+        if why is not None:
+            why.append(f"{cc} --version failed: {e}")
         return None
-    key = hashlib.sha256((src + version).encode()).hexdigest()[:16]
+    key = hashlib.sha256((src + version + ("\n".join(flags) if flags else "")
+                          + ("" if std == "c++17" else std)).encode()).hexdigest()[:16]
     out = config.cache_dir() / f"{name}_{key}.so"
     if not out.exists():
         config.made_dir("MELD_CACHE_DIR", out.parent)
@@ -58,9 +65,12 @@ def _build(name: str, sources: list[str], lang: str = "c") -> ctypes.CDLL | None
             c, so = os.path.join(tmp, f"{name}.{'cpp' if lang == 'c++' else 'c'}"), os.path.join(tmp, "lib.so")
             with open(c, "w") as f:
                 f.write(src)
-            std = ["-std=c++17"] if lang == "c++" else []
-            res = subprocess.run([cc, *std, "-O3", "-shared", "-fPIC", "-o", so, c], capture_output=True, text=True)
+            std_flag = [f"-std={std}"] if lang == "c++" else []
+            res = subprocess.run([cc, *std_flag, "-O3", "-shared", "-fPIC", "-o", so, c, *flags], capture_output=True,
+                                 text=True)
             if res.returncode != 0:
+                if why is not None:
+                    why.append(f"{cc} failed: {res.stderr.strip()[-2000:]}")
                 return None
             fd, part = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".")
             os.close(fd)

@@ -89,9 +89,11 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v
 
 def execute_mla(schedule: Schedule, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
                 kpe_cache: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
-                combiner: str = "online_softmax") -> tuple[torch.Tensor, torch.Tensor]:
+                combiner: str = "online_softmax", *, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Execute an MLA schedule (one latent kv head shared by every q head) on CPU tensors: keys are the
-    latent rows with their rope part, values the latent rows. Returns (out [B, H, Dc], lse [B, H]) float64."""
+    latent rows with their rope part, values the latent rows. An FP8 cache is read as its exact values and
+    dequantised where the kernel does it: kv_scale multiplies the scores (with sm_scale) and the output
+    (templates/mla_decode.cuh, MLA_KV_FP8). Returns (out [B, H, Dc], lse [B, H]) float64."""
     dc = ckv_cache.shape[-1]
     k64 = torch.cat([ckv_cache, kpe_cache], dim=-1).double().numpy()   # a key row; its first dc: the value
 
@@ -100,7 +102,8 @@ def execute_mla(schedule: Schedule, q_nope: torch.Tensor, q_pe: torch.Tensor, ck
         return k, k[:, :dc]
 
     q = torch.cat([q_nope, q_pe], dim=-1).double().numpy()
-    return _execute(schedule, q, kv, ckv_cache.shape[1], dc, kv_indices, sm_scale, _softmax(combiner))
+    out, lse = _execute(schedule, q, kv, ckv_cache.shape[1], dc, kv_indices, sm_scale * kv_scale, _softmax(combiner))
+    return (out if kv_scale == 1.0 else out * kv_scale), lse
 
 
 def _softmax(name: str) -> Combiner:

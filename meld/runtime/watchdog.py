@@ -45,6 +45,7 @@ SITES = {
     17: "the unit's query tile to be loaded into shared memory by the loader warps",
     18: "the score warpgroup to release the query buffer (its last Q.K^T of the unit before)",
     21: "every part of the split unit ({detail} of them) to arrive for its merge",
+    22: "FP8 staging stage {detail} to be released by the converter warps",
 }
 
 

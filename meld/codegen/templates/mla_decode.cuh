@@ -40,7 +40,8 @@
 // last page, stale rows of the stage) are masked in S and their V rows zeroed before P.V reads them.
 //
 // Defined by the including source: BLOCK_TOKENS, NUM_STAGES, MELD_PROFILE, MELD_WATCHDOG_NS, MlaParams, CtaRow,
-// split_kv.cuh, hopper.cuh, wgmma_bf16 (m64nBLOCK_TOKENS) and wgmma_bf16_tb (m64n256, B MN-major).
+// split_kv.cuh, hopper.cuh, wgmma_bf16 (m64nBLOCK_TOKENS) and wgmma_bf16_tb (m64n256, B MN-major); FP8 builds
+// MLA_KV_FP8 and RAW_STAGES.
 
 namespace meld {
 
@@ -70,11 +71,34 @@ constexpr bool SEESAW = false;
 constexpr int FULL_BARS = SEESAW ? NBOX : 1;   // full mbarriers a stage: the seesaw's one a box
 constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbarrier to the next's
 
+// MLA_KV_FP8 builds read an e4m3 latent cache (the split schedule; 32-token blocks): the TMA copies each block's
+// bytes, one a value, into a ring of RAW_STAGES staging stages of its own (4 latent boxes of 128 channels, 128-byte
+// swizzle, and the rope box of 64 channels, 64-byte swizzle); warps 2-3 convert each to bf16 (exact: every e4m3
+// value is a bf16, NaN stays NaN) into the ring stage the bf16 build's TMA fills, in its layout, and arrive on its
+// full mbarrier (one arrival a thread), so the consumers run the bf16 build's code. Warp 1 alone loads Q. The
+// per-tensor scale kv_scale multiplies the scores (folded into sm_scale_log2 on the host: lse includes it) and
+// each piece's normalised output (p.v_scale: a merge is a convex combination of pieces), as decode_attention.cuh's
+// MELD_KV_FP8 does.
+#ifdef MLA_KV_FP8
+constexpr bool KV_FP8 = true;
+constexpr int RAW_STAGES_ = RAW_STAGES;
+#else
+constexpr bool KV_FP8 = false;
+constexpr int RAW_STAGES_ = 0;
+#endif
+constexpr int RAW_LAT = BLK * 128;             // a staged latent box: BLK rows of 128 e4m3 channels
+constexpr int RAW_ROPE = BLK * 64;             // the staged rope box: BLK rows of 64
+constexpr int RAW_BYTES = (DC / 128) * RAW_LAT + RAW_ROPE;
+constexpr int Q_LOADERS = KV_FP8 ? 32 : 96;    // threads that load Q (warps 1-3; FP8: warp 1)
+constexpr int CONVERTERS = 64;                 // FP8: warps 2-3
+static_assert(!(KV_FP8 && SEESAW), "FP8 caches run the split schedule");
+
 // Shared memory: Q, the ring, P (the seesaw keeps each block's P in its stage), then the rows' statistics and
 // the mbarriers.
 constexpr int OFF_RING = Q_BYTES;
 constexpr int OFF_P = OFF_RING + STAGES * STAGE_BYTES;
-constexpr int OFF_STATS = OFF_P + (SEESAW ? 0 : P_BYTES);
+constexpr int OFF_RAW = OFF_P + (SEESAW ? 0 : P_BYTES);   // FP8: the staging ring
+constexpr int OFF_STATS = OFF_RAW + RAW_STAGES_ * RAW_BYTES;
 struct Stats {
   float alpha[HB];     // the block's rescale of each row (score warpgroup -> warpgroup 2)
   float l[HB], m[HB];  // the unit's final row sums and maxima (with its last block's P)
@@ -87,11 +111,12 @@ struct SeesawStats {
   float l[2][HB];      // each warpgroup's row sums at the unit's end
 };
 constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
-constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2;
+constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
 static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
-static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0, "128-byte swizzled buffers start on 1 KiB");
+static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0 && OFF_RAW % 1024 == 0 && RAW_BYTES % 1024 == 0,
+              "128-byte swizzled buffers start on 1 KiB");
 static_assert(BLK == 32 || BLK == 64, "KV blocks of 32 or 64 tokens");
 
 struct Bars {   // mbarrier addresses (full: FULL_BARS a stage)
@@ -99,6 +124,9 @@ struct Bars {   // mbarrier addresses (full: FULL_BARS a stage)
   __device__ Bars(u32 base) : full(base), empty(base + 8 * FULL_BARS * STAGES), q_full(base + 8 * (FULL_BARS + 1) * STAGES),
                               q_empty(base + 8 * (FULL_BARS + 1) * STAGES + 8) {}
   __device__ u32 box_full(int stage, int box) const { return full + 8 * (FULL_BARS * stage + box); }
+  // FP8: the staging ring's (after q_empty)
+  __device__ u32 raw_full(int stage) const { return q_empty + 8 + 8 * stage; }
+  __device__ u32 raw_empty(int stage) const { return q_empty + 8 + 8 * (RAW_STAGES_ + stage); }
 };
 
 __device__ __forceinline__ WaitSite mla_site(const MlaParams& p, int site, int cta, int unit, int detail) {
@@ -130,6 +158,21 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
     const int base = p.page_base[w.req(u)];
     for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
       const int chunks = (min(BLK, x.end - t0) + R - 1) / R;
+      if constexpr (KV_FP8) {   // into the staging ring: 4 latent boxes of 128 channels, the rope box
+        mbar_wait(b.raw_empty(stage), phase ^ 1u, mla_site(p, 22, w.cta, u, stage));
+        const u32 full = b.raw_full(stage), dst = ring + stage * RAW_BYTES;
+        mbar_arrive_expect_tx(full, chunks * R * (DC + DR));
+        for (int c = 0; c < chunks; ++c) {
+          const int tok = t0 + c * R, pg = tok / p.page_size;
+          const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
+#pragma unroll
+          for (int k = 0; k < DC / 128; ++k)
+            tma_load_2d(dst + k * RAW_LAT + c * R * 128, &p.ckv_map, 128 * k, row, full);
+          tma_load_2d(dst + (DC / 128) * RAW_LAT + c * R * 64, &p.kpe_map, 0, row, full);
+        }
+        if (++stage == RAW_STAGES_) { stage = 0; phase ^= 1u; }
+        continue;
+      }
       mbar_wait(b.empty + 8 * stage, phase ^ 1u, mla_site(p, 5, w.cta, u, stage));
       const u32 full = b.full + 8 * FULL_BARS * stage, dst = ring + stage * STAGE_BYTES;
       if constexpr (SEESAW) {
@@ -163,7 +206,7 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
     mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
     // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build)
 #pragma unroll (SEESAW ? 1 : 4)
-    for (int i = t; i < HB * QCHUNKS; i += 96) {
+    for (int i = t; i < HB * QCHUNKS; i += Q_LOADERS) {
       const int h = i / QCHUNKS, c = i - h * QCHUNKS, hh = min(h, rows - 1);
       const u16* src = c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + hh) * p.qn_stride_h + 8 * c
                                   : p.q_pe + req * p.qp_stride_b + (i64)(h0 + hh) * p.qp_stride_h + 8 * (c - DC / 8);
@@ -174,6 +217,58 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
     fence_proxy_async();   // the copies' writes before the wgmmas (async proxy) read them
     mbar_arrive(b.q_full);
     phase ^= 1u;
+  }
+}
+
+// FP8 builds, warps 2-3: each block of the segment from the staging ring into the ring stage as bf16 (module
+// comment). A 16-byte chunk of the staging stage (found by its swizzled place: consecutive threads read
+// consecutive chunks) holds 16 channels of one token row; they become two 16-byte chunks of the stage's row.
+// Staged rows past the block's tokens are converted too (stale bytes, masked by the consumers as in the bf16
+// build).
+__device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 ring, const Bars& b) {
+  const int t = threadIdx.x - 64;
+  int stage = 0, rs = 0;
+  u32 phase = 0, rphase = 0;
+  for (int u = w.first(); u <= w.last(); ++u) {
+    const Piece x = w.piece(u);
+    for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
+      mbar_wait(b.raw_full(rs), rphase, mla_site(p, 7, w.cta, u, rs));
+      mbar_wait(b.empty + 8 * stage, phase ^ 1u, mla_site(p, 5, w.cta, u, stage));
+      const u32 src = raw + rs * RAW_BYTES, dst = ring + stage * STAGE_BYTES;
+#pragma unroll 2
+      for (int i = t; i < RAW_BYTES / 16; i += CONVERTERS) {
+        const int off = 16 * i;
+        int row, ch;   // the chunk's token row and first channel (of 576)
+        if (off < (DC / 128) * RAW_LAT) {   // a latent box: 128-byte rows, chunk c at c ^ (row % 8)
+          const int box = off / RAW_LAT, o = off - box * RAW_LAT;
+          row = o >> 7;
+          ch = 128 * box + 16 * (((o >> 4) & 7) ^ (row & 7));
+        } else {                            // the rope box: 64-byte rows, chunk c at c ^ (row / 2 % 4)
+          const int o = off - (DC / 128) * RAW_LAT;
+          row = o >> 6;
+          ch = DC + 16 * (((o >> 4) & 3) ^ ((row >> 1) & 3));
+        }
+        const uint4 v = ld_shared_v4(src + off);
+        u32 r[8];
+        e4m3x4_to_f16(v.x, r[0], r[1]);
+        e4m3x4_to_f16(v.y, r[2], r[3]);
+        e4m3x4_to_f16(v.z, r[4], r[5]);
+        e4m3x4_to_f16(v.w, r[6], r[7]);
+#pragma unroll
+        for (int k = 0; k < 8; k += 2) f16x4_to_mma(r[k], r[k + 1]);
+        const int c8 = (ch & 63) >> 3;      // the first bf16 chunk of the 64-channel box ch / 64
+        const u32 row_addr = dst + (ch >> 6) * BOX + row * 128;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + ((c8 ^ (row & 7)) << 4)),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + (((c8 + 1) ^ (row & 7)) << 4)),
+                     "r"(r[4]), "r"(r[5]), "r"(r[6]), "r"(r[7]) : "memory");
+      }
+      fence_proxy_async();   // the stores before the wgmmas (async proxy) read them
+      mbar_arrive(b.full + 8 * stage);
+      mbar_arrive(b.raw_empty(rs));
+      if (++rs == RAW_STAGES_) { rs = 0; rphase ^= 1u; }
+      if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+    }
   }
 }
 
@@ -255,7 +350,7 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece
   for (int h = 0; h < 2; ++h) {
     const int r = acc_row(lane, warp, h);
     const float lr = lrow[h];
-    const float inv = lr == 0.f ? 0.f : 1.f / lr;           // 0: an empty unit; NaN stays NaN
+    const float inv = lr == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / lr;   // 0: an empty unit; NaN stays NaN
     const float lse2 = lr == 0.f ? neg_inf() : (m[h] == neg_inf() ? 0.f : m[h]) + log2_approx(lr);
     if (r >= rows) continue;
     const int c0 = VH * g + 2 * (lane & 3);
@@ -628,10 +723,14 @@ struct MlaFamily {
   static __device__ __forceinline__ void setup(const MlaParams& p, const State& s) {
     if (threadIdx.x == 0) {
       for (int st = 0; st < STAGES; ++st) {
-        for (int k = 0; k < FULL_BARS; ++k) mbar_init(s.b.box_full(st, k), 1);
+        for (int k = 0; k < FULL_BARS; ++k) mbar_init(s.b.box_full(st, k), KV_FP8 ? CONVERTERS : 1);
         mbar_init(s.b.empty + 8 * st, 8);   // the consumer warps
       }
-      mbar_init(s.b.q_full, 96);   // the loader threads
+      for (int st = 0; st < RAW_STAGES_; ++st) {
+        mbar_init(s.b.raw_full(st), 1);
+        mbar_init(s.b.raw_empty(st), CONVERTERS);
+      }
+      mbar_init(s.b.q_full, Q_LOADERS);   // the loader threads
       mbar_init(s.b.q_empty, SEESAW ? 8 : 4);   // the warps that score
       fence_mbar_init();
     }
@@ -671,7 +770,8 @@ struct MlaFamily {
     const UnitWalk w(p, s.cta);
     if (threadIdx.x < 128) {
       regs_dealloc<56>();
-      if (threadIdx.x == 0) mla_produce(p, w, s.base + OFF_RING, s.b);
+      if (threadIdx.x == 0) mla_produce(p, w, s.base + (KV_FP8 ? OFF_RAW : OFF_RING), s.b);
+      else if (KV_FP8 && threadIdx.x >= 64) mla_convert(p, w, s.base + OFF_RAW, s.base + OFF_RING, s.b);
       else if (threadIdx.x >= 32) mla_load_q(p, w, s.base, s.b);
     } else if (threadIdx.x < 256) {   // (224 registers each spilled the score warpgroup: it holds S and O)
       regs_alloc<240>();

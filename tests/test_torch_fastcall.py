@@ -1,0 +1,228 @@
+"""The torch ops' C++ fast path (meld.runtime.torch_fastcall): on the CPU, the library builds and, with launches
+stubbed (tests/fastcall_stub.py, in a process of its own), a call whose arguments match the record launches
+exactly the bytes the Python path launches for them, anything else takes the Python path, and bad inputs raise its
+named errors. On a GPU: fast-path results equal the Python path's bit for bit, eagerly, in CUDA graphs and across
+re-plans."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import meld
+from meld.ops import torch_ops
+from meld.runtime import torch_fastcall
+from meld.workloads import paged
+
+HERE = Path(__file__).resolve().parent
+needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="the fast path is built with the system C++ compiler (none found)")
+
+
+def _stubbed() -> dict:
+    """tests/fastcall_stub.py's results (its process builds the library into the run's MELD_CACHE_DIR)."""
+    res = subprocess.run([sys.executable, str(HERE / "fastcall_stub.py")], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@needs_cxx
+def test_stubbed_fast_path():
+    """One process for every CPU case (the build is the cost: one test, so parallel workers do not each build).
+
+    MoE: a call matching the record launches the slow path's bytes (same tensors, other tensors, topk routing);
+    another shape, dtype, stride, routing, weights, an unaligned x, int64 ids (copied) or an input that requires
+    grad take the slow path; calls alternating between kinds (two layers' weights, two routings) each find their
+    record once it is made. Decode (one grid, and three of different cluster sizes): the same, lse, K and V apart;
+    lse not recorded, another page count or q's strides take the slow path; alternating kinds each find theirs;
+    after a plan the first launch (no overlap with the plan's kernel) is not recorded, the second is, the third is
+    fast. Bad inputs (and another op's handle, whose operator has a record) raise the slow path's named errors with
+    a record in place, and a tripped watchdog its WatchdogTimeout."""
+    stubbed = _stubbed()
+    moe = stubbed["cases"]
+    for name in ("same arguments", "other tensors", "topk routing"):
+        assert moe[name] == {"hit": 1, "slow_hit": 0, "same": True, "launches": 2}, name
+    for name in ("new shape", "new dtype", "new stride", "routing by ids", "int64 ids (copied)", "requires grad",
+                 "other weights", "unaligned x"):
+        assert moe[name]["hit"] == 0 and moe[name]["slow_hit"] == 0 and moe[name]["launches"] == 2, name
+    assert moe["alternating"] == {"hits": [0, 0, 0, 1, 1, 1, 1, 1, 1]}
+    for cluster in (1, 16):
+        cases = stubbed["decode"][f"cluster {cluster}"]
+        assert cases["alternating"] == {"hits": [0, 0, 0, 1, 1, 1, 1, 1, 1]}, cluster
+        for name in ("same arguments", "other tensors", "with lse", "k and v apart"):
+            assert cases[name] == {"hit": 1, "slow_hit": 0, "same": True, "launches": 3 if cluster == 16 else 1}, \
+                (cluster, name)
+        for name in ("lse not recorded", "other page count", "q of other strides"):
+            assert cases[name]["hit"] == 0 and cases[name]["same"], (cluster, name)
+        assert cases["re-plan"] == {"hits": [0, 0, 1]}, cluster
+    errors = stubbed["errors"]
+    assert errors["out overlaps x"].startswith("ValueError: out (strides (128, 1)) shares memory with x")
+    assert errors["x of another width"] == \
+        "ValueError: x must have shape ('*', 128) (tokens x hidden_size), got (5, 64)"
+    assert errors["scale on a bf16 cache"].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales dequantise")
+    assert errors["the MoE's handle"].endswith("names a _StubMoE, not a DecodeAttention")
+    assert errors["watchdog tripped"].startswith("WatchdogTimeout: meld watchdog on cpu:")
+    assert errors["opcheck with a record"] is None
+    lib = torch_fastcall.load()   # (built by that process: loaded from the cache)
+    assert lib is not None and lib.meld_fc_hits() == 0
+
+
+# --- GPU --------------------------------------------------------------------------------------------------
+HQ, HKV, D, P = 32, 8, 128, 16
+BF16 = torch.bfloat16
+
+
+def _attention(lens, **kw):
+    attn = meld.DecodeAttention(HQ, HKV, D, P, BF16, "cuda", max_batch_size=64, max_num_pages=4096, **kw)
+    pb = paged(lens, P)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    return attn, pb
+
+
+def _check_against_float64(q, kv, pb, out, lse, nan_row):
+    """NaN exactly in `nan_row`'s rows, float64 attention elsewhere."""
+    from tests.test_hostile_inputs import reference
+
+    ref, ref_lse = reference(q.cpu(), kv.cpu(), pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, P, HKV, D ** -0.5)
+    out, lse = out.cpu(), lse.cpu()
+    assert [bool(r.isnan().any()) for r in out] == [b == nan_row for b in range(q.shape[0])]
+    ok = [b for b in range(q.shape[0]) if b != nan_row]
+    torch.testing.assert_close(out[ok].double(), ref[ok], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[ok].double(), ref_lse[ok], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fast_equals_slow():
+    """The op through the fast path equals the Python path bit for bit, on fresh inputs after each re-plan
+    (the first launch after a plan is the Python path's, the second is recorded, the later ones are fast), with
+    NaN in one request's q reaching exactly its rows, and matches float64."""
+    attn, _ = _attention([1])
+    op = torch.ops.meld.decode_attention.default
+    for lens in ([37, 1000, 5, 260, 77], [300, 3, 1111], [1, 2, 3, 4, 500, 16, 17]):   # (not whole 16-token tiles)
+        pb = paged(lens, P)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        kv = torch.randn(pb.num_pages, 2, P, HKV, D, dtype=BF16, device="cuda")
+        q = torch.randn(len(lens), HQ, D, dtype=BF16, device="cuda")
+        q[1, 3, 5] = float("nan")
+        outs = []
+        for fast in (False, False, True, True):
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+            hits = torch_fastcall.hits()
+            op(q, kv, out, lse, attn.handle)
+            assert torch_fastcall.hits() - hits == int(fast)
+            outs.append((out, lse))
+        torch.cuda.synchronize()
+        for out, lse in outs[1:]:
+            assert torch.equal(out.view(torch.int16), outs[0][0].view(torch.int16))
+            assert torch.equal(lse.view(torch.int32), outs[0][1].view(torch.int32))
+        _check_against_float64(q, kv, pb, *outs[-1], nan_row=1)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_fast_path_in_cuda_graph():
+    """Captured through the fast path, a graph replays later plans (the tables rewritten in place) and equals the
+    Python path's eager result for them."""
+    attn, pb = _attention([40, 700, 9])
+    op = torch.ops.meld.decode_attention.default
+    kv = torch.randn(4096, 2, P, HKV, D, dtype=BF16, device="cuda")
+    q = torch.randn(3, HQ, D, dtype=BF16, device="cuda")
+    out = torch.empty_like(q)
+    for _ in range(3):
+        op(q, kv, out, None, attn.handle)   # (warm: the record made)
+    hits = torch_fastcall.hits()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        op(q, kv, out, None, attn.handle)
+    assert torch_fastcall.hits() - hits == 1
+    for lens in ([500, 3, 1234], [17, 17, 17]):
+        pb = paged(lens, P)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        g.replay()
+        expect = attn.run(q, kv)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_moe_fast_equals_slow():
+    """The MoE op through the fast path equals the Python path bit for bit (routing by logits and by the topk
+    pair), NaN in one token's x reaching exactly its row, and the result matches float64."""
+    from tests.test_moe import dense_reference
+
+    H, I, E, k = 264, 136, 8, 2   # (not whole 64-wide tiles)
+    layer = meld.MoE(H, I, E, k, BF16, "cuda", max_num_tokens=64)
+    w13 = torch.randn(E, 2 * I, H, dtype=BF16, device="cuda") / H ** 0.5
+    w2 = torch.randn(E, H, I, dtype=BF16, device="cuda") / I ** 0.5
+    op = torch.ops.meld.moe.default
+    for T in (1, 7, 33):
+        x = torch.randn(T, H, dtype=BF16, device="cuda")
+        x[T // 2, 3] = float("nan")
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32).cuda()
+        w = torch.rand(T, k, device="cuda")
+        for routing in ((torch.randn(T, E, device="cuda"), None, None), (None, w, ids)):
+            outs = []
+            for fast in (False, True, True):
+                out = torch.full_like(x, float("nan"))
+                hits = torch_fastcall.hits()
+                op(x, routing[0], w13, w2, routing[1], routing[2], out, layer.handle)
+                assert torch_fastcall.hits() - hits == int(fast)
+                outs.append(out)
+            torch.cuda.synchronize()
+            for out in outs[1:]:
+                assert torch.equal(out.view(torch.int16), outs[0].view(torch.int16))
+            assert outs[0].isnan().any(dim=1).tolist() == [t == T // 2 for t in range(T)]
+        ok = [t for t in range(T) if t != T // 2]
+        ref = dense_reference(x[ok], w13, w2, ids[ok], w[ok])
+        torch.testing.assert_close(outs[-1][ok].double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_mla_fast_equals_slow():
+    """The MLA op through the fast path equals the Python path bit for bit across re-plans (its launch does not
+    depend on the plan kernel: the first call after a plan is recorded), and matches float64."""
+    from meld.runtime.reference import mla_reference
+    from tests.test_mla_gpu import SCALE, _inputs
+
+    H, P = 128, 64
+    mla = meld.DecodeMLA(H, P, BF16, "cuda", sm_scale=SCALE, max_batch_size=16, max_num_pages=1024)
+    op = torch.ops.meld.decode_mla.default
+    for seed, lens in enumerate(([100, 7, 3000], [1, 65, 130, 500])):
+        pb, qn, qp, ckv, kpe = _inputs(lens, H, P, gen_seed=seed)
+        mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        outs = []
+        for fast in (False, True, True):
+            out = torch.full(qn.shape, float("nan"), dtype=BF16, device="cuda")
+            lse = torch.full(qn.shape[:2], float("nan"), device="cuda")
+            hits = torch_fastcall.hits()
+            op(qn, qp, ckv, kpe, out, lse, mla.handle)
+            assert torch_fastcall.hits() - hits == int(fast)
+            outs.append((out, lse))
+        torch.cuda.synchronize()
+        for out, lse in outs[1:]:
+            assert torch.equal(out.view(torch.int16), outs[0][0].view(torch.int16))
+            assert torch.equal(lse.view(torch.int32), outs[0][1].view(torch.int32))
+        ref, _ = mla_reference(qn.cpu(), qp.cpu(), ckv.cpu(), kpe.cpu(), pb.kv_indptr, pb.kv_indices,
+                               pb.kv_last_page_len, SCALE)
+        o = outs[0][0].cpu().double()
+        assert ((o - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_compile_and_opcheck_with_fast_path():
+    attn, pb = _attention([33, 90])
+    assert torch_ops.fast_path()
+    kv = torch.randn(pb.num_pages, 2, P, HKV, D, dtype=BF16, device="cuda")
+    q = torch.randn(2, HQ, D, dtype=BF16, device="cuda")
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.meld.decode_attention.default, (q, kv, out, None, attn.handle))
+    f = torch.compile(lambda q: attn.run(q, kv), fullgraph=True)
+    got = f(q)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), attn.run(q, kv).view(torch.int16))
