@@ -55,16 +55,33 @@ def device_info(device: torch.device) -> DeviceInfo:
 
 
 _modules: dict[tuple, object] = {}
+# The dynamic shared memory each loaded function allows, by (module key, entry). A CUfunction is one object per
+# module and entry, shared by every Kernel that loads it, and its limit is the last value set: lowering it for
+# a smaller grid of one operator made another operator's larger launch fail (invalid argument). It only rises.
+_smem_allowed: dict[tuple, int] = {}
+
+
+def _module_key(compiled: Compiled, device: torch.device) -> tuple:
+    return (device.index, compiled.name, hash(compiled.cubin))
 
 
 def _module(compiled: Compiled, device: torch.device):
     """A cubin is loaded once per device: every entry of a module (a MoE's routing, dispatch and GEMM
     kernels) shares it. The caller has made torch's context current."""
-    key = (device.index, compiled.name, hash(compiled.cubin))
+    key = _module_key(compiled, device)
     m = _modules.get(key)
     if m is None:
         m = _modules[key] = check(drv().cuModuleLoadData(compiled.cubin), f"load {compiled.name}")
     return m
+
+
+def _allow_smem(func, key: tuple, smem_bytes: int, name: str) -> None:
+    """Let the shared function `func` launch with `smem_bytes` of dynamic shared memory, never lowering what
+    an earlier Kernel of it allowed (_smem_allowed)."""
+    if _smem_allowed.get(key, -1) < smem_bytes:
+        attr = drv().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(drv().cuFuncSetAttribute(func, attr, smem_bytes), f"set smem of {name}")
+        _smem_allowed[key] = smem_bytes
 
 
 class Kernel:
@@ -78,8 +95,7 @@ class Kernel:
             check(d.cuInit(0), "cuInit")
             self.module = _module(compiled, device)
             self.func = check(d.cuModuleGetFunction(self.module, entry.encode()), f"find {entry} in {compiled.name}")
-            attr = d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            check(d.cuFuncSetAttribute(self.func, attr, smem_bytes), f"set smem of {compiled.name}")
+            _allow_smem(self.func, (*_module_key(compiled, device), entry), smem_bytes, compiled.name)
             self.ctas_per_sm = check(d.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, threads, smem_bytes),
                                      f"occupancy of {compiled.name}")
         if self.ctas_per_sm < 1:
