@@ -37,7 +37,6 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import numbers
@@ -648,39 +647,16 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     key = (kv_len, q.shape[0], num_kv_heads, head_dim, pos_encoding_mode, window_left, logits_soft_cap, q.dtype,
            k.dtype, scale, rope_scale, rope_theta)
     if planned.get("key") != key:   # (a plan of the same shapes is kept: a CUDA graph captures run() alone)
-        with _outside_graph_pools(q.device):
-            wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
-                         torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
-                         window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
-                         rope_scale=rope_scale, rope_theta=rope_theta)
+        wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
+                     window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
+                     rope_scale=rope_scale, rope_theta=rope_theta)
         planned["key"] = key
     try:
         result = wrapper.run(q.unsqueeze(0), (k, v), v_scale=v_scale, return_lse=return_lse)
     except ValueError as e:   # (in this function's names: the tuple's parts are k and v)
         raise ValueError(re.sub(r"\b([kv])_cache\b", r"\1", str(e))) from None
     return (result[0][0], result[1][0]) if return_lse else result[0]
-
-
-@contextlib.contextmanager
-def _outside_graph_pools(device: torch.device):
-    """single decode's plan (buffers the wrapper keeps) on a side stream that the current stream then waits for.
-    torch.compile(mode="reduce-overhead") warms a graph up with the current stream's allocations routed to the
-    graph's private pool, and refuses live tensors there that are not outputs (FlashInfer's
-    test_single_decode_torch_compile_cuda_graph: "7 tensor(s) in the cudagraph pool not tracked as outputs");
-    a side stream's come from the ordinary pool."""
-    if device.type != "cuda":
-        yield
-        return
-    main, side = torch.cuda.current_stream(device), _side_stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        yield
-    main.wait_stream(side)
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
 
 
 @functools.lru_cache(maxsize=None)
