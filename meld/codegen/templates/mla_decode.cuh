@@ -68,6 +68,12 @@ constexpr bool SEESAW = true;                  // the seesaw schedule (mla_seesa
 #else
 constexpr bool SEESAW = false;
 #endif
+#ifdef MLA_BALANCED
+constexpr bool BALANCED = true;                // the balanced schedule (mla_balanced)
+#else
+constexpr bool BALANCED = false;
+#endif
+static_assert(!(SEESAW && BALANCED), "one schedule");
 constexpr int FULL_BARS = SEESAW ? NBOX : 1;   // full mbarriers a stage: the seesaw's one a box
 constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbarrier to the next's
 
@@ -91,7 +97,7 @@ constexpr int RAW_ROPE = BLK * 64;             // the staged rope box: BLK rows 
 constexpr int RAW_BYTES = (DC / 128) * RAW_LAT + RAW_ROPE;
 constexpr int Q_LOADERS = KV_FP8 ? 32 : 96;    // threads that load Q (warps 1-3; FP8: warp 1)
 constexpr int CONVERTERS = 64;                 // FP8: warps 2-3
-static_assert(!(KV_FP8 && SEESAW), "FP8 caches run the split schedule");
+static_assert(!(KV_FP8 && (SEESAW || BALANCED)), "FP8 caches run the split schedule");
 
 // Shared memory: Q, the ring, P (the seesaw keeps each block's P in its stage), then the rows' statistics and
 // the mbarriers.
@@ -104,13 +110,13 @@ struct Stats {
   float l[HB], m[HB];  // the unit's final row sums and maxima (with its last block's P)
   float bad[2][HB];    // each warpgroup's non-finite check of its channels (0 or NaN)
 };
-struct SeesawStats {
+struct SeesawStats {   // (the balanced schedule's too)
   Stats base;          // (mla_store's non-finite exchange: base.bad)
   float alpha[2][HB];  // warpgroup g's last block: the rows' rescale and maxima, for the other warpgroup
-  float m[2][HB];
+  float m[2][HB];      // (balanced: the block's maxima over warpgroup g's tokens)
   float l[2][HB];      // each warpgroup's row sums at the unit's end
 };
-constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
+constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW || BALANCED ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
@@ -310,18 +316,22 @@ __device__ __forceinline__ void rescale(float (&o)[OACC], float a0, float a1) {
 }
 
 // V rows of stage `st` past the piece's end (from `valid`): zeros, which P (0 there) must not turn into NaN.
-// One warpgroup (ct 0..127).
-__device__ __forceinline__ void zero_tail(u32 st, int valid, int ct) {
+// One warpgroup (ct 0..127), in latent boxes box0 .. box0 + BOXES - 1 (8: all; 4: a channel half's).
+template <int BOXES = 8>
+__device__ __forceinline__ void zero_tail(u32 st, int valid, int ct, int box0 = 0) {
+  constexpr int ROW = BOXES == 8 ? 6 : 5;   // log2 of the chunks of a row in those boxes
   if (valid < BLK)
-    for (int i = ct; i < (BLK - valid) * 64; i += 128)   // row valid + i / 64, latent box (i / 8) % 8
-      st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
+    for (int i = ct; i < (BLK - valid) * 8 * BOXES; i += 128)   // row valid + i / (8 BOXES), box (i / 8) % BOXES
+      st_shared_zero16(st + (box0 + ((i >> 3) & (BOXES - 1))) * BOX + (valid + (i >> ROW)) * 128 + ((i & 7) << 4));
 }
 
-// A block's P (bf16) from a warpgroup's S accumulators into `pbuf` as wgmma's K-major A (128-byte swizzle).
-__device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int lane, int warp) {
+// A block's P (bf16) from a warpgroup's S accumulators (its tokens from col0 on) into `pbuf` as wgmma's
+// K-major A (128-byte swizzle).
+template <int N>
+__device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[N], int lane, int warp, int col0 = 0) {
 #pragma unroll
-  for (int i = 0; i < SACC; i += 2) {
-    const int r = acc_row(lane, warp, (i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3);
+  for (int i = 0; i < N; i += 2) {
+    const int r = acc_row(lane, warp, (i >> 1) & 1), col = col0 + 8 * (i >> 2) + 2 * (lane & 3);
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(pbuf + r * 128 + ((((col >> 3) ^ (r & 7))) << 4) + (col & 7) * 2),
                  "r"(pack2(s[i], s[i + 1])) : "memory");
   }
@@ -421,8 +431,9 @@ __device__ __forceinline__ unsigned long long desc_at(unsigned long long d, u32 
 
 // S = Q . K^T of ring stage `st` into s (the first k step overwrites it), issued and committed: the caller
 // waits. `box_ready(b)` runs before the first wgmma that reads box b (the seesaw waits for its copies there).
-template <class BoxReady>
-__device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st, BoxReady&& box_ready) {
+// s of N accumulators holds 2N tokens from `st`'s first row on (the balanced schedule: half a block).
+template <int N, class BoxReady>
+__device__ __forceinline__ void mla_issue_scores(float (&s)[N], u32 qbuf, u32 st, BoxReady&& box_ready) {
   const unsigned long long dq = wgmma_desc(qbuf), dk = wgmma_desc(st);
 #pragma unroll
   for (int k = 0; k < DQK / 16; ++k) {
@@ -431,19 +442,23 @@ __device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32
   }
   wgmma_commit();
 }
-__device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st) {
+template <int N>
+__device__ __forceinline__ void mla_issue_scores(float (&s)[N], u32 qbuf, u32 st) {
   mla_issue_scores(s, qbuf, st, [](int) {});
 }
 
 // The online softmax of one block's scores (log2 domain), in place: s becomes P; columns from `valid` on
 // (past the piece's end) are masked, Inf and NaN scores become NaN. Updates the thread's two rows' m and
-// (its share of) l; a gets the rows' rescale of O.
-__device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float scale_log2, float (&m)[2], float (&l)[2],
-                                            float (&a)[2], int lane) {
+// (its share of) l; a gets the rows' rescale of O. `row_max(h, mx)`: row h's maximum from the thread's maxima
+// of its two rows (the balanced schedule's s holds the block's tokens from col0 on, and its row_max takes
+// the other warpgroup's half into account).
+template <int N, class RowMax>
+__device__ __forceinline__ void mla_softmax(float (&s)[N], int valid, float scale_log2, float (&m)[2], float (&l)[2],
+                                            float (&a)[2], int lane, int col0, RowMax&& row_max) {
   float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-  for (int i = 0; i < SACC; ++i) {
-    const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+  for (int i = 0; i < N; ++i) {
+    const int col = col0 + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
     const float v = s[i] * scale_log2;
     s[i] = col >= valid ? neg_inf() : v + 0.f * v;
     mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
@@ -451,18 +466,22 @@ __device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float s
   float sum[2] = {0.f, 0.f}, mu[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float mn = fmaxf(m[h], quad_max(mx[h]));
+    const float mn = fmaxf(m[h], row_max(h, mx));
     mu[h] = mn == neg_inf() ? 0.f : mn;   // nothing seen yet: keep exp2 finite
     a[h] = exp2_approx(m[h] - mu[h]);
     m[h] = mn;
   }
 #pragma unroll
-  for (int i = 0; i < SACC; ++i) {
+  for (int i = 0; i < N; ++i) {
     s[i] = exp2_approx(s[i] - mu[(i >> 1) & 1]);
     sum[(i >> 1) & 1] += s[i];
   }
   l[0] = l[0] * a[0] + sum[0];
   l[1] = l[1] * a[1] + sum[1];
+}
+__device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float scale_log2, float (&m)[2], float (&l)[2],
+                                            float (&a)[2], int lane) {
+  mla_softmax(s, valid, scale_log2, m, l, a, lane, 0, [](int h, float (&mx)[2]) { return quad_max(mx[h]); });
 }
 
 // A unit's online-softmax state before its first block (both schedules): O zero, l zero, m -inf.
