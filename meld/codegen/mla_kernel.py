@@ -1,7 +1,7 @@
 """Emit the MLA decode-attention kernel (templates/mla_decode.cuh) from its static configuration.
 
 The latent widths (512 + 64, DeepSeek's) and the 64-head unit are the template's constants; the KV block
-(32 or 64 tokens), the ring depth and the warpgroups' schedule (split or seesaw) are the knobs, and heads, page
+(32 or 64 tokens), the ring depth and the warpgroups' schedule (split, seesaw or balanced) are the knobs, and heads, page
 size and the batch are run-time values, so one compiled kernel serves every batch and every `plan()`.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ..ir.work_table import CTA_TABLE
 from ..runtime.profile import kind_defines
 from .source import SMEM_PER_CTA_MAX, template
 from .params import MLA_PARAMS, WATCHDOG_RECORD
-from .wgmma import wgmma_bf16
+from .wgmma import wgmma_bf16, wgmma_rs
 
 MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE = 512, 64
 MLA_HEADS_PER_UNIT = 64    # wgmma's M
@@ -20,7 +20,8 @@ MLA_BLOCK_TOKENS = (32, 64)   # KV tokens a ring stage may hold
 _ROW = 128                    # bytes of a 128-byte swizzled row: 64 channels
 _STATS_BYTES = 5 * 64 * 4   # the template's Stats (alpha, l, m, bad[2])
 _SEESAW_STATS_BYTES = _STATS_BYTES + 6 * 64 * 4   # SeesawStats: Stats, alpha[2], m[2], l[2]
-MLA_SCHEDULES = ("split", "seesaw")
+_BALANCED_STATS_BYTES = _STATS_BYTES + 2 * 64 * 4   # BalancedStats: Stats, x[2]
+MLA_SCHEDULES = ("split", "seesaw", "balanced")
 MLA_KV_FP8 = ("float8_e4m3fn",)   # the FP8 latent caches the kernel reads (MlaKernelConfig.kv_dtype)
 _RAW_ROW = 576                    # bytes of an FP8 latent row (512 + 64 channels) in the staging ring
 
@@ -35,7 +36,9 @@ class MlaKernelConfig:
     profile: bool = False      # record per-piece timestamps (MELD_PROFILE)
     watchdog_ms: int = 2000    # a spin gives up after this long: record and trap
     # "split": one warpgroup scores every block and both accumulate half of O; "seesaw": the two warpgroups
-    # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only)
+    # score alternate blocks, so one's softmax runs while the other's wgmmas do; "balanced": each scores half
+    # of every block's tokens and accumulates half of O over all of them, so neither idles while the other
+    # scores (64-token blocks only for both)
     schedule: str = "split"
     # "": a bf16 cache; "float8_e4m3fn": e4m3 bytes, staged by TMA in a ring of their own and converted to bf16 on
     # chip (the split schedule, 32-token blocks; num_stages counts the bf16 stages, 2 by default, and the
@@ -58,6 +61,9 @@ class MlaKernelConfig:
         if self.schedule == "seesaw" and self.block_tokens != 64:
             raise ValueError(f"block_tokens={self.block_tokens!r}: the seesaw schedule runs 64-token blocks (each "
                              "block's P takes its stage's 64-row rope box)")
+        if self.schedule == "balanced" and self.block_tokens != 64:
+            raise ValueError(f"block_tokens={self.block_tokens!r}: the balanced schedule runs 64-token blocks (each "
+                             "warpgroup scores 32 of a block's tokens)")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if not isinstance(self.num_stages, int) or self.stages < 2 or self.smem_bytes > SMEM_PER_CTA_MAX or (
@@ -107,11 +113,13 @@ class MlaKernelConfig:
         box of a stage."""
         if self.schedule == "seesaw":
             return 9 * 64 * _ROW + _SEESAW_STATS_BYTES + 8 * (8 * 10 + 2) + 1024
-        return 9 * 64 * _ROW + 64 * _ROW + _STATS_BYTES + 8 * (2 * 8 + 4) + 1024
+        stats = _BALANCED_STATS_BYTES if self.schedule == "balanced" else _STATS_BYTES
+        return 9 * 64 * _ROW + 64 * _ROW + stats + 8 * (2 * 8 + 4) + 1024
 
     entry = "meld_mla_decode"
-    threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511 or (seesaw)
-                    # the scores of even / odd blocks + channels 0-255 / 256-511
+    threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511, (seesaw)
+                    # the scores of even / odd blocks + channels 0-255 / 256-511 or (balanced) the scores of
+                    # each block's first / last 32 tokens + channels 0-255 / 256-511
 
     @property
     def smem_bytes(self) -> int:
@@ -122,7 +130,7 @@ class MlaKernelConfig:
     def name(self) -> str:
         return (f"meld_mla_decode_bf16_b{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
-                + ("_seesaw" if self.schedule == "seesaw" else "")
+                + ("" if self.schedule == "split" else f"_{self.schedule}")
                 + (f"_e4m3_r{self.raw_stages}" if self.kv_dtype else ""))
 
     def render(self) -> str:
@@ -135,9 +143,12 @@ class MlaKernelConfig:
             f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
-        ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else [])
+        ] + ([f"#define MLA_{self.schedule.upper()} 1"] if self.schedule != "split" else [])
           + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else []))
-        mma = "namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}"
+        mma = "namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
+        if self.schedule == "balanced":   # a warpgroup's half of a block's scores; its own P from registers
+            mma += wgmma_bf16(self.block_tokens // 2) + wgmma_rs(self.dtype, MLA_HEAD_DIM_CKV // 2, trans_b=True)
+        mma += "}"
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,
                           MLA_PARAMS.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),
                           template("mla_decode.cuh")])

@@ -110,13 +110,18 @@ struct Stats {
   float l[HB], m[HB];  // the unit's final row sums and maxima (with its last block's P)
   float bad[2][HB];    // each warpgroup's non-finite check of its channels (0 or NaN)
 };
-struct SeesawStats {   // (the balanced schedule's too)
+struct SeesawStats {
   Stats base;          // (mla_store's non-finite exchange: base.bad)
   float alpha[2][HB];  // warpgroup g's last block: the rows' rescale and maxima, for the other warpgroup
-  float m[2][HB];      // (balanced: the block's maxima over warpgroup g's tokens)
+  float m[2][HB];
   float l[2][HB];      // each warpgroup's row sums at the unit's end
 };
-constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW || BALANCED ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
+struct BalancedStats {
+  Stats base;          // (mla_store's non-finite exchange: base.bad)
+  float x[2][HB];      // warpgroup g's: the block's row maxima over its tokens; at the unit's end its row sums
+};
+constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : BALANCED ? sizeof(BalancedStats)
+                                                                                       : sizeof(Stats)) + 7) & ~7;
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
@@ -724,6 +729,133 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
 }
 #endif
 
+#ifdef MLA_BALANCED
+// The balanced schedule: both math warpgroups share every block's work evenly. Warpgroup g (0, 1) scores
+// the block's tokens 32 g .. 32 g + 31 (m64n32, over all 576 channels), the two halves' row maxima meet in
+// shared memory (named barrier BAL_MAX; both then compute the same maxima, rescale and m, in one order),
+// each exponentiates its tokens, keeps its own share of the row sums, writes its half of P into the P
+// buffer, and after P_FULL accumulates O's channels 256 g .. 256 g + 255 over all 64 tokens: its own half
+// of P from its S registers (wgmma with A from registers), the other's from the P buffer. As in the split
+// build, a block's P.V and the next block's scores are issued together. A block costs each warpgroup 288
+// + 256 k16 steps of m64n32 / m64n256 work where the split build's score warpgroup issues 576 + 256 and the
+// other 256. BAL_MAX also orders the buffers' reuse: a warpgroup reaches block j's only after its P.V of
+// block j - 1 (which read the other's half of P) and its scores of block j (which read the rows that
+// zero_tail clears) have completed, so after it each warpgroup may rewrite its half of P and clear its
+// own channel half's tail rows. The row sums' shares meet at the unit's end.
+constexpr int BAL_MAX = 5;                 // named barrier of the row maxima exchange
+constexpr int BHALF = BLK / 2;             // tokens a warpgroup scores
+constexpr int BACC = BHALF / 2;            // its S accumulators
+static_assert(BLK == 64, "the balanced schedule runs 64-token blocks");
+
+// O[:, 256 G ..] += P . V of ring stage `st`: tokens of this warpgroup's half from its packed P (pa: its two
+// k16 steps as wgmma's register A), the other half's from the P buffer; issued and committed.
+template <int G>
+__device__ __forceinline__ void balanced_issue_pv(float (&o)[OACC], const u32 (&pa)[2][4], u32 pbuf, u32 st) {
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k) {
+    const unsigned long long v = wgmma_desc_mn(st + 4 * G * BOX + 2048 * k, BOX);
+    if ((k >> 1) == G) wgmma_rs_tb(o, pa[k & 1], v);
+    else wgmma_bf16_tb(o, wgmma_desc(pbuf + 32 * k), v);
+  }
+  wgmma_commit();
+}
+
+template <int G>
+__device__ void mla_balanced(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, BalancedStats& sx,
+                             const Bars& b, Profiler& prof) {
+  const int ct = threadIdx.x - 128 * (G + 1), warp = ct >> 5, lane = ct & 31;
+  const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
+  const u32 khalf = G * BHALF * 128;   // this half's first key row in a box
+  // The block's row maxima: this half's (quad-reduced) into sx.x[G], then both halves', read in one order.
+  const auto row_max = [&](int h, float (&mx)[2]) {
+    if (h == 0) {
+      mx[0] = quad_max(mx[0]);
+      mx[1] = quad_max(mx[1]);
+      if ((lane & 3) == 0) { sx.x[G][r0] = mx[0]; sx.x[G][r1] = mx[1]; }
+      named_barrier(BAL_MAX, 256);
+      mx[0] = fmaxf(sx.x[0][r0], sx.x[1][r0]);
+      mx[1] = fmaxf(sx.x[0][r1], sx.x[1][r1]);
+    }
+    return mx[h];
+  };
+  int stage = 0;
+  u32 phase = 0, qphase = 0;
+  for (int u = w.first(); u <= w.last(); ++u) {
+    const i64 t0 = prof.now();
+    const Piece x = w.piece(u);
+    const int nb = UnitWalk::blocks(x);
+    float o[OACC], s[BACC], a[2], l[2], m[2];
+    unit_start(o, l, m);
+    if (nb > 0) {   // the first block's scores
+      mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
+      qphase ^= 1u;
+      mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
+      wgmma_fence();
+      mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES + khalf);
+      wgmma_wait<0>();
+      fence_regs(s);
+      mla_softmax(s, min(BLK, x.end - x.begin), p.sm_scale_log2, m, l, a, lane, G * BHALF, row_max);
+    }
+    for (int j = 0; j < nb; ++j) {   // s holds this half of block j's P, a its rescale
+      const u32 st = ring + stage * STAGE_BYTES;
+      const bool last = j == nb - 1;
+      zero_tail<4>(st, min(BLK, x.end - x.begin - j * BLK), ct, 4 * G);
+      store_p(pbuf, s, lane, warp, G * BHALF);
+      u32 pa[2][4];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) pa[k][q] = pack2(s[8 * k + 2 * q], s[8 * k + 2 * q + 1]);
+      }
+      fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
+      named_barrier(P_FULL, 256);
+      if (last && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed
+      const int ns = stage + 1 == STAGES ? 0 : stage + 1;
+      const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
+      rescale(o, a[0], a[1]);
+      fence_regs(o);
+      fence_regs(pa[0]);
+      fence_regs(pa[1]);
+      if (!last) {   // (each branch a whole fence .. wait: a branch inside one serialises the wgmmas)
+        mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+        wgmma_fence();
+        balanced_issue_pv<G>(o, pa, pbuf, st);
+        mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES + khalf);
+        wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
+        fence_regs(o);
+        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+        wgmma_wait<0>();
+        fence_regs(s);
+        mla_softmax(s, min(BLK, x.end - x.begin - (j + 1) * BLK), p.sm_scale_log2, m, l, a, lane, G * BHALF, row_max);
+      } else {
+        wgmma_fence();
+        balanced_issue_pv<G>(o, pa, pbuf, st);
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+      }
+      stage = ns;
+      phase = nphase;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = quad_sum(l[h]);
+      if ((lane & 3) == 0) sx.x[G][acc_row(lane, warp, h)] = l[h];   // (both read the maxima before P_FULL)
+    }
+    named_barrier(2, 256);
+    l[0] = sx.x[0][r0] + sx.x[1][r0];
+    l[1] = sx.x[0][r1] + sx.x[1][r1];
+    mla_store(p, u, x, o, l, m, sx.base, G, warp, lane);   // (its barriers: sx.x read before it is written again)
+    prof.record(t0, PROF_PIECE, u);
+    if (x.slot >= 0) {
+      const i64 t1 = prof.now();
+      mla_arrive(p, u, x, w.cta, ct + 128 * G);
+      prof.record(t1, PROF_MERGE_HBM, u);
+    }
+  }
+}
+#endif
+
 // The family's persistent main (persistent.cuh): the shared-memory places, the barriers, the three roles.
 struct MlaFamily {
   using Params = MlaParams;
@@ -750,7 +882,7 @@ struct MlaFamily {
         mbar_init(s.b.raw_empty(st), CONVERTERS);
       }
       mbar_init(s.b.q_full, Q_LOADERS);   // the loader threads
-      mbar_init(s.b.q_empty, SEESAW ? 8 : 4);   // the warps that score
+      mbar_init(s.b.q_empty, SEESAW || BALANCED ? 8 : 4);   // the warps that score
       fence_mbar_init();
     }
     __syncthreads();
@@ -764,10 +896,11 @@ struct MlaFamily {
   }
 
   static __device__ __forceinline__ void run(const MlaParams& p, const State& s) {
-#ifdef MLA_SEESAW
+#if defined(MLA_SEESAW) || defined(MLA_BALANCED)
     // setmaxnreg moves registers within the CTA's launch allocation: 384 threads at one CTA an SM get 168
     // each (65536 / 384, in steps of 8), and an increase that the warpgroups' sum overdraws never returns
-    constexpr int LOAD_REGS = 40, MATH_REGS = 232;
+    // (the balanced schedule's loaders keep the split build's 56)
+    constexpr int LOAD_REGS = SEESAW ? 40 : 56, MATH_REGS = SEESAW ? 232 : 224;
     static_assert(LOAD_REGS + 2 * MATH_REGS <= 3 * (65536 / 384 / 8 * 8), "setmaxnreg budget over the register file");
     if (threadIdx.x < 128) {   // (the walk after setmaxnreg: nothing live across it, where 40 spilled)
       regs_dealloc<LOAD_REGS>();
@@ -777,11 +910,17 @@ struct MlaFamily {
     } else {
       regs_alloc<MATH_REGS>();
       const UnitWalk w(p, s.cta);
-      SeesawStats& sx = reinterpret_cast<SeesawStats&>(s.sx);
       Profiler prof;
       prof.begin(p.prof, p.prof_cap, s.cta, threadIdx.x == 128, p.prof_clock, p.prof_every);
+#ifdef MLA_SEESAW
+      SeesawStats& sx = reinterpret_cast<SeesawStats&>(s.sx);
       if (threadIdx.x < 256) mla_seesaw<0>(p, w, s.base, s.base + OFF_RING, sx, s.b, prof);
       else mla_seesaw<1>(p, w, s.base, s.base + OFF_RING, sx, s.b, prof);
+#else
+      BalancedStats& sx = reinterpret_cast<BalancedStats&>(s.sx);
+      if (threadIdx.x < 256) mla_balanced<0>(p, w, s.base, s.base + OFF_RING, s.base + OFF_P, sx, s.b, prof);
+      else mla_balanced<1>(p, w, s.base, s.base + OFF_RING, s.base + OFF_P, sx, s.b, prof);
+#endif
       prof.end(p.num_ctas);
     }
     return;
