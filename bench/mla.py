@@ -58,9 +58,11 @@ Columns:
   eager µs     meld's eager latency (host launch cost included);   plan µs: meld's host plan() median;
   fp8 µs       with --kv-dtype fp8: meld-fp8's time; fp8/bf16: meld's bf16 time / it (> 1: the FP8 build faster);
                FlashMLA-fp8 µs and vs FlashMLA-fp8: FlashMLA's dense FP8 time / meld-fp8's;
-  seesaw µs    with --schedule seesaw or both: meld's seesaw build (`MlaKernelConfig(schedule="seesaw")`) on the
-               same inputs in the same run; seesaw vs FlashMLA: FlashMLA's time / its time; seesaw/split: the
-               default build's time / its time (> 1: the seesaw faster).
+  seesaw µs    with --schedule seesaw, both or all: meld's seesaw build (`MlaKernelConfig(schedule="seesaw")`) on
+               the same inputs in the same run; seesaw vs FlashMLA: FlashMLA's time / its time; seesaw/split: the
+               default build's time / its time (> 1: the seesaw faster);
+  balanced µs  with --schedule balanced or all: the same columns for meld's balanced build
+               (`MlaKernelConfig(schedule="balanced")`).
 The exit status is 1 if any check or any implementation failed (the run still goes through every case).
 """
 from __future__ import annotations
@@ -103,7 +105,10 @@ MAX_Q_LEN = 4   # --q-len: FlashMLA's s_q range that issue 39 asks for
 DISTS = ("uniform2k", "skewed", "one-long")
 IMPLS = ("meld", "fi-fa2", "fi-fa3", "flashmla")
 SEESAW = "meld-seesaw"   # meld's seesaw build: in place of or beside "meld", as --schedule says
-SCHEDULE_IMPLS = {"split": ["meld"], "seesaw": [SEESAW], "both": ["meld", SEESAW]}
+BALANCED = "meld-balanced"   # and its balanced build
+SCHEDULE_IMPLS = {"split": ["meld"], "seesaw": [SEESAW], "balanced": [BALANCED], "both": ["meld", SEESAW],
+                  "all": ["meld", SEESAW, BALANCED]}
+ALT_BUILDS = {SEESAW: "seesaw", BALANCED: "balanced"}   # meld's opt-in builds: impl -> column prefix
 FI_BACKENDS = {"fi-fa2": "fa2", "fi-fa3": "fa3"}
 KV_DTYPES = ("bf16", "fp8")
 FP8_IMPLS = {"meld-fp8": "meld", "meld": "meld", "flashmla-fp8": "flashmla"}   # --kv-dtype fp8: name -> --impls name
@@ -402,6 +407,7 @@ def build_flashmla_fp8(inp: Inputs) -> Impl:
 BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     "meld": build_meld,
     SEESAW: partial(build_meld, schedule="seesaw"),
+    BALANCED: partial(build_meld, schedule="balanced"),
     "meld-fp8": partial(build_meld, fp8=True),
     "flashmla-fp8": build_flashmla_fp8,
     "fi-fa2": lambda inp: build_flashinfer(inp, "fa2"),
@@ -433,8 +439,6 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
     fi = {k: median_us(results[k]) for k in FI_BACKENDS if isinstance(cell(k), float)}
     fi_best = min(fi, key=lambda k: fi[k]) if fi else None
     fi_us = fi[fi_best] if fi_best else None
-    ss = results.get(SEESAW, {})
-    seesaw_us = median_us(ss) if not ss.get("errors") else None
     fmla_us = median_us(results["flashmla"]) if isinstance(cell("flashmla"), float) else None
     fp8_us = median_us(results["meld-fp8"]) if isinstance(cell("meld-fp8"), float) else None
     fmla8_us = median_us(results["flashmla-fp8"]) if isinstance(cell("flashmla-fp8"), float) else None
@@ -442,6 +446,12 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
     tflops = nflops / (meld_us * 1e-6) / 1e12 if meld_us else None
     fmla_tflops = nflops / (fmla_us * 1e-6) / 1e12 if fmla_us else None
     mma = ceilings["matmul_bf16_tflops"]
+    alt = {}   # each opt-in build's time, and its ratios to FlashMLA and to the split build
+    for impl, key in ALT_BUILDS.items():
+        r = results.get(impl, {})
+        us = median_us(r) if not r.get("errors") else None
+        alt |= {f"{key}_us": cell(impl), f"{key}_vs_flashmla": fmla_us / us if us and fmla_us else None,
+                f"{key}_vs_split": meld_us / us if us and meld_us else None}
     return {
         "case": case.name, "B": case.batch, "dist": case.dist, "q_len": case.q_len,
         "sum_len": sum(table.lengths), "max_len": max(table.lengths), "pages": table.num_pages,
@@ -453,8 +463,6 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
         "flashmla_us": cell("flashmla"),
         "vs_flashmla": fmla_us / meld_us if meld_us and fmla_us else None,
         "flashmla_tflops": fmla_tflops,
-        "seesaw_us": cell(SEESAW), "seesaw_vs_flashmla": fmla_us / seesaw_us if seesaw_us and fmla_us else None,
-        "seesaw_vs_split": meld_us / seesaw_us if seesaw_us and meld_us else None,
         "fp8_us": cell("meld-fp8"), "fp8_vs_bf16": meld_us / fp8_us if fp8_us and meld_us else None,
         "flashmla_fp8_us": cell("flashmla-fp8"), "fp8_vs_flashmla_fp8": fmla8_us / fp8_us if fp8_us and fmla8_us else None,
         "meld_tbps": tbps, "meld_tflops": tflops,
@@ -464,7 +472,7 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
         "plan_us": median_us(m, "plan"),
         "rel_err": m.get("rel_err"),
         "results": results,
-    }
+    } | alt
 
 
 COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, errors) is in the JSON
@@ -474,6 +482,8 @@ COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, err
     Column("flashmla_us", "FlashMLA µs", ".1f"), Column("vs_flashmla", "vs FlashMLA", ".2f"),
     Column("seesaw_us", "seesaw µs", ".1f"), Column("seesaw_vs_flashmla", "seesaw vs FlashMLA", ".2f"),
     Column("seesaw_vs_split", "seesaw/split", ".2f"),
+    Column("balanced_us", "balanced µs", ".1f"), Column("balanced_vs_flashmla", "balanced vs FlashMLA", ".2f"),
+    Column("balanced_vs_split", "balanced/split", ".2f"),
     Column("meld_tbps", "meld TB/s", ".2f"), Column("meld_tflops", "meld TFLOP/s", ".0f"),
     Column("flashmla_tflops", "FlashMLA TFLOP/s", ".0f"),
     Column("pct_read", "%read", ".0f"), Column("pct_mma", "%mma", ".0f"),
@@ -502,7 +512,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"length distributions (default {DISTS})")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
     p.add_argument("--schedule", choices=tuple(SCHEDULE_IMPLS), default="split",
-                   help="meld's kernel build(s): the default split, the seesaw, or both (a same-run A/B)")
+                   help="meld's kernel build(s): the default split, the seesaw, the balanced, both (split and "
+                        "seesaw) or all three (a same-run A/B)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                    help="fp8: meld's e4m3 build, meld's bf16 build over the same values and FlashMLA's dense FP8 "
                         "(module docstring)")
@@ -534,7 +545,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) -> list[str]:
     """Import meld's DecodeMLA and FlashInfer's MLA wrapper once: one that fails is reported once (not once
     per case) and dropped."""
-    imports = {"meld": ("meld", "DecodeMLA"), SEESAW: ("meld", "DecodeMLA"), "meld-fp8": ("meld", "DecodeMLA"),
+    imports = {"meld": ("meld", "DecodeMLA"), SEESAW: ("meld", "DecodeMLA"), BALANCED: ("meld", "DecodeMLA"),
+               "meld-fp8": ("meld", "DecodeMLA"),
                "flashmla-fp8": ("flash_mla", "get_mla_decoding_metadata"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "fi-fa3": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "flashmla": ("flash_mla", "flash_mla_with_kvcache")}
@@ -610,7 +622,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results[name] = {"skipped": skip} if skip else measure(
                 partial(BUILDERS[name], inp), f"{inp.case.name} {name}",
                 reference(inp, q_e4m3=True) if name == "flashmla-fp8" else ref, args, failures,
-                eager=name in ("meld", SEESAW, "meld-fp8"), rel_tol=rel_tol)
+                eager=name in ("meld", SEESAW, BALANCED, "meld-fp8"), rel_tol=rel_tol)
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         table.add(summarise(case, inp.table, results, ceilings))
         del inp, ref
@@ -635,6 +647,7 @@ def summary_line(rows: Sequence[dict[str, Any]], failures: Sequence[str]) -> str
     parts = [f"meld vs best FlashInfer {span}" if span else "no meld-vs-FlashInfer ratio measured"]
     parts += [f"meld vs FlashMLA {fmla}"] if fmla else []
     for key, what in (("seesaw_vs_flashmla", "meld's seesaw vs FlashMLA"), ("seesaw_vs_split", "seesaw vs split"),
+                      ("balanced_vs_flashmla", "meld's balanced vs FlashMLA"), ("balanced_vs_split", "balanced vs split"),
                       ("fp8_vs_bf16", "meld fp8 vs meld bf16"), ("fp8_vs_flashmla_fp8", "meld fp8 vs FlashMLA fp8")):
         parts += [f"{what} {speedup_span(rows, key)}"] if speedup_span(rows, key) else []
 

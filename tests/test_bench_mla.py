@@ -31,6 +31,9 @@ def test_dry_run_schedule_runs_both_builds(capsys):
     assert mla.main(["--dry-run", "--batches", "16", "--dists", "skewed", "--impls", "meld", "flashmla",
                      "--schedule", "both"]) == 0
     assert "meld, meld-seesaw, flashmla" in capsys.readouterr().out
+    assert mla.main(["--dry-run", "--batches", "16", "--dists", "skewed", "--impls", "meld", "flashmla",
+                     "--schedule", "all"]) == 0
+    assert "meld, meld-seesaw, meld-balanced, flashmla" in capsys.readouterr().out
 
 
 def test_sizes_follow_bench():

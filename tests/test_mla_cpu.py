@@ -20,7 +20,8 @@ SCALE = 192 ** -0.5
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50),
-                                 MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True)],
+                                 MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True),
+                                 MlaKernelConfig(schedule="balanced"), MlaKernelConfig(schedule="balanced", profile=True)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
     """No spills, and no wgmma that ptxas serialises (C7520: a wgmma in flight across divergent code)."""
@@ -42,9 +43,21 @@ def test_seesaw_build():
     assert "static_assert(LOAD_REGS + 2 * MATH_REGS <= 3 * (65536 / 384 / 8 * 8)" in cfg.render()
 
 
+def test_balanced_build():
+    """The balanced: 64-token blocks in two stages beside Q and the P buffer; its m64n32 scores and register-A
+    P.V emitted for it alone; the default build's source does not name it."""
+    cfg = MlaKernelConfig(schedule="balanced")
+    assert (cfg.stages, cfg.name) == (2, "meld_mla_decode_bf16_b64_s2_balanced")
+    src, default = cfg.render(), MlaKernelConfig().render()
+    assert "#define MLA_BALANCED 1" in src and "MLA_BALANCED 1" not in default
+    assert "m64n32k16" in src and "wgmma_rs_tb" in src and "m64n32k16" not in default
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(schedule="pingpong"), "schedule='pingpong': expected one of \\('split', 'seesaw'\\)"),
+    (dict(schedule="pingpong"), "schedule='pingpong': expected one of \\('split', 'seesaw', 'balanced'\\)"),
     (dict(schedule="seesaw", block_tokens=32), "block_tokens=32: the seesaw schedule runs 64-token blocks"),
+    (dict(schedule="balanced", block_tokens=32), "block_tokens=32: the balanced schedule runs 64-token blocks"),
+    (dict(schedule="balanced", kv_dtype="float8_e4m3fn", block_tokens=32), "an FP8 cache runs the split schedule"),
 ])
 def test_bad_kernel_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -2,7 +2,8 @@
 error < 1e-2, lse, empty requests, bit-identical repeats; split units merged by several CTAs; head counts
 that are no multiple of 64; page sizes below and above the kernel's 64-token block; CUDA-graph replay across
 re-plans; non-finite inputs reaching exactly their rows; views of one combined latent cache. Each test that
-takes `schedule` runs both kernel builds (MlaKernelConfig.schedule): the default split and the seesaw."""
+takes `schedule` runs every kernel build (MlaKernelConfig.schedule): the default split, the seesaw and the
+balanced."""
 import functools
 
 import pytest
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.gpu
 SCALE = 192 ** -0.5
 
 
-@pytest.fixture(params=["split", "seesaw"])
+@pytest.fixture(params=["split", "seesaw", "balanced"])
 def schedule(request):
     """The kernel build a test runs."""
     return MlaKernelConfig(schedule=request.param)
@@ -39,7 +40,7 @@ def _inputs(lens, H, P, gen_seed=0, device="cuda", q_len=1):
 
 @functools.lru_cache(maxsize=8)
 def _reference(lens: tuple, H, P, gen_seed=0):
-    """float64 (out, lse) of _inputs(lens, H, P, gen_seed): computed once for both kernel builds."""
+    """float64 (out, lse) of _inputs(lens, H, P, gen_seed): computed once for every kernel build."""
     pb, qn, qp, ckv, kpe = _inputs(list(lens), H, P, gen_seed, device="cpu")
     return mla_reference(qn, qp, ckv, kpe, pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, SCALE)
 
@@ -173,6 +174,29 @@ def test_non_finite_inputs_reach_exactly_their_rows(schedule):
     assert torch.equal(torch.isnan(out.cpu()).all(-1), bad) and torch.equal(torch.isnan(out.cpu()).any(-1), bad)
     assert torch.equal(torch.isnan(lse.cpu()), bad)
     assert torch.equal(out[~bad.cuda()], clean[~bad.cuda()]) and torch.equal(lse[~bad.cuda()], clean_lse[~bad.cuda()])
+
+
+def test_inf_in_a_blocks_last_tokens_and_nan_past_the_end(schedule):
+    """Inf in a value of a token among its block's last 32 (the balanced build's second warpgroup scores it and
+    the first reads its P from shared memory): exactly that request's rows NaN. NaN in the rows of a request's
+    last page past its end (masked keys, zeroed values): no effect."""
+    lens = [3000, 500]
+    pb, qn, qp, ckv, kpe = _inputs(lens, 128, 64)
+    mla = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=schedule)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    clean, clean_lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
+    ckv2, kpe2 = ckv.clone(), kpe.clone()
+    page = int(pb.kv_indices[pb.kv_indptr[1] + 3])   # request 1, token 3 * 64 + 50
+    ckv2[page, 50, 300] = float("inf")
+    last = int(pb.kv_indices[pb.kv_indptr[1] + 7])   # request 1's last page: 500 - 448 = 52 tokens
+    ckv2[last, 52:] = float("nan")
+    kpe2[last, 52:] = float("nan")
+    out, lse = mla.run(qn, qp, ckv2, kpe2, return_lse=True)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    assert torch.equal(out[0], clean[0]) and torch.equal(lse[0], clean_lse[0])
+    ckv2[page, 50, 300] = ckv[page, 50, 300]
+    out, lse = mla.run(qn, qp, ckv2, kpe2, return_lse=True)
+    assert torch.equal(out, clean) and torch.equal(lse, clean_lse), "rows past the end reached the output"
 
 
 def test_profile_trace(schedule):

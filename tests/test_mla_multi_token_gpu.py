@@ -1,7 +1,7 @@
 """Multi-token MLA decode on the GPU (`DecodeMLA(q_len=...)`) against a float64 causal reference: q_len 2 and 4
 over B 1, 16 and 64 of mixed lengths (off the 64-token blocks, a request of exactly q_len tokens), outputs
-poisoned first, lse, the GPU planner's tables equal to the host planner's, bit-identical repeats, both kernel
-builds; NaN in one q row reaching that row only; a page table planned on the GPU; CUDA-graph replay across
+poisoned first, lse, the GPU planner's tables equal to the host planner's, bit-identical repeats, every kernel
+build (split, seesaw, balanced); NaN in one q row reaching that row only; a page table planned on the GPU; CUDA-graph replay across
 re-plans."""
 import functools
 
@@ -53,7 +53,7 @@ def _assert_close(out, lse, lens, q_len, seed=0):
     assert (lse.cpu().double() - ref_lse).abs().max().item() < 2e-3
 
 
-@pytest.mark.parametrize("schedule", ["split", "seesaw"])
+@pytest.mark.parametrize("schedule", ["split", "seesaw", "balanced"])
 @pytest.mark.parametrize("B", [1, 16, 64])
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_batches(q_len, B, schedule):
