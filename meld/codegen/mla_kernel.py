@@ -22,6 +22,8 @@ _STATS_BYTES = 5 * 64 * 4   # the template's Stats (alpha, l, m, bad[2])
 _SEESAW_STATS_BYTES = _STATS_BYTES + 6 * 64 * 4   # SeesawStats: Stats, alpha[2], m[2], l[2]
 _BALANCED_STATS_BYTES = _STATS_BYTES + 2 * 64 * 4   # BalancedStats: Stats, x[2]
 MLA_SCHEDULES = ("split", "seesaw", "balanced")
+_WHY_64 = {"seesaw": "each block's P takes its stage's 64-row rope box",   # schedules of 64-token blocks only
+           "balanced": "each warpgroup scores 32 of a block's tokens"}
 MLA_KV_FP8 = ("float8_e4m3fn",)   # the FP8 latent caches the kernel reads (MlaKernelConfig.kv_dtype)
 _RAW_ROW = 576                    # bytes of an FP8 latent row (512 + 64 channels) in the staging ring
 
@@ -58,12 +60,9 @@ class MlaKernelConfig:
             raise ValueError(f"block_tokens={self.block_tokens!r}: expected one of {MLA_BLOCK_TOKENS}")
         if self.schedule not in MLA_SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: expected one of {MLA_SCHEDULES}")
-        if self.schedule == "seesaw" and self.block_tokens != 64:
-            raise ValueError(f"block_tokens={self.block_tokens!r}: the seesaw schedule runs 64-token blocks (each "
-                             "block's P takes its stage's 64-row rope box)")
-        if self.schedule == "balanced" and self.block_tokens != 64:
-            raise ValueError(f"block_tokens={self.block_tokens!r}: the balanced schedule runs 64-token blocks (each "
-                             "warpgroup scores 32 of a block's tokens)")
+        if self.schedule in _WHY_64 and self.block_tokens != 64:
+            raise ValueError(f"block_tokens={self.block_tokens!r}: the {self.schedule} schedule runs 64-token blocks "
+                             f"({_WHY_64[self.schedule]})")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if not isinstance(self.num_stages, int) or self.stages < 2 or self.smem_bytes > SMEM_PER_CTA_MAX or (
