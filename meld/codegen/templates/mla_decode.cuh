@@ -16,6 +16,7 @@
 //   - warpgroup 1 (the score warpgroup) computes S, the online softmax, writes P (bf16) and each row's
 //     rescale into shared memory, and accumulates O's latent channels 0-255;
 //   - warpgroup 2 accumulates channels 256-511 from the same P and V.
+// (The opt-in seesaw and balanced builds share warpgroups 1 and 2's work otherwise: mla_seesaw, mla_balanced.)
 // The score warpgroup hands each block's P and row rescale to warpgroup 2 through two named barriers that
 // both sync on (P_FULL: P is written; P_EMPTY: warpgroup 2 is done with it). compute-sanitizer's racecheck
 // models neither an mbarrier hand-off of generic stores nor barrier.arrive (tools/SANITIZE.md), and
@@ -41,7 +42,7 @@
 //
 // Defined by the including source: BLOCK_TOKENS, NUM_STAGES, MELD_PROFILE, MELD_WATCHDOG_NS, MlaParams, CtaRow,
 // split_kv.cuh, hopper.cuh, wgmma_bf16 (m64nBLOCK_TOKENS) and wgmma_bf16_tb (m64n256, B MN-major); FP8 builds
-// MLA_KV_FP8 and RAW_STAGES.
+// MLA_KV_FP8 and RAW_STAGES; the balanced build MLA_BALANCED, wgmma_bf16 (m64n32) and wgmma_rs_tb (m64n256).
 
 namespace meld {
 
