@@ -20,7 +20,9 @@ SCALE = 192 ** -0.5
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50),
-                                 MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True)],
+                                 MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True),
+                                 MlaKernelConfig.for_cache("float8_e4m3fn"),
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", profile=True)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
     """No spills, and no wgmma that ptxas serialises (C7520: a wgmma in flight across divergent code)."""

@@ -95,6 +95,24 @@ def _check_against_float64(q, kv, pb, out, lse, nan_row):
     torch.testing.assert_close(lse[ok].double(), ref_lse[ok], atol=1e-3, rtol=1e-3)
 
 
+def _bit_identical_runs(call, shape, dtype, fast: tuple[bool, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """call(out, lse) once per entry of `fast` into NaN-filled out [shape] and lse [shape[:2]], each taking the C++
+    fast path exactly when its entry says so; every run's bits equal the first's. Returns the (out, lse) pairs."""
+    outs = []
+    for f in fast:
+        out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+        lse = torch.full(shape[:2], float("nan"), device="cuda")
+        hits = torch_fastcall.hits()
+        call(out, lse)
+        assert torch_fastcall.hits() - hits == int(f)
+        outs.append((out, lse))
+    torch.cuda.synchronize()
+    for out, lse in outs[1:]:
+        assert torch.equal(out.view(torch.int16), outs[0][0].view(torch.int16))
+        assert torch.equal(lse.view(torch.int32), outs[0][1].view(torch.int32))
+    return outs
+
+
 @pytest.mark.gpu
 def test_gpu_decode_fast_equals_slow():
     """The op through the fast path equals the Python path bit for bit, on fresh inputs after each re-plan
@@ -108,18 +126,8 @@ def test_gpu_decode_fast_equals_slow():
         kv = torch.randn(pb.num_pages, 2, P, HKV, D, dtype=BF16, device="cuda")
         q = torch.randn(len(lens), HQ, D, dtype=BF16, device="cuda")
         q[1, 3, 5] = float("nan")
-        outs = []
-        for fast in (False, False, True, True):
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full(q.shape[:2], float("nan"), device="cuda")
-            hits = torch_fastcall.hits()
-            op(q, kv, out, lse, attn.handle)
-            assert torch_fastcall.hits() - hits == int(fast)
-            outs.append((out, lse))
-        torch.cuda.synchronize()
-        for out, lse in outs[1:]:
-            assert torch.equal(out.view(torch.int16), outs[0][0].view(torch.int16))
-            assert torch.equal(lse.view(torch.int32), outs[0][1].view(torch.int32))
+        outs = _bit_identical_runs(lambda out, lse: op(q, kv, out, lse, attn.handle), q.shape, q.dtype,
+                                   (False, False, True, True))
         _check_against_float64(q, kv, pb, *outs[-1], nan_row=1)
 
 
@@ -196,18 +204,8 @@ def test_gpu_mla_fast_equals_slow():
     for seed, lens in enumerate(([100, 7, 3000], [1, 65, 130, 500])):
         pb, qn, qp, ckv, kpe = _inputs(lens, H, P, gen_seed=seed)
         mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
-        outs = []
-        for fast in (False, True, True):
-            out = torch.full(qn.shape, float("nan"), dtype=BF16, device="cuda")
-            lse = torch.full(qn.shape[:2], float("nan"), device="cuda")
-            hits = torch_fastcall.hits()
-            op(qn, qp, ckv, kpe, out, lse, mla.handle)
-            assert torch_fastcall.hits() - hits == int(fast)
-            outs.append((out, lse))
-        torch.cuda.synchronize()
-        for out, lse in outs[1:]:
-            assert torch.equal(out.view(torch.int16), outs[0][0].view(torch.int16))
-            assert torch.equal(lse.view(torch.int32), outs[0][1].view(torch.int32))
+        outs = _bit_identical_runs(lambda out, lse: op(qn, qp, ckv, kpe, out, lse, mla.handle), qn.shape, BF16,
+                                   (False, True, True))
         ref, _ = mla_reference(qn.cpu(), qp.cpu(), ckv.cpu(), kpe.cpu(), pb.kv_indptr, pb.kv_indices,
                                pb.kv_last_page_len, SCALE)
         o = outs[0][0].cpu().double()
