@@ -94,6 +94,10 @@ static_assert(CPR <= 32 && 32 % CPR == 0, "a token row's chunks fit a warp's lan
 #ifndef MELD_PREFIX_WGMMA
 #define MELD_PREFIX_WGMMA 0
 #endif
+#ifndef MELD_DEFER_SPLIT_EVENTS
+#define MELD_DEFER_SPLIT_EVENTS 0
+#endif
+constexpr bool DEFER_SPLIT = MELD_DEFER_SPLIT_EVENTS;   // split tasks count (and merge) after the CTA's last task
 constexpr bool PREFIX_WGMMA = MELD_PREFIX_WGMMA;   // tasks of more rows on wgmma, a warpgroup's 64 rows at once
 constexpr int WG_ROWS = 64;                        // wgmma's M
 constexpr int SW_BLOCK = CHUNK * 128;              // the wgmma build: a chunk's 64-channel column block (bytes)
@@ -466,6 +470,32 @@ __device__ __forceinline__ void merge_events(const GroupedParams& p, const int* 
   for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
 }
 
+// One round of arrivals, after the barrier-ordered stores of the partials they cover: each thread for which
+// `pick(e)` holds arrives once at event e, and the CTA merges every event these arrivals completed at once
+// (merge_events); `unit` names the round's task in the profile.
+template <class Pick>
+__device__ __forceinline__ void arrive_round(const GroupedParams& p, Pick pick, int* fired, Event* fired_rows,
+                                             int& n_fired, Profiler& prof, int unit) {
+  if (threadIdx.x == 0) n_fired = 0;
+  __syncthreads();   // every row of the task is stored
+  int e;
+  if (pick(e)) {
+    __threadfence();   // the CTA's partials, stored before the barrier, before this count
+    const Event ev = load_event(p.events, p.event_capacity, e);
+    if (event_arrive(p.counters + e, 1u, (unsigned)ev.parts)) {
+      __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+      const int k = atomicAdd(&n_fired, 1);
+      fired[k] = e;
+      fired_rows[k] = ev;
+    }
+  }
+  __syncthreads();
+  const i64 t1 = prof.now();
+  merge_events(p, fired, fired_rows, n_fired);
+  if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, unit);
+  __syncthreads();   // (fired and n_fired are rewritten next)
+}
+
 // The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
 struct GroupedFamily {
   using Params = GroupedParams;
@@ -609,27 +639,21 @@ struct GroupedFamily {
         store_rows(p, tk, rb, row0, rows, lane);
       }
       prof.record(t0, PROF_PIECE, i);
+      if (DEFER_SPLIT && split) continue;   // (counted after the CTA's last task)
       const int end = tk.event_first + tk.event_count;
-      for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS) {   // count the task's arrival, a thread an event
-        if (threadIdx.x == 0) n_fired = 0;
-        __syncthreads();   // every row of the task is stored
-        const int e = e0 + threadIdx.x;
-        if (e < end) {
-          __threadfence();   // the CTA's partials, stored before the barrier, before this count
-          const Event ev = load_event(p.events, p.event_capacity, e);
-          if (event_arrive(p.counters + e, 1u, (unsigned)ev.parts)) {
-            __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
-            const int k = atomicAdd(&n_fired, 1);
-            fired[k] = e;
-            fired_rows[k] = ev;
-          }
-        }
-        __syncthreads();
-        const i64 t1 = prof.now();
-        merge_events(p, fired, fired_rows, n_fired);
-        if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, i);
-        __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
-      }
+      for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS)   // count the task's arrival, a thread an event
+        arrive_round(p, [&](int& e) { e = e0 + threadIdx.x; return e < end; }, fired, fired_rows, n_fired, prof, i);
+    }
+    // MELD_DEFER_SPLIT_EVENTS: the split tasks' arrivals, GTHREADS / GT tasks a round (a split task has at most
+    // GT rows, so at most GT events): thread j arrives for event j % GT of the round's task j / GT.
+    for (int i0 = first; DEFER_SPLIT && i0 < last; i0 += GTHREADS / GT) {
+      const int i = i0 + threadIdx.x / GT, k = threadIdx.x % GT;
+      arrive_round(p, [&](int& e) {
+        if (i >= last) return false;
+        const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+        e = tk.event_first + k;
+        return tk.event_count * p.group_size <= GT && k < tk.event_count;
+      }, fired, fired_rows, n_fired, prof, i0);
     }
     prof.end(gridDim.x);
   }
