@@ -24,7 +24,10 @@ speedup = FlashInfer cascade / meld cascade; vs flat = meld non-cascade / meld c
 bar); /floor = meld cascade / floor; meld-cascade-cta is the same operator with `split_stream="cta"` (a
 request's own suffix streamed through the CTA's ring, the default until 2026-12-03), and cta/warp compares it;
 meld-cascade-mma is the same operator with `prefix_mma="mma"` (a shared prefix's tasks on mma.sync, a warp's 16
-rows at once, where the default is wgmma's warpgroup of 64), and mma/default compares it with the default. `--trace DIR`
+rows at once, where the default is wgmma's warpgroup of 64), and mma/default compares it with the default;
+meld-cascade-defer (run only when --impls names it) is the default with `defer_split_events=True` (a request's own
+suffix counts at its events, and merges those it completes, after its CTA's last task), and defer/default compares
+it with the default. `--trace DIR`
 also writes meld's cascade kernel's per-SM timeline of each case (a task's attention as "piece", the merges it
 fired as "merge-hbm"; Chrome JSON + PNG).
 """
@@ -56,6 +59,7 @@ from bench.harness import (  # noqa: E402
 HQ, HKV, D, PAGE_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 IMPLS = ("meld-cascade", "meld-cascade-cta", "meld-cascade-mma", "meld-flat", "fi-cascade")
+OPT_IN_IMPLS = ("meld-cascade-defer",)   # (not in the default run)
 FI_WORKSPACE_BYTES = 128 << 20
 
 
@@ -178,6 +182,7 @@ def build_fi_cascade(inp: Inputs) -> Impl:
 
 BUILDERS = {"meld-cascade": build_meld_cascade, "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta"),
             "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma"),
+            "meld-cascade-defer": partial(build_meld_cascade, defer_split_events=True),
             "meld-flat": build_meld_flat, "fi-cascade": build_fi_cascade}
 
 
@@ -189,12 +194,12 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         return median_us(r) if r and not r.get("errors") and not r.get("skipped") else None
 
     mc, mt, mf, fi = us("meld-cascade"), us("meld-cascade-cta"), us("meld-flat"), us("fi-cascade")
-    mm = us("meld-cascade-mma")
+    mm, md = us("meld-cascade-mma"), us("meld-cascade-defer")
     return {
         "case": case.name, "B": case.batch, "prefix": case.prefix, "suffix": case.suffix, "groups": case.groups,
         "unique_mib": unique_bytes(case) / (1 << 20),
         "meld_cascade_us": cell("meld-cascade"), "meld_cta_us": cell("meld-cascade-cta"),
-        "meld_mma_us": cell("meld-cascade-mma"),
+        "meld_mma_us": cell("meld-cascade-mma"), "meld_defer_us": cell("meld-cascade-defer"),
         "meld_flat_us": cell("meld-flat"), "fi_us": cell("fi-cascade"),
         "floor_us": floor_us,
         "speedup": fi / mc if fi and mc else None, "vs_flat": mf / mc if mf and mc else None,
@@ -203,6 +208,7 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         "flat_vs_fi": fi / mf if fi and mf else None,
         "warp_vs_cta": mt / mc if mc and mt else None,
         "mma_vs_default": mm / mc if mc and mm else None,
+        "defer_vs_default": md / mc if mc and md else None,
         "results": results,
     }
 
@@ -211,19 +217,20 @@ COLUMNS = [
     Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"), Column("groups", "G", "d"),
     Column("unique_mib", "unique MiB", ".0f"), Column("meld_cascade_us", "meld cascade µs", ".1f"),
     Column("meld_cta_us", "meld cta µs", ".1f"), Column("meld_mma_us", "meld mma µs", ".1f"),
+    Column("meld_defer_us", "meld defer µs", ".1f"),
     Column("meld_flat_us", "meld flat µs", ".1f"),
     Column("fi_us", "FI cascade µs", ".1f"),
     Column("floor_us", "floor µs", ".1f"), Column("speedup", "speedup", ".2f"), Column("vs_flat", "vs flat", ".2f"),
     Column("per_floor", "/floor", ".2f"), Column("fi_per_floor", "FI/floor", ".2f"),
     Column("flat_vs_fi", "FI/flat", ".2f"), Column("warp_vs_cta", "cta/warp", ".2f"),
-    Column("mma_vs_default", "mma/default", ".2f"),
+    Column("mma_vs_default", "mma/default", ".2f"), Column("defer_vs_default", "defer/default", ".2f"),
 ]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, nargs="+", help=f"indices into the case list (0..{len(CASES) - 1})")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--impls", nargs="+", choices=IMPLS + OPT_IN_IMPLS, default=list(IMPLS))
     p.add_argument("--quick", action="store_true", help="30 replays")
     add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -330,8 +337,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = env_info()
     env["commit"] = args.commit or env["commit"]
     failures: list[str] = []
-    imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-cascade-mma": "meld", "meld-flat": "meld",
-               "fi-cascade": "flashinfer"}
+    imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-cascade-mma": "meld",
+               "meld-cascade-defer": "meld", "meld-flat": "meld", "fi-cascade": "flashinfer"}
     args.impls = keep_available(args.impls, lambda n: __import__(imports[n]), failures,
                                 why=lambda n: f"import {imports[n]} failed")
     print(env_line(env), flush=True)
@@ -343,7 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 ("rows_per_tile", args.rows_per_tile)) if v is not None}
     builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw),
                 "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta", **op_kw),
-                "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma", **op_kw)}
+                "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma", **op_kw),
+                "meld-cascade-defer": partial(build_meld_cascade, defer_split_events=True, **op_kw)}
     for i, case in enumerate(cases, 1):
         inp = make_inputs(case, args.seed)
         print(f"[{i}/{len(cases)}] {case.name}: {inp.batch.num_pages} pages, unique "
@@ -367,7 +375,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "/floor = meld cascade µs / a pure read of the unique bytes; FI/flat = FlashInfer cascade µs / meld "
           "non-cascade µs; cta/warp = meld cascade-cta µs / meld cascade µs (> 1: the default warp build, split tasks "
           "through the warps' own rings, is faster); mma/default = meld cascade-mma µs / meld cascade µs (> 1: "
-          "the default, the prefix tasks on wgmma, is faster)")
+          "the default, the prefix tasks on wgmma, is faster); defer/default = meld cascade-defer µs / meld cascade µs "
+          "(< 1: deferring the split tasks' counts is faster)")
     print(f"summary: {failure_head(failures)}")
     return 1 if failures else 0
 

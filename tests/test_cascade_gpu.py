@@ -1,7 +1,8 @@
 """The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs, each of its
 builds (split_stream "cta": split tasks through the CTA's ring; "warp": through each warp's own ring, with
 prefix_mma="mma"; "wgmma": the warp build with a shared prefix's tasks of more than 16 rows on wgmma, the
-operator's default at head_dim 64 and 128)."""
+operator's default at head_dim 64 and 128; "warp-defer" and "defer": those two with defer_split_events, a split
+task's count and merges after the CTA's last task)."""
 from __future__ import annotations
 
 import math
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.gpu
 
 HKV, P = 2, 16
 BUILDS = {"cta": dict(split_stream="cta"), "warp": dict(split_stream="warp", prefix_mma="mma"),
-          "wgmma": dict(prefix_mma="wgmma")}
+          "wgmma": dict(prefix_mma="wgmma"), "warp-defer": dict(prefix_mma="mma", defer_split_events=True),
+          "defer": dict(defer_split_events=True)}
 every_build = pytest.mark.parametrize("build", list(BUILDS.values()), ids=list(BUILDS))
 
 
@@ -210,3 +212,15 @@ def test_a_profiled_launch_records_every_task_and_its_merges(build):
     assert tr.overflowed == 0
     assert all(r.cta == cta[r.unit] for r in tr.tasks), "each record on the CTA the plan gave its task"
 
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deferred_split_events_give_the_same_bits_over_many_rounds(head_dim):
+    """Two CTAs over 40 one-request suffixes and two kv heads (80 split tasks: a CTA counts them in three or more
+    rounds of 16 after its last task) beside a shared prefix: the float64 check, and defer_split_events=True gives
+    the same bits as counting after each task (an event's parts merge in the planner's order either way)."""
+    suffix = [int(n) for n in np.random.default_rng(9).integers(1, 260, 40)]
+    kw = dict(head_dim=head_dim, seed=9, num_ctas=2)
+    out, lse = _check([40], [333], suffix, defer_split_events=True, **kw)
+    base_o, base_l = _check([40], [333], suffix, **kw)
+    assert torch.equal(out, base_o) and torch.equal(lse, base_l)

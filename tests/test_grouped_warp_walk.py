@@ -2,8 +2,9 @@
 which warp takes which tile of which split task, its ring's stages (each tile issued into a stage whose last
 tile was read, and read only once it is the tile the loop expects), the cursor's run-ahead into the CTA's next
 split task and its stop at a task of more rows, the zero-filled and masked partial last tile, each warp's
-online softmax and the merge of the warps' states, then the count-fired merge of the events. Checked against
-float64 attention on random batches, and shown to fail when the walk drops a tile."""
+online softmax and the merge of the warps' states, then the count-fired merge of the events (after each task, or
+with `defer`, GroupedKernelConfig(defer_split_events=True), a split task's count after the CTA's last task, GT tasks
+a round). Checked against float64 attention on random batches, and shown to fail when the walk drops a tile."""
 import math
 
 import numpy as np
@@ -29,9 +30,10 @@ SHAPES = sorted({(c.split_warps, c.warp_stages) for c in (GroupedKernelConfig("b
 
 class Walk:
     """The warp build's run() over one launch's tables, the kernel's names where it has them. `drop_partial`
-    breaks it on purpose: a tile with fewer than 16 tokens is not attended."""
+    breaks it on purpose: a tile with fewer than 16 tokens is not attended. `defer`: the split tasks count at
+    their events after the CTA's last task (MELD_DEFER_SPLIT_EVENTS)."""
 
-    def __init__(self, plan, order, q, kv, sm_scale, warps, stages, drop_partial=False):
+    def __init__(self, plan, order, q, kv, sm_scale, warps, stages, drop_partial=False, defer=False):
         caps = grown({}, _launch_need(plan, order, profile=False))
         layout = LaunchLayout.of(caps)
         self.lt = layout.views(np.zeros(layout.size, dtype=np.int32))
@@ -42,7 +44,8 @@ class Walk:
         self.num_slots, self.num_events = plan.num_slots, plan.batch * plan.num_kv_heads
         self.q, self.kv = q.double().numpy(), kv.double().numpy()
         self.scale = sm_scale * LOG2E
-        self.warps, self.stages, self.drop_partial = warps, stages, drop_partial
+        self.warps, self.stages, self.drop_partial, self.defer = warps, stages, drop_partial, defer
+        self.merged = np.zeros(self.num_events, dtype=np.int64)   # merges of each event (exactly one)
         self.run_ahead = 0   # tiles a warp issued for a task before that task began (the cursor ran ahead)
 
     def split(self, i):
@@ -101,6 +104,7 @@ class Walk:
         counters = np.zeros(self.num_events, dtype=np.int64)
 
         def merge(e):
+            self.merged[e] += 1
             b, h = e % B, e // B
             slots = self.lt["part_slot"][self.ev["part_first"][e]:self.ev["part_first"][e] + self.ev["parts"][e]]
             for j in range(G):
@@ -112,6 +116,15 @@ class Walk:
                 w = np.exp2(ls - m)
                 out[b, h * G + j] = (w[:, None] * part_o[slots + j]).sum(0) / w.sum()
                 lse[b, h * G + j] = (m + np.log2(w.sum())) / LOG2E
+
+        def arrive(events):   # one round: every arrival counted, then the events it completed merged
+            done = []
+            for e in events:
+                counters[e] += 1
+                if counters[e] == self.ev["parts"][e]:
+                    done.append(e)
+            for e in done:
+                merge(e)
 
         for e in np.flatnonzero(self.ev["parts"][:self.num_events] == 0):
             merge(int(e))
@@ -168,12 +181,14 @@ class Walk:
                     p = np.exp2(s - m[:, None])
                     part_o[t["slot"][i]:t["slot"][i] + rows] = p @ v / p.sum(1)[:, None]
                     part_lse[t["slot"][i]:t["slot"][i] + rows] = m + np.log2(p.sum(1))
-                for e in range(t["event_first"][i], t["event_first"][i] + t["event_count"][i]):
-                    counters[e] += 1
-                    if counters[e] == self.ev["parts"][e]:
-                        merge(e)
+                if not (self.defer and self.split(i)):
+                    arrive(range(t["event_first"][i], t["event_first"][i] + t["event_count"][i]))
+            for i0 in range(first, last, GT) if self.defer else ():   # the split tasks' counts, deferred
+                arrive([t["event_first"][i] + k for i in range(i0, min(i0 + GT, last)) if self.split(i)
+                        for k in range(t["event_count"][i])])
             for w in range(self.warps):   # the CTA's end: nothing issued that was not read
                 assert all(s is None or s["read"] for s in rings[w]), f"CTA {cta}: warp {w} left a tile unread"
+        assert (self.merged == 1).all(), "every event merged exactly once"
         return torch.from_numpy(out), torch.from_numpy(lse)
 
 
@@ -197,10 +212,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["count-each-task", "defer-split-events"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"w{s[0]}s{s[1]}")
 @pytest.mark.parametrize("groups,prefix,suffix,ctas", CASES)
-def test_the_warp_builds_walk_is_the_reference(groups, prefix, suffix, ctas, shape):
-    _, (got_o, got_l), (want_o, want_l) = walk(groups, prefix, suffix, ctas, shape)
+def test_the_warp_builds_walk_is_the_reference(groups, prefix, suffix, ctas, shape, defer):
+    _, (got_o, got_l), (want_o, want_l) = walk(groups, prefix, suffix, ctas, shape, defer=defer)
     torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9, equal_nan=True)
     torch.testing.assert_close(got_l, want_l, rtol=1e-9, atol=1e-9, equal_nan=True)
 

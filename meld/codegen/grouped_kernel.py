@@ -43,7 +43,8 @@ class GroupedKernelConfig:
     the task to the end of the CTA's walk, where the CTA counts all its split tasks' arrivals at once (16 tasks a
     round) and merges the events they complete together. A request's own suffix then ends as decode's pieces do
     (its warps' merge and a partial store), not in an L2 round trip chain that stalls every warp of the CTA (a
-    fence, the event's row, an atomic, then often a merge of the event's parts). Off by default.
+    fence, the event's row, an atomic, then often a merge of the event's parts). It needs the "warp" split stream.
+    Off by default.
     """
 
     dtype: str = "bfloat16"
@@ -67,6 +68,10 @@ class GroupedKernelConfig:
                              "split_stream='warp'")
         if not isinstance(self.defer_split_events, bool):
             raise ValueError(f"defer_split_events={self.defer_split_events!r}: expected a bool")
+        if self.defer_split_events and self.split_stream != "warp":
+            raise ValueError(f"defer_split_events=True with split_stream={self.split_stream!r}: it needs "
+                             "split_stream='warp' (the cta build at head_dim 256 has no registers for the CTA's "
+                             "deferred count)")
         if self.prefix_mma == "wgmma" and self.head_dim == 256:
             raise ValueError("prefix_mma='wgmma' with head_dim=256: its accumulators do not fit the registers "
                              "(head_dim 64 or 128)")

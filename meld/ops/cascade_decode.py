@@ -89,7 +89,8 @@ class CascadeDecode(Operator):
             The same results up to rounding; the CPU executor ignores it.
         defer_split_events: the GPU kernel counts a split task's arrival at its events (and merges those it
             completes) after the CTA's last task rather than after the task, so a request's own suffix ends without
-            stalling the CTA on L2 round trips (`GroupedKernelConfig.defer_split_events`; default False). The same
+            stalling the CTA on L2 round trips (`GroupedKernelConfig.defer_split_events`; needs split_stream "warp";
+            default False). The same
             results, bit for bit (an event's parts merge in the planner's order either way); the CPU executor
             ignores it.
 
@@ -116,7 +117,8 @@ class CascadeDecode(Operator):
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
         if not isinstance(defer_split_events, bool):
             raise ValueError(f"defer_split_events must be a bool, got {defer_split_events!r}")
-        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma)   # (the pair's checks)
+        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma,   # (the builds' checks)
+                            defer_split_events=defer_split_events)
         self.split_stream, self.prefix_mma, self.defer_split_events = split_stream, prefix_mma, defer_split_events
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
