@@ -27,7 +27,8 @@ meld-cascade-mma is the same operator with `prefix_mma="mma"` (a shared prefix's
 rows at once, where the default is wgmma's warpgroup of 64), and mma/default compares it with the default;
 meld-cascade-defer (run only when --impls names it) is the default with `defer_split_events=True` (a request's own
 suffix counts at its events, and merges those it completes, after its CTA's last task), and defer/default compares
-it with the default. `--trace DIR`
+it with the default; meld-cascade-direct (likewise opt-in) adds `direct_single_part=True` (a split task that is its
+event's one part writes the output), direct/default. `--trace DIR`
 also writes meld's cascade kernel's per-SM timeline of each case (a task's attention as "piece", the merges it
 fired as "merge-hbm"; Chrome JSON + PNG).
 """
@@ -59,7 +60,8 @@ from bench.harness import (  # noqa: E402
 HQ, HKV, D, PAGE_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 IMPLS = ("meld-cascade", "meld-cascade-cta", "meld-cascade-mma", "meld-flat", "fi-cascade")
-OPT_IN_IMPLS = ("meld-cascade-defer",)   # (not in the default run)
+OPT_IN_IMPLS = ("meld-cascade-defer", "meld-cascade-direct")   # (not in the default run)
+DEFER, DIRECT = dict(defer_split_events=True), dict(defer_split_events=True, direct_single_part=True)
 FI_WORKSPACE_BYTES = 128 << 20
 
 
@@ -182,7 +184,8 @@ def build_fi_cascade(inp: Inputs) -> Impl:
 
 BUILDERS = {"meld-cascade": build_meld_cascade, "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta"),
             "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma"),
-            "meld-cascade-defer": partial(build_meld_cascade, defer_split_events=True),
+            "meld-cascade-defer": partial(build_meld_cascade, **DEFER),
+            "meld-cascade-direct": partial(build_meld_cascade, **DIRECT),
             "meld-flat": build_meld_flat, "fi-cascade": build_fi_cascade}
 
 
@@ -194,12 +197,13 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         return median_us(r) if r and not r.get("errors") and not r.get("skipped") else None
 
     mc, mt, mf, fi = us("meld-cascade"), us("meld-cascade-cta"), us("meld-flat"), us("fi-cascade")
-    mm, md = us("meld-cascade-mma"), us("meld-cascade-defer")
+    mm, md, mdd = us("meld-cascade-mma"), us("meld-cascade-defer"), us("meld-cascade-direct")
     return {
         "case": case.name, "B": case.batch, "prefix": case.prefix, "suffix": case.suffix, "groups": case.groups,
         "unique_mib": unique_bytes(case) / (1 << 20),
         "meld_cascade_us": cell("meld-cascade"), "meld_cta_us": cell("meld-cascade-cta"),
         "meld_mma_us": cell("meld-cascade-mma"), "meld_defer_us": cell("meld-cascade-defer"),
+        "meld_direct_us": cell("meld-cascade-direct"),
         "meld_flat_us": cell("meld-flat"), "fi_us": cell("fi-cascade"),
         "floor_us": floor_us,
         "speedup": fi / mc if fi and mc else None, "vs_flat": mf / mc if mf and mc else None,
@@ -209,6 +213,7 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         "warp_vs_cta": mt / mc if mc and mt else None,
         "mma_vs_default": mm / mc if mc and mm else None,
         "defer_vs_default": md / mc if mc and md else None,
+        "direct_vs_default": mdd / mc if mc and mdd else None,
         "results": results,
     }
 
@@ -217,13 +222,14 @@ COLUMNS = [
     Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"), Column("groups", "G", "d"),
     Column("unique_mib", "unique MiB", ".0f"), Column("meld_cascade_us", "meld cascade µs", ".1f"),
     Column("meld_cta_us", "meld cta µs", ".1f"), Column("meld_mma_us", "meld mma µs", ".1f"),
-    Column("meld_defer_us", "meld defer µs", ".1f"),
+    Column("meld_defer_us", "meld defer µs", ".1f"), Column("meld_direct_us", "meld direct µs", ".1f"),
     Column("meld_flat_us", "meld flat µs", ".1f"),
     Column("fi_us", "FI cascade µs", ".1f"),
     Column("floor_us", "floor µs", ".1f"), Column("speedup", "speedup", ".2f"), Column("vs_flat", "vs flat", ".2f"),
     Column("per_floor", "/floor", ".2f"), Column("fi_per_floor", "FI/floor", ".2f"),
     Column("flat_vs_fi", "FI/flat", ".2f"), Column("warp_vs_cta", "cta/warp", ".2f"),
     Column("mma_vs_default", "mma/default", ".2f"), Column("defer_vs_default", "defer/default", ".2f"),
+    Column("direct_vs_default", "direct/default", ".2f"),
 ]
 
 
@@ -338,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env["commit"] = args.commit or env["commit"]
     failures: list[str] = []
     imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-cascade-mma": "meld",
-               "meld-cascade-defer": "meld", "meld-flat": "meld", "fi-cascade": "flashinfer"}
+               "meld-cascade-defer": "meld", "meld-cascade-direct": "meld", "meld-flat": "meld",
+               "fi-cascade": "flashinfer"}
     args.impls = keep_available(args.impls, lambda n: __import__(imports[n]), failures,
                                 why=lambda n: f"import {imports[n]} failed")
     print(env_line(env), flush=True)
@@ -351,7 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw),
                 "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta", **op_kw),
                 "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma", **op_kw),
-                "meld-cascade-defer": partial(build_meld_cascade, defer_split_events=True, **op_kw)}
+                "meld-cascade-defer": partial(build_meld_cascade, **DEFER, **op_kw),
+                "meld-cascade-direct": partial(build_meld_cascade, **DIRECT, **op_kw)}
     for i, case in enumerate(cases, 1):
         inp = make_inputs(case, args.seed)
         print(f"[{i}/{len(cases)}] {case.name}: {inp.batch.num_pages} pages, unique "
@@ -376,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "non-cascade µs; cta/warp = meld cascade-cta µs / meld cascade µs (> 1: the default warp build, split tasks "
           "through the warps' own rings, is faster); mma/default = meld cascade-mma µs / meld cascade µs (> 1: "
           "the default, the prefix tasks on wgmma, is faster); defer/default = meld cascade-defer µs / meld cascade µs "
-          "(< 1: deferring the split tasks' counts is faster)")
+          "(< 1: deferring the split tasks' counts is faster); direct/default likewise with meld cascade-direct")
     print(f"summary: {failure_head(failures)}")
     return 1 if failures else 0
 

@@ -1,8 +1,9 @@
 """The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs, each of its
 builds (split_stream "cta": split tasks through the CTA's ring; "warp": through each warp's own ring, with
 prefix_mma="mma"; "wgmma": the warp build with a shared prefix's tasks of more than 16 rows on wgmma, the
-operator's default at head_dim 64 and 128; "warp-defer" and "defer": those two with defer_split_events, a split
-task's count and merges after the CTA's last task)."""
+operator's default at head_dim 64 and 128; "defer": the default with defer_split_events, a split task's count and
+merges after the CTA's last task; "warp-direct": the warp build with direct_single_part, a split task that is its
+event's one part writing the output; "defer-direct": the default with both)."""
 from __future__ import annotations
 
 import math
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.gpu
 
 HKV, P = 2, 16
 BUILDS = {"cta": dict(split_stream="cta"), "warp": dict(split_stream="warp", prefix_mma="mma"),
-          "wgmma": dict(prefix_mma="wgmma"), "warp-defer": dict(prefix_mma="mma", defer_split_events=True),
-          "defer": dict(defer_split_events=True)}
+          "wgmma": dict(prefix_mma="wgmma"), "defer": dict(defer_split_events=True),
+          "warp-direct": dict(prefix_mma="mma", direct_single_part=True),
+          "defer-direct": dict(defer_split_events=True, direct_single_part=True)}
 every_build = pytest.mark.parametrize("build", list(BUILDS.values()), ids=list(BUILDS))
 
 
@@ -224,3 +226,39 @@ def test_deferred_split_events_give_the_same_bits_over_many_rounds(head_dim):
     out, lse = _check([40], [333], suffix, defer_split_events=True, **kw)
     base_o, base_l = _check([40], [333], suffix, **kw)
     assert torch.equal(out, base_o) and torch.equal(lse, base_l)
+
+
+@pytest.mark.parametrize("end", [dict(direct_single_part=True), dict(defer_split_events=True, direct_single_part=True)],
+                         ids=["direct", "defer-direct"])
+def test_single_part_events_are_written_by_their_split_task(end):
+    """One level (a group per request, as the fold probe runs it: each event's one part is its request's split task,
+    or two where a request is cut between CTAs) and two levels with empty prefixes: the float64 check, NaN in one
+    request's V reaching only its P.V rows, and the same outputs as the merge of one part (to a bf16 rounding)."""
+    B, Hq, D = 24, HKV * 4, 128
+    rng = np.random.default_rng(12)
+    lens = [int(n) for n in rng.integers(1, 900, B)]
+    levels, pages = _levels([B], [0], lens, seed=12)
+    one = [levels[1]]
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(B, Hq, D, generator=g).bfloat16()
+    kv = torch.randn(pages + 1, 2, P, HKV, D, generator=g).bfloat16()
+    kv[int(one[0][2][int(one[0][1][5])]), 1, 3, 1, 7] = float("nan")   # V of request 5, kv head 1
+    outs = []
+    for kw in (end, {}):
+        op = meld.CascadeDecode(Hq, HKV, D, P, 1, torch.bfloat16, "cuda", num_ctas=7, **kw)
+        op.plan(*[[lv[i] for lv in one] for i in range(4)])
+        out = torch.full((B, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((B, Hq), float("nan"), device="cuda")
+        op.run(q.cuda(), kv.cuda(), out=out, lse=lse)
+        torch.cuda.synchronize()
+        outs.append((out.cpu(), lse.cpu()))
+    want_o, want_l = cascade_reference(q, kv, one)
+    (out, lse), (base_o, base_l) = outs
+    torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse.double(), want_l, rtol=1e-3, atol=1e-3, equal_nan=True)
+    bad = torch.zeros(B, Hq, dtype=torch.bool)
+    bad[5, 4:] = True
+    assert out[bad].isnan().any(dim=-1).all() and out[~bad].isfinite().all() and lse.isfinite().all()
+    torch.testing.assert_close(out, base_o, rtol=2 ** -7, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse, base_l, rtol=1e-6, atol=1e-6)
+    _check([B], [0], lens, seed=12, num_ctas=7, **end)   # two levels, the prefix empty

@@ -93,6 +93,10 @@ class CascadeDecode(Operator):
             default False). The same
             results, bit for bit (an event's parts merge in the planner's order either way); the CPU executor
             ignores it.
+        direct_single_part: a split task that is its event's one part (a request with no shared level, a plan of one
+            level) writes the output itself, with no partial, count or merge
+            (`GroupedKernelConfig.direct_single_part`; needs split_stream "warp"; default False). The same results
+            as the merge of that one part; the CPU executor ignores it.
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -102,7 +106,8 @@ class CascadeDecode(Operator):
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
                  num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
                  merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
-                 split_stream: str = "warp", prefix_mma: str | None = None, defer_split_events: bool = False):
+                 split_stream: str = "warp", prefix_mma: str | None = None, defer_split_events: bool = False,
+                 direct_single_part: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
@@ -115,11 +120,13 @@ class CascadeDecode(Operator):
             prefix_mma = GroupedKernelConfig.prefix_mma_for(split_stream, head_dim)
         if prefix_mma not in PREFIX_MMAS:
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
-        if not isinstance(defer_split_events, bool):
-            raise ValueError(f"defer_split_events must be a bool, got {defer_split_events!r}")
+        for name, v in (("defer_split_events", defer_split_events), ("direct_single_part", direct_single_part)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {v!r}")
         GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma,   # (the builds' checks)
-                            defer_split_events=defer_split_events)
-        self.split_stream, self.prefix_mma, self.defer_split_events = split_stream, prefix_mma, defer_split_events
+                            defer_split_events=defer_split_events, direct_single_part=direct_single_part)
+        self.split_stream, self.prefix_mma = split_stream, prefix_mma
+        self.defer_split_events, self.direct_single_part = defer_split_events, direct_single_part
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self.item_overhead_tokens = check_count("item_overhead_tokens", item_overhead_tokens, 1 << 20)
@@ -134,7 +141,8 @@ class CascadeDecode(Operator):
             self._require_hopper()
             kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile(), split_stream=split_stream,
                                                                      prefix_mma=prefix_mma,
-                                                                     defer_split_events=defer_split_events)
+                                                                     defer_split_events=defer_split_events,
+                                                                     direct_single_part=direct_single_part)
             self._slice_rows = kc.row_blocks * 16
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "
