@@ -104,7 +104,7 @@ def test_tile_rows_follow_the_closed_form_ticket_order():
         assert np.array_equal(t["last_row_block"], rb) and np.array_equal(t["col_end"], col + 1)
         assert np.array_equal(t["event_first"], rb) and np.all(t["event_count"] == 1)
         assert np.all(t["kind"] == MOE_TILE.kind) and np.all(t["cta"] == -1) and np.all(t["slot"] == -1)
-        assert not np.any([t[f] for f in ("arg1", "arg2", "arg3")])
+        assert not np.any([t[f] for f in ("slice", "slices", "arg3")])
 
 
 def test_executor_refuses_a_gemm2_tile_before_its_row_block_event():

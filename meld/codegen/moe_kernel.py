@@ -27,6 +27,14 @@ MAIN_THREADS = 384        # one producer warpgroup, two consumer warpgroups
 SCATTER_WARPS = 2         # tokens per dispatch CTA (one warp each)
 ROUTE_BLOCK = 32          # tokens per routing CTA (one warp each; templates/moe.cuh: TOK_BLOCK)
 NARROW_MAX_TOKENS = 32    # token blocks up to this size run narrow tiles (templates/moe.cuh)
+CONSUMER_THREADS = 256    # two consumer warpgroups (templates/moe.cuh: CONSUMERS)
+
+
+def split_buffer_sizes(ctas: int, block_tokens: int) -> tuple[int, int]:
+    """Split K's buffers for a main launch of `ctas` (templates/moe.cuh: split_reduce): (counters, float32
+    partial sums). A split phase has fewer tiles than CTAs (a counter each) and under 2 * ctas slices, each
+    of whose consumer threads stores its accumulator (BLOCK_TOKENS / 2 floats); two phases."""
+    return 2 * ctas, 2 * 2 * ctas * CONSUMER_THREADS * (block_tokens // 2)
 
 
 def tile_columns(block_tokens: int, fp8: bool = False) -> tuple[int, int]:
@@ -85,6 +93,9 @@ class MoeKernelConfig:
                                  # a token with only such pairs keeps its output row unwritten
     weight_dtype: str = "bf16"   # "e4m3": FP8 weights with a float32 scale per 128 x 128 block (DeepSeek-V3);
                                  # activations quantised per token per 128 channels; wgmma e4m3, f32 sums
+    split_k: bool = False        # a phase whose tiles leave SMs idle cuts their K into slices (templates/moe_plan.h:
+                                 # moe_split), summed by each tile's last slice. Narrow tiles only (`split`: wide
+                                 # ones, of large batches that fill the SMs, take whole K); FP8 refuses it
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -96,6 +107,9 @@ class MoeKernelConfig:
         if self.fp8 and (self.k_boxes != 1 or self.packed_weights):
             raise ValueError(f"weight_dtype='e4m3' with k_boxes={self.k_boxes}, packed_weights={self.packed_weights}:"
                              " FP8 weights run plain, one K box a stage")
+        if self.split_k and self.fp8:
+            raise ValueError("split_k with weight_dtype='e4m3': FP8 tiles take whole K (their block scales are applied "
+                             "per K block inside the tile)")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if self.k_boxes not in (1, 2):
@@ -115,6 +129,11 @@ class MoeKernelConfig:
     @property
     def narrow(self) -> bool:
         return self.block_tokens <= NARROW_MAX_TOKENS
+
+    @property
+    def split(self) -> bool:
+        """Split K in this build: split_k, for narrow tiles."""
+        return self.split_k and self.narrow
 
     @property
     def fp8(self) -> bool:
@@ -153,7 +172,8 @@ class MoeKernelConfig:
         return (f"meld_moe_{self.weight_dtype}_n{self.block_tokens}_s{self.stages}" + (f"_k{self.boxes}" if self.boxes > 1 else "")
                 + ("_pw" if self.packed_weights else "") + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
-                + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else ""))
+                + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else "")
+                + ("_sk" if self.split else ""))
 
     def render(self) -> str:
         head = "\n".join([
@@ -172,6 +192,7 @@ class MoeKernelConfig:
             f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
             f"#define MELD_PACKED {int(self.packed_weights)}",
             f"#define MELD_FP8 {int(self.fp8)}",
+            f"#define MELD_SPLIT_K {int(self.split)}",
         ])
         mma = wgmma_e4m3 if self.fp8 else wgmma_bf16
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"),

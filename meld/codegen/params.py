@@ -382,6 +382,11 @@ MOE_PARAMS = _with_header("MoeParams", [
     Field("w2_scale", "ptr", "const float*"),    # [E][ceil(H / 128)][ceil(I / 128)]
     Field("scale_ld", "i32"),                    # rows of xs and act (their capacity)
     Field("task_capacity", "i32"),               # rows of the tasks table (a field's stride)
+    # MELD_SPLIT_K (templates/moe_plan.h): the main launch's grid, which the planner's slices fill; per phase, a
+    # counter of slices done per tile and the slices' float32 sums (meld.codegen.moe_kernel.split_buffer_sizes)
+    Field("main_ctas", "i32"),
+    Field("split_cnt", "ptr", "int*"),
+    Field("split_part", "ptr", "float*"),
 ])
 
 # The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/distributed/tp_linear.py).

@@ -133,6 +133,7 @@ TP_PIECE = TASK.view("TpPiece", "tp_piece", first="tile", begin="k0", last="last
 ROW_BLOCKS = Table("RowBlock", ("expert", "first_row", "rows", "pad"), field_major=False)
 # Its tiles in ticket order (`MOE_TILE` above): gemm 0 computes act for columns [col, col_end) of I, gemm 1 y for
 # those of H. The row's event is its row block's (event_first = row_block, event_count = 1), so the kernel reads
-# row_block for both and loads three fields of a row: gemm, row_block, col.
+# row_block for both and loads three fields of a row: gemm, row_block, col. Split K (templates/moe_plan.h): the
+# tile is K slice `slice` of `slices` (0 and 0 in a plan without split K).
 MOE_TILE = TASK.view("MoeTile", "moe_tile", first="row_block", begin="col", last="last_row_block", end="col_end",
-                     arg0="gemm")
+                     arg0="gemm", arg1="slice", arg2="slices")

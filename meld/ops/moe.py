@@ -20,11 +20,11 @@ import torch
 
 from .. import config
 from ..codegen.moe_kernel import (BLOCK_TOKEN_CHOICES, FP8_BLOCK_TOKEN_CHOICES, FP8_GROUP, MAIN_THREADS, MAX_EXPERTS,
-                                  ROUTE_BLOCK, SCATTER_WARPS, MoeKernelConfig, block_tokens_for, route_smem_bytes,
-                                  tile_columns, token_box_rows)
+                                  NARROW_MAX_TOKENS, ROUTE_BLOCK, SCATTER_WARPS, MoeKernelConfig, block_tokens_for,
+                                  route_smem_bytes, split_buffer_sizes, tile_columns, token_box_rows)
 from ..ir.work_table import MOE_TILE, ROW_BLOCKS
 from ..scheduler import Topology
-from ..scheduler.moe_plan import moe_tile_table
+from ..scheduler.moe_plan import MoeSplit, moe_tile_table
 from .base import Operator
 from .checks import (check_output, check_pair, check_positive, exactly, expect, grad_inputs, is_int, no_backward,
                      plain, resolve_device)
@@ -155,6 +155,8 @@ class MoE(Operator):
         T, k, E, H, I = self.max_num_tokens, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size
         R = T * k
         nblk = -(-T // ROUTE_BLOCK)
+        if self._kernel_config.split_k:   # a split phase's slices: under 2 * grid tickets (templates/moe_plan.h)
+            self._tile_cap += 2 * self._grid
         ops = self.weight_dtype   # the GEMMs' activation operands: e4m3 with FP8 weights
         g = FP8_GROUP
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -173,6 +175,9 @@ class MoE(Operator):
             "act": torch.empty(R, I, dtype=ops, device=self.device),
             "y": torch.empty(R, H, dtype=self.dtype, device=self.device),
         }
+        if self._kernel_config.split_k:   # sized for the widest narrow block
+            cnt, part = split_buffer_sizes(self._grid, NARROW_MAX_TOKENS)
+            b["split_cnt"], b["split_part"] = torch.zeros(cnt, **i32), torch.empty(part, **f32)
         if self._fp8:   # x's and act's scales per 128 channels, [groups][rows]
             b["xs_scale"] = torch.empty(-(-H // g), R, **f32)
             b["act_scale"] = torch.empty(-(-I // g), R, **f32)
@@ -226,7 +231,7 @@ class MoE(Operator):
             xs_map=tensor_map_2d(p["xs"], block_tokens, cols), act_map=tensor_map_2d(p["act"], block_tokens, cols),
             xs_part_map=tensor_map_2d(p["xs"], token_box_rows(block_tokens), cols),
             act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens), cols), scale_ld=p["xs"].shape[0],
-            task_capacity=self._tile_cap)
+            task_capacity=self._tile_cap, main_ctas=self._grid)
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)
         if v.main.ctas_per_sm != 1:
             raise RuntimeError(f"{cfg.name}: expected one CTA per SM, occupancy says {v.main.ctas_per_sm}")
@@ -463,8 +468,11 @@ class MoE(Operator):
     def plan_for(self, topk_ids: np.ndarray, num_tokens: int):
         """The `MoePlan` this layer runs for a routing (the GPU planner builds the same on the device)."""
         bt = block_tokens_for(num_tokens, self.top_k, self.num_experts, self._fp8)
+        cfg = dataclasses.replace(self._kernel_config, block_tokens=bt)
+        split = MoeSplit(self._sm_count, self._box_cols * cfg.boxes, self.hidden_size, self.intermediate_size) \
+            if cfg.split else None
         return self.lowering.planner(topk_ids, self.num_experts, bt, *self._column_blocks(bt), self._sm_count,
-                                     tile_columns(bt, self._fp8))
+                                     tile_columns(bt, self._fp8), split)
 
     def _run_cpu(self, x, logits, w13, w2, topk_w, topk_ids, out, w13_scale=None, w2_scale=None) -> None:
         from ..runtime.moe_reference import route

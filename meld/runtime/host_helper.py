@@ -111,7 +111,7 @@ def load_moe_plan() -> ctypes.CDLL:
             raise RuntimeError("meld.MoE(device='cpu') compiles its host planner with the system C++ compiler "
                                "(c++ or g++, or $CXX), and none worked")
         fn = lib.meld_moe_plan
-        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 7, *[ctypes.c_void_p] * 6, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 7, *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4, ctypes.c_void_p]
         fn.restype = ctypes.c_longlong
         _moe_lib = lib
     return _moe_lib

@@ -2,7 +2,7 @@
 MOE_TILE) in ticket order, in float64, rounding act and y to the activation dtype where the kernel stores
 them, counting each row block's event as the kernel's gemm1 tiles do and checking that a gemm2 tile finds
 it complete, and forms each token's output when its last row arrives — the kernel's schedule and its
-numerics, without a GPU.
+numerics, without a GPU. Split K: a tile's slices' sums are added, in slice order, by its last slice.
 
 Block-scaled FP8 (DeepSeek-V3's format; templates/moe.cuh, MELD_FP8): e4m3 weights with a float32 scale per
 128 x 128 block, and activations (x, and act before the down projection) quantised per token per 128 channels
@@ -119,24 +119,38 @@ def execute_moe(plan: MoePlan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     arrived = np.zeros(len(plan.row_blocks), dtype=np.int64)   # the row blocks' events (the kernel's rb_done)
     out = np.full((T, H), np.nan)
     t = plan.tile_columns()
+    parts: dict[tuple[int, int, int], list] = {}   # split K: a tile's slices' sums until its last slice
     for i in range(plan.num_tiles):
-        rb, c0, c1 = t["row_block"][i], t["col"][i], t["col_end"][i]
+        rb, c0, c1, gemm = t["row_block"][i], t["col"][i], t["col_end"][i], t["gemm"][i]
         events = slice(t["event_first"][i], t["event_first"][i] + t["event_count"][i])
         e, r0, n = plan.row_blocks[rb]
         rows = slice(r0, r0 + n)
-        if t["gemm"][i] == GEMM1:
+        if gemm != GEMM1 and np.any(arrived[events] != n1):   # the kernel would wait here for a later ticket: never
+            raise RuntimeError(f"tile ticket {i}: a gemm2 tile before its row block {rb}'s {n1} gemm1 tiles")
+        S = max(1, int(t["slices"][i]))
+        ks = slice(None) if S == 1 else plan.split.slice_columns(gemm, int(t["slice"][i]), S)
+        # each slice's sums (float64: the kernel's float32 slices summed in slice order, within float32 rounding)
+        if gemm == GEMM1:
             cols = slice(c0 * G1_COLS, min(I, c1 * G1_COLS))
-            g = xs[rows] @ w13d[e, cols].T
-            u = xs[rows] @ w13d[e, I + cols.start:I + cols.stop].T
+            part = (xs[rows, ks] @ w13d[e, cols, ks].T, xs[rows, ks] @ w13d[e, I + cols.start:I + cols.stop, ks].T)
+        else:
+            cols = slice(c0 * G2_COLS, min(H, c1 * G2_COLS))
+            part = (act[rows, ks] @ w2d[e, cols, ks].T,)
+        done = parts.setdefault((gemm, rb, c0), [None] * S)
+        done[int(t["slice"][i]) if S > 1 else 0] = part
+        if any(d is None for d in done):   # not the tile's last slice
+            continue
+        del parts[gemm, rb, c0]
+        sums = [sum(d[m] for d in done) for m in range(len(part))]
+        if gemm == GEMM1:
+            g, u = sums
             a = g / (1 + np.exp(-g)) * u
             act[rows, cols] = _fp8_rows(a) if fp8 else _round(a, dt)
             arrived[events] += 1
             continue
-        if np.any(arrived[events] != n1):   # the kernel would wait here for a tile at a later ticket: never
-            raise RuntimeError(f"tile ticket {i}: a gemm2 tile before its row block {rb}'s {n1} gemm1 tiles")
+        y[rows, cols] = _round(sums[0], dt)
         for c in range(c0, c1):
             cols = slice(c * G2_COLS, min(H, (c + 1) * G2_COLS))
-            y[rows, cols] = _round(act[rows] @ w2d[e, cols].T, dt)
             for tok in plan.row_token[rows]:
                 count[tok, c] += 1
                 if count[tok, c] == need[tok]:   # the token's last row for this column block: combine

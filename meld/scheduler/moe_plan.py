@@ -18,6 +18,27 @@ GEMM1, GEMM2 = 0, 1
 
 
 @dataclass(frozen=True)
+class MoeSplit:
+    """Split K (MoeKernelConfig.split_k): the main launch's `ctas`, and K per ring stage, of `hidden` (gemm1's K)
+    and `inter` (gemm2's K)."""
+
+    ctas: int
+    stage_k: int
+    hidden: int
+    inter: int
+
+    @property
+    def stages(self) -> tuple[int, int]:
+        """Ring stages of a gemm1 tile and of a gemm2 tile."""
+        return -(-self.hidden // self.stage_k), -(-self.inter // self.stage_k)
+
+    def slice_columns(self, gemm: int, s: int, S: int) -> slice:
+        """The K columns of slice s of S of a tile of phase `gemm` (templates/moe_plan.h: moe_slice_stages)."""
+        n, K = self.stages[gemm], (self.hidden, self.inter)[gemm]
+        return slice(n * s // S * self.stage_k, min(K, n * (s + 1) // S * self.stage_k))
+
+
+@dataclass(frozen=True)
 class MoePlan:
     """Rows, row blocks and tiles of one routing.
 
@@ -32,6 +53,7 @@ class MoePlan:
     row_blocks: np.ndarray
     tiles: np.ndarray
     columns: tuple[int, int]   # columns of I per gemm1 tile, of H per gemm2 tile
+    split: MoeSplit | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -42,10 +64,17 @@ class MoePlan:
         return MOE_TILE.unpack(self.tiles, self.num_tiles)
 
 
+def _slices(tiles: int, stages: int, ctas: int) -> int:
+    """K slices of a phase of `tiles` (the oracle's own statement of templates/moe_plan.h: moe_split)."""
+    if tiles == 0 or tiles >= ctas:
+        return 1
+    return max(1, min(-(-ctas // tiles), stages // 4))
+
+
 def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
-             columns: tuple[int, int] = (128, 256)) -> MoePlan:
+             columns: tuple[int, int] = (128, 256), split: MoeSplit | None = None) -> MoePlan:
     """The test oracle. `topk_ids` [T, k] (int, -1: an invalid pair); n1, n2: column blocks of the gemm1
-    and gemm2 tiles, each `columns` wide."""
+    and gemm2 tiles, each `columns` wide; `split`: split K's sizes (None: none)."""
     ids = np.asarray(topk_ids, dtype=np.int64)
     T, k = ids.shape
     valid = ids >= 0
@@ -65,33 +94,41 @@ def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int,
     blocks = [(e, expert_off[e] + r * block_tokens, min(block_tokens, counts[e] - r * block_tokens))
               for e in range(num_experts) for r in range(nrb_e[e])]
     row_blocks = np.array(blocks, dtype=np.int64).reshape(-1, 3)
-    g1 = [(GEMM1, rb_off[e] + r, c) for e in range(num_experts) for c in range(n1) for r in range(nrb_e[e])]
-    g2 = [[(GEMM2, rb_off[e] + r, c) for c in range(n2) for r in range(nrb_e[e])] for e in range(num_experts)]
+    s1, s2 = (1, 1) if split is None else (_slices(int(rb_off[-1]) * n, st, split.ctas)
+                                           for n, st in zip((n1, n2), split.stages))
+    # a tile's slices in adjacent tickets, column-major inside an expert
+    g1 = [(GEMM1, rb_off[e] + r, c, s, s1) for e in range(num_experts) for c in range(n1) for s in range(s1)
+          for r in range(nrb_e[e])]
+    g2 = [[(GEMM2, rb_off[e] + r, c, s, s2) for c in range(n2) for s in range(s2) for r in range(nrb_e[e])]
+          for e in range(num_experts)]
     nA = len(g1)
     order, a = [], 0
     for e in range(num_experts):   # each expert's gemm2 tiles go in once `lag` tickets passed its gemm1 end
-        due = min(rb_off[e + 1] * n1 + lag, nA)
+        due = min(rb_off[e + 1] * n1 * s1 + lag, nA)
         order += g1[a:due]
         a = max(a, due)
         order += g2[e]
     order += g1[a:]
-    gemm, rb, col = np.array(order, dtype=np.int64).reshape(-1, 3).T
+    gemm, rb, col, sl, S = np.array(order, dtype=np.int64).reshape(-1, 5).T
+    if split is None:   # (the table's constant fields)
+        sl, S = 0, 0
     # A gemm1 tile arrives at its row block's event, a gemm2 tile waits for it; slots derived, CTAs by ticket.
-    tiles = MOE_TILE.pack(len(order), row_block=rb, col=col, last_row_block=rb, col_end=col + 1, gemm=gemm, arg1=0,
-                          arg2=0, arg3=0, kind=MOE_TILE.kind, cta=-1, slot=-1, event_first=rb, event_count=1)
-    return MoePlan(expert_off, pair_pos, row_token, row_blocks, tiles, columns)
+    tiles = MOE_TILE.pack(len(order), row_block=rb, col=col, last_row_block=rb, col_end=col + 1, gemm=gemm,
+                          slice=sl, slices=S, arg3=0, kind=MOE_TILE.kind, cta=-1, slot=-1, event_first=rb,
+                          event_count=1)
+    return MoePlan(expert_off, pair_pos, row_token, row_blocks, tiles, columns, split)
 
 
 def moe_tile_table(capacity: int) -> np.ndarray:
     """A MOE_TILE table of `capacity` rows with its constant fields written (kind, cta, slot, event_count,
-    arg1..arg3): the planners store only the fields that vary (templates/moe_plan.h), so each launch's routing
+    arg3; slice and slices of a plan without split K): the planners store only the fields that vary (templates/moe_plan.h), so each launch's routing
     writes 6 words a tile, not 13."""
-    return MOE_TILE.pack(capacity, row_block=0, col=0, last_row_block=0, col_end=0, gemm=0, arg1=0, arg2=0, arg3=0,
+    return MOE_TILE.pack(capacity, row_block=0, col=0, last_row_block=0, col_end=0, gemm=0, slice=0, slices=0, arg3=0,
                          kind=MOE_TILE.kind, cta=-1, slot=-1, event_first=0, event_count=1)
 
 
 def plan_moe_host(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
-                  columns: tuple[int, int] = (128, 256)) -> MoePlan:
+                  columns: tuple[int, int] = (128, 256), split: MoeSplit | None = None) -> MoePlan:
     """The plan from the host build of the GPU planner's rules (same arguments as `plan_moe`)."""
     from ..runtime.host_helper import load_moe_plan
 
@@ -103,10 +140,14 @@ def plan_moe_host(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1:
     row_token = np.zeros(max(T * k, 1), np.int64)
     rb_off = np.zeros(num_experts + 1, np.int32)
     row_blocks = np.zeros((cap, 3), np.int64)
-    tile_cap = cap * (n1 + n2)
+    tile_cap = cap * (n1 + n2) + (0 if split is None else 2 * split.ctas)
     tiles = moe_tile_table(tile_cap)
+    slices = np.ones(2, np.int32)
+    ctas, stages = (0, (0, 0)) if split is None else (split.ctas, split.stages)
     nrb = load_moe_plan().meld_moe_plan(
         ids.ctypes.data, T, k, num_experts, block_tokens, n1, n2, lag,
-        *(a.ctypes.data for a in (expert_off, pair_pos, row_token, rb_off, row_blocks, tiles)), tile_cap)
+        *(a.ctypes.data for a in (expert_off, pair_pos, row_token, rb_off, row_blocks, tiles)), tile_cap, ctas,
+        *stages, slices.ctypes.data)
+    n = nrb * (n1 * int(slices[0]) + n2 * int(slices[1]))
     return MoePlan(expert_off, pair_pos, row_token[: expert_off[-1]], row_blocks[:nrb],
-                   tiles.reshape(MOE_TILE.width, tile_cap)[:, : nrb * (n1 + n2)].flatten(), columns)
+                   tiles.reshape(MOE_TILE.width, tile_cap)[:, :n].flatten(), columns, split)

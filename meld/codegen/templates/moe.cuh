@@ -29,6 +29,13 @@
 // order by running CTAs, and gemm1 tiles wait for nothing, so the smallest waiting ticket's inputs are
 // always held by running CTAs that finish them: progress without any co-residency assumption.
 //
+// Split K (MELD_SPLIT_K; templates/moe_plan.h): where a phase's tiles are fewer than the CTAs, the planner cuts
+// each tile's K into slices of whole ring stages, each its own ticket, so every SM streams weights. A slice
+// stores its float32 sums and counts itself in; the last of a tile's slices to arrive adds them all in slice
+// order and runs the tile's epilogue (split_reduce). No slice waits for another, so the note above holds:
+// gemm1 slices wait for nothing, and the row block a gemm2 slice waits for is signalled by the last of each
+// of its gemm1 tiles' slices, all at smaller tickets.
+//
 // Ticket order: gemm1 tiles expert by expert (inside an expert column-major, so the CTAs that run at the
 // same time share weight tiles in L2), with each expert's gemm2 tiles slotted in LAG tickets after its
 // last gemm1 tile (LAG = the grid size: by then those gemm1 tiles have been taken and mostly finished).
@@ -67,6 +74,14 @@ constexpr int CONSUMERS = 256;
 // row block, column block; ints, padded.
 constexpr int TASK_SLOT = 8;
 constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
+#if MELD_SPLIT_K
+static_assert(MELD_NARROW && !MELD_FP8, "split K runs narrow bf16 tiles (one accumulator a consumer thread)");
+#endif
+
+// Ring stages of a gemm1 (kind 0) or gemm2 tile's K (a K box past the end: zeros, counted).
+__device__ __forceinline__ int ring_stages(const MoeParams& p, int kind) {
+  return ((kind ? p.inter : p.hidden) + BK * K_BOXES - 1) / (BK * K_BOXES);
+}
 
 // --- routing ------------------------------------------------------------------------------------------
 // Routing ranks by an order-preserving 32-bit key: every NaN above everything (so a NaN logit is chosen
@@ -178,11 +193,19 @@ __device__ void plan(const MoeParams& p, const u32* lone_mask, int* row_off) {
     p.expert_off[E] = total_rows;
   }
   __syncthreads();
-  moe_write_tiles(p.tasks, p.task_capacity, rb_off, E, p.n1, p.n2, p.lag, tid, blockDim.x);   // the rows: moe_plan.h
+#if MELD_SPLIT_K   // each phase's K slices, from the row blocks this routing made; their counters start at 0
+  const int s1 = moe_split((long long)total_rb * p.n1, ring_stages(p, 0), p.main_ctas);
+  const int s2 = moe_split((long long)total_rb * p.n2, ring_stages(p, 1), p.main_ctas);
+  for (int i = tid; i < 2 * p.main_ctas; i += blockDim.x) p.split_cnt[i] = 0;
+#else
+  constexpr int s1 = 1, s2 = 1;
+#endif
+  moe_write_tiles(p.tasks, p.task_capacity, rb_off, E, p.n1, p.n2, p.lag, tid, blockDim.x, MELD_SPLIT_K, s1,
+                  s2);   // the rows: moe_plan.h
   for (int r = tid; r < total_rb; r += blockDim.x) event_reset(p.rb_done + r);
   if (tid == 0) {
     p.counters[0] = 0;                       // the ticket counter
-    p.counters[1] = total_rb * (p.n1 + p.n2);   // tickets in this launch
+    p.counters[1] = total_rb * (p.n1 * s1 + p.n2 * s2);   // tickets in this launch
     event_reset(p.counters + 2);             // routing CTAs done: ready for the next launch
   }
 }
@@ -518,7 +541,8 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     // last ticket, gemm -1: the end.
     MoeTile tile;
     tile.gemm = -1;
-    tile.row_block = tile.col = 0;
+    tile.row_block = tile.col = tile.slice = 0;
+    tile.slices = 1;
     if (ticket < ntasks) tile = load_moetile(p.tasks, p.task_capacity, ticket);
     const int kind = tile.gemm, col = tile.col, rbi = tile.row_block;
     const RowBlock blk = kind < 0 ? RowBlock{} : load_rowblock(p.rb, 0, rbi);
@@ -530,6 +554,10 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     ts[2] = n;
     ts[3] = rbi;
     ts[4] = col;
+#if MELD_SPLIT_K
+    ts[5] = tile.slice;
+    ts[6] = tile.slices;
+#endif
     mbar_arrive(task_full + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
     if (kind < 0) break;
@@ -553,8 +581,10 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     } else {
       for (int q = 0; q < NBOX; ++q) wrow[q] = (int)((i64)expert * p.hidden + col * G2_COLS + q * 64);
     }
-    const int nk = ((kind ? p.inter : p.hidden) + BK * K_BOXES - 1) / (BK * K_BOXES);   // stages (a K box past
-                                                                                     // the end: zeros, counted)
+    int k0 = 0, k1 = ring_stages(p, kind);   // the tile's stages: all, or its K slice's
+#if MELD_SPLIT_K
+    moe_slice_stages(k1, tile.slice, tile.slices, &k0, &k1);
+#endif
     // A weight box whose first column (of I for gemm1, of H for gemm2) is past the end would read the next
     // expert's rows (the last column block of an I or H that is not a multiple of the tile's): not loaded;
     // the consumers multiply what its stage buffer held before and never store those rows.
@@ -567,19 +597,19 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       }
     // A gemm2 tile's weights do not depend on gemm1: up to a ring of them is in flight before the wait
     // for its row block, and only the act boxes of those stages wait (their stages complete with them).
-    const int early = kind ? min(nk, NUM_STAGES) : 0;
+    const int early = kind ? k0 + min(k1 - k0, NUM_STAGES) : 0;
     Ring late = ring;
-    for (int kk = 0; kk <= nk; ++kk) {
+    for (int kk = k0; kk <= k1; ++kk) {
       if (kind && kk == early) {
         wait_row_block(p, rbi, ticket);
-        for (int e = 0; e < early; ++e, late.advance())
+        for (int e = k0; e < early; ++e, late.advance())
 #pragma unroll
           for (int b = 0; b < K_BOXES; ++b)
             for (int i = 0; i < tboxes; ++i)
               tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX + i * trows * BK * ELEM, tmap,
                           (e * K_BOXES + b) * BK, row0 + i * trows, late.full + 8 * late.stage);
       }
-      if (kk == nk) break;
+      if (kk == k1) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
       mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + (direct ? BK * ELEM : n * BK * ELEM)));
@@ -843,8 +873,47 @@ struct Mailbox {
   int* box;          // [2][2]: kind (0: a gemm1 tile; -1: no more tiles), row block
 };
 
+#if MELD_SPLIT_K
+// Slice s of S of a tile (`unit`: its index in its phase, row block x column blocks + column, under main_ctas:
+// a split phase has fewer tiles than CTAs): this consumer thread's sums `acc` go to split_part (ACC / 4 16-byte
+// vectors, thread-interleaved: slice s's of tile `unit` of phase `kind` at ((2 kind main_ctas + unit S + s) ACC /
+// 4 + v) CONSUMERS + thread), then one thread counts the slice in. The last slice to arrive (true; `flag`: a
+// shared int) takes acc = the S slices' sums added in slice order, its own from its registers: the same sums
+// whichever slice is last.
+__device__ bool split_reduce(const MoeParams& p, float (&acc)[ACC], int kind, int unit, int s, int S, int* flag) {
+  constexpr int V = ACC / 4;
+  const int ct = threadIdx.x - 128;
+  const float4* part = (const float4*)p.split_part + ((i64)kind * 2 * p.main_ctas + (i64)unit * S) * V * CONSUMERS + ct;
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+    __stcg((float4*)part + (s * V + v) * CONSUMERS, make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]));
+  __threadfence();
+  named_barrier(1, CONSUMERS);
+  if (ct == 0) *flag = atomicAdd(p.split_cnt + kind * p.main_ctas + unit, 1) == S - 1;
+  named_barrier(1, CONSUMERS);
+  if (!*flag) return false;
+  __threadfence();
+  float sum[ACC];
+  for (int q = 0; q < S; ++q)
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const float4 x = q == s ? make_float4(acc[4 * v], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3])
+                              : __ldcg(part + (q * V + v) * CONSUMERS);
+      const float y[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sum[4 * v + i] = q ? sum[4 * v + i] + y[i] : y[i];
+    }
+#pragma unroll
+  for (int r = 0; r < ACC; ++r) acc[r] = sum[r];
+  return true;
+}
+#endif
+
 __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, const int* slots,
                         Mailbox mb, int* combine_list, float* xchg) {
+#if MELD_SPLIT_K
+  int* split_flag = combine_list + 1 + BLOCK_TOKENS;   // (the list holds 4 + BLOCK_TOKENS ints, uses 1 + BLOCK_TOKENS)
+#endif
   const int ct = threadIdx.x - 128, wg = ct / 128, warp = ct / 32, lane = ct % 32;   // wg: 0 or 1
   const bool recorder = ct == 0;
   Profiler prof;
@@ -870,6 +939,9 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     mbar_wait(task_full + 8 * slot, tphase, wait_site(p, 6, warp + 4, -1, slot), 2 * MELD_WATCHDOG_NS);
     const int* ts = slots + TASK_SLOT * slot;
     const int kind = ts[0], ticket = ts[1], n = ts[2], rbi = ts[3], col = ts[4];
+#if MELD_SPLIT_K
+    const int slice = ts[5], slices = ts[6];
+#endif
     __syncwarp();
     if (lane == 0) mbar_arrive(task_empty + 8 * slot);
     if ((slot ^= 1) == 0) tphase ^= 1u;
@@ -883,7 +955,11 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     float acc0[ACC], acc1[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
-    const int nk = ((kind ? p.inter : p.hidden) + BK * K_BOXES - 1) / (BK * K_BOXES);
+    int k0 = 0, k1 = ring_stages(p, kind);
+#if MELD_SPLIT_K
+    moe_slice_stages(k1, slice, slices, &k0, &k1);
+#endif
+    const int nk = k1 - k0;
     // The k loop is instantiated per token width (a branch inside it would serialise the wgmmas); widths
     // above the block collapse onto it, so a narrow kernel has one loop (meld/codegen/moe_kernel.py emits
     // the wgmma shapes of tile_token_widths).
@@ -910,6 +986,12 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     fence_regs(acc0);
     fence_regs(acc1);
     if (!MELD_FP8 && lane == 0) mbar_arrive(ring.empty + 8 * prev);   // (FP8: every stage went back in the loop)
+#if MELD_SPLIT_K   // a slice other than its tile's last is done (the last goes on with the tile's sums)
+    if (slices > 1 && !split_reduce(p, acc0, kind, rbi * (kind ? p.n2 : p.n1) + col, slice, slices, split_flag)) {
+      prof.record(t0, kind ? PROF_GEMM2 : PROF_GEMM1, ticket);
+      continue;
+    }
+#endif
     // this warp's output staging (store_rows, wide tiles), after the exchange area: [8 warps][BLOCK_TOKENS][32 bytes]
     const u32 stage = ((smem_addr(xchg) + (MELD_FP8 ? 9 * BLOCK_TOKENS * 4 : MELD_NARROW ? 128 * (ACC + 1) * 4 : 0) + 15) & ~15u)
                       + warp * BLOCK_TOKENS * 32;

@@ -7,10 +7,13 @@
  * pair_pos [T * K] (-1: invalid), row_token [rows], rb_off [E + 1], row_blocks [nrb][3] (expert, first
  * row, rows) and the tiles' MOE_TILE rows in ticket order into `tiles` (field-major, `tile_capacity` rows);
  * row_blocks must hold E + T * K / block_tokens row blocks, tiles their (n1 + n2) tiles each. Returns the
- * number of row blocks. */
+ * number of row blocks. Split K: `ctas` (the main launch's grid; 0: no split) and the phases' ring stages
+ * `stages1`, `stages2` give each phase's slices (moe_split), written to slices[0..1]; tiles must then hold
+ * (n1 + n2) tiles a row block plus 2 * ctas. */
 extern "C" long long meld_moe_plan(const long long *ids, int T, int K, int E, int block_tokens, int n1, int n2,
                                    int lag, long long *expert_off, long long *pair_pos, long long *row_token,
-                                   int *rb_off, long long *row_blocks, int *tiles, int tile_capacity) {
+                                   int *rb_off, long long *row_blocks, int *tiles, int tile_capacity, int ctas,
+                                   int stages1, int stages2, int *slices) {
   for (int e = 0; e <= E; ++e) expert_off[e] = 0;
   for (long long i = 0; i < (long long)T * K; ++i)
     if (ids[i] >= 0) ++expert_off[ids[i] + 1];
@@ -36,6 +39,8 @@ extern "C" long long meld_moe_plan(const long long *ids, int T, int K, int E, in
     }
   for (int e = E; e > 0; --e) expert_off[e] = expert_off[e - 1];
   expert_off[0] = 0;
-  moe_write_tiles(tiles, tile_capacity, rb_off, E, n1, n2, lag, 0, 1);
+  slices[0] = ctas ? moe_split((long long)rb_off[E] * n1, stages1, ctas) : 1;
+  slices[1] = ctas ? moe_split((long long)rb_off[E] * n2, stages2, ctas) : 1;
+  moe_write_tiles(tiles, tile_capacity, rb_off, E, n1, n2, lag, 0, 1, ctas != 0, slices[0], slices[1]);
   return rb_off[E];
 }
