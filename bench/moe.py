@@ -252,11 +252,13 @@ def build_torch(inp: Inputs) -> Impl:
     return Impl(run, [("grouped_mm pipeline", run)])
 
 
-def new_meld_moe(shape: Shape, max_tokens: int, device: str) -> Any:
+def new_meld_moe(shape: Shape, max_tokens: int, device: str, split_k: bool = False) -> Any:
     import meld
+    from meld.codegen.moe_kernel import MoeKernelConfig
 
     return meld.MoE(hidden_size=shape.hidden, intermediate_size=shape.inter, num_experts=shape.experts,
-                    top_k=shape.top_k, dtype=DTYPE, device=device, max_num_tokens=max_tokens)
+                    top_k=shape.top_k, dtype=DTYPE, device=device, max_num_tokens=max_tokens,
+                    kernel_config=MoeKernelConfig(split_k=True) if split_k else None)
 
 
 def build_meld(inp: Inputs, moe: Any) -> Impl:
@@ -420,7 +422,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="list the cases and their sizes; no GPU needed")
     p.add_argument("--fp8", action="store_true", help="block-scaled FP8 weights: meld against a "
                    "torch._scaled_grouped_mm pipeline (bench/moe_fp8.py; routing uniform unless --routing)")
+    p.add_argument("--split-k", action="store_true", help="meld.MoE with MoeKernelConfig(split_k=True): tiles of "
+                   "a few tokens split K where they leave SMs idle (not with --fp8)")
     args = p.parse_args(argv)
+    if args.split_k and args.fp8:
+        p.error("--split-k with --fp8: FP8 tiles take whole K")
     args.shapes = parse_list(p, args.shapes, "--shapes", list(SHAPES)) or list(SHAPES)
     args.tokens = parse_list(p, args.tokens, "--tokens", TOKENS, int) or list(QUICK_TOKENS if args.quick else TOKENS)
     args.routing = parse_list(p, args.routing, "--routing", ROUTINGS) or (["uniform"] if args.fp8 else list(ROUTINGS))
@@ -476,7 +482,7 @@ def run_shape(shape: Shape, args: argparse.Namespace, ceilings: dict[str, Any], 
     if "meld" in args.impls:
         try:
             t0 = time.perf_counter()
-            moe = new_meld_moe(shape, max_tokens, device)
+            moe = new_meld_moe(shape, max_tokens, device, args.split_k)
             init_us = (time.perf_counter() - t0) * 1e6
             print(f"{shape.name}: meld.MoE(max_num_tokens={max_tokens}) built in {init_us / 1e3:.0f} ms", flush=True)
             if args.weights == "packed":   # once per shape, as an engine packs at load time
@@ -507,7 +513,8 @@ def run_shape(shape: Shape, args: argparse.Namespace, ceilings: dict[str, Any], 
                                              case)
             print(f"  meld   {progress(results['meld'])}", flush=True)
         if args.trace and moe is not None and not results["meld"].get("errors"):
-            traced, trace_note = trace_case(shape, inp, args.trace, max_tokens, traced, trace_note)
+            traced, trace_note = trace_case(shape, inp, args.trace, max_tokens, traced, trace_note,
+                                            args.split_k)
         table.add(summarise(inp, results, ceilings, init_us))
         del inp, ref, peer_out
         free_cuda()
@@ -517,8 +524,8 @@ def run_shape(shape: Shape, args: argparse.Namespace, ceilings: dict[str, Any], 
     free_cuda()
 
 
-def trace_case(shape: Shape, inp: Inputs, folder: Path, max_tokens: int, traced: Any, note: str | None
-               ) -> tuple[Any, str | None]:
+def trace_case(shape: Shape, inp: Inputs, folder: Path, max_tokens: int, traced: Any, note: str | None,
+               split_k: bool = False) -> tuple[Any, str | None]:
     """Write one case's timeline from a profiled module (built once per shape); print why not, once, if the
     operator has no trace. Returns the module and the note, for the next case of the shape."""
     if note is not None:
@@ -528,7 +535,7 @@ def trace_case(shape: Shape, inp: Inputs, folder: Path, max_tokens: int, traced:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with config.scope(MELD_PROFILE="1", MELD_PROFILE_DIR=str(folder)):
-            traced = new_meld_moe(shape, max_tokens, DEVICE) if traced is None else traced
+            traced = new_meld_moe(shape, max_tokens, DEVICE, split_k) if traced is None else traced
             if not hasattr(traced, "last_trace"):
                 note = "meld.MoE has no last_trace(): no per-SM timeline (skipped)"
             else:

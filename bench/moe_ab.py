@@ -13,6 +13,7 @@ the pure-read ceiling, measured in each worker) puts each time against BENCH.md'
     PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base --new-tree .ab/new    # two other trees
     PYTHONPATH=$PWD python3 bench/moe_ab.py --new k_boxes=2 [--base k_boxes=1]     # configs, this tree
     PYTHONPATH=$PWD python3 bench/moe_ab.py --new packed_weights=1    # weights packed by meld.pack_moe_weights
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --new split_k=1 --tokens 1 16    # split K at a few tokens
 """
 from __future__ import annotations
 

@@ -76,6 +76,8 @@ class MoE(Operator):
         out = moe(x, router_logits, w13, w2)
         w13p, w2p = meld.pack_moe_weights(w13, w2)   # once, at load: the kernel streams them in bulk runs
         out = moe(x, router_logits, w13p, w2p)
+        # split K where a few tokens' tiles leave SMs idle (bf16; templates/moe_plan.h: moe_split)
+        moe = meld.MoE(..., kernel_config=meld.codegen.moe_kernel.MoeKernelConfig(split_k=True))
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
