@@ -169,34 +169,43 @@ def run_poisoned(moe, x, logits, w13, w2):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
 def test_gpu_split_against_float64(shape):
-    """T in {1, 2, 5, 16}: float64 within bf16 rounding into a poisoned output; the GPU planner's tiles (slices
-    included) equal the host planner's; a repeat run bit-identical; a NaN in one token's x reaching exactly
-    that token's row, the others' rows unchanged."""
+    """T in {1, 2, 5, 16}, routed uniformly and all onto the same k experts (fewest tiles): float64 within bf16
+    rounding into a poisoned output; the GPU planner's tiles (slices included) equal the host planner's; a
+    repeat run bit-identical; a NaN in one token's x reaching exactly that token's row, the others' rows
+    unchanged. Every shape but deepseek's (whose tiles fill the SMs) splits somewhere."""
     H, I, E, k = GPU_SHAPES[shape]
     w13, w2 = gpu_weights(E, H, I, seed=len(shape))
     moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=16, kernel_config=MoeKernelConfig(split_k=True))
     g = torch.Generator().manual_seed(H)
+    seen = set()
     for T in (1, 2, 5, 16):
-        x = torch.randn(T, H, generator=g).bfloat16().cuda()
-        logits = torch.randn(T, E, generator=g).cuda()
-        out = run_poisoned(moe, x, logits, w13, w2)
-        b = moe._bufs
-        ids = b["topk_ids"][: T * k].view(T, k).cpu()
-        w = b["topk_w"][: T * k].view(T, k).cpu()
-        plan = moe.plan_for(ids.numpy(), T)
-        n = plan.num_tiles
-        assert int(b["counters"][1]) == n, f"{shape} T={T}"
-        rows = b["tasks"].view(MOE_TILE.width, moe._tile_cap)[:, :n].cpu().numpy()
-        assert np.array_equal(rows, plan.tiles.reshape(MOE_TILE.width, n)), f"{shape} T={T}: tiles differ"
-        assert_close(out, reference64(x, w13, w2, ids, w), f"{shape} T={T} slices {slices(plan)}")
-        assert torch.equal(run_poisoned(moe, x, logits, w13, w2), out), f"{shape} T={T}: runs differ"
-        if T > 1:
-            bad = x.clone()
-            bad[T // 2, H // 3] = float("nan")
-            nan_out = run_poisoned(moe, bad, logits, w13, w2)
-            assert nan_out[T // 2].isnan().all(), f"{shape} T={T}: the NaN did not reach its whole row"
-            ok = torch.arange(T) != T // 2
-            assert torch.equal(nan_out[ok], out[ok]), f"{shape} T={T}: the NaN reached other tokens"
+        for skewed in (False, True):
+            what = f"{shape} T={T}{' skewed' if skewed else ''}"
+            x = torch.randn(T, H, generator=g).bfloat16().cuda()
+            logits = torch.randn(T, E, generator=g)
+            if skewed:
+                logits[:, :k] += 30.0
+            logits = logits.cuda()
+            out = run_poisoned(moe, x, logits, w13, w2)
+            b = moe._bufs
+            ids = b["topk_ids"][: T * k].view(T, k).cpu()
+            w = b["topk_w"][: T * k].view(T, k).cpu()
+            plan = moe.plan_for(ids.numpy(), T)
+            seen.add(slices(plan))
+            n = plan.num_tiles
+            assert int(b["counters"][1]) == n, what
+            rows = b["tasks"].view(MOE_TILE.width, moe._tile_cap)[:, :n].cpu().numpy()
+            assert np.array_equal(rows, plan.tiles.reshape(MOE_TILE.width, n)), f"{what}: tiles differ"
+            assert_close(out, reference64(x, w13, w2, ids, w), f"{what}, slices {slices(plan)}")
+            assert torch.equal(run_poisoned(moe, x, logits, w13, w2), out), f"{what}: runs differ"
+            if T > 1:
+                bad = x.clone()
+                bad[T // 2, H // 3] = float("nan")
+                nan_out = run_poisoned(moe, bad, logits, w13, w2)
+                assert nan_out[T // 2].isnan().all(), f"{what}: the NaN did not reach its whole row"
+                ok = torch.arange(T) != T // 2
+                assert torch.equal(nan_out[ok], out[ok]), f"{what}: the NaN reached other tokens"
+    assert (seen == {(1, 1)}) == (shape == "deepseek"), seen
 
 
 @pytest.mark.gpu
