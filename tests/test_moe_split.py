@@ -242,3 +242,24 @@ def test_gpu_split_cuda_graph_replays_new_routings():
         assert (static_out.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
     assert len(seen) > 1, f"every replay split the same way: {seen}"
     assert dataclasses.replace(cfg, block_tokens=16).split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_boxes,packed", [(2, False), (1, True)])
+def test_gpu_split_with_two_k_boxes_and_packed_weights(k_boxes, packed):
+    """Slices of two-box stages, and of weights packed by meld.pack_moe_weights, against float64 (poisoned
+    output), at one token and at five on k experts."""
+    H, I, E, k = GPU_SHAPES["odd"]
+    w13, w2 = gpu_weights(E, H, I, seed=9)
+    wk13, wk2 = meld.pack_moe_weights(w13, w2) if packed else (w13, w2)
+    moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=8,
+                   kernel_config=MoeKernelConfig(split_k=True, k_boxes=k_boxes))
+    for T in (1, 5):
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        logits = torch.randn(T, E, device="cuda")
+        logits[:, :k] += 30.0 * (T > 1)
+        out = run_poisoned(moe, x, logits, wk13, wk2)
+        ids, w = route(logits.cpu(), k, True)
+        s = slices(moe.plan_for(ids.numpy(), T))
+        assert s != (1, 1), s
+        assert_close(out, reference64(x, w13, w2, ids, w), f"T={T} k_boxes={k_boxes} packed={packed} slices {s}")

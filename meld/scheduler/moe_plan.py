@@ -68,7 +68,7 @@ def _slices(tiles: int, stages: int, ctas: int) -> int:
     """K slices of a phase of `tiles` (the oracle's own statement of templates/moe_plan.h: moe_split)."""
     if tiles == 0 or tiles >= ctas:
         return 1
-    return max(1, min(-(-ctas // tiles), stages // 4))
+    return max(1, min(-(-ctas // tiles), stages // 4))   # (MOE_SPLIT_MIN_STAGES stages a slice)
 
 
 def plan_moe(topk_ids: np.ndarray, num_experts: int, block_tokens: int, n1: int, n2: int, lag: int,
