@@ -1,6 +1,6 @@
 """Test setup: fixed seeds, the `gpu` marker (skipped with a reason where no Hopper GPU is present),
 the `perf` and `full_matrix` markers (off unless asked for with `-m perf`, `-m full_matrix`), and one
-compile cache for the run."""
+compile cache for the run; the `fp8_math` fixture, which runs an FP8 GPU test on f16-math builds too."""
 import os
 import random
 import shutil
@@ -84,3 +84,33 @@ def _free_gpu_memory(request):
     yield
     if "gpu" in request.keywords and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(params=["", "f16"], ids=["math-dtype", "math-f16"])
+def fp8_math(request, monkeypatch):
+    """Runs a GPU test twice: on the builds as they are, and with every FP8 build for bf16 q that
+    DecodeKernelConfig.default makes (the operator's, and the tests' own) computing in f16 (fp8_math="f16": the
+    default flipped). A float16 case (a `dtype` parameter) runs once: its builds compute in f16 already. A test the
+    flip leaves without an f16-math build fails at teardown, so each math-f16 case runs that kernel."""
+    import dataclasses
+
+    from meld.codegen import DecodeKernelConfig
+
+    if not request.param:
+        yield ""
+        return
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("dtype") in (torch.float16, "float16"):
+        pytest.skip("float16 builds compute in f16 already")
+    default, flipped = DecodeKernelConfig.default, []
+
+    def f16_default(*args, **kwargs):
+        c = default(*args, **kwargs)
+        if not c.kv_dtype or c.dtype != "bfloat16":
+            return c
+        flipped.append(c)
+        return dataclasses.replace(c, fp8_math="f16")
+
+    monkeypatch.setattr(DecodeKernelConfig, "default", staticmethod(f16_default))
+    yield "f16"
+    assert flipped, "the test built no FP8 kernel for bf16 q: fp8_math='f16' was never used"
