@@ -76,17 +76,20 @@
 //
 // MELD_Q_TO_F16 builds (an FP8 cache with bf16 q and out: DecodeKernelConfig.fp8_math="f16") run the tensor cores in
 // f16 (MELD_MMA_TYPE "f16", MELD_OUT_TYPE "bf16"): an e4m3 pair becomes an f16 pair in one cvt and an e5m2 pair in one
-// prmt, where bf16 MMAs take each pair on through two floats to a bf16 pair (kv_pair), and P is f16 ([0, 1]: three
-// more bits than bf16). Q is the one operand whose range f16 lacks: load_q scales each row of the unit by its own
-// power of two 2^e, the row's largest |q| into [2^14, 2^15) (e at most 126: a zero row stays zero), and rounds it to
-// f16 once (q_to_f16); the row's scores carry 2^e, taken out exactly (s 2^-e, then sm_scale_log2 as in every build).
-// Per row, not per unit: the rows are different heads (and tokens), whose sizes need not agree, and each lane's scores
-// belong to one row per head block anyway. A bf16 value of magnitude at least 2^-31 of its row's largest is exact in
-// f16 after the scaling (2^-17 of f16 keeps bf16's 8 significant bits); smaller ones round to f16's subnormal grid
-// (2^-24 after scaling) or flush to zero: each entry then moves by at most 2^-25 x 2^-e <= 2^-39 max|q|, a score by at
-// most 2^-39 max|q| sum|k| <= 2^-30 max|q| max|k| at head_dim 512, 1/64 of float32's unit roundoff (2^-24) times
-// max|q| max|k|. NaN and Inf in q stay NaN and Inf (the row's scores are NaN, as in every build). The output, lse and
-// their float32 arithmetic do not change.
+// prmt, where bf16 MMAs take each pair on through two floats to a bf16 pair (kv_pair). P is f16, three more bits than
+// bf16, times P_SCALE = 2^15 (p in [0, 2^15], below f16's 65504): unscaled, f16's subnormals would round a long
+// row's tail of p < 2^-14 on a 2^-24 grid and drop p < 2^-25 from P.V while l (float32) counts it; scaled, they start
+// at p < 2^-29 and only p < 2^-40 drops. O carries the 2^15, taken out with l (O / (l 2^15)); lse does not change.
+// Q is the one operand whose range f16 lacks: load_q scales each row of the unit by its own power of two 2^e, the
+// row's largest |q| into [2^14, 2^15) (e at most 126: a zero row stays zero), and rounds it to f16 once (q_to_f16);
+// the row's scores carry 2^e, taken out exactly (s 2^-e, then sm_scale_log2 as in every build). Per row, not per
+// unit: the rows are different heads (and tokens), whose sizes need not agree, and each lane's scores belong to one
+// row per head block anyway. A bf16 value of magnitude at least 2^-31 of its row's largest is exact in f16 after the
+// scaling (from 2^-17 on, f16 keeps bf16's 8 significant bits); smaller ones round to f16's subnormal grid (2^-24
+// after scaling) or flush to zero: each entry then moves by at most 2^-25 x 2^-e <= 2^-39 max|q|, a score by at most
+// 2^-39 max|q| sum|k| <= 2^-30 max|q| max|k| at head_dim 512, 1/64 of float32's unit roundoff (2^-24) times
+// max|q| max|k|. NaN and Inf in q stay NaN and Inf (the row's scores are NaN, as in every build). The output is
+// rounded to bf16 once, as in every build.
 //
 // MELD_SOFT_CAP builds cap each score as FlashInfer's logits_soft_cap c does, c tanh(sm_scale q.k / c), before
 // the softmax (lse included); the cap is a compile-time constant (meld/codegen/decode_kernel.py, DecodeVariant).
@@ -117,8 +120,8 @@
 // 8-byte word per channel block), and copy a 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything
 // else is the same code over four times the bytes a token; at other head dims these compile to the code they were.
 //
-// Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, MELD_OUT_TYPE, MELD_Q_TO_F16,
-// HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
+// Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, MELD_OUT_TYPE,
+// MELD_Q_TO_F16, HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
 // MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, MELD_SOFT_CAP (MELD_SOFT_CAP_LOG2, MELD_SOFT_CAP_TWO),
 // MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), MELD_Q_LEN, DecodeParams.
 
@@ -137,6 +140,7 @@ constexpr bool KV_E5M2 = MELD_KV_FP8 == 2;
 constexpr int KV_BYTES = KV_FP8 ? 1 : 2;   // bytes per K or V element, in memory and in shared memory
 constexpr bool Q_TO_F16 = MELD_Q_TO_F16;   // bf16 q and out, f16 MMAs (FP8 caches)
 static_assert(!Q_TO_F16 || (KV_FP8 && MELD_MMA_TYPE[0] == 'f' && MELD_OUT_TYPE[0] == 'b'), "f16 math: FP8, bf16 q");
+constexpr float P_SCALE = 32768.f;         // MELD_Q_TO_F16: P, and so O, carry 2^15 (the header says why)
 #if MELD_KV_FP8
 typedef unsigned char kv_t;                // a K or V element as the cp.async loads address it
 #else
@@ -665,8 +669,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     for (int k = 0; k < 4; ++k) pr[k] = exp2_approx(x[k] - m_use);
     st.l[i] = st.l[i] * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
     st.m[i] = m_new;
-    pb0[i] = pack2(pr[0], pr[1]);
-    pb1[i] = pack2(pr[2], pr[3]);
+    pb0[i] = Q_TO_F16 ? pack2(pr[0] * P_SCALE, pr[1] * P_SCALE) : pack2(pr[0], pr[1]);
+    pb1[i] = Q_TO_F16 ? pack2(pr[2] * P_SCALE, pr[3] * P_SCALE) : pack2(pr[2], pr[3]);
     a_lo[i] = __shfl_sync(0xffffffffu, alpha, 8 * t);      // head 8i + 2t lives in lanes 8t..8t+3
     a_hi[i] = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 8i + 2t + 1
   }
@@ -802,7 +806,8 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
       lsum += mg.l[w][h] * sc;
       acc.x += o.x * sc; acc.y += o.y * sc; acc.z += o.z * sc; acc.w += o.w * sc;
     }
-    const float inv = lsum == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / lsum;   // 0: an empty unit; NaN stays NaN
+    // 0: an empty unit; NaN stays NaN (MELD_Q_TO_F16: O carries P's 2^15)
+    const float inv = lsum == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / (Q_TO_F16 ? lsum * P_SCALE : lsum);
     const float4 val = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     const float lse2 = lsum == 0.f ? neg_inf() : m_use + log2_approx(lsum);
     if (x.slot < 0) {
