@@ -111,7 +111,8 @@ def test_kernel_compiles_with_nvcc_for_sm90a(cfg):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3] + [c for c in CONFIGS if c.kv_dtype and c.head_dim == 64 and c.tma][:1] +
-                         [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8)], ids=lambda c: c.name)
+                         [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8)] +
+                         [c for c in CONFIGS if c.fp8_math][:1], ids=lambda c: c.name)
 def test_kernel_compiles_with_nvrtc(cfg):
     pytest.importorskip("cuda.bindings.nvrtc")
     with config.scope(MELD_COMPILER="nvrtc"):
