@@ -52,9 +52,11 @@ def rel_err(out, ref):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg", [MlaKernelConfig.for_cache("float8_e4m3fn"),
-                                 MlaKernelConfig.for_cache("float8_e4m3fn", profile=True)], ids=lambda c: c.name)
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", profile=True),
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", math_dtype="float16")], ids=lambda c: c.name)
 def test_fp8_build_compiles_for_sm90a_without_spills(cfg):
-    """No spills, no serialised wgmma; its shared memory (Q, P, two bf16 stages, four FP8 staging stages) fits."""
+    """No spills, no serialised wgmma; its shared memory (Q, P, two 16-bit stages, four FP8 staging stages, and
+    with f16 math the q rows' exponents) fits."""
     cubin, log = nvcc(cfg.render(), cfg.name)
     assert cubin[:4] == b"\x7fELF"
     spills = [line for line in log.splitlines() if "spill stores" in line]

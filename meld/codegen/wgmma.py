@@ -38,17 +38,31 @@ def wgmma_bf16(n: int, trans_b: bool = False) -> str:
     (its n channels contiguous, as the value rows of attention lie): that variant is named `wgmma_bf16_tb`.
     accumulate = 0 starts a sum without zeroing the registers first (writes to an accumulator between
     wgmmas serialise them)."""
-    return _wgmma("wgmma_bf16_tb" if trans_b else "wgmma_bf16", n, f"m64n{n}k16.f32.bf16.bf16",
-                  f"1, 1, 0, {int(trans_b)}")
+    return _wgmma("wgmma_bf16_tb" if trans_b else "wgmma_bf16", n, *_ss("bfloat16", n, trans_b))
+
+
+def wgmma_ss(dtype: str, n: int, trans_b: bool = False) -> str:
+    """`wgmma_ss(acc, desc_a, desc_b[, accumulate])` (`wgmma_ss_tb` with `trans_b`): wgmma_bf16 for `dtype`
+    "bfloat16" or "float16", under one name for both, so a kernel built for either calls the same function."""
+    return _wgmma("wgmma_ss_tb" if trans_b else "wgmma_ss", n, *_ss(dtype, n, trans_b))
+
+
+def _ss(dtype: str, n: int, trans_b: bool) -> tuple[str, str]:
+    """The op and modifiers of an m64nNk16 wgmma with both operands in shared memory (B MN-major: trans_b)."""
+    return f"m64n{n}k16.f32.{_type(dtype)}.{_type(dtype)}", f"1, 1, 0, {int(trans_b)}"
+
+
+def _type(dtype: str) -> str:
+    if dtype not in _TYPES:
+        raise ValueError(f"wgmma dtype={dtype!r}: expected one of {sorted(_TYPES)}")
+    return _TYPES[dtype]
 
 
 def wgmma_rs(dtype: str, n: int, trans_b: bool = False) -> str:
     """`wgmma_rs(acc, a, desc_b[, accumulate])`: as wgmma_bf16 with A from registers (`a`: each warp's 16 rows
     of the 64 as mma.m16n8k16's A fragment), for `dtype` "bfloat16" or "float16"; `wgmma_rs_tb` with B
     MN-major. Overloads of one name differ in N (the accumulator's length)."""
-    if dtype not in _TYPES:
-        raise ValueError(f"wgmma dtype={dtype!r}: expected one of {sorted(_TYPES)}")
-    t = _TYPES[dtype]
+    t = _type(dtype)
     return _wgmma("wgmma_rs_tb" if trans_b else "wgmma_rs", n, f"m64n{n}k16.f32.{t}.{t}", f"1, 1, {int(trans_b)}",
                   a_regs=True)
 

@@ -42,12 +42,17 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2,
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Two floats -> one register of two 16-bit values (lo in the low half), round to nearest.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
+// Two floats -> one register of two 16-bit values (lo in the low half), round to nearest: bf16 (BF16) or f16.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2_as(float lo, float hi) {
   u32 r;
-  asm("cvt.rn." MELD_MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  if constexpr (BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// In the MMA type, and in bf16 (where the MMA type may differ from the output's: MLA's MLA_F16).
+__device__ __forceinline__ u32 pack2(float lo, float hi) { return pack2_as<MELD_MMA_TYPE[0] == 'b'>(lo, hi); }
+__device__ __forceinline__ u32 pack2_bf16(float lo, float hi) { return pack2_as<true>(lo, hi); }
 
 // The bytes of x that SEL's nibbles name (0-3), lowest result byte first (prmt).
 template <u32 SEL>
@@ -215,6 +220,14 @@ __device__ __forceinline__ void mbar_init(u32 bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0u) : "memory");
 }

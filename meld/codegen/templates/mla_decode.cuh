@@ -7,7 +7,7 @@
 // With 128 heads a token's 1152 bytes feed 128 x 1088 multiply-adds: the tensor cores, not the bytes,
 // bound the kernel, so everything here is laid out for wgmma:
 //   S [64 heads x B tokens]  = Q [64 x 576] . K^T        (m64nBk16, Q and K from shared memory)
-//   O [64 heads x 512]      += P [64 x B] . V [B x 512]   (m64n256k16, V MN-major: wgmma_bf16_tb)
+//   O [64 heads x 512]      += P [64 x B] . V [B x 512]   (m64n256k16, V MN-major: wgmma_ss_tb)
 // One CTA per SM (the smem below) of three warpgroups:
 //   - warpgroup 0: warp 0 streams the KV blocks (B = BLOCK_TOKENS tokens, 9 TMA boxes of 64 channels) through
 //     a ring of NUM_STAGES stages, one box copy per page chunk; warps 1-3 load each unit's Q (cp.async, the
@@ -40,8 +40,8 @@
 // last page, stale rows of the stage) are masked in S and their V rows zeroed before P.V reads them.
 //
 // Defined by the including source: BLOCK_TOKENS, NUM_STAGES, MELD_PROFILE, MELD_WATCHDOG_NS, MlaParams, CtaRow,
-// split_kv.cuh, hopper.cuh, wgmma_bf16 (m64nBLOCK_TOKENS) and wgmma_bf16_tb (m64n256, B MN-major); FP8 builds
-// MLA_KV_FP8 and RAW_STAGES.
+// split_kv.cuh, hopper.cuh, wgmma_ss (m64nBLOCK_TOKENS) and wgmma_ss_tb (m64n256, B MN-major) of MELD_MMA_TYPE;
+// FP8 builds MLA_KV_FP8 and RAW_STAGES, and with f16 math MLA_F16.
 
 namespace meld {
 
@@ -79,6 +79,23 @@ constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbar
 // per-tensor scale kv_scale multiplies the scores (folded into sm_scale_log2 on the host: lse includes it) and
 // each piece's normalised output (p.v_scale: a merge is a convex combination of pieces), as decode_attention.cuh's
 // MELD_KV_FP8 does.
+//
+// MLA_F16 (FP8 builds, MELD_MMA_TYPE "f16"): the wgmmas take f16, not bf16. The converters write f16 (one
+// cvt.rn.f16x2.e4m3x2 a pair; to bf16 it takes three more, through f32), so per block they do about a third of
+// the bf16 build's work; the tensor cores run f16 at bf16's rate. q is bf16, and f16 holds neither its range nor,
+// near zero, its precision: the Q loader multiplies each q row by a power of two 2^e that brings the row's largest
+// |q| into [2^13, 2^14) (q_exp), so the f16 of every value within 2^30 of the row's max is exact, and the score
+// warpgroup multiplies that row's scores by 2^-e (exact) before the softmax scale: scores, lse and the output
+// are the bf16 build's but for P, which is rounded to f16 (finer in [2^-14, 1], zero below 2^-24). A row with a
+// NaN or Inf takes e = 0 (its f16 q keeps the NaN or Inf, so the row's scores are non-finite as in the bf16
+// build), a zero row too. The row's maximum is read from global memory before the loader waits for the Q buffer
+// (the last unit's scores still running), its e goes to QEXP (two units' rows: the scorers of one unit read
+// theirs while the loader writes the next's); only the scaled copy waits for the buffer.
+#ifdef MLA_F16
+constexpr bool F16 = true;
+#else
+constexpr bool F16 = false;
+#endif
 #ifdef MLA_KV_FP8
 constexpr bool KV_FP8 = true;
 constexpr int RAW_STAGES_ = RAW_STAGES;
@@ -92,6 +109,7 @@ constexpr int RAW_BYTES = (DC / 128) * RAW_LAT + RAW_ROPE;
 constexpr int Q_LOADERS = KV_FP8 ? 32 : 96;    // threads that load Q (warps 1-3; FP8: warp 1)
 constexpr int CONVERTERS = 64;                 // FP8: warps 2-3
 static_assert(!(KV_FP8 && SEESAW), "FP8 caches run the split schedule");
+static_assert(!F16 || KV_FP8, "f16 math is for FP8 caches");
 
 // Shared memory: Q, the ring, P (the seesaw keeps each block's P in its stage), then the rows' statistics and
 // the mbarriers.
@@ -110,7 +128,8 @@ struct SeesawStats {
   float m[2][HB];
   float l[2][HB];      // each warpgroup's row sums at the unit's end
 };
-constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
+constexpr int OFF_QEXP = OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats));   // F16: int [2][HB]
+constexpr int OFF_BARS = (OFF_QEXP + (F16 ? 2 * HB * 4 : 0) + 7) & ~7;
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
@@ -194,34 +213,81 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
   }
 }
 
+// F16: the power of two e a q row is multiplied by (module comment), from the bf16 bits of its largest |q|: 0
+// for a zero or non-finite row; at most 126, so 2^e and 2^-e are normal floats (a row whose max is below 2^-112
+// is scaled less).
+__device__ __forceinline__ int q_exp(u32 amax) {
+  const int be = amax >> 7;   // the biased exponent
+  return amax == 0 || be == 255 ? 0 : min(140 - be, 126);
+}
+__device__ __forceinline__ float pow2i(int e) { return __int_as_float((127 + e) << 23); }   // e in [-126, 127]
+__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
+  u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 // Warps 1-3: each unit's Q rows (q_nope then q_pe: 72 chunks of 16 bytes a head) into the Q buffer in the
 // 128-byte swizzle (chunk c of head h at box c / 8, row h, chunk (c % 8) ^ (h % 8)); heads past the unit's
-// rows are zeros. Empty pieces load nothing (the score warpgroup skips them too).
+// rows are zeros. Empty pieces load nothing (the score warpgroup skips them too). F16 (warp 1): each row's e
+// into QEXP first; once copied, each thread scales its own chunks (its cp.async writes, visible to it alone).
 __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, const Bars& b) {
   const int t = threadIdx.x - 32;
   u32 phase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     if (UnitWalk::blocks(w.piece(u)) == 0) continue;
     const int req = w.req(u), h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
+    auto src = [&](int h, int c) {   // chunk c of the unit's head h (< rows)
+      return c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + h) * p.qn_stride_h + 8 * c
+                        : p.q_pe + req * p.qp_stride_b + (i64)(h0 + h) * p.qp_stride_h + 8 * (c - DC / 8);
+    };
+    const u32 qexp = qbuf + OFF_QEXP + phase * (HB * 4);
+    if constexpr (F16) {   // (QEXP's half for this unit was last read by the unit before the last: waited for)
+      for (int h = 0; h < rows; ++h) {   // a row a step: the lanes read its chunks, one warp
+        u32 mx = 0;
+#pragma unroll
+        for (int c = t; c < QCHUNKS; c += 32) {
+          const uint4 v = *reinterpret_cast<const uint4*>(src(h, c));
+          mx = max_u16x2(max_u16x2(mx, v.x & 0x7fff7fffu), max_u16x2(v.y & 0x7fff7fffu, v.z & 0x7fff7fffu));
+          mx = max_u16x2(mx, v.w & 0x7fff7fffu);
+        }
+        mx = max(mx & 0xffffu, mx >> 16);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (t == 0) st_shared_u32(qexp + 4 * h, (u32)q_exp(mx));
+      }
+      __syncwarp();
+    }
     mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
-    // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build)
-#pragma unroll (SEESAW ? 1 : 4)
+    // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build; 4
+    // spilled the F16 build's)
+#pragma unroll (SEESAW ? 1 : F16 ? 2 : 4)
     for (int i = t; i < HB * QCHUNKS; i += Q_LOADERS) {
-      const int h = i / QCHUNKS, c = i - h * QCHUNKS, hh = min(h, rows - 1);
-      const u16* src = c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + hh) * p.qn_stride_h + 8 * c
-                                  : p.q_pe + req * p.qp_stride_b + (i64)(h0 + hh) * p.qp_stride_h + 8 * (c - DC / 8);
-      cp_async_16(qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4), src, h < rows ? 16 : 0);
+      const int h = i / QCHUNKS, c = i - h * QCHUNKS;
+      const u16* from = src(min(h, rows - 1), c);
+      cp_async_16(qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4), from, h < rows ? 16 : 0);
     }
     cp_async_commit();
     cp_async_wait<0>();
+    if constexpr (F16) {   // this thread's chunks, in place: times 2^e, as f16
+#pragma unroll 2
+      for (int i = t; i < HB * QCHUNKS; i += Q_LOADERS) {
+        const int h = i / QCHUNKS, c = i - h * QCHUNKS;
+        const u32 at = qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4);
+        const float f = pow2i((int)ld_shared_u32(qexp + 4 * min(h, rows - 1)));
+        auto scaled = [f](u32 x) { return pack2(__uint_as_float(x << 16) * f, __uint_as_float(x & 0xffff0000u) * f); };
+        const uint4 v = ld_shared_v4(at);
+        st_shared_v4(at, scaled(v.x), scaled(v.y), scaled(v.z), scaled(v.w));
+      }
+    }
     fence_proxy_async();   // the copies' writes before the wgmmas (async proxy) read them
     mbar_arrive(b.q_full);
     phase ^= 1u;
   }
 }
 
-// FP8 builds, warps 2-3: each block of the segment from the staging ring into the ring stage as bf16 (module
-// comment). A 16-byte chunk of the staging stage (found by its swizzled place: consecutive threads read
+// FP8 builds, warps 2-3: each block of the segment from the staging ring into the ring stage in the MMA type
+// (module comment; f16x4_to_mma does nothing for f16). A 16-byte chunk of the staging stage (found by its swizzled place: consecutive threads read
 // consecutive chunks) holds 16 channels of one token row; they become two 16-byte chunks of the stage's row.
 // Staged rows past the block's tokens are converted too (stale bytes, masked by the consumers as in the bf16
 // build).
@@ -258,10 +324,8 @@ __device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 
         for (int k = 0; k < 8; k += 2) f16x4_to_mma(r[k], r[k + 1]);
         const int c8 = (ch & 63) >> 3;      // the first bf16 chunk of the 64-channel box ch / 64
         const u32 row_addr = dst + (ch >> 6) * BOX + row * 128;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + ((c8 ^ (row & 7)) << 4)),
-                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + (((c8 + 1) ^ (row & 7)) << 4)),
-                     "r"(r[4]), "r"(r[5]), "r"(r[6]), "r"(r[7]) : "memory");
+        st_shared_v4(row_addr + ((c8 ^ (row & 7)) << 4), r[0], r[1], r[2], r[3]);
+        st_shared_v4(row_addr + (((c8 + 1) ^ (row & 7)) << 4), r[4], r[5], r[6], r[7]);
       }
       fence_proxy_async();   // the stores before the wgmmas (async proxy) read them
       mbar_arrive(b.full + 8 * stage);
@@ -290,7 +354,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 __device__ __forceinline__ void mla_issue_pv(float (&o)[OACC], u32 pbuf, u32 st, int g) {
 #pragma unroll
   for (int k = 0; k < BLK / 16; ++k)
-    wgmma_bf16_tb(o, wgmma_desc(pbuf + 32 * k), wgmma_desc_mn(st + 4 * g * BOX + 2048 * k, BOX));
+    wgmma_ss_tb(o, wgmma_desc(pbuf + 32 * k), wgmma_desc_mn(st + 4 * g * BOX + 2048 * k, BOX));
   wgmma_commit();
 }
 
@@ -317,7 +381,7 @@ __device__ __forceinline__ void zero_tail(u32 st, int valid, int ct) {
       st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
 }
 
-// A block's P (bf16) from a warpgroup's S accumulators into `pbuf` as wgmma's K-major A (128-byte swizzle).
+// A block's P (in the MMA type) from a warpgroup's S accumulators into `pbuf` as wgmma's K-major A (128-byte swizzle).
 __device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int lane, int warp) {
 #pragma unroll
   for (int i = 0; i < SACC; i += 2) {
@@ -358,7 +422,7 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece
       u16* out = p.out + ((i64)req * p.num_heads + h0 + r) * DC + c0;
 #pragma unroll
       for (int i = 2 * h; i < OACC; i += 4)
-        *reinterpret_cast<u32*>(out + 8 * (i >> 2)) = pack2(o[i] * inv, o[i + 1] * inv);
+        *reinterpret_cast<u32*>(out + 8 * (i >> 2)) = pack2_bf16(o[i] * inv, o[i + 1] * inv);
       if (g == 0 && (lane & 3) == 0 && p.lse != nullptr) p.lse[(i64)req * p.num_heads + h0 + r] = lse2 * kLn2;
     } else {
       float* part = p.part_o + ((i64)x.slot * HB + r) * DC + c0;
@@ -403,7 +467,7 @@ __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const Piec
     for (int g = 0; g < MERGE_OUTS; ++g) {
       if (i0 + 256 * g >= outs) break;
       u16* out = p.out + ((i64)req * p.num_heads + h0 + r[g]) * DC + c[g];
-      *reinterpret_cast<uint2*>(out) = make_uint2(pack2(v[g].x, v[g].y), pack2(v[g].z, v[g].w));
+      *reinterpret_cast<uint2*>(out) = make_uint2(pack2_bf16(v[g].x, v[g].y), pack2_bf16(v[g].z, v[g].w));
       if (c[g] == 0 && p.lse != nullptr) p.lse[(i64)req * p.num_heads + h0 + r[g]] = lse2[g] * kLn2;
     }
   }
@@ -427,7 +491,7 @@ __device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32
 #pragma unroll
   for (int k = 0; k < DQK / 16; ++k) {
     if ((k & 3) == 0) box_ready(k >> 2);
-    wgmma_bf16(s, desc_at(dq, (k >> 2) * (HB * 128) + 32 * (k & 3)), desc_at(dk, (k >> 2) * BOX + 32 * (k & 3)), k > 0);
+    wgmma_ss(s, desc_at(dq, (k >> 2) * (HB * 128) + 32 * (k & 3)), desc_at(dk, (k >> 2) * BOX + 32 * (k & 3)), k > 0);
   }
   wgmma_commit();
 }
@@ -465,6 +529,14 @@ __device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float s
   l[1] = l[1] * a[1] + sum[1];
 }
 
+// F16: a block's scores times their rows' 2^-e (exact: the q rows' 2^e undone); bf16 builds: nothing.
+__device__ __forceinline__ void unscale_q(float (&s)[SACC], const float (&qf)[2]) {
+  if constexpr (F16) {
+#pragma unroll
+    for (int i = 0; i < SACC; ++i) s[i] *= qf[(i >> 1) & 1];
+  }
+}
+
 // A unit's online-softmax state before its first block (both schedules): O zero, l zero, m -inf.
 __device__ __forceinline__ void unit_start(float (&o)[OACC], float (&l)[2], float (&m)[2]) {
 #pragma unroll
@@ -487,16 +559,20 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
-    float o[OACC], s[SACC], a[2], l[2], m[2];
+    float o[OACC], s[SACC], a[2], l[2], m[2], qf[2];   // (F16: qf, the rows' 2^-e)
     unit_start(o, l, m);
     if (nb > 0) {   // the first block's scores
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
+      if constexpr (F16)   // (written before q_full)
+        for (int h = 0; h < 2; ++h)
+          qf[h] = pow2i(-(int)ld_shared_u32(qbuf + OFF_QEXP + qphase * (HB * 4) + 4 * acc_row(lane, warp, h)));
       qphase ^= 1u;
       mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
       wgmma_fence();
       mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES);
       wgmma_wait<0>();
       fence_regs(s);
+      unscale_q(s, qf);
       mla_softmax(s, min(BLK, x.end - x.begin), p.sm_scale_log2, m, l, a, lane);
     }
     for (int j = 0; j < nb; ++j) {   // s holds block j's P, a its rescale
@@ -533,6 +609,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
         if (lane == 0) mbar_arrive(b.empty + 8 * stage);
         wgmma_wait<0>();
         fence_regs(s);
+        unscale_q(s, qf);
         mla_softmax(s, min(BLK, x.end - x.begin - (j + 1) * BLK), p.sm_scale_log2, m, l, a, lane);
       } else {
         rescale(o, a[0], a[1]);
