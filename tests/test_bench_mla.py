@@ -91,7 +91,7 @@ def test_fp8_mode_inputs_and_impls(capsys):
     """--kv-dtype fp8: meld's e4m3 build, its bf16 build and FlashMLA's FP8 path; the bf16 caches are the e4m3
     cache's values x its power-of-two scale, exactly."""
     assert mla.main(["--dry-run", "--kv-dtype", "fp8", "--batches", "16", "--dists", "skewed"]) == 0
-    assert "meld-fp8, meld, flashmla-fp8" in capsys.readouterr().out
+    assert "meld-fp8, meld-fp8-f16, meld, flashmla-fp8" in capsys.readouterr().out
     inp = mla.make_inputs(mla.Case(2, "skewed"), device="cpu", kv_dtype="fp8")
     assert inp.cache8.dtype == torch.float8_e4m3fn and math.log2(inp.kv_scale).is_integer()
     deq = inp.cache8.double() * inp.kv_scale

@@ -72,12 +72,19 @@ def test_fp8_build_is_compile_time():
     assert "#define MLA_KV_FP8 1" in cfg.render() and "#define RAW_STAGES 4" in cfg.render()
     assert "#define MLA_KV_FP8" not in MlaKernelConfig().render()
     assert MlaKernelConfig.for_cache("") == MlaKernelConfig()
+    f16 = MlaKernelConfig.for_cache("float8_e4m3fn", math_dtype="float16")   # the same shared memory, f16 wgmmas
+    assert f16.name == cfg.name + "_f16" and f16.smem_bytes == cfg.smem_bytes
+    src = f16.render()
+    assert "#define MLA_F16 1" in src and '#define MELD_MMA_TYPE "f16"' in src and "m64n256k16.f32.f16.f16" in src
+    assert "#define MLA_F16" not in cfg.render() and "f32.f16.f16" not in cfg.render()
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(kv_dtype="float8_e5m2"), "kv_dtype='float8_e5m2': expected one of"),
     (dict(kv_dtype="float8_e4m3fn"), "block_tokens=64: an FP8 cache runs the split schedule on 32-token blocks"),
     (dict(kv_dtype="float8_e4m3fn", block_tokens=32, num_stages=4), "num_stages=4: .* two FP8 staging stages"),
+    (dict(math_dtype="float16"), "math_dtype='float16' with kv_dtype='': float16 math is for an FP8 cache"),
+    (dict(kv_dtype="float8_e4m3fn", block_tokens=32, math_dtype="fp16"), "math_dtype='fp16': expected one of"),
 ])
 def test_bad_fp8_kernel_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -24,7 +24,6 @@ MLA_SCHEDULES = ("split", "seesaw")
 MLA_KV_FP8 = ("float8_e4m3fn",)   # the FP8 latent caches the kernel reads (MlaKernelConfig.kv_dtype)
 _RAW_ROW = 576                    # bytes of an FP8 latent row (512 + 64 channels) in the staging ring
 MLA_MATH_DTYPES = ("bfloat16", "float16")   # the wgmmas' input type (MlaKernelConfig.math_dtype)
-_QEXP_BYTES = 2 * 64 * 4          # float16 math: each q row's power of two, for two units (the template's QEXP)
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,7 @@ class MlaKernelConfig:
         box of a stage."""
         if self.schedule == "seesaw":
             return 9 * 64 * _ROW + _SEESAW_STATS_BYTES + 8 * (8 * 10 + 2) + 1024
-        return (9 * 64 * _ROW + 64 * _ROW + _STATS_BYTES + 8 * (2 * 8 + 4) + 1024
-                + (_QEXP_BYTES if self.math_dtype == "float16" else 0))
+        return 9 * 64 * _ROW + 64 * _ROW + _STATS_BYTES + 8 * (2 * 8 + 4) + 1024
 
     entry = "meld_mla_decode"
     threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511 or (seesaw)

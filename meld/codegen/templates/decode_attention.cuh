@@ -440,6 +440,14 @@ __device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
     asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }" : "=f"(lo), "=f"(hi) : "r"(x));
   }
 }
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
 
 // MELD_ROPE: channel c's (< D/2) frequency in units of pi, f_c / pi: a key at offset `off` turns by off f_c.
 __device__ __forceinline__ float rope_fpi(int c) { return MELD_ROPE_FPI0 * exp2_approx((float)c * MELD_ROPE_LOG2_STEP); }

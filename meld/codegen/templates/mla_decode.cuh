@@ -13,7 +13,7 @@
 //     a ring of NUM_STAGES stages, one box copy per page chunk; warps 1-3 load each unit's Q (cp.async, the
 //     128-byte swizzle written by hand) into the one Q buffer once the score warpgroup is done with the
 //     last unit's;
-//   - warpgroup 1 (the score warpgroup) computes S, the online softmax, writes P (bf16) and each row's
+//   - warpgroup 1 (the score warpgroup) computes S, the online softmax, writes P (bf16; F16: f16) and each row's
 //     rescale into shared memory, and accumulates O's latent channels 0-255;
 //   - warpgroup 2 accumulates channels 256-511 from the same P and V.
 // The score warpgroup hands each block's P and row rescale to warpgroup 2 through two named barriers that
@@ -83,14 +83,15 @@ constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbar
 // MLA_F16 (FP8 builds, MELD_MMA_TYPE "f16"): the wgmmas take f16, not bf16. The converters write f16 (one
 // cvt.rn.f16x2.e4m3x2 a pair; to bf16 it takes three more, through f32), so per block they do about a third of
 // the bf16 build's work; the tensor cores run f16 at bf16's rate. q is bf16, and f16 holds neither its range nor,
-// near zero, its precision: the Q loader multiplies each q row by a power of two 2^e that brings the row's largest
-// |q| into [2^13, 2^14) (q_exp), so the f16 of every value within 2^30 of the row's max is exact, and the score
-// warpgroup multiplies that row's scores by 2^-e (exact) before the softmax scale: scores, lse and the output
+// near zero, its precision: each q row is multiplied by a power of two 2^e that brings the row's largest |q| into
+// [2^13, 2^14) (q_exp), so the f16 of every value within 2^30 of the row's max is exact, and the score warpgroup
+// multiplies that row's scores by 2^-e (exact) before the softmax scale: scores, lse and the output
 // are the bf16 build's but for P, which is rounded to f16 (finer in [2^-14, 1], zero below 2^-24). A row with a
 // NaN or Inf takes e = 0 (its f16 q keeps the NaN or Inf, so the row's scores are non-finite as in the bf16
-// build), a zero row too. The row's maximum is read from global memory before the loader waits for the Q buffer
-// (the last unit's scores still running), its e goes to QEXP (two units' rows: the scorers of one unit read
-// theirs while the loader writes the next's); only the scaled copy waits for the buffer.
+// build), a zero row too. The loader copies Q as bf16 (as the bf16 build); the score warpgroup, which waits for
+// it anyway, converts it in place (q_to_f16: 128 threads, 36 chunks each) before its first Q.K^T of the unit. The
+// loader warp alone would take 144 chunks a thread after the copy, or a pass over global memory before it that
+// one warp's 56 registers keep latency-bound, and the converter warps are busy with the unit's first blocks.
 #ifdef MLA_F16
 constexpr bool F16 = true;
 #else
@@ -128,10 +129,10 @@ struct SeesawStats {
   float m[2][HB];
   float l[2][HB];      // each warpgroup's row sums at the unit's end
 };
-constexpr int OFF_QEXP = OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats));   // F16: int [2][HB]
-constexpr int OFF_BARS = (OFF_QEXP + (F16 ? 2 * HB * 4 : 0) + 7) & ~7;
+constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
+constexpr int Q_F16 = 1;                       // F16: the score warpgroup's Q is f16 (q_to_f16)
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
 static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0 && OFF_RAW % 1024 == 0 && RAW_BYTES % 1024 == 0,
@@ -213,73 +214,26 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
   }
 }
 
-// F16: the power of two e a q row is multiplied by (module comment), from the bf16 bits of its largest |q|: 0
-// for a zero or non-finite row; at most 126, so 2^e and 2^-e are normal floats (a row whose max is below 2^-112
-// is scaled less).
-__device__ __forceinline__ int q_exp(u32 amax) {
-  const int be = amax >> 7;   // the biased exponent
-  return amax == 0 || be == 255 ? 0 : min(140 - be, 126);
-}
-__device__ __forceinline__ float pow2i(int e) { return __int_as_float((127 + e) << 23); }   // e in [-126, 127]
-__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
-  u32 r;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-
 // Warps 1-3: each unit's Q rows (q_nope then q_pe: 72 chunks of 16 bytes a head) into the Q buffer in the
 // 128-byte swizzle (chunk c of head h at box c / 8, row h, chunk (c % 8) ^ (h % 8)); heads past the unit's
-// rows are zeros. Empty pieces load nothing (the score warpgroup skips them too). F16 (warp 1): each row's e
-// into QEXP first; once copied, each thread scales its own chunks (its cp.async writes, visible to it alone).
+// rows are zeros. Empty pieces load nothing (the score warpgroup skips them too).
 __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, const Bars& b) {
   const int t = threadIdx.x - 32;
   u32 phase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     if (UnitWalk::blocks(w.piece(u)) == 0) continue;
     const int req = w.req(u), h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
-    auto src = [&](int h, int c) {   // chunk c of the unit's head h (< rows)
-      return c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + h) * p.qn_stride_h + 8 * c
-                        : p.q_pe + req * p.qp_stride_b + (i64)(h0 + h) * p.qp_stride_h + 8 * (c - DC / 8);
-    };
-    const u32 qexp = qbuf + OFF_QEXP + phase * (HB * 4);
-    if constexpr (F16) {   // (QEXP's half for this unit was last read by the unit before the last: waited for)
-      for (int h = 0; h < rows; ++h) {   // a row a step: the lanes read its chunks, one warp
-        u32 mx = 0;
-#pragma unroll
-        for (int c = t; c < QCHUNKS; c += 32) {
-          const uint4 v = *reinterpret_cast<const uint4*>(src(h, c));
-          mx = max_u16x2(max_u16x2(mx, v.x & 0x7fff7fffu), max_u16x2(v.y & 0x7fff7fffu, v.z & 0x7fff7fffu));
-          mx = max_u16x2(mx, v.w & 0x7fff7fffu);
-        }
-        mx = max(mx & 0xffffu, mx >> 16);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        if (t == 0) st_shared_u32(qexp + 4 * h, (u32)q_exp(mx));
-      }
-      __syncwarp();
-    }
     mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
-    // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build; 4
-    // spilled the F16 build's)
-#pragma unroll (SEESAW ? 1 : F16 ? 2 : 4)
+    // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build)
+#pragma unroll (SEESAW ? 1 : 4)
     for (int i = t; i < HB * QCHUNKS; i += Q_LOADERS) {
-      const int h = i / QCHUNKS, c = i - h * QCHUNKS;
-      const u16* from = src(min(h, rows - 1), c);
-      cp_async_16(qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4), from, h < rows ? 16 : 0);
+      const int h = i / QCHUNKS, c = i - h * QCHUNKS, hh = min(h, rows - 1);
+      const u16* src = c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + hh) * p.qn_stride_h + 8 * c
+                                  : p.q_pe + req * p.qp_stride_b + (i64)(h0 + hh) * p.qp_stride_h + 8 * (c - DC / 8);
+      cp_async_16(qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4), src, h < rows ? 16 : 0);
     }
     cp_async_commit();
     cp_async_wait<0>();
-    if constexpr (F16) {   // this thread's chunks, in place: times 2^e, as f16
-#pragma unroll 2
-      for (int i = t; i < HB * QCHUNKS; i += Q_LOADERS) {
-        const int h = i / QCHUNKS, c = i - h * QCHUNKS;
-        const u32 at = qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4);
-        const float f = pow2i((int)ld_shared_u32(qexp + 4 * min(h, rows - 1)));
-        auto scaled = [f](u32 x) { return pack2(__uint_as_float(x << 16) * f, __uint_as_float(x & 0xffff0000u) * f); };
-        const uint4 v = ld_shared_v4(at);
-        st_shared_v4(at, scaled(v.x), scaled(v.y), scaled(v.z), scaled(v.w));
-      }
-    }
     fence_proxy_async();   // the copies' writes before the wgmmas (async proxy) read them
     mbar_arrive(b.q_full);
     phase ^= 1u;
@@ -287,10 +241,10 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
 }
 
 // FP8 builds, warps 2-3: each block of the segment from the staging ring into the ring stage in the MMA type
-// (module comment; f16x4_to_mma does nothing for f16). A 16-byte chunk of the staging stage (found by its swizzled place: consecutive threads read
-// consecutive chunks) holds 16 channels of one token row; they become two 16-byte chunks of the stage's row.
-// Staged rows past the block's tokens are converted too (stale bytes, masked by the consumers as in the bf16
-// build).
+// (module comment; f16x4_to_mma does nothing for f16). A 16-byte chunk of the staging stage (found by its
+// swizzled place: consecutive threads read consecutive chunks) holds 16 channels of one token row; they become
+// two 16-byte chunks of the stage's row. Staged rows past the block's tokens are converted too (stale bytes,
+// masked by the consumers as in the bf16 build).
 __device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 ring, const Bars& b) {
   const int t = threadIdx.x - 64;
   int stage = 0, rs = 0;
@@ -381,7 +335,8 @@ __device__ __forceinline__ void zero_tail(u32 st, int valid, int ct) {
       st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
 }
 
-// A block's P (in the MMA type) from a warpgroup's S accumulators into `pbuf` as wgmma's K-major A (128-byte swizzle).
+// A block's P (the MMA type) from a warpgroup's S accumulators into `pbuf` as wgmma's K-major A (128-byte
+// swizzle).
 __device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int lane, int warp) {
 #pragma unroll
   for (int i = 0; i < SACC; i += 2) {
@@ -529,6 +484,53 @@ __device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float s
   l[1] = l[1] * a[1] + sum[1];
 }
 
+// F16: the power of two e a q row is multiplied by (module comment), from the bf16 bits of its largest |q|: 0
+// for a zero or non-finite row; at most 126, so 2^e and 2^-e are normal floats (a row whose max is below 2^-112
+// is scaled less).
+__device__ __forceinline__ int q_exp(u32 amax) {
+  const int be = amax >> 7;   // the biased exponent
+  return amax == 0 || be == 255 ? 0 : min(140 - be, 126);
+}
+__device__ __forceinline__ float pow2i(int e) { return __int_as_float((127 + e) << 23); }   // e in [-126, 127]
+__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
+  u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// F16, the score warpgroup once Q has landed (bf16): Q in place as f16, each row times its 2^e; qf gets the
+// thread's two accumulator rows' 2^-e. A thread takes a quarter (lane % 4) of the chunks of those two rows, so
+// a quad's shuffles find the rows' maxima. Ends on a barrier of the warpgroup, the writes ordered before its
+// wgmmas.
+__device__ __forceinline__ void q_to_f16(u32 qbuf, float (&qf)[2], int warp, int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = acc_row(lane, warp, h);
+    auto at = [&](int c) { return qbuf + (c >> 3) * (HB * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4); };
+    u32 mx = 0;
+#pragma unroll 6
+    for (int c = lane & 3; c < QCHUNKS; c += 4) {
+      const uint4 v = ld_shared_v4(at(c));
+      mx = max_u16x2(max_u16x2(mx, v.x & 0x7fff7fffu), max_u16x2(v.y & 0x7fff7fffu, v.z & 0x7fff7fffu));
+      mx = max_u16x2(mx, v.w & 0x7fff7fffu);
+    }
+    mx = max(mx & 0xffffu, mx >> 16);
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const int e = q_exp(mx);
+    const float f = pow2i(e);
+    qf[h] = pow2i(-e);
+    auto scaled = [f](u32 x) { return pack2(__uint_as_float(x << 16) * f, __uint_as_float(x & 0xffff0000u) * f); };
+#pragma unroll 6
+    for (int c = lane & 3; c < QCHUNKS; c += 4) {
+      const uint4 v = ld_shared_v4(at(c));
+      st_shared_v4(at(c), scaled(v.x), scaled(v.y), scaled(v.z), scaled(v.w));
+    }
+  }
+  fence_proxy_async();   // the stores before the wgmmas (async proxy) read them
+  named_barrier(Q_F16, 128);
+}
+
 // F16: a block's scores times their rows' 2^-e (exact: the q rows' 2^e undone); bf16 builds: nothing.
 __device__ __forceinline__ void unscale_q(float (&s)[SACC], const float (&qf)[2]) {
   if constexpr (F16) {
@@ -563,9 +565,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
     unit_start(o, l, m);
     if (nb > 0) {   // the first block's scores
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
-      if constexpr (F16)   // (written before q_full)
-        for (int h = 0; h < 2; ++h)
-          qf[h] = pow2i(-(int)ld_shared_u32(qbuf + OFF_QEXP + qphase * (HB * 4) + 4 * acc_row(lane, warp, h)));
+      if constexpr (F16) q_to_f16(qbuf, qf, warp, lane);
       qphase ^= 1u;
       mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
       wgmma_fence();
