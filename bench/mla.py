@@ -16,7 +16,7 @@ FP8 latent cache (`--kv-dtype fp8`, issue 41): the case's caches are quantised t
 with a per-tensor power-of-two scale (kv_scale = 2^ceil(log2(amax / 448)), so the dequantised values are exact in
 bf16), and four implementations read the same values: meld-fp8 (`DecodeMLA(kv_dtype=torch.float8_e4m3fn)`, run
 with kv_scale), meld-fp8-f16 (the same with `MlaKernelConfig.math_dtype="float16"`: the e4m3 converted to f16, the
-wgmmas f16), meld (the bf16 build over the dequantised bf16 cache: the A/B of the FP8 build) and flashmla-fp8
+wgmmas f16; meld-fp8-f16-c3, run only when named, converts on three warps: `convert_warps=3`), meld (the bf16 build over the dequantised bf16 cache: the A/B of the FP8 build) and flashmla-fp8
 (FlashMLA's dense FP8 path, `flash_mla_with_kvcache(..., is_fp8_kvcache=True, use_legacy=True)` with metadata from
 `get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True)`: the same [pages, 64, 1, 576] e4m3 cache and
 descale_k = kv_scale, its q quantised to e4m3 with a per-tensor power-of-two descale_q, as its kernel takes it). A
@@ -59,7 +59,8 @@ Columns:
   eager µs     meld's eager latency (host launch cost included);   plan µs: meld's host plan() median;
   fp8 µs       with --kv-dtype fp8: meld-fp8's time; fp8/bf16: meld's bf16 time / it (> 1: the FP8 build faster);
                FlashMLA-fp8 µs and vs FlashMLA-fp8: FlashMLA's dense FP8 time / meld-fp8's; fp8-f16 µs:
-               meld-fp8-f16's time, f16/bf16 math: meld-fp8's time / it (> 1: f16 math faster);
+               meld-fp8-f16's time, f16/bf16 math: meld-fp8's time / it (> 1: f16 math faster); fp8-f16-c3 µs:
+               meld-fp8-f16-c3's, c3/c2: meld-fp8-f16's time / it (> 1: three converting warps faster);
   seesaw µs    with --schedule seesaw or both: meld's seesaw build (`MlaKernelConfig(schedule="seesaw")`) on the
                same inputs in the same run; seesaw vs FlashMLA: FlashMLA's time / its time; seesaw/split: the
                default build's time / its time (> 1: the seesaw faster).
@@ -109,7 +110,8 @@ SCHEDULE_IMPLS = {"split": ["meld"], "seesaw": [SEESAW], "both": ["meld", SEESAW
 FI_BACKENDS = {"fi-fa2": "fa2", "fi-fa3": "fa3"}
 KV_DTYPES = ("bf16", "fp8")
 # --kv-dtype fp8: name -> the --impls name that selects it (or its own name)
-FP8_IMPLS = {"meld-fp8": "meld", "meld-fp8-f16": "meld", "meld": "meld", "flashmla-fp8": "flashmla"}
+FP8_IMPLS = {"meld-fp8": "meld", "meld-fp8-f16": "meld", "meld-fp8-f16-c3": "meld-fp8-f16-c3", "meld": "meld",
+             "flashmla-fp8": "flashmla"}
 FP8_REL_TOL = 2e-2   # issue 41's bar for FP8 caches (against float64 over the dequantised cache)
 E4M3_MAX = 448.0
 FI_WORKSPACE_BYTES = 128 << 20
@@ -261,10 +263,10 @@ def quantised_q(inp: Inputs) -> tuple[torch.Tensor, float]:
 
 # ------------------------------------------------------------------------------------- implementations
 
-def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, math_dtype: str = "bfloat16") -> Impl:
+def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, **fp8_build: Any) -> Impl:
     """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans; `schedule`:
     its kernel build (`MlaKernelConfig.schedule`); `fp8`: the e4m3 build over inp.cache8 (its default schedule),
-    its wgmmas' inputs `math_dtype`."""
+    with the MlaKernelConfig fields `fp8_build`."""
     import meld
     from meld.codegen.mla_kernel import MlaKernelConfig
 
@@ -273,7 +275,7 @@ def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, math_dty
     mla = meld.DecodeMLA(NUM_HEADS, PAGE_SIZE, dtype=DTYPE, device=str(dev), sm_scale=SM_SCALE,
                          head_dim_ckv=HEAD_DIM_CKV, head_dim_kpe=HEAD_DIM_KPE,
                          max_batch_size=c.batch, max_num_pages=t.num_pages,
-                         kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn", math_dtype=math_dtype) if fp8 else
+                         kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn", **fp8_build) if fp8 else
                          MlaKernelConfig(schedule=schedule), q_len=c.q_len,
                          kv_dtype=torch.float8_e4m3fn if fp8 else None)
     init_us = (time.perf_counter() - t0) * 1e6
@@ -408,6 +410,7 @@ BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     SEESAW: partial(build_meld, schedule="seesaw"),
     "meld-fp8": partial(build_meld, fp8=True),
     "meld-fp8-f16": partial(build_meld, fp8=True, math_dtype="float16"),
+    "meld-fp8-f16-c3": partial(build_meld, fp8=True, math_dtype="float16", convert_warps=3),
     "flashmla-fp8": build_flashmla_fp8,
     "fi-fa2": lambda inp: build_flashinfer(inp, "fa2"),
     "fi-fa3": lambda inp: build_flashinfer(inp, "fa3"),
@@ -444,6 +447,7 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
     fp8_us = median_us(results["meld-fp8"]) if isinstance(cell("meld-fp8"), float) else None
     fmla8_us = median_us(results["flashmla-fp8"]) if isinstance(cell("flashmla-fp8"), float) else None
     f16_us = median_us(results["meld-fp8-f16"]) if isinstance(cell("meld-fp8-f16"), float) else None
+    c3_us = median_us(results["meld-fp8-f16-c3"]) if isinstance(cell("meld-fp8-f16-c3"), float) else None
     tbps = nbytes / (meld_us * 1e-6) / 1e12 if meld_us else None
     tflops = nflops / (meld_us * 1e-6) / 1e12 if meld_us else None
     fmla_tflops = nflops / (fmla_us * 1e-6) / 1e12 if fmla_us else None
@@ -464,6 +468,7 @@ def summarise(case: Case, table: PageTable, results: dict[str, dict[str, Any]],
         "fp8_us": cell("meld-fp8"), "fp8_vs_bf16": meld_us / fp8_us if fp8_us and meld_us else None,
         "flashmla_fp8_us": cell("flashmla-fp8"), "fp8_vs_flashmla_fp8": fmla8_us / fp8_us if fp8_us and fmla8_us else None,
         "fp8_f16_us": cell("meld-fp8-f16"), "f16_vs_bf16_math": fp8_us / f16_us if fp8_us and f16_us else None,
+        "fp8_f16_c3_us": cell("meld-fp8-f16-c3"), "c3_vs_c2": f16_us / c3_us if f16_us and c3_us else None,
         "meld_tbps": tbps, "meld_tflops": tflops,
         "pct_read": 100 * tbps / ceilings["read_tbps"] if tbps else None,
         "pct_mma": 100 * tflops / mma if tflops else None,
@@ -491,6 +496,7 @@ FP8_COLUMNS = [   # --kv-dtype fp8: after meld's
     Column("fp8_us", "fp8 µs", ".1f"), Column("fp8_vs_bf16", "fp8/bf16", ".2f"),
     Column("flashmla_fp8_us", "FlashMLA-fp8 µs", ".1f"), Column("fp8_vs_flashmla_fp8", "vs FlashMLA-fp8", ".2f"),
     Column("fp8_f16_us", "fp8-f16 µs", ".1f"), Column("f16_vs_bf16_math", "f16/bf16 math", ".2f"),
+    Column("fp8_f16_c3_us", "fp8-f16-c3 µs", ".1f"), Column("c3_vs_c2", "c3/c2", ".2f"),
 ]
 DRY_COLUMNS = [
     Column("B", "B"), Column("dist", "dist", align="<"), Column("sum_len", "tokens", "d"),
@@ -546,7 +552,7 @@ def preflight(impls: Sequence[str], env: dict[str, Any], failures: list[str]) ->
     """Import meld's DecodeMLA and FlashInfer's MLA wrapper once: one that fails is reported once (not once
     per case) and dropped."""
     imports = {"meld": ("meld", "DecodeMLA"), SEESAW: ("meld", "DecodeMLA"), "meld-fp8": ("meld", "DecodeMLA"),
-               "meld-fp8-f16": ("meld", "DecodeMLA"),
+               "meld-fp8-f16": ("meld", "DecodeMLA"), "meld-fp8-f16-c3": ("meld", "DecodeMLA"),
                "flashmla-fp8": ("flash_mla", "get_mla_decoding_metadata"), "fi-fa2": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "fi-fa3": ("flashinfer", "mla.BatchMLAPagedAttentionWrapper"),
                "flashmla": ("flash_mla", "flash_mla_with_kvcache")}
@@ -622,7 +628,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results[name] = {"skipped": skip} if skip else measure(
                 partial(BUILDERS[name], inp), f"{inp.case.name} {name}",
                 reference(inp, q_e4m3=True) if name == "flashmla-fp8" else ref, args, failures,
-                eager=name in ("meld", SEESAW, "meld-fp8", "meld-fp8-f16"), rel_tol=rel_tol)
+                eager=name in ("meld", SEESAW, "meld-fp8", "meld-fp8-f16", "meld-fp8-f16-c3"), rel_tol=rel_tol)
             print(f"  {name:7s} {progress(results[name])}", flush=True)
         table.add(summarise(case, inp.table, results, ceilings))
         del inp, ref

@@ -53,7 +53,8 @@ def rel_err(out, ref):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg", [MlaKernelConfig.for_cache("float8_e4m3fn"),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", profile=True),
-                                 MlaKernelConfig.for_cache("float8_e4m3fn", math_dtype="float16")], ids=lambda c: c.name)
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", math_dtype="float16", convert_warps=3)],
+                         ids=lambda c: c.name)
 def test_fp8_build_compiles_for_sm90a_without_spills(cfg):
     """No spills, no serialised wgmma; its shared memory (Q, P, two 16-bit stages, four FP8 staging stages, and
     with f16 math the q rows' exponents) fits."""
@@ -77,6 +78,9 @@ def test_fp8_build_is_compile_time():
     src = f16.render()
     assert "#define MLA_F16 1" in src and '#define MELD_MMA_TYPE "f16"' in src and "m64n256k16.f32.f16.f16" in src
     assert "#define MLA_F16" not in cfg.render() and "f32.f16.f16" not in cfg.render()
+    c3 = MlaKernelConfig.for_cache("float8_e4m3fn", convert_warps=3)
+    assert c3.name == cfg.name + "_c3" and "#define MLA_CONVERT_WARPS 3" in c3.render()
+    assert "#define MLA_CONVERT_WARPS" not in cfg.render()
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -85,6 +89,8 @@ def test_fp8_build_is_compile_time():
     (dict(kv_dtype="float8_e4m3fn", block_tokens=32, num_stages=4), "num_stages=4: .* two FP8 staging stages"),
     (dict(math_dtype="float16"), "math_dtype='float16' with kv_dtype='': float16 math is for an FP8 cache"),
     (dict(kv_dtype="float8_e4m3fn", block_tokens=32, math_dtype="fp16"), "math_dtype='fp16': expected one of"),
+    (dict(convert_warps=3), "convert_warps=3 with kv_dtype='': expected 2, or 3 with an FP8 cache"),
+    (dict(kv_dtype="float8_e4m3fn", block_tokens=32, convert_warps=4), "convert_warps=4 with kv_dtype="),
 ])
 def test_bad_fp8_kernel_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

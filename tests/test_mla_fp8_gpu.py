@@ -3,15 +3,15 @@
 op takes, head counts no multiple of 64, multi-token decode, split units merged in the launch, CUDA-graph replay
 across re-plans, NaN in the cache and in q reaching exactly their rows, the torch op and the FlashInfer wrapper.
 The FP8 kernel must also agree with the CPU executor (which dequantises as it does). Each test runs both builds
-(`math_dtype`: the wgmmas in bf16, the default, or in f16 with q scaled per row), and q rows of any magnitude
-check the f16 build's scaling."""
+(`build`: the wgmmas in bf16, the default, or in f16 with q scaled per row, converted by two warps or three), and
+q rows of any magnitude check the f16 builds' scaling."""
 import math
 
 import pytest
 import torch
 
 import meld
-from meld.codegen.mla_kernel import MLA_MATH_DTYPES, MlaKernelConfig
+from meld.codegen.mla_kernel import MlaKernelConfig
 from meld.compat.flashinfer import BatchMLAPagedAttentionWrapper
 from meld.ops.torch_ops import decode_mla
 from meld.workloads import lengths
@@ -21,14 +21,19 @@ from tests.test_mla_fp8 import E4M3, KV_SCALE, SCALE, fp8_inputs, fp8_reference,
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=MLA_MATH_DTYPES)
-def math_dtype(request):
-    return request.param
+BUILDS = {"bf16math": {}, "f16math": dict(math_dtype="float16"),
+          "f16math-c3": dict(math_dtype="float16", convert_warps=3)}
 
 
-def _mla(H, P, math_dtype, **kw):
+@pytest.fixture(params=list(BUILDS))
+def build(request):
+    """The kernel build's MlaKernelConfig fields beside the FP8 cache's (pytest -k f16math: the f16 builds)."""
+    return BUILDS[request.param]
+
+
+def _mla(H, P, build, **kw):
     return meld.DecodeMLA(H, P, torch.bfloat16, "cuda", sm_scale=SCALE, kv_dtype=E4M3,
-                          kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn", math_dtype=math_dtype), **kw)
+                          kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn", **build), **kw)
 
 
 def _run(mla, qn, qp, cache, kv_scale=KV_SCALE):
@@ -43,9 +48,9 @@ def _run(mla, qn, qp, cache, kv_scale=KV_SCALE):
     return out, lse
 
 
-def _check(lens, math_dtype, H=128, P=64, q_len=1, seed=0, kv_scale=KV_SCALE):
+def _check(lens, build, H=128, P=64, q_len=1, seed=0, kv_scale=KV_SCALE):
     pb, qn, qp, cache = fp8_inputs(lens, H, P, seed, "cuda", q_len, kv_scale)
-    mla = _mla(H, P, math_dtype, q_len=q_len)
+    mla = _mla(H, P, build, q_len=q_len)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     assert_gpu_plan_matches_host(mla)
     out, lse = _run(mla, qn, qp, cache, kv_scale)
@@ -62,41 +67,41 @@ def _check(lens, math_dtype, H=128, P=64, q_len=1, seed=0, kv_scale=KV_SCALE):
 
 
 @pytest.mark.parametrize("B,dist", [(16, "uniform2k"), (64, "skewed"), (16, "one-long"), (128, "one-long")])
-def test_bench_batches(B, dist, math_dtype):
-    _check(lengths(dist, B), math_dtype)
+def test_bench_batches(B, dist, build):
+    _check(lengths(dist, B), build)
 
 
-def test_ragged_with_empty_requests_and_block_edges(math_dtype):
-    _check([0, 1, 31, 32, 33, 63, 65, 700, 0, 3001, 20000], math_dtype)
+def test_ragged_with_empty_requests_and_block_edges(build):
+    _check([0, 1, 31, 32, 33, 63, 65, 700, 0, 3001, 20000], build)
 
 
-def test_one_long_request_merged_by_many_ctas(math_dtype):
-    mla, *_ = _check([65537], math_dtype)
+def test_one_long_request_merged_by_many_ctas(build):
+    mla, *_ = _check([65537], build)
     assert mla.schedule.items()["num_parts"].max() >= 8
 
 
 @pytest.mark.parametrize("H", [16, 100])
-def test_head_counts(H, math_dtype):
-    _check([5, 300, 2047, 9001], math_dtype, H=H)
+def test_head_counts(H, build):
+    _check([5, 300, 2047, 9001], build, H=H)
 
 
 @pytest.mark.parametrize("P", [8, 16, 32, 128])
-def test_page_sizes(P, math_dtype):
+def test_page_sizes(P, build):
     """Pages of a TMA box each (8, 16 tokens: several a block), one block (32), four blocks (128)."""
-    _check([1, 40, 63, 1000, 4097], math_dtype, P=P)
+    _check([1, 40, 63, 1000, 4097], build, P=P)
 
 
 @pytest.mark.parametrize("q_len", [2, 4])
-def test_multi_token(q_len, math_dtype):
+def test_multi_token(q_len, build):
     """The shortest request holds exactly its q_len new tokens (the first attends to one key)."""
-    _check([q_len, 33, 700, 5000], math_dtype, q_len=q_len)
+    _check([q_len, 33, 700, 5000], build, q_len=q_len)
 
 
-def test_scales_and_the_cpu_executor(math_dtype):
+def test_scales_and_the_cpu_executor(build):
     """A scale per run (no re-plan): the output scales with it and lse moves by the scores'; the GPU agrees with
     the CPU executor (the same dequantisation) to bf16 rounding."""
     lens = [3, 250, 4001]
-    mla, pb, (qn, qp, cache), out = _check(lens, math_dtype, kv_scale=0.05)
+    mla, pb, (qn, qp, cache), out = _check(lens, build, kv_scale=0.05)
     cpu = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE, kv_dtype=E4M3)
     cpu.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     ref = cpu.run(qn.cpu(), qp.cpu(), cache[..., :512].cpu(), cache[..., 512:].cpu(), kv_scale=0.05)
@@ -106,7 +111,7 @@ def test_scales_and_the_cpu_executor(math_dtype):
     assert rel_err(out2, ref2) < 2e-2
 
 
-def test_cuda_graph_replays_new_plans(math_dtype):
+def test_cuda_graph_replays_new_plans(build):
     """run() captured once (its scale with it); later plans within the capacities rewrite the tables."""
     H, P = 128, 64
     batches = [[3000, 10, 500], [70000, 1, 63], [0, 2047, 129]]
@@ -116,7 +121,7 @@ def test_cuda_graph_replays_new_plans(math_dtype):
     qp = torch.zeros(3, H, 64, dtype=torch.bfloat16, device="cuda")
     cache = torch.zeros(pages, P, 576, dtype=E4M3, device="cuda")
     out = torch.empty(3, H, 512, dtype=torch.bfloat16, device="cuda")
-    mla = _mla(H, P, math_dtype, max_batch_size=3, max_num_pages=4 * pages)
+    mla = _mla(H, P, build, max_batch_size=3, max_num_pages=4 * pages)
     pb0 = inputs[0][0]
     mla.plan(pb0.kv_indptr, pb0.kv_indices, pb0.kv_last_page_len)
     g = torch.cuda.CUDAGraph()
@@ -133,12 +138,12 @@ def test_cuda_graph_replays_new_plans(math_dtype):
         assert err < 2e-2, f"replay after re-plan: rel err {err:.2e}"
 
 
-def test_non_finite_inputs_reach_exactly_their_rows(math_dtype):
+def test_non_finite_inputs_reach_exactly_their_rows(build):
     """An e4m3 NaN (0x7f) in one token's latent: NaN in every head of its request; NaN in one q row: that row.
     Other rows as without them, bit for bit."""
     lens = [3000, 70000, 500]
     pb, qn, qp, cache = fp8_inputs(lens, 128, 64, device="cuda")
-    mla = _mla(128, 64, math_dtype)
+    mla = _mla(128, 64, build)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     clean, clean_lse = _run(mla, qn, qp, cache)
     qn2, cache2 = qn.clone(), cache.clone()
@@ -155,10 +160,10 @@ def test_non_finite_inputs_reach_exactly_their_rows(math_dtype):
     assert torch.equal(out[ok], clean[ok]) and torch.equal(lse[ok], clean_lse[ok])
 
 
-def test_torch_op_and_compile(math_dtype):
+def test_torch_op_and_compile(build):
     """torch.ops.meld.decode_mla with kv_scale, eager and under torch.compile(fullgraph=True): run()'s bits."""
     pb, qn, qp, cache = fp8_inputs([100, 2000, 7], 128, 64, device="cuda")
-    mla = _mla(128, 64, math_dtype)
+    mla = _mla(128, 64, build)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     want = mla.run(qn, qp, cache[..., :512], cache[..., 512:], kv_scale=KV_SCALE)
     assert torch.equal(decode_mla(mla, qn, qp, cache[..., :512], cache[..., 512:], kv_scale=KV_SCALE), want)
@@ -180,14 +185,14 @@ def test_flashinfer_wrapper():
     assert rel_err(out, ref) < 2e-2
 
 
-def test_q_rows_of_any_magnitude(math_dtype):
+def test_q_rows_of_any_magnitude(build):
     """q rows far from f16's range, each its own power of two in the f16 build: tiny (x 2^-28, below f16's
     subnormals unscaled), huge (x 2^20, past f16's max unscaled), one entry of 2^20 among ordinary ones, zero; the
     finite rows against float64 row by row, rows with a NaN or an Inf entry NaN (out and lse), exactly those.
     Then the whole batch's q x 2^-28 with kv_scale x 2^28: the same scores, against float64 too."""
     lens, H = [700, 3001], 128
     pb, qn, qp, cache = fp8_inputs(lens, H, 64, device="cuda")
-    mla = _mla(H, 64, math_dtype)
+    mla = _mla(H, 64, build)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     qn2, qp2 = qn.clone(), qp.clone()
     for b in range(2):

@@ -76,6 +76,7 @@ VARIANTS = {
     "mla-seesaw": "MlaKernelConfig(schedule='seesaw')",
     "mla-fp8": "MlaKernelConfig.for_cache('float8_e4m3fn')",
     "mla-fp8-f16": "MlaKernelConfig.for_cache('float8_e4m3fn', math_dtype='float16')",
+    "mla-fp8-f16-c3": "MlaKernelConfig.for_cache('float8_e4m3fn', math_dtype='float16', convert_warps=3)",
     "moe": "MoeKernelConfig()",
     "moe-packed": "MoeKernelConfig(packed_weights=True, absent_pairs=True)",
     "moe-fp8": "MoeKernelConfig(weight_dtype='e4m3', block_tokens=32)",

@@ -46,6 +46,9 @@ class MlaKernelConfig:
     # pair (to bf16 it takes four), and q is scaled by a power of two per row into f16's range (templates/
     # mla_decode.cuh, MLA_F16)
     math_dtype: str = "bfloat16"
+    # FP8: the load warpgroup's warps that convert: 2 (warps 2-3; warp 1 loads Q) or 3 (warps 1-3; warp 0's lanes
+    # 1-31 load Q beside the producer)
+    convert_warps: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype != "bfloat16":
@@ -61,6 +64,9 @@ class MlaKernelConfig:
         if self.math_dtype == "float16" and not self.kv_dtype:
             raise ValueError(f"math_dtype={self.math_dtype!r} with kv_dtype={self.kv_dtype!r}: float16 math is "
                              "for an FP8 cache (a bf16 cache's values are not all f16s)")
+        if self.convert_warps not in ((2, 3) if self.kv_dtype else (2,)):
+            raise ValueError(f"convert_warps={self.convert_warps!r} with kv_dtype={self.kv_dtype!r}: expected 2, or 3 "
+                             "with an FP8 cache")
         if self.block_tokens not in MLA_BLOCK_TOKENS:
             raise ValueError(f"block_tokens={self.block_tokens!r}: expected one of {MLA_BLOCK_TOKENS}")
         if self.schedule not in MLA_SCHEDULES:
@@ -134,7 +140,8 @@ class MlaKernelConfig:
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_seesaw" if self.schedule == "seesaw" else "")
                 + (f"_e4m3_r{self.raw_stages}" if self.kv_dtype else "")
-                + ("_f16" if self.math_dtype == "float16" else ""))
+                + ("_f16" if self.math_dtype == "float16" else "")
+                + (f"_c{self.convert_warps}" if self.convert_warps != 2 else ""))
 
     def render(self) -> str:
         f16 = self.math_dtype == "float16"
@@ -149,7 +156,8 @@ class MlaKernelConfig:
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else [])
           + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else [])
-          + (["#define MLA_F16 1"] if f16 else []))
+          + (["#define MLA_F16 1"] if f16 else [])
+          + ([f"#define MLA_CONVERT_WARPS {self.convert_warps}"] if self.convert_warps != 2 else []))
         mma = ("namespace meld {\n" + wgmma_ss(self.math_dtype, self.block_tokens)
                + wgmma_ss(self.math_dtype, MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}")
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,

@@ -107,10 +107,19 @@ constexpr int RAW_STAGES_ = 0;
 constexpr int RAW_LAT = BLK * 128;             // a staged latent box: BLK rows of 128 e4m3 channels
 constexpr int RAW_ROPE = BLK * 64;             // the staged rope box: BLK rows of 64
 constexpr int RAW_BYTES = (DC / 128) * RAW_LAT + RAW_ROPE;
-constexpr int Q_LOADERS = KV_FP8 ? 32 : 96;    // threads that load Q (warps 1-3; FP8: warp 1)
-constexpr int CONVERTERS = 64;                 // FP8: warps 2-3
+// MLA_CONVERT_WARPS 3 (FP8): warps 1-3 convert, and warp 0's lanes 1-31 load Q beside the producer in lane 0 (the
+// two paths of one warp interleave: an A/B of conversion throughput against the producer's and Q's latency)
+#ifdef MLA_CONVERT_WARPS
+constexpr int CONVERT_WARPS = MLA_CONVERT_WARPS;
+#else
+constexpr int CONVERT_WARPS = 2;
+#endif
+constexpr int CONVERTERS = 32 * CONVERT_WARPS; // FP8: warps 4 - CONVERT_WARPS .. 3
+constexpr int Q_LOADER0 = CONVERT_WARPS == 3 ? 1 : 32;   // the first thread that loads Q
+constexpr int Q_LOADERS = KV_FP8 ? 128 - CONVERTERS - Q_LOADER0 : 96;   // (warps 1-3; FP8: warp 1, or 0's lanes 1-31)
 static_assert(!(KV_FP8 && SEESAW), "FP8 caches run the split schedule");
 static_assert(!F16 || KV_FP8, "f16 math is for FP8 caches");
+static_assert(CONVERT_WARPS == 2 || (KV_FP8 && CONVERT_WARPS == 3), "FP8 caches convert on warps 2-3 or 1-3");
 
 // Shared memory: Q, the ring, P (the seesaw keeps each block's P in its stage), then the rows' statistics and
 // the mbarriers.
@@ -218,7 +227,7 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
 // 128-byte swizzle (chunk c of head h at box c / 8, row h, chunk (c % 8) ^ (h % 8)); heads past the unit's
 // rows are zeros. Empty pieces load nothing (the score warpgroup skips them too).
 __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, const Bars& b) {
-  const int t = threadIdx.x - 32;
+  const int t = threadIdx.x - Q_LOADER0;
   u32 phase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     if (UnitWalk::blocks(w.piece(u)) == 0) continue;
@@ -246,7 +255,7 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
 // two 16-byte chunks of the stage's row. Staged rows past the block's tokens are converted too (stale bytes,
 // masked by the consumers as in the bf16 build).
 __device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 ring, const Bars& b) {
-  const int t = threadIdx.x - 64;
+  const int t = threadIdx.x - (128 - CONVERTERS);
   int stage = 0, rs = 0;
   u32 phase = 0, rphase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
@@ -848,8 +857,8 @@ struct MlaFamily {
     if (threadIdx.x < 128) {
       regs_dealloc<56>();
       if (threadIdx.x == 0) mla_produce(p, w, s.base + (KV_FP8 ? OFF_RAW : OFF_RING), s.b);
-      else if (KV_FP8 && threadIdx.x >= 64) mla_convert(p, w, s.base + OFF_RAW, s.base + OFF_RING, s.b);
-      else if (threadIdx.x >= 32) mla_load_q(p, w, s.base, s.b);
+      else if (KV_FP8 && threadIdx.x >= 128 - CONVERTERS) mla_convert(p, w, s.base + OFF_RAW, s.base + OFF_RING, s.b);
+      else if (threadIdx.x >= Q_LOADER0) mla_load_q(p, w, s.base, s.b);
     } else if (threadIdx.x < 256) {   // (224 registers each spilled the score warpgroup: it holds S and O)
       regs_alloc<240>();
       score_role(p, w, s);
