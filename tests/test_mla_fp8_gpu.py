@@ -21,13 +21,13 @@ from tests.test_mla_fp8 import E4M3, KV_SCALE, SCALE, fp8_inputs, fp8_reference,
 pytestmark = pytest.mark.gpu
 
 
-BUILDS = {"bf16math": {}, "f16math": dict(math_dtype="float16"),
-          "f16math-c3": dict(math_dtype="float16", convert_warps=3)}
+BUILDS = {"bf16math": {}, "f16c2": dict(math_dtype="float16"),
+          "f16c3": dict(math_dtype="float16", convert_warps=3)}
 
 
 @pytest.fixture(params=list(BUILDS))
 def build(request):
-    """The kernel build's MlaKernelConfig fields beside the FP8 cache's (pytest -k f16math: the f16 builds)."""
+    """The kernel build's MlaKernelConfig fields beside the FP8 cache's (pytest -k bf16math, f16c2 or f16c3)."""
     return BUILDS[request.param]
 
 
