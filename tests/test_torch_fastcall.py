@@ -67,8 +67,34 @@ def test_stubbed_fast_path():
     assert errors["the MoE's handle"].endswith("names a _StubMoE, not a DecodeAttention")
     assert errors["watchdog tripped"].startswith("WatchdogTimeout: meld watchdog on cpu:")
     assert errors["opcheck with a record"] is None
+    _check_eager(stubbed["eager"])
     lib = torch_fastcall.load()   # (built by that process: loaded from the cache)
     assert lib is not None and lib.meld_fc_hits() == 0
+
+
+def _check_eager(eager: dict) -> None:
+    """`MoE()` and `run()` through their ops (tests/fastcall_stub.py's `eager`): each kind of call (out given or
+    allocated, routing by logits or by int32 ids; lse; K and V apart) is recorded by its first op call and fast from
+    the next, launching the direct path's bytes, returning what the direct path returns; the first run() after a
+    plan is the direct path's; a block_tokens, int64 ids, an input that requires grad or an int scale take the
+    direct path (no op call); bad inputs raise the direct path's errors, through the op or not."""
+    assert eager["moe"] == {"hits": [0, 1, 1, 0, 1], "op calls": [1] * 5, "returns out": True,
+                            "allocated": ["torch.bfloat16", [5, 128], True], "same as direct": True}
+    assert eager["moe direct"] == {"hits": [0, 0, 0], "op calls": [0, 0, 0]}
+    errors = eager["moe errors"]
+    assert errors[0] == errors[1] == "ValueError: out must have dtype torch.bfloat16, got torch.float32"
+    assert errors[2] == errors[3] and errors[2].startswith("ValueError: out (strides (128, 1)) shares memory with x")
+    for lens in ("[30, 100, 7]", "[50, 3, 9]"):
+        assert eager[f"run {lens}"] == {"hits": [0, 0, 1, 0, 1, 0, 1], "op calls": [0, 1, 1, 1, 1, 1, 1]}, lens
+    assert eager["run returns"] == [True, "tuple", [[3, 32, 128], [3, 32]], "torch.float32"]
+    assert eager["run"] == {"same as direct": True}
+    assert eager["run direct"] == {"hits": [0, 0], "op calls": [0, 0]}
+    errors = eager["run errors"]
+    assert errors[0] == errors[1] and errors[0].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales")
+    assert errors[2] == errors[3] == "ValueError: q must have shape (3, 32, 128) (batch of the last plan(), " \
+                                     "num_qo_heads, head_dim), got (2, 32, 128)"
+    assert errors[4] == "ValueError: return_lse must be True or False, got 1"
+    assert errors[5] == "ValueError: kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got list"
 
 
 # --- GPU --------------------------------------------------------------------------------------------------
