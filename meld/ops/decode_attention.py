@@ -414,8 +414,7 @@ class DecodeAttention(PagedDecode):
             dev = self.device
             if (usual(q, dev) and usual(k, dev) and (v is None or usual(v, dev)) and (out is None or usual(out, dev))
                     and (lse is None or usual(lse, dev))):
-                from .torch_ops import _decode_attention_call
-                return _decode_attention_call(self, q, k, v, return_lse, out, lse, k_scale, v_scale)
+                return torch_ops._decode_attention_call(self, q, k, v, return_lse, out, lse, k_scale, v_scale)
         return self._run((q, kv_cache), return_lse, out, lse, k_scale=k_scale, v_scale=v_scale)
 
     @property
@@ -558,3 +557,6 @@ class DecodeAttention(PagedDecode):
         return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
                                       self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
                                       variant=self.variant, q_len=self.q_len)
+
+
+from . import torch_ops  # noqa: E402   (after the operator, which torch_ops imports)
