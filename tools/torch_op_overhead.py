@@ -20,7 +20,8 @@ reports how many of its calls did ("fast-path calls"). run() and MoE() take that
 `--stub-fast-path` times the fast path without a GPU, in place of the other rows: `StubDecode` and
 tools/moe_eager.py's `_StubMoE` (GPU call paths, launches into no-op C functions; the clock is this thread's CPU
 time) directly and through their ops, first with the ops' Python kernels, then with the C++ kernels installed on
-the CPU's dispatch keys (the fast path's CPU form, for tests and this measurement only). StubDecode's run() also copies out onto itself (the CPU executor's path ends so).
+the CPU's dispatch keys (the fast path's CPU form, for tests and this measurement only). StubDecode's run() also
+copies out onto itself (the CPU executor's path ends so).
 """
 from __future__ import annotations
 

@@ -94,11 +94,12 @@ class Operator:
     # --- the eager route through the torch op ------------------------------------------------------------
     def _op_route(self) -> bool:
         """Whether an eager call of the entry point goes through its torch op (meld.ops.torch_ops), whose C++ fast
-        path replays the launches its Python kernel recorded (meld.runtime.torch_fastcall: 5.6 us of host time a call
-        against run()'s 20.9 on the H200, 13.0 against MoE()'s 32.6, bench/RESULTS.md): the fast path is installed on this device, the op records
-        this operator's launches now (`_replayable`), and no torch function or dispatch mode is active (a mode
-        would see the op where it sees the direct call's tensor operations). The caller checks the arguments the
-        op's schema carries; the op's Python kernel runs the direct path's body, so its checks and errors hold."""
+        path replays the launches its Python kernel recorded (meld.runtime.torch_fastcall; on the H200 the decode
+        op cost 5.6 us of host time a call against run()'s 20.9, the MoE op 13.0 against MoE()'s 32.6:
+        bench/RESULTS.md): the fast path is installed on this device, the op records this operator's launches now
+        (`_replayable`), and no torch function or dispatch mode is active (a mode would see the op where it sees
+        the direct call's tensor operations). The caller checks that the op's schema carries its arguments as they
+        are; the op's Python kernel runs the direct path's body, so its checks and errors hold."""
         return (self._replayable and self._fastcall and torch_fastcall.installed(self.device)
                 and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack())
 

@@ -235,7 +235,8 @@ class DecodeMLA(PagedDecode):
             dev = self.device   # the op (its C++ fast path) for arguments its schema carries as they are
             if (usual(q_nope, dev) and usual(q_pe, dev) and usual(ckv_cache, dev) and usual(kpe_cache, dev)
                     and (out is None or usual(out, dev)) and (lse is None or usual(lse, dev))):
-                return torch_ops._decode_mla_call(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse, out, lse, kv_scale)
+                return torch_ops._decode_mla_call(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse, out, lse,
+                                                  kv_scale)
         return self._run((q_nope, q_pe, ckv_cache, kpe_cache), return_lse, out, lse, kv_scale=kv_scale)
 
     @property

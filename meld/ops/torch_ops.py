@@ -24,8 +24,9 @@ kernel ties each op's outputs to its inputs that require grad, so a backward thr
 NotImplementedError naming the op (never a gradient that silently leaves the op out).
 
 `DecodeAttention.run`, `DecodeMLA.run` and `MoE.__call__` emit these ops by themselves while Dynamo traces,
-so model code needs no change; `decode_attention()`, `decode_mla()` and `moe()` below take the op path always
-(eager included). plan()
+so model code needs no change, and call them eagerly too where the C++ fast path is installed, for arguments the
+schemas carry as they are (`Operator._op_route`; the ops' Python kernels run the entry points' bodies, `_run` and
+`MoE._call`); `decode_attention()`, `decode_mla()` and `moe()` below take the op path always (eager included). plan()
 stays outside the graph, once per step, as engines build their attention metadata.
 
 Example:
