@@ -281,7 +281,9 @@ def eager(stub, launches) -> dict:
     res["run errors"] = [raised(lambda: attn.run(q, kv, k_scale=2.0)),
                          raised(lambda: attn._run((q, kv), False, None, None, k_scale=2.0, v_scale=1.0)),
                          raised(lambda: attn.run(q[:2], kv)), raised(lambda: attn._run((q[:2], kv), False, None, None)),
-                         raised(lambda: attn.run(q, kv, return_lse=1)), raised(lambda: attn.run(q, [k, v]))]
+                         raised(lambda: attn.run(q, kv, return_lse=1)), raised(lambda: attn.run(q, [k, v])),
+                         raised(lambda: attn.run(q, (k, None))),
+                         raised(lambda: attn._run((q, (k, None)), False, None, None))]
     return res
 
 

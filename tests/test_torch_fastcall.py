@@ -95,6 +95,7 @@ def _check_eager(eager: dict) -> None:
                                      "num_qo_heads, head_dim), got (2, 32, 128)"
     assert errors[4] == "ValueError: return_lse must be True or False, got 1"
     assert errors[5] == "ValueError: kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got list"
+    assert errors[6] == errors[7] and errors[6].startswith("ValueError: v_cache must be"), errors[6]
 
 
 # --- GPU --------------------------------------------------------------------------------------------------

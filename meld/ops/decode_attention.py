@@ -410,9 +410,10 @@ class DecodeAttention(PagedDecode):
                                     v_scale=v_scale)
         if (return_lse is True or return_lse is False) and type(k_scale) is float and type(v_scale) is float \
                 and self._op_route():   # the op (its C++ fast path) for arguments its schema carries as they are
-            k, v = kv_cache if type(kv_cache) is tuple and len(kv_cache) == 2 else (kv_cache, None)
+            pair = type(kv_cache) is tuple and len(kv_cache) == 2
+            k, v = kv_cache if pair else (kv_cache, None)
             dev = self.device
-            if (usual(q, dev) and usual(k, dev) and (v is None or usual(v, dev)) and (out is None or usual(out, dev))
+            if (usual(q, dev) and usual(k, dev) and (not pair or usual(v, dev)) and (out is None or usual(out, dev))
                     and (lse is None or usual(lse, dev))):
                 return torch_ops._decode_attention_call(self, q, k, v, return_lse, out, lse, k_scale, v_scale)
         return self._run((q, kv_cache), return_lse, out, lse, k_scale=k_scale, v_scale=v_scale)
