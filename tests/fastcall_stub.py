@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from meld.codegen.moe_kernel import BLOCK_TOKEN_CHOICES  # noqa: E402
 from meld.ops import torch_ops  # noqa: E402
@@ -226,6 +228,14 @@ def eager(stub, launches) -> dict:
             return f"{type(e).__name__}: {e}"
         return None
 
+    def moded(base, fn):
+        """fn() under a mode of `base` that passes every call through."""
+        hook = "__torch_dispatch__" if base is TorchDispatchMode else "__torch_function__"
+        through = type("Through", (base,), {hook: lambda self, func, types, args=(), kwargs=None:
+                                            func(*args, **(kwargs or {}))})
+        with through():
+            return fn()
+
     res = {}
     layer = _StubMoE(H, I, E, K, BF16, "cpu", max_num_tokens=64)
     stub.stub_set_blob(ctypes.sizeof(layer.lowering.params.ctype))
@@ -247,7 +257,9 @@ def eager(stub, launches) -> dict:
     res["moe"]["same as direct"] = fast == direct
     res["moe direct"] = calls([lambda: layer(x, logits, w13, w2, out=out, block_tokens=BLOCK_TOKEN_CHOICES[0]),
                                lambda: layer(x, None, w13, w2, topk_weights=tw, topk_ids=ids.long(), out=out),
-                               lambda: layer(x.clone().requires_grad_(), logits, w13, w2)])
+                               lambda: layer(x.clone().requires_grad_(), logits, w13, w2),
+                               lambda: moded(TorchDispatchMode, lambda: layer(x, logits, w13, w2, out=out)),
+                               lambda: moded(TorchFunctionMode, lambda: layer(x, logits, w13, w2, out=out))])
     bad_out = torch.empty(5, H)   # (float32: the route takes it, the op's Python kernel refuses it)
     res["moe errors"] = [raised(lambda: layer(x, logits, w13, w2, out=bad_out)),
                          raised(lambda: layer._call(x, logits, w13, w2, None, None, bad_out)),
@@ -277,7 +289,9 @@ def eager(stub, launches) -> dict:
     direct, _ = launches(lambda: attn._run((q, kv), False, out, None))
     res["run"] = {"same as direct": fast == direct}
     res["run direct"] = calls([lambda: attn.run(q, kv, out=out, k_scale=1),   # (an int scale: the direct path)
-                               lambda: attn.run(q.clone().requires_grad_(), kv)])
+                               lambda: attn.run(q.clone().requires_grad_(), kv),
+                               lambda: moded(TorchDispatchMode, lambda: attn.run(q, kv, out=out)),
+                               lambda: moded(TorchFunctionMode, lambda: attn.run(q, kv, out=out))])
     res["run errors"] = [raised(lambda: attn.run(q, kv, k_scale=2.0)),
                          raised(lambda: attn._run((q, kv), False, None, None, k_scale=2.0, v_scale=1.0)),
                          raised(lambda: attn.run(q[:2], kv)), raised(lambda: attn._run((q[:2], kv), False, None, None)),

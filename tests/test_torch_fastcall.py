@@ -76,11 +76,11 @@ def _check_eager(eager: dict) -> None:
     """`MoE()` and `run()` through their ops (tests/fastcall_stub.py's `eager`): each kind of call (out given or
     allocated, routing by logits or by int32 ids; lse; K and V apart) is recorded by its first op call and fast from
     the next, launching the direct path's bytes, returning what the direct path returns; the first run() after a
-    plan is the direct path's; a block_tokens, int64 ids, an input that requires grad or an int scale take the
-    direct path (no op call); bad inputs raise the direct path's errors, through the op or not."""
+    plan is the direct path's; a block_tokens, int64 ids, an input that requires grad, an int scale, or a torch
+    dispatch or function mode take the direct path (no op call); bad inputs raise the direct path's errors, through the op or not."""
     assert eager["moe"] == {"hits": [0, 1, 1, 0, 1], "op calls": [1] * 5, "returns out": True,
                             "allocated": ["torch.bfloat16", [5, 128], True], "same as direct": True}
-    assert eager["moe direct"] == {"hits": [0, 0, 0], "op calls": [0, 0, 0]}
+    assert eager["moe direct"] == {"hits": [0] * 5, "op calls": [0] * 5}
     errors = eager["moe errors"]
     assert errors[0] == errors[1] == "ValueError: out must have dtype torch.bfloat16, got torch.float32"
     assert errors[2] == errors[3] and errors[2].startswith("ValueError: out (strides (128, 1)) shares memory with x")
@@ -88,7 +88,7 @@ def _check_eager(eager: dict) -> None:
         assert eager[f"run {lens}"] == {"hits": [0, 0, 1, 0, 1, 0, 1], "op calls": [0, 1, 1, 1, 1, 1, 1]}, lens
     assert eager["run returns"] == [True, "tuple", [[3, 32, 128], [3, 32]], "torch.float32"]
     assert eager["run"] == {"same as direct": True}
-    assert eager["run direct"] == {"hits": [0, 0], "op calls": [0, 0]}
+    assert eager["run direct"] == {"hits": [0] * 4, "op calls": [0] * 4}
     errors = eager["run errors"]
     assert errors[0] == errors[1] and errors[0].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales")
     assert errors[2] == errors[3] == "ValueError: q must have shape (3, 32, 128) (batch of the last plan(), " \

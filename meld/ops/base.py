@@ -97,11 +97,13 @@ class Operator:
         path replays the launches its Python kernel recorded (meld.runtime.torch_fastcall; on the H200 the decode
         op cost 5.6 us of host time a call against run()'s 20.9, the MoE op 13.0 against MoE()'s 32.6:
         bench/RESULTS.md): the fast path is installed on this device, the op records this operator's launches now
-        (`_replayable`), and no torch function or dispatch mode is active (a mode would see the op where it sees
-        the direct call's tensor operations). The caller checks that the op's schema carries its arguments as they
-        are; the op's Python kernel runs the direct path's body, so its checks and errors hold."""
+        (`_replayable`), and no torch function or dispatch mode and no functorch transform (vmap, ...) is active
+        (they would see the op where they see the direct call's tensor operations). The caller checks that the
+        op's schema carries its arguments as they are; the op's Python kernel runs the direct path's body, so its
+        checks and errors hold."""
         return (self._replayable and self._fastcall and torch_fastcall.installed(self.device)
-                and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack())
+                and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
+                and torch._C._functorch.maybe_current_level() is None)
 
     # --- run(): checks, outputs, then the GPU launch or the CPU reference executor -------------------------
     def _run(self, inputs: tuple, return_lse: object, out: torch.Tensor | None, lse: torch.Tensor | None,
