@@ -44,6 +44,7 @@ class Operator:
     _lse_meaning = "batch, heads"       # lse's shape in words, for `_run`'s checks
     _fastcall = True   # the torch op's C++ fast path may replay its launches (meld.runtime.torch_fastcall)
     _replayable = False   # whether its op records a call's launches now: the ones every such call makes (`_op_route`)
+    _op_call = None   # the entry point's call of its op on `_op_route` (set by meld.ops.torch_ops, which imports this)
 
     def _setup(self, graph: TaskGraph, device: object) -> None:
         self.handle = register(self)

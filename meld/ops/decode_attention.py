@@ -415,7 +415,7 @@ class DecodeAttention(PagedDecode):
             dev = self.device
             if (usual(q, dev) and usual(k, dev) and (not pair or usual(v, dev)) and (out is None or usual(out, dev))
                     and (lse is None or usual(lse, dev))):
-                return torch_ops._decode_attention_call(self, q, k, v, return_lse, out, lse, k_scale, v_scale)
+                return self._op_call(q, k, v, return_lse, out, lse, k_scale, v_scale)
         return self._run((q, kv_cache), return_lse, out, lse, k_scale=k_scale, v_scale=v_scale)
 
     @property
@@ -559,5 +559,3 @@ class DecodeAttention(PagedDecode):
                                       self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
                                       variant=self.variant, q_len=self.q_len)
 
-
-from . import torch_ops  # noqa: E402   (after the operator, which torch_ops imports)

@@ -235,8 +235,7 @@ class DecodeMLA(PagedDecode):
             dev = self.device   # the op (its C++ fast path) for arguments its schema carries as they are
             if (usual(q_nope, dev) and usual(q_pe, dev) and usual(ckv_cache, dev) and usual(kpe_cache, dev)
                     and (out is None or usual(out, dev)) and (lse is None or usual(lse, dev))):
-                return torch_ops._decode_mla_call(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse, out, lse,
-                                                  kv_scale)
+                return self._op_call(q_nope, q_pe, ckv_cache, kpe_cache, return_lse, out, lse, kv_scale)
         return self._run((q_nope, q_pe, ckv_cache, kpe_cache), return_lse, out, lse, kv_scale=kv_scale)
 
     @property
@@ -310,5 +309,3 @@ class DecodeMLA(PagedDecode):
         return self.lowering.executor(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, planned.kv_indices,
                                       self.sm_scale, self.lowering.combiner, kv_scale=kv_scale)
 
-
-from . import torch_ops  # noqa: E402   (after the operator, which torch_ops imports)

@@ -276,7 +276,7 @@ class MoE(Operator):
             T = self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
             if (T is not None and (out is None or usual(out, self.device))
                     and (topk_ids is None or topk_ids.dtype is torch.int32)):
-                return torch_ops._moe_call(self, x, router_logits, w13, w2, topk_weights, topk_ids, out)
+                return self._op_call(x, router_logits, w13, w2, topk_weights, topk_ids, out)
         return self._call(x, router_logits, w13, w2, topk_weights, topk_ids, out, block_tokens, w13_scale, w2_scale)
 
     @property
@@ -539,5 +539,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logit
         raise ValueError(f"fused_moe: w13 of shape {tuple(w13.shape)} ([E, 2*I, H]), top_k={top_k}: {e}") from None
     return moe(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids)
 
-
-from . import torch_ops  # noqa: E402   (after the operator, which torch_ops imports)

@@ -301,3 +301,8 @@ def _moe_call(layer: MoE, x: torch.Tensor, router_logits: torch.Tensor | None, w
         out = torch.empty(x.shape[0], layer.hidden_size, dtype=layer.dtype, device=x.device)
     _moe_op(x, router_logits, w13, w2, topk_weights, topk_ids, out, layer.handle)
     return out
+
+
+# The entry points' eager route (`Operator._op_route`) calls the ops through these, as methods: set here, as the
+# operators' modules cannot import this one (it imports them).
+DecodeAttention._op_call, DecodeMLA._op_call, MoE._op_call = _decode_attention_call, _decode_mla_call, _moe_call
