@@ -161,6 +161,7 @@ def measure(shape: Shape, tokens: list[int], n_calls: int, rounds: int, cuda: bo
             from meld.runtime import torch_fastcall
 
             fn = lambda x=x, logits=logits, w13=w13p, w2=w2p: layer(x, logits, w13, w2)  # noqa: E731
+
             def direct(x=x, logits=logits, w13=w13p, w2=w2p):
                 return layer._call(x, logits, w13, w2, None, None, None)
             hits = torch_fastcall.hits()
