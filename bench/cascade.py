@@ -24,7 +24,12 @@ speedup = FlashInfer cascade / meld cascade; vs flat = meld non-cascade / meld c
 bar); /floor = meld cascade / floor; meld-cascade-cta is the same operator with `split_stream="cta"` (a
 request's own suffix streamed through the CTA's ring, the default until 2026-12-03), and cta/warp compares it;
 meld-cascade-mma is the same operator with `prefix_mma="mma"` (a shared prefix's tasks on mma.sync, a warp's 16
-rows at once, where the default is wgmma's warpgroup of 64), and mma/default compares it with the default. `--trace DIR`
+rows at once, where the default is wgmma's warpgroup of 64), and mma/default compares it with the default;
+the default counts a request's own suffix at its events, and merges those it completes, after its CTA's last task
+(`defer_split_events`, the default since 2026-12-03's sixth session); meld-cascade-nodefer (run only when --impls
+names it) is the same operator with `defer_split_events=False` (counts and merges after each task), and
+nodefer/default compares it with the default; meld-cascade-direct (likewise opt-in) adds `direct_single_part=True`
+(a split task that is its event's one part writes the output), direct/default. `--trace DIR`
 also writes meld's cascade kernel's per-SM timeline of each case (a task's attention as "piece", the merges it
 fired as "merge-hbm"; Chrome JSON + PNG).
 """
@@ -56,6 +61,8 @@ from bench.harness import (  # noqa: E402
 HQ, HKV, D, PAGE_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 IMPLS = ("meld-cascade", "meld-cascade-cta", "meld-cascade-mma", "meld-flat", "fi-cascade")
+OPT_IN_IMPLS = ("meld-cascade-nodefer", "meld-cascade-direct")   # (not in the default run)
+NODEFER, DIRECT = dict(defer_split_events=False), dict(direct_single_part=True)
 FI_WORKSPACE_BYTES = 128 << 20
 
 
@@ -178,6 +185,8 @@ def build_fi_cascade(inp: Inputs) -> Impl:
 
 BUILDERS = {"meld-cascade": build_meld_cascade, "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta"),
             "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma"),
+            "meld-cascade-nodefer": partial(build_meld_cascade, **NODEFER),
+            "meld-cascade-direct": partial(build_meld_cascade, **DIRECT),
             "meld-flat": build_meld_flat, "fi-cascade": build_fi_cascade}
 
 
@@ -189,12 +198,13 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         return median_us(r) if r and not r.get("errors") and not r.get("skipped") else None
 
     mc, mt, mf, fi = us("meld-cascade"), us("meld-cascade-cta"), us("meld-flat"), us("fi-cascade")
-    mm = us("meld-cascade-mma")
+    mm, md, mdd = us("meld-cascade-mma"), us("meld-cascade-nodefer"), us("meld-cascade-direct")
     return {
         "case": case.name, "B": case.batch, "prefix": case.prefix, "suffix": case.suffix, "groups": case.groups,
         "unique_mib": unique_bytes(case) / (1 << 20),
         "meld_cascade_us": cell("meld-cascade"), "meld_cta_us": cell("meld-cascade-cta"),
-        "meld_mma_us": cell("meld-cascade-mma"),
+        "meld_mma_us": cell("meld-cascade-mma"), "meld_nodefer_us": cell("meld-cascade-nodefer"),
+        "meld_direct_us": cell("meld-cascade-direct"),
         "meld_flat_us": cell("meld-flat"), "fi_us": cell("fi-cascade"),
         "floor_us": floor_us,
         "speedup": fi / mc if fi and mc else None, "vs_flat": mf / mc if mf and mc else None,
@@ -203,6 +213,8 @@ def summarise(case: Case, results: dict[str, dict[str, Any]], floor_us: Optional
         "flat_vs_fi": fi / mf if fi and mf else None,
         "warp_vs_cta": mt / mc if mc and mt else None,
         "mma_vs_default": mm / mc if mc and mm else None,
+        "nodefer_vs_default": md / mc if mc and md else None,
+        "direct_vs_default": mdd / mc if mc and mdd else None,
         "results": results,
     }
 
@@ -211,19 +223,21 @@ COLUMNS = [
     Column("B", "B"), Column("prefix", "prefix", "d"), Column("suffix", "suffix", "d"), Column("groups", "G", "d"),
     Column("unique_mib", "unique MiB", ".0f"), Column("meld_cascade_us", "meld cascade µs", ".1f"),
     Column("meld_cta_us", "meld cta µs", ".1f"), Column("meld_mma_us", "meld mma µs", ".1f"),
+    Column("meld_nodefer_us", "meld nodefer µs", ".1f"), Column("meld_direct_us", "meld direct µs", ".1f"),
     Column("meld_flat_us", "meld flat µs", ".1f"),
     Column("fi_us", "FI cascade µs", ".1f"),
     Column("floor_us", "floor µs", ".1f"), Column("speedup", "speedup", ".2f"), Column("vs_flat", "vs flat", ".2f"),
     Column("per_floor", "/floor", ".2f"), Column("fi_per_floor", "FI/floor", ".2f"),
     Column("flat_vs_fi", "FI/flat", ".2f"), Column("warp_vs_cta", "cta/warp", ".2f"),
-    Column("mma_vs_default", "mma/default", ".2f"),
+    Column("mma_vs_default", "mma/default", ".2f"), Column("nodefer_vs_default", "nodefer/default", ".2f"),
+    Column("direct_vs_default", "direct/default", ".2f"),
 ]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, nargs="+", help=f"indices into the case list (0..{len(CASES) - 1})")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--impls", nargs="+", choices=IMPLS + OPT_IN_IMPLS, default=list(IMPLS))
     p.add_argument("--quick", action="store_true", help="30 replays")
     add_timing_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -330,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = env_info()
     env["commit"] = args.commit or env["commit"]
     failures: list[str] = []
-    imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-cascade-mma": "meld", "meld-flat": "meld",
+    imports = {"meld-cascade": "meld", "meld-cascade-cta": "meld", "meld-cascade-mma": "meld",
+               "meld-cascade-nodefer": "meld", "meld-cascade-direct": "meld", "meld-flat": "meld",
                "fi-cascade": "flashinfer"}
     args.impls = keep_available(args.impls, lambda n: __import__(imports[n]), failures,
                                 why=lambda n: f"import {imports[n]} failed")
@@ -343,7 +358,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 ("rows_per_tile", args.rows_per_tile)) if v is not None}
     builders = {**BUILDERS, "meld-cascade": partial(build_meld_cascade, **op_kw),
                 "meld-cascade-cta": partial(build_meld_cascade, split_stream="cta", **op_kw),
-                "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma", **op_kw)}
+                "meld-cascade-mma": partial(build_meld_cascade, prefix_mma="mma", **op_kw),
+                "meld-cascade-nodefer": partial(build_meld_cascade, **NODEFER, **op_kw),
+                "meld-cascade-direct": partial(build_meld_cascade, **DIRECT, **op_kw)}
     for i, case in enumerate(cases, 1):
         inp = make_inputs(case, args.seed)
         print(f"[{i}/{len(cases)}] {case.name}: {inp.batch.num_pages} pages, unique "
@@ -367,7 +384,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "/floor = meld cascade µs / a pure read of the unique bytes; FI/flat = FlashInfer cascade µs / meld "
           "non-cascade µs; cta/warp = meld cascade-cta µs / meld cascade µs (> 1: the default warp build, split tasks "
           "through the warps' own rings, is faster); mma/default = meld cascade-mma µs / meld cascade µs (> 1: "
-          "the default, the prefix tasks on wgmma, is faster)")
+          "the default, the prefix tasks on wgmma, is faster); nodefer/default = meld cascade-nodefer µs / meld cascade "
+          "µs (> 1: the default, deferring the split tasks' counts, is faster); direct/default likewise with meld "
+          "cascade-direct")
     print(f"summary: {failure_head(failures)}")
     return 1 if failures else 0
 

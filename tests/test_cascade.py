@@ -679,3 +679,65 @@ def test_the_grouped_builds_differ_in_name_and_the_warp_build_is_the_default():
     levels, q, kv = batch([2], [40], [3, 5])
     op.plan(*[[lv[i] for lv in levels] for i in range(4)])
     torch.testing.assert_close(op.run(q, kv).double(), cascade_reference(q, kv, levels)[0], rtol=2e-2, atol=2e-2)
+
+
+
+END_BUILDS = [(dtype, head_dim, prefix_mma, end, profile) for dtype in ("bfloat16", "float16") for head_dim in (64, 128, 256)
+              for prefix_mma in ("mma", "wgmma") for end in ("defer", "direct", "defer-direct") for profile in (False, True)
+              if not (head_dim == 256 and prefix_mma == "wgmma")]
+_ENDS = {"defer": dict(defer_split_events=True), "direct": dict(direct_single_part=True),
+         "defer-direct": dict(defer_split_events=True, direct_single_part=True)}
+_END_DEFAULTS = (("bfloat16", 128, "wgmma", "defer-direct", False), ("float16", 256, "mma", "defer-direct", False))
+
+
+# Two builds with both options by default (the bench's head_dim, and 256, the tightest in registers); the rest with
+# -m full_matrix.
+@pytest.mark.parametrize("dtype,head_dim,prefix_mma,end,profile",
+                         [pytest.param(*b, marks=() if b in _END_DEFAULTS else pytest.mark.full_matrix) for b in END_BUILDS],
+                         ids=["-".join(map(str, b)) for b in END_BUILDS])
+def test_the_split_task_end_builds_compile_for_sm90a(dtype, head_dim, prefix_mma, end, profile):
+    """defer_split_events (a split task's count and merges after the CTA's last task) and direct_single_part (a
+    split task that is its event's one part writes the output): no spills, no stack (the profiled head_dim-256
+    builds are diagnostic, as above), the shared memory within sm_90's 227 KiB a CTA."""
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+    from tests.kernel_matrix import nvcc
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cfg = GroupedKernelConfig(dtype, head_dim, profile=profile, prefix_mma=prefix_mma, **_ENDS[end])
+    _, log = nvcc(cfg.render(), cfg.name)
+    if not (profile and head_dim == 256):
+        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", log))
+    assert cfg.smem_bytes + static <= 227 * 1024, (cfg.smem_bytes, static)
+    assert ("_defer" in cfg.name) == ("defer" in end) and ("_direct" in cfg.name) == ("direct" in end)
+
+
+def test_the_split_task_end_builds_defaults_and_bad_values_are_named():
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+
+    default = GroupedKernelConfig()
+    assert not default.defer_split_events and not default.direct_single_part
+    assert "#define MELD_DEFER_SPLIT_EVENTS 1" not in default.render()
+    assert "#define MELD_DIRECT_SINGLE_PART 1" not in default.render()
+    both = GroupedKernelConfig(defer_split_events=True, direct_single_part=True)
+    assert both.name == default.name + "_defer_direct" and both.smem_bytes == default.smem_bytes
+    assert "#define MELD_DEFER_SPLIT_EVENTS 1" in both.render() and "#define MELD_DIRECT_SINGLE_PART 1" in both.render()
+    for name in ("defer_split_events", "direct_single_part"):
+        with pytest.raises(ValueError, match=f"{name}=1: expected a bool"):
+            GroupedKernelConfig(**{name: 1})
+        with pytest.raises(ValueError, match=f"{name}=True with split_stream='cta': it needs split_stream='warp'"):
+            GroupedKernelConfig(split_stream="cta", **{name: True})
+        with pytest.raises(ValueError, match=f"{name} must be a bool, got 'yes'"):
+            meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", **{name: "yes"})
+        with pytest.raises(ValueError, match="needs split_stream='warp'"):
+            meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="cta", **{name: True})
+    # The operator defers under the warp stream (its default), not under the CTA's; direct_single_part is opt-in.
+    assert meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu").defer_split_events
+    assert not meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", split_stream="cta").defer_split_events
+    assert not meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu").direct_single_part
+    op = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", defer_split_events=True, direct_single_part=True)
+    assert op.defer_split_events and op.direct_single_part   # (the CPU executor ignores them)
+    levels, q, kv = batch([2], [40], [3, 5])
+    op.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    torch.testing.assert_close(op.run(q, kv).double(), cascade_reference(q, kv, levels)[0], rtol=2e-2, atol=2e-2)

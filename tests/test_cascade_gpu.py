@@ -1,7 +1,10 @@
 """The grouped-attention kernel (meld.CascadeDecode on a GPU) against float64 on fresh random inputs, each of its
 builds (split_stream "cta": split tasks through the CTA's ring; "warp": through each warp's own ring, with
 prefix_mma="mma"; "wgmma": the warp build with a shared prefix's tasks of more than 16 rows on wgmma, the
-operator's default at head_dim 64 and 128)."""
+operator's default at head_dim 64 and 128; every "warp" build counts a split task and runs the merges it completes
+after the CTA's last task, defer_split_events, the operator's default there; "nodefer": the default counting after each
+task instead; "warp-direct": the mma build with direct_single_part, a split task that is its event's one part writing
+the output; "nodefer-direct": the default with direct_single_part and without defer_split_events)."""
 from __future__ import annotations
 
 import math
@@ -17,7 +20,9 @@ pytestmark = pytest.mark.gpu
 
 HKV, P = 2, 16
 BUILDS = {"cta": dict(split_stream="cta"), "warp": dict(split_stream="warp", prefix_mma="mma"),
-          "wgmma": dict(prefix_mma="wgmma")}
+          "wgmma": dict(prefix_mma="wgmma"), "nodefer": dict(defer_split_events=False),
+          "warp-direct": dict(prefix_mma="mma", direct_single_part=True),
+          "nodefer-direct": dict(defer_split_events=False, direct_single_part=True)}
 every_build = pytest.mark.parametrize("build", list(BUILDS.values()), ids=list(BUILDS))
 
 
@@ -210,3 +215,51 @@ def test_a_profiled_launch_records_every_task_and_its_merges(build):
     assert tr.overflowed == 0
     assert all(r.cta == cta[r.unit] for r in tr.tasks), "each record on the CTA the plan gave its task"
 
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deferred_split_events_give_the_same_bits_over_many_rounds(head_dim):
+    """Two CTAs over 40 one-request suffixes and two kv heads (80 split tasks: a CTA counts them in three or more
+    rounds of 16 after its last task, the default) beside a shared prefix: the float64 check, and the same bits as
+    counting after each task (defer_split_events=False) (an event's parts merge in the planner's order either way)."""
+    suffix = [int(n) for n in np.random.default_rng(9).integers(1, 260, 40)]
+    kw = dict(head_dim=head_dim, seed=9, num_ctas=2)
+    out, lse = _check([40], [333], suffix, **kw)
+    base_o, base_l = _check([40], [333], suffix, defer_split_events=False, **kw)
+    assert torch.equal(out, base_o) and torch.equal(lse, base_l)
+
+
+@pytest.mark.parametrize("end", [dict(defer_split_events=False, direct_single_part=True),
+                                 dict(direct_single_part=True)], ids=["nodefer-direct", "defer-direct"])
+def test_single_part_events_are_written_by_their_split_task(end):
+    """One level (a group per request, as the fold probe runs it: each event's one part is its request's split task,
+    or two where a request is cut between CTAs) and two levels with empty prefixes: the float64 check, NaN in one
+    request's V reaching only its P.V rows, and the same outputs as the merge of one part (to a bf16 rounding)."""
+    B, Hq, D = 24, HKV * 4, 128
+    rng = np.random.default_rng(12)
+    lens = [int(n) for n in rng.integers(1, 900, B)]
+    levels, pages = _levels([B], [0], lens, seed=12)
+    one = [levels[1]]
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(B, Hq, D, generator=g).bfloat16()
+    kv = torch.randn(pages + 1, 2, P, HKV, D, generator=g).bfloat16()
+    kv[int(one[0][2][int(one[0][1][5])]), 1, 3, 1, 7] = float("nan")   # V of request 5, kv head 1
+    outs = []
+    for kw in (end, {}):
+        op = meld.CascadeDecode(Hq, HKV, D, P, 1, torch.bfloat16, "cuda", num_ctas=7, **kw)
+        op.plan(*[[lv[i] for lv in one] for i in range(4)])
+        out = torch.full((B, Hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((B, Hq), float("nan"), device="cuda")
+        op.run(q.cuda(), kv.cuda(), out=out, lse=lse)
+        torch.cuda.synchronize()
+        outs.append((out.cpu(), lse.cpu()))
+    want_o, want_l = cascade_reference(q, kv, one)
+    (out, lse), (base_o, base_l) = outs
+    torch.testing.assert_close(out.double(), want_o, rtol=2e-2, atol=2e-2, equal_nan=True)
+    torch.testing.assert_close(lse.double(), want_l, rtol=1e-3, atol=1e-3, equal_nan=True)
+    bad = torch.zeros(B, Hq, dtype=torch.bool)
+    bad[5, 4:] = True
+    assert out[bad].isnan().any(dim=-1).all() and out[~bad].isfinite().all() and lse.isfinite().all()
+    torch.testing.assert_close(out, base_o, rtol=2 ** -7, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse, base_l, rtol=1e-6, atol=1e-6)
+    _check([B], [0], lens, seed=12, num_ctas=7, **end)   # two levels, the prefix empty

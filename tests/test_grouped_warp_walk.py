@@ -2,8 +2,10 @@
 which warp takes which tile of which split task, its ring's stages (each tile issued into a stage whose last
 tile was read, and read only once it is the tile the loop expects), the cursor's run-ahead into the CTA's next
 split task and its stop at a task of more rows, the zero-filled and masked partial last tile, each warp's
-online softmax and the merge of the warps' states, then the count-fired merge of the events. Checked against
-float64 attention on random batches, and shown to fail when the walk drops a tile."""
+online softmax and the merge of the warps' states, then the count-fired merge of the events (after each task, or
+with `defer`, GroupedKernelConfig(defer_split_events=True), a split task's count after the CTA's last task, GT tasks
+a round; with `direct`, direct_single_part=True, a split task that is its event's one part writes the output and
+never counts). Checked against float64 attention on random batches, and shown to fail when the walk drops a tile."""
 import math
 
 import numpy as np
@@ -29,9 +31,11 @@ SHAPES = sorted({(c.split_warps, c.warp_stages) for c in (GroupedKernelConfig("b
 
 class Walk:
     """The warp build's run() over one launch's tables, the kernel's names where it has them. `drop_partial`
-    breaks it on purpose: a tile with fewer than 16 tokens is not attended."""
+    breaks it on purpose: a tile with fewer than 16 tokens is not attended. `defer`: the split tasks count at
+    their events after the CTA's last task (MELD_DEFER_SPLIT_EVENTS); `direct`: a split task that is its event's one
+    part writes the output (MELD_DIRECT_SINGLE_PART)."""
 
-    def __init__(self, plan, order, q, kv, sm_scale, warps, stages, drop_partial=False):
+    def __init__(self, plan, order, q, kv, sm_scale, warps, stages, drop_partial=False, defer=False, direct=False):
         caps = grown({}, _launch_need(plan, order, profile=False))
         layout = LaunchLayout.of(caps)
         self.lt = layout.views(np.zeros(layout.size, dtype=np.int32))
@@ -42,7 +46,9 @@ class Walk:
         self.num_slots, self.num_events = plan.num_slots, plan.batch * plan.num_kv_heads
         self.q, self.kv = q.double().numpy(), kv.double().numpy()
         self.scale = sm_scale * LOG2E
-        self.warps, self.stages, self.drop_partial = warps, stages, drop_partial
+        self.warps, self.stages, self.drop_partial, self.defer, self.direct = warps, stages, drop_partial, defer, direct
+        self.merged = np.zeros(self.num_events, dtype=np.int64)   # merges (or direct writes) of each event: one each
+        self.direct_writes = 0
         self.run_ahead = 0   # tiles a warp issued for a task before that task began (the cursor ran ahead)
 
     def split(self, i):
@@ -101,6 +107,7 @@ class Walk:
         counters = np.zeros(self.num_events, dtype=np.int64)
 
         def merge(e):
+            self.merged[e] += 1
             b, h = e % B, e // B
             slots = self.lt["part_slot"][self.ev["part_first"][e]:self.ev["part_first"][e] + self.ev["parts"][e]]
             for j in range(G):
@@ -112,6 +119,17 @@ class Walk:
                 w = np.exp2(ls - m)
                 out[b, h * G + j] = (w[:, None] * part_o[slots + j]).sum(0) / w.sum()
                 lse[b, h * G + j] = (m + np.log2(w.sum())) / LOG2E
+
+        def arrive(events, split):   # one round: every arrival counted, then the events it completed merged
+            done = []
+            for e in events:
+                if self.direct and split and self.ev["parts"][e] == 1:   # (written by its task)
+                    continue
+                counters[e] += 1
+                if counters[e] == self.ev["parts"][e]:
+                    done.append(e)
+            for e in done:
+                merge(e)
 
         for e in np.flatnonzero(self.ev["parts"][:self.num_events] == 0):
             merge(int(e))
@@ -155,6 +173,13 @@ class Walk:
                     o = sum(cw[:, None] * s["o"] for cw, s in zip(c, states))
                     part_o[t["slot"][i]:t["slot"][i] + rows] = o / l[:, None]
                     part_lse[t["slot"][i]:t["slot"][i] + rows] = base + np.log2(l)
+                    for r in range(rows) if self.direct else ():   # direct_single_part: its rows' own output
+                        e = t["event_first"][i] + r // G
+                        if self.ev["parts"][e] == 1:
+                            b, h = e % B, e // B
+                            out[b, h * G + r % G], lse[b, h * G + r % G] = o[r] / l[r], (base[r] + np.log2(l[r])) / LOG2E
+                            self.merged[e] += r % G == 0
+                            self.direct_writes += 1
                 else:   # a task of more rows: the CTA ring, after the walk stopped with every tile read
                     for w in range(self.warps):
                         assert not cursors[w]["live"], f"warp {w}'s cursor ran into a task of {rows} rows"
@@ -168,12 +193,14 @@ class Walk:
                     p = np.exp2(s - m[:, None])
                     part_o[t["slot"][i]:t["slot"][i] + rows] = p @ v / p.sum(1)[:, None]
                     part_lse[t["slot"][i]:t["slot"][i] + rows] = m + np.log2(p.sum(1))
-                for e in range(t["event_first"][i], t["event_first"][i] + t["event_count"][i]):
-                    counters[e] += 1
-                    if counters[e] == self.ev["parts"][e]:
-                        merge(e)
+                if not (self.defer and self.split(i)):
+                    arrive(range(t["event_first"][i], t["event_first"][i] + t["event_count"][i]), self.split(i))
+            for i0 in range(first, last, GT) if self.defer else ():   # the split tasks' counts, deferred
+                arrive([t["event_first"][i] + k for i in range(i0, min(i0 + GT, last)) if self.split(i)
+                        for k in range(t["event_count"][i])], True)
             for w in range(self.warps):   # the CTA's end: nothing issued that was not read
                 assert all(s is None or s["read"] for s in rings[w]), f"CTA {cta}: warp {w} left a tile unread"
+        assert (self.merged == 1).all(), "every event merged exactly once"
         return torch.from_numpy(out), torch.from_numpy(lse)
 
 
@@ -197,12 +224,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"w{s[0]}s{s[1]}")
+ENDS = {"count-each-task": {}, "defer": dict(defer=True), "direct": dict(direct=True),
+        "defer-direct": dict(defer=True, direct=True)}   # (GroupedKernelConfig's split-task ends)
+
+
+# Every shape with the default end; the other ends (the same walk, counted otherwise) with the first shape.
+@pytest.mark.parametrize("shape,end", [(s, "count-each-task") for s in SHAPES] + [(SHAPES[0], e) for e in list(ENDS)[1:]],
+                         ids=lambda v: f"w{v[0]}s{v[1]}" if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("groups,prefix,suffix,ctas", CASES)
-def test_the_warp_builds_walk_is_the_reference(groups, prefix, suffix, ctas, shape):
-    _, (got_o, got_l), (want_o, want_l) = walk(groups, prefix, suffix, ctas, shape)
+def test_the_warp_builds_walk_is_the_reference(groups, prefix, suffix, ctas, shape, end):
+    w, (got_o, got_l), (want_o, want_l) = walk(groups, prefix, suffix, ctas, shape, **ENDS[end])
     torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9, equal_nan=True)
     torch.testing.assert_close(got_l, want_l, rtol=1e-9, atol=1e-9, equal_nan=True)
+    if w.direct and min(prefix) == 0:   # (a suffix with no prefix is its event's one part)
+        assert w.direct_writes > 0
+    assert w.direct or w.direct_writes == 0
 
 
 def test_the_walk_runs_ahead_into_the_next_split_task():

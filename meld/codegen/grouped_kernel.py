@@ -38,6 +38,18 @@ class GroupedKernelConfig:
     split stream (split tasks read their own rings, never the CTA ring's layout) and head_dim 64 or 128 (at 256
     the accumulators of O, S and P do not fit a thread's registers beside Q): `prefix_mma_for` picks it where
     allowed, as CascadeDecode does by default.
+
+    `defer_split_events` moves a split task's arrival at its events, and the merges it completes, from the end of
+    the task to the end of the CTA's walk, where the CTA counts all its split tasks' arrivals at once (16 tasks a
+    round) and merges the events they complete together. A request's own suffix then ends as decode's pieces do
+    (its warps' merge and a partial store), not in an L2 round trip chain that stalls every warp of the CTA (a
+    fence, the event's row, an atomic, then often a merge of the event's parts). It needs the "warp" split stream.
+    Off by default.
+
+    `direct_single_part`: a split task that is the one part of an event (a request with no shared level, or a plan
+    of one level) writes that event's output and lse itself, from its warps' merge, as decode's whole units do:
+    no partial, no count, no merge. Each merging thread reads its row's event first (one more L2 read a split task,
+    overlapped with the stashes' reads). It needs the "warp" split stream. Off by default.
     """
 
     dtype: str = "bfloat16"
@@ -45,6 +57,8 @@ class GroupedKernelConfig:
     profile: bool = False   # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
     split_stream: str = "warp"
     prefix_mma: str = "mma"
+    defer_split_events: bool = False
+    direct_single_part: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -58,6 +72,12 @@ class GroupedKernelConfig:
         if self.prefix_mma == "wgmma" and self.split_stream != "warp":
             raise ValueError(f"prefix_mma='wgmma' with split_stream={self.split_stream!r}: the wgmma build needs "
                              "split_stream='warp'")
+        for name in ("defer_split_events", "direct_single_part"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected a bool")
+            if getattr(self, name) and self.split_stream != "warp":
+                raise ValueError(f"{name}=True with split_stream={self.split_stream!r}: it needs split_stream='warp' "
+                                 "(the cta build at head_dim 256 has no registers for it)")
         if self.prefix_mma == "wgmma" and self.head_dim == 256:
             raise ValueError("prefix_mma='wgmma' with head_dim=256: its accumulators do not fit the registers "
                              "(head_dim 64 or 128)")
@@ -68,11 +88,13 @@ class GroupedKernelConfig:
         return "wgmma" if split_stream == "warp" and head_dim != 256 else "mma"
 
     @staticmethod
-    def of(low, *, profile: bool = False, split_stream: str = "warp", prefix_mma: str = "mma") -> "GroupedKernelConfig":
+    def of(low, *, profile: bool = False, split_stream: str = "warp", prefix_mma: str = "mma",
+           defer_split_events: bool = False, direct_single_part: bool = False) -> "GroupedKernelConfig":
         """The build of a lowered grouped-attention graph (`meld.codegen.lowering.Lowering`): its attrs' dtype
         and head_dim."""
         return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile, split_stream=split_stream,
-                                   prefix_mma=prefix_mma)
+                                   prefix_mma=prefix_mma, defer_split_events=defer_split_events,
+                                   direct_single_part=direct_single_part)
 
     entry = "meld_grouped_attention"
 
@@ -80,6 +102,7 @@ class GroupedKernelConfig:
     def name(self) -> str:
         return (f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}" +
                 ("_warp" if self.split_stream == "warp" else "") + ("_wgmma" if self.prefix_mma == "wgmma" else "") +
+                ("_defer" if self.defer_split_events else "") + ("_direct" if self.direct_single_part else "") +
                 ("_prof" if self.profile else ""))
 
     @property
@@ -151,6 +174,10 @@ class GroupedKernelConfig:
         if self.split_stream == "warp":   # (the cta build's source stays as it was)
             head[4:4] = ["#define MELD_SPLIT_WARP 1", f"#define SPLIT_WARPS {self.split_warps}",
                          f"#define WARP_STAGES {self.warp_stages}"]
+        if self.defer_split_events:   # (the other builds' source stays as it was)
+            head[4:4] = ["#define MELD_DEFER_SPLIT_EVENTS 1"]
+        if self.direct_single_part:
+            head[4:4] = ["#define MELD_DIRECT_SINGLE_PART 1"]
         hopper = []
         if self.prefix_mma == "wgmma":   # (the other builds' source stays as it was)
             head[4:4] = ["#define MELD_PREFIX_WGMMA 1"]

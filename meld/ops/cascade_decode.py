@@ -87,6 +87,17 @@ class CascadeDecode(Operator):
             "mma" (mma.sync, a warp's 16 rows); default None: "wgmma" where the build allows it, else "mma"
             (mma took 0.99-1.10x wgmma's time on bench/cascade.py's seven cases, bench/RESULTS.md 2026-12-03).
             The same results up to rounding; the CPU executor ignores it.
+        defer_split_events: the GPU kernel counts a split task's arrival at its events (and merges those it
+            completes) after the CTA's last task rather than after the task, so a request's own suffix ends without
+            stalling the CTA on L2 round trips (`GroupedKernelConfig.defer_split_events`; needs split_stream "warp").
+            Default None: True under split_stream "warp" (0.83-1.00x the time of counting after each task on
+            bench/cascade.py's seven cases, bench/RESULTS.md 2026-12-03 sixth session), else False. The same
+            results, bit for bit (an event's parts merge in the planner's order either way); the CPU executor
+            ignores it.
+        direct_single_part: a split task that is its event's one part (a request with no shared level, a plan of one
+            level) writes the output itself, with no partial, count or merge
+            (`GroupedKernelConfig.direct_single_part`; needs split_stream "warp"; default False). The same results
+            as the merge of that one part; the CPU executor ignores it.
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -96,7 +107,8 @@ class CascadeDecode(Operator):
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
                  num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
                  merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
-                 split_stream: str = "warp", prefix_mma: str | None = None):
+                 split_stream: str = "warp", prefix_mma: str | None = None, defer_split_events: bool | None = None,
+                 direct_single_part: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
@@ -109,8 +121,15 @@ class CascadeDecode(Operator):
             prefix_mma = GroupedKernelConfig.prefix_mma_for(split_stream, head_dim)
         if prefix_mma not in PREFIX_MMAS:
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
-        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma)   # (the pair's checks)
+        if defer_split_events is None:
+            defer_split_events = split_stream == "warp"
+        for name, v in (("defer_split_events", defer_split_events), ("direct_single_part", direct_single_part)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be a bool, got {v!r}")
+        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma,   # (the builds' checks)
+                            defer_split_events=defer_split_events, direct_single_part=direct_single_part)
         self.split_stream, self.prefix_mma = split_stream, prefix_mma
+        self.defer_split_events, self.direct_single_part = defer_split_events, direct_single_part
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
         self.item_overhead_tokens = check_count("item_overhead_tokens", item_overhead_tokens, 1 << 20)
@@ -124,7 +143,9 @@ class CascadeDecode(Operator):
         if self.device.type == "cuda":
             self._require_hopper()
             kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile(), split_stream=split_stream,
-                                                                     prefix_mma=prefix_mma)
+                                                                     prefix_mma=prefix_mma,
+                                                                     defer_split_events=defer_split_events,
+                                                                     direct_single_part=direct_single_part)
             self._slice_rows = kc.row_blocks * 16
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "

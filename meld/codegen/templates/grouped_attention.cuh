@@ -32,6 +32,10 @@
 // the event's parts (part_slot, in the planner's order) into the output, every event it completed at once,
 // and resets their counters for the next launch. No CTA waits for another's work: any grid, any residency, is deadlock-free. Events with
 // no part (a request with no KV at any level) write zeros and lse = -inf.
+// Two builds move a split task's end closer to decode's (a piece's warps merge, then one store): MELD_DEFER_SPLIT_EVENTS
+// counts the CTA's split tasks' arrivals after its last task (GTHREADS / GT tasks a round, the events they complete
+// merged together), so a split task ends at its partials' store; MELD_DIRECT_SINGLE_PART has a split task that is
+// its event's one part write the output and lse itself, from the warps' merge, and never count at that event.
 //
 // Inside a CTA every wait is a __syncthreads that every thread reaches (all walk the same task list, and every
 // loop bound a barrier sits in is the CTA's: chunks of a task, its events), or a warp's own cp.async.wait_group
@@ -52,7 +56,7 @@
 // value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
 // SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
 // MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES; the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
-// and wgmma_rs_tb (m64nHEAD_DIM).
+// and wgmma_rs_tb (m64nHEAD_DIM); optionally MELD_DEFER_SPLIT_EVENTS, MELD_DIRECT_SINGLE_PART.
 
 namespace meld {
 
@@ -94,6 +98,14 @@ static_assert(CPR <= 32 && 32 % CPR == 0, "a token row's chunks fit a warp's lan
 #ifndef MELD_PREFIX_WGMMA
 #define MELD_PREFIX_WGMMA 0
 #endif
+#ifndef MELD_DEFER_SPLIT_EVENTS
+#define MELD_DEFER_SPLIT_EVENTS 0
+#endif
+constexpr bool DEFER_SPLIT = MELD_DEFER_SPLIT_EVENTS;   // split tasks count (and merge) after the CTA's last task
+#ifndef MELD_DIRECT_SINGLE_PART
+#define MELD_DIRECT_SINGLE_PART 0
+#endif
+constexpr bool DIRECT_SINGLE = MELD_DIRECT_SINGLE_PART;   // a split task that is its event's one part writes the output
 constexpr bool PREFIX_WGMMA = MELD_PREFIX_WGMMA;   // tasks of more rows on wgmma, a warpgroup's 64 rows at once
 constexpr int WG_ROWS = 64;                        // wgmma's M
 constexpr int SW_BLOCK = CHUNK * 128;              // the wgmma build: a chunk's 64-channel column block (bytes)
@@ -333,11 +345,28 @@ __device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, in
   }
 }
 
-// Every thread of the CTA, after the SWARPS warps' stash_rows: rows r < rows merged across them into their slots.
+// Outputs acc * inv (channels d .. d + 3 of head h of request b and kv head kv_head) into out, and when d == 0 the
+// head's lse (natural), lse() computed only then.
+template <class Lse>
+__device__ __forceinline__ void store_out4(const GroupedParams& p, int b, int kv_head, int h, int d, const float4& acc,
+                                           float inv, Lse lse) {
+  const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
+  uint2 packed;
+  packed.x = pack2(acc.x * inv, acc.y * inv);
+  packed.y = pack2(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(p.out + row * GD + d) = packed;
+  if (d == 0 && p.lse != nullptr) p.lse[row] = lse();
+}
+
+// Every thread of the CTA, after the SWARPS warps' stash_rows: rows r < rows merged across them into their slots
+// (MELD_DIRECT_SINGLE_PART: a row whose event has this task as its one part into the output, as a merge of that one
+// part would write it).
 __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows,
                                             const unsigned char* stash) {
   for (int i = threadIdx.x; i < rows * (GD / 4); i += GWARPS * 32) {
     const int r = i / (GD / 4), d = (i - r * (GD / 4)) * 4;
+    const int e = tk.event_first + r / p.group_size;   // (MELD_DIRECT_SINGLE_PART: its row read before the stashes')
+    const bool whole = DIRECT_SINGLE && load_event(p.events, p.event_capacity, e).parts == 1;
     float mx = neg_inf();
 #pragma unroll
     for (int w = 0; w < SWARPS; ++w) mx = fmaxf(mx, stash_of(stash, w).m[r]);
@@ -353,9 +382,14 @@ __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitT
       acc.x += c * v.x; acc.y += c * v.y; acc.z += c * v.z; acc.w += c * v.w;
     }
     const float inv = 1.f / l;
-    *reinterpret_cast<float4*>(p.part_o + (i64)(tk.slot + r) * GD + d) =
-        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    if (d == 0) p.part_lse[tk.slot + r] = base + log2_approx(l);
+    if (whole) {
+      const int batch = p.plan_info[0];
+      store_out4(p, e % batch, e / batch, r % p.group_size, d, acc, inv, [=] { return (base + log2_approx(l)) * kLn2; });
+    } else {
+      *reinterpret_cast<float4*>(p.part_o + (i64)(tk.slot + r) * GD + d) =
+          make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+      if (d == 0) p.part_lse[tk.slot + r] = base + log2_approx(l);
+    }
   }
 }
 
@@ -446,12 +480,7 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const 
     mx = base;
   }
   const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
-  const i64 row = (i64)b * p.num_qo_heads + kv_head * p.group_size + h;
-  uint2 packed;
-  packed.x = pack2(acc.x * inv, acc.y * inv);
-  packed.y = pack2(acc.z * inv, acc.w * inv);
-  *reinterpret_cast<uint2*>(p.out + row * GD + d) = packed;
-  if (d == 0 && p.lse != nullptr) p.lse[row] = ev.parts ? (mx + log2_approx(sum)) * kLn2 : neg_inf();
+  store_out4(p, b, kv_head, h, d, acc, inv, [=] { return ev.parts ? (mx + log2_approx(sum)) * kLn2 : neg_inf(); });
 }
 
 // The n events of `list` (their rows in `rows`) merged by the CTA's threads together (one head's 4 channels
@@ -464,6 +493,33 @@ __device__ __forceinline__ void merge_events(const GroupedParams& p, const int* 
     merge_row4(p, list[k], rows[k], j / (GD / 4), (j % (GD / 4)) * 4);
   }
   for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
+}
+
+// One round of arrivals, after the barrier-ordered stores of the partials they cover: each thread for which
+// `pick(e)` holds arrives once at event e (`direct`: unless the event has one part, whose split task wrote the
+// output itself, MELD_DIRECT_SINGLE_PART), and the CTA merges every event these arrivals completed at once
+// (merge_events); `unit` names the round's task in the profile.
+template <class Pick>
+__device__ __forceinline__ void arrive_round(const GroupedParams& p, Pick pick, bool direct, int* fired,
+                                             Event* fired_rows, int& n_fired, Profiler& prof, int unit) {
+  if (threadIdx.x == 0) n_fired = 0;
+  __syncthreads();   // every row of the task is stored
+  int e;
+  if (pick(e)) {
+    __threadfence();   // the CTA's partials, stored before the barrier, before this count
+    const Event ev = load_event(p.events, p.event_capacity, e);
+    if (!(direct && ev.parts == 1) && event_arrive(p.counters + e, 1u, (unsigned)ev.parts)) {
+      __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
+      const int k = atomicAdd(&n_fired, 1);
+      fired[k] = e;
+      fired_rows[k] = ev;
+    }
+  }
+  __syncthreads();
+  const i64 t1 = prof.now();
+  merge_events(p, fired, fired_rows, n_fired);
+  if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, unit);
+  __syncthreads();   // (fired and n_fired are rewritten next)
 }
 
 // The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
@@ -609,27 +665,22 @@ struct GroupedFamily {
         store_rows(p, tk, rb, row0, rows, lane);
       }
       prof.record(t0, PROF_PIECE, i);
+      if (DEFER_SPLIT && split) continue;   // (counted after the CTA's last task)
       const int end = tk.event_first + tk.event_count;
-      for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS) {   // count the task's arrival, a thread an event
-        if (threadIdx.x == 0) n_fired = 0;
-        __syncthreads();   // every row of the task is stored
-        const int e = e0 + threadIdx.x;
-        if (e < end) {
-          __threadfence();   // the CTA's partials, stored before the barrier, before this count
-          const Event ev = load_event(p.events, p.event_capacity, e);
-          if (event_arrive(p.counters + e, 1u, (unsigned)ev.parts)) {
-            __threadfence();   // the other parts' partials, counted before ours, are seen (acquire)
-            const int k = atomicAdd(&n_fired, 1);
-            fired[k] = e;
-            fired_rows[k] = ev;
-          }
-        }
-        __syncthreads();
-        const i64 t1 = prof.now();
-        merge_events(p, fired, fired_rows, n_fired);
-        if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, i);
-        __syncthreads();   // (fired and n_fired are rewritten next; a task has at least one event)
-      }
+      for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS)   // count the task's arrival, a thread an event
+        arrive_round(p, [&](int& e) { e = e0 + threadIdx.x; return e < end; }, DIRECT_SINGLE && split, fired, fired_rows,
+                     n_fired, prof, i);
+    }
+    // MELD_DEFER_SPLIT_EVENTS: the split tasks' arrivals, GTHREADS / GT tasks a round (a split task has at most
+    // GT rows, so at most GT events): thread j arrives for event j % GT of the round's task j / GT.
+    for (int i0 = first; DEFER_SPLIT && i0 < last; i0 += GTHREADS / GT) {
+      const int i = i0 + threadIdx.x / GT, k = threadIdx.x % GT;
+      arrive_round(p, [&](int& e) {
+        if (i >= last) return false;
+        const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+        e = tk.event_first + k;
+        return tk.event_count * p.group_size <= GT && k < tk.event_count;
+      }, DIRECT_SINGLE, fired, fired_rows, n_fired, prof, i0);
     }
     prof.end(gridDim.x);
   }
