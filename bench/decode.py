@@ -9,7 +9,9 @@ Setup on the GPU machine (it has no network; the peers travel as wheels in `.whl
 
 `--kv-dtype fp8` times an e4m3 cache (per-tensor k_scale and v_scale): meld and FlashInfer read it at one byte a value,
 and `meld-bf16` times meld on the bf16 cache of the same (dequantised) values, all in one run. `--kv-dtype e5m2` does
-the same with an e5m2 cache.
+the same with an e5m2 cache. meld's FP8 build for bf16 q computes in f16 on the tensor cores
+(`DecodeKernelConfig.fp8_math="f16"`, the default since 2026-12-03's sixth session); `meld-bf16math` times the same
+build computing in bf16 (`fp8_math=""`): bf16m/fp8 = meld-bf16math µs / meld µs (> 1: the default is faster).
 
 `--q-len N` (2 to 8) times multi-token decode: N new tokens per request, causal among themselves (q [B * N, Hq, D]):
 meld's `DecodeAttention(q_len=N)`, FlashInfer's tensor-core decode with `plan(q_len_per_req=N)` (`fi-tc`; its
@@ -39,6 +41,7 @@ import os
 os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")  # read when flashinfer is imported (lazily below)
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -62,7 +65,7 @@ PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 BATCHES = (1, 8, 64, 256)
 DISTS = ("uniform2k", "skewed", "one-long")
-IMPLS = ("meld", "fi-fa2", "fi-tc", "fi-prefill", "sdpa", "meld-bf16", "meld-q1")
+IMPLS = ("meld", "fi-fa2", "fi-tc", "fi-prefill", "sdpa", "meld-bf16", "meld-q1", "meld-bf16math")
 FI_WORKSPACE_BYTES = 128 << 20
 MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-size)
 KV_LAYOUT = ["NHD"]  # --kv-layout: the cache layout meld and FlashInfer read (the reference keeps NHD)
@@ -212,21 +215,25 @@ def last_tokens(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------- implementations
 
-def build_meld(inp: Inputs, fp8: bool, one_token: bool = False) -> Impl:
+def build_meld(inp: Inputs, fp8: bool, one_token: bool = False, bf16_math: bool = False) -> Impl:
     """meld.DecodeAttention with fixed table capacities: meld's docstring asks for them when run() is captured
     in a CUDA graph (plans within them rewrite the work tables in place, so the captured graph stays valid).
     `fp8`: on the FP8 cache with its scales; else on the bf16 cache. `one_token`: q_len = 1 on each request's
-    last new token (meld-q1), else --q-len's."""
+    last new token (meld-q1), else --q-len's. `bf16_math`: the FP8 build that meld builds, with fp8_math=""
+    (meld-bf16math; its config read from the same operator on the CPU, which compiles nothing)."""
     import meld
 
     c, t = inp.case, inp.table
     q_len = 1 if one_token else Q_LEN[0]
     q = last_tokens(inp.q, c.batch) if one_token else inp.q
+    op = dict(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=PAGE_SIZE,
+              dtype=DTYPE, kv_layout=KV_LAYOUT[0], kv_dtype=KV_FP8[0] if fp8 else None, max_batch_size=c.batch,
+              max_num_pages=t.num_pages, q_len=q_len, **MELD_OPTIONS)
+    if bf16_math:
+        built = meld.DecodeAttention(device="cpu", **op).kernel_config
+        op["kernel_config"] = dataclasses.replace(built, fp8_math="")
     t0 = time.perf_counter()
-    attn = meld.DecodeAttention(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                page_size=PAGE_SIZE, dtype=DTYPE, device=str(inp.q.device), kv_layout=KV_LAYOUT[0],
-                                kv_dtype=KV_FP8[0] if fp8 else None, max_batch_size=c.batch, max_num_pages=t.num_pages,
-                                q_len=q_len, **MELD_OPTIONS)
+    attn = meld.DecodeAttention(device=str(inp.q.device), **op)
     init_us = (time.perf_counter() - t0) * 1e6
     cache, scales = (inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if fp8 else (inp.kv_run, {})
 
@@ -348,6 +355,7 @@ BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     "meld": lambda inp: build_meld(inp, fp8=inp.kv_fp8 is not None),
     "meld-bf16": lambda inp: build_meld(inp, fp8=False),
     "meld-q1": lambda inp: build_meld(inp, fp8=inp.kv_fp8 is not None, one_token=True),
+    "meld-bf16math": lambda inp: build_meld(inp, fp8=True, bf16_math=True),
     "fi-fa2": lambda inp: build_flashinfer(inp, tensor_cores=False),
     "fi-tc": lambda inp: build_flashinfer(inp, tensor_cores=True),
     "fi-prefill": build_flashinfer_prefill,
@@ -365,8 +373,8 @@ FA2_GROUP_SIZES = (1, 2, 3, 4, 8)
 def skip_reason(name: str, case: Case, table: PageTable, args: argparse.Namespace) -> Optional[str]:
     """Why a peer does not run a case (None: it does)."""
     group = case.num_qo_heads // case.num_kv_heads
-    if name == "meld-bf16" and not KV_FP8[0]:
-        return "meld itself reads the bf16 cache (meld-bf16 is for --kv-dtype fp8 or e5m2)"
+    if name in ("meld-bf16", "meld-bf16math") and not KV_FP8[0]:
+        return f"meld itself reads the bf16 cache ({name} is for --kv-dtype fp8 or e5m2)"
     if name in ("meld-q1", "fi-prefill") and Q_LEN[0] == 1:
         return f"{name} is for --q-len > 1"
     if name in ("fi-fa2", "sdpa") and Q_LEN[0] > 1:
@@ -395,7 +403,7 @@ def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, d
     fi = {k: median_us(results[k]) for k in ("fi-fa2", "fi-tc", "fi-prefill") if isinstance(cell(k), float)}
     fi_best = min(fi, key=lambda k: fi[k]) if fi else None
     fi_us = fi[fi_best] if fi_best else None
-    bf16_us, q1_us = cell("meld-bf16"), cell("meld-q1")
+    bf16_us, q1_us, bf16m_us = cell("meld-bf16"), cell("meld-q1"), cell("meld-bf16math")
     return {
         "case": case.name, "B": case.batch, "dist": case.dist, "shape": case.shape,
         "sum_len": sum(table.lengths), "max_len": max(table.lengths), "kv_mib": kv_cache_mib(case, table),
@@ -405,6 +413,7 @@ def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, d
         "fi_tbps": tbps(fi_us), "sdpa_us": cell("sdpa"), "meld_bf16_us": bf16_us,
         "fp8_gain": bf16_us / meld_us if isinstance(bf16_us, float) and meld_us else None,
         "prefill_us": cell("fi-prefill"), "meld_q1_us": q1_us,
+        "bf16m_us": bf16m_us, "f16m_gain": bf16m_us / meld_us if isinstance(bf16m_us, float) and meld_us else None,
         "q1_ratio": meld_us / q1_us if isinstance(q1_us, float) and meld_us else None,
         "speedup": fi_us / meld_us if fi_us and meld_us else None,
         "floor_us": floor_us, "max_speedup": fi_us / floor_us if fi_us and floor_us else None,
@@ -424,6 +433,7 @@ COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, err
     Column("sdpa_us", "SDPA µs", ".1f"), Column("meld_bf16_us", "meld-bf16 µs", ".1f"),
     Column("fp8_gain", "bf16/fp8", ".2f"), Column("prefill_us", "FI-prefill µs", ".1f"),
     Column("meld_q1_us", "meld-q1 µs", ".1f"), Column("q1_ratio", "q/q1", ".2f"),
+    Column("bf16m_us", "bf16m µs", ".1f"), Column("f16m_gain", "bf16m/fp8", ".2f"),
     Column("speedup", "speedup", ".2f"), Column("pct_read", "meld %read", ".0f"),
     Column("floor_us", "read µs", ".1f"), Column("max_speedup", "FI/read", ".2f"),
     Column("plan_us", "plan µs", ".0f"), Column("rel_err", "rel err", ".1e"),
@@ -553,6 +563,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "read µs = a pure streaming read of the case's KV bytes, and FI/read about the largest speedup a kernel "
           "that reads them could show; times are CUDA-graph replay medians, plan µs is meld's host plan() median"
           + ("; bf16/fp8 = meld-bf16 µs / meld µs (the FP8 cache's gain)" if KV_FP8[0] else "")
+          + ("; bf16m/fp8 = meld-bf16math µs / meld µs (> 1: the default f16 math is faster)"
+             if "meld-bf16math" in args.impls and KV_FP8[0] else "")
           + (f"; q/q1 = meld µs at q_len {Q_LEN[0]} / meld-q1 µs (q_len 1, the same batch)" if Q_LEN[0] > 1 else ""))
     print(summary_line(table.rows, failures))
     q1 = speedup_span([r for r in table.rows if r["B"] >= 64], "q1_ratio")

@@ -1,6 +1,6 @@
 """Test setup: fixed seeds, the `gpu` marker (skipped with a reason where no Hopper GPU is present),
 the `perf` and `full_matrix` markers (off unless asked for with `-m perf`, `-m full_matrix`), and one
-compile cache for the run."""
+compile cache for the run; the `fp8_math` fixture, which runs an FP8 GPU test on bf16-math builds too."""
 import os
 import random
 import shutil
@@ -84,3 +84,34 @@ def _free_gpu_memory(request):
     yield
     if "gpu" in request.keywords and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(params=["f16", ""], ids=["math-f16", "math-bf16"])
+def fp8_math(request, monkeypatch):
+    """Runs a GPU test twice: on the builds as they are (an FP8 build for bf16 q computes in f16, fp8_math="f16",
+    DecodeKernelConfig.default's choice), and with every such build that DecodeKernelConfig.default makes (the
+    operator's, and the tests' own) computing in bf16 instead (fp8_math=""). A float16 case (a `dtype` parameter)
+    runs once: its builds compute in f16 either way. A test the flip leaves without a bf16-math build fails at
+    teardown, so each math-bf16 case runs that kernel."""
+    import dataclasses
+
+    from meld.codegen import DecodeKernelConfig
+
+    if request.param:
+        yield "f16"
+        return
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("dtype") in (torch.float16, "float16"):
+        pytest.skip("float16 builds compute in f16 either way")
+    default, flipped = DecodeKernelConfig.default, []
+
+    def bf16_default(*args, **kwargs):
+        c = default(*args, **kwargs)
+        if not c.fp8_math:
+            return c
+        flipped.append(c)
+        return dataclasses.replace(c, fp8_math="")
+
+    monkeypatch.setattr(DecodeKernelConfig, "default", staticmethod(bf16_default))
+    yield ""
+    assert flipped, "the test built no FP8 kernel for bf16 q: fp8_math='' was never used"

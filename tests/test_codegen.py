@@ -84,6 +84,19 @@ CONFIGS += [DecodeKernelConfig.default("bfloat16", 512), DecodeKernelConfig.defa
                                                            variant=BOTH), tma=True),
             dataclasses.replace(DecodeKernelConfig.default("float16", 512, group_size=16, q_len=2), tma=True,
                                 profile=True)]
+# FP8 caches with bf16 q on bf16 tensor cores (fp8_math="": the default builds above compute in f16): both formats,
+# cp.async and TMA rings, every head dim, RoPE in registers (e5m2: halved keys), a cap and a window, 16-head units with
+# clusters, batch-invariant walks, multi-token rows.
+CONFIGS += [dataclasses.replace(c, fp8_math="") for c in (
+    DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8),
+    dataclasses.replace(DecodeKernelConfig.default("bfloat16", 64, group_size=16, kv_dtype=E5M2), tma=True),
+    dataclasses.replace(DecodeKernelConfig.default("bfloat16", 256, kv_dtype=FP8, variant=ROPE), tma=True),
+    DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=16, kv_dtype=E5M2, variant=ROPE),
+    DecodeKernelConfig.default("bfloat16", 128, batch_invariant=True, kv_dtype=FP8, variant=BOTH),
+    dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=4, kv_dtype=E5M2, q_len=4), tma=True),
+    DecodeKernelConfig.default("bfloat16", 512, kv_dtype=FP8, variant=ROPE),
+    dataclasses.replace(DecodeKernelConfig.default("bfloat16", 512, kv_dtype=E5M2, batch_invariant=True,
+                                                   variant=BOTH), tma=True))]
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 
@@ -98,7 +111,9 @@ def test_kernel_compiles_with_nvcc_for_sm90a(cfg):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3] + [c for c in CONFIGS if c.kv_dtype and c.head_dim == 64 and c.tma][:1] +
-                         [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8)], ids=lambda c: c.name)
+                         [DecodeKernelConfig.default("bfloat16", 128, kv_dtype=FP8)] +
+                         [c for c in CONFIGS if c.kv_dtype and c.dtype == "bfloat16" and not c.fp8_math][:1],
+                         ids=lambda c: c.name)
 def test_kernel_compiles_with_nvrtc(cfg):
     pytest.importorskip("cuda.bindings.nvrtc")
     with config.scope(MELD_COMPILER="nvrtc"):

@@ -105,6 +105,7 @@ def test_bad_inputs_are_named_and_change_nothing():
 
 # --- GPU --------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("dist", ["skewed", "ragged", "one-long"])
 @pytest.mark.parametrize("B", [8, 64])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -120,6 +121,7 @@ def test_gpu_bench_batches_match_float64(dist, B, dtype, rings):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_head_dims(D, tma):
@@ -128,6 +130,7 @@ def test_gpu_head_dims(D, tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_every_code(dtype, tma):
@@ -141,6 +144,7 @@ def test_gpu_every_code(dtype, tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_nan_and_inf_codes(tma):
     """NaN and +-Inf codes in K and V: NaN out (and lse, from K) for exactly the affected rows (_nan_case asserts
@@ -152,6 +156,7 @@ def test_gpu_nan_and_inf_codes(tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_gpu_against_flashinfer(layout):
     """FlashInfer's e5m2 decode on the same cache and scales: both close to float64 over the dequantised cache

@@ -340,6 +340,7 @@ GPU_LENS = [37, 0, 250, 1, 1003, 115, 5000, 17, 64]
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("P", [1, 5, 16, 64])
@@ -349,6 +350,7 @@ def test_gpu_matches_float64(D, layout, P, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("layout,P", [("NHD", 16), ("HND", 16), ("NHD", 64)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -357,6 +359,7 @@ def test_gpu_tma_rings(D, layout, P, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("options", ["group-16", "group-1", "clusters", "batch-invariant", "tma-clusters-h16"])
 def test_gpu_options(options):
     lens = GPU_LENS + [20000, 3]
@@ -375,6 +378,7 @@ def test_gpu_options(options):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_every_code(dtype, tma):
@@ -388,6 +392,7 @@ def test_gpu_every_code(dtype, tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_nan_codes(tma):
     kw = dict(kernel_config=_tma(head_dim=64)) if tma else {}
@@ -397,6 +402,7 @@ def test_gpu_nan_codes(tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("form", ["two-allocations", "halves", "other-layout-views"])
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_k_and_v_apart_bit_for_bit(form, tma):
@@ -407,6 +413,7 @@ def test_gpu_k_and_v_apart_bit_for_bit(form, tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_gpu_against_flashinfer(layout, tensor_cores):
@@ -435,6 +442,7 @@ def test_gpu_against_flashinfer(layout, tensor_cores):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("fp8_math")
 @pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 def test_gpu_cuda_graph_replay_across_replans(tma):
     """Plan once per batch, every layer's FP8 run() (its own cache and scales) captured in one graph, replayed

@@ -55,6 +55,8 @@ VARIANTS = {
     "decode-fp8-d64-fp16-tma": "dataclasses.replace(DecodeKernelConfig.default('float16', 64, "
                                "kv_dtype='float8_e4m3fn'), tma=True)",
     "decode-e5m2": "DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e5m2')",
+    "decode-fp8-bf16math": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, kv_dtype='float8_e4m3fn'), "
+                           "fp8_math='')",
     "decode-e5m2-d64-fp16-tma": "dataclasses.replace(DecodeKernelConfig.default('float16', 64, "
                                 "kv_dtype='float8_e5m2'), tma=True)",
     "decode-softcap": "DecodeKernelConfig.default('bfloat16', 128, variant=DecodeVariant(50.0))",

@@ -114,6 +114,10 @@ class DecodeKernelConfig:
                                                # MELD_ROPE)
     q_len: int = 1              # new tokens per request (speculative decoding, MTP), causal among themselves: a unit's
                                 # rows are (q head, token) pairs (MELD_Q_LEN; the template's header says how)
+    fp8_math: str = ""          # "": the tensor cores take the dtype's type; "f16" (FP8 caches with bf16 q, `default`'s
+                                # choice for them): f16, so
+                                # K and V convert to it in one instruction and q is scaled into its range per row
+                                # (MELD_Q_TO_F16; the template's header says how)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -148,6 +152,11 @@ class DecodeKernelConfig:
         if self.q_len > 1 and (self.xrank or self.variant.window_left >= 0 or self.variant.rope_theta):
             raise ValueError(f"q_len={self.q_len}: multi-token builds take no xrank, sliding window or RoPE (their "
                              "per-query key positions are the last token's)")
+        if self.fp8_math not in ("", "f16"):
+            raise ValueError(f"fp8_math={self.fp8_math!r}: expected '' (the dtype's MMA type) or 'f16'")
+        if self.fp8_math and (not self.kv_dtype or self.dtype != "bfloat16"):
+            raise ValueError(f"fp8_math={self.fp8_math!r} with dtype={self.dtype!r}, kv_dtype={self.kv_dtype!r}: f16 "
+                             "math is for FP8 caches with bfloat16 q (float16 builds compute in f16 already)")
         if self.debug_withhold_signal and not self.tma:
             raise ValueError("debug_withhold_signal needs tma=True: only the TMA rings wait on a signal")
         if self.smem_bytes > SMEM_PER_CTA_MAX:
@@ -170,7 +179,11 @@ class DecodeKernelConfig:
         (not swept) takes two warps of two stages, all that its 32 KiB tiles leave room for: 64 KiB in flight per
         CTA, as head_dim 128's eight warps of 8 KiB tiles; over an FP8 cache, whose tiles hold as many tokens in
         half the bytes, four warps of two stages instead: as many bytes in flight, and twice the warps for the
-        conversions (and RoPE) each byte costs. Its units are 8 heads and merge through global memory."""
+        conversions (and RoPE) each byte costs. Its units are 8 heads and merge through global memory. An FP8 cache
+        with bf16 q computes in f16 (`fp8_math="f16"`): K and V convert in one instruction, and the f16 build took
+        0.91-0.98x the bf16 build's time on bench/decode.py's FP8 cases at B=64 and 256 (bench/RESULTS.md,
+        2026-12-03 sixth session), with no larger error (f16 keeps three more bits of P and of the scaled q)."""
+        fp8_math = "f16" if kv_dtype and dtype == "bfloat16" else ""
         warps, stages = {256: (4, 3), 512: (2, 2)}.get(head_dim, (8, 2))
         if kv_dtype and head_dim == 512:
             warps = 4
@@ -178,10 +191,11 @@ class DecodeKernelConfig:
             stages = 2 * (stages - 1) + 1
         if head_dim >= 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
-                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len)
+                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len,
+                                      fp8_math=fp8_math)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
                                   heads_per_unit=16 if group_size * q_len > 8 else 8, batch_invariant=batch_invariant,
-                                  kv_dtype=kv_dtype, variant=variant, q_len=q_len)
+                                  kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math)
 
     @staticmethod
     def of(low, *, onchip_merge: bool = False, batch_invariant: bool = False,
@@ -200,6 +214,7 @@ class DecodeKernelConfig:
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + ("_h16" if self.heads_per_unit == 16 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
+                + ("_f16m" if self.fp8_math else "")
                 + self.variant.suffix + (f"_q{self.q_len}" if self.q_len > 1 else "")
                 + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
                 + ("_prof" if self.profile else "")
@@ -224,6 +239,11 @@ class DecodeKernelConfig:
         q_frags = self.num_warps * self.head_dim // 16 * 32 * 8 if self.head_dim > 256 else 0
         return ring + merge + parts + bars + q_frags
 
+    @property
+    def mma_type(self) -> str:
+        """The tensor cores' input type (PTX's name): the dtype's, or f16 under fp8_math="f16"."""
+        return self.fp8_math or _MMA_TYPES[self.dtype]
+
     def render(self) -> str:
         head = "\n".join([
             f"// {self.name}: generated by meld.codegen.decode_kernel from {self!r}",
@@ -232,7 +252,9 @@ class DecodeKernelConfig:
             f"#define NUM_STAGES {self.num_stages}",
             f"#define HEADS_PER_UNIT {self.heads_per_unit}",
             f"#define SMEM_BYTES {self.smem_bytes}",
-            f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
+            f'#define MELD_MMA_TYPE "{self.mma_type}"',
+            f'#define MELD_OUT_TYPE "{_MMA_TYPES[self.dtype]}"',
+            f"#define MELD_Q_TO_F16 {int(self.mma_type != _MMA_TYPES[self.dtype])}",
             f"#define MELD_ONCHIP_MERGE {int(self.onchip_merge)}",
             f"#define MELD_PROFILE {int(self.profile)}",
             kind_defines(),

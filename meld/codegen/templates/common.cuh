@@ -42,12 +42,16 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2,
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Two floats -> one register of two 16-bit values (lo in the low half), round to nearest.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
+// Two floats -> one register of two 16-bit values (lo in the low half), round to nearest: bf16 (BF16) or f16.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2_as(float lo, float hi) {
   u32 r;
-  asm("cvt.rn." MELD_MMA_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  if (BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// The same in the MMA type.
+__device__ __forceinline__ u32 pack2(float lo, float hi) { return pack2_as<MELD_MMA_TYPE[0] == 'b'>(lo, hi); }
 
 // The bytes of x that SEL's nibbles name (0-3), lowest result byte first (prmt).
 template <u32 SEL>

@@ -74,6 +74,23 @@
 // host (the scores, and so lse, include it), v_scale multiplies each piece's normalised output (a merge is
 // a convex combination of pieces, so a merged output carries it once).
 //
+// MELD_Q_TO_F16 builds (an FP8 cache with bf16 q and out: DecodeKernelConfig.fp8_math="f16") run the tensor cores in
+// f16 (MELD_MMA_TYPE "f16", MELD_OUT_TYPE "bf16"): an e4m3 pair becomes an f16 pair in one cvt and an e5m2 pair in one
+// prmt, where bf16 MMAs take each pair on through two floats to a bf16 pair (kv_pair). P is f16, three more bits than
+// bf16, times P_SCALE = 2^15 (p in [0, 2^15], below f16's 65504): unscaled, f16's subnormals would round a long
+// row's tail of p < 2^-14 on a 2^-24 grid and drop p < 2^-25 from P.V while l (float32) counts it; scaled, they start
+// at p < 2^-29 and only p < 2^-40 drops. O carries the 2^15, taken out with l (O / (l 2^15)); lse does not change.
+// Q is the one operand whose range f16 lacks: load_q scales each row of the unit by its own power of two 2^e, the
+// row's largest |q| into [2^14, 2^15) (e at most 126: a zero row stays zero), and rounds it to f16 once (q_to_f16);
+// the row's scores carry 2^e, taken out exactly (s 2^-e, then sm_scale_log2 as in every build). Per row, not per
+// unit: the rows are different heads (and tokens), whose sizes need not agree, and each lane's scores belong to one
+// row per head block anyway. A bf16 value of magnitude at least 2^-31 of its row's largest is exact in f16 after the
+// scaling (from 2^-17 on, f16 keeps bf16's 8 significant bits); smaller ones round to f16's subnormal grid (2^-24
+// after scaling) or flush to zero: each entry then moves by at most 2^-25 x 2^-e <= 2^-39 max|q|, a score by at most
+// 2^-39 max|q| sum|k| <= 2^-30 max|q| max|k| at head_dim 512, 1/64 of float32's unit roundoff (2^-24) times
+// max|q| max|k|. NaN and Inf in q stay NaN and Inf (the row's scores are NaN, as in every build). The output is
+// rounded to bf16 once, as in every build.
+//
 // MELD_SOFT_CAP builds cap each score as FlashInfer's logits_soft_cap c does, c tanh(sm_scale q.k / c), before
 // the softmax (lse included); the cap is a compile-time constant (meld/codegen/decode_kernel.py, DecodeVariant).
 // MELD_WINDOW_LEFT >= 0 builds attend to the last MELD_WINDOW_LEFT + 1 keys of each request only (FlashInfer's
@@ -103,8 +120,8 @@
 // 8-byte word per channel block), and copy a 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything
 // else is the same code over four times the bytes a token; at other head dims these compile to the code they were.
 //
-// Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE,
-// HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
+// Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, MELD_OUT_TYPE,
+// MELD_Q_TO_F16, HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
 // MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, MELD_SOFT_CAP (MELD_SOFT_CAP_LOG2, MELD_SOFT_CAP_TWO),
 // MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), MELD_Q_LEN, DecodeParams.
 
@@ -121,6 +138,9 @@ constexpr int NT = HEADS / 8;              // head rows of Q.K^T in use (8 or 16
 constexpr bool KV_FP8 = MELD_KV_FP8;       // 1: e4m3, 2: e5m2 (the conversion is all that differs)
 constexpr bool KV_E5M2 = MELD_KV_FP8 == 2;
 constexpr int KV_BYTES = KV_FP8 ? 1 : 2;   // bytes per K or V element, in memory and in shared memory
+constexpr bool Q_TO_F16 = MELD_Q_TO_F16;   // bf16 q and out, f16 MMAs (FP8 caches)
+static_assert(!Q_TO_F16 || (KV_FP8 && MELD_MMA_TYPE[0] == 'f' && MELD_OUT_TYPE[0] == 'b'), "f16 math: FP8, bf16 q");
+constexpr float P_SCALE = 32768.f;         // MELD_Q_TO_F16: P, and so O, carry 2^15 (the header says why)
 #if MELD_KV_FP8
 typedef unsigned char kv_t;                // a K or V element as the cp.async loads address it
 #else
@@ -379,7 +399,15 @@ struct WarpState {
   u32 qa[Q_SMEM ? 1 : KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8:
                            // 16 ks + 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
   uint2* qs;               // Q_SMEM: the same fragments, qs[32 ks + lane] = {qa[ks][0][0], qa[ks][0][1]}
+  float q_unscale[NT];     // MELD_Q_TO_F16: 2^-e of head 8 i + g's row (q_to_f16)
 };
+
+// Word w (0: a0's, 1: a2's) of head block i's Q fragment for channel block ks: in registers, or (Q_SMEM) this lane's
+// in shared memory.
+__device__ __forceinline__ u32& q_word(WarpState& st, int ks, int i, int w, int lane) {
+  if (Q_SMEM) return w ? st.qs[32 * ks + lane].y : st.qs[32 * ks + lane].x;
+  return st.qa[Q_SMEM ? 0 : ks][i][w];
+}
 
 // Q's A fragment for channel block ks: heads 0..7 in a0, a2 and, with 16 heads, 8..15 in a1, a3.
 __device__ __forceinline__ void q_frag(const WarpState& st, int ks, int lane, u32& a0, u32& a1, u32& a2, u32& a3) {
@@ -405,6 +433,36 @@ __device__ __forceinline__ void reset_state(WarpState& st) {
   }
 }
 
+// MELD_Q_TO_F16: the unit's Q fragments (bf16 pairs) as f16 pairs of q 2^e, e per row, and 2^-e (the header says why).
+// e = 141 - the biased exponent of the row's largest |q| (its 4 lanes', t): that value times 2^e lies in [2^14, 2^15);
+// at most 126, so that a zero or subnormal row's 2^-e is a normal float; at least -114 (Inf). NaN is skipped by fmaxf
+// and stays NaN.
+__device__ __forceinline__ void q_to_f16(WarpState& st, int lane) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    float amax = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const u32 x = q_word(st, ks, i, w, lane);
+        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(x << 16)), fabsf(__uint_as_float(x & 0xffff0000u))));
+      }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const int e = min(141 - (int)(__float_as_uint(amax) >> 23), 126);
+    const float up = __uint_as_float((u32)(127 + e) << 23);
+    st.q_unscale[i] = __uint_as_float((u32)(127 - e) << 23);
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        u32& x = q_word(st, ks, i, w, lane);
+        x = pack2(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
+      }
+  }
+}
+
 // The unit's Q fragments, and a fresh state.
 __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, WarpState& st, int lane) {
   const int g = lane >> 2, t = lane & 3;
@@ -427,6 +485,7 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
       }
     }
   }
+  if (Q_TO_F16) q_to_f16(st, lane);
   if (Q_SMEM) __syncwarp();
   reset_state(st);
 }
@@ -504,6 +563,11 @@ __device__ __forceinline__ void rope_fp8(u32 klo, u32 khi, int ks, int rel0, int
   }
   lo[0] = pack2(a[0], a[1]); lo[1] = pack2(a[2], a[3]);
   hi[0] = pack2(b[0], b[1]); hi[1] = pack2(b[2], b[3]);
+}
+
+// Head block i's score s in the kernel's log2 units (MELD_Q_TO_F16: s carries its row's 2^e, taken out first, exactly).
+__device__ __forceinline__ float log2_score(const DecodeParams& p, const WarpState& st, int i, float s) {
+  return (Q_TO_F16 ? s * st.q_unscale[i] : s) * p.sm_scale_log2;
 }
 
 // The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window);
@@ -588,8 +652,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   u32 pb0[NT], pb1[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
-    float x[4] = {s0[2 * i] * p.sm_scale_log2, s0[2 * i + 1] * p.sm_scale_log2,
-                  s1[2 * i] * p.sm_scale_log2, s1[2 * i + 1] * p.sm_scale_log2};
+    float x[4] = {log2_score(p, st, i, s0[2 * i]), log2_score(p, st, i, s0[2 * i + 1]),
+                  log2_score(p, st, i, s1[2 * i]), log2_score(p, st, i, s1[2 * i + 1])};
     const int nv = Q_LEN == 1 ? nvalid : min(nvalid, causal + (row0 + 8 * i + (lane >> 2)) % Q_LEN);   // this row's
 #pragma unroll
     for (int k = 0; k < 4; ++k)   // past the unit's end (or before the window): masked; else Inf and NaN scores
@@ -605,8 +669,8 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     for (int k = 0; k < 4; ++k) pr[k] = exp2_approx(x[k] - m_use);
     st.l[i] = st.l[i] * alpha + (pr[0] + pr[1]) + (pr[2] + pr[3]);
     st.m[i] = m_new;
-    pb0[i] = pack2(pr[0], pr[1]);
-    pb1[i] = pack2(pr[2], pr[3]);
+    pb0[i] = Q_TO_F16 ? pack2(pr[0] * P_SCALE, pr[1] * P_SCALE) : pack2(pr[0], pr[1]);
+    pb1[i] = Q_TO_F16 ? pack2(pr[2] * P_SCALE, pr[3] * P_SCALE) : pack2(pr[2], pr[3]);
     a_lo[i] = __shfl_sync(0xffffffffu, alpha, 8 * t);      // head 8i + 2t lives in lanes 8t..8t+3
     a_hi[i] = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 8i + 2t + 1
   }
@@ -671,8 +735,8 @@ static_assert(QS_OFFSET + QS_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is t
 // Four final outputs (h, d..d+3) of the batch row `row` into out/lse (lse when d == 0).
 __device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int d, float4 v, float lse2) {
   uint2 packed;
-  packed.x = pack2(v.x, v.y);
-  packed.y = pack2(v.z, v.w);
+  packed.x = pack2_as<MELD_OUT_TYPE[0] == 'b'>(v.x, v.y);
+  packed.y = pack2_as<MELD_OUT_TYPE[0] == 'b'>(v.z, v.w);
   *reinterpret_cast<uint2*>(out + row * D + d) = packed;
   if (d == 0 && lse != nullptr) lse[row] = lse2 * kLn2;
 }
@@ -742,7 +806,8 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
       lsum += mg.l[w][h] * sc;
       acc.x += o.x * sc; acc.y += o.y * sc; acc.z += o.z * sc; acc.w += o.w * sc;
     }
-    const float inv = lsum == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / lsum;   // 0: an empty unit; NaN stays NaN
+    // 0: an empty unit; NaN stays NaN (MELD_Q_TO_F16: O carries P's 2^15)
+    const float inv = lsum == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / (Q_TO_F16 ? lsum * P_SCALE : lsum);
     const float4 val = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     const float lse2 = lsum == 0.f ? neg_inf() : m_use + log2_approx(lsum);
     if (x.slot < 0) {
