@@ -19,7 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from meld.codegen.moe_kernel import BLOCK_TOKEN_CHOICES  # noqa: E402
 from meld.ops import torch_ops  # noqa: E402
 from meld.runtime import driver, fastcall, torch_fastcall  # noqa: E402
 from meld.workloads import paged  # noqa: E402
@@ -190,7 +193,112 @@ def main() -> None:
             errors[name] = None
         except Exception as e:   # noqa: BLE001   (reported)
             errors[name] = f"{type(e).__name__}: {e}"
-    print(json.dumps({"cases": res, "errors": errors, "decode": decode}))
+    print(json.dumps({"cases": res, "errors": errors, "decode": decode, "eager": eager(stub, launches)}))
+
+
+def eager(stub, launches) -> dict:
+    """The entry points' route through the ops: `MoE()` and `run()` calls (counted when they call the op), each
+    kind's first call recorded and the next fast, launching the direct path's bytes; the calls the route leaves
+    to the direct path; and errors raised through the op as the direct path raises them."""
+    op_calls = {"moe": 0, "decode_attention": 0}
+
+    def counted(name):
+        op = getattr(torch_ops, f"_{name}_op")
+
+        def call(*args):
+            op_calls[name] += 1
+            return op(*args)
+        return call
+
+    torch_ops._moe_op, torch_ops._decode_attention_op = counted("moe"), counted("decode_attention")
+
+    def calls(fns) -> dict:
+        """Each call's fast-path hits and op calls."""
+        hits, ops = [], []
+        for fn in fns:
+            before = dict(op_calls)
+            hits.append(launches(fn)[1])
+            ops.append(sum(op_calls.values()) - sum(before.values()))
+        return {"hits": hits, "op calls": ops}
+
+    def raised(fn) -> str | None:
+        try:
+            fn()
+        except Exception as e:   # noqa: BLE001   (reported)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def moded(base, fn):
+        """fn() under a mode of `base` that passes every call through."""
+        hook = "__torch_dispatch__" if base is TorchDispatchMode else "__torch_function__"
+        through = type("Through", (base,), {hook: lambda self, func, types, args=(), kwargs=None:
+                                            func(*args, **(kwargs or {}))})
+        with through():
+            return fn()
+
+    res = {}
+    layer = _StubMoE(H, I, E, K, BF16, "cpu", max_num_tokens=64)
+    stub.stub_set_blob(ctypes.sizeof(layer.lowering.params.ctype))
+    w13, w2 = torch.empty(E, 2 * I, H, dtype=BF16), torch.empty(E, H, I, dtype=BF16)
+    x, x2, logits = torch.randn(5, H).to(BF16), torch.randn(5, H).to(BF16), torch.randn(5, E)
+    out = torch.empty(5, H, dtype=BF16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(5)]).to(torch.int32)
+    tw = torch.rand(5, K)
+    got = []
+    res["moe"] = calls([lambda: got.append(layer(x, logits, w13, w2, out=out)),
+                        lambda: got.append(layer(x, logits, w13, w2, out=out)),
+                        lambda: got.append(layer(x2, logits, w13, w2)),
+                        lambda: layer(x, None, w13, w2, topk_weights=tw, topk_ids=ids, out=out),
+                        lambda: layer(x2, None, w13, w2, topk_weights=tw, topk_ids=ids)])
+    res["moe"]["returns out"] = got[0] is out and got[1] is out
+    res["moe"]["allocated"] = [str(got[2].dtype), list(got[2].shape), got[2].data_ptr() != out.data_ptr()]
+    fast, _ = launches(lambda: layer(x, logits, w13, w2, out=out))
+    direct, _ = launches(lambda: layer._call(x, logits, w13, w2, None, None, out))
+    res["moe"]["same as direct"] = fast == direct
+    res["moe direct"] = calls([lambda: layer(x, logits, w13, w2, out=out, block_tokens=BLOCK_TOKEN_CHOICES[0]),
+                               lambda: layer(x, None, w13, w2, topk_weights=tw, topk_ids=ids.long(), out=out),
+                               lambda: layer(x.clone().requires_grad_(), logits, w13, w2),
+                               lambda: moded(TorchDispatchMode, lambda: layer(x, logits, w13, w2, out=out)),
+                               lambda: moded(TorchFunctionMode, lambda: layer(x, logits, w13, w2, out=out))])
+    bad_out = torch.empty(5, H)   # (float32: the route takes it, the op's Python kernel refuses it)
+    res["moe errors"] = [raised(lambda: layer(x, logits, w13, w2, out=bad_out)),
+                         raised(lambda: layer._call(x, logits, w13, w2, None, None, bad_out)),
+                         raised(lambda: layer(x, logits, w13, w2, out=x)),
+                         raised(lambda: layer._call(x, logits, w13, w2, None, None, x))]
+    attn = StubDecode(32, 8, 128, 16, BF16)
+    stub.stub_set_blob(ctypes.sizeof(attn.lowering.params.ctype))
+    pb = paged([30, 100, 7], 16)
+    q, q2 = torch.randn(3, 32, 128).to(BF16), torch.randn(3, 32, 128).to(BF16)
+    kv = torch.randn(pb.num_pages, 2, 16, 8, 128).to(BF16)
+    k, v = torch.randn(2, pb.num_pages, 16, 8, 128).to(BF16).unbind(0)
+    out = torch.empty_like(q)
+    got = []
+    for lens in ([30, 100, 7], [50, 3, 9]):   # (the second plan drops the records)
+        pb = paged(lens, 16)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        res[f"run {lens}"] = calls([lambda: got.append(attn.run(q, kv, out=out)),   # (after plan(): direct)
+                                    lambda: got.append(attn.run(q, kv, out=out)),   # (recorded)
+                                    lambda: got.append(attn.run(q2, kv)),
+                                    lambda: got.append(attn.run(q, kv, return_lse=True)),
+                                    lambda: got.append(attn.run(q2, kv, return_lse=True)),
+                                    lambda: attn.run(q, (k, v), out=out),
+                                    lambda: attn.run(q2, (k, v))])
+    res["run returns"] = [got[1] is out, type(got[3]).__name__, [list(t.shape) for t in got[4]],
+                          str(got[4][1].dtype)]
+    fast, _ = launches(lambda: attn.run(q, kv, out=out))
+    direct, _ = launches(lambda: attn._run((q, kv), False, out, None))
+    res["run"] = {"same as direct": fast == direct}
+    res["run direct"] = calls([lambda: attn.run(q, kv, out=out, k_scale=1),   # (an int scale: the direct path)
+                               lambda: attn.run(q.clone().requires_grad_(), kv),
+                               lambda: moded(TorchDispatchMode, lambda: attn.run(q, kv, out=out)),
+                               lambda: moded(TorchFunctionMode, lambda: attn.run(q, kv, out=out))])
+    res["run errors"] = [raised(lambda: attn.run(q, kv, k_scale=2.0)),
+                         raised(lambda: attn._run((q, kv), False, None, None, k_scale=2.0, v_scale=1.0)),
+                         raised(lambda: attn.run(q[:2], kv)), raised(lambda: attn._run((q[:2], kv), False, None, None)),
+                         raised(lambda: attn.run(q, kv, return_lse=1)), raised(lambda: attn.run(q, [k, v])),
+                         raised(lambda: attn.run(q, (k, None))),
+                         raised(lambda: attn._run((q, (k, None)), False, None, None))]
+    return res
 
 
 if __name__ == "__main__":

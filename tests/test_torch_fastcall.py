@@ -67,8 +67,35 @@ def test_stubbed_fast_path():
     assert errors["the MoE's handle"].endswith("names a _StubMoE, not a DecodeAttention")
     assert errors["watchdog tripped"].startswith("WatchdogTimeout: meld watchdog on cpu:")
     assert errors["opcheck with a record"] is None
+    _check_eager(stubbed["eager"])
     lib = torch_fastcall.load()   # (built by that process: loaded from the cache)
     assert lib is not None and lib.meld_fc_hits() == 0
+
+
+def _check_eager(eager: dict) -> None:
+    """`MoE()` and `run()` through their ops (tests/fastcall_stub.py's `eager`): each kind of call (out given or
+    allocated, routing by logits or by int32 ids; lse; K and V apart) is recorded by its first op call and fast from
+    the next, launching the direct path's bytes, returning what the direct path returns; the first run() after a
+    plan is the direct path's; a block_tokens, int64 ids, an input that requires grad, an int scale, or a torch
+    dispatch or function mode take the direct path (no op call); bad inputs raise the direct path's errors, through the op or not."""
+    assert eager["moe"] == {"hits": [0, 1, 1, 0, 1], "op calls": [1] * 5, "returns out": True,
+                            "allocated": ["torch.bfloat16", [5, 128], True], "same as direct": True}
+    assert eager["moe direct"] == {"hits": [0] * 5, "op calls": [0] * 5}
+    errors = eager["moe errors"]
+    assert errors[0] == errors[1] == "ValueError: out must have dtype torch.bfloat16, got torch.float32"
+    assert errors[2] == errors[3] and errors[2].startswith("ValueError: out (strides (128, 1)) shares memory with x")
+    for lens in ("[30, 100, 7]", "[50, 3, 9]"):
+        assert eager[f"run {lens}"] == {"hits": [0, 0, 1, 0, 1, 0, 1], "op calls": [0, 1, 1, 1, 1, 1, 1]}, lens
+    assert eager["run returns"] == [True, "tuple", [[3, 32, 128], [3, 32]], "torch.float32"]
+    assert eager["run"] == {"same as direct": True}
+    assert eager["run direct"] == {"hits": [0] * 4, "op calls": [0] * 4}
+    errors = eager["run errors"]
+    assert errors[0] == errors[1] and errors[0].startswith("ValueError: k_scale=2.0 and v_scale=1.0: the scales")
+    assert errors[2] == errors[3] == "ValueError: q must have shape (3, 32, 128) (batch of the last plan(), " \
+                                     "num_qo_heads, head_dim), got (2, 32, 128)"
+    assert errors[4] == "ValueError: return_lse must be True or False, got 1"
+    assert errors[5] == "ValueError: kv_cache must be a torch.Tensor or a (k_cache, v_cache) tuple, got list"
+    assert errors[6] == errors[7] and errors[6].startswith("ValueError: v_cache must be"), errors[6]
 
 
 # --- GPU --------------------------------------------------------------------------------------------------
@@ -224,3 +251,154 @@ def test_gpu_compile_and_opcheck_with_fast_path():
     got = f(q)
     torch.cuda.synchronize()
     assert torch.equal(got.view(torch.int16), attn.run(q, kv).view(torch.int16))
+
+
+# --- the entry points' route through the ops (GPU) ----------------------------------------------------------
+def _hits(fn):
+    """fn()'s result and how many fast-path launches it made."""
+    before = torch_fastcall.hits()
+    res = fn()
+    return res, torch_fastcall.hits() - before
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.gpu
+def test_gpu_eager_moe_through_the_op():
+    """Eager MoE() calls go through the op: the first of each kind is recorded, the next are fast, and all equal the
+    direct path (`MoE._call`, what MELD_TORCH_FASTCALL=0 runs) bit for bit, into NaN-poisoned or allocated outputs,
+    with NaN in one token's x reaching exactly its row, and match float64; int64 ids and a block_tokens take the
+    direct path (no fast launch) with the same result."""
+    from meld.codegen.moe_kernel import BLOCK_TOKEN_CHOICES
+    from tests.test_moe import dense_reference
+
+    H, I, E, k = 264, 136, 8, 2   # (not whole 64-wide tiles)
+    layer = meld.MoE(H, I, E, k, BF16, "cuda", max_num_tokens=64)
+    w13 = torch.randn(E, 2 * I, H, dtype=BF16, device="cuda") / H ** 0.5
+    w2 = torch.randn(E, H, I, dtype=BF16, device="cuda") / I ** 0.5
+    for T in (1, 7, 33):
+        x = torch.randn(T, H, dtype=BF16, device="cuda")
+        x[T // 2, 3] = float("nan")
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32).cuda()
+        w = torch.rand(T, k, device="cuda")
+        for logits, tw, ti in ((torch.randn(T, E, device="cuda"), None, None), (None, w, ids)):
+            direct = layer._call(x, logits, w13, w2, tw, ti, torch.full_like(x, float("nan")))
+            outs, hits = [], []
+            for given in (True, True, False):
+                out = torch.full_like(x, float("nan")) if given else None
+                got, hit = _hits(lambda: layer(x, logits, w13, w2, topk_weights=tw, topk_ids=ti, out=out))
+                assert got is out or not given
+                outs.append(got)
+                hits.append(hit)
+            assert hits == [0, 1, 1], (T, hits)
+            if ti is not None:
+                bt = BLOCK_TOKEN_CHOICES[0]
+                for kw in (dict(topk_ids=ti.long()), dict(topk_ids=ti, block_tokens=bt)):
+                    got, hit = _hits(lambda: layer(x, None, w13, w2, topk_weights=tw, **kw))
+                    assert hit == 0
+                    if "block_tokens" not in kw:   # (another row block: another summation order)
+                        outs.append(got)
+            torch.cuda.synchronize()
+            for out in outs:
+                assert torch.equal(_bits(out), _bits(direct)), T
+            assert direct.isnan().any(dim=1).tolist() == [t == T // 2 for t in range(T)]
+        ok = [t for t in range(T) if t != T // 2]
+        ref = dense_reference(x[ok], w13, w2, ids[ok], w[ok])
+        torch.testing.assert_close(direct[ok].double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_eager_run_through_the_op():
+    """Eager run() calls go through the op across re-plans: the first after a plan is the direct path's, the next
+    recorded, the later ones fast (outputs given NaN-poisoned or allocated, lse or not, K and V apart), all equal to
+    the direct path (`_run`) bit for bit, NaN in one request's q reaching exactly its rows, and float64."""
+    attn, _ = _attention([1])
+    for lens in ([37, 1000, 5, 260, 77], [300, 3, 1111]):   # (not whole 16-token tiles)
+        pb = paged(lens, P)
+        attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        kv = torch.randn(pb.num_pages, 2, P, HKV, D, dtype=BF16, device="cuda")
+        q = torch.randn(len(lens), HQ, D, dtype=BF16, device="cuda")
+        q[1, 3, 5] = float("nan")
+        results, hits = [], []
+        for given in (True, True, True, False):
+            out, lse = (torch.full_like(q, float("nan")), torch.full(q.shape[:2], float("nan"), device="cuda")) \
+                if given else (None, None)
+            got, hit = _hits(lambda: attn.run(q, kv, return_lse=True, out=out, lse=lse))
+            assert not given or (got[0] is out and got[1] is lse)
+            results.append(got)
+            hits.append(hit)
+        assert hits == [0, 0, 1, 1], hits
+        got, hit = _hits(lambda: attn.run(q, kv))   # (no lse: another kind of call, recorded, then fast)
+        assert hit == 0 and _hits(lambda: attn.run(q, kv))[1] == 1
+        results.append((got, results[0][1]))
+        k, v = (t.contiguous() for t in kv.unbind(1))
+        for hit in (0, 1):
+            got, n = _hits(lambda: attn.run(q, (k, v), return_lse=True))
+            assert n == hit
+            results.append(got)
+        direct = attn._run((q, kv), True, None, None)
+        torch.cuda.synchronize()
+        for out, lse in results:
+            assert torch.equal(_bits(out), _bits(direct[0])) and torch.equal(_bits(lse), _bits(direct[1]))
+        _check_against_float64(q, kv, pb, *direct, nan_row=1)
+
+
+@pytest.mark.gpu
+def test_gpu_eager_mla_run_through_the_op():
+    """Eager DecodeMLA.run() calls go through the op across re-plans (its first call after a plan is recorded, the
+    next fast), equal to the direct path (`_run`) bit for bit into NaN-poisoned outputs, NaN in one request's
+    q_nope reaching exactly its rows, and match float64."""
+    from meld.runtime.reference import mla_reference
+    from tests.test_mla_gpu import SCALE, _inputs
+
+    H, P = 128, 64
+    mla = meld.DecodeMLA(H, P, BF16, "cuda", sm_scale=SCALE, max_batch_size=16, max_num_pages=1024)
+    for seed, lens in enumerate(([100, 7, 3000], [1, 65, 130, 500])):
+        pb, qn, qp, ckv, kpe = _inputs(lens, H, P, gen_seed=seed)
+        qn[1, 2, 3] = float("nan")
+        mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+        results, hits = [], []
+        for given in (True, True, False):
+            out = torch.full(qn.shape, float("nan"), dtype=BF16, device="cuda") if given else None
+            lse = torch.full(qn.shape[:2], float("nan"), device="cuda") if given else None
+            got, hit = _hits(lambda: mla.run(qn, qp, ckv, kpe, return_lse=True, out=out, lse=lse))
+            results.append(got)
+            hits.append(hit)
+        assert hits == [0, 1, 1], hits
+        direct = mla._run((qn, qp, ckv, kpe), True, None, None)
+        torch.cuda.synchronize()
+        for out, lse in results:
+            assert torch.equal(_bits(out), _bits(direct[0])) and torch.equal(_bits(lse), _bits(direct[1]))
+        o = direct[0].cpu().double()
+        assert [bool(r.isnan().any()) for r in o] == [b == 1 for b in range(len(lens))]
+        ref, _ = mla_reference(qn.cpu(), qp.cpu(), ckv.cpu(), kpe.cpu(), pb.kv_indptr, pb.kv_indices,
+                               pb.kv_last_page_len, SCALE)
+        ok = [b for b in range(len(lens)) if b != 1]
+        assert ((o[ok] - ref[ok]).norm() / ref[ok].norm()).item() < 1e-2
+
+
+_NO_FASTCALL = """
+import torch, meld
+from meld.runtime import torch_fastcall
+layer = meld.MoE(128, 64, 8, 2, torch.bfloat16, "cuda", max_num_tokens=16)
+w13, w2 = torch.randn(8, 128, 128, dtype=torch.bfloat16, device="cuda"), torch.randn(8, 128, 64, dtype=torch.bfloat16,
+                                                                                     device="cuda")
+x, logits = torch.randn(4, 128, dtype=torch.bfloat16, device="cuda"), torch.randn(4, 8, device="cuda")
+outs = [layer(x, logits, w13, w2) for _ in range(3)]
+torch.cuda.synchronize()
+print(layer._op_route(), torch_fastcall.hits(), all(torch.equal(o, outs[0]) for o in outs))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_no_fastcall_is_the_direct_path():
+    """MELD_TORCH_FASTCALL=0 (a process of its own): no op route, no fast launch, MoE() as before."""
+    import os
+
+    env = dict(os.environ, MELD_TORCH_FASTCALL="0")
+    res = subprocess.run([sys.executable, "-c", _NO_FASTCALL], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=HERE.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["False", "0", "True"]

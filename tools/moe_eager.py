@@ -13,14 +13,15 @@ allocation, parameter writes and the launches' Python side.
 
 With --cuda it times the real layer on the GPU: host time per call (each round of calls between
 synchronisations, few enough calls not to fill the launch queue), and beside it the eager latency and the
-CUDA-graph time of `bench.harness` (cold L2), the issue's "eager call <= graph time + 15 us" comparison.
+CUDA-graph time of `bench.harness` (cold L2), the issue's "eager call <= graph time + 15 us" comparison, for
+the call as it is (through the torch op's C++ fast path, where installed) and by its direct path.
 
-Phases are the pieces of `moe(x, logits)` (packed weights, as bench/moe.py times it) each timed alone with the
-same arguments, interleaved with the whole calls so that all run in the same conditions; "rest of the call" is
-the whole call less their sum (argument handling, the tie to autograd, the calls between the pieces, and what
-the pieces cost more in the whole call than alone). Every number is the best round's mean per call: other
-processes on the host only ever add to it. Stubbed, the clock is this thread's CPU time (a shared host's
-other processes do not count); with --cuda it is wall time.
+Phases are the pieces of `moe(x, logits)`'s direct path (packed weights, as bench/moe.py times it) each timed
+alone with the same arguments, interleaved with the whole calls so that all run in the same conditions; "rest of
+the call" is the whole direct call less their sum (argument handling, the tie to autograd, the calls between the
+pieces, and what the pieces cost more in the whole call than alone). Every number is the best round's mean per
+call: other processes on the host only ever add to it. Stubbed, the clock is this thread's CPU time (a shared
+host's other processes do not count); with --cuda it is wall time.
 """
 from __future__ import annotations
 
@@ -112,11 +113,14 @@ def inputs(shape: Shape, T: int, device: str, packed: bool) -> tuple[torch.Tenso
 
 
 def calls(layer: meld.MoE, shape: Shape, T: int, x, logits, w13, w2, w13_plain, w2_plain):
-    """The call paths timed whole: bench/moe.py's (logits, packed weights), an out= buffer, precomputed routing
-    (int64 ids, as torch.topk gives them), plain weights, and fused_moe."""
+    """The call paths timed whole: bench/moe.py's (logits, packed weights), and it by the direct path (the Python
+    of `MoE.__call__` past its route to the torch op, which a GPU layer takes where the op's C++ fast path is
+    installed), an out= buffer, precomputed routing (int64 ids, as torch.topk gives them: the direct path),
+    plain weights, and fused_moe."""
     k, out = shape.top_k, torch.empty_like(x)
     topk_w, topk_ids = torch.rand(T, shape.experts, device=x.device).topk(k)   # (int64 ids, none repeated)
     return {"moe(x, logits)": lambda: layer(x, logits, w13, w2),
+            "moe(x, logits), direct path": lambda: layer._call(x, logits, w13, w2, None, None, None),
             "moe(x, logits, out=)": lambda: layer(x, logits, w13, w2, out=out),
             "moe(x, None, topk_weights=, topk_ids=)":
                 lambda: layer(x, None, w13, w2, topk_weights=topk_w, topk_ids=topk_ids),
@@ -125,7 +129,7 @@ def calls(layer: meld.MoE, shape: Shape, T: int, x, logits, w13, w2, w13_plain, 
 
 
 def phases(layer: meld.MoE, T: int, x, logits, w13, w2) -> dict[str, Callable[[], object]]:
-    """`moe(x, logits)`'s pieces, each alone."""
+    """The pieces of `moe(x, logits)`'s direct path, each alone."""
     out = torch.empty_like(x)
     v = layer._variant(block_tokens_for(T, layer.top_k, layer.num_experts), w13.dim() == 6)
     return {"input checks": lambda: layer._usual_inputs(x, logits, w13, w2, None, None),
@@ -148,16 +152,26 @@ def measure(shape: Shape, tokens: list[int], n_calls: int, rounds: int, cuda: bo
         times = time_calls({**whole, **parts}, n_calls, rounds, sync, clock)   # (interleaved: the same conditions)
         whole, parts = ({name: times[name] for name in d} for d in (whole, parts))
         parts["_launch: parameters"] -= parts["launches' Python side"]
-        parts["rest of the call"] = whole["moe(x, logits)"] - sum(parts.values())
+        parts["rest of the call"] = whole["moe(x, logits), direct path"] - sum(parts.values())
         res[f"{shape.name} T={T}: calls"] = whole
-        res[f"{shape.name} T={T}: phases of moe(x, logits)"] = parts
+        res[f"{shape.name} T={T}: phases of moe(x, logits)'s direct path"] = parts
         if cuda:
             from bench.harness import eager_time_us, graph_time_us
 
+            from meld.runtime import torch_fastcall
+
             fn = lambda x=x, logits=logits, w13=w13p, w2=w2p: layer(x, logits, w13, w2)  # noqa: E731
-            eager, graph = eager_time_us(fn).median_us, graph_time_us(fn).median_us
+
+            def direct(x=x, logits=logits, w13=w13p, w2=w2p):
+                return layer._call(x, logits, w13, w2, None, None, None)
+            hits = torch_fastcall.hits()
+            eager = eager_time_us(fn).median_us
+            hits = torch_fastcall.hits() - hits
+            eager_direct, graph = eager_time_us(direct).median_us, graph_time_us(fn).median_us
             res[f"{shape.name} T={T}: moe(x, logits) on the GPU (median us)"] = {
-                "eager latency": eager, "graph replay": graph, "eager - graph": eager - graph}
+                "eager latency": eager, "graph replay": graph, "eager - graph": eager - graph,
+                "eager latency, direct path": eager_direct, "direct - graph": eager_direct - graph,
+                "fast-path calls of the eager ones": hits}
         del w13, w2, w13p, w2p
     return res
 

@@ -15,11 +15,13 @@ to fill the launch queue). Each number is the best round's mean per call: other 
 ever add to it. `torch.add(out=)` on one-element CPU tensors is timed alongside, to compare hosts by.
 
 On a GPU the ops take the C++ fast path (meld.runtime.torch_fastcall) once a call has been recorded; each case
-reports how many of its op calls did ("fast-path calls"). `--stub-fast-path` times the fast path without a GPU,
-in place of the other rows: `StubDecode` and tools/moe_eager.py's `_StubMoE` (GPU call paths, launches into no-op
-C functions; the clock is this thread's CPU time) directly and through their ops, first with the ops' Python
-kernels, then with the C++ kernels installed on the CPU's dispatch keys (the fast path's CPU form, for tests and
-this measurement only). StubDecode's run() also copies out onto itself (the CPU executor's path ends so).
+reports how many of its calls did ("fast-path calls"). run() and MoE() take that route too where it is installed
+(`Operator._op_route`); their "direct path" rows time the Python they ran before (and run where it is not).
+`--stub-fast-path` times the fast path without a GPU, in place of the other rows: `StubDecode` and
+tools/moe_eager.py's `_StubMoE` (GPU call paths, launches into no-op C functions; the clock is this thread's CPU
+time) directly and through their ops, first with the ops' Python kernels, then with the C++ kernels installed on
+the CPU's dispatch keys (the fast path's CPU form, for tests and this measurement only). StubDecode's run() also
+copies out onto itself (the CPU executor's path ends so).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from meld.workloads import paged  # noqa: E402
 
 
 class _StubAttention(meld.DecodeAttention):
-    def run(self, q, kv_cache, *, return_lse=False, out=None, lse=None, k_scale=1.0, v_scale=1.0):
+    def _run(self, inputs, return_lse, out, lse, **options):   # (run()'s body and the op kernel's: no work)
         return out
 
 
@@ -79,7 +81,7 @@ class StubDecode(meld.DecodeAttention):
 
 
 class _StubMoE(meld.MoE):
-    def __call__(self, x, router_logits, w13, w2, *, topk_weights=None, topk_ids=None, out=None):
+    def _call(self, x, router_logits, w13, w2, topk_weights, topk_ids, out, *rest):   # (the same for MoE)
         return out
 
 
@@ -116,6 +118,7 @@ def time_calls(variants: dict[str, Callable[[], object]], calls: int, rounds: in
 def attention_variants(attn, q, kv, out) -> dict[str, Callable[[], object]]:
     op, h = torch.ops.meld.decode_attention.default, attn.handle
     return {"run()": lambda: attn.run(q, kv, out=out),
+            "run()'s direct path": lambda: attn._run((q, kv), False, out, None),
             "torch.ops.meld.decode_attention": lambda: op(q, kv, out, None, h),
             "  as Inductor calls it": lambda: op(q, kv, out, None, h, v_cache=None, k_scale=1.0, v_scale=1.0),
             "torch_ops.decode_attention()": lambda: torch_ops.decode_attention(attn, q, kv, out=out)}
@@ -132,6 +135,7 @@ def stub_attention_variants() -> dict[str, Callable[[], object]]:
 def moe_variants(layer, x, logits, w13, w2, out) -> dict[str, Callable[[], object]]:
     op, h = torch.ops.meld.moe.default, layer.handle
     return {"MoE()": lambda: layer(x, logits, w13, w2, out=out),
+            "MoE()'s direct path": lambda: layer._call(x, logits, w13, w2, None, None, out),
             "torch.ops.meld.moe": lambda: op(x, logits, w13, w2, None, None, out, h),
             "torch_ops.moe()": lambda: torch_ops.moe(layer, x, logits, w13, w2, out=out)}
 

@@ -13,6 +13,7 @@ from .. import config
 from ..codegen import compile_source
 from ..codegen.lowering import Lowering, lower
 from ..ir import TaskGraph
+from ..runtime import torch_fastcall
 from .checks import check_outputs, expect, grad_inputs, no_backward, plain, resolve_device
 from .registry import register
 
@@ -42,6 +43,8 @@ class Operator:
     _run_inputs: tuple[str, ...] = ()   # run()'s tensors by name, for `_run`
     _lse_meaning = "batch, heads"       # lse's shape in words, for `_run`'s checks
     _fastcall = True   # the torch op's C++ fast path may replay its launches (meld.runtime.torch_fastcall)
+    _replayable = False   # whether its op records a call's launches now: the ones every such call makes (`_op_route`)
+    _op_call = None   # the entry point's call of its op on `_op_route` (set by meld.ops.torch_ops, which imports this)
 
     def _setup(self, graph: TaskGraph, device: object) -> None:
         self.handle = register(self)
@@ -88,6 +91,20 @@ class Operator:
         """Install a validated plan and the buffers it was written into (None: the installed ones): the one
         assignment by which plan() changes the operator, after everything that can fail."""
         self._planned, self._buf = planned, self._buf if buf is None else buf
+
+    # --- the eager route through the torch op ------------------------------------------------------------
+    def _op_route(self) -> bool:
+        """Whether an eager call of the entry point goes through its torch op (meld.ops.torch_ops), whose C++ fast
+        path replays the launches its Python kernel recorded (meld.runtime.torch_fastcall; on the H200 the decode
+        op cost 5.6 us of host time a call against run()'s 20.9, the MoE op 13.0 against MoE()'s 32.6:
+        bench/RESULTS.md): the fast path is installed on this device, the op records this operator's launches now
+        (`_replayable`), and no torch function or dispatch mode and no functorch transform (vmap, ...) is active
+        (they would see the op where they see the direct call's tensor operations). The caller checks that the
+        op's schema carries its arguments as they are; the op's Python kernel runs the direct path's body, so its
+        checks and errors hold. (Where the fast path is not installed, the first test says so.)"""
+        return (torch_fastcall.installed(self.device) and self._fastcall and self._replayable
+                and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
+                and torch._C._functorch.maybe_current_level() is None)
 
     # --- run(): checks, outputs, then the GPU launch or the CPU reference executor -------------------------
     def _run(self, inputs: tuple, return_lse: object, out: torch.Tensor | None, lse: torch.Tensor | None,

@@ -66,10 +66,17 @@ def exactly(t: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], 
     passes for it and `plain(t)` is t. An eager call's one cheap test of its usual inputs; anything else goes
     to the full checks, which convert and diagnose."""
     try:
-        return (type(t) is torch.Tensor and t.dtype in dtypes and t.shape == shape and t.device == device
-                and t.layout is torch.strided and not t.requires_grad and (not contiguous or t.is_contiguous()))
+        return (usual(t, device) and t.dtype in dtypes and t.shape == shape
+                and (not contiguous or t.is_contiguous()))
     except RuntimeError:   # a nested tensor has no sizes
         return False
+
+
+def usual(t: object, device: torch.device) -> bool:
+    """Whether t is a plain torch.Tensor (no subclass) that needs no grad, dense, on `device` as a tensor names it:
+    one whose dispatch reaches `device`'s kernels of a torch op, as the direct call's checks see it."""
+    return (type(t) is torch.Tensor and t.device == device and t.layout is torch.strided and not t.requires_grad
+            and not t.is_nested)
 
 
 INT32_MAX = 2 ** 31 - 1   # sizes travel to the kernels as int32

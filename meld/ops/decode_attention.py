@@ -19,7 +19,7 @@ from .. import config
 from ..codegen import TILE_TOKENS, DecodeKernelConfig, TensorMap
 from ..codegen.decode_kernel import KV_FP8, MAX_Q_LEN, DecodeVariant
 from ..scheduler import DecodeCost, Topology, cluster_rows
-from .checks import check_finite, check_positive, check_scale, expect, is_int, plain
+from .checks import check_finite, check_positive, check_scale, expect, is_int, plain, usual
 from .decode_graph import decode_attention_graph
 from .page_table import check_page_table, window_page_table
 from .paged_decode import PagedDecode, _Planned, _host
@@ -408,7 +408,19 @@ class DecodeAttention(PagedDecode):
             from .torch_ops import decode_attention
             return decode_attention(self, q, kv_cache, return_lse=return_lse, out=out, lse=lse, k_scale=k_scale,
                                     v_scale=v_scale)
+        if (return_lse is True or return_lse is False) and type(k_scale) is float and type(v_scale) is float \
+                and self._op_route():   # the op (its C++ fast path) for arguments its schema carries as they are
+            pair = type(kv_cache) is tuple and len(kv_cache) == 2
+            k, v = kv_cache if pair else (kv_cache, None)
+            dev = self.device
+            if (usual(q, dev) and usual(k, dev) and (not pair or usual(v, dev)) and (out is None or usual(out, dev))
+                    and (lse is None or usual(lse, dev))):
+                return self._op_call(q, k, v, return_lse, out, lse, k_scale, v_scale)
         return self._run((q, kv_cache), return_lse, out, lse, k_scale=k_scale, v_scale=v_scale)
+
+    @property
+    def _replayable(self) -> bool:   # (the launch right after a plan() does not overlap the plan's kernel)
+        return self._buf is not None and self._buf.prof is None and not self._plan_kernel_last
 
     def _check_run(self, planned: _Planned, q: torch.Tensor, kv_cache: object, *, k_scale: object = 1.0,
                    v_scale: object = 1.0) -> tuple[tuple[int, int, int], dict[str, torch.Tensor], tuple]:
@@ -546,3 +558,4 @@ class DecodeAttention(PagedDecode):
         return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
                                       self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
                                       variant=self.variant, q_len=self.q_len)
+

@@ -24,7 +24,7 @@ from ..codegen.decode_kernel import MAX_Q_LEN
 from ..codegen.mla_kernel import MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE, MLA_HEADS_PER_UNIT, MLA_KV_FP8, MlaKernelConfig
 from ..codegen import TensorMap
 from ..scheduler import DecodeCost, Topology
-from .checks import check_finite, check_positive, check_scale, expect, is_int
+from .checks import check_finite, check_positive, check_scale, expect, is_int, usual
 from .mla_graph import mla_decode_graph
 from .paged_decode import PagedDecode, _Planned
 
@@ -231,7 +231,16 @@ class DecodeMLA(PagedDecode):
             from .torch_ops import decode_mla
             return decode_mla(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse=return_lse, out=out, lse=lse,
                               kv_scale=kv_scale)
+        if (return_lse is True or return_lse is False) and type(kv_scale) is float and self._op_route():
+            dev = self.device   # the op (its C++ fast path) for arguments its schema carries as they are
+            if (usual(q_nope, dev) and usual(q_pe, dev) and usual(ckv_cache, dev) and usual(kpe_cache, dev)
+                    and (out is None or usual(out, dev)) and (lse is None or usual(lse, dev))):
+                return self._op_call(q_nope, q_pe, ckv_cache, kpe_cache, return_lse, out, lse, kv_scale)
         return self._run((q_nope, q_pe, ckv_cache, kpe_cache), return_lse, out, lse, kv_scale=kv_scale)
+
+    @property
+    def _replayable(self) -> bool:
+        return self._buf is not None and self._buf.prof is None
 
     def _check_scale(self, kv_scale: object) -> float:
         """run()'s kv_scale as a float: an FP8 cache's is a positive finite number whose products with the softmax
@@ -299,3 +308,4 @@ class DecodeMLA(PagedDecode):
     def _execute_cpu(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache, kv_scale):
         return self.lowering.executor(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, planned.kv_indices,
                                       self.sm_scale, self.lowering.combiner, kv_scale=kv_scale)
+

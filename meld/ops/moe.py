@@ -27,7 +27,7 @@ from ..scheduler import Topology
 from ..scheduler.moe_plan import moe_tile_table
 from .base import Operator
 from .checks import (check_output, check_pair, check_positive, exactly, expect, grad_inputs, is_int, no_backward,
-                     plain, resolve_device)
+                     plain, resolve_device, usual)
 from .moe_graph import moe_graph
 from .moe_weights import packed_shapes, unpack_moe_weights
 
@@ -270,6 +270,23 @@ class MoE(Operator):
                                           "torch.ops.meld.moe, which chooses the row block itself")
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
+        if block_tokens is None and w13_scale is None and w2_scale is None and self._op_route():
+            # The op (its C++ fast path) for the usual inputs only, as the op's schema carries them (int64 ids are
+            # copied each call, which the fast path does not replay).
+            T = self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
+            if (T is not None and (out is None or usual(out, self.device))
+                    and (topk_ids is None or topk_ids.dtype is torch.int32)):
+                return self._op_call(x, router_logits, w13, w2, topk_weights, topk_ids, out)
+        return self._call(x, router_logits, w13, w2, topk_weights, topk_ids, out, block_tokens, w13_scale, w2_scale)
+
+    @property
+    def _replayable(self) -> bool:
+        return self._prof is None and not self._fp8   # (a profiling build's launches differ by call; the op takes
+                                                      # no FP8 scales)
+
+    def _call(self, x, router_logits, w13, w2, topk_weights, topk_ids, out, block_tokens=None, w13_scale=None,
+              w2_scale=None) -> torch.Tensor:
+        """__call__'s body past the route to the op (its Python kernel's too): checks, out, the launches."""
         H, dev, grads = self.hidden_size, self.device, None
         T = None if self._fp8 else self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
         if T is None:   # anything else: made plain tensors, checked, and diagnosed
@@ -521,3 +538,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logit
     except ValueError as e:   # named by the layer's terms: say where they come from
         raise ValueError(f"fused_moe: w13 of shape {tuple(w13.shape)} ([E, 2*I, H]), top_k={top_k}: {e}") from None
     return moe(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids)
+

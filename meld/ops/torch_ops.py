@@ -24,8 +24,9 @@ kernel ties each op's outputs to its inputs that require grad, so a backward thr
 NotImplementedError naming the op (never a gradient that silently leaves the op out).
 
 `DecodeAttention.run`, `DecodeMLA.run` and `MoE.__call__` emit these ops by themselves while Dynamo traces,
-so model code needs no change; `decode_attention()`, `decode_mla()` and `moe()` below take the op path always
-(eager included). plan()
+so model code needs no change, and call them eagerly too where the C++ fast path is installed, for arguments the
+schemas carry as they are (`Operator._op_route`; the ops' Python kernels run the entry points' bodies, `_run` and
+`MoE._call`); `decode_attention()`, `decode_mla()` and `moe()` below take the op path always (eager included). plan()
 stays outside the graph, once per step, as engines build their attention metadata.
 
 Example:
@@ -136,8 +137,8 @@ def _decode_attention_impl(q, kv_cache, out, lse, handle, v_cache=None, k_scale=
               "lse": (3, False)}
     _recorded("decode_attention", attn, (q, kv_cache, out, lse, handle, v_cache, k_scale, v_scale), (2, 3), fields,
               (1, 5) if getattr(attn, "_tensor_maps", None) is not None else (),   # (the CPU executor: none)
-              attn._buf is not None and attn._buf.prof is None and not attn._plan_kernel_last,
-              lambda: attn.run(q, _kv_cache(kv_cache, v_cache), out=out, lse=lse, k_scale=k_scale, v_scale=v_scale))
+              attn._replayable,
+              lambda: attn._run((q, _kv_cache(kv_cache, v_cache)), False, out, lse, k_scale=k_scale, v_scale=v_scale))
 
 
 def _decode_attention_fake(q, kv_cache, out, lse, handle, v_cache=None, k_scale=1.0, v_scale=1.0) -> None:
@@ -157,8 +158,8 @@ def _decode_mla_impl(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_sc
     mla = lookup(handle, DecodeMLA)
     _recorded("decode_mla", mla, (q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale), (4, 5),
               {"q_nope": (0, False), "q_pe": (1, False), "out": (4, False), "lse": (5, False)}, (2, 3),
-              mla._buf is not None and mla._buf.prof is None,
-              lambda: mla.run(q_nope, q_pe, ckv_cache, kpe_cache, out=out, lse=lse, kv_scale=kv_scale))
+              mla._replayable,
+              lambda: mla._run((q_nope, q_pe, ckv_cache, kpe_cache), False, out, lse, kv_scale=kv_scale))
 
 
 def _decode_mla_fake(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, handle, kv_scale=1.0) -> None:
@@ -183,8 +184,8 @@ def _moe_impl(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) ->
     fields = {"x": (0, False), "out": (6, False), "logits": (1, False), "topk_ids_in": (5, False),
               "topk_w_in": (4, False), **({"w13_packed": (2, False), "w2_packed": (3, False)} if packed else {})}
     _recorded("moe", layer, (x, router_logits, w13, w2, topk_weights, topk_ids, out, handle), (6,), fields,
-              () if packed else (2, 3), layer._prof is None and not layer._fp8,
-              lambda: layer(x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out))
+              () if packed else (2, 3), layer._replayable,
+              lambda: layer._call(x, router_logits, w13, w2, topk_weights, topk_ids, out))
 
 
 def _moe_fake(x, router_logits, w13, w2, topk_weights, topk_ids, out, handle) -> None:
@@ -236,9 +237,17 @@ def decode_attention(attn: DecodeAttention, q: torch.Tensor, kv_cache: torch.Ten
     check_tensors({"q": q, **caches}, {"out": out, "lse": lse})
     if q.dim() != 3:
         expect("q", q, attn.dtype, (None, attn.num_qo_heads, attn.head_dim), "batch, num_qo_heads, head_dim")
-    out, lse = _outputs(q, attn.dtype, return_lse, out, lse)
     k, v = caches.values() if len(caches) == 2 else (kv_cache, None)
     k_scale, v_scale = attn._check_scales(k_scale, v_scale)   # (floats: the schema's check would be a RuntimeError)
+    return _decode_attention_call(attn, q, k, v, return_lse, out, lse, k_scale, v_scale)
+
+
+def _decode_attention_call(attn: DecodeAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                           return_lse: bool, out: torch.Tensor | None, lse: torch.Tensor | None, k_scale: float,
+                           v_scale: float):
+    """The op's call of arguments its schema carries (`decode_attention()`'s, and `DecodeAttention.run`'s eager
+    route): outputs allocated where not given, and run()'s results."""
+    out, lse = _outputs(q, attn.dtype, return_lse, out, lse)
     extra = () if v is None and k_scale == v_scale == 1.0 else (v, k_scale, v_scale)   # (defaults left out: the
     _decode_attention_op(q, k, out, lse, attn.handle, *extra)                        # dispatcher parses each one)
     return (out, lse) if return_lse else out
@@ -257,8 +266,16 @@ def decode_mla(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cac
                   {"out": out, "lse": lse})
     if q_nope.dim() != 3:
         expect("q_nope", q_nope, mla.dtype, (None, mla.num_heads, mla.head_dim_ckv), "batch, num_heads, head_dim_ckv")
-    out, lse = _outputs(q_nope, mla.dtype, return_lse, out, lse)
     kv_scale = mla._check_scale(kv_scale)   # (a float: the schema's check would be a RuntimeError)
+    return _decode_mla_call(mla, q_nope, q_pe, ckv_cache, kpe_cache, return_lse, out, lse, kv_scale)
+
+
+def _decode_mla_call(mla: DecodeMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+                     kpe_cache: torch.Tensor, return_lse: bool, out: torch.Tensor | None, lse: torch.Tensor | None,
+                     kv_scale: float):
+    """The op's call of arguments its schema carries (`decode_mla()`'s, and `DecodeMLA.run`'s eager route):
+    outputs allocated where not given, and run()'s results."""
+    out, lse = _outputs(q_nope, mla.dtype, return_lse, out, lse)
     _decode_mla_op(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, mla.handle, *(() if kv_scale == 1.0 else (kv_scale,)))
     return (out, lse) if return_lse else out
 
@@ -273,7 +290,19 @@ def moe(layer: MoE, x: torch.Tensor, router_logits: torch.Tensor | None, w13: to
                   {"router_logits": router_logits, "topk_weights": topk_weights, "topk_ids": topk_ids, "out": out})
     if x.dim() != 2:
         expect("x", x, layer.dtype, (None, layer.hidden_size), "tokens x hidden_size")
+    return _moe_call(layer, x, router_logits, w13, w2, topk_weights, topk_ids, out)
+
+
+def _moe_call(layer: MoE, x: torch.Tensor, router_logits: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor | None, topk_ids: torch.Tensor | None,
+              out: torch.Tensor | None) -> torch.Tensor:
+    """The op's call (`moe()`'s, and `MoE.__call__`'s eager route): out allocated where not given, and returned."""
     if out is None:
         out = torch.empty(x.shape[0], layer.hidden_size, dtype=layer.dtype, device=x.device)
     _moe_op(x, router_logits, w13, w2, topk_weights, topk_ids, out, layer.handle)
     return out
+
+
+# The entry points' eager route (`Operator._op_route`) calls the ops through these, as methods: set here, as the
+# operators' modules cannot import this one (it imports them).
+DecodeAttention._op_call, DecodeMLA._op_call, MoE._op_call = _decode_attention_call, _decode_mla_call, _moe_call
