@@ -180,9 +180,9 @@ class DecodeKernelConfig:
         CTA, as head_dim 128's eight warps of 8 KiB tiles; over an FP8 cache, whose tiles hold as many tokens in
         half the bytes, four warps of two stages instead: as many bytes in flight, and twice the warps for the
         conversions (and RoPE) each byte costs. Its units are 8 heads and merge through global memory. An FP8 cache
-        with bf16 q computes in f16 (`fp8_math="f16"`): K and V convert in one instruction, and the f16 build took
-        0.91-0.98x the bf16 build's time on bench/decode.py's FP8 cases at B=64 and 256 (bench/RESULTS.md,
-        2026-12-03 sixth session), with no larger error (f16 keeps three more bits of P and of the scaled q)."""
+        with bf16 q computes in f16 (`fp8_math="f16"`): K and V convert in one instruction, and the f16 build was
+        the faster on every FP8 case of bench/decode.py (bench/RESULTS.md, 2026-12-03 sixth session), with no
+        larger error (f16 keeps three more bits of P and of the scaled q)."""
         fp8_math = "f16" if kv_dtype and dtype == "bfloat16" else ""
         warps, stages = {256: (4, 3), 512: (2, 2)}.get(head_dim, (8, 2))
         if kv_dtype and head_dim == 512:

@@ -95,13 +95,12 @@ class Operator:
     # --- the eager route through the torch op ------------------------------------------------------------
     def _op_route(self) -> bool:
         """Whether an eager call of the entry point goes through its torch op (meld.ops.torch_ops), whose C++ fast
-        path replays the launches its Python kernel recorded (meld.runtime.torch_fastcall; on the H200 the decode
-        op cost 5.6 us of host time a call against run()'s 20.9, the MoE op 13.0 against MoE()'s 32.6:
-        bench/RESULTS.md): the fast path is installed on this device, the op records this operator's launches now
-        (`_replayable`), and no torch function or dispatch mode and no functorch transform (vmap, ...) is active
-        (they would see the op where they see the direct call's tensor operations). The caller checks that the
-        op's schema carries its arguments as they are; the op's Python kernel runs the direct path's body, so its
-        checks and errors hold. (Where the fast path is not installed, the first test says so.)"""
+        path replays the launches its Python kernel recorded (meld.runtime.torch_fastcall; its host time a call
+        against the Python path's: bench/RESULTS.md, 2026-12-03 fifth and sixth sessions): the fast path is
+        installed on this device, the op records this operator's launches now (`_replayable`), and no torch
+        function or dispatch mode and no functorch transform (vmap, ...) is active (they would see the op where
+        they see the direct call's tensor operations). The caller checks that the op's schema carries its
+        arguments as they are; the op's Python kernel runs the direct path's body, so its checks and errors hold. (Where the fast path is not installed, the first test says so.)"""
         return (torch_fastcall.installed(self.device) and self._fastcall and self._replayable
                 and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
                 and torch._C._functorch.maybe_current_level() is None)

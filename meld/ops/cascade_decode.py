@@ -90,7 +90,7 @@ class CascadeDecode(Operator):
         defer_split_events: the GPU kernel counts a split task's arrival at its events (and merges those it
             completes) after the CTA's last task rather than after the task, so a request's own suffix ends without
             stalling the CTA on L2 round trips (`GroupedKernelConfig.defer_split_events`; needs split_stream "warp").
-            Default None: True under split_stream "warp" (0.83-1.00x the time of counting after each task on
+            Default None: True under split_stream "warp" (within 1% of counting after each task, or faster, on
             bench/cascade.py's seven cases, bench/RESULTS.md 2026-12-03 sixth session), else False. The same
             results, bit for bit (an event's parts merge in the planner's order either way); the CPU executor
             ignores it.
