@@ -687,11 +687,12 @@ END_BUILDS = [(dtype, head_dim, prefix_mma, end, profile) for dtype in ("bfloat1
               if not (head_dim == 256 and prefix_mma == "wgmma")]
 _ENDS = {"defer": dict(defer_split_events=True), "direct": dict(direct_single_part=True),
          "defer-direct": dict(defer_split_events=True, direct_single_part=True)}
-_END_DEFAULTS = (("bfloat16", 128, "wgmma", "defer-direct", False), ("float16", 256, "mma", "defer-direct", False))
+_END_DEFAULTS = (("bfloat16", 128, "wgmma", "defer", False), ("bfloat16", 128, "wgmma", "defer-direct", False),
+                 ("float16", 256, "mma", "defer-direct", False))
 
 
-# Two builds with both options by default (the bench's head_dim, and 256, the tightest in registers); the rest with
-# -m full_matrix.
+# CascadeDecode's default build at the bench's head_dim (it defers), and two builds with both options (that
+# head_dim, and 256, the tightest in registers) by default; the rest with -m full_matrix.
 @pytest.mark.parametrize("dtype,head_dim,prefix_mma,end,profile",
                          [pytest.param(*b, marks=() if b in _END_DEFAULTS else pytest.mark.full_matrix) for b in END_BUILDS],
                          ids=["-".join(map(str, b)) for b in END_BUILDS])

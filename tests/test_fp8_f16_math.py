@@ -117,4 +117,3 @@ def test_gpu_q_scaling_edge_cases(fmt, layout, P, Hq, Hkv, D, q_len, tma):
     lse_err = (lse.double() - ref_lse).abs()[good] - 1e-5 * ref_lse.abs()[good]
     assert lse_err.max().item() < 2e-3
     assert torch.equal(out.nan_to_num(), again.nan_to_num()) and torch.equal(lse.nan_to_num(), again_lse.nan_to_num())
-

@@ -114,10 +114,9 @@ class DecodeKernelConfig:
                                                # MELD_ROPE)
     q_len: int = 1              # new tokens per request (speculative decoding, MTP), causal among themselves: a unit's
                                 # rows are (q head, token) pairs (MELD_Q_LEN; the template's header says how)
-    fp8_math: str = ""          # "": the tensor cores take the dtype's type; "f16" (FP8 caches with bf16 q, `default`'s
-                                # choice for them): f16, so
-                                # K and V convert to it in one instruction and q is scaled into its range per row
-                                # (MELD_Q_TO_F16; the template's header says how)
+    fp8_math: str = ""          # "": the tensor cores take the dtype's type; "f16" (FP8 caches with bf16 q,
+                                # `default`'s choice for them): f16, so K and V convert to it in one instruction and
+                                # q is scaled into its range per row (MELD_Q_TO_F16; the template's header says how)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:

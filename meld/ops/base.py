@@ -100,7 +100,8 @@ class Operator:
         installed on this device, the op records this operator's launches now (`_replayable`), and no torch
         function or dispatch mode and no functorch transform (vmap, ...) is active (they would see the op where
         they see the direct call's tensor operations). The caller checks that the op's schema carries its
-        arguments as they are; the op's Python kernel runs the direct path's body, so its checks and errors hold. (Where the fast path is not installed, the first test says so.)"""
+        arguments as they are; the op's Python kernel runs the direct path's body, so its checks and errors hold.
+        (Where the fast path is not installed, the first test says so.)"""
         return (torch_fastcall.installed(self.device) and self._fastcall and self._replayable
                 and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack()
                 and torch._C._functorch.maybe_current_level() is None)

@@ -558,4 +558,3 @@ class DecodeAttention(PagedDecode):
         return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
                                       self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
                                       variant=self.variant, q_len=self.q_len)
-

@@ -308,4 +308,3 @@ class DecodeMLA(PagedDecode):
     def _execute_cpu(self, planned: _Planned, q_nope, q_pe, ckv_cache, kpe_cache, kv_scale):
         return self.lowering.executor(self.schedule, q_nope, q_pe, ckv_cache, kpe_cache, planned.kv_indices,
                                       self.sm_scale, self.lowering.combiner, kv_scale=kv_scale)
-
