@@ -37,11 +37,13 @@ value; bad inputs raise ValueError naming the argument. Differences that remain:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import numbers
 import re
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -647,16 +649,38 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     key = (kv_len, q.shape[0], num_kv_heads, head_dim, pos_encoding_mode, window_left, logits_soft_cap, q.dtype,
            k.dtype, scale, rope_scale, rope_theta)
     if planned.get("key") != key:   # (a plan of the same shapes is kept: a CUDA graph captures run() alone)
-        wrapper.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
-                     torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode,
-                     window_left, logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale,
-                     rope_scale=rope_scale, rope_theta=rope_theta)
+        _plan_off_thread(q.device, functools.partial(
+            wrapper.plan, torch.tensor([0, kv_len], dtype=torch.int32), torch.arange(kv_len, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), q.shape[0], num_kv_heads, head_dim, 1, pos_encoding_mode, window_left,
+            logits_soft_cap, q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale, rope_scale=rope_scale,
+            rope_theta=rope_theta))
         planned["key"] = key
     try:
         result = wrapper.run(q.unsqueeze(0), (k, v), v_scale=v_scale, return_lse=return_lse)
     except ValueError as e:   # (in this function's names: the tuple's parts are k and v)
         raise ValueError(re.sub(r"\b([kv])_cache\b", r"\1", str(e))) from None
     return (result[0][0], result[1][0]) if return_lse else result[0]
+
+
+_PLAN_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meld-single-decode-plan")
+
+
+def _plan_off_thread(device: torch.device, plan: Callable[[], object]) -> None:
+    """single_decode_with_kv_cache's plan(), on a GPU on a thread of its own (on the caller's device and stream,
+    its errors raised here). The plan allocates the operator's lasting buffers (work tables, partials, counters),
+    and torch.compile's CUDA-graph trees route every allocation of the calling thread into their pool while
+    they warm a graph up: the plan's buffers would outlive the call in that pool, which the trees refuse
+    ("tensor(s) in the cudagraph pool not tracked as outputs"). Another thread's allocations are not routed."""
+    if device.type != "cuda":
+        plan()
+        return
+    stream = torch.cuda.current_stream(device)
+
+    def body() -> None:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            stream.query()   # (a runtime call: torch's primary context current on this thread for meld's driver calls)
+            plan()
+    _PLAN_THREAD.submit(body).result()
 
 
 @functools.lru_cache(maxsize=None)
