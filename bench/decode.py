@@ -18,6 +18,8 @@ meld's `DecodeAttention(q_len=N)`, FlashInfer's tensor-core decode with `plan(q_
 CUDA-core decode takes one token) and its `BatchPrefillWithPagedKVCacheWrapper` with causal=True and qo_indptr =
 arange * N (`fi-prefill`); speedup is over the faster of the two. `meld-q1` times meld's q_len = 1 decode of the same
 batch (each request's last token; the same KV bytes), and `q/q1` = meld µs / meld-q1 µs is what the extra rows cost.
+`meld-h16` times meld's build with 16-row units (heads_per_unit=16), which reads a kv head's KV once per 16 rows;
+h16/meld = meld-h16 µs / meld µs (> 1: the default is faster; the default takes 32-row units above 16 rows).
 
 FlashInfer JIT-compiles each kernel family with nvcc on first use (~40 s each: the CUDA-core decode module
 and the tensor-core (prefill) module, per head_dim), so a fresh machine spends ~2-3 min compiling before the
@@ -65,8 +67,8 @@ PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 BATCHES = (1, 8, 64, 256)
 DISTS = ("uniform2k", "skewed", "one-long")
-IMPLS = ("meld", "fi-fa2", "fi-tc", "fi-prefill", "sdpa", "meld-bf16", "meld-q1", "meld-bf16math")
-FI_WORKSPACE_BYTES = 128 << 20
+IMPLS = ("meld", "fi-fa2", "fi-tc", "fi-prefill", "sdpa", "meld-bf16", "meld-q1", "meld-bf16math", "meld-h16")
+FI_WORKSPACE_BYTES = 512 << 20   # fi-tc at q_len 8, B=256 asks for 256 MiB of it
 MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-size)
 KV_LAYOUT = ["NHD"]  # --kv-layout: the cache layout meld and FlashInfer read (the reference keeps NHD)
 KV_FP8: list[Optional[torch.dtype]] = [None]   # --kv-dtype fp8 / e5m2: the FP8 cache meld and FlashInfer read
@@ -215,12 +217,13 @@ def last_tokens(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------- implementations
 
-def build_meld(inp: Inputs, fp8: bool, one_token: bool = False, bf16_math: bool = False) -> Impl:
+def build_meld(inp: Inputs, fp8: bool, one_token: bool = False, bf16_math: bool = False, rows16: bool = False) -> Impl:
     """meld.DecodeAttention with fixed table capacities: meld's docstring asks for them when run() is captured
     in a CUDA graph (plans within them rewrite the work tables in place, so the captured graph stays valid).
     `fp8`: on the FP8 cache with its scales; else on the bf16 cache. `one_token`: q_len = 1 on each request's
     last new token (meld-q1), else --q-len's. `bf16_math`: the FP8 build that meld builds, with fp8_math=""
-    (meld-bf16math; its config read from the same operator on the CPU, which compiles nothing)."""
+    (meld-bf16math; its config read from the same operator on the CPU, which compiles nothing). `rows16`: the default
+    build with 16-row units (meld-h16)."""
     import meld
 
     c, t = inp.case, inp.table
@@ -232,6 +235,13 @@ def build_meld(inp: Inputs, fp8: bool, one_token: bool = False, bf16_math: bool 
     if bf16_math:
         built = meld.DecodeAttention(device="cpu", **op).kernel_config
         op["kernel_config"] = dataclasses.replace(built, fp8_math="")
+    if rows16:
+        from meld.codegen import DecodeKernelConfig
+
+        b = meld.DecodeAttention(device="cpu", **op).kernel_config
+        op["kernel_config"] = DecodeKernelConfig.default(
+            b.dtype, b.head_dim, onchip_merge=b.onchip_merge, group_size=c.num_qo_heads // c.num_kv_heads,
+            batch_invariant=b.batch_invariant, kv_dtype=b.kv_dtype, variant=b.variant, q_len=q_len, heads_per_unit=16)
     t0 = time.perf_counter()
     attn = meld.DecodeAttention(device=str(inp.q.device), **op)
     init_us = (time.perf_counter() - t0) * 1e6
@@ -356,6 +366,7 @@ BUILDERS: dict[str, Callable[[Inputs], Impl]] = {
     "meld-bf16": lambda inp: build_meld(inp, fp8=False),
     "meld-q1": lambda inp: build_meld(inp, fp8=inp.kv_fp8 is not None, one_token=True),
     "meld-bf16math": lambda inp: build_meld(inp, fp8=True, bf16_math=True),
+    "meld-h16": lambda inp: build_meld(inp, fp8=inp.kv_fp8 is not None, rows16=True),
     "fi-fa2": lambda inp: build_flashinfer(inp, tensor_cores=False),
     "fi-tc": lambda inp: build_flashinfer(inp, tensor_cores=True),
     "fi-prefill": build_flashinfer_prefill,
@@ -375,7 +386,7 @@ def skip_reason(name: str, case: Case, table: PageTable, args: argparse.Namespac
     group = case.num_qo_heads // case.num_kv_heads
     if name in ("meld-bf16", "meld-bf16math") and not KV_FP8[0]:
         return f"meld itself reads the bf16 cache ({name} is for --kv-dtype fp8 or e5m2)"
-    if name in ("meld-q1", "fi-prefill") and Q_LEN[0] == 1:
+    if name in ("meld-q1", "fi-prefill", "meld-h16") and Q_LEN[0] == 1:
         return f"{name} is for --q-len > 1"
     if name in ("fi-fa2", "sdpa") and Q_LEN[0] > 1:
         return f"{name} decodes one token per request (--q-len {Q_LEN[0]})"
@@ -403,7 +414,7 @@ def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, d
     fi = {k: median_us(results[k]) for k in ("fi-fa2", "fi-tc", "fi-prefill") if isinstance(cell(k), float)}
     fi_best = min(fi, key=lambda k: fi[k]) if fi else None
     fi_us = fi[fi_best] if fi_best else None
-    bf16_us, q1_us, bf16m_us = cell("meld-bf16"), cell("meld-q1"), cell("meld-bf16math")
+    bf16_us, q1_us, bf16m_us, h16_us = cell("meld-bf16"), cell("meld-q1"), cell("meld-bf16math"), cell("meld-h16")
     return {
         "case": case.name, "B": case.batch, "dist": case.dist, "shape": case.shape,
         "sum_len": sum(table.lengths), "max_len": max(table.lengths), "kv_mib": kv_cache_mib(case, table),
@@ -415,6 +426,7 @@ def summarise(case: Case, inp_bytes: int, table: PageTable, results: dict[str, d
         "prefill_us": cell("fi-prefill"), "meld_q1_us": q1_us,
         "bf16m_us": bf16m_us, "f16m_gain": bf16m_us / meld_us if isinstance(bf16m_us, float) and meld_us else None,
         "q1_ratio": meld_us / q1_us if isinstance(q1_us, float) and meld_us else None,
+        "h16_us": h16_us, "h32_gain": h16_us / meld_us if isinstance(h16_us, float) and meld_us else None,
         "speedup": fi_us / meld_us if fi_us and meld_us else None,
         "floor_us": floor_us, "max_speedup": fi_us / floor_us if fi_us and floor_us else None,
         "pct_read": 100 * tbps(meld_us) / read_tbps if meld_us else None,
@@ -434,6 +446,7 @@ COLUMNS = [  # the headline table; every raw number (spreads, FI plan times, err
     Column("fp8_gain", "bf16/fp8", ".2f"), Column("prefill_us", "FI-prefill µs", ".1f"),
     Column("meld_q1_us", "meld-q1 µs", ".1f"), Column("q1_ratio", "q/q1", ".2f"),
     Column("bf16m_us", "bf16m µs", ".1f"), Column("f16m_gain", "bf16m/fp8", ".2f"),
+    Column("h16_us", "meld-h16 µs", ".1f"), Column("h32_gain", "h16/meld", ".2f"),
     Column("speedup", "speedup", ".2f"), Column("pct_read", "meld %read", ".0f"),
     Column("floor_us", "read µs", ".1f"), Column("max_speedup", "FI/read", ".2f"),
     Column("plan_us", "plan µs", ".0f"), Column("rel_err", "rel err", ".1e"),
@@ -565,7 +578,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + ("; bf16/fp8 = meld-bf16 µs / meld µs (the FP8 cache's gain)" if KV_FP8[0] else "")
           + ("; bf16m/fp8 = meld-bf16math µs / meld µs (> 1: the default f16 math is faster)"
              if "meld-bf16math" in args.impls and KV_FP8[0] else "")
-          + (f"; q/q1 = meld µs at q_len {Q_LEN[0]} / meld-q1 µs (q_len 1, the same batch)" if Q_LEN[0] > 1 else ""))
+          + (f"; q/q1 = meld µs at q_len {Q_LEN[0]} / meld-q1 µs (q_len 1, the same batch)" if Q_LEN[0] > 1 else "")
+          + ("; h16/meld = meld-h16 µs / meld µs (> 1: the default's 32-row units are faster)"
+             if "meld-h16" in args.impls and Q_LEN[0] > 1 else ""))
     print(summary_line(table.rows, failures))
     q1 = speedup_span([r for r in table.rows if r["B"] >= 64], "q1_ratio")
     if q1:

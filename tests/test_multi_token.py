@@ -104,28 +104,32 @@ def test_nan_reaches_exactly_the_rows_that_see_it():
 
 
 def test_rows_choose_the_unit_and_the_cost():
-    """A kv head's rows are its q heads x q_len: they pick the unit size (16-row units above 8 rows, and with them
-    DecodeCost.default(16)'s larger item overhead: more rows, more compute per piece, the same KV bytes) and the
-    units per request; the planner's line is in KV tokens either way."""
-    for q_len, hpu, blocks in ((1, 8, 1), (2, 8, 1), (4, 16, 1), (8, 16, 2)):
-        attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu", q_len=q_len)
+    """A kv head's rows are its q heads x q_len: they pick the unit size (16-row units above 8 rows, 32-row units
+    above 16 with several tokens, and with them DecodeCost.default(16)'s larger item overhead: more rows, more compute
+    per piece, the same KV bytes) and the units per request; the planner's line is in KV tokens either way."""
+    for Hq, q_len, hpu, blocks in ((32, 1, 8, 1), (32, 2, 8, 1), (32, 4, 16, 1), (32, 8, 32, 1), (256, 1, 16, 2),
+                                   (64, 8, 32, 2)):
+        attn = meld.DecodeAttention(Hq, 8, 128, 16, torch.bfloat16, "cpu", q_len=q_len)
         assert (attn.heads_per_unit, attn.head_blocks, attn.units_per_request) == (hpu, blocks, 8 * blocks)
         assert attn.cost == DecodeCost.default(hpu) and attn.kernel_config.q_len == q_len
-    attn = meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu", q_len=8)
+    attn = meld.DecodeAttention(64, 8, 128, 16, torch.bfloat16, "cpu", q_len=8)
     pb = paged([100, 5000], 16)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     s = attn.schedule.validate()
-    assert s.group_size == 32 and s.heads_per_item == 16 and s.num_units == 2 * 16
-    assert attn.describe_unit(3) == "request 0, kv head 1, rows 48-63 (q heads 6-7 of its 8 new tokens)"
+    assert s.group_size == 64 and s.heads_per_item == 32 and s.num_units == 2 * 16
+    assert attn.describe_unit(3) == "request 0, kv head 1, rows 96-127 (q heads 12-15 of its 8 new tokens)"
 
 
 # The q_len > 1 builds: the GPU tests' (Hq 32 / Hkv 8, head_dim 128, q_len 2, 4; 8 with clusters' on-chip merges,
-# TMA rings and profiling) and the variants with q_len (FlashInfer's q_len 3 over groups of 8, FP8 with TMA rings,
-# soft cap, batch invariance, head_dim 256 and 64).
+# TMA rings and profiling; 8 with 16-row units, bench/decode.py's meld-h16) and the variants with q_len (FlashInfer's
+# q_len 3 over groups of 8, FP8 with TMA rings, soft cap, batch invariance, head_dim 256 and 64; 32-row units over
+# FP8 and at head_dim 64).
 BUILDS = [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q) for q in (2, 4)]
 BUILDS += [dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=4, q_len=8),
                                tma=True, profile=True)]
-BUILDS += [DecodeKernelConfig.default("float16", 64, group_size=8, q_len=3, batch_invariant=True,
+BUILDS += [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=8, heads_per_unit=16),
+           DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=8, kv_dtype="float8_e4m3fn"),
+           DecodeKernelConfig.default("float16", 64, group_size=8, q_len=3, batch_invariant=True,
                                       variant=DecodeVariant(30.0)),
            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 256, group_size=4, q_len=4,
                                                           kv_dtype="float8_e4m3fn"), tma=True)]

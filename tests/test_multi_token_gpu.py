@@ -40,11 +40,12 @@ def test_options_with_q_len(options):
     _check(8, "one-long", q_len=4, **options)
 
 
+@pytest.mark.parametrize("q_len", [4, 8])   # 16- and 32-row units
 @pytest.mark.parametrize("fp8,cap", [(True, 0.0), (False, 5.0), (True, 5.0)])
-def test_fp8_and_soft_cap_with_q_len(fp8, cap):
-    """An e4m3 cache (FlashInfer's per-tensor scales) and a soft cap that bites, at q_len 4, in separate K and V
-    tensors, against float64 on the values the cache stands for."""
-    q_len, Hq, Hkv, D, dev = 4, 32, 8, 128, "cuda"
+def test_fp8_and_soft_cap_with_q_len(fp8, cap, q_len):
+    """An e4m3 cache (FlashInfer's per-tensor scales) and a soft cap that bites, in separate K and V tensors, against
+    float64 on the values the cache stands for."""
+    Hq, Hkv, D, dev = 32, 8, 128, "cuda"
     lens = lengths("skewed", 64)
     pb = paged(lens, 16)
     kv = torch.randn(pb.num_pages, 2, 16, Hkv, D, device=dev)
@@ -66,17 +67,18 @@ def test_fp8_and_soft_cap_with_q_len(fp8, cap):
     assert (lse.double() - ref_lse).abs().max().item() < 2e-3
 
 
-@pytest.mark.parametrize("q_len,group", [(3, 8), (8, 1), (2, 16)])
+@pytest.mark.parametrize("q_len,group", [(3, 8), (8, 1), (2, 16), (8, 8), (2, 12)])
 def test_other_rows(q_len, group):
-    """Rows per kv head that leave a unit part empty (3 x 8 = 24: units of 16 and 8 rows), one head per kv head,
-    and 16-row groups that take two units."""
+    """Rows per kv head that leave a unit part empty (3 x 8 = 24 of a 32-row unit; 2 x 12 = 24), one head per kv
+    head, 32 rows in one unit and 64 in two."""
     _check(64, "skewed", group=group, q_len=q_len)
 
 
-def test_nan_reaches_exactly_the_rows_that_see_it():
+@pytest.mark.parametrize("q_len", [4, 8])   # 16- and 32-row units
+def test_nan_reaches_exactly_the_rows_that_see_it(q_len):
     """NaN in q: its (request, token, q head) row; NaN in K at a new token's key: the rows of that token and the
     later ones of that request and kv head (out and lse), split across CTAs or not; the rest as float64."""
-    q_len, Hq, Hkv, D, dev = 4, 32, 8, 128, "cuda"
+    Hq, Hkv, D, dev = 32, 8, 128, "cuda"
     lens = [300, 65536, 2048, 40]
     pb = paged(lens, 16)
     kv = torch.randn(pb.num_pages, 2, 16, Hkv, D, device=dev).bfloat16()
@@ -85,7 +87,7 @@ def test_nan_reaches_exactly_the_rows_that_see_it():
     bad = torch.zeros(len(lens) * q_len, Hq, dtype=torch.bool, device=dev)
     bad[2 * q_len + 1, 9] = True
     for b in (0, 1):   # a whole unit and a unit split over many CTAs
-        pos = lens[b] - q_len + 2            # seen by tokens 2 and 3
+        pos = lens[b] - q_len + 2            # seen by tokens 2 on
         page = int(pb.kv_indices[int(pb.kv_indptr[b]) + pos // 16])
         kv[page, 0, pos % 16, 3] = float("nan")   # kv head 3: q heads 12-15
         bad[b * q_len + 2:(b + 1) * q_len, 12:16] = True
@@ -103,7 +105,7 @@ def test_nan_reaches_exactly_the_rows_that_see_it():
     assert (lse[~bad].double() - ref_lse[~bad]).abs().max().item() < 2e-3
 
 
-@pytest.mark.parametrize("q_len", [2, 4])
+@pytest.mark.parametrize("q_len", [2, 4, 8])
 def test_cuda_graph_replay_across_replans(q_len):
     dev, Hq, Hkv, D, P, B = "cuda", 32, 8, 128, 16, 64
     batches = [lengths("skewed", B), lengths("one-long", B), [q_len] * (B - 1) + [5000], [2048] * B]

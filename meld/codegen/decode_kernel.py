@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 from dataclasses import dataclass
 
 from ..ir.work_table import CTA_TABLE
@@ -102,7 +103,8 @@ class DecodeKernelConfig:
     onchip_merge: bool = False  # merge split units inside a cluster through distributed shared memory
     profile: bool = False       # record per-task timestamps (MELD_PROFILE; meld/runtime/profile.py)
     tma: bool = False           # load KV tiles with TMA tensor copies into mbarrier-completed rings
-    heads_per_unit: int = 8     # q heads one unit computes (and reads its kv head's KV once for): 8 or 16
+    heads_per_unit: int = 8     # q heads (rows) one unit computes, reading its kv head's KV once for them: 8, 16 or
+                                # (multi-token builds, head_dim 64 and 128) 32
     batch_invariant: bool = False   # walk split units as fixed chunks (meld/ir/schedule.py): no on-chip merges
     watchdog_ms: int = 2000     # a spin (TMA ring waits) gives up after this long: record and trap
     debug_withhold_signal: bool = False   # debug build: unit 0's first tile is never issued (tests the watchdog)
@@ -123,8 +125,11 @@ class DecodeKernelConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_MMA_TYPES)}")
         if self.head_dim not in (64, 128, 256, 512):
             raise ValueError(f"head_dim={self.head_dim}: expected 64, 128, 256 or 512")
-        if self.heads_per_unit not in (8, 16):
-            raise ValueError(f"heads_per_unit={self.heads_per_unit}: expected 8 or 16")
+        if self.heads_per_unit not in (8, 16, 32):
+            raise ValueError(f"heads_per_unit={self.heads_per_unit}: expected 8, 16 or 32")
+        if self.heads_per_unit == 32 and (self.q_len == 1 or self.head_dim > 128):
+            raise ValueError(f"heads_per_unit=32 with q_len={self.q_len}, head_dim={self.head_dim}: 32-row units are "
+                             "for multi-token builds (q_len > 1) of head_dim 64 or 128")
         if self.head_dim == 512 and self.heads_per_unit != 8:
             raise ValueError(f"heads_per_unit={self.heads_per_unit} with head_dim=512: expected 8 (a warp's registers "
                              "hold the output of 8 heads of 512 channels)")
@@ -165,7 +170,8 @@ class DecodeKernelConfig:
     @staticmethod
     def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
                 batch_invariant: bool = False, kv_dtype: str = "",
-                variant: DecodeVariant = DecodeVariant(), q_len: int = 1) -> "DecodeKernelConfig":
+                variant: DecodeVariant = DecodeVariant(), q_len: int = 1,
+                heads_per_unit: Optional[int] = None) -> "DecodeKernelConfig":
         """Chosen by bench/decode_sweep.py (bench/RESULTS.md, "kernel configs and cost models"): one CTA
         of eight warps with two-stage rings per SM is the best, or close to it, at every batch size, and
         the fastest at small batches. head_dim 256 (not swept) takes four warps and three stages to fit
@@ -181,19 +187,27 @@ class DecodeKernelConfig:
         conversions (and RoPE) each byte costs. Its units are 8 heads and merge through global memory. An FP8 cache
         with bf16 q computes in f16 (`fp8_math="f16"`): K and V convert in one instruction, and the f16 build was
         the faster on every FP8 case of bench/decode.py (bench/RESULTS.md, 2026-12-03 sixth session), with no
-        larger error (f16 keeps three more bits of P and of the scaled q)."""
+        larger error (f16 keeps three more bits of P and of the scaled q). Multi-token builds whose kv head has 17-32
+        rows ((q head, token) pairs) get 32-row units, which read the KV once instead of twice; at head_dim 128
+        their output and their Q fragments in shared memory leave room for four warps (two stages measured 1-5%
+        faster than three, bench/RESULTS.md 2026-12-04; fewer warps were slower, the rows' compute binding).
+        `heads_per_unit` overrides the choice by rows (bench/decode.py's meld-h16 times the 16-row build)."""
         fp8_math = "f16" if kv_dtype and dtype == "bfloat16" else ""
+        rows = group_size * q_len
+        heads = heads_per_unit or (8 if rows <= 8 else 16 if rows <= 16 or q_len == 1 or head_dim > 128 else 32)
         warps, stages = {256: (4, 3), 512: (2, 2)}.get(head_dim, (8, 2))
+        if heads == 32 and head_dim == 128:
+            warps, stages = 4, 2
         if kv_dtype and head_dim == 512:
             warps = 4
         elif kv_dtype:
             stages = 2 * (stages - 1) + 1
         if head_dim >= 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
-                                      batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len,
-                                      fp8_math=fp8_math)
+                                      heads_per_unit=heads_per_unit or 8, batch_invariant=batch_invariant,
+                                      kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
-                                  heads_per_unit=16 if group_size * q_len > 8 else 8, batch_invariant=batch_invariant,
+                                  heads_per_unit=heads, batch_invariant=batch_invariant,
                                   kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math)
 
     @staticmethod
@@ -211,7 +225,7 @@ class DecodeKernelConfig:
         kv = "_" + KV_FP8[self.kv_dtype] if self.kv_dtype else ""
         return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}{kv}_d{self.head_dim}"
                 f"_w{self.num_warps}_s{self.num_stages}"
-                + ("_h16" if self.heads_per_unit == 16 else "")
+                + (f"_h{self.heads_per_unit}" if self.heads_per_unit > 8 else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
                 + ("_f16m" if self.fp8_math else "")
                 + self.variant.suffix + (f"_q{self.q_len}" if self.q_len > 1 else "")
@@ -229,13 +243,14 @@ class DecodeKernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
-        merges, the two partials kept for cluster peers and, at head_dim 512, each warp's Q fragments (see the
-        template)."""
+        merges, the two partials kept for cluster peers and, where the output takes 128 registers a lane (head_dim
+        512; 32-row units of head_dim 128), each warp's Q fragments (see the template)."""
         ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * (1 if self.kv_dtype else 2)
         merge = self.num_warps * self.heads_per_unit * (self.head_dim + 4 + 2) * 4 + 16
         parts = 2 * self.heads_per_unit * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
         bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0
-        q_frags = self.num_warps * self.head_dim // 16 * 32 * 8 if self.head_dim > 256 else 0
+        blocks = self.head_dim // 16 * self.heads_per_unit // 8   # channel blocks x head blocks of Q (Q_SMEM at 32)
+        q_frags = self.num_warps * blocks * 32 * 8 if blocks >= 32 else 0
         return ring + merge + parts + bars + q_frags
 
     @property

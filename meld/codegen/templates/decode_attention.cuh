@@ -132,9 +132,10 @@ constexpr int WARPS = NUM_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int STAGES = NUM_STAGES;
 constexpr int TILE = 16;                   // KV tokens per warp step
-constexpr int HEADS = HEADS_PER_UNIT;      // q heads per unit: 8, or 16 for groups of 9-16 (read KV once)
-constexpr int NT = HEADS / 8;              // head rows of Q.K^T in use (8 or 16 of the m16 tile), and
-                                           // n8 tiles of P.V
+constexpr int HEADS = HEADS_PER_UNIT;      // q heads (rows) per unit: 8, or 16 for groups of 9-16, or 32 for
+                                           // multi-token groups of 17-32 rows (each reads its KV once)
+constexpr int NT = HEADS / 8;              // blocks of 8 head rows: n8 tiles of P.V, and half an m16 tile of Q.K^T
+constexpr int MT = (NT + 1) / 2;           // m16 tiles of Q.K^T
 constexpr bool KV_FP8 = MELD_KV_FP8;       // 1: e4m3, 2: e5m2 (the conversion is all that differs)
 constexpr bool KV_E5M2 = MELD_KV_FP8 == 2;
 constexpr int KV_BYTES = KV_FP8 ? 1 : 2;   // bytes per K or V element, in memory and in shared memory
@@ -175,7 +176,7 @@ constexpr int STAGE_BYTES = 2 * TILE_BYTES;
 constexpr int RING_BYTES = WARPS * STAGES * STAGE_BYTES;
 constexpr int O_STRIDE = D + 4;            // floats per (warp, head) row of the merge area; +4 avoids bank conflicts
 static_assert(D % 64 == 0 && D <= 512, "head_dim must be 64, 128, 256 or 512");
-static_assert(HEADS == 8 || HEADS == 16, "a unit computes 8 or 16 q heads");
+static_assert(HEADS == 8 || HEADS == 16 || HEADS == 32, "a unit computes 8, 16 or 32 q heads (rows)");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 constexpr bool ONCHIP = MELD_ONCHIP_MERGE;
 constexpr bool CHUNKED = MELD_CHUNKED;
@@ -389,34 +390,38 @@ __device__ __forceinline__ void wait_tile(const DecodeParams& p, u32 bars, int s
 // block i < NT of 8 heads:
 //   m[i], l[i]  for head 8 i + g (l is this lane's share; the 4 lanes of a head sum at the end);
 //   o[i][mt]    = O^T[16 mt + g (+8)][heads 8 i + 2t, 8 i + 2t + 1] (MELD_KV_FP8: rows 16 mt + 2g (+1)).
-// Head_dim 512 (Q_SMEM): O^T alone takes 128 of a lane's registers, so Q's fragments wait in shared memory instead
-// (this warp's copy, qs[ks][lane], one 8-byte load per channel block: no bank conflicts) and qa is not used.
-constexpr bool Q_SMEM = D > 256;
-static_assert(!Q_SMEM || NT == 1, "head_dim 512 units are 8 q heads");
+// Where O^T alone takes 128 of a lane's registers (head_dim 512; 32-row units of head_dim 128), Q's fragments wait in
+// shared memory instead (this warp's copy, qs[NT ks + i][lane], one 8-byte load per head block and channel block: no
+// bank conflicts) and qa is not used.
+constexpr bool Q_SMEM = NT * KSTEPS >= 32;
 struct WarpState {
   float m[NT], l[NT];
   float o[NT][KSTEPS][4];
   u32 qa[Q_SMEM ? 1 : KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8:
                            // 16 ks + 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
-  uint2* qs;               // Q_SMEM: the same fragments, qs[32 ks + lane] = {qa[ks][0][0], qa[ks][0][1]}
+  uint2* qs;               // Q_SMEM: the same fragments, qs[32 (NT ks + i) + lane] = {qa[ks][i][0], qa[ks][i][1]}
   float q_unscale[NT];     // MELD_Q_TO_F16: 2^-e of head 8 i + g's row (q_to_f16)
 };
 
 // Word w (0: a0's, 1: a2's) of head block i's Q fragment for channel block ks: in registers, or (Q_SMEM) this lane's
 // in shared memory.
 __device__ __forceinline__ u32& q_word(WarpState& st, int ks, int i, int w, int lane) {
-  if (Q_SMEM) return w ? st.qs[32 * ks + lane].y : st.qs[32 * ks + lane].x;
+  if (Q_SMEM) return w ? st.qs[32 * (NT * ks + i) + lane].y : st.qs[32 * (NT * ks + i) + lane].x;
   return st.qa[Q_SMEM ? 0 : ks][i][w];
 }
 
-// Q's A fragment for channel block ks: heads 0..7 in a0, a2 and, with 16 heads, 8..15 in a1, a3.
-__device__ __forceinline__ void q_frag(const WarpState& st, int ks, int lane, u32& a0, u32& a1, u32& a2, u32& a3) {
+// Q's A fragment of m16 tile m for channel block ks: head block 2 m (heads 16 m + 0..7) in a0, a2 and, if the unit
+// has it, block 2 m + 1 (16 m + 8..15) in a1, a3.
+__device__ __forceinline__ void q_frag(const WarpState& st, int ks, int m, int lane, u32& a0, u32& a1, u32& a2,
+                                       u32& a3) {
+  const int i = 2 * m;
   if (Q_SMEM) {
-    const uint2 v = st.qs[32 * ks + lane];
-    a0 = v.x; a2 = v.y; a1 = a3 = 0u;
+    const uint2 v = st.qs[32 * (NT * ks + i) + lane];
+    const uint2 w = i + 1 < NT ? st.qs[32 * (NT * ks + i + 1) + lane] : make_uint2(0u, 0u);
+    a0 = v.x; a2 = v.y; a1 = w.x; a3 = w.y;
   } else {
-    a0 = st.qa[ks][0][0]; a2 = st.qa[ks][0][1];
-    a1 = NT > 1 ? st.qa[ks][NT - 1][0] : 0u; a3 = NT > 1 ? st.qa[ks][NT - 1][1] : 0u;
+    a0 = st.qa[ks][i][0]; a2 = st.qa[ks][i][1];
+    a1 = i + 1 < NT ? st.qa[ks][i + 1][0] : 0u; a3 = i + 1 < NT ? st.qa[ks][i + 1][1] : 0u;
   }
 }
 
@@ -478,7 +483,7 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
       const u32 lo = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
       const u32 hi = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + (KV_FP8 ? 2 : 8)) : 0u;
       if (Q_SMEM) {
-        st.qs[32 * ks + lane] = make_uint2(lo, hi);
+        st.qs[32 * (NT * ks + i) + lane] = make_uint2(lo, hi);
       } else {
         st.qa[ks][i][0] = lo;
         st.qa[ks][i][1] = hi;
@@ -589,7 +594,11 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   const int t = lane & 3;
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lch = (lane >> 3) & 1;
-  float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+  float sc[MT][2][4];   // m16 tile m's scores of tokens 0-7 ([m][0]) and 8-15 ([m][1])
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sc[m][0][k] = sc[m][1][k] = 0.f;
   if (KV_FP8 && ROPE) {   // two ldmatrix: channel blocks ks = 2 kp + j (b[j], b[2 + j] as below) and their partners
                           // ks + KSTEPS / 2 (c[j], c[2 + j]), rotated together in registers; with Q_SMEM, two at a
 #pragma unroll (Q_SMEM ? 2 : KSTEPS / 4)   // time (the rotations' temporaries would take registers O^T holds)
@@ -600,22 +609,26 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {   // tokens g and g + 8: accumulators s0 and s1
+        for (int half = 0; half < 2; ++half) {   // tokens g and g + 8: accumulators sc[m][half]
           const int ks = 2 * kp + j, kh = ks + KSTEPS / 2;
           u32 bl[2], bh[2];
           rope_fp8(b[2 * half + j], c[2 * half + j], ks, rel0, (lane >> 2) + 8 * half, t, bl, bh);
-          float (&s)[4] = half ? s1 : s0;
-          u32 a0, a1, a2, a3, h0, h1, h2, h3;
-          q_frag(st, ks, lane, a0, a1, a2, a3);
-          q_frag(st, kh, lane, h0, h1, h2, h3);
-          mma_16816(s, a0, a1, a2, a3, bl[0], bl[1]);
-          mma_16816(s, h0, h1, h2, h3, bh[0], bh[1]);
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            u32 a0, a1, a2, a3, h0, h1, h2, h3;
+            q_frag(st, ks, m, lane, a0, a1, a2, a3);
+            q_frag(st, kh, m, lane, h0, h1, h2, h3);
+            mma_16816(sc[m][half], a0, a1, a2, a3, bl[0], bl[1]);
+            mma_16816(sc[m][half], h0, h1, h2, h3, bh[0], bh[1]);
+          }
         }
       }
     }
     if (ROPE_KEY_SCALE != 1.f) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) { s0[k] *= 1.f / ROPE_KEY_SCALE; s1[k] *= 1.f / ROPE_KEY_SCALE; }
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) { sc[m][0][k] *= 1.f / ROPE_KEY_SCALE; sc[m][1][k] *= 1.f / ROPE_KEY_SCALE; }
     }
   } else if (KV_FP8) {   // one ldmatrix: tokens 0-7 (b[j]) and 8-15 (b[2 + j]) of channel blocks ks = 2 kp + j
 #pragma unroll
@@ -628,10 +641,13 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
         u32 b0, b1, b2, b3;
         kv_pair<0x3210u>(b[j], b0, b1);
         kv_pair<0x3210u>(b[2 + j], b2, b3);
-        u32 a0, a1, a2, a3;
-        q_frag(st, ks, lane, a0, a1, a2, a3);
-        mma_16816(s0, a0, a1, a2, a3, b0, b1);
-        mma_16816(s1, a0, a1, a2, a3, b2, b3);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          u32 a0, a1, a2, a3;
+          q_frag(st, ks, m, lane, a0, a1, a2, a3);
+          mma_16816(sc[m][0], a0, a1, a2, a3, b0, b1);
+          mma_16816(sc[m][1], a0, a1, a2, a3, b2, b3);
+        }
       }
     }
   } else {
@@ -639,21 +655,26 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     for (int ks = 0; ks < KSTEPS; ++ks) {
       u32 b[4];
       ldmatrix_x4(b, kbase + tile_off(lrow, 2 * ks + lch));
-      u32 a0, a1, a2, a3;
-      q_frag(st, ks, lane, a0, a1, a2, a3);
-      mma_16816(s0, a0, a1, a2, a3, b[0], b[1]);
-      mma_16816(s1, a0, a1, a2, a3, b[2], b[3]);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        u32 a0, a1, a2, a3;
+        q_frag(st, ks, m, lane, a0, a1, a2, a3);
+        mma_16816(sc[m][0], a0, a1, a2, a3, b[0], b[1]);
+        mma_16816(sc[m][1], a0, a1, a2, a3, b[2], b[3]);
+      }
     }
   }
-  // Head block i: scores of head 8 i + g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain), from the
-  // accumulator rows g (i = 0) and g + 8 (i = 1).
+  // Head block i: scores of head 8 i + g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain), from m16 tile i / 2's
+  // accumulator rows g (i even) and g + 8 (i odd).
   const int tok[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
   float a_lo[NT], a_hi[NT];
   u32 pb0[NT], pb1[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
-    float x[4] = {log2_score(p, st, i, s0[2 * i]), log2_score(p, st, i, s0[2 * i + 1]),
-                  log2_score(p, st, i, s1[2 * i]), log2_score(p, st, i, s1[2 * i + 1])};
+    const float (&s0)[4] = sc[i / 2][0], (&s1)[4] = sc[i / 2][1];
+    const int r = 2 * (i % 2);
+    float x[4] = {log2_score(p, st, i, s0[r]), log2_score(p, st, i, s0[r + 1]),
+                  log2_score(p, st, i, s1[r]), log2_score(p, st, i, s1[r + 1])};
     const int nv = Q_LEN == 1 ? nvalid : min(nvalid, causal + (row0 + 8 * i + (lane >> 2)) % Q_LEN);   // this row's
 #pragma unroll
     for (int k = 0; k < 4; ++k)   // past the unit's end (or before the window): masked; else Inf and NaN scores
@@ -729,7 +750,7 @@ constexpr int MBAR_OFFSET = (PART_OFFSET + PART_BYTES + 7) & ~7;
 constexpr int MBAR_BYTES = TMA ? WARPS * STAGES * 8 : 0;
 static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 constexpr int QS_OFFSET = MBAR_OFFSET + MBAR_BYTES;   // Q_SMEM: each warp's Q fragments (WarpState::qs)
-constexpr int QS_BYTES = Q_SMEM ? WARPS * KSTEPS * 32 * 8 : 0;
+constexpr int QS_BYTES = Q_SMEM ? WARPS * NT * KSTEPS * 32 * 8 : 0;
 static_assert(QS_OFFSET + QS_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 
 // Four final outputs (h, d..d+3) of the batch row `row` into out/lse (lse when d == 0).
@@ -951,7 +972,7 @@ struct DecodeFamily {
       for (int st = 0; st < STAGES - 1; ++st) issue_tile(p, g, lc, s.ring, s.bars, st, pl, warp, lane);
 
       WarpState ws;
-      if (Q_SMEM) ws.qs = reinterpret_cast<uint2*>(s.smem + QS_OFFSET) + warp * KSTEPS * 32;
+      if (Q_SMEM) ws.qs = reinterpret_cast<uint2*>(s.smem + QS_OFFSET) + warp * NT * KSTEPS * 32;
       int cs = 0;
       u32 phases = 0;
       for (int u = g.u_begin; u <= g.u_last; ++u) {
