@@ -120,11 +120,11 @@ def test_rows_choose_the_unit_and_the_cost():
     assert attn.describe_unit(3) == "request 0, kv head 1, rows 96-127 (q heads 12-15 of its 8 new tokens)"
 
 
-# The q_len > 1 builds: the GPU tests' (Hq 32 / Hkv 8, head_dim 128, q_len 2, 4; 8 with clusters' on-chip merges,
+# The q_len > 1 builds: the GPU tests' (Hq 32 / Hkv 8, head_dim 128, q_len 2, 4, 8; 8 with clusters' on-chip merges,
 # TMA rings and profiling; 8 with 16-row units, bench/decode.py's meld-h16) and the variants with q_len (FlashInfer's
 # q_len 3 over groups of 8, FP8 with TMA rings, soft cap, batch invariance, head_dim 256 and 64; 32-row units over
 # FP8 and at head_dim 64).
-BUILDS = [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q) for q in (2, 4)]
+BUILDS = [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q) for q in (2, 4, 8)]
 BUILDS += [dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=4, q_len=8),
                                tma=True, profile=True)]
 BUILDS += [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=8, heads_per_unit=16),
@@ -133,6 +133,19 @@ BUILDS += [DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=8, he
                                       variant=DecodeVariant(30.0)),
            dataclasses.replace(DecodeKernelConfig.default("bfloat16", 256, group_size=4, q_len=4,
                                                           kv_dtype="float8_e4m3fn"), tma=True)]
+
+
+def test_32_row_units_merge_in_passes_that_fit():
+    """32-row units of head_dim 128 merge 8 rows a pass, which is what leaves room for eight warps (six beside the
+    on-chip merge area); merging all 32 at once would not fit eight, and a pass must divide the unit's rows."""
+    cfg = DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=8)
+    assert (cfg.heads_per_unit, cfg.merge_rows, cfg.num_warps) == (32, 8, 8)
+    assert DecodeKernelConfig.default("bfloat16", 128, onchip_merge=True, group_size=4, q_len=8).num_warps == 6
+    with pytest.raises(ValueError, match="needs 333840 bytes of shared memory"):
+        dataclasses.replace(cfg, merge_rows=0)
+    with pytest.raises(ValueError, match="merge_rows=16: expected 0 .* dividing heads_per_unit=8"):
+        DecodeKernelConfig(heads_per_unit=8, merge_rows=16)
+    assert DecodeKernelConfig.default("bfloat16", 128, group_size=4).merge_rows == 0   # one token: one pass
 
 
 @pytest.mark.parametrize("cfg", BUILDS, ids=lambda c: c.name)

@@ -119,6 +119,8 @@ class DecodeKernelConfig:
     fp8_math: str = ""          # "": the tensor cores take the dtype's type; "f16" (FP8 caches with bf16 q,
                                 # `default`'s choice for them): f16, so K and V convert to it in one instruction and
                                 # q is scaled into its range per row (MELD_Q_TO_F16; the template's header says how)
+    merge_rows: int = 0         # rows the end-of-piece merge area holds (0: a unit's all), the warps' states merging in
+                                # heads_per_unit / merge_rows passes: a smaller area leaves room for more warps
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -133,6 +135,9 @@ class DecodeKernelConfig:
         if self.head_dim == 512 and self.heads_per_unit != 8:
             raise ValueError(f"heads_per_unit={self.heads_per_unit} with head_dim=512: expected 8 (a warp's registers "
                              "hold the output of 8 heads of 512 channels)")
+        if self.merge_rows not in (0, 8, 16) or (self.merge_rows and self.heads_per_unit % self.merge_rows):
+            raise ValueError(f"merge_rows={self.merge_rows}: expected 0 (all of a unit's rows), 8 or 16, dividing "
+                             f"heads_per_unit={self.heads_per_unit}")
         if not 1 <= self.num_warps <= 16 or not 2 <= self.num_stages <= 8:
             raise ValueError(f"num_warps={self.num_warps} (1..16), num_stages={self.num_stages} (2..8)")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
@@ -188,16 +193,19 @@ class DecodeKernelConfig:
         with bf16 q computes in f16 (`fp8_math="f16"`): K and V convert in one instruction, and the f16 build was
         the faster on every FP8 case of bench/decode.py (bench/RESULTS.md, 2026-12-03 sixth session), with no
         larger error (f16 keeps three more bits of P and of the scaled q). Multi-token builds whose kv head has 17-32
-        rows ((q head, token) pairs) get 32-row units, which read the KV once instead of twice; at head_dim 128
-        their output and their Q fragments in shared memory leave room for four warps (two stages measured 1-5%
-        faster than three, bench/RESULTS.md 2026-12-04; fewer warps were slower, the rows' compute binding).
+        rows ((q head, token) pairs) get 32-row units, which read the KV once instead of twice. At head_dim 128 their
+        output takes 128 registers a lane, so their Q fragments wait in shared memory, and their warps' states merge
+        8 rows at a time (`merge_rows`), which leaves room for eight warps of two stages (six with the on-chip merge
+        area): the rows' compute binds, and eight warps were 1.02-1.21x faster than four merging all 32 rows at once
+        (bench/RESULTS.md, 2026-12-04).
         `heads_per_unit` overrides the choice by rows (bench/decode.py's meld-h16 times the 16-row build)."""
         fp8_math = "f16" if kv_dtype and dtype == "bfloat16" else ""
         rows = group_size * q_len
         heads = heads_per_unit or (8 if rows <= 8 else 16 if rows <= 16 or q_len == 1 or head_dim > 128 else 32)
         warps, stages = {256: (4, 3), 512: (2, 2)}.get(head_dim, (8, 2))
-        if heads == 32 and head_dim == 128:
-            warps, stages = 4, 2
+        merge_rows = 8 if heads == 32 and head_dim == 128 else 0
+        if merge_rows:   # (the on-chip merge area's 33 KiB leave room for six warps)
+            warps, stages = 6 if onchip_merge and not batch_invariant else 8, 2
         if kv_dtype and head_dim == 512:
             warps = 4
         elif kv_dtype:
@@ -208,7 +216,8 @@ class DecodeKernelConfig:
                                       kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
                                   heads_per_unit=heads, batch_invariant=batch_invariant,
-                                  kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math)
+                                  kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math,
+                                  merge_rows=merge_rows)
 
     @staticmethod
     def of(low, *, onchip_merge: bool = False, batch_invariant: bool = False,
@@ -226,6 +235,7 @@ class DecodeKernelConfig:
         return (f"meld_decode_attention_{_MMA_TYPES[self.dtype]}{kv}_d{self.head_dim}"
                 f"_w{self.num_warps}_s{self.num_stages}"
                 + (f"_h{self.heads_per_unit}" if self.heads_per_unit > 8 else "")
+                + (f"_m{self.merge_rows}" if self.merge_rows and self.merge_rows < self.heads_per_unit else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
                 + ("_f16m" if self.fp8_math else "")
                 + self.variant.suffix + (f"_q{self.q_len}" if self.q_len > 1 else "")
@@ -246,7 +256,7 @@ class DecodeKernelConfig:
         merges, the two partials kept for cluster peers and, where the output takes 128 registers a lane (head_dim
         512; 32-row units of head_dim 128), each warp's Q fragments (see the template)."""
         ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * (1 if self.kv_dtype else 2)
-        merge = self.num_warps * self.heads_per_unit * (self.head_dim + 4 + 2) * 4 + 16
+        merge = self.num_warps * (self.merge_rows or self.heads_per_unit) * (self.head_dim + 4 + 2) * 4 + 16
         parts = 2 * self.heads_per_unit * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
         bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0
         blocks = self.head_dim // 16 * self.heads_per_unit // 8   # channel blocks x head blocks of Q (Q_SMEM at 32)
@@ -265,6 +275,7 @@ class DecodeKernelConfig:
             f"#define NUM_WARPS {self.num_warps}",
             f"#define NUM_STAGES {self.num_stages}",
             f"#define HEADS_PER_UNIT {self.heads_per_unit}",
+            f"#define MELD_MERGE_ROWS {self.merge_rows}",
             f"#define SMEM_BYTES {self.smem_bytes}",
             f'#define MELD_MMA_TYPE "{self.mma_type}"',
             f'#define MELD_OUT_TYPE "{_MMA_TYPES[self.dtype]}"',

@@ -136,6 +136,9 @@ constexpr int HEADS = HEADS_PER_UNIT;      // q heads (rows) per unit: 8, or 16 
                                            // multi-token groups of 17-32 rows (each reads its KV once)
 constexpr int NT = HEADS / 8;              // blocks of 8 head rows: n8 tiles of P.V, and half an m16 tile of Q.K^T
 constexpr int MT = (NT + 1) / 2;           // m16 tiles of Q.K^T
+constexpr int MERGE_ROWS = MELD_MERGE_ROWS ? MELD_MERGE_ROWS : HEADS;   // rows the end-of-piece merge area holds: the
+constexpr int MERGE_PASSES = HEADS / MERGE_ROWS;   // warps' states merge in HEADS / MERGE_ROWS passes over it
+static_assert(MERGE_ROWS % 8 == 0 && HEADS % MERGE_ROWS == 0, "merge passes of whole 8-row blocks");
 constexpr bool KV_FP8 = MELD_KV_FP8;       // 1: e4m3, 2: e5m2 (the conversion is all that differs)
 constexpr bool KV_E5M2 = MELD_KV_FP8 == 2;
 constexpr int KV_BYTES = KV_FP8 ? 1 : 2;   // bytes per K or V element, in memory and in shared memory
@@ -729,10 +732,10 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   }
 }
 
-struct MergeArea {
-  float o[WARPS][HEADS][O_STRIDE];
-  float m[WARPS][HEADS];
-  float l[WARPS][HEADS];
+struct MergeArea {   // one merge pass's rows: all of a unit's, or MERGE_ROWS of them at a time
+  float o[WARPS][MERGE_ROWS][O_STRIDE];
+  float m[WARPS][MERGE_ROWS];
+  float l[WARPS][MERGE_ROWS];
   int last;
 };
 
@@ -774,71 +777,79 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x,
 #endif
 }
 
-// End of a piece: merge the warps' states, then write the output (whole unit) or this piece's partial
-// and count its arrival. Returns true when this CTA completed a split unit and must merge it.
+// End of a piece: merge the warps' states (MERGE_ROWS rows a pass through the merge area), then write the output
+// (whole unit) or this piece's partial and count its arrival. Returns true when this CTA completed a split unit and
+// must merge it.
 __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& x, int u, const Place& pl,
                                              WarpState& st, MergeArea& mg, PartArea& pa, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    // o - o is 0, or NaN for an Inf or NaN accumulator: summed over a head's channels (this lane's, then
-    // the 8 lanes of the same t) and added to each of them, it turns the head's whole output row NaN and
-    // leaves l, and so lse, to the scores (IEEE semantics, above).
-    float bad_lo = 0.f, bad_hi = 0.f;   // heads 8 i + 2 t and 8 i + 2 t + 1
+  for (int pass = 0; pass < MERGE_PASSES; ++pass) {   // rows [pass MERGE_ROWS, (pass + 1) MERGE_ROWS)
+    if (pass > 0) __syncthreads();   // the last pass's reads are done before its area is rewritten
+    constexpr int BLOCKS = MERGE_ROWS / 8;
 #pragma unroll
-    for (int mt = 0; mt < KSTEPS; ++mt) {
-      const float(&o)[4] = st.o[i][mt];
-      bad_lo += (o[0] - o[0]) + (o[2] - o[2]);
-      bad_hi += (o[1] - o[1]) + (o[3] - o[3]);
+    for (int b = 0; b < BLOCKS; ++b) {
+      const int i = pass * BLOCKS + b;   // the head block; the area's rows 8 b ..
+      // o - o is 0, or NaN for an Inf or NaN accumulator: summed over a head's channels (this lane's, then
+      // the 8 lanes of the same t) and added to each of them, it turns the head's whole output row NaN and
+      // leaves l, and so lse, to the scores (IEEE semantics, above).
+      float bad_lo = 0.f, bad_hi = 0.f;   // heads 8 i + 2 t and 8 i + 2 t + 1
+#pragma unroll
+      for (int mt = 0; mt < KSTEPS; ++mt) {
+        const float(&o)[4] = st.o[i][mt];
+        bad_lo += (o[0] - o[0]) + (o[2] - o[2]);
+        bad_hi += (o[1] - o[1]) + (o[3] - o[3]);
+      }
+#pragma unroll
+      for (int d = 4; d < 32; d <<= 1) {
+        bad_lo += __shfl_xor_sync(0xffffffffu, bad_lo, d);
+        bad_hi += __shfl_xor_sync(0xffffffffu, bad_hi, d);
+      }
+      float l = st.l[i] + __shfl_xor_sync(0xffffffffu, st.l[i], 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) { mg.m[warp][8 * b + g] = st.m[i]; mg.l[warp][8 * b + g] = l; }
+      const int h = 8 * b + 2 * t;
+#pragma unroll
+      for (int mt = 0; mt < KSTEPS; ++mt) {
+        const int lo = KV_FP8 ? 16 * mt + 2 * g : 16 * mt + g, hi = KV_FP8 ? lo + 1 : lo + 8;   // rows g, g + 8
+        mg.o[warp][h][lo] = st.o[i][mt][0] + bad_lo;
+        mg.o[warp][h + 1][lo] = st.o[i][mt][1] + bad_hi;
+        mg.o[warp][h][hi] = st.o[i][mt][2] + bad_lo;
+        mg.o[warp][h + 1][hi] = st.o[i][mt][3] + bad_hi;
+      }
     }
+    __syncthreads();
+    const int own = x.head ? 0 : 1;
+    constexpr int Q = D / 4;
+    const int rows = MERGE_PASSES == 1 ? x.rows : min(MERGE_ROWS, x.rows - pass * MERGE_ROWS);
+    for (int i = threadIdx.x; i < rows * Q; i += THREADS) {   // four outputs of one head per thread
+      const int a = i / Q, h = pass * MERGE_ROWS + a, d = (i - a * Q) * 4;   // the area's row a: the unit's row h
+      float mmax = neg_inf();
 #pragma unroll
-    for (int d = 4; d < 32; d <<= 1) {
-      bad_lo += __shfl_xor_sync(0xffffffffu, bad_lo, d);
-      bad_hi += __shfl_xor_sync(0xffffffffu, bad_hi, d);
-    }
-    float l = st.l[i] + __shfl_xor_sync(0xffffffffu, st.l[i], 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t == 0) { mg.m[warp][8 * i + g] = st.m[i]; mg.l[warp][8 * i + g] = l; }
-    const int h = 8 * i + 2 * t;
+      for (int w = 0; w < WARPS; ++w) mmax = fmaxf(mmax, mg.m[w][a]);
+      const float m_use = mmax == neg_inf() ? 0.f : mmax;
+      float lsum = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int mt = 0; mt < KSTEPS; ++mt) {
-      const int lo = KV_FP8 ? 16 * mt + 2 * g : 16 * mt + g, hi = KV_FP8 ? lo + 1 : lo + 8;   // rows g, g + 8
-      mg.o[warp][h][lo] = st.o[i][mt][0] + bad_lo;
-      mg.o[warp][h + 1][lo] = st.o[i][mt][1] + bad_hi;
-      mg.o[warp][h][hi] = st.o[i][mt][2] + bad_lo;
-      mg.o[warp][h + 1][hi] = st.o[i][mt][3] + bad_hi;
-    }
-  }
-  __syncthreads();
-  const int own = x.head ? 0 : 1;
-  constexpr int Q = D / 4;
-  for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {   // four outputs of one head per thread
-    const int h = i / Q, d = (i - h * Q) * 4;
-    float mmax = neg_inf();
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mmax = fmaxf(mmax, mg.m[w][h]);
-    const float m_use = mmax == neg_inf() ? 0.f : mmax;
-    float lsum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float sc = exp2_approx(mg.m[w][h] - m_use);
-      const float4 o = *reinterpret_cast<const float4*>(&mg.o[w][h][d]);
-      lsum += mg.l[w][h] * sc;
-      acc.x += o.x * sc; acc.y += o.y * sc; acc.z += o.z * sc; acc.w += o.w * sc;
-    }
-    // 0: an empty unit; NaN stays NaN (MELD_Q_TO_F16: O carries P's 2^15)
-    const float inv = lsum == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / (Q_TO_F16 ? lsum * P_SCALE : lsum);
-    const float4 val = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    const float lse2 = lsum == 0.f ? neg_inf() : m_use + log2_approx(lsum);
-    if (x.slot < 0) {
-      store_out4(p, x, h, d, val, lse2);
-    } else if (x.onchip) {
-      *reinterpret_cast<float4*>(&pa.o[own][h][d]) = val;
-      if (d == 0) pa.lse[own][h] = lse2;
-    } else {
-      *reinterpret_cast<float4*>(p.part_o + ((i64)x.slot * HEADS + h) * D + d) = val;
-      if (d == 0) p.part_lse[x.slot * HEADS + h] = lse2;
+      for (int w = 0; w < WARPS; ++w) {
+        const float sc = exp2_approx(mg.m[w][a] - m_use);
+        const float4 o = *reinterpret_cast<const float4*>(&mg.o[w][a][d]);
+        lsum += mg.l[w][a] * sc;
+        acc.x += o.x * sc; acc.y += o.y * sc; acc.z += o.z * sc; acc.w += o.w * sc;
+      }
+      // 0: an empty unit; NaN stays NaN (MELD_Q_TO_F16: O carries P's 2^15)
+      const float inv = lsum == 0.f ? 0.f : (KV_FP8 ? p.v_scale : 1.f) / (Q_TO_F16 ? lsum * P_SCALE : lsum);
+      const float4 val = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+      const float lse2 = lsum == 0.f ? neg_inf() : m_use + log2_approx(lsum);
+      if (x.slot < 0) {
+        store_out4(p, x, h, d, val, lse2);
+      } else if (x.onchip) {
+        *reinterpret_cast<float4*>(&pa.o[own][h][d]) = val;
+        if (d == 0) pa.lse[own][h] = lse2;
+      } else {
+        *reinterpret_cast<float4*>(p.part_o + ((i64)x.slot * HEADS + h) * D + d) = val;
+        if (d == 0) p.part_lse[x.slot * HEADS + h] = lse2;
+      }
     }
   }
   if (x.slot < 0 || (CHUNKED && x.k < x.k_last)) {   // (MELD_CHUNKED: the unit's chunks here arrive together,
