@@ -196,8 +196,8 @@ class DecodeKernelConfig:
         rows ((q head, token) pairs) get 32-row units, which read the KV once instead of twice. At head_dim 128 their
         output takes 128 registers a lane, so their Q fragments wait in shared memory, and their warps' states merge
         8 rows at a time (`merge_rows`), which leaves room for eight warps of two stages (six with the on-chip merge
-        area): the rows' compute binds, and eight warps were 1.02-1.21x faster than four merging all 32 rows at once
-        (bench/RESULTS.md, 2026-12-04).
+        area): the rows' compute binds, and eight warps were the faster on every case timed (bench/RESULTS.md,
+        2026-12-04).
         `heads_per_unit` overrides the choice by rows (bench/decode.py's meld-h16 times the 16-row build)."""
         fp8_math = "f16" if kv_dtype and dtype == "bfloat16" else ""
         rows = group_size * q_len

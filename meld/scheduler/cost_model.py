@@ -66,6 +66,6 @@ class DecodeCost:
         unit's rows are (q head, token) pairs and heads_per_unit counts rows: more rows cost more compute per
         piece (the 16-row build's second P.V tile and merge) but read the same KV bytes, so the line stays in KV
         tokens and only the item overhead follows the rows (not yet fitted for q_len > 1: bench/cost_fit.py).
-        32-row units take the 16-row overhead too: overheads of 64 and 512 tokens were no faster on q_len 8's
-        32-row build of four warps (bench/RESULTS.md, 2026-12-04)."""
+        32-row units take the 16-row overhead too: smaller and larger ones were no faster on q_len 8's 32-row build
+        of four warps (bench/RESULTS.md, 2026-12-04)."""
         return DecodeCost(item_overhead_tokens=192) if heads_per_unit >= 16 else DecodeCost()
