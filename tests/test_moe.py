@@ -175,6 +175,24 @@ def test_packed_weight_kernels_compile_for_sm90a(bt):
         MoeKernelConfig(block_tokens=16, k_boxes=2, packed_weights=True)
 
 
+@pytest.mark.parametrize("cfg", [MoeKernelConfig(block_tokens=16, l2_prefetch=True),
+                                 MoeKernelConfig(block_tokens=16, packed_weights=True, l2_prefetch=True),
+                                 MoeKernelConfig(block_tokens=128, l2_prefetch=True),
+                                 MoeKernelConfig(block_tokens=16, weight_dtype="e4m3", l2_prefetch=True)],
+                         ids=lambda c: c.name)
+def test_l2_prefetch_kernels_compile_for_sm90a(cfg):
+    """The option that asks L2 for a waiting gemm2 tile's weights past the ring (MELD_L2_PREFETCH): tensor-map
+    prefetches, or bulk ones of packed weights, in narrow bf16 tiles (wide and FP8 ones build without it);
+    off, the build is the default's (tools/same_code.py)."""
+    src = cfg.render()
+    assert "#define MELD_L2_PREFETCH 1" in src and cfg.name.endswith("_l2pf")
+    assert "#define MELD_L2_PREFETCH 0" in MoeKernelConfig(block_tokens=16).render()
+    cubin, log = nvcc(src, cfg.name)
+    spills = [line for line in log.splitlines() if "spill stores" in line]
+    assert len(cubin) > 0 and spills and all(" 0 bytes spill stores" in line for line in spills), log
+    assert "C7508" not in log and "wgmma" not in log.lower(), log
+
+
 @pytest.mark.parametrize("E,H,I", [(3, 200, 136), (2, 128, 64)])
 def test_packed_weights_are_swizzled_boxes_that_unpack(E, H, I):
     """Each 64 x 64 box as TMA's 128-byte swizzle leaves it in shared memory (row r's 16-byte chunk c at

@@ -85,6 +85,9 @@ class MoeKernelConfig:
                                  # a token with only such pairs keeps its output row unwritten
     weight_dtype: str = "bf16"   # "e4m3": FP8 weights with a float32 scale per 128 x 128 block (DeepSeek-V3);
                                  # activations quantised per token per 128 channels; wgmma e4m3, f32 sums
+    l2_prefetch: bool = False    # a narrow bf16 gemm2 tile whose row block is not done asks L2 for its weights
+                                 # past the ring before it waits (MELD_L2_PREFETCH; wide tiles ignore it;
+                                 # A/B: bench/moe_ab.py --new l2_prefetch=1)
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -153,7 +156,8 @@ class MoeKernelConfig:
         return (f"meld_moe_{self.weight_dtype}_n{self.block_tokens}_s{self.stages}" + (f"_k{self.boxes}" if self.boxes > 1 else "")
                 + ("_pw" if self.packed_weights else "") + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
-                + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else ""))
+                + ("_withhold" if self.debug_withhold_signal else "") + ("_absent" if self.absent_pairs else "")
+                + ("_l2pf" if self.l2_prefetch else ""))
 
     def render(self) -> str:
         head = "\n".join([
@@ -172,6 +176,7 @@ class MoeKernelConfig:
             f"#define MELD_ABSENT_PAIRS {int(self.absent_pairs)}",
             f"#define MELD_PACKED {int(self.packed_weights)}",
             f"#define MELD_FP8 {int(self.fp8)}",
+            f"#define MELD_L2_PREFETCH {int(self.l2_prefetch)}",
         ])
         mma = wgmma_e4m3 if self.fp8 else wgmma_bf16
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"),

@@ -12,6 +12,12 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, in
                ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// The same box of a 2-D tensor map asked for in L2, without waiting and without shared memory.
+__device__ __forceinline__ void tma_prefetch_2d(const void* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map), "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // A contiguous run of `bytes` (a multiple of 16, both ends 16-byte aligned) into this CTA's shared memory;
 // its bytes complete on `bar`.
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {

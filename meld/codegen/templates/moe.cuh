@@ -507,6 +507,15 @@ __device__ void wait_row_block(const MoeParams& p, int rb, int ticket) {
   fence_proxy_async_global();   // act, written by other CTAs' generic stores, is read next by TMA
 }
 
+// K box k of a tile's packed weights (gemm `kind`, column block `col`): the live boxes of its stage, one run
+// (meld/ops/moe_weights.py).
+__device__ __forceinline__ const u16* packed_box(const MoeParams& p, int kind, int expert, int col, int k) {
+  const int nkb = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
+  const int nb = ((kind ? p.hidden : p.inter) + W_ROWS - 1) / W_ROWS;   // 64-row blocks of the output
+  return kind ? p.w2_packed + ((i64)(expert * nkb + k) * nb + col * NBOX) * (W_BOX / 2)
+              : p.w13_packed + ((i64)(expert * nkb + k) * nb + col * NACC) * 2 * (W_BOX / 2);
+}
+
 __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_empty, int* slots) {
   const int ntasks = p.counters[1];
   int slot = 0;
@@ -567,10 +576,25 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       }
     // A gemm2 tile's weights do not depend on gemm1: up to a ring of them is in flight before the wait
     // for its row block, and only the act boxes of those stages wait (their stages complete with them).
+    // MELD_L2_PREFETCH (narrow bf16 tiles: a wide tile's producer has no registers to spare for it): where the
+    // row block is not done yet, the rest of its weights are asked for in L2 before the wait, so the wait
+    // overlaps all of the tile's weight reads, not just a ring of them (the T = 1 critical path).
     const int early = kind ? min(nk, NUM_STAGES) : 0;
     Ring late = ring;
     for (int kk = 0; kk <= nk; ++kk) {
       if (kind && kk == early) {
+        if (MELD_L2_PREFETCH && NACC == 1 && early < nk && ld_acquire(p.rb_done + rbi) < p.n1)
+          for (int e = early; e < nk; ++e)
+#pragma unroll
+            for (int b = 0; b < K_BOXES; ++b) {
+              if (MELD_PACKED) {
+                prefetch_l2(packed_box(p, kind, expert, col, e * K_BOXES + b), nlive * W_BOX);
+              } else {
+#pragma unroll
+                for (int q = 0; q < NBOX; ++q)
+                  if (live >> q & 1) tma_prefetch_2d(wmap, (e * K_BOXES + b) * BK, wrow[q]);
+              }
+            }
         wait_row_block(p, rbi, ticket);
         for (int e = 0; e < early; ++e, late.advance())
 #pragma unroll
@@ -585,12 +609,8 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + (direct ? BK * ELEM : n * BK * ELEM)));
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
-        if (MELD_PACKED) {   // the stage's live boxes: one run (meld/ops/moe_weights.py), K_BOXES 1
-          const int k = kk * K_BOXES + b, nkb = ((kind ? p.inter : p.hidden) + BK - 1) / BK;
-          const int nb = ((kind ? p.hidden : p.inter) + W_ROWS - 1) / W_ROWS;   // 64-row blocks of the output
-          const u16* src = kind ? p.w2_packed + ((i64)(expert * nkb + k) * nb + col * NBOX) * (W_BOX / 2)
-                                : p.w13_packed + ((i64)(expert * nkb + k) * nb + col * NACC) * 2 * (W_BOX / 2);
-          bulk_load(dst + b * BOX_SET, src, nlive * W_BOX, full);
+        if (MELD_PACKED) {   // (K_BOXES 1)
+          bulk_load(dst + b * BOX_SET, packed_box(p, kind, expert, col, kk * K_BOXES + b), nlive * W_BOX, full);
         } else {
 #pragma unroll
           for (int q = 0; q < NBOX; ++q)
