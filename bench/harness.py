@@ -142,6 +142,32 @@ def eager_time_us(fn: Callable[[], Any], warmup: int = 5, reps: int = 30, flush:
     return Timing.of(samples)
 
 
+def back_to_back_us(fn: Callable[[], Any], calls: int = 32, rounds: int = 9, graph: bool = False) -> Timing:
+    """Time per call of `calls` calls issued back to back, no synchronisation between them (L2 as they leave it):
+    a round's span over `calls`, one sample a round. This is what a model's layer loop sees, where the host
+    issues the next call while the GPU runs this one. `graph`: replays of `fn` captured once (as `graph_time_us`).
+    Eager less graph is the host work per call that the GPU's own time does not hide."""
+    call = fn
+    if graph:
+        g, _ = capture(fn)
+        call = g.replay
+    for _ in range(3):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    if graph:
+        g.reset()
+    return Timing.of(samples)
+
+
 def host_time_us(fn: Callable[[], Any], reps: int = 50, max_s: float = 2.0, min_reps: int = 5) -> Timing:
     """Host wall time of `fn` (e.g. a `plan()`): pending device work is drained first so it is not charged."""
     samples: list[float] = []

@@ -14,7 +14,9 @@ allocation, parameter writes and the launches' Python side.
 With --cuda it times the real layer on the GPU: host time per call (each round of calls between
 synchronisations, few enough calls not to fill the launch queue), and beside it the eager latency and the
 CUDA-graph time of `bench.harness` (cold L2), the issue's "eager call <= graph time + 15 us" comparison, for
-the call as it is (through the torch op's C++ fast path, where installed) and by its direct path.
+the call as it is (through the torch op's C++ fast path, where installed) and by its direct path; and the time per
+call of calls issued back to back, eager and replayed (`bench.harness.back_to_back_us`): one call's latency from an
+idle GPU charges all of its host work, while a layer loop hides the host work behind the GPU's own.
 
 Phases are the pieces of `moe(x, logits)`'s direct path (packed weights, as bench/moe.py times it) each timed
 alone with the same arguments, interleaved with the whole calls so that all run in the same conditions; "rest of
@@ -156,7 +158,7 @@ def measure(shape: Shape, tokens: list[int], n_calls: int, rounds: int, cuda: bo
         res[f"{shape.name} T={T}: calls"] = whole
         res[f"{shape.name} T={T}: phases of moe(x, logits)'s direct path"] = parts
         if cuda:
-            from bench.harness import eager_time_us, graph_time_us
+            from bench.harness import back_to_back_us, eager_time_us, graph_time_us
 
             from meld.runtime import torch_fastcall
 
@@ -168,9 +170,12 @@ def measure(shape: Shape, tokens: list[int], n_calls: int, rounds: int, cuda: bo
             eager = eager_time_us(fn).median_us
             hits = torch_fastcall.hits() - hits
             eager_direct, graph = eager_time_us(direct).median_us, graph_time_us(fn).median_us
+            b2b, b2b_graph = back_to_back_us(fn).median_us, back_to_back_us(fn, graph=True).median_us
             res[f"{shape.name} T={T}: moe(x, logits) on the GPU (median us)"] = {
                 "eager latency": eager, "graph replay": graph, "eager - graph": eager - graph,
                 "eager latency, direct path": eager_direct, "direct - graph": eager_direct - graph,
+                "back to back, eager": b2b, "back to back, graph": b2b_graph,
+                "back to back, eager - graph": b2b - b2b_graph,
                 "fast-path calls of the eager ones": hits}
         del w13, w2, w13p, w2p
     return res
