@@ -132,7 +132,7 @@ def test_torch_op_ragged():
     (dict(ragged=True), "ragged must be True or False, True only with q_len > 1 .*ragged=True with q_len=1"),
     (dict(q_len=2, ragged=1), "ragged must be True or False.*got ragged=1"),
     (dict(q_len=2, ragged=True, kernel_config=DecodeKernelConfig.default("bfloat16", 64, group_size=4, q_len=2)),
-     "ragged_q=False, kv_dtype=''; the operator is .*ragged=True"),
+     "q_len=2, kv_dtype='', ragged_q=False; the operator is .*q_len=2, kv_dtype='', ragged=True"),
 ])
 def test_bad_construction_names_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):

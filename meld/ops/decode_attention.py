@@ -279,11 +279,12 @@ class DecodeAttention(PagedDecode):
         if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant, kc.q_len, kc.ragged_q) != (
                 built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype, built.variant, built.q_len,
                 ragged):
+            rg = (f", ragged_q={kc.ragged_q}", f", ragged={ragged}") if kc.ragged_q or ragged else ("", "")
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
-                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, q_len={kc.q_len}, ragged_q="
-                             f"{kc.ragged_q}, kv_dtype={kc.kv_dtype!r}; the operator is {_DTYPES[dtype]}, head_dim "
-                             f"{head_dim}, batch_invariant={batch_invariant}, {self.variant}, q_len={self.q_len}, "
-                             f"ragged={ragged}, kv_dtype={kv_build!r}, and its "
+                             f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, q_len={kc.q_len}, kv_dtype="
+                             f"{kc.kv_dtype!r}{rg[0]}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, "
+                             f"batch_invariant={batch_invariant}, {self.variant}, q_len={self.q_len}, kv_dtype="
+                             f"{kv_build!r}{rg[1]}, and its "
                              "graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
