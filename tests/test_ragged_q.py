@@ -174,3 +174,21 @@ def test_bad_plan_and_run_name_the_argument_and_change_nothing():
     uniform = meld.DecodeAttention(8, 2, 64, 16, torch.bfloat16, "cpu", q_len=4, topology=_TOPO)
     with pytest.raises(ValueError, match=r"qo_indptr is for ragged operators .*q_len=4 new tokens for every request"):
         uniform.plan(*table, qo_indptr=qo)
+
+
+def test_bench_draws_ragged_batches():
+    """bench/decode.py --q-len 4 --ragged: 1..4 new tokens per request, q with their rows, the reference over them,
+    meld-q1's rows each request's last token."""
+    from bench import decode
+
+    try:
+        decode.Q_LEN[0], decode.RAGGED[0] = 4, True
+        inp = decode.make_inputs(decode.Case(16, "uniform2k", 8, 2, 64), seed=3, device="cpu")
+        n = torch.diff(inp.qo_indptr)
+        assert inp.q.shape[0] == int(inp.qo_indptr[-1]) and n.min() >= 1 and n.max() <= 4 and len(set(n.tolist())) > 1
+        out, _ = decode.reference(inp)
+        assert out.shape == inp.q.shape
+        assert torch.equal(decode.last_tokens(inp.q, inp.qo_indptr), inp.q[inp.qo_indptr[1:].long() - 1])
+        assert decode.skip_reason("fi-tc", inp.case, inp.table, None) is not None
+    finally:
+        decode.Q_LEN[0], decode.RAGGED[0] = 1, False
