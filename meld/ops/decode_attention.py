@@ -159,7 +159,9 @@ class DecodeAttention(PagedDecode):
             prefill layout: request b's tokens are q's rows qo_indptr[b] .. qo_indptr[b + 1], q and out
             [qo_indptr[-1], num_qo_heads, head_dim]); token j of a request of n_b new tokens attends to keys
             0 .. kv_len - n_b + j. A kernel of its own (n's, its rows read from the planned qo_indptr): a request's
-            missing tokens cost tensor-core rows but no KV bytes.
+            missing tokens cost tensor-core rows but no KV bytes. A captured run() replays later plans' qo_indptr as
+            it does their page tables, reading and writing their first qo_indptr[-1] rows from the addresses of the
+            q and out it was captured with (capture views of buffers that hold the most rows).
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
