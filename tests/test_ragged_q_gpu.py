@@ -124,3 +124,6 @@ def test_cuda_graph_replay_across_replans(q_len):
         assert out[rows:].isnan().all() and lse[rows:].isnan().all(), "rows past qo_indptr[-1] were written"
         assert _error(out[:rows], ref) < 1e-2
         assert (lse[:rows].double() - ref_lse).abs().max().item() < 2e-3
+    p, qo = plans[0]
+    with torch.cuda.graph(torch.cuda.CUDAGraph()), pytest.raises(RuntimeError, match="cannot be captured"):
+        attn.plan(p.kv_indptr, p.kv_indices, p.kv_last_page_len, qo_indptr=qo)   # (it reads qo_indptr on the host)

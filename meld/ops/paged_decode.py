@@ -318,6 +318,9 @@ class PagedDecode(Operator):
         if qo_indptr is None:
             raise ValueError(f"qo_indptr is required: this operator is ragged (request b's 1 to q_len={self.q_len} "
                              "new tokens are q's rows qo_indptr[b] .. qo_indptr[b + 1])")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a ragged operator's plan() reads qo_indptr on the host and copies it: it cannot be "
+                               "captured in a CUDA graph (capture run(), which replays later plans)")
         qo_indptr = plain(qo_indptr)
         expect("qo_indptr", qo_indptr, torch.int32, (B + 1,), "B + 1 offsets, B = len(kv_indptr) - 1")
         if qo_indptr.device.type != "cpu" and not same_device(qo_indptr.device, self.device):
