@@ -115,21 +115,24 @@ def test_relay_gathers_its_nodes_data_into_one_rail_stream():
 
 
 def _signalled_blocks(tr, n=1500, seed=0):
-    """Every rank puts a block of n values to every other, then a signal behind it. Each rank waits for each
-    signal and reads the block at the instant the signal lands (under the transport's lock): the blocks whose
-    data was not all there."""
+    """Every rank puts a block of n values to every other, then a signal behind it, all issued at one modelled
+    instant (`hold`: the schedule is the transport's, not the threads' timing). Each rank waits for each signal
+    and reads the block at the instant the signal lands (under the transport's lock): the blocks whose data was
+    not all there."""
     W = tr.world
     rng = np.random.default_rng(seed)
     vals = rng.standard_normal((W, n))
     tr.window("blk", (W, n), np.float64, np.nan)
     tr.window("sig", (W,), np.int64, 0)
     early = []
+    with tr.hold():
+        for r in range(W):
+            for d in range(W):
+                if d != r:
+                    tr.put(r, d, "blk", r, vals[r])
+                    tr.signal(r, d, "sig", r, 1)
 
     def main(r):
-        for d in range(W):
-            if d != r:
-                tr.put(r, d, "blk", r, vals[r])
-                tr.signal(r, d, "sig", r, 1)
         for s in range(W):
             if s != r:
                 seen = tr.wait_for(r, lambda: tr.get(r, r, "blk", s) if tr.get(r, r, "sig", s) else None, "signal")
