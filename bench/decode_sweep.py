@@ -6,10 +6,15 @@ in bench/decode.py; every variant runs on the same inputs in one process, timed 
 CUDA-graph replay timer.
 
     PYTHONPATH=$PWD python3 bench/decode_sweep.py [--batch 64 256] [--json $OUT/sweep.json]
+
+`--q-len N` (N > 1) sweeps the multi-token builds instead (Hq 32 / Hkv 8: 4 N rows a kv head; the 32-row variants
+apply at N 5-8): 16-row units (two KV reads at N 8), and 32-row units of four, six and eight warps merging all
+rows at once or 8 or 16 rows a pass (`DecodeKernelConfig.merge_rows`); the shipped default is `default`.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import meld  # noqa: E402
-from bench.decode import BATCHES, DISTS, PAGE_SIZE, Case, Inputs, make_inputs  # noqa: E402
+from bench.decode import BATCHES, DISTS, PAGE_SIZE, Q_LEN, Case, Inputs, make_inputs  # noqa: E402
 from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
@@ -29,6 +34,26 @@ VARIANTS = {  # name: (warps, stages, cost, TMA rings); o = item overhead tokens
     "o128 tma": (8, 2, DecodeCost(), True),
     "o128 tma s3": (8, 3, DecodeCost(), True),
 }
+
+# --q-len N: name -> DecodeKernelConfig fields over the default multi-token build (swept as "default" beside them)
+MULTI_VARIANTS = {
+    "h16": dict(heads_per_unit=16, num_warps=8, num_stages=2, merge_rows=0),
+    "h32 w4": dict(heads_per_unit=32, num_warps=4, num_stages=2, merge_rows=0),
+    "h32 w6 m16": dict(heads_per_unit=32, num_warps=6, num_stages=2, merge_rows=16),
+    "h32 w6 m8": dict(heads_per_unit=32, num_warps=6, num_stages=2, merge_rows=8),
+}
+
+
+def multi_token_configs(q_len: int) -> dict[str, DecodeKernelConfig]:
+    """The --q-len sweep's builds: 32-row variants only where a kv head has more than 16 rows, and none that is
+    the default again."""
+    base = DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q_len)
+    out = {"default": base}
+    for name, fields in MULTI_VARIANTS.items():
+        cfg = dataclasses.replace(base, **fields)
+        if cfg != base and (fields.get("heads_per_unit") != 32 or 4 * q_len > 16):
+            out[name] = cfg
+    return out
 
 
 def time_variants(attns: dict[str, meld.DecodeAttention], inp: Inputs) -> dict[str, float]:
@@ -52,20 +77,26 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--json", type=Path)
+    p.add_argument("--q-len", type=int, default=1, choices=range(1, 9), help="new tokens per request (module doc)")
     args = p.parse_args()
-    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", cost=cost,
-                                        kernel_config=DecodeKernelConfig("bfloat16", 128, w, s, tma=tma))
-             for name, (w, s, cost, tma) in VARIANTS.items()}
+    Q_LEN[0] = args.q_len   # (make_inputs draws q for B * q_len rows)
+    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len,
+                                        kernel_config=cfg)
+             for name, cfg in multi_token_configs(args.q_len).items()} if args.q_len > 1 else {
+        name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", cost=cost,
+                                   kernel_config=DecodeKernelConfig("bfloat16", 128, w, s, tma=tma))
+        for name, (w, s, cost, tma) in VARIANTS.items()}
+    names = list(attns)
     print("env: " + ", ".join(f"{k}={v}" for k, v in env_info().items()))
     print("CTAs/SM: " + ", ".join(f"{k} {a.topology.ctas_per_sm}" for k, a in attns.items()), flush=True)
-    table = Table([Column("case", "case", align="<")] + [Column(k, f"{k} µs", ".1f") for k in VARIANTS]
+    table = Table([Column("case", "case", align="<")] + [Column(k, f"{k} µs", ".1f") for k in names]
                   + [Column("best", "best", align="<")])
     for b in args.batch:
         for dist in DISTS:
             row = {"case": f"B={b} {dist}", **time_variants(attns, make_inputs(Case(b, dist)))}
-            row["best"] = min(VARIANTS, key=lambda k: row[k])
+            row["best"] = min(names, key=lambda k: row[k])
             table.add(row)
-            print(f"  {row['case']}: " + ", ".join(f"{k} {row[k]:.1f}" for k in VARIANTS), flush=True)
+            print(f"  {row['case']}: " + ", ".join(f"{k} {row[k]:.1f}" for k in names), flush=True)
     table.print()
     if args.json:
         table.dump_json(args.json, env=env_info())

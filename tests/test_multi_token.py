@@ -148,6 +148,20 @@ def test_32_row_units_merge_in_passes_that_fit():
     assert DecodeKernelConfig.default("bfloat16", 128, group_size=4).merge_rows == 0   # one token: one pass
 
 
+@pytest.mark.parametrize("q_len", [4, 8])
+def test_decode_sweep_multi_token_variants_are_valid_distinct_builds(q_len):
+    """bench/decode_sweep.py --q-len: every variant a build the operator takes, no two the same, the default among
+    them, and 32-row ones only where a kv head has more than 16 rows."""
+    from bench.decode_sweep import multi_token_configs
+
+    cfgs = multi_token_configs(q_len)
+    assert len({c.name for c in cfgs.values()}) == len(cfgs)
+    assert cfgs["default"] == DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q_len)
+    assert all(c.heads_per_unit <= 16 for c in cfgs.values()) == (q_len == 4)
+    for cfg in cfgs.values():
+        meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu", q_len=q_len, kernel_config=cfg)
+
+
 @pytest.mark.parametrize("cfg", BUILDS, ids=lambda c: c.name)
 def test_q_len_builds_compile_for_sm90a(cfg):
     cubin, log = nvcc(cfg.render(), cfg.name)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 from dataclasses import dataclass
+from typing import Optional
 
 from ..ir.work_table import CTA_TABLE
 from ..runtime.profile import kind_defines
