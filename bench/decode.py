@@ -20,6 +20,9 @@ arange * N (`fi-prefill`); speedup is over the faster of the two. `meld-q1` time
 batch (each request's last token; the same KV bytes), and `q/q1` = meld µs / meld-q1 µs is what the extra rows cost.
 `meld-h16` times meld's build with 16-row units (heads_per_unit=16), which reads a kv head's KV once per 16 rows;
 h16/meld = meld-h16 µs / meld µs (> 1: the default is faster; the default takes 32-row units above 16 rows).
+`--ragged` (with --q-len N) draws each request's new tokens n_b from 1..N (uniformly, from --seed): q has Σn_b rows
+and meld runs `DecodeAttention(q_len=N, ragged=True)` with that qo_indptr, FlashInfer its batch prefill with the
+same qo_indptr (`fi-tc` takes one q_len_per_req and is skipped); meld-q1 times each request's last token.
 
 FlashInfer JIT-compiles each kernel family with nvcc on first use (~40 s each: the CUDA-core decode module
 and the tensor-core (prefill) module, per head_dim), so a fresh machine spends ~2-3 min compiling before the
@@ -73,6 +76,7 @@ MELD_OPTIONS: dict[str, Any] = {}  # extra DecodeAttention arguments (--cluster-
 KV_LAYOUT = ["NHD"]  # --kv-layout: the cache layout meld and FlashInfer read (the reference keeps NHD)
 KV_FP8: list[Optional[torch.dtype]] = [None]   # --kv-dtype fp8 / e5m2: the FP8 cache meld and FlashInfer read
 Q_LEN = [1]          # --q-len: new tokens per request (q rows B * q_len)
+RAGGED = [False]     # --ragged: 1..q_len new tokens per request, drawn per case
 
 
 # ------------------------------------------------------------------------------------------- workloads
@@ -148,7 +152,8 @@ class Inputs:
 
     case: Case
     table: PageTable
-    q: torch.Tensor  # [B * q_len, Hq, D]: request b's new tokens at rows b * q_len ... (--q-len)
+    q: torch.Tensor  # [qo_indptr[-1], Hq, D]: request b's new tokens at rows qo_indptr[b] ... (--q-len, --ragged)
+    qo_indptr: torch.Tensor  # [B + 1] int32 on the host: arange * q_len, or (--ragged) the drawn tokens' offsets
     kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D], NHD; exactly the pages the table uses (fp8: the
                             # values the FP8 cache stands for, exactly: its scales are powers of two)
     kv_run: torch.Tensor  # the same cache in --kv-layout (HND: [num_pages, 2, Hkv, page_size, D]), as timed
@@ -169,10 +174,18 @@ def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     return (x / scale).to(KV_FP8[0]), scale
 
 
+def qo_offsets(batch: int, seed: int) -> torch.Tensor:
+    """FlashInfer's qo_indptr of the case: q_len new tokens per request, or (--ragged) 1..q_len drawn per request."""
+    tokens = torch.randint(1, Q_LEN[0] + 1, (batch,), generator=torch.Generator().manual_seed(seed)) if RAGGED[0] \
+        else torch.full((batch,), Q_LEN[0])
+    return torch.cat([torch.zeros(1, dtype=torch.int32), tokens.cumsum(0).int()])
+
+
 def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
     table = page_table(request_lengths(case.dist, case.batch), PAGE_SIZE, seed)
+    qo = qo_offsets(case.batch, seed)
     g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(case.batch * Q_LEN[0], case.num_qo_heads, case.head_dim, generator=g, dtype=DTYPE, device=device)
+    q = torch.randn(int(qo[-1]), case.num_qo_heads, case.head_dim, generator=g, dtype=DTYPE, device=device)
     kv = torch.randn(table.num_pages, 2, PAGE_SIZE, case.num_kv_heads, case.head_dim, generator=g, dtype=DTYPE,
                      device=device)
     fp8 = {}
@@ -182,7 +195,7 @@ def make_inputs(case: Case, seed: int = 0, device: str = "cuda") -> Inputs:
         kv = torch.stack([k8.to(DTYPE) * k_scale, v8.to(DTYPE) * v_scale], dim=1)
         fp8 = dict(kv_fp8=kv8 if KV_LAYOUT[0] == "NHD" else kv8.transpose(2, 3).contiguous(), k_scale=k_scale,
                    v_scale=v_scale)
-    return Inputs(case, table, q, kv, kv if KV_LAYOUT[0] == "NHD" else kv.transpose(2, 3).contiguous(), **fp8)
+    return Inputs(case, table, q, qo, kv, kv if KV_LAYOUT[0] == "NHD" else kv.transpose(2, 3).contiguous(), **fp8)
 
 
 def kv_cache_mib(case: Case, table: PageTable) -> float:
@@ -198,19 +211,19 @@ def sdpa_padded_gib(case: Case, table: PageTable) -> float:
 
 def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention over each request's pages (`meld.runtime.reference.attention_reference`, causal among
-    the --q-len new tokens): out [B * q_len, Hq, D] and lse [B * q_len, Hq] (natural log). One request at a time
+    the --q-len new tokens): out [qo_indptr[-1], Hq, D] and lse [qo_indptr[-1], Hq] (natural log). One request at a time
     keeps the float64 copies of K and V small (<= 1 GiB for a 65536-token request)."""
     from meld.runtime.reference import attention_reference
 
     t, dev = inp.table, inp.q.device
     return attention_reference(inp.q, inp.kv_cache, t.indptr.to(dev), t.indices.to(dev), t.last_page_len.to(dev),
-                               q_len=Q_LEN[0])
+                               q_len=Q_LEN[0], qo_indptr=inp.qo_indptr if RAGGED[0] else None)
 
 
-def last_tokens(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """The rows of each request's last new token of a [B * q_len, ...] tensor: what a q_len = 1 decode of the same
-    batch computes (that token sees every key)."""
-    return x.view(batch, Q_LEN[0], *x.shape[1:])[:, -1].contiguous()
+def last_tokens(x: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:
+    """The rows of each request's last new token of a [qo_indptr[-1], ...] tensor: what a q_len = 1 decode of the
+    same batch computes (that token sees every key)."""
+    return x[qo_indptr[1:].long().to(x.device) - 1].contiguous()
 
 
 
@@ -228,10 +241,11 @@ def build_meld(inp: Inputs, fp8: bool, one_token: bool = False, bf16_math: bool 
 
     c, t = inp.case, inp.table
     q_len = 1 if one_token else Q_LEN[0]
-    q = last_tokens(inp.q, c.batch) if one_token else inp.q
+    q = last_tokens(inp.q, inp.qo_indptr) if one_token else inp.q
+    ragged = RAGGED[0] and not one_token
     op = dict(num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=PAGE_SIZE,
               dtype=DTYPE, kv_layout=KV_LAYOUT[0], kv_dtype=KV_FP8[0] if fp8 else None, max_batch_size=c.batch,
-              max_num_pages=t.num_pages, q_len=q_len, **MELD_OPTIONS)
+              max_num_pages=t.num_pages, q_len=q_len, ragged=ragged, **MELD_OPTIONS)
     if bf16_math:
         built = meld.DecodeAttention(device="cpu", **op).kernel_config
         op["kernel_config"] = dataclasses.replace(built, fp8_math="")
@@ -241,14 +255,17 @@ def build_meld(inp: Inputs, fp8: bool, one_token: bool = False, bf16_math: bool 
         b = meld.DecodeAttention(device="cpu", **op).kernel_config
         op["kernel_config"] = DecodeKernelConfig.default(
             b.dtype, b.head_dim, onchip_merge=b.onchip_merge, group_size=c.num_qo_heads // c.num_kv_heads,
-            batch_invariant=b.batch_invariant, kv_dtype=b.kv_dtype, variant=b.variant, q_len=q_len, heads_per_unit=16)
+            batch_invariant=b.batch_invariant, kv_dtype=b.kv_dtype, variant=b.variant, q_len=q_len, heads_per_unit=16,
+            ragged_q=ragged)
     t0 = time.perf_counter()
     attn = meld.DecodeAttention(device=str(inp.q.device), **op)
     init_us = (time.perf_counter() - t0) * 1e6
     cache, scales = (inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if fp8 else (inp.kv_run, {})
 
+    qo = dict(qo_indptr=inp.qo_indptr) if ragged else {}
+
     def plan() -> None:
-        attn.plan(t.indptr, t.indices, t.last_page_len)
+        attn.plan(t.indptr, t.indices, t.last_page_len, **qo)
 
     first = host_time_us(plan, reps=1, min_reps=1)  # may include compilation
     timing = host_time_us(plan, reps=200)  # the last of these calls is the plan that is run and captured
@@ -304,7 +321,8 @@ def build_flashinfer(inp: Inputs, tensor_cores: bool) -> Impl:
 
 def build_flashinfer_prefill(inp: Inputs) -> Impl:
     """FlashInfer 0.6.18 `BatchPrefillWithPagedKVCacheWrapper` (its default backend) on the --q-len new tokens of
-    each request, causal (qo_indptr = arange * q_len: the new tokens are the last of each request's keys), in
+    each request, causal (qo_indptr = arange * q_len, or --ragged's: the new tokens are the last of each request's
+    keys), in
     CUDA-graph mode (fixed buffers); with --kv-dtype fp8/e5m2 on the FP8 cache."""
     import flashinfer
 
@@ -314,7 +332,7 @@ def build_flashinfer_prefill(inp: Inputs) -> Impl:
         torch.zeros(FI_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), kv_layout=KV_LAYOUT[0], use_cuda_graph=True,
         qo_indptr_buf=torch.empty(c.batch + 1, **ints), paged_kv_indptr_buf=torch.empty(c.batch + 1, **ints),
         paged_kv_indices_buf=torch.empty(t.num_pages, **ints), paged_kv_last_page_len_buf=torch.empty(c.batch, **ints))
-    qo_indptr = torch.arange(c.batch + 1, dtype=torch.int32) * Q_LEN[0]
+    qo_indptr = inp.qo_indptr
     fp8 = inp.kv_fp8 is not None
     cache, scales = (inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if fp8 else (inp.kv_run, {})
 
@@ -388,6 +406,8 @@ def skip_reason(name: str, case: Case, table: PageTable, args: argparse.Namespac
         return f"meld itself reads the bf16 cache ({name} is for --kv-dtype fp8 or e5m2)"
     if name in ("meld-q1", "fi-prefill", "meld-h16") and Q_LEN[0] == 1:
         return f"{name} is for --q-len > 1"
+    if name == "fi-tc" and RAGGED[0]:
+        return "fi-tc takes one q_len_per_req for the batch (--ragged)"
     if name in ("fi-fa2", "sdpa") and Q_LEN[0] > 1:
         return f"{name} decodes one token per request (--q-len {Q_LEN[0]})"
     if name == "fi-fa2" and group not in FA2_GROUP_SIZES:
@@ -479,6 +499,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--q-len", type=int, choices=range(1, 9), default=1, metavar="N",
                    help="new tokens per request, 1-8 (causal among themselves): meld against FlashInfer's tensor-core "
                         "decode (q_len_per_req) and causal batch prefill, and meld's q_len = 1 time (meld-q1)")
+    p.add_argument("--ragged", action="store_true",
+                   help="with --q-len N: 1..N new tokens per request, drawn per request (meld's ragged build, "
+                        "FlashInfer's batch prefill with that qo_indptr)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", help="git commit to record when the repo's .git is not at hand")
     p.add_argument("--json", type=Path, help="write env, ceilings and every row here (rewritten after each case)")
@@ -490,6 +513,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.batch = args.batch or list(BATCHES)
     args.dist = args.dist or list(DISTS)
     args.reps = timed_reps(args.reps, args.quick)
+    if args.ragged and args.q_len == 1:
+        p.error("--ragged needs --q-len 2 to 8 (the most new tokens a request has)")
     return args
 
 
@@ -528,6 +553,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     KV_LAYOUT[0] = args.kv_layout
     KV_FP8[0] = {"fp8": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(args.kv_dtype)
     Q_LEN[0] = args.q_len
+    RAGGED[0] = args.ragged
     cases = select_cases(args.batch, args.dist, extra=not args.no_extra, head_dim=args.head_dim)
     if args.dry_run:
         dry_run(cases, args)
@@ -541,6 +567,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env["kv_layout"] = args.kv_layout
     env["kv_dtype"] = args.kv_dtype
     env["q_len"] = args.q_len
+    env["ragged"] = args.ragged
     failures: list[str] = []
     args.impls = preflight(args.impls, env, failures)
     print(env_line(env), flush=True)
@@ -555,7 +582,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{i}/{len(cases)}] {case.name}: Σlen {sum(inp.table.lengths)}, max {max(inp.table.lengths)}, "
               f"KV cache {kv_cache_mib(case, inp.table):.0f} MiB", flush=True)
         ref = reference(inp)
-        refs = {"meld-q1": tuple(last_tokens(x, case.batch) for x in ref)}   # (q_len = 1 on the last tokens)
+        refs = {"meld-q1": tuple(last_tokens(x, inp.qo_indptr) for x in ref)}   # (q_len = 1 on the last tokens)
         results: dict[str, dict[str, Any]] = {}
         for name in args.impls:
             skip = skip_reason(name, case, inp.table, args)

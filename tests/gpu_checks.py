@@ -34,29 +34,35 @@ def layout(kv_nhd: torch.Tensor, kv_layout: str) -> torch.Tensor:
     return kv_nhd if kv_layout == "NHD" else kv_nhd.transpose(2, 3).contiguous()
 
 
-def check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=torch.bfloat16, lens=None, **op):
+def check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=torch.bfloat16, lens=None, tokens=None,
+          **op):
     """Plan and run a batch (outputs poisoned first) and check it: no NaN, every grid's output visible
     to the stream's next work, relative error < 1e-2 against float64, lse, empty requests, and two runs
-    bit-identical (op's q_len: that many causal query rows per request). Returns the operator."""
+    bit-identical (op's q_len: that many causal query rows per request; with `tokens`, a ragged operator's new
+    tokens per request, planned as its qo_indptr). Returns the operator."""
     lens = lens if lens is not None else lengths(dist, B)
     pb = paged(lens, page_size)
     Hq = num_kv_heads * group
     dev = "cuda"
     q_len = op.get("q_len", 1)
+    per = torch.tensor(tokens if tokens is not None else [q_len] * len(lens))
+    qo = torch.cat([torch.zeros(1, dtype=torch.int32), per.cumsum(0).int()])
+    ragged = dict(qo_indptr=qo) if tokens is not None else {}
+    rows = int(qo[-1])
     kv = torch.randn(pb.num_pages, 2, page_size, num_kv_heads, head_dim, device=dev).to(dtype)
-    q = torch.randn(len(lens) * q_len, Hq, head_dim, device=dev).to(dtype)
+    q = torch.randn(rows, Hq, head_dim, device=dev).to(dtype)
     attn = meld.DecodeAttention(Hq, num_kv_heads, head_dim, page_size, dtype, dev, **op)
-    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, **ragged)
     assert_gpu_plan_matches_host(attn)
     cache = layout(kv, attn.kv_layout)
-    out = torch.full((len(lens) * q_len, Hq, head_dim), float("nan"), dtype=dtype, device=dev)
-    lse = torch.full((len(lens) * q_len, Hq), float("nan"), device=dev)
+    out = torch.full((rows, Hq, head_dim), float("nan"), dtype=dtype, device=dev)
+    lse = torch.full((rows, Hq), float("nan"), device=dev)
     attn.run(q, cache, out=out, lse=lse)
     snap = out.clone()   # the stream's next work: it must see every grid's output (no NaN left)
     out2, lse2 = attn.run(q, cache, return_lse=True)
     torch.cuda.synchronize()
     ref, ref_lse = attention_reference(q, kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev),
-                                       q_len=q_len)
+                                       q_len=q_len, **ragged)
     assert not out.isnan().any(), "unwritten or NaN output elements"
     assert torch.equal(snap, out), "work queued after run() ran before every grid had finished"
     assert not lse.isnan().any(), "unwritten or NaN lse elements"
@@ -66,6 +72,6 @@ def check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=to
     assert torch.equal(torch.isfinite(lse), finite), "lse = -inf must mark exactly the empty requests"
     assert (lse.double() - ref_lse)[finite].abs().max().item() < 2e-3 if finite.any() else True
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "results differ between two identical runs: a race"
-    empty = torch.tensor([n == 0 for n in lens], device=dev).repeat_interleave(q_len)
+    empty = torch.tensor([n == 0 for n in lens], device=dev).repeat_interleave(per.to(dev))
     assert (out[empty] == 0).all(), "a request with no KV tokens must give zeros"
     return attn

@@ -62,6 +62,7 @@ VARIANTS = {
     "decode-softcap": "DecodeKernelConfig.default('bfloat16', 128, variant=DecodeVariant(50.0))",
     "decode-q4": "DecodeKernelConfig.default('bfloat16', 128, group_size=4, q_len=4)",
     "decode-q8-h32": "DecodeKernelConfig.default('bfloat16', 128, group_size=4, q_len=8)",
+    "decode-q8-h32-ragged": "DecodeKernelConfig.default('bfloat16', 128, group_size=4, q_len=8, ragged_q=True)",
     "decode-window-fp8-tma": "dataclasses.replace(DecodeKernelConfig.default('bfloat16', 128, "
                              "kv_dtype='float8_e4m3fn', variant=DecodeVariant(30.0, 1000)), tma=True)",
     "decode-rope-d64-fp16": "DecodeKernelConfig.default('float16', 64, variant=DecodeVariant(rope_theta=1e4))",

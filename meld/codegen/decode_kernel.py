@@ -121,6 +121,8 @@ class DecodeKernelConfig:
                                 # q is scaled into its range per row (MELD_Q_TO_F16; the template's header says how)
     merge_rows: int = 0         # rows the end-of-piece merge area holds (0: a unit's all), the warps' states merging in
                                 # heads_per_unit / merge_rows passes: a smaller area leaves room for more warps
+    ragged_q: bool = False      # requests of 1 .. q_len new tokens each, their rows from a qo_indptr table (MELD_RAGGED_Q;
+                                # the template's header says how)
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -161,6 +163,9 @@ class DecodeKernelConfig:
         if self.q_len > 1 and (self.xrank or self.variant.window_left >= 0 or self.variant.rope_theta):
             raise ValueError(f"q_len={self.q_len}: multi-token builds take no xrank, sliding window or RoPE (their "
                              "per-query key positions are the last token's)")
+        if not isinstance(self.ragged_q, bool) or (self.ragged_q and self.q_len == 1):
+            raise ValueError(f"ragged_q={self.ragged_q!r} with q_len={self.q_len}: expected a bool, True only with "
+                             "q_len > 1 (the most new tokens a request has)")
         if self.fp8_math not in ("", "f16"):
             raise ValueError(f"fp8_math={self.fp8_math!r}: expected '' (the dtype's MMA type) or 'f16'")
         if self.fp8_math and (not self.kv_dtype or self.dtype != "bfloat16"):
@@ -176,7 +181,7 @@ class DecodeKernelConfig:
     def default(dtype: str, head_dim: int, onchip_merge: bool = False, group_size: int = 1,
                 batch_invariant: bool = False, kv_dtype: str = "",
                 variant: DecodeVariant = DecodeVariant(), q_len: int = 1,
-                heads_per_unit: Optional[int] = None) -> "DecodeKernelConfig":
+                heads_per_unit: Optional[int] = None, ragged_q: bool = False) -> "DecodeKernelConfig":
         """Chosen by bench/decode_sweep.py (bench/RESULTS.md, "kernel configs and cost models"): one CTA
         of eight warps with two-stage rings per SM is the best, or close to it, at every batch size, and
         the fastest at small batches. head_dim 256 (not swept) takes four warps and three stages to fit
@@ -198,7 +203,8 @@ class DecodeKernelConfig:
         8 rows at a time (`merge_rows`), which leaves room for eight warps of two stages (six with the on-chip merge
         area): the rows' compute binds, and eight warps were the faster on every case timed (bench/RESULTS.md,
         2026-12-04).
-        `heads_per_unit` overrides the choice by rows (bench/decode.py's meld-h16 times the 16-row build)."""
+        `heads_per_unit` overrides the choice by rows (bench/decode.py's meld-h16 times the 16-row build). A ragged
+        build (`ragged_q`) is the uniform q_len build's with each request's rows read from qo_indptr."""
         fp8_math = "f16" if kv_dtype and dtype == "bfloat16" else ""
         rows = group_size * q_len
         heads = heads_per_unit or (8 if rows <= 8 else 16 if rows <= 16 or q_len == 1 or head_dim > 128 else 32)
@@ -213,21 +219,24 @@ class DecodeKernelConfig:
         if head_dim >= 256:
             return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=False,
                                       heads_per_unit=heads_per_unit or 8, batch_invariant=batch_invariant,
-                                      kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math)
+                                      kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math,
+                                      ragged_q=ragged_q)
         return DecodeKernelConfig(dtype, head_dim, warps, stages, onchip_merge=onchip_merge and not batch_invariant,
                                   heads_per_unit=heads, batch_invariant=batch_invariant,
                                   kv_dtype=kv_dtype, variant=variant, q_len=q_len, fp8_math=fp8_math,
-                                  merge_rows=merge_rows)
+                                  merge_rows=merge_rows, ragged_q=ragged_q)
 
     @staticmethod
     def of(low, *, onchip_merge: bool = False, batch_invariant: bool = False,
-           kv_dtype: str = "", variant: DecodeVariant = DecodeVariant(), q_len: int = 1) -> "DecodeKernelConfig":
+           kv_dtype: str = "", variant: DecodeVariant = DecodeVariant(), q_len: int = 1,
+           ragged_q: bool = False) -> "DecodeKernelConfig":
         """The default build (`default`) of a lowered decode graph (`meld.codegen.lowering.Lowering`): dtype,
         head_dim and group size from its attrs, a cross-rank build where its partials cross ranks."""
         a = low.attrs
         return dataclasses.replace(DecodeKernelConfig.default(
             a["dtype"], a["head_dim"], onchip_merge=onchip_merge, group_size=a["group_size"],
-            batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len), xrank=low.transport or "")
+            batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len, ragged_q=ragged_q),
+            xrank=low.transport or "")
 
     @property
     def name(self) -> str:
@@ -238,7 +247,7 @@ class DecodeKernelConfig:
                 + (f"_m{self.merge_rows}" if self.merge_rows and self.merge_rows < self.heads_per_unit else "")
                 + ("_dsm" if self.onchip_merge else "") + ("_tma" if self.tma else "")
                 + ("_f16m" if self.fp8_math else "")
-                + self.variant.suffix + (f"_q{self.q_len}" if self.q_len > 1 else "")
+                + self.variant.suffix + (f"_q{self.q_len}" if self.q_len > 1 else "") + ("r" if self.ragged_q else "")
                 + ("_inv" if self.batch_invariant else "") + {"": "", "peer": "_xr", "proxy": "_xp"}[self.xrank]
                 + ("_prof" if self.profile else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
@@ -291,6 +300,7 @@ class DecodeKernelConfig:
             f"#define MELD_KV_FP8 {_KV_BUILDS.index(self.kv_dtype)}",
             *self.variant.defines(self.head_dim),
             f"#define MELD_Q_LEN {self.q_len}",
+            f"#define MELD_RAGGED_Q {int(self.ragged_q)}",
         ])
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("xrank.cuh"),
                           self.params.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),

@@ -159,7 +159,9 @@ DECODE_FIELDS = [
 # FP8 caches: V's scale, on the output (MELD_KV_FP8 builds read it). Last in each struct, where it moves no
 # other field (tools/same_code.py: the 16-bit builds' code stays the same).
 V_SCALE = Field("v_scale", "f32")
-DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS, V_SCALE])
+# Ragged multi-token builds (MELD_RAGGED_Q): each request's q and output rows, FlashInfer's qo_indptr [B + 1] as
+# plan() copied it. After V_SCALE, for the same reason; not in the sequence-parallel struct (no multi-token builds).
+DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS, V_SCALE, Field("qo_indptr", "ptr", "const int*")])
 
 # Sequence-parallel builds (MELD_XRANK) read the same struct with the cross-rank edge's fields after it
 # (templates/decode_xrank.cuh).

@@ -155,6 +155,13 @@ class DecodeAttention(PagedDecode):
             kernel of its own per q_len; soft cap, FP8 and separate K/V caches, both layouts and batch
             invariance work with it, a sliding window and RoPE (whose key positions are the last token's) do
             not (ValueError).
+        ragged: with q_len = n > 1, requests of 1 to n new tokens each, as plan()'s qo_indptr gives them (FlashInfer's
+            prefill layout: request b's tokens are q's rows qo_indptr[b] .. qo_indptr[b + 1], q and out
+            [qo_indptr[-1], num_qo_heads, head_dim]); token j of a request of n_b new tokens attends to keys
+            0 .. kv_len - n_b + j. A kernel of its own (n's, its rows read from the planned qo_indptr): a request's
+            missing tokens cost tensor-core rows but no KV bytes. A captured run() replays later plans' qo_indptr as
+            it does their page tables, reading and writing their first qo_indptr[-1] rows from the addresses of the
+            q and out it was captured with (capture views of buffers that hold the most rows).
         max_batch_size, max_num_pages: capacities of the work tables (requests per plan, entries of
             kv_indices used by a plan). Each one given is a limit: a plan() beyond it raises ValueError.
             Give both when run() is captured in a CUDA graph: plans within them rewrite the tables in
@@ -207,7 +214,8 @@ class DecodeAttention(PagedDecode):
                  cost: DecodeCost | None = None, kernel_config: DecodeKernelConfig | None = None,
                  cluster_size: int = DEFAULT_CLUSTER_SIZE, batch_invariant: bool = False, overlap: bool = False,
                  logits_soft_cap: float | None = None, window_left: int = -1, pos_encoding_mode: str = "NONE",
-                 rope_scale: float | None = None, rope_theta: float | None = None, q_len: int = 1):
+                 rope_scale: float | None = None, rope_theta: float | None = None, q_len: int = 1,
+                 ragged: bool = False):
         num_qo_heads, num_kv_heads, page_size = (check_positive(name, v) for name, v in (
             ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)))
         if num_qo_heads % num_kv_heads:
@@ -233,6 +241,10 @@ class DecodeAttention(PagedDecode):
         if not is_int(q_len) or not 1 <= q_len <= MAX_Q_LEN:
             raise ValueError(f"q_len must be an int from 1 to {MAX_Q_LEN} (new tokens per request), got {q_len!r}")
         self.q_len = int(q_len)
+        if not isinstance(ragged, bool) or (ragged and self.q_len == 1):
+            raise ValueError(f"ragged must be True or False, True only with q_len > 1 (a request's most new tokens), "
+                             f"got ragged={ragged!r} with q_len={q_len!r}")
+        self.ragged = ragged
         if self.q_len > 1 and (self.variant.window_left >= 0 or self.variant.rope_theta):
             which = f"window_left={window_left!r}" if self.variant.window_left >= 0 else \
                 f"pos_encoding_mode={pos_encoding_mode!r}"
@@ -263,15 +275,18 @@ class DecodeAttention(PagedDecode):
         self.tuning = self._tuned(_DTYPES[dtype], self.shape_bucket) if cost is None and kernel_config is None else None
         built = self.lowering.kernel_config(onchip_merge=cluster_size > 1, batch_invariant=batch_invariant,
                                             kv_dtype=kv_build, variant=self.variant,
-                                            q_len=self.q_len)   # (xrank: the graph's transport)
+                                            q_len=self.q_len, ragged_q=ragged)   # (xrank: the graph's transport)
         self.kernel_config = kernel_config or self._tuned_config("kernel", built)
         kc, xrank = self.kernel_config, built.xrank
-        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant, kc.q_len) != (
-                built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype, built.variant, built.q_len):
+        if (kc.dtype, kc.head_dim, kc.batch_invariant, kc.xrank, kc.kv_dtype, kc.variant, kc.q_len, kc.ragged_q) != (
+                built.dtype, built.head_dim, built.batch_invariant, xrank, built.kv_dtype, built.variant, built.q_len,
+                ragged):
+            rg = (f", ragged_q={kc.ragged_q}", f", ragged={ragged}") if kc.ragged_q or ragged else ("", "")
             raise ValueError(f"kernel_config is for {kc.dtype}, head_dim {kc.head_dim}, batch_invariant="
                              f"{kc.batch_invariant}, xrank={kc.xrank!r}, {kc.variant}, q_len={kc.q_len}, kv_dtype="
-                             f"{kc.kv_dtype!r}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, batch_invariant="
-                             f"{batch_invariant}, {self.variant}, q_len={self.q_len}, kv_dtype={kv_build!r}, and its "
+                             f"{kc.kv_dtype!r}{rg[0]}; the operator is {_DTYPES[dtype]}, head_dim {head_dim}, "
+                             f"batch_invariant={batch_invariant}, {self.variant}, q_len={self.q_len}, kv_dtype="
+                             f"{kv_build!r}{rg[1]}, and its "
                              "graph's partials "
                              + (f"cross ranks by {xrank!r}" if xrank else "stay on one GPU (xrank='')"))
         self.heads_per_unit = self.kernel_config.heads_per_unit
@@ -307,7 +322,8 @@ class DecodeAttention(PagedDecode):
         return (f"Hq{self.num_qo_heads}/Hkv{self.num_kv_heads}/D{self.head_dim}/P{self.page_size}/C{self.cluster_size}"
                 + ("/invariant" if self.batch_invariant else "")
                 + (f"/kv-{KV_FP8[FP8[self.kv_dtype]]}" if self.kv_dtype in FP8 else "")
-                + self.variant.suffix.replace("_", "/") + (f"/q{self.q_len}" if self.q_len > 1 else ""))
+                + self.variant.suffix.replace("_", "/") + (f"/q{self.q_len}" if self.q_len > 1 else "")
+                + ("r" if self.ragged else ""))
 
     def _tuned_config(self, part: str, default):
         """`default` (a DecodeCost or DecodeKernelConfig) with the fields the tuning entry sets for `part`
@@ -346,8 +362,9 @@ class DecodeAttention(PagedDecode):
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size * self.q_len,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)
-            **{f.name: 0 for f in params_struct.fields if f.name.startswith("x")}))   # (the cross-rank edge's:
-                                                                                        # meld.distributed sets them)
+            # (the cross-rank edge's: meld.distributed sets them; a uniform build's qo_indptr, which it never reads)
+            **{f.name: 0 for f in params_struct.fields if f.name.startswith("x") or
+               f.name == "qo_indptr" and not self.ragged}))
 
     @property
     def _chunk(self) -> int:
@@ -360,12 +377,12 @@ class DecodeAttention(PagedDecode):
         """The cluster mix the planner places for: only where pieces in one cluster merge on chip."""
         return self.cluster_mix if self.kernel_config.onchip_merge and self.cluster_size > 1 else []
 
-    def _pages_read(self, kv_indptr, kv_indices, kv_last_page_len, check):
+    def _pages_read(self, kv_indptr, kv_indices, kv_last_page_len, check, qo=None):
         """With a sliding window, the table without the pages wholly before each request's window (checked
         first where plan() checks, so that its errors name the table given). With q_len > 1, where plan()
-        checks, every request must hold its q_len new tokens (`_check_new_tokens`)."""
+        checks, every request must hold its new tokens (`_check_new_tokens`)."""
         if check:
-            self._check_new_tokens(kv_indptr, kv_indices, kv_last_page_len)
+            self._check_new_tokens(kv_indptr, kv_indices, kv_last_page_len, qo)
         if self.variant.window_left < 0:
             return kv_indptr, kv_indices
         if check:
@@ -377,6 +394,8 @@ class DecodeAttention(PagedDecode):
 
     @property
     def _lse_meaning(self) -> str:
+        if self.ragged:
+            return "qo_indptr[-1] of the last plan(), num_qo_heads"
         return "batch, num_qo_heads" if self.q_len == 1 else f"batch * q_len (q_len={self.q_len}), num_qo_heads"
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
@@ -386,7 +405,8 @@ class DecodeAttention(PagedDecode):
 
         Args:
             q: [B, num_qo_heads, head_dim] (last dim contiguous); with q_len > 1, [B * q_len, num_qo_heads,
-                head_dim], request b's new token j at row b * q_len + j.
+                head_dim], request b's new token j at row b * q_len + j; ragged, [qo_indptr[-1], num_qo_heads,
+                head_dim], at row qo_indptr[b] + j (the last plan()'s qo_indptr).
             kv_cache: one tensor [num_pages, 2, page_size, num_kv_heads, head_dim] (NHD) or [num_pages, 2,
                 num_kv_heads, page_size, head_dim] (HND), as kv_layout says, whose [:, 0] is K and [:, 1] V;
                 or a tuple (k_cache, v_cache) of two tensors of one shape, [num_pages, page_size, num_kv_heads,
@@ -424,9 +444,14 @@ class DecodeAttention(PagedDecode):
 
     def _check_run(self, planned: _Planned, q: torch.Tensor, kv_cache: object, *, k_scale: object = 1.0,
                    v_scale: object = 1.0) -> tuple[tuple[int, int, int], dict[str, torch.Tensor], tuple]:
-        shape = (planned.batch * self.q_len, self.num_qo_heads, self.head_dim)
-        expect("q", q, self.dtype, shape, "batch of the last plan(), num_qo_heads, head_dim" if self.q_len == 1 else
-               f"batch of the last plan() x q_len={self.q_len}, num_qo_heads, head_dim", self.device)
+        if self.ragged:
+            shape = (int(planned.qo_indptr[-1]), self.num_qo_heads, self.head_dim)
+            meaning = "qo_indptr[-1] of the last plan(), num_qo_heads, head_dim"
+        else:
+            shape = (planned.batch * self.q_len, self.num_qo_heads, self.head_dim)
+            meaning = "batch of the last plan(), num_qo_heads, head_dim" if self.q_len == 1 else \
+                f"batch of the last plan() x q_len={self.q_len}, num_qo_heads, head_dim"
+        expect("q", q, self.dtype, shape, meaning, self.device)
         kv = self._check_kv_cache(kv_cache, planned, k_scale, v_scale)
         return shape, {"q": q, **kv.tensors}, (q, kv)
 
@@ -557,4 +582,4 @@ class DecodeAttention(PagedDecode):
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         return self.lowering.executor(self.schedule, q, k, v, planned.kv_indices, self.sm_scale,
                                       self.lowering.combiner, k_scale=kv.k_scale, v_scale=kv.v_scale,
-                                      variant=self.variant, q_len=self.q_len)
+                                      variant=self.variant, q_len=self.q_len, qo_indptr=planned.qo_indptr)

@@ -48,6 +48,7 @@ class _Planned:
     last: np.ndarray | torch.Tensor
     max_page: int                       # largest page index; -1: none, or not known (check=False)
     kv_indices: torch.Tensor | None     # the CPU executor's page indices
+    qo_indptr: np.ndarray | None = None  # a ragged operator's qo_indptr as planned (`PagedDecode._qo_table`)
 
 
 _DEFAULT_CAPACITY = {"batch": 64, "pages": 4096}   # of the buffers made before the first plan() when none is given
@@ -67,6 +68,7 @@ class _Buffers:
     prof_clock: torch.Tensor | None     # sampled profiles: the launch number and the exit tickets
     plan_params: ctypes.Structure
     launcher: object                    # meld.runtime.driver.PersistentLaunch
+    qo_indptr: torch.Tensor | None      # a ragged operator's qo_indptr as the kernel reads it ([batch + 1] int32)
 
 
 class UnitNames:
@@ -103,6 +105,7 @@ class PagedDecode(Operator):
     # templates/decode_plan.h, PLAN_TOKEN_REQUESTS); with 1, a unit's rows are (q head, token) pairs and the
     # planner's rows per kv head are group_size * q_len (DecodeAttention).
     token_requests = 1
+    ragged = False   # requests of 1 .. q_len new tokens, their rows given by plan()'s qo_indptr (DecodeAttention)
 
     def _init_plan_state(self, describe) -> None:
         self._unit_names = UnitNames(describe)   # what the watchdog registers (it must not hold the operator)
@@ -135,6 +138,7 @@ class PagedDecode(Operator):
         part_o = torch.empty(slots * self.heads_per_unit * self.partial_width, **f32)
         part_lse = torch.empty(slots * self.heads_per_unit, **f32)
         counters = torch.zeros(units, dtype=torch.int32, device=self.device)
+        qo = torch.zeros(caps["batch"] + 1, dtype=torch.int32, device=self.device) if self.ragged else None
         params = plan_params(   # one struct for every plan(): plan() sets the batch and the page table
             self.cost, self.page_size, self.units_per_request, W, self._chunk, self.token_requests, kv_indptr=0,
             last_page_len=0, kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
@@ -147,8 +151,9 @@ class PagedDecode(Operator):
         launcher = self._kernel_launch(t, dict(
             kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),
             cta_table=t.ptr(0), part_o=part_o.data_ptr(), part_lse=part_lse.data_ptr(), counters=counters.data_ptr(),
+            **({"qo_indptr": qo.data_ptr()} if qo is not None else {}),
             **self._header(prof, clock, prof_cap, self.profile_every, W)))
-        return _Buffers(caps, t, part_o, part_lse, counters, prof, clock, params, launcher)
+        return _Buffers(caps, t, part_o, part_lse, counters, prof, clock, params, launcher, qo)
 
     def _kernel_launch(self, tables, fields: dict[str, int]):
         """The kernel's `meld.runtime.driver.PersistentLaunch`, its parameters `fields` (the work tables',
@@ -245,7 +250,7 @@ class PagedDecode(Operator):
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-             *, check: bool = True) -> None:
+             *, check: bool = True, qo_indptr: torch.Tensor | None = None) -> None:
         """Plan a batch from FlashInfer's paged layout (int32 tensors, CPU or this op's device).
 
         Args:
@@ -256,6 +261,10 @@ class PagedDecode(Operator):
                 and never synchronise with the device. GPU inputs are planned on the GPU; checking them
                 reads them on the host (a synchronisation) — pass check=False to plan with no host
                 involvement at all (then plan() can itself be captured in a CUDA graph).
+            qo_indptr: a ragged operator's (and only its) [B + 1] int32 row offsets: request b's new tokens are q's
+                rows qo_indptr[b] .. qo_indptr[b + 1], 1 to q_len of them (FlashInfer's prefill layout). Always read
+                and checked on the host (on a GPU: a synchronisation) and copied to the table the kernel reads, so a
+                captured run() replays it with the plan.
         The schedule is at `self.schedule`. A plan() that raises changes nothing (MELD_DUMP_DIR is checked
         first; writing the schedule there after the plan is installed can only warn). Like FlashInfer's, the
         plan is written on torch's current stream: a run() on another stream must wait for it.
@@ -284,40 +293,77 @@ class PagedDecode(Operator):
                             ("kv_last_page_len", kv_last_page_len)):
                 if t.device.type != "cpu" and not same_device(t.device, self.device):
                     raise ValueError(f"{name} must be on the CPU or on {self.device}, got {t.device}")
-        kv_indptr, kv_indices = self._pages_read(kv_indptr, kv_indices, kv_last_page_len, check or on_host)
+        qo = self._qo_table(qo_indptr, B)
+        kv_indptr, kv_indices = self._pages_read(kv_indptr, kv_indices, kv_last_page_len, check or on_host, qo)
         if self.device.type == "cpu":
-            self._plan_cpu(B, kv_indptr, kv_indices, kv_last_page_len)
+            self._plan_cpu(B, kv_indptr, kv_indices, kv_last_page_len, qo)
         elif on_host:
-            self._plan_host(B, kv_indptr, kv_indices, kv_last_page_len)
+            self._plan_host(B, kv_indptr, kv_indices, kv_last_page_len, qo)
         else:
-            self._plan_device(B, kv_indptr, kv_indices, kv_last_page_len, check)
+            self._plan_device(B, kv_indptr, kv_indices, kv_last_page_len, check, qo)
         if dump is not None:   # the plan is installed: a dump that fails now (a full disk) only warns
             try:
                 config.dump(f"{self.graph.name}.schedule.json", self.schedule.to_json())
             except ValueError as e:
                 warnings.warn(f"{e}; the plan was installed, its schedule not dumped", RuntimeWarning, stacklevel=2)
 
+    def _qo_table(self, qo_indptr: object, B: int) -> np.ndarray | None:
+        """A ragged operator's qo_indptr (required) as a host copy, checked: int32, B + 1 offsets from 0, each
+        request 1 to q_len new tokens. Any other operator takes none (None)."""
+        if not self.ragged:
+            if qo_indptr is not None:
+                raise ValueError(f"qo_indptr is for ragged operators (DecodeAttention(..., q_len=n, ragged=True)); "
+                                 f"this one decodes q_len={self.q_len} new tokens for every request: pass none")
+            return None
+        if qo_indptr is None:
+            raise ValueError(f"qo_indptr is required: this operator is ragged (request b's 1 to q_len={self.q_len} "
+                             "new tokens are q's rows qo_indptr[b] .. qo_indptr[b + 1])")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a ragged operator's plan() reads qo_indptr on the host and copies it: it cannot be "
+                               "captured in a CUDA graph (capture run(), which replays later plans)")
+        qo_indptr = plain(qo_indptr)
+        expect("qo_indptr", qo_indptr, torch.int32, (B + 1,), "B + 1 offsets, B = len(kv_indptr) - 1")
+        if qo_indptr.device.type != "cpu" and not same_device(qo_indptr.device, self.device):
+            raise ValueError(f"qo_indptr must be on the CPU or on {self.device}, got {qo_indptr.device}")
+        qo = _host(qo_indptr).copy()
+        if qo[0] != 0:
+            raise ValueError(f"qo_indptr[0] must be 0, got {int(qo[0])}")
+        n = np.diff(qo.astype(np.int64))
+        bad = np.flatnonzero((n < 1) | (n > self.q_len))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"qo_indptr gives request {b} {int(n[b])} new tokens (qo_indptr[{b + 1}] - qo_indptr[{b}] "
+                             f"= {int(qo[b + 1])} - {int(qo[b])}): expected 1 to q_len={self.q_len}")
+        return qo
+
     def _pages_read(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-                    check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    check: bool, qo: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The page table the kernel reads of the one plan() was given (shapes and dtypes checked; its values too
-        when `check`, `_check_new_tokens` among them): the same here; an operator with a sliding window leaves out
-        the pages before it."""
+        when `check`, `_check_new_tokens` among them, with `qo`, a ragged plan's qo_indptr): the same here; an
+        operator with a sliding window leaves out the pages before it."""
         if check:
-            self._check_new_tokens(kv_indptr, kv_indices, kv_last_page_len)
+            self._check_new_tokens(kv_indptr, kv_indices, kv_last_page_len, qo)
         return kv_indptr, kv_indices
 
-    def _check_new_tokens(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                          kv_last_page_len: torch.Tensor) -> None:
-        """With q_len > 1, every request must hold its q_len new tokens (the page table checked first, so that its
-        errors name the entry; unchecked, a new token that sees no key gives zeros and lse -inf)."""
+    def _check_new_tokens(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                          qo: np.ndarray | None = None) -> None:
+        """With q_len > 1, every request must hold its new tokens, q_len or (ragged) those `qo` gives it (the page
+        table checked first, so that its errors name the entry; unchecked, a new token that sees no key gives zeros
+        and lse -inf)."""
         if self.q_len == 1:
             return
         indptr, last = _host(kv_indptr), _host(kv_last_page_len)
         check_page_table(indptr, last, kv_indices.numel(), self.page_size)
         lens = kv_lens(indptr, last, self.page_size)
-        short = np.flatnonzero(lens < self.q_len)
+        need = self.q_len if qo is None else np.diff(qo)
+        short = np.flatnonzero(lens < need)
         if short.size:
             i = int(short[0])
+            if qo is not None:
+                raise ValueError(f"kv_indptr and kv_last_page_len give request {i} {int(lens[i])} KV tokens, fewer "
+                                 f"than its {int(need[i])} new tokens in qo_indptr (qo_indptr[{i + 1}] - "
+                                 f"qo_indptr[{i}]): the cache must already hold them (token j of n attends to keys "
+                                 "0 .. kv_len - n + j)")
             raise ValueError(f"kv_indptr and kv_last_page_len give request {i} {int(lens[i])} KV tokens, fewer "
                              f"than q_len={self.q_len}: its first new tokens would attend to an empty KV range (the "
                              "cache must already hold each request's q_len new tokens; token j attends to keys "
@@ -332,6 +378,8 @@ class PagedDecode(Operator):
                                                      for t in (planned.indptr, planned.last)):
             rec.record(self.graph.name, self.shape_bucket, kv_lens(_host(planned.indptr), _host(planned.last),
                                                                    self.page_size))
+        if planned.qo_indptr is not None and self.device.type != "cpu":   # the table the kernel reads
+            (buf or self._buf).qo_indptr[:planned.batch + 1].copy_(torch.from_numpy(planned.qo_indptr), non_blocking=True)
         super()._commit(planned, buf)
         torch_fastcall.drop(self.handle)
         self._schedule = None
@@ -339,14 +387,14 @@ class PagedDecode(Operator):
                                      planned.batch * self.token_requests * self.units_per_request)
         self._plan_kernel_last = True
 
-    def _plan_cpu(self, B, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    def _plan_cpu(self, B, kv_indptr, kv_indices, kv_last_page_len, qo) -> None:
         indptr, last = kv_indptr.numpy(), kv_last_page_len.numpy()
         nnz = check_page_table(indptr, last, kv_indices.numel(), self.page_size)
         self._check_capacity(B, nnz)
         indices = kv_indices[:nnz].clone()
-        self._commit(_Planned(B, indptr.copy(), last.copy(), max_page(indices.numpy()), indices))
+        self._commit(_Planned(B, indptr.copy(), last.copy(), max_page(indices.numpy()), indices, qo))
 
-    def _plan_host(self, B, kv_indptr, kv_indices, kv_last_page_len) -> None:
+    def _plan_host(self, B, kv_indptr, kv_indices, kv_last_page_len, qo) -> None:
         """A page table on the host: validated and staged in pinned memory in one pass, then read from
         there by the GPU planner (one driver call, no wait for the device)."""
         indptr = kv_indptr.numpy()
@@ -379,9 +427,9 @@ class PagedDecode(Operator):
                              copy_ctas=-(-nnz // (4 * 4 * 1024)))
         # `schedule` replans from these views: this staging buffer is rewritten two plans later, when
         # `_planned` already points at the newer one.
-        self._commit(_Planned(B, raw[:B + 1], raw[B + 1:], top, None), buf)
+        self._commit(_Planned(B, raw[:B + 1], raw[B + 1:], top, None, qo), buf)
 
-    def _plan_device(self, B, kv_indptr, kv_indices, kv_last_page_len, check: bool) -> None:
+    def _plan_device(self, B, kv_indptr, kv_indices, kv_last_page_len, check: bool, qo) -> None:
         """A page table already on this GPU: device copies and the planner, no host staging; `check`
         reads it back to validate it first."""
         if check:
@@ -395,7 +443,7 @@ class PagedDecode(Operator):
         buf.tables.copy_from_device(*parts)
         raw = buf.tables.ptr(buf.tables.off_raw)
         self._launch_planner(buf, B, raw, raw + 4 * (B + 1), 0, 0, 0, copy_ctas=0)
-        self._commit(_Planned(B, kv_indptr, kv_last_page_len, top, None), buf)
+        self._commit(_Planned(B, kv_indptr, kv_last_page_len, top, None, qo), buf)
 
     def _launch_planner(self, buf: _Buffers, B: int, indptr: int, last: int, src_indices: int, flag: int,
                         seq: int, copy_ctas: int) -> None:

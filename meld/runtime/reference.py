@@ -60,7 +60,7 @@ def _state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, soft_cap: 
 def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    kv_indices: torch.Tensor, sm_scale: float, combiner: str = "online_softmax", *,
                    k_scale: float = 1.0, v_scale: float = 1.0, variant: DecodeVariant = DecodeVariant(),
-                   q_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   q_len: int = 1, qo_indptr: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Execute `schedule` on CPU tensors (k_cache and v_cache NHD [pages, page_size, Hkv, D], any strides: one
     cache's halves or two tensors), merging split units with `combiner` (the graph's). An FP8 cache is read as
     its exact values and dequantised where the kernel does it: k_scale multiplies the scores (with sm_scale)
@@ -70,8 +70,10 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v
     request's last token), as the kernel does. With q_len new tokens per request, q is [B * q_len, Hq, D], a
     request's tokens consecutive, and the schedule's rows are its (q head, token) pairs, head-major (its
     group_size is q heads per kv head x q_len, as the kernel's): token j of a request of kv_len keys sees keys
-    0 .. kv_len - q_len + j.
-    Returns (out [B * q_len, Hq, D] float64, lse [B * q_len, Hq] float64)."""
+    0 .. kv_len - q_len + j. A ragged batch's `qo_indptr` [B + 1] gives request b n_b = qo_indptr[b + 1] -
+    qo_indptr[b] of them at q's rows qo_indptr[b] ..: the schedule's rows are still q_len a q head, as the
+    kernel's, the missing tokens' rows zero and never written out; token j sees keys 0 .. kv_len - n_b + j.
+    Returns (out [B * q_len, Hq, D] float64, lse [B * q_len, Hq] float64; ragged, [qo_indptr[-1], ...])."""
     P = k_cache.shape[1]
     k64, v64 = k_cache.double().numpy(), v_cache.double().numpy()
 
@@ -79,11 +81,19 @@ def execute_decode(schedule: Schedule, q: torch.Tensor, k_cache: torch.Tensor, v
         return k64[pages, slots, kv_head], v64[pages, slots, kv_head]
 
     Hq, D = q.shape[1:]
+    tokens = None
+    if qo_indptr is not None:   # each request's tokens at its q_len rows' first n_b, the rest zero
+        tokens = np.diff(qo_indptr)
+        starts = np.repeat(qo_indptr[:-1].astype(np.int64), tokens)   # each q row's request's first row
+        at = torch.from_numpy(np.repeat(np.arange(len(tokens)) * q_len, tokens) + np.arange(len(starts)) - starts)
+        q = q.new_zeros(len(tokens) * q_len, Hq, D).index_copy_(0, at, q)
     rows = q.double().reshape(-1, q_len, Hq, D).transpose(1, 2).reshape(-1, Hq * q_len, D)   # row: head * q_len + j
     out, lse = _execute(schedule, rows.numpy(), kv, P, k_cache.shape[-1], kv_indices, sm_scale * k_scale,
-                        _softmax(combiner), variant, q_len)
+                        _softmax(combiner), variant, q_len, tokens)
     out = out.reshape(-1, Hq, q_len, D).transpose(1, 2).reshape(-1, Hq, D)
     lse = lse.reshape(-1, Hq, q_len).transpose(1, 2).reshape(-1, Hq)
+    if tokens is not None:
+        out, lse = out[at], lse[at]
     return (out if v_scale == 1.0 else out * v_scale), lse
 
 
@@ -115,10 +125,11 @@ def _softmax(name: str) -> Combiner:
 
 
 def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, kv_indices: torch.Tensor,
-             sm_scale: float, combiner: Combiner, variant: DecodeVariant = DecodeVariant(), q_len: int = 1
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             sm_scale: float, combiner: Combiner, variant: DecodeVariant = DecodeVariant(), q_len: int = 1,
+             tokens: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The walk both executors share: `kv(pages, slots, kv_head)` gives an item's keys and values; with q_len > 1
-    row r of a request is its new token r % q_len, which sees keys up to kv_len - q_len + r % q_len."""
+    row r of a request is its new token r % q_len, which sees keys up to kv_len - n + r % q_len, n the request's
+    new tokens: q_len, or a ragged batch's `tokens[b]`."""
     B, Hq, _ = q64.shape
     # NumPy, not torch: per-item matmuls are tiny and torch's CPU thread pool only adds overhead.
     indices = kv_indices.numpy()
@@ -140,7 +151,8 @@ def _execute(schedule: Schedule, q64: np.ndarray, kv, page_size: int, dv: int, k
             k = _rope(k, pos - (int(schedule.kv_len[b]) - 1), variant)
         seen = None
         if q_len > 1:
-            last = int(schedule.kv_len[b]) - q_len + (np.arange(h0, h0 + rows) % q_len)   # each row's last key
+            n = q_len if tokens is None else int(tokens[b])
+            last = int(schedule.kv_len[b]) - n + (np.arange(h0, h0 + rows) % q_len)   # each row's last key
             seen = pos[None, :] <= last[:, None]
         m, l, acc = _state(q64[b, h0:h0 + rows], k, v, sm_scale, variant.logits_soft_cap, seen)
         if slot < 0:
@@ -302,11 +314,13 @@ def _requests(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
 
 def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                         kv_last_page_len: torch.Tensor, sm_scale: float | None = None, q_len: int = 1,
-                        logits_soft_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        logits_soft_cap: float = 0.0, qo_indptr: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float64 paged decode attention, one request at a time (no schedule): the ground truth. With q_len
     new tokens per request, q is [B * q_len, Hq, D] (a request's tokens consecutive) and token j of a request of
     n tokens attends to keys 0 .. n - q_len + j (causal: the cache holds the new tokens); logits_soft_cap c > 0
-    caps each scaled score s to c tanh(s / c)."""
+    caps each scaled score s to c tanh(s / c). A ragged batch's `qo_indptr` [B + 1] puts request b's n_b new
+    tokens at q's rows qo_indptr[b] .. qo_indptr[b + 1] instead (token j attends to keys 0 .. n - n_b + j)."""
     T, Hq, D = q.shape
     _, _, P, Hkv, _ = kv_cache.shape
     G = Hq // Hkv
@@ -316,16 +330,17 @@ def attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, kv_indptr: torc
     for b, pages, n in _requests(kv_indptr, kv_indices, kv_last_page_len, P):
         k = kv_cache[pages, 0].reshape(-1, Hkv, D)[:n].double()       # [n, Hkv, D]
         v = kv_cache[pages, 1].reshape(-1, Hkv, D)[:n].double()
-        rows = slice(b * q_len, (b + 1) * q_len)
-        qb = q[rows].double().view(q_len, Hkv, G, D)
+        first, nb = (b * q_len, q_len) if qo_indptr is None else (int(qo_indptr[b]), int(qo_indptr[b + 1] - qo_indptr[b]))
+        rows = slice(first, first + nb)
+        qb = q[rows].double().view(nb, Hkv, G, D)
         s = torch.einsum("jhgd,nhd->jhgn", qb, k) * scale
         if logits_soft_cap:
             s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
-        if q_len > 1:   # token j's keys end at n - q_len + j
-            hidden = torch.arange(n, device=q.device) > (n - q_len + torch.arange(q_len, device=q.device))[:, None]
+        if nb > 1:   # token j's keys end at n - nb + j
+            hidden = torch.arange(n, device=q.device) > (n - nb + torch.arange(nb, device=q.device))[:, None]
             s = s.masked_fill(hidden[:, None, None, :], -math.inf)
-        lse[rows] = torch.logsumexp(s, dim=-1).reshape(q_len, Hq)
-        out[rows] = torch.einsum("jhgn,nhd->jhgd", torch.softmax(s, dim=-1), v).reshape(q_len, Hq, D)
+        lse[rows] = torch.logsumexp(s, dim=-1).reshape(nb, Hq)
+        out[rows] = torch.einsum("jhgn,nhd->jhgd", torch.softmax(s, dim=-1), v).reshape(nb, Hq, D)
     return out, lse
 
 

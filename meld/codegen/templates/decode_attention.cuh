@@ -114,6 +114,11 @@
 // p.group_size counts rows (q heads per kv head x Q_LEN) and a unit is up to HEADS such rows against one KV
 // stream, the rows of a single-token unit. Scores past a row's last visible key are masked as past a unit's end.
 // Q_LEN 1 compiles to the plain build's code.
+// MELD_RAGGED_Q builds take requests of n_b = 1 .. Q_LEN new tokens each (a ragged batch: speculative decoding's
+// drafts of different lengths): request b's tokens are q and out rows p.qo_indptr[b] .. p.qo_indptr[b + 1] (FlashInfer's
+// qo_indptr), token j < n_b sees keys 0 .. kv_len - n_b + j. The unit's row tiling stays Q_LEN tokens per q head (the
+// plan, units and partial slots are the uniform build's), so the rows of tokens j >= n_b load zero q, cost MMA rows
+// but no KV bytes, and are never stored.
 //
 // HEAD_DIM 512 builds (8-head units, two or four warps: meld/codegen/decode_kernel.py) keep each warp's O^T in registers (128
 // floats a lane) and Q's A fragments in shared memory instead (Q_SMEM: load_q writes the warp's copy, q_frag reads one
@@ -123,7 +128,7 @@
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, MELD_OUT_TYPE,
 // MELD_Q_TO_F16, HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
 // MELD_DEBUG_WITHHOLD, MELD_XRANK, MELD_KV_FP8, MELD_SOFT_CAP (MELD_SOFT_CAP_LOG2, MELD_SOFT_CAP_TWO),
-// MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), MELD_Q_LEN, DecodeParams.
+// MELD_WINDOW_LEFT, MELD_ROPE (MELD_ROPE_FPI0, MELD_ROPE_LOG2_STEP), MELD_Q_LEN, MELD_RAGGED_Q, DecodeParams.
 
 namespace meld {
 
@@ -194,6 +199,8 @@ constexpr float ROPE_KEY_SCALE = ROPE && KV_E5M2 && MELD_MMA_TYPE[0] == 'f' ? 0.
 constexpr int Q_LEN = MELD_Q_LEN;          // new tokens per request: a unit's row r is q head r / Q_LEN, token r % Q_LEN
 static_assert(Q_LEN >= 1 && Q_LEN <= 8, "1 to 8 new tokens per request");
 static_assert(Q_LEN == 1 || !(WINDOW || ROPE || MELD_XRANK), "multi-token builds take no window, RoPE or ranks");
+constexpr bool RAGGED = MELD_RAGGED_Q;     // each request's first q row and token count from p.qo_indptr
+static_assert(!RAGGED || Q_LEN > 1, "a ragged build's Q_LEN is its requests' most new tokens (> 1)");
 
 // MELD_SOFT_CAP: a log2-domain score x = sm_scale log2(e) q.k becomes c log2(e) tanh(x / (c log2(e))), written
 // with ex2 as c log2(e) (1 - 2 / (2^(2 x / c) + 1)): off by float rounding in absolute terms, where tanh.approx's
@@ -231,8 +238,20 @@ struct Unit {
   bool onchip;      // every piece ran in this cluster: merge through distributed shared memory
   int seg_end, k, k_first, k_last;   // MELD_CHUNKED: the unit's end in this segment; this chunk; its chunks here
   int xb, xpart, xparts, xowner;     // the batch request (its q and output row) and, MELD_XRANK, its part here
+#if MELD_RAGGED_Q
+  int q0, qn;       // the request's first q row and its new tokens
+#endif
   __device__ __forceinline__ int num_tiles() const { return (end - begin + TILE - 1) / TILE; }
 };
+
+// The q row of the unit's request's first new token, and its new tokens (MELD_RAGGED_Q: from p.qo_indptr).
+#if MELD_RAGGED_Q
+__device__ __forceinline__ int first_row(const Unit& x) { return x.q0; }
+__device__ __forceinline__ int new_tokens(const Unit& x) { return x.qn; }
+#else
+__device__ __forceinline__ int first_row(const Unit& x) { return x.xb * Q_LEN; }
+__device__ __forceinline__ int new_tokens(const Unit&) { return Q_LEN; }
+#endif
 
 struct MergeArea;
 #if MELD_XRANK   // the cross-rank combine edge of sequence-parallel builds: decode_xrank.cuh, rendered after this file
@@ -266,6 +285,10 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
   xrank_unit(p, x);
 #else
   x.xb = x.req;
+#endif
+#if MELD_RAGGED_Q
+  x.q0 = p.qo_indptr[x.xb];
+  x.qn = p.qo_indptr[x.xb + 1] - x.q0;
 #endif
   x.kv_head = hb / p.head_blocks;
   const int qb = hb - x.kv_head * p.head_blocks;
@@ -479,12 +502,15 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
     const int h = 8 * i + g;
     const int r = x.q_head + h;   // (Q_LEN > 1: the request's row, token r % Q_LEN of q head r / Q_LEN)
     const u16* q = Q_LEN == 1 ? p.q + x.xb * p.q_stride_b + (i64)(x.q_head + h) * p.q_stride_h + (KV_FP8 ? 4 : 2) * t
-                              : p.q + (x.xb * Q_LEN + r % Q_LEN) * p.q_stride_b + (i64)(r / Q_LEN) * p.q_stride_h +
-                                    (KV_FP8 ? 4 : 2) * t;
+                              : p.q + (first_row(x) + r % Q_LEN) * p.q_stride_b +
+                                    (i64)(r / Q_LEN) * p.q_stride_h + (KV_FP8 ? 4 : 2) * t;
+    // (MELD_RAGGED_Q: rows of tokens past the request's load zero q)
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
-      const u32 lo = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16) : 0u;
-      const u32 hi = h < x.rows ? *reinterpret_cast<const u32*>(q + ks * 16 + (KV_FP8 ? 2 : 8)) : 0u;
+      const u32 lo = h < x.rows && (!RAGGED || r % Q_LEN < new_tokens(x)) ? *reinterpret_cast<const u32*>(q + ks * 16)
+                                                                           : 0u;
+      const u32 hi = h < x.rows && (!RAGGED || r % Q_LEN < new_tokens(x))
+                         ? *reinterpret_cast<const u32*>(q + ks * 16 + (KV_FP8 ? 2 : 8)) : 0u;
       if (Q_SMEM) {
         st.qs[32 * (NT * ks + i) + lane] = make_uint2(lo, hi);
       } else {
@@ -765,11 +791,13 @@ __device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int 
   if (d == 0 && lse != nullptr) lse[row] = lse2 * kLn2;
 }
 
-// Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0 (MELD_XRANK: into the ranks' windows).
+// Four outputs (h, d..d+3) of a unit, and the head's lse when d == 0 (MELD_XRANK: into the ranks' windows;
+// MELD_RAGGED_Q: none for a token past the request's).
 __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x, int h, int d, float4 v, float lse2) {
   const int r = x.q_head + h;
+  if (RAGGED && r % Q_LEN >= new_tokens(x)) return;
   const i64 row = Q_LEN == 1 ? (i64)x.xb * p.num_qo_heads + x.q_head + h
-                             : ((i64)x.xb * Q_LEN + r % Q_LEN) * p.num_qo_heads + r / Q_LEN;
+                             : ((RAGGED ? (i64)first_row(x) : (i64)x.xb * Q_LEN) + r % Q_LEN) * p.num_qo_heads + r / Q_LEN;
 #if MELD_XRANK
   xrank_store4(p, x, row, h, d, v, lse2);
 #else
@@ -1000,7 +1028,8 @@ struct DecodeFamily {
             if (ROPE && !KV_FP8) rope_tile(s.ring + cs * STAGE_BYTES, rel0, lane);
             compute_tile(p, ws, s.ring + cs * STAGE_BYTES, min(TILE, x.end - x.begin - j * TILE),
                          WINDOW ? p.kv_len[x.req] - (x.begin + j * TILE) - 1 - WINDOW_LEFT : 0,
-                         Q_LEN > 1 ? p.kv_len[x.req] - (Q_LEN - 1) - (x.begin + j * TILE) : 0, x.q_head, rel0, lane);
+                         Q_LEN > 1 ? p.kv_len[x.req] - (new_tokens(x) - 1) - (x.begin + j * TILE) : 0,
+                         x.q_head, rel0, lane);
             cs = cs + 1 == STAGES ? 0 : cs + 1;
           }
 #if MELD_XRANK
