@@ -217,7 +217,8 @@ def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
 
     t, dev = inp.table, inp.q.device
     return attention_reference(inp.q, inp.kv_cache, t.indptr.to(dev), t.indices.to(dev), t.last_page_len.to(dev),
-                               q_len=Q_LEN[0], qo_indptr=inp.qo_indptr if RAGGED[0] else None)
+                               q_len=Q_LEN[0], **({"qo_indptr": inp.qo_indptr} if RAGGED[0] else {}))   # (a base
+    # tree of bench/decode_ab.py may predate qo_indptr)
 
 
 def last_tokens(x: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 What it answers: what a change costs or gains, measured side by side in one run — the commit before it
 against the working tree, each in its own worker process (two copies of the package cannot share one),
 in alternating rounds so drift hits both; and, inside the new tree's worker, variants of one operator
-(the HND cache layout, batch-invariant plans with several chunk sizes) against its default. Every
+(the HND cache layout, K and V in two allocations, batch-invariant plans with several chunk sizes) against its default. Every
 variant is checked against float64 (‖out − ref‖/‖ref‖ < 1e-2, no NaN) before it is timed, with the
 harness's one timer (CUDA-graph replay median, cold L2).
 
@@ -27,6 +27,7 @@ worker_tree_first(REPO)
 VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's invariant_chunk_tokens
     "default": {},
     "hnd": {"kv_layout": "HND"},
+    "separate": {"separate": True},   # K and V in two allocations (SGLang's per-layer buffers): run(q, (k, v))
     "inv512": {"batch_invariant": True, "chunk": 512},
     "inv1024": {"batch_invariant": True, "chunk": 1024},
     "inv1536": {"batch_invariant": True, "chunk": 1536},
@@ -35,13 +36,16 @@ VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's in
 CASES = [(b, d) for b in (1, 8, 64, 256) for d in ("uniform2k", "skewed", "one-long") if (b, d) != (1, "one-long")]
 
 
-def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check: bool) -> dict[str, dict[str, float]]:
-    """Time `variants` of the meld in `tree` on `cases` (µs, graph replay median)."""
+def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check: bool,
+           q_len: int = 1) -> dict[str, dict[str, float]]:
+    """Time `variants` of the meld in `tree` on `cases` at `q_len` new tokens a request (µs, graph replay median)."""
     import torch
 
     import meld
-    from bench.decode import PAGE_SIZE, Case, make_inputs, reference
+    from bench.decode import PAGE_SIZE, Q_LEN, Case, make_inputs, reference
     from bench.harness import check_output, graph_time_us
+
+    Q_LEN[0] = q_len   # (make_inputs draws q for B * q_len rows; the reference masks causally)
 
     times: dict[str, dict[str, float]] = {}
     for b, dist in cases:
@@ -52,9 +56,10 @@ def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check:
         for name in variants:
             opts = dict(VARIANTS[name])
             chunk = opts.pop("chunk", None)
+            separate = opts.pop("separate", False)
             make = lambda **kw: meld.DecodeAttention(c.num_qo_heads, c.num_kv_heads, c.head_dim, PAGE_SIZE,  # noqa: E731
                                                      torch.bfloat16, "cuda", max_batch_size=b,
-                                                     max_num_pages=t.num_pages, **opts, **kw)
+                                                     max_num_pages=t.num_pages, q_len=q_len, **opts, **kw)
             op = make()
             if chunk:
                 op = make(cost=dataclasses.replace(op.cost, invariant_chunk_tokens=chunk))
@@ -62,6 +67,8 @@ def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check:
             if opts.get("kv_layout") == "HND":
                 hnd = kv.transpose(2, 3).contiguous() if hnd is None else hnd
                 kv = hnd
+            if separate:
+                kv = (inp.kv_cache[:, 0].contiguous(), inp.kv_cache[:, 1].contiguous())
             op.plan(t.indptr, t.indices, t.last_page_len)
             out = torch.full_like(inp.q, float("nan"))
             lse = torch.full(inp.q.shape[:2], float("nan"), device="cuda")
@@ -71,7 +78,7 @@ def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check:
                 if problems:
                     raise SystemExit(f"{name} on B={b} {dist}: {'; '.join(problems)}")
             times.setdefault(f"B={b} {dist}", {})[name] = graph_time_us(partial(op.run, inp.q, kv, out=out)).median_us
-        inp = ref = hnd = op = None   # the next case's inputs need the memory
+        inp = ref = hnd = op = kv = None   # the next case's inputs need the memory
         torch.cuda.empty_cache()
     return times
 
@@ -81,6 +88,7 @@ def main() -> int:
     p.add_argument("--base", type=Path, help="a tree holding the base commit's `meld` package")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: 1 8 64 256)")
+    p.add_argument("--q-len", type=int, default=1, help="new tokens per request (multi-token decode)")
     p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -90,14 +98,15 @@ def main() -> int:
     cases = [c for c in CASES if args.batch is None or c[0] in args.batch]
     args.variants = ["default"] + [v for v in args.variants if v != "default"]   # the ratios' denominator
     if args.worker:
-        Path(args.out).write_text(json.dumps(worker(args.worker, args.variants, cases, args.check)))
+        Path(args.out).write_text(json.dumps(worker(args.worker, args.variants, cases, args.check, args.q_len)))
         return 0
     from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
 
     sides = {**({"base": (args.base, ["default"])} if args.base else {}), "new": (REPO, args.variants)}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
         sys.executable, __file__, "--worker", str(sides[side][0]), "--variants", *sides[side][1], "--out", out,
-        *(["--batch", *map(str, args.batch)] if args.batch else []), *(["--check"] if r == 0 else [])])
+        *(["--batch", *map(str, args.batch)] if args.batch else []), "--q-len", str(args.q_len),
+        *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1
     med = medians(runs)
@@ -112,7 +121,8 @@ def main() -> int:
         row += [f"{new[v] / new['default']:.3f}" for v in args.variants if v != "default"]
         rows.append(row)
     print_aligned(head, rows)
-    print(f"medians over {args.rounds} alternating rounds; ratios > 1: slower than base / than default")
+    print(f"q_len {args.q_len}; medians over {args.rounds} alternating rounds; ratios > 1: slower than base / than "
+          "default")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
     return 0

@@ -28,6 +28,7 @@ host's other processes do not count); with --cuda it is wall time.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import subprocess
 import sys
@@ -64,13 +65,24 @@ int cuGetErrorString(int err, const char **msg) { *msg = "stub"; return 0; }
 """
 
 
+def stub_library() -> ctypes.CDLL:
+    """The driver calls meld's hot path makes, as no-op C functions (built once a process)."""
+    global _stub
+    if _stub is None:
+        folder = Path(tempfile.mkdtemp(prefix="meld-stub-driver-"))
+        (folder / "stub.c").write_text(_STUB_DRIVER)
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(folder / "libstub.so"), str(folder / "stub.c")],
+                       check=True)
+        _stub = fastcall.load(str(folder / "libstub.so"))
+    return _stub
+
+
+_stub: ctypes.CDLL | None = None
+
+
 def stub_driver() -> None:
     """Route meld's hot-path driver calls to no-op C functions and torch's current stream to 0."""
-    folder = Path(tempfile.mkdtemp(prefix="meld-stub-driver-"))
-    (folder / "stub.c").write_text(_STUB_DRIVER)
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(folder / "libstub.so"), str(folder / "stub.c")],
-                   check=True)
-    fastcall._lib = fastcall.load(str(folder / "libstub.so"))
+    fastcall._lib = stub_library()
     driver.current_stream = lambda device: 0
 
 

@@ -11,8 +11,10 @@ the decode op's schema with a Python kernel that does nothing, defined as meld d
 (torch.library.Library: the floor of that route) and through torch.library.custom_op. With --cuda it also
 times the real operators on the GPU: host time per call of run() / MoE() and of their ops, the GPU work
 queued and not waited for (each round of calls is timed between synchronisations, and is short enough not
-to fill the launch queue). Each number is the best round's mean per call: other processes on the host only
-ever add to it. `torch.add(out=)` on one-element CPU tensors is timed alongside, to compare hosts by.
+to fill the launch queue), and again with the fast path's launch a no-op ("launch stubbed": the host time up to the
+launch, which issue 42 bounds at 2 us; the difference is the driver's cuLaunchKernelEx). Each number is the best
+round's mean per call: other processes on the host only ever add to it. `torch.add(out=)` on one-element CPU
+tensors is timed alongside, to compare hosts by, and with --cuda on one-element GPU tensors (a launch of torch's).
 
 On a GPU the ops take the C++ fast path (meld.runtime.torch_fastcall) once a call has been recorded; each case
 reports how many of its calls did ("fast-path calls"). run() and MoE() take that route too where it is installed
@@ -204,6 +206,9 @@ def measure(calls: int, rounds: int, cuda: bool) -> dict[str, dict[str, float]]:
         from meld.runtime import torch_fastcall
 
         sync = torch.cuda.synchronize
+        a, b, c = (torch.ones(1, device="cuda") for _ in range(3))
+        res["reference (cuda)"] = time_calls({"torch.add(a, b, out=c)": lambda: torch.add(a, b, out=c)},
+                                             min(calls, 300), rounds, sync)
         cap = dict(max_batch_size=64, max_num_pages=64 * 64)
         for name, variants, n in (
                 ("attention B=8 x 1024 tokens (cuda)", attention_case(meld.DecodeAttention, "cuda", 8, 1024, **cap),
@@ -212,7 +217,27 @@ def measure(calls: int, rounds: int, cuda: bool) -> dict[str, dict[str, float]]:
             hits = torch_fastcall.hits()
             res[name] = time_calls(variants, n, rounds, sync)
             res[name]["fast-path calls"] = torch_fastcall.hits() - hits
+            res[name.replace("(cuda)", "(cuda), launch stubbed")] = to_launch(variants, n, rounds)
     return res
+
+
+def to_launch(variants: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
+    """The op calls' host time up to the launch: the same calls on the GPU with the fast path's cuLaunchKernelEx
+    a no-op C function (tools/moe_eager.py's stub), so the driver's own launch cost is left out."""
+    sys.modules.setdefault("torch_op_overhead", sys.modules[__name__])   # (moe_eager imports this script)
+    from moe_eager import stub_library
+
+    from meld.runtime import fastcall, torch_fastcall
+
+    ops = {k: v for k, v in variants.items() if "direct" not in k}   # (the direct paths launch through ctypes)
+    torch_fastcall.set_driver(stub_library())
+    try:
+        hits = torch_fastcall.hits()
+        times = time_calls(ops, calls, rounds, lambda: None)
+        times["fast-path calls"] = torch_fastcall.hits() - hits
+    finally:
+        torch_fastcall.set_driver(fastcall._lib)   # (libcuda: the real rows above loaded it)
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:
