@@ -9,7 +9,9 @@ CUDA-graph replay timer.
 
 `--q-len N` (N > 1) sweeps the multi-token builds instead (Hq 32 / Hkv 8: 4 N rows a kv head; the 32-row variants
 apply at N 5-8): 16-row units (two KV reads at N 8), and 32-row units of four, six and eight warps merging all
-rows at once or 8 or 16 rows a pass (`DecodeKernelConfig.merge_rows`); the shipped default is `default`.
+rows at once or 8 or 16 rows a pass (`DecodeKernelConfig.merge_rows`); the shipped default is `default`. With
+`--costs` it sweeps the planner's cost model over the default build instead (`MULTI_COSTS`: fewer, longer pieces
+where a batch is small, e.g. B = 1).
 """
 from __future__ import annotations
 
@@ -42,6 +44,22 @@ MULTI_VARIANTS = {
     "h32 w6 m16": dict(heads_per_unit=32, num_warps=6, num_stages=2, merge_rows=16),
     "h32 w6 m8": dict(heads_per_unit=32, num_warps=6, num_stages=2, merge_rows=8),
 }
+
+
+# --q-len N --costs: name -> DecodeCost fields over the default build's cost model (swept as "default" beside them)
+MULTI_COSTS = {
+    "cta256": dict(min_cta_tokens=256),
+    "cta512": dict(min_cta_tokens=512),
+    "cta1024": dict(min_cta_tokens=1024),
+    "cta512 o512": dict(min_cta_tokens=512, item_overhead_tokens=512),
+}
+
+
+def multi_token_costs(q_len: int) -> dict[str, DecodeCost]:
+    """The --costs sweep's cost models for the default build at `q_len`."""
+    cfg = DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q_len)
+    base = DecodeCost.default(cfg.heads_per_unit)
+    return {"default": base, **{name: dataclasses.replace(base, **f) for name, f in MULTI_COSTS.items()}}
 
 
 def multi_token_configs(q_len: int) -> dict[str, DecodeKernelConfig]:
@@ -78,11 +96,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--json", type=Path)
     p.add_argument("--q-len", type=int, default=1, choices=range(1, 9), help="new tokens per request (module doc)")
+    p.add_argument("--costs", action="store_true", help="with --q-len: sweep cost models, not builds")
     args = p.parse_args()
     Q_LEN[0] = args.q_len   # (make_inputs draws q for B * q_len rows)
-    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len,
-                                        kernel_config=cfg)
-             for name, cfg in multi_token_configs(args.q_len).items()} if args.q_len > 1 else {
+    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len, cost=cost)
+             for name, cost in multi_token_costs(args.q_len).items()} if args.q_len > 1 and args.costs else {
+        name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len, kernel_config=cfg)
+        for name, cfg in multi_token_configs(args.q_len).items()} if args.q_len > 1 else {
         name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", cost=cost,
                                    kernel_config=DecodeKernelConfig("bfloat16", 128, w, s, tma=tma))
         for name, (w, s, cost, tma) in VARIANTS.items()}

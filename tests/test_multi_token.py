@@ -162,6 +162,16 @@ def test_decode_sweep_multi_token_variants_are_valid_distinct_builds(q_len):
         meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu", q_len=q_len, kernel_config=cfg)
 
 
+def test_decode_sweep_cost_variants_are_distinct_valid_models():
+    """bench/decode_sweep.py --q-len 8 --costs: the default model first, then distinct ones the operator takes."""
+    from bench.decode_sweep import multi_token_costs
+
+    costs = multi_token_costs(8)
+    assert costs["default"] == DecodeCost.default(32) and len(set(costs.values())) == len(costs)
+    for cost in costs.values():
+        meld.DecodeAttention(32, 8, 128, 16, torch.bfloat16, "cpu", q_len=8, cost=cost)
+
+
 @pytest.mark.parametrize("cfg", BUILDS, ids=lambda c: c.name)
 def test_q_len_builds_compile_for_sm90a(cfg):
     cubin, log = nvcc(cfg.render(), cfg.name)

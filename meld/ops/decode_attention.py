@@ -149,7 +149,7 @@ class DecodeAttention(PagedDecode):
             q_len_per_req): run()'s q and out are [B * q_len, num_qo_heads, head_dim], a request's tokens
             consecutive, and token j of a request of kv_len tokens (the cache already holds its q_len new ones)
             attends to keys 0 .. kv_len - q_len + j (causal among the new tokens). Fixed at construction: it is
-            compiled into the kernel and shapes the work tables (a unit is up to 16 (q head, token) rows of one
+            compiled into the kernel and shapes the work tables (a unit is up to 32 (q head, token) rows of one
             kv head), so every plan() rewrites the same tables for the same kernel and a captured run() replays
             any later plan; a plan() that changed it would need another kernel, which a graph cannot follow. A
             kernel of its own per q_len; soft cap, FP8 and separate K/V caches, both layouts and batch
