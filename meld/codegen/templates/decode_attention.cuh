@@ -912,16 +912,38 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // elsewhere, since 16 cost the head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md,
 // "one-round-trip merges").
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
+// Outputs a thread merges at once: one, or two for 32-row units at head_dim 128, whose 1,024 outputs take eight warps
+// four passes of round trips: two outputs a thread share each round trip, two passes. (Their 32 float4 loads in flight
+// keep the build within the main loop's registers; 16-row units spilled with two, so they keep one.)
+constexpr int MERGE_U = D == 128 && HEADS >= 32 ? 2 : 1;
 // `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4.
 template <class Load>
 __device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x, int parts, Load load) {
   constexpr int Q = D / 4;
-  for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
-    const int h = i / Q, d = (i - h * Q) * 4;
-    float lse2[1];
-    float4 v[1];
-    merge_lse4<MERGE_CHUNK, 1>(parts, [&](int k, int, float& lse, float4& o) { load(k, h, d, lse, o); }, v, lse2);
-    store_out4(p, x, h, d, v[0], lse2[0]);
+  if constexpr (MERGE_U == 1) {
+    for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
+      const int h = i / Q, d = (i - h * Q) * 4;
+      float lse2[1];
+      float4 v[1];
+      merge_lse4<MERGE_CHUNK, 1>(parts, [&](int k, int, float& lse, float4& o) { load(k, h, d, lse, o); }, v, lse2);
+      store_out4(p, x, h, d, v[0], lse2[0]);
+    }
+  } else {
+    const int n = x.rows * Q;
+    for (int i0 = threadIdx.x; i0 < n; i0 += MERGE_U * THREADS) {
+      float lse2[MERGE_U];
+      float4 v[MERGE_U];
+      merge_lse4<MERGE_CHUNK, MERGE_U>(parts, [&](int k, int u, float& lse, float4& o) {
+        const int i = min(i0 + u * THREADS, n - 1);   // (past the last output: reload it, not stored)
+        const int h = i / Q;
+        load(k, h, (i - h * Q) * 4, lse, o);
+      }, v, lse2);
+#pragma unroll
+      for (int u = 0; u < MERGE_U; ++u) {
+        const int i = i0 + u * THREADS, h = i / Q;
+        if (i < n) store_out4(p, x, h, (i - h * Q) * 4, v[u], lse2[u]);
+      }
+    }
   }
 }
 
