@@ -75,3 +75,15 @@ def check(B, dist, head_dim=128, group=4, page_size=16, num_kv_heads=8, dtype=to
     empty = torch.tensor([n == 0 for n in lens], device=dev).repeat_interleave(per.to(dev))
     assert (out[empty] == 0).all(), "a request with no KV tokens must give zeros"
     return attn
+
+
+def run_nan_rows(attn, q, kv, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """run() into NaN-filled out and lse; asserts that NaN reached exactly the rows (token, head) `bad` marks, whole
+    rows of out and their lse, and returns (out, lse) for the other rows' checks."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+    attn.run(q, kv, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert torch.equal(out.isnan().any(-1), bad) and torch.equal(out.isnan().all(-1), bad)
+    assert torch.equal(lse.isnan(), bad)
+    return out, lse

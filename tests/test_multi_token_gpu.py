@@ -12,6 +12,7 @@ from meld.compat.flashinfer import BatchDecodeWithPagedKVCacheWrapper
 from meld.runtime.reference import attention_reference
 from meld.workloads import lengths, paged
 from tests.gpu_checks import check as _check
+from tests.gpu_checks import run_nan_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -95,12 +96,7 @@ def test_nan_reaches_exactly_the_rows_that_see_it(q_len):
         bad[b * q_len + 2:(b + 1) * q_len, 12:16] = True
     attn = meld.DecodeAttention(Hq, Hkv, D, 16, torch.bfloat16, dev, q_len=q_len)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"), device=dev)
-    attn.run(q, kv, out=out, lse=lse)
-    torch.cuda.synchronize()
-    assert torch.equal(out.isnan().any(-1), bad) and torch.equal(out.isnan().all(-1), bad)
-    assert torch.equal(lse.isnan(), bad)
+    out, lse = run_nan_rows(attn, q, kv, bad)
     ref, ref_lse = attention_reference(q.nan_to_num(0.0), kv.nan_to_num(0.0), pb.kv_indptr.to(dev),
                                        pb.kv_indices.to(dev), pb.kv_last_page_len.to(dev), q_len=q_len)
     assert _error(out[~bad], ref[~bad]) < 1e-2

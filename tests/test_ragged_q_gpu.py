@@ -9,6 +9,7 @@ import meld
 from meld.runtime.reference import attention_reference
 from meld.workloads import lengths, paged
 from tests.gpu_checks import check as _check
+from tests.gpu_checks import run_nan_rows
 from tests.test_ragged_q import qo_indptr
 
 pytestmark = pytest.mark.gpu
@@ -73,12 +74,7 @@ def test_nan_in_q_reaches_exactly_its_row():
         bad[row, head] = True
     attn = meld.DecodeAttention(Hq, Hkv, D, 16, torch.bfloat16, dev, q_len=q_len, ragged=True)
     attn.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len, qo_indptr=qo)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"), device=dev)
-    attn.run(q, kv, out=out, lse=lse)
-    torch.cuda.synchronize()
-    assert torch.equal(out.isnan().any(-1), bad) and torch.equal(out.isnan().all(-1), bad)
-    assert torch.equal(lse.isnan(), bad)
+    out, lse = run_nan_rows(attn, q, kv, bad)
     ref, ref_lse = attention_reference(q.nan_to_num(0.0), kv, pb.kv_indptr.to(dev), pb.kv_indices.to(dev),
                                        pb.kv_last_page_len.to(dev), q_len=q_len, qo_indptr=qo)
     assert _error(out[~bad], ref[~bad]) < 1e-2
