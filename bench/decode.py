@@ -216,9 +216,9 @@ def reference(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     from meld.runtime.reference import attention_reference
 
     t, dev = inp.table, inp.q.device
-    return attention_reference(inp.q, inp.kv_cache, t.indptr.to(dev), t.indices.to(dev), t.last_page_len.to(dev),
-                               q_len=Q_LEN[0], **({"qo_indptr": inp.qo_indptr} if RAGGED[0] else {}))   # (a base
-    # tree of bench/decode_ab.py may predate qo_indptr)
+    ragged = {"qo_indptr": inp.qo_indptr} if RAGGED[0] else {}   # (only then: bench/decode_ab.py's base tree may
+    return attention_reference(inp.q, inp.kv_cache, t.indptr.to(dev), t.indices.to(dev),   # predate the argument)
+                               t.last_page_len.to(dev), q_len=Q_LEN[0], **ragged)
 
 
 def last_tokens(x: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:
