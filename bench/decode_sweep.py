@@ -40,9 +40,9 @@ VARIANTS = {  # name: (warps, stages, cost, TMA rings); o = item overhead tokens
 # --q-len N: name -> DecodeKernelConfig fields over the default multi-token build (swept as "default" beside them)
 MULTI_VARIANTS = {
     "h16": dict(heads_per_unit=16, num_warps=8, num_stages=2, merge_rows=0),
-    "h32 w4": dict(heads_per_unit=32, num_warps=4, num_stages=2, merge_rows=0),
-    "h32 w6 m16": dict(heads_per_unit=32, num_warps=6, num_stages=2, merge_rows=16),
-    "h32 w6 m8": dict(heads_per_unit=32, num_warps=6, num_stages=2, merge_rows=8),
+    "h32 s3": dict(heads_per_unit=32, num_warps=8, num_stages=3, merge_rows=8),
+    "h32 w6 s3": dict(heads_per_unit=32, num_warps=6, num_stages=3, merge_rows=8),
+    "h32 w4 s4": dict(heads_per_unit=32, num_warps=4, num_stages=4, merge_rows=0),
 }
 
 

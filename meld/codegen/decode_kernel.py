@@ -199,10 +199,11 @@ class DecodeKernelConfig:
         the faster on every FP8 case of bench/decode.py (bench/RESULTS.md, 2026-12-03 sixth session), with no
         larger error (f16 keeps three more bits of P and of the scaled q). Multi-token builds whose kv head has 17-32
         rows ((q head, token) pairs) get 32-row units, which read the KV once instead of twice. At head_dim 128 their
-        output takes 128 registers a lane, so their Q fragments wait in shared memory, and their warps' states merge
-        8 rows at a time (`merge_rows`), which leaves room for eight warps of two stages (six with the on-chip merge
-        area): the rows' compute binds, and eight warps were the faster on every case timed (bench/RESULTS.md,
-        2026-12-04).
+        output takes 128 registers a lane, so their Q fragments wait in shared memory (one copy a CTA, in the merge
+        area), and their warps' states merge 8 rows at a time (`merge_rows`), with eight warps of two stages (six with
+        the on-chip merge area, chosen when each warp kept its own Q; eight fit now, not timed): the rows' compute
+        binds, and eight warps were the faster on every case timed; a third stage or fewer warps with more stages
+        gained nothing (bench/RESULTS.md, 2026-12-04, 2026-12-04 ninth session).
         `heads_per_unit` overrides the choice by rows (bench/decode.py's meld-h16 times the 16-row build). A ragged
         build (`ragged_q`) is the uniform q_len build's with each request's rows read from qo_indptr."""
         fp8_math = "f16" if kv_dtype and dtype == "bfloat16" else ""
@@ -210,7 +211,7 @@ class DecodeKernelConfig:
         heads = heads_per_unit or (8 if rows <= 8 else 16 if rows <= 16 or q_len == 1 or head_dim > 128 else 32)
         warps, stages = {256: (4, 3), 512: (2, 2)}.get(head_dim, (8, 2))
         merge_rows = 8 if heads == 32 and head_dim == 128 else 0
-        if merge_rows:   # (the on-chip merge area's 33 KiB leave room for six warps)
+        if merge_rows:
             warps, stages = 6 if onchip_merge and not batch_invariant else 8, 2
         if kv_dtype and head_dim == 512:
             warps = 4
@@ -262,14 +263,15 @@ class DecodeKernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the cp.async rings, the end-of-unit merge area and, with on-chip
-        merges, the two partials kept for cluster peers and, where the output takes 128 registers a lane (head_dim
-        512; 32-row units of head_dim 128), each warp's Q fragments (see the template)."""
+        merges, the two partials kept for cluster peers. Where the output takes 128 registers a lane (head_dim 512;
+        32-row units of head_dim 128), Q's fragments wait in the merge area, or after it in batch-invariant builds,
+        whose chunks merge while Q is still needed (see the template)."""
         ring = self.num_warps * self.num_stages * 2 * TILE_TOKENS * self.head_dim * (1 if self.kv_dtype else 2)
         merge = self.num_warps * (self.merge_rows or self.heads_per_unit) * (self.head_dim + 4 + 2) * 4 + 16
         parts = 2 * self.heads_per_unit * (self.head_dim + 1) * 4 + 16 if self.onchip_merge else 0
         bars = self.num_warps * self.num_stages * 8 + 8 if self.tma else 0
         blocks = self.head_dim // 16 * self.heads_per_unit // 8   # channel blocks x head blocks of Q (Q_SMEM at 32)
-        q_frags = self.num_warps * blocks * 32 * 8 if blocks >= 32 else 0
+        q_frags = blocks * 32 * 8 if blocks >= 32 and self.batch_invariant else 0
         return ring + merge + parts + bars + q_frags
 
     @property

@@ -121,8 +121,9 @@
 // but no KV bytes, and are never stored.
 //
 // HEAD_DIM 512 builds (8-head units, two or four warps: meld/codegen/decode_kernel.py) keep each warp's O^T in registers (128
-// floats a lane) and Q's A fragments in shared memory instead (Q_SMEM: load_q writes the warp's copy, q_frag reads one
-// 8-byte word per channel block), and copy a 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything
+// floats a lane) and Q's A fragments in shared memory instead (Q_SMEM: one copy for the CTA's warps, which all
+// compute the same unit, in the merge area, which holds nothing while tiles compute, or after it where a unit's chunks
+// reuse Q across merges (MELD_CHUNKED); q_frag reads one 8-byte word per channel block), and copy a 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything
 // else is the same code over four times the bytes a token; at other head dims these compile to the code they were.
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, MELD_OUT_TYPE,
@@ -312,24 +313,24 @@ __device__ __forceinline__ Unit load_unit(const DecodeParams& p, const Segment& 
 }
 
 // Walks one warp's tile stream (units of the segment in order, tiles warp, warp + WARPS, ...) ahead of
-// the compute loop, and keeps the page-table lookup for the next tile in flight.
+// the compute loop, and keeps the page-table lookup for the next tile in flight: the page index loaded here is
+// first used when the tile is issued, after the tile before it has been computed.
 struct LoadCursor {
   int u, j;
   Unit x;
-  int row;      // this lane's token row (lane & 15) of the next tile, or -1: with TMA page * page_size +
-                // slot, else the index of its K (and V) row of D elements from p.k (p.v)
+  int page;     // this lane's token (lane & 15) of the next tile: its page, or -1 past the unit's end
+  int slot;     // and its slot in the page
   bool live;
 };
 
 __device__ __forceinline__ void cursor_fetch_row(const DecodeParams& p, LoadCursor& c, int lane) {
   const int pos = c.x.begin + c.j * TILE + (lane & 15);
-  c.row = -1;
+  c.page = -1;
+  c.slot = 0;
   if (pos < c.x.end) {
     const int pg = pos / p.page_size;
-    const int page = p.kv_indices[c.x.page_base + pg];
-    const int slot = pos - pg * p.page_size;
-    c.row = TMA ? page * p.page_size + slot
-                : page * p.kv_page_stride + slot * p.kv_slot_stride + c.x.kv_head * p.kv_head_stride;
+    c.page = p.kv_indices[c.x.page_base + pg];
+    c.slot = pos - pg * p.page_size;
   }
 }
 
@@ -364,9 +365,9 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
     fence_proxy_async();   // this warp's generic accesses to the stage come before the copies overwrite it
     if (lane == 0) mbar_arrive_expect_tx(bar, STAGE_BYTES);
     __syncwarp();
-    const int row = __shfl_sync(0xffffffffu, c.row, 0);   // the tile's first token row (always valid)
+    const int page = __shfl_sync(0xffffffffu, c.page, 0);   // the tile's first token (always valid)
+    const int slot = __shfl_sync(0xffffffffu, c.slot, 0);
     if (lane < 2 * BOXES) {   // lane: K or V (lane / BOXES), channel block (lane % BOXES)
-      const int page = row / p.page_size, slot = row - page * p.page_size;
       const int kv = lane / BOXES, b = lane % BOXES;
       const int c1 = p.kv_hnd ? slot : c.x.kv_head, c2 = p.kv_hnd ? c.x.kv_head : slot;   // the map's dim order
       const void* map = kv ? (const void*)&p.v_map : (const void*)&p.k_map;
@@ -374,12 +375,14 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
     }
   } else {
     if (c.live) {
+      const int row = c.page < 0 ? -1   // this lane's token's K (and V) row of D elements from p.k (p.v)
+                                 : c.page * p.kv_page_stride + c.slot * p.kv_slot_stride + c.x.kv_head * p.kv_head_stride;
       const kv_t* kbase = reinterpret_cast<const kv_t*>(p.k) + (lane % CPR) * (16 / KV_BYTES);
       const kv_t* vbase = reinterpret_cast<const kv_t*>(p.v) + (lane % CPR) * (16 / KV_BYTES);
 #pragma unroll
       for (int k = 0; k < PASSES; ++k) {
         const int r = lane / CPR + k * RPP;
-        const int ro = __shfl_sync(0xffffffffu, c.row, r);
+        const int ro = __shfl_sync(0xffffffffu, row, r);
         const i64 off = (i64)max(ro, 0) * D;
         const int bytes = ro >= 0 ? 16 : 0;
 #pragma unroll
@@ -417,24 +420,18 @@ __device__ __forceinline__ void wait_tile(const DecodeParams& p, u32 bars, int s
 //   m[i], l[i]  for head 8 i + g (l is this lane's share; the 4 lanes of a head sum at the end);
 //   o[i][mt]    = O^T[16 mt + g (+8)][heads 8 i + 2t, 8 i + 2t + 1] (MELD_KV_FP8: rows 16 mt + 2g (+1)).
 // Where O^T alone takes 128 of a lane's registers (head_dim 512; 32-row units of head_dim 128), Q's fragments wait in
-// shared memory instead (this warp's copy, qs[NT ks + i][lane], one 8-byte load per head block and channel block: no
-// bank conflicts) and qa is not used.
+// shared memory instead (qs[NT ks + i][lane], one 8-byte load per head block and channel block: no bank conflicts) and
+// qa is not used. The CTA's warps share one copy, since they compute the same unit (each its own tiles of it).
 constexpr bool Q_SMEM = NT * KSTEPS >= 32;
 struct WarpState {
   float m[NT], l[NT];
   float o[NT][KSTEPS][4];
   u32 qa[Q_SMEM ? 1 : KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8:
                            // 16 ks + 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
-  uint2* qs;               // Q_SMEM: the same fragments, qs[32 (NT ks + i) + lane] = {qa[ks][i][0], qa[ks][i][1]}
+  uint2* qs;               // Q_SMEM: the same fragments, qs[32 (NT ks + i) + lane] = {qa[ks][i][0], qa[ks][i][1]} (the
+                           // CTA's one copy)
   float q_unscale[NT];     // MELD_Q_TO_F16: 2^-e of head 8 i + g's row (q_to_f16)
 };
-
-// Word w (0: a0's, 1: a2's) of head block i's Q fragment for channel block ks: in registers, or (Q_SMEM) this lane's
-// in shared memory.
-__device__ __forceinline__ u32& q_word(WarpState& st, int ks, int i, int w, int lane) {
-  if (Q_SMEM) return w ? st.qs[32 * (NT * ks + i) + lane].y : st.qs[32 * (NT * ks + i) + lane].x;
-  return st.qa[Q_SMEM ? 0 : ks][i][w];
-}
 
 // Q's A fragment of m16 tile m for channel block ks: head block 2 m (heads 16 m + 0..7) in a0, a2 and, if the unit
 // has it, block 2 m + 1 (16 m + 8..15) in a1, a3.
@@ -468,34 +465,39 @@ __device__ __forceinline__ void reset_state(WarpState& st) {
 // e = 141 - the biased exponent of the row's largest |q| (its 4 lanes', t): that value times 2^e lies in [2^14, 2^15);
 // at most 126, so that a zero or subnormal row's 2^-e is a normal float; at least -114 (Inf). NaN is skipped by fmaxf
 // and stays NaN.
-__device__ __forceinline__ void q_to_f16(WarpState& st, int lane) {
+__device__ __forceinline__ float abs_max2(u32 x) {   // the larger |.| of a bf16 pair
+  return fmaxf(fabsf(__uint_as_float(x << 16)), fabsf(__uint_as_float(x & 0xffff0000u)));
+}
+__device__ __forceinline__ u32 scale2(u32 x, float up) {   // a bf16 pair times up, as an f16 pair
+  return pack2(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
+}
+// 2^e of head block i's row from this lane's largest |q| (`amax`); keeps 2^-e in st.q_unscale[i].
+__device__ __forceinline__ float q_row_scale(WarpState& st, int i, float amax) {
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const int e = min(141 - (int)(__float_as_uint(amax) >> 23), 126);
+  st.q_unscale[i] = __uint_as_float((u32)(127 - e) << 23);
+  return __uint_as_float((u32)(127 + e) << 23);
+}
+__device__ __forceinline__ void q_to_f16(WarpState& st) {   // (Q in registers)
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     float amax = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks)
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        const u32 x = q_word(st, ks, i, w, lane);
-        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(x << 16)), fabsf(__uint_as_float(x & 0xffff0000u))));
-      }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const int e = min(141 - (int)(__float_as_uint(amax) >> 23), 126);
-    const float up = __uint_as_float((u32)(127 + e) << 23);
-    st.q_unscale[i] = __uint_as_float((u32)(127 - e) << 23);
+    for (int ks = 0; ks < KSTEPS; ++ks) amax = fmaxf(amax, fmaxf(abs_max2(st.qa[ks][i][0]), abs_max2(st.qa[ks][i][1])));
+    const float up = q_row_scale(st, i, amax);
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        u32& x = q_word(st, ks, i, w, lane);
-        x = pack2(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
-      }
+      for (int w = 0; w < 2; ++w) st.qa[ks][i][w] = scale2(st.qa[ks][i][w], up);
   }
 }
 
-// The unit's Q fragments, and a fresh state.
-__device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, WarpState& st, int lane) {
+// The unit's Q fragments, and a fresh state. Q_SMEM: called by the whole CTA, once every thread is done with the
+// previous unit (the end of finish_piece). Each warp writes the channel blocks ks = warp (mod WARPS) of the
+// CTA's copy (MELD_Q_TO_F16: scaled by its row's 2^e, which every warp finds from the whole row, re-read from L1), then
+// the CTA waits for the copy.
+__device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, WarpState& st, int lane, int warp) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -505,22 +507,34 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
                               : p.q + (first_row(x) + r % Q_LEN) * p.q_stride_b +
                                     (i64)(r / Q_LEN) * p.q_stride_h + (KV_FP8 ? 4 : 2) * t;
     // (MELD_RAGGED_Q: rows of tokens past the request's load zero q)
+    const bool live = h < x.rows && (!RAGGED || r % Q_LEN < new_tokens(x));
+    const auto word = [&](int ks, int w) {
+      return live ? *reinterpret_cast<const u32*>(q + ks * 16 + (w ? (KV_FP8 ? 2 : 8) : 0)) : 0u;
+    };
+    if constexpr (Q_SMEM) {
+      float up = 1.f;
+      if (Q_TO_F16) {
+        float amax = 0.f;
+#pragma unroll 4
+        for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-      const u32 lo = h < x.rows && (!RAGGED || r % Q_LEN < new_tokens(x)) ? *reinterpret_cast<const u32*>(q + ks * 16)
-                                                                           : 0u;
-      const u32 hi = h < x.rows && (!RAGGED || r % Q_LEN < new_tokens(x))
-                         ? *reinterpret_cast<const u32*>(q + ks * 16 + (KV_FP8 ? 2 : 8)) : 0u;
-      if (Q_SMEM) {
-        st.qs[32 * (NT * ks + i) + lane] = make_uint2(lo, hi);
-      } else {
-        st.qa[ks][i][0] = lo;
-        st.qa[ks][i][1] = hi;
+          for (int w = 0; w < 2; ++w) amax = fmaxf(amax, abs_max2(word(ks, w)));
+        up = q_row_scale(st, i, amax);
+      }
+      for (int ks = warp; ks < KSTEPS; ks += WARPS) {
+        const u32 lo = word(ks, 0), hi = word(ks, 1);
+        st.qs[32 * (NT * ks + i) + lane] = Q_TO_F16 ? make_uint2(scale2(lo, up), scale2(hi, up)) : make_uint2(lo, hi);
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        st.qa[ks][i][0] = word(ks, 0);
+        st.qa[ks][i][1] = word(ks, 1);
       }
     }
   }
-  if (Q_TO_F16) q_to_f16(st, lane);
-  if (Q_SMEM) __syncwarp();
+  if constexpr (Q_SMEM) __syncthreads();
+  else if (Q_TO_F16) q_to_f16(st);
   reset_state(st);
 }
 
@@ -778,9 +792,11 @@ constexpr int PART_BYTES = ONCHIP ? (int)sizeof(PartArea) : 0;
 constexpr int MBAR_OFFSET = (PART_OFFSET + PART_BYTES + 7) & ~7;
 constexpr int MBAR_BYTES = TMA ? WARPS * STAGES * 8 : 0;
 static_assert(MBAR_OFFSET + MBAR_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
-constexpr int QS_OFFSET = MBAR_OFFSET + MBAR_BYTES;   // Q_SMEM: each warp's Q fragments (WarpState::qs)
-constexpr int QS_BYTES = Q_SMEM ? WARPS * NT * KSTEPS * 32 * 8 : 0;
-static_assert(QS_OFFSET + QS_BYTES <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
+constexpr bool Q_IN_MERGE = Q_SMEM && !CHUNKED;   // Q's fragments in the merge area, else (Q_SMEM) after the barriers
+constexpr int QS_BYTES = NT * KSTEPS * 32 * 8;
+static_assert(!Q_IN_MERGE || QS_BYTES <= sizeof(MergeArea::o), "Q's fragments fit the merge area");
+static_assert(!Q_SMEM || Q_IN_MERGE || MBAR_OFFSET + MBAR_BYTES + QS_BYTES <= SMEM_BYTES,
+              "SMEM_BYTES (from Python) is too small");
 
 // Four final outputs (h, d..d+3) of the batch row `row` into out/lse (lse when d == 0).
 __device__ __forceinline__ void store_final4(u16* out, float* lse, i64 row, int d, float4 v, float lse2) {
@@ -811,6 +827,7 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x,
 __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& x, int u, const Place& pl,
                                              WarpState& st, MergeArea& mg, PartArea& pa, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
+  if (Q_IN_MERGE) __syncthreads();   // every warp's last tile has read Q before the merge area holding it is rewritten
 #pragma unroll
   for (int pass = 0; pass < MERGE_PASSES; ++pass) {   // rows [pass MERGE_ROWS, (pass + 1) MERGE_ROWS)
     if (pass > 0) __syncthreads();   // the last pass's reads are done before its area is rewritten
@@ -974,6 +991,10 @@ struct DecodeFamily {
   // (an overlapped launch's) has not written.
   static __device__ __forceinline__ void setup(const DecodeParams& p, State& s) {
     s.prof.begin(p.prof, p.prof_cap, s.pl.cta, threadIdx.x == 0, p.prof_clock, p.prof_every);
+    if (TMA && threadIdx.x == 0) {
+      prefetch_tensormap(&p.k_map);
+      prefetch_tensormap(&p.v_map);
+    }
     if (ONCHIP) {
       if (threadIdx.x == 0) event_reset(&s.pa.counter);
       cluster_arrive();     // the counter is zero before any peer counts on it
@@ -1011,12 +1032,12 @@ struct DecodeFamily {
       for (int st = 0; st < STAGES - 1; ++st) issue_tile(p, g, lc, s.ring, s.bars, st, pl, warp, lane);
 
       WarpState ws;
-      if (Q_SMEM) ws.qs = reinterpret_cast<uint2*>(s.smem + QS_OFFSET) + warp * NT * KSTEPS * 32;
+      if (Q_SMEM) ws.qs = reinterpret_cast<uint2*>(Q_IN_MERGE ? (unsigned char*)s.mg.o : s.smem + MBAR_OFFSET + MBAR_BYTES);
       int cs = 0;
       u32 phases = 0;
       for (int u = g.u_begin; u <= g.u_last; ++u) {
         Unit x = load_unit(p, g, u, pl);
-        load_q(p, x, ws, lane);
+        load_q(p, x, ws, lane, warp);
         for (;;) {   // the unit's piece here (MELD_CHUNKED: each of its chunks here)
           const i64 t0 = prof.now();
           const int nt = x.num_tiles();
