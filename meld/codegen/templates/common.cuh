@@ -113,6 +113,19 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
   asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
+// The same loads, volatile: ptxas keeps volatile loads in program order, so a merge that asks for every part's lse and
+// values together has them all in flight before it uses any (one round trip). Its ld.global.cg loads it reorders:
+// the lse first, their max, then the values (two).
+__device__ __forceinline__ float ld_vol(const float* p) {
+  float v;
+  asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 ld_vol4(const float* p) {
+  float4 v;
+  asm volatile("ld.volatile.global.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ uint4 ld_cg_v4(const void* p) {   // 16 bytes of any type
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));

@@ -925,7 +925,7 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // The last arriver merges the unit's partials (k = 0: the piece that ends CTA first_cta's segment;
 // k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The merge sits on the
 // kernel's tail, so each thread merges four outputs of one head on its own (split_kv.cuh, merge_lse4: no
-// shared memory, no barrier). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8
+// shared memory, no barrier), a chunk's loads of lse and values in flight together (ld_vol: one round trip). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8
 // elsewhere, since 16 cost the head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md,
 // "one-round-trip merges").
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
@@ -951,8 +951,8 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
       lse = dsmem_load(peer + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa));
       v = dsmem_load4(peer + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa));
     } else {
-      lse = ld_cg(p.part_lse + (x.parts_begin + k) * HEADS + h);
-      v = ld_cg4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);
+      v = ld_vol4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);   // (the values first: the last
+      lse = ld_vol(p.part_lse + (x.parts_begin + k) * HEADS + h);                // load is one the max waits for)
     }
   });
   if (!x.onchip && threadIdx.x == 0) event_reset(p.counters + u);   // every piece has arrived: ready for the next launch
