@@ -43,6 +43,8 @@ MULTI_VARIANTS = {
     "h32 s3": dict(heads_per_unit=32, num_warps=8, num_stages=3, merge_rows=8),
     "h32 w6 s3": dict(heads_per_unit=32, num_warps=6, num_stages=3, merge_rows=8),
     "h32 w4 s4": dict(heads_per_unit=32, num_warps=4, num_stages=4, merge_rows=0),
+    "tma": dict(tma=True),
+    "h16 tma": dict(heads_per_unit=16, num_warps=8, num_stages=2, merge_rows=0, tma=True),
 }
 
 
@@ -64,12 +66,12 @@ def multi_token_costs(q_len: int) -> dict[str, DecodeCost]:
 
 def multi_token_configs(q_len: int) -> dict[str, DecodeKernelConfig]:
     """The --q-len sweep's builds: 32-row variants only where a kv head has more than 16 rows, and none that is
-    the default again."""
+    the default or an earlier variant again."""
     base = DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q_len)
     out = {"default": base}
     for name, fields in MULTI_VARIANTS.items():
         cfg = dataclasses.replace(base, **fields)
-        if cfg != base and (fields.get("heads_per_unit") != 32 or 4 * q_len > 16):
+        if cfg not in out.values() and (fields.get("heads_per_unit") != 32 or 4 * q_len > 16):
             out[name] = cfg
     return out
 
