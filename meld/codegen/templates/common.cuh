@@ -102,28 +102,23 @@ __device__ __forceinline__ float log2_approx(float x) {
   return y;
 }
 
-// Loads that bypass L1: partials written by other SMs in the same launch.
+// Loads that bypass L1: partials written by other SMs in the same launch. VOL: volatile loads, which ptxas keeps in
+// program order, so a merge that asks for every part's values and lse together has them all in flight before it uses
+// any (one round trip); ld.global.cg loads it may reorder (decode's merge: the lse first, their max, then the values).
+template <bool VOL = false>
 __device__ __forceinline__ float ld_cg(const float* p) {
   float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  if constexpr (VOL) asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  else asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
 }
+template <bool VOL = false>
 __device__ __forceinline__ float4 ld_cg4(const float* p) {
   float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
-// The same loads, volatile: ptxas keeps volatile loads in program order, so a merge that asks for every part's lse and
-// values together has them all in flight before it uses any (one round trip). Its ld.global.cg loads it reorders:
-// the lse first, their max, then the values (two).
-__device__ __forceinline__ float ld_vol(const float* p) {
-  float v;
-  asm volatile("ld.volatile.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ float4 ld_vol4(const float* p) {
-  float4 v;
-  asm volatile("ld.volatile.global.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  if constexpr (VOL)
+    asm volatile("ld.volatile.global.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  else asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
 __device__ __forceinline__ uint4 ld_cg_v4(const void* p) {   // 16 bytes of any type

@@ -375,8 +375,9 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
     }
   } else {
     if (c.live) {
-      const int row = c.page < 0 ? -1   // this lane's token's K (and V) row of D elements from p.k (p.v)
-                                 : c.page * p.kv_page_stride + c.slot * p.kv_slot_stride + c.x.kv_head * p.kv_head_stride;
+      // this lane's token's K (and V) row of D elements from p.k (p.v), or -1
+      const int row = c.page < 0 ? -1 : c.page * p.kv_page_stride + c.slot * p.kv_slot_stride +
+                                            c.x.kv_head * p.kv_head_stride;
       const kv_t* kbase = reinterpret_cast<const kv_t*>(p.k) + (lane % CPR) * (16 / KV_BYTES);
       const kv_t* vbase = reinterpret_cast<const kv_t*>(p.v) + (lane % CPR) * (16 / KV_BYTES);
 #pragma unroll
@@ -925,7 +926,7 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // The last arriver merges the unit's partials (k = 0: the piece that ends CTA first_cta's segment;
 // k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The merge sits on the
 // kernel's tail, so each thread merges four outputs of one head on its own (split_kv.cuh, merge_lse4: no
-// shared memory, no barrier), a chunk's loads of lse and values in flight together (ld_vol: one round trip). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8
+// shared memory, no barrier), a chunk's loads of lse and values in flight together (volatile loads: one round trip). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8
 // elsewhere, since 16 cost the head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md,
 // "one-round-trip merges").
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
@@ -951,8 +952,8 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
       lse = dsmem_load(peer + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa));
       v = dsmem_load4(peer + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa));
     } else {
-      v = ld_vol4(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);   // (the values first: the last
-      lse = ld_vol(p.part_lse + (x.parts_begin + k) * HEADS + h);                // load is one the max waits for)
+      v = ld_cg4<true>(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);   // (the values first: the last
+      lse = ld_cg<true>(p.part_lse + (x.parts_begin + k) * HEADS + h);                // load is one the max waits for)
     }
   });
   if (!x.onchip && threadIdx.x == 0) event_reset(p.counters + u);   // every piece has arrived: ready for the next launch
