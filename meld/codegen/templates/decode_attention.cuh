@@ -120,11 +120,12 @@
 // plan, units and partial slots are the uniform build's), so the rows of tokens j >= n_b load zero q, cost MMA rows
 // but no KV bytes, and are never stored.
 //
-// HEAD_DIM 512 builds (8-head units, two or four warps: meld/codegen/decode_kernel.py) keep each warp's O^T in registers (128
-// floats a lane) and Q's A fragments in shared memory instead (Q_SMEM: one copy for the CTA's warps, which all
-// compute the same unit, in the merge area, which holds nothing while tiles compute, or after it where a unit's chunks
-// reuse Q across merges (MELD_CHUNKED); q_frag reads one 8-byte word per channel block), and copy a 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything
-// else is the same code over four times the bytes a token; at other head dims these compile to the code they were.
+// HEAD_DIM 512 builds (8-head units, two or four warps: meld/codegen/decode_kernel.py) keep each warp's O^T in
+// registers (128 floats a lane) and Q's A fragments in shared memory instead (Q_SMEM: one copy for the CTA's warps,
+// which all compute the same unit, in the merge area, which holds nothing while tiles compute, or after it where a
+// unit's chunks reuse Q across merges (MELD_CHUNKED); q_frag reads one 8-byte word per channel block), and copy a
+// 16-bit token row (1 KiB) as two 16-byte chunks a lane (CPL). Everything else is the same code over four times the
+// bytes a token; at other head dims these compile to the code they were.
 //
 // Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES, SMEM_BYTES, MELD_MMA_TYPE, MELD_OUT_TYPE,
 // MELD_Q_TO_F16, HEADS_PER_UNIT, MELD_ONCHIP_MERGE, MELD_PROFILE, MELD_TMA, MELD_CHUNKED, MELD_WATCHDOG_NS,
@@ -926,9 +927,9 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // The last arriver merges the unit's partials (k = 0: the piece that ends CTA first_cta's segment;
 // k >= 1: the piece that starts CTA first_cta + k's segment) and writes the output. The merge sits on the
 // kernel's tail, so each thread merges four outputs of one head on its own (split_kv.cuh, merge_lse4: no
-// shared memory, no barrier), a chunk's loads of lse and values in flight together (volatile loads: one round trip). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8
-// elsewhere, since 16 cost the head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md,
-// "one-round-trip merges").
+// shared memory, no barrier), a chunk's loads of lse and values in flight together (volatile loads: one round
+// trip). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8 elsewhere, since 16 cost the
+// head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md, "one-round-trip merges").
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
 // `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4.
 template <class Load>
@@ -1033,7 +1034,8 @@ struct DecodeFamily {
       for (int st = 0; st < STAGES - 1; ++st) issue_tile(p, g, lc, s.ring, s.bars, st, pl, warp, lane);
 
       WarpState ws;
-      if (Q_SMEM) ws.qs = reinterpret_cast<uint2*>(Q_IN_MERGE ? (unsigned char*)s.mg.o : s.smem + MBAR_OFFSET + MBAR_BYTES);
+      if (Q_SMEM)
+        ws.qs = reinterpret_cast<uint2*>(Q_IN_MERGE ? (unsigned char*)s.mg.o : s.smem + MBAR_OFFSET + MBAR_BYTES);
       int cs = 0;
       u32 phases = 0;
       for (int u = g.u_begin; u <= g.u_last; ++u) {
