@@ -957,14 +957,17 @@ __device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x
 __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
                                            PartArea& pa) {
   const u32 pa_addr = smem_addr(&pa);
+  const float* lse0 = p.part_lse + (i64)x.parts_begin * HEADS;   // part 0's (part k's: k HEADS further)
+  const float* o0 = p.part_o + (i64)x.parts_begin * HEADS * D;   // (k HEADS D further)
   merge_parts(p, x, x.num_parts, [&](int k, int h, int d, float& lse, float4& v) {
     if (x.onchip) {
       const u32 peer = dsmem_map(pa_addr, x.first_cta + k - pl.cluster_first);
       lse = dsmem_load(peer + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa));
       v = dsmem_load4(peer + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa));
     } else {
-      v = ld_cg4<true>(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);   // (the values first: the last
-      lse = ld_cg<true>(p.part_lse + (x.parts_begin + k) * HEADS + h);                // load is one the max waits for)
+      v = ld_cg4<true>(o0 + (h * D + d) + (i64)k * (HEADS * D));   // (the values first: the last load is one the
+      lse = ld_cg<true>(lse0 + h + (i64)k * HEADS);                 // max waits for; the part's offset last, the
+                                                                     // rest of each address the same for every part)
     }
   });
   if (!x.onchip && threadIdx.x == 0) event_reset(p.counters + u);   // every piece has arrived: ready for the next launch
