@@ -345,14 +345,14 @@ __device__ __forceinline__ void proxy_push(ProxyCommand* ring, unsigned long lon
   c->ticket = slot + 1;
 }
 
-// One TMA tensor copy (a box of a 4-D tensor map, coordinates innermost first) global -> this CTA's
-// shared memory; its bytes complete on `bar`. `map` is the generic address of a __grid_constant__ map.
 // Fetch a tensor map (a __grid_constant__ parameter's) into the TMA unit's cache ahead of its first copy, which
 // would otherwise wait for it after the loads that find the copy's coordinates.
 __device__ __forceinline__ void prefetch_tensormap(const void* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
 }
 
+// One TMA tensor copy (a box of a 4-D tensor map, coordinates innermost first) global -> this CTA's
+// shared memory; its bytes complete on `bar`. `map` is the generic address of a __grid_constant__ map.
 __device__ __forceinline__ void tma_load_4d(u32 dst, const void* map, int c0, int c1, int c2, int c3, u32 bar) {
   asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                " [%0], [%1, {%2, %3, %4, %5}], [%6];"
