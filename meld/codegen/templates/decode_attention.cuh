@@ -498,9 +498,14 @@ __device__ __forceinline__ void q_to_f16(WarpState& st) {   // (Q in registers)
 // The unit's Q fragments, and a fresh state. Q_SMEM: called by the whole CTA, once every thread is done with the
 // previous unit (the end of finish_piece). Each warp writes the channel blocks ks = warp (mod WARPS) of the
 // CTA's copy (MELD_Q_TO_F16: scaled by its row's 2^e, which every warp finds from the whole row, re-read from L1), then
-// the CTA waits for the copy.
+// the CTA waits for the copy. Every row's words are loaded before the first store: ptxas does not move a global load
+// above a store through a generic pointer, so storing each row as it arrived took one round trip a row (four for
+// 32-row units, every one on the CTA's path to its first tile).
 __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, WarpState& st, int lane, int warp) {
   const int g = lane >> 2, t = lane & 3;
+  constexpr int KPW = Q_SMEM ? (KSTEPS + WARPS - 1) / WARPS : 1;   // channel blocks a warp writes of the CTA's copy
+  u32 qw[NT][KPW][2];   // (Q_SMEM) this warp's words of them
+  float up[NT];         // (Q_SMEM) 2^e of each row (MELD_Q_TO_F16)
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const int h = 8 * i + g;
@@ -514,18 +519,20 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
       return live ? *reinterpret_cast<const u32*>(q + ks * 16 + (w ? (KV_FP8 ? 2 : 8) : 0)) : 0u;
     };
     if constexpr (Q_SMEM) {
-      float up = 1.f;
+      up[i] = 1.f;
       if (Q_TO_F16) {
         float amax = 0.f;
 #pragma unroll 4
         for (int ks = 0; ks < KSTEPS; ++ks)
 #pragma unroll
           for (int w = 0; w < 2; ++w) amax = fmaxf(amax, abs_max2(word(ks, w)));
-        up = q_row_scale(st, i, amax);
+        up[i] = q_row_scale(st, i, amax);
       }
-      for (int ks = warp; ks < KSTEPS; ks += WARPS) {
-        const u32 lo = word(ks, 0), hi = word(ks, 1);
-        st.qs[32 * (NT * ks + i) + lane] = Q_TO_F16 ? make_uint2(scale2(lo, up), scale2(hi, up)) : make_uint2(lo, hi);
+#pragma unroll
+      for (int kk = 0; kk < KPW; ++kk) {
+        const int ks = warp + kk * WARPS;
+        qw[i][kk][0] = ks < KSTEPS ? word(ks, 0) : 0u;
+        qw[i][kk][1] = ks < KSTEPS ? word(ks, 1) : 0u;
       }
     } else {
 #pragma unroll
@@ -535,8 +542,20 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
       }
     }
   }
-  if constexpr (Q_SMEM) __syncthreads();
-  else if (Q_TO_F16) q_to_f16(st);
+  if constexpr (Q_SMEM) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int kk = 0; kk < KPW; ++kk) {
+        const int ks = warp + kk * WARPS;
+        const u32 lo = qw[i][kk][0], hi = qw[i][kk][1];
+        if (ks < KSTEPS)
+          st.qs[32 * (NT * ks + i) + lane] = Q_TO_F16 ? make_uint2(scale2(lo, up[i]), scale2(hi, up[i])) : make_uint2(lo, hi);
+      }
+    __syncthreads();
+  } else if (Q_TO_F16) {
+    q_to_f16(st);
+  }
   reset_state(st);
 }
 
