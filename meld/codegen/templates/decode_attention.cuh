@@ -948,32 +948,45 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // kernel's tail, so each thread merges four outputs of one head on its own (split_kv.cuh, merge_lse4: no
 // shared memory, no barrier), a chunk's loads of lse and values in flight together (volatile loads: one round
 // trip). Chunk sizes: 16 parts (a unit over the 132 SMs has ~17) for head_dim 128; 8 elsewhere, since 16 cost the
-// head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md, "one-round-trip merges").
+// head_dim-64 kernel registers and made it slower throughout (bench/RESULTS.md, "one-round-trip merges"). A chunk
+// issues all its slots' instructions, used or not, and a merge is bound by its instruction stream (ncu at q_len 8,
+// B=8: two or three parts in a 16-part chunk took as long as 16 parts), so a unit of up to 4 (8) parts takes a chunk
+// of 4 (8), except in batch-invariant builds (whose registers it would spill). Every merger of a unit has its part
+// count, so all of them still get the same bits.
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
 // `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4.
-template <class Load>
-__device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x, int parts, Load load) {
+template <int CHUNK, class Load>
+__device__ __forceinline__ void merge_parts_in(const DecodeParams& p, const Unit& x, int parts, Load& load) {
   constexpr int Q = D / 4;
   for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
     const int h = i / Q, d = (i - h * Q) * 4;
     float lse2[1];
     float4 v[1];
-    merge_lse4<MERGE_CHUNK, 1>(parts, [&](int k, int, float& lse, float4& o) { load(k, h, d, lse, o); }, v, lse2);
+    merge_lse4<CHUNK, 1>(parts, [&](int k, int, float& lse, float4& o) { load(k, h, d, lse, o); }, v, lse2);
     store_out4(p, x, h, d, v[0], lse2[0]);
   }
+}
+template <class Load>
+__device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x, int parts, Load load) {
+  if (!CHUNKED && parts <= 4) merge_parts_in<4>(p, x, parts, load);   // (batch-invariant builds: no registers for it)
+  else if (!CHUNKED && MERGE_CHUNK > 8 && parts <= 8) merge_parts_in<8>(p, x, parts, load);
+  else merge_parts_in<MERGE_CHUNK>(p, x, parts, load);
 }
 
 __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
                                            PartArea& pa) {
   const u32 pa_addr = smem_addr(&pa);
+  const float* lse0 = p.part_lse + (i64)x.parts_begin * HEADS;   // part 0's (part k's: k HEADS further)
+  const float* o0 = p.part_o + (i64)x.parts_begin * HEADS * D;   // (k HEADS D further)
   merge_parts(p, x, x.num_parts, [&](int k, int h, int d, float& lse, float4& v) {
     if (x.onchip) {
       const u32 peer = dsmem_map(pa_addr, x.first_cta + k - pl.cluster_first);
       lse = dsmem_load(peer + (u32)((char*)&pa.lse[k == 0][h] - (char*)&pa));
       v = dsmem_load4(peer + (u32)((char*)&pa.o[k == 0][h][d] - (char*)&pa));
     } else {
-      v = ld_cg4<true>(p.part_o + ((i64)(x.parts_begin + k) * HEADS + h) * D + d);   // (the values first: the last
-      lse = ld_cg<true>(p.part_lse + (x.parts_begin + k) * HEADS + h);                // load is one the max waits for)
+      v = ld_cg4<true>(o0 + (h * D + d) + (i64)k * (HEADS * D));   // (the values first: the last load is one the
+      lse = ld_cg<true>(lse0 + h + (i64)k * HEADS);                 // max waits for; the part's offset last, the
+                                                                     // rest of each address the same for every part)
     }
   });
   if (!x.onchip && threadIdx.x == 0) event_reset(p.counters + u);   // every piece has arrived: ready for the next launch
