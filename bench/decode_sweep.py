@@ -99,15 +99,24 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--q-len", type=int, default=1, choices=range(1, 9), help="new tokens per request (module doc)")
     p.add_argument("--costs", action="store_true", help="with --q-len: sweep cost models, not builds")
+    p.add_argument("--variants", nargs="+", help="only these variants (and the first, which the others are checked "
+                   "against)")
     args = p.parse_args()
     Q_LEN[0] = args.q_len   # (make_inputs draws q for B * q_len rows)
-    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len, cost=cost)
-             for name, cost in multi_token_costs(args.q_len).items()} if args.q_len > 1 and args.costs else {
-        name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len, kernel_config=cfg)
-        for name, cfg in multi_token_configs(args.q_len).items()} if args.q_len > 1 else {
-        name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", cost=cost,
-                                   kernel_config=DecodeKernelConfig("bfloat16", 128, w, s, tma=tma))
-        for name, (w, s, cost, tma) in VARIANTS.items()}
+    if args.q_len > 1 and args.costs:
+        options = {name: dict(cost=cost) for name, cost in multi_token_costs(args.q_len).items()}
+    elif args.q_len > 1:
+        options = {name: dict(kernel_config=cfg) for name, cfg in multi_token_configs(args.q_len).items()}
+    else:
+        options = {name: dict(cost=cost, kernel_config=DecodeKernelConfig("bfloat16", 128, w, s, tma=tma))
+                   for name, (w, s, cost, tma) in VARIANTS.items()}
+    if args.variants:
+        if unknown := set(args.variants) - set(options):
+            p.error(f"--variants: {sorted(unknown)} are not among {list(options)}")
+        first = next(iter(options))
+        options = {k: o for k, o in options.items() if k == first or k in args.variants}
+    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len, **o)
+             for name, o in options.items()}
     names = list(attns)
     print("env: " + ", ".join(f"{k}={v}" for k, v in env_info().items()))
     print("CTAs/SM: " + ", ".join(f"{k} {a.topology.ctas_per_sm}" for k, a in attns.items()), flush=True)
