@@ -175,6 +175,40 @@ def test_grid_larger_than_the_gpu():
     assert attn.topology.num_ctas == 2 * sms
 
 
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "oversubscribed"])
+@pytest.mark.parametrize("B,dist,q_len", [(1, "uniform2k", 8), (1, "skewed", 4), (8, "one-long", 1)])
+def test_sliced_merges_in_the_trace(resident, B, dist, q_len):
+    """A unit of n >= 3 parts whose outputs are more than one CTA's pass (16 rows and more) is merged by
+    min(n - 1, 8) of its parts' CTAs, each after waiting for every part (a merge-wait record, then its merge-hbm),
+    never by its last part (which starts its CTA's segment); otherwise (2 parts, 8-row units, or a grid with more
+    CTAs than can be resident) the last arriver merges alone, without waiting."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = dataclasses.replace(DecodeKernelConfig.default("bfloat16", 128, group_size=4, q_len=q_len), profile=True)
+    attn = _check(B, dist, kernel_config=cfg, q_len=q_len,
+                  **({} if resident else dict(topology=Topology(sms, {1: 2 * sms}))))
+    tr = attn.last_trace()
+    assert tr.overflowed == 0
+    sliced = resident and 4 * q_len > 8
+    per_unit = {}
+    for t in tr.tasks:
+        per_unit.setdefault(t.unit, []).append(t)
+    split = 0
+    for u, ts in per_unit.items():
+        pieces = sorted((t.cta for t in ts if t.kind == "piece"))
+        merges = sorted(t.cta for t in ts if t.kind == "merge-hbm")
+        waits = sorted(t.cta for t in ts if t.kind == "merge-wait")
+        n = len(pieces)
+        slices = min(n - 1, 8) if sliced else 1
+        if n == 1:
+            assert merges == waits == [], f"unit {u}: whole on CTA {pieces[0]}, merged by {merges}"
+        elif slices > 1:
+            split += 1
+            assert merges == waits == pieces[:slices], f"unit {u}: parts on CTAs {pieces}, merged by {merges}"
+        else:
+            assert len(merges) == 1 and waits == [], f"unit {u}: parts on CTAs {pieces}, merged by {merges}"
+    assert split > 0 or not sliced, "no unit was merged in slices"
+
+
 @pytest.mark.parametrize("cluster_size", [1, 4])
 def test_cuda_graph_replay_across_replans(cluster_size):
     dev, Hq, Hkv, D, P = "cuda", 32, 8, 128, 16

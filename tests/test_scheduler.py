@@ -85,12 +85,26 @@ def test_splits_stay_on_neighbouring_ctas():
 
 @pytest.mark.parametrize("round_", [16, 128])
 def test_short_batch_uses_fewer_ctas(round_):
-    """Short segments: each CTA gets at least min_cta_tokens (rounded up) and one round of the warps."""
-    cost = DecodeCost(round_tokens=round_)
-    s = _plan([100], cost=cost).validate()
-    total = (100 + cost.item_overhead_tokens) * 8
+    """Short segments, more units than CTAs: each CTA gets at least min_cta_tokens (rounded up) and one round of
+    the warps."""
+    cost = DecodeCost(round_tokens=round_, item_overhead_tokens=16)
+    s = _plan([20] * 20, cost=cost, topo=Topology(132)).validate()
+    total = (20 + cost.item_overhead_tokens) * 8 * 20
     expected = min(-(-total // cost.min_cta_tokens), total // round_)
-    assert s.meta["active_ctas"] == expected == (15 if round_ == 16 else 14)
+    assert s.meta["active_ctas"] == expected == 45
+
+
+@pytest.mark.parametrize("lens,overhead,pieces", [([2048], 192, 128), ([2048], 128, 128), ([100], 128, 8),
+                                                  ([300, 0, 1000], 128, 8 * (2 + 1 + 7))])
+def test_one_piece_per_cta_where_the_pieces_fit(lens, overhead, pieces):
+    """A short batch whose units, cut at every round of the warps (128 tokens, none shorter than min_split), give
+    no more pieces than the grid has CTAs: each piece gets its own CTA, whatever the item overhead (on the line,
+    an overhead of 192 left four CTAs two rounds and others none)."""
+    s = _plan(lens, cost=DecodeCost(item_overhead_tokens=overhead), topo=Topology(132)).validate()
+    it = s.items()
+    assert s.meta["active_ctas"] == len(it["cta"]) == len(set(it["cta"].tolist())) == pieces
+    size = it["kv_end"] - it["kv_begin"]
+    assert size.max() < 256 and np.all(it["kv_begin"] % 128 == 0)
 
 
 @pytest.mark.parametrize("B,dist,roomy", [(1, "uniform2k", False), (1, "skewed", False), (8, "skewed", True),

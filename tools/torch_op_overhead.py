@@ -67,7 +67,7 @@ class StubDecode(meld.DecodeAttention):
         w.device, w._claim, w._kernels = torch.device("cpu"), torch.zeros(1), []
         w._host = torch.zeros(WATCHDOG_RECORD.size, dtype=torch.uint8)
         w.record = WATCHDOG_RECORD.ctype.from_address(w._host.data_ptr())
-        self._watchdog_id, self._tensor_maps, self._outs = 0, None, None
+        self._watchdog_id, self._tensor_maps, self._outs, self._grid_resident = 0, None, None, True
         tables = SimpleNamespace(ptr=lambda offset: 0, off_slot_base=0)
         fields = dict(kv_indices=0, kv_len=0, page_base=0, cta_table=0, part_o=0, part_lse=0, counters=0,
                       **self._header(num_ctas=self.topology.num_ctas))

@@ -161,7 +161,11 @@ DECODE_FIELDS = [
 V_SCALE = Field("v_scale", "f32")
 # Ragged multi-token builds (MELD_RAGGED_Q): each request's q and output rows, FlashInfer's qo_indptr [B + 1] as
 # plan() copied it. After V_SCALE, for the same reason; not in the sequence-parallel struct (no multi-token builds).
-DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS, V_SCALE, Field("qo_indptr", "ptr", "const int*")])
+# 1 where every CTA of each grid of the mix is resident at once (decode_attention.cuh: merge_slices waits on no CTA
+# that is not). Last, where it moves no other field.
+GRID_RESIDENT = Field("grid_resident", "i32")
+DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS, V_SCALE, Field("qo_indptr", "ptr", "const int*"),
+                                              GRID_RESIDENT])
 
 # Sequence-parallel builds (MELD_XRANK) read the same struct with the cross-rank edge's fields after it
 # (templates/decode_xrank.cuh).
@@ -189,6 +193,7 @@ SEQ_PARALLEL_DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS,
     Field("x_world", "i32"),
     Field("xring_cap", "i32"),
     V_SCALE,
+    GRID_RESIDENT,
 ])
 
 # MLA decode attention (templates/mla_decode.cuh): the latent cache as two TMA maps, one partial slot per

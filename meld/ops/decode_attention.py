@@ -345,6 +345,9 @@ class DecodeAttention(PagedDecode):
         self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
         self.topology = self._servable(topology or Topology.discover(self.kernel))
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
+        # (a topology given may promise more resident CTAs than the kernel's occupancy allows: then no CTA waits)
+        fits = Topology.discover(self.kernel).max_active_clusters if topology else self.topology.max_active_clusters
+        self._grid_resident = all(n <= fits.get(size, 0) for size, n in self.cluster_mix)
         self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
             if self._plan_clusters else None
         self._tensor_maps = TensorMapCache(functools.partial(kv_tensor_maps, layout=self.kv_layout)) if kc.tma else None
@@ -358,7 +361,7 @@ class DecodeAttention(PagedDecode):
             q=0, k=0, v=0, out=0, lse=0, slot_base=tables.ptr(tables.off_slot_base), chunk=self._chunk,
             k_map=TensorMap(), v_map=TensorMap(), q_stride_b=0, q_stride_h=0, kv_page_stride=0, kv_slot_stride=0,
             kv_head_stride=0,   # (q, the caches, their maps and strides, out and lse: set by run())
-            kv_hnd=int(self.kv_layout == "HND"), **fields,
+            kv_hnd=int(self.kv_layout == "HND"), grid_resident=int(self._grid_resident), **fields,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size * self.q_len,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
             sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)

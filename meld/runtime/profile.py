@@ -28,13 +28,13 @@ from .. import jsonfile
 
 # Task kinds of every operator's kernels (a record's kind is its index here): decode attention's, then
 # the fused MoE's. Generated kernels take their ids from this tuple (codegen passes them in).
-DECODE_KINDS = ("piece", "merge-hbm", "merge-dsmem", "cluster-wait")
+DECODE_KINDS = ("piece", "merge-hbm", "merge-dsmem", "cluster-wait", "merge-wait")
 MOE_KINDS = ("gemm1", "gemm2", "combine")
 # The row-parallel linear's: a piece's GEMM, its partial staged, sent and stamped (the sender), a merge team
 # waiting for a chunk's partials, merging them, and the direct path's exchange and sum.
 TP_KINDS = ("tp-gemm", "tp-stage", "tp-send", "tp-wait", "tp-merge", "tp-direct")
 KINDS = DECODE_KINDS + MOE_KINDS + TP_KINDS
-WORK_KINDS = frozenset(KINDS) - {"cluster-wait", "tp-wait"}
+WORK_KINDS = frozenset(KINDS) - {"cluster-wait", "merge-wait", "tp-wait"}
 
 
 def kind_defines() -> str:
@@ -44,13 +44,13 @@ def kind_defines() -> str:
 IDLE = (36, 36, 44)
 COLOURS = {"piece": (66, 133, 244), "merge-hbm": (234, 67, 53), "merge-dsmem": (251, 188, 5),
            "gemm1": (52, 168, 83), "gemm2": (66, 133, 244), "combine": (234, 67, 53),
-           "cluster-wait": (150, 150, 150), "tp-gemm": (52, 168, 83), "tp-stage": (171, 71, 188),
+           "cluster-wait": (150, 150, 150), "merge-wait": (150, 150, 150), "tp-gemm": (52, 168, 83), "tp-stage": (171, 71, 188),
            "tp-send": (0, 172, 193), "tp-wait": (150, 150, 150), "tp-merge": (234, 67, 53), "tp-direct": (251, 188, 5)}
 STRIP_PX, MARGIN_PX = 8, 10  # busy-fraction strip, then a black gap; the timeline starts at x = MARGIN_PX
 BAR_GAP_PX, BAR_PX = 2, 4    # below the SM rows: the occupancy bar over the whole span
 # Later paints over: short merges stay visible. The row-parallel kernel's merges and sends run beside its
 # GEMMs (other warps): its GEMMs paint over them, which leave the time no GEMM runs.
-_PAINT_ORDER = ("cluster-wait", "tp-wait", "tp-merge", "tp-send", "piece", "gemm1", "gemm2", "tp-stage", "tp-gemm",
+_PAINT_ORDER = ("cluster-wait", "merge-wait", "tp-wait", "tp-merge", "tp-send", "piece", "gemm1", "gemm2", "tp-stage", "tp-gemm",
                 "merge-hbm", "merge-dsmem", "combine", "tp-direct")
 
 

@@ -8,19 +8,22 @@
 //   S[HEADS heads (8: padded to 16) x 16 tokens] = Q . K^T
 //   O^T[D x 8 heads] += V^T . P^T, once per 8 heads  (P comes straight from S's accumulator layout)
 // At the end of a unit the warps merge their online-softmax states through shared memory. A unit that
-// the schedule split across CTAs leaves one partial (o, lse) per piece, and the CTA whose arrival
-// completes the unit's counter merges them (last arriver does the work: no CTA waits on another's work):
+// the schedule split across CTAs leaves one partial (o, lse) per piece, merged:
 //   - on chip, when every piece ran in this CTA's thread-block cluster (MELD_ONCHIP_MERGE): the partial
 //     stays in the shared memory of the CTA that computed it, the counter lives in the shared memory of
 //     the first piece's CTA, and the last arriver reads the partials over distributed shared memory;
-//   - through global memory otherwise (slot unit + cta, a counter per unit that the merger resets).
+//   - through global memory otherwise (slot unit + cta, a counter per unit that the mergers reset): by up to
+//     MERGE_SLICES of its pieces' CTAs together, each a slice of the outputs, after they wait for every part
+//     (merge_slices says when that wait cannot deadlock), or, where the parts span grids, by the CTA whose
+//     arrival completes the counter (last arriver does the work).
 // The pieces of a unit sit on consecutive CTAs, and clusters are runs of consecutive CTAs, so most
 // split units merge on chip. Several grids (one per cluster size, `cta_offset` apart) can share one
 // schedule: pieces in different grids always merge through global memory, so a grid that starts late
 // delays the work but never deadlocks (meld/runtime/driver.py's PersistentLaunch orders their start
-// and end with griddepcontrol). The only waits are cluster barriers (co-resident by hardware): one
-// after the counters are zeroed, one before exit so that no CTA's shared memory vanishes while a peer
-// reads it; and at exit, for the grid launched before this one (which never waits on this one).
+// and end with griddepcontrol). The waits: a slice's merger for its unit's parts, all in its grid and none
+// computed after a wait (merge_slices); cluster barriers (co-resident by hardware): one after the counters
+// are zeroed, one before exit so that no CTA's shared memory vanishes while a peer reads it; and at exit,
+// for the grid launched before this one (which never waits on this one).
 //
 // MELD_TMA builds load each tile with TMA tensor copies instead (cp.async.bulk.tensor over 4-D maps of
 // the K and V caches, p.k_map and p.v_map: one 16-row x 64-channel box per copy, 128-byte swizzled) into
@@ -842,6 +845,33 @@ __device__ __forceinline__ void store_out4(const DecodeParams& p, const Unit& x,
 #endif
 }
 
+// How many of a split unit's parts merge it, each a slice of its outputs: up to MERGE_SLICES when one CTA would
+// take more than one pass over the outputs (a thread per four; 16 rows and more at head_dim 128), every part runs
+// in this grid and every CTA of the grid is resident at once (p.grid_resident: the op checks its mix against the
+// kernel's occupancy), else 1, the last arriver alone (a merger that waits sees the last arrival one load later).
+// Part k < slices (the piece on CTA first_cta + k) waits for every part, then merges outputs [k n / slices,
+// (k + 1) n / slices) of the n; the last part never merges, since it starts its CTA's segment and a CTA must not
+// wait while its own later work is waited on. Part 0 ends its CTA's segment and a middle part is its CTA's whole
+// segment, so a waiting CTA has no work left, and every part it waits for is computed with no wait before it (the
+// last part is its CTA's first piece): no cycle. One merger alone reads every byte the unit's pieces wrote (16 parts
+// of 32 rows: 256 KiB) through one SM, on the kernel's tail.
+constexpr int MERGE_SLICES = 8;
+constexpr bool SLICED_MERGES = !CHUNKED && !MELD_XRANK && HEADS * (D / 4) > THREADS;   // (else no code for them)
+__device__ __forceinline__ int merge_slices(const DecodeParams& p, const Unit& x) {
+  if (!SLICED_MERGES || x.onchip || x.slot < 0 || !p.grid_resident || x.rows * (D / 4) <= THREADS) return 1;
+  if (x.first_cta < p.cta_offset || x.first_cta + x.num_parts > p.cta_offset + (int)gridDim.x) return 1;
+  return min(x.num_parts - 1, MERGE_SLICES);
+}
+// A slice's merger waits for every part of the unit (acquire: their partials are visible after the barrier), under
+// twice the watchdog's limit: a part's own waits (its ring stages) give up first and name the cause.
+__device__ __forceinline__ void await_parts(const DecodeParams& p, const Unit& x, int u, int cta) {
+  if (threadIdx.x == 0)
+    event_wait(reinterpret_cast<const int*>(p.counters + u), x.num_parts,
+               WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, 21, cta, 0, u, x.num_parts},
+               2 * (i64)MELD_WATCHDOG_NS);
+  __syncthreads();
+}
+
 // End of a piece: merge the warps' states (MERGE_ROWS rows a pass through the merge area), then write the output
 // (whole unit) or this piece's partial and count its arrival. Returns true when this CTA completed a split unit and
 // must merge it.
@@ -939,6 +969,8 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
       if (x.onchip) fence_cluster(); else __threadfence();
     }
   }
+  const int slices = merge_slices(p, x);
+  if (slices > 1) return x.slot - x.parts_begin < slices;   // (no barrier: mg.last is not read)
   __syncthreads();
   return mg.last;
 }
@@ -954,11 +986,13 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
 // of 4 (8), except in batch-invariant builds (whose registers it would spill). Every merger of a unit has its part
 // count, so all of them still get the same bits.
 constexpr int MERGE_CHUNK = D == 128 ? 16 : 8;
-// `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4.
+// `load(k, h, d, lse, v)` reads part k's lse (log2) and outputs h, d..d+3; the result goes to store_out4. Slice k of
+// `slices` merges the unit's outputs (four channels of one head each) [k n / slices, (k + 1) n / slices) of the n.
 template <int CHUNK, class Load>
-__device__ __forceinline__ void merge_parts_in(const DecodeParams& p, const Unit& x, int parts, Load& load) {
+__device__ __forceinline__ void merge_parts_in(const DecodeParams& p, const Unit& x, int parts, Load& load, int lo,
+                                               int hi) {
   constexpr int Q = D / 4;
-  for (int i = threadIdx.x; i < x.rows * Q; i += THREADS) {
+  for (int i = lo + threadIdx.x; i < hi; i += THREADS) {
     const int h = i / Q, d = (i - h * Q) * 4;
     float lse2[1];
     float4 v[1];
@@ -967,14 +1001,17 @@ __device__ __forceinline__ void merge_parts_in(const DecodeParams& p, const Unit
   }
 }
 template <class Load>
-__device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x, int parts, Load load) {
-  if (!CHUNKED && parts <= 4) merge_parts_in<4>(p, x, parts, load);   // (batch-invariant builds: no registers for it)
-  else if (!CHUNKED && MERGE_CHUNK > 8 && parts <= 8) merge_parts_in<8>(p, x, parts, load);
-  else merge_parts_in<MERGE_CHUNK>(p, x, parts, load);
+__device__ __forceinline__ void merge_parts(const DecodeParams& p, const Unit& x, int parts, Load load, int k = 0,
+                                            int slices = 1) {
+  const int n = x.rows * (D / 4), lo = k * n / slices, hi = (k + 1) * n / slices;
+  if (!CHUNKED && parts <= 4) merge_parts_in<4>(p, x, parts, load, lo, hi);   // (batch-invariant builds: no
+  else if (!CHUNKED && MERGE_CHUNK > 8 && parts <= 8) merge_parts_in<8>(p, x, parts, load, lo, hi);   // registers)
+  else merge_parts_in<MERGE_CHUNK>(p, x, parts, load, lo, hi);
 }
 
+// slices > 1: this CTA merges slice x.slot - x.parts_begin, after await_parts (merge_slices).
 __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x, int u, const Place& pl,
-                                           PartArea& pa) {
+                                           PartArea& pa, int slices) {
   const u32 pa_addr = smem_addr(&pa);
   const float* lse0 = p.part_lse + (i64)x.parts_begin * HEADS;   // part 0's (part k's: k HEADS further)
   const float* o0 = p.part_o + (i64)x.parts_begin * HEADS * D;   // (k HEADS D further)
@@ -988,8 +1025,14 @@ __device__ __forceinline__ void merge_unit(const DecodeParams& p, const Unit& x,
       lse = ld_cg<true>(lse0 + h + (i64)k * HEADS);                 // max waits for; the part's offset last, the
                                                                      // rest of each address the same for every part)
     }
-  });
-  if (!x.onchip && threadIdx.x == 0) event_reset(p.counters + u);   // every piece has arrived: ready for the next launch
+  }, slices > 1 ? x.slot - x.parts_begin : 0, slices);
+  if (slices > 1) {
+    __syncthreads();   // every thread's loads of the parts are done before the counter can reset
+    if (threadIdx.x == 0 && event_arrive(p.counters + u, 1u, (unsigned)(x.num_parts + slices)))
+      event_reset(p.counters + u);   // the last merger: ready for the next launch
+  } else if (!x.onchip && threadIdx.x == 0) {
+    event_reset(p.counters + u);   // every piece has arrived: ready for the next launch
+  }
 }
 
 // The family's persistent main (persistent.cuh): one CTA per SM (its shared memory decides), every warp
@@ -1097,8 +1140,14 @@ struct DecodeFamily {
           const bool merge = finish_piece(p, x, u, pl, ws, s.mg, s.pa, warp, lane);
           prof.record(t0, PROF_PIECE, u);
           if (merge) {
+            const int slices = merge_slices(p, x);
+            if (slices > 1) {
+              const i64 tw = prof.now();
+              await_parts(p, x, u, pl.cta);
+              prof.record(tw, PROF_MERGE_WAIT, u);
+            }
             const i64 t1 = prof.now();
-            merge_unit(p, x, u, pl, s.pa);
+            merge_unit(p, x, u, pl, s.pa, slices);
             prof.record(t1, x.onchip ? PROF_MERGE_DSMEM : PROF_MERGE_HBM, u);
           }
 #if MELD_XRANK

@@ -123,6 +123,37 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
   const int grain = roomy ? tile : p.round;
   if (!roomy && !chunk) active = (int)min((long long)active, max(1ll, total / grain));
   const long long lo = (ms + grain - 1) / grain * grain, far = 1ll << 62;
+
+  //    A short batch whose units, cut at every allowed grain boundary, give no more pieces than the grid has
+  //    CTAs: each piece its own CTA (decode_plan.py); R becomes the requests' pieces, cut c the start of piece c.
+  auto round_pieces = [&](long long n) {         // a unit's pieces when cut at every allowed grain boundary
+    const long long hi = floor_div(n - ms, grain) * grain;
+    return hi >= lo ? (hi - lo) / grain + 2 : 1ll;
+  };
+  bool per_round = false;
+  if (!roomy && !chunk) {
+    long long pieces_all = 0;
+    for (int base = 0; base < B; base += PT) {
+      const int b = base + tid;
+      long long block_total;
+      block_scan(b < B ? nh * round_pieces(p.kv_len[b]) : 0ll, Add(), tot64, block_total);
+      pieces_all += block_total;
+    }
+    per_round = 0 < pieces_all && pieces_all <= W;
+    if (per_round) {
+      carry = 0;
+      for (int base = 0; base < B; base += PT) {
+        const int b = base + tid;
+        const long long v = b < B ? nh * round_pieces(p.kv_len[b]) : 0ll;
+        long long block_total;
+        const long long incl = block_scan(v, Add(), tot64, block_total);
+        if (b < B) R[b + 1] = carry + incl;
+        carry += block_total;
+      }
+      active = (int)pieces_all;
+      __syncthreads();
+    }
+  }
   auto request_at = [&](long long x) {           // largest b with R[b] <= x
     int lo_b = 0, hi_b = B;
     while (lo_b < hi_b) {
@@ -206,7 +237,14 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
       cut_at(c, moved[f] + floor_div((target(c, second) - tf) * (moved[e] - moved[f]), target(e, second) - tf));
     }
   };
-  if (chunk) {
+  if (per_round) {
+    for (int c = 1 + tid; c < active; c += PT) {
+      const int b = request_at(c);
+      const long long n = round_pieces(p.kv_len[b]), r = c - R[b], hb = r / n, k = r - hb * n;
+      cut_u[c] = b * nh + (int)hb;
+      cut_s[c] = k == 0 ? 0 : (int)(lo + (k - 1) * grain);
+    }
+  } else if (chunk) {
     for (int c = 1 + tid; c < active; c += PT) cut_chunk(c, (long long)c * total / active);
   } else {
     place_cuts(false);
