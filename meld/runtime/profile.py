@@ -44,14 +44,15 @@ def kind_defines() -> str:
 IDLE = (36, 36, 44)
 COLOURS = {"piece": (66, 133, 244), "merge-hbm": (234, 67, 53), "merge-dsmem": (251, 188, 5),
            "gemm1": (52, 168, 83), "gemm2": (66, 133, 244), "combine": (234, 67, 53),
-           "cluster-wait": (150, 150, 150), "merge-wait": (150, 150, 150), "tp-gemm": (52, 168, 83), "tp-stage": (171, 71, 188),
-           "tp-send": (0, 172, 193), "tp-wait": (150, 150, 150), "tp-merge": (234, 67, 53), "tp-direct": (251, 188, 5)}
+           "cluster-wait": (150, 150, 150), "merge-wait": (150, 150, 150), "tp-gemm": (52, 168, 83),
+           "tp-stage": (171, 71, 188), "tp-send": (0, 172, 193), "tp-wait": (150, 150, 150), "tp-merge": (234, 67, 53),
+           "tp-direct": (251, 188, 5)}
 STRIP_PX, MARGIN_PX = 8, 10  # busy-fraction strip, then a black gap; the timeline starts at x = MARGIN_PX
 BAR_GAP_PX, BAR_PX = 2, 4    # below the SM rows: the occupancy bar over the whole span
 # Later paints over: short merges stay visible. The row-parallel kernel's merges and sends run beside its
 # GEMMs (other warps): its GEMMs paint over them, which leave the time no GEMM runs.
-_PAINT_ORDER = ("cluster-wait", "merge-wait", "tp-wait", "tp-merge", "tp-send", "piece", "gemm1", "gemm2", "tp-stage", "tp-gemm",
-                "merge-hbm", "merge-dsmem", "combine", "tp-direct")
+_PAINT_ORDER = ("cluster-wait", "merge-wait", "tp-wait", "tp-merge", "tp-send", "piece", "gemm1", "gemm2", "tp-stage",
+                "tp-gemm", "merge-hbm", "merge-dsmem", "combine", "tp-direct")
 
 
 @dataclass(frozen=True)

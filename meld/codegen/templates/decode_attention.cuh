@@ -553,7 +553,8 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
         const int ks = warp + kk * WARPS;
         const u32 lo = qw[i][kk][0], hi = qw[i][kk][1];
         if (ks < KSTEPS)
-          st.qs[32 * (NT * ks + i) + lane] = Q_TO_F16 ? make_uint2(scale2(lo, up[i]), scale2(hi, up[i])) : make_uint2(lo, hi);
+          st.qs[32 * (NT * ks + i) + lane] = Q_TO_F16 ? make_uint2(scale2(lo, up[i]), scale2(hi, up[i]))
+                                                      : make_uint2(lo, hi);
       }
     __syncthreads();
   } else if (Q_TO_F16) {
@@ -874,7 +875,7 @@ __device__ __forceinline__ void await_parts(const DecodeParams& p, const Unit& x
 
 // End of a piece: merge the warps' states (MERGE_ROWS rows a pass through the merge area), then write the output
 // (whole unit) or this piece's partial and count its arrival. Returns true when this CTA completed a split unit and
-// must merge it.
+// must merge it, or merges a slice of it (merge_slices).
 __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& x, int u, const Place& pl,
                                              WarpState& st, MergeArea& mg, PartArea& pa, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
