@@ -615,11 +615,26 @@ struct GroupedFamily {
     const u32 ring = smem_addr(s.smem);
     Profiler prof;   // (MELD_PROFILE builds; thread 0 records: a task's attention, then its merges)
     prof.begin(p.prof, p.prof_cap, blockIdx.x, threadIdx.x == 0, p.prof_clock, p.prof_every);
-    const int batch = p.plan_info[0];   // (plan() writes it: graph replays see the batch)
-    for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x) {   // events no task counts towards
-      const Event ev = load_event(p.events, p.event_capacity, e);
-      if (ev.parts == 0)
-        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, ev, i / (GD / 4), (i % (GD / 4)) * 4);
+    // Events no task counts towards (requests with no KV: zeros, lse -inf), of this CTA's share (e = blockIdx.x mod
+    // the grid): each thread looks one up, so up to GTHREADS of them cost one round trip (walked one at a time, each
+    // event's load waited on the last: one round trip each, on every CTA's path to its first task), then the CTA
+    // writes those it found together.
+    const int batch = p.plan_info[0], events = batch * p.num_kv_heads;   // (plan() writes it: graph replays see it)
+    for (int e0 = blockIdx.x; e0 < events; e0 += gridDim.x * GTHREADS) {
+      if (threadIdx.x == 0) n_fired = 0;
+      __syncthreads();
+      const int e = e0 + threadIdx.x * gridDim.x;
+      if (e < events) {
+        const Event ev = load_event(p.events, p.event_capacity, e);
+        if (ev.parts == 0) {
+          const int k = atomicAdd(&n_fired, 1);
+          fired[k] = e;
+          fired_rows[k] = ev;
+        }
+      }
+      __syncthreads();
+      merge_events(p, fired, fired_rows, n_fired);
+      __syncthreads();   // (fired and n_fired are rewritten next)
     }
     const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles
