@@ -103,9 +103,14 @@ __device__ __forceinline__ void lane_best(const u32* mine, int slots, int lane, 
   }
 }
 
-__device__ __forceinline__ float load_logit(const MoeParams& p, int t, int e) {
-  return p.logits_bf16 ? bf16_to_float(((const u16*)p.logits)[(i64)t * p.logits_stride + e])
-                       : ((const float*)p.logits)[(i64)t * p.logits_stride + e];
+// A logit's bits as loaded (bf16: in the low half), and as a float. Routing loads four before it converts any: with
+// the conversion beside each load (in the branch that skips experts past E), each load waited for its own.
+__device__ __forceinline__ u32 load_logit_bits(const MoeParams& p, int t, int e) {
+  return p.logits_bf16 ? (u32)((const u16*)p.logits)[(i64)t * p.logits_stride + e]
+                       : ((const u32*)p.logits)[(i64)t * p.logits_stride + e];
+}
+__device__ __forceinline__ float logit_of(const MoeParams& p, u32 bits) {
+  return p.logits_bf16 ? bf16_to_float((u16)bits) : __uint_as_float(bits);
 }
 
 // --- planning -----------------------------------------------------------------------------------------
@@ -337,7 +342,9 @@ __device__ __forceinline__ void route(const MoeParams& p, u32* route_keys) {
         float v[4];
         u32 k[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = lane + 32 * (i0 + u) < E ? load_logit(p, t, lane + 32 * (i0 + u)) : neg_inf();
+        for (int u = 0; u < 4; ++u) k[u] = lane + 32 * (i0 + u) < E ? load_logit_bits(p, t, lane + 32 * (i0 + u)) : 0u;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = lane + 32 * (i0 + u) < E ? logit_of(p, k[u]) : neg_inf();
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           k[u] = lane + 32 * (i0 + u) < E ? order_key(v[u]) : 0u;
