@@ -172,9 +172,8 @@ __device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* r
     const int i = threadIdx.x + it * GTHREADS, tok = i / CPR, c = i - tok * CPR;
     const int row = rows[tok];
     const u16* k = p.kv + (i64)max(row, 0) * GD + c * 8;
-    const int bytes = row >= 0 ? 16 : 0;
-    cp_async_16(dst + chunk_off(tok, c), k, bytes);
-    cp_async_16(dst + KV_BYTES + chunk_off(tok, c), k + v_rows * GD, bytes);
+    cp_async_16_row(dst + chunk_off(tok, c), k, row);
+    cp_async_16_row(dst + KV_BYTES + chunk_off(tok, c), k + v_rows * GD, row);
   }
 }
 
@@ -434,9 +433,8 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
       const int r = lane / CPR + it * RPP;
       const int row = __shfl_sync(0xffffffffu, c.row, r);
       const u16* src = k + (i64)max(row, 0) * GD;
-      const int bytes = row >= 0 ? 16 : 0;
-      cp_async_16(dst + kv_off(r, lane % CPR), src, bytes);
-      cp_async_16(dst + TILE_BYTES + kv_off(r, lane % CPR), src + v_rows * GD, bytes);
+      cp_async_16_row(dst + kv_off(r, lane % CPR), src, row);
+      cp_async_16_row(dst + TILE_BYTES + kv_off(r, lane % CPR), src + v_rows * GD, row);
     }
     c.pos += SWARPS * GT;
     cursor_seek(p, c, last, warp, lane);
