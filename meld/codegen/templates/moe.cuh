@@ -887,6 +887,8 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     const i64 t0 = prof.now();
     const RowBlock blk = load_rowblock(p.rb, 0, rbi);
     const int row0 = blk.first_row, rows = blk.rows;
+    // (gemm2: the token of this thread's row, loaded now so that the count-down after the tile does not wait on it)
+    const int row_token = kind && ct < rows ? p.row_token[row0 + ct] : 0;
     float acc0[ACC], acc1[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
@@ -962,7 +964,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       __threadfence();
       named_barrier(1, CONSUMERS);
       if (ct < rows) {   // one thread per token row: count it down; the last of a token's rows combines
-        const int t = p.row_token[row0 + ct];
+        const int t = row_token;
         if (event_arrive(p.tok_cnt + (i64)t * p.n2 + col, -1, 0)) {   // preset by dispatch: counts down
           __threadfence();
           combine_list[1 + atomicAdd(combine_list, 1)] = t;
