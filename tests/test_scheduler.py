@@ -253,3 +253,15 @@ def test_batch_invariant_plans_cut_on_chunks(lens, sms, chunk, group):
     assert np.all(it["kv_begin"] % chunk == 0)
     assert np.all((it["kv_end"] == np.minimum(it["kv_begin"] + chunk, L[it["req"]])) | (n == 1))
     assert np.array_equal(it["num_parts"], np.where(n > 1, n, 0))
+
+
+def test_resident_mixes():
+    """A grid may wait on its own CTAs only when every one of them is resident at once (decode's sliced merges):
+    each grid of the mix must fit the table for its cluster size."""
+    h200 = Topology.h200()
+    for preferred in (1, 2, 4, 8, 16):
+        assert h200.resident(h200.cluster_mix(preferred))
+    assert not h200.resident([(1, 2 * 132)])   # two CTAs an SM where one fits
+    assert not h200.resident([(4, 31)])        # one cluster of four more than the GPCs hold
+    assert not h200.resident([(32, 1)])        # a size the table does not have
+    assert h200.resident([(4, 30), (2, 6)]) and Topology(132, {1: 264}).resident([(1, 264)])

@@ -345,9 +345,7 @@ class DecodeAttention(PagedDecode):
         self.kernel = self._kernels(kc, {kc.entry: (kc.threads, kc.smem_bytes)})[kc.entry]
         self.topology = self._servable(topology or Topology.discover(self.kernel))
         self.cluster_mix = self.topology.cluster_mix(self.cluster_size)
-        # (a topology given may promise more resident CTAs than the kernel's occupancy allows: then no CTA waits)
-        fits = Topology.discover(self.kernel).max_active_clusters if topology else self.topology.max_active_clusters
-        self._grid_resident = all(n <= fits.get(size, 0) for size, n in self.cluster_mix)
+        self._grid_resident = (Topology.discover(self.kernel) if topology else self.topology).resident(self.cluster_mix)
         self._cluster_rows = torch.from_numpy(cluster_rows(self.cluster_mix)).to(self.device) \
             if self._plan_clusters else None
         self._tensor_maps = TensorMapCache(functools.partial(kv_tensor_maps, layout=self.kv_layout)) if kc.tma else None

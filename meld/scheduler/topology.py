@@ -65,6 +65,17 @@ class Topology:
     def ctas_per_sm(self) -> int:
         return -(-self.num_ctas // self.sm_count)
 
+    def resident(self, mix: Sequence[tuple[int, int]]) -> bool:
+        """Whether each grid of `mix` (cluster sizes and counts, one grid per size) fits this table, every CTA
+        of it resident at once: what a kernel that waits on another CTA of its grid needs (a topology given to
+        an operator may promise more than the kernel's occupancy allows).
+
+        >>> t = Topology(132, {1: 132, 2: 66, 4: 30})
+        >>> t.resident(t.cluster_mix(4)), t.resident([(1, 264)])
+        (True, False)
+        """
+        return all(n <= self.max_active_clusters.get(size, 0) for size, n in mix)
+
     def cluster_mix(self, preferred: int) -> list[tuple[int, int]]:
         """Cluster sizes and counts that cover every CTA slot, largest clusters first.
 
