@@ -108,19 +108,9 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         active = min(active, max(1, total // grain))
     lo = -(-ms // grain) * grain                     # the first allowed split token
 
-    # A short batch whose units, cut at every allowed grain boundary, give no more pieces than the grid has
-    # CTAs: each piece its own CTA (one round of the warps each; cutting on the line instead left some CTAs
-    # two rounds and others none).
-    hi_all = (L - ms) // grain * grain
-    per_unit = np.where(hi_all >= lo, (hi_all - lo) // grain + 2, 1)
-    if not roomy and 0 < per_unit.sum() * nh <= W:
-        P = np.zeros(len(L) + 1, dtype=np.int64)
-        np.cumsum(per_unit * nh, out=P[1:])
-        active = int(P[-1])
-        c = _cuts(active)
-        b = P.searchsorted(c, "right") - 1
-        hb, k = np.divmod(c - P[b], per_unit[b])
-        u, s = b * nh + hb, np.where(k == 0, 0, lo + (k - 1) * grain)
+    rounds = None if roomy else _cut_rounds(L, nh, W, ms, grain, lo)
+    if rounds is not None:
+        u, s, active = rounds
         return _schedule(num_kv_heads, group_size, heads_per_item, L, page_base, U, W, active, u, s, True,
                          {"active_ctas": active, "item_overhead_tokens": o, "cluster_snap_tokens": 0})
 
@@ -185,6 +175,24 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
 
     return _schedule(num_kv_heads, group_size, heads_per_item, L, page_base, U, W, active, u, s, True,
                      {"active_ctas": active, "item_overhead_tokens": o, "cluster_snap_tokens": snap})
+
+
+def _cut_rounds(L: np.ndarray, nh: int, W: int, ms: int, grain: int, lo: int
+                ) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Cuts of a short batch whose units, cut at every allowed grain boundary, give no more pieces than the grid
+    has CTAs: each piece its own CTA (one round of the warps each; cutting on the line instead left some CTAs two
+    rounds and others none). None where the pieces would outnumber the CTAs."""
+    hi = (L - ms) // grain * grain                   # each unit's last allowed split token
+    per_unit = np.where(hi >= lo, (hi - lo) // grain + 2, 1)
+    if not 0 < per_unit.sum() * nh <= W:
+        return None
+    P = np.zeros(len(L) + 1, dtype=np.int64)
+    np.cumsum(per_unit * nh, out=P[1:])
+    active = int(P[-1])
+    c = _cuts(active)
+    b = P.searchsorted(c, "right") - 1
+    hb, k = np.divmod(c - P[b], per_unit[b])
+    return b * nh + hb, np.where(k == 0, 0, lo + (k - 1) * grain), active
 
 
 def _cut_chunks(L: np.ndarray, nh: int, W: int, cost: DecodeCost, chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
