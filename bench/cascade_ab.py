@@ -69,7 +69,8 @@ def main() -> int:
 
     sides = {"base": args.base, "new": REPO}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
-        sys.executable, __file__, "--worker", str(sides[side]), "--cases", *map(str, args.cases),
+        sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
+        "--cases", *map(str, args.cases),
         "--seed", str(args.seed), "--out", out, *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1

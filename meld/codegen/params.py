@@ -162,10 +162,11 @@ V_SCALE = Field("v_scale", "f32")
 # Ragged multi-token builds (MELD_RAGGED_Q): each request's q and output rows, FlashInfer's qo_indptr [B + 1] as
 # plan() copied it. After V_SCALE, for the same reason; not in the sequence-parallel struct (no multi-token builds).
 # 1 where every CTA of each grid of the mix is resident at once (decode_attention.cuh: merge_slices waits on no CTA
-# that is not). Last, where it moves no other field.
-GRID_RESIDENT = Field("grid_resident", "i32")
+# that is not); log2(page_size) for a power of two, else -1 (a tile's page is a shift, not a division). Last, where
+# they move no other field.
+LAST_DECODE_FIELDS = [Field("grid_resident", "i32"), Field("page_shift", "i32")]
 DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS, V_SCALE, Field("qo_indptr", "ptr", "const int*"),
-                                              GRID_RESIDENT])
+                                              *LAST_DECODE_FIELDS])
 
 # Sequence-parallel builds (MELD_XRANK) read the same struct with the cross-rank edge's fields after it
 # (templates/decode_xrank.cuh).
@@ -193,7 +194,7 @@ SEQ_PARALLEL_DECODE_PARAMS = _with_header("DecodeParams", [*DECODE_FIELDS,
     Field("x_world", "i32"),
     Field("xring_cap", "i32"),
     V_SCALE,
-    GRID_RESIDENT,
+    *LAST_DECODE_FIELDS,
 ])
 
 # MLA decode attention (templates/mla_decode.cuh): the latent cache as two TMA maps, one partial slot per

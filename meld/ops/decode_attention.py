@@ -362,6 +362,7 @@ class DecodeAttention(PagedDecode):
             kv_hnd=int(self.kv_layout == "HND"), grid_resident=int(self._grid_resident), **fields,
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, group_size=self.group_size * self.q_len,
             head_blocks=self.head_blocks, units_per_request=self.units_per_request, page_size=self.page_size,
+            page_shift=self.page_size.bit_length() - 1 if self.page_size & (self.page_size - 1) == 0 else -1,
             sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0,   # (FP8 caches: run() sets both from its scales)
             # (the cross-rank edge's: meld.distributed sets them; a uniform build's qo_indptr, which it never reads)
             **{f.name: 0 for f in params_struct.fields if f.name.startswith("x") or

@@ -332,7 +332,7 @@ __device__ __forceinline__ void cursor_fetch_row(const DecodeParams& p, LoadCurs
   c.page = -1;
   c.slot = 0;
   if (pos < c.x.end) {
-    const int pg = pos / p.page_size;
+    const int pg = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
     c.page = p.kv_indices[c.x.page_base + pg];
     c.slot = pos - pg * p.page_size;
   }
@@ -382,19 +382,19 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, const Segment&
       // this lane's token's K (and V) row of D elements from p.k (p.v), or -1
       const int row = c.page < 0 ? -1 : c.page * p.kv_page_stride + c.slot * p.kv_slot_stride +
                                             c.x.kv_head * p.kv_head_stride;
-      const kv_t* kbase = reinterpret_cast<const kv_t*>(p.k) + (lane % CPR) * (16 / KV_BYTES);
-      const kv_t* vbase = reinterpret_cast<const kv_t*>(p.v) + (lane % CPR) * (16 / KV_BYTES);
+      // (byte addresses from the row's 32-bit index, and a row past the end as the copy's ignore-src predicate)
+      const char* kbase = reinterpret_cast<const char*>(p.k) + (lane % CPR) * 16;
+      const char* vbase = reinterpret_cast<const char*>(p.v) + (lane % CPR) * 16;
 #pragma unroll
       for (int k = 0; k < PASSES; ++k) {
         const int r = lane / CPR + k * RPP;
         const int ro = __shfl_sync(0xffffffffu, row, r);
-        const i64 off = (i64)max(ro, 0) * D;
-        const int bytes = ro >= 0 ? 16 : 0;
+        const unsigned long long off = (unsigned long long)(u32)max(ro, 0) * (D * KV_BYTES);
 #pragma unroll
         for (int e = 0; e < CPL; ++e) {
           const int ch = lane % CPR + 32 * e;
-          cp_async_16(dst + tile_off(r, ch), kbase + off + 32 * e * (16 / KV_BYTES), bytes);
-          cp_async_16(dst + TILE_BYTES + tile_off(r, ch), vbase + off + 32 * e * (16 / KV_BYTES), bytes);
+          cp_async_16_row(dst + tile_off(r, ch), kbase + off + 32 * e * 16, ro);
+          cp_async_16_row(dst + TILE_BYTES + tile_off(r, ch), vbase + off + 32 * e * 16, ro);
         }
       }
     }

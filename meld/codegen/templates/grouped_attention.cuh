@@ -155,12 +155,24 @@ __device__ __forceinline__ void load_q_rows(const GroupedParams& p, int kv_head,
   }
 }
 
-// The K row (index of its GD elements from p.kv; V's is page_size x num_kv_heads rows on) of token `pos` of a
-// piece, or -1 at or past `end`. (int: a cache of 2^31 rows of 64 16-bit channels is larger than a GPU's memory)
-__device__ __forceinline__ int kv_row(const GroupedParams& p, const int* pages, int kv_head, int pos, int end) {
+// The page of token `pos` of a piece (-1 at or past `end`) and its place in the page: looked up here, first used by
+// kv_row_at, so that the page-table load stays in flight until the row is needed.
+__device__ __forceinline__ int kv_page(const GroupedParams& p, const int* pages, int pos, int end, int& slot) {
+  slot = 0;
   if (pos >= end) return -1;
   const int pg = pos / p.page_size;
-  return ((pages[pg] * 2) * p.page_size + pos - pg * p.page_size) * p.num_kv_heads + kv_head;
+  slot = pos - pg * p.page_size;
+  return pages[pg];
+}
+// The K row (index of its GD elements from p.kv; V's is page_size x num_kv_heads rows on) of a token kv_page found,
+// or -1. (int: a cache of 2^31 rows of 64 16-bit channels is larger than a GPU's memory)
+__device__ __forceinline__ int kv_row_at(const GroupedParams& p, int page, int slot, int kv_head) {
+  return page < 0 ? -1 : ((page * 2) * p.page_size + slot) * p.num_kv_heads + kv_head;
+}
+__device__ __forceinline__ int kv_row(const GroupedParams& p, const int* pages, int kv_head, int pos, int end) {
+  int slot;
+  const int page = kv_page(p, pages, pos, end, slot);
+  return kv_row_at(p, page, slot, kv_head);
 }
 
 // Every thread's share of a chunk into ring stage `dst`, its tokens' rows from `rows` (-1: zeros). The rows are
@@ -172,9 +184,8 @@ __device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* r
     const int i = threadIdx.x + it * GTHREADS, tok = i / CPR, c = i - tok * CPR;
     const int row = rows[tok];
     const u16* k = p.kv + (i64)max(row, 0) * GD + c * 8;
-    const int bytes = row >= 0 ? 16 : 0;
-    cp_async_16(dst + chunk_off(tok, c), k, bytes);
-    cp_async_16(dst + KV_BYTES + chunk_off(tok, c), k + v_rows * GD, bytes);
+    cp_async_16_row(dst + chunk_off(tok, c), k, row);
+    cp_async_16_row(dst + KV_BYTES + chunk_off(tok, c), k + v_rows * GD, row);
   }
 }
 
@@ -400,7 +411,8 @@ struct TileCursor {
   int i;                   // the task walked
   int pos, end;            // its next tile's first token, and the end of its piece
   int kv_head, pages;      // its kv head, and its group's pages: kv_indices + pages
-  int row;                 // this lane's token row (lane & 15) of the next tile (kv_row: -1 past the piece)
+  int page, slot;          // this lane's token (lane & 15) of the next tile: its page (-1 past the piece), and place
+                           // in it (kv_page: the row is computed at the tile's issue)
   bool live;
 };
 
@@ -420,7 +432,7 @@ __device__ __forceinline__ void cursor_seek(const GroupedParams& p, TileCursor& 
   while (c.live && c.pos >= c.end)   // past this task's tiles: the next task, if a split task
     c.live = ++c.i < last && cursor_enter(p, c, warp);
   if (!c.live) return;
-  c.row = kv_row(p, p.kv_indices + c.pages, c.kv_head, c.pos + (lane & 15), c.end);
+  c.page = kv_page(p, p.kv_indices + c.pages, c.pos + (lane & 15), c.end, c.slot);
 }
 
 // The cursor's tile into the warp's ring stage at `dst` (K, then V TILE_BYTES on; rows past the piece: zeros),
@@ -429,14 +441,14 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
   if (c.live) {
     const u16* k = p.kv + (lane % CPR) * 8;
     const i64 v_rows = (i64)p.page_size * p.num_kv_heads;   // V's rows follow K's in a page
+    const int lane_row = kv_row_at(p, c.page, c.slot, c.kv_head);
 #pragma unroll
     for (int it = 0; it < PASSES; ++it) {
       const int r = lane / CPR + it * RPP;
-      const int row = __shfl_sync(0xffffffffu, c.row, r);
+      const int row = __shfl_sync(0xffffffffu, lane_row, r);
       const u16* src = k + (i64)max(row, 0) * GD;
-      const int bytes = row >= 0 ? 16 : 0;
-      cp_async_16(dst + kv_off(r, lane % CPR), src, bytes);
-      cp_async_16(dst + TILE_BYTES + kv_off(r, lane % CPR), src + v_rows * GD, bytes);
+      cp_async_16_row(dst + kv_off(r, lane % CPR), src, row);
+      cp_async_16_row(dst + TILE_BYTES + kv_off(r, lane % CPR), src + v_rows * GD, row);
     }
     c.pos += SWARPS * GT;
     cursor_seek(p, c, last, warp, lane);
@@ -545,10 +557,14 @@ struct GroupedFamily {
     // (chunk c + GSTAGES's lookup is in flight while chunk c is attended; the barrier of step c + 1 publishes it).
     __shared__ int rows[GSTAGES][CHUNK];
     const int chunks = (tk.kv_end - tk.kv_begin + CHUNK - 1) / CHUNK;
-    if (threadIdx.x < CHUNK)
+    if (threadIdx.x < CHUNK) {   // (every page looked up before the first store: a store to `rows` between them kept
+      int page[GSTAGES], slot[GSTAGES];   // each lookup behind the one before, one round trip each)
 #pragma unroll
       for (int c = 0; c < GSTAGES; ++c)
-        rows[c][threadIdx.x] = kv_row(p, pages, tk.kv_head, tk.kv_begin + c * CHUNK + threadIdx.x, tk.kv_end);
+        page[c] = kv_page(p, pages, tk.kv_begin + c * CHUNK + threadIdx.x, tk.kv_end, slot[c]);
+#pragma unroll
+      for (int c = 0; c < GSTAGES; ++c) rows[c][threadIdx.x] = kv_row_at(p, page[c], slot[c], tk.kv_head);
+    }
     __syncthreads();
 #pragma unroll
     for (int c = 0; c < GSTAGES - 1; ++c) {
@@ -563,13 +579,14 @@ struct GroupedFamily {
       const int next = c + GSTAGES - 1;
       if (next < chunks) issue_chunk(p, rows[next % GSTAGES], ring + (next % GSTAGES) * STAGE_BYTES);
       cp_async_commit();
-      // Chunk c + GSTAGES's row of this thread's token (its stage's rows were read at step c - 1), loaded before
-      // the attention and stored after it. (head_dim 256 has no register to spare across the attention: it
-      // looks up after it.)
+      // Chunk c + GSTAGES's row of this thread's token (its stage's rows were read at step c - 1): its page looked up
+      // before the attention, the row computed and stored after it (computed at once, it waited on the lookup before
+      // the attention could start). (head_dim 256 has no register to spare across the attention: it looks up after
+      // it.)
       constexpr bool HOLD = GD <= 128;
-      int ahead = -1;
+      int ahead = -1, slot = 0;
       if (HOLD && threadIdx.x < CHUNK && c + GSTAGES < chunks)
-        ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
+        ahead = kv_page(p, pages, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end, slot);
       const u32 stage = ring + (c % GSTAGES) * STAGE_BYTES;
       const int valid = tk.kv_end - (tk.kv_begin + c * CHUNK);
       if (split) {
@@ -584,7 +601,9 @@ struct GroupedFamily {
           if (valid > j * GT) attend<ROW_TILES>(p, rb, qf, stage, stage + KV_BYTES, j, valid - j * GT, lane);
 #endif
       }
-      if (!HOLD && threadIdx.x < CHUNK && c + GSTAGES < chunks)
+      if (HOLD)
+        ahead = kv_row_at(p, ahead, slot, tk.kv_head);
+      else if (threadIdx.x < CHUNK && c + GSTAGES < chunks)
         ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
       if (threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
     }
@@ -615,11 +634,26 @@ struct GroupedFamily {
     const u32 ring = smem_addr(s.smem);
     Profiler prof;   // (MELD_PROFILE builds; thread 0 records: a task's attention, then its merges)
     prof.begin(p.prof, p.prof_cap, blockIdx.x, threadIdx.x == 0, p.prof_clock, p.prof_every);
-    const int batch = p.plan_info[0];   // (plan() writes it: graph replays see the batch)
-    for (int e = blockIdx.x; e < batch * p.num_kv_heads; e += gridDim.x) {   // events no task counts towards
-      const Event ev = load_event(p.events, p.event_capacity, e);
-      if (ev.parts == 0)
-        for (int i = threadIdx.x; i < p.group_size * (GD / 4); i += GTHREADS) merge_row4(p, e, ev, i / (GD / 4), (i % (GD / 4)) * 4);
+    // Events no task counts towards (requests with no KV: zeros, lse -inf), of this CTA's share (e = blockIdx.x mod
+    // the grid): each thread looks one up, so up to GTHREADS of them cost one round trip (walked one at a time, each
+    // event's load waited on the last: one round trip each, on every CTA's path to its first task), then the CTA
+    // writes those it found together.
+    const int batch = p.plan_info[0], events = batch * p.num_kv_heads;   // (plan() writes it: graph replays see it)
+    for (int e0 = blockIdx.x; e0 < events; e0 += gridDim.x * GTHREADS) {
+      if (threadIdx.x == 0) n_fired = 0;
+      __syncthreads();
+      const int e = e0 + threadIdx.x * gridDim.x;
+      if (e < events) {
+        const Event ev = load_event(p.events, p.event_capacity, e);
+        if (ev.parts == 0) {
+          const int k = atomicAdd(&n_fired, 1);
+          fired[k] = e;
+          fired_rows[k] = ev;
+        }
+      }
+      __syncthreads();
+      merge_events(p, fired, fired_rows, n_fired);
+      __syncthreads();   // (fired and n_fired are rewritten next)
     }
     const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles

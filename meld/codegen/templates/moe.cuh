@@ -103,9 +103,14 @@ __device__ __forceinline__ void lane_best(const u32* mine, int slots, int lane, 
   }
 }
 
-__device__ __forceinline__ float load_logit(const MoeParams& p, int t, int e) {
-  return p.logits_bf16 ? bf16_to_float(((const u16*)p.logits)[(i64)t * p.logits_stride + e])
-                       : ((const float*)p.logits)[(i64)t * p.logits_stride + e];
+// A logit's bits as loaded (bf16: in the low half), and as a float. Routing loads four before it converts any: with
+// the conversion beside each load (in the branch that skips experts past E), each load waited for its own.
+__device__ __forceinline__ u32 load_logit_bits(const MoeParams& p, int t, int e) {
+  return p.logits_bf16 ? (u32)((const u16*)p.logits)[(i64)t * p.logits_stride + e]
+                       : ((const u32*)p.logits)[(i64)t * p.logits_stride + e];
+}
+__device__ __forceinline__ float logit_of(const MoeParams& p, u32 bits) {
+  return p.logits_bf16 ? bf16_to_float((u16)bits) : __uint_as_float(bits);
 }
 
 // --- planning -----------------------------------------------------------------------------------------
@@ -337,7 +342,9 @@ __device__ __forceinline__ void route(const MoeParams& p, u32* route_keys) {
         float v[4];
         u32 k[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = lane + 32 * (i0 + u) < E ? load_logit(p, t, lane + 32 * (i0 + u)) : neg_inf();
+        for (int u = 0; u < 4; ++u) k[u] = lane + 32 * (i0 + u) < E ? load_logit_bits(p, t, lane + 32 * (i0 + u)) : 0u;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = lane + 32 * (i0 + u) < E ? logit_of(p, k[u]) : neg_inf();
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           k[u] = lane + 32 * (i0 + u) < E ? order_key(v[u]) : 0u;
@@ -880,6 +887,8 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     const i64 t0 = prof.now();
     const RowBlock blk = load_rowblock(p.rb, 0, rbi);
     const int row0 = blk.first_row, rows = blk.rows;
+    // (gemm2: the token of this thread's row, loaded now so that the count-down after the tile does not wait on it)
+    const int row_token = kind && ct < rows ? p.row_token[row0 + ct] : 0;
     float acc0[ACC], acc1[ACC];
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc0[i] = acc1[i] = 0.f;
@@ -955,7 +964,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
       __threadfence();
       named_barrier(1, CONSUMERS);
       if (ct < rows) {   // one thread per token row: count it down; the last of a token's rows combines
-        const int t = p.row_token[row0 + ct];
+        const int t = row_token;
         if (event_arrive(p.tok_cnt + (i64)t * p.n2 + col, -1, 0)) {   // preset by dispatch: counts down
           __threadfence();
           combine_list[1 + atomicAdd(combine_list, 1)] = t;
