@@ -4,7 +4,8 @@ proxy); the one cross-rank reduction (`reduce`: the last arriving part merges); 
 attention (`seq_decode`: emulated ranks; `seq_parallel`: the GPUs of a process group, peer memory or the
 proxy); the row-parallel GEMM with its all-reduce fused per tile (`tp_linear`: the GPUs of a process group;
 `tp_matmul`: emulated ranks); rail-aware hierarchical movement over a modelled multi-node topology
-(`topology`, `rails`: emulated ranks); expert-parallel MoE (`ep_moe`: emulated ranks; `expert_parallel`: the
+(`topology`, `rails`: emulated ranks); the adaptive split of a kernel's CTA slots between compute and
+communication (`sm_split`: modelled slots, and a GEMM + reduce-scatter replayed on emulated ranks); expert-parallel MoE (`ep_moe`: emulated ranks; `expert_parallel`: the
 GPUs of a process group); and `spawn` for starting ranks in the tests and benchmarks."""
 from .ep_moe import expert_parallel_moe
 from .expert_parallel import ExpertParallelMoE
