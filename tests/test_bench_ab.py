@@ -9,6 +9,7 @@ import pytest
 SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
     "decode_ab": ["--base", "BASE", "--q-len", "4", "--batch", "8"],
     "cascade_ab": ["--base", "BASE", "--cases", "0", "1"],
+    "mla_ab": ["--base", "BASE", "--batches", "16", "--dists", "skewed"],
     "moe_ab": ["--base-tree", "BASE", "--tokens", "1", "16"],
     "tp_ab": ["--base", "BASE", "--world", "1"],
 }

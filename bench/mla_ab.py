@@ -1,0 +1,85 @@
+"""meld's MLA decode against an earlier meld (a base tree), on bench/mla.py's cases.
+
+What it answers: what a change to the MLA kernel or its planning costs or gains, measured side by side in one
+run: the base tree's package against this tree's, each in its own worker process (two copies of the package
+cannot share one), in alternating rounds so drift hits both. Each side is checked against float64 (the bench's
+checks: ‖out − ref‖/‖ref‖ < 1e-2, no NaN, lse) in the first round before it is timed, with the harness's one
+timer (CUDA-graph replay median, cold L2).
+
+    git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
+    PYTHONPATH=$PWD python3 bench/mla_ab.py --base .ab/base [--batches 16 64 128] [--dists skewed] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
+
+worker_tree_first(REPO)
+
+
+def worker(batches: list[int], dists: list[str], check: bool, seed: int) -> dict[str, dict[str, float]]:
+    """Time the meld on the path on bench/mla.py's cases (µs, graph replay median)."""
+    import torch
+
+    from bench.harness import check_impl, graph_time_us
+    from bench.mla import Case, build_meld, make_inputs, reference
+
+    times: dict[str, dict[str, float]] = {}
+    for b in batches:
+        for dist in dists:
+            inp = make_inputs(Case(b, dist), seed)
+            impl = build_meld(inp)
+            if check:
+                _, _, problems = check_impl(impl, reference(inp))
+                if problems:
+                    raise SystemExit(f"{inp.case.name}: {'; '.join(problems)}")
+            times[inp.case.name] = {"meld": graph_time_us(impl.run).median_us}
+            inp = impl = None   # the next case's inputs need the memory
+            torch.cuda.empty_cache()
+    return times
+
+
+def main() -> int:
+    from bench.mla import BATCHES, DISTS   # (imports no meld)
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", type=Path, required=True, help="a tree holding the base commit's `meld` package")
+    p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    p.add_argument("--dists", nargs="+", choices=DISTS, default=list(DISTS))
+    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed)))
+        return 0
+    from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
+
+    sides = {"base": args.base, "new": REPO}
+    runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
+        sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
+        "--batches", *map(str, args.batches), "--dists", *args.dists,
+        "--seed", str(args.seed), "--out", out, *(["--check"] if r == 0 else [])])
+    if runs is None:
+        return 1
+    med = medians(runs)
+    rows = [[case, f"{med['base'][case]['meld']:.1f}", f"{new['meld']:.1f}",
+             f"{new['meld'] / med['base'][case]['meld']:.3f}"] for case, new in med["new"].items()]
+    print_aligned(["case", "base µs", "new µs", "new/base"], rows)
+    print(f"medians over {args.rounds} alternating rounds; new/base > 1: slower than base")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
