@@ -341,6 +341,38 @@ def test_expert_parallel_moe_equals_single_rank_under_any_landing_order(world, o
         assert any(c.any() for c in counts.values()) and all(c.max() <= 1 for c in counts.values())
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_compact_expert_parallel_moe_moves_only_the_rows_each_rank_needs(world, ordered):
+    """compact=True (issue 43's compacted blocks): the same bits as the single-rank MoE (so as the whole-block
+    protocol), with exactly the rows routed to another rank's experts crossing, there and back, against
+    world - 1 whole blocks a rank before; every count once."""
+    from meld.distributed.ep_moe import expert_owner, expert_parallel_moe, single_rank_reference
+
+    tokens = [7, 3] if world == 2 else [5, 0, 9]
+    xs, ids, wts, w13, w2 = _moe_inputs(world, tokens)
+    H, owner = w13.shape[2], expert_owner(w13.shape[0], world)
+    remote = sum(int((owner[ids[r]] != r).sum()) for r in range(world))   # pairs served by another rank
+    moved = {}
+    for compact in (False, True):
+        tr = _transport(world, ordered=ordered, seed=1, max_delay=1e-5, chunk=10)
+        try:
+            ys = expert_parallel_moe(tr, xs, ids, wts, w13, w2, compact=compact)
+        finally:
+            tr.close()
+        for r in range(world):
+            assert np.array_equal(ys[r], single_rank_reference(xs[r], ids[r], wts[r], w13, w2)), (compact, r)
+        landed = tr.landed()
+        assert all(c.max() <= 1 for c in landed.values())
+        moved[compact] = (int(landed["ep.rows"].sum()), int(landed["ep.ret"].sum()))
+        if compact:
+            sent = np.array([[int(tr.get(0, r, "ep.sent", s)) for s in range(world)] for r in range(world)])
+            want = [[0 if r == s else int((owner[ids[s]] == r).sum()) + 1 for s in range(world)] for r in range(world)]
+            assert np.array_equal(sent, want)   # each count: the rows plus one
+    assert moved[True] == (remote * H, remote * H)
+    assert moved[False][0] == world * (world - 1) * max(tokens) * ids[0].shape[1] * H > moved[True][0]
+
+
 def test_expert_parallel_moe_catches_a_count_that_overtakes_its_rows():
     """fence=False: a count can land before the block it follows; the expert rank then reads rows still in
     flight (NaN), or a source sums expert rows still in flight: its outputs are wrong or NaN: caught."""
@@ -378,3 +410,19 @@ def test_shard_plan_validation_names_the_broken_request():
             bad.validate()
         assert what != "outside" or "ranks outside [0, 2)" in str(e.value)
     assert plan.validate() is plan
+
+
+def test_a_put_of_a_blocks_first_rows_lands_them_alone():
+    """A put's index may end in a unit-step slice (the first n rows of a block: compacted EP blocks); it lands
+    those elements and no others, and a strided range is refused by name."""
+    tr = _transport(2)
+    try:
+        win = tr.window("w", (2, 3, 4), np.float64, np.nan)
+        tr.put(0, 1, "w", (1, slice(0, 2)), np.arange(8.0).reshape(2, 4))
+        tr.quiet(0)
+        assert np.array_equal(win[1][1, :2], np.arange(8.0).reshape(2, 4)) and np.isnan(win[1][1, 2]).all()
+        assert np.isnan(win[1][0]).all() and tr.landed()["w"][1].sum() == 8
+        with pytest.raises(ValueError, match="not a contiguous range"):
+            tr.put(0, 1, "w", (1, 0, slice(0, 4, 2)), np.zeros(2))
+    finally:
+        tr.close()

@@ -10,6 +10,13 @@ the others: each slot of one of its experts, w * FFN_e(row), staged in its owner
 (a block per (owner, source): no other rank writes it), put whole to the source with a count behind it.
 Combine: each token's k weighted rows summed in choice order on its own rank, once every owner's count
 is in, so the result does not depend on which expert rank finishes first.
+
+`compact=True` moves only what each rank needs (issue 43's compacted blocks; the GPU's proxy path still puts
+whole blocks): a source packs the pairs of each destination's experts, in slot order, at the start of its block
+of that destination's window, puts those rows alone, and signals their number plus one (the count exchange and
+the completion in one signal); the owner serves that many and returns exactly those rows, in the same order, so
+the source finds pair (t, j) at its place in its destination's list. The same sums in the same order: the result
+is bit-identical to the whole-block protocol's.
 """
 from __future__ import annotations
 
@@ -34,9 +41,11 @@ def expert_ffn(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, e: int) -> np.nda
 
 
 def expert_parallel_moe(transport, xs: list[np.ndarray], topk_ids: list[np.ndarray], topk_w: list[np.ndarray],
-                        w13: np.ndarray, w2: np.ndarray, poll_s: float = 1e-4) -> list[np.ndarray]:
+                        w13: np.ndarray, w2: np.ndarray, poll_s: float = 1e-4, compact: bool = False) -> list[np.ndarray]:
     """Rank r's tokens xs[r] [T_r, H] routed to topk_ids[r] [T_r, k] with weights topk_w[r]; returns every
-    rank's output [T_r, H] (module docstring)."""
+    rank's output [T_r, H] (module docstring; `compact`: only the rows each rank needs cross)."""
+    if compact:
+        return _compact_ep_moe(transport, xs, topk_ids, topk_w, w13, w2, poll_s)
     world = transport.world
     hidden = w13.shape[2]
     owner = expert_owner(w13.shape[0], world)
@@ -85,6 +94,78 @@ def expert_parallel_moe(transport, xs: list[np.ndarray], topk_ids: list[np.ndarr
         wait_all(r, "ep.back")
         for t in range(len(x)):   # choice order
             outs[r][t] = functools.reduce(np.add, [ret[r][owner[int(ids[t, j])], r, t * k + j] for j in range(k)])
+        transport.quiet(r)
+
+    run_ranks(world, rank_main)
+    return outs
+
+
+def _compact_ep_moe(transport, xs, topk_ids, topk_w, w13, w2, poll_s: float) -> list[np.ndarray]:
+    """expert_parallel_moe(compact=True): per-destination packed blocks, counted by their signal (docstring)."""
+    world = transport.world
+    hidden = w13.shape[2]
+    owner = expert_owner(w13.shape[0], world)
+    k = topk_ids[0].shape[1]
+    slots = max(1, max(len(x) for x in xs)) * k
+    # [source][destination]: a block per pair of ranks, so that no staged block is rewritten before its put lands
+    hdr = transport.window("ep.hdr", (world, world, slots), np.float64, -1)   # the packed pairs' experts
+    wts = transport.window("ep.wts", (world, world, slots), np.float64, np.nan)
+    rows = transport.window("ep.rows", (world, world, slots, hidden), np.float64, np.nan)
+    ret = transport.window("ep.ret", (world, world, slots, hidden), np.float64, np.nan)   # [owner][source]
+    transport.window("ep.sent", (world,), np.int64, 0)   # rows sent + 1, per source
+    transport.window("ep.back", (world,), np.int64, 0)   # 1 per owner, once its rows are back
+    outs = [np.full((len(x), hidden), np.nan) for x in xs]
+
+    def arrivals(r: int, counts: str):
+        """Every other rank's (source, count) on rank r as it lands (count: the signal's value)."""
+        waiting = set(range(world)) - {r}
+        while waiting:
+            ready = [(s, int(transport.get(r, r, counts, s))) for s in sorted(waiting)]
+            ready = [(s, v) for s, v in ready if v > 0]
+            if not ready:
+                time.sleep(poll_s)
+            for s, v in ready:
+                waiting.remove(s)
+                yield s, v
+
+    def rank_main(r: int) -> None:
+        x, ids, w = xs[r], topk_ids[r], topk_w[r]
+        flat, wflat = ids.reshape(-1), w.reshape(-1)
+        dest = owner[flat]
+        lists = [np.flatnonzero(dest == d) for d in range(world)]   # this rank's slots per destination, in order
+        for d in range(world):   # destination d's pairs packed at the start of this rank's block, put alone
+            sl = lists[d]
+            n = len(sl)
+            if d == r or not n:
+                if d != r:
+                    transport.signal(r, d, "ep.sent", r, 1)
+                continue
+            for name, win, v in (("ep.hdr", hdr, flat[sl]), ("ep.wts", wts, wflat[sl]), ("ep.rows", rows, x[sl // k])):
+                transport.put(r, d, name, (r, d, slice(0, n)), v)
+            transport.signal(r, d, "ep.sent", r, n + 1)
+
+        def served(e, ws, xr) -> np.ndarray:   # packed pairs' weighted expert rows, in their order
+            return np.stack([ws[i] * expert_ffn(xr[i], w13, w2, int(e[i])) for i in range(len(e))])
+
+        back = [None] * world   # each owner's rows of this rank's pairs, in the order of lists[owner]
+        sl = lists[r]
+        back[r] = served(flat[sl], wflat[sl], x[sl // k]) if len(sl) else None
+        for s, v in arrivals(r, "ep.sent"):
+            n = v - 1
+            if n:
+                transport.put(r, s, "ep.ret", (r, s, slice(0, n)), served(hdr[r][s, r, :n], wts[r][s, r, :n],
+                                                                          rows[r][s, r, :n]))
+            transport.signal(r, s, "ep.back", r, 1)
+        for _ in arrivals(r, "ep.back"):
+            pass
+        for d in range(world):
+            if d != r:
+                back[d] = ret[r][d, r]
+        place = np.empty(len(flat), dtype=np.int64)   # each slot's position in its destination's list
+        for d in range(world):
+            place[lists[d]] = np.arange(len(lists[d]))
+        for t in range(len(x)):   # choice order
+            outs[r][t] = functools.reduce(np.add, [back[dest[t * k + j]][place[t * k + j]] for j in range(k)])
         transport.quiet(r)
 
     run_ranks(world, rank_main)

@@ -191,11 +191,17 @@ class EmulatedTransport:
             return {name: np.stack(counts) for name, counts in zip(self._names, self._landed)}
 
     def _at(self, window: str, rank: int, index) -> tuple[int, np.ndarray, int]:
-        """(window id, rank's window[index] as a view, its first flat element)."""
+        """(window id, rank's window[index] as a view, its first flat element). The index's last entry may be a
+        slice of unit step (a put of the first n rows of a block) where the view is contiguous."""
         w = self._names.index(window)
         arr = self._windows[w][rank]
         index = index if isinstance(index, tuple) else (index,)
-        return w, arr[index], int(np.ravel_multi_index(index + (0,) * (arr.ndim - len(index)), arr.shape))
+        view = arr[index]
+        if index and isinstance(index[-1], slice):
+            if index[-1].step not in (None, 1) or not view.flags.c_contiguous:
+                raise ValueError(f"window {window!r}: index {index} is not a contiguous range")
+            index = index[:-1] + (index[-1].start or 0,)
+        return w, view, int(np.ravel_multi_index(index + (0,) * (arr.ndim - len(index)), arr.shape))
 
     # --- the operations ----------------------------------------------------------------------------------
     def put(self, src: int, dst: int, window: str, index, value) -> None:
