@@ -59,3 +59,21 @@ def run_rounds(sides: Sequence[str], rounds: int, command: Callable[[str, int, s
                 runs[side].append(json.loads(Path(out).read_text()))
                 print(f"round {r + 1}: {side} done", flush=True)
     return runs
+
+
+def write_runs(path: Path | None, runs: dict[str, list[dict]], med: dict) -> None:
+    """--json: every round's results and their medians (nothing when `path` is None)."""
+    if path:
+        path.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+
+
+def report_new_over_base(runs: dict[str, list[dict]], measure: str, rounds: int, path: Path | None) -> None:
+    """The table of a base-against-new A/B of one measure (µs a case), its note, and --json."""
+    from bench.harness import print_aligned   # (imports meld: never in a worker before its tree)
+
+    med = medians(runs)
+    rows = [[case, f"{med['base'][case][measure]:.1f}", f"{new[measure]:.1f}",
+             f"{new[measure] / med['base'][case][measure]:.3f}"] for case, new in med["new"].items()]
+    print_aligned(["case", "base µs", "new µs", "new/base"], rows)
+    print(f"medians over {rounds} alternating rounds; new/base > 1: slower than base")
+    write_runs(path, runs, med)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import medians, run_rounds, worker_tree_first, write_runs  # noqa: E402
 
 worker_tree_first(REPO)
 VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's invariant_chunk_tokens
@@ -123,8 +123,7 @@ def main() -> int:
     print_aligned(head, rows)
     print(f"q_len {args.q_len}; medians over {args.rounds} alternating rounds; ratios > 1: slower than base / than "
           "default")
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+    write_runs(args.json, runs, med)
     return 0
 
 

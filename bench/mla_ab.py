@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import report_new_over_base, run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -62,8 +62,6 @@ def main() -> int:
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed)))
         return 0
-    from bench.harness import print_aligned   # (not in a worker: it imports meld before the worker's tree)
-
     sides = {"base": args.base, "new": REPO}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
         sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
@@ -71,13 +69,7 @@ def main() -> int:
         "--seed", str(args.seed), "--out", out, *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1
-    med = medians(runs)
-    rows = [[case, f"{med['base'][case]['meld']:.1f}", f"{new['meld']:.1f}",
-             f"{new['meld'] / med['base'][case]['meld']:.3f}"] for case, new in med["new"].items()]
-    print_aligned(["case", "base µs", "new µs", "new/base"], rows)
-    print(f"medians over {args.rounds} alternating rounds; new/base > 1: slower than base")
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+    report_new_over_base(runs, "meld", args.rounds, args.json)
     return 0
 
 

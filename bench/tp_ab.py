@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import medians, run_rounds, worker_tree_first, write_runs  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -124,8 +124,7 @@ def main() -> int:
                      f"{unf:.1f}", f"{new['meld'] / old['meld']:.3f}", f"{unf / new['meld']:.2f}"])
     print_aligned(head, rows)
     print(f"medians over {args.rounds} alternating rounds, {args.world} GPUs; new/base < 1: faster than base")
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "median": med}, indent=1))
+    write_runs(args.json, runs, med)
     return 0
 
 

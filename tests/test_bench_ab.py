@@ -40,3 +40,14 @@ def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_
         monkeypatch.setattr(sys, "argv", cmd[1:])
         assert mod.main() == 0, cmd
     assert len(calls) == 2
+
+
+def test_report_prints_the_ratio_of_each_case_and_writes_every_round(tmp_path, capsys):
+    from bench.ab_tree import report_new_over_base
+
+    runs = {"base": [{"c": {"t": 10.0}}, {"c": {"t": 12.0}}], "new": [{"c": {"t": 9.0}}, {"c": {"t": 13.0}}]}
+    report_new_over_base(runs, "t", 2, tmp_path / "ab.json")
+    out = capsys.readouterr().out
+    assert "11.0" in out and "1.000" in out and "medians over 2 alternating rounds" in out
+    doc = __import__("json").loads((tmp_path / "ab.json").read_text())
+    assert doc["runs"] == runs and doc["median"] == {"base": {"c": {"t": 11.0}}, "new": {"c": {"t": 11.0}}}
