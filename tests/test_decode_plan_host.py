@@ -1,6 +1,7 @@
 """The host build of the decode planner (templates/decode_plan.h as one thread, shared with the GPU planner)
 writes exactly the tables of the independent NumPy oracle `plan_decode`, over random batches, costs,
 grids, cluster mixes and batch-invariant chunks."""
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -139,14 +140,17 @@ def test_a_snapped_cut_never_passes_a_neighbouring_cluster_boundary():
     _assert_equal([0, 0, 1000], 16, 8, 4, 8, topo, cost, mix, 0)   # equal, and valid
 
 
-@pytest.mark.xfail(strict=True, reason="known planner defect (found 2026-12-04 by the hypothesis test above): with "
-                   "cluster snapping and very small costs a cluster's moved span leaves two cuts on one token, so a "
-                   "split unit counts an empty piece among its parts; not hit with DecodeCost() (0 of 2400 random "
-                   "H200 plans)")
-def test_cluster_snapping_at_tiny_costs_leaves_no_empty_piece_in_a_split_unit():
-    lens = np.repeat([0, 0, 0, 0, 0, 0, 0, 0, 0, 2484, 21, 1841], 2) - np.tile([1, 0], 12)
-    lens = np.maximum(lens, 0)
+def test_a_cluster_whose_snaps_leave_two_cuts_on_one_token_is_cut_unsnapped():
+    """Found by the property test above: with very small costs a cluster's moved span left two interior cuts on
+    one token, so a split unit counted an empty piece among its parts (3 parts, 2 pieces). Both planners now
+    undo that cluster's snaps, and only its: the plan still differs from the unsnapped one."""
+    lens = np.maximum(np.repeat([0, 0, 0, 0, 0, 0, 0, 0, 0, 2484, 21, 1841], 2) - np.tile([1, 0], 12), 0)
     cost = DecodeCost(item_overhead_tokens=1, min_split_tokens=1, min_cta_tokens=1, tile_tokens=16, round_tokens=16,
                       cluster_snap_tokens=64, invariant_chunk_tokens=16)
     topo = Topology.h200()
-    plan_decode(lens, np.zeros(len(lens), dtype=np.int64), 1, 64, topo, cost, 64, topo.cluster_mix(4), 0).validate()
+    mix = topo.cluster_mix(4)
+    _assert_equal(lens, 16, 1, 64, 64, topo, cost, mix, 0)   # equal, and valid
+    page_base = np.zeros(len(lens), dtype=np.int64)
+    snapped = plan_decode(lens, page_base, 1, 64, topo, cost, 64, mix, 0)
+    unsnapped = plan_decode(lens, page_base, 1, 64, topo, dataclasses.replace(cost, cluster_snap_tokens=0), 64, mix, 0)
+    assert not np.array_equal(snapped.cta, unsnapped.cta)

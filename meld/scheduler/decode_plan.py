@@ -139,7 +139,9 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
     # (and at least one of them has more than one CTA), and not past the neighbouring cluster boundaries'
     # own positions (a snapped cut ahead of an unsnapped neighbour made a cluster's span run backwards), so
     # the unit's pieces stay in one cluster and merge on chip; the cuts inside each cluster keep their
-    # proportions within its moved span.
+    # proportions within its moved span. A cluster whose moved span became too short for the roomy cut to keep
+    # its cuts apart (two interior cuts on one token: a split unit counting an empty piece) has its snaps undone,
+    # until no cluster has: with neither boundary moved a cluster cuts as the roomy plan does.
     j = _cuts(active)
     snap = cost.cluster_snap_tokens if roomy and any(size > 1 for size, _ in clusters) else 0
     if snap:
@@ -148,30 +150,45 @@ def plan_decode(kv_len: np.ndarray, page_base: np.ndarray, num_kv_heads: int, gr
         size, size_before = end[j] - f, end[j - 1] - first[j - 1]
         boundary = (f == j) & (np.maximum(size, size_before) > 1)
         tol = snap * np.minimum(size, size_before)
+        undone = np.zeros(active + 1, dtype=bool)    # boundaries whose snap was undone
 
-    def place(x: np.ndarray) -> np.ndarray:
-        if not snap:
-            return x
+    def place(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cut c's line position (c = 1..active-1), and whether cut c (0..active) moved off its target."""
         xs = np.r_[0, x, total]                      # cut c = 0..active; the first and last never move
         b = R.searchsorted(x, "right") - 1
         start = R[b] + (x - R[b]) // width[b] * width[b]
         near = np.where(x - start <= start + width[b] - x, start, start + width[b])
         moved = xs.copy()
-        ok = boundary & (np.abs(near - x) <= tol) & (near > 0) & (near < total) & (near >= xs[first[j - 1]]) & (near <= xs[e])
+        ok = boundary & ~undone[j] & (np.abs(near - x) <= tol) & (near > 0) & (near < total) & (
+            near >= xs[first[j - 1]]) & (near <= xs[e])
         moved[j[ok]] = near[ok]
-        return moved[f] + (x - xs[f]) * (moved[e] - moved[f]) // (xs[e] - xs[f])
+        return moved[f] + (x - xs[f]) * (moved[e] - moved[f]) // (xs[e] - xs[f]), moved != xs
+
+    def placed_cut(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cut(place(x)), undoing the snaps of each cluster where two interior cuts met, until none do."""
+        if not snap:
+            return cut(x)
+        while True:
+            y, was_moved = place(x)
+            u, s = cut(y)
+            met = j[:-1][(s[:-1] > 0) & (u[:-1] == u[1:]) & (s[:-1] == s[1:])]   # cuts c and c + 1 on one token
+            ends = np.r_[first[met], np.minimum(end[met], active)]
+            ends = ends[was_moved[ends]]
+            if not ends.size:
+                return u, s
+            undone[ends] = True
 
     # Every piece pays the item overhead, but the line holds it once per unit (at the unit's start), so
     # a CTA whose segment starts inside a unit pays one overhead the line does not show. Second cut
     # (roomy only): grow the line by one overhead per interior cut of the first, and move cut j left by
     # the overheads of the interior cuts before it, so that (x[j+1] - x[j]) + o * interior[j] is the
     # same for every CTA.
-    u, s = cut(place(j * total // active))
+    u, s = placed_cut(j * total // active)
     if roomy:
         interior = s > 0
         shift = np.zeros(len(j), dtype=np.int64)
         np.cumsum(interior[:-1], out=shift[1:])
-        u, s = cut(place(j * (total + o * int(interior.sum())) // active - o * shift))
+        u, s = placed_cut(j * (total + o * int(interior.sum())) // active - o * shift)
 
     return _schedule(num_kv_heads, group_size, heads_per_item, L, page_base, U, W, active, u, s, True,
                      {"active_ctas": active, "item_overhead_tokens": o, "cluster_snap_tokens": snap})

@@ -198,26 +198,28 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
 
   //    Two levels with clusters (roomy only, as decode_plan.py's place()): a cut between two clusters
   //    moves to the nearest unit boundary when that moves it by at most `snap` tokens per CTA of the
-  //    smaller cluster; the cuts inside a cluster keep their proportions within its moved span.
+  //    smaller cluster; the cuts inside a cluster keep their proportions within its moved span. A cluster
+  //    whose moved span left two interior cuts on one token has its snaps undone, until none has.
   const int* cl_first = p.cluster_rows;
   const int* cl_end = p.cluster_rows + W;
   const int snap = roomy && p.cluster_rows != nullptr ? p.cluster_snap : 0;
   int* shift = first;                            // second cut: interior cuts before cut c (scratch until step 3)
+  int* undone = last;                            // cut c's snap was undone (scratch until step 3)
+  if (snap) {
+    for (int c = 1 + tid; c < active; c += PT) undone[c] = 0;
+    __syncthreads();
+  }
   long long grown = 0;                           // second cut: the line grown by their overheads
   auto target = [&](int c, bool second) -> long long {   // where cut c (0..active) goes on one level
     if (c == 0) return 0;
     if (c == active) return total;
     return second ? (long long)c * grown / active - (long long)o * shift[c] : (long long)c * total / active;
   };
-  auto place_cuts = [&](bool second) {
-    if (!snap) {
-      for (int c = 1 + tid; c < active; c += PT) cut_at(c, target(c, second));
-      return;
-    }
+  auto snap_and_cut = [&](bool second) -> int {  // one try; 1 where a cluster's snaps were undone
     for (int c = tid; c <= active; c += PT) {
       const long long x = target(c, second);
       moved[c] = x;
-      if (c == 0 || c == active || cl_first[c] != c) continue;
+      if (c == 0 || c == active || cl_first[c] != c || undone[c]) continue;
       const int size = cl_end[c] - c, before = cl_end[c - 1] - cl_first[c - 1];
       if (max(size, before) < 2) continue;
       const int b = request_at(x);
@@ -235,6 +237,23 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
       const int f = cl_first[c], e = min(cl_end[c], active);
       const long long tf = target(f, second);
       cut_at(c, moved[f] + floor_div((target(c, second) - tf) * (moved[e] - moved[f]), target(e, second) - tf));
+    }
+    __syncthreads();
+    int met = 0;                                 // cuts c and c + 1 on one token: undo the snaps of c's cluster
+    for (int c = 1 + tid; c + 1 < active; c += PT) {
+      if (cut_s[c] == 0 || cut_u[c] != cut_u[c + 1] || cut_s[c] != cut_s[c + 1]) continue;
+      const int f = cl_first[c], e = min(cl_end[c], active);
+      if (moved[f] != target(f, second)) undone[f] = met = 1;
+      if (moved[e] != target(e, second)) undone[e] = met = 1;
+    }
+    return met;
+  };
+  auto place_cuts = [&](bool second) {
+    if (!snap) {
+      for (int c = 1 + tid; c < active; c += PT) cut_at(c, target(c, second));
+      return;
+    }
+    while (__syncthreads_or(snap_and_cut(second))) {
     }
   };
   if (per_round) {
