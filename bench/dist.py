@@ -23,7 +23,11 @@ soon as it is computed and each rank's output summed from them (`--merge owner`:
 owner and written to every rank). Baseline in the same run: `torch.matmul` +
 NCCL `all_reduce` ("unfused"), and the matmul alone (its share gives the communication's).
 
-    python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F]
+`--engine nvshmem` puts every meld operator's windows on NVSHMEM's symmetric heap and lands the proxy
+transport's puts and signals with NVSHMEM's stream operations (`meld.distributed.nvshmem`): its speed beside
+the default engine's peer copies.
+
+    python3 bench/dist.py [--world 2] [--cases 1m skewed8 skewed64 one-long64] [--json F] [--engine nvshmem]
     python3 bench/dist.py --op ep [--tokens 1 16 128 1024 4096]
     python3 bench/dist.py --op tp [--tokens 1 16 128 200 1024 4096] [--shapes llama70b-o ...]
                                   [--merge owner every_rank] [--partials bfloat16 float32] [--max-block 0 128]
@@ -98,7 +102,8 @@ class Unfused:
         return out.to(torch.bfloat16), (m[:, 0] + torch.log(s))
 
 
-def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: str | None, with_proxy: bool) -> None:
+def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: str | None, with_proxy: bool,
+                engine: str = "cuda") -> None:
     import torch.distributed as dist
 
     import meld
@@ -125,7 +130,8 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
         pb = paged(lens, P, generator=g)
         kv = torch.randn(pb.num_pages, 2, P, HKV, D, generator=g).to(torch.bfloat16).to(dev)
         q = torch.randn(len(lens), HQ, D, generator=g).to(torch.bfloat16).to(dev)
-        op = SeqParallelDecode(HQ, HKV, D, P, torch.bfloat16, max_batch_size=len(lens), max_num_pages=pb.num_pages)
+        op = SeqParallelDecode(HQ, HKV, D, P, torch.bfloat16, max_batch_size=len(lens), max_num_pages=pb.num_pages,
+                               engine=engine)
         op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
         base = Unfused(op.shard, rank, world, pb, dev)
         out, lse = op.outputs(len(lens))
@@ -153,7 +159,7 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
         proxy = {}
         for ordered in ((True, False) if with_proxy else ()):   # the RDMA model: puts through a host proxy thread
             px = SeqParallelDecode(HQ, HKV, D, P, torch.bfloat16, max_batch_size=len(lens), max_num_pages=pb.num_pages,
-                                   transport="proxy", ordered=ordered)
+                                   transport="proxy", ordered=ordered, engine=engine)
             px.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
             p_out, _ = px.outputs(len(lens))
             p_out.fill_(math.nan)
@@ -188,7 +194,8 @@ def _bench_rank(rank: int, world: int, names: list[str], reps: int, out_json: st
                   f"{r['vs_one_gpu']:.2f}")
         print("parts only: meld's single-GPU kernel on each GPU's parts, nothing exchanged (the floor for meld)")
         if with_proxy:
-            print("\nthe proxy transport (puts and signals through the C++ host proxy thread, peer copies): µs per launch, "
+            landing = "NVSHMEM stream puts" if engine == "nvshmem" else "peer copies"
+            print(f"\nthe proxy transport (puts and signals through the C++ host proxy thread, {landing}): µs per launch, "
                   "operations the proxy landed per launch on rank 0 (chunks of 64 KiB)")
             print("case | ordered µs | unordered µs | proxy ops per launch | ordered µs per op")
             for r in rows:
@@ -260,7 +267,7 @@ def tp_weights(shape: str, rank: int, world: int, dev: torch.device, slices: int
 
 
 def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, merges: list[str],
-             partials: list[str], shapes: list[str], max_blocks: list[int]) -> None:
+             partials: list[str], shapes: list[str], max_blocks: list[int], engine: str = "cuda") -> None:
     import torch.distributed as dist
 
     from bench.harness import graph_time_us
@@ -276,7 +283,8 @@ def _tp_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     for shape in shapes:
         k, n, w_all, w, g = tp_weights(shape, rank, world, dev)
         ops = {(mg, pt, mb): RowParallelLinear(k, n, max_tokens=max(tokens), kernel_config=TpKernelConfig(
-                   merge=mg, partials=pt, max_block_tokens=mb)) for mg in merges for pt in partials for mb in max_blocks}
+                   merge=mg, partials=pt, max_block_tokens=mb), engine=engine)
+               for mg in merges for pt in partials for mb in max_blocks}
         solo = RowParallelLinear(k, n, max_tokens=max(tokens), group=alone[rank])
         for m in tokens:
             x_all = torch.randn(m, w_all.shape[1], generator=g, device=dev).to(torch.bfloat16)
@@ -420,7 +428,7 @@ def padded_ep_moe(x, ids, wts, w13, w2, experts_per_rank: int, group_moe=None):
     return _combine(back[slot], order, wts, T, k)
 
 
-def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None) -> None:
+def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str | None, engine: str = "cuda") -> None:
     import torch.distributed as dist
 
     import meld
@@ -441,9 +449,9 @@ def _ep_rank(rank: int, world: int, tokens: list[int], reps: int, out_json: str 
     w13, w2 = make_weights(shape, 0, dev)   # every expert on every rank: the reference is local
     mine = slice(rank * El, (rank + 1) * El)
     lw13, lw2 = w13[mine].contiguous(), w2[mine].contiguous()
-    op = ExpertParallelMoE(shape.hidden, shape.inter, E, k, max_num_tokens=max(tokens))
+    op = ExpertParallelMoE(shape.hidden, shape.inter, E, k, max_num_tokens=max(tokens), engine=engine)
     proxy_op = ExpertParallelMoE(shape.hidden, shape.inter, E, k, max_num_tokens=max(tokens),
-                                 kernel_config=EpKernelConfig(transport="proxy"))
+                                 kernel_config=EpKernelConfig(transport="proxy"), engine=engine)
     group_moe = meld.MoE(shape.hidden, shape.inter, El, 1, max_num_tokens=world * max(tokens) * k, device=dev,
                          renormalize=False, kernel_config=MoeKernelConfig(absent_pairs=True))
     for T in tokens:
@@ -522,17 +530,19 @@ def main() -> None:
                     help="--op tp: how partials travel (TpKernelConfig.partials), each measured")
     ap.add_argument("--max-block", type=int, nargs="+", default=[0], choices=[0, 8, 16, 32, 64, 128, 256],
                     help="--op tp: the widest token block (TpKernelConfig.max_block_tokens; 0: 256), each measured")
+    ap.add_argument("--engine", default="cuda", choices=["cuda", "nvshmem"],
+                    help="the meld operators' windows and proxy landing (module docstring)")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"bench/dist.py: needs {a.world} GPUs, found {torch.cuda.device_count()}")
     if a.tokens is None:
         a.tokens = [1, 16, 128, 200, 1024, 4096] if a.op == "tp" else [1, 16, 128, 1024, 4096]
     if a.op == "ep":
-        spawn(_ep_rank, a.world, a.tokens, a.reps, a.json)
+        spawn(_ep_rank, a.world, a.tokens, a.reps, a.json, a.engine)
     elif a.op == "tp":
-        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials, a.shapes, a.max_block)
+        spawn(_tp_rank, a.world, a.tokens, a.reps, a.json, a.merge, a.partials, a.shapes, a.max_block, a.engine)
     else:
-        spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy)
+        spawn(_bench_rank, a.world, a.cases, a.reps, a.json, not a.no_proxy, a.engine)
 
 
 if __name__ == "__main__":

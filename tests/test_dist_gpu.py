@@ -90,7 +90,7 @@ def _poisoned_run(op, q, kv):
     return op.run(q, kv, return_lse=True)
 
 
-def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
+def _seq_parallel_rank(rank, world, cluster_size, transport, ordered, engine="cuda"):
     import torch.distributed as dist
 
     from meld.distributed import SeqParallelDecode
@@ -99,7 +99,7 @@ def _seq_parallel_rank(rank, world, cluster_size, transport, ordered):
     dev = _device()
     op = SeqParallelDecode(HKV * GROUP, HKV, D, P, torch.bfloat16, max_batch_size=16, max_num_pages=16384,
                            min_split_tokens=1024, cluster_size=cluster_size, transport=transport, ordered=ordered,
-                           chunk_bytes=1000)   # (the proxy: puts cut into chunks that do not divide rows)
+                           chunk_bytes=1000, engine=engine)   # (the proxy: puts cut into chunks that do not divide rows)
     for i, lens in enumerate(CASES):
         pb, kv, q = _batch(lens, 100 + i, dev)
         op.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
@@ -235,7 +235,7 @@ def _sync_holding_gil() -> int:
     return ctypes.PyDLL("libcuda.so.1").cuCtxSynchronize()
 
 
-def _tp_rank(rank, world, merge, transport, ordered, partials):
+def _tp_rank(rank, world, merge, transport, ordered, partials, engine="cuda"):
     import torch.distributed as dist
 
     from meld.codegen.tp_kernel import TpKernelConfig
@@ -247,7 +247,8 @@ def _tp_rank(rank, world, merge, transport, ordered, partials):
     for i, (m, k, n) in enumerate(TP_CASES):
         xs, ws, ref = _tp_inputs(m, k, n, world, 300 + i, dev)
         x, w = xs[rank].to(dev), ws[rank].to(dev)
-        op = RowParallelLinear(k, n, max_tokens=max(m, 8), kernel_config=kc, ordered=ordered, chunk_bytes=1000)
+        op = RowParallelLinear(k, n, max_tokens=max(m, 8), kernel_config=kc, ordered=ordered, chunk_bytes=1000,
+                               engine=engine)
         out = op.output(m)
         out.fill_(math.nan)
         torch.cuda.synchronize()
@@ -357,7 +358,7 @@ def _ep_reference(x, ids, wts, w13, w2):
     return out
 
 
-def _ep_rank(rank, world, transport, ordered):
+def _ep_rank(rank, world, transport, ordered, engine="cuda"):
     import torch.distributed as dist
 
     from meld.codegen.ep_kernel import EpKernelConfig
@@ -368,7 +369,7 @@ def _ep_rank(rank, world, transport, ordered):
     for i, (H, I, E, k, T, routing) in enumerate(EP_CASES):
         xs, ids, wts, w13, w2 = _ep_inputs(H, I, E, k, T, routing, world, 500 + i)
         op = ExpertParallelMoE(H, I, E, k, max_num_tokens=T + 3, kernel_config=EpKernelConfig(transport=transport),
-                               ordered=ordered, chunk_bytes=1000)   # (the proxy: chunks that do not divide rows)
+                               ordered=ordered, chunk_bytes=1000, engine=engine)   # (the proxy: chunks not of whole rows)
         mine = slice(op.first_expert, op.first_expert + op.experts_per_rank)
         x, tid, tw = xs[rank].to(dev), ids[rank].to(dev), wts[rank].to(dev)
         lw13, lw2 = w13[mine].contiguous().to(dev), w2[mine].contiguous().to(dev)
@@ -446,3 +447,37 @@ def test_expert_parallel_moe_on_two_ranks_matches_float64(transport, ordered, sh
     from meld.distributed import spawn
 
     spawn(_ep_rank, 2, transport, ordered, share_gpu=share_gpu)
+
+
+def _nvshmem_missing() -> str:
+    """Why the NVSHMEM engine cannot run here ("" where its host library loads)."""
+    from meld.distributed import nvshmem
+
+    try:
+        nvshmem.library()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("operator, transport, ordered", [
+    ("seq", "peer", True), ("seq", "proxy", True), ("seq", "proxy", False), ("tp", "peer", True),
+    ("tp", "proxy", False), ("ep", "peer", True), ("ep", "proxy", True), ("ep", "proxy", False)])
+@pytest.mark.parametrize("share_gpu", GPUS)
+def test_the_operators_on_the_nvshmem_engine_match_float64(operator, transport, ordered, share_gpu):
+    """The same checks as above with the windows on NVSHMEM's symmetric heap and the proxy's puts and signals
+    landed by NVSHMEM's stream operations (engine="nvshmem": what runs across nodes)."""
+    from meld.distributed import spawn
+
+    missing = _nvshmem_missing()
+    if missing:
+        pytest.skip(missing)
+    if share_gpu and operator == "tp" and transport == "proxy":
+        pytest.skip("the row-parallel linear's proxy transport needs two GPUs (as above)")
+    if operator == "seq":
+        spawn(_seq_parallel_rank, 2, 1, transport, ordered, "nvshmem", share_gpu=share_gpu)
+    elif operator == "tp":
+        merge = "owner" if transport == "peer" else "every_rank"
+        spawn(_tp_rank, 2, merge, transport, ordered, "bfloat16", "nvshmem", share_gpu=share_gpu)
+    else:
+        spawn(_ep_rank, 2, transport, ordered, "nvshmem", share_gpu=share_gpu)

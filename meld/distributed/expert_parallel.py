@@ -28,7 +28,7 @@ from ..ops.checks import check_output, check_positive, expect, grad_inputs, no_b
 from ..ops.moe import MoE
 from ..ops.moe_graph import moe_graph
 from .member import GroupMember
-from .window import pack_regions
+from .window import check_engine, pack_regions
 
 MAX_TOP_K = 32            # a warp's lanes hold a token's pairs (templates/ep_moe.cuh)
 
@@ -79,13 +79,15 @@ class ExpertParallelMoE(GroupMember, Operator):
             are always on).
         ordered, chunk_bytes: the proxy transport's delivery (in issue order, or shuffled) and network chunk
             (`meld.distributed.proxy.GpuProxy`).
+        engine: the window's and the proxy's engine, "cuda" or "nvshmem" (`meld.distributed.window`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  max_num_tokens: int, dtype: torch.dtype = torch.bfloat16, group=None,
                  device: str | torch.device | None = None, kernel_config: EpKernelConfig | None = None,
                  moe_kernel_config: MoeKernelConfig | None = None, ordered: bool = True,
-                 chunk_bytes: int = 64 << 10):
+                 chunk_bytes: int = 64 << 10, engine: str = "cuda"):
+        check_engine(engine)
         self._join(group)
         self.hidden_size = H = check_positive("hidden_size", hidden_size)
         self.intermediate_size = I = check_positive("intermediate_size", intermediate_size)
@@ -125,7 +127,7 @@ class ExpertParallelMoE(GroupMember, Operator):
         # dispatch kernel waits for the other ranks, whose proxy threads' copies wait for that load's lock.
         self.experts.load_kernels()
         self.layout = window_layout(self.max_num_tokens, self.top_k, H, self.world)
-        self._open_window(self.layout["nbytes"], device, self.kernel_config.transport, ordered, chunk_bytes)
+        self._open_window(self.layout["nbytes"], device, self.kernel_config.transport, ordered, chunk_bytes, engine)
         self._served = torch.empty(slots, H, dtype=dtype, device=device)
         self._error = torch.zeros(1, dtype=torch.int32, device=device)
         self._xexit = torch.zeros(1, dtype=torch.int32, device=device)

@@ -22,10 +22,17 @@ class GroupMember:
         self.group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
 
-    def _open_window(self, nbytes: int, device: torch.device, transport: str, ordered: bool, chunk_bytes: int) -> None:
-        """The symmetric window (every byte zero before any rank counts on it) and, for the proxy transport,
-        the proxy thread that carries its puts and signals (meld.distributed.proxy.GpuProxy)."""
-        self.window = SymmetricWindow(nbytes, device, self.group)
+    def _open_window(self, nbytes: int, device: torch.device, transport: str, ordered: bool, chunk_bytes: int,
+                     engine: str) -> None:
+        """The symmetric window on `engine` (every byte zero before any rank counts on it) and, for the proxy
+        transport, the proxy thread that carries its puts and signals (meld.distributed.proxy.GpuProxy)."""
+        self.window = SymmetricWindow(nbytes, device, self.group, engine)
+        if transport == "peer" and not self.window.every_rank_mapped:
+            unmapped = [r for r, p in enumerate(self.window.ptrs) if not p]
+            self.window.close()
+            raise ValueError(f"{type(self).__name__}: transport='peer' stores into every rank's window, and ranks "
+                             f"{unmapped} cannot be reached by loads and stores from rank {self.rank} (another node): "
+                             "use transport='proxy'")
         self.window.local.zero_()
         self._proxied = transport == "proxy"
         if self._proxied:
@@ -52,7 +59,11 @@ class GroupMember:
                                f"{'closed' if self.proxy is None else f'dead: {self.proxy.error!r}'}")
 
     def close(self) -> None:
-        """Stop the proxy thread (the proxy transport); the operator cannot run afterwards."""
+        """Stop the proxy thread (the proxy transport) and release an NVSHMEM window (collective on that engine:
+        every rank closes its operators in the same order); the operator cannot run afterwards."""
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None
+        window = getattr(self, "window", None)
+        if window is not None:
+            window.close()

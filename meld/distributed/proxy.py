@@ -2,10 +2,10 @@
 
 A kernel that may not store into a peer's memory (as between nodes) writes its puts and signals as
 48-byte records (`transport.COMMAND`) into a ring in pinned host memory (templates/common.cuh,
-`proxy_push`). `GpuProxy` is the host thread that takes them and lands them with copies from this rank's
-symmetric window into the destination's at the same offset: peer copies over NVLink here, where a NIC's
-RDMA writes would go between nodes (this node has no RDMA device; an NVSHMEM or ibverbs backend would
-take the same records). It delivers by `transport.ProxySchedule`'s rules (the CPU emulation's): channels
+`proxy_push`). `GpuProxy` is the host thread that takes them and lands them from this rank's symmetric window into
+the destination's at the same offset, by the window's engine: "cuda", peer copies over NVLink (the model
+of a NIC's RDMA writes on one node); "nvshmem", NVSHMEM's stream puts and signals, which run over NVLink
+within a node and over InfiniBand between nodes (`meld.distributed.nvshmem`). It delivers by `transport.ProxySchedule`'s rules (the CPU emulation's): channels
 per destination, puts cut into network chunks independent of the compute tile, `ordered` delivery in
 issue order or unordered (shuffled over two copy streams), and a signal, which adds to a running total
 per (destination, slot), written only after every put before it on its channel (one fence per
@@ -55,7 +55,8 @@ class GpuProxy:
         cfg = ProxyConfig(records=self._records_t.data_ptr(), head=self._head_t.data_ptr(), capacity=capacity,
                           peers=ctypes.cast(self._peers, ctypes.c_void_p), window_bytes=window.local.numel(),
                           chunk=chunk_bytes, seed=seed, poll_ns=int(poll_s * 1e9), world=window.world,
-                          rank=window.rank, ordered=int(ordered), device=dev.index)
+                          rank=window.rank, ordered=int(ordered), device=dev.index,
+                          engine=int(window.engine == "nvshmem"))
         self._lib = load_proxy()
         err = ctypes.create_string_buffer(512)
         torch.cuda.synchronize(dev)   # (the primary context exists: the proxy shares it)

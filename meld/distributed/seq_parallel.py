@@ -32,7 +32,7 @@ from ..ops.decode_graph import decode_attention_graph
 from ..ops.page_table import check_page_table
 from .shard import ShardPlan, shard_batch
 from .member import GroupMember
-from .window import pack_regions
+from .window import check_engine, pack_regions
 
 @dataclass(frozen=True)
 class WindowLayout:
@@ -73,6 +73,7 @@ class SeqParallelDecode(GroupMember, DecodeAttention):
         transport: "peer" (NVLink peer memory) or "proxy" (puts and signals through a host proxy thread, as
             RDMA between nodes would carry them); ordered, chunk_bytes: the proxy's delivery (in issue
             order, or shuffled) and network chunk (`meld.distributed.proxy.GpuProxy`).
+        engine: the window's and the proxy's engine, "cuda" or "nvshmem" (`meld.distributed.window`).
         kernel_config: the kernel (default: DecodeAttention's, with xrank the transport, as the graph's
             combine edge says). A launch waits at most 10 x its watchdog_ms for the other ranks' results, then
             the watchdog names the wait and the kernel traps.
@@ -84,7 +85,9 @@ class SeqParallelDecode(GroupMember, DecodeAttention):
                  dtype: torch.dtype = torch.bfloat16, *, max_batch_size: int, max_num_pages: int,
                  min_split_tokens: int = 4096, group=None, device: str | torch.device | None = None,
                  sm_scale: float | None = None, kv_layout: str = "NHD", cluster_size: int = 1,
-                 transport: str = "peer", ordered: bool = True, chunk_bytes: int = 64 << 10, kernel_config=None):
+                 transport: str = "peer", ordered: bool = True, chunk_bytes: int = 64 << 10, kernel_config=None,
+                 engine: str = "cuda"):
+        check_engine(engine)
         self._join(group)
         check_positive("max_batch_size", max_batch_size)
         self.min_split_tokens = check_positive("min_split_tokens", min_split_tokens)
@@ -100,7 +103,7 @@ class SeqParallelDecode(GroupMember, DecodeAttention):
                          sm_scale=sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages,
                          cluster_size=cluster_size, kernel_config=kernel_config)
         self.layout = WindowLayout.of(max_batch_size, self.world, num_qo_heads, head_dim, self.units_per_request)
-        self._open_window(self.layout.nbytes, device, transport, ordered, chunk_bytes)
+        self._open_window(self.layout.nbytes, device, transport, ordered, chunk_bytes, engine)
         # The kernel's int32 tables, written by plan() in one copy: per local request (batch request, part,
         # parts, owner); the split requests (batch request, parts; the proxy); exit count, landings per
         # launch, split requests, 0.

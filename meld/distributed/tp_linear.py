@@ -30,7 +30,7 @@ from ..ops.base import Operator
 from ..ops.checks import check_positive, expect, grad_inputs, no_backward, plain, resolve_device
 from ..ops.tp_linear_graph import tp_linear_graph
 from .member import GroupMember
-from .window import pack_regions
+from .window import check_engine, pack_regions
 
 
 
@@ -88,13 +88,15 @@ class RowParallelLinear(GroupMember, Operator):
             it), names what it waited for and traps.
         ordered, chunk_bytes: the proxy transport's delivery (in issue order, or shuffled) and network chunk
             (`meld.distributed.proxy.GpuProxy`).
+        engine: the window's and the proxy's engine, "cuda" or "nvshmem" (`meld.distributed.window`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
                  group=None, device: str | torch.device | None = None, kernel_config=None, ordered: bool = True,
-                 chunk_bytes: int = 64 << 10):
+                 chunk_bytes: int = 64 << 10, engine: str = "cuda"):
         from ..codegen.tp_kernel import TP_BLOCK_TOKENS, TpKernelConfig, call_configs, direct_room
 
+        check_engine(engine)
         self._join(group)
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
@@ -127,7 +129,7 @@ class RowParallelLinear(GroupMember, Operator):
                                      if own_parts_only else 0)
         if max(-(-out_features // 64) * -(-max_tokens // b) for b in TP_BLOCK_TOKENS) >= 1 << 31:
             raise ValueError(f"out_features={out_features}, max_tokens={max_tokens}: too many output tiles")
-        self._open_window(self.layout["nbytes"], device, kernel_config.transport, ordered, chunk_bytes)
+        self._open_window(self.layout["nbytes"], device, kernel_config.transport, ordered, chunk_bytes, engine)
         self._xexit = torch.zeros(2, dtype=torch.int32, device=device)
         self._prof, _ = self._profile_buffers(kernel_config.profile, 2 * self._sm_count, _PROFILE_CAP)
         self._last_grid = 0

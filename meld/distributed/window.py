@@ -1,10 +1,12 @@
 """A rank's window: device memory every rank of a process group can address, and how its regions are laid out.
 
-Ranks on different GPUs share windows through torch symmetric memory (its CUDA backend). Ranks that share
-one GPU (two processes on it: how the cross-rank protocols are tested where only one GPU is at hand) are
-refused by torch symmetric memory; their windows are ordinary allocations mapped into every rank by CUDA
-IPC handles (the driver's cuIpcGetMemHandle / cuIpcOpenMemHandle). The kernels see the same thing either
-way: one pointer per rank.
+Two engines. "cuda" (the default): ranks on different GPUs share windows through torch symmetric memory (its
+CUDA backend); ranks that share one GPU (two processes on it: how the cross-rank protocols are tested where
+only one GPU is at hand) are refused by torch symmetric memory, so their windows are ordinary allocations mapped
+into every rank by CUDA IPC handles (the driver's cuIpcGetMemHandle / cuIpcOpenMemHandle). "nvshmem": the
+window is on NVSHMEM's symmetric heap (`meld.distributed.nvshmem`), and a rank's pointer to another's is
+NVSHMEM's (nvshmem_ptr) where the two can load and store each other's memory, 0 where they cannot (other
+nodes: only the proxy's puts reach them). The kernels see the same thing either way: one pointer per rank.
 """
 from __future__ import annotations
 
@@ -82,16 +84,27 @@ def _shares_a_gpu(device: torch.device, group) -> bool:
 
 class SymmetricWindow:
     """`nbytes` of device memory on every rank of `group`, each rank's addressable from every other: `local`
-    (this rank's, a uint8 tensor), `ptrs` (every rank's address, in rank order) and `peers` (the same on the
-    device, int64). Allocation is collective. Through torch symmetric memory (its CUDA backend), or CUDA IPC
-    handles where ranks share a GPU (module docstring)."""
+    (this rank's, a uint8 tensor), `ptrs` (every rank's address, in rank order; 0: not addressable from here)
+    and `peers` (the same on the device, int64). Allocation is collective. `engine` "cuda": torch symmetric
+    memory (its CUDA backend), or CUDA IPC handles where ranks share a GPU; "nvshmem": NVSHMEM's symmetric heap,
+    released by `close()` (collective, in the same order on every rank) or with the process (module docstring)."""
 
-    def __init__(self, nbytes: int, device: torch.device, group):
+    def __init__(self, nbytes: int, device: torch.device, group, engine: str = "cuda"):
         import torch.distributed as dist
 
+        check_engine(engine)
+        self.engine = engine
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.ipc = _shares_a_gpu(device, group)
-        if self.ipc:
+        self.ipc = engine == "cuda" and _shares_a_gpu(device, group)
+        self._nvshmem = None
+        if engine == "nvshmem":
+            from . import nvshmem
+
+            self._nvshmem = nvshmem.job(group, device)
+            ptr = self._nvshmem.malloc(nbytes)
+            self.local = torch.as_tensor(_DeviceBytes(ptr, nbytes, lambda p: None), device=device)
+            self.ptrs = [ptr if r == self.rank else self._nvshmem.peer(ptr, r) for r in range(self.world)]
+        elif self.ipc:
             self.local, self.ptrs, self._mapped = _ipc_window(nbytes, device, group)
         else:
             import torch.distributed._symmetric_memory as symm_mem
@@ -104,3 +117,24 @@ class SymmetricWindow:
             self._handle = symm_mem.rendezvous(self.local, group)
             self.ptrs = list(self._handle.buffer_ptrs)
         self.peers = torch.tensor(self.ptrs, dtype=torch.int64, device=device)
+
+    @property
+    def every_rank_mapped(self) -> bool:
+        """Whether this rank can load and store every rank's window (what the peer transport needs)."""
+        return all(self.ptrs)
+
+    def close(self) -> None:
+        """Release an NVSHMEM window now (collective); the "cuda" engine's are released with their tensors."""
+        if self._nvshmem is not None:
+            torch.cuda.synchronize(self.local.device)
+            self._nvshmem.free(self.ptrs[self.rank])
+            self._nvshmem = None
+
+
+ENGINES = ("cuda", "nvshmem")
+
+
+def check_engine(engine: object) -> None:
+    """ValueError naming `engine` unless it is one of ENGINES."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: expected one of {ENGINES} (the windows' and the proxy's engine)")

@@ -166,7 +166,7 @@ class ProxyConfig(ctypes.Structure):
     _fields_ = [("records", ctypes.c_void_p), ("head", ctypes.c_void_p), ("capacity", ctypes.c_longlong),
                 ("peers", ctypes.c_void_p), ("window_bytes", ctypes.c_ulonglong), ("chunk", ctypes.c_ulonglong),
                 ("seed", ctypes.c_ulonglong), ("poll_ns", ctypes.c_longlong), ("world", ctypes.c_int),
-                ("rank", ctypes.c_int), ("ordered", ctypes.c_int), ("device", ctypes.c_int)]
+                ("rank", ctypes.c_int), ("ordered", ctypes.c_int), ("device", ctypes.c_int), ("engine", ctypes.c_int)]
 
 
 PROXY_OP = np.dtype([("kind", "<i4"), ("dst", "<i4"), ("stream", "<i4"), ("pad", "<i4"), ("start", "<u8"),
@@ -193,6 +193,10 @@ def load_proxy() -> ctypes.CDLL:
                                         ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_void_p,
                                         ctypes.c_longlong]
         lib.meld_proxy_plan.restype = ctypes.c_longlong
+        lib.meld_proxy_config_bytes.restype = ctypes.c_longlong
+        if lib.meld_proxy_config_bytes() != ctypes.sizeof(ProxyConfig):
+            raise RuntimeError(f"gpu_proxy.cpp's MeldProxyConfig is {lib.meld_proxy_config_bytes()} bytes, "
+                               f"host_helper.ProxyConfig {ctypes.sizeof(ProxyConfig)}")
         _proxy_lib = lib
     return _proxy_lib
 

@@ -7,6 +7,14 @@
 // for the proxy would then never finish. The CUDA driver is reached through dlopen (no CUDA headers are
 // needed to build this file with the system compiler).
 //
+// Two engines land the operations. Copies (engine 0, the model on one node): a put is a driver copy from this
+// rank's window into the destination's mapped one, a signal a stream memory write there. NVSHMEM (engine 1,
+// meld/distributed/nvshmem.py; the windows are on its symmetric heap): a put is nvshmemx_putmem_on_stream to the
+// same offset of the destination's window, a signal nvshmemx_quiet_on_stream (every put before it has landed)
+// then nvshmemx_signal_op_on_stream setting the running total, which NVSHMEM carries over NVLink within a node
+// and over its network transport between nodes. Its functions are found among the process's global symbols
+// (Python loaded the library with RTLD_GLOBAL before the thread starts).
+//
 // Delivery follows transport.ProxySchedule's rules (the CPU emulation's; tests/test_gpu_proxy_plan.py
 // compares them): one channel per destination in issue order, every put cut into network chunks of
 // `chunk` bytes, and either `ordered` (every operation in issue order on one stream) or unordered (each
@@ -151,6 +159,21 @@ std::string load_driver(Driver& d) {
   return ok ? "" : "libcuda.so.1 lacks a driver function the proxy needs";
 }
 
+// NVSHMEM's stream operations (host library, resolved among the global symbols; cudaStream_t is a CUstream).
+struct Nvshmem {
+  void (*put)(void* dest, const void* source, size_t bytes, int pe, CUstream stream);
+  void (*quiet)(CUstream stream);
+  void (*signal)(uint64_t* sig_addr, uint64_t signal, int sig_op, int pe, CUstream stream);
+};
+constexpr int NVSHMEM_SIGNAL_SET = 9;
+
+std::string load_nvshmem(Nvshmem& n) {
+  n.put = reinterpret_cast<decltype(n.put)>(dlsym(RTLD_DEFAULT, "nvshmemx_putmem_on_stream"));
+  n.quiet = reinterpret_cast<decltype(n.quiet)>(dlsym(RTLD_DEFAULT, "nvshmemx_quiet_on_stream"));
+  n.signal = reinterpret_cast<decltype(n.signal)>(dlsym(RTLD_DEFAULT, "nvshmemx_signal_op_on_stream"));
+  return n.put && n.quiet && n.signal ? "" : "NVSHMEM's host library is not loaded (meld.distributed.nvshmem loads it)";
+}
+
 }  // namespace
 
 extern "C" {
@@ -164,12 +187,14 @@ struct MeldProxyConfig {
   unsigned long long chunk, seed;
   long long poll_ns;                // idle: sleep this long between polls (after a short spin)
   int world, rank, ordered, device;
+  int engine;                       // 0: driver copies between mapped windows; 1: NVSHMEM (header)
 };
 
 struct MeldProxy {
   MeldProxyConfig cfg;
   std::vector<unsigned long long> peers;
   Driver d{};
+  Nvshmem nv{};
   int dev = 0;
   CUcontext ctx = nullptr;
   CUstream streams[2] = {nullptr, nullptr};
@@ -199,18 +224,26 @@ struct MeldProxy {
         !check(d.stream_create(&streams[0], 1), "cuStreamCreate") || !check(d.stream_create(&streams[1], 1), "cuStreamCreate") ||
         !check(d.event_create(&fence, 2), "cuEventCreate"))
       return error;
-    return "";
+    return cfg.engine == 1 ? load_nvshmem(nv) : "";
   }
 
   bool issue(const Op& op) {
-    const CUdeviceptr dst = peers[op.dst] + op.start;
-    if (op.kind == (int32_t)PUT)
-      return check(d.memcpy_async(dst, peers[cfg.rank] + op.start, op.count, streams[op.stream]), "cuMemcpyAsync (put)");
+    const CUdeviceptr dst = peers[op.dst] + op.start, mine = peers[cfg.rank] + op.start;
+    if (op.kind == (int32_t)PUT) {
+      if (cfg.engine != 1)
+        return check(d.memcpy_async(dst, mine, op.count, streams[op.stream]), "cuMemcpyAsync (put)");
+      nv.put(reinterpret_cast<void*>(mine), reinterpret_cast<const void*>(mine), op.count, op.dst, streams[op.stream]);
+      return true;
+    }
     if (!cfg.ordered &&   // every put issued before it, on either stream, lands first
         !(check(d.event_record(fence, streams[1]), "cuEventRecord") &&
           check(d.stream_wait_event(streams[0], fence, 0), "cuStreamWaitEvent")))
       return false;
-    return check(d.write_value64(streams[0], dst, (uint64_t)op.value, 0), "cuStreamWriteValue64 (signal)");
+    if (cfg.engine != 1)
+      return check(d.write_value64(streams[0], dst, (uint64_t)op.value, 0), "cuStreamWriteValue64 (signal)");
+    nv.quiet(streams[0]);   // NVSHMEM orders nothing between separate puts and a signal: they complete first
+    nv.signal(reinterpret_cast<uint64_t*>(mine), (uint64_t)op.value, NVSHMEM_SIGNAL_SET, op.dst, streams[0]);
+    return true;
   }
 
   void run() {
@@ -264,6 +297,9 @@ MeldProxy* meld_proxy_start(const MeldProxyConfig* cfg, char* err, int err_len) 
   p->thread = std::thread([p] { p->run(); });
   return p;
 }
+
+// sizeof(MeldProxyConfig), which host_helper.ProxyConfig must match.
+long long meld_proxy_config_bytes() { return (long long)sizeof(MeldProxyConfig); }
 
 // What stopped the thread ("" while it runs), and the operations it issued.
 const char* meld_proxy_error(MeldProxy* p) { return p->failed.load() ? p->error.c_str() : ""; }

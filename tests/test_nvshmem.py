@@ -1,0 +1,75 @@
+"""The NVSHMEM engine on the CPU: the ABI of the structs meld hands NVSHMEM's host library, the library's
+unique-id bootstrap arguments filled where meld reads them (where the library is installed), the proxy's
+config struct as both sides see it, and clear errors for a bad engine or a missing library. Its runs on GPUs
+are in test_dist_gpu.py (test_the_operators_on_the_nvshmem_engine_match_float64)."""
+import ctypes
+
+import pytest
+
+from meld.distributed import nvshmem
+from meld.distributed.window import SymmetricWindow
+
+
+def test_the_init_structs_have_nvshmem_v1_layout():
+    sizes = {nvshmem.UniqueId: 128, nvshmem.UniqueIdArgs: 24, nvshmem.InitArgs: 128, nvshmem.InitAttr: 144}
+    assert {s: ctypes.sizeof(s) for s in sizes} == sizes
+    assert nvshmem.InitArgs.uid_args.offset == 8 and nvshmem.InitAttr.args.offset == 16
+    assert nvshmem.UniqueIdArgs.id.offset == 8 and nvshmem.UniqueIdArgs.nranks.offset == 20
+
+
+def _library_or_skip():
+    try:
+        return nvshmem.library()
+    except RuntimeError as e:
+        pytest.skip(f"NVSHMEM's host library is not installed here: {e}"[:300])
+
+
+def test_the_library_fills_the_unique_id_arguments_where_meld_reads_them():
+    lib = _library_or_skip()
+    uid = nvshmem.UniqueId(version=(1 << 16) + 128)
+    assert lib.nvshmemx_get_uniqueid(ctypes.byref(uid)) == 0
+    attr = nvshmem.InitAttr(version=(1 << 16) + 144)
+    attr.args.version = (1 << 16) + 128
+    attr.args.uid_args = nvshmem.UniqueIdArgs((1 << 16) + 24, None, -1, -1)
+    assert lib.nvshmemx_set_attr_uniqueid_args(1, 3, ctypes.byref(uid), ctypes.byref(attr)) == 0
+    got = attr.args.uid_args
+    assert (got.myrank, got.nranks) == (1, 3)
+    assert ctypes.addressof(got.id.contents) == ctypes.addressof(uid)
+
+
+def test_a_missing_library_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(nvshmem, "_library", None)
+    monkeypatch.setattr(nvshmem, "_candidates", lambda: ["/nonexistent/libnvshmem_host.so.3"])
+    with pytest.raises(RuntimeError, match="engine='nvshmem' needs NVSHMEM's host library.*/nonexistent"):
+        nvshmem.library()
+
+
+def test_the_library_is_looked_for_at_meld_nvshmem_lib_first(monkeypatch):
+    monkeypatch.setenv("MELD_NVSHMEM_LIB", "/opt/x/libnvshmem_host.so.3")
+    found = nvshmem._candidates()
+    assert found[0] == "/opt/x/libnvshmem_host.so.3" and found[-1] == nvshmem.LIBRARY
+
+
+def test_a_bad_engine_names_the_argument_before_anything_starts():
+    from meld.distributed import ExpertParallelMoE, RowParallelLinear, SeqParallelDecode
+
+    with pytest.raises(ValueError, match="engine='nccl'"):
+        SymmetricWindow(1024, None, None, engine="nccl")
+    with pytest.raises(ValueError, match="engine='ib'"):
+        ExpertParallelMoE(256, 128, 8, 2, max_num_tokens=4, engine="ib")
+    with pytest.raises(ValueError, match="engine=None"):
+        RowParallelLinear(64, 64, max_tokens=8, engine=None)
+    with pytest.raises(ValueError, match="engine='x'"):
+        SeqParallelDecode(32, 8, 128, 16, max_batch_size=4, max_num_pages=8, engine="x")
+
+
+def test_the_proxy_config_struct_is_the_same_size_on_both_sides():
+    from meld.runtime.host_helper import ProxyConfig, load_proxy
+
+    try:
+        lib = load_proxy()   # (raises if the sizes differ)
+    except RuntimeError as e:
+        if "compiler" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert lib.meld_proxy_config_bytes() == ctypes.sizeof(ProxyConfig)
