@@ -37,6 +37,32 @@ def test_the_library_fills_the_unique_id_arguments_where_meld_reads_them():
     assert ctypes.addressof(got.id.contents) == ctypes.addressof(uid)
 
 
+def test_a_failed_start_is_a_status_not_a_crash():
+    """Without a GPU, NVSHMEM's start fails: with a status meld turns into a RuntimeError, not an exit of the
+    process (the inline nvshmemx_init_attr would exit; meld calls nvshmemx_hostlib_init_attr). In a child
+    process: a started or half-started job is not this test process's."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    _library_or_skip()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the start would not fail")
+    code = ("import ctypes; from meld.distributed import nvshmem as n; lib = n.library(); "
+            "u = n.UniqueId(version=(1 << 16) + 128); assert lib.nvshmemx_get_uniqueid(ctypes.byref(u)) == 0; "
+            "a = n.InitAttr(version=(1 << 16) + 144); a.args.version = (1 << 16) + 128; "
+            "a.args.uid_args = n.UniqueIdArgs((1 << 16) + 24, None, -1, -1); "
+            "assert lib.nvshmemx_set_attr_uniqueid_args(0, 1, ctypes.byref(u), ctypes.byref(a)) == 0; "
+            "print('status', lib.nvshmemx_hostlib_init_attr(n.INIT_WITH_UNIQUEID, ctypes.byref(a)))")
+    env = {**os.environ, "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert got.returncode == 0, got.stderr[-2000:]
+    status = int(got.stdout.split("status")[-1])
+    assert status != 0
+
+
 def test_a_missing_library_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(nvshmem, "_library", None)
     monkeypatch.setattr(nvshmem, "_candidates", lambda: ["/nonexistent/libnvshmem_host.so.3"])
