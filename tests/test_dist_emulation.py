@@ -393,6 +393,109 @@ def test_expert_parallel_moe_catches_a_count_that_overtakes_its_rows():
     assert caught >= 2
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("tile_rows", [2, 16])
+def test_one_launch_ep_moe_equals_single_rank_and_moves_only_what_each_rank_needs(world, ordered, tile_rows):
+    """Issue 43 item 1's protocol: ragged tokens per rank (none on one rank at 3), a hot expert; bit-identical to
+    the single-rank MoE; exactly the remote pairs' rows cross each way; every count and every tile signalled
+    once."""
+    from meld.distributed.ep_moe import expert_owner, expert_tiles, one_launch_ep_moe, single_rank_reference
+
+    tokens = [7, 3] if world == 2 else [5, 0, 9]
+    xs, ids, wts, w13, w2 = _moe_inputs(world, tokens)
+    H, owner = w13.shape[2], expert_owner(w13.shape[0], world)
+    remote = sum(int((owner[ids[r]] != r).sum()) for r in range(world))
+    tr = _transport(world, ordered=ordered, seed=2, max_delay=1e-5, chunk=10)
+    try:
+        ys = one_launch_ep_moe(tr, xs, w13, w2, topk=(ids, wts), tile_rows=tile_rows)
+    finally:
+        tr.close()
+    for r in range(world):
+        assert np.array_equal(ys[r], single_rank_reference(xs[r], ids[r], wts[r], w13, w2)), f"rank {r}"
+    landed = tr.landed()
+    assert all(c.max() <= 1 for c in landed.values())
+    assert int(landed["ep1.rows"].sum()) == int(landed["ep1.ret"].sum()) == remote * H
+    for r in range(world):
+        for s in range(world):
+            mine = ids[s].reshape(-1)[owner[ids[s].reshape(-1)] == r]
+            done = tr.get(0, s, "ep1.done", r)
+            assert done.sum() == len(expert_tiles(mine, tile_rows)[1]) and done.max(initial=0) <= 1, (r, s)
+            if r != s:
+                assert int(tr.get(0, r, "ep1.sent", s)) == len(mine) + 1
+
+
+def test_one_launch_ep_moe_routes_router_logits_as_meld_moe_does():
+    """The router_logits path: each rank's logits routed by meld.MoE's routing (softmax, top-k, renormalised),
+    then the same protocol: equal to the single-rank MoE over those ids and weights."""
+    from meld.distributed.ep_moe import one_launch_ep_moe, single_rank_reference
+    from meld.runtime.moe_reference import route
+
+    xs, _, _, w13, w2 = _moe_inputs(3, [6, 1, 4], seed=3)
+    rng = np.random.default_rng(4)
+    logits = [rng.standard_normal((len(x), w13.shape[0])).astype(np.float32) for x in xs]
+    tr = _transport(3, ordered=False, seed=0, max_delay=1e-5)
+    try:
+        ys = one_launch_ep_moe(tr, xs, w13, w2, router_logits=logits, top_k=2)
+    finally:
+        tr.close()
+    for r in range(3):
+        i, w = route(torch.as_tensor(logits[r]), 2, True)
+        assert np.array_equal(ys[r], single_rank_reference(xs[r], i.numpy(), w.double().numpy(), w13, w2))
+
+
+def test_one_launch_ep_moe_serves_and_combines_without_waiting_for_a_late_rank():
+    """Rank 2's launch is held back until rank 0 has combined a token: rank 1 serves rank 0's pairs and rank 0
+    combines its tokens whose experts live on ranks 0 and 1 before rank 2 has dispatched anything (a tile starts
+    on its source's count, a token combines on its own tiles: no barrier); then every result is exact."""
+    import threading
+
+    from meld.distributed.ep_moe import one_launch_ep_moe, single_rank_reference
+
+    xs, ids, wts, w13, w2 = _moe_inputs(3, [4, 3, 5], seed=5)
+    ids[0][0] = [0, 3, 4]   # token 0 of rank 0: experts on ranks 0 and 1 only (owners 0,0,0,1,1,1,2,2)
+    release = threading.Event()
+
+    class Log(list):
+        def append(self, item):
+            super().append(item)
+            if item[1] == 0 and item[2] == "combine":
+                release.set()
+
+    class HeldRank(EmulatedTransport):
+        def _issue(self, src, *args, **kw):
+            if src == 2:
+                assert release.wait(10), "rank 0 combined nothing while rank 2 was held"
+            super()._issue(src, *args, **kw)
+
+    log = Log()
+    tr = HeldRank(3, ordered=False, seed=1, max_delay=1e-5, clock=FakeClock())
+    try:
+        ys = one_launch_ep_moe(tr, xs, w13, w2, topk=(ids, wts), tile_rows=2, log=log)
+    finally:
+        tr.close()
+    events = [(r, what, d) for _, r, what, d in log]
+    first_combine = next(i for i, e in enumerate(events) if e[:2] == (0, "combine"))
+    assert (0, "count", 2) in events[first_combine:], "rank 0 heard rank 2 before it combined a token"
+    assert any(e[:2] == (0, "tile") and e[2][0] == 1 for e in events[:first_combine]), "no tile of rank 1 first"
+    for r in range(3):
+        assert np.array_equal(ys[r], single_rank_reference(xs[r], ids[r], wts[r], w13, w2)), f"rank {r}"
+
+
+def test_one_launch_ep_moe_names_a_bad_routing_argument():
+    from meld.distributed.ep_moe import one_launch_ep_moe
+
+    xs, ids, wts, w13, w2 = _moe_inputs(2, [2, 2])
+    tr = _transport(2)
+    try:
+        with pytest.raises(ValueError, match="either topk"):
+            one_launch_ep_moe(tr, xs, w13, w2)
+        with pytest.raises(ValueError, match="top_k=0"):
+            one_launch_ep_moe(tr, xs, w13, w2, router_logits=[np.zeros((2, 8))] * 2)
+    finally:
+        tr.close()
+
+
 def test_shard_plan_validation_names_the_broken_request():
     import dataclasses
 

@@ -5,8 +5,9 @@ attention (`seq_decode`: emulated ranks; `seq_parallel`: the GPUs of a process g
 proxy); the row-parallel GEMM with its all-reduce fused per tile (`tp_linear`: the GPUs of a process group;
 `tp_matmul`: emulated ranks); rail-aware hierarchical movement over a modelled multi-node topology
 (`topology`, `rails`: emulated ranks); the adaptive split of a kernel's CTA slots between compute and
-communication (`sm_split`: modelled slots, and a GEMM + reduce-scatter replayed on emulated ranks); expert-parallel MoE (`ep_moe`: emulated ranks; `expert_parallel`: the
-GPUs of a process group); and `spawn` for starting ranks in the tests and benchmarks."""
+communication (`sm_split`: modelled slots, and a GEMM + reduce-scatter replayed on emulated ranks); expert-parallel MoE (`ep_moe`: emulated ranks, also as one launch per rank with
+tiles and combines that wait only for their own rows; `expert_parallel`: the GPUs of a process group); the NVSHMEM
+engine under windows and the proxy (`nvshmem`); and `spawn` for starting ranks in the tests and benchmarks."""
 from .ep_moe import expert_parallel_moe
 from .expert_parallel import ExpertParallelMoE
 from .rails import RailTransport
