@@ -12,6 +12,10 @@ apply at N 5-8): 16-row units (two KV reads at N 8), and 32-row units of four, s
 rows at once or 8 or 16 rows a pass (`DecodeKernelConfig.merge_rows`); the shipped default is `default`. With
 `--costs` it sweeps the planner's cost model over the default build instead (`MULTI_COSTS`: fewer, longer pieces
 where a batch is small, e.g. B = 1).
+
+`--kv-dtype fp8` sweeps the builds over an e4m3 cache (per-tensor scales; `FP8_VARIANTS`: warps and ring depth
+over the default FP8 build, whose rings hold as many bytes in flight per warp as the 16-bit build's and which was
+never swept): whether more warps or deeper rings lift it towards the read ceiling.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import meld  # noqa: E402
-from bench.decode import BATCHES, DISTS, PAGE_SIZE, Q_LEN, Case, Inputs, make_inputs  # noqa: E402
+from bench.decode import BATCHES, DISTS, KV_FP8, PAGE_SIZE, Q_LEN, Case, Inputs, make_inputs  # noqa: E402
 from bench.harness import Column, Table, env_info, graph_time_us  # noqa: E402
 from meld.codegen import DecodeKernelConfig  # noqa: E402
 from meld.scheduler import DecodeCost  # noqa: E402
@@ -46,6 +50,24 @@ MULTI_VARIANTS = {
     "tma": dict(tma=True),
     "h16 tma": dict(heads_per_unit=16, num_warps=8, num_stages=2, merge_rows=0, tma=True),
 }
+
+
+# --kv-dtype fp8: name -> DecodeKernelConfig fields over the default FP8 build (swept as "default" beside them)
+FP8_VARIANTS = {
+    "w8 s4": dict(num_warps=8, num_stages=4),
+    "w8 s5": dict(num_warps=8, num_stages=5),
+    "w10 s3": dict(num_warps=10, num_stages=3),
+    "w12 s2": dict(num_warps=12, num_stages=2),
+    "w12 s3": dict(num_warps=12, num_stages=3),
+    "w8 s3 tma": dict(num_warps=8, num_stages=3, tma=True),
+}
+
+
+def fp8_configs() -> dict[str, DecodeKernelConfig]:
+    """The --kv-dtype fp8 sweep's builds: the default FP8 build (e4m3 cache, bf16 q: as DecodeAttention builds it,
+    read on the CPU, which compiles nothing) and FP8_VARIANTS over it."""
+    base = meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cpu", kv_dtype=torch.float8_e4m3fn).kernel_config
+    return {"default": base, **{name: dataclasses.replace(base, **f) for name, f in FP8_VARIANTS.items()}}
 
 
 # --q-len N --costs: name -> DecodeCost fields over the default build's cost model (swept as "default" beside them)
@@ -84,12 +106,14 @@ def time_variants(attns: dict[str, meld.DecodeAttention], inp: Inputs) -> dict[s
         t = inp.table
         attn.plan(t.indptr, t.indices, t.last_page_len)
         out = torch.full_like(inp.q, float("nan"))
-        attn.run(inp.q, inp.kv_cache, out=out)
+        cache, scales = ((inp.kv_fp8, dict(k_scale=inp.k_scale, v_scale=inp.v_scale)) if inp.kv_fp8 is not None
+                         else (inp.kv_cache, {}))
+        attn.run(inp.q, cache, out=out, **scales)
         base = out.double() if base is None else base   # every variant must compute the same thing
         err = ((out.double() - base).norm() / base.norm()).item()
         if not err < 1e-2:
             raise SystemExit(f"{name} on {inp.case.name}: differs from {next(iter(attns))} by {err:.1e}")
-        times[name] = graph_time_us(lambda: attn.run(inp.q, inp.kv_cache, out=out)).median_us
+        times[name] = graph_time_us(lambda: attn.run(inp.q, cache, out=out, **scales)).median_us
     return times
 
 
@@ -99,11 +123,18 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--q-len", type=int, default=1, choices=range(1, 9), help="new tokens per request (module doc)")
     p.add_argument("--costs", action="store_true", help="with --q-len: sweep cost models, not builds")
+    p.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="fp8: sweep FP8_VARIANTS (module doc)")
     p.add_argument("--variants", nargs="+", help="only these variants (and the first, which the others are checked "
                    "against)")
     args = p.parse_args()
     Q_LEN[0] = args.q_len   # (make_inputs draws q for B * q_len rows)
-    if args.q_len > 1 and args.costs:
+    fp8 = args.kv_dtype == "fp8"
+    KV_FP8[0] = torch.float8_e4m3fn if fp8 else None   # (make_inputs then adds the e4m3 cache and its scales)
+    if fp8 and (args.q_len > 1 or args.costs):
+        p.error("--kv-dtype fp8 sweeps q_len 1 builds only")
+    if fp8:
+        options = {name: dict(kernel_config=cfg) for name, cfg in fp8_configs().items()}
+    elif args.q_len > 1 and args.costs:
         options = {name: dict(cost=cost) for name, cost in multi_token_costs(args.q_len).items()}
     elif args.q_len > 1:
         options = {name: dict(kernel_config=cfg) for name, cfg in multi_token_configs(args.q_len).items()}
@@ -115,7 +146,8 @@ def main() -> int:
             p.error(f"--variants: {sorted(unknown)} are not among {list(options)}")
         first = next(iter(options))
         options = {k: o for k, o in options.items() if k == first or k in args.variants}
-    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len, **o)
+    attns = {name: meld.DecodeAttention(32, 8, 128, PAGE_SIZE, torch.bfloat16, "cuda", q_len=args.q_len,
+                                        kv_dtype=KV_FP8[0], **o)
              for name, o in options.items()}
     names = list(attns)
     print("env: " + ", ".join(f"{k}={v}" for k, v in env_info().items()))

@@ -483,3 +483,24 @@ def test_gpu_cuda_graph_replay_across_replans(tma):
 def test_gpu_opcheck():
     attn, pb, q, k, v = _op("HND", 16, GPU_LENS, 32, 8, 128, BF16, "cuda", max_batch_size=16, max_num_pages=4096)
     _opcheck(attn, q, _layout(k, "HND"), torch.empty(q.shape[:2], device="cuda"), _layout(v, "HND"))
+
+
+def test_decode_sweep_fp8_variants_are_distinct_builds_that_fit_and_compile():
+    """bench/decode_sweep.py --kv-dtype fp8: the default FP8 build first (the one DecodeAttention builds), then distinct
+    ones the operator takes, each within a CTA's shared memory and compiled for sm_90a without spills (so the GPU
+    sweep spends its time timing, not failing)."""
+    import shutil
+
+    from bench.decode_sweep import fp8_configs
+    from meld.codegen.compiler import compile_nvcc
+
+    cfgs = fp8_configs()
+    assert list(cfgs)[0] == "default" and cfgs["default"].kv_dtype == "float8_e4m3fn"
+    assert len({c.name for c in cfgs.values()}) == len(cfgs)
+    for cfg in cfgs.values():
+        meld.DecodeAttention(32, 8, 128, 16, BF16, "cpu", kv_dtype=FP8, kernel_config=cfg)
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    for name in ("w8 s5", "w12 s3"):   # the deepest ring and the most warps
+        cubin, log = compile_nvcc(cfgs[name].render(), cfgs[name].name, "sm_90a")
+        assert cubin[:4] == b"\x7fELF" and "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
