@@ -8,6 +8,10 @@ timer (CUDA-graph replay median, cold L2).
 
     git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
     PYTHONPATH=$PWD python3 bench/mla_ab.py --base .ab/base [--batches 16 64 128] [--dists skewed] [--json F]
+                                            [--kv-dtype fp8]
+
+`--kv-dtype fp8` times the e4m3 build (`DecodeMLA(kv_dtype=torch.float8_e4m3fn)`) on bench/mla.py's FP8 inputs,
+checked against float64 over the dequantised cache.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from bench.ab_tree import report_new_over_base, run_rounds, worker_tree_first  #
 worker_tree_first(REPO)
 
 
-def worker(batches: list[int], dists: list[str], check: bool, seed: int) -> dict[str, dict[str, float]]:
+def worker(batches: list[int], dists: list[str], check: bool, seed: int, kv_dtype: str = "bf16"
+           ) -> dict[str, dict[str, float]]:
     """Time the meld on the path on bench/mla.py's cases (µs, graph replay median)."""
     import torch
 
@@ -33,8 +38,8 @@ def worker(batches: list[int], dists: list[str], check: bool, seed: int) -> dict
     times: dict[str, dict[str, float]] = {}
     for b in batches:
         for dist in dists:
-            inp = make_inputs(Case(b, dist), seed)
-            impl = build_meld(inp)
+            inp = make_inputs(Case(b, dist), seed, kv_dtype=kv_dtype)
+            impl = build_meld(inp, fp8=kv_dtype == "fp8")
             if check:
                 _, _, problems = check_impl(impl, reference(inp))
                 if problems:
@@ -46,7 +51,7 @@ def worker(batches: list[int], dists: list[str], check: bool, seed: int) -> dict
 
 
 def main() -> int:
-    from bench.mla import BATCHES, DISTS   # (imports no meld)
+    from bench.mla import BATCHES, DISTS, KV_DTYPES   # (imports no meld)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", type=Path, required=True, help="a tree holding the base commit's `meld` package")
@@ -54,19 +59,20 @@ def main() -> int:
     p.add_argument("--dists", nargs="+", choices=DISTS, default=list(DISTS))
     p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="fp8: the e4m3 build (module doc)")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed)))
+        Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed, args.kv_dtype)))
         return 0
     sides = {"base": args.base, "new": REPO}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
         sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
         "--batches", *map(str, args.batches), "--dists", *args.dists,
-        "--seed", str(args.seed), "--out", out, *(["--check"] if r == 0 else [])])
+        "--seed", str(args.seed), "--kv-dtype", args.kv_dtype, "--out", out, *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1
     report_new_over_base(runs, "meld", args.rounds, args.json)

@@ -10,6 +10,7 @@ SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
     "decode_ab": ["--base", "BASE", "--q-len", "4", "--batch", "8"],
     "cascade_ab": ["--base", "BASE", "--cases", "0", "1"],
     "mla_ab": ["--base", "BASE", "--batches", "16", "--dists", "skewed"],
+    "mla_ab fp8": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8"],
     "moe_ab": ["--base-tree", "BASE", "--tokens", "1", "16"],
     "tp_ab": ["--base", "BASE", "--world", "1"],
 }
@@ -17,7 +18,7 @@ SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_path):
-    mod = importlib.import_module(f"bench.{name}")
+    mod = importlib.import_module(f"bench.{name.split()[0]}")
     commands = []
 
     def fake_rounds(sides, rounds, command):   # capture each side's first-round worker command; run nothing
@@ -40,6 +41,8 @@ def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_
         monkeypatch.setattr(sys, "argv", cmd[1:])
         assert mod.main() == 0, cmd
     assert len(calls) == 2
+    if name == "mla_ab fp8":   # the worker times the e4m3 build
+        assert all(c[-1] == "fp8" for c in calls)
 
 
 def test_report_prints_the_ratio_of_each_case_and_writes_every_round(tmp_path, capsys):
