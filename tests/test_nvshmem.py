@@ -63,6 +63,18 @@ def test_a_failed_start_is_a_status_not_a_crash():
     assert status != 0
 
 
+def test_a_job_started_by_another_library_is_refused(monkeypatch):
+    class Started:
+        @staticmethod
+        def nvshmemx_init_status():
+            return 2
+
+    monkeypatch.setattr(nvshmem, "_job", None)
+    monkeypatch.setattr(nvshmem, "library", lambda: Started)
+    with pytest.raises(RuntimeError, match="already initialised in this process"):
+        nvshmem.job(None, None)
+
+
 def test_a_missing_library_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(nvshmem, "_library", None)
     monkeypatch.setattr(nvshmem, "_candidates", lambda: ["/nonexistent/libnvshmem_host.so.3"])

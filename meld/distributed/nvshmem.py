@@ -96,20 +96,26 @@ def library() -> ctypes.CDLL:
                 ("nvshmem_my_pe", ctypes.c_int, []), ("nvshmem_n_pes", ctypes.c_int, []),
                 ("nvshmem_malloc", ctypes.c_void_p, [ctypes.c_size_t]), ("nvshmem_free", None, [ctypes.c_void_p]),
                 ("nvshmem_ptr", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int]),
-                ("nvshmem_barrier_all", None, [])]:
+                ("nvshmem_barrier_all", None, []), ("nvshmemx_init_status", ctypes.c_int, [])]:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         _library = lib
     return _library
 
 
+STATUS = {0: "not initialised", 1: "bootstrapped", 2: "initialised",
+          3: "initialised, limited: several PEs share a GPU without MPS"}   # nvshmemx_init_status()
+
+
 @dataclass
 class NvshmemJob:
-    """This process's NVSHMEM job: its PE (the group rank) among `world`, on `device`, for `group`."""
+    """This process's NVSHMEM job: its PE (the group rank) among `world`, on `device`, for `group`; `status`:
+    nvshmemx_init_status() once started (STATUS)."""
     group: object
     rank: int
     world: int
     device: torch.device
+    status: int = 2
 
     def malloc(self, nbytes: int) -> int:
         """`nbytes` of the symmetric heap (collective: every rank asks for the same size, in the same order);
@@ -155,6 +161,9 @@ def job(group, device: torch.device) -> NvshmemJob:
                                f"job a process: every operator with engine='nvshmem' must use the same group")
         return _job
     lib = library()
+    if (before := lib.nvshmemx_init_status()) != 0:
+        raise RuntimeError(f"NVSHMEM is already {STATUS.get(before, before)} in this process (by another library): "
+                           "meld's engine starts the process's one job itself")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if _one_host(group):
         os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
@@ -177,5 +186,5 @@ def job(group, device: torch.device) -> NvshmemJob:
                            "says why)")
     if (lib.nvshmem_my_pe(), lib.nvshmem_n_pes()) != (rank, world):
         raise RuntimeError(f"NVSHMEM placed rank {rank} of {world} as PE {lib.nvshmem_my_pe()} of {lib.nvshmem_n_pes()}")
-    _job = NvshmemJob(group, rank, world, device)
+    _job = NvshmemJob(group, rank, world, device, lib.nvshmemx_init_status())
     return _job
