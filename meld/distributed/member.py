@@ -31,7 +31,8 @@ class GroupMember:
             unmapped = [r for r, p in enumerate(self.window.ptrs) if not p]
             self.window.close()
             raise ValueError(f"{type(self).__name__}: transport='peer' stores into every rank's window, and ranks "
-                             f"{unmapped} cannot be reached by loads and stores from rank {self.rank} (another node): "
+                             f"{unmapped} cannot be reached by loads and stores from rank {self.rank} (engine="
+                             f"{engine!r} gives no pointer to them: another node, or PEs sharing a GPU without MPS): "
                              "use transport='proxy'")
         self.window.local.zero_()
         self._proxied = transport == "proxy"
