@@ -111,3 +111,30 @@ def test_the_proxy_config_struct_is_the_same_size_on_both_sides():
             pytest.skip(str(e))
         raise
     assert lib.meld_proxy_config_bytes() == ctypes.sizeof(ProxyConfig)
+
+
+def test_the_peer_transport_refuses_a_window_it_cannot_reach_and_releases_it(monkeypatch):
+    """A window with a rank it cannot load from or store to (ptr 0: another node) cannot carry the peer
+    transport: a clear error naming the ranks and the way out, the window released first (collective on NVSHMEM:
+    every rank meets the same condition)."""
+    from meld.distributed import member
+
+    closed = []
+
+    class Window:
+        def __init__(self, nbytes, device, group, engine):
+            self.ptrs, self.engine = [4096, 0], engine
+
+        every_rank_mapped = property(lambda self: all(self.ptrs))
+
+        def close(self):
+            closed.append(True)
+
+    class Op(member.GroupMember):
+        rank = 0
+        group = None
+
+    monkeypatch.setattr(member, "SymmetricWindow", Window)
+    with pytest.raises(ValueError, match=r"ranks \[1\] cannot be reached.*engine='nvshmem'.*transport='proxy'"):
+        Op()._open_window(1024, None, "peer", True, 1 << 16, "nvshmem")
+    assert closed == [True]
