@@ -13,6 +13,11 @@ the pure-read ceiling, measured in each worker) puts each time against BENCH.md'
     PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base --new-tree .ab/new    # two other trees
     PYTHONPATH=$PWD python3 bench/moe_ab.py --new k_boxes=2 [--base k_boxes=1]     # configs, this tree
     PYTHONPATH=$PWD python3 bench/moe_ab.py --new packed_weights=1    # weights packed by meld.pack_moe_weights
+    PYTHONPATH=$PWD python3 bench/moe_ab.py --base-tree .ab/base --fp8 --tokens 128 1024 8192   # block-scaled FP8
+
+`--fp8`: both sides run block-scaled FP8 experts (bench/moe_fp8.py's: bench/moe.py's weights quantised once to
+e4m3 with a float32 scale per 128 x 128 block), checked against float64 over the dequantised weights (bench/moe_fp8.py's
+tolerances), the floor over the e4m3 bytes and their scales.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ def kernel_config(assignments: list[str]):
 
 
 def worker(tree: Path, config: list[str], shapes: list[str], tokens: list[int], routings: list[str], reps: int,
-           check: bool, out: str) -> None:
+           check: bool, out: str, fp8: bool = False) -> None:
     """Time the meld in `tree` under `config` on every case; write {case: {"us", "floor_us"}} to `out`."""
     import torch
 
@@ -55,26 +60,39 @@ def worker(tree: Path, config: list[str], shapes: list[str], tokens: list[int], 
     from bench.harness import graph_time_us, read_ceiling_tbps
     from bench.moe import DTYPE, RENORMALIZE, SHAPES, Case, errors, make_inputs, make_weights, reference_moe
 
-    cfg = kernel_config(config)
+    if fp8 and config:
+        raise SystemExit("--fp8 compares trees under the layer's own FP8 builds: no --base / --new configs")
+    cfg = None if fp8 else kernel_config(config)
     read_tbps, _ = read_ceiling_tbps()
     res = {}
     for shape in (SHAPES[s] for s in shapes):
         w13, w2 = make_weights(shape, 0, "cuda")
-        # packed_weights=1: the layer gets its weights packed (meld.pack_moe_weights), the reference plain
-        wk13, wk2 = meld.pack_moe_weights(w13, w2) if getattr(cfg, "packed_weights", False) else (w13, w2)
-        moe = meld.MoE(shape.hidden, shape.inter, shape.experts, shape.top_k, dtype=DTYPE, device="cuda",
-                       max_num_tokens=max(tokens), kernel_config=cfg)
+        if fp8:   # the layer's experts block-scaled e4m3 (its own variants' token blocks), the reference's dequantised
+            from bench.moe_fp8 import FP8, MAX_TOL, REL_TOL, fp8_bytes, reference
+            from meld.runtime.moe_reference import quantize_blocks
+
+            (q13, s13), (q2, s2) = quantize_blocks(w13), quantize_blocks(w2)
+            args, kw, tol, expert_bytes = (q13, q2), dict(w13_scale=s13, w2_scale=s2), (REL_TOL, MAX_TOL), fp8_bytes(shape)
+            moe = meld.MoE(shape.hidden, shape.inter, shape.experts, shape.top_k, device="cuda",
+                           max_num_tokens=max(tokens), weight_dtype=FP8)
+            ref_of = lambda inp: reference(inp.x, q13, s13, q2, s2, inp.logits, shape.top_k)   # noqa: E731
+        else:
+            # packed_weights=1: the layer gets its weights packed (meld.pack_moe_weights), the reference plain
+            args = meld.pack_moe_weights(w13, w2) if getattr(cfg, "packed_weights", False) else (w13, w2)
+            kw, tol, expert_bytes = {}, (1e-2, 2e-2), shape.expert_bytes
+            moe = meld.MoE(shape.hidden, shape.inter, shape.experts, shape.top_k, dtype=DTYPE, device="cuda",
+                           max_num_tokens=max(tokens), kernel_config=cfg)
+            ref_of = lambda inp: reference_moe(inp.x, w13, w2, inp.logits, shape.top_k, RENORMALIZE)   # noqa: E731
         for t in tokens:
             for routing in routings:
                 inp = make_inputs(Case(shape, t, routing), w13, w2, 0, "cuda")
                 if check:
-                    rel, worst = errors(moe(inp.x, inp.logits, wk13, wk2),
-                                        reference_moe(inp.x, w13, w2, inp.logits, shape.top_k, RENORMALIZE))
-                    if not rel < 1e-2 or not worst < 2e-2:
+                    rel, worst = errors(moe(inp.x, inp.logits, *args, **kw), ref_of(inp))
+                    if not rel < tol[0] or not worst < tol[1]:
                         raise SystemExit(f"{inp.case.name}: relative error {rel:.2e}, max {worst:.2e}")
-                us = graph_time_us(lambda: moe(inp.x, inp.logits, wk13, wk2), reps=reps).median_us
-                res[inp.case.name] = {"us": us, "floor_us": inp.touched * shape.expert_bytes / (read_tbps * 1e6)}
-        moe = wk13 = wk2 = None
+                us = graph_time_us(lambda: moe(inp.x, inp.logits, *args, **kw), reps=reps).median_us
+                res[inp.case.name] = {"us": us, "floor_us": inp.touched * expert_bytes / (read_tbps * 1e6)}
+        moe = args = None
         torch.cuda.empty_cache()
     Path(out).write_text(json.dumps(res))
 
@@ -92,15 +110,17 @@ def main() -> int:
     p.add_argument("--routing", nargs="+", default=["uniform"], choices=ROUTINGS)
     p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--fp8", action="store_true", help="block-scaled FP8 experts on both sides (module doc)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--config", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     common = ["--shapes", *args.shapes, "--tokens", *map(str, args.tokens), "--routing", *args.routing,
-              "--reps", str(args.reps)]
+              "--reps", str(args.reps), *(["--fp8"] if args.fp8 else [])]
     if args.worker:
-        worker(args.worker, args.config, args.shapes, args.tokens, args.routing, args.reps, args.check, args.out)
+        worker(args.worker, args.config, args.shapes, args.tokens, args.routing, args.reps, args.check, args.out,
+               args.fp8)
         return 0
     if args.base_tree.resolve() == args.new_tree.resolve() and args.base == args.new:
         p.error("nothing to compare: give --base-tree, or --base / --new configs that differ")

@@ -12,6 +12,7 @@ SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
     "mla_ab": ["--base", "BASE", "--batches", "16", "--dists", "skewed"],
     "mla_ab fp8": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8"],
     "moe_ab": ["--base-tree", "BASE", "--tokens", "1", "16"],
+    "moe_ab fp8": ["--base-tree", "BASE", "--tokens", "128", "--fp8"],
     "tp_ab": ["--base", "BASE", "--world", "1"],
 }
 
@@ -43,6 +44,8 @@ def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_
     assert len(calls) == 2
     if name == "mla_ab fp8":   # the worker times the e4m3 build
         assert all(c[-1] == "fp8" for c in calls)
+    if name == "moe_ab fp8":   # the FP8 experts on both sides
+        assert all(c[-1] is True for c in calls)
 
 
 def test_report_prints_the_ratio_of_each_case_and_writes_every_round(tmp_path, capsys):
