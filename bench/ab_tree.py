@@ -7,6 +7,7 @@ as `.ab/` reach the GPU machine only when the run carries them.)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -14,6 +15,21 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
+
+
+def add_round_arguments(p: argparse.ArgumentParser) -> None:
+    """--rounds, and the options a script hands its worker processes (hidden): --worker, --check, --out."""
+    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def add_tree_arguments(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """--base (the base side's tree) and --json (every round's times and the medians), then add_round_arguments'."""
+    p.add_argument("--base", type=Path, required=required, help="a tree holding the base commit's `meld` package")
+    p.add_argument("--json", type=Path)
+    add_round_arguments(p)
 
 
 def worker_tree_first(repo: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import report_new_over_base, run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import add_tree_arguments, report_new_over_base, run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -50,15 +50,10 @@ def main() -> int:
     from bench.cascade import CASES   # (imports no meld)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", type=Path, required=True, help="a tree holding the base commit's `meld` package")
     p.add_argument("--cases", type=int, nargs="+", default=list(range(len(CASES))),
                    help=f"indices into bench/cascade.py's cases (0..{len(CASES) - 1})")
-    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path)
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_tree_arguments(p)
     args = p.parse_args()
     if bad := [i for i in args.cases if not 0 <= i < len(CASES)]:
         p.error(f"--cases {bad}: the cases are 0..{len(CASES) - 1}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import medians, run_rounds, worker_tree_first, write_runs  # noqa: E402
+from bench.ab_tree import add_tree_arguments, medians, run_rounds, worker_tree_first, write_runs  # noqa: E402
 
 worker_tree_first(REPO)
 VARIANTS = {   # name: DecodeAttention options; "chunk" sets the cost model's invariant_chunk_tokens
@@ -85,15 +85,10 @@ def worker(tree: Path, variants: list[str], cases: list[tuple[int, str]], check:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", type=Path, help="a tree holding the base commit's `meld` package")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: 1 8 64 256)")
     p.add_argument("--q-len", type=int, default=1, help="new tokens per request (multi-token decode)")
-    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
-    p.add_argument("--json", type=Path)
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_tree_arguments(p, required=False)
     args = p.parse_args()
     cases = [c for c in CASES if args.batch is None or c[0] in args.batch]
     args.variants = ["default"] + [v for v in args.variants if v != "default"]   # the ratios' denominator

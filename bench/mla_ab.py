@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import report_new_over_base, run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import add_tree_arguments, report_new_over_base, run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -54,16 +54,11 @@ def main() -> int:
     from bench.mla import BATCHES, DISTS, KV_DTYPES   # (imports no meld)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", type=Path, required=True, help="a tree holding the base commit's `meld` package")
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--dists", nargs="+", choices=DISTS, default=list(DISTS))
-    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="fp8: the e4m3 build (module doc)")
-    p.add_argument("--json", type=Path)
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_tree_arguments(p)
     args = p.parse_args()
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed, args.kv_dtype)))

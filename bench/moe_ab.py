@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import medians, run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import add_round_arguments, medians, run_rounds, worker_tree_first  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -108,13 +108,10 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
     p.add_argument("--routing", nargs="+", default=["uniform"], choices=ROUTINGS)
-    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--fp8", action="store_true", help="block-scaled FP8 experts on both sides (module doc)")
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--config", nargs="*", default=[], help=argparse.SUPPRESS)
-    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_round_arguments(p)
     args = p.parse_args()
     common = ["--shapes", *args.shapes, "--tokens", *map(str, args.tokens), "--routing", *args.routing,
               "--reps", str(args.reps), *(["--fp8"] if args.fp8 else [])]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import medians, run_rounds, worker_tree_first, write_runs  # noqa: E402
+from bench.ab_tree import add_tree_arguments, medians, run_rounds, worker_tree_first, write_runs  # noqa: E402
 
 worker_tree_first(REPO)
 
@@ -88,17 +88,12 @@ def main() -> int:
     from bench.dist import TP_SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", type=Path, required=True, help="a tree holding the base commit's `meld` package")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--slices", type=int, help="K cut into this many ranks' slices (default: --world)")
     p.add_argument("--shapes", nargs="+", default=list(TP_SHAPES), choices=list(TP_SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 200, 512, 1024])
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=2, help="alternating base/new rounds (checks run in the first)")
-    p.add_argument("--json", type=Path)
-    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    add_tree_arguments(p)
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.world, args.slices or args.world, args.shapes, args.tokens, args.reps, args.check,
