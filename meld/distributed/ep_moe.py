@@ -273,7 +273,7 @@ def one_launch_ep_moe(transport, xs: list[np.ndarray], w13: np.ndarray, w2: np.n
         # As an owner: the tiles of every source whose count is in.
         rng = np.random.default_rng(seed + r)
         ready: list[tuple[int, int]] = [(r, i) for i in range(len(mine[r][1]))]
-        packed = {r: (flat[lists[r]], wflat[lists[r]], x[lists[r] // k])}
+        packed = {r: (flat[lists[r]], wflat[lists[r]], x[lists[r] // k], *mine[r])}   # a source's pairs and tiles
         counted = {r}
         combined = 0
         while combined < len(x) or len(counted) < world or ready:
@@ -284,13 +284,13 @@ def one_launch_ep_moe(transport, xs: list[np.ndarray], w13: np.ndarray, w2: np.n
                     progress = True
                     note(r, "count", s)
                     n = v - 1
-                    packed[s] = (hdr[r][s, r, :n].astype(np.int64), wts[r][s, r, :n], rows[r][s, r, :n])
-                    ready += [(s, i) for i in range(len(expert_tiles(packed[s][0], tile_rows)[1]))]
+                    e = hdr[r][s, r, :n].astype(np.int64)
+                    packed[s] = (e, wts[r][s, r, :n], rows[r][s, r, :n], *expert_tiles(e, tile_rows))
+                    ready += [(s, i) for i in range(len(packed[s][4]))]
             if ready:                                                 # one tile, its epilogue's return
                 s, i = ready.pop(int(rng.integers(len(ready))))
                 note(r, "tile", (s, i))
-                e, ws, xr = packed[s]
-                order, tiles = expert_tiles(e, tile_rows)
+                e, ws, xr, order, tiles = packed[s]
                 span = slice(int(tiles[i][0]), int(tiles[i][-1]) + 1)
                 y = ffn_rows(e[order[span]], ws[order[span]], xr[order[span]])
                 if s == r:
