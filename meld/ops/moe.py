@@ -271,11 +271,15 @@ class MoE(Operator):
             from .torch_ops import moe
             return moe(self, x, router_logits, w13, w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out)
         if block_tokens is None and w13_scale is None and w2_scale is None and self._op_route():
-            # The op (its C++ fast path) for the usual inputs only, as the op's schema carries them (int64 ids are
-            # copied each call, which the fast path does not replay).
-            T = self._usual_inputs(x, router_logits, w13, w2, topk_weights, topk_ids)
-            if (T is not None and (out is None or usual(out, self.device))
-                    and (topk_ids is None or topk_ids.dtype is torch.int32)):
+            # The op (its C++ fast path) for arguments its schema carries as they are (int64 ids are copied each
+            # call, which the fast path does not replay). Shapes and dtypes are not tested here: the fast path
+            # replays only a call laid out as one its Python kernel checked, and sends any other there.
+            dev = self.device
+            if (usual(x, dev) and x.dim() == 2 and usual(w13, dev) and usual(w2, dev)
+                    and (router_logits is None or usual(router_logits, dev))
+                    and (topk_weights is None or usual(topk_weights, dev))
+                    and (topk_ids is None or (usual(topk_ids, dev) and topk_ids.dtype is torch.int32))
+                    and (out is None or usual(out, dev))):
                 return self._op_call(x, router_logits, w13, w2, topk_weights, topk_ids, out)
         return self._call(x, router_logits, w13, w2, topk_weights, topk_ids, out, block_tokens, w13_scale, w2_scale)
 
