@@ -31,7 +31,9 @@ cold L2 (`bench.harness.graph_time_us`); meld's eager latency beside it. Ceiling
   FLOPs = 2·T·k·(H·2I + I·H);  speedup = torch µs / meld µs (> 1: meld faster);  %mma = meld TFLOP/s /
   the bf16 matmul ceiling;  floor = experts touched × 3·H·I·2 bytes / the pure-read ceiling (the weights
   any implementation must read once);  meld/floor = meld µs / floor (1.0 is the bound);  roofline =
-  max(floor, FLOPs / the bf16 matmul ceiling), meld/roofline likewise.
+  max(floor, FLOPs / the bf16 matmul ceiling), meld/roofline likewise;  read (T <= 16) = `read_floor_us` of the
+  touched bytes, what a plain streaming read of them takes as one launch here (issue 40's T = 1 bound is 1.3x
+  it), meld/read likewise.
 `--trace DIR` also writes a per-SM timeline (Chrome trace + PNG, as `meld timeline` renders) of each case
 when the operator exposes `last_trace()`, from a second module built with MELD_PROFILE=1.
 The exit status is 1 if any check or any implementation failed (the run still goes through every case).
@@ -39,6 +41,7 @@ The exit status is 1 if any check or any implementation failed (the run still go
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -75,6 +78,7 @@ from bench.harness import (
     timed_reps,
     timing_parts,
     worst,
+    read_floor_us,
 )
 from meld.serving.torch_moe import GROUPED_MM, torch_grouped_mm_moe
 from meld.serving.torch_moe import topk_route as route
@@ -330,6 +334,13 @@ def write_trace(moe: Any, inp: Inputs, folder: Path) -> str:
                                folder / f"moe-{inp.case.shape.name}-T{inp.case.tokens}-{inp.case.routing}")
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_read_us(nbytes: int) -> float | None:
+    """`read_floor_us` of `nbytes`, measured once per size (the five routings of a decode case touch the same
+    experts' bytes, or nearly)."""
+    return read_floor_us(nbytes)
+
+
 def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[str, Any], init_us: float | None
               ) -> dict[str, Any]:
     """One table row: the headline numbers and ratios, plus every raw result for the JSON dump."""
@@ -341,6 +352,7 @@ def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[st
     flops = s.flops(c.tokens)
     floor_us = inp.touched * s.expert_bytes / (ceilings["read_tbps"] * 1e12) * 1e6
     roofline_us = max(floor_us, flops / (ceilings["matmul_bf16_tflops"] * 1e12) * 1e6)
+    read_us = _plain_read_us(inp.touched * s.expert_bytes) if c.tokens <= 16 else None
     m = results.get("meld", {})
 
     def worst_err(key: str) -> float | None:
@@ -357,6 +369,7 @@ def summarise(inp: Inputs, results: dict[str, dict[str, Any]], ceilings: dict[st
         "pct_mma": 100 * tflops / ceilings["matmul_bf16_tflops"] if tflops else None,
         "floor_us": floor_us, "floor_ratio": meld_us / floor_us if meld_us else None,
         "roofline_us": roofline_us, "roofline_ratio": meld_us / roofline_us if meld_us else None,
+        "read_us": read_us, "read_ratio": meld_us / read_us if meld_us and read_us else None,
         "rel_err": worst_err("rel_err_ref"), "agree": worst_err("rel_err_torch"), "meld_init_us": init_us,
         "results": results,
     }
@@ -370,6 +383,7 @@ COLUMNS = [  # the headline table; spreads, every error measure and init times a
     Column("meld_tflops", "meld TFLOP/s", ".1f"), Column("pct_mma", "%mma", ".0f"),
     Column("floor_us", "floor µs", ".1f"), Column("floor_ratio", "meld/floor", ".2f"),
     Column("roofline_us", "roofline µs", ".1f"), Column("roofline_ratio", "meld/roofline", ".2f"),
+    Column("read_us", "read µs", ".1f"), Column("read_ratio", "meld/read", ".2f"),
     Column("rel_err", "rel err", ".1e"), Column("agree", "vs torch", ".1e"),
 ]
 DRY_COLUMNS = [
