@@ -265,6 +265,14 @@ def eager(stub, launches) -> dict:
                          raised(lambda: layer._call(x, logits, w13, w2, None, None, bad_out)),
                          raised(lambda: layer(x, logits, w13, w2, out=x)),
                          raised(lambda: layer._call(x, logits, w13, w2, None, None, x))]
+    # (shapes the route no longer tests: through the op, whose Python kernel raises the direct path's errors)
+    x_wide, w13_narrow = torch.randn(5, H + 8).to(BF16), w13[:, :-8]
+    res["moe shape errors"] = calls([lambda: res.setdefault("moe shape raised", []).append(
+                                         raised(lambda: layer(x_wide, logits, w13, w2))),
+                                     lambda: res["moe shape raised"].append(
+                                         raised(lambda: layer(x, logits, w13_narrow, w2)))])
+    res["moe shape raised"] += [raised(lambda: layer._call(x_wide, logits, w13, w2, None, None, None)),
+                                raised(lambda: layer._call(x, logits, w13_narrow, w2, None, None, None))]
     attn = StubDecode(32, 8, 128, 16, BF16)
     stub.stub_set_blob(ctypes.sizeof(attn.lowering.params.ctype))
     pb = paged([30, 100, 7], 16)

@@ -84,6 +84,10 @@ def _check_eager(eager: dict) -> None:
     errors = eager["moe errors"]
     assert errors[0] == errors[1] == "ValueError: out must have dtype torch.bfloat16, got torch.float32"
     assert errors[2] == errors[3] and errors[2].startswith("ValueError: out (strides (128, 1)) shares memory with x")
+    assert eager["moe shape errors"]["op calls"] == [1, 1]   # (the route sends them to the op)
+    shape = eager["moe shape raised"]
+    assert shape[0] == shape[2] and shape[0].startswith("ValueError: x must have shape")
+    assert shape[1] == shape[3] and shape[1].startswith("ValueError: w13 must have shape")
     for lens in ("[30, 100, 7]", "[50, 3, 9]"):
         assert eager[f"run {lens}"] == {"hits": [0, 0, 1, 0, 1, 0, 1], "op calls": [0, 1, 1, 1, 1, 1, 1]}, lens
     assert eager["run returns"] == [True, "tuple", [[3, 32, 128], [3, 32]], "torch.float32"]
