@@ -70,6 +70,7 @@ from bench.harness import (
     keep_available,
     measure_ceilings,
     median_us,
+    read_floor_us,
     record_failure,
     result_cell,
     run_recorded,
@@ -78,7 +79,6 @@ from bench.harness import (
     timed_reps,
     timing_parts,
     worst,
-    read_floor_us,
 )
 from meld.serving.torch_moe import GROUPED_MM, torch_grouped_mm_moe
 from meld.serving.torch_moe import topk_route as route
