@@ -163,6 +163,8 @@ struct UnitWalk {
 // chunks (box_rows rows each) that hold them; rows past them keep stale bytes, masked by the consumers. The
 // seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land.
 __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, const Bars& b) {
+  const unsigned long long policy = l2_evict_first();   // (the other head block's CTA reads the same KV from L2
+                                                        //  at about the same time; nothing reads it later)
   int stage = 0;
   u32 phase = 0;
   const int R = p.box_rows;
@@ -180,8 +182,8 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
           const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
 #pragma unroll
           for (int k = 0; k < DC / 128; ++k)
-            tma_load_2d(dst + k * RAW_LAT + c * R * 128, &p.ckv_map, 128 * k, row, full);
-          tma_load_2d(dst + (DC / 128) * RAW_LAT + c * R * 64, &p.kpe_map, 0, row, full);
+            tma_load_2d_hint(dst + k * RAW_LAT + c * R * 128, &p.ckv_map, 128 * k, row, full, policy);
+          tma_load_2d_hint(dst + (DC / 128) * RAW_LAT + c * R * 64, &p.kpe_map, 0, row, full, policy);
         }
         if (++stage == RAW_STAGES_) { stage = 0; phase ^= 1u; }
         continue;
@@ -199,8 +201,9 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
         const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
 #pragma unroll
         for (int k = 0; k < NBOX - 1; ++k)
-          tma_load_2d(dst + k * BOX + c * R * 128, &p.ckv_map, 64 * k, row, full + BOX_BAR * k);
-        tma_load_2d(dst + (NBOX - 1) * BOX + c * R * 128, &p.kpe_map, 0, row, full + BOX_BAR * (NBOX - 1));
+          tma_load_2d_hint(dst + k * BOX + c * R * 128, &p.ckv_map, 64 * k, row, full + BOX_BAR * k, policy);
+        tma_load_2d_hint(dst + (NBOX - 1) * BOX + c * R * 128, &p.kpe_map, 0, row, full + BOX_BAR * (NBOX - 1),
+                         policy);
       }
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
