@@ -12,10 +12,16 @@ from meld.workloads import lengths, paged
 
 def assert_gpu_plan_matches_host(attn):
     """The GPU planner wrote exactly the tables of the host planner (`schedule`: the same source run as one
-    thread), and those are the NumPy oracle's (meld.scheduler.plan_decode)."""
+    thread), and those are the NumPy oracle's (meld.scheduler.plan_decode; a head-major schedule's are its plan
+    of the requests repeated once per head block, as tests/test_decode_plan_host.py checks on the CPU)."""
     s = attn.schedule.validate()
-    oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.planned_group_size, attn.topology,
-                         attn.cost, attn.heads_per_unit, attn._plan_clusters, attn._chunk)
+    if s.head_major:   # DecodeMLA's: the oracle's plan of the requests repeated, one unit each
+        U = s.units_per_request
+        oracle = plan_decode(np.tile(s.kv_len, U), np.tile(s.page_base, U), attn.num_kv_heads, attn.heads_per_unit,
+                             attn.topology, attn.cost, attn.heads_per_unit, attn._plan_clusters, attn._chunk)
+    else:
+        oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.planned_group_size, attn.topology,
+                             attn.cost, attn.heads_per_unit, attn._plan_clusters, attn._chunk)
     assert np.array_equal(oracle.cta, s.cta) and oracle.meta == s.meta, "host planner and NumPy oracle disagree"
     t = attn.tables
     W = attn.topology.num_ctas

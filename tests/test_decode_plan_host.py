@@ -154,3 +154,31 @@ def test_a_cluster_whose_snaps_leave_two_cuts_on_one_token_is_cut_unsnapped():
     snapped = plan_decode(lens, page_base, 1, 64, topo, cost, 64, mix, 0)
     unsnapped = plan_decode(lens, page_base, 1, 64, topo, dataclasses.replace(cost, cluster_snap_tokens=0), 64, mix, 0)
     assert not np.array_equal(snapped.cta, unsnapped.cta)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens=length_lists, n=st.integers(1, 4), units=st.integers(1, 3), page_size=st.sampled_from([1, 16, 64]),
+       ctas=st.integers(1, 300), cost=costs, clustered=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
+def test_head_major_lays_each_head_block_of_every_request_in_turn(lens, n, units, page_size, ctas, cost, clustered,
+                                                                  seed):
+    """head_major (DecodeMLA): the line holds every planned request's first unit, then every one's second, ...:
+    the oracle's plan of the planned requests repeated `units` times, one unit each; kv_len and page_base stay
+    one per planned request."""
+    indptr, last = _page_table(lens, page_size, np.random.default_rng(seed))
+    topo = Topology.h200() if clustered else Topology(ctas)
+    mix = topo.cluster_mix(4) if clustered else []
+    planned = np.maximum(0, np.repeat(np.asarray(lens, dtype=np.int64), n) - np.tile(np.arange(n - 1, -1, -1), len(lens)))
+    bases = np.repeat(indptr[:-1], n)
+    oracle = plan_decode(np.tile(planned, units), np.tile(bases, units), 1, 64, topo, cost, 64, mix, 0)
+    host = plan_decode_host(indptr, last, page_size, 1, 64 * units, topo, cost, 64, mix, 0, token_requests=n,
+                            head_major=True)
+    assert np.array_equal(host.cta, oracle.cta), "CTA tables differ"
+    assert np.array_equal(host.kv_len, planned) and np.array_equal(host.page_base, bases)
+    assert host.head_major and host.units_per_request == units
+    host.validate()
+
+
+def test_head_major_cuts_no_chunks():
+    indptr, last = _page_table([100, 3000], 16, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="head_major plans cut no chunks"):
+        plan_decode_host(indptr, last, 16, 1, 128, Topology(132), DecodeCost(), 64, [], 1024, head_major=True)

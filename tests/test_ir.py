@@ -170,3 +170,25 @@ def test_a_second_edge_between_two_tasks_is_refused_and_lower_needs_a_graph():
     for bad in ("x", None, g.to_dict()):
         with pytest.raises(TypeError, match="graph must be a meld.ir.TaskGraph"):
             lower(bad)
+
+
+def test_head_major_schedule_survives_json_and_names_its_units():
+    """DecodeMLA's head-major schedule: unit u is head block u // B of request u % B; it round-trips through
+    JSON, and a head_major that is not a bool, or one with chunks, is refused."""
+    import json
+
+    from meld.scheduler import plan_decode_host
+
+    lens = [300, 0, 2000]
+    indptr = np.r_[0, np.cumsum([-(-n // 16) for n in lens])].astype(np.int32)
+    last = np.array([300 - 18 * 16, 5, 2000 - 124 * 16], dtype=np.int32)
+    s = plan_decode_host(indptr, last, 16, 1, 128, Topology(8), heads_per_item=64, head_major=True).validate()
+    assert Schedule.from_json(s.to_json()) == s and s.head_major
+    it = s.items()
+    assert np.array_equal(it["req"], it["unit"] % 3) and np.array_equal(it["q_head"], it["unit"] // 3 * 64)
+    assert np.array_equal(s.unit_lengths(), np.tile(lens, 2))
+    doc = json.loads(s.to_json())
+    with pytest.raises(ScheduleError, match="head_major must be true or false"):
+        Schedule.from_json(json.dumps({**doc, "head_major": 1}))
+    with pytest.raises(ScheduleError, match="cuts no chunks"):
+        Schedule.from_json(json.dumps({**doc, "chunk_tokens": 1024}))

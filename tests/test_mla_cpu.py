@@ -100,10 +100,12 @@ def test_schedule_cuts_whole_blocks_and_covers_every_token():
     it = s.items()
     assert s.units_per_request == 2 and s.heads_per_item == 64
     assert (it["kv_begin"] % 64 == 0).all()
-    assert ((it["kv_end"] % 64 == 0) | (it["kv_end"] == np.repeat(lens, 2)[it["unit"]])).all()
+    assert s.head_major   # unit u: q heads 64 (u // B) on of request u % B
+    assert ((it["kv_end"] % 64 == 0) | (it["kv_end"] == np.tile(lens, 2)[it["unit"]])).all()
+    assert np.array_equal(it["req"], it["unit"] % len(lens)) and np.array_equal(it["q_head"], it["unit"] // len(lens) * 64)
     covered = np.zeros(len(lens) * 2, dtype=np.int64)
     np.add.at(covered, it["unit"], it["kv_end"] - it["kv_begin"])
-    assert np.array_equal(covered, np.repeat(lens, 2))
+    assert np.array_equal(covered, np.tile(lens, 2))
     slots = it["slot"][it["slot"] >= 0]
     assert len(set(slots.tolist())) == len(slots)
 
@@ -244,11 +246,30 @@ def test_multi_token_nan_in_one_q_row_reaches_that_row_only():
     assert torch.equal(lse.isnan(), bad)
 
 
+@pytest.mark.parametrize("dist", ["uniform2k", "skewed", "one-long"])
+@pytest.mark.parametrize("batch", [1, 8, 128])
+def test_the_two_head_blocks_of_a_request_run_on_ctas_half_the_grid_apart(dist, batch):
+    """Head-major planning: with the line's halves alike, CTA c + active / 2 runs exactly CTA c's pieces for the
+    other 64 heads, so the two read each KV block at the same time (once from DRAM, then L2)."""
+    lens = np.asarray(lengths(dist, batch))
+    pb = paged(lens, 64)
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    s = mla.schedule
+    it, half = s.items(), s.meta["active_ctas"] // 2
+    assert s.meta["active_ctas"] % 2 == 0
+    hb = it["q_head"] // 64
+    pieces = [sorted(zip(it["cta"][hb == h] - h * half, it["req"][hb == h], it["kv_begin"][hb == h],
+                         it["kv_end"][hb == h])) for h in (0, 1)]
+    assert len(pieces[0]) and pieces[0] == pieces[1]
+
+
 def test_multi_token_units_and_their_names():
     mla, *_ = _mtp([5, 70], 2, H=100, P=64)
     assert mla.schedule.num_units == 2 * 2 * 2 and mla.shape_bucket == "H100/C512/R64/P64/q2"
-    assert mla.describe_unit(3) == "request 0, new token 1 of 2, q heads 64-99"
-    assert mla.describe_unit(4) == "request 1, new token 0 of 2, q heads 0-63"
+    # head-major: units 0-3 are the four planned requests' (request, new token) heads 0-63, units 4-7 their 64-99
+    assert mla.describe_unit(3) == "request 1, new token 1 of 2, q heads 0-63"
+    assert mla.describe_unit(5) == "request 0, new token 1 of 2, q heads 64-99"
     assert "units 0-7" in mla.describe_unit(8)
 
 

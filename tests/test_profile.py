@@ -192,3 +192,13 @@ def test_profile_every_setting():
         with config.scope(MELD_PROFILE_EVERY=bad):
             with pytest.raises(ValueError, match=f"MELD_PROFILE_EVERY={bad!r}"):
                 config.profile_every()
+
+
+def test_head_major_units_are_named_by_their_request_and_head_block(tmp_path):
+    """A head-major schedule's (DecodeMLA's) unit u is head block u // requests of request u % requests."""
+    t = Trace.from_buffer(_raw(), units_per_request=2, head_blocks=2, requests=4)
+    assert t.label(next(x for x in t.tasks if x.unit == 5)) == "piece r1 kv0 hb1"   # (request order: r2)
+    assert t.label(next(x for x in t.tasks if x.unit == 2)) == "piece r2 kv0 hb0"
+    back = Trace.from_chrome(t.write_chrome(tmp_path / "t.json"))
+    assert back.requests == 4 and back.label(back.tasks[1]) == t.label(t.tasks[1])
+    assert Trace.from_chrome(Trace.from_buffer(_raw(), 2, 2).to_chrome()).requests == 0

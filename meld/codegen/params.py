@@ -256,6 +256,7 @@ PLAN_PARAMS = ParamStruct("PlanParams", [
     Field("chunk", "i32"),                        # > 0: a batch-invariant plan on chunks of this many tokens
     Field("done_seq", "i32"),
     Field("token_requests", "i32"),               # planners built with PLAN_TOKEN_REQUESTS: requests per request
+    Field("head_major", "i32"),                   # 1: the line holds units head block by head block (decode_plan.h)
 ])
 
 # The grouped-attention planner (templates/split_reduce_plan.h): the work items' groups, producer after

@@ -17,6 +17,10 @@ alone: a unit of L > chunk_tokens tokens is always cut into its ceil(L / chunk_t
 own piece, even where several run on one CTA, so its result does not depend on the rest of the batch.
 Segments then start and end on chunk boundaries, the head/tail columns are unused (zero), and the
 pieces of request b's units take the slots from `slot_base[b]` on (unit after unit, chunk after chunk).
+
+Head-major schedules (`head_major`, DecodeMLA's) lay the units out head block by head block instead: unit u is
+head block u // B of request u % B (B requests), so the same tokens of a request's two 64-head units are cut at
+the same place of the line's two halves, and CTAs W / 2 apart read them together (templates/decode_plan.h).
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ from .work_table import CTA_TABLE
 
 CTA_FIELDS = CTA_TABLE.fields   # one row per field, one column per CTA (meld/ir/work_table.py)
 SEGMENT_FIELDS = CTA_FIELDS[:8]  # the segment; then the task header that follows from it (segment_header)
-_KEYS = ("num_kv_heads", "group_size", "heads_per_item", "kv_len", "page_base", "cta", "meta")   # + chunk_tokens
+_KEYS = ("num_kv_heads", "group_size", "heads_per_item", "kv_len", "page_base", "cta", "meta")
+_OPTIONAL = ("chunk_tokens", "head_major")
 
 
 def segment_header(cta: np.ndarray) -> np.ndarray:
@@ -61,6 +66,7 @@ class Schedule:
         cta: int32 [len(CTA_FIELDS), num_ctas]; CTAs past the active ones have empty segments.
         meta: what the planner decided besides the tables (active CTAs, cost model), for printing.
         chunk_tokens: 0, or the chunk of a batch-invariant schedule (above).
+        head_major: the units' order (above); never with chunk_tokens.
     """
 
     num_kv_heads: int
@@ -71,6 +77,7 @@ class Schedule:
     cta: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
     chunk_tokens: int = 0
+    head_major: bool = False
 
     @property
     def num_ctas(self) -> int:
@@ -87,6 +94,16 @@ class Schedule:
     @property
     def num_units(self) -> int:
         return len(self.kv_len) * self.units_per_request
+
+    def unit_lengths(self) -> np.ndarray:
+        """int64 [num_units]: each unit's KV tokens (its request's), in unit order."""
+        L = self.kv_len.astype(np.int64)
+        return np.tile(L, self.units_per_request) if self.head_major else np.repeat(L, self.units_per_request)
+
+    def unit_request(self, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(request, unit index within its request) of each unit."""
+        B, nh = len(self.kv_len), self.units_per_request
+        return (unit % B, unit // B) if self.head_major else (unit // nh, unit % nh)
 
     @property
     def chunks(self) -> np.ndarray:
@@ -116,7 +133,7 @@ class Schedule:
     def items(self) -> dict[str, np.ndarray]:
         """The segments as explicit items, in the order the CTAs run them (what the kernel derives)."""
         ub, sb, ue, se, hf, hp, tf, tp = (r.astype(np.int64) for r in self.cta[:len(SEGMENT_FIELDS)])
-        L = np.repeat(self.kv_len.astype(np.int64), self.units_per_request)
+        L = self.unit_lengths()
         last = np.where(se > 0, ue, ue - 1)                      # last unit touched by each segment
         n = np.maximum(last - ub + 1, 0)
         n[(ub == ue) & (sb == se)] = 0                           # empty segment
@@ -130,14 +147,15 @@ class Schedule:
         split = head | tail
         pbegin = np.where(head, unit + hf[cta], np.where(tail, unit + tf[cta], -1))
         nparts = np.where(head, hp[cta], np.where(tail, tp[cta], 0))
-        nh, nqb, H = self.units_per_request, self.head_blocks, self.heads_per_item
+        nqb, H = self.head_blocks, self.heads_per_item
         if self.chunk_tokens:
             cta, unit, begin, end, split, pbegin, nparts = self._chunk_pieces(cta, unit, begin, end)
-        kvh = (unit % nh) // nqb
-        q_head = kvh * self.group_size + (unit % nqb) * H
+        req, within = self.unit_request(unit)
+        kvh = within // nqb
+        q_head = kvh * self.group_size + (within % nqb) * H
         slot = np.where(split, pbegin + begin // self.chunk_tokens if self.chunk_tokens else unit + cta, -1)
         return {
-            "cta": cta, "unit": unit, "req": unit // nh, "kv_head": kvh, "q_head": q_head,
+            "cta": cta, "unit": unit, "req": req, "kv_head": kvh, "q_head": q_head,
             "rows": np.minimum(H, (kvh + 1) * self.group_size - q_head),
             "kv_begin": begin, "kv_end": end, "slot": slot,
             "parts_begin": pbegin, "num_parts": nparts,
@@ -162,6 +180,8 @@ class Schedule:
     def validate(self) -> "Schedule":
         """Check every invariant the kernel relies on; raise ScheduleError naming the first broken one."""
         U, W = self.num_units, self.num_ctas
+        if self.head_major and self.chunk_tokens:
+            raise ScheduleError("a head-major schedule cuts no chunks (its slots are numbered request by request)")
         if self.cta.shape != (len(CTA_FIELDS), W) or len(self.page_base) != len(self.kv_len):
             raise ScheduleError(f"table shapes: cta {self.cta.shape}, kv_len {self.kv_len.shape}, "
                                 f"page_base {self.page_base.shape}")
@@ -178,7 +198,7 @@ class Schedule:
         if U == 0:
             return self
         it = self.items()
-        L = np.repeat(self.kv_len.astype(np.int64), self.units_per_request)
+        L = self.unit_lengths()
         if np.any(it["kv_begin"] < 0) or np.any(it["kv_end"] > L[it["unit"]]) or np.any(it["kv_end"] < it["kv_begin"]):
             raise ScheduleError("an item's KV range lies outside [0, kv_len)")
         u, b, e = it["unit"], it["kv_begin"], it["kv_end"]      # ordered by (unit, begin) by construction
@@ -240,12 +260,14 @@ class Schedule:
     @staticmethod
     def from_json(text: str | bytes) -> "Schedule":
         """The schedule `to_json` wrote, validated; ScheduleError for anything else."""
-        return Schedule.from_dict(serial.document(text, "a Schedule", ScheduleError, _KEYS, ("chunk_tokens",)))
+        return Schedule.from_dict(serial.document(text, "a Schedule", ScheduleError, _KEYS, _OPTIONAL))
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Schedule":
         """The schedule `to_dict` gave, validated; ScheduleError for anything else."""
-        d = serial.fields(d, "a Schedule", ScheduleError, _KEYS, ("chunk_tokens",))
+        d = serial.fields(d, "a Schedule", ScheduleError, _KEYS, _OPTIONAL)
+        if not isinstance(d.get("head_major", False), bool):
+            raise ScheduleError(f"head_major must be true or false, got {d['head_major']!r}")
         heads = {k: serial.integer(d[k], k, ScheduleError, 1) for k in ("num_kv_heads", "group_size", "heads_per_item")}
         if not isinstance(d["meta"], dict):
             raise ScheduleError(f"meta must be a JSON object, got {type(d['meta']).__name__}")
@@ -258,8 +280,8 @@ class Schedule:
             raise ScheduleError(f"kv_len must not be negative, got {int(kv_len.min())}")
         return Schedule(**heads, kv_len=kv_len, page_base=serial.int32_array(d["page_base"], "page_base", ScheduleError),
                         cta=cta, meta=d["meta"],
-                        chunk_tokens=serial.integer(d.get("chunk_tokens", 0), "chunk_tokens", ScheduleError, 0)
-                        ).validate()
+                        chunk_tokens=serial.integer(d.get("chunk_tokens", 0), "chunk_tokens", ScheduleError, 0),
+                        head_major=d.get("head_major", False)).validate()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Schedule) and self.to_dict() == other.to_dict()

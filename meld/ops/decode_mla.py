@@ -3,7 +3,7 @@ FlashInfer's plan()/run() split.
 
 Every q head attends to one latent KV head: the keys are the cache's latent rows (head_dim_ckv channels)
 with their rope part (head_dim_kpe), the values the latent rows. plan() is `PagedDecode`'s (the decode
-planner, one unit per request and block of 64 q heads); run() launches the persistent kernel of
+planner, one unit per request and block of 64 q heads, laid out head block by head block); run() launches the persistent kernel of
 templates/mla_decode.cuh, whose split units merge inside the same launch.
 
 Multi-token decode (q_len new tokens per request) needs no kernel of its own: the planner, built with token
@@ -106,6 +106,10 @@ class DecodeMLA(PagedDecode):
         >>> fp8 = meld.DecodeMLA(128, 64, torch.bfloat16, "cuda", sm_scale=192 ** -0.5, kv_dtype=torch.float8_e4m3fn)
         >>> out = fp8.run(q_nope, q_pe, ckv_e4m3, kpe_e4m3, kv_scale=0.05)   # after fp8.plan(...)
     """
+
+    # A request's 64-head units read the same KV: planned head block by head block, CTAs W / 2 apart cut the
+    # same tokens of a request's two halves and read each KV block together (templates/decode_plan.h).
+    head_major = True
 
     def __init__(self, num_heads: int, page_size: int, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cuda", *, sm_scale: float, head_dim_ckv: int = MLA_HEAD_DIM_CKV,

@@ -74,11 +74,15 @@ class _Buffers:
 class UnitNames:
     """Names a unit of a paged decode plan in the terms of the batch (`describe(unit)`), for `describe_unit` and
     the watchdog's message. Never raises (it runs inside error reporting): a number no plan so far has had (the
-    kernel that tripped may run an older plan than the last) is answered as out of range. Holds no operator."""
+    kernel that tripped may run an older plan than the last) is answered as out of range. Holds no operator.
+    `describe` takes units in request order; a head-major operator's (`units_per_request` given) are converted with
+    the last plan's planned requests (`requests`), so a kernel of an older plan of another batch may be misnamed."""
 
-    def __init__(self, describe):
+    def __init__(self, describe, units_per_request: int = 0):
         self.describe = describe
         self.units = 0   # the most units any plan so far had
+        self.units_per_request = units_per_request   # > 0: units come head-major
+        self.requests = 0   # the last plan's planned requests
 
     def __call__(self, unit: object) -> str:
         if not is_int(unit):
@@ -87,6 +91,9 @@ class UnitNames:
             have = f"units 0-{self.units - 1}" if self.units else "no units (no plan so far)"
             return f"unit {unit!r} is out of range: the plans so far have {have}"
         try:
+            if self.units_per_request:
+                hb, req = divmod(int(unit), self.requests)
+                return self.describe(req * self.units_per_request + hb)
             return self.describe(int(unit))
         except Exception as e:   # (a describe that fails must not hide the report it is part of)
             return f"unit {unit} (not described: {type(e).__name__}: {e})"
@@ -105,10 +112,14 @@ class PagedDecode(Operator):
     # templates/decode_plan.h, PLAN_TOKEN_REQUESTS); with 1, a unit's rows are (q head, token) pairs and the
     # planner's rows per kv head are group_size * q_len (DecodeAttention).
     token_requests = 1
+    # The units' order on the planner's line and in the tables: request by request, or head block by head block
+    # (DecodeMLA: templates/decode_plan.h, meld/ir/schedule.py)
+    head_major = False
     ragged = False   # requests of 1 .. q_len new tokens, their rows given by plan()'s qo_indptr (DecodeAttention)
 
     def _init_plan_state(self, describe) -> None:
-        self._unit_names = UnitNames(describe)   # what the watchdog registers (it must not hold the operator)
+        # (what the watchdog registers: it must not hold the operator)
+        self._unit_names = UnitNames(describe, self.units_per_request if self.head_major else 0)
         self._plan_kernel_last = False   # the last kernel this op put on a stream was plan()'s
         self._schedule: Schedule | None = None   # of `_planned`, computed on first use
         self._recorder = None   # MELD_RECORD's recorder, read by each plan() before it changes anything
@@ -130,7 +141,8 @@ class PagedDecode(Operator):
         from ..runtime.tables import Capacity, WorkTables
 
         W, requests = self.topology.num_ctas, caps["batch"] * self.token_requests   # (the planned requests)
-        t = WorkTables(self.device, W, Capacity(requests, caps["pages"]))
+        t = WorkTables(self.device, W, Capacity(requests, caps["pages"]),
+                       line_entries=requests * self.units_per_request if self.head_major else requests)
         units = requests * self.units_per_request
         # A partial's slot: one per chunk (batch-invariant plans), otherwise its piece's unit + its CTA.
         slots = self._chunk_slots(caps["batch"], caps["pages"]) if self._chunk else units + W
@@ -140,7 +152,8 @@ class PagedDecode(Operator):
         counters = torch.zeros(units, dtype=torch.int32, device=self.device)
         qo = torch.zeros(caps["batch"] + 1, dtype=torch.int32, device=self.device) if self.ragged else None
         params = plan_params(   # one struct for every plan(): plan() sets the batch and the page table
-            self.cost, self.page_size, self.units_per_request, W, self._chunk, self.token_requests, kv_indptr=0,
+            self.cost, self.page_size, self.units_per_request, W, self._chunk, self.token_requests, self.head_major,
+            kv_indptr=0,
             last_page_len=0, kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base), cta_table=t.ptr(0),
             line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
             arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base),
@@ -186,8 +199,9 @@ class PagedDecode(Operator):
         if self._buf is None or self._buf.prof is None:
             return None
         launcher = self._buf.launcher
+        requests = self._planned.batch * self.token_requests if self.head_major and self._planned else 0
         return (self._buf.prof, (self.units_per_request, self.head_blocks),
-                dict(cluster=launcher.cluster_of_cta(), grid=launcher.grid_of_cta()))
+                dict(cluster=launcher.cluster_of_cta(), grid=launcher.grid_of_cta(), requests=requests))
 
     def _servable(self, topology: Topology) -> Topology:
         limit = self.lowering.device_planner.max_ctas
@@ -246,7 +260,7 @@ class PagedDecode(Operator):
             self._schedule = self.lowering.planner(
                 _host(self._planned.indptr), _host(self._planned.last), self.page_size, self.num_kv_heads,
                 self.planned_group_size, self.topology, self.cost, self.heads_per_unit, self._plan_clusters,
-                self._chunk, self.token_requests)
+                self._chunk, self.token_requests, self.head_major)
         return self._schedule
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
@@ -385,6 +399,7 @@ class PagedDecode(Operator):
         self._schedule = None
         self._unit_names.units = max(self._unit_names.units,
                                      planned.batch * self.token_requests * self.units_per_request)
+        self._unit_names.requests = planned.batch * self.token_requests
         self._plan_kernel_last = True
 
     def _plan_cpu(self, B, kv_indptr, kv_indices, kv_last_page_len, qo) -> None:

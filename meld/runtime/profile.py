@@ -81,16 +81,19 @@ class CtaSpan:
 
 @dataclass
 class Trace:
-    """The tasks and CTA lifetimes of a launch; units decode as (request, kv head, head block)."""
+    """The tasks and CTA lifetimes of a launch; units decode as (request, kv head, head block), request by request,
+    or with `requests` > 0 head block by head block over that many requests (a head-major schedule:
+    meld/ir/schedule.py)."""
 
     tasks: list[TaskRecord]
     cta_spans: list[CtaSpan]
     overflowed: int  # records dropped because a CTA tried to write more than the buffer's capacity
     units_per_request: int
     head_blocks: int
+    requests: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("units_per_request", "head_blocks", "overflowed"):
+        for name in ("units_per_request", "head_blocks", "overflowed", "requests"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool):
                 raise ValueError(f"{name} must be an int, got {reprlib.repr(v)}")
@@ -100,8 +103,10 @@ class Trace:
 
     @staticmethod
     def from_buffer(raw: np.ndarray, units_per_request: int, head_blocks: int,
-                    cluster: Optional[Sequence[int]] = None, grid: Optional[Sequence[int]] = None) -> "Trace":
-        """Decode the kernel's buffer; cluster and grid give each CTA's cluster id (default: its own) and launch."""
+                    cluster: Optional[Sequence[int]] = None, grid: Optional[Sequence[int]] = None,
+                    requests: int = 0) -> "Trace":
+        """Decode the kernel's buffer; cluster and grid give each CTA's cluster id (default: its own) and launch;
+        requests: the planned requests of a head-major schedule (0: units in request order)."""
         raw = np.asarray(raw)
         if raw.ndim != 3 or raw.shape[1] < 1 or raw.shape[2] != 4:
             raise ValueError(f"profile buffer must be [num_ctas, 1 + cap, 4], got {raw.shape}")
@@ -126,7 +131,7 @@ class Trace:
                 if not 0 <= kind < len(KINDS):
                     raise ValueError(f"CTA {c}: unknown record kind {kind} (expected 0..{len(KINDS) - 1})")
                 tasks.append(TaskRecord(c, sm, KINDS[kind], unit, t0, t1))
-        return Trace(tasks, spans, overflowed, units_per_request, head_blocks)
+        return Trace(tasks, spans, overflowed, units_per_request, head_blocks, requests)
 
     @property
     def start_ns(self) -> int:
@@ -146,7 +151,10 @@ class Trace:
             return task.kind
         if task.kind in MOE_KINDS:   # MoE tiles are named by their ticket in the launch
             return f"{task.kind} ticket {task.unit}"
-        request, hb = divmod(task.unit, self.units_per_request)
+        if self.requests:
+            hb, request = divmod(task.unit, self.requests)
+        else:
+            request, hb = divmod(task.unit, self.units_per_request)
         kv, block = divmod(hb, self.head_blocks)
         return f"{task.kind} r{request} kv{kv}" + (f" hb{block}" if self.head_blocks > 1 else "")
 
@@ -208,7 +216,7 @@ class Trace:
                            "args": {"cta": t.cta, "unit": t.unit, "cluster": s.cluster, "grid": s.grid,
                                     "t0_ns": t.start_ns - base, "t1_ns": t.end_ns - base}})
         meld = {"base_ns": base, "units_per_request": self.units_per_request, "head_blocks": self.head_blocks,
-                "overflowed": self.overflowed,
+                "overflowed": self.overflowed, **({"requests": self.requests} if self.requests else {}),
                 "ctas": [[s.cta, s.sm, s.begin_ns - base, s.end_ns - base, s.cluster, s.grid]
                          for s in self.cta_spans]}
         return {"traceEvents": events, "displayTimeUnit": "ns", "meld": meld}
@@ -234,7 +242,10 @@ class Trace:
         counts = [_get(meld, f"meld.{k}") for k in ("overflowed", "units_per_request", "head_blocks")]
         if counts[0] < 0:
             raise ValueError(f"meld.overflowed must be >= 0, got {counts[0]}")
-        return Trace(tasks, spans, *counts)
+        requests = _get(meld, "meld.requests") if "requests" in meld else 0
+        if requests < 0:
+            raise ValueError(f"meld.requests must be >= 0, got {requests}")
+        return Trace(tasks, spans, *counts, requests)
 
 
 _JSON_TYPES = {int: "an integer", str: "a string", list: "an array", dict: "an object"}

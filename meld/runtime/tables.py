@@ -38,7 +38,8 @@ class Capacity:
 
 
 class WorkTables:
-    def __init__(self, device: torch.device, num_ctas: int, cap: Capacity):
+    def __init__(self, device: torch.device, num_ctas: int, cap: Capacity, line_entries: int | None = None):
+        """`line_entries`: the planner's line (default: a request an entry; a head-major plan's: a unit an entry)."""
         self.device, self.num_ctas, self.cap = device, num_ctas, cap
         self.off_kv_len = len(CTA_FIELDS) * num_ctas
         self.off_page_base = self.off_kv_len + cap.batch
@@ -47,7 +48,8 @@ class WorkTables:
         self.off_indices = -(-(self.off_raw + 2 * cap.batch + 1) // 4) * 4   # 16-byte aligned for the copy
         size = self.off_indices + max(cap.pages, 1)
         self.buf = torch.zeros(size, dtype=torch.int32, device=device)
-        self.line = torch.zeros(cap.batch + 1, dtype=torch.int64, device=device)   # the planner's scratch
+        entries = cap.batch if line_entries is None else line_entries
+        self.line = torch.zeros(entries + 1, dtype=torch.int64, device=device)   # the planner's scratch
         self.arrive = torch.zeros(1, dtype=torch.int32, device=device)             # CTAs done reading
         self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self._host = [s.numpy() for s in self._staging]

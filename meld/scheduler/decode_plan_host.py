@@ -24,14 +24,16 @@ from .topology import Topology, cluster_rows
 
 
 def plan_params(cost: DecodeCost, page_size: int, units_per_request: int, num_ctas: int, chunk: int,
-                token_requests: int = 1, **buffers: int) -> ctypes.Structure:
-    """The planner's `PlanParams` on either side: the cost model, the shape, and `buffers` (the
-    addresses, `batch`, and the GPU's done-flag fields)."""
+                token_requests: int = 1, head_major: bool = False, **buffers: int) -> ctypes.Structure:
+    """The planner's `PlanParams` on either side: the cost model, the shape, the unit order (`head_major`:
+    templates/decode_plan.h), and `buffers` (the addresses, `batch`, and the GPU's done-flag fields)."""
+    if head_major and chunk:
+        raise ValueError("head_major plans cut no chunks: a batch-invariant plan numbers its slots request by request")
     return PLAN_PARAMS.pack(page_size=page_size, units_per_request=units_per_request, num_ctas=num_ctas,
                             item_overhead=cost.item_overhead_tokens, min_split=cost.min_split_tokens,
                             tile=cost.tile_tokens, round=cost.round_tokens, min_cta_tokens=cost.min_cta_tokens,
                             cluster_snap=cost.cluster_snap_tokens, chunk=chunk, token_requests=token_requests,
-                            **buffers)
+                            head_major=int(head_major), **buffers)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class HostTables:
 
 def plan_tables_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int, units_per_request: int,
                      topology: Topology, cost: DecodeCost, clusters: Sequence[tuple[int, int]] = (),
-                     chunk_tokens: int = 0, token_requests: int = 1) -> HostTables:
+                     chunk_tokens: int = 0, token_requests: int = 1, head_major: bool = False) -> HostTables:
     """Run the planner on a raw page table (kv_indptr [B + 1], kv_last_page_len [B], already validated:
     meld.ops.page_table). Arguments otherwise as `plan_decode_host`."""
     W, limit = topology.num_ctas, DecodePlanKernelConfig().max_ctas
@@ -65,9 +67,9 @@ def plan_tables_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size
         raise ValueError(f"kv_indptr has {len(indptr)} entries and kv_last_page_len {len(last)}: expected B + 1 and B")
     kv_len, page_base, slot_base = np.zeros((3, B * token_requests), dtype=np.int32)
     cta = np.zeros((len(CTA_FIELDS), W), dtype=np.int32)
-    line = np.zeros(B * token_requests + 1, dtype=np.int64)
+    line = np.zeros(B * token_requests * (units_per_request if head_major else 1) + 1, dtype=np.int64)
     rows = cluster_rows(clusters) if any(size > 1 for size, _ in clusters) else None
-    p = plan_params(cost, page_size, units_per_request, W, chunk_tokens, token_requests, batch=B,
+    p = plan_params(cost, page_size, units_per_request, W, chunk_tokens, token_requests, head_major, batch=B,
                     kv_indptr=indptr.ctypes.data,
                     last_page_len=last.ctypes.data, kv_len=kv_len.ctypes.data, page_base=page_base.ctypes.data,
                     cta_table=cta.ctypes.data, line=line.ctypes.data, slot_base=slot_base.ctypes.data,
@@ -80,13 +82,14 @@ def plan_tables_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size
 
 def plan_decode_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int, num_kv_heads: int,
                      group_size: int, topology: Topology, cost: DecodeCost = DecodeCost(), heads_per_item: int = 8,
-                     clusters: Sequence[tuple[int, int]] = (), chunk_tokens: int = 0, token_requests: int = 1
-                     ) -> Schedule:
+                     clusters: Sequence[tuple[int, int]] = (), chunk_tokens: int = 0, token_requests: int = 1,
+                     head_major: bool = False) -> Schedule:
     """The `Schedule` of one batch from its raw page table, as the GPU planner makes it: the same
     arguments as `plan_decode`, but the page table (kv_indptr, kv_last_page_len, page_size) in place of
     kv_len and page_base. The page table is validated (meld.ops.page_table: a ValueError naming the entry).
     token_requests n > 1 plans request b as requests b * n + t of n - 1 - t keys fewer (its new token t, as
-    the planner built with token requests does: DecodeMLA's multi-token decode)."""
+    the planner built with token requests does: DecodeMLA's multi-token decode). head_major orders the units head
+    block by head block (templates/decode_plan.h; the Schedule's `head_major`)."""
     from ..ops.checks import check_positive, is_int
     from ..ops.page_table import check_page_table
     from .decode_plan import check_plan_shape
@@ -105,7 +108,8 @@ def plan_decode_host(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size
     if not is_int(token_requests) or token_requests < 1:
         raise ValueError(f"token_requests must be an int >= 1, got {token_requests!r}")
     t = plan_tables_host(kv_indptr, last_page_len, page_size, units, topology, cost, clusters, chunk_tokens,
-                         int(token_requests))
+                         int(token_requests), head_major)
     meta = {"active_ctas": t.active_ctas, "item_overhead_tokens": cost.item_overhead_tokens}
     meta.update({"chunk_tokens": chunk_tokens} if chunk_tokens else {"cluster_snap_tokens": t.cluster_snap})
-    return Schedule(num_kv_heads, group_size, heads_per_item, t.kv_len, t.page_base, t.cta, meta, chunk_tokens)
+    return Schedule(num_kv_heads, group_size, heads_per_item, t.kv_len, t.page_base, t.cta, meta, chunk_tokens,
+                    head_major)

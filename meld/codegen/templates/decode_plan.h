@@ -15,6 +15,12 @@
 // lengths and page bases as any request's, and the neighbours on the line read the same KV (from L2 after the
 // first). Built without it the planner is what it was (token_requests is then 1 at compile time).
 //
+// With p.head_major (DecodeMLA: a request's 64-head units read the same KV), the line holds every planned
+// request's first unit, then every request's second, and so on: entry e is unit e, of planned request e % S
+// (S planned requests) and head block e / S. With equal halves (two head blocks), CTA c and CTA c + W / 2 then
+// cut the same tokens of a request at the same time, and read each KV block from DRAM once between them (L2
+// serves the other); units side by side on the line would put both on one CTA, one after the other.
+//
 // Defined by the including source: PLAN_THREADS, PLAN_TOKEN_REQUESTS, struct PlanParams, CtaRow and store_ctarow.
 
 namespace meld {
@@ -75,15 +81,19 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
   long long* moved = smem64;
   int* cut = reinterpret_cast<int*>(smem64 + p.num_ctas + 1);
   const int tr = PLAN_TOKEN_REQUESTS ? p.token_requests : 1;   // planned requests per page-table request
-  const int tid = threadIdx.x, B = p.batch * tr, W = p.num_ctas, nh = p.units_per_request;
+  const bool hm = p.head_major != 0;
+  const int S = p.batch * tr;                    // planned requests
+  const int tid = threadIdx.x, B = hm ? S * p.units_per_request : S, W = p.num_ctas, nh = hm ? 1 : p.units_per_request;
   const int U = B * nh, o = p.item_overhead, ms = p.min_split, tile = p.tile, chunk = p.chunk;
+  // B line entries of nh units each: requests (nh = units per request), or head-major units (nh = 1)
+  auto len_of = [&](int b) { return p.kv_len[hm ? b % S : b]; };
   int* cut_u = cut;
   int* cut_s = cut + W;
   int* first = cut + 2 * W;
   int* last = cut + 3 * W;
   long long* R = p.line;
 
-  // 1. Lengths, and the line: request b occupies [R[b], R[b+1]) with width nh * (len + overhead) (chunks:
+  // 1. Lengths, and the line: entry b occupies [R[b], R[b+1]) with width nh * (len + overhead) (chunks:
   //    nh * (len + overhead * pieces), and slot_base[b] = the pieces of the split requests before it).
   auto pieces = [&](long long len) { return max(1ll, (len + chunk - 1) / chunk); };
   long long carry = 0, slots = 0;
@@ -91,12 +101,15 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
     const int b = base + tid;
     long long v = 0, w = 0;
     if (b < B) {
-      const int r = b / tr, hidden = tr - 1 - b % tr;   // its page-table request, and the keys its token does not see
+      const int q = hm ? b % S : b;                      // its planned request
+      const int r = q / tr, hidden = tr - 1 - q % tr;    // its page-table request, and the keys its token does not see
       const int pages = p.kv_indptr[r + 1] - p.kv_indptr[r];
       const int full = pages > 0 ? (pages - 1) * p.page_size + p.last_page_len[r] : 0;
       const int len = hidden ? max(0, full - hidden) : full;
-      p.kv_len[b] = len;
-      p.page_base[b] = p.kv_indptr[r];
+      if (b < S) {
+        p.kv_len[b] = len;
+        p.page_base[b] = p.kv_indptr[r];
+      }
       const long long n = chunk ? pieces(len) : 1;
       v = (long long)nh * (len + o * n);
       w = n > 1 ? nh * n : 0;
@@ -107,7 +120,7 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
     carry += block_total;
     if (chunk) {
       const long long sw = block_scan(w, Add(), tot64, block_total);
-      if (b < B) p.slot_base[b] = (int)(slots + sw - w);
+      if (b < S) p.slot_base[b] = (int)(slots + sw - w);   // (chunked plans are never head-major)
       slots += block_total;
     }
   }
@@ -136,7 +149,7 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
     for (int base = 0; base < B; base += PT) {
       const int b = base + tid;
       long long block_total;
-      block_scan(b < B ? nh * round_pieces(p.kv_len[b]) : 0ll, Add(), tot64, block_total);
+      block_scan(b < B ? nh * round_pieces(len_of(b)) : 0ll, Add(), tot64, block_total);
       pieces_all += block_total;
     }
     per_round = 0 < pieces_all && pieces_all <= W;
@@ -144,7 +157,7 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
       carry = 0;
       for (int base = 0; base < B; base += PT) {
         const int b = base + tid;
-        const long long v = b < B ? nh * round_pieces(p.kv_len[b]) : 0ll;
+        const long long v = b < B ? nh * round_pieces(len_of(b)) : 0ll;
         long long block_total;
         const long long incl = block_scan(v, Add(), tot64, block_total);
         if (b < B) R[b + 1] = carry + incl;
@@ -164,7 +177,7 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
   };
   auto cut_at = [&](int c, long long x) {
     const int b = request_at(x);
-    const long long wb = (long long)p.kv_len[b] + o, n = wb - o;
+    const long long wb = (long long)len_of(b) + o, n = wb - o;
     const long long r = x - R[b];
     const long long hb = r / wb;
     const long long pos = r - hb * wb - o;       // token position in the unit (< 0: in its overhead)
@@ -187,7 +200,7 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
 
   auto cut_chunk = [&](int c, long long x) {     // decode_plan.py's _cut_chunks
     const int b = request_at(x);
-    const long long n = pieces(p.kv_len[b]), wb = p.kv_len[b] + o * n;
+    const long long n = pieces(len_of(b)), wb = len_of(b) + o * n;
     const long long r0 = x - R[b];
     const long long hb = r0 / wb, r = r0 - hb * wb, step = chunk + o;
     const long long k = min((r + step / 2) / step, n - 1);
@@ -223,7 +236,7 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
       const int size = cl_end[c] - c, before = cl_end[c - 1] - cl_first[c - 1];
       if (max(size, before) < 2) continue;
       const int b = request_at(x);
-      const long long wb = (long long)p.kv_len[b] + o;
+      const long long wb = (long long)len_of(b) + o;
       const long long start = R[b] + (x - R[b]) / wb * wb;
       const long long near = x - start <= start + wb - x ? start : start + wb;
       // ... and never past the neighbouring cluster boundaries' own targets: rounding to the nearest unit
@@ -259,7 +272,7 @@ __device__ __forceinline__ PlanOutcome plan_tables(const PlanParams& p) {
   if (per_round) {
     for (int c = 1 + tid; c < active; c += PT) {
       const int b = request_at(c);
-      const long long n = round_pieces(p.kv_len[b]), r = c - R[b], hb = r / n, k = r - hb * n;
+      const long long n = round_pieces(len_of(b)), r = c - R[b], hb = r / n, k = r - hb * n;
       cut_u[c] = b * nh + (int)hb;
       cut_s[c] = k == 0 ? 0 : (int)(lo + (k - 1) * grain);
     }

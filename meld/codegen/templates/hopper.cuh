@@ -12,6 +12,22 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, in
                ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// An L2 eviction policy for a stream read once from DRAM and soon after from L2 by at most a neighbour: its lines
+// go first when L2 needs room (createpolicy's evict_first over the whole access).
+__device__ __forceinline__ unsigned long long l2_evict_first() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// tma_load_2d under an L2 cache policy (l2_evict_first).
+__device__ __forceinline__ void tma_load_2d_hint(u32 dst, const void* map, int c0, int c1, u32 bar,
+                                                 unsigned long long policy) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1, {%2, %3}], [%4], %5;"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar), "l"(policy) : "memory");
+}
+
 // A contiguous run of `bytes` (a multiple of 16, both ends 16-byte aligned) into this CTA's shared memory;
 // its bytes complete on `bar`.
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {

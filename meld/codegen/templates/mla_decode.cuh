@@ -133,7 +133,13 @@ __device__ __forceinline__ WaitSite mla_site(const MlaParams& p, int site, int c
   return WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, site, cta, (int)(threadIdx.x >> 5), unit, detail};
 }
 
-// The units of a segment in order, with each one's piece (what every role walks).
+struct MlaUnit { int req, h0, rows; };   // a unit's planned request (its q and out row) and q heads
+
+// The units of a segment in order, with each one's piece (what every role walks). DecodeMLA plans head-major
+// (decode_plan.h): unit u is q heads 64 (u / planned) on of planned request u % planned, so that the CTAs that
+// cut one request's two halves at the same tokens read its KV blocks together; `planned` is the plan's units
+// (the last CTA row's u_end, written by the planner) over the units a request has, read where it is needed
+// (held in a register across the roles' loops, it made the seesaw build spill).
 struct UnitWalk {
   const MlaParams& p;
   Segment g;
@@ -141,7 +147,14 @@ struct UnitWalk {
   __device__ UnitWalk(const MlaParams& p_, int cta_) : p(p_), g(load_segment(p_.cta_table, p_.num_ctas, cta_)), cta(cta_) {}
   __device__ int first() const { return g.empty ? 0 : g.u_begin; }
   __device__ int last() const { return g.empty ? -1 : g.u_last; }
-  __device__ int req(int u) const { return u / p.units_per_request; }
+  __device__ int planned() const {   // (a plan with units has a request)
+    return max(1, p.cta_table[CTAROW_U_END * p.num_ctas + p.num_ctas - 1] / p.units_per_request);
+  }
+  __device__ int req(int u) const { return u % planned(); }
+  __device__ MlaUnit unit(int u) const {
+    const int n = planned(), h0 = u / n * HB;
+    return MlaUnit{u % n, h0, min(HB, p.num_heads - h0)};
+  }
   __device__ Piece piece(int u) const { return segment_piece(g, u, cta, p.kv_len[req(u)]); }
   __device__ static int blocks(const Piece& x) { return (x.end - x.begin + BLK - 1) / BLK; }
 };
@@ -150,6 +163,8 @@ struct UnitWalk {
 // chunks (box_rows rows each) that hold them; rows past them keep stale bytes, masked by the consumers. The
 // seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land.
 __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, const Bars& b) {
+  const unsigned long long policy = l2_evict_first();   // (the other head block's CTA reads the same KV from L2
+                                                        //  at about the same time; nothing reads it later)
   int stage = 0;
   u32 phase = 0;
   const int R = p.box_rows;
@@ -167,8 +182,8 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
           const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
 #pragma unroll
           for (int k = 0; k < DC / 128; ++k)
-            tma_load_2d(dst + k * RAW_LAT + c * R * 128, &p.ckv_map, 128 * k, row, full);
-          tma_load_2d(dst + (DC / 128) * RAW_LAT + c * R * 64, &p.kpe_map, 0, row, full);
+            tma_load_2d_hint(dst + k * RAW_LAT + c * R * 128, &p.ckv_map, 128 * k, row, full, policy);
+          tma_load_2d_hint(dst + (DC / 128) * RAW_LAT + c * R * 64, &p.kpe_map, 0, row, full, policy);
         }
         if (++stage == RAW_STAGES_) { stage = 0; phase ^= 1u; }
         continue;
@@ -186,8 +201,9 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
         const int row = p.kv_indices[base + pg] * p.page_size + (tok - pg * p.page_size);
 #pragma unroll
         for (int k = 0; k < NBOX - 1; ++k)
-          tma_load_2d(dst + k * BOX + c * R * 128, &p.ckv_map, 64 * k, row, full + BOX_BAR * k);
-        tma_load_2d(dst + (NBOX - 1) * BOX + c * R * 128, &p.kpe_map, 0, row, full + BOX_BAR * (NBOX - 1));
+          tma_load_2d_hint(dst + k * BOX + c * R * 128, &p.ckv_map, 64 * k, row, full + BOX_BAR * k, policy);
+        tma_load_2d_hint(dst + (NBOX - 1) * BOX + c * R * 128, &p.kpe_map, 0, row, full + BOX_BAR * (NBOX - 1),
+                         policy);
       }
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
@@ -202,7 +218,8 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
   u32 phase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     if (UnitWalk::blocks(w.piece(u)) == 0) continue;
-    const int req = w.req(u), h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
+    const MlaUnit un = w.unit(u);
+    const int req = un.req, h0 = un.h0, rows = un.rows;
     mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
     // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build)
 #pragma unroll (SEESAW ? 1 : 4)
@@ -329,8 +346,8 @@ __device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int la
 
 // Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
 // shared memory), then the output (whole unit) or this piece's partial. `l`, `m`: the thread's two rows'.
-__device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece& x, float (&o)[OACC], const float (&l)[2],
-                                          const float (&m)[2], Stats& sx, int g, int warp, int lane) {
+__device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un, const Piece& x, float (&o)[OACC],
+                                          const float (&l)[2], const float (&m)[2], Stats& sx, int g, int warp, int lane) {
   float bad[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < OACC; ++i) bad[(i >> 1) & 1] += o[i] - o[i];
@@ -345,7 +362,7 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece
   for (int h = 0; h < 2; ++h) lrow[h] = l[h] + sx.bad[0][acc_row(lane, warp, h)] + sx.bad[1][acc_row(lane, warp, h)];
   named_barrier(2, 256);   // both have read sx.bad (every lane, before any diverges): the next unit's may
                            // overwrite it
-  const int req = u / p.units_per_request, h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
+  const int req = un.req, h0 = un.h0, rows = un.rows;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = acc_row(lane, warp, h);
@@ -372,7 +389,8 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const Piece
 
 // Both consumer warpgroups (256 threads, ct 0..255) after storing a split piece's partial: count its arrival;
 // parts 0 .. S - 1 wait for every part and merge their slice of the channels, in part order (module comment).
-__device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const Piece& x, int cta, int ct) {
+__device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, int cta,
+                                           int ct) {
   __threadfence();   // this piece's partial before its count
   named_barrier(2, 256);
   const int n = x.num_parts, k = x.slot - x.parts_begin;
@@ -383,7 +401,7 @@ __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const Piec
   if (k >= slices) return;
   if (ct == 0) event_wait(reinterpret_cast<const int*>(counter), n, mla_site(p, 21, cta, u, n));
   named_barrier(2, 256);
-  const int req = u / p.units_per_request, h0 = (u - req * p.units_per_request) * HB, rows = min(HB, p.num_heads - h0);
+  const int req = un.req, h0 = un.h0, rows = un.rows;
   const int width = DC / slices, c0 = k * width, q4 = width / 4, outs = rows * q4;
   for (int i0 = ct; i0 < outs; i0 += 256 * MERGE_OUTS) {   // MERGE_OUTS groups of four outputs a thread
     int r[MERGE_OUTS], c[MERGE_OUTS];
@@ -546,11 +564,11 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       l[0] = quad_sum(l[0]);
       l[1] = quad_sum(l[1]);
     }
-    mla_store(p, u, x, o, l, m, sx, 0, warp, lane);
+    mla_store(p, w.unit(u), x, o, l, m, sx, 0, warp, lane);
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
-      mla_arrive(p, u, x, w.cta, ct);
+      mla_arrive(p, u, w.unit(u), x, w.cta, ct);
       prof.record(t1, PROF_MERGE_HBM, u);
     }
   }
@@ -582,8 +600,8 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
       if (j < nb - 1) named_barrier(P_EMPTY, 256);   // (the unit's last: mla_store's barriers order it)
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
-    mla_store(p, u, x, o, l, m, sx, 1, warp, lane);
-    if (x.slot >= 0) mla_arrive(p, u, x, w.cta, ct + 128);
+    mla_store(p, w.unit(u), x, o, l, m, sx, 1, warp, lane);
+    if (x.slot >= 0) mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128);
   }
 }
 
@@ -694,11 +712,11 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     named_barrier(2, 256);
     l[0] = sx.l[0][r0] + sx.l[1][r0];
     l[1] = sx.l[0][r1] + sx.l[1][r1];
-    mla_store(p, u, x, o, l, m, sx.base, G, warp, lane);   // (its barriers: sx.l read before it is written again)
+    mla_store(p, w.unit(u), x, o, l, m, sx.base, G, warp, lane);   // (its barriers: sx.l read before it is written again)
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
-      mla_arrive(p, u, x, w.cta, ct + 128 * G);
+      mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G);
       prof.record(t1, PROF_MERGE_HBM, u);
     }
   }
