@@ -73,12 +73,14 @@ constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbar
 
 // MLA_KV_FP8 builds read an e4m3 latent cache (the split schedule; 32-token blocks): the TMA copies each block's
 // bytes, one a value, into a ring of RAW_STAGES staging stages of its own (4 latent boxes of 128 channels, 128-byte
-// swizzle, and the rope box of 64 channels, 64-byte swizzle); warps 2-3 convert each to bf16 (exact: every e4m3
-// value is a bf16, NaN stays NaN) into the ring stage the bf16 build's TMA fills, in its layout, and arrive on its
-// full mbarrier (one arrival a thread), so the consumers run the bf16 build's code. Warp 1 alone loads Q. The
-// per-tensor scale kv_scale multiplies the scores (folded into sm_scale_log2 on the host: lse includes it) and
-// each piece's normalised output (p.v_scale: a merge is a convex combination of pieces), as decode_attention.cuh's
-// MELD_KV_FP8 does.
+// swizzle, and the rope box of 64 channels, 64-byte swizzle); warps 2-3 and warpgroup 2 convert each to bf16 (exact:
+// every e4m3 value is a bf16, NaN stays NaN) into the ring stage the bf16 build's TMA fills, in its layout, and
+// arrive on its full mbarrier (one arrival a thread), so the consumers run the bf16 build's code. Warpgroup 2 waits
+// for each block's P most of the time (its P.V is a quarter of a block's tensor work): it converts its share of
+// block g + 1 between its P.V of block g - 1 and its wait for block g's P, while warpgroup 1 scores block g.
+// Warp 1 alone loads Q. The per-tensor scale kv_scale multiplies the scores (folded into sm_scale_log2 on the
+// host: lse includes it) and each piece's normalised output (p.v_scale: a merge is a convex combination of
+// pieces), as decode_attention.cuh's MELD_KV_FP8 does.
 #ifdef MLA_KV_FP8
 constexpr bool KV_FP8 = true;
 constexpr int RAW_STAGES_ = RAW_STAGES;
@@ -90,7 +92,7 @@ constexpr int RAW_LAT = BLK * 128;             // a staged latent box: BLK rows 
 constexpr int RAW_ROPE = BLK * 64;             // the staged rope box: BLK rows of 64
 constexpr int RAW_BYTES = (DC / 128) * RAW_LAT + RAW_ROPE;
 constexpr int Q_LOADERS = KV_FP8 ? 32 : 96;    // threads that load Q (warps 1-3; FP8: warp 1)
-constexpr int CONVERTERS = 64;                 // FP8: warps 2-3
+constexpr int CONVERTERS = 64 + 128;           // FP8: warps 2-3 (threads 0-63 of the conversion), warpgroup 2 (64-191)
 static_assert(!(KV_FP8 && SEESAW), "FP8 caches run the split schedule");
 
 // Shared memory: Q, the ring, P (the seesaw keeps each block's P in its stage), then the rows' statistics and
@@ -237,56 +239,63 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
   }
 }
 
-// FP8 builds, warps 2-3: each block of the segment from the staging ring into the ring stage as bf16 (module
-// comment). A 16-byte chunk of the staging stage (found by its swizzled place: consecutive threads read
-// consecutive chunks) holds 16 channels of one token row; they become two 16-byte chunks of the stage's row.
-// Staged rows past the block's tokens are converted too (stale bytes, masked by the consumers as in the bf16
-// build).
-__device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 ring, const Bars& b) {
-  const int t = threadIdx.x - 64;
-  int stage = 0, rs = 0;
-  u32 phase = 0, rphase = 0;
-  for (int u = w.first(); u <= w.last(); ++u) {
-    const Piece x = w.piece(u);
-    for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
-      mbar_wait(b.raw_full(rs), rphase, mla_site(p, 7, w.cta, u, rs));
-      mbar_wait(b.empty + 8 * stage, phase ^ 1u, mla_site(p, 5, w.cta, u, stage));
-      const u32 src = raw + rs * RAW_BYTES, dst = ring + stage * STAGE_BYTES;
+// FP8 builds: block g of the segment (every unit's blocks in turn) from the staging ring into its ring stage as
+// bf16, the share of conversion thread t (0 .. CONVERTERS - 1: warps 2-3, then warpgroup 2). A 16-byte chunk of
+// the staging stage (found by its swizzled place: consecutive threads read consecutive chunks) holds 16 channels
+// of one token row; they become two 16-byte chunks of the stage's row. Staged rows past the block's tokens are
+// converted too (stale bytes, masked by the consumers as in the bf16 build). `u`: the block's unit (for the
+// watchdog).
+__device__ void mla_convert_block(const MlaParams& p, int cta, u32 raw, u32 ring, const Bars& b, int g, int u, int t) {
+  const int rs = g % RAW_STAGES_, stage = g % STAGES;
+  const u32 rphase = (u32)(g / RAW_STAGES_) & 1u, phase = (u32)(g / STAGES) & 1u;
+  mbar_wait(b.raw_full(rs), rphase, mla_site(p, 7, cta, u, rs));
+  mbar_wait(b.empty + 8 * stage, phase ^ 1u, mla_site(p, 5, cta, u, stage));
+  const u32 src = raw + rs * RAW_BYTES, dst = ring + stage * STAGE_BYTES;
 #pragma unroll 2
-      for (int i = t; i < RAW_BYTES / 16; i += CONVERTERS) {
-        const int off = 16 * i;
-        int row, ch;   // the chunk's token row and first channel (of 576)
-        if (off < (DC / 128) * RAW_LAT) {   // a latent box: 128-byte rows, chunk c at c ^ (row % 8)
-          const int box = off / RAW_LAT, o = off - box * RAW_LAT;
-          row = o >> 7;
-          ch = 128 * box + 16 * (((o >> 4) & 7) ^ (row & 7));
-        } else {                            // the rope box: 64-byte rows, chunk c at c ^ (row / 2 % 4)
-          const int o = off - (DC / 128) * RAW_LAT;
-          row = o >> 6;
-          ch = DC + 16 * (((o >> 4) & 3) ^ ((row >> 1) & 3));
-        }
-        const uint4 v = ld_shared_v4(src + off);
-        u32 r[8];
-        e4m3x4_to_f16(v.x, r[0], r[1]);
-        e4m3x4_to_f16(v.y, r[2], r[3]);
-        e4m3x4_to_f16(v.z, r[4], r[5]);
-        e4m3x4_to_f16(v.w, r[6], r[7]);
-#pragma unroll
-        for (int k = 0; k < 8; k += 2) f16x4_to_mma(r[k], r[k + 1]);
-        const int c8 = (ch & 63) >> 3;      // the first bf16 chunk of the 64-channel box ch / 64
-        const u32 row_addr = dst + (ch >> 6) * BOX + row * 128;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + ((c8 ^ (row & 7)) << 4)),
-                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + (((c8 + 1) ^ (row & 7)) << 4)),
-                     "r"(r[4]), "r"(r[5]), "r"(r[6]), "r"(r[7]) : "memory");
-      }
-      fence_proxy_async();   // the stores before the wgmmas (async proxy) read them
-      mbar_arrive(b.full + 8 * stage);
-      mbar_arrive(b.raw_empty(rs));
-      if (++rs == RAW_STAGES_) { rs = 0; rphase ^= 1u; }
-      if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+  for (int i = t; i < RAW_BYTES / 16; i += CONVERTERS) {
+    const int off = 16 * i;
+    int row, ch;   // the chunk's token row and first channel (of 576)
+    if (off < (DC / 128) * RAW_LAT) {   // a latent box: 128-byte rows, chunk c at c ^ (row % 8)
+      const int box = off / RAW_LAT, o = off - box * RAW_LAT;
+      row = o >> 7;
+      ch = 128 * box + 16 * (((o >> 4) & 7) ^ (row & 7));
+    } else {                            // the rope box: 64-byte rows, chunk c at c ^ (row / 2 % 4)
+      const int o = off - (DC / 128) * RAW_LAT;
+      row = o >> 6;
+      ch = DC + 16 * (((o >> 4) & 3) ^ ((row >> 1) & 3));
     }
+    const uint4 v = ld_shared_v4(src + off);
+    u32 r[8];
+    e4m3x4_to_f16(v.x, r[0], r[1]);
+    e4m3x4_to_f16(v.y, r[2], r[3]);
+    e4m3x4_to_f16(v.z, r[4], r[5]);
+    e4m3x4_to_f16(v.w, r[6], r[7]);
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) f16x4_to_mma(r[k], r[k + 1]);
+    const int c8 = (ch & 63) >> 3;      // the first bf16 chunk of the 64-channel box ch / 64
+    const u32 row_addr = dst + (ch >> 6) * BOX + row * 128;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + ((c8 ^ (row & 7)) << 4)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + (((c8 + 1) ^ (row & 7)) << 4)),
+                 "r"(r[4]), "r"(r[5]), "r"(r[6]), "r"(r[7]) : "memory");
   }
+  fence_proxy_async();   // the stores before the wgmmas (async proxy) read them
+  mbar_arrive(b.full + 8 * stage);
+  mbar_arrive(b.raw_empty(rs));
+}
+
+// The first unit from `u` on with a block to compute (w.last() + 1: none).
+__device__ __forceinline__ int unit_with_blocks(const UnitWalk& w, int u) {
+  while (u <= w.last() && UnitWalk::blocks(w.piece(u)) == 0) ++u;
+  return u;
+}
+
+// FP8 builds, warps 2-3: their share of every block of the segment, in order.
+__device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 ring, const Bars& b) {
+  int g = 0;
+  for (int u = w.first(); u <= w.last(); ++u)
+    for (int j = UnitWalk::blocks(w.piece(u)); j > 0; --j, ++g)
+      mla_convert_block(p, w.cta, raw, ring, b, g, u, threadIdx.x - 64);
 }
 
 // Row r of a thread's m64nN accumulators (register i): 16 (warp % 4) + lane / 4 + 8 ((i / 2) % 2); column
@@ -574,11 +583,19 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
   }
 }
 
-// Warpgroup 2: O's channels 256-511 from warpgroup 1's P; then the unit's end with it.
-__device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 pbuf, Stats& sx, const Bars& b) {
+// Warpgroup 2: O's channels 256-511 from warpgroup 1's P; then the unit's end with it. FP8 builds: before it
+// waits for block g's P, its share of block g + 1's conversion (and of block 0's first). Deadlock-free: that
+// conversion waits for the TMA and for block g - 1's stage (STAGES = 2), which both warpgroups give back after
+// their P.V of g - 1; warpgroup 1's does not wait for this warpgroup past block g - 1's P, and block g, which
+// warpgroup 1 scores meanwhile, was converted before block g - 1's P.
+__device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 pbuf, Stats& sx, const Bars& b,
+                          u32 raw) {
   const int ct = threadIdx.x - 256, warp = ct >> 5, lane = ct & 31;
   int stage = 0;
   u32 phase = 0;
+  int g = 0;   // the segment's block this warpgroup takes next
+  if (KV_FP8 && unit_with_blocks(w, w.first()) <= w.last())
+    mla_convert_block(p, w.cta, raw, ring, b, 0, unit_with_blocks(w, w.first()), 64 + ct);
   for (int u = w.first(); u <= w.last(); ++u) {
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
@@ -586,7 +603,11 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
 #pragma unroll
     for (int i = 0; i < OACC; ++i) o[i] = 0.f;
     float l[2] = {0.f, 0.f}, m[2] = {neg_inf(), neg_inf()};
-    for (int j = 0; j < nb; ++j) {
+    for (int j = 0; j < nb; ++j, ++g) {
+      if (KV_FP8) {   // block g + 1: the unit's next, or the first of a later unit's
+        const int next = j + 1 < nb ? u : unit_with_blocks(w, u + 1);
+        if (next <= w.last()) mla_convert_block(p, w.cta, raw, ring, b, g + 1, next, 64 + ct);
+      }
       mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));   // (the TMA bytes, visible here)
       named_barrier(P_FULL, 256);
       const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
@@ -796,7 +817,7 @@ struct MlaFamily {
       score_role(p, w, s);
     } else {
       regs_alloc<208>();
-      mla_value(p, w, s.base + OFF_RING, s.base + OFF_P, s.sx, s.b);
+      mla_value(p, w, s.base + OFF_RING, s.base + OFF_P, s.sx, s.b, s.base + OFF_RAW);
     }
   }
 };
