@@ -60,7 +60,7 @@ def test_proxy_lands_puts_and_signals_while_the_launching_thread_holds_the_gil(o
     src[SLOT:].zero_()
     dst = torch.full((nbytes,), 7, dtype=torch.uint8, device=dev)
     dst[SLOT:].zero_()
-    window = types.SimpleNamespace(local=src, rank=0, world=2, ptrs=[src.data_ptr(), dst.data_ptr()])
+    window = types.SimpleNamespace(local=src, rank=0, world=2, ptrs=[src.data_ptr(), dst.data_ptr()], engine="cuda")
     proxy = GpuProxy(window, ordered=ordered, chunk_bytes=1000, capacity=16, seed=3)   # a small ring: it wraps
     try:
         from meld.runtime.driver import Kernel
@@ -96,7 +96,7 @@ def test_a_proxy_dropped_without_close_stops_its_thread():
 
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = torch.zeros(4096, dtype=torch.uint8, device=dev)
-    window = types.SimpleNamespace(local=buf, rank=0, world=1, ptrs=[buf.data_ptr()])
+    window = types.SimpleNamespace(local=buf, rank=0, world=1, ptrs=[buf.data_ptr()], engine="cuda")
     proxy = GpuProxy(window)
     stopped = proxy._stop
     alive = weakref.ref(proxy)
