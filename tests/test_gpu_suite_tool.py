@@ -64,3 +64,38 @@ def test_main_reports_every_test_and_fails_on_a_failure(tmp_path, monkeypatch, c
     monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids[:3], ""), suite.ALONE: ([], "")})
     assert suite.main(["--workers", "2", "--out", str(tmp_path / "out2")]) == 0
     assert "PASS -- 3 collected, 2 passed, 0 failed, 1 skipped" in capsys.readouterr().out
+
+
+def test_a_worker_killed_at_the_budget_still_reports_what_it_ran(tmp_path, monkeypatch, capsys):
+    """The budget ends inside a test: the suite fails, names that test, and still counts the tests the worker had
+    reported (-v lines) before it: a pass, a failure by its id, and the tests that never ran."""
+    f = tmp_path / "test_slow_stand_in.py"
+    f.write_text(textwrap.dedent("""\
+        import time
+        def test_ok(): pass
+        def test_bad(): assert False
+        def test_slow(): time.sleep(120)
+        def test_never(): pass
+        """))
+    ids = [f"{f}::test_ok", f"{f}::test_bad", f"{f}::test_slow", f"{f}::test_never"]
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids, ""), suite.ALONE: ([], "")})
+    rc = suite.main(["--workers", "1", "--budget", "12", "--out", str(tmp_path / "out"),
+                     "--durations", str(tmp_path / "none.json")])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "killed at the budget in " in out and "test_slow" in out.split("killed at the budget in ")[1].split()[0]
+    assert "FAILED " in out and "test_bad (message lost" in out
+    assert "2 collected tests did not report" in out
+    assert "FAIL -- 4 collected, 1 passed, 1 failed, 0 skipped" in out
+
+
+def test_pytest_counts_come_from_the_verbose_lines_only_without_a_summary():
+    from sanitize import parse_pytest
+
+    killed = "t.py::a PASSED [ 25%]\nt.py::b FAILED [ 50%]\nt.py::c SKIPPED (x) [ 75%]\nt.py::d\n"
+    c = parse_pytest(killed)
+    assert (c.passed, c.failed, c.skipped, c.failed_ids, c.last_started, c.summary_line) == (
+        1, 1, 1, ["t.py::b"], "t.py::d", None)
+    done = killed + "FAILED t.py::b - assert 0\n==== 1 failed, 3 passed, 1 skipped in 2.00s ====\n"
+    c = parse_pytest(done)
+    assert (c.passed, c.failed, c.skipped, c.failed_ids) == (3, 1, 1, ["t.py::b"]), "the summary's counts win"

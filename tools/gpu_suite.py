@@ -15,7 +15,8 @@ bound that time-slicing with the other workers' kernels broke (6.2 s against 3.2
 the DeepSeek serving test held ~75 GB, 2026-12-03).
 
 Exit 0 only when every collected test ran and none failed or errored; a worker still running when the
---budget ends is killed (its process group) and the test it was in is named. Skips are counted and their
+--budget ends is killed (its process group) and the test it was in is named, and what it had reported before
+(its -v lines) still counts: the tests it passed, the ids of those it failed, how many never ran. Skips are counted and their
 reasons listed (on one GPU the two-GPU tests skip, saying so), so a skip is never silent.
 
 Why not pytest-xdist alone: its scheduling knows nothing of durations, and a few two-rank tests take minutes
@@ -165,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
             skips[reason] = skips.get(reason, 0) + n
         if w.timed_out:
             problems.append(f"worker {w.index} killed at the budget" + (f" in {c.last_started}" if c.last_started else ""))
+            if c.summary_line is None:   # (its -v lines: the failures' ids, their messages lost with the summary)
+                problems += [f"FAILED {i} (message lost: worker {w.index} was killed before its summary)"
+                             for i in c.failed_ids]
         elif c.summary_line is None:
             problems.append(f"worker {w.index} printed no pytest summary (exit {w.rc}; {w.out})")
         # pytest's short summary line of each failure (-rfE): its id and the first line of its message, which
         # is all that reaches the caller when the device returns only a few of the workers' logs
         problems += [line[:600] for line in text.splitlines() if re.match(r"^(FAILED|ERROR) \S+::", line)]
     ran = passed + failed + skipped + xfailed
-    if ran != len(ids) and not problems:
+    if ran < len(ids):   # (a test that fails and then errors in its teardown counts twice)
         problems.append(f"{len(ids) - ran} collected tests did not report")
     if passed == 0:
         problems.append("no test passed (is the GPU visible?)")

@@ -219,8 +219,15 @@ class PytestCounts:
     last_started: str | None = None     # with -v: the test a killed shard was running
 
 
+_OUTCOME = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors", "XFAIL": "xfailed",
+            "XPASS": "xpassed"}
+
+
 def parse_pytest(text: str) -> PytestCounts:
+    """The counts of pytest's summary line; a run killed before it (no summary) counts what its -v lines report,
+    so a partial run still says what passed and which tests failed (their messages are in the lost summary)."""
     c = PytestCounts()
+    outcomes: dict[str, str] = {}
     for line in text.splitlines():
         if re.search(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s", line):
             c.summary_line = line.strip("= ")
@@ -228,10 +235,17 @@ def parse_pytest(text: str) -> PytestCounts:
             c.failed_ids.append(m.group(2))
         if m := re.match(r"^(\S+::.*?)(?:\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b.*)?\s*$", line):
             c.last_started = None if m.group(2) else m.group(1)
+            if m.group(2):
+                outcomes[m.group(1)] = m.group(2)
     if c.summary_line:
         for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", c.summary_line):
             key = "errors" if word.startswith("error") else word
             setattr(c, key, int(n))
+    else:
+        for test, word in outcomes.items():
+            setattr(c, _OUTCOME[word], getattr(c, _OUTCOME[word]) + 1)
+            if word in ("FAILED", "ERROR") and test not in c.failed_ids:
+                c.failed_ids.append(test)
     return c
 
 
