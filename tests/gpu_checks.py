@@ -10,10 +10,10 @@ from meld.scheduler import plan_decode
 from meld.workloads import lengths, paged
 
 
-def assert_gpu_plan_matches_host(attn):
-    """The GPU planner wrote exactly the tables of the host planner (`schedule`: the same source run as one
-    thread), and those are the NumPy oracle's (meld.scheduler.plan_decode; a head-major schedule's are its plan
-    of the requests repeated once per head block, as tests/test_decode_plan_host.py checks on the CPU)."""
+def assert_plan_matches_oracle(attn):
+    """The host planner's tables (`schedule`) are the NumPy oracle's (meld.scheduler.plan_decode; a head-major
+    schedule's are its plan of the requests repeated once per head block, as tests/test_decode_plan_host.py checks
+    on random plans). Runs on the CPU too (tests/test_mla_cpu.py), so a wrong oracle call fails there first."""
     s = attn.schedule.validate()
     if s.head_major:   # DecodeMLA's: the oracle's plan of the requests repeated, one unit each
         U = s.units_per_request
@@ -23,6 +23,13 @@ def assert_gpu_plan_matches_host(attn):
         oracle = plan_decode(s.kv_len, s.page_base, attn.num_kv_heads, attn.planned_group_size, attn.topology,
                              attn.cost, attn.heads_per_unit, attn._plan_clusters, attn._chunk)
     assert np.array_equal(oracle.cta, s.cta) and oracle.meta == s.meta, "host planner and NumPy oracle disagree"
+    return s
+
+
+def assert_gpu_plan_matches_host(attn):
+    """The GPU planner wrote exactly the tables of the host planner (`schedule`: the same source run as one
+    thread), and those are the NumPy oracle's (assert_plan_matches_oracle)."""
+    s = assert_plan_matches_oracle(attn)
     t = attn.tables
     W = attn.topology.num_ctas
     B = len(s.kv_len)

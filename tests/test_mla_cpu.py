@@ -89,6 +89,20 @@ def test_cpu_executor_matches_float64(lens, H, P):
     assert (lse.double() - ref_lse)[finite].abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("dist", ["uniform2k", "skewed", "one-long"])
+def test_the_gpu_tests_plan_check_holds_on_the_host_plan(dist, q_len):
+    """tests/gpu_checks.py's oracle comparison (what every MLA GPU test asserts first) on the host planner's
+    plan: head-major schedules against the oracle's plan of the requests repeated (it once compared them with the
+    request-major plan, and every MLA GPU test failed)."""
+    from tests.gpu_checks import assert_plan_matches_oracle
+
+    pb = paged(lengths(dist, 16), 64)
+    mla = meld.DecodeMLA(128, 64, torch.bfloat16, "cpu", sm_scale=SCALE, q_len=q_len)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    assert assert_plan_matches_oracle(mla).head_major
+
+
 def test_schedule_cuts_whole_blocks_and_covers_every_token():
     """The shared planner on the MLA unit: one unit per request and 64 heads, every cut inside a unit on a
     64-token block, every token of every unit in exactly one piece, split units' slots distinct."""
