@@ -8,10 +8,10 @@ timer (CUDA-graph replay median, cold L2).
 
     git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
     PYTHONPATH=$PWD python3 bench/mla_ab.py --base .ab/base [--batches 16 64 128] [--dists skewed] [--json F]
-                                            [--kv-dtype fp8] [--schedule seesaw]
+                                            [--kv-dtype fp8] [--schedule seesaw] [--block-tokens 32]
 
 `--kv-dtype fp8` times the e4m3 build (`DecodeMLA(kv_dtype=torch.float8_e4m3fn)`) on bench/mla.py's FP8 inputs,
-checked against float64 over the dequantised cache. `--schedule seesaw` times the seesaw build on both sides.
+checked against float64 over the dequantised cache. `--schedule seesaw` times the seesaw build on both sides, `--block-tokens 32` the bf16 build of 32-token blocks.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ worker_tree_first(REPO)
 
 
 def worker(batches: list[int], dists: list[str], check: bool, seed: int, kv_dtype: str = "bf16",
-           schedule: str = "split") -> dict[str, dict[str, float]]:
+           schedule: str = "split", block_tokens: int = 0) -> dict[str, dict[str, float]]:
     """Time the meld on the path on bench/mla.py's cases (µs, graph replay median)."""
     import torch
 
@@ -39,7 +39,7 @@ def worker(batches: list[int], dists: list[str], check: bool, seed: int, kv_dtyp
     for b in batches:
         for dist in dists:
             inp = make_inputs(Case(b, dist), seed, kv_dtype=kv_dtype)
-            impl = build_meld(inp, schedule=schedule, fp8=kv_dtype == "fp8")
+            impl = build_meld(inp, schedule=schedule, fp8=kv_dtype == "fp8", block_tokens=block_tokens or None)
             if check:
                 _, _, problems = check_impl(impl, reference(inp))
                 if problems:
@@ -60,17 +60,20 @@ def main() -> int:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="fp8: the e4m3 build (module doc)")
     p.add_argument("--schedule", choices=("split", "seesaw"), default="split",
                    help="the build both sides time (MlaKernelConfig(schedule=...))")
+    p.add_argument("--block-tokens", type=int, choices=(0, 32, 64), default=0,
+                   help="the bf16 build's KV block on both sides (0: its default)")
     add_tree_arguments(p)
     args = p.parse_args()
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed, args.kv_dtype,
-                                                    args.schedule)))
+                                                    args.schedule, args.block_tokens)))
         return 0
     sides = {"base": args.base, "new": REPO}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
         sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
         "--batches", *map(str, args.batches), "--dists", *args.dists,
-        "--seed", str(args.seed), "--kv-dtype", args.kv_dtype, "--schedule", args.schedule, "--out", out,
+        "--seed", str(args.seed), "--kv-dtype", args.kv_dtype, "--schedule", args.schedule,
+        "--block-tokens", str(args.block_tokens), "--out", out,
         *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1
