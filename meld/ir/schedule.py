@@ -39,6 +39,13 @@ _KEYS = ("num_kv_heads", "group_size", "heads_per_item", "kv_len", "page_base", 
 _OPTIONAL = ("chunk_tokens", "head_major")
 
 
+def unit_request(unit, requests: int, units_per_request: int, head_major: bool):
+    """(request, index of the unit within its request) of a unit number or an array of them. Head-major plans
+    number a request's units `requests` apart (unit = index * requests + request), so that the CTAs running one
+    request's head blocks read its KV together; the others number them request by request."""
+    return (unit % requests, unit // requests) if head_major else (unit // units_per_request, unit % units_per_request)
+
+
 def segment_header(cta: np.ndarray) -> np.ndarray:
     """The task-header rows (kind, cta, slot, event_first, event_count: meld/ir/work_table.py) of the
     segments in `cta`'s first rows: a segment's slots are derived (unit + cta), and the events it may arrive
@@ -102,8 +109,7 @@ class Schedule:
 
     def unit_request(self, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(request, unit index within its request) of each unit."""
-        B, nh = len(self.kv_len), self.units_per_request
-        return (unit % B, unit // B) if self.head_major else (unit // nh, unit % nh)
+        return unit_request(unit, len(self.kv_len), self.units_per_request, self.head_major)
 
     @property
     def chunks(self) -> np.ndarray:

@@ -22,6 +22,7 @@ import torch
 
 from .. import config
 from ..ir import Schedule
+from ..ir.schedule import unit_request
 from ..runtime import host_helper, torch_fastcall
 from ..scheduler import Topology
 from ..scheduler.decode_plan_host import plan_params
@@ -92,7 +93,7 @@ class UnitNames:
             return f"unit {unit!r} is out of range: the plans so far have {have}"
         try:
             if self.units_per_request:
-                hb, req = divmod(int(unit), self.requests)
+                req, hb = unit_request(int(unit), self.requests, self.units_per_request, True)
                 return self.describe(req * self.units_per_request + hb)
             return self.describe(int(unit))
         except Exception as e:   # (a describe that fails must not hide the report it is part of)

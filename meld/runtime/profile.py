@@ -25,6 +25,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from .. import jsonfile
+from ..ir.schedule import unit_request
 
 # Task kinds of every operator's kernels (a record's kind is its index here): decode attention's, then
 # the fused MoE's. Generated kernels take their ids from this tuple (codegen passes them in).
@@ -151,10 +152,7 @@ class Trace:
             return task.kind
         if task.kind in MOE_KINDS:   # MoE tiles are named by their ticket in the launch
             return f"{task.kind} ticket {task.unit}"
-        if self.requests:
-            hb, request = divmod(task.unit, self.requests)
-        else:
-            request, hb = divmod(task.unit, self.units_per_request)
+        request, hb = unit_request(task.unit, self.requests, self.units_per_request, bool(self.requests))
         kv, block = divmod(hb, self.head_blocks)
         return f"{task.kind} r{request} kv{kv}" + (f" hb{block}" if self.head_blocks > 1 else "")
 
