@@ -3,6 +3,7 @@ the `perf` and `full_matrix` markers (off unless asked for with `-m perf`, `-m f
 compile cache for the run; the `fp8_math` fixture, which runs an FP8 GPU test on bf16-math builds too."""
 import os
 import random
+import re
 import shutil
 import tempfile
 
@@ -68,6 +69,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="performance test: run with -m perf"))
         if "full_matrix" in item.keywords and not full_asked:
             item.add_marker(pytest.mark.skip(reason="a case the pairwise default leaves out: run with -m full_matrix"))
+
+
+# CUDA errors after which the process's context is lost: every later CUDA call in it fails the same way, so one
+# crashed kernel would fail every test after it in the process. The run stops at that test instead (pytest's
+# "Interrupted: sticky CUDA error ..."), and tools/gpu_suite.py (which looks for those words) runs the rest in
+# a fresh process.
+_STICKY_CUDA = re.compile(r"unspecified launch failure|illegal memory access|an illegal instruction|misaligned "
+                          r"address|device-side assert|hardware stack error|CUDA error: unknown error")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and call.excinfo is not None and _STICKY_CUDA.search(str(call.excinfo.value)):
+        item.session.shouldstop = f"sticky CUDA error in {item.nodeid}: this process's CUDA context is lost"
 
 
 @pytest.fixture(autouse=True)

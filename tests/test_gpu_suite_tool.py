@@ -89,6 +89,28 @@ def test_a_worker_killed_at_the_budget_still_reports_what_it_ran(tmp_path, monke
     assert "FAIL -- 4 collected, 1 passed, 1 failed, 0 skipped" in out
 
 
+def test_a_sticky_cuda_error_stops_its_worker_and_the_rest_go_on_in_a_fresh_one(tmp_path, monkeypatch, capsys):
+    """A test that loses its process's CUDA context (here a stand-in raising torch's message) stops its worker
+    (tests/conftest.py's hook); the tests it had not reached run in a new worker and count, instead of failing
+    one after another in the lost process."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_makereport  # noqa: F401\n")
+    f = tmp_path / "test_crash_stand_in.py"
+    f.write_text(textwrap.dedent("""\
+        def test_ok(): pass
+        def test_crash(): raise RuntimeError("CUDA error: unspecified launch failure")
+        def test_after(): pass
+        def test_later(): assert 1 + 1 == 2
+        """))
+    ids = [f"{f}::test_ok", f"{f}::test_crash", f"{f}::test_after", f"{f}::test_later"]
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids, ""), suite.ALONE: ([], "")})
+    rc = suite.main(["--workers", "1", "--out", str(tmp_path / "out"), "--durations", str(tmp_path / "none.json")])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "stopped at a sticky CUDA error in " in out and "its 2 remaining tests go on in worker 1" in out
+    assert "FAIL -- 4 collected, 3 passed, 1 failed, 0 skipped" in out
+    assert "did not report" not in out
+
+
 def test_pytest_counts_come_from_the_verbose_lines_only_without_a_summary():
     from sanitize import parse_pytest
 
@@ -96,6 +118,7 @@ def test_pytest_counts_come_from_the_verbose_lines_only_without_a_summary():
     c = parse_pytest(killed)
     assert (c.passed, c.failed, c.skipped, c.failed_ids, c.last_started, c.summary_line) == (
         1, 1, 1, ["t.py::b"], "t.py::d", None)
+    assert c.reported == ["t.py::a", "t.py::b", "t.py::c"]
     done = killed + "FAILED t.py::b - assert 0\n==== 1 failed, 3 passed, 1 skipped in 2.00s ====\n"
     c = parse_pytest(done)
     assert (c.passed, c.failed, c.skipped, c.failed_ids) == (3, 1, 1, ["t.py::b"]), "the summary's counts win"

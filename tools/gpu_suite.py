@@ -19,6 +19,10 @@ Exit 0 only when every collected test ran and none failed or errored; a worker s
 (its -v lines) still counts: the tests it passed, the ids of those it failed, how many never ran. Skips are counted and their
 reasons listed (on one GPU the two-GPU tests skip, saying so), so a skip is never silent.
 
+A test that leaves its process's CUDA context lost (a crashed kernel: "unspecified launch failure", an illegal
+address) would fail every test after it in that worker; tests/conftest.py stops the worker there ("sticky CUDA
+error"), and the tests it had not reached go on in a fresh worker process, within the budget.
+
 Why not pytest-xdist alone: its scheduling knows nothing of durations, and a few two-rank tests take minutes
 while most take seconds; dealt by measured seconds, those start first and the workers end together.
 """
@@ -93,9 +97,21 @@ def parse_skips(text: str) -> dict[str, int]:
     return out
 
 
-def run(workers: list[Worker], extra: list[str], outdir: Path, budget: float) -> None:
+STICKY_STOP = "sticky CUDA error"   # (tests/conftest.py's stop reason)
+
+
+def _file_and_test(node_id: str) -> str:
+    """A node id as the file's name and the test (-v lines print paths relative to pytest's rootdir)."""
+    path, _, test = node_id.partition("::")
+    return f"{Path(path).name}::{test}"
+
+
+def run(pool: list[Worker], todo: list[Worker], extra: list[str], outdir: Path, budget: float) -> None:
+    """Runs `todo` (workers of `pool`) to their ends or the budget's; a worker stopped by a sticky CUDA error
+    hands the tests it had not reached to a new worker, appended to `pool`."""
     procs = {}
-    for w in workers:
+
+    def start(w: Worker) -> None:
         w.out = str(outdir / f"worker{w.index}.out")
         fh = open(w.out, "w")   # noqa: SIM115 -- the worker's stdout; closed when it ends
         cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "--durations=0",
@@ -105,8 +121,11 @@ def run(workers: list[Worker], extra: list[str], outdir: Path, budget: float) ->
         fh.flush()
         procs[w.index] = (subprocess.Popen(cmd, cwd=ROOT, env={**child_env(None), "COLUMNS": "400"}, stdout=fh,
                                            stderr=subprocess.STDOUT, start_new_session=True), fh, time.monotonic())
+
+    for w in todo:
+        start(w)
     deadline = time.monotonic() + budget
-    by_index = {w.index: w for w in workers}
+    by_index = {w.index: w for w in pool}
     while procs:
         time.sleep(0.5)
         for k, (p, fh, t0) in list(procs.items()):
@@ -119,9 +138,19 @@ def run(workers: list[Worker], extra: list[str], outdir: Path, budget: float) ->
             fh.close()
             w.rc, w.wall_s = p.returncode, time.monotonic() - t0
             del procs[k]
-            summary = parse_pytest(Path(w.out).read_text(errors="replace")).summary_line
+            text = Path(w.out).read_text(errors="replace")
+            c = parse_pytest(text)
             print(f"worker {k}: {len(w.ids)} tests, {w.wall_s:.0f} s (expected {w.expected_s:.0f} s)"
-                  f"{', timed out' if w.timed_out else ''}: {summary or 'no pytest summary'}", flush=True)
+                  f"{', timed out' if w.timed_out else ''}: {c.summary_line or 'no pytest summary'}", flush=True)
+            done = {_file_and_test(i) for i in c.reported}
+            rest = [i for i in w.ids if _file_and_test(i) not in done]
+            if STICKY_STOP in text and 0 < len(rest) < len(w.ids) and not w.timed_out and time.monotonic() < deadline:
+                nw = Worker(len(pool), rest, w.expected_s * len(rest) / len(w.ids))
+                pool.append(nw)
+                by_index[nw.index] = nw
+                print(f"worker {k}: stopped at a {STICKY_STOP} in {c.failed_ids[-1] if c.failed_ids else '?'}; "
+                      f"its {len(rest)} remaining tests go on in worker {nw.index}", flush=True)
+                start(nw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds = json.loads(args.durations.read_text()) if args.durations.is_file() else {}
     workers = deal_lpt(shared, seconds, args.workers) if shared else []
     print(f"gpu suite: {len(ids)} tests on {len(workers)} workers, then {len(alone)} alone ...", flush=True)
-    run(workers, extra, outdir, args.budget - (time.monotonic() - t0))
+    run(workers, list(workers), extra, outdir, args.budget - (time.monotonic() - t0))
     if alone:   # (after the others: the GPU to themselves)
         workers.append(Worker(len(workers), alone, sum(seconds.get(i, 1.0) for i in alone)))
-        run(workers[-1:], extra, outdir, args.budget - (time.monotonic() - t0))
+        run(workers, workers[-1:], extra, outdir, args.budget - (time.monotonic() - t0))
     passed = failed = skipped = xfailed = 0
     problems, skips, measured = [], {}, {}
     for w in workers:
