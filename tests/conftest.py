@@ -74,7 +74,7 @@ def pytest_collection_modifyitems(config, items):
 # CUDA errors after which the process's context is lost: every later CUDA call in it fails the same way, so one
 # crashed kernel would fail every test after it in the process. The run stops at that test instead (pytest's
 # "Interrupted: sticky CUDA error ..."), and tools/gpu_suite.py (which looks for those words) runs the rest in
-# a fresh process.
+# a fresh process. (Not in pytest-xdist's workers, whose controller would stop every worker.)
 _STICKY_CUDA = re.compile(r"unspecified launch failure|illegal memory access|an illegal instruction|misaligned "
                           r"address|device-side assert|hardware stack error|CUDA error: unknown error")
 
@@ -82,7 +82,8 @@ _STICKY_CUDA = re.compile(r"unspecified launch failure|illegal memory access|an 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
-    if report.failed and call.excinfo is not None and _STICKY_CUDA.search(str(call.excinfo.value)):
+    if (report.failed and call.excinfo is not None and not hasattr(item.config, "workerinput")
+            and _STICKY_CUDA.search(str(call.excinfo.value))):
         item.session.shouldstop = f"sticky CUDA error in {item.nodeid}: this process's CUDA context is lost"
 
 
