@@ -1,6 +1,7 @@
 """Test setup: fixed seeds, the `gpu` marker (skipped with a reason where no Hopper GPU is present),
 the `perf` and `full_matrix` markers (off unless asked for with `-m perf`, `-m full_matrix`), and one
-compile cache for the run; the `fp8_math` fixture, which runs an FP8 GPU test on bf16-math builds too."""
+compile cache for the run; the `fp8_math` fixture, which runs an FP8 GPU test on bf16-math builds too; and a
+stop at the first test that loses the process's CUDA context (below)."""
 import os
 import random
 import re

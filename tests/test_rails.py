@@ -191,7 +191,7 @@ def test_expert_parallel_moe_over_a_broken_relay_is_caught():
     # Whether a rank reads before the overtaken rows land depends on the threads' timing. Ordered delivery over
     # rails slower than NVLink (the relay holds the rows when the count reaches it) made it certain in every run
     # measured: 32 of 32 with four processes at once on a 2-core host (2026-12-05); unordered over the plain
-    # topology it missed 5 of 32 there. Up to eight runs are still tried for two catches.
+    # topology it missed 4 of 32 there. Up to eight runs are still tried for two catches.
     for seed in range(8):
         if caught >= 2:
             break

@@ -217,7 +217,7 @@ class PytestCounts:
     summary_line: str | None = None
     failed_ids: list[str] = field(default_factory=list)
     last_started: str | None = None     # with -v: the test a killed shard was running
-    reported: list[str] = field(default_factory=list)   # with -v: every test with an outcome, in order
+    reported: list[str] = field(default_factory=list)   # with -v: every test with an outcome, in first-report order
 
 
 _OUTCOME = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors", "XFAIL": "xfailed",
@@ -238,7 +238,7 @@ def parse_pytest(text: str) -> PytestCounts:
             c.last_started = None if m.group(2) else m.group(1)
             if m.group(2):
                 outcomes[m.group(1)] = m.group(2)
-                c.reported.append(m.group(1))
+    c.reported = list(outcomes)
     if c.summary_line:
         for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)", c.summary_line):
             key = "errors" if word.startswith("error") else word
