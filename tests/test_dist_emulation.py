@@ -3,12 +3,14 @@ cross-rank operators over emulated ranks (sequence-parallel decode, the row-para
 all-reduce, expert-parallel MoE). Under random landing order and delays each result equals the
 single-rank execution bit for bit and loses nothing; a transport that lets a count overtake its data is
 caught."""
+import time
+
 import numpy as np
 import pytest
 import torch
 
-from meld.distributed import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, seq_parallel_decode,
-                       shard_batch)
+from meld.distributed import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, run_ranks,
+                              seq_parallel_decode, shard_batch)
 from meld.distributed.transport import FakeClock
 from meld.runtime.reference import attention_reference, merge_partials
 from meld.workloads import paged
@@ -94,6 +96,44 @@ def test_a_stuck_operation_names_itself():
     with pytest.raises(TimeoutError, match="rank 1: 1 operations did not land"):
         tr.quiet(1)
 
+
+
+def test_an_observer_sees_every_state_and_a_waits_condition_raises_in_its_rank():
+    """observe: the condition runs right after each landing, whatever the threads' timing, so a counter that 50
+    signals raise one at a time is seen at every value 0..50 (a condition evaluated when its thread wakes would
+    skip values the proxy landed meanwhile). wait_for: what the condition raises is raised in the waiting rank,
+    and the proxy goes on landing."""
+    tr = _transport(2, seed=1, max_delay=1e-5)
+    n = tr.window("n", (1,), np.int64, 0)
+    seen: list[int] = []
+
+    def count() -> bool:
+        if not seen or seen[-1] != int(n[1][0]):
+            seen.append(int(n[1][0]))
+        return seen[-1] == 50
+    try:
+        tr.observe(count)
+        for _ in range(50):
+            tr.signal(0, 1, "n", 0, 1)
+        tr.quiet(0)
+        assert seen == list(range(51))
+        raised = []
+
+        def rank(r: int) -> None:
+            if r == 0:   # (after rank 1 waits, in practice: its condition then raises in the proxy's thread)
+                time.sleep(0.05)
+                tr.signal(0, 1, "n", 0, 1)
+                return
+            try:
+                tr.wait_for(1, lambda: None if n[1][0] < 51 else 1 // 0, "a condition that raises")
+            except ZeroDivisionError as e:
+                raised.append(e)
+        run_ranks(2, rank)
+        assert len(raised) == 1
+        tr.signal(0, 1, "n", 0, 1)
+        assert tr.wait_for(1, lambda: int(n[1][0]) if n[1][0] == 52 else None, "the 52nd signal") == 52
+    finally:
+        tr.close()
 
 # --- sequence-parallel decode ------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [2, 3])
