@@ -12,8 +12,9 @@ rank `src` issues towards a rank `dst`:
                                             signal); lands behind the puts before it, as a fetch-add does
     get(src, dst, window, index)            a copy of dst's window[index] (a remote read)
     quiet(src)                              returns once everything src issued has landed
-    wait_for(src, ready, what)              blocks until ready() (run under the lock after each change)
-                                            returns something; observe(seen) runs seen() so without blocking
+    wait_for(src, ready, what)              blocks until ready(), run under the lock after each landing and
+                                            issue, returns something other than None
+    observe(seen)                           runs seen() the same way, without blocking, until it returns True
 
 Each rank writes its operations as fixed-size records (`COMMAND`, 48 bytes) into its own `CommandRing`; a
 host proxy thread takes them, cuts every put into network chunks of `chunk` elements (whatever the size
