@@ -3,7 +3,7 @@ cross-rank operators over emulated ranks (sequence-parallel decode, the row-para
 all-reduce, expert-parallel MoE). Under random landing order and delays each result equals the
 single-rank execution bit for bit and loses nothing; a transport that lets a count overtake its data is
 caught."""
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -117,15 +117,19 @@ def test_an_observer_sees_every_state_and_a_waits_condition_raises_in_its_rank()
             tr.signal(0, 1, "n", 0, 1)
         tr.quiet(0)
         assert seen == list(range(51))
-        raised = []
+        raised, waiting = [], threading.Event()
+
+        def ready():   # (first run in rank 1's thread as it starts waiting; it raises in the proxy's, at signal 51)
+            waiting.set()
+            return None if n[1][0] < 51 else 1 // 0
 
         def rank(r: int) -> None:
-            if r == 0:   # (after rank 1 waits, in practice: its condition then raises in the proxy's thread)
-                time.sleep(0.05)
+            if r == 0:   # (only once rank 1 waits: the landing, and so the raise, is the proxy thread's)
+                waiting.wait()
                 tr.signal(0, 1, "n", 0, 1)
                 return
             try:
-                tr.wait_for(1, lambda: None if n[1][0] < 51 else 1 // 0, "a condition that raises")
+                tr.wait_for(1, ready, "a condition that raises")
             except ZeroDivisionError as e:
                 raised.append(e)
         run_ranks(2, rank)
