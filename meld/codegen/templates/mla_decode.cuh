@@ -531,11 +531,82 @@ __device__ __forceinline__ void unit_start(float (&o)[OACC], float (&l)[2], floa
   m[0] = m[1] = neg_inf();
 }
 
-// Warpgroup 1: scores, online softmax and P, O's channels 0-255; then the unit's end with warpgroup 2. Once
-// block j's P is published, its P.V and block j + 1's scores go to the tensor cores together, the P.V first:
-// with two stages, the stage of block j must go back as soon as it can, since block j + 2 loads into it
-// (scores first left the load of each block exposed, waiting for its stage: bench/RESULTS.md, "MLA decode
-// attention", and "Figures moved from code comments").
+// One block of the score warpgroup's loop (mla_score): s holds block j's raw scores; on return, block j + 1's
+// (NEXT_AHEAD, NEXT_AFTER). Block j's softmax, then its P.V from P in registers right away, and P's publication
+// for warpgroup 2 under it (a branch while a wgmma is in flight would serialise them: the publication is
+// straight-line, its stores predicated). Block j + 1's scores go to the tensor cores before the softmax (into s2,
+// running under it: where the registers allow, 32-token blocks) or after the publication.
+constexpr int NEXT_NONE = 0, NEXT_AFTER = 1, NEXT_AHEAD = 2;
+constexpr int NEXT_MODE = BLK == 32 ? NEXT_AHEAD : NEXT_AFTER;   // (64-token blocks spilled 160 B with s2)
+template <int NEXT>
+__device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& w, int u, const Piece& x, int j,
+                                            u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b, int& stage,
+                                            u32& phase, float (&o)[OACC], float (&s)[SACC], float (&l)[2],
+                                            float (&m)[2]) {
+  const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
+  const int valid = min(BLK, x.end - x.begin - j * BLK);
+  const u32 st = ring + stage * STAGE_BYTES;
+  const int ns = stage + 1 == STAGES ? 0 : stage + 1;
+  const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
+  float s2[SACC], a[2];   // (NEXT_AHEAD's)
+  if constexpr (NEXT == NEXT_AHEAD) {
+    mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+    wgmma_fence();
+    mla_issue_scores(s2, qbuf, ring + ns * STAGE_BYTES);
+  }
+  mla_softmax(s, valid, p.sm_scale_log2, m, l, a, lane);
+  zero_tail(st, valid, ct);
+  rescale(o, a[0], a[1]);
+  u32 pa[BLK / 16][4];
+  p_fragments(s, pa);
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);
+  fence_proxy_async();   // the zeroed rows before the wgmmas read them: every warp's (a partial block)
+  named_barrier_if(valid < BLK, ZERO_BAR, 128);
+  fence_regs(o);
+  wgmma_fence();
+  mla_issue_pv_regs(o, pa, st, 0);
+  named_barrier_if(j > 0, P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
+  store_p(pbuf, s, lane, warp);   // (from s: P's registers may not be read while the P.V is in flight)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float lt = quad_sum(l[h]);
+    const int r = acc_row(lane, warp, h);
+    st_shared_if((lane & 3) == 0, &sx.alpha[r], a[h]);
+    st_shared_if((lane & 3) == 0 && NEXT == NEXT_NONE, &sx.l[r], lt);
+    st_shared_if((lane & 3) == 0 && NEXT == NEXT_NONE, &sx.m[r], m[h]);
+  }
+  fence_proxy_async();   // P before warpgroup 2's wgmmas read it
+  named_barrier(P_FULL, 256);
+  if (NEXT == NEXT_NONE && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed;
+                                                                 // the loaders wait for all four warps
+  if constexpr (NEXT == NEXT_AFTER) {
+    mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+    wgmma_fence();
+    mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
+    wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
+  } else {
+    wgmma_wait<0>();   // this block's P.V (and block j + 1's scores, committed before it)
+  }
+  fence_regs(o);
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);   // (P's registers held until the P.V is done)
+  if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+  if constexpr (NEXT == NEXT_AFTER) {
+    wgmma_wait<0>();
+    fence_regs(s);
+  }
+  if constexpr (NEXT == NEXT_AHEAD) {
+    fence_regs(s2);
+#pragma unroll
+    for (int i = 0; i < SACC; ++i) s[i] = s2[i];
+  }
+  stage = ns;
+  phase = nphase;
+}
+
+// Warpgroup 1: scores, online softmax and P, O's channels 0-255, a block at a time (score_block); then the unit's
+// end with warpgroup 2.
 __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b,
                           Profiler& prof) {
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
@@ -545,7 +616,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
-    float o[OACC], s[SACC], a[2], l[2], m[2];
+    float o[OACC], s[SACC], l[2], m[2];
     unit_start(o, l, m);
     if (nb > 0) {   // the first block's scores
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
@@ -555,64 +626,10 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES);
       wgmma_wait<0>();
       fence_regs(s);
-      mla_softmax(s, min(BLK, x.end - x.begin), p.sm_scale_log2, m, l, a, lane);
     }
-    for (int j = 0; j < nb; ++j) {   // s holds block j's P, a its rescale
-      const int valid = min(BLK, x.end - x.begin - j * BLK);
-      const u32 st = ring + stage * STAGE_BYTES;
-      const bool last = j == nb - 1;
-      zero_tail(st, valid, ct);
-      rescale(o, a[0], a[1]);
-      u32 pa[BLK / 16][4];
-      p_fragments(s, pa);
-#pragma unroll
-      for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);
-      fence_proxy_async();   // the zeroed rows before the wgmmas read them: every warp's (a partial block)
-      named_barrier_if(valid < BLK, ZERO_BAR, 128);
-      // This warpgroup's P.V from P in registers goes to the tensor cores first, then P's publication for
-      // warpgroup 2 runs under it (it ran before it: the tensor cores idled through the stores and the barrier).
-      // The publication is straight-line code (its stores predicated): a wgmma in flight across a branch
-      // would serialise them all.
-      fence_regs(o);
-      wgmma_fence();
-      mla_issue_pv_regs(o, pa, st, 0);
-      named_barrier_if(j > 0, P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
-      store_p(pbuf, s, lane, warp);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float lt = quad_sum(l[h]);
-        const int r = acc_row(lane, warp, h);
-        st_shared_if((lane & 3) == 0, &sx.alpha[r], a[h]);
-        st_shared_if((lane & 3) == 0 && last, &sx.l[r], lt);
-        st_shared_if((lane & 3) == 0 && last, &sx.m[r], m[h]);
-      }
-      fence_proxy_async();   // P before warpgroup 2's wgmmas read it
-      named_barrier(P_FULL, 256);
-      const int ns = stage + 1 == STAGES ? 0 : stage + 1;
-      const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
-      if (!last) {   // (each branch waits for the P.V: the wgmma in flight above is issued before the branch)
-        mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
-        wgmma_fence();
-        mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
-        wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
-        fence_regs(o);
-#pragma unroll
-        for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);   // (P's registers held until the P.V is done)
-        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
-        wgmma_wait<0>();
-        fence_regs(s);
-        mla_softmax(s, min(BLK, x.end - x.begin - (j + 1) * BLK), p.sm_scale_log2, m, l, a, lane);
-      } else {
-        if (lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed (waited for
-                                                  // above); the loaders wait for all four warps
-        wgmma_wait<0>();
-        fence_regs(o);
-#pragma unroll
-        for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);
-        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
-      }
-      stage = ns;
-      phase = nphase;
+    for (int j = 0; j < nb; ++j) {   // s holds block j's raw scores (each branch a whole fence .. wait)
+      if (j < nb - 1) score_block<NEXT_MODE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m);
+      else score_block<NEXT_NONE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m);
     }
     if (nb > 0) {
       l[0] = quad_sum(l[0]);
