@@ -537,7 +537,10 @@ __device__ __forceinline__ void unit_start(float (&o)[OACC], float (&l)[2], floa
 // straight-line, its stores predicated). Block j + 1's scores go to the tensor cores before the softmax (into s2,
 // running under it: where the registers allow, 32-token blocks) or after the publication.
 constexpr int NEXT_NONE = 0, NEXT_AFTER = 1, NEXT_AHEAD = 2;
-constexpr int NEXT_MODE = BLK == 32 ? NEXT_AHEAD : NEXT_AFTER;   // (64-token blocks spilled 160 B with s2)
+// 64-token blocks spilled 160 B with s2. FP8 builds: block j + 1's scores wait for its conversion, whose share by
+// warpgroup 2 comes after warpgroup 2's sync on P_EMPTY for block j - 1, which the score warpgroup reaches only
+// after that wait: a cycle (H200, 2026-12-05: every FP8 MLA test died, `unspecified launch failure`).
+constexpr int NEXT_MODE = BLK == 32 && !KV_FP8 ? NEXT_AHEAD : NEXT_AFTER;
 template <int NEXT>
 __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& w, int u, const Piece& x, int j,
                                             u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b, int& stage,
