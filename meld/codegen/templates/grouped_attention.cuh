@@ -39,17 +39,21 @@
 //
 // Inside a CTA every wait is a __syncthreads that every thread reaches (all walk the same task list, and every
 // loop bound a barrier sits in is the CTA's: chunks of a task, its events), or a warp's own cp.async.wait_group
-// and __syncwarp. Shared memory (the warp build; the cta build has only the CTA ring, the stashes over it):
-//   [0, WRING_BYTES)        the warps' rings (split tasks), overlaid by the CTA ring (tasks of more rows);
-//   [STASH_OFFSET, ...)     the split tasks' stashes: past the warps' rings, since a warp's copies for the next
-//                           split task may land while the CTA merges this one's stashes.
+// and __syncwarp. Shared memory (the warp build; the cta build has only the CTA ring):
+//   [0, WRING_BYTES)        the warps' rings (split tasks), overlaid by the CTA ring (tasks of more rows).
+// A split task's stashes (each warp's 16 rows of O, GT x GD floats: a warp ring stage's bytes) lie in the warp
+// build in the stage of each warp's ring that its next issue will fill: the one it read last, which holds no
+// live tile and has no copy in flight, so a warp's copies for the next split task land beside its stash while
+// the CTA merges; in the cta build warp w's at w x STASH_BYTES of the drained CTA ring. The rows' m and l are in
+// static shared memory.
 // The two rings never hold live data at once: a warp's cursor stops at a task of more rows, so when the CTA
 // reaches one every tile a warp issued has been waited for and read (the split task's stash barriers order
 // those reads before the CTA ring's first copy), and the CTA ring ends drained behind a barrier (wait_group 0,
 // __syncthreads) before a split task primes the warps' rings again. A warp's ring stage is rewritten only by
 // that warp, after its __syncwarp following the wait for the stage's previous tile, which every lane has then
-// read (the ldmatrix of the step before); the stashes are rewritten only after the barrier that ends the
-// merge that read them.
+// read (the ldmatrix of the step before); a stash is written after its warp's __syncwarp following its last
+// step (every lane has read that stage) and rewritten (by the warp's next copy, or stash) only after the barrier
+// that ends the merge that read it.
 //
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
@@ -90,10 +94,13 @@ constexpr int WSTAGES = WARP_STAGES;            // tiles a warp's ring holds
 constexpr int TILE_BYTES = GT * GD * 2;         // one tile of K (or V)
 constexpr int WSTAGE_BYTES = 2 * TILE_BYTES;
 constexpr int WRING_BYTES = WARP_STREAM ? SWARPS * WSTAGES * WSTAGE_BYTES : 0;
-constexpr int STASH_OFFSET = WRING_BYTES;
+constexpr int STASH_BYTES = GT * GD * 4;         // a warp's stash of O: its 16 rows, float
+static_assert(STASH_BYTES == WSTAGE_BYTES, "a stash fills one stage of a warp's ring");
 constexpr int RPP = 32 / CPR;                    // token rows a warp's cp.async pass covers
 constexpr int PASSES = GT / RPP;
 static_assert(SWARPS >= 1 && SWARPS <= GWARPS && WSTAGES >= 2, "a warp ring needs two stages");
+static_assert(WRING_BYTES <= SMEM_BYTES && (WARP_STREAM || GWARPS * STASH_BYTES <= GSTAGES * STAGE_BYTES),
+              "the warps' rings (the cta build: the stashes) must fit");
 static_assert(CPR <= 32 && 32 % CPR == 0, "a token row's chunks fit a warp's lanes");
 #ifndef MELD_PREFIX_WGMMA
 #define MELD_PREFIX_WGMMA 0
@@ -153,6 +160,17 @@ __device__ __forceinline__ void load_q_rows(const GroupedParams& p, int kv_head,
       qf[k][h + 2] = q ? *reinterpret_cast<const u32*>(q + k * 16 + 8 + 2 * t) : 0u;
     }
   }
+}
+
+// Task i's row, and Q's A fragments of this warp's rows of it (a split task's 16; a task of more rows, the warp's
+// block). LOAD_AHEAD: loaded while the task before ends (its stashes, merge and stores), so the two dependent L2
+// round trips at a task's start overlap work (head_dim 256 has no registers to hold Q across that end).
+constexpr bool LOAD_AHEAD = GD <= 128;
+__device__ __forceinline__ void load_task(const GroupedParams& p, int i, int batch, int warp, SplitTask& tk,
+                                          u32 (&qf)[GKSTEPS][4], int lane) {
+  tk = load_splittask(p.tasks, p.task_capacity, i);
+  const int rows = tk.event_count * p.group_size;
+  load_q_rows(p, tk.kv_head, tk.event_first - tk.kv_head * batch, rows <= GT ? 0 : warp * GT, rows, qf, lane);
 }
 
 // The page of token `pos` of a piece (-1 at or past `end`) and its place in the page: looked up here, first used by
@@ -327,33 +345,32 @@ __device__ __forceinline__ void store_rows(const GroupedParams& p, const SplitTa
 }
 
 // Tasks of at most 16 rows (a request's own suffix: one request's q heads) leave the CTA's other warps no
-// rows: the warps split the piece's tiles instead and merge their states through shared memory, from
-// STASH_OFFSET (rows padded by 4 floats: fewer bank conflicts).
-struct WarpStash {
-  float o[GT][GD + 4];   // O, unnormalised
-  float m[GT], l[GT];
+// rows: the warps split the piece's tiles instead and merge their states through shared memory: each warp's O
+// in a stash of STASH_BYTES (where: the comment at the top), 8-float groups of row r XOR-swizzled by r & 7 so
+// that a warp's stores of its rows g and g + 8 hit every bank evenly; its m and l in StashRows.
+struct StashRows {
+  float m[GWARPS][GT], l[GWARPS][GT];
+  u32 at[GWARPS];   // each stashing warp's stash: its byte offset from the ring's start
 };
-static_assert(STASH_OFFSET + SWARPS * (int)sizeof(WarpStash) <= SMEM_BYTES, "the warps' stashes must fit");
-static_assert(WRING_BYTES <= STASH_OFFSET, "the stashes lie past the warps' rings");
+__device__ __forceinline__ int stash_col(int r, int c) { return c ^ ((r & 7) << 3); }
 
-__device__ __forceinline__ const WarpStash& stash_of(const unsigned char* stash, int warp) {
-  return reinterpret_cast<const WarpStash*>(stash)[warp];
-}
-
-__device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, int lane) {
+__device__ __forceinline__ void stash_rows(const RowBlock& rb, unsigned char* ring, u32 at, StashRows& sr, int warp,
+                                           int lane) {
   const int g = lane >> 2, t = lane & 3;
+  float* o = reinterpret_cast<float*>(ring + at);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(rb.l[h]);
     const int r = g + 8 * h;
 #pragma unroll
     for (int n = 0; n < GNT; ++n)
-      *reinterpret_cast<float2*>(&ws.o[r][n * 8 + 2 * t]) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
+      *reinterpret_cast<float2*>(o + r * GD + stash_col(r, n * 8 + 2 * t)) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
     if (t == 0) {
-      ws.m[r] = rb.m[h];
-      ws.l[r] = l;
+      sr.m[warp][r] = rb.m[h];
+      sr.l[warp][r] = l;
     }
   }
+  if (lane == 0) sr.at[warp] = at;
 }
 
 // Outputs acc * inv (channels d .. d + 3 of head h of request b and kv head kv_head) into out, and when d == 0 the
@@ -373,23 +390,23 @@ __device__ __forceinline__ void store_out4(const GroupedParams& p, int b, int kv
 // (MELD_DIRECT_SINGLE_PART: a row whose event has this task as its one part into the output, as a merge of that one
 // part would write it).
 __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows,
-                                            const unsigned char* stash) {
+                                            const unsigned char* ring, const StashRows& sr) {
   for (int i = threadIdx.x; i < rows * (GD / 4); i += GWARPS * 32) {
     const int r = i / (GD / 4), d = (i - r * (GD / 4)) * 4;
     const int e = tk.event_first + r / p.group_size;   // (MELD_DIRECT_SINGLE_PART: its row read before the stashes')
     const bool whole = DIRECT_SINGLE && load_event(p.events, p.event_capacity, e).parts == 1;
     float mx = neg_inf();
 #pragma unroll
-    for (int w = 0; w < SWARPS; ++w) mx = fmaxf(mx, stash_of(stash, w).m[r]);
+    for (int w = 0; w < SWARPS; ++w) mx = fmaxf(mx, sr.m[w][r]);
     const float base = mx == neg_inf() ? 0.f : mx;   // (every score NaN: the l's carry it)
     float l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < SWARPS; ++w) {   // a warp with no tile: m = -inf, l = 0, O = 0, weight 0
-      const WarpStash& ws = stash_of(stash, w);
-      const float c = exp2_approx(ws.m[r] - base);
-      const float4 v = *reinterpret_cast<const float4*>(&ws.o[r][d]);
-      l += c * ws.l[r];
+      const float c = exp2_approx(sr.m[w][r] - base);
+      const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(ring + sr.at[w]) + r * GD +
+                                                        stash_col(r, d));
+      l += c * sr.l[w][r];
       acc.x += c * v.x; acc.y += c * v.y; acc.z += c * v.z; acc.w += c * v.w;
     }
     const float inv = 1.f / l;
@@ -639,6 +656,10 @@ struct GroupedFamily {
     // event's load waited on the last: one round trip each, on every CTA's path to its first task), then the CTA
     // writes those it found together.
     const int batch = p.plan_info[0], events = batch * p.num_kv_heads;   // (plan() writes it: graph replays see it)
+    const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
+    SplitTask tk, next;     // the task walked, the next (LOAD_AHEAD), and Q's fragments of this warp's rows of it
+    u32 qf[GKSTEPS][4];
+    if (LOAD_AHEAD && first < last) load_task(p, first, batch, warp, next, qf, lane);
     for (int e0 = blockIdx.x; e0 < events; e0 += gridDim.x * GTHREADS) {
       if (threadIdx.x == 0) n_fired = 0;
       __syncthreads();
@@ -655,25 +676,22 @@ struct GroupedFamily {
       merge_events(p, fired, fired_rows, n_fired);
       __syncthreads();   // (fired and n_fired are rewritten next)
     }
-    const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles
     const u32 wring = ring + warp * WSTAGES * WSTAGE_BYTES;
-    unsigned char* stash = s.smem + STASH_OFFSET;
+    __shared__ StashRows sr;   // split tasks' stashed m and l, and where each warp's O is
     TileCursor lc;   // (the warp build) this warp's walk over split tasks' tiles, ahead of its compute
     lc.live = false;
     int cs = 0;             // its ring stage consumed next
     bool primed = false;    // its ring holds the walk's tiles (false at the CTA's first task and after a task
                             // of more rows, where the walk stopped)
     for (int i = first; i < last; ++i) {
-      const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+      if (LOAD_AHEAD) tk = next; else load_task(p, i, batch, warp, tk, qf, lane);
       const i64 t0 = prof.now();
       const int* pages = p.kv_indices + tk.pages;
       const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
       const bool split = rows <= GT;
       const int row0 = split ? 0 : warp * GT;
-      u32 qf[GKSTEPS][4];
       RowBlock rb;
-      load_q_rows(p, tk.kv_head, tk.event_first - tk.kv_head * batch, row0, rows, qf, lane);
       reset_rows(rb);
       if (WARP_STREAM && split) {
         if (!primed) {   // the walk starts here: WSTAGES - 1 tiles in flight
@@ -690,11 +708,17 @@ struct GroupedFamily {
         const bool active = PREFIX_WGMMA ? warp / 4 * WG_ROWS < rows : row0 < rows;   // (wgmma: the warpgroup's)
         stream(p, tk, pages, split, active, rb, qf, ring, warp, lane);
       }
+      if (LOAD_AHEAD && i + 1 < last) load_task(p, i + 1, batch, warp, next, qf, lane);   // (qf is read)
       if (split) {
-        if (!WARP_STREAM || streams) stash_rows(rb, reinterpret_cast<WarpStash*>(stash)[warp], lane);
+        if (!WARP_STREAM || streams) {   // its stash: the warp build's ring stage read last, or the cta build's place
+          __syncwarp();   // (every lane has read that stage)
+          const int free_stage = cs == 0 ? WSTAGES - 1 : cs - 1;
+          stash_rows(rb, s.smem, WARP_STREAM ? (warp * WSTAGES + free_stage) * WSTAGE_BYTES : warp * STASH_BYTES, sr,
+                     warp, lane);
+        }
         __syncthreads();
-        merge_warps(p, tk, rows, stash);
-        __syncthreads();   // the stashes are read: the next task's stashes (or chunks) may land on them
+        merge_warps(p, tk, rows, s.smem, sr);
+        __syncthreads();   // the stashes are read: the warps' next copies (or the CTA ring's) may land on them
       } else if (row0 < rows) {
         store_rows(p, tk, rb, row0, rows, lane);
       }
