@@ -271,3 +271,26 @@ def test_a_stash_over_the_stage_read_next_is_caught(shape):
     issued ahead) would overwrite a live tile."""
     with pytest.raises(AssertionError, match="stash over a live tile"):
         walk(*CASES[1], shape, stash_at=0)
+
+
+def ring_reuse(stages: int, ahead: int, lag: int, steps: int = 40) -> None:
+    """stream()'s CTA ring (tasks of more rows): chunk c + ahead is issued at step c, after the step's barrier, into
+    stage (c + ahead) % stages; chunk c is read at step c (its scores) and, `lag` steps on, by its P.V (the wgmma
+    build's, issued behind the next chunk's scores and waited for within that step). Asserts no stage is rewritten
+    while a chunk in it may still be read: its last read's step must be over, i.e. before c."""
+    held = {c % stages: c for c in range(ahead)}   # stage -> chunk (the prologue's issues)
+    for c in range(steps):
+        assert held[c % stages] == c, f"step {c}: chunk {c} was never issued"
+        stage = (c + ahead) % stages
+        old = held.get(stage)
+        assert old is None or old + lag < c, f"step {c}: chunk {c + ahead} over chunk {old}, read until step {old + lag}"
+        held[stage] = c + ahead
+
+
+@pytest.mark.parametrize("head_dim,prefix_mma", [(64, "mma"), (128, "mma"), (256, "mma"), (64, "wgmma"), (128, "wgmma")])
+def test_the_cta_ring_never_rewrites_a_chunk_still_read(head_dim, prefix_mma):
+    cfg = GroupedKernelConfig("bfloat16", head_dim, split_stream="warp", prefix_mma=prefix_mma)
+    assert f"#define CHUNKS_AHEAD {cfg.chunks_ahead}" in cfg.render()
+    ring_reuse(cfg.stages, cfg.chunks_ahead, lag=int(prefix_mma == "wgmma"))
+    with pytest.raises(AssertionError, match="read until step"):   # (the check can fail: one chunk further ahead)
+        ring_reuse(cfg.stages, cfg.chunks_ahead + 1, lag=int(prefix_mma == "wgmma"))

@@ -117,8 +117,15 @@ class GroupedKernelConfig:
 
     @property
     def stages(self) -> int:
-        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB, at most four (three in flight)."""
-        return min(4, _RING_MAX // (2 * GROUPED_CHUNK * self.head_dim * 2))
+        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB, at most four (three in flight); the wgmma
+        build one more, as its P.V reads a chunk until the next step (three in flight)."""
+        return min(4 + (self.prefix_mma == "wgmma"), _RING_MAX // (2 * GROUPED_CHUNK * self.head_dim * 2))
+
+    @property
+    def chunks_ahead(self) -> int:
+        """Chunks the CTA ring keeps in flight (the template's AHEAD): all stages but the one attended, and in the
+        wgmma build also the one before, whose P.V runs during this chunk's softmax."""
+        return self.stages - 1 - (self.prefix_mma == "wgmma")
 
     def _warp_stage_bytes(self) -> int:
         return 2 * GROUPED_TILE * self.head_dim * 2   # a 16-token tile of K and one of V (a warp's stash: as many)
@@ -163,6 +170,7 @@ class GroupedKernelConfig:
             f"#define HEAD_DIM {self.head_dim}",
             f"#define NUM_WARPS {GROUPED_WARPS}",
             f"#define NUM_STAGES {self.stages}",
+            f"#define CHUNKS_AHEAD {self.chunks_ahead}",
             f"#define SMEM_BYTES {self.smem_bytes}",
             f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
             f"#define MELD_PROFILE {int(self.profile)}",

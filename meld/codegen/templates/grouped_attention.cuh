@@ -23,8 +23,9 @@
 // The wgmma build (MELD_PREFIX_WGMMA) attends a task of more rows on wgmma instead: warpgroup w's 64 rows (its
 // four warps' row blocks) against a whole chunk at once, S = Q.K^T (m64n64k16, Q from the warps' A fragments, K
 // from the ring), the online softmax on S's fragments, O += P.V (m64nHEAD_DIMk16, P from registers, V from the
-// ring); the CTA ring is then laid out as wgmma's 128-byte swizzle reads it (chunk_off). Split tasks stream
-// through the warps' rings (the warp build) as before.
+// ring), each chunk's P.V issued behind the next chunk's S and run during its softmax (attend_wgmma), so the ring
+// keeps the chunk before the one attended; the CTA ring is then laid out as wgmma's 128-byte swizzle reads it
+// (chunk_off). Split tasks stream through the warps' rings (the warp build) as before.
 // Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
 //
 // The combine is fired by a count: after a task's partials are stored, a thread per event fences and counts
@@ -58,7 +59,7 @@
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
 // value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
-// SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
+// CHUNKS_AHEAD, SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
 // MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES; the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
 // and wgmma_rs_tb (m64nHEAD_DIM); optionally MELD_DEFER_SPLIT_EVENTS, MELD_DIRECT_SINGLE_PART.
 
@@ -208,10 +209,11 @@ __device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* r
 }
 
 // The online softmax of a warp's 16 rows over NT n8 tiles of scores `s` (mma's C fragments; a wgmma accumulator
-// holds a warp's rows the same way): scaled, masked at or past `valid`, exponentiated in place (P), and the rows'
-// m, l and O rescaled.
+// holds a warp's rows the same way): scaled, masked at or past `valid`, exponentiated in place (P), the rows' m and
+// l updated, and `alpha`, the factor O's rows take to the new maximum (rescale_rows), returned.
 template <int NT>
-__device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& rb, float (&s)[NT][4], int valid, int t) {
+__device__ __forceinline__ void softmax_scores(const GroupedParams& p, RowBlock& rb, float (&s)[NT][4], int valid, int t,
+                                               float (&alpha)[2]) {
   float mx[2] = {rb.m[0], rb.m[1]};
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -222,7 +224,7 @@ __device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& r
       s[n][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
       mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
     }
-  float alpha[2], sum[2] = {0.f, 0.f};
+  float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -241,11 +243,22 @@ __device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& r
     }
 #pragma unroll
   for (int r = 0; r < 2; ++r) rb.l[r] = rb.l[r] * alpha[r] + sum[r];
+}
+
+__device__ __forceinline__ void rescale_rows(RowBlock& rb, const float (&alpha)[2]) {
 #pragma unroll
   for (int n = 0; n < GNT; ++n) {
     rb.o[n][0] *= alpha[0]; rb.o[n][1] *= alpha[0];
     rb.o[n][2] *= alpha[1]; rb.o[n][3] *= alpha[1];
   }
+}
+
+// softmax_scores, and O's rows rescaled at once.
+template <int NT>
+__device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& rb, float (&s)[NT][4], int valid, int t) {
+  float alpha[2];
+  softmax_scores(p, rb, s, valid, t, alpha);
+  rescale_rows(rb, alpha);
 }
 
 // One online-softmax step of a warp's 16 rows over NS tiles staged at `stage` (K) and `vstage` (V), from tile
@@ -285,11 +298,18 @@ __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, con
 }
 
 #if MELD_PREFIX_WGMMA
-// The wgmma build's step of a task of more rows: the warpgroup's 64 rows (each warp's 16 in rb and qf, as attend
-// has them) over the whole chunk at `stage` (K; V KV_BYTES on), tokens at or past `valid` masked out. Every
-// thread of the warpgroup calls it (wgmma is warpgroup-wide), its rows padding or not.
+// The wgmma build's step c of a task of more rows: the warpgroup's 64 rows (each warp's 16 in rb and qf, as attend
+// has them) over the whole chunk at `stage` (K; V KV_BYTES on), tokens at or past `valid` masked out. Every thread
+// of the warpgroup calls it (wgmma is warpgroup-wide), its rows padding or not. With PV (every step but the first)
+// the P.V of the chunk before (P in `pa`, V at `vprev`) is issued behind S = Q.K^T (m64n64k16, Q from the warps' A
+// fragments) and runs while S's online softmax does (FlashAttention-3's overlap inside a warpgroup): O takes the
+// new maximum's factor once that P.V is done, and this chunk's P is left in `pa` for the next step (or
+// attend_wgmma_last). So O holds the rows' sum up to the chunk before, at the maximum up to this one. (PV is a
+// template argument: a run-time branch around the P.V's wgmmas alone made ptxas serialise every wgmma of the kernel,
+// C7520; one around the whole step does not.)
+template <bool PV>
 __device__ __forceinline__ void attend_wgmma(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
-                                             u32 stage, int valid, int lane) {
+                                             u32 (&pa)[TILES][4], u32 stage, u32 vprev, int valid, int lane) {
   float s[2 * TILES][4];   // S's accumulator: n8 tile n of the warp's rows, as mma's C fragments
   auto& sa = reinterpret_cast<float (&)[2 * TILES * 4]>(s);
   auto& oa = reinterpret_cast<float (&)[GNT * 4]>(rb.o);
@@ -298,23 +318,36 @@ __device__ __forceinline__ void attend_wgmma(const GroupedParams& p, RowBlock& r
   for (int k = 0; k < GKSTEPS; ++k)   // K-major B: k16 step k is 32 bytes into column block k / 4
     wgmma_rs(sa, qf[k], wgmma_desc(stage + (k >> 2) * SW_BLOCK + (k & 3) * 32), k > 0);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs(sa);   // (S is read after the wait)
-  softmax_step(p, rb, s, valid, lane & 3);
-  u32 a[TILES][4];   // P's A fragments, k16 step j: tokens 16j .. 16j + 15
+  if (PV) {
 #pragma unroll
-  for (int j = 0; j < TILES; ++j) {
-    a[j][0] = pack2(s[2 * j][0], s[2 * j][1]);
-    a[j][1] = pack2(s[2 * j][2], s[2 * j][3]);
-    a[j][2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
-    a[j][3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
-    fence_regs(a[j]);
+    for (int j = 0; j < TILES; ++j)   // MN-major B: 16 tokens are two 1 KiB atoms; column blocks SW_BLOCK apart
+      wgmma_rs_tb(oa, pa[j], wgmma_desc_mn(vprev + j * 2048, SW_BLOCK));
+    wgmma_commit();
   }
-  fence_regs(oa);   // (P is packed and O rescaled before the fence and the wgmmas that read them)
+  wgmma_wait<PV ? 1 : 0>();   // S is done (the P.V may run on)
+  fence_regs(sa);   // (S is read after its group is done)
+  float alpha[2];
+  softmax_scores(p, rb, s, valid, lane & 3, alpha);
+  wgmma_wait<0>();
+  fence_regs(oa);   // (O, and pa, are rewritten only after the P.V that read them)
+  rescale_rows(rb, alpha);
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {   // P's A fragments, k16 step j: tokens 16j .. 16j + 15
+    pa[j][0] = pack2(s[2 * j][0], s[2 * j][1]);
+    pa[j][1] = pack2(s[2 * j][2], s[2 * j][3]);
+    pa[j][2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
+    pa[j][3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
+    fence_regs(pa[j]);
+  }
+  fence_regs(oa);   // (O is rescaled before the fence and the wgmmas that accumulate into it)
+}
+
+// The last chunk's P.V (V at `vlast`), after its attend_wgmma step.
+__device__ __forceinline__ void attend_wgmma_last(RowBlock& rb, const u32 (&pa)[TILES][4], u32 vlast) {
+  auto& oa = reinterpret_cast<float (&)[GNT * 4]>(rb.o);
   wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < TILES; ++j)   // MN-major B: 16 tokens are two 1 KiB atoms; column blocks SW_BLOCK apart
-    wgmma_rs_tb(oa, a[j], wgmma_desc_mn(stage + KV_BYTES + j * 2048, SW_BLOCK));
+  for (int j = 0; j < TILES; ++j) wgmma_rs_tb(oa, pa[j], wgmma_desc_mn(vlast + j * 2048, SW_BLOCK));
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(oa);
@@ -570,8 +603,12 @@ struct GroupedFamily {
   static __device__ __forceinline__ void stream(const GroupedParams& p, const SplitTask& tk, const int* pages,
                                                 bool split, bool active, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
                                                 u32 ring, int warp, int lane) {
-    // rows[c % GSTAGES]: chunk c's token rows, looked up by the first CHUNK threads one chunk before its issue
-    // (chunk c + GSTAGES's lookup is in flight while chunk c is attended; the barrier of step c + 1 publishes it).
+    // AHEAD chunks in flight (GroupedKernelConfig.chunks_ahead): GSTAGES - 1, or (the wgmma build, whose P.V reads
+    // a chunk until the next step) GSTAGES - 2. rows[c % GSTAGES]: chunk c's token rows, looked up by the first CHUNK
+    // threads before its issue (chunk c + GSTAGES's lookup is in flight while chunk c is attended; the barrier of
+    // step c + 1 publishes it).
+    constexpr int AHEAD = CHUNKS_AHEAD;
+    static_assert(AHEAD >= 1 && AHEAD <= GSTAGES - 1 - PREFIX_WGMMA, "a chunk in flight, and none over one still read");
     __shared__ int rows[GSTAGES][CHUNK];
     const int chunks = (tk.kv_end - tk.kv_begin + CHUNK - 1) / CHUNK;
     if (threadIdx.x < CHUNK) {   // (every page looked up before the first store: a store to `rows` between them kept
@@ -584,16 +621,18 @@ struct GroupedFamily {
     }
     __syncthreads();
 #pragma unroll
-    for (int c = 0; c < GSTAGES - 1; ++c) {
+    for (int c = 0; c < AHEAD; ++c) {
       if (c < chunks) issue_chunk(p, rows[c], ring + c * STAGE_BYTES);
       cp_async_commit();
     }
+    u32 pa[TILES][4];   // (the wgmma build) the P of the chunk before, for its P.V
     for (int c = 0; c < chunks; ++c) {
-      cp_async_wait<GSTAGES - 2>();
+      cp_async_wait<AHEAD - 1>();
       if (PREFIX_WGMMA) fence_proxy_async();   // (this thread's copies, before wgmma reads them)
-      __syncthreads();   // chunk c has landed for every thread, chunk c - 1 is read (its stage is free), and
-                         // chunk c + GSTAGES - 1's rows are in `rows`
-      const int next = c + GSTAGES - 1;
+      __syncthreads();   // chunk c has landed for every thread, chunk c + AHEAD - GSTAGES is read (its stage is free:
+                         // the wgmma build's P.V of it was waited for at step c - 1), and chunk c + AHEAD's rows are
+                         // in `rows`
+      const int next = c + AHEAD;
       if (next < chunks) issue_chunk(p, rows[next % GSTAGES], ring + (next % GSTAGES) * STAGE_BYTES);
       cp_async_commit();
       // Chunk c + GSTAGES's row of this thread's token (its stage's rows were read at step c - 1): its page looked up
@@ -611,7 +650,11 @@ struct GroupedFamily {
         if (c % WARP_SETS == warp / TILES && valid > tile * GT) attend<1>(p, rb, qf, stage, stage + KV_BYTES, tile, valid - tile * GT, lane);
       } else if (active) {
 #if MELD_PREFIX_WGMMA
-        attend_wgmma(p, rb, qf, stage, valid, lane);
+        const u32 vprev = ring + ((c + GSTAGES - 1) % GSTAGES) * STAGE_BYTES + KV_BYTES;
+        if (c == 0)
+          attend_wgmma<false>(p, rb, qf, pa, stage, vprev, valid, lane);
+        else
+          attend_wgmma<true>(p, rb, qf, pa, stage, vprev, valid, lane);
 #else
 #pragma unroll
         for (int j = 0; j < TILES; j += ROW_TILES)
@@ -624,6 +667,9 @@ struct GroupedFamily {
         ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
       if (threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
     }
+#if MELD_PREFIX_WGMMA
+    if (active && chunks > 0) attend_wgmma_last(rb, pa, ring + ((chunks - 1) % GSTAGES) * STAGE_BYTES + KV_BYTES);
+#endif
     cp_async_wait<0>();
     __syncthreads();   // the ring is drained and read: the next pass (or a stash) may overwrite it
   }
