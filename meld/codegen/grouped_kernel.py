@@ -16,9 +16,9 @@ GROUPED_WARPS = 8    # a CTA's warps: row blocks of 16 query rows attended at on
                      # at head_dim 256 the row state takes all 255 registers (4 or 16 warps spill)
 _RING_MAX = 200 * 1024
 # Dynamic shared memory the warp build's rings may take: sm_90's 227 KiB a CTA, less the kernel's static arrays
-# (about 5.3 KiB: the fired events and their rows, the chunks' token rows, the stashes' m and l) and the wgmma
-# build's 1 KiB of alignment.
-_WARP_SMEM_MAX = 227 * 1024 - 7 * 1024
+# (about 9.6 KiB: the fired events, their rows and staged part slots, the chunks' token rows, the stashes' m and l)
+# and the wgmma build's 1 KiB of alignment.
+_WARP_SMEM_MAX = 227 * 1024 - 11 * 1024
 SPLIT_STREAMS = ("cta", "warp")
 PREFIX_MMAS = ("mma", "wgmma")
 

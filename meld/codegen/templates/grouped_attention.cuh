@@ -509,9 +509,11 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
 // Channels d .. d + 3 of head h of event e (ev: its row, as the arrival that completed it read it): its parts
 // merged (in part_slot order) into out, and lse when d == 0. A merge waits on L2 more than it computes, so parts
 // are read MERGE_PARTS at a time, all their slots and then all their lse and O at once, and folded into a running
-// maximum and sum: two round trips for an event of up to MERGE_PARTS parts, two more for each MERGE_PARTS after.
+// maximum and sum: two round trips for an event of up to MERGE_PARTS parts, two more for each MERGE_PARTS after;
+// one, where merge_events staged the event's slots (`staged`: its list of at most MERGE_PARTS, or null).
 constexpr int MERGE_PARTS = GD <= 128 ? 16 : 8;   // (head_dim 256 has no registers for 16)
-__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const Event& ev, int h, int d) {
+__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const Event& ev, int h, int d,
+                                           const int* staged) {
   const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
   float mx = neg_inf(), sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -520,7 +522,8 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const 
     float lse[MERGE_PARTS];
     float4 v[MERGE_PARTS];
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) slot[k] = k0 + k < ev.parts ? p.part_slot[ev.part_first + k0 + k] + h : -1;
+    for (int k = 0; k < MERGE_PARTS; ++k)
+      slot[k] = k0 + k < ev.parts ? (staged ? staged[k] : p.part_slot[ev.part_first + k0 + k]) + h : -1;
 #pragma unroll
     for (int k = 0; k < MERGE_PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
       lse[k] = slot[k] >= 0 ? ld_cg(p.part_lse + slot[k]) : neg_inf();
@@ -547,12 +550,27 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const 
 
 // The n events of `list` (their rows in `rows`) merged by the CTA's threads together (one head's 4 channels
 // each), their counters reset for the next launch: a task that completes a whole slice of events merges them all
-// at once.
-__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, const Event* rows, int n) {
+// at once. Every thread of the CTA calls it. The part slots of the first STAGED_EVENTS events of at most
+// MERGE_PARTS parts are read first, all at once, into `staged` (a thread merges several (head, channels) of
+// different events one after another, each of which would read its event's slots again: a round trip each).
+// (head_dim 256 stages none: the staged list's pointer spilled its registers.)
+constexpr int STAGED_EVENTS = GD <= 128 ? 64 : 0;
+struct StagedSlots { int slot[STAGED_EVENTS > 0 ? STAGED_EVENTS : 1][MERGE_PARTS]; };
+__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, const Event* rows, int n,
+                                             StagedSlots& staged) {
+  if (n == 0) return;   // (n is the CTA's: every thread returns, or none)
+  const auto fits = [&](int k) { return k < STAGED_EVENTS && rows[k].parts <= MERGE_PARTS; };
+  if (STAGED_EVENTS > 0) {
+    for (int i = threadIdx.x; i < min(n, STAGED_EVENTS) * MERGE_PARTS; i += GTHREADS) {
+      const int k = i / MERGE_PARTS, q = i - k * MERGE_PARTS;
+      if (fits(k) && q < rows[k].parts) staged.slot[k][q] = p.part_slot[rows[k].part_first + q];
+    }
+    __syncthreads();
+  }
   const int per = p.group_size * (GD / 4);
   for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
     const int k = i / per, j = i - k * per;
-    merge_row4(p, list[k], rows[k], j / (GD / 4), (j % (GD / 4)) * 4);
+    merge_row4(p, list[k], rows[k], j / (GD / 4), (j % (GD / 4)) * 4, fits(k) ? staged.slot[k] : nullptr);
   }
   for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
 }
@@ -563,7 +581,8 @@ __device__ __forceinline__ void merge_events(const GroupedParams& p, const int* 
 // (merge_events); `unit` names the round's task in the profile.
 template <class Pick>
 __device__ __forceinline__ void arrive_round(const GroupedParams& p, Pick pick, bool direct, int* fired,
-                                             Event* fired_rows, int& n_fired, Profiler& prof, int unit) {
+                                             Event* fired_rows, int& n_fired, StagedSlots& staged, Profiler& prof,
+                                             int unit) {
   if (threadIdx.x == 0) n_fired = 0;
   __syncthreads();   // every row of the task is stored
   int e;
@@ -579,9 +598,9 @@ __device__ __forceinline__ void arrive_round(const GroupedParams& p, Pick pick, 
   }
   __syncthreads();
   const i64 t1 = prof.now();
-  merge_events(p, fired, fired_rows, n_fired);
+  merge_events(p, fired, fired_rows, n_fired, staged);
   if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, unit);
-  __syncthreads();   // (fired and n_fired are rewritten next)
+  __syncthreads();   // (fired, n_fired and the staged slots are rewritten next)
 }
 
 // The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
@@ -693,6 +712,7 @@ struct GroupedFamily {
     __shared__ int fired[GTHREADS];   // events this CTA's counts completed (merged by the whole CTA)
     __shared__ Event fired_rows[GTHREADS];   // and their rows
     __shared__ int n_fired;
+    __shared__ StagedSlots staged;   // their part slots (merge_events)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = smem_addr(s.smem);
     Profiler prof;   // (MELD_PROFILE builds; thread 0 records: a task's attention, then its merges)
@@ -719,7 +739,7 @@ struct GroupedFamily {
         }
       }
       __syncthreads();
-      merge_events(p, fired, fired_rows, n_fired);
+      merge_events(p, fired, fired_rows, n_fired, staged);
       __syncthreads();   // (fired and n_fired are rewritten next)
     }
     const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles
@@ -773,7 +793,7 @@ struct GroupedFamily {
       const int end = tk.event_first + tk.event_count;
       for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS)   // count the task's arrival, a thread an event
         arrive_round(p, [&](int& e) { e = e0 + threadIdx.x; return e < end; }, DIRECT_SINGLE && split, fired, fired_rows,
-                     n_fired, prof, i);
+                     n_fired, staged, prof, i);
     }
     // MELD_DEFER_SPLIT_EVENTS: the split tasks' arrivals, GTHREADS / GT tasks a round (a split task has at most
     // GT rows, so at most GT events): thread j arrives for event j % GT of the round's task j / GT.
@@ -784,7 +804,7 @@ struct GroupedFamily {
         const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
         e = tk.event_first + k;
         return tk.event_count * p.group_size <= GT && k < tk.event_count;
-      }, DIRECT_SINGLE, fired, fired_rows, n_fired, prof, i0);
+      }, DIRECT_SINGLE, fired, fired_rows, n_fired, staged, prof, i0);
     }
     prof.end(gridDim.x);
   }
