@@ -510,34 +510,38 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
 // merged (in part_slot order) into out, and lse when d == 0. A merge waits on L2 more than it computes, so parts
 // are read MERGE_PARTS at a time, all their slots and then all their lse and O at once, and folded into a running
 // maximum and sum: two round trips for an event of up to MERGE_PARTS parts, two more for each MERGE_PARTS after;
-// one, where merge_events staged the event's slots (`staged`: its list of at most MERGE_PARTS, or null).
+// one, where merge_events staged the event's slots (`staged`: its list of at most MERGE_PARTS, or null). A merge is
+// bound by its instructions too, and every slot of a round costs its instructions, used or not: an event of at most
+// 4 (8) parts, a cascade's usual 2, takes rounds of 4 (8) (merge_row4; head_dim <= 128: 256 spilled 40 B), with the
+// same bits, since the slots past its parts add exact zeros.
 constexpr int MERGE_PARTS = GD <= 128 ? 16 : 8;   // (head_dim 256 has no registers for 16)
-__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const Event& ev, int h, int d,
-                                           const int* staged) {
+template <int PARTS>
+__device__ __forceinline__ void merge_row4_in(const GroupedParams& p, int e, const Event& ev, int h, int d,
+                                              const int* staged) {
   const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
   float mx = neg_inf(), sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k0 = 0; k0 < ev.parts; k0 += MERGE_PARTS) {
-    int slot[MERGE_PARTS];
-    float lse[MERGE_PARTS];
-    float4 v[MERGE_PARTS];
+  for (int k0 = 0; k0 < ev.parts; k0 += PARTS) {
+    int slot[PARTS];
+    float lse[PARTS];
+    float4 v[PARTS];
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k)
-      slot[k] = k0 + k < ev.parts ? (staged ? staged[k] : p.part_slot[ev.part_first + k0 + k]) + h : -1;
+    for (int k = 0; k < PARTS; ++k)
+      slot[k] = k0 + k < ev.parts ? (staged ? staged[k0 + k] : p.part_slot[ev.part_first + k0 + k]) + h : -1;
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
+    for (int k = 0; k < PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
       lse[k] = slot[k] >= 0 ? ld_cg(p.part_lse + slot[k]) : neg_inf();
       v[k] = slot[k] >= 0 ? ld_cg4(p.part_o + (i64)slot[k] * GD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float top = mx;
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) top = fmaxf(top, lse[k]);
+    for (int k = 0; k < PARTS; ++k) top = fmaxf(top, lse[k]);
     const float base = top == neg_inf() ? 0.f : top;
     const float keep = exp2_approx(mx - base);   // the parts before, to the new maximum (0 when there were none)
     sum *= keep;
     acc.x *= keep; acc.y *= keep; acc.z *= keep; acc.w *= keep;
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) {
+    for (int k = 0; k < PARTS; ++k) {
       const float w = exp2_approx(lse[k] - base);
       sum += w;
       acc.x += w * v[k].x; acc.y += w * v[k].y; acc.z += w * v[k].z; acc.w += w * v[k].w;
@@ -546,6 +550,15 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const 
   }
   const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
   store_out4(p, b, kv_head, h, d, acc, inv, [=] { return ev.parts ? (mx + log2_approx(sum)) * kLn2 : neg_inf(); });
+}
+__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const Event& ev, int h, int d,
+                                           const int* staged) {
+  if (GD <= 128 && ev.parts <= 4)
+    merge_row4_in<4>(p, e, ev, h, d, staged);
+  else if (GD <= 128 && ev.parts <= 8)
+    merge_row4_in<8>(p, e, ev, h, d, staged);
+  else
+    merge_row4_in<MERGE_PARTS>(p, e, ev, h, d, staged);
 }
 
 // The n events of `list` (their rows in `rows`) merged by the CTA's threads together (one head's 4 channels
