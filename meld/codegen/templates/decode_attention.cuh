@@ -669,6 +669,13 @@ __device__ __forceinline__ float log2_score(const DecodeParams& p, const WarpSta
   return (Q_TO_F16 ? s * st.q_unscale[i] : s) * p.sm_scale_log2;
 }
 
+// MELD_ROPE over MELD_KV_FP8: an FP8 tile's K channel blocks 2 kp and 2 kp + 1 (b[j]: tokens 0-7 of block 2 kp + j;
+// b[2 + j]: tokens 8-15) and their partners KSTEPS / 2 on (c), which rope_fp8 rotates together.
+__device__ __forceinline__ void ld_k_rope_fp8(u32 kbase, int kp, int lrow, int lch, u32 (&b)[4], u32 (&c)[4]) {
+  ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
+  ldmatrix_x4(c, kbase + tile_off(lrow, 2 * kp + KSTEPS / 2 + lch));
+}
+
 // The tile's scores as S = Q . K^T (units of 16 or more heads: Q's rows as the A operand), their online softmax (the
 // masks compute_tile describes), and for each head block i: the factors O^T's columns (heads 8 i + 2t, + 1) take to
 // the new maxima (a_lo, a_hi) and P^T's B fragments (pb0: tokens 2t, 2t + 1 of head 8 i + g; pb1: 8 + 2t, 9 + 2t).
@@ -688,8 +695,7 @@ __device__ __forceinline__ void scores_rows(const DecodeParams& p, WarpState& st
 #pragma unroll (Q_SMEM ? 2 : KSTEPS / 4)   // time (the rotations' temporaries would take registers O^T holds)
     for (int kp = 0; kp < KSTEPS / 4; ++kp) {
       u32 b[4], c[4];
-      ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
-      ldmatrix_x4(c, kbase + tile_off(lrow, 2 * kp + KSTEPS / 2 + lch));
+      ld_k_rope_fp8(kbase, kp, lrow, lch, b, c);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -797,8 +803,7 @@ __device__ __forceinline__ void scores_cols(const DecodeParams& p, WarpState& st
 #pragma unroll (Q_SMEM ? 2 : KSTEPS / 4)
       for (int kp = 0; kp < KSTEPS / 4; ++kp) {
         u32 b[4], c[4];
-        ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
-        ldmatrix_x4(c, kbase + tile_off(lrow, 2 * kp + KSTEPS / 2 + lch));
+        ld_k_rope_fp8(kbase, kp, lrow, lch, b, c);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int ks = 2 * kp + j, kh = ks + KSTEPS / 2;
