@@ -440,7 +440,7 @@ struct WarpState {
   float m[NSTATE], l[NSTATE];
   float o[NT][KSTEPS][4];
   u32 qa[Q_SMEM ? 1 : KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8:
-                           // 16 ks + 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
+                           // 16 ks + 4t (+2)); of an 8-head unit, the B fragment of S^T = K . Q^T (q_bfrag)
   uint2* qs;               // Q_SMEM: the same fragments, qs[32 (NT ks + i) + lane] = {qa[ks][i][0], qa[ks][i][1]} (the
                            // CTA's one copy)
   float q_unscale[NSTATE]; // MELD_Q_TO_F16: 2^-e of head 8 i + g's row (q_to_f16); ST: of head 2t + j's
