@@ -27,3 +27,4 @@ def test_two_e4m3_terms_are_as_good_as_bf16():
     assert g["e4m3 q hi+lo"] < 1.5 * g["bf16 q"] and g["e4m3 q hi+lo"] < g["e4m3 q"] / 5, g
     assert m["e4m3 q hi+lo"] < 1.5 * m["bf16 q"] and m["e4m3 q and P hi+lo"] < 1.5 * m["bf16 q"], m
     assert m["e4m3 q and P hi+lo"] < m["e4m3 P only"] / 3, m
+    assert m["e4m3 q and P hi+lo"] <= m["e4m3 q and P hi+lo, 14-bit sums"] < 2e-2, m
