@@ -9,9 +9,8 @@ fresh draws) of: q in bf16 with f16/bf16 math (what meld's kernels do); q quanti
 e4m3 MMAs into one accumulator, at the tensor time of one bf16 MMA: FP8 runs K = 32 where bf16 runs 16); and for
 MLA also P alone in e4m3 (the P.V as an e4m3 MMA, q in bf16) and P as two terms, with exact sums and with the sums
 kept to 14 bits of mantissa after every 32-wide K step (DeepSeek-V3's report: Hopper's FP8 MMAs accumulate with about
-14 bits; `chunked`). Issue 41's bar is 2e-2. GQA: 4 q
-heads a kv head, head_dim 128. MLA: 128 heads, the 576-wide latent (V its first 512 channels), softmax scale
-1/sqrt(192).
+14 bits; `chunked`). Issue 41's bar is 2e-2. GQA: 4 q heads a kv head, head_dim 128. MLA: 128 heads, the 576-wide
+latent (V its first 512 channels), softmax scale 1/sqrt(192).
 """
 from __future__ import annotations
 
@@ -72,13 +71,13 @@ def mla(L: int, heads: int = 128, D: int = 576, DV: int = 512, draws: int = 6) -
         qb = q.to(torch.bfloat16).double()
         p = torch.softmax(qb @ kv8.T * sm, -1)
         scale, p_scale = qb.abs().amax(-1, keepdim=True) / 448, p.amax(-1, keepdim=True) / 448
-        p2 = torch.softmax(two_terms(qb, scale) @ kv8.T * sm, -1)
+        q2 = two_terms(qb, scale)
+        p2 = torch.softmax(q2 @ kv8.T * sm, -1)
         outs = {"bf16 q": p.to(torch.bfloat16).double() @ kv8[:, :DV],
                 "e4m3 q": torch.softmax(e4m3(qb, scale) @ kv8.T * sm, -1).to(torch.bfloat16).double() @ kv8[:, :DV],
                 "e4m3 P only": e4m3(p, p_scale) @ kv8[:, :DV],
                 "e4m3 q hi+lo": p2.to(torch.bfloat16).double() @ kv8[:, :DV],
                 "e4m3 q and P hi+lo": two_terms(p2, p2.amax(-1, keepdim=True) / 448) @ kv8[:, :DV]}
-        q2 = two_terms(qb, scale)
         p14 = torch.softmax(chunked(q2, kv8.T, 14) * sm, -1)
         outs["e4m3 q and P hi+lo, 14-bit sums"] = chunked(two_terms(p14, p14.amax(-1, keepdim=True) / 448), kv8[:, :DV], 14)
         for name, o in outs.items():

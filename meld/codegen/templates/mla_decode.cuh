@@ -551,7 +551,7 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
   const u32 st = ring + stage * STAGE_BYTES;
   const int ns = stage + 1 == STAGES ? 0 : stage + 1;
   const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
-  float s2[SACC], a[2];   // (NEXT_AHEAD's)
+  float s2[SACC], a[2];   // (s2: NEXT_AHEAD's next scores; a: the rows' rescale)
   if constexpr (NEXT == NEXT_AHEAD) {
     mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
     wgmma_fence();
