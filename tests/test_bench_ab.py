@@ -9,6 +9,7 @@ import pytest
 SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
     "decode_ab": ["--base", "BASE", "--q-len", "4", "--batch", "8"],
     "cascade_ab": ["--base", "BASE", "--cases", "0", "1"],
+    "cascade_ab w4": ["--base", "BASE", "--cases", "0", "--new-op", "warps=4", "prefix_mma=mma"],
     "mla_ab": ["--base", "BASE", "--batches", "16", "--dists", "skewed"],
     "mla_ab fp8": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8"],
     "mla_ab seesaw": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--schedule", "seesaw"],
@@ -48,6 +49,9 @@ def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_
         want = {"mla_ab": ("bf16", "split", 0), "mla_ab fp8": ("fp8", "split", 0),
                 "mla_ab seesaw": ("bf16", "seesaw", 0), "mla_ab b32": ("bf16", "split", 32)}
         assert all(c[-3:] == want[name] for c in calls), calls
+    if name.startswith("cascade_ab"):   # the new side's CascadeDecode keywords, the base side's none
+        want = {"warps": 4, "prefix_mma": "mma"} if name.endswith("w4") else {}
+        assert [c[-1] for c in calls] == [{}, want], calls
     if name == "moe_ab fp8":   # the FP8 experts on both sides
         assert all(c[-1] is True for c in calls)
 

@@ -601,6 +601,50 @@ def test_grouped_kernel_compiles_for_sm90a(split_stream, dtype, head_dim, profil
     assert ("_warp" in cfg.name) == (split_stream == "warp") and ("_prof" in cfg.name) == profile
 
 
+TWO_CTA_BUILDS = [(head_dim, prefix_mma) for head_dim in (64, 128) for prefix_mma in ("mma", "wgmma")]
+
+
+# Two builds by default (~10 s of nvcc each); the others with -m full_matrix.
+@pytest.mark.parametrize("head_dim,prefix_mma", [
+    pytest.param(*b, marks=() if b in ((128, "wgmma"), (64, "mma")) else pytest.mark.full_matrix) for b in TWO_CTA_BUILDS],
+    ids=["-".join(map(str, b)) for b in TWO_CTA_BUILDS])
+def test_the_four_warp_build_fits_two_ctas_an_sm(head_dim, prefix_mma):
+    """warps=4 (two CTAs an SM): no spills, no stack, no wgmma serialised, launch bounds of two CTAs (at most 255
+    registers a thread), and two CTAs' shared memory, each with the 1 KiB the hardware keeps, within an SM's 228 KiB."""
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+    from tests.kernel_matrix import nvcc
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cfg = GroupedKernelConfig("bfloat16", head_dim, prefix_mma=prefix_mma, defer_split_events=True, warps=4)
+    assert (cfg.threads, cfg.ctas_per_sm, cfg.row_blocks) == (128, 2, 4) and cfg.name.endswith("_w4")
+    assert "#define NUM_WARPS 4" in cfg.render() and "#define MIN_CTAS 2" in cfg.render()
+    _, log = nvcc(cfg.render(), cfg.name)
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    assert "serializ" not in log, log
+    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", log))
+    assert 2 * (cfg.smem_bytes + static + 1024) <= 228 * 1024, (cfg.smem_bytes, static)
+    assert cfg.stages >= 3 and cfg.warp_stages >= 3, "a two-CTA build keeps two tiles in flight a ring"
+
+
+def test_four_warps_slice_a_groups_rows_by_64_and_plan_twice_the_ctas():
+    """CascadeDecode(warps=4) on the CPU executor: tasks of at most 64 query rows, 264 CTAs by default, the same
+    answer as float64; the config's checks name warps and head_dim."""
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+
+    levels, q, kv = batch([40, 24], [700, 300], [int(n) for n in np.random.default_rng(4).integers(0, 90, 64)])
+    op, plan = check(levels, q, kv, warps=4)
+    assert op.num_ctas == 264 and op._slice_rows == 64
+    t = plan.task_columns()
+    assert int(t["event_count"].max()) * (HQ // HKV) <= 64 < 40 * (HQ // HKV)
+    assert meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu").num_ctas == 132
+    with pytest.raises(ValueError, match="warps=3"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", warps=3)
+    with pytest.raises(ValueError, match="warps=4 with head_dim=256"):
+        meld.CascadeDecode(HQ, HKV, 256, P, 2, BF16, "cpu", warps=4)
+    assert GroupedKernelConfig().render().count("#define MIN_CTAS 1") == 1
+
+
 WGMMA_BUILDS = [(dtype, head_dim, profile) for dtype in ("bfloat16", "float16") for head_dim in (64, 128)
                 for profile in (False, True)]
 
