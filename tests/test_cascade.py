@@ -380,11 +380,39 @@ def test_no_cta_holds_more_than_its_share_and_a_piece(batch, ctas, overhead, mer
 
 
 @settings(max_examples=150, deadline=None)
-@given(_levels())
-def test_host_planner_is_its_numpy_oracle(case):
+@given(_levels(), st.booleans())
+def test_host_planner_is_its_numpy_oracle(case, stagger):
     batch, levels, ctas, heads, slice_rows, overhead, merge, rows = case   # (slice_rows 1 and 6: slices of one and of three requests)
-    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows),
-                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows))
+    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows, stagger),
+                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows,
+                                              stagger))
+
+
+def test_a_staggered_plan_lists_the_second_halfs_tasks_last_to_first():
+    """stagger: the same pieces and events; CTAs below num_ctas / 2 list theirs in line order (the shared level
+    first), the others last to first (their own suffixes first), so an SM's two CTAs of the four-warp build start
+    on different levels; the CPU executor's answer is the same, bit for bit."""
+    levels, q, kv = batch([40, 24], [700, 300], [int(n) for n in np.random.default_rng(5).integers(1, 90, 64)])
+    _, (out, lse) = run_op(levels, q, kv, warps=4)
+    op, (out_s, lse_s) = run_op(levels, q, kv, warps=4, stagger=True)
+    assert torch.equal(out, out_s) and torch.equal(lse, lse_s)
+    plan = op.plan_tables[2]
+    t, W = plan.task_columns(), plan.num_ctas
+    both = [0, 0]   # CTAs holding both levels, in each half: where the order matters
+    for c in range(W):
+        prod = t["producer"][t["cta"] == c]
+        step = np.diff(prod)
+        assert (step <= 0).all() if 2 * c >= W else (step >= 0).all(), (c, prod)
+        both[2 * c >= W] += len(set(prod.tolist())) == 2
+    assert min(both) >= 10, both
+    plain = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", warps=4)
+    plain.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    p0 = plain.plan_tables[2]
+    key = lambda pl: sorted(zip(*(pl.task_columns()[f].tolist() for f in ("cta", "producer", "kv_head", "event_first",
+                                                                            "kv_begin", "kv_end"))))
+    assert key(p0) == key(plan) and np.array_equal(p0.part_slot, plan.part_slot)
+    with pytest.raises(ValueError, match="stagger must be a bool"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", stagger=1)
 
 
 def test_a_smaller_row_tile_charges_a_group_of_more_rows_more():

@@ -5,7 +5,8 @@ operator's default at head_dim 64 and 128; every "warp" build counts a split tas
 after the CTA's last task, defer_split_events, the operator's default there; "nodefer": the default counting after each
 task instead; "warp-direct": the mma build with direct_single_part, a split task that is its event's one part writing
 the output; "nodefer-direct": the default with direct_single_part and without defer_split_events; "w4", "w4-mma":
-four warps a CTA, two CTAs an SM, wgmma and mma prefixes)."""
+four warps a CTA, two CTAs an SM, wgmma and mma prefixes; "w4-stagger": w4 with the second half's CTAs walking last
+to first)."""
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ BUILDS = {"cta": dict(split_stream="cta"), "warp": dict(split_stream="warp", pre
           "wgmma": dict(prefix_mma="wgmma"), "nodefer": dict(defer_split_events=False),
           "warp-direct": dict(prefix_mma="mma", direct_single_part=True),
           "nodefer-direct": dict(defer_split_events=False, direct_single_part=True),
-          "w4": dict(warps=4), "w4-mma": dict(warps=4, prefix_mma="mma")}
+          "w4": dict(warps=4), "w4-mma": dict(warps=4, prefix_mma="mma"), "w4-stagger": dict(warps=4, stagger=True)}
 every_build = pytest.mark.parametrize("build", list(BUILDS.values()), ids=list(BUILDS))
 
 

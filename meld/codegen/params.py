@@ -284,6 +284,7 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
     Field("slice_rows", "i32"),                     # query rows a task holds at most (whole requests; at least one)
     Field("item_overhead", "i32"),                  # a work item's fixed cost, in KV tokens
     Field("merge_overhead", "i32"),                 # and per request of the item (the merges it may do)
+    Field("stagger", "i32"),                        # 1: the second half's CTAs list their tasks last to first
     Field("task_capacity", "i32"),
     Field("slot_capacity", "i32"),
 ])

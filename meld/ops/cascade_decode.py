@@ -101,6 +101,9 @@ class CascadeDecode(Operator):
             request's own suffix can run on an SM at once (`GroupedKernelConfig.warps`; head_dim 64 or 128); tasks
             hold at most warps x 16 query rows, and the default num_ctas doubles. The same results up to rounding
             (the planner slices the rows differently on the CPU too).
+        stagger: the second half of the CTAs walks its tasks last to first (`plan_split_reduce`): with two CTAs an
+            SM, c and c + num_ctas / 2, one attends the shared levels while the other streams its requests' own KV.
+            Default False. The same results, bit for bit (an event's parts merge in the planner's order).
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -111,7 +114,7 @@ class CascadeDecode(Operator):
                  num_ctas: int | None = None, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
                  merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
                  split_stream: str = "warp", prefix_mma: str | None = None, defer_split_events: bool | None = None,
-                 direct_single_part: bool = False, warps: int = 8):
+                 direct_single_part: bool = False, warps: int = 8, stagger: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
@@ -126,7 +129,8 @@ class CascadeDecode(Operator):
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
         if defer_split_events is None:
             defer_split_events = split_stream == "warp"
-        for name, v in (("defer_split_events", defer_split_events), ("direct_single_part", direct_single_part)):
+        for name, v in (("defer_split_events", defer_split_events), ("direct_single_part", direct_single_part),
+                        ("stagger", stagger)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")
         probe = GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma,   # (the checks)
@@ -134,6 +138,7 @@ class CascadeDecode(Operator):
                                     warps=warps)
         self.split_stream, self.prefix_mma = split_stream, prefix_mma
         self.defer_split_events, self.direct_single_part, self.warps = defer_split_events, direct_single_part, warps
+        self.stagger = stagger
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
         self.num_ctas = (H200_SMS * probe.ctas_per_sm if num_ctas is None
                          else check_positive("num_ctas", num_ctas, 1 << 16))
@@ -184,7 +189,7 @@ class CascadeDecode(Operator):
         order = [tables[t] for t in self.lowering.producers]
         plan = self.lowering.planner(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
                                      self.page_size, self.num_ctas, self._slice_rows, self.item_overhead_tokens,
-                                     self.merge_overhead_tokens, self.rows_per_tile)
+                                     self.merge_overhead_tokens, self.rows_per_tile, stagger=self.stagger)
         buf = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._commit((batch, tables, plan, top), buf)   # (batch, {task: GroupTable}, SplitReducePlan, largest page)
 
