@@ -146,8 +146,8 @@ class GroupedKernelConfig:
 
     @property
     def stages(self) -> int:
-        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB, at most four (three in flight); the wgmma
-        build one more, as its P.V reads a chunk until the next step (three in flight)."""
+        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB (two CTAs an SM: each its share), at most
+        four (three in flight); the wgmma build one more, as its P.V reads a chunk until the next step."""
         return min(4 + (self.prefix_mma == "wgmma"), self._ring_max // (2 * GROUPED_CHUNK * self.head_dim * 2))
 
     @property
