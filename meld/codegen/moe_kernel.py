@@ -16,9 +16,9 @@ from .params import MOE_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16, wgmma_e4m3
 
 BLOCK_TOKEN_CHOICES = (16, 32, 64, 128)
-# FP8 tiles hold a third accumulator (each 128-wide K block's product, scaled into the sums) and the block's
-# token scales: with 64-token blocks the consumers spilled (ptxas), so FP8 runs the narrow blocks.
-FP8_BLOCK_TOKEN_CHOICES = (16, 32)
+# FP8 tiles hold a third accumulator (each 128-wide K block's product, scaled into the sums: DeepSeek-V3's FP32
+# promotion, which the tensor cores' FP8 sums need) and the block's token scales: 128-token blocks spill (ptxas).
+FP8_BLOCK_TOKEN_CHOICES = (16, 32, 64)
 WEIGHT_DTYPES = ("bf16", "e4m3")
 FP8_GROUP = 128           # DeepSeek-V3 block scaling: a weight scale per 128 x 128 block, an activation
                           # scale per token per 128 channels

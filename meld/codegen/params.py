@@ -389,7 +389,7 @@ MOE_PARAMS = _with_header("MoeParams", [
     Field("act_scale", "ptr", "float*"),
     Field("w13_scale", "ptr", "const float*"),   # [E][ceil(2I / 128)][ceil(H / 128)]
     Field("w2_scale", "ptr", "const float*"),    # [E][ceil(H / 128)][ceil(I / 128)]
-    Field("scale_ld", "i32"),                    # rows of xs and act (their capacity)
+    Field("scale_ld", "i32"),                    # a scale row: the rows of xs and act, then a row block of zeros
     Field("task_capacity", "i32"),               # rows of the tasks table (a field's stride)
 ])
 

@@ -636,8 +636,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_s
 // scaled by its weight row's block scale and its token's scale of that 128-wide K block.
 struct Fp8Scales {
   const float* w[2][2];   // [accumulator][row lo, lo + 8]: the row's weight block scales (one per K block)
-  const float* t;         // the row block's token scales of K block 0 (a K block's are scale_ld apart)
-  int rows;               // tokens the row block holds (scales of the tokens past it: its last token's)
+  const float* t;         // this thread's first token's scale of K block 0 (a K block's are scale_ld apart)
 };
 
 // Weight row `row` of an expert's `n` rows of weights of K `k`: its 128 x 128 blocks' scales along K.
@@ -675,11 +674,13 @@ struct KLoop {
         wgmma_commit();
         // The token scales once the stage is full (a gemm2 tile's act_scale is complete only once its row block
         // is: the producer waited for that before it loaded the act boxes), while the first product runs:
-        // token 8 (u / 2) + 2 (lane % 4) + u % 2, from L2 (other CTAs wrote them).
+        // token 8 (u / 2) + 2 (lane % 4) + u % 2, from L2 (other CTAs wrote them). Tokens past the row block read
+        // the next rows' scales or the scale rows' zero padding (meld.MoE: scale_ld), for sums no epilogue stores:
+        // offsets from one pointer, where clamping each to the block's last token held 16 offsets in registers
+        // and made 64-token tiles spill.
         if (a == 0)
 #pragma unroll
-          for (int u = 0; u < R / 2; ++u)
-            ts[u] = __ldcg(sc.t + (i64)kk * p.scale_ld + min(8 * (u / 2) + 2 * (lane % 4) + u % 2, sc.rows - 1));
+          for (int u = 0; u < R / 2; ++u) ts[u] = __ldcg(sc.t + (i64)kk * p.scale_ld + 8 * (u / 2) + u % 2);
         wgmma_wait<0>();
         fence_regs(part);
         if (a == 1 && lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
@@ -906,8 +907,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
           sc.w[a][h] = kind ? weight_scales(p.w2_scale, expert, p.hidden, p.inter, col * G2_COLS + (2 * wg + a) * 64 + lo + 8 * h)
                             : weight_scales(p.w13_scale, expert, 2 * p.inter, p.hidden,
                                             a * p.inter + col * G1_COLS + wg * 64 + lo + 8 * h);
-      sc.t = (kind ? p.act_scale : p.xs_scale) + row0;
-      sc.rows = rows;
+      sc.t = (kind ? p.act_scale : p.xs_scale) + row0 + 2 * (lane % 4);
     }
 #endif
     const KLoop kl{p, nk, lane, warp, wg, ticket, sc};
