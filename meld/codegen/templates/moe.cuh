@@ -664,9 +664,9 @@ __device__ __forceinline__ const float* weight_scales(const float* scale, int ex
 // stage's are issued; a stage goes back to the producer once the wgmmas that read it have completed.
 // FP8: a stage's product is complete (wgmma_wait<0>) before it is scaled into its sum, one accumulator after
 // the other through one set of registers, so the stage goes back to the producer within the loop (`prev` stays
-// -1), once both products have read the stage's token scales: the producer's TMA box of them in the stage's scale
-// slot, a pair of tokens a shared load (they were 16 L2 loads a thread a stage, whose offsets, clamped to the
-// block's rows, held 16 registers); its weight scales are loaded before its copies are waited for.
+// -1). Its token scales (the producer's TMA box of them, in the stage's scale slot) are read while the first
+// product runs, a pair of tokens a shared load (they were 16 L2 loads a thread a stage, whose offsets, clamped to
+// the block's rows, held 16 registers); its weight scales before its copies are waited for.
 struct KLoop {
   const MoeParams& p;
   int nk, lane, warp, wg, ticket;
@@ -681,26 +681,30 @@ struct KLoop {
 #pragma unroll
         for (int h = 0; h < 2; ++h) ws[a][h] = __ldg(sc.w[a][h] + kk);
       mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS);
-      const u32 st = ring.base + ring.stage * STAGE_BYTES, ts = sc.t + ring.stage * SCALE_SLOT;
+      const u32 st = ring.base + ring.stage * STAGE_BYTES;
+      float2 ts[R / 4];   // tokens 8i + 2 (lane % 4) + 0, 1: read while the first product runs
 #pragma unroll
       for (int a = 0; a < 2; ++a) {
         float part[R];
         wgmma_fence();
         mma_stage<R>(part, st + (2 * wg + a) * W_BOX, st + NBOX * W_BOX);
         wgmma_commit();
+        if (a == 0)
+#pragma unroll
+          for (int i = 0; i < R / 4; ++i) ts[i] = ld_shared_f2(sc.t + ring.stage * SCALE_SLOT + 32 * i);
         wgmma_wait<0>();
         fence_regs(part);
+        if (a == 1) {   // (every lane has read the stage's scales and both products' operands)
+          __syncwarp();
+          if (lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
+        }
         float (&acc)[ACC] = a ? acc1 : acc0;
 #pragma unroll
-        for (int i = 0; i < R / 4; ++i) {   // registers 4i + j: token 8i + 2 (lane % 4) + j % 2, row lo + 8 (j / 2)
-          const float2 t = ld_shared_f2(ts + 32 * i);
+        for (int i = 0; i < R / 4; ++i)   // registers 4i + j: token 8i + 2 (lane % 4) + j % 2, row lo + 8 (j / 2)
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            acc[4 * i + j] = fmaf(part[4 * i + j], ws[a][j / 2] * (j % 2 ? t.y : t.x), acc[4 * i + j]);
-        }
+            acc[4 * i + j] = fmaf(part[4 * i + j], ws[a][j / 2] * (j % 2 ? ts[i].y : ts[i].x), acc[4 * i + j]);
       }
-      __syncwarp();   // (every lane's reads of the stage's scales before the stage goes back)
-      if (lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
       ring.advance();
     }
 #else
