@@ -15,7 +15,9 @@ where a batch is small, e.g. B = 1).
 
 `--kv-dtype fp8` sweeps the builds over an e4m3 cache (per-tensor scales; `FP8_VARIANTS`: warps and ring depth
 over the default FP8 build, whose rings hold as many bytes in flight per warp as the 16-bit build's and which was
-never swept): whether more warps or deeper rings lift it towards the read ceiling.
+never swept): whether more warps or deeper rings lift it towards the read ceiling; and (`FP8_COSTS`) the planner's
+cost model with its token counts doubled: they were fitted on 16-bit caches, where a token is twice an FP8 one's
+bytes, so over FP8 a piece's fixed cost is worth twice the tokens.
 """
 from __future__ import annotations
 
@@ -60,6 +62,13 @@ FP8_VARIANTS = {
     "w12 s2": dict(num_warps=12, num_stages=2),
     "w12 s3": dict(num_warps=12, num_stages=3),
     "w8 s3 tma": dict(num_warps=8, num_stages=3, tma=True),
+}
+
+
+# --kv-dtype fp8: name -> DecodeCost fields over the default cost model, on the default FP8 build
+FP8_COSTS = {
+    "o256": dict(item_overhead_tokens=256),
+    "o256 m256": dict(item_overhead_tokens=256, min_split_tokens=256, min_cta_tokens=256),
 }
 
 
@@ -133,7 +142,10 @@ def main() -> int:
     if fp8 and (args.q_len > 1 or args.costs):
         p.error("--kv-dtype fp8 sweeps q_len 1 builds only")
     if fp8:
-        options = {name: dict(kernel_config=cfg) for name, cfg in fp8_configs().items()}
+        cfgs = fp8_configs()
+        options = {name: dict(kernel_config=cfg) for name, cfg in cfgs.items()}
+        options.update({name: dict(kernel_config=cfgs["default"], cost=dataclasses.replace(DecodeCost(), **f))
+                        for name, f in FP8_COSTS.items()})
     elif args.q_len > 1 and args.costs:
         options = {name: dict(cost=cost) for name, cost in multi_token_costs(args.q_len).items()}
     elif args.q_len > 1:

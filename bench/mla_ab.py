@@ -28,7 +28,7 @@ worker_tree_first(REPO)
 
 
 def worker(batches: list[int], dists: list[str], check: bool, seed: int, kv_dtype: str = "bf16",
-           schedule: str = "split", block_tokens: int = 0) -> dict[str, dict[str, float]]:
+           schedule: str = "split", block_tokens: int = 0, num_stages: int = 0) -> dict[str, dict[str, float]]:
     """Time the meld on the path on bench/mla.py's cases (µs, graph replay median)."""
     import torch
 
@@ -39,7 +39,8 @@ def worker(batches: list[int], dists: list[str], check: bool, seed: int, kv_dtyp
     for b in batches:
         for dist in dists:
             inp = make_inputs(Case(b, dist), seed, kv_dtype=kv_dtype)
-            impl = build_meld(inp, schedule=schedule, fp8=kv_dtype == "fp8", block_tokens=block_tokens or None)
+            impl = build_meld(inp, schedule=schedule, fp8=kv_dtype == "fp8", block_tokens=block_tokens or None,
+                              num_stages=num_stages)
             if check:
                 _, _, problems = check_impl(impl, reference(inp))
                 if problems:
@@ -62,11 +63,15 @@ def main() -> int:
                    help="the build both sides time (MlaKernelConfig(schedule=...))")
     p.add_argument("--block-tokens", type=int, choices=(0, 32, 64), default=0,
                    help="the bf16 build's KV block on both sides (0: its default)")
+    p.add_argument("--new-num-stages", type=int, default=0,
+                   help="the new side's bf16 ring stages (MlaKernelConfig.num_stages; 0: its default); the base side "
+                        "keeps its default, so --base . times a stage count against the default")
+    p.add_argument("--num-stages", type=int, default=0, help=argparse.SUPPRESS)   # (a worker's: its side's)
     add_tree_arguments(p)
     args = p.parse_args()
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed, args.kv_dtype,
-                                                    args.schedule, args.block_tokens)))
+                                                    args.schedule, args.block_tokens, args.num_stages)))
         return 0
     sides = {"base": args.base, "new": REPO}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
@@ -74,6 +79,7 @@ def main() -> int:
         "--batches", *map(str, args.batches), "--dists", *args.dists,
         "--seed", str(args.seed), "--kv-dtype", args.kv_dtype, "--schedule", args.schedule,
         "--block-tokens", str(args.block_tokens), "--out", out,
+        *(["--num-stages", str(args.new_num_stages)] if side == "new" and args.new_num_stages else []),
         *(["--check"] if r == 0 else [])])
     if runs is None:
         return 1

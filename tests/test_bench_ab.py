@@ -13,6 +13,8 @@ SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
     "mla_ab fp8": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8"],
     "mla_ab seesaw": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--schedule", "seesaw"],
     "mla_ab b32": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--block-tokens", "32"],
+    "mla_ab fp8 s3": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8",
+                      "--new-num-stages", "3"],
     "moe_ab": ["--base-tree", "BASE", "--tokens", "1", "16"],
     "moe_ab fp8": ["--base-tree", "BASE", "--tokens", "128", "--fp8"],
     "tp_ab": ["--base", "BASE", "--world", "1"],
@@ -44,10 +46,13 @@ def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_
         monkeypatch.setattr(sys, "argv", cmd[1:])
         assert mod.main() == 0, cmd
     assert len(calls) == 2
-    if name.startswith("mla_ab"):   # the worker times the build asked for: (..., kv_dtype, schedule, block_tokens)
+    if name.startswith("mla_ab"):   # the worker times the build asked for: (..., kv_dtype, schedule, block_tokens,
+        # num_stages), the new side's stage count on the new side only
         want = {"mla_ab": ("bf16", "split", 0), "mla_ab fp8": ("fp8", "split", 0),
-                "mla_ab seesaw": ("bf16", "seesaw", 0), "mla_ab b32": ("bf16", "split", 32)}
-        assert all(c[-3:] == want[name] for c in calls), calls
+                "mla_ab seesaw": ("bf16", "seesaw", 0), "mla_ab b32": ("bf16", "split", 32),
+                "mla_ab fp8 s3": ("fp8", "split", 0)}
+        assert all(c[-4:-1] == want[name] for c in calls), calls
+        assert [c[-1] for c in calls] == ([0, 3] if name.endswith("s3") else [0, 0]), calls
     if name == "moe_ab fp8":   # the FP8 experts on both sides
         assert all(c[-1] is True for c in calls)
 

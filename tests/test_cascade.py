@@ -670,7 +670,7 @@ def test_the_grouped_builds_differ_in_name_and_the_warp_build_is_the_default():
     assert GroupedKernelConfig().split_stream == "warp" and "#define MELD_SPLIT_WARP 1" in GroupedKernelConfig().render()
     assert "#define MELD_SPLIT_WARP 1" not in GroupedKernelConfig(split_stream="cta").render()
     warp = {d: GroupedKernelConfig("bfloat16", d, split_stream="warp") for d in (64, 128, 256)}
-    assert [(warp[d].split_warps, warp[d].warp_stages) for d in (64, 128, 256)] == [(8, 4), (8, 2), (4, 2)]
+    assert [(warp[d].split_warps, warp[d].warp_stages) for d in (64, 128, 256)] == [(8, 4), (8, 3), (4, 2)]
     with pytest.raises(ValueError, match="split_stream='tile'"):
         GroupedKernelConfig(split_stream="tile")
     with pytest.raises(ValueError, match="split_stream must be one of"):

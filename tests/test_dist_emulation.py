@@ -3,12 +3,14 @@ cross-rank operators over emulated ranks (sequence-parallel decode, the row-para
 all-reduce, expert-parallel MoE). Under random landing order and delays each result equals the
 single-rank execution bit for bit and loses nothing; a transport that lets a count overtake its data is
 caught."""
+import threading
+
 import numpy as np
 import pytest
 import torch
 
-from meld.distributed import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, seq_parallel_decode,
-                       shard_batch)
+from meld.distributed import (EmulatedTransport, rank_partials, ranked_decode_schedule, row_parallel_matmul, run_ranks,
+                              seq_parallel_decode, shard_batch)
 from meld.distributed.transport import FakeClock
 from meld.runtime.reference import attention_reference, merge_partials
 from meld.workloads import paged
@@ -94,6 +96,48 @@ def test_a_stuck_operation_names_itself():
     with pytest.raises(TimeoutError, match="rank 1: 1 operations did not land"):
         tr.quiet(1)
 
+
+
+def test_an_observer_sees_every_state_and_a_waits_condition_raises_in_its_rank():
+    """observe: the condition runs right after each landing, whatever the threads' timing, so a counter that 50
+    signals raise one at a time is seen at every value 0..50 (a condition evaluated when its thread wakes would
+    skip values the proxy landed meanwhile). wait_for: what the condition raises is raised in the waiting rank,
+    and the proxy goes on landing."""
+    tr = _transport(2, seed=1, max_delay=1e-5)
+    n = tr.window("n", (1,), np.int64, 0)
+    seen: list[int] = []
+
+    def count() -> bool:
+        if not seen or seen[-1] != int(n[1][0]):
+            seen.append(int(n[1][0]))
+        return seen[-1] == 50
+    try:
+        tr.observe(count)
+        for _ in range(50):
+            tr.signal(0, 1, "n", 0, 1)
+        tr.quiet(0)
+        assert seen == list(range(51))
+        raised, waiting = [], threading.Event()
+
+        def ready():   # (first run in rank 1's thread as it starts waiting; it raises in the proxy's, at signal 51)
+            waiting.set()
+            return None if n[1][0] < 51 else 1 // 0
+
+        def rank(r: int) -> None:
+            if r == 0:   # (only once rank 1 waits: the landing, and so the raise, is the proxy thread's)
+                waiting.wait()
+                tr.signal(0, 1, "n", 0, 1)
+                return
+            try:
+                tr.wait_for(1, ready, "a condition that raises")
+            except ZeroDivisionError as e:
+                raised.append(e)
+        run_ranks(2, rank)
+        assert len(raised) == 1
+        tr.signal(0, 1, "n", 0, 1)
+        assert tr.wait_for(1, lambda: int(n[1][0]) if n[1][0] == 52 else None, "the 52nd signal") == 52
+    finally:
+        tr.close()
 
 # --- sequence-parallel decode ------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [2, 3])
@@ -445,9 +489,10 @@ def test_one_launch_ep_moe_routes_router_logits_as_meld_moe_does():
 
 
 def test_one_launch_ep_moe_serves_and_combines_without_waiting_for_a_late_rank():
-    """Rank 2's launch is held back until rank 0 has combined a token: rank 1 serves rank 0's pairs and rank 0
-    combines its tokens whose experts live on ranks 0 and 1 before rank 2 has dispatched anything (a tile starts
-    on its source's count, a token combines on its own tiles: no barrier); then every result is exact."""
+    """Rank 2's launch is held back until rank 0 has combined token 0, whose experts live on ranks 0 and 1: rank 1
+    serves rank 0's pairs and rank 0 combines that token before rank 2 has dispatched anything (a tile starts on
+    its source's count, a token combines on its own tiles: no barrier); then every result is exact. (Rank 0's
+    other tokens may combine earlier or later: only token 0's order is fixed, so nothing here depends on timing.)"""
     import threading
 
     from meld.distributed.ep_moe import one_launch_ep_moe, single_rank_reference
@@ -459,13 +504,13 @@ def test_one_launch_ep_moe_serves_and_combines_without_waiting_for_a_late_rank()
     class Log(list):
         def append(self, item):
             super().append(item)
-            if item[1] == 0 and item[2] == "combine":
+            if item[1:] == (0, "combine", 0):
                 release.set()
 
     class HeldRank(EmulatedTransport):
         def _issue(self, src, *args, **kw):
             if src == 2:
-                assert release.wait(10), "rank 0 combined nothing while rank 2 was held"
+                assert release.wait(10), "rank 0 did not combine token 0 while rank 2 was held"
             super()._issue(src, *args, **kw)
 
     log = Log()
@@ -475,9 +520,10 @@ def test_one_launch_ep_moe_serves_and_combines_without_waiting_for_a_late_rank()
     finally:
         tr.close()
     events = [(r, what, d) for _, r, what, d in log]
-    first_combine = next(i for i, e in enumerate(events) if e[:2] == (0, "combine"))
-    assert (0, "count", 2) in events[first_combine:], "rank 0 heard rank 2 before it combined a token"
-    assert any(e[:2] == (0, "tile") and e[2][0] == 1 for e in events[:first_combine]), "no tile of rank 1 first"
+    combined0 = events.index((0, "combine", 0))
+    assert (0, "count", 2) in events[combined0:], "rank 0 heard rank 2 before it combined token 0"
+    assert not any(e[:2] == (2, "tile") for e in events[:combined0]), "rank 2 served a tile while it was held"
+    assert any(e[:2] == (1, "tile") and e[2][0] == 0 for e in events[:combined0]), "rank 1 served none of rank 0's"
     for r in range(3):
         assert np.array_equal(ys[r], single_rank_reference(xs[r], ids[r], wts[r], w13, w2)), f"rank {r}"
 

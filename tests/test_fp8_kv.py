@@ -494,11 +494,18 @@ def test_decode_sweep_fp8_variants_are_distinct_builds_that_fit_and_compile():
     from bench.decode_sweep import fp8_configs
     from meld.codegen.compiler import compile_nvcc
 
+    from bench.decode_sweep import FP8_COSTS
+    from meld.scheduler import DecodeCost
+
     cfgs = fp8_configs()
     assert list(cfgs)[0] == "default" and cfgs["default"].kv_dtype == "float8_e4m3fn"
     assert len({c.name for c in cfgs.values()}) == len(cfgs)
     for cfg in cfgs.values():
         meld.DecodeAttention(32, 8, 128, 16, BF16, "cpu", kv_dtype=FP8, kernel_config=cfg)
+    costs = [dataclasses.replace(DecodeCost(), **f) for f in FP8_COSTS.values()]   # (the cost variants' models)
+    assert len({*costs, DecodeCost()}) == len(costs) + 1
+    for cost in costs:
+        meld.DecodeAttention(32, 8, 128, 16, BF16, "cpu", kv_dtype=FP8, kernel_config=cfgs["default"], cost=cost)
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
     for name in ("w8 s5", "w12 s3"):   # the deepest ring and the most warps

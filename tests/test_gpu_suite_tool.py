@@ -91,23 +91,49 @@ def test_a_worker_killed_at_the_budget_still_reports_what_it_ran(tmp_path, monke
 
 def test_a_sticky_cuda_error_stops_its_worker_and_the_rest_go_on_in_a_fresh_one(tmp_path, monkeypatch, capsys):
     """A test that loses its process's CUDA context (here a stand-in raising torch's message) stops its worker
-    (tests/conftest.py's hook); the tests it had not reached run in a new worker and count, instead of failing
-    one after another in the lost process."""
+    (tests/conftest.py's hook); the tests it had not reached (of other files) run in a new worker and count,
+    instead of failing one after another in the lost process."""
     (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_makereport  # noqa: F401\n")
-    f = tmp_path / "test_crash_stand_in.py"
+    f, g = tmp_path / "test_crash_stand_in.py", tmp_path / "test_after_it.py"
     f.write_text(textwrap.dedent("""\
         def test_ok(): pass
         def test_crash(): raise RuntimeError("CUDA error: unspecified launch failure")
+        """))
+    g.write_text(textwrap.dedent("""\
         def test_after(): pass
         def test_later(): assert 1 + 1 == 2
         """))
-    ids = [f"{f}::test_ok", f"{f}::test_crash", f"{f}::test_after", f"{f}::test_later"]
+    ids = [f"{f}::test_ok", f"{f}::test_crash", f"{g}::test_after", f"{g}::test_later"]
     monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids, ""), suite.ALONE: ([], "")})
     rc = suite.main(["--workers", "1", "--out", str(tmp_path / "out"), "--durations", str(tmp_path / "none.json")])
     out = capsys.readouterr().out
     assert rc == 1
     assert "stopped at a sticky CUDA error in " in out and "its 2 remaining tests go on in worker 1" in out
     assert "FAIL -- 4 collected, 3 passed, 1 failed, 0 skipped" in out
+    assert "did not report" not in out
+
+
+def test_the_rest_of_a_crashed_file_is_held_back_and_named_while_other_files_go_on(tmp_path, monkeypatch, capsys):
+    """After a sticky CUDA error, the crashed test's file's remaining tests (here one dealt to the shared workers and
+    one run alone) are not run, each in a fresh worker that it would crash again, but named as held back; the other
+    files' remaining tests go on in the fresh worker and count."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_makereport  # noqa: F401\n")
+    f, g = tmp_path / "test_crash_stand_in.py", tmp_path / "test_other_file.py"
+    f.write_text(textwrap.dedent("""\
+        def test_crash(): raise RuntimeError("CUDA error: an illegal instruction was encountered")
+        def test_same_file(): raise RuntimeError("CUDA error: an illegal instruction was encountered")
+        def test_same_file_alone(): pass
+        """))
+    g.write_text("def test_other(): pass\n")
+    shared = [f"{f}::test_crash", f"{f}::test_same_file", f"{g}::test_other"]
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (shared, ""),
+                                                                  suite.ALONE: ([f"{f}::test_same_file_alone"], "")})
+    rc = suite.main(["--workers", "1", "--out", str(tmp_path / "out"), "--durations", str(tmp_path / "none.json")])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "its 1 remaining tests go on in worker 1 (1 of crashed files held back)" in out
+    assert "FAIL 2 tests of test_crash_stand_in.py not run: " in out and "test_crash lost its worker's CUDA" in out
+    assert "FAIL -- 4 collected, 1 passed, 1 failed, 0 skipped" in out
     assert "did not report" not in out
 
 

@@ -2,7 +2,8 @@
 which warp takes which tile of which split task, its ring's stages (each tile issued into a stage whose last
 tile was read, and read only once it is the tile the loop expects), the cursor's run-ahead into the CTA's next
 split task and its stop at a task of more rows, the zero-filled and masked partial last tile, each warp's
-online softmax and the merge of the warps' states, then the count-fired merge of the events (after each task, or
+online softmax, its stash in the stage of its ring it read last (which must hold no unread tile) and the merge
+of the warps' states, then the count-fired merge of the events (after each task, or
 with `defer`, GroupedKernelConfig(defer_split_events=True), a split task's count after the CTA's last task, GT tasks
 a round; with `direct`, direct_single_part=True, a split task that is its event's one part writes the output and
 never counts). Checked against float64 attention on random batches, and shown to fail when the walk drops a tile."""
@@ -31,11 +32,13 @@ SHAPES = sorted({(c.split_warps, c.warp_stages) for c in (GroupedKernelConfig("b
 
 class Walk:
     """The warp build's run() over one launch's tables, the kernel's names where it has them. `drop_partial`
-    breaks it on purpose: a tile with fewer than 16 tokens is not attended. `defer`: the split tasks count at
+    breaks it on purpose: a tile with fewer than 16 tokens is not attended; so does `stash_at` other than the kernel's
+    -1 (the stage a warp read last), counted from the stage it reads next. `defer`: the split tasks count at
     their events after the CTA's last task (MELD_DEFER_SPLIT_EVENTS); `direct`: a split task that is its event's one
     part writes the output (MELD_DIRECT_SINGLE_PART)."""
 
-    def __init__(self, plan, order, q, kv, sm_scale, warps, stages, drop_partial=False, defer=False, direct=False):
+    def __init__(self, plan, order, q, kv, sm_scale, warps, stages, drop_partial=False, defer=False, direct=False,
+                 stash_at=-1):
         caps = grown({}, _launch_need(plan, order, profile=False))
         layout = LaunchLayout.of(caps)
         self.lt = layout.views(np.zeros(layout.size, dtype=np.int32))
@@ -47,6 +50,7 @@ class Walk:
         self.q, self.kv = q.double().numpy(), kv.double().numpy()
         self.scale = sm_scale * LOG2E
         self.warps, self.stages, self.drop_partial, self.defer, self.direct = warps, stages, drop_partial, defer, direct
+        self.stash_at = stash_at
         self.merged = np.zeros(self.num_events, dtype=np.int64)   # merges (or direct writes) of each event: one each
         self.direct_writes = 0
         self.run_ahead = 0   # tiles a warp issued for a task before that task began (the cursor ran ahead)
@@ -166,7 +170,12 @@ class Walk:
                             cs[w] = (cs[w] + 1) % self.stages
                             valid -= self.warps * GT
                         states.append(st)
-                    m = np.max([s["m"] for s in states], axis=0)   # merge_warps
+                        stash = (cs[w] + self.stash_at) % self.stages   # (its O over that stage until the merge)
+                        assert rings[w][stash] is None or rings[w][stash]["read"], f"warp {w}: stash over a live tile"
+                        rings[w][stash] = {"task": "stash", "read": False}
+                    for w in range(self.warps):   # merge_warps reads the stashes; its barrier frees them
+                        rings[w][(cs[w] + self.stash_at) % self.stages]["read"] = True
+                    m = np.max([s["m"] for s in states], axis=0)
                     base = np.where(np.isneginf(m), 0.0, m)
                     c = [np.exp2(s["m"] - base) for s in states]
                     l = sum(cw * s["l"] for cw, s in zip(c, states))
@@ -254,3 +263,34 @@ def test_a_walk_that_drops_the_partial_last_tile_is_caught(shape):
     _, (got_o, got_l), (want_o, want_l) = walk(*CASES[1], shape, drop_partial=True)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(got_o, want_o, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"w{s[0]}s{s[1]}")
+def test_a_stash_over_the_stage_read_next_is_caught(shape):
+    """The stash's check can fail: a warp that stashed over the stage it reads next (a tile of the next split task,
+    issued ahead) would overwrite a live tile."""
+    with pytest.raises(AssertionError, match="stash over a live tile"):
+        walk(*CASES[1], shape, stash_at=0)
+
+
+def ring_reuse(stages: int, ahead: int, lag: int, steps: int = 40) -> None:
+    """stream()'s CTA ring (tasks of more rows): chunk c + ahead is issued at step c, after the step's barrier, into
+    stage (c + ahead) % stages; chunk c is read at step c (its scores) and, `lag` steps on, by its P.V (the wgmma
+    build's, issued behind the next chunk's scores and waited for within that step). Asserts no stage is rewritten
+    while a chunk in it may still be read: its last read's step must be over, i.e. before c."""
+    held = {c % stages: c for c in range(ahead)}   # stage -> chunk (the prologue's issues)
+    for c in range(steps):
+        assert held[c % stages] == c, f"step {c}: chunk {c} was never issued"
+        stage = (c + ahead) % stages
+        old = held.get(stage)
+        assert old is None or old + lag < c, f"step {c}: chunk {c + ahead} over chunk {old}, read until step {old + lag}"
+        held[stage] = c + ahead
+
+
+@pytest.mark.parametrize("head_dim,prefix_mma", [(64, "mma"), (128, "mma"), (256, "mma"), (64, "wgmma"), (128, "wgmma")])
+def test_the_cta_ring_never_rewrites_a_chunk_still_read(head_dim, prefix_mma):
+    cfg = GroupedKernelConfig("bfloat16", head_dim, split_stream="warp", prefix_mma=prefix_mma)
+    assert f"#define CHUNKS_AHEAD {cfg.chunks_ahead}" in cfg.render()
+    ring_reuse(cfg.stages, cfg.chunks_ahead, lag=int(prefix_mma == "wgmma"))
+    with pytest.raises(AssertionError, match="read until step"):   # (the check can fail: one chunk further ahead)
+        ring_reuse(cfg.stages, cfg.chunks_ahead + 1, lag=int(prefix_mma == "wgmma"))

@@ -22,7 +22,8 @@ SCALE = 192 ** -0.5
 @pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50),
                                  MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn"),
-                                 MlaKernelConfig.for_cache("float8_e4m3fn", profile=True)],
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", profile=True),
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=3)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
     """No spills, and no wgmma that ptxas serialises (C7520: a wgmma in flight across divergent code)."""

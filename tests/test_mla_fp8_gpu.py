@@ -28,9 +28,10 @@ def _run(mla, qn, qp, cache, kv_scale=KV_SCALE):
     return out, lse
 
 
-def _check(lens, H=128, P=64, q_len=1, seed=0, kv_scale=KV_SCALE):
+def _check(lens, H=128, P=64, q_len=1, seed=0, kv_scale=KV_SCALE, kernel_config=None):
     pb, qn, qp, cache = fp8_inputs(lens, H, P, seed, "cuda", q_len, kv_scale)
-    mla = meld.DecodeMLA(H, P, torch.bfloat16, "cuda", sm_scale=SCALE, kv_dtype=E4M3, q_len=q_len)
+    mla = meld.DecodeMLA(H, P, torch.bfloat16, "cuda", sm_scale=SCALE, kv_dtype=E4M3, q_len=q_len,
+                         kernel_config=kernel_config)
     mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
     assert_gpu_plan_matches_host(mla)
     out, lse = _run(mla, qn, qp, cache, kv_scale)
@@ -49,6 +50,18 @@ def _check(lens, H=128, P=64, q_len=1, seed=0, kv_scale=KV_SCALE):
 @pytest.mark.parametrize("B,dist", [(16, "uniform2k"), (64, "skewed"), (16, "one-long"), (128, "one-long")])
 def test_bench_batches(B, dist):
     _check(lengths(dist, B))
+
+
+@pytest.mark.parametrize("B,dist", [(16, "one-long"), (64, "skewed")])
+def test_three_bf16_stages_and_two_staging_stages(B, dist):
+    """MlaKernelConfig.for_cache(num_stages=3): a third converted stage, the staging ring down to two (the same
+    shared memory; bench/mla_ab.py --kv-dtype fp8 --new-num-stages 3 times it)."""
+    from meld.codegen.mla_kernel import MlaKernelConfig
+
+    cfg = MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=3)
+    assert (cfg.stages, cfg.raw_stages) == (3, 2)
+    mla, *_ = _check(lengths(dist, B), kernel_config=cfg)
+    assert mla.kernel_config == cfg
 
 
 def test_ragged_with_empty_requests_and_block_edges():

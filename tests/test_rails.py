@@ -116,33 +116,35 @@ def test_relay_gathers_its_nodes_data_into_one_rail_stream():
 
 def _signalled_blocks(tr, n=1500, seed=0):
     """Every rank puts a block of n values to every other, then a signal behind it, all issued at one modelled
-    instant (`hold`: the schedule is the transport's, not the threads' timing). Each rank waits for each signal
-    and reads the block at the instant the signal lands (under the transport's lock): the blocks whose data was
-    not all there."""
+    instant (`hold`: the schedule is the transport's, not the threads' timing). An observer registered before
+    anything lands looks at every state the windows pass through: the (source, destination) pairs whose block
+    was not all there when its signal landed."""
     W = tr.world
     rng = np.random.default_rng(seed)
     vals = rng.standard_normal((W, n))
-    tr.window("blk", (W, n), np.float64, np.nan)
-    tr.window("sig", (W,), np.int64, 0)
-    early = []
-    with tr.hold():
-        for r in range(W):
-            for d in range(W):
-                if d != r:
-                    tr.put(r, d, "blk", r, vals[r])
-                    tr.signal(r, d, "sig", r, 1)
+    blk = tr.window("blk", (W, n), np.float64, np.nan)
+    sig = tr.window("sig", (W,), np.int64, 0)
+    early, open_pairs = [], {(s, d) for s in range(W) for d in range(W) if s != d}
 
-    def main(r):
-        for s in range(W):
-            if s != r:
-                seen = tr.wait_for(r, lambda: tr.get(r, r, "blk", s) if tr.get(r, r, "sig", s) else None, "signal")
-                if not np.array_equal(seen, vals[s]):
-                    early.append((s, r))
-        tr.quiet(r)
+    def seen() -> bool:   # (under the lock, right after each landing: the windows as they are at that instant)
+        for s, d in sorted(open_pairs):
+            if sig[d][s]:
+                open_pairs.discard((s, d))
+                if not np.array_equal(blk[d][s], vals[s]):
+                    early.append((s, d))
+        return not open_pairs
     try:
-        run_ranks(W, main)
+        with tr.hold():
+            for r in range(W):
+                for d in range(W):
+                    if d != r:
+                        tr.put(r, d, "blk", r, vals[r])
+                        tr.signal(r, d, "sig", r, 1)
+            tr.observe(seen)   # (held: nothing has landed yet)
+        run_ranks(W, tr.quiet)
     finally:
         tr.close()
+    assert not open_pairs, f"signals that never landed: {sorted(open_pairs)}"
     return early
 
 
@@ -151,8 +153,8 @@ def test_a_signal_lands_behind_its_data_across_relays_and_a_broken_relay_is_caug
     """Every signal lands after the whole block before it, relayed or not (hierarchical and flat). A relay that
     sends a signal ahead of the data it still holds for that peer lets it land first: some cross-rail pair
     reads a block still in flight, and only those. (Rails slower than NVLink, so a relay holds data when the
-    signal reaches it; unordered, the signal then lands anywhere among it: 2 to 4 of the 4 pairs caught in
-    each of 12 runs measured, ordered always 4.)"""
+    signal reaches it; unordered, the signal then lands anywhere among it.) The observer sees every landing, so
+    the outcome is the transport's seeded schedule's alone, the same in every run."""
     slow = dataclasses.replace(TOPO, rail=Link(1e-6, 5e9))
     cross = {(s, d) for s in range(4) for d in range(4) if len(TOPO.route(s, d)) == 3}
     for seed in range(2):

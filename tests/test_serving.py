@@ -353,9 +353,33 @@ def test_moe_meld_cpu_matches_torch_pipeline():
     w = model.layers[0]
     x = torch.randn(37, cfg.hidden_size).bfloat16()
     logits = (x @ w.router.T).float()
-    meld_out = MeldMoE(cfg, "cpu", 64)(x, logits, w.w13, w.w2)
-    torch_out = TorchMoE(cfg.top_k)(x, logits, w.w13, w.w2)
+    meld_out = MeldMoE(cfg, "cpu", 64)(x, logits, (w.w13, w.w2))
+    torch_out = TorchMoE(cfg.top_k)(x, logits, (w.w13, w.w2))
     assert rel(meld_out, torch_out) < 1e-2
+
+
+def test_fp8_experts_are_block_scaled_and_torch_runs_what_they_stand_for():
+    """moe_dtype="fp8": each layer's experts in e4m3 with a scale per 128 x 128 block, which meld's MoE reads; the
+    bf16 w13 / w2 (torch's MoE) are their dequantised values. The two MoEs then differ by meld's activation
+    quantisation alone (x and act per token per 128 channels in e4m3: a few percent)."""
+    from meld.runtime.moe_reference import dequantize_blocks
+
+    cfg = tiny_config("qwen3-moe", moe_dtype="fp8")
+    model = DecoderModel(cfg, "cpu", moe="meld")
+    w = model.layers[1]
+    q13, q2, s13, s2 = w.fp8
+    assert q13.dtype == q2.dtype == torch.float8_e4m3fn and s13.shape == (8, 2, 2) and s2.shape == (8, 2, 1)
+    assert torch.equal(w.w13, dequantize_blocks(q13, s13).bfloat16()) and model.moe_weights(w) is w.fp8
+    x = torch.randn(37, cfg.hidden_size).bfloat16()
+    logits = (x @ w.router.T).float()
+    meld_out = model.moe(x, logits, model.moe_weights(w))
+    model.use_moe("torch")
+    torch_out = model.moe(x, logits, model.moe_weights(w))
+    assert model.moe_name == "torch" and 1e-3 < rel(meld_out, torch_out) < 8e-2
+    with pytest.raises(ValueError, match="moe_dtype must be one of"):
+        tiny_config("qwen3-moe", moe_dtype="int4")
+    with pytest.raises(ValueError, match="needs MoE layers"):
+        tiny_config("llama", moe_dtype="fp8")
 
 
 def test_trace_is_seeded_and_skewed():
@@ -513,6 +537,22 @@ def test_cli_serve_bench_on_the_cpu(model, capsys, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the defaults are the full-size model")
+def test_cli_serve_bench_fp8_experts_on_the_cpu(capsys, tmp_path):
+    """--moe-dtype fp8: meld's FP8 MoE in the loop, checked against SDPA with torch's MoE on the dequantised experts,
+    under the FP8 default tolerance (its activation quantisation)."""
+    out = tmp_path / "rows.json"
+    argv = ["serve-bench", "--model", "qwen3-moe", "--moe-dtype", "fp8", "--backend", "meld,sdpa", "--max-batch",
+            "2", "--steps", "3", "--check", "--check-steps", "2", "--samples", "1", "--json", str(out)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "(FP8 block-scaled experts)" in text and text.count("| OK rel err") == 2
+    doc = json.loads(out.read_text())
+    assert [(r["backend"], r["moe"]) for r in doc["rows"]] == [("meld", "meld-fp8"), ("sdpa", "torch")]
+    assert doc["meta"]["check_tolerance"] == 8e-2 and doc["meta"]["config"]["moe_dtype"] == "fp8"
+    assert all(r["check_ok"] and r["steps"] == 3 for r in doc["rows"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the defaults are the full-size model")
 def test_cli_serve_bench_deepseek_on_the_cpu(capsys, tmp_path):
     """The DeepSeek model (MLA + MoE) through the loop on the CPU executor, meld and SDPA, each checked."""
     out = tmp_path / "rows.json"
@@ -567,6 +607,8 @@ def test_cli_serve_bench_fails_clearly(capsys):
     _fails(["serve-bench", "--model", "deepseek", "--backend", "flashmla", "--page-size", "16"], capsys,
            "--backend", "page size 64 only, got 16")
     _fails(["serve-bench", "--page-size", "0"], capsys, "--page-size")
+    _fails(["serve-bench", "--moe-dtype", "fp8"], capsys, "--moe-dtype", "need an MoE model", "--model llama")
+    _fails(["serve-bench", "--moe-dtype", "e5m2"], capsys, "--moe-dtype", "'e5m2'")
 
 
 def test_cli_serve_bench_reports_pool_errors(capsys):
@@ -684,11 +726,12 @@ def test_gpu_flashinfer_matches_meld(backend):
 @pytest.mark.gpu
 @pytest.mark.cublas_output   # the model's projections feed meld
 def test_gpu_serve_bench_full_size_smoke(capsys):
-    """The full-size models for a few steps through the CLI, graphs on, checked against SDPA."""
-    for model in ("llama", "qwen3-moe"):
+    """The full-size models for a few steps through the CLI, graphs on, checked against SDPA (qwen3-moe also with
+    FP8 experts)."""
+    for model, experts in (("llama", "bf16"), ("qwen3-moe", "bf16"), ("qwen3-moe", "fp8")):
         argv = ["serve-bench", "--model", model, "--backend", "meld,sdpa", "--max-batch", "8", "--requests", "12",
                 "--steps", "6", "--layers", "1", "--check", "--check-steps", "2", "--samples", "2",
-                "--kv-pages", "20000"]
+                "--kv-pages", "20000", *(["--moe-dtype", experts] if experts != "bf16" else [])]
         assert cli.main(argv) == 0, capsys.readouterr().out
 
 

@@ -21,7 +21,10 @@ reasons listed (on one GPU the two-GPU tests skip, saying so), so a skip is neve
 
 A test that leaves its process's CUDA context lost (a crashed kernel: "unspecified launch failure", an illegal
 address) would fail every test after it in that worker; tests/conftest.py stops the worker there ("sticky CUDA
-error"), and the tests it had not reached go on in a fresh worker process, within the budget.
+error"), and the tests it had not reached go on in a fresh worker process, within the budget -- except the rest of
+the crashed test's file, which are held back and reported as not run: a broken kernel usually breaks every test
+of its file, and each would cost a fresh worker its start and CUDA context (2026-12-05: one broken FP8 MoE kernel
+restarted workers 34 times and left the budget short of 76 other tests).
 
 Why not pytest-xdist alone: its scheduling knows nothing of durations, and a few two-rank tests take minutes
 while most take seconds; dealt by measured seconds, those start first and the workers end together.
@@ -59,6 +62,14 @@ class Worker:
 
 
 SHARED, ALONE = "gpu and not (trap or whole_gpu)", "gpu and (trap or whole_gpu)"   # (dealt to workers / run alone)
+
+
+@dataclass
+class Crashes:
+    """Test files one of whose tests lost a worker's CUDA context: the first such test of each, and the file's tests
+    then held back instead of run."""
+    first: dict[str, str] = field(default_factory=dict)        # file name -> the test that crashed first
+    held: dict[str, list[str]] = field(default_factory=dict)   # file name -> its tests not run
 
 
 def deal_lpt(ids: list[str], seconds: dict[str, float], workers: int) -> list[Worker]:
@@ -106,9 +117,15 @@ def _file_and_test(node_id: str) -> str:
     return f"{Path(path).name}::{test}"
 
 
-def run(pool: list[Worker], todo: list[Worker], extra: list[str], outdir: Path, budget: float) -> None:
+def _file(node_id: str) -> str:
+    return Path(node_id.partition("::")[0]).name
+
+
+def run(pool: list[Worker], todo: list[Worker], extra: list[str], outdir: Path, budget: float,
+        crashes: Crashes) -> None:
     """Runs `todo` (workers of `pool`) to their ends or the budget's; a worker stopped by a sticky CUDA error
-    hands the tests it had not reached to a new worker, appended to `pool`."""
+    hands the tests it had not reached to a new worker, appended to `pool`, but for those of a file that crashed
+    a worker (`crashes`: recorded and held back)."""
     procs = {}
 
     def start(w: Worker) -> None:
@@ -145,11 +162,22 @@ def run(pool: list[Worker], todo: list[Worker], extra: list[str], outdir: Path, 
             done = {_file_and_test(i) for i in c.reported}
             rest = [i for i in w.ids if _file_and_test(i) not in done]
             if STICKY_STOP in text and 0 < len(rest) < len(w.ids) and not w.timed_out and time.monotonic() < deadline:
+                crashed = c.failed_ids[-1] if c.failed_ids else "?"
+                if c.failed_ids:
+                    crashes.first.setdefault(_file(crashed), crashed)
+                held = [i for i in rest if _file(i) in crashes.first]
+                for i in held:
+                    crashes.held.setdefault(_file(i), []).append(i)
+                rest = [i for i in rest if _file(i) not in crashes.first]
+                if not rest:
+                    print(f"worker {k}: stopped at a {STICKY_STOP} in {crashed}; its {len(held)} remaining tests "
+                          "are of crashed files: held back", flush=True)
+                    continue
                 nw = Worker(len(pool), rest, w.expected_s * len(rest) / len(w.ids))
                 pool.append(nw)
                 by_index[nw.index] = nw
-                print(f"worker {k}: stopped at a {STICKY_STOP} in {c.failed_ids[-1] if c.failed_ids else '?'}; "
-                      f"its {len(rest)} remaining tests go on in worker {nw.index}", flush=True)
+                print(f"worker {k}: stopped at a {STICKY_STOP} in {crashed}; its {len(rest)} remaining tests go on "
+                      f"in worker {nw.index}" + (f" ({len(held)} of crashed files held back)" if held else ""), flush=True)
                 start(nw)
 
 
@@ -179,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     seconds = json.loads(args.durations.read_text()) if args.durations.is_file() else {}
     workers = deal_lpt(shared, seconds, args.workers) if shared else []
     print(f"gpu suite: {len(ids)} tests on {len(workers)} workers, then {len(alone)} alone ...", flush=True)
-    run(workers, list(workers), extra, outdir, args.budget - (time.monotonic() - t0))
+    crashes = Crashes()
+    run(workers, list(workers), extra, outdir, args.budget - (time.monotonic() - t0), crashes)
+    for i in (i for i in alone if _file(i) in crashes.first):
+        crashes.held.setdefault(_file(i), []).append(i)
+    alone = [i for i in alone if _file(i) not in crashes.first]
     if alone:   # (after the others: the GPU to themselves)
         workers.append(Worker(len(workers), alone, sum(seconds.get(i, 1.0) for i in alone)))
-        run(workers, workers[-1:], extra, outdir, args.budget - (time.monotonic() - t0))
+        run(workers, workers[-1:], extra, outdir, args.budget - (time.monotonic() - t0), crashes)
     passed = failed = skipped = xfailed = 0
     problems, skips, measured = [], {}, {}
     for w in workers:
@@ -203,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         # pytest's short summary line of each failure (-rfE): its id and the first line of its message, which
         # is all that reaches the caller when the device returns only a few of the workers' logs
         problems += [line[:600] for line in text.splitlines() if re.match(r"^(FAILED|ERROR) \S+::", line)]
-    ran = passed + failed + skipped + xfailed
+    held = sum(len(v) for v in crashes.held.values())
+    for name, tests in crashes.held.items():
+        problems.append(f"{len(tests)} tests of {name} not run: {crashes.first[name]} lost its worker's CUDA context")
+    ran = passed + failed + skipped + xfailed + held
     if ran < len(ids):   # (a test that fails and then errors in its teardown counts twice)
         problems.append(f"{len(ids) - ran} collected tests did not report")
     if passed == 0:

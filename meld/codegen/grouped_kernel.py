@@ -15,9 +15,10 @@ GROUPED_CHUNK = 64   # KV tokens per ring stage (the template's CHUNK)
 GROUPED_WARPS = 8    # a CTA's warps: row blocks of 16 query rows attended at once (two sets of a chunk's 4 tiles);
                      # at head_dim 256 the row state takes all 255 registers (4 or 16 warps spill)
 _RING_MAX = 200 * 1024
-# Dynamic shared memory the warp build's rings and stashes may take: sm_90's 227 KiB a CTA, less the kernel's
-# static arrays (the fired-event list, 1 KiB) and a margin.
-_WARP_SMEM_MAX = 227 * 1024 - 2048
+# Dynamic shared memory the warp build's rings may take: sm_90's 227 KiB a CTA, less the kernel's static arrays
+# (about 9.6 KiB: the fired events, their rows and staged part slots, the chunks' token rows, the stashes' m and l)
+# and the wgmma build's 1 KiB of alignment.
+_WARP_SMEM_MAX = 227 * 1024 - 11 * 1024
 SPLIT_STREAMS = ("cta", "warp")
 PREFIX_MMAS = ("mma", "wgmma")
 
@@ -116,42 +117,46 @@ class GroupedKernelConfig:
 
     @property
     def stages(self) -> int:
-        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB, at most four (three in flight)."""
-        return min(4, _RING_MAX // (2 * GROUPED_CHUNK * self.head_dim * 2))
+        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB, at most four (three in flight); the wgmma
+        build one more, as its P.V reads a chunk until the next step (three in flight)."""
+        return min(4 + (self.prefix_mma == "wgmma"), _RING_MAX // (2 * GROUPED_CHUNK * self.head_dim * 2))
 
-    def _stash_bytes(self, warps: int) -> int:
-        return warps * (GROUPED_TILE * (self.head_dim + 4) + 2 * GROUPED_TILE) * 4
+    @property
+    def chunks_ahead(self) -> int:
+        """Chunks the CTA ring keeps in flight (the template's AHEAD): all stages but the one attended, and in the
+        wgmma build also the one before, whose P.V runs during this chunk's softmax."""
+        return self.stages - 1 - (self.prefix_mma == "wgmma")
 
     def _warp_stage_bytes(self) -> int:
-        return 2 * GROUPED_TILE * self.head_dim * 2   # a 16-token tile of K and one of V
+        return 2 * GROUPED_TILE * self.head_dim * 2   # a 16-token tile of K and one of V (a warp's stash: as many)
 
     @property
     def split_warps(self) -> int:
         """Warps that attend a split task's tiles: all, or (the warp build at head_dim 256) the first four, whose
-        two-stage rings and stashes fit beside each other where eight do not."""
+        two-stage rings fit where eight do not."""
         if self.split_stream == "cta":
             return GROUPED_WARPS
-        fits = lambda w: w * 2 * self._warp_stage_bytes() + self._stash_bytes(w) <= _WARP_SMEM_MAX  # noqa: E731
+        fits = lambda w: w * 2 * self._warp_stage_bytes() <= _WARP_SMEM_MAX  # noqa: E731
         return GROUPED_WARPS if fits(GROUPED_WARPS) else GROUPED_WARPS // 2
 
     @property
     def warp_stages(self) -> int:
-        """The warp build's stages a warp ring (at most four), as many as fit beside the stashes; 0 in the cta build."""
+        """The warp build's stages a warp ring (at most four), as many as fit; 0 in the cta build. A split task's
+        stashes take no room of their own: each warp's lies in the stage of its ring that it read last. head_dim 256
+        keeps two: its row state takes every register, and a third stage's walk spilled 22 bytes (the builds that
+        count after each task)."""
         if self.split_stream == "cta":
             return 0
-        w = self.split_warps
-        return min(4, (_WARP_SMEM_MAX - self._stash_bytes(w)) // (w * self._warp_stage_bytes()))
+        return min(4 if self.head_dim < 256 else 2, _WARP_SMEM_MAX // (self.split_warps * self._warp_stage_bytes()))
 
     @property
     def _layout_bytes(self) -> int:
-        """The cta build: the ring, or the warps' stashes laid over it (a split task's 16 rows of O, m and l per
-        warp), the larger. The warp build: the CTA ring (tasks of many rows), or the warps' rings with the
-        stashes after them (split tasks), the larger."""
+        """The CTA ring (tasks of many rows; the cta build lays the warps' stashes over it), or (the warp build)
+        the warps' rings, the larger."""
         ring = self.stages * 2 * GROUPED_CHUNK * self.head_dim * 2
         if self.split_stream == "warp":
-            w = self.split_warps
-            return max(ring, w * self.warp_stages * self._warp_stage_bytes() + self._stash_bytes(w))
-        return max(ring, self._stash_bytes(GROUPED_WARPS))
+            return max(ring, self.split_warps * self.warp_stages * self._warp_stage_bytes())
+        return ring
 
     @property
     def smem_bytes(self) -> int:
@@ -165,6 +170,7 @@ class GroupedKernelConfig:
             f"#define HEAD_DIM {self.head_dim}",
             f"#define NUM_WARPS {GROUPED_WARPS}",
             f"#define NUM_STAGES {self.stages}",
+            f"#define CHUNKS_AHEAD {self.chunks_ahead}",
             f"#define SMEM_BYTES {self.smem_bytes}",
             f'#define MELD_MMA_TYPE "{_MMA_TYPES[self.dtype]}"',
             f"#define MELD_PROFILE {int(self.profile)}",

@@ -12,7 +12,7 @@ from ..ir.work_table import CTA_TABLE
 from ..runtime.profile import kind_defines
 from .source import SMEM_PER_CTA_MAX, template
 from .params import MLA_PARAMS, WATCHDOG_RECORD
-from .wgmma import wgmma_bf16
+from .wgmma import wgmma_bf16, wgmma_rs
 
 MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE = 512, 64
 MLA_HEADS_PER_UNIT = 64    # wgmma's M
@@ -137,7 +137,8 @@ class MlaKernelConfig:
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else [])
           + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else []))
-        mma = "namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}"
+        mma = ("namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
+               + wgmma_rs("bfloat16", MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}")
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,
                           MLA_PARAMS.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),
                           template("mla_decode.cuh")])

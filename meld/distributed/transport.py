@@ -12,6 +12,9 @@ rank `src` issues towards a rank `dst`:
                                             signal); lands behind the puts before it, as a fetch-add does
     get(src, dst, window, index)            a copy of dst's window[index] (a remote read)
     quiet(src)                              returns once everything src issued has landed
+    wait_for(src, ready, what)              blocks until ready(), run under the lock after each landing and
+                                            issue, returns something other than None
+    observe(seen)                           runs seen() the same way, without blocking, until it returns True
 
 Each rank writes its operations as fixed-size records (`COMMAND`, 48 bytes) into its own `CommandRing`; a
 host proxy thread takes them, cuts every put into network chunks of `chunk` elements (whatever the size
@@ -152,6 +155,25 @@ class _Ticket:
     old: int = 0
 
 
+@dataclass
+class _Waiter:
+    """A rank blocked in `wait_for`: its condition (an observer: evaluated by whichever thread changed the windows,
+    under the lock), and what it returned or raised, handed to the rank's own thread."""
+
+    ready: Callable
+    out: object = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def check(self) -> bool:
+        try:
+            self.out = self.ready()
+        except BaseException as e:   # (raised in the waiting rank's thread, not the proxy's)
+            self.error = e
+        self.done = self.out is not None or self.error is not None
+        return self.done
+
+
 class EmulatedTransport:
     """Ranks as threads, one command ring each, a proxy thread landing their operations (module docstring)."""
 
@@ -169,6 +191,7 @@ class EmulatedTransport:
         self._tickets: dict[tuple[int, int], _Ticket] = {}
         self._next_ticket: Counter = Counter()
         self._landed: list[list[np.ndarray]] = []    # [window][dst]: times a put landed each flat element
+        self._observers: list[Callable[[], bool]] = []   # observe(): ranks in wait_for, and tests' watches
         self._cv = threading.Condition()             # the doorbell, and the lock of everything above
         self._closed = False
         self._proxy = threading.Thread(target=self._run_proxy, name="meld-emulated-proxy", daemon=True)
@@ -231,21 +254,36 @@ class EmulatedTransport:
         with self._cv:
             return self._at(window, dst, index)[1].copy()
 
-    def wait_for(self, src: int, ready: Callable[[], T | None], what: str) -> T:
-        """Rank `src` blocks until `ready()` returns something other than None, and gets it. `ready` runs under
-        the transport's lock (its gets see one snapshot), at the call and after each landing, so a rank that
-        waits for large parts does not poll them: copies under the lock, in a loop, kept the proxy thread
-        from landing anything for seconds (three ranks waiting on 256 x 128 parts)."""
-        out = None
-
-        def check() -> bool:
-            nonlocal out
-            out = ready()
-            return out is not None
+    def observe(self, seen: Callable[[], bool]) -> None:
+        """Call `seen()` under the transport's lock now and right after each later landing and issue, in the
+        thread that made it (the proxy's, or a rank's), until it returns True: it sees every state the windows
+        pass through, whatever the threads' timing (a signal that lands ahead of its data is seen before the
+        data lands). `seen` must not raise (it may run in the proxy's thread)."""
         with self._cv:
-            if not self._cv.wait_for(check, self.timeout):
+            if not seen():
+                self._observers.append(seen)
+
+    def wait_for(self, src: int, ready: Callable[[], T | None], what: str) -> T:
+        """Rank `src` blocks until `ready()` returns something other than None, and gets it. `ready` runs as an
+        observer (`observe`: under the lock, at each change), so a rank that waits for large parts does not
+        poll them (copies under the lock, in a loop, kept the proxy thread from landing anything for seconds:
+        three ranks waiting on 256 x 128 parts); what it raises is raised here."""
+        w = _Waiter(ready)
+        with self._cv:
+            self.observe(w.check)
+            if not self._cv.wait_for(lambda: w.done, self.timeout):
+                self._observers.remove(w.check)
                 raise TimeoutError(f"rank {src}: {what} did not arrive in {self.timeout} s")
-        return out
+        if w.error is not None:
+            raise w.error
+        return w.out
+
+    def _changed(self) -> None:
+        """Under the lock, after the windows or the rings changed: the observers, then wake the waiting ranks."""
+        for seen in list(self._observers):
+            if seen():
+                self._observers.remove(seen)
+        self._cv.notify_all()
 
     def quiet(self, src: int) -> None:
         with self._cv:
@@ -263,7 +301,7 @@ class EmulatedTransport:
             self._unlanded[src] += 1
         self.rings[src].push(op, window, dst, start, **fields)
         with self._cv:
-            self._cv.notify_all()                     # the doorbell
+            self._changed()                           # the doorbell
 
     # --- the proxy ---------------------------------------------------------------------------------------
     def _take_commands(self) -> None:
@@ -286,7 +324,7 @@ class EmulatedTransport:
             self._clock.sleep(delay)
             with self._cv:
                 ticket = self._complete(op)
-                self._cv.notify_all()
+                self._changed()
             if ticket is not None:
                 ticket.landed.set()
 

@@ -10,8 +10,8 @@ import math
 from pathlib import Path
 
 from .backends import BACKENDS, FLASHMLA_PAGE_SIZE, BackendUnavailable, unavailable
-from .bench import CHECK_TOL, BenchConfig, model_config, serve_bench as run, write_json
-from .models import MODELS
+from .bench import CHECK_TOL, CHECK_TOL_FP8, BenchConfig, model_config, serve_bench as run, write_json
+from .models import MODELS, MOE_DTYPES
 
 MAX_BATCH = 1024
 
@@ -76,12 +76,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--kv-pages", type=_int_in(1, 2 ** 31 - 1), help="KV pool pages (default 8192 tokens per batch slot)")
     s.add_argument("--moe", choices=["auto", "meld", "torch"], default="auto",
                    help="MoE layers: auto = meld's fused MoE on the meld backend, torch's grouped GEMM on the others")
+    s.add_argument("--moe-dtype", choices=list(MOE_DTYPES), default="bf16",
+                   help="the MoE models' experts: bf16, or fp8 (e4m3 with a float32 scale per 128 x 128 block, "
+                        "DeepSeek-V3's): meld's MoE reads them as they are, torch's MoE their dequantised bf16")
     s.add_argument("--size", choices=["full", "tiny"], help="full: published shapes (GPU); tiny: for the CPU executor")
     s.add_argument("--eager", action="store_true", help="no CUDA graphs")
     s.add_argument("--check", action="store_true", help="compare the first steps' logits with the reference backend")
     s.add_argument("--check-steps", type=_int_in(0, 1000), default=4, help="steps compared by --check")
-    s.add_argument("--check-tol", type=_positive_float, default=CHECK_TOL,
-                   help=f"largest relative L2 error of a step's logits (default {CHECK_TOL:g})")
+    s.add_argument("--check-tol", type=_positive_float,
+                   help=f"largest relative L2 error of a step's logits (default {CHECK_TOL:g}; {CHECK_TOL_FP8:g} with "
+                        "--moe-dtype fp8, whose MoE quantises its activations)")
     s.add_argument("--samples", type=_int_in(-1, 100000), default=16, help="steps whose attention is timed alone")
     s.add_argument("--seed", type=_int_in(-2 ** 63 - 1, 2 ** 64 - 2), default=1,   # seed and seed + 1 seed torch generators
                    help="trace seed (1: prompts are BENCH.md's skewed batch)")
@@ -101,8 +105,11 @@ def serve_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, devic
     cfg = BenchConfig(model=args.model, size=size, layers=args.layers, backends=args.backend,
                       max_batches=args.max_batch or [64 if device != "cpu" else 4], requests=args.requests,
                       steps=args.steps, arrival_rate=args.arrival_rate, kv_pages=args.kv_pages, page_size=page_size,
-                      graphs=not args.eager, moe=args.moe, check=args.check, check_steps=args.check_steps,
+                      graphs=not args.eager, moe=args.moe, moe_dtype=args.moe_dtype, check=args.check, check_steps=args.check_steps,
                       check_tol=args.check_tol, samples=args.samples, seed=args.seed, device=device)
+    if args.moe_dtype != "bf16" and not MODELS[args.model]().is_moe:
+        parser.error(f"argument --moe-dtype: {args.moe_dtype} experts need an MoE model (qwen3-moe, deepseek), "
+                     f"got --model {args.model}")
     mc = model_config(cfg)
     for name in args.backend:
         why = unavailable(name, device, mc, page_size)   # a missing package: skipped

@@ -158,12 +158,12 @@ class Engine:
             c = self.model.config
             seen = set()
             for t in range(1, self.buckets[-1] + 1):
-                bt = block_tokens_for(t, c.top_k, c.num_experts)
+                bt = block_tokens_for(t, c.top_k, c.num_experts, moe.fp8)
                 if bt not in seen:
                     seen.add(bt)
                     w = self.model.layers[0]
                     x = torch.zeros(t, c.hidden_size, dtype=c.dtype, device=self.device)
-                    moe(x, torch.zeros(t, c.num_experts, device=self.device), *self.model.moe_weights(w))
+                    moe(x, torch.zeros(t, c.num_experts, device=self.device), self.model.moe_weights(w))
         self._stage_padding()
         for rows in (self.buckets[0], self.buckets[-1]):
             self.backend.plan(self._padding_table(rows))

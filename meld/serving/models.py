@@ -20,10 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..runtime.moe_reference import dequantize_blocks, quantize_blocks
 from .kv_cache import PagedKVCache, PagedLatentCache
 from .torch_moe import topk_route, torch_grouped_mm_moe
 
 PREFILL_CHUNK = 8192   # default tokens per MLP/MoE call in prefill: bounds activations and meld.MoE's capacity
+
+
+MOE_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class ModelConfig:
     max_position: int = 131072
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
+    moe_dtype: str = "bf16"        # MoE experts: "bf16", or "fp8": e4m3 with a scale per 128 x 128 block (DeepSeek-V3's)
     q_lora_rank: int = 0           # MLA: the query's low-rank projection (DeepSeek-V3: 1536)
     kv_lora_rank: int = 0          # MLA: the latent c cached per token (DeepSeek-V3: 512)
     qk_nope_head_dim: int = 0      # MLA: per-head q/k channels without RoPE (128)
@@ -76,6 +81,10 @@ class ModelConfig:
                              f"got {self.rope_dim}")
         if (self.num_experts > 0) == (self.intermediate_size > 0):
             raise ValueError("give intermediate_size (dense MLP) or num_experts (MoE), exactly one")
+        if self.moe_dtype not in MOE_DTYPES:
+            raise ValueError(f"moe_dtype must be one of {MOE_DTYPES}, got {self.moe_dtype!r}")
+        if self.moe_dtype != "bf16" and not self.num_experts:
+            raise ValueError(f"moe_dtype={self.moe_dtype!r} needs MoE layers (num_experts > 0)")
         if self.num_experts and not (1 <= self.top_k <= self.num_experts and self.moe_intermediate_size > 0):
             raise ValueError(f"MoE needs 1 <= top_k <= num_experts and moe_intermediate_size > 0, got top_k="
                              f"{self.top_k}, num_experts={self.num_experts}, "
@@ -106,7 +115,8 @@ class ModelConfig:
         return (1 if self.is_mla else 2) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def describe(self) -> str:
-        mlp = (f"MoE {self.num_experts} experts top-{self.top_k} I={self.moe_intermediate_size}" if self.is_moe
+        mlp = (f"MoE {self.num_experts} experts top-{self.top_k} I={self.moe_intermediate_size}"
+               + (" (FP8 block-scaled experts)" if self.moe_dtype == "fp8" else "") if self.is_moe
                else f"SwiGLU I={self.intermediate_size}")
         attn = (f"MLA {self.num_qo_heads} heads, latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}, q rank "
                 f"{self.q_lora_rank}" if self.is_mla else
@@ -249,7 +259,9 @@ class TorchMoE:
     def __init__(self, top_k: int, renormalize: bool = True):
         self.top_k, self.renormalize = top_k, renormalize
 
-    def __call__(self, x, router_logits, w13, w2, routing=None) -> torch.Tensor:
+    def __call__(self, x, router_logits, weights: tuple, routing=None) -> torch.Tensor:
+        """weights: (w13, w2) in the activations' dtype (an FP8 model's dequantised: `DecoderModel.moe_weights`)."""
+        w13, w2 = weights
         return torch_grouped_mm_moe(x, w13, w2, router_logits, self.top_k, self.renormalize, routing=routing)
 
 
@@ -261,14 +273,20 @@ class MeldMoE:
     def __init__(self, config: ModelConfig, device, max_num_tokens: int):
         import meld
 
+        self.fp8 = config.moe_dtype == "fp8"
+        self.name = "meld-fp8" if self.fp8 else "meld"
         self.op = meld.MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts, config.top_k,
-                           config.dtype, device, max_num_tokens=max_num_tokens, renormalize=True)
+                           config.dtype, device, max_num_tokens=max_num_tokens, renormalize=True,
+                           weight_dtype=torch.float8_e4m3fn if self.fp8 else None)
         self.max_num_tokens = max_num_tokens
 
-    def __call__(self, x, router_logits, w13, w2, routing=None) -> torch.Tensor:
+    def __call__(self, x, router_logits, weights: tuple, routing=None) -> torch.Tensor:
+        """weights: (w13, w2), packed or not, or an FP8 model's (w13, w2, w13_scale, w2_scale)."""
+        w13, w2, *scales = weights
+        kw = dict(zip(("w13_scale", "w2_scale"), scales))
         if routing is None:
-            return self.op(x, router_logits, w13, w2)
-        return self.op(x, None, w13, w2, topk_weights=routing[0], topk_ids=routing[1])
+            return self.op(x, router_logits, w13, w2, **kw)
+        return self.op(x, None, w13, w2, topk_weights=routing[0], topk_ids=routing[1], **kw)
 
 
 # --- the model ---------------------------------------------------------------------------------------------
@@ -297,9 +315,10 @@ class LayerWeights:
     gate_up: torch.Tensor | None = None   # dense: [2 I, H] (gate rows, then up rows)
     down: torch.Tensor | None = None      # dense: [H, I]
     router: torch.Tensor | None = None    # MoE: [E, H]
-    w13: torch.Tensor | None = None       # MoE: [E, 2 I, H]
+    w13: torch.Tensor | None = None       # MoE: [E, 2 I, H] (an FP8 model's: its e4m3 blocks dequantised)
     w2: torch.Tensor | None = None        # MoE: [E, H, I]
     packed: tuple[torch.Tensor, torch.Tensor] | None = None   # MoE on the GPU: meld.pack_moe_weights(w13, w2)
+    fp8: tuple[torch.Tensor, ...] | None = None   # an FP8 model's experts: (w13, w2 in e4m3, w13_scale, w2_scale)
 
 
 class DecoderModel:
@@ -350,6 +369,10 @@ class DecoderModel:
                 E, I = c.num_experts, c.moe_intermediate_size
                 w.router = randn(E, H, fan_in=H)
                 w.w13, w.w2 = randn(E, 2 * I, H, fan_in=H), randn(E, H, I, fan_in=I)
+                if c.moe_dtype == "fp8":   # the checkpoint's blocks; torch's MoE runs on what they stand for
+                    (q13, s13), (q2, s2) = quantize_blocks(w.w13), quantize_blocks(w.w2)
+                    w.fp8 = (q13, q2, s13, s2)
+                    w.w13, w.w2 = dequantize_blocks(q13, s13).to(dt), dequantize_blocks(q2, s2).to(dt)
             else:
                 w.gate_up, w.down = randn(2 * c.intermediate_size, H, fan_in=H), randn(H, c.intermediate_size,
                                                                                         fan_in=c.intermediate_size)
@@ -373,7 +396,8 @@ class DecoderModel:
         if impl not in self._moes:
             self._moes[impl] = (MeldMoE(self.config, self.device, self._moe_max_tokens) if impl == "meld"
                                 else TorchMoE(self.config.top_k))
-        if impl == "meld" and self.device.type == "cuda":   # meld's MoE runs on packed weights, packed at load
+        if impl == "meld" and self.device.type == "cuda" and self.config.moe_dtype == "bf16":
+            # meld's bf16 MoE runs on packed weights, packed at load
             import meld
 
             for w in self.layers:
@@ -381,9 +405,15 @@ class DecoderModel:
                     w.packed = meld.pack_moe_weights(w.w13, w.w2)
         self.moe = self._moes[impl]
 
-    def moe_weights(self, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's expert weights as the current MoE takes them (meld's on the GPU: packed)."""
-        return w.packed if self.moe is self._moes.get("meld") and w.packed is not None else (w.w13, w.w2)
+    def moe_weights(self, w: LayerWeights) -> tuple[torch.Tensor, ...]:
+        """A layer's expert weights as the current MoE takes them: meld's (w13, w2) packed on the GPU, or an FP8
+        model's (w13, w2, w13_scale, w2_scale) in e4m3; torch's (w13, w2) in the activations' dtype."""
+        if self.moe is self._moes.get("meld"):
+            if w.fp8 is not None:
+                return w.fp8
+            if w.packed is not None:
+                return w.packed
+        return (w.w13, w.w2)
 
     @property
     def moe_name(self) -> str:
@@ -451,7 +481,7 @@ class DecoderModel:
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if self.config.is_moe:
             logits = (x @ w.router.T).float()
-            return self.moe(x, logits, *self.moe_weights(w), self.routing(logits) if self.routing is not None else None)
+            return self.moe(x, logits, self.moe_weights(w), self.routing(logits) if self.routing is not None else None)
         gate, up = (x @ w.gate_up.T).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ w.down.T
 

@@ -39,6 +39,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+// An 8 x 8 matrix of 16-bit values held as mma's C fragments (lane (g, t): row g, columns 2t, 2t + 1) transposed in
+// registers: lane (g, t) gets row g, columns 2t, 2t + 1 of the transpose.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+  u32 y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
 
 // d += a * b on the tensor cores: m16n8k16, 16-bit inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {

@@ -5,8 +5,9 @@
 // each warp streaming its tiles through a private cp.async ring (the ring runs ahead across unit
 // boundaries, so the memory pipeline never drains between units). Scores and P.V run on the tensor
 // cores (m16n8k16):
-//   S[HEADS heads (8: padded to 16) x 16 tokens] = Q . K^T
-//   O^T[D x 8 heads] += V^T . P^T, once per 8 heads  (P comes straight from S's accumulator layout)
+//   S[HEADS heads x 16 tokens] = Q . K^T, or with 8 heads S^T[16 tokens x 8 heads] = K . Q^T (no padding rows)
+//   O^T[D x 8 heads] += V^T . P^T, once per 8 heads  (P from S's accumulator layout; from S^T's, transposed in
+//                                                    registers by movmatrix)
 // At the end of a unit the warps merge their online-softmax states through shared memory. A unit that
 // the schedule split across CTAs leaves one partial (o, lse) per piece, merged:
 //   - on chip, when every piece ran in this CTA's thread-block cluster (MELD_ONCHIP_MERGE): the partial
@@ -146,6 +147,10 @@ constexpr int HEADS = HEADS_PER_UNIT;      // q heads (rows) per unit: 8, or 16 
                                            // multi-token groups of 17-32 rows (each reads its KV once)
 constexpr int NT = HEADS / 8;              // blocks of 8 head rows: n8 tiles of P.V, and half an m16 tile of Q.K^T
 constexpr int MT = (NT + 1) / 2;           // m16 tiles of Q.K^T
+// 8-head units compute S^T = K . Q^T (K as the A operand: 16 tokens; Q as B: 8 heads, no padding rows): one HMMA a
+// channel block instead of two, and Q's fragments as they are, not rebuilt each tile into register quads with zero
+// rows (compute_tile).
+constexpr bool ST = NT == 1;
 constexpr int MERGE_ROWS = MELD_MERGE_ROWS ? MELD_MERGE_ROWS : HEADS;   // rows the end-of-piece merge area holds: the
 constexpr int MERGE_PASSES = HEADS / MERGE_ROWS;   // warps' states merge in HEADS / MERGE_ROWS passes over it
 static_assert(MERGE_ROWS % 8 == 0 && HEADS % MERGE_ROWS == 0, "merge passes of whole 8-row blocks");
@@ -422,43 +427,59 @@ __device__ __forceinline__ void wait_tile(const DecodeParams& p, u32 bars, int s
 
 // Per-warp online-softmax state for the current unit. Lane (g = lane / 4, t = lane % 4) holds, for each
 // block i < NT of 8 heads:
-//   m[i], l[i]  for head 8 i + g (l is this lane's share; the 4 lanes of a head sum at the end);
+//   m[i], l[i]  for head 8 i + g (l is this lane's share; the 4 lanes of a head sum at the end); with 8-head units
+//               (ST) m[j], l[j] for head 2t + j, j < 2 (l: this lane's share, its tokens g and g + 8; the 8 lanes of
+//               a head sum at the end);
 //   o[i][mt]    = O^T[16 mt + g (+8)][heads 8 i + 2t, 8 i + 2t + 1] (MELD_KV_FP8: rows 16 mt + 2g (+1)).
 // Where O^T alone takes 128 of a lane's registers (head_dim 512; 32-row units of head_dim 128), Q's fragments wait in
 // shared memory instead (qs[NT ks + i][lane], one 8-byte load per head block and channel block: no bank conflicts) and
 // qa is not used. The CTA's warps share one copy, since they compute the same unit (each its own tiles of it).
 constexpr bool Q_SMEM = NT * KSTEPS >= 32;
+constexpr int NSTATE = ST ? 2 : NT;   // the heads whose m and l (and q_unscale) a lane holds
 struct WarpState {
-  float m[NT], l[NT];
+  float m[NSTATE], l[NSTATE];
   float o[NT][KSTEPS][4];
   u32 qa[Q_SMEM ? 1 : KSTEPS][NT][2];   // A fragments of Q: head 8 i + g, channels 16 ks + 2t (+8) (MELD_KV_FP8:
-                           // 16 ks + 4t (+2)); with 8 heads the m16 tile's rows 8..15 are zero
+                           // 16 ks + 4t (+2)); of an 8-head unit, the B fragment of S^T = K . Q^T (q_bfrag)
   uint2* qs;               // Q_SMEM: the same fragments, qs[32 (NT ks + i) + lane] = {qa[ks][i][0], qa[ks][i][1]} (the
                            // CTA's one copy)
-  float q_unscale[NT];     // MELD_Q_TO_F16: 2^-e of head 8 i + g's row (q_to_f16)
+  float q_unscale[NSTATE]; // MELD_Q_TO_F16: 2^-e of head 8 i + g's row (q_to_f16); ST: of head 2t + j's
 };
 
-// Q's A fragment of m16 tile m for channel block ks: head block 2 m (heads 16 m + 0..7) in a0, a2 and, if the unit
-// has it, block 2 m + 1 (16 m + 8..15) in a1, a3.
+// Q's B fragment for channel block ks of an 8-head unit (ST): head g, the A fragment's a0 and a2 registers.
+__device__ __forceinline__ void q_bfrag(const WarpState& st, int ks, int lane, u32& b0, u32& b1) {
+  if (Q_SMEM) {
+    const uint2 v = st.qs[32 * NT * ks + lane];
+    b0 = v.x; b1 = v.y;
+  } else {
+    b0 = st.qa[ks][0][0]; b1 = st.qa[ks][0][1];
+  }
+}
+
+// Q's A fragment of m16 tile m for channel block ks (units of 16 or more heads): head block 2 m (heads 16 m + 0..7)
+// in a0, a2, block 2 m + 1 (16 m + 8..15) in a1, a3.
+static_assert(ST || NT % 2 == 0, "units of 16 or more heads fill whole m16 tiles");
 __device__ __forceinline__ void q_frag(const WarpState& st, int ks, int m, int lane, u32& a0, u32& a1, u32& a2,
                                        u32& a3) {
   const int i = 2 * m;
   if (Q_SMEM) {
-    const uint2 v = st.qs[32 * (NT * ks + i) + lane];
-    const uint2 w = i + 1 < NT ? st.qs[32 * (NT * ks + i + 1) + lane] : make_uint2(0u, 0u);
+    const uint2 v = st.qs[32 * (NT * ks + i) + lane], w = st.qs[32 * (NT * ks + i + 1) + lane];
     a0 = v.x; a2 = v.y; a1 = w.x; a3 = w.y;
   } else {
     a0 = st.qa[ks][i][0]; a2 = st.qa[ks][i][1];
-    a1 = i + 1 < NT ? st.qa[ks][i + 1][0] : 0u; a3 = i + 1 < NT ? st.qa[ks][i + 1][1] : 0u;
+    a1 = st.qa[ks][i + 1][0]; a3 = st.qa[ks][i + 1][1];
   }
 }
 
 // A fresh online-softmax state for the next piece.
 __device__ __forceinline__ void reset_state(WarpState& st) {
 #pragma unroll
+  for (int j = 0; j < NSTATE; ++j) {
+    st.m[j] = neg_inf();
+    st.l[j] = 0.f;
+  }
+#pragma unroll
   for (int i = 0; i < NT; ++i) {
-    st.m[i] = neg_inf();
-    st.l[i] = 0.f;
 #pragma unroll
     for (int mt = 0; mt < KSTEPS; ++mt)
 #pragma unroll
@@ -560,6 +581,11 @@ __device__ __forceinline__ void load_q(const DecodeParams& p, const Unit& x, War
   } else if (Q_TO_F16) {
     q_to_f16(st);
   }
+  if (ST && Q_TO_F16) {   // S^T's columns are heads 2t and 2t + 1: their rows' 2^-e, from lanes 4 (2t) and 4 (2t + 1)
+    const float u = st.q_unscale[0];
+    st.q_unscale[0] = __shfl_sync(0xffffffffu, u, 8 * t);
+    st.q_unscale[1] = __shfl_sync(0xffffffffu, u, 8 * t + 4);
+  }
   reset_state(st);
 }
 
@@ -643,22 +669,19 @@ __device__ __forceinline__ float log2_score(const DecodeParams& p, const WarpSta
   return (Q_TO_F16 ? s * st.q_unscale[i] : s) * p.sm_scale_log2;
 }
 
-// The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window);
-// MELD_Q_LEN > 1 builds mask row r's tokens from `causal` + r % Q_LEN on (the tile's keys the request's first new
-// token sees: row0 is the unit's first row); MELD_ROPE over MELD_KV_FP8 rotates its keys, tile row r at offset
-// rel0 + r from the query (rope_fp8).
-__device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lo,
-                                             int causal, int row0, int rel0, int lane) {
-  if (TMA && nvalid < TILE) {   // a TMA tile holds whole pages: zero the V rows past the unit's end,
-    for (int i = lane; i < (TILE - nvalid) * CPR; i += 32)   // which P (0 there) must not turn into NaN
-      st_shared_zero16(kbase + TILE_BYTES + tile_off(nvalid + i / CPR, i % CPR));
-    __syncwarp();
-  }
-  if (WINDOW && lo > 0) {   // likewise the V rows of keys before the window (read: they share its first page)
-    for (int i = lane; i < min(lo, TILE) * CPR; i += 32)
-      st_shared_zero16(kbase + TILE_BYTES + tile_off(i / CPR, i % CPR));
-    __syncwarp();
-  }
+// MELD_ROPE over MELD_KV_FP8: an FP8 tile's K channel blocks 2 kp and 2 kp + 1 (b[j]: tokens 0-7 of block 2 kp + j;
+// b[2 + j]: tokens 8-15) and their partners KSTEPS / 2 on (c), which rope_fp8 rotates together.
+__device__ __forceinline__ void ld_k_rope_fp8(u32 kbase, int kp, int lrow, int lch, u32 (&b)[4], u32 (&c)[4]) {
+  ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
+  ldmatrix_x4(c, kbase + tile_off(lrow, 2 * kp + KSTEPS / 2 + lch));
+}
+
+// The tile's scores as S = Q . K^T (units of 16 or more heads: Q's rows as the A operand), their online softmax (the
+// masks compute_tile describes), and for each head block i: the factors O^T's columns (heads 8 i + 2t, + 1) take to
+// the new maxima (a_lo, a_hi) and P^T's B fragments (pb0: tokens 2t, 2t + 1 of head 8 i + g; pb1: 8 + 2t, 9 + 2t).
+__device__ __forceinline__ void scores_rows(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lo,
+                                            int causal, int row0, int rel0, int lane, float (&a_lo)[NT],
+                                            float (&a_hi)[NT], u32 (&pb0)[NT], u32 (&pb1)[NT]) {
   const int t = lane & 3;
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lch = (lane >> 3) & 1;
@@ -672,8 +695,7 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
 #pragma unroll (Q_SMEM ? 2 : KSTEPS / 4)   // time (the rotations' temporaries would take registers O^T holds)
     for (int kp = 0; kp < KSTEPS / 4; ++kp) {
       u32 b[4], c[4];
-      ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
-      ldmatrix_x4(c, kbase + tile_off(lrow, 2 * kp + KSTEPS / 2 + lch));
+      ld_k_rope_fp8(kbase, kp, lrow, lch, b, c);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -735,8 +757,6 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
   // Head block i: scores of head 8 i + g for tokens 2t, 2t+1, 8+2t, 9+2t (log2 domain), from m16 tile i / 2's
   // accumulator rows g (i even) and g + 8 (i odd).
   const int tok[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
-  float a_lo[NT], a_hi[NT];
-  u32 pb0[NT], pb1[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const float (&s0)[4] = sc[i / 2][0], (&s1)[4] = sc[i / 2][1];
@@ -763,6 +783,123 @@ __device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& s
     a_lo[i] = __shfl_sync(0xffffffffu, alpha, 8 * t);      // head 8i + 2t lives in lanes 8t..8t+3
     a_hi[i] = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);  // head 8i + 2t + 1
   }
+}
+
+// The same for an 8-head unit (ST) as S^T = K . Q^T: K's 16 tokens as the A operand (ldmatrix's four 8 x 8 blocks in
+// A's order; an FP8 tile's converted pairs straight into A's registers), Q's 8 heads as B, so one HMMA a channel block
+// and no padding rows. Lane (g, t) holds tokens g and g + 8 of heads 2t and 2t + 1: a head's maximum is over the 8
+// lanes of its t (shuffles across g), each lane keeps its own heads' m, l and factors (O^T's columns are the same
+// heads: no shuffle for them), and P^T's B fragments are S^T's 8 x 8 blocks transposed (movmatrix).
+__device__ __forceinline__ void scores_cols(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lo,
+                                            int causal, int row0, int rel0, int lane, float& a_lo, float& a_hi,
+                                            u32& pb0, u32& pb1) {
+  const int g = lane >> 2, t = lane & 3;
+  // S^T: token g of heads 2t, 2t + 1 ([0], [1]); token g + 8 ([2], [3]); the even and odd channel blocks in two
+  // accumulators (two HMMA chains of half the length), summed after
+  float sc2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  if (KV_FP8) {   // one ldmatrix: tokens 0-7 (b[j]) and 8-15 (b[2 + j]) of channel blocks 2 kp + j, as scores_rows has them
+    const int lrow = (lane & 7) + ((lane >> 4) << 3), lch = (lane >> 3) & 1;
+    if (ROPE) {   // and their partners ks + KSTEPS / 2 (c), rotated together in registers (rope_fp8)
+#pragma unroll (Q_SMEM ? 2 : KSTEPS / 4)
+      for (int kp = 0; kp < KSTEPS / 4; ++kp) {
+        u32 b[4], c[4];
+        ld_k_rope_fp8(kbase, kp, lrow, lch, b, c);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int ks = 2 * kp + j, kh = ks + KSTEPS / 2;
+          u32 l0[2], h0[2], l1[2], h1[2], q0, q1, r0, r1;
+          rope_fp8(b[j], c[j], ks, rel0, g, t, l0, h0);
+          rope_fp8(b[2 + j], c[2 + j], ks, rel0, g + 8, t, l1, h1);
+          q_bfrag(st, ks, lane, q0, q1);
+          q_bfrag(st, kh, lane, r0, r1);
+          mma_16816(sc2[0], l0[0], l1[0], l0[1], l1[1], q0, q1);
+          mma_16816(sc2[1], h0[0], h1[0], h0[1], h1[1], r0, r1);
+        }
+      }
+      if (ROPE_KEY_SCALE != 1.f) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) { sc2[0][k] *= 1.f / ROPE_KEY_SCALE; sc2[1][k] *= 1.f / ROPE_KEY_SCALE; }
+      }
+    } else {
+#pragma unroll
+      for (int kp = 0; kp < KSTEPS / 2; ++kp) {
+        u32 b[4];
+        ldmatrix_x4(b, kbase + tile_off(lrow, 2 * kp + lch));
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {   // A: tokens g (a0, a2) and g + 8 (a1, a3), channel pairs as Q's B has them
+          u32 a0, a1, a2, a3, q0, q1;
+          kv_pair<0x3210u>(b[j], a0, a2);
+          kv_pair<0x3210u>(b[2 + j], a1, a3);
+          q_bfrag(st, 2 * kp + j, lane, q0, q1);
+          mma_16816(sc2[j], a0, a1, a2, a3, q0, q1);
+        }
+      }
+    }
+  } else {   // ldmatrix in A's order: tokens 0-7 and 8-15 of the block's first 8 channels, then of its last 8
+    const int arow = (lane & 7) + (((lane >> 3) & 1) << 3), ach = lane >> 4;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      u32 a[4], q0, q1;
+      ldmatrix_x4(a, kbase + tile_off(arow, 2 * ks + ach));
+      q_bfrag(st, ks, lane, q0, q1);
+      mma_16816(sc2[ks & 1], a[0], a[1], a[2], a[3], q0, q1);
+    }
+  }
+  const float sc[4] = {sc2[0][0] + sc2[1][0], sc2[0][1] + sc2[1][1], sc2[0][2] + sc2[1][2], sc2[0][3] + sc2[1][3]};
+  float x[4], m_use[2], alpha[2], pr[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {   // masked as scores_rows masks (row: head 2t + k % 2; token g + 8 (k / 2))
+    const int tok = g + 8 * (k >> 1);
+    const int nv = Q_LEN == 1 ? nvalid : min(nvalid, causal + (row0 + 2 * t + (k & 1)) % Q_LEN);
+    const float s = log2_score(p, st, k & 1, sc[k]);
+    x[k] = tok >= nv || (WINDOW && tok < lo) ? neg_inf() : soft_cap(s + 0.f * s);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    float mx = fmaxf(x[j], x[j + 2]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    const float m_new = fmaxf(st.m[j], mx);
+    m_use[j] = m_new == neg_inf() ? 0.f : m_new;   // nothing seen yet: keep exp2 finite
+    alpha[j] = exp2_approx(st.m[j] - m_use[j]);
+    st.m[j] = m_new;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) pr[k] = exp2_approx(x[k] - m_use[k & 1]);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) st.l[j] = st.l[j] * alpha[j] + (pr[j] + pr[j + 2]);
+  const float ps = Q_TO_F16 ? P_SCALE : 1.f;
+  pb0 = movmatrix_trans(pack2(pr[0] * ps, pr[1] * ps));   // [head g][tokens 2t, 2t + 1]
+  pb1 = movmatrix_trans(pack2(pr[2] * ps, pr[3] * ps));   // [head g][tokens 8 + 2t, 9 + 2t]
+  a_lo = alpha[0];
+  a_hi = alpha[1];
+}
+
+// The tile's tokens [0, nvalid) are the unit's; MELD_WINDOW_LEFT builds mask its first `lo` (before the window);
+// MELD_Q_LEN > 1 builds mask row r's tokens from `causal` + r % Q_LEN on (the tile's keys the request's first new
+// token sees: row0 is the unit's first row); MELD_ROPE over MELD_KV_FP8 rotates its keys, tile row r at offset
+// rel0 + r from the query (rope_fp8).
+__device__ __forceinline__ void compute_tile(const DecodeParams& p, WarpState& st, u32 kbase, int nvalid, int lo,
+                                             int causal, int row0, int rel0, int lane) {
+  if (TMA && nvalid < TILE) {   // a TMA tile holds whole pages: zero the V rows past the unit's end,
+    for (int i = lane; i < (TILE - nvalid) * CPR; i += 32)   // which P (0 there) must not turn into NaN
+      st_shared_zero16(kbase + TILE_BYTES + tile_off(nvalid + i / CPR, i % CPR));
+    __syncwarp();
+  }
+  if (WINDOW && lo > 0) {   // likewise the V rows of keys before the window (read: they share its first page)
+    for (int i = lane; i < min(lo, TILE) * CPR; i += 32)
+      st_shared_zero16(kbase + TILE_BYTES + tile_off(i / CPR, i % CPR));
+    __syncwarp();
+  }
+  float a_lo[NT], a_hi[NT];   // each head block's factors for O^T's columns (heads 8 i + 2t, + 1), and P^T's B
+  u32 pb0[NT], pb1[NT];       // fragments
+  if constexpr (ST)
+    scores_cols(p, st, kbase, nvalid, lo, causal, row0, rel0, lane, a_lo[0], a_hi[0], pb0[0], pb1[0]);
+  else
+    scores_rows(p, st, kbase, nvalid, lo, causal, row0, rel0, lane, a_lo, a_hi, pb0, pb1);
+  const int lrow = (lane & 7) + ((lane >> 4) << 3);
+  const int lch = (lane >> 3) & 1;
   const u32 vbase = kbase + TILE_BYTES;
   if (KV_FP8) {   // one ldmatrix: tokens 0-7 (a[j]) and 8-15 (a[2 + j]) of channel blocks mt = 2 mp + j;
 #pragma unroll    // byte k of a register: token 2t + k / 2, channel 2g + k % 2: regrouped by channel
@@ -902,9 +1039,19 @@ __device__ __forceinline__ bool finish_piece(const DecodeParams& p, const Unit& 
         bad_lo += __shfl_xor_sync(0xffffffffu, bad_lo, d);
         bad_hi += __shfl_xor_sync(0xffffffffu, bad_hi, d);
       }
-      float l = st.l[i] + __shfl_xor_sync(0xffffffffu, st.l[i], 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      if (t == 0) { mg.m[warp][8 * b + g] = st.m[i]; mg.l[warp][8 * b + g] = l; }
+      if constexpr (ST) {   // heads 2t + j: the 8 lanes of t sum l
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float l = st.l[j] + __shfl_xor_sync(0xffffffffu, st.l[j], 4);
+          l += __shfl_xor_sync(0xffffffffu, l, 8);
+          l += __shfl_xor_sync(0xffffffffu, l, 16);
+          if (g == 0) { mg.m[warp][2 * t + j] = st.m[j]; mg.l[warp][2 * t + j] = l; }
+        }
+      } else {
+        float l = st.l[i] + __shfl_xor_sync(0xffffffffu, st.l[i], 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0) { mg.m[warp][8 * b + g] = st.m[i]; mg.l[warp][8 * b + g] = l; }
+      }
       const int h = 8 * b + 2 * t;
 #pragma unroll
       for (int mt = 0; mt < KSTEPS; ++mt) {

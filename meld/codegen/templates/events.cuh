@@ -89,6 +89,11 @@ __device__ __forceinline__ bool event_arrive_sys(unsigned long long* counter, un
 __device__ __forceinline__ void event_publish_sys(unsigned long long* counter, unsigned long long value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(counter), "l"(value) : "memory");
 }
+// A fence, then relaxed stores: the release of several stores at one fence's cost (xrank_announce_peers).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void store_relaxed_sys(unsigned long long* word, unsigned long long value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
+}
 __device__ __forceinline__ unsigned long long load_acquire_sys(const unsigned long long* counter) {
   unsigned long long v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(counter) : "memory");

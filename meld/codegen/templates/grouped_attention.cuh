@@ -23,8 +23,9 @@
 // The wgmma build (MELD_PREFIX_WGMMA) attends a task of more rows on wgmma instead: warpgroup w's 64 rows (its
 // four warps' row blocks) against a whole chunk at once, S = Q.K^T (m64n64k16, Q from the warps' A fragments, K
 // from the ring), the online softmax on S's fragments, O += P.V (m64nHEAD_DIMk16, P from registers, V from the
-// ring); the CTA ring is then laid out as wgmma's 128-byte swizzle reads it (chunk_off). Split tasks stream
-// through the warps' rings (the warp build) as before.
+// ring), each chunk's P.V issued behind the next chunk's S and run during its softmax (attend_wgmma), so the ring
+// keeps the chunk before the one attended; the CTA ring is then laid out as wgmma's 128-byte swizzle reads it
+// (chunk_off). Split tasks stream through the warps' rings (the warp build) as before.
 // Each row's normalised partial goes to slot + r (float) with its log2-sum-exp.
 //
 // The combine is fired by a count: after a task's partials are stored, a thread per event fences and counts
@@ -39,22 +40,26 @@
 //
 // Inside a CTA every wait is a __syncthreads that every thread reaches (all walk the same task list, and every
 // loop bound a barrier sits in is the CTA's: chunks of a task, its events), or a warp's own cp.async.wait_group
-// and __syncwarp. Shared memory (the warp build; the cta build has only the CTA ring, the stashes over it):
-//   [0, WRING_BYTES)        the warps' rings (split tasks), overlaid by the CTA ring (tasks of more rows);
-//   [STASH_OFFSET, ...)     the split tasks' stashes: past the warps' rings, since a warp's copies for the next
-//                           split task may land while the CTA merges this one's stashes.
+// and __syncwarp. Shared memory (the warp build; the cta build has only the CTA ring):
+//   [0, WRING_BYTES)        the warps' rings (split tasks), overlaid by the CTA ring (tasks of more rows).
+// A split task's stashes (each warp's 16 rows of O, GT x GD floats: a warp ring stage's bytes) lie in the warp
+// build in the stage of each warp's ring that its next issue will fill: the one it read last, which holds no
+// live tile and has no copy in flight, so a warp's copies for the next split task land beside its stash while
+// the CTA merges; in the cta build warp w's at w x STASH_BYTES of the drained CTA ring. The rows' m and l are in
+// static shared memory.
 // The two rings never hold live data at once: a warp's cursor stops at a task of more rows, so when the CTA
 // reaches one every tile a warp issued has been waited for and read (the split task's stash barriers order
 // those reads before the CTA ring's first copy), and the CTA ring ends drained behind a barrier (wait_group 0,
 // __syncthreads) before a split task primes the warps' rings again. A warp's ring stage is rewritten only by
 // that warp, after its __syncwarp following the wait for the stage's previous tile, which every lane has then
-// read (the ldmatrix of the step before); the stashes are rewritten only after the barrier that ends the
-// merge that read them.
+// read (the ldmatrix of the step before); a stash is written after its warp's __syncwarp following its last
+// step (every lane has read that stage) and rewritten (by the warp's next copy, or stash) only after the barrier
+// that ends the merge that read it.
 //
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
 // value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
-// SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
+// CHUNKS_AHEAD, SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
 // MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES; the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
 // and wgmma_rs_tb (m64nHEAD_DIM); optionally MELD_DEFER_SPLIT_EVENTS, MELD_DIRECT_SINGLE_PART.
 
@@ -90,10 +95,13 @@ constexpr int WSTAGES = WARP_STAGES;            // tiles a warp's ring holds
 constexpr int TILE_BYTES = GT * GD * 2;         // one tile of K (or V)
 constexpr int WSTAGE_BYTES = 2 * TILE_BYTES;
 constexpr int WRING_BYTES = WARP_STREAM ? SWARPS * WSTAGES * WSTAGE_BYTES : 0;
-constexpr int STASH_OFFSET = WRING_BYTES;
+constexpr int STASH_BYTES = GT * GD * 4;         // a warp's stash of O: its 16 rows, float
+static_assert(STASH_BYTES == WSTAGE_BYTES, "a stash fills one stage of a warp's ring");
 constexpr int RPP = 32 / CPR;                    // token rows a warp's cp.async pass covers
 constexpr int PASSES = GT / RPP;
 static_assert(SWARPS >= 1 && SWARPS <= GWARPS && WSTAGES >= 2, "a warp ring needs two stages");
+static_assert(WRING_BYTES <= SMEM_BYTES && (WARP_STREAM || GWARPS * STASH_BYTES <= GSTAGES * STAGE_BYTES),
+              "the warps' rings (the cta build: the stashes) must fit");
 static_assert(CPR <= 32 && 32 % CPR == 0, "a token row's chunks fit a warp's lanes");
 #ifndef MELD_PREFIX_WGMMA
 #define MELD_PREFIX_WGMMA 0
@@ -155,6 +163,17 @@ __device__ __forceinline__ void load_q_rows(const GroupedParams& p, int kv_head,
   }
 }
 
+// Task i's row, and Q's A fragments of this warp's rows of it (a split task's 16; a task of more rows, the warp's
+// block). LOAD_AHEAD: loaded while the task before ends (its stashes, merge and stores), so the two dependent L2
+// round trips at a task's start overlap work (head_dim 256 has no registers to hold Q across that end).
+constexpr bool LOAD_AHEAD = GD <= 128;
+__device__ __forceinline__ void load_task(const GroupedParams& p, int i, int batch, int warp, SplitTask& tk,
+                                          u32 (&qf)[GKSTEPS][4], int lane) {
+  tk = load_splittask(p.tasks, p.task_capacity, i);
+  const int rows = tk.event_count * p.group_size;
+  load_q_rows(p, tk.kv_head, tk.event_first - tk.kv_head * batch, rows <= GT ? 0 : warp * GT, rows, qf, lane);
+}
+
 // The page of token `pos` of a piece (-1 at or past `end`) and its place in the page: looked up here, first used by
 // kv_row_at, so that the page-table load stays in flight until the row is needed.
 __device__ __forceinline__ int kv_page(const GroupedParams& p, const int* pages, int pos, int end, int& slot) {
@@ -190,10 +209,11 @@ __device__ __forceinline__ void issue_chunk(const GroupedParams& p, const int* r
 }
 
 // The online softmax of a warp's 16 rows over NT n8 tiles of scores `s` (mma's C fragments; a wgmma accumulator
-// holds a warp's rows the same way): scaled, masked at or past `valid`, exponentiated in place (P), and the rows'
-// m, l and O rescaled.
+// holds a warp's rows the same way): scaled, masked at or past `valid`, exponentiated in place (P), the rows' m and
+// l updated, and `alpha`, the factor O's rows take to the new maximum (rescale_rows), returned.
 template <int NT>
-__device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& rb, float (&s)[NT][4], int valid, int t) {
+__device__ __forceinline__ void softmax_scores(const GroupedParams& p, RowBlock& rb, float (&s)[NT][4], int valid, int t,
+                                               float (&alpha)[2]) {
   float mx[2] = {rb.m[0], rb.m[1]};
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -204,7 +224,7 @@ __device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& r
       s[n][c] = tok < valid ? (isinf(x) ? __int_as_float(0x7fc00000) : x) : neg_inf();
       mx[c >> 1] = fmaxf(mx[c >> 1], s[n][c]);
     }
-  float alpha[2], sum[2] = {0.f, 0.f};
+  float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -223,11 +243,22 @@ __device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& r
     }
 #pragma unroll
   for (int r = 0; r < 2; ++r) rb.l[r] = rb.l[r] * alpha[r] + sum[r];
+}
+
+__device__ __forceinline__ void rescale_rows(RowBlock& rb, const float (&alpha)[2]) {
 #pragma unroll
   for (int n = 0; n < GNT; ++n) {
     rb.o[n][0] *= alpha[0]; rb.o[n][1] *= alpha[0];
     rb.o[n][2] *= alpha[1]; rb.o[n][3] *= alpha[1];
   }
+}
+
+// softmax_scores, and O's rows rescaled at once.
+template <int NT>
+__device__ __forceinline__ void softmax_step(const GroupedParams& p, RowBlock& rb, float (&s)[NT][4], int valid, int t) {
+  float alpha[2];
+  softmax_scores(p, rb, s, valid, t, alpha);
+  rescale_rows(rb, alpha);
 }
 
 // One online-softmax step of a warp's 16 rows over NS tiles staged at `stage` (K) and `vstage` (V), from tile
@@ -267,11 +298,18 @@ __device__ __forceinline__ void attend(const GroupedParams& p, RowBlock& rb, con
 }
 
 #if MELD_PREFIX_WGMMA
-// The wgmma build's step of a task of more rows: the warpgroup's 64 rows (each warp's 16 in rb and qf, as attend
-// has them) over the whole chunk at `stage` (K; V KV_BYTES on), tokens at or past `valid` masked out. Every
-// thread of the warpgroup calls it (wgmma is warpgroup-wide), its rows padding or not.
+// The wgmma build's step c of a task of more rows: the warpgroup's 64 rows (each warp's 16 in rb and qf, as attend
+// has them) over the whole chunk at `stage` (K; V KV_BYTES on), tokens at or past `valid` masked out. Every thread
+// of the warpgroup calls it (wgmma is warpgroup-wide), its rows padding or not. With PV (every step but the first)
+// the P.V of the chunk before (P in `pa`, V at `vprev`) is issued behind S = Q.K^T (m64n64k16, Q from the warps' A
+// fragments) and runs while S's online softmax does (FlashAttention-3's overlap inside a warpgroup): O takes the
+// new maximum's factor once that P.V is done, and this chunk's P is left in `pa` for the next step (or
+// attend_wgmma_last). So O holds the rows' sum up to the chunk before, at the maximum up to this one. (PV is a
+// template argument: a run-time branch around the P.V's wgmmas alone made ptxas serialise every wgmma of the kernel,
+// C7520; one around the whole step does not.)
+template <bool PV>
 __device__ __forceinline__ void attend_wgmma(const GroupedParams& p, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
-                                             u32 stage, int valid, int lane) {
+                                             u32 (&pa)[TILES][4], u32 stage, u32 vprev, int valid, int lane) {
   float s[2 * TILES][4];   // S's accumulator: n8 tile n of the warp's rows, as mma's C fragments
   auto& sa = reinterpret_cast<float (&)[2 * TILES * 4]>(s);
   auto& oa = reinterpret_cast<float (&)[GNT * 4]>(rb.o);
@@ -280,23 +318,36 @@ __device__ __forceinline__ void attend_wgmma(const GroupedParams& p, RowBlock& r
   for (int k = 0; k < GKSTEPS; ++k)   // K-major B: k16 step k is 32 bytes into column block k / 4
     wgmma_rs(sa, qf[k], wgmma_desc(stage + (k >> 2) * SW_BLOCK + (k & 3) * 32), k > 0);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs(sa);   // (S is read after the wait)
-  softmax_step(p, rb, s, valid, lane & 3);
-  u32 a[TILES][4];   // P's A fragments, k16 step j: tokens 16j .. 16j + 15
+  if (PV) {
 #pragma unroll
-  for (int j = 0; j < TILES; ++j) {
-    a[j][0] = pack2(s[2 * j][0], s[2 * j][1]);
-    a[j][1] = pack2(s[2 * j][2], s[2 * j][3]);
-    a[j][2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
-    a[j][3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
-    fence_regs(a[j]);
+    for (int j = 0; j < TILES; ++j)   // MN-major B: 16 tokens are two 1 KiB atoms; column blocks SW_BLOCK apart
+      wgmma_rs_tb(oa, pa[j], wgmma_desc_mn(vprev + j * 2048, SW_BLOCK));
+    wgmma_commit();
   }
-  fence_regs(oa);   // (P is packed and O rescaled before the fence and the wgmmas that read them)
+  wgmma_wait<PV ? 1 : 0>();   // S is done (the P.V may run on)
+  fence_regs(sa);   // (S is read after its group is done)
+  float alpha[2];
+  softmax_scores(p, rb, s, valid, lane & 3, alpha);
+  wgmma_wait<0>();
+  fence_regs(oa);   // (O, and pa, are rewritten only after the P.V that read them)
+  rescale_rows(rb, alpha);
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {   // P's A fragments, k16 step j: tokens 16j .. 16j + 15
+    pa[j][0] = pack2(s[2 * j][0], s[2 * j][1]);
+    pa[j][1] = pack2(s[2 * j][2], s[2 * j][3]);
+    pa[j][2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
+    pa[j][3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
+    fence_regs(pa[j]);
+  }
+  fence_regs(oa);   // (O is rescaled before the fence and the wgmmas that accumulate into it)
+}
+
+// The last chunk's P.V (V at `vlast`), after its attend_wgmma step.
+__device__ __forceinline__ void attend_wgmma_last(RowBlock& rb, const u32 (&pa)[TILES][4], u32 vlast) {
+  auto& oa = reinterpret_cast<float (&)[GNT * 4]>(rb.o);
   wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < TILES; ++j)   // MN-major B: 16 tokens are two 1 KiB atoms; column blocks SW_BLOCK apart
-    wgmma_rs_tb(oa, a[j], wgmma_desc_mn(stage + KV_BYTES + j * 2048, SW_BLOCK));
+  for (int j = 0; j < TILES; ++j) wgmma_rs_tb(oa, pa[j], wgmma_desc_mn(vlast + j * 2048, SW_BLOCK));
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(oa);
@@ -327,33 +378,32 @@ __device__ __forceinline__ void store_rows(const GroupedParams& p, const SplitTa
 }
 
 // Tasks of at most 16 rows (a request's own suffix: one request's q heads) leave the CTA's other warps no
-// rows: the warps split the piece's tiles instead and merge their states through shared memory, from
-// STASH_OFFSET (rows padded by 4 floats: fewer bank conflicts).
-struct WarpStash {
-  float o[GT][GD + 4];   // O, unnormalised
-  float m[GT], l[GT];
+// rows: the warps split the piece's tiles instead and merge their states through shared memory: each warp's O
+// in a stash of STASH_BYTES (where: the comment at the top), 8-float groups of row r XOR-swizzled by r & 7 so
+// that a warp's stores of its rows g and g + 8 hit every bank evenly; its m and l in StashRows.
+struct StashRows {
+  float m[GWARPS][GT], l[GWARPS][GT];
+  u32 at[GWARPS];   // each stashing warp's stash: its byte offset from the ring's start
 };
-static_assert(STASH_OFFSET + SWARPS * (int)sizeof(WarpStash) <= SMEM_BYTES, "the warps' stashes must fit");
-static_assert(WRING_BYTES <= STASH_OFFSET, "the stashes lie past the warps' rings");
+__device__ __forceinline__ int stash_col(int r, int c) { return c ^ ((r & 7) << 3); }
 
-__device__ __forceinline__ const WarpStash& stash_of(const unsigned char* stash, int warp) {
-  return reinterpret_cast<const WarpStash*>(stash)[warp];
-}
-
-__device__ __forceinline__ void stash_rows(const RowBlock& rb, WarpStash& ws, int lane) {
+__device__ __forceinline__ void stash_rows(const RowBlock& rb, unsigned char* ring, u32 at, StashRows& sr, int warp,
+                                           int lane) {
   const int g = lane >> 2, t = lane & 3;
+  float* o = reinterpret_cast<float*>(ring + at);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(rb.l[h]);
     const int r = g + 8 * h;
 #pragma unroll
     for (int n = 0; n < GNT; ++n)
-      *reinterpret_cast<float2*>(&ws.o[r][n * 8 + 2 * t]) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
+      *reinterpret_cast<float2*>(o + r * GD + stash_col(r, n * 8 + 2 * t)) = make_float2(rb.o[n][2 * h], rb.o[n][2 * h + 1]);
     if (t == 0) {
-      ws.m[r] = rb.m[h];
-      ws.l[r] = l;
+      sr.m[warp][r] = rb.m[h];
+      sr.l[warp][r] = l;
     }
   }
+  if (lane == 0) sr.at[warp] = at;
 }
 
 // Outputs acc * inv (channels d .. d + 3 of head h of request b and kv head kv_head) into out, and when d == 0 the
@@ -373,23 +423,23 @@ __device__ __forceinline__ void store_out4(const GroupedParams& p, int b, int kv
 // (MELD_DIRECT_SINGLE_PART: a row whose event has this task as its one part into the output, as a merge of that one
 // part would write it).
 __device__ __forceinline__ void merge_warps(const GroupedParams& p, const SplitTask& tk, int rows,
-                                            const unsigned char* stash) {
+                                            const unsigned char* ring, const StashRows& sr) {
   for (int i = threadIdx.x; i < rows * (GD / 4); i += GWARPS * 32) {
     const int r = i / (GD / 4), d = (i - r * (GD / 4)) * 4;
     const int e = tk.event_first + r / p.group_size;   // (MELD_DIRECT_SINGLE_PART: its row read before the stashes')
     const bool whole = DIRECT_SINGLE && load_event(p.events, p.event_capacity, e).parts == 1;
     float mx = neg_inf();
 #pragma unroll
-    for (int w = 0; w < SWARPS; ++w) mx = fmaxf(mx, stash_of(stash, w).m[r]);
+    for (int w = 0; w < SWARPS; ++w) mx = fmaxf(mx, sr.m[w][r]);
     const float base = mx == neg_inf() ? 0.f : mx;   // (every score NaN: the l's carry it)
     float l = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < SWARPS; ++w) {   // a warp with no tile: m = -inf, l = 0, O = 0, weight 0
-      const WarpStash& ws = stash_of(stash, w);
-      const float c = exp2_approx(ws.m[r] - base);
-      const float4 v = *reinterpret_cast<const float4*>(&ws.o[r][d]);
-      l += c * ws.l[r];
+      const float c = exp2_approx(sr.m[w][r] - base);
+      const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(ring + sr.at[w]) + r * GD +
+                                                        stash_col(r, d));
+      l += c * sr.l[w][r];
       acc.x += c * v.x; acc.y += c * v.y; acc.z += c * v.z; acc.w += c * v.w;
     }
     const float inv = 1.f / l;
@@ -459,32 +509,39 @@ __device__ __forceinline__ void issue_tile(const GroupedParams& p, TileCursor& c
 // Channels d .. d + 3 of head h of event e (ev: its row, as the arrival that completed it read it): its parts
 // merged (in part_slot order) into out, and lse when d == 0. A merge waits on L2 more than it computes, so parts
 // are read MERGE_PARTS at a time, all their slots and then all their lse and O at once, and folded into a running
-// maximum and sum: two round trips for an event of up to MERGE_PARTS parts, two more for each MERGE_PARTS after.
+// maximum and sum: two round trips for an event of up to MERGE_PARTS parts, two more for each MERGE_PARTS after;
+// one, where merge_events staged the event's slots (`staged`: its list of at most MERGE_PARTS, or null). A merge is
+// bound by its instructions too, and every slot of a round costs its instructions, used or not: an event of at most
+// 4 (8) parts, a cascade's usual 2, takes rounds of 4 (8) (merge_row4; head_dim <= 128: 256 spilled 40 B), with the
+// same bits, since the slots past its parts add exact zeros.
 constexpr int MERGE_PARTS = GD <= 128 ? 16 : 8;   // (head_dim 256 has no registers for 16)
-__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const Event& ev, int h, int d) {
+template <int PARTS>
+__device__ __forceinline__ void merge_row4_in(const GroupedParams& p, int e, const Event& ev, int h, int d,
+                                              const int* staged) {
   const int batch = p.plan_info[0], b = e % batch, kv_head = e / batch;
   float mx = neg_inf(), sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k0 = 0; k0 < ev.parts; k0 += MERGE_PARTS) {
-    int slot[MERGE_PARTS];
-    float lse[MERGE_PARTS];
-    float4 v[MERGE_PARTS];
+  for (int k0 = 0; k0 < ev.parts; k0 += PARTS) {
+    int slot[PARTS];
+    float lse[PARTS];
+    float4 v[PARTS];
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) slot[k] = k0 + k < ev.parts ? p.part_slot[ev.part_first + k0 + k] + h : -1;
+    for (int k = 0; k < PARTS; ++k)
+      slot[k] = k0 + k < ev.parts ? (staged ? staged[k0 + k] : p.part_slot[ev.part_first + k0 + k]) + h : -1;
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
+    for (int k = 0; k < PARTS; ++k) {   // (a missing part: weight exp2(-inf) = 0 on zeros)
       lse[k] = slot[k] >= 0 ? ld_cg(p.part_lse + slot[k]) : neg_inf();
       v[k] = slot[k] >= 0 ? ld_cg4(p.part_o + (i64)slot[k] * GD + d) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float top = mx;
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) top = fmaxf(top, lse[k]);
+    for (int k = 0; k < PARTS; ++k) top = fmaxf(top, lse[k]);
     const float base = top == neg_inf() ? 0.f : top;
     const float keep = exp2_approx(mx - base);   // the parts before, to the new maximum (0 when there were none)
     sum *= keep;
     acc.x *= keep; acc.y *= keep; acc.z *= keep; acc.w *= keep;
 #pragma unroll
-    for (int k = 0; k < MERGE_PARTS; ++k) {
+    for (int k = 0; k < PARTS; ++k) {
       const float w = exp2_approx(lse[k] - base);
       sum += w;
       acc.x += w * v[k].x; acc.y += w * v[k].y; acc.z += w * v[k].z; acc.w += w * v[k].w;
@@ -494,15 +551,39 @@ __device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const 
   const float inv = ev.parts ? 1.f / sum : 0.f;   // no part: zeros, lse -inf
   store_out4(p, b, kv_head, h, d, acc, inv, [=] { return ev.parts ? (mx + log2_approx(sum)) * kLn2 : neg_inf(); });
 }
+__device__ __forceinline__ void merge_row4(const GroupedParams& p, int e, const Event& ev, int h, int d,
+                                           const int* staged) {
+  if (GD <= 128 && ev.parts <= 4)
+    merge_row4_in<4>(p, e, ev, h, d, staged);
+  else if (GD <= 128 && ev.parts <= 8)
+    merge_row4_in<8>(p, e, ev, h, d, staged);
+  else
+    merge_row4_in<MERGE_PARTS>(p, e, ev, h, d, staged);
+}
 
 // The n events of `list` (their rows in `rows`) merged by the CTA's threads together (one head's 4 channels
 // each), their counters reset for the next launch: a task that completes a whole slice of events merges them all
-// at once.
-__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, const Event* rows, int n) {
+// at once. Every thread of the CTA calls it. The part slots of the first STAGED_EVENTS events of at most
+// MERGE_PARTS parts are read first, all at once, into `staged` (a thread merges several (head, channels) of
+// different events one after another, each of which would read its event's slots again: a round trip each).
+// (head_dim 256 stages none: the staged list's pointer spilled its registers.)
+constexpr int STAGED_EVENTS = GD <= 128 ? 64 : 0;
+struct StagedSlots { int slot[STAGED_EVENTS > 0 ? STAGED_EVENTS : 1][MERGE_PARTS]; };
+__device__ __forceinline__ void merge_events(const GroupedParams& p, const int* list, const Event* rows, int n,
+                                             StagedSlots& staged) {
+  if (n == 0) return;   // (n is the CTA's: every thread returns, or none)
+  const auto fits = [&](int k) { return k < STAGED_EVENTS && rows[k].parts <= MERGE_PARTS; };
+  if (STAGED_EVENTS > 0) {
+    for (int i = threadIdx.x; i < min(n, STAGED_EVENTS) * MERGE_PARTS; i += GTHREADS) {
+      const int k = i / MERGE_PARTS, q = i - k * MERGE_PARTS;
+      if (fits(k) && q < rows[k].parts) staged.slot[k][q] = p.part_slot[rows[k].part_first + q];
+    }
+    __syncthreads();
+  }
   const int per = p.group_size * (GD / 4);
   for (int i = threadIdx.x; i < n * per; i += GTHREADS) {
     const int k = i / per, j = i - k * per;
-    merge_row4(p, list[k], rows[k], j / (GD / 4), (j % (GD / 4)) * 4);
+    merge_row4(p, list[k], rows[k], j / (GD / 4), (j % (GD / 4)) * 4, fits(k) ? staged.slot[k] : nullptr);
   }
   for (int k = threadIdx.x; k < n; k += GTHREADS) event_reset(p.counters + list[k]);
 }
@@ -513,7 +594,8 @@ __device__ __forceinline__ void merge_events(const GroupedParams& p, const int* 
 // (merge_events); `unit` names the round's task in the profile.
 template <class Pick>
 __device__ __forceinline__ void arrive_round(const GroupedParams& p, Pick pick, bool direct, int* fired,
-                                             Event* fired_rows, int& n_fired, Profiler& prof, int unit) {
+                                             Event* fired_rows, int& n_fired, StagedSlots& staged, Profiler& prof,
+                                             int unit) {
   if (threadIdx.x == 0) n_fired = 0;
   __syncthreads();   // every row of the task is stored
   int e;
@@ -529,9 +611,9 @@ __device__ __forceinline__ void arrive_round(const GroupedParams& p, Pick pick, 
   }
   __syncthreads();
   const i64 t1 = prof.now();
-  merge_events(p, fired, fired_rows, n_fired);
+  merge_events(p, fired, fired_rows, n_fired, staged);
   if (n_fired > 0) prof.record(t1, PROF_MERGE_HBM, unit);
-  __syncthreads();   // (fired and n_fired are rewritten next)
+  __syncthreads();   // (fired, n_fired and the staged slots are rewritten next)
 }
 
 // The persistent family (persistent.cuh): a plain launch; the CTA walks its tasks, then counts and merges.
@@ -553,8 +635,12 @@ struct GroupedFamily {
   static __device__ __forceinline__ void stream(const GroupedParams& p, const SplitTask& tk, const int* pages,
                                                 bool split, bool active, RowBlock& rb, const u32 (&qf)[GKSTEPS][4],
                                                 u32 ring, int warp, int lane) {
-    // rows[c % GSTAGES]: chunk c's token rows, looked up by the first CHUNK threads one chunk before its issue
-    // (chunk c + GSTAGES's lookup is in flight while chunk c is attended; the barrier of step c + 1 publishes it).
+    // AHEAD chunks in flight (GroupedKernelConfig.chunks_ahead): GSTAGES - 1, or (the wgmma build, whose P.V reads
+    // a chunk until the next step) GSTAGES - 2. rows[c % GSTAGES]: chunk c's token rows, looked up by the first CHUNK
+    // threads before its issue (chunk c + GSTAGES's lookup is in flight while chunk c is attended; the barrier of
+    // step c + 1 publishes it).
+    constexpr int AHEAD = CHUNKS_AHEAD;
+    static_assert(AHEAD >= 1 && AHEAD <= GSTAGES - 1 - PREFIX_WGMMA, "a chunk in flight, and none over one still read");
     __shared__ int rows[GSTAGES][CHUNK];
     const int chunks = (tk.kv_end - tk.kv_begin + CHUNK - 1) / CHUNK;
     if (threadIdx.x < CHUNK) {   // (every page looked up before the first store: a store to `rows` between them kept
@@ -567,16 +653,18 @@ struct GroupedFamily {
     }
     __syncthreads();
 #pragma unroll
-    for (int c = 0; c < GSTAGES - 1; ++c) {
+    for (int c = 0; c < AHEAD; ++c) {
       if (c < chunks) issue_chunk(p, rows[c], ring + c * STAGE_BYTES);
       cp_async_commit();
     }
+    u32 pa[TILES][4];   // (the wgmma build) the P of the chunk before, for its P.V
     for (int c = 0; c < chunks; ++c) {
-      cp_async_wait<GSTAGES - 2>();
+      cp_async_wait<AHEAD - 1>();
       if (PREFIX_WGMMA) fence_proxy_async();   // (this thread's copies, before wgmma reads them)
-      __syncthreads();   // chunk c has landed for every thread, chunk c - 1 is read (its stage is free), and
-                         // chunk c + GSTAGES - 1's rows are in `rows`
-      const int next = c + GSTAGES - 1;
+      __syncthreads();   // chunk c has landed for every thread, chunk c + AHEAD - GSTAGES is read (its stage is free:
+                         // the wgmma build's P.V of it was waited for at step c - 1), and chunk c + AHEAD's rows are
+                         // in `rows`
+      const int next = c + AHEAD;
       if (next < chunks) issue_chunk(p, rows[next % GSTAGES], ring + (next % GSTAGES) * STAGE_BYTES);
       cp_async_commit();
       // Chunk c + GSTAGES's row of this thread's token (its stage's rows were read at step c - 1): its page looked up
@@ -594,7 +682,11 @@ struct GroupedFamily {
         if (c % WARP_SETS == warp / TILES && valid > tile * GT) attend<1>(p, rb, qf, stage, stage + KV_BYTES, tile, valid - tile * GT, lane);
       } else if (active) {
 #if MELD_PREFIX_WGMMA
-        attend_wgmma(p, rb, qf, stage, valid, lane);
+        const u32 vprev = ring + ((c + GSTAGES - 1) % GSTAGES) * STAGE_BYTES + KV_BYTES;
+        if (c == 0)
+          attend_wgmma<false>(p, rb, qf, pa, stage, vprev, valid, lane);
+        else
+          attend_wgmma<true>(p, rb, qf, pa, stage, vprev, valid, lane);
 #else
 #pragma unroll
         for (int j = 0; j < TILES; j += ROW_TILES)
@@ -607,6 +699,9 @@ struct GroupedFamily {
         ahead = kv_row(p, pages, tk.kv_head, tk.kv_begin + (c + GSTAGES) * CHUNK + threadIdx.x, tk.kv_end);
       if (threadIdx.x < CHUNK) rows[c % GSTAGES][threadIdx.x] = ahead;
     }
+#if MELD_PREFIX_WGMMA
+    if (active && chunks > 0) attend_wgmma_last(rb, pa, ring + ((chunks - 1) % GSTAGES) * STAGE_BYTES + KV_BYTES);
+#endif
     cp_async_wait<0>();
     __syncthreads();   // the ring is drained and read: the next pass (or a stash) may overwrite it
   }
@@ -630,6 +725,7 @@ struct GroupedFamily {
     __shared__ int fired[GTHREADS];   // events this CTA's counts completed (merged by the whole CTA)
     __shared__ Event fired_rows[GTHREADS];   // and their rows
     __shared__ int n_fired;
+    __shared__ StagedSlots staged;   // their part slots (merge_events)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 ring = smem_addr(s.smem);
     Profiler prof;   // (MELD_PROFILE builds; thread 0 records: a task's attention, then its merges)
@@ -639,6 +735,10 @@ struct GroupedFamily {
     // event's load waited on the last: one round trip each, on every CTA's path to its first task), then the CTA
     // writes those it found together.
     const int batch = p.plan_info[0], events = batch * p.num_kv_heads;   // (plan() writes it: graph replays see it)
+    const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
+    SplitTask tk, next;     // the task walked, the next (LOAD_AHEAD), and Q's fragments of this warp's rows of it
+    u32 qf[GKSTEPS][4];
+    if (LOAD_AHEAD && first < last) load_task(p, first, batch, warp, next, qf, lane);
     for (int e0 = blockIdx.x; e0 < events; e0 += gridDim.x * GTHREADS) {
       if (threadIdx.x == 0) n_fired = 0;
       __syncthreads();
@@ -652,28 +752,25 @@ struct GroupedFamily {
         }
       }
       __syncthreads();
-      merge_events(p, fired, fired_rows, n_fired);
+      merge_events(p, fired, fired_rows, n_fired, staged);
       __syncthreads();   // (fired and n_fired are rewritten next)
     }
-    const int first = p.cta_first[blockIdx.x], last = p.cta_first[blockIdx.x + 1];
     const bool streams = warp < SWARPS;   // (the warp build) this warp attends split tasks' tiles
     const u32 wring = ring + warp * WSTAGES * WSTAGE_BYTES;
-    unsigned char* stash = s.smem + STASH_OFFSET;
+    __shared__ StashRows sr;   // split tasks' stashed m and l, and where each warp's O is
     TileCursor lc;   // (the warp build) this warp's walk over split tasks' tiles, ahead of its compute
     lc.live = false;
     int cs = 0;             // its ring stage consumed next
     bool primed = false;    // its ring holds the walk's tiles (false at the CTA's first task and after a task
                             // of more rows, where the walk stopped)
     for (int i = first; i < last; ++i) {
-      const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
+      if (LOAD_AHEAD) tk = next; else load_task(p, i, batch, warp, tk, qf, lane);
       const i64 t0 = prof.now();
       const int* pages = p.kv_indices + tk.pages;
       const int rows = tk.event_count * p.group_size;   // at most GWARPS * GT: the planner's slice
       const bool split = rows <= GT;
       const int row0 = split ? 0 : warp * GT;
-      u32 qf[GKSTEPS][4];
       RowBlock rb;
-      load_q_rows(p, tk.kv_head, tk.event_first - tk.kv_head * batch, row0, rows, qf, lane);
       reset_rows(rb);
       if (WARP_STREAM && split) {
         if (!primed) {   // the walk starts here: WSTAGES - 1 tiles in flight
@@ -690,11 +787,17 @@ struct GroupedFamily {
         const bool active = PREFIX_WGMMA ? warp / 4 * WG_ROWS < rows : row0 < rows;   // (wgmma: the warpgroup's)
         stream(p, tk, pages, split, active, rb, qf, ring, warp, lane);
       }
+      if (LOAD_AHEAD && i + 1 < last) load_task(p, i + 1, batch, warp, next, qf, lane);   // (qf is read)
       if (split) {
-        if (!WARP_STREAM || streams) stash_rows(rb, reinterpret_cast<WarpStash*>(stash)[warp], lane);
+        if (!WARP_STREAM || streams) {   // its stash: the warp build's ring stage read last, or the cta build's place
+          __syncwarp();   // (every lane has read that stage)
+          const int free_stage = cs == 0 ? WSTAGES - 1 : cs - 1;
+          stash_rows(rb, s.smem, WARP_STREAM ? (warp * WSTAGES + free_stage) * WSTAGE_BYTES : warp * STASH_BYTES, sr,
+                     warp, lane);
+        }
         __syncthreads();
-        merge_warps(p, tk, rows, stash);
-        __syncthreads();   // the stashes are read: the next task's stashes (or chunks) may land on them
+        merge_warps(p, tk, rows, s.smem, sr);
+        __syncthreads();   // the stashes are read: the warps' next copies (or the CTA ring's) may land on them
       } else if (row0 < rows) {
         store_rows(p, tk, rb, row0, rows, lane);
       }
@@ -703,7 +806,7 @@ struct GroupedFamily {
       const int end = tk.event_first + tk.event_count;
       for (int e0 = tk.event_first; e0 < end; e0 += GTHREADS)   // count the task's arrival, a thread an event
         arrive_round(p, [&](int& e) { e = e0 + threadIdx.x; return e < end; }, DIRECT_SINGLE && split, fired, fired_rows,
-                     n_fired, prof, i);
+                     n_fired, staged, prof, i);
     }
     // MELD_DEFER_SPLIT_EVENTS: the split tasks' arrivals, GTHREADS / GT tasks a round (a split task has at most
     // GT rows, so at most GT events): thread j arrives for event j % GT of the round's task j / GT.
@@ -714,7 +817,7 @@ struct GroupedFamily {
         const SplitTask tk = load_splittask(p.tasks, p.task_capacity, i);
         e = tk.event_first + k;
         return tk.event_count * p.group_size <= GT && k < tk.event_count;
-      }, DIRECT_SINGLE, fired, fired_rows, n_fired, prof, i0);
+      }, DIRECT_SINGLE, fired, fired_rows, n_fired, staged, prof, i0);
     }
     prof.end(gridDim.x);
   }

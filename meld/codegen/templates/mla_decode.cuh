@@ -115,6 +115,8 @@ struct SeesawStats {
 constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
+constexpr int ZERO_BAR = 1;                    // the score warpgroup's: a partial block's zeroed V rows, all warps'
+                                               // before its P.V reads them
 constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
 static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0 && OFF_RAW % 1024 == 0 && RAW_BYTES % 1024 == 0,
@@ -320,6 +322,23 @@ __device__ __forceinline__ void mla_issue_pv(float (&o)[OACC], u32 pbuf, u32 st,
   wgmma_commit();
 }
 
+// The score warpgroup's P as the A operand of its own P.V, in registers: the accumulator fragment of two
+// neighbouring 8-token column groups of S is the A fragment of one 16-token k step (its rows r and r + 8,
+// tokens 2 (lane % 4) + {0, 1} and + 8), so P goes to the tensor cores without the trip through shared memory.
+__device__ __forceinline__ void p_fragments(const float (&s)[SACC], u32 (&pa)[BLK / 16][4]) {
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[k][r] = pack2(s[8 * k + 2 * r], s[8 * k + 2 * r + 1]);
+}
+
+// O[:, 256 g ..] += P . V of ring stage `st` with P in registers (p_fragments), issued and committed.
+__device__ __forceinline__ void mla_issue_pv_regs(float (&o)[OACC], const u32 (&pa)[BLK / 16][4], u32 st, int g) {
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k) wgmma_rs_tb(o, pa[k], wgmma_desc_mn(st + 4 * g * BOX + 2048 * k, BOX));
+  wgmma_commit();
+}
+
 // The same, waited for.
 __device__ __forceinline__ void mla_pv(float (&o)[OACC], u32 pbuf, u32 st, int g) {
   fence_regs(o);   // the rescale is done before the fence (or ptxas serialises the wgmmas)
@@ -351,6 +370,18 @@ __device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int la
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(pbuf + r * 128 + ((((col >> 3) ^ (r & 7))) << 4) + (col & 7) * 2),
                  "r"(pack2(s[i], s[i + 1])) : "memory");
   }
+}
+
+// Straight-line forms of `if (c) named_barrier(...)` and `if (c) *addr = v` (predicated instructions, no branch),
+// for code that runs while a wgmma is in flight: a branch there makes ptxas serialise the wgmmas.
+__device__ __forceinline__ void named_barrier_if(bool c, int id, int threads) {
+  __syncwarp();
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p barrier.sync %1, %2; }" ::"r"((int)c), "r"(id), "r"(threads)
+               : "memory");
+}
+__device__ __forceinline__ void st_shared_if(bool c, float* addr, float v) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %0, 0; @p st.shared.f32 [%1], %2; }" ::"r"((int)c), "r"(smem_addr(addr)),
+               "f"(v) : "memory");
 }
 
 // Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
@@ -500,11 +531,85 @@ __device__ __forceinline__ void unit_start(float (&o)[OACC], float (&l)[2], floa
   m[0] = m[1] = neg_inf();
 }
 
-// Warpgroup 1: scores, online softmax and P, O's channels 0-255; then the unit's end with warpgroup 2. Once
-// block j's P is published, its P.V and block j + 1's scores go to the tensor cores together, the P.V first:
-// with two stages, the stage of block j must go back as soon as it can, since block j + 2 loads into it
-// (scores first left the load of each block exposed, waiting for its stage: bench/RESULTS.md, "MLA decode
-// attention", and "Figures moved from code comments").
+// One block of the score warpgroup's loop (mla_score): s holds block j's raw scores; on return, block j + 1's
+// (NEXT_AHEAD, NEXT_AFTER). Block j's softmax, then its P.V from P in registers right away, and P's publication
+// for warpgroup 2 under it (a branch while a wgmma is in flight would serialise them: the publication is
+// straight-line, its stores predicated). Block j + 1's scores go to the tensor cores before the softmax (into s2,
+// running under it: where the registers allow, 32-token blocks) or after the publication.
+constexpr int NEXT_NONE = 0, NEXT_AFTER = 1, NEXT_AHEAD = 2;
+// 64-token blocks spilled 160 B with s2. FP8 builds: block j + 1's scores wait for its conversion, whose share by
+// warpgroup 2 comes after warpgroup 2's sync on P_EMPTY for block j - 1, which the score warpgroup reaches only
+// after that wait: a cycle (H200, 2026-12-05: every FP8 MLA test died, `unspecified launch failure`).
+constexpr int NEXT_MODE = BLK == 32 && !KV_FP8 ? NEXT_AHEAD : NEXT_AFTER;
+template <int NEXT>
+__device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& w, int u, const Piece& x, int j,
+                                            u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b, int& stage,
+                                            u32& phase, float (&o)[OACC], float (&s)[SACC], float (&l)[2],
+                                            float (&m)[2]) {
+  const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
+  const int valid = min(BLK, x.end - x.begin - j * BLK);
+  const u32 st = ring + stage * STAGE_BYTES;
+  const int ns = stage + 1 == STAGES ? 0 : stage + 1;
+  const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
+  float s2[SACC], a[2];   // (NEXT_AHEAD's)
+  if constexpr (NEXT == NEXT_AHEAD) {
+    mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+    wgmma_fence();
+    mla_issue_scores(s2, qbuf, ring + ns * STAGE_BYTES);
+  }
+  mla_softmax(s, valid, p.sm_scale_log2, m, l, a, lane);
+  zero_tail(st, valid, ct);
+  rescale(o, a[0], a[1]);
+  u32 pa[BLK / 16][4];
+  p_fragments(s, pa);
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);
+  fence_proxy_async();   // the zeroed rows before the wgmmas read them: every warp's (a partial block)
+  named_barrier_if(valid < BLK, ZERO_BAR, 128);
+  fence_regs(o);
+  wgmma_fence();
+  mla_issue_pv_regs(o, pa, st, 0);
+  named_barrier_if(j > 0, P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
+  store_p(pbuf, s, lane, warp);   // (from s: P's registers may not be read while the P.V is in flight)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float lt = quad_sum(l[h]);
+    const int r = acc_row(lane, warp, h);
+    st_shared_if((lane & 3) == 0, &sx.alpha[r], a[h]);
+    st_shared_if((lane & 3) == 0 && NEXT == NEXT_NONE, &sx.l[r], lt);
+    st_shared_if((lane & 3) == 0 && NEXT == NEXT_NONE, &sx.m[r], m[h]);
+  }
+  fence_proxy_async();   // P before warpgroup 2's wgmmas read it
+  named_barrier(P_FULL, 256);
+  if (NEXT == NEXT_NONE && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed;
+                                                                 // the loaders wait for all four warps
+  if constexpr (NEXT == NEXT_AFTER) {
+    mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+    wgmma_fence();
+    mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
+    wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
+  } else {
+    wgmma_wait<0>();   // this block's P.V (and block j + 1's scores, committed before it)
+  }
+  fence_regs(o);
+#pragma unroll
+  for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);   // (P's registers held until the P.V is done)
+  if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+  if constexpr (NEXT == NEXT_AFTER) {
+    wgmma_wait<0>();
+    fence_regs(s);
+  }
+  if constexpr (NEXT == NEXT_AHEAD) {
+    fence_regs(s2);
+#pragma unroll
+    for (int i = 0; i < SACC; ++i) s[i] = s2[i];
+  }
+  stage = ns;
+  phase = nphase;
+}
+
+// Warpgroup 1: scores, online softmax and P, O's channels 0-255, a block at a time (score_block); then the unit's
+// end with warpgroup 2.
 __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b,
                           Profiler& prof) {
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
@@ -514,7 +619,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
-    float o[OACC], s[SACC], a[2], l[2], m[2];
+    float o[OACC], s[SACC], l[2], m[2];
     unit_start(o, l, m);
     if (nb > 0) {   // the first block's scores
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
@@ -524,50 +629,10 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES);
       wgmma_wait<0>();
       fence_regs(s);
-      mla_softmax(s, min(BLK, x.end - x.begin), p.sm_scale_log2, m, l, a, lane);
     }
-    for (int j = 0; j < nb; ++j) {   // s holds block j's P, a its rescale
-      const int valid = min(BLK, x.end - x.begin - j * BLK);
-      const u32 st = ring + stage * STAGE_BYTES;
-      const bool last = j == nb - 1;
-      zero_tail(st, valid, ct);
-      if (j > 0) named_barrier(P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
-      store_p(pbuf, s, lane, warp);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float lt = last ? quad_sum(l[h]) : 0.f;
-        if ((lane & 3) == 0) {
-          const int r = acc_row(lane, warp, h);
-          sx.alpha[r] = a[h];
-          if (last) { sx.l[r] = lt; sx.m[r] = m[h]; }
-        }
-      }
-      fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
-      named_barrier(P_FULL, 256);
-      if (last && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed (waited
-                                                        // for above); the loaders wait for all four warps
-      const int ns = stage + 1 == STAGES ? 0 : stage + 1;
-      const u32 nphase = stage + 1 == STAGES ? phase ^ 1u : phase;
-      if (!last) {   // (each branch a whole fence .. wait: a branch inside one serialises the wgmmas)
-        mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
-        rescale(o, a[0], a[1]);
-        fence_regs(o);
-        wgmma_fence();
-        mla_issue_pv(o, pbuf, st, 0);
-        mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
-        wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
-        fence_regs(o);
-        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
-        wgmma_wait<0>();
-        fence_regs(s);
-        mla_softmax(s, min(BLK, x.end - x.begin - (j + 1) * BLK), p.sm_scale_log2, m, l, a, lane);
-      } else {
-        rescale(o, a[0], a[1]);
-        mla_pv(o, pbuf, st, 0);
-        if (lane == 0) mbar_arrive(b.empty + 8 * stage);
-      }
-      stage = ns;
-      phase = nphase;
+    for (int j = 0; j < nb; ++j) {   // s holds block j's raw scores (each branch a whole fence .. wait)
+      if (j < nb - 1) score_block<NEXT_MODE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m);
+      else score_block<NEXT_NONE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m);
     }
     if (nb > 0) {
       l[0] = quad_sum(l[0]);

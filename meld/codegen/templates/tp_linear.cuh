@@ -362,9 +362,9 @@ __device__ __forceinline__ void tp_send(const TpParams& p, u32 staged, u32 bars,
       mbar_arrive(staged_empty(bars, b));   // the buffer may be restaged
       bulk_wait();
       fence_proxy_async_global();
-      asm volatile("fence.acq_rel.sys;" ::: "memory");   // one fence, then the stamps (each a release by it)
+      fence_acq_rel_sys();   // one fence, then the stamps (each a release by it)
       for (int r = TP_PROXY ? p.x_rank : 0; r < (TP_PROXY ? p.x_rank + 1 : p.x_world); ++r)
-        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(w.word(r, slot)), "l"(tp_stamp(launch, sent + 1)) : "memory");
+        store_relaxed_sys(w.word(r, slot), tp_stamp(launch, sent + 1));
     }
     prof.record(t0, PROF_TP_SEND, t);
   }

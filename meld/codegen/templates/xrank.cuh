@@ -25,10 +25,12 @@ struct XWindows {
   }
 };
 
-// Launch n has started on this rank: stored (release, system scope) into every rank's slot for it.
+// Launch n has started on this rank: one system-scope fence, then n stored into every rank's slot for it.
+// (A release store per rank would fence once per rank: ptxas emits a MEMBAR.SYS before each.)
 __device__ __forceinline__ void xrank_announce_peers(const XWindows& w, unsigned long long n) {
+  fence_acq_rel_sys();
   for (int r = 0; r < w.world; ++r)
-    event_publish_sys(w.word(r, w.started_off + 8 * w.rank), n);
+    store_relaxed_sys(w.word(r, w.started_off + 8 * w.rank), n);
 }
 
 // The proxy transport's command ring (meld/distributed/proxy.py) as a kernel addresses it (common.cuh: proxy_push).
