@@ -131,9 +131,15 @@ class MoeKernelConfig:
         return self.boxes * ((2 if self.narrow and not self.fp8 else 4) * 64 * 128 + self.block_tokens * 128)
 
     @property
+    def scale_box(self) -> int:
+        """FP8: token scales a ring stage's TMA box copies (templates/moe.cuh: SCALE_ALIGN): a row block's, from its
+        first row rounded down to 4 (a box's innermost coordinate must be a multiple of 16 bytes)."""
+        return self.block_tokens + 4
+
+    @property
     def scale_slot(self) -> int:
         """FP8: shared-memory bytes a ring stage's token scales take (templates/moe.cuh: SCALE_SLOT), beside the ring."""
-        return max(128, self.block_tokens * 4) if self.fp8 else 0
+        return -(-self.scale_box * 4 // 128) * 128 if self.fp8 else 0
 
     @property
     def stages(self) -> int:

@@ -228,8 +228,8 @@ class MoE(Operator):
             xs_map=tensor_map_2d(p["xs"], block_tokens, cols), act_map=tensor_map_2d(p["act"], block_tokens, cols),
             xs_part_map=tensor_map_2d(p["xs"], token_box_rows(block_tokens), cols),
             act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens), cols),
-            **({"xs_scale_map": tensor_map_runs(p["xs_scale"], block_tokens),
-                "act_scale_map": tensor_map_runs(p["act_scale"], block_tokens),
+            **({"xs_scale_map": tensor_map_runs(p["xs_scale"], cfg.scale_box),
+                "act_scale_map": tensor_map_runs(p["act_scale"], cfg.scale_box),
                 "scale_ld": p["xs_scale"].shape[1]} if self._fp8 else {}),
             task_capacity=self._tile_cap)
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)

@@ -99,6 +99,6 @@ def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int = BOX_COLS) -> T
 def tensor_map_runs(t: torch.Tensor, box_cols: int) -> TensorMap:
     """The tensor map of a row-major float32 matrix [rows, cols] (rows 16-byte aligned) whose box is a run of
     `box_cols` elements of one row, unswizzled (past the end: zeros): FP8 MoE's token scales, a K block's row
-    block's at a time."""
+    block's at a time. A copy's first column must be a multiple of 4 (the innermost coordinate, 16 bytes)."""
     rows, cols = t.shape
     return _encode(t, [cols, rows], [t.stride(0) * t.element_size()], [box_cols, 1], swizzled=False)

@@ -67,9 +67,14 @@ constexpr int CONSUMERS = 256;
 // row block, column block; ints, padded.
 constexpr int TASK_SLOT = 8;
 // FP8: a ring stage's token scales (one K block's, of the row block's BLOCK_TOKENS rows: a TMA box of xs_scale_map
-// or act_scale_map, zeros past the rows) in a slot of their own beside the ring, 128-byte aligned.
-constexpr int SCALE_BYTES = MELD_FP8 ? BLOCK_TOKENS * 4 : 0;
-constexpr int SCALE_SLOT = MELD_FP8 ? (SCALE_BYTES > 128 ? SCALE_BYTES : 128) : 0;
+// or act_scale_map, zeros past the rows) in a slot of their own beside the ring, 128-byte aligned. A TMA box's
+// innermost coordinate must be a multiple of 16 bytes (else the copy is an illegal instruction), and a row block
+// starts at any row (its expert's rows follow the others'): the box starts at the row block's first row rounded
+// down to SCALE_ALIGN tokens and is SCALE_ALIGN tokens longer (meld/codegen/moe_kernel.py: scale_box), so it
+// holds the block's scales from token row0 % SCALE_ALIGN on.
+constexpr int SCALE_ALIGN = 4;
+constexpr int SCALE_BYTES = MELD_FP8 ? (BLOCK_TOKENS + SCALE_ALIGN) * 4 : 0;
+constexpr int SCALE_SLOT = (SCALE_BYTES + 127) / 128 * 128;
 // Where the slots start, from the task slots (MoeFamily::State: the mailbox and the combine list after them, then
 // the exchange area, FP8's quantise_act maxima, then consume's staging of wide tiles).
 __device__ __forceinline__ u32 scale_slots(const int* slots) {
@@ -597,7 +602,7 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
             for (int i = 0; i < tboxes; ++i)
               tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX + i * trows * BK * ELEM, tmap,
                           (e * K_BOXES + b) * BK, row0 + i * trows, late.full + 8 * late.stage);
-          if (MELD_FP8) tma_load_2d(scales + late.stage * SCALE_SLOT, smap, row0, e, late.full + 8 * late.stage);
+          if (MELD_FP8) tma_load_2d(scales + late.stage * SCALE_SLOT, smap, row0 & -SCALE_ALIGN, e, late.full + 8 * late.stage);
         }
       }
       if (kk == nk) break;
@@ -624,7 +629,7 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
             tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * ELEM, tmap, (kk * K_BOXES + b) * BK,
                         row0 + i * trows, full);
       }
-      if (MELD_FP8 && kk >= early) tma_load_2d(scales + ring.stage * SCALE_SLOT, smap, row0, kk, full);   // (K_BOXES 1)
+      if (MELD_FP8 && kk >= early) tma_load_2d(scales + ring.stage * SCALE_SLOT, smap, row0 & -SCALE_ALIGN, kk, full);   // (K_BOXES 1)
       ring.advance();
     }
   }
@@ -691,7 +696,9 @@ struct KLoop {
         wgmma_commit();
         if (a == 0)
 #pragma unroll
-          for (int i = 0; i < R / 4; ++i) ts[i] = ld_shared_f2(sc.t + ring.stage * SCALE_SLOT + 32 * i);
+          for (int i = 0; i < R / 4; ++i)   // (two loads: the block's first token may sit at any 4-byte offset)
+            ts[i] = make_float2(ld_shared_f32(sc.t + ring.stage * SCALE_SLOT + 32 * i),
+                                ld_shared_f32(sc.t + ring.stage * SCALE_SLOT + 32 * i + 4));
         wgmma_wait<0>();
         fence_regs(part);
         if (a == 1) {   // (every lane has read the stage's scales and both products' operands)
@@ -924,7 +931,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
           sc.w[a][h] = kind ? weight_scales(p.w2_scale, expert, p.hidden, p.inter, col * G2_COLS + (2 * wg + a) * 64 + lo + 8 * h)
                             : weight_scales(p.w13_scale, expert, 2 * p.inter, p.hidden,
                                             a * p.inter + col * G1_COLS + wg * 64 + lo + 8 * h);
-      sc.t = scale_slots(slots) + 8 * (lane % 4);
+      sc.t = scale_slots(slots) + 4 * (row0 % SCALE_ALIGN) + 8 * (lane % 4);
     }
 #endif
     const KLoop kl{p, nk, lane, warp, wg, ticket, sc};
