@@ -351,8 +351,8 @@ __device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 
   PhaseClock pc(base, 2, threadIdx.x == 64);
   for (int u = w.first(); u <= w.last(); ++u)
     for (int j = UnitWalk::blocks(w.piece(u)); j > 0; --j, ++g) {
+      pc.add(PHASE_BLOCKS, 1);   // (before the block's arrivals, which order the sums for the record)
       mla_convert_block(p, w.cta, raw, ring, b, g, u, threadIdx.x - 64, pc);
-      pc.add(PHASE_BLOCKS, 1);
     }
 }
 
