@@ -188,6 +188,15 @@ struct Profiler {
       r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
     }
   }
+  // A sum of SM cycles (a diagnostic build's phase stamps: meld/runtime/profile.py, PHASES), not a task.
+  __device__ __forceinline__ void record_cycles(int phase, int warpgroup, i64 cycles) {
+    if (!MELD_PROFILE || base == nullptr) return;
+    const int i = shared != nullptr ? atomicAdd(shared, 1) : n++;
+    if (i < cap) {
+      i64* r = base + 4 * (1 + i);
+      r[0] = -1; r[1] = cycles; r[2] = phase; r[3] = warpgroup;
+    }
+  }
   __device__ __forceinline__ void end(int ctas) {
     if (!MELD_PROFILE) return;
     if (base != nullptr) {
