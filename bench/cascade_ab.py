@@ -7,7 +7,10 @@ the package cannot share one), in alternating rounds so drift hits both. Each si
 (CUDA-graph replay median, cold L2).
 
     git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
-    PYTHONPATH=$PWD python3 bench/cascade_ab.py --base .ab/base [--cases 0 1 5] [--json F]
+    PYTHONPATH=$PWD python3 bench/cascade_ab.py --base .ab/base [--cases 0 1 5] [--new-op warps=4] [--json F]
+
+`--new-op NAME=VALUE ...`: CascadeDecode keyword arguments of the new side only (a config the base may not know);
+`--base .` then times this tree against itself with them.
 """
 from __future__ import annotations
 
@@ -23,8 +26,19 @@ from bench.ab_tree import add_tree_arguments, report_new_over_base, run_rounds, 
 worker_tree_first(REPO)
 
 
-def worker(cases: list[int], check: bool, seed: int) -> dict[str, dict[str, float]]:
-    """Time the meld on the path on bench/cascade.py's `cases` (µs, graph replay median)."""
+def op_kwargs(items: list[str]) -> dict[str, object]:
+    """NAME=VALUE pairs as CascadeDecode keywords: integers, True/False, else strings."""
+    out: dict[str, object] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise SystemExit(f"--new-op {item!r}: expected NAME=VALUE")
+        out[name] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
+    return out
+
+
+def worker(cases: list[int], check: bool, seed: int, op_kw: dict[str, object]) -> dict[str, dict[str, float]]:
+    """Time the meld on the path on bench/cascade.py's `cases` (µs, graph replay median), CascadeDecode(**op_kw)."""
     import torch
 
     from bench.cascade import CASES, build_meld_cascade, make_inputs, reference
@@ -33,7 +47,7 @@ def worker(cases: list[int], check: bool, seed: int) -> dict[str, dict[str, floa
     times: dict[str, dict[str, float]] = {}
     for i in cases:
         inp = make_inputs(CASES[i], seed)
-        impl = build_meld_cascade(inp)
+        impl = build_meld_cascade(inp, **op_kw)
         if check:
             ref = reference(inp)
             for label, out, lse in impl.outputs():
@@ -53,18 +67,23 @@ def main() -> int:
     p.add_argument("--cases", type=int, nargs="+", default=list(range(len(CASES))),
                    help=f"indices into bench/cascade.py's cases (0..{len(CASES) - 1})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--new-op", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="CascadeDecode keyword arguments of the new side (module doc)")
+    p.add_argument("--op", nargs="*", default=[], help=argparse.SUPPRESS)   # (a worker's: its side's keywords)
     add_tree_arguments(p)
     args = p.parse_args()
     if bad := [i for i in args.cases if not 0 <= i < len(CASES)]:
         p.error(f"--cases {bad}: the cases are 0..{len(CASES) - 1}")
     if args.worker:
-        Path(args.out).write_text(json.dumps(worker(args.cases, args.check, args.seed)))
+        Path(args.out).write_text(json.dumps(worker(args.cases, args.check, args.seed, op_kwargs(args.op))))
         return 0
+    op_kwargs(args.new_op)   # (a malformed pair fails here, before any worker starts)
     sides = {"base": args.base, "new": REPO}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
         sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
         "--cases", *map(str, args.cases),
-        "--seed", str(args.seed), "--out", out, *(["--check"] if r == 0 else [])])
+        "--seed", str(args.seed), "--out", out, *(["--check"] if r == 0 else []),
+        *(["--op", *args.new_op] if side == "new" and args.new_op else [])])
     if runs is None:
         return 1
     report_new_over_base(runs, "cascade", args.rounds, args.json)

@@ -595,6 +595,7 @@ class Impl:
     plan: Optional[Timing] = None
     plan_first_us: Optional[float] = None
     init_us: Optional[float] = None  # constructor wall time (meld compiles its kernel there)
+    op: Any = None  # meld's operator, where a tool reads its profile (last_trace)
 
 
 REL_TOL = 1e-2  # on ‖out − ref‖ / ‖ref‖ against float64 (BENCH.md)

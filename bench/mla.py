@@ -259,11 +259,12 @@ def quantised_q(inp: Inputs) -> tuple[torch.Tensor, float]:
 # ------------------------------------------------------------------------------------- implementations
 
 def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, block_tokens: int | None = None,
-               num_stages: int = 0) -> Impl:
+               num_stages: int = 0, phases: bool = False) -> Impl:
     """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans; `schedule`:
     its kernel build (`MlaKernelConfig.schedule`); `fp8`: the e4m3 build over inp.cache8 (its default schedule);
     `block_tokens`: the bf16 build's KV block (MlaKernelConfig.block_tokens; None: its default); `num_stages`:
-    the build's bf16 ring stages (MlaKernelConfig.num_stages; 0: its default)."""
+    the build's bf16 ring stages (MlaKernelConfig.num_stages; 0: its default); `phases`: the profiled build with
+    phase stamps (tools/mla_phases.py reads them from the Impl's op)."""
     import meld
     from meld.codegen.mla_kernel import MlaKernelConfig
 
@@ -272,8 +273,9 @@ def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, block_to
     mla = meld.DecodeMLA(NUM_HEADS, PAGE_SIZE, dtype=DTYPE, device=str(dev), sm_scale=SM_SCALE,
                          head_dim_ckv=HEAD_DIM_CKV, head_dim_kpe=HEAD_DIM_KPE,
                          max_batch_size=c.batch, max_num_pages=t.num_pages,
-                         kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=num_stages) if fp8 else
-                         MlaKernelConfig(schedule=schedule, num_stages=num_stages,
+                         kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=num_stages, profile=phases,
+                                                                 phases=phases) if fp8 else
+                         MlaKernelConfig(schedule=schedule, num_stages=num_stages, profile=phases, phases=phases,
                                          **({"block_tokens": block_tokens} if block_tokens else {})),
                          q_len=c.q_len,
                          kv_dtype=torch.float8_e4m3fn if fp8 else None)
@@ -301,7 +303,7 @@ def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, block_to
         return [("run", alloc, None), ("run(return_lse=True)", alloc_o, alloc_lse), ("run(out=)", o1, None),
                 ("run(return_lse=True, out=, lse=)", o2, lse)]
 
-    return Impl(lambda: run(*args, out=out), outputs, timing, first.median_us, init_us)
+    return Impl(lambda: run(*args, out=out), outputs, timing, first.median_us, init_us, op=mla)
 
 
 def build_flashinfer(inp: Inputs, backend: str) -> Impl:

@@ -9,6 +9,7 @@ import pytest
 SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
     "decode_ab": ["--base", "BASE", "--q-len", "4", "--batch", "8"],
     "cascade_ab": ["--base", "BASE", "--cases", "0", "1"],
+    "cascade_ab w4": ["--base", "BASE", "--cases", "0", "--new-op", "warps=4", "prefix_mma=mma"],
     "mla_ab": ["--base", "BASE", "--batches", "16", "--dists", "skewed"],
     "mla_ab fp8": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8"],
     "mla_ab seesaw": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--schedule", "seesaw"],
@@ -53,6 +54,9 @@ def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_
                 "mla_ab fp8 s3": ("fp8", "split", 0)}
         assert all(c[-4:-1] == want[name] for c in calls), calls
         assert [c[-1] for c in calls] == ([0, 3] if name.endswith("s3") else [0, 0]), calls
+    if name.startswith("cascade_ab"):   # the new side's CascadeDecode keywords, the base side's none
+        want = {"warps": 4, "prefix_mma": "mma"} if name.endswith("w4") else {}
+        assert [c[-1] for c in calls] == [{}, want], calls
     if name == "moe_ab fp8":   # the FP8 experts on both sides
         assert all(c[-1] is True for c in calls)
 

@@ -380,11 +380,39 @@ def test_no_cta_holds_more_than_its_share_and_a_piece(batch, ctas, overhead, mer
 
 
 @settings(max_examples=150, deadline=None)
-@given(_levels())
-def test_host_planner_is_its_numpy_oracle(case):
+@given(_levels(), st.booleans())
+def test_host_planner_is_its_numpy_oracle(case, stagger):
     batch, levels, ctas, heads, slice_rows, overhead, merge, rows = case   # (slice_rows 1 and 6: slices of one and of three requests)
-    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows),
-                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows))
+    assert _same_plan(plan_split_reduce(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows, stagger),
+                      plan_split_reduce_numpy(levels, batch, heads, 2, P, ctas, slice_rows, overhead, merge, rows,
+                                              stagger))
+
+
+def test_a_staggered_plan_lists_the_second_halfs_tasks_last_to_first():
+    """stagger: the same pieces and events; CTAs below num_ctas / 2 list theirs in line order (the shared level
+    first), the others last to first (their own suffixes first), so an SM's two CTAs of the four-warp build start
+    on different levels; the CPU executor's answer is the same, bit for bit."""
+    levels, q, kv = batch([40, 24], [700, 300], [int(n) for n in np.random.default_rng(5).integers(1, 90, 64)])
+    _, (out, lse) = run_op(levels, q, kv, warps=4)
+    op, (out_s, lse_s) = run_op(levels, q, kv, warps=4, stagger=True)
+    assert torch.equal(out, out_s) and torch.equal(lse, lse_s)
+    plan = op.plan_tables[2]
+    t, W = plan.task_columns(), plan.num_ctas
+    both = [0, 0]   # CTAs holding both levels, in each half: where the order matters
+    for c in range(W):
+        prod = t["producer"][t["cta"] == c]
+        step = np.diff(prod)
+        assert (step <= 0).all() if 2 * c >= W else (step >= 0).all(), (c, prod)
+        both[2 * c >= W] += len(set(prod.tolist())) == 2
+    assert min(both) >= 10, both
+    plain = meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", warps=4)
+    plain.plan(*[[lv[i] for lv in levels] for i in range(4)])
+    p0 = plain.plan_tables[2]
+    key = lambda pl: sorted(zip(*(pl.task_columns()[f].tolist() for f in ("cta", "producer", "kv_head", "event_first",
+                                                                            "kv_begin", "kv_end"))))
+    assert key(p0) == key(plan) and np.array_equal(p0.part_slot, plan.part_slot)
+    with pytest.raises(ValueError, match="stagger must be a bool"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", stagger=1)
 
 
 def test_a_smaller_row_tile_charges_a_group_of_more_rows_more():
@@ -599,6 +627,50 @@ def test_grouped_kernel_compiles_for_sm90a(split_stream, dtype, head_dim, profil
     assert cfg.smem_bytes + static <= 227 * 1024, (cfg.smem_bytes, static)
     assert ("MELD_PROFILE 1" in cfg.render()) == profile
     assert ("_warp" in cfg.name) == (split_stream == "warp") and ("_prof" in cfg.name) == profile
+
+
+TWO_CTA_BUILDS = [(head_dim, prefix_mma) for head_dim in (64, 128) for prefix_mma in ("mma", "wgmma")]
+
+
+# Two builds by default (~10 s of nvcc each); the others with -m full_matrix.
+@pytest.mark.parametrize("head_dim,prefix_mma", [
+    pytest.param(*b, marks=() if b in ((128, "wgmma"), (64, "mma")) else pytest.mark.full_matrix) for b in TWO_CTA_BUILDS],
+    ids=["-".join(map(str, b)) for b in TWO_CTA_BUILDS])
+def test_the_four_warp_build_fits_two_ctas_an_sm(head_dim, prefix_mma):
+    """warps=4 (two CTAs an SM): no spills, no stack, no wgmma serialised, launch bounds of two CTAs (at most 255
+    registers a thread), and two CTAs' shared memory, each with the 1 KiB the hardware keeps, within an SM's 228 KiB."""
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+    from tests.kernel_matrix import nvcc
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    cfg = GroupedKernelConfig("bfloat16", head_dim, prefix_mma=prefix_mma, defer_split_events=True, warps=4)
+    assert (cfg.threads, cfg.ctas_per_sm, cfg.row_blocks) == (128, 2, 4) and cfg.name.endswith("_w4")
+    assert "#define NUM_WARPS 4" in cfg.render() and "#define MIN_CTAS 2" in cfg.render()
+    _, log = nvcc(cfg.render(), cfg.name)
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    assert "serializ" not in log, log
+    static = max(int(n) for n in re.findall(r"(\d+) bytes smem", log))
+    assert 2 * (cfg.smem_bytes + static + 1024) <= 228 * 1024, (cfg.smem_bytes, static)
+    assert cfg.stages >= 3 and cfg.warp_stages >= 3, "a two-CTA build keeps two tiles in flight a ring"
+
+
+def test_four_warps_slice_a_groups_rows_by_64_and_plan_twice_the_ctas():
+    """CascadeDecode(warps=4) on the CPU executor: tasks of at most 64 query rows, 264 CTAs by default, the same
+    answer as float64; the config's checks name warps and head_dim."""
+    from meld.codegen.grouped_kernel import GroupedKernelConfig
+
+    levels, q, kv = batch([40, 24], [700, 300], [int(n) for n in np.random.default_rng(4).integers(0, 90, 64)])
+    op, plan = check(levels, q, kv, warps=4)
+    assert op.num_ctas == 264 and op._slice_rows == 64
+    t = plan.task_columns()
+    assert int(t["event_count"].max()) * (HQ // HKV) <= 64 < 40 * (HQ // HKV)
+    assert meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu").num_ctas == 132
+    with pytest.raises(ValueError, match="warps=3"):
+        meld.CascadeDecode(HQ, HKV, D, P, 2, BF16, "cpu", warps=3)
+    with pytest.raises(ValueError, match="warps=4 with head_dim=256"):
+        meld.CascadeDecode(HQ, HKV, 256, P, 2, BF16, "cpu", warps=4)
+    assert GroupedKernelConfig().render().count("#define MIN_CTAS 1") == 1
 
 
 WGMMA_BUILDS = [(dtype, head_dim, profile) for dtype in ("bfloat16", "float16") for head_dim in (64, 128)

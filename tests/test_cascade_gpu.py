@@ -4,7 +4,9 @@ prefix_mma="mma"; "wgmma": the warp build with a shared prefix's tasks of more t
 operator's default at head_dim 64 and 128; every "warp" build counts a split task and runs the merges it completes
 after the CTA's last task, defer_split_events, the operator's default there; "nodefer": the default counting after each
 task instead; "warp-direct": the mma build with direct_single_part, a split task that is its event's one part writing
-the output; "nodefer-direct": the default with direct_single_part and without defer_split_events)."""
+the output; "nodefer-direct": the default with direct_single_part and without defer_split_events; "w4", "w4-mma":
+four warps a CTA, two CTAs an SM, wgmma and mma prefixes; "w4-stagger": w4 with the second half's CTAs walking last
+to first)."""
 from __future__ import annotations
 
 import math
@@ -22,7 +24,8 @@ HKV, P = 2, 16
 BUILDS = {"cta": dict(split_stream="cta"), "warp": dict(split_stream="warp", prefix_mma="mma"),
           "wgmma": dict(prefix_mma="wgmma"), "nodefer": dict(defer_split_events=False),
           "warp-direct": dict(prefix_mma="mma", direct_single_part=True),
-          "nodefer-direct": dict(defer_split_events=False, direct_single_part=True)}
+          "nodefer-direct": dict(defer_split_events=False, direct_single_part=True),
+          "w4": dict(warps=4), "w4-mma": dict(warps=4, prefix_mma="mma"), "w4-stagger": dict(warps=4, stagger=True)}
 every_build = pytest.mark.parametrize("build", list(BUILDS.values()), ids=list(BUILDS))
 
 
@@ -120,6 +123,10 @@ def test_both_task_shapes_in_one_small_launch(build):
 def test_head_dims_and_groups(head_dim, group, build):
     if head_dim == 256 and build.get("prefix_mma") == "wgmma":   # (its accumulators do not fit the registers)
         with pytest.raises(ValueError, match="prefix_mma='wgmma' with head_dim=256"):
+            meld.CascadeDecode(HKV * group, HKV, head_dim, P, 2, torch.bfloat16, "cuda", **build)
+        return
+    if head_dim == 256 and build.get("warps") == 4:   # (two CTAs an SM leave no room for two 64 KiB chunks)
+        with pytest.raises(ValueError, match="warps=4 with head_dim=256"):
             meld.CascadeDecode(HKV * group, HKV, head_dim, P, 2, torch.bfloat16, "cuda", **build)
         return
     _check([3, 5], [500, 77], [int(n) for n in np.random.default_rng(3).integers(0, 200, 8)], head_dim, group,

@@ -17,7 +17,7 @@ RESET = re.compile(r"\b(counters?|xexit|rb_done|tok_cnt|arrive|count)\b(\s*\[[^]
 
 # (template, text of the line) -> why it is not an event.
 ALLOWED = {
-    ("common.cuh", "const int i = shared != nullptr ? atomicAdd(shared, 1) : n++;"):
+    ("common.cuh", "__device__ __forceinline__ int next_slot() { return shared != nullptr ? atomicAdd(shared, 1) : n++; }"):
         "the profiler's record slots: a list index",
     ("common.cuh", "if (atomicAdd(clock + 1, 1u) == (unsigned)ctas - 1u) {"):
         "the profiler's sampling clock (common.cuh comes before events.cuh): counts launches, fires no task",
@@ -27,6 +27,8 @@ ALLOWED = {
     ("moe.cuh", "p.counters[0] = 0;"): "the MoE task ticket, rewound",
     ("moe.cuh", "combine_list[1 + atomicAdd(combine_list, 1)] = t;"): "a slot in the CTA's list of fired combines",
     ("grouped_attention.cuh", "const int k = atomicAdd(&n_fired, 1);"): "a slot in the CTA's list of fired events",
+    ("mla_decode.cuh", 'asm volatile("{ .reg .pred p; setp.ne.u32 p, %2, 0; @p red.shared.add.u32 [%0], %1; }"'):
+        "the phase stamps' cycle sums (a diagnostic build's statistics): nothing waits on them",
 }
 
 

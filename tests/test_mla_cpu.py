@@ -23,7 +23,10 @@ SCALE = 192 ** -0.5
                                  MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn"),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", profile=True),
-                                 MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=3)],
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=3),
+                                 MlaKernelConfig(profile=True, phases=True),
+                                 MlaKernelConfig(schedule="seesaw", profile=True, phases=True),
+                                 MlaKernelConfig.for_cache("float8_e4m3fn", profile=True, phases=True)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
     """No spills, and no wgmma that ptxas serialises (C7520: a wgmma in flight across divergent code)."""
@@ -45,8 +48,24 @@ def test_seesaw_build():
     assert "static_assert(LOAD_REGS + 2 * MATH_REGS <= 3 * (65536 / 384 / 8 * 8)" in cfg.render()
 
 
+def test_phases_build():
+    """The phase stamps' build (a diagnostic): profiled, its sums' shared memory beside the barriers, the stages of
+    the plain build; its profile records include every role's phases; the plain build's source defines no clock."""
+    import dataclasses
+
+    from meld.runtime.profile import PHASES
+
+    for plain in (MlaKernelConfig(), MlaKernelConfig(schedule="seesaw"), MlaKernelConfig.for_cache("float8_e4m3fn")):
+        cfg = dataclasses.replace(plain, profile=True, phases=True)
+        assert "_phases" in cfg.name and (cfg.stages, cfg.raw_stages) == (plain.stages, plain.raw_stages)
+        assert cfg.smem_bytes == plain.smem_bytes + 4 * 3 * len(PHASES)
+        assert cfg.phase_records == 3 * len(PHASES) and plain.phase_records == 0
+        assert "#define MLA_PHASES 1" in cfg.render() and "MLA_PHASES 1" not in plain.render()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(schedule="pingpong"), "schedule='pingpong': expected one of \\('split', 'seesaw'\\)"),
+    (dict(phases=True), "phases=True needs profile=True"),
     (dict(schedule="seesaw", block_tokens=32), "block_tokens=32: the seesaw schedule runs 64-token blocks"),
 ])
 def test_bad_kernel_config(kwargs, match):

@@ -64,6 +64,23 @@ def test_three_bf16_stages_and_two_staging_stages(B, dist):
     assert mla.kernel_config == cfg
 
 
+def test_phase_stamps_count_the_converting_warps_too():
+    """The FP8 phases build: correct as the plain one (_check), and its converting warps (role 2) convert every block
+    of their CTA's segment, as both consumer warpgroups run it."""
+    from meld.codegen.mla_kernel import MlaKernelConfig
+
+    mla, *_ = _check(lengths("skewed", 16), kernel_config=MlaKernelConfig.for_cache("float8_e4m3fn", profile=True,
+                                                                                    phases=True))
+    sums: dict[tuple[int, int], dict[str, int]] = {}
+    for x in mla.last_trace().phases:
+        sums.setdefault((x.cta, x.warpgroup), {})[x.phase] = x.cycles
+    ctas = {c for c, role in sums if role == 0 and sums[c, role].get("blocks")}
+    assert ctas
+    for c in ctas:
+        assert sums[c, 0]["blocks"] == sums[c, 1]["blocks"] == sums[c, 2]["blocks"], (c, sums[c, 2])
+        assert sums[c, 2]["convert"] > 0 and sums[c, 1]["convert"] > 0, (c, sums[c, 1])
+
+
 def test_ragged_with_empty_requests_and_block_edges():
     _check([0, 1, 31, 32, 33, 63, 65, 700, 0, 3001, 20000])
 

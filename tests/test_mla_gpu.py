@@ -189,3 +189,33 @@ def test_profile_trace(schedule):
     trace = prof_op.last_trace()
     pieces = [t for t in trace.tasks if t.kind == "piece"]
     assert len(pieces) == len(prof_op.schedule.items()["unit"])
+
+
+def test_phase_stamps(schedule):
+    """The phases build (profiled, each role's cycles a phase: tools/mla_phases.py): the plain build's outputs bit
+    for bit; both consumer warpgroups of every CTA count the blocks of its planned pieces, and spend cycles in the
+    phases every block passes through."""
+    import dataclasses
+
+    import numpy as np
+
+    lens = lengths("skewed", 16)
+    pb, qn, qp, ckv, kpe = _inputs(lens, 128, 64)
+    plain = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=schedule)
+    op = meld.DecodeMLA(128, 64, sm_scale=SCALE, kernel_config=dataclasses.replace(schedule, profile=True, phases=True))
+    for o in (plain, op):
+        o.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    assert torch.equal(plain.run(qn, qp, ckv, kpe), op.run(qn, qp, ckv, kpe))
+    trace = op.last_trace()
+    items = op.schedule.items()
+    expected = np.zeros(op.schedule.num_ctas, np.int64)
+    np.add.at(expected, items["cta"], -(-(items["kv_end"] - items["kv_begin"]) // schedule.block_tokens))
+    sums: dict[tuple[int, int], dict[str, int]] = {}
+    for x in trace.phases:
+        sums.setdefault((x.cta, x.warpgroup), {})[x.phase] = x.cycles
+    for c in np.flatnonzero(expected):
+        for role in (0, 1):
+            got = sums.get((c, role), {})
+            assert got.get("blocks") == expected[c], (c, role, got)
+        assert sums[c, 0]["softmax"] > 0 and sums[c, 0]["wait-kv"] > 0 and sums[c, 1]["wait-p"] > 0, (c, sums[c, 0])
+    assert "cycles a block" in trace.phase_table()

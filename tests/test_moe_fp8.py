@@ -74,7 +74,7 @@ def test_fp8_kernels_compile_for_sm90a(bt):
 
 
 def test_fp8_config_is_checked():
-    for kw, match in [({"block_tokens": 64}, "block_tokens=64"), ({"block_tokens": 16, "k_boxes": 2}, "k_boxes=2"),
+    for kw, match in [({"block_tokens": 128}, "block_tokens=128"), ({"block_tokens": 16, "k_boxes": 2}, "k_boxes=2"),
                       ({"block_tokens": 16, "packed_weights": True}, "packed_weights=True"),
                       ({"weight_dtype": "e5m2"}, "weight_dtype='e5m2'")]:
         with pytest.raises(ValueError, match=match):
@@ -204,8 +204,8 @@ def test_fp8_inputs_are_checked():
         bf16(x, logits, w13.to(torch.bfloat16), w2)
     with pytest.raises(ValueError, match="w13_scale is for FP8 weights"):
         bf16(x, logits, w13.to(torch.bfloat16), w2.to(torch.bfloat16), w13_scale=s13)
-    with pytest.raises(ValueError, match=r"block_tokens must be one of \(16, 32\)"):
-        moe(x, logits, w13, w2, block_tokens=64, **ok)
+    with pytest.raises(ValueError, match=r"block_tokens must be one of \(16, 32, 64\)"):
+        moe(x, logits, w13, w2, block_tokens=128, **ok)
     moe(x, logits, w13, w2, **ok)   # the layer still runs after every refused call
 
 
@@ -374,6 +374,29 @@ def test_gpu_fp8_matches_float64(H, I, E, k, T, routing):
     assert not out.isnan().any(), f"{int(out.isnan().any(1).sum())} rows hold NaN"
     assert torch.equal(runs[0], runs[1]), "repeat runs differ"
     check_against_quantised_reference(out, x, w13, s13, w2, s2, ids, w, f"{(H, I, E, k)} T={T} {routing}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bt", FP8_BLOCK_TOKEN_CHOICES)
+def test_gpu_fp8_every_token_block_matches_float64(bt):
+    """Every FP8 token block, forced, on a shape whose H and I are not multiples of 128 and whose experts' rows
+    are not multiples of a block (tiles of every width, last row blocks part full, the scales past an expert's
+    rows read unclamped), against float64 with the layer's activation quantisation; repeat runs bit-identical."""
+    H, I, E, k, T = 400, 336, 6, 3, 100
+    moe = meld.MoE(H, I, E, k, device="cuda", max_num_tokens=T, weight_dtype=FP8)
+    w13, s13, w2, s2 = fp8_weights(E, H, I, "cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda")
+    runs = []
+    for _ in range(2):
+        out = poisoned(T, H, "cuda")
+        moe(x, logits, w13, w2, w13_scale=s13, w2_scale=s2, out=out, block_tokens=bt)
+        runs.append(out)
+    torch.cuda.synchronize()
+    b = moe._bufs
+    ids, w = b["topk_ids"][: T * k].view(T, k), b["topk_w"][: T * k].view(T, k)
+    assert not runs[0].isnan().any() and torch.equal(runs[0], runs[1]), f"block_tokens={bt}: NaN or repeat runs differ"
+    check_against_quantised_reference(runs[0], x, w13, s13, w2, s2, ids, w, f"block_tokens={bt}")
 
 
 @pytest.mark.gpu

@@ -202,3 +202,28 @@ def test_head_major_units_are_named_by_their_request_and_head_block(tmp_path):
     back = Trace.from_chrome(t.write_chrome(tmp_path / "t.json"))
     assert back.requests == 4 and back.label(back.tasks[1]) == t.label(t.tasks[1])
     assert Trace.from_chrome(Trace.from_buffer(_raw(), 2, 2).to_chrome()).requests == 0
+
+
+def test_phase_sums_ride_beside_the_tasks(tmp_path):
+    """A phases build's records ([-1, cycles, phase, warpgroup]) are sums, not tasks: Trace.phases holds them, the
+    Chrome file keeps them, phase_table gives cycles a block (median over CTAs), and an unknown phase is named."""
+    from meld.runtime.profile import PHASES, PhaseCycles
+
+    ph = {name: i for i, name in enumerate(PHASES)}
+    raw = np.zeros((3, 6, 4), np.int64)
+    raw[0, :5] = [[T, T + 900, 0, 4], [T, T + 800, PIECE, 1], [-1, 2000, ph["softmax"], 0], [-1, 4, ph["blocks"], 0],
+                  [-1, 600, ph["wait-p"], 1]]
+    raw[1, :4] = [[T, T + 500, 1, 3], [-1, 3000, ph["softmax"], 0], [-1, 6, ph["blocks"], 0], [-1, 120, ph["wait-kv"], 0]]
+    raw[2, :1] = [[T, T + 300, 2, 0]]   # a CTA with no work records no sums
+    tr = Trace.from_buffer(raw, 1, 1)
+    assert [t.kind for t in tr.tasks] == ["piece"]
+    assert tr.phases == [PhaseCycles(0, 0, "softmax", 2000), PhaseCycles(0, 0, "blocks", 4), PhaseCycles(0, 1, "wait-p", 600),
+                         PhaseCycles(1, 0, "softmax", 3000), PhaseCycles(1, 0, "blocks", 6), PhaseCycles(1, 0, "wait-kv", 120)]
+    # warpgroup 0: softmax 2000/4 = 500 and 3000/6 = 500 a block; wait-kv 0 and 20 (median 10); warpgroup 1 ran no blocks
+    assert tr.phase_table() == ("warpgroup 0: 2 CTAs, median blocks 5; cycles a block: wait-kv 10, softmax 500; all 510")
+    back = Trace.from_chrome(tr.write_chrome(tmp_path / "p.json"))
+    assert back.phases == tr.phases and back.tasks == tr.tasks
+    assert Trace.from_buffer(_raw(), 4, 2).phase_table() == "no phase stamps"
+    raw[1, 1, 2] = len(PHASES)
+    with pytest.raises(ValueError, match=f"unknown phase {len(PHASES)}"):
+        Trace.from_buffer(raw, 1, 1)

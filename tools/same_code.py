@@ -95,6 +95,7 @@ VARIANTS = {
     "grouped-cta": "GroupedKernelConfig('bfloat16', 128, split_stream='cta')",
     "grouped-cta-d64-fp16-profile": "GroupedKernelConfig('float16', 64, profile=True, split_stream='cta')",
     "grouped-wgmma": "GroupedKernelConfig('bfloat16', 128, prefix_mma='wgmma')",
+    "grouped-w4": "GroupedKernelConfig('bfloat16', 128, prefix_mma='wgmma', defer_split_events=True, warps=4)",
 }
 
 _RENDER = """

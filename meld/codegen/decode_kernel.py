@@ -239,6 +239,8 @@ class DecodeKernelConfig:
             batch_invariant=batch_invariant, kv_dtype=kv_dtype, variant=variant, q_len=q_len, ragged_q=ragged_q),
             xrank=low.transport or "")
 
+    phase_records = 0   # (MlaKernelConfig's phase stamps: none here)
+
     @property
     def name(self) -> str:
         kv = "_" + KV_FP8[self.kv_dtype] if self.kv_dtype else ""

@@ -14,11 +14,15 @@ GROUPED_TILE = 16    # query rows per warp's row block, KV tokens per tile (the 
 GROUPED_CHUNK = 64   # KV tokens per ring stage (the template's CHUNK)
 GROUPED_WARPS = 8    # a CTA's warps: row blocks of 16 query rows attended at once (two sets of a chunk's 4 tiles);
                      # at head_dim 256 the row state takes all 255 registers (4 or 16 warps spill)
+WARP_CHOICES = (8, 4)   # 4: two CTAs an SM (GroupedKernelConfig.warps)
 _RING_MAX = 200 * 1024
 # Dynamic shared memory the warp build's rings may take: sm_90's 227 KiB a CTA, less the kernel's static arrays
 # (about 9.6 KiB: the fired events, their rows and staged part slots, the chunks' token rows, the stashes' m and l)
 # and the wgmma build's 1 KiB of alignment.
 _WARP_SMEM_MAX = 227 * 1024 - 11 * 1024
+# Two CTAs an SM share its 228 KiB, less 1 KiB the hardware keeps a CTA; each keeps the same 11 KiB for the static
+# arrays and the alignment as above, and the CTA ring and the warps' rings overlap as in one.
+_PAIR_SMEM_MAX = 228 * 1024 // 2 - 1024 - 11 * 1024
 SPLIT_STREAMS = ("cta", "warp")
 PREFIX_MMAS = ("mma", "wgmma")
 
@@ -47,6 +51,10 @@ class GroupedKernelConfig:
     fence, the event's row, an atomic, then often a merge of the event's parts). It needs the "warp" split stream.
     Off by default.
 
+    `warps`: a CTA's warps, 8 or 4. With 4 (head_dim 64 or 128) two CTAs share an SM, each with half its shared
+    memory (rings of fewer stages) and 64 query rows a task: an SM then runs two tasks at once, so a shared
+    level's slice (tensor-bound: 256 FLOP a byte at 256 rows a kv head) can run beside a request's own suffix
+    (bound by bytes), where one CTA of 8 warps runs them one after the other. CascadeDecode plans twice the CTAs.
     `direct_single_part`: a split task that is the one part of an event (a request with no shared level, or a plan
     of one level) writes that event's output and lse itself, from its warps' merge, as decode's whole units do:
     no partial, no count, no merge. Each merging thread reads its row's event first (one more L2 read a split task,
@@ -60,6 +68,7 @@ class GroupedKernelConfig:
     prefix_mma: str = "mma"
     defer_split_events: bool = False
     direct_single_part: bool = False
+    warps: int = GROUPED_WARPS
 
     def __post_init__(self) -> None:
         if self.dtype not in _MMA_TYPES:
@@ -79,6 +88,11 @@ class GroupedKernelConfig:
             if getattr(self, name) and self.split_stream != "warp":
                 raise ValueError(f"{name}=True with split_stream={self.split_stream!r}: it needs split_stream='warp' "
                                  "(the cta build at head_dim 256 has no registers for it)")
+        if self.warps not in WARP_CHOICES:
+            raise ValueError(f"warps={self.warps!r}: expected one of {WARP_CHOICES}")
+        if self.warps != GROUPED_WARPS and self.head_dim == 256:
+            raise ValueError(f"warps={self.warps} with head_dim=256: two CTAs an SM leave a ring of one 64 KiB chunk "
+                             "(head_dim 64 or 128)")
         if self.prefix_mma == "wgmma" and self.head_dim == 256:
             raise ValueError("prefix_mma='wgmma' with head_dim=256: its accumulators do not fit the registers "
                              "(head_dim 64 or 128)")
@@ -90,12 +104,13 @@ class GroupedKernelConfig:
 
     @staticmethod
     def of(low, *, profile: bool = False, split_stream: str = "warp", prefix_mma: str = "mma",
-           defer_split_events: bool = False, direct_single_part: bool = False) -> "GroupedKernelConfig":
+           defer_split_events: bool = False, direct_single_part: bool = False,
+           warps: int = GROUPED_WARPS) -> "GroupedKernelConfig":
         """The build of a lowered grouped-attention graph (`meld.codegen.lowering.Lowering`): its attrs' dtype
         and head_dim."""
         return GroupedKernelConfig(low.attrs["dtype"], low.attrs["head_dim"], profile=profile, split_stream=split_stream,
                                    prefix_mma=prefix_mma, defer_split_events=defer_split_events,
-                                   direct_single_part=direct_single_part)
+                                   direct_single_part=direct_single_part, warps=warps)
 
     entry = "meld_grouped_attention"
 
@@ -104,22 +119,36 @@ class GroupedKernelConfig:
         return (f"meld_grouped_attention_{_MMA_TYPES[self.dtype]}_d{self.head_dim}" +
                 ("_warp" if self.split_stream == "warp" else "") + ("_wgmma" if self.prefix_mma == "wgmma" else "") +
                 ("_defer" if self.defer_split_events else "") + ("_direct" if self.direct_single_part else "") +
+                (f"_w{self.warps}" if self.warps != GROUPED_WARPS else "") +
                 ("_prof" if self.profile else ""))
 
     @property
     def row_blocks(self) -> int:
         """16-row blocks a task attends at once (a warp each): the planner slices larger groups to fit."""
-        return GROUPED_WARPS
+        return self.warps
 
     @property
     def threads(self) -> int:
-        return 32 * GROUPED_WARPS
+        return 32 * self.warps
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs an SM runs at once (the kernel's launch bounds): two of four warps, one of eight."""
+        return GROUPED_WARPS // self.warps
+
+    @property
+    def _ring_max(self) -> int:
+        return _RING_MAX if self.ctas_per_sm == 1 else _PAIR_SMEM_MAX
+
+    @property
+    def _warp_smem_max(self) -> int:
+        return _WARP_SMEM_MAX if self.ctas_per_sm == 1 else _PAIR_SMEM_MAX
 
     @property
     def stages(self) -> int:
-        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB, at most four (three in flight); the wgmma
-        build one more, as its P.V reads a chunk until the next step (three in flight)."""
-        return min(4 + (self.prefix_mma == "wgmma"), _RING_MAX // (2 * GROUPED_CHUNK * self.head_dim * 2))
+        """Ring stages: as many chunks (K and V, 16-bit) as fit 200 KiB (two CTAs an SM: each its share), at most
+        four (three in flight); the wgmma build one more, as its P.V reads a chunk until the next step."""
+        return min(4 + (self.prefix_mma == "wgmma"), self._ring_max // (2 * GROUPED_CHUNK * self.head_dim * 2))
 
     @property
     def chunks_ahead(self) -> int:
@@ -135,9 +164,9 @@ class GroupedKernelConfig:
         """Warps that attend a split task's tiles: all, or (the warp build at head_dim 256) the first four, whose
         two-stage rings fit where eight do not."""
         if self.split_stream == "cta":
-            return GROUPED_WARPS
-        fits = lambda w: w * 2 * self._warp_stage_bytes() <= _WARP_SMEM_MAX  # noqa: E731
-        return GROUPED_WARPS if fits(GROUPED_WARPS) else GROUPED_WARPS // 2
+            return self.warps
+        fits = lambda w: w * 2 * self._warp_stage_bytes() <= self._warp_smem_max  # noqa: E731
+        return self.warps if fits(self.warps) else self.warps // 2
 
     @property
     def warp_stages(self) -> int:
@@ -147,7 +176,8 @@ class GroupedKernelConfig:
         count after each task)."""
         if self.split_stream == "cta":
             return 0
-        return min(4 if self.head_dim < 256 else 2, _WARP_SMEM_MAX // (self.split_warps * self._warp_stage_bytes()))
+        return min(4 if self.head_dim < 256 else 2,
+                   self._warp_smem_max // (self.split_warps * self._warp_stage_bytes()))
 
     @property
     def _layout_bytes(self) -> int:
@@ -168,7 +198,8 @@ class GroupedKernelConfig:
         head = [
             f"// {self.name}: generated by meld.codegen.grouped_kernel from {self!r}",
             f"#define HEAD_DIM {self.head_dim}",
-            f"#define NUM_WARPS {GROUPED_WARPS}",
+            f"#define NUM_WARPS {self.warps}",
+            f"#define MIN_CTAS {self.ctas_per_sm}",
             f"#define NUM_STAGES {self.stages}",
             f"#define CHUNKS_AHEAD {self.chunks_ahead}",
             f"#define SMEM_BYTES {self.smem_bytes}",

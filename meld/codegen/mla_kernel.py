@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.work_table import CTA_TABLE
-from ..runtime.profile import kind_defines
+from ..runtime.profile import PHASES, kind_defines
 from .source import SMEM_PER_CTA_MAX, template
 from .params import MLA_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16, wgmma_rs
@@ -41,6 +41,9 @@ class MlaKernelConfig:
     # chip (the split schedule, 32-token blocks; num_stages counts the bf16 stages, 2 by default, and the
     # staging ring takes what is left: templates/mla_decode.cuh, MLA_KV_FP8)
     kv_dtype: str = ""
+    # a diagnostic (with profile): each role's cycles per phase of its blocks, as profile records
+    # (meld/runtime/profile.py: PHASES; Trace.phase_table; tools/mla_phases.py)
+    phases: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "bfloat16":
@@ -58,6 +61,8 @@ class MlaKernelConfig:
         if self.schedule == "seesaw" and self.block_tokens != 64:
             raise ValueError(f"block_tokens={self.block_tokens!r}: the seesaw schedule runs 64-token blocks (each "
                              "block's P takes its stage's 64-row rope box)")
+        if self.phases and not self.profile:
+            raise ValueError("phases=True needs profile=True: the phase sums are profile records")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
             raise ValueError(f"watchdog_ms={self.watchdog_ms!r}: expected a positive int")
         if not isinstance(self.num_stages, int) or self.stages < 2 or self.smem_bytes > SMEM_PER_CTA_MAX or (
@@ -103,11 +108,17 @@ class MlaKernelConfig:
     @property
     def _fixed_bytes(self) -> int:
         """Q (9 boxes of 64 heads), P (64 rows), the rows' statistics, the mbarriers of up to 8 stages, and 1 KiB
-        to align the boxes. The seesaw keeps each block's P in its stage (no P buffer) and a full mbarrier per
-        box of a stage."""
+        to align the boxes (and a phases build's sums). The seesaw keeps each block's P in its stage (no P buffer) and
+        a full mbarrier per box of a stage."""
+        sums = 4 * self.phase_records if self.phases else 0
         if self.schedule == "seesaw":
-            return 9 * 64 * _ROW + _SEESAW_STATS_BYTES + 8 * (8 * 10 + 2) + 1024
-        return 9 * 64 * _ROW + 64 * _ROW + _STATS_BYTES + 8 * (2 * 8 + 4) + 1024
+            return 9 * 64 * _ROW + _SEESAW_STATS_BYTES + 8 * (8 * 10 + 2) + 1024 + sums
+        return 9 * 64 * _ROW + 64 * _ROW + _STATS_BYTES + 8 * (2 * 8 + 4) + 1024 + sums
+
+    @property
+    def phase_records(self) -> int:
+        """Profile records a CTA adds for its phase sums (templates/mla_decode.cuh: PHASE_ROLES x NUM_PHASES)."""
+        return 3 * len(PHASES) if self.phases else 0
 
     entry = "meld_mla_decode"
     threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511 or (seesaw)
@@ -121,6 +132,7 @@ class MlaKernelConfig:
     @property
     def name(self) -> str:
         return (f"meld_mla_decode_bf16_b{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
+                + ("_phases" if self.phases else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
                 + ("_seesaw" if self.schedule == "seesaw" else "")
                 + (f"_e4m3_r{self.raw_stages}" if self.kv_dtype else ""))
@@ -136,7 +148,8 @@ class MlaKernelConfig:
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else [])
-          + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else []))
+          + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else [])
+          + (["#define MLA_PHASES 1"] if self.phases else []))
         mma = ("namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
                + wgmma_rs("bfloat16", MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}")
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,

@@ -16,9 +16,10 @@ from .params import MOE_PARAMS, WATCHDOG_RECORD
 from .wgmma import wgmma_bf16, wgmma_e4m3
 
 BLOCK_TOKEN_CHOICES = (16, 32, 64, 128)
-# FP8 tiles hold a third accumulator (each 128-wide K block's product, scaled into the sums) and the block's
-# token scales: with 64-token blocks the consumers spilled (ptxas), so FP8 runs the narrow blocks.
-FP8_BLOCK_TOKEN_CHOICES = (16, 32)
+# FP8 tiles hold a third accumulator (each 128-wide K block's product, scaled into the sums: DeepSeek-V3's FP32
+# promotion, which the tensor cores' FP8 sums need): with 255 registers a thread ptxas spilled 80 B of a 128-token
+# build; a 64-token one used 209 (its consumers get 224).
+FP8_BLOCK_TOKEN_CHOICES = (16, 32, 64)
 WEIGHT_DTYPES = ("bf16", "e4m3")
 FP8_GROUP = 128           # DeepSeek-V3 block scaling: a weight scale per 128 x 128 block, an activation
                           # scale per token per 128 channels
@@ -130,8 +131,19 @@ class MoeKernelConfig:
         return self.boxes * ((2 if self.narrow and not self.fp8 else 4) * 64 * 128 + self.block_tokens * 128)
 
     @property
+    def scale_box(self) -> int:
+        """FP8: token scales a ring stage's TMA box copies (templates/moe.cuh: SCALE_ALIGN): a row block's, from its
+        first row rounded down to 4 (a box's innermost coordinate must be a multiple of 16 bytes)."""
+        return self.block_tokens + 4
+
+    @property
+    def scale_slot(self) -> int:
+        """FP8: shared-memory bytes a ring stage's token scales take (templates/moe.cuh: SCALE_SLOT), beside the ring."""
+        return -(-self.scale_box * 4 // 128) * 128 if self.fp8 else 0
+
+    @property
     def stages(self) -> int:
-        fit = (SMEM_PER_CTA_MAX - self._fixed_bytes) // self.stage_bytes
+        fit = (SMEM_PER_CTA_MAX - self._fixed_bytes) // (self.stage_bytes + self.scale_slot)
         return min(fit, 8) if self.num_stages == 0 else self.num_stages
 
     @property
@@ -141,12 +153,13 @@ class MoeKernelConfig:
             xchg = 9 * self.block_tokens * 4
         staging = 0 if self.narrow else 16 + 8 * self.block_tokens * 32   # (aligned) each consumer warp's output
                                                                           # tile (moe.cuh: store_rows)
-        # alignment, ring and task-slot mbarriers, mailbox mbarriers, task slots, mailbox, combine list
-        return 1024 + 16 * 16 + 32 + 32 + 64 + 16 + 4 * (4 + self.block_tokens) + xchg + staging
+        # alignment, ring and task-slot mbarriers, mailbox mbarriers, task slots, mailbox, combine list (FP8: and the
+        # alignments of the staging and of the scale slots)
+        return 1024 + 16 * 16 + 32 + 32 + 64 + 16 + 4 * (4 + self.block_tokens) + xchg + staging + (144 if self.fp8 else 0)
 
     @property
     def smem_bytes(self) -> int:
-        return self._fixed_bytes + self.stages * self.stage_bytes
+        return self._fixed_bytes + self.stages * (self.stage_bytes + self.scale_slot)
 
     @property
     def name(self) -> str:

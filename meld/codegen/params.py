@@ -284,6 +284,7 @@ SPLIT_PLAN_PARAMS = ParamStruct("SplitPlanParams", [
     Field("slice_rows", "i32"),                     # query rows a task holds at most (whole requests; at least one)
     Field("item_overhead", "i32"),                  # a work item's fixed cost, in KV tokens
     Field("merge_overhead", "i32"),                 # and per request of the item (the merges it may do)
+    Field("stagger", "i32"),                        # 1: the second half's CTAs list their tasks last to first
     Field("task_capacity", "i32"),
     Field("slot_capacity", "i32"),
 ])
@@ -389,8 +390,13 @@ MOE_PARAMS = _with_header("MoeParams", [
     Field("act_scale", "ptr", "float*"),
     Field("w13_scale", "ptr", "const float*"),   # [E][ceil(2I / 128)][ceil(H / 128)]
     Field("w2_scale", "ptr", "const float*"),    # [E][ceil(H / 128)][ceil(I / 128)]
-    Field("scale_ld", "i32"),                    # rows of xs and act (their capacity)
+    Field("scale_ld", "i32"),                    # a scale row: the rows of xs and act, to a multiple of 4
     Field("task_capacity", "i32"),               # rows of the tasks table (a field's stride)
+    *header("num_ctas"),
+    *header("cta_offset"),
+    *header("wait_inputs"),
+    Field("xs_scale_map", "tmap"),               # xs_scale and act_scale [groups][scale_ld], boxes of a row block's run
+    Field("act_scale_map", "tmap"),              # of one group's scales (unswizzled)
 ])
 
 # The row-parallel linear with its all-reduce fused per tile (templates/tp_linear.cuh, meld/distributed/tp_linear.py).

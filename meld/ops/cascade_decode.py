@@ -22,9 +22,8 @@ import numpy as np
 import torch
 
 from ..runtime.tables import StagedImage
-from ..scheduler.split_reduce_plan import (ITEM_OVERHEAD_TOKENS, MERGE_OVERHEAD_TOKENS, ROWS_PER_TILE, SLICE_ROWS,
-                                           GroupTable, LaunchLayout, SplitReducePlan, launch_sizes,
-                                           write_launch_tables)
+from ..scheduler.split_reduce_plan import (ITEM_OVERHEAD_TOKENS, MERGE_OVERHEAD_TOKENS, ROWS_PER_TILE, GroupTable,
+                                           LaunchLayout, SplitReducePlan, launch_sizes, write_launch_tables)
 from .. import config
 from .base import Operator
 from .cascade_graph import cascade_decode_graph, level_task
@@ -71,7 +70,7 @@ class CascadeDecode(Operator):
         dtype: torch.bfloat16 or torch.float16 (q, KV cache and output).
         device: "cuda[:i]" (the grouped-attention kernel) or "cpu" (the reference executor).
         sm_scale: softmax scale, a finite number; default 1/sqrt(head_dim).
-        num_ctas: CTAs the planner balances the pieces over (default: the H200's SMs).
+        num_ctas: CTAs the planner balances the pieces over (default: the H200's SMs, times the CTAs an SM runs).
         item_overhead_tokens: the planner's fixed cost of a work item, in KV tokens
             (`meld.scheduler.split_reduce_plan`): more spreads many short items over more CTAs.
         merge_overhead_tokens: and per request of an item past its first (the merges an item that arrives last
@@ -98,6 +97,13 @@ class CascadeDecode(Operator):
             level) writes the output itself, with no partial, count or merge
             (`GroupedKernelConfig.direct_single_part`; needs split_stream "warp"; default False). The same results
             as the merge of that one part; the CPU executor ignores it.
+        warps: the GPU kernel's warps a CTA, 8 (default) or 4: two CTAs an SM, so that a shared level's slice and a
+            request's own suffix can run on an SM at once (`GroupedKernelConfig.warps`; head_dim 64 or 128); tasks
+            hold at most warps x 16 query rows, and the default num_ctas doubles. The same results up to rounding
+            (the planner slices the rows differently on the CPU too).
+        stagger: the second half of the CTAs walks its tasks last to first (`plan_split_reduce`): with two CTAs an
+            SM, c and c + num_ctas / 2, one attends the shared levels while the other streams its requests' own KV.
+            Default False. The same results, bit for bit (an event's parts merge in the planner's order).
 
     Example:
         >>> op = CascadeDecode(32, 8, 128, 16, 2, torch.bfloat16, "cuda", split_stream="warp")  # doctest: +SKIP
@@ -105,10 +111,10 @@ class CascadeDecode(Operator):
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, num_levels: int,
                  dtype: torch.dtype = torch.bfloat16, device: object = "cpu", *, sm_scale: float | None = None,
-                 num_ctas: int = H200_SMS, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
+                 num_ctas: int | None = None, item_overhead_tokens: int = ITEM_OVERHEAD_TOKENS,
                  merge_overhead_tokens: int = MERGE_OVERHEAD_TOKENS, rows_per_tile: int = ROWS_PER_TILE,
                  split_stream: str = "warp", prefix_mma: str | None = None, defer_split_events: bool | None = None,
-                 direct_single_part: bool = False):
+                 direct_single_part: bool = False, warps: int = 8, stagger: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         if not is_int(head_dim) or head_dim not in (64, 128, 256):   # (the GPU kernel's; the CPU takes no other)
@@ -123,15 +129,19 @@ class CascadeDecode(Operator):
             raise ValueError(f"prefix_mma must be one of {PREFIX_MMAS}, got {prefix_mma!r}")
         if defer_split_events is None:
             defer_split_events = split_stream == "warp"
-        for name, v in (("defer_split_events", defer_split_events), ("direct_single_part", direct_single_part)):
+        for name, v in (("defer_split_events", defer_split_events), ("direct_single_part", direct_single_part),
+                        ("stagger", stagger)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")
-        GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma,   # (the builds' checks)
-                            defer_split_events=defer_split_events, direct_single_part=direct_single_part)
+        probe = GroupedKernelConfig(head_dim=head_dim, split_stream=split_stream, prefix_mma=prefix_mma,   # (the checks)
+                                    defer_split_events=defer_split_events, direct_single_part=direct_single_part,
+                                    warps=warps)
         self.split_stream, self.prefix_mma = split_stream, prefix_mma
-        self.defer_split_events, self.direct_single_part = defer_split_events, direct_single_part
+        self.defer_split_events, self.direct_single_part, self.warps = defer_split_events, direct_single_part, warps
+        self.stagger = stagger
         graph = cascade_decode_graph(num_qo_heads, num_kv_heads, head_dim, page_size, num_levels, _DTYPES[dtype])
-        self.num_ctas = check_positive("num_ctas", num_ctas, 1 << 16)
+        self.num_ctas = (H200_SMS * probe.ctas_per_sm if num_ctas is None
+                         else check_positive("num_ctas", num_ctas, 1 << 16))
         self.item_overhead_tokens = check_count("item_overhead_tokens", item_overhead_tokens, 1 << 20)
         self.merge_overhead_tokens = check_count("merge_overhead_tokens", merge_overhead_tokens, 1 << 16)
         self.rows_per_tile = check_positive("rows_per_tile", rows_per_tile, 1 << 10)
@@ -139,14 +149,14 @@ class CascadeDecode(Operator):
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.num_levels, self.dtype = page_size, num_levels, dtype
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else check_finite("sm_scale", sm_scale)
-        self._slice_rows = SLICE_ROWS   # a task's query rows at most: the kernel's row blocks on CUDA
+        self._slice_rows = probe.row_blocks * 16   # a task's query rows at most: the kernel's row blocks
         if self.device.type == "cuda":
             self._require_hopper()
             kc = self.kernel_config = self.lowering.kernel_config(profile=config.profile(), split_stream=split_stream,
                                                                      prefix_mma=prefix_mma,
                                                                      defer_split_events=defer_split_events,
-                                                                     direct_single_part=direct_single_part)
-            self._slice_rows = kc.row_blocks * 16
+                                                                     direct_single_part=direct_single_part,
+                                                                     warps=warps)
             if num_qo_heads // num_kv_heads > self._slice_rows:   # (a task holds whole requests)
                 raise ValueError(f"num_qo_heads={num_qo_heads} over num_kv_heads={num_kv_heads}: groups of "
                                  f"{num_qo_heads // num_kv_heads} q heads, but the GPU kernel attends at most "
@@ -179,7 +189,7 @@ class CascadeDecode(Operator):
         order = [tables[t] for t in self.lowering.producers]
         plan = self.lowering.planner(order, batch, self.num_kv_heads, self.num_qo_heads // self.num_kv_heads,
                                      self.page_size, self.num_ctas, self._slice_rows, self.item_overhead_tokens,
-                                     self.merge_overhead_tokens, self.rows_per_tile)
+                                     self.merge_overhead_tokens, self.rows_per_tile, stagger=self.stagger)
         buf = self._device_tables(plan, order) if self.device.type == "cuda" else None
         self._commit((batch, tables, plan, top), buf)   # (batch, {task: GroupTable}, SplitReducePlan, largest page)
 

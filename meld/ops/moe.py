@@ -173,9 +173,11 @@ class MoE(Operator):
             "act": torch.empty(R, I, dtype=ops, device=self.device),
             "y": torch.empty(R, H, dtype=self.dtype, device=self.device),
         }
-        if self._fp8:   # x's and act's scales per 128 channels, [groups][rows]
-            b["xs_scale"] = torch.empty(-(-H // g), R, **f32)
-            b["act_scale"] = torch.empty(-(-I // g), R, **f32)
+        if self._fp8:   # x's and act's scales per 128 channels, [groups][rows, to a multiple of 4: a TMA stride of
+            # whole 16 bytes]; zeroed once, so a tile's box of a row block's scales never reads unwritten memory
+            ld = -(-R // 4) * 4
+            b["xs_scale"] = torch.zeros(-(-H // g), ld, **f32)
+            b["act_scale"] = torch.zeros(-(-I // g), ld, **f32)
         self._register_watchdog("meld_moe_main", _describe_ticket)
         # (gemm1, gemm2 and combine records, named by ticket)
         self._prof, self._prof_clock = self._profile_buffers(self._kernel_config.profile, self._grid, _PROFILE_CAP,
@@ -210,7 +212,7 @@ class MoE(Operator):
         v = self._variants.get((block_tokens, packed))
         if v is not None:
             return v
-        from ..runtime.tensor_map import tensor_map_2d
+        from ..runtime.tensor_map import tensor_map_2d, tensor_map_runs
 
         base = self._kernel_config
         cfg = dataclasses.replace(base, block_tokens=block_tokens, packed_weights=packed)
@@ -225,7 +227,10 @@ class MoE(Operator):
             n1=self._column_blocks(block_tokens)[0], n2=self._column_blocks(block_tokens)[1], lag=self._sm_count,
             xs_map=tensor_map_2d(p["xs"], block_tokens, cols), act_map=tensor_map_2d(p["act"], block_tokens, cols),
             xs_part_map=tensor_map_2d(p["xs"], token_box_rows(block_tokens), cols),
-            act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens), cols), scale_ld=p["xs"].shape[0],
+            act_part_map=tensor_map_2d(p["act"], token_box_rows(block_tokens), cols),
+            **({"xs_scale_map": tensor_map_runs(p["xs_scale"], cfg.scale_box),
+                "act_scale_map": tensor_map_runs(p["act_scale"], cfg.scale_box),
+                "scale_ld": p["xs_scale"].shape[1]} if self._fp8 else {}),
             task_capacity=self._tile_cap)
         v = _Variant(cfg, k["meld_moe_route"], k["meld_moe_scatter"], k["meld_moe_main"], params)
         if v.main.ctas_per_sm != 1:

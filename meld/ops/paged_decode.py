@@ -159,8 +159,9 @@ class PagedDecode(Operator):
             line=t.line.data_ptr(), src_indices=0, dst_indices=t.ptr(t.off_indices), done_flag=0,
             arrive=t.arrive.data_ptr(), done_seq=0, batch=0, slot_base=t.ptr(t.off_slot_base),
             cluster_rows=self._cluster_rows.data_ptr() if self._cluster_rows is not None else 0)
-        # Records per CTA: at most every piece (units, or with chunks up to every slot too), 2 merges, the exit wait.
-        prof_cap = units + (slots if self._chunk else 0) + 3
+        # Records per CTA: at most every piece (units, or with chunks up to every slot too), 2 merges, the exit wait
+        # (and a phases build's sums).
+        prof_cap = units + (slots if self._chunk else 0) + 3 + self.kernel_config.phase_records
         prof, clock = self._profile_buffers(self.kernel_config.profile, W, prof_cap, self.profile_every)
         launcher = self._kernel_launch(t, dict(
             kv_indices=t.ptr(t.off_indices), kv_len=t.ptr(t.off_kv_len), page_base=t.ptr(t.off_page_base),

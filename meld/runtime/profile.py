@@ -5,8 +5,11 @@ stragglers); a timeline per SM can. Each CTA writes into int64 `raw[cta]` of sha
 
     row 0:      [t_begin_ns, t_end_ns, smid, n_records]    (%globaltimer at start and exit; n may exceed cap)
     rows 1..n:  [t0_ns, t1_ns, kind, unit]                 kind indexes KINDS
+                or [-1, cycles, phase, warpgroup]          phase indexes PHASES (a cycle sum, not a task)
 
-A CTA whose header is all zero never ran and is left out. The trace converts to Chrome/Perfetto
+A CTA whose header is all zero never ran and is left out. Phase sums come from diagnostic builds that stamp each
+block's phases in SM cycles (the global timer is too coarse for them: MlaKernelConfig(phases=True)); a warpgroup
+records one sum per phase over its whole segment, so they say where a block's cycles go, not when. The trace converts to Chrome/Perfetto
 trace-event JSON (one track per SM) and back, and renders to a PNG with no plotting dependency.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ import reprlib
 import struct
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -36,11 +39,20 @@ MOE_KINDS = ("gemm1", "gemm2", "combine")
 TP_KINDS = ("tp-gemm", "tp-stage", "tp-send", "tp-wait", "tp-merge", "tp-direct")
 KINDS = DECODE_KINDS + MOE_KINDS + TP_KINDS
 WORK_KINDS = frozenset(KINDS) - {"cluster-wait", "merge-wait", "tp-wait"}
+# Where a warpgroup's cycles go, block by block (the MLA kernel's phase stamps: templates/mla_decode.cuh, MLA_PHASES):
+# waiting for a block's KV bytes, for Q, for the other warpgroup's P (or its publication), for its own wgmmas; the
+# softmax; publishing P; a P.V issued and waited for; converting FP8 bytes (and waiting for them or for a stage
+# to convert into); the unit's end (store and merge). "blocks" is no phase: the blocks the warpgroup ran.
+PHASES = ("wait-kv", "wait-q", "wait-p", "wait-mma", "softmax", "publish", "pv", "convert", "wait-raw", "unit-end",
+          "blocks")
 
 
 def kind_defines() -> str:
-    """`#define PROF_<KIND> <index>` for every kind: the ids generated kernels record (common.cuh: Profiler)."""
-    return "\n".join(f"#define PROF_{k.upper().replace('-', '_')} {i}" for i, k in enumerate(KINDS))  # cluster-wait is an SM held idle at the barrier, not work
+    """`#define PROF_<KIND> <index>` for every kind and `#define PHASE_<PHASE> <index>` for every phase: the ids
+    generated kernels record (common.cuh: Profiler)."""
+    return "\n".join([f"#define PROF_{k.upper().replace('-', '_')} {i}" for i, k in enumerate(KINDS)]
+                     + [f"#define PHASE_{k.upper().replace('-', '_')} {i}" for i, k in enumerate(PHASES)]
+                     + [f"#define NUM_PHASES {len(PHASES)}"])  # cluster-wait is an SM held idle at the barrier, not work
 
 IDLE = (36, 36, 44)
 COLOURS = {"piece": (66, 133, 244), "merge-hbm": (234, 67, 53), "merge-dsmem": (251, 188, 5),
@@ -69,6 +81,16 @@ class TaskRecord:
 
 
 @dataclass(frozen=True)
+class PhaseCycles:
+    """One warpgroup's cycles in one phase, summed over its CTA's segment."""
+
+    cta: int
+    warpgroup: int
+    phase: str
+    cycles: int
+
+
+@dataclass(frozen=True)
 class CtaSpan:
     """A CTA's lifetime and placement: which SM ran it, its cluster and its launch (grid)."""
 
@@ -92,6 +114,7 @@ class Trace:
     units_per_request: int
     head_blocks: int
     requests: int = 0
+    phases: list[PhaseCycles] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("units_per_request", "head_blocks", "overflowed", "requests"):
@@ -121,7 +144,7 @@ class Trace:
         grid = [0] * n_ctas if grid is None else [int(g) for g in grid]
         if len(cluster) != n_ctas or len(grid) != n_ctas:
             raise ValueError(f"cluster and grid need one entry per CTA ({n_ctas})")
-        tasks, spans, overflowed = [], [], 0
+        tasks, spans, phases, overflowed = [], [], [], 0
         for c, block in enumerate(raw.tolist()):
             begin, end, sm, n = block[0]
             if not (begin or end or sm or n):
@@ -129,10 +152,15 @@ class Trace:
             spans.append(CtaSpan(c, sm, begin, end, cluster[c], grid[c]))
             overflowed += max(n - cap, 0)
             for t0, t1, kind, unit in block[1:1 + min(max(n, 0), cap)]:
+                if t0 == -1:
+                    if not 0 <= kind < len(PHASES):
+                        raise ValueError(f"CTA {c}: unknown phase {kind} (expected 0..{len(PHASES) - 1})")
+                    phases.append(PhaseCycles(c, unit, PHASES[kind], t1))
+                    continue
                 if not 0 <= kind < len(KINDS):
                     raise ValueError(f"CTA {c}: unknown record kind {kind} (expected 0..{len(KINDS) - 1})")
                 tasks.append(TaskRecord(c, sm, KINDS[kind], unit, t0, t1))
-        return Trace(tasks, spans, overflowed, units_per_request, head_blocks, requests)
+        return Trace(tasks, spans, overflowed, units_per_request, head_blocks, requests, phases)
 
     @property
     def start_ns(self) -> int:
@@ -196,6 +224,26 @@ class Trace:
         return (f"SM busy: min {v.min():.3f}  p10 {np.percentile(v, 10):.3f}  median {np.median(v):.3f}  "
                 f"max {v.max():.3f}\nleast busy: " + ", ".join(f"SM {sm} {busy[sm]:.3f}" for sm in worst))
 
+    def phase_table(self) -> str:
+        """Cycles a block in each phase, per warpgroup: the median over CTAs of each CTA's sum over its blocks
+        (a diagnostic build's phase stamps; "no phase stamps" without them)."""
+        if not self.phases:
+            return "no phase stamps"
+        sums: dict[tuple[int, int], dict[str, int]] = {}
+        for x in self.phases:
+            sums.setdefault((x.warpgroup, x.cta), {})[x.phase] = x.cycles
+        lines = []
+        for wg in sorted({w for w, _ in sums}):
+            per = [d for (w, _), d in sums.items() if w == wg and d.get("blocks", 0) > 0]
+            if not per:
+                continue
+            cells = [f"{ph} {np.median([d.get(ph, 0) / d['blocks'] for d in per]):.0f}"
+                     for ph in PHASES[:-1] if any(d.get(ph, 0) for d in per)]
+            total = np.median([sum(v for k, v in d.items() if k != "blocks") / d["blocks"] for d in per])
+            lines.append(f"warpgroup {wg}: {len(per)} CTAs, median blocks {np.median([d['blocks'] for d in per]):.0f}; "
+                         f"cycles a block: {', '.join(cells)}; all {total:.0f}")
+        return "\n".join(lines)
+
     def to_chrome(self) -> dict:
         """Trace-event JSON: one "X" event per task on track tid = SM id, times in µs from kernel start.
 
@@ -216,7 +264,8 @@ class Trace:
         meld = {"base_ns": base, "units_per_request": self.units_per_request, "head_blocks": self.head_blocks,
                 "overflowed": self.overflowed, **({"requests": self.requests} if self.requests else {}),
                 "ctas": [[s.cta, s.sm, s.begin_ns - base, s.end_ns - base, s.cluster, s.grid]
-                         for s in self.cta_spans]}
+                         for s in self.cta_spans],
+                **({"phases": [[x.cta, x.warpgroup, x.phase, x.cycles] for x in self.phases]} if self.phases else {})}
         return {"traceEvents": events, "displayTimeUnit": "ns", "meld": meld}
 
     def write_chrome(self, path: Union[str, os.PathLike]) -> Path:
@@ -243,7 +292,9 @@ class Trace:
         requests = _get(meld, "meld.requests") if "requests" in meld else 0
         if requests < 0:
             raise ValueError(f"meld.requests must be >= 0, got {requests}")
-        return Trace(tasks, spans, *counts, requests)
+        phases = [_phase(f"meld.phases[{i}]", row) for i, row in enumerate(_get(meld, "meld.phases", list))] \
+            if "phases" in meld else []
+        return Trace(tasks, spans, *counts, requests, phases)
 
 
 _JSON_TYPES = {int: "an integer", str: "a string", list: "an array", dict: "an object"}
@@ -280,6 +331,16 @@ def _task(where: str, event: dict, base: int, ctas: set[int]) -> TaskRecord:
     if cta not in ctas:
         raise ValueError(f"{where}.args.cta: CTA {cta} is not in meld.ctas")
     return TaskRecord(cta, _get(event, f"{where}.tid"), kind, unit, base + t0, base + t1)
+
+
+def _phase(where: str, row) -> PhaseCycles:
+    row = _typed(where, row, list)
+    if len(row) != 4:
+        raise ValueError(f"{where} must be [cta, warpgroup, phase, cycles], got {reprlib.repr(row)}")
+    cta, wg, phase, cycles = (_typed(f"{where}[{i}]", v, str if i == 2 else int) for i, v in enumerate(row))
+    if phase not in PHASES:
+        raise ValueError(f"{where}: unknown phase {phase!r} (expected one of {PHASES})")
+    return PhaseCycles(cta, wg, phase, cycles)
 
 
 def _shade(fraction) -> np.ndarray:

@@ -1,5 +1,5 @@
 """TMA tensor maps: of the paged KV cache (kernels built with `DecodeKernelConfig.tma`) and of the MoE
-GEMM operands (2-D row-major matrices, `tensor_map_2d`).
+GEMM operands (2-D row-major matrices, `tensor_map_2d`; FP8 MoE's token scales, `tensor_map_runs`).
 
 The KV maps describe the K and V caches, each NHD `[num_pages, page_size, num_kv_heads, head_dim]` or HND
 `[num_pages, num_kv_heads, page_size, head_dim]` with its own address and strides, as a 4-D tensor in its
@@ -24,17 +24,19 @@ BOX_ROWS, BOX_COLS = 16, 64   # token rows x channels per copy (64 bf16 = the 12
 SWIZZLE_BYTES = 128           # a box row's bytes (at most): the swizzle span
 
 
-def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int]) -> TensorMap:
-    """cuTensorMapEncodeTiled over `t` (bf16/fp16, or FP8 as bytes), dimensions innermost first, byte strides
-    of the outer ones, swizzled over the box's rows (128 bytes; 64 where the row is 64 bytes), zero fill out of
-    bounds: the 128 opaque bytes a kernel takes by value."""
+def _encode(t: torch.Tensor, dims: list[int], strides: list[int], box: list[int], swizzled: bool = True) -> TensorMap:
+    """cuTensorMapEncodeTiled over `t` (bf16/fp16, FP8 as bytes, or float32), dimensions innermost first, byte
+    strides of the outer ones, swizzled over the box's rows (128 bytes; 64 where the row is 64 bytes) unless not
+    `swizzled`, zero fill out of bounds: the 128 opaque bytes a kernel takes by value."""
     d = drv()
     dtype = {torch.bfloat16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
              torch.float16: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
              torch.float8_e4m3fn: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
-             torch.float8_e5m2: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[t.dtype]
-    swizzle = d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if box[0] * t.element_size() == SWIZZLE_BYTES \
-        else d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B
+             torch.float8_e5m2: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+             torch.float32: d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[t.dtype]
+    swizzle = (d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if not swizzled else
+               d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if box[0] * t.element_size() == SWIZZLE_BYTES else
+               d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B)
     u64, u32 = d.cuuint64_t, d.cuuint32_t
     m = check(d.cuTensorMapEncodeTiled(
         dtype, len(dims), t.data_ptr(), [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in box],
@@ -92,3 +94,11 @@ def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int = BOX_COLS) -> T
     `box_rows` rows x `box_cols` columns, 128-byte swizzled: the operand tiles of the GEMM kernels."""
     rows, cols = t.shape
     return _encode(t, [cols, rows], [t.stride(0) * t.element_size()], [box_cols, box_rows])
+
+
+def tensor_map_runs(t: torch.Tensor, box_cols: int) -> TensorMap:
+    """The tensor map of a row-major float32 matrix [rows, cols] (rows 16-byte aligned) whose box is a run of
+    `box_cols` elements of one row, unswizzled (past the end: zeros): FP8 MoE's token scales, a K block's row
+    block's at a time. A copy's first column must be a multiple of 4 (the innermost coordinate, 16 bytes)."""
+    rows, cols = t.shape
+    return _encode(t, [cols, rows], [t.stride(0) * t.element_size()], [box_cols, 1], swizzled=False)

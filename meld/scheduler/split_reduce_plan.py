@@ -34,7 +34,9 @@ leave the piece before it shorter than MIN_PIECE_TOKENS moves up to make it that
 the last piece shorter is dropped (that piece stays with the CTA before). So a CTA's pieces of one producer are
 consecutive on its line (its groups together: their KV shared in L2), an item is split only where a CTA
 boundary falls in it (at most num_ctas - 1 splits a producer), and the table lists the tasks CTA after CTA,
-a CTA's producer after producer.
+a CTA's producer after producer. With `stagger`, the CTAs of the second half list theirs last to first (the
+grouped kernel's two CTAs an SM, c and c + num_ctas / 2, then attend different levels at once: templates/
+split_reduce_plan.h).
 """
 from __future__ import annotations
 
@@ -121,7 +123,7 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
                             page_size: int, num_ctas: int, slice_rows: int = SLICE_ROWS,
                             item_overhead: int = ITEM_OVERHEAD_TOKENS,
                             merge_overhead: int = MERGE_OVERHEAD_TOKENS,
-                            rows_per_tile: int = ROWS_PER_TILE) -> SplitReducePlan:
+                            rows_per_tile: int = ROWS_PER_TILE, stagger: bool = False) -> SplitReducePlan:
     """The cut in NumPy, written from the module docstring: the test oracle of `plan_split_reduce` (the
     planner's C source, templates/split_reduce_plan.h, the GPU's and the host's)."""
     per = max(1, slice_rows // group_size)   # requests of a slice
@@ -165,7 +167,10 @@ def plan_split_reduce_numpy(tables: list[GroupTable], batch: int, num_kv_heads: 
             cta = cuts[-1][1]
             start += fix + n * tiles
         pages += len(t.kv_indices)
-    order = np.argsort(np.array(cols["cta"], dtype=np.int64), kind="stable")   # CTA after CTA, each in line order
+    cta = np.array(cols["cta"], dtype=np.int64)
+    line = np.arange(len(cta))
+    order = np.lexsort((np.where(stagger & (2 * cta >= num_ctas), -line, line), cta))   # CTA after CTA, each in
+    # line order (staggered: the second half's last to first)
     cols = {f: np.asarray(v, dtype=np.int64)[order] for f, v in cols.items()}
     n_events = batch * num_kv_heads
     counts = np.array([len(parts.get(ev, ())) for ev in range(n_events)], dtype=np.int64)
@@ -181,10 +186,11 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
                       num_ctas: int, slice_rows: int = SLICE_ROWS,
                       item_overhead: int = ITEM_OVERHEAD_TOKENS,
                       merge_overhead: int = MERGE_OVERHEAD_TOKENS,
-                      rows_per_tile: int = ROWS_PER_TILE) -> SplitReducePlan:
+                      rows_per_tile: int = ROWS_PER_TILE, stagger: bool = False) -> SplitReducePlan:
     """Cut the line of every task's work items into `num_ctas` segments of equal cost and list each event's
     parts (module docstring), with the planner's C source built for the host. `tables` are the producers
-    in the graph's order: the order their parts merge in."""
+    in the graph's order: the order their parts merge in. `stagger`: the second half's CTAs list their tasks
+    last to first (module docstring)."""
     from ..codegen.params import SPLIT_PLAN_PARAMS
     from ..runtime.host_helper import load_split_reduce_plan
 
@@ -209,7 +215,7 @@ def plan_split_reduce(tables: list[GroupTable], batch: int, num_kv_heads: int, g
         group_tokens=g + 16 * n_groups, group_pages=g + 20 * n_groups, **addr, num_groups=n_groups, batch=batch,
         num_kv_heads=num_kv_heads, group_size=group_size, num_ctas=num_ctas, min_piece=MIN_PIECE_TOKENS,
         cut=CUT_TOKENS, rows_per_tile=rows_per_tile, slice_rows=slice_rows, item_overhead=item_overhead,
-        merge_overhead=merge_overhead, task_capacity=task_cap, slot_capacity=part_cap)
+        merge_overhead=merge_overhead, stagger=int(stagger), task_capacity=task_cap, slot_capacity=part_cap)
     load_split_reduce_plan().meld_split_reduce_plan_host(ctypes.addressof(params))
     num_tasks, num_slots = int(part["out"][0]), int(part["out"][1])
     if num_tasks < 0:   # the capacities above bound every cut: this is a planner bug, not an input error

@@ -180,12 +180,23 @@ struct Profiler {
     shared = count;
   }
   __device__ __forceinline__ i64 now() const { return MELD_PROFILE && base != nullptr ? global_timer_ns() : 0; }
+  // The next record's index (counted past the capacity too: the header's count says how many were dropped).
+  __device__ __forceinline__ int next_slot() { return shared != nullptr ? atomicAdd(shared, 1) : n++; }
   __device__ __forceinline__ void record(i64 t0, int kind, int unit) {
     if (!MELD_PROFILE || base == nullptr) return;
-    const int i = shared != nullptr ? atomicAdd(shared, 1) : n++;
+    const int i = next_slot();
     if (i < cap) {
       i64* r = base + 4 * (1 + i);
       r[0] = t0; r[1] = global_timer_ns(); r[2] = kind; r[3] = unit;
+    }
+  }
+  // A sum of SM cycles (a diagnostic build's phase stamps: meld/runtime/profile.py, PHASES), not a task.
+  __device__ __forceinline__ void record_cycles(int phase, int role, i64 cycles) {
+    if (!MELD_PROFILE || base == nullptr) return;
+    const int i = next_slot();
+    if (i < cap) {
+      i64* r = base + 4 * (1 + i);
+      r[0] = -1; r[1] = cycles; r[2] = phase; r[3] = role;
     }
   }
   __device__ __forceinline__ void end(int ctas) {

@@ -58,8 +58,8 @@
 //
 // NaN or Inf in q or K reaches exactly the rows whose scores they enter; NaN in V the rows whose P.V it
 // enters. Tokens past a piece's end are zero-filled in the ring (cp.async with no source bytes), so a stale
-// value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, NUM_STAGES,
-// CHUNKS_AHEAD, SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
+// value never meets a zero probability. Defined by the including source: HEAD_DIM, NUM_WARPS, MIN_CTAS,
+// NUM_STAGES, CHUNKS_AHEAD, SMEM_BYTES, MELD_MMA_TYPE, GroupedParams, SplitTask, Event (meld.ir.work_table); the warp build also
 // MELD_SPLIT_WARP, SPLIT_WARPS, WARP_STAGES; the wgmma build MELD_PREFIX_WGMMA, hopper.cuh, wgmma_rs (m64n64)
 // and wgmma_rs_tb (m64nHEAD_DIM); optionally MELD_DEFER_SPLIT_EVENTS, MELD_DIRECT_SINGLE_PART.
 
@@ -825,4 +825,4 @@ struct GroupedFamily {
 
 }  // namespace meld
 
-MELD_PERSISTENT_KERNEL(meld_grouped_attention, meld::GroupedFamily, NUM_WARPS * 32, 1)
+MELD_PERSISTENT_KERNEL(meld_grouped_attention, meld::GroupedFamily, NUM_WARPS * 32, MIN_CTAS)

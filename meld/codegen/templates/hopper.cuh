@@ -129,6 +129,11 @@ __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
   return v;
 }
+__device__ __forceinline__ float ld_shared_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
 
 __device__ __forceinline__ float bf16_to_float(u16 v) { return __uint_as_float((u32)v << 16); }
 __device__ __forceinline__ u16 float_to_bf16(float f) {

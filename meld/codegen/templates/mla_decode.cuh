@@ -117,7 +117,21 @@ constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (F
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int ZERO_BAR = 1;                    // the score warpgroup's: a partial block's zeroed V rows, all warps'
                                                // before its P.V reads them
-constexpr int SMEM_USED = OFF_BARS + 8 * NUM_BARS;
+// MLA_PHASES builds (MlaKernelConfig(phases=True), a profiled diagnostic): where each role's cycles go, phase by
+// phase (meld/runtime/profile.py: PHASES). A role's first thread sums its laps in shared memory by a predicated
+// reduction (no branch: a branch while a wgmma is in flight serialises the wgmmas) and the recording thread records
+// every role's sums at the end of its segment. Roles: 0 the score warpgroup (the seesaw's warpgroup 0), 1
+// warpgroup 2 (the seesaw's 1), 2 the converting warps (FP8). Other builds' clocks are empty.
+#ifdef MLA_PHASES
+constexpr bool PHASES_ON = true;
+#else
+constexpr bool PHASES_ON = false;
+#endif
+constexpr int PHASE_ROLES = 3;
+constexpr int PHASE_BYTES = PHASES_ON ? PHASE_ROLES * NUM_PHASES * 4 : 0;
+constexpr int PHASE_BAR = 7;                   // both consumer warpgroups at the end, before the sums are recorded
+constexpr int OFF_PHASES = OFF_BARS + 8 * NUM_BARS;
+constexpr int SMEM_USED = OFF_PHASES + PHASE_BYTES;
 static_assert(SMEM_USED + 1024 <= SMEM_BYTES, "SMEM_BYTES (from Python) is too small");
 static_assert(OFF_RING % 1024 == 0 && OFF_P % 1024 == 0 && OFF_RAW % 1024 == 0 && RAW_BYTES % 1024 == 0,
               "128-byte swizzled buffers start on 1 KiB");
@@ -135,6 +149,42 @@ struct Bars {   // mbarrier addresses (full: FULL_BARS a stage)
 
 __device__ __forceinline__ WaitSite mla_site(const MlaParams& p, int site, int cta, int unit, int detail) {
   return WaitSite{p.watchdog, p.watchdog_claim, p.watchdog_kernel, site, cta, (int)(threadIdx.x >> 5), unit, detail};
+}
+
+struct PhaseClock {
+  u32 sums;     // this role's [NUM_PHASES] u32 in shared memory
+  u32 t = 0;    // the last lap's clock
+  bool first;   // the thread that sums
+  __device__ __forceinline__ PhaseClock(u32 base, int role, bool first_) : sums(base + OFF_PHASES + 4 * NUM_PHASES * role), first(first_) {
+    restart();
+  }
+  __device__ __forceinline__ void restart() {
+    if constexpr (PHASES_ON) asm volatile("mov.u32 %0, %%clock;" : "=r"(t)::"memory");
+  }
+  __device__ __forceinline__ void add(int phase, u32 v) const {
+    if constexpr (PHASES_ON)
+      asm volatile("{ .reg .pred p; setp.ne.u32 p, %2, 0; @p red.shared.add.u32 [%0], %1; }"
+                   ::"r"(sums + 4 * phase), "r"(v), "r"((u32)first) : "memory");
+  }
+  // The cycles since the last lap go to `phase`.
+  __device__ __forceinline__ void lap(int phase) {
+    if constexpr (PHASES_ON) {
+      u32 now;
+      asm volatile("mov.u32 %0, %%clock;" : "=r"(now)::"memory");
+      add(phase, now - t);
+      t = now;
+    }
+  }
+};
+// Every role's sums, by the recording thread (prof's), once every role is done.
+__device__ __forceinline__ void record_phases(Profiler& prof, u32 base) {
+  if constexpr (PHASES_ON)
+    for (int r = 0; r < PHASE_ROLES; ++r)
+      for (int k = 0; k < NUM_PHASES; ++k) {
+        u32 v;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + OFF_PHASES + 4 * (NUM_PHASES * r + k)) : "memory");
+        if (v != 0u) prof.record_cycles(k, r, v);
+      }
 }
 
 struct MlaUnit { int req, h0, rows; };   // a unit's planned request (its q and out row) and q heads
@@ -247,11 +297,13 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
 // of one token row; they become two 16-byte chunks of the stage's row. Staged rows past the block's tokens are
 // converted too (stale bytes, masked by the consumers as in the bf16 build). `u`: the block's unit (for the
 // watchdog).
-__device__ void mla_convert_block(const MlaParams& p, int cta, u32 raw, u32 ring, const Bars& b, int g, int u, int t) {
+__device__ void mla_convert_block(const MlaParams& p, int cta, u32 raw, u32 ring, const Bars& b, int g, int u, int t,
+                                  PhaseClock& pc) {
   const int rs = g % RAW_STAGES_, stage = g % STAGES;
   const u32 rphase = (u32)(g / RAW_STAGES_) & 1u, phase = (u32)(g / STAGES) & 1u;
   mbar_wait(b.raw_full(rs), rphase, mla_site(p, 7, cta, u, rs));
   mbar_wait(b.empty + 8 * stage, phase ^ 1u, mla_site(p, 5, cta, u, stage));
+  pc.lap(PHASE_WAIT_RAW);
   const u32 src = raw + rs * RAW_BYTES, dst = ring + stage * STAGE_BYTES;
 #pragma unroll 2
   for (int i = t; i < RAW_BYTES / 16; i += CONVERTERS) {
@@ -282,6 +334,7 @@ __device__ void mla_convert_block(const MlaParams& p, int cta, u32 raw, u32 ring
                  "r"(r[4]), "r"(r[5]), "r"(r[6]), "r"(r[7]) : "memory");
   }
   fence_proxy_async();   // the stores before the wgmmas (async proxy) read them
+  pc.lap(PHASE_CONVERT);   // (before the arrival: the score warpgroup's wait for it orders the sum for the record)
   mbar_arrive(b.full + 8 * stage);
   mbar_arrive(b.raw_empty(rs));
 }
@@ -293,11 +346,14 @@ __device__ __forceinline__ int unit_with_blocks(const UnitWalk& w, int u) {
 }
 
 // FP8 builds, warps 2-3: their share of every block of the segment, in order.
-__device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 ring, const Bars& b) {
+__device__ void mla_convert(const MlaParams& p, const UnitWalk& w, u32 raw, u32 ring, const Bars& b, u32 base) {
   int g = 0;
+  PhaseClock pc(base, 2, threadIdx.x == 64);
   for (int u = w.first(); u <= w.last(); ++u)
-    for (int j = UnitWalk::blocks(w.piece(u)); j > 0; --j, ++g)
-      mla_convert_block(p, w.cta, raw, ring, b, g, u, threadIdx.x - 64);
+    for (int j = UnitWalk::blocks(w.piece(u)); j > 0; --j, ++g) {
+      pc.add(PHASE_BLOCKS, 1);   // (before the block's arrivals, which order the sums for the record)
+      mla_convert_block(p, w.cta, raw, ring, b, g, u, threadIdx.x - 64, pc);
+    }
 }
 
 // Row r of a thread's m64nN accumulators (register i): 16 (warp % 4) + lane / 4 + 8 ((i / 2) % 2); column
@@ -545,7 +601,7 @@ template <int NEXT>
 __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& w, int u, const Piece& x, int j,
                                             u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b, int& stage,
                                             u32& phase, float (&o)[OACC], float (&s)[SACC], float (&l)[2],
-                                            float (&m)[2]) {
+                                            float (&m)[2], PhaseClock& pc) {
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
   const int valid = min(BLK, x.end - x.begin - j * BLK);
   const u32 st = ring + stage * STAGE_BYTES;
@@ -554,6 +610,7 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
   float s2[SACC], a[2];   // (s2: NEXT_AHEAD's next scores; a: the rows' rescale)
   if constexpr (NEXT == NEXT_AHEAD) {
     mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+    pc.lap(PHASE_WAIT_KV);
     wgmma_fence();
     mla_issue_scores(s2, qbuf, ring + ns * STAGE_BYTES);
   }
@@ -566,10 +623,12 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
   for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);
   fence_proxy_async();   // the zeroed rows before the wgmmas read them: every warp's (a partial block)
   named_barrier_if(valid < BLK, ZERO_BAR, 128);
+  pc.lap(PHASE_SOFTMAX);
   fence_regs(o);
   wgmma_fence();
   mla_issue_pv_regs(o, pa, st, 0);
   named_barrier_if(j > 0, P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
+  pc.lap(PHASE_WAIT_P);
   store_p(pbuf, s, lane, warp);   // (from s: P's registers may not be read while the P.V is in flight)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -583,14 +642,17 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
   named_barrier(P_FULL, 256);
   if (NEXT == NEXT_NONE && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed;
                                                                  // the loaders wait for all four warps
+  pc.lap(PHASE_PUBLISH);
   if constexpr (NEXT == NEXT_AFTER) {
     mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+    pc.lap(PHASE_WAIT_KV);
     wgmma_fence();
     mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
     wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
   } else {
     wgmma_wait<0>();   // this block's P.V (and block j + 1's scores, committed before it)
   }
+  pc.lap(PHASE_WAIT_MMA);
   fence_regs(o);
 #pragma unroll
   for (int k = 0; k < BLK / 16; ++k) fence_regs(pa[k]);   // (P's registers held until the P.V is done)
@@ -604,6 +666,8 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
 #pragma unroll
     for (int i = 0; i < SACC; ++i) s[i] = s2[i];
   }
+  pc.lap(PHASE_WAIT_MMA);
+  pc.add(PHASE_BLOCKS, 1);
   stage = ns;
   phase = nphase;
 }
@@ -615,6 +679,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
   int stage = 0;
   u32 phase = 0, qphase = 0;
+  PhaseClock pc(qbuf, 0, ct == 0);   // (qbuf: the shared memory's base)
   for (int u = w.first(); u <= w.last(); ++u) {
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
@@ -624,15 +689,18 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
     if (nb > 0) {   // the first block's scores
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
       qphase ^= 1u;
+      pc.lap(PHASE_WAIT_Q);
       mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
+      pc.lap(PHASE_WAIT_KV);
       wgmma_fence();
       mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES);
       wgmma_wait<0>();
       fence_regs(s);
+      pc.lap(PHASE_WAIT_MMA);
     }
     for (int j = 0; j < nb; ++j) {   // s holds block j's raw scores (each branch a whole fence .. wait)
-      if (j < nb - 1) score_block<NEXT_MODE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m);
-      else score_block<NEXT_NONE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m);
+      if (j < nb - 1) score_block<NEXT_MODE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m, pc);
+      else score_block<NEXT_NONE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m, pc);
     }
     if (nb > 0) {
       l[0] = quad_sum(l[0]);
@@ -645,6 +713,11 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       mla_arrive(p, u, w.unit(u), x, w.cta, ct);
       prof.record(t1, PROF_MERGE_HBM, u);
     }
+    pc.lap(PHASE_UNIT_END);
+  }
+  if constexpr (PHASES_ON) {
+    named_barrier(PHASE_BAR, 256);   // warpgroup 2's sums are complete (the converting warps': before the last block)
+    record_phases(prof, qbuf);
   }
 }
 
@@ -659,8 +732,9 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
   int stage = 0;
   u32 phase = 0;
   int g = 0;   // the segment's block this warpgroup takes next
+  PhaseClock pc(ring - OFF_RING, 1, ct == 0);
   if (KV_FP8 && unit_with_blocks(w, w.first()) <= w.last())
-    mla_convert_block(p, w.cta, raw, ring, b, 0, unit_with_blocks(w, w.first()), 64 + ct);
+    mla_convert_block(p, w.cta, raw, ring, b, 0, unit_with_blocks(w, w.first()), 64 + ct, pc);
   for (int u = w.first(); u <= w.last(); ++u) {
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
@@ -671,10 +745,12 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
     for (int j = 0; j < nb; ++j, ++g) {
       if (KV_FP8) {   // block g + 1: the unit's next, or the first of a later unit's
         const int next = j + 1 < nb ? u : unit_with_blocks(w, u + 1);
-        if (next <= w.last()) mla_convert_block(p, w.cta, raw, ring, b, g + 1, next, 64 + ct);
+        if (next <= w.last()) mla_convert_block(p, w.cta, raw, ring, b, g + 1, next, 64 + ct, pc);
       }
       mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));   // (the TMA bytes, visible here)
+      pc.lap(PHASE_WAIT_KV);
       named_barrier(P_FULL, 256);
+      pc.lap(PHASE_WAIT_P);
       const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
       rescale(o, sx.alpha[r0], sx.alpha[r1]);
       if (j == nb - 1) {
@@ -682,13 +758,18 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
         m[0] = sx.m[r0]; m[1] = sx.m[r1];
       }
       mla_pv(o, pbuf, ring + stage * STAGE_BYTES, 1);
+      pc.lap(PHASE_PV);
       if (lane == 0) mbar_arrive(b.empty + 8 * stage);
       if (j < nb - 1) named_barrier(P_EMPTY, 256);   // (the unit's last: mla_store's barriers order it)
+      pc.lap(PHASE_WAIT_P);
+      pc.add(PHASE_BLOCKS, 1);
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
     mla_store(p, w.unit(u), x, o, l, m, sx, 1, warp, lane);
     if (x.slot >= 0) mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128);
+    pc.lap(PHASE_UNIT_END);
   }
+  if constexpr (PHASES_ON) named_barrier(PHASE_BAR, 256);   // (the score warpgroup records the sums)
 }
 
 #ifdef MLA_SEESAW
@@ -710,9 +791,11 @@ constexpr int SEESAW_PUB = 5;   // named barriers 5, 6
 
 // Q.K^T of the block in `stage`, each box once its copies have landed; issued and committed.
 __device__ __forceinline__ void seesaw_issue_scores(float (&s)[SACC], const MlaParams& p, u32 qbuf, u32 ring,
-                                                    const Bars& b, int stage, u32 phase, int cta, int u) {
+                                                    const Bars& b, int stage, u32 phase, int cta, int u, PhaseClock& pc) {
   mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES, [&](int box) {
+    pc.lap(PHASE_WAIT_MMA);   // (issuing the boxes before it)
     mbar_wait(b.box_full(stage, box), phase, mla_site(p, 1, cta, u, stage));
+    pc.lap(PHASE_WAIT_KV);
     wgmma_fence();
   });
 }
@@ -723,6 +806,7 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
   const int ct = threadIdx.x - 128 * (G + 1), warp = ct >> 5, lane = ct & 31;
   const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
   u32 it = 0, qphase = 0;   // the blocks taken from the ring so far: stage it % STAGES, phase (it / STAGES) % 2
+  PhaseClock pc(qbuf, G, ct == 0);   // (qbuf: the shared memory's base)
   for (int u = w.first(); u <= w.last(); ++u) {
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
@@ -732,10 +816,12 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     if (nb > 0) {
       if (nb > G) {   // this warpgroup scores a block of the unit
         mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
+        pc.lap(PHASE_WAIT_Q);
         if (G == 0) {   // the first
-          seesaw_issue_scores(s, p, qbuf, ring, b, it % STAGES, (it / STAGES) & 1u, w.cta, u);
+          seesaw_issue_scores(s, p, qbuf, ring, b, it % STAGES, (it / STAGES) & 1u, w.cta, u, pc);
           wgmma_wait<0>();
           fence_regs(s);
+          pc.lap(PHASE_WAIT_MMA);
         }
       } else if (lane == 0) {
         mbar_arrive(b.q_empty);   // none: Q may go as far as this warpgroup is concerned
@@ -748,9 +834,11 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     auto v_ready = [&](int stage, u32 phase) {
 #pragma unroll
       for (int k = 4 * G; k < 4 * G + 4; ++k) mbar_wait(b.box_full(stage, k), phase, mla_site(p, 1, w.cta, u, stage));
+      pc.lap(PHASE_WAIT_KV);
     };
     auto take = [&]() {
       named_barrier(SEESAW_PUB + 1 - G, 256);
+      pc.lap(PHASE_WAIT_P);
       a[0] = sx.alpha[1 - G][r0]; a[1] = sx.alpha[1 - G][r1];
       m[0] = sx.m[1 - G][r0]; m[1] = sx.m[1 - G][r1];
       l[0] *= a[0]; l[1] *= a[1];
@@ -764,6 +852,7 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
         if (j + 2 >= nb && lane == 0) mbar_arrive(b.q_empty);   // this warp's last Q.K^T of the unit is done
         mla_softmax(s, valid, p.sm_scale_log2, m, l, a, lane);
         zero_tail(st, valid, ct);
+        pc.lap(PHASE_SOFTMAX);
         store_p(pbuf, s, lane, warp);
         if ((lane & 3) == 0) {
           sx.alpha[G][r0] = a[0]; sx.alpha[G][r1] = a[1];
@@ -771,11 +860,14 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
         }
         fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
         named_barrier_arrive(SEESAW_PUB + G, 256);
+        pc.lap(PHASE_PUBLISH);
         rescale(o, a[0], a[1]);
         mla_pv(o, pbuf, st, G);
+        pc.lap(PHASE_PV);
       } else if (j + 1 < nb) {   // the next block is this warpgroup's: its scores run while the other's softmax
         v_ready(stage, (it / STAGES) & 1u);
-        seesaw_issue_scores(s, p, qbuf, ring, b, (it + 1) % STAGES, ((it + 1) / STAGES) & 1u, w.cta, u);
+        seesaw_issue_scores(s, p, qbuf, ring, b, (it + 1) % STAGES, ((it + 1) / STAGES) & 1u, w.cta, u, pc);
+        pc.lap(PHASE_WAIT_MMA);   // (issuing the last box)
         take();
         fence_regs(o);
         wgmma_fence();
@@ -783,12 +875,15 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
         wgmma_wait<0>();
         fence_regs(s);
         fence_regs(o);
+        pc.lap(PHASE_WAIT_MMA);
       } else {
         v_ready(stage, (it / STAGES) & 1u);
         take();
         mla_pv(o, pbuf, st, G);
+        pc.lap(PHASE_PV);
       }
       if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+      pc.add(PHASE_BLOCKS, 1);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -805,6 +900,11 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
       mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G);
       prof.record(t1, PROF_MERGE_HBM, u);
     }
+    pc.lap(PHASE_UNIT_END);
+  }
+  if constexpr (PHASES_ON) {
+    named_barrier(PHASE_BAR, 256);   // the other warpgroup's sums are complete
+    if (G == 0) record_phases(prof, qbuf);
   }
 }
 #endif
@@ -825,6 +925,8 @@ struct MlaFamily {
   };
 
   static __device__ __forceinline__ void setup(const MlaParams& p, const State& s) {
+    if (PHASES_ON && threadIdx.x < PHASE_BYTES / 4)   // (the phase sums start from zero)
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(s.base + OFF_PHASES + 4 * threadIdx.x), "r"(0u) : "memory");
     if (threadIdx.x == 0) {
       for (int st = 0; st < STAGES; ++st) {
         for (int k = 0; k < FULL_BARS; ++k) mbar_init(s.b.box_full(st, k), KV_FP8 ? CONVERTERS : 1);
@@ -875,7 +977,7 @@ struct MlaFamily {
     if (threadIdx.x < 128) {
       regs_dealloc<56>();
       if (threadIdx.x == 0) mla_produce(p, w, s.base + (KV_FP8 ? OFF_RAW : OFF_RING), s.b);
-      else if (KV_FP8 && threadIdx.x >= 64) mla_convert(p, w, s.base + OFF_RAW, s.base + OFF_RING, s.b);
+      else if (KV_FP8 && threadIdx.x >= 64) mla_convert(p, w, s.base + OFF_RAW, s.base + OFF_RING, s.b, s.base);
       else if (threadIdx.x >= 32) mla_load_q(p, w, s.base, s.b);
     } else if (threadIdx.x < 256) {   // (224 registers each spilled the score warpgroup: it holds S and O)
       regs_alloc<240>();

@@ -66,6 +66,21 @@ constexpr int CONSUMERS = 256;
 // A task slot (the producer's mailbox to the consumers, two of them): gemm (-1: the end), ticket, tile tokens,
 // row block, column block; ints, padded.
 constexpr int TASK_SLOT = 8;
+// FP8: a ring stage's token scales (one K block's, of the row block's BLOCK_TOKENS rows: a TMA box of xs_scale_map
+// or act_scale_map, zeros past the rows) in a slot of their own beside the ring, 128-byte aligned. A TMA box's
+// innermost coordinate must be a multiple of 16 bytes (else the copy is an illegal instruction), and a row block
+// starts at any row (its expert's rows follow the others'): the box starts at the row block's first row rounded
+// down to SCALE_ALIGN tokens and is SCALE_ALIGN tokens longer (meld/codegen/moe_kernel.py: scale_box), so it
+// holds the block's scales from token row0 % SCALE_ALIGN on.
+constexpr int SCALE_ALIGN = 4;
+constexpr int SCALE_BYTES = MELD_FP8 ? (BLOCK_TOKENS + SCALE_ALIGN) * 4 : 0;
+constexpr int SCALE_SLOT = (SCALE_BYTES + 127) / 128 * 128;
+// Where the slots start, from the task slots (MoeFamily::State: the mailbox and the combine list after them, then
+// the exchange area, FP8's quantise_act maxima, then consume's staging of wide tiles).
+__device__ __forceinline__ u32 scale_slots(const int* slots) {
+  const u32 xchg = smem_addr(slots + 2 * TASK_SLOT + 4 + 4 + BLOCK_TOKENS);
+  return (((xchg + 9 * BLOCK_TOKENS * 4 + 15) & ~15u) + (MELD_NARROW ? 0 : 8 * BLOCK_TOKENS * 32) + 127) & ~127u;
+}
 constexpr int POISON = 1 << 30;                // tok_need: the token had an invalid (id, weight) pair
 
 // --- routing ------------------------------------------------------------------------------------------
@@ -545,6 +560,8 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     const bool part = n < BLOCK_TOKENS;
     const void* tmap = part ? (kind ? (const void*)&p.act_part_map : (const void*)&p.xs_part_map)
                             : (kind ? (const void*)&p.act_map : (const void*)&p.xs_map);
+    const void* smap = kind ? (const void*)&p.act_scale_map : (const void*)&p.xs_scale_map;   // (FP8)
+    const u32 scales = MELD_FP8 ? scale_slots(slots) : 0u;   // (smem_addr is volatile asm: not in bf16 builds)
     const int tboxes = part ? n / T_ROWS : 1, trows = part ? T_ROWS : BLOCK_TOKENS;
     // One token (x_direct: H whole stages of K boxes, so none runs past x's row): a gemm1 tile's token operand
     // is x's row itself, 128 bytes a K box into the box's first row (unswizzled: row 0); its other rows
@@ -579,17 +596,19 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
     for (int kk = 0; kk <= nk; ++kk) {
       if (kind && kk == early) {
         wait_row_block(p, rbi, ticket);
-        for (int e = 0; e < early; ++e, late.advance())
+        for (int e = 0; e < early; ++e, late.advance()) {
 #pragma unroll
           for (int b = 0; b < K_BOXES; ++b)
             for (int i = 0; i < tboxes; ++i)
               tma_load_2d(late.base + late.stage * STAGE_BYTES + b * BOX_SET + NBOX * W_BOX + i * trows * BK * ELEM, tmap,
                           (e * K_BOXES + b) * BK, row0 + i * trows, late.full + 8 * late.stage);
+          if (MELD_FP8) tma_load_2d(scales + late.stage * SCALE_SLOT, smap, row0 & -SCALE_ALIGN, e, late.full + 8 * late.stage);
+        }
       }
       if (kk == nk) break;
       const u32 full = ring.full + 8 * ring.stage, dst = ring.base + ring.stage * STAGE_BYTES;
       mbar_wait(ring.empty + 8 * ring.stage, ring.phase ^ 1u, wait_site(p, 5, 0, ticket, ring.stage));
-      mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + (direct ? BK * ELEM : n * BK * ELEM)));
+      mbar_arrive_expect_tx(full, K_BOXES * (nlive * W_BOX + (direct ? BK * ELEM : n * BK * ELEM)) + SCALE_BYTES);
 #pragma unroll
       for (int b = 0; b < K_BOXES; ++b) {
         if (MELD_PACKED) {   // the stage's live boxes: one run (meld/ops/moe_weights.py), K_BOXES 1
@@ -610,6 +629,7 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
             tma_load_2d(dst + b * BOX_SET + NBOX * W_BOX + i * trows * BK * ELEM, tmap, (kk * K_BOXES + b) * BK,
                         row0 + i * trows, full);
       }
+      if (MELD_FP8 && kk >= early) tma_load_2d(scales + ring.stage * SCALE_SLOT, smap, row0 & -SCALE_ALIGN, kk, full);   // (K_BOXES 1)
       ring.advance();
     }
   }
@@ -620,8 +640,8 @@ __device__ void produce(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
 // which the epilogues never store.
 // FP8: K = 128, four k32 steps, the first of which starts the sum (the stage's product alone, which KLoop
 // scales into the tile's sum).
-template <int R>
-__device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_smem) {
+template <int R, int N>
+__device__ __forceinline__ void mma_stage(float (&acc)[N], u32 w_smem, u32 t_smem) {
   float (&head)[R] = *reinterpret_cast<float (*)[R]>(&acc[0]);
 #pragma unroll
 #if MELD_FP8
@@ -636,8 +656,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[ACC], u32 w_smem, u32 t_s
 // scaled by its weight row's block scale and its token's scale of that 128-wide K block.
 struct Fp8Scales {
   const float* w[2][2];   // [accumulator][row lo, lo + 8]: the row's weight block scales (one per K block)
-  const float* t;         // the row block's token scales of K block 0 (a K block's are scale_ld apart)
-  int rows;               // tokens the row block holds (scales of the tokens past it: its last token's)
+  u32 t;                  // shared: stage 0's scale slot at this thread's first token (2 (lane % 4))
 };
 
 // Weight row `row` of an expert's `n` rows of weights of K `k`: its 128 x 128 blocks' scales along K.
@@ -649,9 +668,10 @@ __device__ __forceinline__ const float* weight_scales(const float* scale, int ex
 // A tile's k loop for wgmmas of N = 2R token columns: one stage's wgmmas stay in flight while the next
 // stage's are issued; a stage goes back to the producer once the wgmmas that read it have completed.
 // FP8: a stage's product is complete (wgmma_wait<0>) before it is scaled into its sum, one accumulator after
-// the other through one set of registers (two did not leave the 64-token block's epilogue registers: it
-// spilled), so the stage goes back to the producer within the loop (`prev` stays -1); its weight scales are
-// loaded before its copies are waited for.
+// the other through one set of registers, so the stage goes back to the producer within the loop (`prev` stays
+// -1). Its token scales (the producer's TMA box of them, in the stage's scale slot) are read while the first
+// product runs, a pair of tokens a shared load (they were 16 L2 loads a thread a stage, whose offsets, clamped to
+// the block's rows, held 16 registers); its weight scales before its copies are waited for.
 struct KLoop {
   const MoeParams& p;
   int nk, lane, warp, wg, ticket;
@@ -659,33 +679,38 @@ struct KLoop {
   template <int R>
   __device__ __forceinline__ void run(Ring& ring, int& prev, float (&acc0)[ACC], float (&acc1)[ACC]) const {
 #if MELD_FP8
-    float part[ACC];
     for (int kk = 0; kk < nk; ++kk) {
-      float ws[2][2], ts[R / 2];
+      float ws[2][2];
 #pragma unroll
       for (int a = 0; a < 2; ++a)
 #pragma unroll
         for (int h = 0; h < 2; ++h) ws[a][h] = __ldg(sc.w[a][h] + kk);
       mbar_wait(ring.full + 8 * ring.stage, ring.phase, wait_site(p, 7, warp + 4, ticket, ring.stage), 2 * MELD_WATCHDOG_NS);
       const u32 st = ring.base + ring.stage * STAGE_BYTES;
+      float2 ts[R / 4];   // tokens 8i + 2 (lane % 4) + 0, 1: read while the first product runs
 #pragma unroll
       for (int a = 0; a < 2; ++a) {
+        float part[R];
         wgmma_fence();
         mma_stage<R>(part, st + (2 * wg + a) * W_BOX, st + NBOX * W_BOX);
         wgmma_commit();
-        // The token scales once the stage is full (a gemm2 tile's act_scale is complete only once its row block
-        // is: the producer waited for that before it loaded the act boxes), while the first product runs:
-        // token 8 (u / 2) + 2 (lane % 4) + u % 2, from L2 (other CTAs wrote them).
         if (a == 0)
 #pragma unroll
-          for (int u = 0; u < R / 2; ++u)
-            ts[u] = __ldcg(sc.t + (i64)kk * p.scale_ld + min(8 * (u / 2) + 2 * (lane % 4) + u % 2, sc.rows - 1));
+          for (int i = 0; i < R / 4; ++i)   // (two loads: the block's first token may sit at any 4-byte offset)
+            ts[i] = make_float2(ld_shared_f32(sc.t + ring.stage * SCALE_SLOT + 32 * i),
+                                ld_shared_f32(sc.t + ring.stage * SCALE_SLOT + 32 * i + 4));
         wgmma_wait<0>();
         fence_regs(part);
-        if (a == 1 && lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
+        if (a == 1) {   // (every lane has read the stage's scales and both products' operands)
+          __syncwarp();
+          if (lane == 0) mbar_arrive(ring.empty + 8 * ring.stage);
+        }
         float (&acc)[ACC] = a ? acc1 : acc0;
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = fmaf(part[r], ws[a][(r / 2) % 2] * ts[2 * (r / 4) + r % 2], acc[r]);
+        for (int i = 0; i < R / 4; ++i)   // registers 4i + j: token 8i + 2 (lane % 4) + j % 2, row lo + 8 (j / 2)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            acc[4 * i + j] = fmaf(part[4 * i + j], ws[a][j / 2] * (j % 2 ? ts[i].y : ts[i].x), acc[4 * i + j]);
       }
       ring.advance();
     }
@@ -906,8 +931,7 @@ __device__ void consume(const MoeParams& p, Ring ring, u32 task_full, u32 task_e
           sc.w[a][h] = kind ? weight_scales(p.w2_scale, expert, p.hidden, p.inter, col * G2_COLS + (2 * wg + a) * 64 + lo + 8 * h)
                             : weight_scales(p.w13_scale, expert, 2 * p.inter, p.hidden,
                                             a * p.inter + col * G1_COLS + wg * 64 + lo + 8 * h);
-      sc.t = (kind ? p.act_scale : p.xs_scale) + row0;
-      sc.rows = rows;
+      sc.t = scale_slots(slots) + 4 * (row0 % SCALE_ALIGN) + 8 * (lane % 4);
     }
 #endif
     const KLoop kl{p, nk, lane, warp, wg, ticket, sc};

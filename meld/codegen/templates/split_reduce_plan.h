@@ -15,7 +15,10 @@
 // the whole item to the next CTA, one that would leave the piece before it shorter than `min_piece` moves up
 // to make it that long, and one that would leave the last piece shorter is dropped. Each piece is one
 // SPLIT_TASK row (CTA after CTA, a CTA's in line order) and counts towards its requests' events
-// (h * batch + b); each event lists its parts' first slots in line order (the merge order).
+// (h * batch + b); each event lists its parts' first slots in line order (the merge order). With `stagger`, the
+// CTAs of the second half (c >= num_ctas / 2) list their tasks last to first: two CTAs an SM (the grouped kernel's
+// four-warp build) are c and c + num_ctas / 2, and while one attends its share of the shared levels (bound by the
+// tensor cores) the other streams its requests' own KV (bound by bytes), instead of both doing the same at once.
 //
 // Defined by the including source: PLAN_THREADS, SplitPlanParams, SplitTask / store_splittask, Event /
 // store_event.
@@ -42,7 +45,7 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
           p.cursor[e] = first - p.cursor[e];
         }
         int row = 0;
-        for (int c = 0; c < W; ++c) row += at[c], at[c] = row - at[c];
+        for (int c = 0; c < W; ++c) row += at[c], at[c] = p.stagger && 2 * c >= W ? row : row - at[c];   // (staggered: its end)
         fits = first <= p.slot_capacity && row <= p.task_capacity;
         if (!fits) break;
       }
@@ -101,7 +104,7 @@ __device__ __forceinline__ void plan_split_reduce(const SplitPlanParams& p) {
                 t.kv_begin = begin; t.kv_end = end; t.producer = p.group_producer[g]; t.kv_head = h;
                 t.pages = p.group_pages[g]; t.arg3 = 0;
                 t.kind = SPLITTASK_TASK_KIND; t.cta = owner; t.slot = slot; t.event_first = h * p.batch + q0; t.event_count = req;
-                store_splittask(p.tasks, p.task_capacity, at[owner]++, t);
+                store_splittask(p.tasks, p.task_capacity, p.stagger && 2 * owner >= W ? --at[owner] : at[owner]++, t);
                 for (int r = 0; r < req; ++r) p.part_slot[p.cursor[h * p.batch + q0 + r]++] = slot + r * p.group_size;
               }
               ++task;
