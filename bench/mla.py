@@ -259,12 +259,13 @@ def quantised_q(inp: Inputs) -> tuple[torch.Tensor, float]:
 # ------------------------------------------------------------------------------------- implementations
 
 def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, block_tokens: int | None = None,
-               num_stages: int = 0, phases: bool = False) -> Impl:
+               num_stages: int = 0, phases: bool = False, cost=None) -> Impl:
     """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans; `schedule`:
     its kernel build (`MlaKernelConfig.schedule`); `fp8`: the e4m3 build over inp.cache8 (its default schedule);
     `block_tokens`: the bf16 build's KV block (MlaKernelConfig.block_tokens; None: its default); `num_stages`:
     the build's bf16 ring stages (MlaKernelConfig.num_stages; 0: its default); `phases`: the profiled build with
-    phase stamps (tools/mla_phases.py reads them from the Impl's op)."""
+    phase stamps (tools/mla_phases.py reads them from the Impl's op); `cost`: the planner's DecodeCost (None: the
+    op's default)."""
     import meld
     from meld.codegen.mla_kernel import MlaKernelConfig
 
@@ -277,7 +278,7 @@ def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, block_to
                                                                  phases=phases) if fp8 else
                          MlaKernelConfig(schedule=schedule, num_stages=num_stages, profile=phases, phases=phases,
                                          **({"block_tokens": block_tokens} if block_tokens else {})),
-                         q_len=c.q_len,
+                         q_len=c.q_len, cost=cost,
                          kv_dtype=torch.float8_e4m3fn if fp8 else None)
     init_us = (time.perf_counter() - t0) * 1e6
 
