@@ -206,7 +206,8 @@ def test_head_major_units_are_named_by_their_request_and_head_block(tmp_path):
 
 def test_phase_sums_ride_beside_the_tasks(tmp_path):
     """A phases build's records ([-1, cycles, phase, warpgroup]) are sums, not tasks: Trace.phases holds them, the
-    Chrome file keeps them, phase_table gives cycles a block (median over CTAs), and an unknown phase is named."""
+    Chrome file keeps them, phase_table gives cycles a block (median over CTAs), phase_totals each CTA's sums and the
+    slowest CTA's, and an unknown phase is named."""
     from meld.runtime.profile import PHASES, PhaseCycles
 
     ph = {name: i for i, name in enumerate(PHASES)}
@@ -221,9 +222,13 @@ def test_phase_sums_ride_beside_the_tasks(tmp_path):
                          PhaseCycles(1, 0, "softmax", 3000), PhaseCycles(1, 0, "blocks", 6), PhaseCycles(1, 0, "wait-kv", 120)]
     # warpgroup 0: softmax 2000/4 = 500 and 3000/6 = 500 a block; wait-kv 0 and 20 (median 10); warpgroup 1 ran no blocks
     assert tr.phase_table() == ("warpgroup 0: 2 CTAs, median blocks 5; cycles a block: wait-kv 10, softmax 500; all 510")
+    # per CTA: softmax 2000 and 3000, wait-kv 0 and 120; CTA 1 (3120) is the slowest
+    assert tr.phase_totals() == ("warpgroup 0: cycles a CTA (min/median/max over 2): wait-kv 0/60/120, softmax "
+                                 "2000/2500/3000; all 2000/2560/3120\n  slowest CTA 1 (6 blocks): wait-kv 120, "
+                                 "softmax 3000; all 3120")
     back = Trace.from_chrome(tr.write_chrome(tmp_path / "p.json"))
     assert back.phases == tr.phases and back.tasks == tr.tasks
-    assert Trace.from_buffer(_raw(), 4, 2).phase_table() == "no phase stamps"
+    assert Trace.from_buffer(_raw(), 4, 2).phase_table() == Trace.from_buffer(_raw(), 4, 2).phase_totals() == "no phase stamps"
     raw[1, 1, 2] = len(PHASES)
     with pytest.raises(ValueError, match=f"unknown phase {len(PHASES)}"):
         Trace.from_buffer(raw, 1, 1)

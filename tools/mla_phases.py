@@ -6,7 +6,8 @@ where FlashMLA's takes 2.1; issue 41: why the FP8 build takes 1.8x the bf16 one)
 On a GPU, for each of bench/mla.py's cases and each build, the diagnostic build with phase stamps
 (`MlaKernelConfig(profile=True, phases=True)`; templates/mla_decode.cuh, MLA_PHASES) is checked against float64,
 replayed in a CUDA graph with a cold L2 (`bench.harness.median_trace`: the launch with the median span of five),
-and its phase sums printed as cycles a block, the median over CTAs (`Trace.phase_table`). Roles: 0 the score
+and its phase sums printed as cycles a block, the median over CTAs (`Trace.phase_table`), then as cycles a CTA,
+min / median / max over CTAs, with the slowest CTA's, which bounds the launch (`Trace.phase_totals`). Roles: 0 the score
 warpgroup (the seesaw's warpgroup 0), 1 warpgroup 2 (the seesaw's 1), 2 the FP8 build's converting warps. Beside
 them, the stamped build's graph time and the plain build's, which say what the stamps themselves cost.
 Builds: split (the default bf16 build), seesaw, fp8 (the e4m3 build), fp8-s3 (three converted stages).
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                 tr = median_trace(stamped.run, stamped.op)
                 print(f"== {inp.case.name} {build}: plain {plain_us:.1f} µs, stamped {stamped_us:.1f} µs, "
                       f"span {tr.span_ns / 1e3:.1f} µs")
-                print(tr.phase_table(), flush=True)
+                print(tr.phase_table())
+                print(tr.phase_totals(), flush=True)
                 out.append({"case": inp.case.name, "build": build, "plain_us": plain_us, "stamped_us": stamped_us,
                             "phases": [[x.cta, x.warpgroup, x.phase, x.cycles] for x in tr.phases]})
                 inp = stamped = None

@@ -244,6 +244,36 @@ class Trace:
                          f"cycles a block: {', '.join(cells)}; all {total:.0f}")
         return "\n".join(lines)
 
+    def phase_totals(self) -> str:
+        """Each warpgroup's cycles in each phase summed over a CTA's blocks (whole-launch costs, where phase_table
+        spreads them over the blocks): min / median / max over CTAs, and the slowest CTA's (the largest sum of its
+        phases), which bounds the launch. What a CTA pays once or per unit (Q, a split unit's end) and how unevenly
+        shows here: 2026-12-05, split MLA at B=64 uniform2k, whole units ended in ~10k cycles and two-part ones in
+        35-52k ("no phase stamps" without them)."""
+        if not self.phases:
+            return "no phase stamps"
+        sums: dict[tuple[int, int], dict[str, int]] = {}
+        for x in self.phases:
+            sums.setdefault((x.warpgroup, x.cta), {})[x.phase] = x.cycles
+        lines = []
+        for wg in sorted({w for w, _ in sums}):
+            per = {c: d for (w, c), d in sums.items() if w == wg and d.get("blocks", 0) > 0}
+            if not per:
+                continue
+            total = {c: sum(v for k, v in d.items() if k != "blocks") for c, d in per.items()}
+            cells = []
+            for ph in PHASES[:-1]:
+                v = [d.get(ph, 0) for d in per.values()]
+                if any(v):
+                    cells.append(f"{ph} {min(v)}/{np.median(v):.0f}/{max(v)}")
+            slow = max(total, key=lambda c: (total[c], -c))
+            d = per[slow]
+            worst = ", ".join(f"{ph} {d[ph]}" for ph in PHASES[:-1] if d.get(ph, 0))
+            lines.append(f"warpgroup {wg}: cycles a CTA (min/median/max over {len(per)}): {', '.join(cells)}; "
+                         f"all {min(total.values())}/{np.median(list(total.values())):.0f}/{max(total.values())}\n"
+                         f"  slowest CTA {slow} ({d['blocks']} blocks): {worst}; all {total[slow]}")
+        return "\n".join(lines)
+
     def to_chrome(self) -> dict:
         """Trace-event JSON: one "X" event per task on track tid = SM id, times in µs from kernel start.
 
