@@ -224,19 +224,22 @@ class Trace:
         return (f"SM busy: min {v.min():.3f}  p10 {np.percentile(v, 10):.3f}  median {np.median(v):.3f}  "
                 f"max {v.max():.3f}\nleast busy: " + ", ".join(f"SM {sm} {busy[sm]:.3f}" for sm in worst))
 
+    def _phase_sums(self) -> dict[int, dict[int, dict[str, int]]]:
+        """warpgroup -> CTA -> phase -> cycles, for the CTAs where the warpgroup ran blocks (warpgroups in order)."""
+        sums: dict[int, dict[int, dict[str, int]]] = {}
+        for x in self.phases:
+            sums.setdefault(x.warpgroup, {}).setdefault(x.cta, {})[x.phase] = x.cycles
+        per = {wg: {c: d for c, d in by.items() if d.get("blocks", 0) > 0} for wg, by in sorted(sums.items())}
+        return {wg: by for wg, by in per.items() if by}
+
     def phase_table(self) -> str:
         """Cycles a block in each phase, per warpgroup: the median over CTAs of each CTA's sum over its blocks
         (a diagnostic build's phase stamps; "no phase stamps" without them)."""
         if not self.phases:
             return "no phase stamps"
-        sums: dict[tuple[int, int], dict[str, int]] = {}
-        for x in self.phases:
-            sums.setdefault((x.warpgroup, x.cta), {})[x.phase] = x.cycles
         lines = []
-        for wg in sorted({w for w, _ in sums}):
-            per = [d for (w, _), d in sums.items() if w == wg and d.get("blocks", 0) > 0]
-            if not per:
-                continue
+        for wg, by_cta in self._phase_sums().items():
+            per = list(by_cta.values())
             cells = [f"{ph} {np.median([d.get(ph, 0) / d['blocks'] for d in per]):.0f}"
                      for ph in PHASES[:-1] if any(d.get(ph, 0) for d in per)]
             total = np.median([sum(v for k, v in d.items() if k != "blocks") / d["blocks"] for d in per])
@@ -252,14 +255,8 @@ class Trace:
         35-52k ("no phase stamps" without them)."""
         if not self.phases:
             return "no phase stamps"
-        sums: dict[tuple[int, int], dict[str, int]] = {}
-        for x in self.phases:
-            sums.setdefault((x.warpgroup, x.cta), {})[x.phase] = x.cycles
         lines = []
-        for wg in sorted({w for w, _ in sums}):
-            per = {c: d for (w, c), d in sums.items() if w == wg and d.get("blocks", 0) > 0}
-            if not per:
-                continue
+        for wg, per in self._phase_sums().items():
             total = {c: sum(v for k, v in d.items() if k != "blocks") for c, d in per.items()}
             cells = []
             for ph in PHASES[:-1]:
