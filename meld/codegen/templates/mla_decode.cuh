@@ -440,10 +440,45 @@ __device__ __forceinline__ void st_shared_if(bool c, float* addr, float v) {
                "f"(v) : "memory");
 }
 
+// Part 0 of a unit split in two merges it from its own accumulators and part 1's partial (merge_lse4, the
+// same arithmetic and order as a merge from two stored partials, so the same bits): part 1 is its CTA's first
+// piece and long done, and part 0, its CTA's last, would otherwise store 128 KiB of partial and read it back
+// with part 1's while every CTA does the same at the kernel's end (the phase stamps' unit-end: ~40k cycles a
+// split CTA against ~10k for a whole unit's, 2026-12-05). Units of more parts merge in slices (mla_arrive), and
+// so do the seesaw's (at its 168 registers the merge spilled).
+__device__ __forceinline__ bool merges_in_registers(const Piece& x) {
+  return !SEESAW && x.num_parts == 2 && x.slot == x.parts_begin;
+}
+
+// merges_in_registers: row r's (output row `orow`) outputs of this thread, channels c0 + 8 j + {0, 1}, from the
+// accumulators of row half h (o[i] * inv, lse2: this part's normalised partial) and part 1's.
+__device__ __forceinline__ void merge_pair(const MlaParams& p, const Piece& x, const float (&o)[OACC], float inv,
+                                           float lse2, i64 orow, int r, int c0, int h, bool write_lse) {
+  const i64 other = (i64)x.parts_begin + 1;
+  const float lse1 = ld_cg(p.part_lse + other * HB + r);
+  const float* part = p.part_o + (other * HB + r) * DC + c0;
+  u16* out = p.out + orow * DC + c0;
+  float lse_out = 0.f;
+#pragma unroll   // (o[] indexed by constants: a partial unroll put it in local memory)
+  for (int i = 2 * h; i < OACC; i += 4) {
+    const float2 v1 = ld_cg2(part + 8 * (i >> 2));
+    float4 v[1];
+    float l2[1];
+    merge_lse4<2, 1>(2, [&](int k, int, float& lse, float4& vk) {
+      lse = k == 0 ? lse2 : lse1;
+      vk = k == 0 ? make_float4(o[i] * inv, o[i + 1] * inv, 0.f, 0.f) : make_float4(v1.x, v1.y, 0.f, 0.f);
+    }, v, l2);
+    *reinterpret_cast<u32*>(out + 8 * (i >> 2)) = pack2(v[0].x, v[0].y);
+    lse_out = l2[0];
+  }
+  if (write_lse && p.lse != nullptr) p.lse[orow] = lse_out * kLn2;
+}
+
 // Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
 // shared memory), then the output (whole unit) or this piece's partial. `l`, `m`: the thread's two rows'.
-__device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un, const Piece& x, float (&o)[OACC],
-                                          const float (&l)[2], const float (&m)[2], Stats& sx, int g, int warp, int lane) {
+__device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, float (&o)[OACC],
+                                          const float (&l)[2], const float (&m)[2], Stats& sx, int g, int warp, int lane,
+                                          int cta) {
   float bad[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < OACC; ++i) bad[(i >> 1) & 1] += o[i] - o[i];
@@ -459,6 +494,12 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un,
   named_barrier(2, 256);   // both have read sx.bad (every lane, before any diverges): the next unit's may
                            // overwrite it
   const int req = un.req, h0 = un.h0, rows = un.rows;
+  const bool regs = merges_in_registers(x);
+  if (regs) {   // the other part's partial and lse, once it has arrived
+    if (g == 0 && warp == 0 && lane == 0)
+      event_wait(reinterpret_cast<const int*>(p.counters + u), 1, mla_site(p, 21, cta, u, 2));
+    named_barrier(2, 256);
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = acc_row(lane, warp, h);
@@ -467,7 +508,9 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un,
     const float lse2 = lr == 0.f ? neg_inf() : (m[h] == neg_inf() ? 0.f : m[h]) + log2_approx(lr);
     if (r >= rows) continue;
     const int c0 = VH * g + 2 * (lane & 3);
-    if (x.slot < 0) {
+    if (regs) {
+      merge_pair(p, x, o, inv, lse2, req * p.num_heads + h0 + r, r, c0, h, g == 0 && (lane & 3) == 0);
+    } else if (x.slot < 0) {
       u16* out = p.out + ((i64)req * p.num_heads + h0 + r) * DC + c0;
 #pragma unroll
       for (int i = 2 * h; i < OACC; i += 4)
@@ -487,6 +530,10 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un,
 // parts 0 .. S - 1 wait for every part and merge their slice of the channels, in part order (module comment).
 __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, int cta,
                                            int ct) {
+  if (merges_in_registers(x)) {   // merged in mla_store, after part 1's arrival: the last to touch the counter
+    if (ct == 0) event_reset(p.counters + u);
+    return;
+  }
   __threadfence();   // this piece's partial before its count
   named_barrier(2, 256);
   const int n = x.num_parts, k = x.slot - x.parts_begin;
@@ -706,7 +753,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       l[0] = quad_sum(l[0]);
       l[1] = quad_sum(l[1]);
     }
-    mla_store(p, w.unit(u), x, o, l, m, sx, 0, warp, lane);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx, 0, warp, lane, w.cta);
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
@@ -765,7 +812,7 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
       pc.add(PHASE_BLOCKS, 1);
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
-    mla_store(p, w.unit(u), x, o, l, m, sx, 1, warp, lane);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx, 1, warp, lane, w.cta);
     if (x.slot >= 0) mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128);
     pc.lap(PHASE_UNIT_END);
   }
@@ -893,7 +940,7 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     named_barrier(2, 256);
     l[0] = sx.l[0][r0] + sx.l[1][r0];
     l[1] = sx.l[0][r1] + sx.l[1][r1];
-    mla_store(p, w.unit(u), x, o, l, m, sx.base, G, warp, lane);   // (its barriers: sx.l read before it is written again)
+    mla_store(p, u, w.unit(u), x, o, l, m, sx.base, G, warp, lane, w.cta);   // (its barriers: sx.l read before it is written again)
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
