@@ -440,12 +440,12 @@ __device__ __forceinline__ void st_shared_if(bool c, float* addr, float v) {
                "f"(v) : "memory");
 }
 
-// Part 0 of a unit split in two merges it from its own accumulators and part 1's partial (merge_lse4, the
-// same arithmetic and order as a merge from two stored partials, so the same bits): part 1 is its CTA's first
-// piece and long done, and part 0, its CTA's last, would otherwise store 128 KiB of partial and read it back
+// Part 0 of a unit split in two merges it from its own accumulators and part 1's partial: part 1 is its CTA's
+// first piece and long done, and part 0, its CTA's last, would otherwise store 128 KiB of partial and read it back
 // with part 1's while every CTA does the same at the kernel's end (the phase stamps' unit-end: ~40k cycles a
 // split CTA against ~10k for a whole unit's, 2026-12-05). Units of more parts merge in slices (mla_arrive), and
-// so do the seesaw's (at its 168 registers the merge spilled).
+// so do the seesaw's (at its 168 registers the merge spilled). A two-part unit has one merger, so its bits need
+// not match a sliced merge's; the weights are merge_lse4's (IEEE: a NaN part makes the row NaN).
 __device__ __forceinline__ bool merges_in_registers(const Piece& x) {
   return !SEESAW && x.num_parts == 2 && x.slot == x.parts_begin;
 }
@@ -458,20 +458,23 @@ __device__ __forceinline__ void merge_pair(const MlaParams& p, const Piece& x, c
   const float lse1 = ld_cg(p.part_lse + other * HB + r);
   const float* part = p.part_o + (other * HB + r) * DC + c0;
   u16* out = p.out + orow * DC + c0;
-  float lse_out = 0.f;
+  const float mx = fmaxf(lse2, lse1), m_use = mx == neg_inf() ? 0.f : mx;
+  const float w0 = exp2_approx(lse2 - m_use), w1 = exp2_approx(lse1 - m_use), sum = w0 + w1;
+  const float a0 = w0 * inv / sum, a1 = w1 / sum;   // each part's weight (part 0's times its normalisation)
+  constexpr int BATCH = 8;   // part 1's values a thread has in flight: one round trip a batch (volatile loads,
+                             // issued together ahead of the batch's stores)
 #pragma unroll   // (o[] indexed by constants: a partial unroll put it in local memory)
-  for (int i = 2 * h; i < OACC; i += 4) {
-    const float2 v1 = ld_cg2(part + 8 * (i >> 2));
-    float4 v[1];
-    float l2[1];
-    merge_lse4<2, 1>(2, [&](int k, int, float& lse, float4& vk) {
-      lse = k == 0 ? lse2 : lse1;
-      vk = k == 0 ? make_float4(o[i] * inv, o[i + 1] * inv, 0.f, 0.f) : make_float4(v1.x, v1.y, 0.f, 0.f);
-    }, v, l2);
-    *reinterpret_cast<u32*>(out + 8 * (i >> 2)) = pack2(v[0].x, v[0].y);
-    lse_out = l2[0];
+  for (int b = 0; b < OACC / 4; b += BATCH) {
+    float2 v1[BATCH];
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) v1[j] = ld_cg2(part + 8 * (b + j));
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int i = 4 * (b + j) + 2 * h;   // o[i], o[i + 1]: channels c0 + 8 (b + j) + {0, 1}
+      *reinterpret_cast<u32*>(out + 8 * (b + j)) = pack2(o[i] * a0 + v1[j].x * a1, o[i + 1] * a0 + v1[j].y * a1);
+    }
   }
-  if (write_lse && p.lse != nullptr) p.lse[orow] = lse_out * kLn2;
+  if (write_lse && p.lse != nullptr) p.lse[orow] = (mx + log2_approx(sum)) * kLn2;
 }
 
 // Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
@@ -509,7 +512,7 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUn
     if (r >= rows) continue;
     const int c0 = VH * g + 2 * (lane & 3);
     if (regs) {
-      merge_pair(p, x, o, inv, lse2, req * p.num_heads + h0 + r, r, c0, h, g == 0 && (lane & 3) == 0);
+      merge_pair(p, x, o, inv, lse2, (i64)req * p.num_heads + h0 + r, r, c0, h, g == 0 && (lane & 3) == 0);
     } else if (x.slot < 0) {
       u16* out = p.out + ((i64)req * p.num_heads + h0 + r) * DC + c0;
 #pragma unroll
