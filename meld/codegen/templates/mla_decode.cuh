@@ -215,17 +215,23 @@ struct UnitWalk {
 
 // Warp 0, one thread: every KV block of the segment into the ring. A block of `valid` tokens loads the page
 // chunks (box_rows rows each) that hold them; rows past them keep stale bytes, masked by the consumers. The
-// seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land.
+// seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land. The segment's
+// second block waits until the first unit's Q has landed: at the launch every CTA asks DRAM for its Q and its
+// first blocks at once, and the first Q.K^T needs only Q and block 0 (the phase stamps' first wait for Q:
+// 17-23k cycles a CTA, 2026-12-05). Deadlock-free: Q's loaders wait for nothing the producer does.
 __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, const Bars& b) {
   const unsigned long long policy = l2_evict_first();   // (the other head block's CTA reads the same KV from L2
                                                         //  at about the same time; nothing reads it later)
   int stage = 0;
   u32 phase = 0;
   const int R = p.box_rows;
+  int issued = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     const Piece x = w.piece(u);
     const int base = p.page_base[w.req(u)];
     for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
+      if (issued++ == 1) mbar_wait(b.q_full, 0u, mla_site(p, 17, w.cta, u, 0));   // (the first unit with blocks:
+                                                                                   //  its Q is q_full's phase 0)
       const int chunks = (min(BLK, x.end - t0) + R - 1) / R;
       if constexpr (KV_FP8) {   // into the staging ring: 4 latent boxes of 128 channels, the rope box
         mbar_wait(b.raw_empty(stage), phase ^ 1u, mla_site(p, 22, w.cta, u, stage));
