@@ -18,8 +18,9 @@
 //   - warpgroup 2 accumulates channels 256-511 from the same P and V.
 // The score warpgroup hands each block's P and row rescale to warpgroup 2 through two named barriers that
 // both sync on (P_FULL: P is written; P_EMPTY: warpgroup 2 is done with it). compute-sanitizer's racecheck
-// models neither an mbarrier hand-off of generic stores nor barrier.arrive (tools/SANITIZE.md), and
-// neither costs anything here: each side reaches the other's barrier right after its own. Every mbarrier
+// models neither an mbarrier hand-off of generic stores nor barrier.arrive (tools/SANITIZE.md), and in bf16
+// builds the syncs cost nothing: each side reaches the other's barrier right after its own. FP8 builds' score
+// warpgroup arrives at P_FULL (score_block says why). Every mbarrier
 // wait carries the watchdog: the ring's stages (sites 1, 5), Q (17, 18), a merge's parts (21); a named
 // barrier needs none, since the other warpgroup reaches it unless it is stuck in one of those.
 //
@@ -695,7 +696,13 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
     st_shared_if((lane & 3) == 0 && NEXT == NEXT_NONE, &sx.m[r], m[h]);
   }
   fence_proxy_async();   // P before warpgroup 2's wgmmas read it
-  named_barrier(P_FULL, 256);
+  // FP8 builds: an arrival, not a sync. Warpgroup 2 reaches P_FULL only after its share of block j + 1's
+  // conversion, and a sync held this warpgroup through it (the phase stamps' FP8 publish: 1875 cycles a block
+  // against bf16's 469, H100, 2026-12-05). One arrival a publication: the next comes after P_EMPTY, which warpgroup
+  // 2 reaches past this one. bf16 builds keep the sync, which racecheck models (barrier.arrive it does not:
+  // tools/SANITIZE.md, probe 5) and which costs them nothing: warpgroup 2 waits at P_FULL already.
+  if constexpr (KV_FP8) named_barrier_arrive(P_FULL, 256);
+  else named_barrier(P_FULL, 256);
   if (NEXT == NEXT_NONE && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed;
                                                                  // the loaders wait for all four warps
   pc.lap(PHASE_PUBLISH);
