@@ -10,6 +10,7 @@ import torch
 
 import meld
 from meld.codegen.mla_kernel import MlaKernelConfig
+from meld.ir.schedule import CTA_FIELDS
 from meld.runtime.reference import mla_reference
 from meld.workloads import lengths, paged
 from tests.gpu_checks import assert_gpu_plan_matches_host
@@ -71,6 +72,24 @@ def _check(lens, H=128, P=64, **op):
 @pytest.mark.parametrize("B,dist", [(16, "uniform2k"), (64, "skewed"), (16, "one-long"), (128, "one-long")])
 def test_bench_batches(B, dist, schedule):
     _check(lengths(dist, B), kernel_config=schedule)
+
+
+def test_two_part_units(schedule):
+    """Units split in two (B = 64 at 2k tokens over the grid: most of its units), which the split build's part 0
+    merges from its own accumulators and part 1's partial: float64 and repeats as _check; a NaN in one q row
+    reaches exactly that row's output and lse, the rest unchanged to the bit."""
+    lens = lengths("uniform2k", 64)
+    mla, clean, clean_lse = _check(lens, kernel_config=schedule)
+    f = dict(zip(CTA_FIELDS, mla.schedule.cta))
+    assert (f["head_parts"] == 2).any() and (f["tail_parts"] == 2).any(), "no unit split in two: the test misses its path"
+    pb, qn, qp, ckv, kpe = _inputs(lens, 128, 64)
+    qn[7, 70, 3] = float("nan")   # request 7, q head 70 (its second unit)
+    out, lse = mla.run(qn, qp, ckv, kpe, return_lse=True)
+    bad = torch.zeros(len(lens), 128, dtype=torch.bool)
+    bad[7, 70] = True
+    assert torch.equal(torch.isnan(out.cpu()).all(-1), bad) and torch.equal(torch.isnan(out.cpu()).any(-1), bad)
+    assert torch.equal(torch.isnan(lse.cpu()), bad)
+    assert torch.equal(out[~bad.cuda()], clean[~bad.cuda()]) and torch.equal(lse[~bad.cuda()], clean_lse[~bad.cuda()])
 
 
 @pytest.mark.parametrize("lens,P", [(lengths("skewed", 64), 64), ([0, 1, 31, 32, 33, 700, 65536], 16)])

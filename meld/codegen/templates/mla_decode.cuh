@@ -18,8 +18,9 @@
 //   - warpgroup 2 accumulates channels 256-511 from the same P and V.
 // The score warpgroup hands each block's P and row rescale to warpgroup 2 through two named barriers that
 // both sync on (P_FULL: P is written; P_EMPTY: warpgroup 2 is done with it). compute-sanitizer's racecheck
-// models neither an mbarrier hand-off of generic stores nor barrier.arrive (tools/SANITIZE.md), and
-// neither costs anything here: each side reaches the other's barrier right after its own. Every mbarrier
+// models neither an mbarrier hand-off of generic stores nor barrier.arrive (tools/SANITIZE.md), and in bf16
+// builds the syncs cost nothing: each side reaches the other's barrier right after its own. FP8 builds' score
+// warpgroup arrives at P_FULL (score_block says why). Every mbarrier
 // wait carries the watchdog: the ring's stages (sites 1, 5), Q (17, 18), a merge's parts (21); a named
 // barrier needs none, since the other warpgroup reaches it unless it is stuck in one of those.
 //
@@ -215,17 +216,23 @@ struct UnitWalk {
 
 // Warp 0, one thread: every KV block of the segment into the ring. A block of `valid` tokens loads the page
 // chunks (box_rows rows each) that hold them; rows past them keep stale bytes, masked by the consumers. The
-// seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land.
+// seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land. The segment's
+// second block waits until the first unit's Q has landed: at the launch every CTA asks DRAM for its Q and its
+// first blocks at once, and the first Q.K^T needs only Q and block 0 (the phase stamps' first wait for Q:
+// 17-23k cycles a CTA, 2026-12-05). Deadlock-free: Q's loaders wait for nothing the producer does.
 __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, const Bars& b) {
   const unsigned long long policy = l2_evict_first();   // (the other head block's CTA reads the same KV from L2
                                                         //  at about the same time; nothing reads it later)
   int stage = 0;
   u32 phase = 0;
   const int R = p.box_rows;
+  int issued = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     const Piece x = w.piece(u);
     const int base = p.page_base[w.req(u)];
     for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
+      if (issued++ == 1) mbar_wait(b.q_full, 0u, mla_site(p, 17, w.cta, u, 0));   // (the first unit with blocks:
+                                                                                   //  its Q is q_full's phase 0)
       const int chunks = (min(BLK, x.end - t0) + R - 1) / R;
       if constexpr (KV_FP8) {   // into the staging ring: 4 latent boxes of 128 channels, the rope box
         mbar_wait(b.raw_empty(stage), phase ^ 1u, mla_site(p, 22, w.cta, u, stage));
@@ -440,10 +447,48 @@ __device__ __forceinline__ void st_shared_if(bool c, float* addr, float v) {
                "f"(v) : "memory");
 }
 
+// Part 0 of a unit split in two merges it from its own accumulators and part 1's partial: part 1 is its CTA's
+// first piece and long done, and part 0, its CTA's last, would otherwise store 128 KiB of partial and read it back
+// with part 1's while every CTA does the same at the kernel's end (the phase stamps' unit-end: ~40k cycles a
+// split CTA against ~10k for a whole unit's, 2026-12-05). Units of more parts merge in slices (mla_arrive), and
+// so do the seesaw's (at its 168 registers the merge spilled). A two-part unit has one merger, so its bits need
+// not match a sliced merge's; the weights are merge_lse4's (IEEE: a NaN part makes the row NaN).
+__device__ __forceinline__ bool merges_in_registers(const Piece& x) {
+  return !SEESAW && x.num_parts == 2 && x.slot == x.parts_begin;
+}
+
+// merges_in_registers: row r's (output row `orow`) outputs of this thread, channels c0 + 8 j + {0, 1}, from the
+// accumulators of row half h (o[i] * inv, lse2: this part's normalised partial) and part 1's.
+__device__ __forceinline__ void merge_pair(const MlaParams& p, const Piece& x, const float (&o)[OACC], float inv,
+                                           float lse2, i64 orow, int r, int c0, int h, bool write_lse) {
+  const i64 other = (i64)x.parts_begin + 1;
+  const float lse1 = ld_cg(p.part_lse + other * HB + r);
+  const float* part = p.part_o + (other * HB + r) * DC + c0;
+  u16* out = p.out + orow * DC + c0;
+  const float mx = fmaxf(lse2, lse1), m_use = mx == neg_inf() ? 0.f : mx;
+  const float w0 = exp2_approx(lse2 - m_use), w1 = exp2_approx(lse1 - m_use), sum = w0 + w1;
+  const float a0 = w0 * inv / sum, a1 = w1 / sum;   // each part's weight (part 0's times its normalisation)
+  constexpr int BATCH = 8;   // part 1's values a thread has in flight: one round trip a batch (volatile loads,
+                             // issued together ahead of the batch's stores)
+#pragma unroll   // (o[] indexed by constants: a partial unroll put it in local memory)
+  for (int b = 0; b < OACC / 4; b += BATCH) {
+    float2 v1[BATCH];
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) v1[j] = ld_cg2(part + 8 * (b + j));
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int i = 4 * (b + j) + 2 * h;   // o[i], o[i + 1]: channels c0 + 8 (b + j) + {0, 1}
+      *reinterpret_cast<u32*>(out + 8 * (b + j)) = pack2(o[i] * a0 + v1[j].x * a1, o[i + 1] * a0 + v1[j].y * a1);
+    }
+  }
+  if (write_lse && p.lse != nullptr) p.lse[orow] = (mx + log2_approx(sum)) * kLn2;
+}
+
 // Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
 // shared memory), then the output (whole unit) or this piece's partial. `l`, `m`: the thread's two rows'.
-__device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un, const Piece& x, float (&o)[OACC],
-                                          const float (&l)[2], const float (&m)[2], Stats& sx, int g, int warp, int lane) {
+__device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, float (&o)[OACC],
+                                          const float (&l)[2], const float (&m)[2], Stats& sx, int g, int warp, int lane,
+                                          int cta) {
   float bad[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < OACC; ++i) bad[(i >> 1) & 1] += o[i] - o[i];
@@ -459,6 +504,12 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un,
   named_barrier(2, 256);   // both have read sx.bad (every lane, before any diverges): the next unit's may
                            // overwrite it
   const int req = un.req, h0 = un.h0, rows = un.rows;
+  const bool regs = merges_in_registers(x);
+  if (regs) {   // the other part's partial and lse, once it has arrived
+    if (g == 0 && warp == 0 && lane == 0)
+      event_wait(reinterpret_cast<const int*>(p.counters + u), 1, mla_site(p, 21, cta, u, 2));
+    named_barrier(2, 256);
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = acc_row(lane, warp, h);
@@ -467,7 +518,9 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un,
     const float lse2 = lr == 0.f ? neg_inf() : (m[h] == neg_inf() ? 0.f : m[h]) + log2_approx(lr);
     if (r >= rows) continue;
     const int c0 = VH * g + 2 * (lane & 3);
-    if (x.slot < 0) {
+    if (regs) {
+      merge_pair(p, x, o, inv, lse2, (i64)req * p.num_heads + h0 + r, r, c0, h, g == 0 && (lane & 3) == 0);
+    } else if (x.slot < 0) {
       u16* out = p.out + ((i64)req * p.num_heads + h0 + r) * DC + c0;
 #pragma unroll
       for (int i = 2 * h; i < OACC; i += 4)
@@ -487,6 +540,10 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, const MlaUnit& un,
 // parts 0 .. S - 1 wait for every part and merge their slice of the channels, in part order (module comment).
 __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, int cta,
                                            int ct) {
+  if (merges_in_registers(x)) {   // merged in mla_store, after part 1's arrival: the last to touch the counter
+    if (ct == 0) event_reset(p.counters + u);
+    return;
+  }
   __threadfence();   // this piece's partial before its count
   named_barrier(2, 256);
   const int n = x.num_parts, k = x.slot - x.parts_begin;
@@ -639,7 +696,13 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
     st_shared_if((lane & 3) == 0 && NEXT == NEXT_NONE, &sx.m[r], m[h]);
   }
   fence_proxy_async();   // P before warpgroup 2's wgmmas read it
-  named_barrier(P_FULL, 256);
+  // FP8 builds: an arrival, not a sync. Warpgroup 2 reaches P_FULL only after its share of block j + 1's
+  // conversion, and a sync held this warpgroup through it (the phase stamps' FP8 publish: 1875 cycles a block
+  // against bf16's 469, H100, 2026-12-05). One arrival a publication: the next comes after P_EMPTY, which warpgroup
+  // 2 reaches past this one. bf16 builds keep the sync, which racecheck models (barrier.arrive it does not:
+  // tools/SANITIZE.md, probe 5) and which costs them nothing: warpgroup 2 waits at P_FULL already.
+  if constexpr (KV_FP8) named_barrier_arrive(P_FULL, 256);
+  else named_barrier(P_FULL, 256);
   if (NEXT == NEXT_NONE && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit have completed;
                                                                  // the loaders wait for all four warps
   pc.lap(PHASE_PUBLISH);
@@ -706,7 +769,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       l[0] = quad_sum(l[0]);
       l[1] = quad_sum(l[1]);
     }
-    mla_store(p, w.unit(u), x, o, l, m, sx, 0, warp, lane);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx, 0, warp, lane, w.cta);
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
@@ -765,7 +828,7 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
       pc.add(PHASE_BLOCKS, 1);
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
-    mla_store(p, w.unit(u), x, o, l, m, sx, 1, warp, lane);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx, 1, warp, lane, w.cta);
     if (x.slot >= 0) mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128);
     pc.lap(PHASE_UNIT_END);
   }
@@ -893,7 +956,7 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     named_barrier(2, 256);
     l[0] = sx.l[0][r0] + sx.l[1][r0];
     l[1] = sx.l[0][r1] + sx.l[1][r1];
-    mla_store(p, w.unit(u), x, o, l, m, sx.base, G, warp, lane);   // (its barriers: sx.l read before it is written again)
+    mla_store(p, u, w.unit(u), x, o, l, m, sx.base, G, warp, lane, w.cta);   // (its barriers: sx.l read before it is written again)
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
