@@ -219,7 +219,11 @@ struct UnitWalk {
 // seesaw counts each box's bytes on its own mbarrier, so Q.K^T starts on the first box to land. The segment's
 // second block waits until the first unit's Q has landed: at the launch every CTA asks DRAM for its Q and its
 // first blocks at once, and the first Q.K^T needs only Q and block 0 (the phase stamps' first wait for Q:
-// 17-23k cycles a CTA, 2026-12-05). Deadlock-free: Q's loaders wait for nothing the producer does.
+// 17-23k cycles a CTA, 2026-12-05). Deadlock-free: Q's loaders wait for nothing the producer does. Only when
+// that second block is the first unit's own: then q_full's next phase (the next unit's Q) needs the first unit's
+// last Q.K^T, so needs this block, and cannot complete before this wait looks. A second block of a later unit
+// could follow a one-block first unit whose next Q had already landed, and a parity wait would then be for a
+// phase that needs the blocks not yet issued.
 __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, const Bars& b) {
   const unsigned long long policy = l2_evict_first();   // (the other head block's CTA reads the same KV from L2
                                                         //  at about the same time; nothing reads it later)
@@ -231,8 +235,8 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
     const Piece x = w.piece(u);
     const int base = p.page_base[w.req(u)];
     for (int t0 = x.begin; t0 < x.end; t0 += BLK) {
-      if (issued++ == 1) mbar_wait(b.q_full, 0u, mla_site(p, 17, w.cta, u, 0));   // (the first unit with blocks:
-                                                                                   //  its Q is q_full's phase 0)
+      if (issued++ == 1 && t0 > x.begin)   // (the first unit's second block: its Q is q_full's phase 0)
+        mbar_wait(b.q_full, 0u, mla_site(p, 17, w.cta, u, 0));
       const int chunks = (min(BLK, x.end - t0) + R - 1) / R;
       if constexpr (KV_FP8) {   // into the staging ring: 4 latent boxes of 128 channels, the rope box
         mbar_wait(b.raw_empty(stage), phase ^ 1u, mla_site(p, 22, w.cta, u, stage));
