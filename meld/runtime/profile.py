@@ -41,10 +41,11 @@ KINDS = DECODE_KINDS + MOE_KINDS + TP_KINDS
 WORK_KINDS = frozenset(KINDS) - {"cluster-wait", "merge-wait", "tp-wait"}
 # Where a warpgroup's cycles go, block by block (the MLA kernel's phase stamps: templates/mla_decode.cuh, MLA_PHASES):
 # waiting for a block's KV bytes, for Q, for the other warpgroup's P (or its publication), for its own wgmmas; the
-# softmax; publishing P; a P.V issued and waited for; converting FP8 bytes (and waiting for them or for a stage
-# to convert into); the unit's end (store and merge). "blocks" is no phase: the blocks the warpgroup ran.
-PHASES = ("wait-kv", "wait-q", "wait-p", "wait-mma", "softmax", "publish", "pv", "convert", "wait-raw", "unit-end",
-          "blocks")
+# softmax; the issue of the score warpgroup's own P.V (its wgmmas, P from registers); publishing P; a P.V issued and
+# waited for; converting FP8 bytes (and waiting for them or for a stage to convert into); the unit's end (store and
+# merge). "blocks" is no phase: the blocks the warpgroup ran.
+PHASES = ("wait-kv", "wait-q", "wait-p", "wait-mma", "softmax", "issue-pv", "publish", "pv", "convert", "wait-raw",
+          "unit-end", "blocks")
 
 
 def kind_defines() -> str:

@@ -688,6 +688,7 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
   fence_regs(o);
   wgmma_fence();
   mla_issue_pv_regs(o, pa, st, 0);
+  pc.lap(PHASE_ISSUE_PV);   // (apart from the wait below: the stamps had counted the issue as waiting for P)
   named_barrier_if(j > 0, P_EMPTY, 256);   // warpgroup 2 is done with block j - 1's P and sx
   pc.lap(PHASE_WAIT_P);
   store_p(pbuf, s, lane, warp);   // (from s: P's registers may not be read while the P.V is in flight)
