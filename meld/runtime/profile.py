@@ -42,10 +42,12 @@ WORK_KINDS = frozenset(KINDS) - {"cluster-wait", "merge-wait", "tp-wait"}
 # Where a warpgroup's cycles go, block by block (the MLA kernel's phase stamps: templates/mla_decode.cuh, MLA_PHASES):
 # waiting for a block's KV bytes, for Q, for the other warpgroup's P (or its publication), for its own wgmmas; the
 # softmax; the issue of the score warpgroup's own P.V (its wgmmas, P from registers); publishing P; a P.V issued and
-# waited for; converting FP8 bytes (and waiting for them or for a stage to convert into); the unit's end (store and
-# merge). "blocks" is no phase: the blocks the warpgroup ran.
+# waited for; converting FP8 bytes (and waiting for them or for a stage to convert into); at a unit's end, the two
+# warpgroups' meeting (end-sync: the rows' non-finite check, waiting for the other's last P.V), the wait for a split
+# unit's other parts (wait-parts), the stores of the output or partial and their fence (store), a sliced merge
+# (merge), and the rest of the unit's end (unit-end). "blocks" is no phase: the blocks the warpgroup ran.
 PHASES = ("wait-kv", "wait-q", "wait-p", "wait-mma", "softmax", "issue-pv", "publish", "pv", "convert", "wait-raw",
-          "unit-end", "blocks")
+          "end-sync", "wait-parts", "store", "merge", "unit-end", "blocks")
 
 
 def kind_defines() -> str:

@@ -180,7 +180,9 @@ struct PhaseClock {
 // Every role's sums, by the recording thread (prof's), once every role is done.
 __device__ __forceinline__ void record_phases(Profiler& prof, u32 base) {
   if constexpr (PHASES_ON)
+#pragma unroll 1   // (unrolled, the seesaw's stamped build spilled)
     for (int r = 0; r < PHASE_ROLES; ++r)
+#pragma unroll 1
       for (int k = 0; k < NUM_PHASES; ++k) {
         u32 v;
         asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(base + OFF_PHASES + 4 * (NUM_PHASES * r + k)) : "memory");
@@ -492,7 +494,7 @@ __device__ __forceinline__ void merge_pair(const MlaParams& p, const Piece& x, c
 // shared memory), then the output (whole unit) or this piece's partial. `l`, `m`: the thread's two rows'.
 __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, float (&o)[OACC],
                                           const float (&l)[2], const float (&m)[2], Stats& sx, int g, int warp, int lane,
-                                          int cta) {
+                                          int cta, PhaseClock& pc) {
   float bad[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < OACC; ++i) bad[(i >> 1) & 1] += o[i] - o[i];
@@ -502,17 +504,20 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUn
     if ((lane & 3) == 0) sx.bad[g][acc_row(lane, warp, h)] = bad[h];
   }
   named_barrier(2, 256);
+  pc.lap(PHASE_END_SYNC);
   float lrow[2];   // NaN when a row met a non-finite value anywhere
 #pragma unroll
   for (int h = 0; h < 2; ++h) lrow[h] = l[h] + sx.bad[0][acc_row(lane, warp, h)] + sx.bad[1][acc_row(lane, warp, h)];
   named_barrier(2, 256);   // both have read sx.bad (every lane, before any diverges): the next unit's may
                            // overwrite it
+  pc.lap(PHASE_END_SYNC);
   const int req = un.req, h0 = un.h0, rows = un.rows;
   const bool regs = merges_in_registers(x);
   if (regs) {   // the other part's partial and lse, once it has arrived
     if (g == 0 && warp == 0 && lane == 0)
       event_wait(reinterpret_cast<const int*>(p.counters + u), 1, mla_site(p, 21, cta, u, 2));
     named_barrier(2, 256);
+    pc.lap(PHASE_WAIT_PARTS);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -538,18 +543,20 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUn
       if (g == 0 && (lane & 3) == 0) p.part_lse[x.slot * HB + r] = lse2;
     }
   }
+  pc.lap(PHASE_STORE);
 }
 
 // Both consumer warpgroups (256 threads, ct 0..255) after storing a split piece's partial: count its arrival;
 // parts 0 .. S - 1 wait for every part and merge their slice of the channels, in part order (module comment).
 __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, int cta,
-                                           int ct) {
+                                           int ct, PhaseClock& pc) {
   if (merges_in_registers(x)) {   // merged in mla_store, after part 1's arrival: the last to touch the counter
     if (ct == 0) event_reset(p.counters + u);
     return;
   }
   __threadfence();   // this piece's partial before its count
   named_barrier(2, 256);
+  pc.lap(PHASE_STORE);
   const int n = x.num_parts, k = x.slot - x.parts_begin;
   int slices = 1;
   while (2 * slices <= n - 1 && 2 * slices <= MERGE_SLICES) slices *= 2;
@@ -558,6 +565,7 @@ __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const MlaU
   if (k >= slices) return;
   if (ct == 0) event_wait(reinterpret_cast<const int*>(counter), n, mla_site(p, 21, cta, u, n));
   named_barrier(2, 256);
+  pc.lap(PHASE_WAIT_PARTS);
   const int req = un.req, h0 = un.h0, rows = un.rows;
   const int width = DC / slices, c0 = k * width, q4 = width / 4, outs = rows * q4;
   for (int i0 = ct; i0 < outs; i0 += 256 * MERGE_OUTS) {   // MERGE_OUTS groups of four outputs a thread
@@ -583,6 +591,7 @@ __device__ __forceinline__ void mla_arrive(const MlaParams& p, int u, const MlaU
     }
   }
   named_barrier(2, 256);   // every thread's loads of the parts are done before the counter can reset
+  pc.lap(PHASE_MERGE);
   if (ct == 0 && event_arrive(counter, 1u, (unsigned)(n + slices))) event_reset(counter);   // ready for the next launch
 }
 
@@ -774,11 +783,11 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       l[0] = quad_sum(l[0]);
       l[1] = quad_sum(l[1]);
     }
-    mla_store(p, u, w.unit(u), x, o, l, m, sx, 0, warp, lane, w.cta);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx, 0, warp, lane, w.cta, pc);
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
-      mla_arrive(p, u, w.unit(u), x, w.cta, ct);
+      mla_arrive(p, u, w.unit(u), x, w.cta, ct, pc);
       prof.record(t1, PROF_MERGE_HBM, u);
     }
     pc.lap(PHASE_UNIT_END);
@@ -833,8 +842,8 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
       pc.add(PHASE_BLOCKS, 1);
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
-    mla_store(p, u, w.unit(u), x, o, l, m, sx, 1, warp, lane, w.cta);
-    if (x.slot >= 0) mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx, 1, warp, lane, w.cta, pc);
+    if (x.slot >= 0) mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128, pc);
     pc.lap(PHASE_UNIT_END);
   }
   if constexpr (PHASES_ON) named_barrier(PHASE_BAR, 256);   // (the score warpgroup records the sums)
@@ -961,11 +970,11 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     named_barrier(2, 256);
     l[0] = sx.l[0][r0] + sx.l[1][r0];
     l[1] = sx.l[0][r1] + sx.l[1][r1];
-    mla_store(p, u, w.unit(u), x, o, l, m, sx.base, G, warp, lane, w.cta);   // (its barriers: sx.l read before it is written again)
+    mla_store(p, u, w.unit(u), x, o, l, m, sx.base, G, warp, lane, w.cta, pc);   // (its barriers: sx.l read before it is written again)
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
-      mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G);
+      mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G, pc);
       prof.record(t1, PROF_MERGE_HBM, u);
     }
     pc.lap(PHASE_UNIT_END);
