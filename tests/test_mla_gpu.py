@@ -237,4 +237,7 @@ def test_phase_stamps(schedule):
             got = sums.get((c, role), {})
             assert got.get("blocks") == expected[c], (c, role, got)
         assert sums[c, 0]["softmax"] > 0 and sums[c, 0]["wait-kv"] > 0 and sums[c, 1]["wait-p"] > 0, (c, sums[c, 0])
+        for role in (0, 1):   # every unit's end: the warpgroups' meeting, then the stores
+            assert sums[c, role].get("end-sync", 0) > 0 and sums[c, role].get("store", 0) > 0, (c, role, sums[c, role])
+        assert schedule.schedule != "split" or sums[c, 0].get("issue-pv", 0) > 0, (c, sums[c, 0])
     assert "cycles a block" in trace.phase_table()
