@@ -101,6 +101,11 @@ BATCHES = (16, 64, 128)
 QUICK_BATCHES = (16, 128)
 MAX_Q_LEN = 4   # --q-len: FlashMLA's s_q range that issue 39 asks for
 DISTS = ("uniform2k", "skewed", "one-long")
+# Opt-in (--dists), not BENCH.md cases: every request this long, so a CTA's blocks outnumber its fixed costs (its
+# first Q and KV at the launch, its unit ends) and the ratio to FlashMLA is the steady block's; B = 66 gives each of
+# 132 SMs one whole 64-head unit.
+LONG_DISTS = {"uniform8k": 8192, "uniform32k": 32768}
+ALL_DISTS = DISTS + tuple(LONG_DISTS)
 IMPLS = ("meld", "fi-fa2", "fi-fa3", "flashmla")
 SEESAW = "meld-seesaw"   # meld's seesaw build: in place of or beside "meld", as --schedule says
 SCHEDULE_IMPLS = {"split": ["meld"], "seesaw": [SEESAW], "both": ["meld", SEESAW]}
@@ -133,9 +138,11 @@ def select_cases(batches: Sequence[int], dists: Sequence[str], q_len: int = 1) -
 
 
 def request_lengths(dist: str, batch: int) -> list[int]:
-    """KV lengths of the batch, exactly as BENCH.md defines them for GQA (`meld.workloads`)."""
+    """KV lengths of the batch, exactly as BENCH.md defines them for GQA (`meld.workloads`); LONG_DISTS' all alike."""
+    if dist in LONG_DISTS:
+        return [LONG_DISTS[dist]] * batch
     if dist not in DISTS:
-        raise ValueError(f"unknown length distribution {dist!r}; expected one of {DISTS}")
+        raise ValueError(f"unknown length distribution {dist!r}; expected one of {ALL_DISTS}")
     return workloads.lengths(dist, batch)
 
 
@@ -506,8 +513,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", "--batch", dest="batches", type=int, nargs="+",
                    help=f"batch sizes (default {BATCHES})")
-    p.add_argument("--dists", "--dist", dest="dists", nargs="+", choices=DISTS,
-                   help=f"length distributions (default {DISTS})")
+    p.add_argument("--dists", "--dist", dest="dists", nargs="+", choices=ALL_DISTS,
+                   help=f"length distributions (default {DISTS}; {', '.join(LONG_DISTS)}: every request that long)")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
     p.add_argument("--schedule", choices=tuple(SCHEDULE_IMPLS), default="split",
                    help="meld's kernel build(s): the default split, the seesaw, or both (a same-run A/B)")

@@ -52,11 +52,11 @@ def worker(batches: list[int], dists: list[str], check: bool, seed: int, kv_dtyp
 
 
 def main() -> int:
-    from bench.mla import BATCHES, DISTS, KV_DTYPES   # (imports no meld)
+    from bench.mla import ALL_DISTS, BATCHES, DISTS, KV_DTYPES   # (imports no meld)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
-    p.add_argument("--dists", nargs="+", choices=DISTS, default=list(DISTS))
+    p.add_argument("--dists", nargs="+", choices=ALL_DISTS, default=list(DISTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="fp8: the e4m3 build (module doc)")
     p.add_argument("--schedule", choices=("split", "seesaw"), default="split",

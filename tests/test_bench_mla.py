@@ -27,6 +27,15 @@ def test_dry_run_selects_cases_and_impls(capsys):
     assert rows[0][-1] == "meld"
 
 
+def test_dry_run_takes_the_long_uniform_cases(capsys):
+    """The opt-in long cases (not in the default list): every request the same length, B = 66 a unit an SM."""
+    assert mla.main(["--dry-run"]) == 0
+    assert "uniform32k" not in capsys.readouterr().out
+    assert mla.main(["--dry-run", "--batches", "66", "--dists", "uniform8k", "uniform32k", "--impls", "meld"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["66"]]
+    assert [r[:3] for r in rows] == [["66", "uniform8k", str(66 * 8192)], ["66", "uniform32k", str(66 * 32768)]]
+
+
 def test_dry_run_schedule_runs_both_builds(capsys):
     assert mla.main(["--dry-run", "--batches", "16", "--dists", "skewed", "--impls", "meld", "flashmla",
                      "--schedule", "both"]) == 0
