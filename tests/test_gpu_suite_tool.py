@@ -26,6 +26,25 @@ def test_longest_first_onto_the_least_loaded_worker_in_collection_order():
     assert len(unknown) == 3 and all(len(x.ids) == 1 for x in unknown), "never more workers than tests"
 
 
+def test_shards_split_the_suite_once_each_and_evenly():
+    ids = [f"t{i}" for i in range(7)]
+    seconds = {"t0": 1, "t1": 9, "t2": 4, "t3": 4, "t4": 1, "t5": 3, "t6": 2}
+    parts = [suite.shard(ids, seconds, k, 3) for k in (1, 2, 3)]
+    assert sorted(i for p in parts for i in p) == ids, "every test in exactly one shard"
+    loads = [sum(seconds[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(seconds.values()) and max(loads) == 9
+    assert all(p == sorted(p, key=ids.index) for p in parts), "collection order inside a shard"
+    assert suite.shard(ids, seconds, 1, 1) == ids and suite.shard(ids[:2], seconds, 3, 3) == []
+    assert suite.parse_shard("2/3") == (2, 3)
+    for bad in ("0/2", "3/2", "1", "a/b"):
+        try:
+            suite.parse_shard(bad)
+        except Exception as e:
+            assert "--shard" in str(e)
+        else:
+            raise AssertionError(f"--shard {bad} was accepted")
+
+
 def test_parsers_read_pytest_reports():
     text = textwrap.dedent("""\
         ============================= slowest durations ==============================
@@ -64,6 +83,23 @@ def test_main_reports_every_test_and_fails_on_a_failure(tmp_path, monkeypatch, c
     monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids[:3], ""), suite.ALONE: ([], "")})
     assert suite.main(["--workers", "2", "--out", str(tmp_path / "out2")]) == 0
     assert "PASS -- 3 collected, 2 passed, 0 failed, 1 skipped" in capsys.readouterr().out
+
+
+def test_main_runs_one_shard_and_names_it(tmp_path, monkeypatch, capsys):
+    f = tmp_path / "test_stand_in.py"
+    f.write_text("def test_a(): pass\ndef test_b(): pass\ndef test_c(): pass\n")
+    ids = [f"{f}::test_a", f"{f}::test_b", f"{f}::test_c"]
+    monkeypatch.setattr(suite, "collect", lambda markers, extra: {suite.SHARED: (ids, ""), suite.ALONE: ([], "")})
+    durations = tmp_path / "d.json"
+    durations.write_text(json.dumps({ids[0]: 5, ids[1]: 1, ids[2]: 1}))
+    ran = []
+    for k in (1, 2):
+        assert suite.main(["--workers", "2", "--shard", f"{k}/2", "--out", str(tmp_path / f"o{k}"),
+                           "--durations", str(durations)]) == 0
+        out = capsys.readouterr().out
+        assert f"gpu suite (shard {k}/2): PASS" in out
+        ran += json.loads((tmp_path / f"o{k}" / "gpu_durations.json").read_text())
+    assert sorted(Path(i).name for i in ran) == sorted(Path(i).name for i in ids), "the two shards ran every test once"
 
 
 def test_a_worker_killed_at_the_budget_still_reports_what_it_ran(tmp_path, monkeypatch, capsys):

@@ -1,13 +1,17 @@
 """Run meld's whole GPU suite on one GPU in parallel pytest workers; print one summary line.
 
-    python tools/gpu_suite.py [--workers N] [--budget S] [--out DIR] [--durations FILE] [-- extra pytest args]
+    python tools/gpu_suite.py [--workers N] [--budget S] [--out DIR] [--durations FILE] [--shard K/N]
+        [-- extra pytest args]
 
 On the GPU machine, from the repository root (children get PYTHONPATH=<root>). Every `gpu` test is
 collected (the `trap` tests included: nothing is left out) and dealt to N worker processes that share the
 GPU, longest first onto the least loaded worker, by the per-test seconds in --durations (default
 tools/gpu_durations.json; a test not listed counts as the median). Each worker is one pytest process, so
 CUDA initialisation and kernel loading are paid once per worker, not per test. The run writes each test's
-measured seconds to DIR/gpu_durations.json; copy it over tools/gpu_durations.json to rebalance.
+measured seconds to DIR/gpu_durations.json; copy it over tools/gpu_durations.json to rebalance. `--shard K/N`
+runs the K-th of N shards dealt the same way (the shared tests and the alone tests each split N ways), for device
+calls too short for the whole suite (one was taken back after 155 s, 2026-12-06): shards 1/N .. N/N, each run at the
+same tree, are the whole suite.
 
 The `trap` tests run last, alone on the GPU: each bounds how long its child's watchdog takes to trip, a
 bound that time-slicing with the other workers' kernels broke (6.2 s against 3.2 s, 2026-12-02). So do the
@@ -88,6 +92,24 @@ def deal_lpt(ids: list[str], seconds: dict[str, float], workers: int) -> list[Wo
     for w in pool:
         w.ids.sort(key=order.__getitem__)
     return pool
+
+
+def shard(ids: list[str], seconds: dict[str, float], k: int, n: int) -> list[str]:
+    """Shard k (1-based) of n: the tests dealt longest first to the least loaded of n shards (deal_lpt), so the
+    shards take about the same time and every test is in exactly one; collection order inside a shard."""
+    shards = deal_lpt(ids, seconds, n) if ids else []
+    return shards[k - 1].ids if k <= len(shards) else []
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """"K/N" -> (K, N), 1 <= K <= N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard must be K/N (e.g. 1/2), got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"--shard K/N needs 1 <= K <= N, got {text!r}")
+    return k, n
 
 
 def parse_durations(text: str) -> dict[str, float]:
@@ -191,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(os.environ["OUT"]) / "gpu_suite") if os.environ.get("OUT")
                     else str(ROOT / "build" / "gpu_suite"), help="worker logs and gpu_durations.json")
     ap.add_argument("--durations", type=Path, default=DURATIONS, help="per-test seconds used to balance workers")
+    ap.add_argument("--shard", type=parse_shard, default=(1, 1), metavar="K/N",
+                    help="run only shard K of N (balanced by --durations), for a device call too short for the whole "
+                         "suite: the N shards together are the whole suite")
     args = ap.parse_args(argv)
     if args.workers < 1 or args.budget <= 0:
         ap.error(f"--workers and --budget must be positive, got {args.workers} and {args.budget}")
@@ -199,14 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     selected = collect({SHARED, ALONE}, extra)
     (shared, error), (alone, error_alone) = selected[SHARED], selected[ALONE]
-    ids = shared + alone
-    if error or error_alone or not ids:
+    if error or error_alone or not shared + alone:
         why = error or error_alone
         print(f"gpu suite: FAIL -- collection {'failed: ' + why if why else 'selected no tests'}", flush=True)
         return 1
     seconds = json.loads(args.durations.read_text()) if args.durations.is_file() else {}
+    k, n = args.shard
+    shared, alone = shard(shared, seconds, k, n), shard(alone, seconds, k, n)
+    ids = shared + alone
+    label = f"gpu suite (shard {k}/{n})" if n > 1 else "gpu suite"
     workers = deal_lpt(shared, seconds, args.workers) if shared else []
-    print(f"gpu suite: {len(ids)} tests on {len(workers)} workers, then {len(alone)} alone ...", flush=True)
+    print(f"{label}: {len(ids)} tests on {len(workers)} workers, then {len(alone)} alone ...", flush=True)
     crashes = Crashes()
     run(workers, list(workers), extra, outdir, args.budget - (time.monotonic() - t0), crashes)
     for i in (i for i in alone if _file(i) in crashes.first):
@@ -241,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ran = passed + failed + skipped + xfailed + held
     if ran < len(ids):   # (a test that fails and then errors in its teardown counts twice)
         problems.append(f"{len(ids) - ran} collected tests did not report")
-    if passed == 0:
+    if passed == 0 and ids:
         problems.append("no test passed (is the GPU visible?)")
     (outdir / "gpu_durations.json").write_text(json.dumps({k: round(v, 1) for k, v in sorted(measured.items())},
                                                           indent=0))
@@ -250,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(f"  FAIL {p}")
     ok = not problems and failed == 0
-    print(f"gpu suite: {'PASS' if ok else 'FAIL'} -- {len(ids)} collected, {passed} passed, {failed} failed, "
+    print(f"{label}: {'PASS' if ok else 'FAIL'} -- {len(ids)} collected, {passed} passed, {failed} failed, "
           f"{skipped} skipped, {xfailed} xfailed in {time.monotonic() - t0:.0f} s on {len(workers)} workers", flush=True)
     return 0 if ok else 1
 
