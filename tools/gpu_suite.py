@@ -10,8 +10,7 @@ tools/gpu_durations.json; a test not listed counts as the median). Each worker i
 CUDA initialisation and kernel loading are paid once per worker, not per test. The run writes each test's
 measured seconds to DIR/gpu_durations.json; copy it over tools/gpu_durations.json to rebalance. `--shard K/N`
 runs the K-th of N shards dealt the same way (the shared tests and the alone tests each split N ways), for device
-calls too short for the whole suite (one was taken back after 155 s, 2026-12-06): shards 1/N .. N/N, each run at the
-same tree, are the whole suite.
+calls too short for the whole suite: shards 1/N .. N/N, each run at the same tree, are the whole suite.
 
 The `trap` tests run last, alone on the GPU: each bounds how long its child's watchdog takes to trip, a
 bound that time-slicing with the other workers' kernels broke (6.2 s against 3.2 s, 2026-12-02). So do the
