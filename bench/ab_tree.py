@@ -32,6 +32,28 @@ def add_tree_arguments(p: argparse.ArgumentParser, required: bool = True) -> Non
     add_round_arguments(p)
 
 
+def add_also_argument(p: argparse.ArgumentParser) -> None:
+    """--also NAME=TREE ...: more trees timed in the same rounds against the same base, a column each (screening
+    several candidates costs one base run a round, not one per candidate)."""
+    p.add_argument("--also", nargs="+", default=[], metavar="NAME=TREE",
+                   help="more trees timed in the same rounds against the base, a column each")
+
+
+def also_trees(values: Sequence[str]) -> dict[str, Path]:
+    """--also's trees by name, each checked before any worker runs (a missing one must not cost device time)."""
+    trees: dict[str, Path] = {}
+    for v in values:
+        name, sep, tree = v.partition("=")
+        if not (sep and name and tree):
+            raise SystemExit(f"--also {v!r}: expected NAME=TREE")
+        if name in ("base", "new") or name in trees:
+            raise SystemExit(f"--also {v!r}: the name {name!r} is taken")
+        if not (Path(tree) / "meld" / "__init__.py").is_file():
+            raise SystemExit(f"--also {v!r}: {tree}: no meld package there (was the tree carried?)")
+        trees[name] = Path(tree)
+    return trees
+
+
 def worker_tree_first(repo: Path) -> None:
     """In a worker process (`--worker TREE` on the command line), import `meld` from TREE before anything
     else imports it: a module imported once is never looked up again, so this must run before the
@@ -84,12 +106,16 @@ def write_runs(path: Path | None, runs: dict[str, list[dict]], med: dict) -> Non
 
 
 def report_new_over_base(runs: dict[str, list[dict]], measure: str, rounds: int, path: Path | None) -> None:
-    """The table of a base-against-new A/B of one measure (µs a case), its note, and --json."""
+    """The table of a base-against-new A/B of one measure (µs a case): the base's time, then each other side's
+    (new, and --also's) and its ratio to the base; its note, and --json."""
     from bench.harness import print_aligned   # (imports meld: never in a worker before its tree)
 
     med = medians(runs)
-    rows = [[case, f"{med['base'][case][measure]:.1f}", f"{new[measure]:.1f}",
-             f"{new[measure] / med['base'][case][measure]:.3f}"] for case, new in med["new"].items()]
-    print_aligned(["case", "base µs", "new µs", "new/base"], rows)
-    print(f"medians over {rounds} alternating rounds; new/base > 1: slower than base")
+    others = [side for side in runs if side != "base"]
+    rows = [[case, f"{base[measure]:.1f}"] + [x for side in others for x in
+                                               (f"{med[side][case][measure]:.1f}",
+                                                f"{med[side][case][measure] / base[measure]:.3f}")]
+            for case, base in med["base"].items()]
+    print_aligned(["case", "base µs"] + [x for side in others for x in (f"{side} µs", f"{side}/base")], rows)
+    print(f"medians over {rounds} alternating rounds; {'/base, '.join(others)}/base > 1: slower than base")
     write_runs(path, runs, med)

@@ -9,9 +9,12 @@ timer (CUDA-graph replay median, cold L2).
     git archive <base-commit> meld | tar -x -C .ab/base        # on the machine that has the history
     PYTHONPATH=$PWD python3 bench/mla_ab.py --base .ab/base [--batches 16 64 128] [--dists skewed] [--json F]
                                             [--kv-dtype fp8] [--schedule seesaw] [--block-tokens 32]
+                                            [--also NAME=TREE ...]
 
 `--kv-dtype fp8` times the e4m3 build (`DecodeMLA(kv_dtype=torch.float8_e4m3fn)`) on bench/mla.py's FP8 inputs,
-checked against float64 over the dequantised cache. `--schedule seesaw` times the seesaw build on both sides, `--block-tokens 32` the bf16 build of 32-token blocks.
+checked against float64 over the dequantised cache. `--schedule seesaw` times the seesaw build on both sides,
+`--block-tokens 32` the bf16 build of 32-token blocks. `--also q=.ab/q box=.ab/box` times more trees in the same
+rounds against the same base, a column each: several candidates for one base run a round.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.ab_tree import add_tree_arguments, report_new_over_base, run_rounds, worker_tree_first  # noqa: E402
+from bench.ab_tree import (add_also_argument, add_tree_arguments, also_trees, report_new_over_base,  # noqa: E402
+                           run_rounds, worker_tree_first)
 
 worker_tree_first(REPO)
 
@@ -68,12 +72,13 @@ def main() -> int:
                         "keeps its default, so --base . times a stage count against the default")
     p.add_argument("--num-stages", type=int, default=0, help=argparse.SUPPRESS)   # (a worker's: its side's)
     add_tree_arguments(p)
+    add_also_argument(p)
     args = p.parse_args()
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args.batches, args.dists, args.check, args.seed, args.kv_dtype,
                                                     args.schedule, args.block_tokens, args.num_stages)))
         return 0
-    sides = {"base": args.base, "new": REPO}
+    sides = {"base": args.base, "new": REPO, **also_trees(args.also)}
     runs = run_rounds(list(sides), args.rounds, lambda side, r, out: [
         sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
         "--batches", *map(str, args.batches), "--dists", *args.dists,

@@ -70,3 +70,34 @@ def test_report_prints_the_ratio_of_each_case_and_writes_every_round(tmp_path, c
     assert "11.0" in out and "1.000" in out and "medians over 2 alternating rounds" in out
     doc = __import__("json").loads((tmp_path / "ab.json").read_text())
     assert doc["runs"] == runs and doc["median"] == {"base": {"c": {"t": 11.0}}, "new": {"c": {"t": 11.0}}}
+
+
+def test_mla_ab_times_the_also_trees_in_the_same_rounds(monkeypatch, tmp_path):
+    """--also NAME=TREE: each tree is one more side of the rounds, its worker on its own tree; a tree without a
+    package, or a taken name, stops the run before any worker runs."""
+    from pathlib import Path
+
+    import bench.mla_ab as mod
+
+    repo = str(Path(mod.__file__).resolve().parents[1])
+    sides = []
+    monkeypatch.setattr(mod, "run_rounds", lambda s, rounds, command: sides.append(
+        {side: command(side, 0, str(tmp_path / side)) for side in s}))
+    monkeypatch.setattr(sys, "argv", [mod.__file__, "--base", "BASE", "--batches", "16", "--also", f"x={repo}"])
+    assert mod.main() == 1
+    cmds = sides[0]
+    assert list(cmds) == ["base", "new", "x"]
+    assert cmds["x"][cmds["x"].index("--worker") + 1] == repo and cmds["base"][cmds["base"].index("--worker") + 1] == "BASE"
+    for bad in (f"base={repo}", str(tmp_path / "none"), f"y={tmp_path}"):
+        monkeypatch.setattr(sys, "argv", [mod.__file__, "--base", "BASE", "--also", bad])
+        with pytest.raises(SystemExit, match="--also"):
+            mod.main()
+
+
+def test_report_gives_each_other_side_its_ratio_to_the_base(capsys):
+    from bench.ab_tree import report_new_over_base
+
+    runs = {"base": [{"c": {"t": 10.0}}], "new": [{"c": {"t": 9.0}}], "q": [{"c": {"t": 12.0}}]}
+    report_new_over_base(runs, "t", 1, None)
+    out = capsys.readouterr().out
+    assert "q/base" in out and "0.900" in out and "1.200" in out and "new/base, q/base > 1" in out
