@@ -87,7 +87,8 @@ def test_mla_ab_times_the_also_trees_in_the_same_rounds(monkeypatch, tmp_path):
     assert mod.main() == 1
     cmds = sides[0]
     assert list(cmds) == ["base", "new", "x"]
-    assert cmds["x"][cmds["x"].index("--worker") + 1] == repo and cmds["base"][cmds["base"].index("--worker") + 1] == "BASE"
+    tree = {side: cmd[cmd.index("--worker") + 1] for side, cmd in cmds.items()}
+    assert tree == {"base": "BASE", "new": repo, "x": repo}
     for bad in (f"base={repo}", str(tmp_path / "none"), f"y={tmp_path}"):
         monkeypatch.setattr(sys, "argv", [mod.__file__, "--base", "BASE", "--also", bad])
         with pytest.raises(SystemExit, match="--also"):
