@@ -241,3 +241,22 @@ def test_phase_stamps(schedule):
             assert sums[c, role].get("end-sync", 0) > 0 and sums[c, role].get("store", 0) > 0, (c, role, sums[c, role])
         assert schedule.schedule != "split" or sums[c, 0].get("issue-pv", 0) > 0, (c, sums[c, 0])
     assert "cycles a block" in trace.phase_table()
+
+
+def test_query_views_and_fresh_addresses(schedule):
+    """The queries as views of one [B, H, 576] tensor (FlashMLA's q layout: heads 576 apart) and, call after call,
+    at new addresses: the kernel's copies of the Q tensor maps take each call's addresses (mla_load_q)."""
+    lens = [100, 5000, 64]
+    pb, qn, qp, ckv, kpe = _inputs(lens, 100, 64)
+    mla = meld.DecodeMLA(100, 64, sm_scale=SCALE, kernel_config=schedule)
+    mla.plan(pb.kv_indptr, pb.kv_indices, pb.kv_last_page_len)
+    want = mla.run(qn, qp, ckv, kpe)
+    q = torch.cat([qn, qp], dim=-1)
+    assert torch.equal(mla.run(q[..., :512], q[..., 512:], ckv, kpe), want)
+    for scale in (2.0, 0.5):   # (new tensors each call; their outputs differ, so a stale address would show)
+        a, b = (qn * scale).contiguous(), (qp * scale).contiguous()
+        got = mla.run(a, b, ckv, kpe)
+        ref, _ = mla_reference(a.cpu(), b.cpu(), ckv.cpu(), kpe.cpu(), pb.kv_indptr, pb.kv_indices,
+                               pb.kv_last_page_len, SCALE)
+        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"q x {scale}: rel err {err:.2e}"

@@ -212,6 +212,9 @@ MLA_PARAMS = _with_header("MlaParams", [
     *header("watchdog_claim"),
     Field("ckv_map", "tmap"),   # [rows = pages x page_size][head_dim_ckv], boxes of box_rows x 64 channels
     Field("kpe_map", "tmap"),   # [rows][head_dim_kpe], the same boxes
+    Field("qn_map", "tmap"),    # q_nope [rows][num_heads][head_dim_ckv] in boxes of 64 heads x 64 channels, encoded
+    Field("qp_map", "tmap"),    # per strides, its address set on the device (q_pe: the same); see q_maps
+    Field("q_maps", "ptr", "char*"),   # 256 bytes a CTA: its copies of the two with the call's addresses
     Field("qn_stride_b", "i64"),   # q_nope / q_pe strides in elements (the last dim contiguous)
     Field("qn_stride_h", "i64"),
     Field("qp_stride_b", "i64"),

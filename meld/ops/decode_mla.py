@@ -72,6 +72,14 @@ def _maps(ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, box_rows: int) -> tu
             tensor_map_2d(_latent_rows(kpe_cache), box_rows, min(cols, kpe_cache.shape[-1])))
 
 
+def _q_maps(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[TensorMap, TensorMap]:
+    """The queries' TMA map templates (boxes of 64 heads x 64 channels of a row; the kernel sets the call's
+    addresses: templates/mla_decode.cuh, mla_load_q)."""
+    from ..runtime.tensor_map import tensor_map_heads
+
+    return tensor_map_heads(q_nope, MLA_HEADS_PER_UNIT), tensor_map_heads(q_pe, MLA_HEADS_PER_UNIT)
+
+
 class DecodeMLA(PagedDecode):
     """MLA decode attention over a paged latent cache, for variable-length batches.
 
@@ -190,6 +198,8 @@ class DecodeMLA(PagedDecode):
         self.topology = self._one_cta_per_sm(topology or Topology.discover(self.kernel, sizes=(1,)))
         self._box_rows = min(self.kernel_config.block_tokens, self.page_size)
         self._tensor_maps = TensorMapCache(functools.partial(_maps, box_rows=self._box_rows))
+        self._q_templates = TensorMapCache(_q_maps, by_address=False)
+        self._q_map_slots = torch.empty(256 * self.topology.num_ctas, dtype=torch.uint8, device=self.device)
         self._init_device()
 
     def _kernel_launch(self, tables, fields: dict[str, int]):
@@ -197,6 +207,7 @@ class DecodeMLA(PagedDecode):
 
         return PersistentLaunch(self.kernel, [(1, self.topology.num_ctas)], self.lowering.params.pack(
             q_nope=0, q_pe=0, out=0, lse=0, ckv_map=TensorMap(), kpe_map=TensorMap(),   # set by run()
+            qn_map=TensorMap(), qp_map=TensorMap(), q_maps=self._q_map_slots.data_ptr(),
             qn_stride_b=0, qn_stride_h=0, qp_stride_b=0, qp_stride_h=0, **fields, num_heads=self.num_heads,
             units_per_request=self.units_per_request, page_size=self.page_size, box_rows=self._box_rows,
             sm_scale_log2=self.sm_scale * _LOG2E, v_scale=1.0))   # (FP8 caches: run() sets both from kv_scale)
@@ -294,16 +305,17 @@ class DecodeMLA(PagedDecode):
     def _launch(self, q_nope, q_pe, ckv_cache, kpe_cache, kv_scale, out, lse) -> None:
         qs = []
         for q in (q_nope, q_pe):
-            if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
-                q = q.contiguous()
+            if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16 or 0 in q.stride()[:2]:
+                q = q.contiguous()   # (the TMA copies' terms: 16-byte strides and address, no broadcast dim)
             qs.append(q)
         q_nope, q_pe = qs
         ckv_map, kpe_map = self._tensor_maps.get(ckv_cache, kpe_cache)
+        qn_map, qp_map = self._q_templates.get(q_nope, q_pe)
         launcher = self._buf.launcher
         launcher.set(q_nope=q_nope.data_ptr(), q_pe=q_pe.data_ptr(), out=out.data_ptr(),
                      lse=lse.data_ptr() if lse is not None else 0, qn_stride_b=q_nope.stride(0),
                      qn_stride_h=q_nope.stride(1), qp_stride_b=q_pe.stride(0), qp_stride_h=q_pe.stride(1),
-                     ckv_map=ckv_map, kpe_map=kpe_map)
+                     ckv_map=ckv_map, kpe_map=kpe_map, qn_map=qn_map, qp_map=qp_map)
         if self.kv_dtype in FP8:
             launcher.set(sm_scale_log2=self.sm_scale * kv_scale * _LOG2E, v_scale=kv_scale)
         launcher.launch()

@@ -1,5 +1,6 @@
 """TMA tensor maps: of the paged KV cache (kernels built with `DecodeKernelConfig.tma`) and of the MoE
-GEMM operands (2-D row-major matrices, `tensor_map_2d`; FP8 MoE's token scales, `tensor_map_runs`).
+GEMM operands (2-D row-major matrices, `tensor_map_2d`; FP8 MoE's token scales, `tensor_map_runs`), and of MLA's
+queries (`tensor_map_heads`).
 
 The KV maps describe the K and V caches, each NHD `[num_pages, page_size, num_kv_heads, head_dim]` or HND
 `[num_pages, num_kv_heads, page_size, head_dim]` with its own address and strides, as a 4-D tensor in its
@@ -73,14 +74,16 @@ def kv_tensor_maps(*caches: torch.Tensor, layout: str = "NHD") -> tuple[TensorMa
 class TensorMapCache(Generic[M]):
     """Tensor maps per (address, shape, strides, dtype) of the tensors a kernel reads, so run() encodes each
     one once: a model passes the same per-layer caches and weights every step. (`encode` may return several
-    maps, of one tensor or of several read together: one lookup a call.)"""
+    maps, of one tensor or of several read together: one lookup a call.) Templates whose address the kernel sets
+    (`tensor_map_heads`: a per-call input) are kept per (shape, strides, dtype): `by_address=False`."""
 
-    def __init__(self, encode: Callable[..., M], max_entries: int = 1024):
+    def __init__(self, encode: Callable[..., M], max_entries: int = 1024, by_address: bool = True):
         self._maps: dict[tuple, M] = {}
-        self._encode, self._max = encode, max_entries
+        self._encode, self._max, self._by_address = encode, max_entries, by_address
 
     def get(self, *ts: torch.Tensor) -> M:
-        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in ts)   # (torch.Size is a hashable tuple)
+        key = tuple((t.data_ptr() if self._by_address else 0, t.shape, t.stride(), t.dtype)   # (torch.Size hashes)
+                    for t in ts)
         m = self._maps.get(key)
         if m is None:
             if len(self._maps) >= self._max:
@@ -94,6 +97,18 @@ def tensor_map_2d(t: torch.Tensor, box_rows: int, box_cols: int = BOX_COLS) -> T
     `box_rows` rows x `box_cols` columns, 128-byte swizzled: the operand tiles of the GEMM kernels."""
     rows, cols = t.shape
     return _encode(t, [cols, rows], [t.stride(0) * t.element_size()], [box_cols, box_rows])
+
+
+def tensor_map_heads(t: torch.Tensor, box_heads: int) -> TensorMap:
+    """The tensor map of a bf16/fp16 query [rows, heads, dim] (the last dim contiguous, the others multiples of 16
+    bytes) whose box is `box_heads` heads x 64 channels of one row, 128-byte swizzled, heads past the end zeros: MLA's
+    Q, a 64-head unit's box of 64 channels at a time. A dimension of extent 1 is never stepped over, so it takes the
+    stride of a dense layout. Kernels that take it as a template set its address per call (tensor_map_publish)."""
+    rows, heads, dim = t.shape
+    es = t.element_size()
+    sh = t.stride(1) if heads > 1 else dim
+    sr = t.stride(0) if rows > 1 else heads * sh
+    return _encode(t, [dim, heads, rows], [sh * es, sr * es], [BOX_COLS, box_heads, 1])
 
 
 def tensor_map_runs(t: torch.Tensor, box_cols: int) -> TensorMap:

@@ -12,6 +12,36 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, in
                ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
+// The same for a 3-D tensor map.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int c0, int c1, int c2, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4}], [%5];"
+               ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+
+// A tensor map whose address is known only on the device (a per-call input, where the host encodes the rest once):
+// one warp copies the template `tmpl` (param space) into shared memory at `tmp` (128-byte aligned, 128 bytes),
+// lane 0 sets its address to `addr`, and the warp publishes it to `dst` (global, 128-byte aligned), from where
+// TMA copies may read it once tensor_map_acquire(dst) has run in the copying thread. Every lane calls it.
+__device__ __forceinline__ void tensor_map_publish(const void* tmpl, const void* addr, u32 tmp, void* dst) {
+  const int lane = threadIdx.x & 31;
+  if (lane < 8) {
+    const uint4 v = reinterpret_cast<const uint4*>(tmpl)[lane];
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(tmp + 16 * lane), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w) : "memory");
+  }
+  __syncwarp();
+  if (lane == 0)
+    asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;" ::"r"(tmp), "l"(addr)
+                 : "memory");
+  __syncwarp();
+  asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.cta.sync.aligned [%0], [%1], 128;"
+               ::"l"(dst), "r"(tmp) : "memory");
+}
+__device__ __forceinline__ void tensor_map_acquire(const void* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;" ::"l"(map) : "memory");
+}
+
 // An L2 eviction policy for a stream read once from DRAM and soon after from L2 by at most a neighbour: its lines
 // go first when L2 needs room (createpolicy's evict_first over the whole access).
 __device__ __forceinline__ unsigned long long l2_evict_first() {

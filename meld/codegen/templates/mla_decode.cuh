@@ -10,9 +10,8 @@
 //   O [64 heads x 512]      += P [64 x B] . V [B x 512]   (m64n256k16, V MN-major: wgmma_bf16_tb)
 // One CTA per SM (the smem below) of three warpgroups:
 //   - warpgroup 0: warp 0 streams the KV blocks (B = BLOCK_TOKENS tokens, 9 TMA boxes of 64 channels) through
-//     a ring of NUM_STAGES stages, one box copy per page chunk; warps 1-3 load each unit's Q (cp.async, the
-//     128-byte swizzle written by hand) into the one Q buffer once the score warpgroup is done with the
-//     last unit's;
+//     a ring of NUM_STAGES stages, one box copy per page chunk; warp 1 loads each unit's Q (9 TMA boxes, one
+//     thread) into the one Q buffer once the score warpgroup is done with the last unit's;
 //   - warpgroup 1 (the score warpgroup) computes S, the online softmax, writes P (bf16) and each row's
 //     rescale into shared memory, and accumulates O's latent channels 0-255;
 //   - warpgroup 2 accumulates channels 256-511 from the same P and V.
@@ -59,7 +58,6 @@ constexpr int P_BYTES = HB * 128;              // P as wgmma's K-major A: 64 row
 constexpr int VH = DC / 2;                     // latent channels a consumer warpgroup accumulates
 constexpr int OACC = VH / 2;                   // its accumulators a thread (m64n256)
 constexpr int SACC = BLK / 2;                  // S's accumulators a thread (m64nBLK)
-constexpr int QCHUNKS = DQK / 8;               // 16-byte chunks of a q row
 constexpr int MERGE_SLICES = 8;                // the most CTAs that merge one split unit together
 constexpr int MERGE_CHUNK = 4;                 // parts a merging thread keeps in flight for each of
 constexpr int MERGE_OUTS = 4;                  // its groups of four outputs (the loads are latency-bound)
@@ -79,7 +77,7 @@ constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbar
 // arrive on its full mbarrier (one arrival a thread), so the consumers run the bf16 build's code. Warpgroup 2 waits
 // for each block's P most of the time (its P.V is a quarter of a block's tensor work): it converts its share of
 // block g + 1 between its P.V of block g - 1 and its wait for block g's P, while warpgroup 1 scores block g.
-// Warp 1 alone loads Q. The per-tensor scale kv_scale multiplies the scores (folded into sm_scale_log2 on the
+// The per-tensor scale kv_scale multiplies the scores (folded into sm_scale_log2 on the
 // host: lse includes it) and each piece's normalised output (p.v_scale: a merge is a convex combination of
 // pieces), as decode_attention.cuh's MELD_KV_FP8 does.
 #ifdef MLA_KV_FP8
@@ -92,7 +90,6 @@ constexpr int RAW_STAGES_ = 0;
 constexpr int RAW_LAT = BLK * 128;             // a staged latent box: BLK rows of 128 e4m3 channels
 constexpr int RAW_ROPE = BLK * 64;             // the staged rope box: BLK rows of 64
 constexpr int RAW_BYTES = (DC / 128) * RAW_LAT + RAW_ROPE;
-constexpr int Q_LOADERS = KV_FP8 ? 32 : 96;    // threads that load Q (warps 1-3; FP8: warp 1)
 constexpr int CONVERTERS = 64 + 128;           // FP8: warps 2-3 (threads 0-63 of the conversion), warpgroup 2 (64-191)
 static_assert(!(KV_FP8 && SEESAW), "FP8 caches run the split schedule");
 
@@ -277,29 +274,30 @@ __device__ void mla_produce(const MlaParams& p, const UnitWalk& w, u32 ring, con
   }
 }
 
-// Warps 1-3: each unit's Q rows (q_nope then q_pe: 72 chunks of 16 bytes a head) into the Q buffer in the
-// 128-byte swizzle (chunk c of head h at box c / 8, row h, chunk (c % 8) ^ (h % 8)); heads past the unit's
-// rows are zeros. Empty pieces load nothing (the score warpgroup skips them too).
+// Warp 1: each unit's Q (q_nope's 8 boxes of 64 channels, then q_pe's) into the Q buffer by TMA, one thread, in
+// the 128-byte swizzle (chunk c of head h at box c / 8, row h, chunk (c % 8) ^ (h % 8)); heads past the unit's rows
+// are past num_heads, which the copies fill with zeros. Q's address is the call's: the host encodes each map once per
+// strides (p.qn_map, p.qp_map, templates) and the warp publishes this CTA's copies with the call's addresses to its
+// slot of p.q_maps first (tensor_map_publish, staged in the Q buffer before any copy lands there). Empty pieces load
+// nothing (the score warpgroup skips them too).
 __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, const Bars& b) {
-  const int t = threadIdx.x - 32;
+  const int lane = threadIdx.x & 31;
+  char* maps = p.q_maps + 256 * (i64)w.cta;
+  tensor_map_publish(&p.qn_map, p.q_nope, qbuf, maps);
+  tensor_map_publish(&p.qp_map, p.q_pe, qbuf + 128, maps + 128);
+  if (lane != 0) return;
+  tensor_map_acquire(maps);
+  tensor_map_acquire(maps + 128);
+  fence_proxy_async();   // (the staging's reads before the copies write the Q buffer)
   u32 phase = 0;
   for (int u = w.first(); u <= w.last(); ++u) {
     if (UnitWalk::blocks(w.piece(u)) == 0) continue;
     const MlaUnit un = w.unit(u);
-    const int req = un.req, h0 = un.h0, rows = un.rows;
     mbar_wait(b.q_empty, phase ^ 1u, mla_site(p, 18, w.cta, u, 0));
-    // (the seesaw's loaders have 40 registers: one chunk at a time; 4 is what nvcc chose for the split build)
-#pragma unroll (SEESAW ? 1 : 4)
-    for (int i = t; i < HB * QCHUNKS; i += Q_LOADERS) {
-      const int h = i / QCHUNKS, c = i - h * QCHUNKS, hh = min(h, rows - 1);
-      const u16* src = c < DC / 8 ? p.q_nope + req * p.qn_stride_b + (i64)(h0 + hh) * p.qn_stride_h + 8 * c
-                                  : p.q_pe + req * p.qp_stride_b + (i64)(h0 + hh) * p.qp_stride_h + 8 * (c - DC / 8);
-      cp_async_16(qbuf + (c >> 3) * (HB * 128) + h * 128 + (((c & 7) ^ (h & 7)) << 4), src, h < rows ? 16 : 0);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();   // the copies' writes before the wgmmas (async proxy) read them
-    mbar_arrive(b.q_full);
+    mbar_arrive_expect_tx(b.q_full, Q_BYTES);
+#pragma unroll
+    for (int k = 0; k < DC / 64; ++k) tma_load_3d(qbuf + k * (HB * 128), maps, 64 * k, un.h0, un.req, b.q_full);
+    tma_load_3d(qbuf + (DC / 64) * (HB * 128), maps + 128, 0, un.h0, un.req, b.q_full);
     phase ^= 1u;
   }
 }
@@ -1013,7 +1011,7 @@ struct MlaFamily {
         mbar_init(s.b.raw_full(st), 1);
         mbar_init(s.b.raw_empty(st), CONVERTERS);
       }
-      mbar_init(s.b.q_full, Q_LOADERS);   // the loader threads
+      mbar_init(s.b.q_full, 1);   // the Q loader's arrival with its bytes
       mbar_init(s.b.q_empty, SEESAW ? 8 : 4);   // the warps that score
       fence_mbar_init();
     }
@@ -1037,7 +1035,7 @@ struct MlaFamily {
       regs_dealloc<LOAD_REGS>();
       const UnitWalk w(p, s.cta);
       if (threadIdx.x == 0) mla_produce(p, w, s.base + OFF_RING, s.b);
-      else if (threadIdx.x >= 32) mla_load_q(p, w, s.base, s.b);
+      else if (threadIdx.x >= 32 && threadIdx.x < 64) mla_load_q(p, w, s.base, s.b);
     } else {
       regs_alloc<MATH_REGS>();
       const UnitWalk w(p, s.cta);
@@ -1055,7 +1053,7 @@ struct MlaFamily {
       regs_dealloc<56>();
       if (threadIdx.x == 0) mla_produce(p, w, s.base + (KV_FP8 ? OFF_RAW : OFF_RING), s.b);
       else if (KV_FP8 && threadIdx.x >= 64) mla_convert(p, w, s.base + OFF_RAW, s.base + OFF_RING, s.b, s.base);
-      else if (threadIdx.x >= 32) mla_load_q(p, w, s.base, s.b);
+      else if (threadIdx.x >= 32 && threadIdx.x < 64) mla_load_q(p, w, s.base, s.b);
     } else if (threadIdx.x < 256) {   // (224 registers each spilled the score warpgroup: it holds S and O)
       regs_alloc<240>();
       score_role(p, w, s);
