@@ -61,6 +61,9 @@ def test_fp8_build_is_compile_time():
     assert "#define MLA_KV_FP8 1" in cfg.render() and "#define RAW_STAGES 4" in cfg.render()
     assert "#define MLA_KV_FP8" not in MlaKernelConfig().render()
     assert MlaKernelConfig.for_cache("") == MlaKernelConfig()
+    # its Q.K^T is an e4m3 wgmma (m64n32k32, K from the staging stage); no bf16 build emits one
+    assert "m64n32k32.f32.e4m3.e4m3" in cfg.render()
+    assert not any("e4m3.e4m3" in c.render() for c in (MlaKernelConfig(), MlaKernelConfig(block_tokens=32)))
 
 
 @pytest.mark.parametrize("kwargs,match", [

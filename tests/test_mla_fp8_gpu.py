@@ -42,7 +42,10 @@ def _check(lens, H=128, P=64, q_len=1, seed=0, kv_scale=KV_SCALE, kernel_config=
     assert err < 2e-2, f"rel err {err:.2e}"
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse of empty requests must be -inf, others finite"
-    assert finite.any() and (lse.cpu().double() - ref_lse)[finite].abs().max().item() < 2e-3
+    # lse: the scores come from q as two e4m3 terms (about 2^-8 of each product, where bf16 q was exact), which a
+    # request of one key shows undamped: ~7e-3 at most here (H100, 2026-12-06), the output's error unchanged
+    lse_err = (lse.cpu().double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
+    assert finite.any() and lse_err < 1.5e-2, f"lse err {lse_err:.2e}"
     assert (o[~finite] == 0).all(), "an empty request gives zeros"
     return mla, pb, (qn, qp, cache), out
 

@@ -12,13 +12,13 @@ from ..ir.work_table import CTA_TABLE
 from ..runtime.profile import PHASES, kind_defines
 from .source import SMEM_PER_CTA_MAX, template
 from .params import MLA_PARAMS, WATCHDOG_RECORD
-from .wgmma import wgmma_bf16, wgmma_rs
+from .wgmma import wgmma_bf16, wgmma_e4m3, wgmma_rs
 
 MLA_HEAD_DIM_CKV, MLA_HEAD_DIM_KPE = 512, 64
 MLA_HEADS_PER_UNIT = 64    # wgmma's M
 MLA_BLOCK_TOKENS = (32, 64)   # KV tokens a ring stage may hold
 _ROW = 128                    # bytes of a 128-byte swizzled row: 64 channels
-_STATS_BYTES = 5 * 64 * 4   # the template's Stats (alpha, l, m, bad[2])
+_STATS_BYTES = 6 * 64 * 4   # the template's Stats (alpha, l, m, bad[2], qs)
 _SEESAW_STATS_BYTES = _STATS_BYTES + 6 * 64 * 4   # SeesawStats: Stats, alpha[2], m[2], l[2]
 MLA_SCHEDULES = ("split", "seesaw")
 MLA_KV_FP8 = ("float8_e4m3fn",)   # the FP8 latent caches the kernel reads (MlaKernelConfig.kv_dtype)
@@ -37,9 +37,10 @@ class MlaKernelConfig:
     # "split": one warpgroup scores every block and both accumulate half of O; "seesaw": the two warpgroups
     # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only)
     schedule: str = "split"
-    # "": a bf16 cache; "float8_e4m3fn": e4m3 bytes, staged by TMA in a ring of their own and converted to bf16 on
-    # chip (the split schedule, 32-token blocks; num_stages counts the bf16 stages, 2 by default, and the
-    # staging ring takes what is left: templates/mla_decode.cuh, MLA_KV_FP8)
+    # "": a bf16 cache; "float8_e4m3fn": e4m3 bytes, staged by TMA in a ring of their own, scored by e4m3 wgmmas
+    # against Q as two e4m3 terms and converted to bf16 on chip for P.V (the split schedule, 32-token blocks;
+    # num_stages counts the bf16 stages, 2 by default, and the staging ring takes what is left:
+    # templates/mla_decode.cuh, MLA_KV_FP8)
     kv_dtype: str = ""
     # a diagnostic (with profile): each role's cycles per phase of its blocks, as profile records
     # (meld/runtime/profile.py: PHASES; Trace.phase_table; tools/mla_phases.py)
@@ -151,7 +152,8 @@ class MlaKernelConfig:
           + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else [])
           + (["#define MLA_PHASES 1"] if self.phases else []))
         mma = ("namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
-               + wgmma_rs("bfloat16", MLA_HEAD_DIM_CKV // 2, trans_b=True) + "}")
+               + wgmma_rs("bfloat16", MLA_HEAD_DIM_CKV // 2, trans_b=True)
+               + (wgmma_e4m3(self.block_tokens) if self.kv_dtype else "") + "}")
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,
                           MLA_PARAMS.c_source(), CTA_TABLE.c_source(), template("split_kv.cuh"),
                           template("mla_decode.cuh")])

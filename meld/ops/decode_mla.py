@@ -88,8 +88,9 @@ class DecodeMLA(PagedDecode):
         page_size: tokens per page: 8, 16, 32 or a multiple of 64.
         dtype: torch.bfloat16 (q and output; the caches too unless kv_dtype says otherwise).
         kv_dtype: the caches' dtype: None or dtype, or torch.float8_e4m3fn: the latent rows (512 + 64 channels)
-            read at one byte a value and converted to bf16 on chip, dequantised with run()'s per-tensor
-            kv_scale (a cache element x stands for x * kv_scale, in the keys and the values alike).
+            read at one byte a value (keys by e4m3 wgmmas against q as two e4m3 terms a row, values converted to
+            bf16 on chip), dequantised with run()'s per-tensor kv_scale (a cache element x stands for
+            x * kv_scale, in the keys and the values alike).
         device: "cuda[:i]" (Hopper) runs the generated kernel; "cpu" runs the same schedule on the CPU
             reference executor (float64).
         sm_scale: softmax scale, required (DeepSeek's absorbed attention takes 1/sqrt(qk_nope + qk_rope

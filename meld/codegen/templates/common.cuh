@@ -95,6 +95,49 @@ __device__ __forceinline__ void e4m3x4_to_f16(u32 x, u32& lo, u32& hi) {
   asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
       : "=r"(lo), "=r"(hi) : "r"(x));
 }
+constexpr float E4M3_MAX = 448.f;   // e4m3's largest finite value
+__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {   // lo in the low byte (satfinite: NaN stays NaN)
+  u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// The e4m3 scale of a group whose largest magnitude has float bits `amax_bits` (max |v| / 448). Maxima taken on
+// the magnitudes' bits put every NaN above infinity, so a NaN makes the scale NaN.
+constexpr float FP8_MIN_AMAX = 1e-10f;   // an all-zero group gets a finite scale (its values stay 0)
+__device__ __forceinline__ float group_scale(u32 amax_bits) {
+  const float a = __uint_as_float(amax_bits);
+  return a != a ? a : fmaxf(a, FP8_MIN_AMAX) / E4M3_MAX;
+}
+// The largest bf16 magnitude's bits of eight bf16 (four pairs), maxima taken as group_scale wants them.
+__device__ __forceinline__ u32 bf16x8_amax(const u32 (&w)[4]) {
+  u32 m = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) m = max(m, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));
+  return m;
+}
+// Eight bf16 (four pairs, low half first) times `inv`, as e4m3 bytes in order.
+__device__ __forceinline__ uint2 bf16x8_to_e4m3(const u32 (&w)[4], float inv) {
+  u32 b[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) b[i] = e4m3x2(__uint_as_float(w[i] << 16) * inv, __uint_as_float(w[i] & 0xffff0000u) * inv);
+  return make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
+}
+// The same as two e4m3 terms of one scale: hi = e4m3(v inv) and lo = e4m3(v inv - hi), whose sum keeps about
+// bf16's precision (hi's rounding error is at most 1/16 of v inv, and lo rounds it to e4m3's 3 bits again).
+__device__ __forceinline__ void bf16x8_to_e4m3_split(const u32 (&w)[4], float inv, uint2& hi, uint2& lo) {
+  hi = bf16x8_to_e4m3(w, inv);
+  u32 h[4];
+  e4m3x4_to_f16(hi.x, h[0], h[1]);
+  e4m3x4_to_f16(hi.y, h[2], h[3]);
+  u32 b[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float h0, h1;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(h0), "=f"(h1) : "r"(h[i]));
+    b[i] = e4m3x2(__uint_as_float(w[i] << 16) * inv - h0, __uint_as_float(w[i] & 0xffff0000u) * inv - h1);
+  }
+  lo = make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
+}
 // Four e5m2 bytes x, permuted first by SEL (as byte_perm<SEL>), as e4m3x4_to_f16 gives them. An e5m2 byte is
 // the high byte of the f16 of the same value (Inf and NaN included), so each f16 pair is one prmt, which
 // applies SEL too.

@@ -82,6 +82,13 @@ __device__ __forceinline__ unsigned long long wgmma_desc(u32 smem) {
          (1ull << 62);
 }
 
+// The same for TMA's 64-byte swizzle (swizzle mode 2): rows of 64 bytes, 8-row atoms of 512 bytes (stride byte
+// offset 512); a K step of 32 bytes adds 32 to the start address.
+__device__ __forceinline__ unsigned long long wgmma_desc_sw64(u32 smem) {
+  return (unsigned long long)((smem & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(512 >> 4) << 32) |
+         (2ull << 62);
+}
+
 // Descriptor of an MN-major operand (its MN elements contiguous, as attention's value rows lie: B of
 // P.V, wgmma_bf16_tb) stored as TMA's 128-byte swizzle writes boxes of [K rows][64 elements]: 8-row atoms
 // 1 KiB apart along K (stride byte offset) and `box_bytes` between the boxes of consecutive 64 elements

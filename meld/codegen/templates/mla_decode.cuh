@@ -72,14 +72,18 @@ constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbar
 
 // MLA_KV_FP8 builds read an e4m3 latent cache (the split schedule; 32-token blocks): the TMA copies each block's
 // bytes, one a value, into a ring of RAW_STAGES staging stages of its own (4 latent boxes of 128 channels, 128-byte
-// swizzle, and the rope box of 64 channels, 64-byte swizzle); warps 2-3 and warpgroup 2 convert each to bf16 (exact:
-// every e4m3 value is a bf16, NaN stays NaN) into the ring stage the bf16 build's TMA fills, in its layout, and
-// arrive on its full mbarrier (one arrival a thread), so the consumers run the bf16 build's code. Warpgroup 2 waits
-// for each block's P most of the time (its P.V is a quarter of a block's tensor work): it converts its share of
-// block g + 1 between its P.V of block g - 1 and its wait for block g's P, while warpgroup 1 scores block g.
-// The per-tensor scale kv_scale multiplies the scores (folded into sm_scale_log2 on the
-// host: lse includes it) and each piece's normalised output (p.v_scale: a merge is a convex combination of
-// pieces), as decode_attention.cuh's MELD_KV_FP8 does.
+// swizzle, and the rope box of 64 channels, 64-byte swizzle). Q.K^T runs on e4m3 wgmmas straight from those bytes
+// (K-major already): the score warpgroup quantises each unit's Q in place to two e4m3 terms a row of one scale
+// (mla_quantize_q; one term would cost ~4% of accuracy, two keep about bf16's: bench/RESULTS.md), and multiplies
+// each row's scores by its scale in the softmax. The values still go to bf16 for P.V: warps 2-3 and warpgroup 2
+// convert each block's latent boxes (exact: every e4m3 value is a bf16, NaN stays NaN) into the ring stage the bf16
+// build's TMA fills, in its layout, and arrive on its full mbarrier (one arrival a thread), which the score
+// warpgroup waits for after its softmax, not before its Q.K^T. Warpgroup 2 waits for each block's P most of the
+// time (its P.V is a quarter of a block's tensor work): it converts its share of block g + 1 between its P.V of
+// block g - 1 and its wait for block g's P, while warpgroup 1 scores block g. A staging stage goes back once the
+// converters and the score warps are done with it. The per-tensor scale kv_scale multiplies the scores (folded
+// into sm_scale_log2 on the host: lse includes it) and each piece's normalised output (p.v_scale: a merge is a
+// convex combination of pieces), as decode_attention.cuh's MELD_KV_FP8 does.
 #ifdef MLA_KV_FP8
 constexpr bool KV_FP8 = true;
 constexpr int RAW_STAGES_ = RAW_STAGES;
@@ -103,6 +107,7 @@ struct Stats {
   float alpha[HB];     // the block's rescale of each row (score warpgroup -> warpgroup 2)
   float l[HB], m[HB];  // the unit's final row sums and maxima (with its last block's P)
   float bad[2][HB];    // each warpgroup's non-finite check of its channels (0 or NaN)
+  float qs[HB];        // FP8: the unit's q scale of each row (mla_quantize_q)
 };
 struct SeesawStats {
   Stats base;          // (mla_store's non-finite exchange: base.bad)
@@ -114,7 +119,8 @@ constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeo
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
 constexpr int ZERO_BAR = 1;                    // the score warpgroup's: a partial block's zeroed V rows, all warps'
-                                               // before its P.V reads them
+                                               // before its P.V reads them (FP8: also the quantised Q before the
+                                               // unit's first Q.K^T)
 // MLA_PHASES builds (MlaKernelConfig(phases=True), a profiled diagnostic): where each role's cycles go, phase by
 // phase (meld/runtime/profile.py: PHASES). A role's first thread sums its laps in shared memory by a predicated
 // reduction (no branch: a branch while a wgmma is in flight serialises the wgmmas) and the recording thread records
@@ -302,12 +308,13 @@ __device__ void mla_load_q(const MlaParams& p, const UnitWalk& w, u32 qbuf, cons
   }
 }
 
-// FP8 builds: block g of the segment (every unit's blocks in turn) from the staging ring into its ring stage as
-// bf16, the share of conversion thread t (0 .. CONVERTERS - 1: warps 2-3, then warpgroup 2). A 16-byte chunk of
-// the staging stage (found by its swizzled place: consecutive threads read consecutive chunks) holds 16 channels
-// of one token row; they become two 16-byte chunks of the stage's row. Staged rows past the block's tokens are
-// converted too (stale bytes, masked by the consumers as in the bf16 build). `u`: the block's unit (for the
-// watchdog).
+// FP8 builds: block g of the segment's (every unit's blocks in turn) values, its staged latent boxes, into its
+// ring stage as bf16, the share of conversion thread t (0 .. CONVERTERS - 1: warps 2-3, then warpgroup 2); the
+// scores read the staged bytes themselves (mla_issue_scores_fp8), so the rope box is not converted. A 16-byte
+// chunk of the staging stage (found by its swizzled place: consecutive threads read consecutive chunks) holds 16
+// channels of one token row; they become two 16-byte chunks of the stage's row. Staged rows past the block's
+// tokens are converted too (stale bytes, zeroed by the score warpgroup as in the bf16 build). `u`: the block's
+// unit (for the watchdog).
 __device__ void mla_convert_block(const MlaParams& p, int cta, u32 raw, u32 ring, const Bars& b, int g, int u, int t,
                                   PhaseClock& pc) {
   const int rs = g % RAW_STAGES_, stage = g % STAGES;
@@ -317,18 +324,11 @@ __device__ void mla_convert_block(const MlaParams& p, int cta, u32 raw, u32 ring
   pc.lap(PHASE_WAIT_RAW);
   const u32 src = raw + rs * RAW_BYTES, dst = ring + stage * STAGE_BYTES;
 #pragma unroll 2
-  for (int i = t; i < RAW_BYTES / 16; i += CONVERTERS) {
+  for (int i = t; i < (DC / 128) * RAW_LAT / 16; i += CONVERTERS) {
     const int off = 16 * i;
-    int row, ch;   // the chunk's token row and first channel (of 576)
-    if (off < (DC / 128) * RAW_LAT) {   // a latent box: 128-byte rows, chunk c at c ^ (row % 8)
-      const int box = off / RAW_LAT, o = off - box * RAW_LAT;
-      row = o >> 7;
-      ch = 128 * box + 16 * (((o >> 4) & 7) ^ (row & 7));
-    } else {                            // the rope box: 64-byte rows, chunk c at c ^ (row / 2 % 4)
-      const int o = off - (DC / 128) * RAW_LAT;
-      row = o >> 6;
-      ch = DC + 16 * (((o >> 4) & 3) ^ ((row >> 1) & 3));
-    }
+    // the chunk's token row and first channel: a latent box's 128-byte rows, chunk c at c ^ (row % 8)
+    const int box = off / RAW_LAT, o = off - box * RAW_LAT;
+    const int row = o >> 7, ch = 128 * box + 16 * (((o >> 4) & 7) ^ (row & 7));
     const uint4 v = ld_shared_v4(src + off);
     u32 r[8];
     e4m3x4_to_f16(v.x, r[0], r[1]);
@@ -617,16 +617,76 @@ __device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32
   mla_issue_scores(s, qbuf, st, [](int) {});
 }
 
-// The online softmax of one block's scores (log2 domain), in place: s becomes P; columns from `valid` on
-// (past the piece's end) are masked, Inf and NaN scores become NaN. Updates the thread's two rows' m and
-// (its share of) l; a gets the rows' rescale of O.
-__device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, float scale_log2, float (&m)[2], float (&l)[2],
-                                            float (&a)[2], int lane) {
+#ifdef MLA_KV_FP8
+// FP8 builds: the unit's Q, as its TMA wrote it (bf16, 9 boxes), quantised in place to two e4m3 terms of one scale
+// a row, s = the row's max |q| / 448 (group_scale): hi = e4m3(q / s), lo = e4m3(q / s - hi) (bf16x8_to_e4m3_split).
+// The e4m3 operands of mla_issue_scores_fp8, 128-byte swizzled: hi's latent box m (channels 128 m .. + 127) in bf16
+// box m's place, lo's in box 4 + m's, the rope's hi and lo in bytes 0-63 and 64-127 of box 8's rows. Each of a row's
+// bytes stays among that row's bytes of the nine boxes, so the eight threads of a row (one warp's) load all of it
+// before any of them stores. The score warpgroup (ct 0..127); each row's s goes to qs.
+__device__ void mla_quantize_q(u32 qbuf, float* qs, int ct) {
+  const int j = ct & 7;   // the thread's 16-byte chunk of every box: channels 64 k + 8 j .. + 7 of box k
+#pragma unroll 1
+  for (int r = ct >> 3; r < HB; r += 16) {
+    u32 w[NBOX][4];
+    u32 amax = 0;
+#pragma unroll
+    for (int k = 0; k < NBOX; ++k) {
+      const uint4 v = ld_shared_v4(qbuf + k * (HB * 128) + r * 128 + ((j ^ (r & 7)) << 4));
+      w[k][0] = v.x; w[k][1] = v.y; w[k][2] = v.z; w[k][3] = v.w;
+      amax = max(amax, bf16x8_amax(w[k]));
+    }
+#pragma unroll
+    for (int d = 1; d < 8; d <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const float sc = group_scale(amax << 16), inv = 1.f / sc;
+    if (j == 0) qs[r] = sc;
+    __syncwarp();   // the row's loads, all eight threads', before its stores
+#pragma unroll
+    for (int k = 0; k < NBOX; ++k) {
+      uint2 hi, lo;
+      bf16x8_to_e4m3_split(w[k], inv, hi, lo);
+      // the 8 bytes' place in their 128-byte row: latent channel 64 k + 8 j is byte 64 (k % 2) + 8 j of box k / 2;
+      // the rope's channel 8 j is byte 8 j (hi) or 64 + 8 j (lo)
+      const int c = k < DC / 64 ? 4 * (k & 1) + (j >> 1) : j >> 1;
+      const u32 row = qbuf + (k < DC / 64 ? k >> 1 : DC / 64) * (HB * 128) + r * 128 + 8 * (j & 1);
+      const u32 lo_row = row + (k < DC / 64 ? (DC / 128) * (HB * 128) : 0);
+      const int lo_c = k < DC / 64 ? c : c + 4;
+      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(row + ((c ^ (r & 7)) << 4)), "r"(hi.x), "r"(hi.y) : "memory");
+      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(lo_row + ((lo_c ^ (r & 7)) << 4)), "r"(lo.x), "r"(lo.y)
+                   : "memory");
+    }
+  }
+}
+
+// FP8 builds: S of the block in staging stage `raw` from the quantised Q (mla_quantize_q): hi's 18 K steps of 32
+// channels, then lo's, into one sum (the row's scale multiplies it in the softmax); issued and committed.
+__device__ __forceinline__ void mla_issue_scores_fp8(float (&s)[SACC], u32 qbuf, u32 raw) {
+  const unsigned long long dq = wgmma_desc(qbuf), dk = wgmma_desc(raw),
+                           dr = wgmma_desc_sw64(raw + (DC / 128) * RAW_LAT);   // (the rope box: 64-byte rows)
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int k = 0; k < DC / 32; ++k)
+      wgmma_e4m3(s, desc_at(dq, ((DC / 128) * t + (k >> 2)) * (HB * 128) + 32 * (k & 3)),
+                 desc_at(dk, (k >> 2) * RAW_LAT + 32 * (k & 3)), t + k > 0);
+#pragma unroll
+    for (int k = 0; k < DR / 32; ++k)
+      wgmma_e4m3(s, desc_at(dq, (DC / 64) * (HB * 128) + 64 * t + 32 * k), desc_at(dr, 32 * k));
+  }
+  wgmma_commit();
+}
+#endif
+
+// The online softmax of one block's scores (log2 domain: scale_log2, the thread's two rows' factors), in place: s
+// becomes P; columns from `valid` on (past the piece's end) are masked, Inf and NaN scores become NaN. Updates the
+// thread's two rows' m and (its share of) l; a gets the rows' rescale of O.
+__device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, const float (&scale_log2)[2], float (&m)[2],
+                                            float (&l)[2], float (&a)[2], int lane) {
   float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
   for (int i = 0; i < SACC; ++i) {
     const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-    const float v = s[i] * scale_log2;
+    const float v = s[i] * scale_log2[(i >> 1) & 1];
     s[i] = col >= valid ? neg_inf() : v + 0.f * v;
     mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
   }
@@ -665,11 +725,35 @@ constexpr int NEXT_NONE = 0, NEXT_AFTER = 1, NEXT_AHEAD = 2;
 // warpgroup 2 comes after warpgroup 2's sync on P_EMPTY for block j - 1, which the score warpgroup reaches only
 // after that wait: a cycle (H200, 2026-12-05: every FP8 MLA test died, `unspecified launch failure`).
 constexpr int NEXT_MODE = BLK == 32 && !KV_FP8 ? NEXT_AHEAD : NEXT_AFTER;
+// The ring's places the score warpgroup walks: the stage of the block it computes and (FP8) the staging stage of
+// the next block it scores.
+struct ScoreRing {
+  int stage = 0, raw = 0;
+  u32 phase = 0, raw_phase = 0;
+};
+
+// FP8 builds: the next block's Q.K^T from its staging stage once its bytes have landed; issued and committed.
+__device__ __forceinline__ void issue_scores_staged(float (&s)[SACC], const MlaParams& p, int cta, int u, u32 qbuf,
+                                                   u32 raw, const Bars& b, const ScoreRing& r) {
+#ifdef MLA_KV_FP8
+  mbar_wait(b.raw_full(r.raw), r.raw_phase, mla_site(p, 7, cta, u, r.raw));
+  wgmma_fence();
+  mla_issue_scores_fp8(s, qbuf, raw + r.raw * RAW_BYTES);
+#endif
+}
+// ... and once it has completed, the staging stage back (this warp's arrival) and the ring on to the next.
+__device__ __forceinline__ void release_staged(ScoreRing& r, const Bars& b, int lane) {
+  if (lane == 0) mbar_arrive(b.raw_empty(r.raw));
+  if (++r.raw == RAW_STAGES_) { r.raw = 0; r.raw_phase ^= 1u; }
+}
+
 template <int NEXT>
 __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& w, int u, const Piece& x, int j,
-                                            u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b, int& stage,
-                                            u32& phase, float (&o)[OACC], float (&s)[SACC], float (&l)[2],
+                                            u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b, ScoreRing& rg,
+                                            const float (&sl)[2], float (&o)[OACC], float (&s)[SACC], float (&l)[2],
                                             float (&m)[2], PhaseClock& pc) {
+  int& stage = rg.stage;
+  u32& phase = rg.phase;
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
   const int valid = min(BLK, x.end - x.begin - j * BLK);
   const u32 st = ring + stage * STAGE_BYTES;
@@ -682,7 +766,11 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
     wgmma_fence();
     mla_issue_scores(s2, qbuf, ring + ns * STAGE_BYTES);
   }
-  mla_softmax(s, valid, p.sm_scale_log2, m, l, a, lane);
+  mla_softmax(s, valid, sl, m, l, a, lane);
+  if constexpr (KV_FP8) {   // the block's values, converted (its scores read the staged bytes)
+    mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
+    pc.lap(PHASE_WAIT_KV);
+  }
   zero_tail(st, valid, ct);
   rescale(o, a[0], a[1]);
   u32 pa[BLK / 16][4];
@@ -719,10 +807,15 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
                                                                  // the loaders wait for all four warps
   pc.lap(PHASE_PUBLISH);
   if constexpr (NEXT == NEXT_AFTER) {
-    mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
-    pc.lap(PHASE_WAIT_KV);
-    wgmma_fence();
-    mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
+    if constexpr (KV_FP8) {
+      issue_scores_staged(s, p, w.cta, u, qbuf, ring - OFF_RING + OFF_RAW, b, rg);
+      pc.lap(PHASE_WAIT_KV);
+    } else {
+      mbar_wait(b.full + 8 * ns, nphase, mla_site(p, 1, w.cta, u, ns));
+      pc.lap(PHASE_WAIT_KV);
+      wgmma_fence();
+      mla_issue_scores(s, qbuf, ring + ns * STAGE_BYTES);
+    }
     wgmma_wait<1>();   // this block's P.V (committed first) is done: its stage may go back
   } else {
     wgmma_wait<0>();   // this block's P.V (and block j + 1's scores, committed before it)
@@ -735,6 +828,7 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
   if constexpr (NEXT == NEXT_AFTER) {
     wgmma_wait<0>();
     fence_regs(s);
+    if constexpr (KV_FP8) release_staged(rg, b, lane);
   }
   if constexpr (NEXT == NEXT_AHEAD) {
     fence_regs(s2);
@@ -752,30 +846,45 @@ __device__ __forceinline__ void score_block(const MlaParams& p, const UnitWalk& 
 __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, Stats& sx, const Bars& b,
                           Profiler& prof) {
   const int ct = threadIdx.x - 128, warp = ct >> 5, lane = ct & 31;
-  int stage = 0;
-  u32 phase = 0, qphase = 0;
+  ScoreRing rg;
+  u32 qphase = 0;
   PhaseClock pc(qbuf, 0, ct == 0);   // (qbuf: the shared memory's base)
   for (int u = w.first(); u <= w.last(); ++u) {
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
     float o[OACC], s[SACC], l[2], m[2];
+    float sl[2] = {p.sm_scale_log2, p.sm_scale_log2};   // the rows' factors of their scores (FP8: times q's scale)
     unit_start(o, l, m);
     if (nb > 0) {   // the first block's scores
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
       qphase ^= 1u;
       pc.lap(PHASE_WAIT_Q);
-      mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
-      pc.lap(PHASE_WAIT_KV);
-      wgmma_fence();
-      mla_issue_scores(s, qbuf, ring + stage * STAGE_BYTES);
+      if constexpr (KV_FP8) {
+#ifdef MLA_KV_FP8
+        mla_quantize_q(qbuf, sx.qs, ct);
+#endif
+        fence_proxy_async();          // the e4m3 Q before the wgmmas read it
+        named_barrier(ZERO_BAR, 128);   // every row's, and its scale
+        sl[0] *= sx.qs[acc_row(lane, warp, 0)];
+        sl[1] *= sx.qs[acc_row(lane, warp, 1)];
+        pc.lap(PHASE_WAIT_Q);
+        issue_scores_staged(s, p, w.cta, u, qbuf, ring - OFF_RING + OFF_RAW, b, rg);
+        pc.lap(PHASE_WAIT_KV);
+      } else {
+        mbar_wait(b.full + 8 * rg.stage, rg.phase, mla_site(p, 1, w.cta, u, rg.stage));
+        pc.lap(PHASE_WAIT_KV);
+        wgmma_fence();
+        mla_issue_scores(s, qbuf, ring + rg.stage * STAGE_BYTES);
+      }
       wgmma_wait<0>();
       fence_regs(s);
+      if constexpr (KV_FP8) release_staged(rg, b, lane);
       pc.lap(PHASE_WAIT_MMA);
     }
     for (int j = 0; j < nb; ++j) {   // s holds block j's raw scores (each branch a whole fence .. wait)
-      if (j < nb - 1) score_block<NEXT_MODE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m, pc);
-      else score_block<NEXT_NONE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, stage, phase, o, s, l, m, pc);
+      if (j < nb - 1) score_block<NEXT_MODE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, rg, sl, o, s, l, m, pc);
+      else score_block<NEXT_NONE>(p, w, u, x, j, qbuf, ring, pbuf, sx, b, rg, sl, o, s, l, m, pc);
     }
     if (nb > 0) {
       l[0] = quad_sum(l[0]);
@@ -882,6 +991,7 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
   const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
   u32 it = 0, qphase = 0;   // the blocks taken from the ring so far: stage it % STAGES, phase (it / STAGES) % 2
   PhaseClock pc(qbuf, G, ct == 0);   // (qbuf: the shared memory's base)
+  const float sl[2] = {p.sm_scale_log2, p.sm_scale_log2};
   for (int u = w.first(); u <= w.last(); ++u) {
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
@@ -925,7 +1035,7 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
       if ((j & 1) == G) {   // this warpgroup's block, its scores in s
         const int valid = min(BLK, x.end - x.begin - j * BLK);
         if (j + 2 >= nb && lane == 0) mbar_arrive(b.q_empty);   // this warp's last Q.K^T of the unit is done
-        mla_softmax(s, valid, p.sm_scale_log2, m, l, a, lane);
+        mla_softmax(s, valid, sl, m, l, a, lane);
         zero_tail(st, valid, ct);
         pc.lap(PHASE_SOFTMAX);
         store_p(pbuf, s, lane, warp);
@@ -1009,7 +1119,7 @@ struct MlaFamily {
       }
       for (int st = 0; st < RAW_STAGES_; ++st) {
         mbar_init(s.b.raw_full(st), 1);
-        mbar_init(s.b.raw_empty(st), CONVERTERS);
+        mbar_init(s.b.raw_empty(st), CONVERTERS + 4);   // (and the score warps, once their Q.K^T read it)
       }
       mbar_init(s.b.q_full, 1);   // the Q loader's arrival with its bytes
       mbar_init(s.b.q_empty, SEESAW ? 8 : 4);   // the warps that score

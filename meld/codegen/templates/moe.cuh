@@ -239,35 +239,18 @@ __device__ __forceinline__ void store_chunk(uint4* dst, int c, int vecs, int lan
 using u8 = unsigned char;
 // FP8 activations (DeepSeek-V3's): per token per 128-channel group, scale = max |v| / 448 (the largest e4m3),
 // e4m3 = v * (1 / scale) rounded to nearest, both IEEE (moe_reference.quantize_groups: the same bits). A group's
-// maximum is taken on the magnitudes' bits, where every NaN lies above infinity: a NaN makes its scale NaN.
-constexpr float E4M3_MAX = 448.f;
-constexpr float FP8_MIN_AMAX = 1e-10f;   // an all-zero group gets a finite scale (its values stay 0)
-__device__ __forceinline__ float group_scale(u32 amax_bits) {
-  const float a = __uint_as_float(amax_bits);
-  return a != a ? a : fmaxf(a, FP8_MIN_AMAX) / E4M3_MAX;
-}
-__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {   // lo in the low byte
-  u16 r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+// maximum is taken on the magnitudes' bits, where every NaN lies above infinity: a NaN makes its scale NaN
+// (group_scale, e4m3x2: common.cuh).
 
 // A 16-byte vector of a row (8 channels), as dispatch holds them (load_chunk), quantised: lane `lane` holds
 // vector `v` (0..vecs-1: past it, nothing), and the 16 vectors of a 128-channel group are held by one half
 // warp (a chunk starts at a multiple of 16 vectors): the group's maximum is met there, by shuffles.
 __device__ __forceinline__ void quantise_vec(uint4 x, int v, int vecs, uint2& q, float& sc) {
   const u32 w[4] = {x.x, x.y, x.z, x.w};
-  u32 m = 0;
-  if (v < vecs)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) m = max(m, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));   // bf16 magnitudes
+  u32 m = v < vecs ? bf16x8_amax(w) : 0u;
   for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(~0u, m, o));
   sc = group_scale(m << 16);
-  const float inv = 1.f / sc;
-  u32 b[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) b[i] = e4m3x2(__uint_as_float(w[i] << 16) * inv, __uint_as_float(w[i] & 0xffff0000u) * inv);
-  q = make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
+  q = bf16x8_to_e4m3(w, 1.f / sc);
 }
 // A quantised vector into row r of xs (e4m3), its group's scale into xs_scale (by the group's first lane).
 __device__ __forceinline__ void store_vec_fp8(const MoeParams& p, int r, int v, int vecs, int lane, uint2 q, float sc) {
