@@ -129,13 +129,14 @@ __device__ __forceinline__ void bf16x8_to_e4m3_split(const u32 (&w)[4], float in
   u32 h[4];
   e4m3x4_to_f16(hi.x, h[0], h[1]);
   e4m3x4_to_f16(hi.y, h[2], h[3]);
+  float f[2][4];   // hi's values: pair i at f[i / 2][2 (i % 2)], + 1
+  f16x4_to_f32(h[0], h[1], f[0]);
+  f16x4_to_f32(h[2], h[3], f[1]);
   u32 b[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float h0, h1;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(h0), "=f"(h1) : "r"(h[i]));
-    b[i] = e4m3x2(__uint_as_float(w[i] << 16) * inv - h0, __uint_as_float(w[i] & 0xffff0000u) * inv - h1);
-  }
+  for (int i = 0; i < 4; ++i)
+    b[i] = e4m3x2(__uint_as_float(w[i] << 16) * inv - f[i >> 1][2 * (i & 1)],
+                  __uint_as_float(w[i] & 0xffff0000u) * inv - f[i >> 1][2 * (i & 1) + 1]);
   lo = make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
 }
 // Four e5m2 bytes x, permuted first by SEL (as byte_perm<SEL>), as e4m3x4_to_f16 gives them. An e5m2 byte is
