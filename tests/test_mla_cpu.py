@@ -21,11 +21,13 @@ SCALE = 192 ** -0.5
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50),
                                  MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True),
+                                 MlaKernelConfig(schedule="halves"), MlaKernelConfig(schedule="halves", profile=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn"),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", profile=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=3),
                                  MlaKernelConfig(profile=True, phases=True),
                                  MlaKernelConfig(schedule="seesaw", profile=True, phases=True),
+                                 MlaKernelConfig(schedule="halves", profile=True, phases=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", profile=True, phases=True)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
@@ -51,6 +53,17 @@ def test_seesaw_build():
     assert "static_assert(LOAD_REGS + 2 * MATH_REGS <= 3 * (65536 / 384 / 8 * 8)" in cfg.render()
 
 
+def test_halves_build():
+    """The halves: 64-token blocks in two stages in the split build's shared memory (its statistics in Stats'
+    room), m64n32 scores; the other builds' sources do not name it."""
+    cfg = MlaKernelConfig(schedule="halves")
+    assert (cfg.stages, cfg.name) == (2, "meld_mla_decode_bf16_b64_s2_halves")
+    assert cfg.smem_bytes == MlaKernelConfig().smem_bytes
+    src = cfg.render()
+    assert "#define MLA_HALVES 1" in src and "m64n32k16.f32.bf16.bf16" in src
+    assert all("MLA_HALVES 1" not in c.render() for c in (MlaKernelConfig(), MlaKernelConfig(schedule="seesaw")))
+
+
 def test_phases_build():
     """The phase stamps' build (a diagnostic): profiled, its sums' shared memory beside the barriers, the stages of
     the plain build; its profile records include every role's phases; the plain build's source defines no clock."""
@@ -58,7 +71,8 @@ def test_phases_build():
 
     from meld.runtime.profile import PHASES
 
-    for plain in (MlaKernelConfig(), MlaKernelConfig(schedule="seesaw"), MlaKernelConfig.for_cache("float8_e4m3fn")):
+    for plain in (MlaKernelConfig(), MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="halves"),
+                  MlaKernelConfig.for_cache("float8_e4m3fn")):
         cfg = dataclasses.replace(plain, profile=True, phases=True)
         assert "_phases" in cfg.name and (cfg.stages, cfg.raw_stages) == (plain.stages, plain.raw_stages)
         assert cfg.smem_bytes == plain.smem_bytes + 4 * 3 * len(PHASES)
@@ -67,9 +81,11 @@ def test_phases_build():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(schedule="pingpong"), "schedule='pingpong': expected one of \\('split', 'seesaw'\\)"),
+    (dict(schedule="pingpong"), "schedule='pingpong': expected one of \\('split', 'seesaw', 'halves'\\)"),
     (dict(phases=True), "phases=True needs profile=True"),
     (dict(schedule="seesaw", block_tokens=32), "block_tokens=32: the seesaw schedule runs 64-token blocks"),
+    (dict(schedule="halves", block_tokens=32), "block_tokens=32: the halves schedule runs 64-token blocks"),
+    (dict(schedule="halves", kv_dtype="float8_e4m3fn", block_tokens=32), "an FP8 cache runs the split schedule"),
 ])
 def test_bad_kernel_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

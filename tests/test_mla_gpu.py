@@ -2,7 +2,7 @@
 error < 1e-2, lse, empty requests, bit-identical repeats; split units merged by several CTAs; head counts
 that are no multiple of 64; page sizes below and above the kernel's 64-token block; CUDA-graph replay across
 re-plans; non-finite inputs reaching exactly their rows; views of one combined latent cache. Each test that
-takes `schedule` runs both kernel builds (MlaKernelConfig.schedule): the default split and the seesaw."""
+takes `schedule` runs every kernel build (MlaKernelConfig.schedule): the default split, the seesaw and the halves."""
 import functools
 
 import pytest
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 SCALE = 192 ** -0.5
 
 
-@pytest.fixture(params=["split", "seesaw"])
+@pytest.fixture(params=["split", "seesaw", "halves"])
 def schedule(request):
     """The kernel build a test runs."""
     return MlaKernelConfig(schedule=request.param)

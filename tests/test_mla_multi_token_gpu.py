@@ -53,7 +53,7 @@ def _assert_close(out, lse, lens, q_len, seed=0):
     assert (lse.cpu().double() - ref_lse).abs().max().item() < 2e-3
 
 
-@pytest.mark.parametrize("schedule", ["split", "seesaw"])
+@pytest.mark.parametrize("schedule", ["split", "seesaw", "halves"])
 @pytest.mark.parametrize("B", [1, 16, 64])
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_batches(q_len, B, schedule):

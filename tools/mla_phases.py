@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BUILDS = {"split": {}, "seesaw": {"schedule": "seesaw"}, "fp8": {"fp8": True}, "fp8-s3": {"fp8": True, "num_stages": 3}}
+BUILDS = {"split": {}, "seesaw": {"schedule": "seesaw"}, "halves": {"schedule": "halves"}, "fp8": {"fp8": True}, "fp8-s3": {"fp8": True, "num_stages": 3}}
 
 
 def main(argv: list[str] | None = None) -> int:

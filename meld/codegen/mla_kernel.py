@@ -1,7 +1,7 @@
 """Emit the MLA decode-attention kernel (templates/mla_decode.cuh) from its static configuration.
 
 The latent widths (512 + 64, DeepSeek's) and the 64-head unit are the template's constants; the KV block
-(32 or 64 tokens), the ring depth and the warpgroups' schedule (split or seesaw) are the knobs, and heads, page
+(32 or 64 tokens), the ring depth and the warpgroups' schedule (split, seesaw or halves) are the knobs, and heads, page
 size and the batch are run-time values, so one compiled kernel serves every batch and every `plan()`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ MLA_BLOCK_TOKENS = (32, 64)   # KV tokens a ring stage may hold
 _ROW = 128                    # bytes of a 128-byte swizzled row: 64 channels
 _STATS_BYTES = 6 * 64 * 4   # the template's Stats (alpha, l, m, bad[2], qs)
 _SEESAW_STATS_BYTES = _STATS_BYTES + 6 * 64 * 4   # SeesawStats: Stats, alpha[2], m[2], l[2]
-MLA_SCHEDULES = ("split", "seesaw")
+MLA_SCHEDULES = ("split", "seesaw", "halves")
 MLA_KV_FP8 = ("float8_e4m3fn",)   # the FP8 latent caches the kernel reads (MlaKernelConfig.kv_dtype)
 _RAW_ROW = 576                    # bytes of an FP8 latent row (512 + 64 channels) in the staging ring
 
@@ -35,7 +35,8 @@ class MlaKernelConfig:
     profile: bool = False      # record per-piece timestamps (MELD_PROFILE)
     watchdog_ms: int = 2000    # a spin gives up after this long: record and trap
     # "split": one warpgroup scores every block and both accumulate half of O; "seesaw": the two warpgroups
-    # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only)
+    # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only); "halves":
+    # both warpgroups score half of every block (m64n32) and accumulate half of O (64-token blocks only)
     schedule: str = "split"
     # "": a bf16 cache; "float8_e4m3fn": e4m3 bytes, staged by TMA in a ring of their own, scored by e4m3 wgmmas
     # against Q as two e4m3 terms and converted to bf16 on chip for P.V (the split schedule, 32-token blocks;
@@ -62,6 +63,9 @@ class MlaKernelConfig:
         if self.schedule == "seesaw" and self.block_tokens != 64:
             raise ValueError(f"block_tokens={self.block_tokens!r}: the seesaw schedule runs 64-token blocks (each "
                              "block's P takes its stage's 64-row rope box)")
+        if self.schedule == "halves" and self.block_tokens != 64:
+            raise ValueError(f"block_tokens={self.block_tokens!r}: the halves schedule runs 64-token blocks (a "
+                             "warpgroup's half is wgmma's N of 32)")
         if self.phases and not self.profile:
             raise ValueError("phases=True needs profile=True: the phase sums are profile records")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
@@ -110,7 +114,8 @@ class MlaKernelConfig:
     def _fixed_bytes(self) -> int:
         """Q (9 boxes of 64 heads), P (64 rows), the rows' statistics, the mbarriers of up to 8 stages, and 1 KiB
         to align the boxes (and a phases build's sums). The seesaw keeps each block's P in its stage (no P buffer) and
-        a full mbarrier per box of a stage."""
+        a full mbarrier per box of a stage. The halves' statistics take the split build's room (the template's
+        HalvesStats)."""
         sums = 4 * self.phase_records if self.phases else 0
         if self.schedule == "seesaw":
             return 9 * 64 * _ROW + _SEESAW_STATS_BYTES + 8 * (8 * 10 + 2) + 1024 + sums
@@ -122,8 +127,9 @@ class MlaKernelConfig:
         return 3 * len(PHASES) if self.phases else 0
 
     entry = "meld_mla_decode"
-    threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511 or (seesaw)
-                    # the scores of even / odd blocks + channels 0-255 / 256-511
+    threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511, (seesaw)
+                    # the scores of even / odd blocks + channels 0-255 / 256-511 or (halves) the scores of each
+                    # block's tokens 0-31 / 32-63 + channels 0-255 / 256-511
 
     @property
     def smem_bytes(self) -> int:
@@ -135,7 +141,7 @@ class MlaKernelConfig:
         return (f"meld_mla_decode_bf16_b{self.block_tokens}_s{self.stages}" + ("_prof" if self.profile else "")
                 + ("_phases" if self.phases else "")
                 + (f"_wd{self.watchdog_ms}" if self.watchdog_ms != 2000 else "")
-                + ("_seesaw" if self.schedule == "seesaw" else "")
+                + (f"_{self.schedule}" if self.schedule != "split" else "")
                 + (f"_e4m3_r{self.raw_stages}" if self.kv_dtype else ""))
 
     def render(self) -> str:
@@ -149,9 +155,11 @@ class MlaKernelConfig:
             kind_defines(),
             f"#define MELD_WATCHDOG_NS {self.watchdog_ms * 1_000_000}ll",
         ] + (["#define MLA_SEESAW 1"] if self.schedule == "seesaw" else [])
+          + (["#define MLA_HALVES 1"] if self.schedule == "halves" else [])
           + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else [])
           + (["#define MLA_PHASES 1"] if self.phases else []))
-        mma = ("namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
+        scored = self.block_tokens // 2 if self.schedule == "halves" else self.block_tokens   # S's N a warpgroup
+        mma = ("namespace meld {\n" + wgmma_bf16(scored) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
                + wgmma_rs("bfloat16", MLA_HEAD_DIM_CKV // 2, trans_b=True)
                + (wgmma_e4m3(self.block_tokens) if self.kv_dtype else "") + "}")
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,

@@ -57,7 +57,6 @@ constexpr int P_BYTES = HB * 128;              // P as wgmma's K-major A: 64 row
                                                // tokens of them in use)
 constexpr int VH = DC / 2;                     // latent channels a consumer warpgroup accumulates
 constexpr int OACC = VH / 2;                   // its accumulators a thread (m64n256)
-constexpr int SACC = BLK / 2;                  // S's accumulators a thread (m64nBLK)
 constexpr int MERGE_SLICES = 8;                // the most CTAs that merge one split unit together
 constexpr int MERGE_CHUNK = 4;                 // parts a merging thread keeps in flight for each of
 constexpr int MERGE_OUTS = 4;                  // its groups of four outputs (the loads are latency-bound)
@@ -67,6 +66,16 @@ constexpr bool SEESAW = true;                  // the seesaw schedule (mla_seesa
 #else
 constexpr bool SEESAW = false;
 #endif
+// MLA_HALVES builds (the halves schedule, mla_halves): both consumer warpgroups score every 64-token block, 32
+// tokens each.
+#ifdef MLA_HALVES
+constexpr bool HALVES = true;
+#else
+constexpr bool HALVES = false;
+#endif
+constexpr bool PAIRED = SEESAW || HALVES;      // both consumer warpgroups score
+constexpr int SN = HALVES ? BLK / 2 : BLK;     // the tokens of a block a scoring warpgroup scores: S's N
+constexpr int SACC = SN / 2;                   // S's accumulators a thread (m64nSN)
 constexpr int FULL_BARS = SEESAW ? NBOX : 1;   // full mbarriers a stage: the seesaw's one a box
 constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbarrier to the next's
 
@@ -95,7 +104,8 @@ constexpr int RAW_LAT = BLK * 128;             // a staged latent box: BLK rows 
 constexpr int RAW_ROPE = BLK * 64;             // the staged rope box: BLK rows of 64
 constexpr int RAW_BYTES = (DC / 128) * RAW_LAT + RAW_ROPE;
 constexpr int CONVERTERS = 64 + 128;           // FP8: warps 2-3 (threads 0-63 of the conversion), warpgroup 2 (64-191)
-static_assert(!(KV_FP8 && SEESAW), "FP8 caches run the split schedule");
+static_assert(!(KV_FP8 && PAIRED), "FP8 caches run the split schedule");
+static_assert(!HALVES || BLK == 64, "the halves schedule runs 64-token blocks");
 
 // Shared memory: Q, the ring, P (the seesaw keeps each block's P in its stage), then the rows' statistics and
 // the mbarriers.
@@ -115,9 +125,16 @@ struct SeesawStats {
   float m[2][HB];
   float l[2][HB];      // each warpgroup's row sums at the unit's end
 };
+struct HalvesStats {   // (in Stats' bytes: the split build's room, which the two stages of 64 tokens leave)
+  float mx[2][HB];     // each warpgroup's row maxima of its half of the block
+  float l[2][HB];      // each warpgroup's row sums at the unit's end
+  float bad[2][HB];    // mla_store's non-finite exchange
+};
+static_assert(sizeof(HalvesStats) == sizeof(Stats), "the halves' statistics take the split build's room");
 constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
+constexpr int HALF_MAX = 5, HALF_P = 6;        // the halves': the rows' maxima, P's halves exchanged
 constexpr int ZERO_BAR = 1;                    // the score warpgroup's: a partial block's zeroed V rows, all warps'
                                                // before its P.V reads them (FP8: also the quantised Q before the
                                                // unit's first Q.K^T)
@@ -421,19 +438,22 @@ __device__ __forceinline__ void rescale(float (&o)[OACC], float a0, float a1) {
   for (int i = 0; i < OACC; ++i) o[i] *= (i >> 1) & 1 ? a1 : a0;
 }
 
-// V rows of stage `st` past the piece's end (from `valid`): zeros, which P (0 there) must not turn into NaN.
-// One warpgroup (ct 0..127).
+// V rows past the piece's end (from `valid`) in the BOXES latent boxes of a stage from `st`: zeros, which P (0
+// there) must not turn into NaN. One warpgroup (ct 0..127).
+template <int BOXES = DC / 64>
 __device__ __forceinline__ void zero_tail(u32 st, int valid, int ct) {
+  static_assert((BOXES & (BOXES - 1)) == 0, "a power of two of boxes");
   if (valid < BLK)
-    for (int i = ct; i < (BLK - valid) * 64; i += 128)   // row valid + i / 64, latent box (i / 8) % 8
-      st_shared_zero16(st + ((i >> 3) & 7) * BOX + (valid + (i >> 6)) * 128 + ((i & 7) << 4));
+    for (int i = ct; i < (BLK - valid) * 8 * BOXES; i += 128)   // row valid + i / (8 BOXES), box (i / 8) % BOXES
+      st_shared_zero16(st + ((i >> 3) & (BOXES - 1)) * BOX + (valid + i / (8 * BOXES)) * 128 + ((i & 7) << 4));
 }
 
-// A block's P (bf16) from a warpgroup's S accumulators into `pbuf` as wgmma's K-major A (128-byte swizzle).
-__device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int lane, int warp) {
+// A block's P (bf16) from a warpgroup's S accumulators (its tokens from col0 on) into `pbuf` as wgmma's K-major A
+// (128-byte swizzle).
+__device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int lane, int warp, int col0 = 0) {
 #pragma unroll
   for (int i = 0; i < SACC; i += 2) {
-    const int r = acc_row(lane, warp, (i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3);
+    const int r = acc_row(lane, warp, (i >> 1) & 1), col = col0 + 8 * (i >> 2) + 2 * (lane & 3);
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(pbuf + r * 128 + ((((col >> 3) ^ (r & 7))) << 4) + (col & 7) * 2),
                  "r"(pack2(s[i], s[i + 1])) : "memory");
   }
@@ -489,9 +509,9 @@ __device__ __forceinline__ void merge_pair(const MlaParams& p, const Piece& x, c
 }
 
 // Both consumer warpgroups at a unit's end: the rows' non-finite check over all 512 channels (exchanged in
-// shared memory), then the output (whole unit) or this piece's partial. `l`, `m`: the thread's two rows'.
+// shared memory, `xbad`), then the output (whole unit) or this piece's partial. `l`, `m`: the thread's two rows'.
 __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUnit& un, const Piece& x, float (&o)[OACC],
-                                          const float (&l)[2], const float (&m)[2], Stats& sx, int g, int warp, int lane,
+                                          const float (&l)[2], const float (&m)[2], float (&xbad)[2][HB], int g, int warp, int lane,
                                           int cta, PhaseClock& pc) {
   float bad[2] = {0.f, 0.f};
 #pragma unroll
@@ -499,14 +519,14 @@ __device__ __forceinline__ void mla_store(const MlaParams& p, int u, const MlaUn
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     bad[h] = quad_sum(bad[h]);
-    if ((lane & 3) == 0) sx.bad[g][acc_row(lane, warp, h)] = bad[h];
+    if ((lane & 3) == 0) xbad[g][acc_row(lane, warp, h)] = bad[h];
   }
   named_barrier(2, 256);
   pc.lap(PHASE_END_SYNC);
   float lrow[2];   // NaN when a row met a non-finite value anywhere
 #pragma unroll
-  for (int h = 0; h < 2; ++h) lrow[h] = l[h] + sx.bad[0][acc_row(lane, warp, h)] + sx.bad[1][acc_row(lane, warp, h)];
-  named_barrier(2, 256);   // both have read sx.bad (every lane, before any diverges): the next unit's may
+  for (int h = 0; h < 2; ++h) lrow[h] = l[h] + xbad[0][acc_row(lane, warp, h)] + xbad[1][acc_row(lane, warp, h)];
+  named_barrier(2, 256);   // both have read xbad (every lane, before any diverges): the next unit's may
                            // overwrite it
   pc.lap(PHASE_END_SYNC);
   const int req = un.req, h0 = un.h0, rows = un.rows;
@@ -680,9 +700,11 @@ __device__ __forceinline__ void mla_issue_scores_fp8(float (&s)[SACC], u32 qbuf,
 // The online softmax of one block's scores (log2 domain: scale_log2, the thread's two rows' factors), in place: s
 // becomes P; columns from `valid` on (past the piece's end) are masked, Inf and NaN scores become NaN. Updates the
 // thread's two rows' m and (its share of) l; a gets the rows' rescale of O.
-__device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, const float (&scale_log2)[2], float (&m)[2],
-                                            float (&l)[2], float (&a)[2], int lane) {
-  float mx[2] = {neg_inf(), neg_inf()};
+// In two steps for the halves, whose warpgroups exchange their maxima between them: scores_max scales and masks
+// the scores and gives the thread's two rows' maxima (quad_max'd), softmax_rest the rest from the block's maxima.
+__device__ __forceinline__ void scores_max(float (&s)[SACC], int valid, const float (&scale_log2)[2], float (&mx)[2],
+                                           int lane) {
+  mx[0] = mx[1] = neg_inf();
 #pragma unroll
   for (int i = 0; i < SACC; ++i) {
     const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
@@ -690,10 +712,15 @@ __device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, const f
     s[i] = col >= valid ? neg_inf() : v + 0.f * v;
     mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
   }
+  mx[0] = quad_max(mx[0]);
+  mx[1] = quad_max(mx[1]);
+}
+__device__ __forceinline__ void softmax_rest(float (&s)[SACC], const float (&mx)[2], float (&m)[2], float (&l)[2],
+                                             float (&a)[2]) {
   float sum[2] = {0.f, 0.f}, mu[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float mn = fmaxf(m[h], quad_max(mx[h]));
+    const float mn = fmaxf(m[h], mx[h]);
     mu[h] = mn == neg_inf() ? 0.f : mn;   // nothing seen yet: keep exp2 finite
     a[h] = exp2_approx(m[h] - mu[h]);
     m[h] = mn;
@@ -705,6 +732,12 @@ __device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, const f
   }
   l[0] = l[0] * a[0] + sum[0];
   l[1] = l[1] * a[1] + sum[1];
+}
+__device__ __forceinline__ void mla_softmax(float (&s)[SACC], int valid, const float (&scale_log2)[2], float (&m)[2],
+                                            float (&l)[2], float (&a)[2], int lane) {
+  float mx[2];
+  scores_max(s, valid, scale_log2, mx, lane);
+  softmax_rest(s, mx, m, l, a);
 }
 
 // A unit's online-softmax state before its first block (both schedules): O zero, l zero, m -inf.
@@ -890,7 +923,7 @@ __device__ void mla_score(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 r
       l[0] = quad_sum(l[0]);
       l[1] = quad_sum(l[1]);
     }
-    mla_store(p, u, w.unit(u), x, o, l, m, sx, 0, warp, lane, w.cta, pc);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx.bad, 0, warp, lane, w.cta, pc);
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
@@ -949,7 +982,7 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
       pc.add(PHASE_BLOCKS, 1);
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
-    mla_store(p, u, w.unit(u), x, o, l, m, sx, 1, warp, lane, w.cta, pc);
+    mla_store(p, u, w.unit(u), x, o, l, m, sx.bad, 1, warp, lane, w.cta, pc);
     if (x.slot >= 0) mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128, pc);
     pc.lap(PHASE_UNIT_END);
   }
@@ -1078,7 +1111,98 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     named_barrier(2, 256);
     l[0] = sx.l[0][r0] + sx.l[1][r0];
     l[1] = sx.l[0][r1] + sx.l[1][r1];
-    mla_store(p, u, w.unit(u), x, o, l, m, sx.base, G, warp, lane, w.cta, pc);   // (its barriers: sx.l read before it is written again)
+    mla_store(p, u, w.unit(u), x, o, l, m, sx.base.bad, G, warp, lane, w.cta, pc);   // (its barriers: sx.l read before it is written again)
+    prof.record(t0, PROF_PIECE, u);
+    if (x.slot >= 0) {
+      const i64 t1 = prof.now();
+      mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G, pc);
+      prof.record(t1, PROF_MERGE_HBM, u);
+    }
+    pc.lap(PHASE_UNIT_END);
+  }
+  if constexpr (PHASES_ON) {
+    named_barrier(PHASE_BAR, 256);   // the other warpgroup's sums are complete
+    if (G == 0) record_phases(prof, qbuf);
+  }
+}
+#endif
+
+#ifdef MLA_HALVES
+// The halves schedule: both consumer warpgroups score every 64-token block, warpgroup g (0, 1) its tokens 32 g ..
+// 32 g + 31 (m64n32 Q.K^T, both at once, and their softmax at once), and warpgroup g accumulates O's channels
+// 256 g .. 256 g + 255 over all 64 tokens (its P.V, as in the split build). A block: each scores its half, publishes
+// its rows' maxima (sx.mx[g]) and syncs on HALF_MAX; both take the block's maxima (the same on both sides, so m, the
+// rescale and the exponent agree bit for bit), exponentiate their half into P (pbuf's tokens 32 g ..), zero their
+// own boxes' rows past the piece's end, and sync on HALF_P; then each runs its P.V over both halves of P. Each
+// warpgroup sums l over its own tokens; the two sums meet at the unit's end (sx.l). No block's Q.K^T is issued
+// before the last block's P.V is done: two stages of 64 tokens are all the ring holds, and this way the next
+// block's bytes land under this block's work. One slot of maxima and one P buffer suffice: a warpgroup writes them
+// again only past the other's next arrival at HALF_P (the maxima) or HALF_MAX (P), which the other reaches after
+// reading them (the maxima) or after its P.V of them completed (P). Deadlock-free: the two warpgroups meet at the
+// same barriers in the same order, and between them wait only for the TMA.
+template <int G>
+__device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, HalvesStats& sx,
+                           const Bars& b, Profiler& prof) {
+  const int ct = threadIdx.x - 128 * (G + 1), warp = ct >> 5, lane = ct & 31;
+  const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
+  int stage = 0;
+  u32 phase = 0, qphase = 0;
+  PhaseClock pc(qbuf, G, ct == 0);   // (qbuf: the shared memory's base)
+  const float sl[2] = {p.sm_scale_log2, p.sm_scale_log2};
+  for (int u = w.first(); u <= w.last(); ++u) {
+    const i64 t0 = prof.now();
+    const Piece x = w.piece(u);
+    const int nb = UnitWalk::blocks(x);
+    float o[OACC], s[SACC], a[2], l[2], m[2], mx[2];
+    unit_start(o, l, m);
+    if (nb > 0) {
+      mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
+      qphase ^= 1u;
+      pc.lap(PHASE_WAIT_Q);
+    }
+    for (int j = 0; j < nb; ++j) {
+      const u32 st = ring + stage * STAGE_BYTES;
+      const int valid = min(BLK, x.end - x.begin - j * BLK);
+      mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
+      pc.lap(PHASE_WAIT_KV);
+      wgmma_fence();
+      mla_issue_scores(s, qbuf, st + G * SN * 128);   // (rows 32 g .. of every box)
+      wgmma_wait<0>();
+      fence_regs(s);
+      if (j == nb - 1 && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit are done
+      pc.lap(PHASE_WAIT_MMA);
+      scores_max(s, valid - G * SN, sl, mx, lane);
+      if ((lane & 3) == 0) {
+        sx.mx[G][r0] = mx[0];
+        sx.mx[G][r1] = mx[1];
+      }
+      named_barrier(HALF_MAX, 256);
+      pc.lap(PHASE_WAIT_P);
+      mx[0] = fmaxf(mx[0], sx.mx[1 - G][r0]);
+      mx[1] = fmaxf(mx[1], sx.mx[1 - G][r1]);
+      softmax_rest(s, mx, m, l, a);
+      rescale(o, a[0], a[1]);
+      store_p(pbuf, s, lane, warp, G * SN);
+      zero_tail<DC / 128>(st + 4 * G * BOX, valid, ct);
+      fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
+      pc.lap(PHASE_SOFTMAX);
+      named_barrier(HALF_P, 256);
+      pc.lap(PHASE_PUBLISH);
+      mla_pv(o, pbuf, st, G);
+      pc.lap(PHASE_PV);
+      if (lane == 0) mbar_arrive(b.empty + 8 * stage);
+      pc.add(PHASE_BLOCKS, 1);
+      if (++stage == STAGES) { stage = 0; phase ^= 1u; }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = quad_sum(l[h]);
+      if ((lane & 3) == 0) sx.l[G][acc_row(lane, warp, h)] = l[h];
+    }
+    named_barrier(2, 256);
+    l[0] = sx.l[0][r0] + sx.l[1][r0];
+    l[1] = sx.l[0][r1] + sx.l[1][r1];
+    mla_store(p, u, w.unit(u), x, o, l, m, sx.bad, G, warp, lane, w.cta, pc);   // (its barriers: sx.l read before it is written again)
     prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
       const i64 t1 = prof.now();
@@ -1122,7 +1246,7 @@ struct MlaFamily {
         mbar_init(s.b.raw_empty(st), CONVERTERS + 4);   // (and the score warps, once their Q.K^T read it)
       }
       mbar_init(s.b.q_full, 1);   // the Q loader's arrival with its bytes
-      mbar_init(s.b.q_empty, SEESAW ? 8 : 4);   // the warps that score
+      mbar_init(s.b.q_empty, PAIRED ? 8 : 4);   // the warps that score
       fence_mbar_init();
     }
     __syncthreads();
@@ -1136,7 +1260,7 @@ struct MlaFamily {
   }
 
   static __device__ __forceinline__ void run(const MlaParams& p, const State& s) {
-#ifdef MLA_SEESAW
+#if defined(MLA_SEESAW) || defined(MLA_HALVES)
     // setmaxnreg moves registers within the CTA's launch allocation: 384 threads at one CTA an SM get 168
     // each (65536 / 384, in steps of 8), and an increase that the warpgroups' sum overdraws never returns
     constexpr int LOAD_REGS = 40, MATH_REGS = 232;
@@ -1149,11 +1273,17 @@ struct MlaFamily {
     } else {
       regs_alloc<MATH_REGS>();
       const UnitWalk w(p, s.cta);
-      SeesawStats& sx = reinterpret_cast<SeesawStats&>(s.sx);
       Profiler prof;
       prof.begin(p.prof, p.prof_cap, s.cta, threadIdx.x == 128, p.prof_clock, p.prof_every);
+#ifdef MLA_SEESAW
+      SeesawStats& sx = reinterpret_cast<SeesawStats&>(s.sx);
       if (threadIdx.x < 256) mla_seesaw<0>(p, w, s.base, s.base + OFF_RING, sx, s.b, prof);
       else mla_seesaw<1>(p, w, s.base, s.base + OFF_RING, sx, s.b, prof);
+#else
+      HalvesStats& sx = reinterpret_cast<HalvesStats&>(s.sx);
+      if (threadIdx.x < 256) mla_halves<0>(p, w, s.base, s.base + OFF_RING, s.base + OFF_P, sx, s.b, prof);
+      else mla_halves<1>(p, w, s.base, s.base + OFF_RING, s.base + OFF_P, sx, s.b, prof);
+#endif
       prof.end(p.num_ctas);
     }
     return;
