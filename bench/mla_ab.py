@@ -13,8 +13,8 @@ timer (CUDA-graph replay median, cold L2).
 
 `--kv-dtype fp8` times the e4m3 build (`DecodeMLA(kv_dtype=torch.float8_e4m3fn)`) on bench/mla.py's FP8 inputs,
 checked against float64 over the dequantised cache. `--schedule seesaw` times the seesaw build on both sides,
-`--block-tokens 32` the bf16 build of 32-token blocks. `--new-schedule halves` times that build on the new side only
-(`--base .`: the halves against the split in one tree). `--also q=.ab/q box=.ab/box` times more trees in the same
+`--block-tokens 32` the bf16 build of 32-token blocks. `--new-schedule halves` times that build on the new side and the --also trees,
+the base side keeps --schedule's (`--base .`: the halves against the split in one tree). `--also q=.ab/q box=.ab/box` times more trees in the same
 rounds against the same base, a column each: several candidates for one base run a round.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> int:
     p.add_argument("--schedule", choices=("split", "seesaw", "halves"), default="split",
                    help="the build both sides time (MlaKernelConfig(schedule=...))")
     p.add_argument("--new-schedule", choices=("split", "seesaw", "halves"),
-                   help="the new side's build in place of --schedule's (the base side and --also trees keep it)")
+                   help="the new side's and the --also trees' build in place of --schedule's (the base keeps it)")
     p.add_argument("--block-tokens", type=int, choices=(0, 32, 64), default=0,
                    help="the bf16 build's KV block on both sides (0: its default)")
     p.add_argument("--new-num-stages", type=int, default=0,
@@ -86,7 +86,7 @@ def main() -> int:
         sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
         "--batches", *map(str, args.batches), "--dists", *args.dists,
         "--seed", str(args.seed), "--kv-dtype", args.kv_dtype,
-        "--schedule", args.new_schedule if side == "new" and args.new_schedule else args.schedule,
+        "--schedule", args.new_schedule if side != "base" and args.new_schedule else args.schedule,
         "--block-tokens", str(args.block_tokens), "--out", out,
         *(["--num-stages", str(args.new_num_stages)] if side == "new" and args.new_num_stages else []),
         *(["--check"] if r == 0 else [])])

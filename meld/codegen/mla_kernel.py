@@ -36,7 +36,8 @@ class MlaKernelConfig:
     watchdog_ms: int = 2000    # a spin gives up after this long: record and trap
     # "split": one warpgroup scores every block and both accumulate half of O; "seesaw": the two warpgroups
     # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only); "halves":
-    # both warpgroups score half of every block (m64n32) and accumulate half of O (64-token blocks only)
+    # both warpgroups score every block over half of its channels each, take the softmax of half of its tokens each
+    # and accumulate half of O (64-token blocks only)
     schedule: str = "split"
     # "": a bf16 cache; "float8_e4m3fn": e4m3 bytes, staged by TMA in a ring of their own, scored by e4m3 wgmmas
     # against Q as two e4m3 terms and converted to bf16 on chip for P.V (the split schedule, 32-token blocks;
@@ -64,8 +65,8 @@ class MlaKernelConfig:
             raise ValueError(f"block_tokens={self.block_tokens!r}: the seesaw schedule runs 64-token blocks (each "
                              "block's P takes its stage's 64-row rope box)")
         if self.schedule == "halves" and self.block_tokens != 64:
-            raise ValueError(f"block_tokens={self.block_tokens!r}: the halves schedule runs 64-token blocks (a "
-                             "warpgroup's half is wgmma's N of 32)")
+            raise ValueError(f"block_tokens={self.block_tokens!r}: the halves schedule runs 64-token blocks (its P "
+                             "takes its stage's 64-row rope box)")
         if self.phases and not self.profile:
             raise ValueError("phases=True needs profile=True: the phase sums are profile records")
         if not isinstance(self.watchdog_ms, int) or self.watchdog_ms < 1:
@@ -129,7 +130,8 @@ class MlaKernelConfig:
     entry = "meld_mla_decode"
     threads = 384   # three warpgroups: loads, then (split) scores + channels 0-255, channels 256-511, (seesaw)
                     # the scores of even / odd blocks + channels 0-255 / 256-511 or (halves) the scores of each
-                    # block's tokens 0-31 / 32-63 + channels 0-255 / 256-511
+                    # block's channels 0-287 / 288-575, the softmax of its tokens 0-31 / 32-63, O's channels
+                    # 0-255 / 256-511
 
     @property
     def smem_bytes(self) -> int:
@@ -158,8 +160,7 @@ class MlaKernelConfig:
           + (["#define MLA_HALVES 1"] if self.schedule == "halves" else [])
           + (["#define MLA_KV_FP8 1", f"#define RAW_STAGES {self.raw_stages}"] if self.kv_dtype else [])
           + (["#define MLA_PHASES 1"] if self.phases else []))
-        scored = self.block_tokens // 2 if self.schedule == "halves" else self.block_tokens   # S's N a warpgroup
-        mma = ("namespace meld {\n" + wgmma_bf16(scored) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
+        mma = ("namespace meld {\n" + wgmma_bf16(self.block_tokens) + wgmma_bf16(MLA_HEAD_DIM_CKV // 2, trans_b=True)
                + wgmma_rs("bfloat16", MLA_HEAD_DIM_CKV // 2, trans_b=True)
                + (wgmma_e4m3(self.block_tokens) if self.kv_dtype else "") + "}")
         return "\n".join([head, WATCHDOG_RECORD.c_source(), template("common.cuh"), template("events.cuh"), template("persistent.cuh"), template("hopper.cuh"), mma,

@@ -66,16 +66,16 @@ constexpr bool SEESAW = true;                  // the seesaw schedule (mla_seesa
 #else
 constexpr bool SEESAW = false;
 #endif
-// MLA_HALVES builds (the halves schedule, mla_halves): both consumer warpgroups score every 64-token block, 32
-// tokens each.
+// MLA_HALVES builds (the halves schedule, mla_halves): both consumer warpgroups score every 64-token block, half
+// of its channels each, and take the softmax of 32 tokens each.
 #ifdef MLA_HALVES
 constexpr bool HALVES = true;
 #else
 constexpr bool HALVES = false;
 #endif
 constexpr bool PAIRED = SEESAW || HALVES;      // both consumer warpgroups score
-constexpr int SN = HALVES ? BLK / 2 : BLK;     // the tokens of a block a scoring warpgroup scores: S's N
-constexpr int SACC = SN / 2;                   // S's accumulators a thread (m64nSN)
+constexpr int SACC = BLK / 2;                  // S's accumulators a thread (m64nBLK)
+constexpr int HACC = SACC / 2;                 // the halves': those of the block's tokens a warpgroup's softmax takes
 constexpr int FULL_BARS = SEESAW ? NBOX : 1;   // full mbarriers a stage: the seesaw's one a box
 constexpr int BOX_BAR = SEESAW ? 8 : 0;        // bytes from one box's full mbarrier to the next's
 
@@ -134,7 +134,8 @@ static_assert(sizeof(HalvesStats) == sizeof(Stats), "the halves' statistics take
 constexpr int OFF_BARS = (OFF_STATS + (int)(SEESAW ? sizeof(SeesawStats) : sizeof(Stats)) + 7) & ~7;
 constexpr int NUM_BARS = (FULL_BARS + 1) * STAGES + 2 + 2 * RAW_STAGES_;   // (FP8: the staging ring's full, empty)
 constexpr int P_FULL = 3, P_EMPTY = 4;         // named barriers of the P hand-off (2: the unit's end)
-constexpr int HALF_MAX = 5, HALF_P = 6;        // the halves': the rows' maxima, P's halves exchanged
+constexpr int HALF_MAX = 5, HALF_P = 6, HALF_S = 8;   // the halves': the rows' maxima, P's halves, the partial
+                                                     // scores exchanged
 constexpr int ZERO_BAR = 1;                    // the score warpgroup's: a partial block's zeroed V rows, all warps'
                                                // before its P.V reads them (FP8: also the quantised Q before the
                                                // unit's first Q.K^T)
@@ -450,9 +451,10 @@ __device__ __forceinline__ void zero_tail(u32 st, int valid, int ct) {
 
 // A block's P (bf16) from a warpgroup's S accumulators (its tokens from col0 on) into `pbuf` as wgmma's K-major A
 // (128-byte swizzle).
-__device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[SACC], int lane, int warp, int col0 = 0) {
+template <int N>
+__device__ __forceinline__ void store_p(u32 pbuf, const float (&s)[N], int lane, int warp, int col0 = 0) {
 #pragma unroll
-  for (int i = 0; i < SACC; i += 2) {
+  for (int i = 0; i < N; i += 2) {
     const int r = acc_row(lane, warp, (i >> 1) & 1), col = col0 + 8 * (i >> 2) + 2 * (lane & 3);
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(pbuf + r * 128 + ((((col >> 3) ^ (r & 7))) << 4) + (col & 7) * 2),
                  "r"(pack2(s[i], s[i + 1])) : "memory");
@@ -622,19 +624,21 @@ __device__ __forceinline__ unsigned long long desc_at(unsigned long long d, u32 
 }
 
 // S = Q . K^T of ring stage `st` into s (the first k step overwrites it), issued and committed: the caller
-// waits. `box_ready(b)` runs before the first wgmma that reads box b (the seesaw waits for its copies there).
-template <class BoxReady>
+// waits. `box_ready(b)` runs before the first wgmma that reads box b (the seesaw waits for its copies there). The
+// halves sum channels 16 K0 .. 16 K1 - 1 only (k steps K0 .. K1 - 1).
+template <int K0 = 0, int K1 = DQK / 16, class BoxReady>
 __device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st, BoxReady&& box_ready) {
   const unsigned long long dq = wgmma_desc(qbuf), dk = wgmma_desc(st);
 #pragma unroll
-  for (int k = 0; k < DQK / 16; ++k) {
-    if ((k & 3) == 0) box_ready(k >> 2);
-    wgmma_bf16(s, desc_at(dq, (k >> 2) * (HB * 128) + 32 * (k & 3)), desc_at(dk, (k >> 2) * BOX + 32 * (k & 3)), k > 0);
+  for (int k = K0; k < K1; ++k) {
+    if (k == K0 || (k & 3) == 0) box_ready(k >> 2);
+    wgmma_bf16(s, desc_at(dq, (k >> 2) * (HB * 128) + 32 * (k & 3)), desc_at(dk, (k >> 2) * BOX + 32 * (k & 3)), k > K0);
   }
   wgmma_commit();
 }
+template <int K0 = 0, int K1 = DQK / 16>
 __device__ __forceinline__ void mla_issue_scores(float (&s)[SACC], u32 qbuf, u32 st) {
-  mla_issue_scores(s, qbuf, st, [](int) {});
+  mla_issue_scores<K0, K1>(s, qbuf, st, [](int) {});
 }
 
 #ifdef MLA_KV_FP8
@@ -702,11 +706,12 @@ __device__ __forceinline__ void mla_issue_scores_fp8(float (&s)[SACC], u32 qbuf,
 // thread's two rows' m and (its share of) l; a gets the rows' rescale of O.
 // In two steps for the halves, whose warpgroups exchange their maxima between them: scores_max scales and masks
 // the scores and gives the thread's two rows' maxima (quad_max'd), softmax_rest the rest from the block's maxima.
-__device__ __forceinline__ void scores_max(float (&s)[SACC], int valid, const float (&scale_log2)[2], float (&mx)[2],
+template <int N>
+__device__ __forceinline__ void scores_max(float (&s)[N], int valid, const float (&scale_log2)[2], float (&mx)[2],
                                            int lane) {
   mx[0] = mx[1] = neg_inf();
 #pragma unroll
-  for (int i = 0; i < SACC; ++i) {
+  for (int i = 0; i < N; ++i) {
     const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
     const float v = s[i] * scale_log2[(i >> 1) & 1];
     s[i] = col >= valid ? neg_inf() : v + 0.f * v;
@@ -715,7 +720,8 @@ __device__ __forceinline__ void scores_max(float (&s)[SACC], int valid, const fl
   mx[0] = quad_max(mx[0]);
   mx[1] = quad_max(mx[1]);
 }
-__device__ __forceinline__ void softmax_rest(float (&s)[SACC], const float (&mx)[2], float (&m)[2], float (&l)[2],
+template <int N>
+__device__ __forceinline__ void softmax_rest(float (&s)[N], const float (&mx)[2], float (&m)[2], float (&l)[2],
                                              float (&a)[2]) {
   float sum[2] = {0.f, 0.f}, mu[2];
 #pragma unroll
@@ -726,7 +732,7 @@ __device__ __forceinline__ void softmax_rest(float (&s)[SACC], const float (&mx)
     m[h] = mn;
   }
 #pragma unroll
-  for (int i = 0; i < SACC; ++i) {
+  for (int i = 0; i < N; ++i) {
     s[i] = exp2_approx(s[i] - mu[(i >> 1) & 1]);
     sum[(i >> 1) & 1] += s[i];
   }
@@ -1128,23 +1134,28 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
 #endif
 
 #ifdef MLA_HALVES
-// The halves schedule: both consumer warpgroups score every 64-token block, warpgroup g (0, 1) its tokens 32 g ..
-// 32 g + 31 (m64n32 Q.K^T, both at once, and their softmax at once), and warpgroup g accumulates O's channels
-// 256 g .. 256 g + 255 over all 64 tokens (its P.V, as in the split build). A block: each scores its half, publishes
-// its rows' maxima (sx.mx[g]) and syncs on HALF_MAX; both take the block's maxima (the same on both sides, so m, the
-// rescale and the exponent agree bit for bit), exponentiate their half into P (pbuf's tokens 32 g ..), zero their
-// own boxes' rows past the piece's end, and sync on HALF_P; then each runs its P.V over both halves of P. Each
-// warpgroup sums l over its own tokens; the two sums meet at the unit's end (sx.l). No block's Q.K^T is issued
-// before the last block's P.V is done: two stages of 64 tokens are all the ring holds, and this way the next
-// block's bytes land under this block's work. One slot of maxima and one P buffer suffice: a warpgroup writes them
-// again only past the other's next arrival at HALF_P (the maxima) or HALF_MAX (P), which the other reaches after
-// reading them (the maxima) or after its P.V of them completed (P). Deadlock-free: the two warpgroups meet at the
-// same barriers in the same order, and between them wait only for the TMA.
+// The halves schedule: both consumer warpgroups score every 64-token block, warpgroup g (0, 1) half of Q.K^T's
+// channels (k steps 18 g .. 18 g + 17: m64n64 wgmmas, as many shared-memory bytes as multiply-adds allow, both at
+// once), takes the softmax of tokens 32 g .. 32 g + 31, and accumulates O's channels 256 g .. 256 g + 255 over all 64
+// tokens (its P.V, as in the split build). A block: each computes its partial scores, hands the other's tokens'
+// partial to it (X) and syncs on HALF_S; each adds the other's partial of its own tokens, publishes its rows' maxima
+// (sx.mx[g]) and syncs on HALF_MAX; both take the block's maxima (the same on both sides, so m, the rescale and the
+// exponent agree bit for bit), exponentiate their tokens into P, zero their own boxes' rows past the piece's end and
+// sync on HALF_P; then each runs its P.V over both halves of P. Each warpgroup sums l over its own tokens; the two
+// sums meet at the unit's end (sx.l). No block's Q.K^T is issued before the last block's P.V is done: two stages of
+// 64 tokens are all the ring holds, and this way the next block's bytes land under this block's work.
+// The places: warpgroup 0's X in the P buffer, warpgroup 1's in the stage's rope box (warpgroup 1 alone reads the
+// rope channels, and its Q.K^T is done when it writes there), P in the rope box too (past HALF_MAX: both read X
+// before it). One slot of each suffices: warpgroup 0 writes X again at the next block, past HALF_MAX, which
+// warpgroup 1 reaches after reading it; a warpgroup writes its maxima again past the other's arrival at HALF_P,
+// after that other read them. Deadlock-free: the two warpgroups meet at the same barriers in the same order and
+// between them wait only for the TMA.
 template <int G>
 __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 ring, u32 pbuf, HalvesStats& sx,
                            const Bars& b, Profiler& prof) {
   const int ct = threadIdx.x - 128 * (G + 1), warp = ct >> 5, lane = ct & 31;
   const int r0 = acc_row(lane, warp, 0), r1 = acc_row(lane, warp, 1);
+  constexpr int KH = DQK / 32;   // k steps a warpgroup's Q.K^T sums
   int stage = 0;
   u32 phase = 0, qphase = 0;
   PhaseClock pc(qbuf, G, ct == 0);   // (qbuf: the shared memory's base)
@@ -1153,7 +1164,7 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     const i64 t0 = prof.now();
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
-    float o[OACC], s[SACC], a[2], l[2], m[2], mx[2];
+    float o[OACC], s[HACC], a[2], l[2], m[2], mx[2];
     unit_start(o, l, m);
     if (nb > 0) {
       mbar_wait(b.q_full, qphase, mla_site(p, 17, w.cta, u, 0));
@@ -1161,34 +1172,57 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
       pc.lap(PHASE_WAIT_Q);
     }
     for (int j = 0; j < nb; ++j) {
-      const u32 st = ring + stage * STAGE_BYTES;
+      const u32 st = ring + stage * STAGE_BYTES, rope = st + (NBOX - 1) * BOX;
       const int valid = min(BLK, x.end - x.begin - j * BLK);
       mbar_wait(b.full + 8 * stage, phase, mla_site(p, 1, w.cta, u, stage));
       pc.lap(PHASE_WAIT_KV);
+      float sf[SACC];   // this warpgroup's partial scores of all 64 tokens
       wgmma_fence();
-      mla_issue_scores(s, qbuf, st + G * SN * 128);   // (rows 32 g .. of every box)
+      mla_issue_scores<KH * G, KH * (G + 1)>(sf, qbuf, st);
       wgmma_wait<0>();
-      fence_regs(s);
+      fence_regs(sf);
       if (j == nb - 1 && lane == 0) mbar_arrive(b.q_empty);   // this warp's Q.K^T of the unit are done
       pc.lap(PHASE_WAIT_MMA);
-      scores_max(s, valid - G * SN, sl, mx, lane);
+      // X: the other's tokens' partials (accumulators 16 (1 - g) ..), four 16-byte columns of 128 threads; the thread
+      // of the same place in the other warpgroup holds the same rows and tokens
+      const u32 xo = (G == 0 ? pbuf : rope) + 16 * ct, xi = (G == 0 ? rope : pbuf) + 16 * ct;
+#pragma unroll
+      for (int k = 0; k < HACC / 4; ++k)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(xo + 2048 * k), "f"(sf[HACC * (1 - G) + 4 * k]),
+                     "f"(sf[HACC * (1 - G) + 4 * k + 1]), "f"(sf[HACC * (1 - G) + 4 * k + 2]),
+                     "f"(sf[HACC * (1 - G) + 4 * k + 3]) : "memory");
+      named_barrier(HALF_S, 256);
+      pc.lap(PHASE_WAIT_P);
+#pragma unroll
+      for (int k = 0; k < HACC / 4; ++k) {
+        float4 v;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                     : "r"(xi + 2048 * k) : "memory");
+        s[4 * k] = sf[HACC * G + 4 * k] + v.x;
+        s[4 * k + 1] = sf[HACC * G + 4 * k + 1] + v.y;
+        s[4 * k + 2] = sf[HACC * G + 4 * k + 2] + v.z;
+        s[4 * k + 3] = sf[HACC * G + 4 * k + 3] + v.w;
+      }
+      scores_max(s, valid - G * (BLK / 2), sl, mx, lane);
       if ((lane & 3) == 0) {
         sx.mx[G][r0] = mx[0];
         sx.mx[G][r1] = mx[1];
       }
+      pc.lap(PHASE_SOFTMAX);
       named_barrier(HALF_MAX, 256);
       pc.lap(PHASE_WAIT_P);
       mx[0] = fmaxf(mx[0], sx.mx[1 - G][r0]);
       mx[1] = fmaxf(mx[1], sx.mx[1 - G][r1]);
       softmax_rest(s, mx, m, l, a);
-      rescale(o, a[0], a[1]);
-      store_p(pbuf, s, lane, warp, G * SN);
+      if (__any_sync(0xffffffffu, a[0] != 1.f || a[1] != 1.f)) rescale(o, a[0], a[1]);   // (a warp's rows' maxima
+                                                                                         // mostly stay)
+      store_p(rope, s, lane, warp, G * (BLK / 2));
       zero_tail<DC / 128>(st + 4 * G * BOX, valid, ct);
       fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
       pc.lap(PHASE_SOFTMAX);
       named_barrier(HALF_P, 256);
       pc.lap(PHASE_PUBLISH);
-      mla_pv(o, pbuf, st, G);
+      mla_pv(o, rope, st, G);
       pc.lap(PHASE_PV);
       if (lane == 0) mbar_arrive(b.empty + 8 * stage);
       pc.add(PHASE_BLOCKS, 1);
