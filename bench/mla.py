@@ -108,7 +108,7 @@ LONG_DISTS = {"uniform8k": 8192, "uniform32k": 32768}
 ALL_DISTS = DISTS + tuple(LONG_DISTS)
 IMPLS = ("meld", "fi-fa2", "fi-fa3", "flashmla")
 SEESAW = "meld-seesaw"   # meld's seesaw build: in place of or beside "meld", as --schedule says
-SCHEDULE_IMPLS = {"split": ["meld"], "seesaw": [SEESAW], "both": ["meld", SEESAW]}
+SCHEDULE_IMPLS = {"default": ["meld"], "seesaw": [SEESAW], "both": ["meld", SEESAW]}
 FI_BACKENDS = {"fi-fa2": "fa2", "fi-fa3": "fa3"}
 KV_DTYPES = ("bf16", "fp8")
 FP8_IMPLS = {"meld-fp8": "meld", "meld": "meld", "flashmla-fp8": "flashmla"}   # --kv-dtype fp8: name -> --impls name
@@ -265,10 +265,10 @@ def quantised_q(inp: Inputs) -> tuple[torch.Tensor, float]:
 
 # ------------------------------------------------------------------------------------- implementations
 
-def build_meld(inp: Inputs, schedule: str = "split", fp8: bool = False, block_tokens: int | None = None,
+def build_meld(inp: Inputs, schedule: str = "", fp8: bool = False, block_tokens: int | None = None,
                num_stages: int = 0, phases: bool = False, cost=None) -> Impl:
     """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans; `schedule`:
-    its kernel build (`MlaKernelConfig.schedule`); `fp8`: the e4m3 build over inp.cache8 (its default schedule);
+    its kernel build (`MlaKernelConfig.schedule`; "": the default); `fp8`: the e4m3 build over inp.cache8 (its default schedule);
     `block_tokens`: the bf16 build's KV block (MlaKernelConfig.block_tokens; None: its default); `num_stages`:
     the build's bf16 ring stages (MlaKernelConfig.num_stages; 0: its default); `phases`: the profiled build with
     phase stamps (tools/mla_phases.py reads them from the Impl's op); `cost`: the planner's DecodeCost (None: the
@@ -516,8 +516,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dists", "--dist", dest="dists", nargs="+", choices=ALL_DISTS,
                    help=f"length distributions (default {DISTS}; {', '.join(LONG_DISTS)}: every request that long)")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run")
-    p.add_argument("--schedule", choices=tuple(SCHEDULE_IMPLS), default="split",
-                   help="meld's kernel build(s): the default split, the seesaw, or both (a same-run A/B)")
+    p.add_argument("--schedule", choices=tuple(SCHEDULE_IMPLS), default="default",
+                   help="meld's kernel build(s): the default (the halves), the seesaw, or both (a same-run A/B)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                    help="fp8: meld's e4m3 build, meld's bf16 build over the same values and FlashMLA's dense FP8 "
                         "(module docstring)")

@@ -33,7 +33,7 @@ worker_tree_first(REPO)
 
 
 def worker(batches: list[int], dists: list[str], check: bool, seed: int, kv_dtype: str = "bf16",
-           schedule: str = "split", block_tokens: int = 0, num_stages: int = 0) -> dict[str, dict[str, float]]:
+           schedule: str = "", block_tokens: int = 0, num_stages: int = 0) -> dict[str, dict[str, float]]:
     """Time the meld on the path on bench/mla.py's cases (µs, graph replay median)."""
     import torch
 
@@ -64,8 +64,8 @@ def main() -> int:
     p.add_argument("--dists", nargs="+", choices=ALL_DISTS, default=list(DISTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="fp8: the e4m3 build (module doc)")
-    p.add_argument("--schedule", choices=("split", "seesaw", "halves"), default="split",
-                   help="the build both sides time (MlaKernelConfig(schedule=...))")
+    p.add_argument("--schedule", choices=("split", "seesaw", "halves"), default="",
+                   help="the build both sides time (MlaKernelConfig(schedule=...); default: the kernel's default)")
     p.add_argument("--new-schedule", choices=("split", "seesaw", "halves"),
                    help="the new side's and the --also trees' build in place of --schedule's (the base keeps it)")
     p.add_argument("--block-tokens", type=int, choices=(0, 32, 64), default=0,
@@ -86,7 +86,8 @@ def main() -> int:
         sys.executable, __file__, "--base", str(args.base), "--worker", str(sides[side]),
         "--batches", *map(str, args.batches), "--dists", *args.dists,
         "--seed", str(args.seed), "--kv-dtype", args.kv_dtype,
-        "--schedule", args.new_schedule if side != "base" and args.new_schedule else args.schedule,
+        *(["--schedule", sched] if (sched := args.new_schedule if side != "base" and args.new_schedule
+                                    else args.schedule) else []),
         "--block-tokens", str(args.block_tokens), "--out", out,
         *(["--num-stages", str(args.new_num_stages)] if side == "new" and args.new_num_stages else []),
         *(["--check"] if r == 0 else [])])

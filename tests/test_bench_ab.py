@@ -14,7 +14,8 @@ SCRIPTS = {   # script -> the arguments of a base-against-this-tree run
     "mla_ab fp8": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8"],
     "mla_ab seesaw": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--schedule", "seesaw"],
     "mla_ab b32": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--block-tokens", "32"],
-    "mla_ab halves": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--new-schedule", "halves"],
+    "mla_ab halves": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--schedule", "split",
+                      "--new-schedule", "halves"],
     "mla_ab fp8 s3": ["--base", "BASE", "--batches", "16", "--dists", "skewed", "--kv-dtype", "fp8",
                       "--new-num-stages", "3"],
     "moe_ab": ["--base-tree", "BASE", "--tokens", "1", "16"],
@@ -50,9 +51,9 @@ def test_worker_command_lines_parse_and_reach_the_worker(name, monkeypatch, tmp_
     assert len(calls) == 2
     if name.startswith("mla_ab"):   # the worker times the build asked for: (..., kv_dtype, schedule, block_tokens,
         # num_stages), the new side's stage count and schedule on the new side only
-        want = {"mla_ab": ("bf16", "split", 0), "mla_ab fp8": ("fp8", "split", 0),
-                "mla_ab seesaw": ("bf16", "seesaw", 0), "mla_ab b32": ("bf16", "split", 32),
-                "mla_ab fp8 s3": ("fp8", "split", 0), "mla_ab halves": ("bf16", "split", 0)}
+        want = {"mla_ab": ("bf16", "", 0), "mla_ab fp8": ("fp8", "", 0),
+                "mla_ab seesaw": ("bf16", "seesaw", 0), "mla_ab b32": ("bf16", "", 32),
+                "mla_ab fp8 s3": ("fp8", "", 0), "mla_ab halves": ("bf16", "split", 0)}
         new = ("bf16", "halves", 0) if name.endswith("halves") else want[name]
         assert [c[-4:-1] for c in calls] == [want[name], new], calls
         assert [c[-1] for c in calls] == ([0, 3] if name.endswith("s3") else [0, 0]), calls

@@ -21,13 +21,13 @@ SCALE = 192 ** -0.5
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("cfg", [MlaKernelConfig(), MlaKernelConfig(profile=True), MlaKernelConfig(watchdog_ms=50),
                                  MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="seesaw", profile=True),
-                                 MlaKernelConfig(schedule="halves"), MlaKernelConfig(schedule="halves", profile=True),
+                                 MlaKernelConfig(schedule="split"), MlaKernelConfig(schedule="split", profile=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn"),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", profile=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", num_stages=3),
                                  MlaKernelConfig(profile=True, phases=True),
                                  MlaKernelConfig(schedule="seesaw", profile=True, phases=True),
-                                 MlaKernelConfig(schedule="halves", profile=True, phases=True),
+                                 MlaKernelConfig(schedule="split", profile=True, phases=True),
                                  MlaKernelConfig.for_cache("float8_e4m3fn", profile=True, phases=True)],
                          ids=lambda c: c.name)
 def test_kernel_compiles_with_nvcc_for_sm90a_without_spills(cfg):
@@ -54,14 +54,18 @@ def test_seesaw_build():
 
 
 def test_halves_build():
-    """The halves: 64-token blocks in two stages in the split build's shared memory (its statistics in Stats'
-    room); the other builds' sources do not name it."""
-    cfg = MlaKernelConfig(schedule="halves")
+    """The halves, the default build of a bf16 cache: 64-token blocks in two stages in the split build's shared
+    memory (its statistics in Stats' room); 32-token blocks and FP8 caches run the split schedule; the other builds'
+    sources do not name it."""
+    cfg = MlaKernelConfig()
+    assert cfg == MlaKernelConfig(schedule="halves")
     assert (cfg.stages, cfg.name) == (2, "meld_mla_decode_bf16_b64_s2_halves")
-    assert cfg.smem_bytes == MlaKernelConfig().smem_bytes
-    src = cfg.render()
-    assert "#define MLA_HALVES 1" in src and "HALF_S" in src
-    assert all("MLA_HALVES 1" not in c.render() for c in (MlaKernelConfig(), MlaKernelConfig(schedule="seesaw")))
+    assert cfg.smem_bytes == MlaKernelConfig(schedule="split").smem_bytes
+    assert MlaKernelConfig(block_tokens=32).schedule == "split"
+    assert MlaKernelConfig.for_cache("float8_e4m3fn").schedule == "split"
+    assert "#define MLA_HALVES 1" in cfg.render()
+    for other in (MlaKernelConfig(schedule="split"), MlaKernelConfig(schedule="seesaw")):
+        assert "MLA_HALVES 1" not in other.render()
 
 
 def test_phases_build():
@@ -71,7 +75,7 @@ def test_phases_build():
 
     from meld.runtime.profile import PHASES
 
-    for plain in (MlaKernelConfig(), MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="halves"),
+    for plain in (MlaKernelConfig(), MlaKernelConfig(schedule="seesaw"), MlaKernelConfig(schedule="split"),
                   MlaKernelConfig.for_cache("float8_e4m3fn")):
         cfg = dataclasses.replace(plain, profile=True, phases=True)
         assert "_phases" in cfg.name and (cfg.stages, cfg.raw_stages) == (plain.stages, plain.raw_stages)

@@ -1,16 +1,16 @@
 """Where an MLA decode block's cycles go, role by role and phase by phase (issue 39: why meld's block takes 3.3 µs
 where FlashMLA's takes 2.1; issue 41: why the FP8 build takes 1.8x the bf16 one).
 
-    python3 tools/mla_phases.py [--batches 64 128] [--dists uniform2k] [--builds split seesaw fp8 fp8-s3] [--json PATH]
+    python3 tools/mla_phases.py [--batches 64 128] [--dists uniform2k] [--builds split seesaw halves fp8 fp8-s3] [--json PATH]
 
 On a GPU, for each of bench/mla.py's cases and each build, the diagnostic build with phase stamps
 (`MlaKernelConfig(profile=True, phases=True)`; templates/mla_decode.cuh, MLA_PHASES) is checked against float64,
 replayed in a CUDA graph with a cold L2 (`bench.harness.median_trace`: the launch with the median span of five),
 and its phase sums printed as cycles a block, the median over CTAs (`Trace.phase_table`), then as cycles a CTA,
 min / median / max over CTAs, with the slowest CTA's, which bounds the launch (`Trace.phase_totals`). Roles: 0 the score
-warpgroup (the seesaw's warpgroup 0), 1 warpgroup 2 (the seesaw's 1), 2 the FP8 build's converting warps. Beside
+warpgroup (the seesaw's and the halves' warpgroup 0), 1 warpgroup 2 (their warpgroup 1), 2 the FP8 build's converting warps. Beside
 them, the stamped build's graph time and the plain build's, which say what the stamps themselves cost.
-Builds: split (the default bf16 build), seesaw, fp8 (the e4m3 build), fp8-s3 (three converted stages).
+Builds: split, seesaw, halves (the default bf16 build), fp8 (the e4m3 build), fp8-s3 (three converted stages).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BUILDS = {"split": {}, "seesaw": {"schedule": "seesaw"}, "halves": {"schedule": "halves"}, "fp8": {"fp8": True}, "fp8-s3": {"fp8": True, "num_stages": 3}}
+BUILDS = {"split": {"schedule": "split"}, "seesaw": {"schedule": "seesaw"}, "halves": {"schedule": "halves"}, "fp8": {"fp8": True}, "fp8-s3": {"fp8": True, "num_stages": 3}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,11 +34,12 @@ class MlaKernelConfig:
     num_stages: int = 0        # ring stages; 0: as many as fit beside Q and P (two of 64 tokens, four of 32)
     profile: bool = False      # record per-piece timestamps (MELD_PROFILE)
     watchdog_ms: int = 2000    # a spin gives up after this long: record and trap
+    # "" (the default): "halves" for a bf16 cache's 64-token blocks, else "split".
     # "split": one warpgroup scores every block and both accumulate half of O; "seesaw": the two warpgroups
     # score alternate blocks, so one's softmax runs while the other's wgmmas do (64-token blocks only); "halves":
     # both warpgroups score every block over half of its channels each, take the softmax of half of its tokens each
     # and accumulate half of O (64-token blocks only)
-    schedule: str = "split"
+    schedule: str = ""
     # "": a bf16 cache; "float8_e4m3fn": e4m3 bytes, staged by TMA in a ring of their own, scored by e4m3 wgmmas
     # against Q as two e4m3 terms and converted to bf16 on chip for P.V (the split schedule, 32-token blocks;
     # num_stages counts the bf16 stages, 2 by default, and the staging ring takes what is left:
@@ -49,6 +50,8 @@ class MlaKernelConfig:
     phases: bool = False
 
     def __post_init__(self) -> None:
+        if self.schedule == "":   # (frozen: the resolved default set once, here)
+            object.__setattr__(self, "schedule", "split" if self.kv_dtype or self.block_tokens != 64 else "halves")
         if self.dtype != "bfloat16":
             raise ValueError(f"dtype={self.dtype!r}: the MLA kernel runs bfloat16")
         if self.kv_dtype not in ("", *MLA_KV_FP8):

@@ -15,6 +15,9 @@
 //   - warpgroup 1 (the score warpgroup) computes S, the online softmax, writes P (bf16) and each row's
 //     rescale into shared memory, and accumulates O's latent channels 0-255;
 //   - warpgroup 2 accumulates channels 256-511 from the same P and V.
+// That is the split schedule (FP8 caches, 32-token blocks). A bf16 cache's 64-token blocks run the halves by default
+// (mla_halves): both math warpgroups score every block, half of its channels each (so neither computes all of Q.K^T
+// and the scores take half the time), and take the softmax of half of its tokens each.
 // The score warpgroup hands each block's P and row rescale to warpgroup 2 through two named barriers that
 // both sync on (P_FULL: P is written; P_EMPTY: warpgroup 2 is done with it). compute-sanitizer's racecheck
 // models neither an mbarrier hand-off of generic stores nor barrier.arrive (tools/SANITIZE.md), and in bf16
@@ -1161,7 +1164,7 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
   PhaseClock pc(qbuf, G, ct == 0);   // (qbuf: the shared memory's base)
   const float sl[2] = {p.sm_scale_log2, p.sm_scale_log2};
   for (int u = w.first(); u <= w.last(); ++u) {
-    const i64 t0 = prof.now();
+    const i64 t0 = G == 0 ? prof.now() : 0;   // (warpgroup 0's thread 0 records)
     const Piece x = w.piece(u);
     const int nb = UnitWalk::blocks(x);
     float o[OACC], s[HACC], a[2], l[2], m[2], mx[2];
@@ -1214,8 +1217,7 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
       mx[0] = fmaxf(mx[0], sx.mx[1 - G][r0]);
       mx[1] = fmaxf(mx[1], sx.mx[1 - G][r1]);
       softmax_rest(s, mx, m, l, a);
-      if (__any_sync(0xffffffffu, a[0] != 1.f || a[1] != 1.f)) rescale(o, a[0], a[1]);   // (a warp's rows' maxima
-                                                                                         // mostly stay)
+      rescale(o, a[0], a[1]);
       store_p(rope, s, lane, warp, G * (BLK / 2));
       zero_tail<DC / 128>(st + 4 * G * BOX, valid, ct);
       fence_proxy_async();   // P and the zeroed rows before the wgmmas read them
@@ -1237,11 +1239,11 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
     l[0] = sx.l[0][r0] + sx.l[1][r0];
     l[1] = sx.l[0][r1] + sx.l[1][r1];
     mla_store(p, u, w.unit(u), x, o, l, m, sx.bad, G, warp, lane, w.cta, pc);   // (its barriers: sx.l read before it is written again)
-    prof.record(t0, PROF_PIECE, u);
+    if (G == 0) prof.record(t0, PROF_PIECE, u);
     if (x.slot >= 0) {
-      const i64 t1 = prof.now();
+      const i64 t1 = G == 0 ? prof.now() : 0;
       mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G, pc);
-      prof.record(t1, PROF_MERGE_HBM, u);
+      if (G == 0) prof.record(t1, PROF_MERGE_HBM, u);
     }
     pc.lap(PHASE_UNIT_END);
   }
