@@ -78,7 +78,7 @@ VARIANTS = {
     "mla": "MlaKernelConfig()",
     "mla-32-profile": "MlaKernelConfig(block_tokens=32, profile=True)",
     "mla-seesaw": "MlaKernelConfig(schedule='seesaw')",
-    "mla-halves": "MlaKernelConfig(schedule='halves')",
+    "mla-split": "MlaKernelConfig(schedule='split')",
     "mla-fp8": "MlaKernelConfig.for_cache('float8_e4m3fn')",
     "moe": "MoeKernelConfig()",
     "moe-packed": "MoeKernelConfig(packed_weights=True, absent_pairs=True)",

@@ -446,10 +446,11 @@ __device__ __forceinline__ void rescale(float (&o)[OACC], float a0, float a1) {
 // there) must not turn into NaN. One warpgroup (ct 0..127).
 template <int BOXES = DC / 64>
 __device__ __forceinline__ void zero_tail(u32 st, int valid, int ct) {
-  static_assert((BOXES & (BOXES - 1)) == 0, "a power of two of boxes");
+  static_assert(BOXES == 4 || BOXES == 8, "four or eight boxes");
+  constexpr int ROW_SHIFT = BOXES == 8 ? 6 : 5;   // log2(8 BOXES): 16-byte chunks of a row's boxes
   if (valid < BLK)
     for (int i = ct; i < (BLK - valid) * 8 * BOXES; i += 128)   // row valid + i / (8 BOXES), box (i / 8) % BOXES
-      st_shared_zero16(st + ((i >> 3) & (BOXES - 1)) * BOX + (valid + i / (8 * BOXES)) * 128 + ((i & 7) << 4));
+      st_shared_zero16(st + ((i >> 3) & (BOXES - 1)) * BOX + (valid + (i >> ROW_SHIFT)) * 128 + ((i & 7) << 4));
 }
 
 // A block's P (bf16) from a warpgroup's S accumulators (its tokens from col0 on) into `pbuf` as wgmma's K-major A
@@ -708,7 +709,8 @@ __device__ __forceinline__ void mla_issue_scores_fp8(float (&s)[SACC], u32 qbuf,
 // becomes P; columns from `valid` on (past the piece's end) are masked, Inf and NaN scores become NaN. Updates the
 // thread's two rows' m and (its share of) l; a gets the rows' rescale of O.
 // In two steps for the halves, whose warpgroups exchange their maxima between them: scores_max scales and masks
-// the scores and gives the thread's two rows' maxima (quad_max'd), softmax_rest the rest from the block's maxima.
+// the scores and gives the thread's two rows' maxima over its own columns, softmax_rest the rest from those (their
+// quad_max: the rows' maxima over the block).
 template <int N>
 __device__ __forceinline__ void scores_max(float (&s)[N], int valid, const float (&scale_log2)[2], float (&mx)[2],
                                            int lane) {
@@ -720,8 +722,6 @@ __device__ __forceinline__ void scores_max(float (&s)[N], int valid, const float
     s[i] = col >= valid ? neg_inf() : v + 0.f * v;
     mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
   }
-  mx[0] = quad_max(mx[0]);
-  mx[1] = quad_max(mx[1]);
 }
 template <int N>
 __device__ __forceinline__ void softmax_rest(float (&s)[N], const float (&mx)[2], float (&m)[2], float (&l)[2],
@@ -729,7 +729,7 @@ __device__ __forceinline__ void softmax_rest(float (&s)[N], const float (&mx)[2]
   float sum[2] = {0.f, 0.f}, mu[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float mn = fmaxf(m[h], mx[h]);
+    const float mn = fmaxf(m[h], quad_max(mx[h]));
     mu[h] = mn == neg_inf() ? 0.f : mn;   // nothing seen yet: keep exp2 finite
     a[h] = exp2_approx(m[h] - mu[h]);
     m[h] = mn;
@@ -1207,6 +1207,8 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
         s[4 * k + 3] = sf[HACC * G + 4 * k + 3] + v.w;
       }
       scores_max(s, valid - G * (BLK / 2), sl, mx, lane);
+      mx[0] = quad_max(mx[0]);   // (softmax_rest's quad_max of the block's maxima leaves them as they are)
+      mx[1] = quad_max(mx[1]);
       if ((lane & 3) == 0) {
         sx.mx[G][r0] = mx[0];
         sx.mx[G][r1] = mx[1];
