@@ -998,6 +998,42 @@ __device__ void mla_value(const MlaParams& p, const UnitWalk& w, u32 ring, u32 p
   if constexpr (PHASES_ON) named_barrier(PHASE_BAR, 256);   // (the score warpgroup records the sums)
 }
 
+// The seesaw's and the halves' unit end, warpgroup G's part (ct 0..127): the two warpgroups' row sums meet (`sl`:
+// their slots; mla_store's barriers order their reads before the next unit writes them), then the output or this
+// piece's partial, and its merge; warpgroup 0's first thread records the piece (t0: its start).
+template <int G>
+__device__ __forceinline__ void pair_unit_end(const MlaParams& p, const UnitWalk& w, int u, const Piece& x,
+                                              float (&o)[OACC], float (&l)[2], const float (&m)[2], float (&sl)[2][HB],
+                                              float (&xbad)[2][HB], int ct, Profiler& prof, i64 t0, PhaseClock& pc) {
+  const int warp = ct >> 5, lane = ct & 31;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] = quad_sum(l[h]);
+    if ((lane & 3) == 0) sl[G][acc_row(lane, warp, h)] = l[h];
+  }
+  named_barrier(2, 256);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) l[h] = sl[0][acc_row(lane, warp, h)] + sl[1][acc_row(lane, warp, h)];
+  mla_store(p, u, w.unit(u), x, o, l, m, xbad, G, warp, lane, w.cta, pc);
+  if (G == 0) prof.record(t0, PROF_PIECE, u);
+  if (x.slot >= 0) {
+    const i64 t1 = G == 0 ? prof.now() : 0;
+    mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G, pc);
+    if (G == 0) prof.record(t1, PROF_MERGE_HBM, u);
+  }
+  pc.lap(PHASE_UNIT_END);
+}
+
+// Both warpgroups at the segment's end of a phases build: warpgroup 0 records every role's sums once the other's are
+// complete.
+template <int G>
+__device__ __forceinline__ void pair_record_phases(Profiler& prof, u32 base) {
+  if constexpr (PHASES_ON) {
+    named_barrier(PHASE_BAR, 256);
+    if (G == 0) record_phases(prof, base);
+  }
+}
+
 #ifdef MLA_SEESAW
 // The seesaw (FlashMLA's idea, DeepSeek's "seesaw" schedule, on meld's walk and merge): warpgroup g (0, 1)
 // scores the unit's blocks j with j % 2 == g and, for every block, accumulates O's channels 256 g .. 256 g
@@ -1112,27 +1148,9 @@ __device__ void mla_seesaw(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
       if (lane == 0) mbar_arrive(b.empty + 8 * stage);
       pc.add(PHASE_BLOCKS, 1);
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      l[h] = quad_sum(l[h]);
-      if ((lane & 3) == 0) sx.l[G][acc_row(lane, warp, h)] = l[h];
-    }
-    named_barrier(2, 256);
-    l[0] = sx.l[0][r0] + sx.l[1][r0];
-    l[1] = sx.l[0][r1] + sx.l[1][r1];
-    mla_store(p, u, w.unit(u), x, o, l, m, sx.base.bad, G, warp, lane, w.cta, pc);   // (its barriers: sx.l read before it is written again)
-    prof.record(t0, PROF_PIECE, u);
-    if (x.slot >= 0) {
-      const i64 t1 = prof.now();
-      mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G, pc);
-      prof.record(t1, PROF_MERGE_HBM, u);
-    }
-    pc.lap(PHASE_UNIT_END);
+    pair_unit_end<G>(p, w, u, x, o, l, m, sx.l, sx.base.bad, ct, prof, t0, pc);
   }
-  if constexpr (PHASES_ON) {
-    named_barrier(PHASE_BAR, 256);   // the other warpgroup's sums are complete
-    if (G == 0) record_phases(prof, qbuf);
-  }
+  pair_record_phases<G>(prof, qbuf);
 }
 #endif
 
@@ -1232,27 +1250,9 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
       pc.add(PHASE_BLOCKS, 1);
       if (++stage == STAGES) { stage = 0; phase ^= 1u; }
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      l[h] = quad_sum(l[h]);
-      if ((lane & 3) == 0) sx.l[G][acc_row(lane, warp, h)] = l[h];
-    }
-    named_barrier(2, 256);
-    l[0] = sx.l[0][r0] + sx.l[1][r0];
-    l[1] = sx.l[0][r1] + sx.l[1][r1];
-    mla_store(p, u, w.unit(u), x, o, l, m, sx.bad, G, warp, lane, w.cta, pc);   // (its barriers: sx.l read before it is written again)
-    if (G == 0) prof.record(t0, PROF_PIECE, u);
-    if (x.slot >= 0) {
-      const i64 t1 = G == 0 ? prof.now() : 0;
-      mla_arrive(p, u, w.unit(u), x, w.cta, ct + 128 * G, pc);
-      if (G == 0) prof.record(t1, PROF_MERGE_HBM, u);
-    }
-    pc.lap(PHASE_UNIT_END);
+    pair_unit_end<G>(p, w, u, x, o, l, m, sx.l, sx.bad, ct, prof, t0, pc);
   }
-  if constexpr (PHASES_ON) {
-    named_barrier(PHASE_BAR, 256);   // the other warpgroup's sums are complete
-    if (G == 0) record_phases(prof, qbuf);
-  }
+  pair_record_phases<G>(prof, qbuf);
 }
 #endif
 
