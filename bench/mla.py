@@ -268,7 +268,8 @@ def quantised_q(inp: Inputs) -> tuple[torch.Tensor, float]:
 def build_meld(inp: Inputs, schedule: str = "", fp8: bool = False, block_tokens: int | None = None,
                num_stages: int = 0, phases: bool = False, cost=None) -> Impl:
     """meld.DecodeMLA with fixed table capacities, so the captured graph stays valid across plans; `schedule`:
-    its kernel build (`MlaKernelConfig.schedule`; "": the default, left to the build, whose tree may predate ""); `fp8`: the e4m3 build over inp.cache8 (its default schedule);
+    its kernel build (`MlaKernelConfig.schedule`; "": the default, left to the build, whose tree may predate "");
+    `fp8`: the e4m3 build over inp.cache8 (its default schedule);
     `block_tokens`: the bf16 build's KV block (MlaKernelConfig.block_tokens; None: its default); `num_stages`:
     the build's bf16 ring stages (MlaKernelConfig.num_stages; 0: its default); `phases`: the profiled build with
     phase stamps (tools/mla_phases.py reads them from the Impl's op); `cost`: the planner's DecodeCost (None: the

@@ -13,9 +13,10 @@ timer (CUDA-graph replay median, cold L2).
 
 `--kv-dtype fp8` times the e4m3 build (`DecodeMLA(kv_dtype=torch.float8_e4m3fn)`) on bench/mla.py's FP8 inputs,
 checked against float64 over the dequantised cache. `--schedule seesaw` times the seesaw build on both sides,
-`--block-tokens 32` the bf16 build of 32-token blocks. `--new-schedule halves` times that build on the new side and the --also trees,
-the base side keeps --schedule's (`--base .`: the halves against the split in one tree). `--also q=.ab/q box=.ab/box` times more trees in the same
-rounds against the same base, a column each: several candidates for one base run a round.
+`--block-tokens 32` the bf16 build of 32-token blocks. `--new-schedule halves` times that build on the new side and
+the --also trees, the base side keeps --schedule's (`--base .`: the halves against the split in one tree).
+`--also q=.ab/q box=.ab/box` times more trees in the same rounds against the same base, a column each: several
+candidates for one base run a round.
 """
 from __future__ import annotations
 

@@ -710,7 +710,7 @@ __device__ __forceinline__ void mla_issue_scores_fp8(float (&s)[SACC], u32 qbuf,
 // thread's two rows' m and (its share of) l; a gets the rows' rescale of O.
 // In two steps for the halves, whose warpgroups exchange their maxima between them: scores_max scales and masks
 // the scores and gives the thread's two rows' maxima over its own columns, softmax_rest the rest from those (their
-// quad_max: the rows' maxima over the block).
+// quad_max: the rows' maxima over the block; REDUCED: the caller's maxima are the rows' already).
 template <int N>
 __device__ __forceinline__ void scores_max(float (&s)[N], int valid, const float (&scale_log2)[2], float (&mx)[2],
                                            int lane) {
@@ -723,13 +723,13 @@ __device__ __forceinline__ void scores_max(float (&s)[N], int valid, const float
     mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
   }
 }
-template <int N>
+template <bool REDUCED = false, int N>
 __device__ __forceinline__ void softmax_rest(float (&s)[N], const float (&mx)[2], float (&m)[2], float (&l)[2],
                                              float (&a)[2]) {
   float sum[2] = {0.f, 0.f}, mu[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float mn = fmaxf(m[h], quad_max(mx[h]));
+    const float mn = fmaxf(m[h], REDUCED ? mx[h] : quad_max(mx[h]));
     mu[h] = mn == neg_inf() ? 0.f : mn;   // nothing seen yet: keep exp2 finite
     a[h] = exp2_approx(m[h] - mu[h]);
     m[h] = mn;
@@ -1225,7 +1225,7 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
         s[4 * k + 3] = sf[HACC * G + 4 * k + 3] + v.w;
       }
       scores_max(s, valid - G * (BLK / 2), sl, mx, lane);
-      mx[0] = quad_max(mx[0]);   // (softmax_rest's quad_max of the block's maxima leaves them as they are)
+      mx[0] = quad_max(mx[0]);
       mx[1] = quad_max(mx[1]);
       if ((lane & 3) == 0) {
         sx.mx[G][r0] = mx[0];
@@ -1236,7 +1236,7 @@ __device__ void mla_halves(const MlaParams& p, const UnitWalk& w, u32 qbuf, u32 
       pc.lap(PHASE_WAIT_P);
       mx[0] = fmaxf(mx[0], sx.mx[1 - G][r0]);
       mx[1] = fmaxf(mx[1], sx.mx[1 - G][r1]);
-      softmax_rest(s, mx, m, l, a);
+      softmax_rest<true>(s, mx, m, l, a);
       rescale(o, a[0], a[1]);
       store_p(rope, s, lane, warp, G * (BLK / 2));
       zero_tail<DC / 128>(st + 4 * G * BOX, valid, ct);
